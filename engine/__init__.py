@@ -1,0 +1,1 @@
+"""The engine: HTTP server, scheduler, model execution (`baton serve`)."""

@@ -1,0 +1,1 @@
+"""The router: OpenAI-compatible front door with PD pairing (`baton router`)."""
