@@ -1,0 +1,103 @@
+"""The detokenizer process: token ids -> text increments, per request, incrementally.
+
+Incremental decoding keeps two offsets per request (as vLLM and SGLang do): text is emitted only
+once the tokens after `prefix_offset` decode to something longer than before and do not end in a
+partial UTF-8 character. With stop strings, the last (longest stop - 1) characters are held back
+while streaming so a client never sees the beginning of a stop string that is later trimmed.
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from baton.engine.io_struct import BatchStrOut, BatchTokenIDOut
+
+logger = logging.getLogger(__name__)
+
+# decode this many tokens before the read offset again, so merges across the boundary are seen
+_PREFIX_WINDOW = 5
+
+
+@dataclass
+class DecodeState:
+    ids: list[int] = field(default_factory=list)
+    prefix_offset: int = 0
+    read_offset: int = 0
+    text: str = ""
+    sent: int = 0  # characters of `text` already sent
+
+
+class Detokenizer:
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.states: dict[str, DecodeState] = {}
+
+    def _decode(self, ids: list[int], skip: bool, spaces: bool) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip, spaces_between_special_tokens=spaces)
+
+    def _advance(self, st: DecodeState, skip: bool, spaces: bool) -> None:
+        prefix = self._decode(st.ids[st.prefix_offset:st.read_offset], skip, spaces)
+        full = self._decode(st.ids[st.prefix_offset:], skip, spaces)
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            st.text += full[len(prefix):]
+            st.prefix_offset = max(len(st.ids) - _PREFIX_WINDOW, st.read_offset)
+            st.read_offset = len(st.ids)
+
+    def handle(self, out: BatchTokenIDOut) -> BatchStrOut:
+        texts = []
+        for i, rid in enumerate(out.rids):
+            st = self.states.setdefault(rid, DecodeState())
+            st.ids.extend(out.new_token_ids[i])
+            skip, spaces = out.skip_special_tokens[i], out.spaces_between_special_tokens[i]
+            finished = out.finished_reasons[i]
+            stops = out.stop_strs[i]
+            if finished is not None:
+                st.text = self._decode(st.ids, skip, spaces)  # exact, whatever the offsets held back
+                if finished.kind == "stop" and isinstance(finished.matched, str) and not out.no_stop_trim[i]:
+                    cut = st.text.find(finished.matched)
+                    st.text = st.text[:cut] if cut >= 0 else st.text
+                end = len(st.text)
+            else:
+                self._advance(st, skip, spaces)
+                end = len(st.text) - (max(map(len, stops)) - 1 if stops else 0)
+            end = max(end, st.sent)
+            texts.append(st.text[st.sent:end])
+            st.sent = end
+            if finished is not None:
+                del self.states[rid]
+        return BatchStrOut(out.rids, texts, out.finished_reasons, out.new_token_ids, out.meta,
+                           out.output_token_logprobs, out.output_top_logprobs, out.input_token_logprobs,
+                           out.input_top_logprobs)
+
+
+def run_detokenizer_process(tokenizer_path: str, recv_addr: str, send_addr: str, log_level: str,
+                            ready_pipe: Any) -> None:
+    from transformers import AutoTokenizer
+
+    from baton.engine.utils.logging import configure_logging
+    from baton.engine.utils.process import die_with_parent
+
+    die_with_parent()
+    configure_logging(log_level, prefix="detokenizer")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        detok = Detokenizer(AutoTokenizer.from_pretrained(tokenizer_path))
+        ctx = zmq.Context(1)
+        recv, send = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+        recv.bind(recv_addr)
+        send.connect(send_addr)
+    except Exception:
+        ready_pipe.send(("error", traceback.format_exc()))
+        return
+    ready_pipe.send(("ready", None))
+    while True:
+        msg = recv.recv_pyobj()
+        try:
+            send.send_pyobj(detok.handle(msg) if isinstance(msg, BatchTokenIDOut) else msg)
+        except Exception:  # one bad message must not take the server down
+            logger.error("detokenizer failed on a message:\n%s", traceback.format_exc())

@@ -1,0 +1,103 @@
+"""Launch one engine: scheduler and detokenizer processes, then the HTTP server in this process."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+import signal
+from dataclasses import dataclass
+from typing import Any
+
+from baton.engine.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+# Weight loading of a large checkpoint can take minutes.
+STARTUP_TIMEOUT_S = 1800
+
+
+@dataclass
+class EngineProcesses:
+    scheduler: mp.Process
+    detokenizer: mp.Process
+    scheduler_info: dict[str, Any]
+    scheduler_addr: str
+    tokenizer_addr: str
+
+    def alive(self) -> bool:
+        return self.scheduler.is_alive() and self.detokenizer.is_alive()
+
+    def shutdown(self) -> None:
+        for proc in (self.scheduler, self.detokenizer):
+            if proc.is_alive():
+                proc.terminate()
+        for proc in (self.scheduler, self.detokenizer):
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+
+
+def _wait_ready(name: str, pipe: Any, proc: mp.Process) -> Any:
+    if not pipe.poll(STARTUP_TIMEOUT_S):
+        raise RuntimeError(f"the {name} did not start within {STARTUP_TIMEOUT_S}s")
+    status, payload = pipe.recv()
+    if status != "ready":
+        raise RuntimeError(f"the {name} failed to start:\n{payload}")
+    return payload
+
+
+def launch_subprocesses(server_args: ServerArgs) -> EngineProcesses:
+    from baton.engine.detokenizer import run_detokenizer_process
+    from baton.engine.scheduler.event_loop import run_scheduler_process
+    from baton.engine.utils.process import ipc_names
+
+    scheduler_addr, detok_addr, tokenizer_addr = ipc_names(3)
+    ctx = mp.get_context("spawn")  # never fork a process that may hold CUDA or torch threads
+    sched_r, sched_w = ctx.Pipe(duplex=False)
+    detok_r, detok_w = ctx.Pipe(duplex=False)
+    scheduler = ctx.Process(target=run_scheduler_process, name="baton-scheduler", daemon=True,
+                            args=(server_args, scheduler_addr, detok_addr, sched_w))
+    detokenizer = ctx.Process(target=run_detokenizer_process, name="baton-detokenizer", daemon=True,
+                              args=(server_args.tokenizer_path or server_args.model_path, detok_addr,
+                                    tokenizer_addr, server_args.log_level, detok_w))
+    scheduler.start()
+    detokenizer.start()
+    procs = EngineProcesses(scheduler, detokenizer, {}, scheduler_addr, tokenizer_addr)
+    try:
+        _wait_ready("detokenizer", detok_r, detokenizer)
+        procs.scheduler_info = _wait_ready("scheduler", sched_r, scheduler)
+    except BaseException:
+        procs.shutdown()
+        raise
+    return procs
+
+
+def run_server(server_args: ServerArgs) -> None:
+    import uvicorn
+    from transformers import AutoTokenizer
+
+    from baton.engine.entrypoints.http_server import ApiContext, create_app
+    from baton.engine.metrics import EngineMetrics
+    from baton.engine.tokenizer_manager import TokenizerManager
+
+    procs = launch_subprocesses(server_args)
+    try:
+        info = procs.scheduler_info
+        tokenizer = AutoTokenizer.from_pretrained(server_args.tokenizer_path or server_args.model_path)
+        role = "colocated" if server_args.disaggregation_mode == "null" else server_args.disaggregation_mode
+        tm = TokenizerManager(tokenizer, procs.scheduler_addr, procs.tokenizer_addr,
+                              EngineMetrics(server_args.model_name, role), info["vocab_size"], info["context_length"])
+        model_info = {"model_path": server_args.model_path, "tokenizer_path": server_args.tokenizer_path,
+                      "served_model_name": server_args.model_name, "is_generation": True}
+        ctx = ApiContext(server_args, tm, model_info, procs.alive,
+                         extra={"dp_size": server_args.dp_size, "tp_size": server_args.tp_size})
+        app = create_app(ctx)
+        app.add_event_handler("startup", tm.start)
+        config = uvicorn.Config(app, host=server_args.host, port=server_args.port,
+                                log_level=server_args.log_level if server_args.log_level != "info" else "warning",
+                                timeout_keep_alive=30)
+        server = uvicorn.Server(config)
+        logger.info("serving %s on http://%s:%d", server_args.model_name, server_args.host, server_args.port)
+        asyncio.run(server.serve())
+    finally:
+        procs.shutdown()

@@ -1,0 +1,302 @@
+"""The engine's HTTP server: SGLang-native routes, health, metrics; OpenAI routes in openai_api.py."""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
+
+from baton.engine.entrypoints.protocol import GenerateRequest
+from baton.engine.sampling.sampling_params import SamplingParams, SamplingParamsError
+from baton.engine.server_args import ServerArgs
+from baton.engine.tokenizer_manager import GenerateInput, ReqOutput, RequestError, TokenizerManager
+
+logger = logging.getLogger(__name__)
+
+_OPEN_PATHS = frozenset({"/health", "/metrics"})  # reachable without the API key (probes, scrapers)
+
+
+@dataclass
+class ApiContext:
+    server_args: ServerArgs
+    tm: TokenizerManager
+    model_info: dict[str, Any]
+    scheduler_alive: Callable[[], bool] = lambda: True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def model_name(self) -> str:
+        return self.server_args.model_name
+
+
+def error_response(message: str, status: int, err_type: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": err_type, "code": status}}, status_code=status)
+
+
+async def read_json(request: Request, limit: int) -> dict[str, Any]:
+    body = await request.body()
+    if len(body) > limit:
+        raise RequestError(f"request body is {len(body)} bytes; the limit is {limit}", 413)
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as e:
+        raise RequestError(f"malformed JSON: {e}", 400) from e
+    if not isinstance(data, dict):
+        raise RequestError("the request body must be a JSON object", 400)
+    return data
+
+
+def parse(model_cls, data: dict[str, Any]):
+    try:
+        return model_cls.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(x) for x in first.get("loc", ())) or "body"
+        raise RequestError(f"invalid field {where}: {first.get('msg')}", 400) from e
+
+
+def sampling_params_from(d: Optional[dict[str, Any]]) -> SamplingParams:
+    d = dict(d or {})
+    if "sampling_seed" in d:  # SGLang's name
+        d["seed"] = d.pop("sampling_seed")
+    try:
+        return SamplingParams(**d)
+    except TypeError as e:
+        raise RequestError(f"invalid sampling_params: {e}", 400) from e
+
+
+def abort_error(out: ReqOutput) -> Optional[RequestError]:
+    r = out.finished_reason
+    if r is not None and r.kind == "abort":
+        status = r.status_code if r.status_code >= 400 else 500
+        return RequestError(r.message, status, "server_error" if status >= 500 else "invalid_request_error")
+    return None
+
+
+def sse(data: Any) -> bytes:
+    return b"data: " + orjson.dumps(data) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def create_app(ctx: ApiContext) -> FastAPI:
+    from baton.engine.entrypoints.openai_api import register_openai_routes
+
+    app = FastAPI(title="baton engine", docs_url=None, redoc_url=None)
+    app.state.ctx = ctx
+    key = ctx.server_args.api_key
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        if key and request.url.path not in _OPEN_PATHS:
+            sent = request.headers.get("authorization", "")
+            token = sent[7:] if sent.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
+            if not hmac.compare_digest(token.encode(), key.encode()):
+                ctx.tm.metrics.error(401)
+                return error_response("invalid or missing API key", 401, "authentication_error")
+        length = request.headers.get("content-length")
+        if length and length.isdigit() and int(length) > ctx.server_args.max_request_bytes:
+            return error_response(f"request body too large (limit {ctx.server_args.max_request_bytes} bytes)", 413)
+        try:
+            return await call_next(request)
+        except RequestError as e:
+            ctx.tm.metrics.error(e.status)
+            return error_response(e.message, e.status, e.err_type)
+
+    @app.exception_handler(RequestError)
+    async def _request_error(_: Request, e: RequestError):
+        ctx.tm.metrics.error(e.status)
+        return error_response(e.message, e.status, e.err_type)
+
+    @app.exception_handler(SamplingParamsError)
+    async def _sampling_error(_: Request, e: SamplingParamsError):
+        ctx.tm.metrics.error(400)
+        return error_response(str(e), 400)
+
+    _register_native_routes(app, ctx)
+    register_openai_routes(app, ctx)
+    return app
+
+
+def _register_native_routes(app: FastAPI, ctx: ApiContext) -> None:
+    @app.get("/health")
+    async def health():
+        if not ctx.scheduler_alive():
+            return error_response("the scheduler process is not running", 503, "server_error")
+        return Response(status_code=200)
+
+    @app.get("/health_generate")
+    async def health_generate():
+        obj = GenerateInput(SamplingParams(max_new_tokens=1, temperature=0.0), input_ids=[0])
+        try:
+            await asyncio.wait_for(_collect(ctx.tm, obj), 20.0)
+        except (asyncio.TimeoutError, RequestError) as e:
+            return error_response(f"generation health check failed: {e!r}", 503, "server_error")
+        return Response(status_code=200)
+
+    @app.get("/get_model_info")
+    async def model_info():
+        return ctx.model_info
+
+    @app.get("/get_server_info")
+    @app.get("/server_info")
+    async def server_info():
+        args = {k: v for k, v in ctx.server_args.__dict__.items() if k != "api_key"}
+        return {**args, **(await ctx.tm.get_server_info()), **ctx.extra, "version": _version()}
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache():
+        out = await ctx.tm.flush_cache()
+        if not out.success:
+            return error_response(f"cache not flushed: {out.message}", 400)
+        return Response("Cache flushed.\n", status_code=200)
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request):
+        data = await read_json(request, ctx.server_args.max_request_bytes)
+        rid = data.get("rid")
+        if not isinstance(rid, str) and not data.get("abort_all"):
+            raise RequestError("abort_request needs a string rid (or abort_all: true)", 400)
+        for r in (list(ctx.tm.states) if data.get("abort_all") else [rid]):
+            await ctx.tm.abort(r)
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics():
+        try:
+            ctx.tm.metrics.update_from_server_info(await ctx.tm.get_server_info())
+        except asyncio.TimeoutError:
+            logger.warning("scheduler did not answer for /metrics; gauges are stale")
+        return Response(generate_latest(ctx.tm.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/generate")
+    async def generate(request: Request):
+        req = parse(GenerateRequest, await read_json(request, ctx.server_args.max_request_bytes))
+        objs = _native_inputs(req)
+        if req.stream:
+            if len(objs) != 1:
+                raise RequestError("streaming a batch is not supported; send one request per prompt", 400)
+            return await _stream_native(ctx, objs[0], request)
+        outs = await asyncio.gather(*[_collect(ctx.tm, o, request.is_disconnected) for o in objs])
+        for out in outs:
+            if (err := abort_error(out)) is not None:
+                raise err
+        bodies = [native_body(o, obj.return_logprob) for o, obj in zip(outs, objs)]
+        return JSONResponse(bodies if _is_batch(req) else bodies[0])
+
+
+async def _collect(tm: TokenizerManager, obj: GenerateInput, is_disconnected=None) -> ReqOutput:
+    last = None
+    async for out in tm.generate(obj, is_disconnected):
+        last = out
+    assert last is not None
+    return last
+
+
+def _is_batch(req: GenerateRequest) -> bool:
+    return isinstance(req.text, list) or (isinstance(req.input_ids, list) and bool(req.input_ids)
+                                          and isinstance(req.input_ids[0], list))
+
+
+def _pick(value: Any, i: int, batch: bool) -> Any:
+    return value[i] if batch and isinstance(value, list) else value
+
+
+def _native_inputs(req: GenerateRequest) -> list[GenerateInput]:
+    if (req.text is None) == (req.input_ids is None):
+        raise RequestError("exactly one of text or input_ids is required", 400)
+    batch = _is_batch(req)
+    prompts = (req.text if req.text is not None else req.input_ids) if batch else [req.text if req.text is not None else req.input_ids]
+    if batch and not prompts:
+        raise RequestError("the batch is empty", 400)
+    objs = []
+    for i, prompt in enumerate(prompts):
+        sp = _pick(req.sampling_params, i, batch)
+        obj = GenerateInput(sampling_params_from(sp if isinstance(sp, dict) else None),
+                            text=prompt if isinstance(prompt, str) else None,
+                            input_ids=prompt if isinstance(prompt, list) else None,
+                            stream=req.stream, return_logprob=bool(_pick(req.return_logprob, i, batch)),
+                            logprob_start_len=int(_pick(req.logprob_start_len, i, batch)),
+                            top_logprobs_num=int(_pick(req.top_logprobs_num, i, batch)),
+                            priority=_pick(req.priority, i, batch),
+                            bootstrap_host=_pick(req.bootstrap_host, i, batch),
+                            bootstrap_port=_pick(req.bootstrap_port, i, batch),
+                            bootstrap_room=_pick(req.bootstrap_room, i, batch),
+                            data_parallel_rank=_pick(req.data_parallel_rank, i, batch))
+        if obj.return_logprob and obj.logprob_start_len < 0 and req.logprob_start_len == -1:
+            obj.logprob_start_len = -1  # output logprobs only, as SGLang's default
+        rid = _pick(req.rid, i, batch)
+        if rid is not None:
+            obj.rid = str(rid)
+        objs.append(obj)
+    return objs
+
+
+def _lp_triples(entries: Optional[list]) -> Optional[list]:
+    if entries is None:
+        return None
+    return [[lp, tid, None] for lp, tid in entries]
+
+
+def _top_triples(entries: Optional[list]) -> Optional[list]:
+    if entries is None:
+        return None
+    return [None if e is None else [[lp, tid, None] for lp, tid in e] for e in entries]
+
+
+def native_body(out: ReqOutput, return_logprob: bool, cumulative: bool = True) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "id": out.rid,
+        "finish_reason": out.finished_reason.to_json() if out.finished_reason else None,
+        "prompt_tokens": out.prompt_tokens,
+        "completion_tokens": out.completion_tokens,
+        "cached_tokens": out.cached_tokens,
+        "e2e_latency": out.e2e_latency,
+    }
+    if return_logprob:
+        meta["input_token_logprobs"] = _lp_triples(out.input_token_logprobs) or []
+        meta["output_token_logprobs"] = _lp_triples(out.output_token_logprobs)
+        meta["input_top_logprobs"] = _top_triples(out.input_top_logprobs) or []
+        meta["output_top_logprobs"] = _top_triples(out.output_top_logprobs) or []
+    return {"text": out.text, "output_ids": out.output_ids, "meta_info": meta}
+
+
+async def _stream_native(ctx: ApiContext, obj: GenerateInput, request: Request) -> StreamingResponse:
+    stream = ctx.tm.generate(obj)
+    first = await anext(stream)  # errors before the first token become a status code, not a stream
+
+    async def body():
+        try:
+            out = first
+            while True:
+                err = abort_error(out)
+                if err is not None:
+                    yield sse({"error": {"message": err.message, "code": err.status}})
+                    break
+                yield sse(native_body(out, obj.return_logprob))
+                if out.finished_reason is not None:
+                    break
+                out = await anext(stream)
+            yield SSE_DONE
+        finally:
+            await stream.aclose()
+
+    if (err := abort_error(first)) is not None:
+        await stream.aclose()
+        raise err
+    return StreamingResponse(body(), media_type="text/event-stream")
+
+
+def _version() -> str:
+    from baton import __version__
+
+    return __version__

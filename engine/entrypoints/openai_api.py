@@ -1,0 +1,200 @@
+"""OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions (stream or whole)."""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Any, AsyncIterator, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from baton.engine.entrypoints.http_server import (SSE_DONE, ApiContext, _collect, abort_error, parse, read_json,
+                                                  sse)
+from baton.engine.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, SamplingExtras
+from baton.engine.sampling.sampling_params import SamplingParams
+from baton.engine.tokenizer_manager import GenerateInput, ReqOutput, RequestError
+
+
+def register_openai_routes(app: FastAPI, ctx: ApiContext) -> None:
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": ctx.model_name, "object": "model", "created": int(time.time()),
+                                            "owned_by": "baton", "root": ctx.server_args.model_path,
+                                            "max_model_len": ctx.tm.context_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = parse(CompletionRequest, await read_json(request, ctx.server_args.max_request_bytes))
+        _check_model(ctx, req.model)
+        prompts = _completion_prompts(req.prompt)
+        objs = [_input(ctx, req, p, req.max_tokens, req.logprobs) for p in prompts]
+        if req.stream:
+            if len(objs) != 1:
+                raise RequestError("streaming several prompts is not supported; send one request per prompt", 400)
+            return await _stream(ctx, objs[0], request, req, chat=False)
+        outs = await _collect_all(ctx, objs, request)
+        choices = [{"index": i, "text": (_echo(ctx, prompts[i], req) + o.text),
+                    "logprobs": _completion_logprobs(ctx, o, 0) if req.logprobs is not None else None,
+                    "finish_reason": _reason(o), "matched_stop": _matched(o)} for i, o in enumerate(outs)]
+        return JSONResponse({"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
+                             "created": int(time.time()), "model": ctx.model_name, "choices": choices,
+                             "usage": _usage(outs)})
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        req = parse(ChatCompletionRequest, await read_json(request, ctx.server_args.max_request_bytes))
+        _check_model(ctx, req.model)
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        ids = ctx.tm.apply_chat_template(messages)
+        top = (req.top_logprobs or 0) if req.logprobs else None
+        obj = _input(ctx, req, ids, req.max_completion_tokens or req.max_tokens, top)
+        if req.stream:
+            return await _stream(ctx, obj, request, req, chat=True)
+        out = (await _collect_all(ctx, [obj], request))[0]
+        choice = {"index": 0, "message": {"role": "assistant", "content": out.text},
+                  "logprobs": {"content": _chat_logprobs(ctx, out, 0)} if req.logprobs else None,
+                  "finish_reason": _reason(out), "matched_stop": _matched(out)}
+        return JSONResponse({"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
+                             "created": int(time.time()), "model": ctx.model_name, "choices": [choice],
+                             "usage": _usage([out])})
+
+
+def _check_model(ctx: ApiContext, model: Optional[str]) -> None:
+    if model and model not in (ctx.model_name, ctx.server_args.model_path):
+        raise RequestError(f"the model {model!r} does not exist; this server serves {ctx.model_name!r}", 404,
+                           "model_not_found")
+
+
+def _completion_prompts(prompt: Any) -> list:
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise RequestError("the prompt is empty", 400)
+    if all(isinstance(p, int) for p in prompt):
+        return [prompt]
+    return list(prompt)
+
+
+def _input(ctx: ApiContext, req: SamplingExtras, prompt: Any, max_tokens: Optional[int],
+           top_logprobs: Optional[int]) -> GenerateInput:
+    if max_tokens is not None and max_tokens <= 0:
+        raise RequestError("max_tokens must be at least 1", 400)
+    if req.n != 1:
+        raise RequestError("n > 1 is not supported; send n separate requests", 400)
+    params = SamplingParams(
+        max_new_tokens=max_tokens if max_tokens is not None else ctx.tm.context_len,
+        min_new_tokens=req.min_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+        min_p=req.min_p, repetition_penalty=req.repetition_penalty, frequency_penalty=req.frequency_penalty,
+        presence_penalty=req.presence_penalty, seed=req.seed, ignore_eos=req.ignore_eos, stop=req.stop or [],
+        stop_token_ids=req.stop_token_ids or [], skip_special_tokens=req.skip_special_tokens,
+        spaces_between_special_tokens=req.spaces_between_special_tokens, no_stop_trim=req.no_stop_trim)
+    obj = GenerateInput(params, text=prompt if isinstance(prompt, str) else None,
+                        input_ids=prompt if isinstance(prompt, list) else None, stream=req.stream,
+                        return_logprob=top_logprobs is not None, top_logprobs_num=top_logprobs or 0,
+                        priority=req.priority, bootstrap_host=req.bootstrap_host, bootstrap_port=req.bootstrap_port,
+                        bootstrap_room=req.bootstrap_room, data_parallel_rank=req.data_parallel_rank)
+    if req.rid:
+        obj.rid = req.rid
+    return obj
+
+
+async def _collect_all(ctx: ApiContext, objs: list[GenerateInput], request: Request) -> list[ReqOutput]:
+    outs = await asyncio.gather(*[_collect(ctx.tm, o, request.is_disconnected) for o in objs])
+    for out in outs:
+        if (err := abort_error(out)) is not None:
+            raise err
+    return outs
+
+
+def _echo(ctx: ApiContext, prompt: Any, req: CompletionRequest) -> str:
+    if not req.echo:
+        return ""
+    return prompt if isinstance(prompt, str) else ctx.tm.tokenizer.decode(prompt)
+
+
+def _reason(out: ReqOutput) -> Optional[str]:
+    return out.finished_reason.openai_reason if out.finished_reason else None
+
+
+def _matched(out: ReqOutput) -> Any:
+    return out.finished_reason.matched if out.finished_reason and out.finished_reason.kind == "stop" else None
+
+
+def _usage(outs: list[ReqOutput]) -> dict[str, Any]:
+    prompt = sum(o.prompt_tokens for o in outs)
+    completion = sum(o.completion_tokens for o in outs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(o.cached_tokens for o in outs)}}
+
+
+def _token_text(ctx: ApiContext, tid: int) -> str:
+    return ctx.tm.tokenizer.decode([tid])
+
+
+def _completion_logprobs(ctx: ApiContext, out: ReqOutput, start: int) -> dict[str, Any]:
+    entries = out.output_token_logprobs[start:]
+    tops = out.output_top_logprobs[start:] if out.output_top_logprobs else [None] * len(entries)
+    return {"tokens": [_token_text(ctx, t) for _, t in entries], "token_logprobs": [lp for lp, _ in entries],
+            "top_logprobs": [None if not top else {_token_text(ctx, t): lp for lp, t in top} for top in tops],
+            "text_offset": []}
+
+
+def _chat_logprobs(ctx: ApiContext, out: ReqOutput, start: int) -> list[dict[str, Any]]:
+    entries = out.output_token_logprobs[start:]
+    tops = out.output_top_logprobs[start:] if out.output_top_logprobs else [None] * len(entries)
+    items = []
+    for (lp, tid), top in zip(entries, tops):
+        text = _token_text(ctx, tid)
+        items.append({"token": text, "logprob": lp, "bytes": list(text.encode()),
+                      "top_logprobs": [{"token": _token_text(ctx, t), "logprob": v, "bytes": list(_token_text(ctx, t).encode())}
+                                       for v, t in (top or [])]})
+    return items
+
+
+async def _stream(ctx: ApiContext, obj: GenerateInput, request: Request, req: Any, chat: bool) -> StreamingResponse:
+    stream = ctx.tm.generate(obj)
+    first = await anext(stream)
+    if (err := abort_error(first)) is not None:
+        await stream.aclose()
+        raise err
+    cid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    created, obj_name = int(time.time()), "chat.completion.chunk" if chat else "text_completion"
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+    def chunk(choice: dict[str, Any]) -> bytes:
+        return sse({"id": cid, "object": obj_name, "created": created, "model": ctx.model_name, "choices": [choice]})
+
+    async def body() -> AsyncIterator[bytes]:
+        out = first
+        try:
+            if chat:
+                yield chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None})
+            while True:
+                err = abort_error(out)
+                if err is not None:
+                    yield sse({"error": {"message": err.message, "type": err.err_type, "code": err.status}})
+                    break
+                lp = None
+                if obj.return_logprob:
+                    lp = ({"content": _chat_logprobs(ctx, out, out.new_logprobs_from)} if chat
+                          else _completion_logprobs(ctx, out, out.new_logprobs_from))
+                if out.delta or out.finished_reason is not None:
+                    delta = {"content": out.delta} if chat else None
+                    choice = {"index": 0, "logprobs": lp, "finish_reason": _reason(out)}
+                    choice.update({"delta": delta} if chat else {"text": out.delta})
+                    if out.finished_reason is not None:
+                        choice["matched_stop"] = _matched(out)
+                    yield chunk(choice)
+                if out.finished_reason is not None:
+                    if include_usage:
+                        yield sse({"id": cid, "object": obj_name, "created": created, "model": ctx.model_name,
+                                   "choices": [], "usage": _usage([out])})
+                    break
+                out = await anext(stream)
+            yield SSE_DONE
+        finally:
+            await stream.aclose()
+
+    return StreamingResponse(body(), media_type="text/event-stream")

@@ -1,0 +1,98 @@
+"""Request bodies of the HTTP API (OpenAI and SGLang-native), validated with pydantic.
+
+Unknown fields are ignored (clients send many); wrong types fail validation -> 400. The
+SGLang extras (top_k, min_p, ignore_eos, ...) and the PD fields the router adds are accepted.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class SamplingExtras(_Body):
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: Optional[list[int]] = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    # PD disaggregation, added by the router
+    bootstrap_host: Optional[str] = None
+    bootstrap_port: Optional[int] = None
+    bootstrap_room: Optional[int] = None
+    data_parallel_rank: Optional[int] = None
+    rid: Optional[str] = None
+    priority: Optional[int] = None
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class CompletionRequest(SamplingExtras):
+    model: Optional[str] = None
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: Optional[int] = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: int = 1
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    logprobs: Optional[int] = None
+    echo: bool = False
+    stop: Optional[Union[str, list[str]]] = None
+    seed: Optional[int] = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    user: Optional[str] = None
+
+
+class ChatMessage(_Body):
+    role: str
+    content: Optional[Union[str, list[dict[str, Any]]]] = None
+    name: Optional[str] = None
+
+
+class ChatCompletionRequest(SamplingExtras):
+    model: Optional[str] = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Optional[int] = None
+    max_completion_tokens: Optional[int] = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: int = 1
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    logprobs: bool = False
+    top_logprobs: Optional[int] = None
+    stop: Optional[Union[str, list[str]]] = None
+    seed: Optional[int] = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    user: Optional[str] = None
+
+
+class GenerateRequest(_Body):
+    """SGLang-native /generate. One of text / input_ids; lists make a batch."""
+
+    text: Optional[Union[str, list[str]]] = None
+    input_ids: Optional[Union[list[int], list[list[int]]]] = None
+    sampling_params: Optional[Union[dict[str, Any], list[dict[str, Any]]]] = None
+    stream: bool = False
+    return_logprob: Union[bool, list[bool]] = False
+    logprob_start_len: Union[int, list[int]] = -1
+    top_logprobs_num: Union[int, list[int]] = 0
+    rid: Optional[Union[str, list[str]]] = None
+    priority: Optional[Union[int, list[int]]] = None
+    bootstrap_host: Optional[Union[str, list[str]]] = None
+    bootstrap_port: Optional[Union[int, list[Optional[int]]]] = None
+    bootstrap_room: Optional[Union[int, list[int]]] = None
+    data_parallel_rank: Optional[Union[int, list[int]]] = None

@@ -1,0 +1,137 @@
+"""Messages between the engine's processes. This module is the only contract between them.
+
+    HTTP server + TokenizerManager --(TokenizedGenerateReqInput, AbortReq, ...)--> Scheduler
+    Scheduler --(BatchTokenIDOut, control replies)--> Detokenizer --(BatchStrOut, replies)--> TokenizerManager
+
+All messages are plain dataclasses sent with pickle over ZMQ inside one pod.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from baton.engine.sampling.sampling_params import SamplingParams
+
+
+# ---------------------------------------------------------------- tokenizer -> scheduler
+@dataclass
+class TokenizedGenerateReqInput:
+    rid: str
+    input_text: Optional[str]
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    stream: bool = False
+    return_logprob: bool = False
+    logprob_start_len: int = -1  # -1: no input logprobs; else first prompt position to score
+    top_logprobs_num: int = 0
+    priority: Optional[int] = None
+    # PD disaggregation: filled from the router's fields
+    bootstrap_host: Optional[str] = None
+    bootstrap_port: Optional[int] = None
+    bootstrap_room: Optional[int] = None
+    data_parallel_rank: Optional[int] = None
+    received_time: float = field(default_factory=time.time)
+
+
+@dataclass
+class AbortReq:
+    rid: str = ""
+    abort_all: bool = False
+    message: str = "aborted"
+    status_code: int = 499  # client closed request
+
+
+@dataclass
+class FlushCacheReq:
+    pass
+
+
+@dataclass
+class GetServerInfoReq:
+    pass
+
+
+# ---------------------------------------------------------------- scheduler -> tokenizer (via detokenizer)
+@dataclass
+class FlushCacheOut:
+    success: bool
+    message: str = ""
+
+
+@dataclass
+class GetServerInfoOut:
+    info: dict[str, Any]
+
+
+@dataclass
+class FinishReason:
+    """Why a request ended. `kind`: length | stop | abort. Aborts carry an HTTP status for the client."""
+
+    kind: str
+    matched: Optional[int | str] = None  # the stop token id or stop string
+    message: str = ""
+    status_code: int = 200
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"type": self.kind}
+        if self.matched is not None:
+            out["matched"] = self.matched
+        if self.kind == "length":
+            out["length"] = None
+        if self.kind == "abort":
+            out["message"] = self.message
+            out["status_code"] = self.status_code
+        return out
+
+    @property
+    def openai_reason(self) -> str:
+        return {"length": "length", "stop": "stop"}.get(self.kind, "abort")
+
+
+@dataclass
+class ReqMeta:
+    """Per-request counters that travel with every output."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclass
+class BatchTokenIDOut:
+    """New output tokens of several requests since their last output (scheduler -> detokenizer).
+
+    Lists are parallel, one entry per request.
+    """
+
+    rids: list[str]
+    finished_reasons: list[Optional[FinishReason]]
+    new_token_ids: list[list[int]]
+    # position in the request's whole output where new_token_ids start
+    output_offsets: list[int]
+    skip_special_tokens: list[bool]
+    spaces_between_special_tokens: list[bool]
+    stop_strs: list[list[str]]  # the detokenizer trims a matched stop string
+    no_stop_trim: list[bool]
+    meta: list[ReqMeta]
+    # logprobs: None for a request that did not ask. Each entry: list of (logprob, token_id).
+    output_token_logprobs: list[Optional[list[tuple[float, int]]]]
+    output_top_logprobs: list[Optional[list[list[tuple[float, int]]]]]
+    input_token_logprobs: list[Optional[list[tuple[Optional[float], int]]]]
+    input_top_logprobs: list[Optional[list[Optional[list[tuple[float, int]]]]]]
+
+
+@dataclass
+class BatchStrOut:
+    """Decoded text of several requests (detokenizer -> tokenizer manager). `texts` are increments."""
+
+    rids: list[str]
+    texts: list[str]
+    finished_reasons: list[Optional[FinishReason]]
+    new_token_ids: list[list[int]]
+    meta: list[ReqMeta]
+    output_token_logprobs: list[Optional[list[tuple[float, int]]]]
+    output_top_logprobs: list[Optional[list[list[tuple[float, int]]]]]
+    input_token_logprobs: list[Optional[list[tuple[Optional[float], int]]]]
+    input_top_logprobs: list[Optional[list[Optional[list[tuple[float, int]]]]]]

@@ -1,0 +1,124 @@
+"""Attention in plain torch over the paged KV pool: the slow, obvious path beside FlashInfer.
+
+Works on slot indices (req_to_token), so it is correct for any page_size. Every pass first writes
+the new K/V into the pool, then reads each request's whole KV back through its row:
+
+    kv slots of request i = req_to_token[req_pool_indices[i], :seq_lens[i]]
+    query j of request i sits at position prefix_len_i + j and sees keys 0 .. prefix_len_i + j
+
+DECODE (the CPU hot path) gathers all requests at once into [bs, max_len] padded with a key mask
+and runs one scaled_dot_product_attention per layer. EXTEND loops over requests (no padding waste
+when prompt lengths differ a lot); the index tensors and masks are built once per pass in
+init_forward_metadata and reused by every layer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+import torch
+import torch.nn.functional as F
+
+from baton.engine.layers.attention.base import AttentionBackend
+
+if TYPE_CHECKING:
+    from baton.engine.layers.radix_attention import RadixAttention
+    from baton.engine.model_executor.forward_batch import ForwardBatch
+
+
+@dataclass
+class DecodeMetadata:
+    kv_indices: torch.Tensor  # [bs, max_len] slots, padding points at slot 0 (dummy page)
+    key_mask: torch.Tensor  # [bs, 1, 1, max_len] bool, True = attend
+
+
+@dataclass
+class ExtendMetadata:
+    token_starts: list[int]  # request i owns new tokens [token_starts[i], token_starts[i] + extend_len_i)
+    kv_indices: list[torch.Tensor]  # [seq_len_i] slots of request i
+    masks: list[Optional[torch.Tensor]]  # [extend_len_i, seq_len_i] bool, None = plain causal (no prefix)
+
+
+class TorchAttnBackend(AttentionBackend):
+    def __init__(self, **_unused) -> None:
+        # Takes no configuration; the factory passes every backend the same keyword arguments.
+        pass
+
+    def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
+        if forward_batch.forward_mode.is_decode():
+            forward_batch.attn_metadata = self._decode_metadata(forward_batch)
+        elif forward_batch.forward_mode.is_extend():
+            forward_batch.attn_metadata = self._extend_metadata(forward_batch)
+
+    @staticmethod
+    def _decode_metadata(fb: "ForwardBatch") -> DecodeMetadata:
+        max_len = max(fb.seq_lens_cpu)
+        rows = fb.req_to_token_pool.req_to_token[fb.req_pool_indices, :max_len]  # [bs, max_len]
+        valid = torch.arange(max_len, device=rows.device)[None, :] < fb.seq_lens[:, None]  # [bs, max_len]
+        kv_indices = torch.where(valid, rows, torch.zeros_like(rows))
+        return DecodeMetadata(kv_indices, valid[:, None, None, :])
+
+    @staticmethod
+    def _extend_metadata(fb: "ForwardBatch") -> ExtendMetadata:
+        req_to_token = fb.req_to_token_pool.req_to_token
+        starts, kv_indices, masks = [], [], []
+        start = 0
+        for i, (prefix, extend) in enumerate(zip(fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu)):
+            seq_len = prefix + extend
+            assert seq_len == fb.seq_lens_cpu[i], "seq_len must equal prefix_len + extend_len"
+            starts.append(start)
+            start += extend
+            kv_indices.append(req_to_token[fb.req_pool_indices[i], :seq_len])
+            masks.append(None if prefix == 0 else _prefix_causal_mask(prefix, extend, req_to_token.device))
+        return ExtendMetadata(starts, kv_indices, masks)
+
+    def _save_kv(self, k: torch.Tensor, v: torch.Tensor, layer: "RadixAttention", fb: "ForwardBatch") -> None:
+        n = k.shape[0]
+        fb.token_to_kv_pool.set_kv_buffer(
+            layer.layer_id, fb.out_cache_loc,
+            k.view(n, layer.num_kv_heads, layer.head_dim), v.view(n, layer.num_kv_heads, layer.head_dim))
+
+    def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "RadixAttention",
+                       forward_batch: "ForwardBatch", save_kv_cache: bool = True) -> torch.Tensor:
+        if save_kv_cache:
+            self._save_kv(k, v, layer, forward_batch)
+        meta: DecodeMetadata = forward_batch.attn_metadata
+        k_buf, v_buf = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        bs = q.shape[0]
+        qh = q.view(bs, layer.num_heads, 1, layer.head_dim)
+        keys = k_buf[meta.kv_indices].to(q.dtype).transpose(1, 2)  # [bs, kv_heads, max_len, head_dim]
+        values = v_buf[meta.kv_indices].to(q.dtype).transpose(1, 2)
+        out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=meta.key_mask, scale=layer.scaling,
+                                             enable_gqa=layer.num_heads != layer.num_kv_heads)
+        return out.reshape(bs, layer.num_heads * layer.head_dim)  # [bs, num_heads * head_dim]
+
+    def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "RadixAttention",
+                       forward_batch: "ForwardBatch", save_kv_cache: bool = True) -> torch.Tensor:
+        if save_kv_cache:
+            self._save_kv(k, v, layer, forward_batch)
+        meta: ExtendMetadata = forward_batch.attn_metadata
+        k_buf, v_buf = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        n = q.shape[0]
+        q3 = q.view(n, layer.num_heads, layer.head_dim)
+        out = torch.empty_like(q3)  # [n, num_heads, head_dim]
+        gqa = layer.num_heads != layer.num_kv_heads
+        for i, extend in enumerate(forward_batch.extend_seq_lens_cpu):
+            if extend == 0:
+                continue
+            s = meta.token_starts[i]
+            qi = q3[s:s + extend].transpose(0, 1)[None]  # [1, num_heads, extend, head_dim]
+            idx = meta.kv_indices[i]
+            ki = k_buf[idx].to(q.dtype).transpose(0, 1)[None]  # [1, kv_heads, seq_len, head_dim]
+            vi = v_buf[idx].to(q.dtype).transpose(0, 1)[None]
+            mask = meta.masks[i]
+            oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, is_causal=mask is None,
+                                                scale=layer.scaling, enable_gqa=gqa)
+            out[s:s + extend] = oi[0].transpose(0, 1)
+        return out.view(n, layer.num_heads * layer.head_dim)
+
+
+def _prefix_causal_mask(prefix_len: int, extend_len: int, device: torch.device) -> torch.Tensor:
+    """[extend_len, prefix_len + extend_len] bool: query j (position prefix_len + j) sees keys <= its position."""
+    q_pos = torch.arange(prefix_len, prefix_len + extend_len, device=device)[:, None]
+    k_pos = torch.arange(prefix_len + extend_len, device=device)[None, :]
+    return k_pos <= q_pos

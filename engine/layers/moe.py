@@ -1,0 +1,75 @@
+"""Sparse mixture-of-experts block (Qwen3-MoE / Qwen2-MoE style, without shared experts).
+
+Router: softmax over all experts in float32, top-k, optionally renormalised (`norm_topk_prob`).
+Experts are stacked weights, `w13` [E, 2 * I, H] laid out [gate | up] (HF's fused `gate_up_proj`)
+and `w2` [E, H, I]. The forward loops over the experts that were hit, gathering their tokens: the
+obvious path, fine on CPU; a grouped-GEMM kernel can replace `_experts` on GPU.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from baton.engine.layers.activation import get_act_fn
+
+_PER_EXPERT = re.compile(r"^experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
+                 norm_topk_prob: bool, hidden_act: str = "silu") -> None:
+        super().__init__()
+        assert 0 < top_k <= num_experts
+        self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
+        self.intermediate_size = intermediate_size
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.act_fn = get_act_fn(hidden_act)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [n, H] -> (weights [n, top_k] in x's dtype, expert ids [n, top_k])."""
+        probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)  # [n, E]
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [n, H] -> [n, H]."""
+        weights, ids = self.route(x)
+        return self._experts(x, weights, ids)
+
+    def _experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for e in torch.unique(ids).tolist():
+            token_idx, k_pos = torch.where(ids == e)
+            gate, up = F.linear(x[token_idx], self.w13[e]).chunk(2, dim=-1)  # [m, I] each
+            y = F.linear(self.act_fn(gate) * up, self.w2[e])  # [m, H]
+            out.index_add_(0, token_idx, y * weights[token_idx, k_pos, None])
+        return out
+
+    @torch.no_grad()
+    def load_weight(self, name: str, tensor: torch.Tensor) -> bool:
+        """name relative to this block (`gate.weight`, `experts.3.up_proj.weight`, or the fused
+        `experts.gate_up_proj` / `experts.down_proj`). Returns False for names it does not own."""
+        inter = self.intermediate_size
+        if name == "gate.weight":
+            self.gate.weight.copy_(tensor)
+        elif name == "experts.gate_up_proj":
+            self.w13.copy_(tensor)
+        elif name == "experts.down_proj":
+            self.w2.copy_(tensor)
+        elif (m := _PER_EXPERT.match(name)) is not None:
+            e, proj = int(m.group(1)), m.group(2)
+            if proj == "down_proj":
+                self.w2[e].copy_(tensor)
+            else:
+                start = 0 if proj == "gate_proj" else inter
+                self.w13[e, start:start + inter].copy_(tensor)
+        else:
+            return False
+        return True

@@ -1,0 +1,111 @@
+"""Rotary position embedding (NeoX "rotate half" layout, as HF Llama/Qwen), with rope scaling.
+
+RoPE parameters: transformers 5.x exposes one dict `config.rope_parameters` holding `rope_type`,
+`rope_theta` and the scaling fields; 4.x configs had `config.rope_theta` plus an optional
+`config.rope_scaling` dict. `rope_parameters_of` reads either.
+
+Supported rope_type: default, linear, llama3, dynamic, yarn.
+- dynamic (NTK): HF recomputes frequencies only once a sequence grows past max_position_embeddings
+  (and then per batch, which makes results batch-dependent); inside that length it equals default,
+  which is what we implement. Requests longer than max_position_embeddings are refused upstream.
+- yarn: frequencies and the attention factor come from transformers' own init function (static).
+cos/sin are computed per call in float32 from the positions (cheap next to the matmuls, and exactly
+what HF computes, so no cache length to size).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def rope_parameters_of(config: Any) -> dict:
+    params = getattr(config, "rope_parameters", None)
+    if params and "rope_theta" in params:
+        params = dict(params)
+    else:
+        params = dict(getattr(config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    params.setdefault("rope_type", params.pop("type", "default"))
+    assert "full_attention" not in params, "per-layer-type RoPE parameters are not supported"
+    return params
+
+
+def _default_inv_freq(base: float, dim: int) -> torch.Tensor:
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim
+    return 1.0 / (base ** exponents)  # [dim // 2] float32
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict, max_position: int) -> torch.Tensor:
+    factor = params["factor"]
+    low, high = params["low_freq_factor"], params["high_freq_factor"]
+    old_context = params.get("original_max_position_embeddings", max_position)
+    low_freq_wavelen, high_freq_wavelen = old_context / low, old_context / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def compute_inv_freq(config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
+    """Returns (inv_freq [head_dim // 2] float32, attention_scaling applied to cos/sin)."""
+    params = rope_parameters_of(config)
+    rope_type = params["rope_type"]
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise NotImplementedError("partial_rotary_factor != 1 is not supported")
+    inv_freq = _default_inv_freq(params["rope_theta"], head_dim)
+    if rope_type in ("default", "dynamic"):
+        return inv_freq, 1.0
+    if rope_type == "linear":
+        return inv_freq / params["factor"], 1.0
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, params, config.max_position_embeddings), 1.0
+    if rope_type == "yarn":
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS["yarn"](config, torch.device("cpu"))
+        return inv_freq.to(torch.float32), float(scaling)
+    raise NotImplementedError(f"rope_type {rope_type!r} is not supported (default, linear, llama3, dynamic, yarn)")
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, inv_freq: torch.Tensor, attention_scaling: float = 1.0) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        # A plain attribute, not a buffer: model.to(bfloat16) must not round the frequencies.
+        self.inv_freq = inv_freq.to(torch.float32)  # [head_dim // 2]
+        self.attention_scaling = attention_scaling
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions[:, None].float() * self.inv_freq[None, :]  # [n, head_dim // 2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [n, head_dim]
+        cos = emb.cos() * self.attention_scaling
+        sin = emb.sin() * self.attention_scaling
+        return cos.to(dtype), sin.to(dtype)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [n]; q [n, num_heads * head_dim]; k [n, num_kv_heads * head_dim]; returns the same shapes."""
+        n = positions.shape[0]
+        cos, sin = self.cos_sin(positions, q.dtype)
+        cos, sin = cos[:, None, :], sin[:, None, :]  # [n, 1, head_dim]
+        q3 = q.view(n, -1, self.head_dim)
+        k3 = k.view(n, -1, self.head_dim)
+        q_out = q3 * cos + _rotate_half(q3) * sin
+        k_out = k3 * cos + _rotate_half(k3) * sin
+        return q_out.reshape(n, -1), k_out.reshape(n, -1)
+
+
+def get_rope(config: Any, head_dim: int) -> RotaryEmbedding:
+    inv_freq, scaling = compute_inv_freq(config, head_dim)
+    return RotaryEmbedding(head_dim, inv_freq, scaling)

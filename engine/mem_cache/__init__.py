@@ -1,0 +1,21 @@
+"""Memory: the prefix cache (radix or naive), the request-to-token pool and the KV pool allocator.
+
+`create_prefix_cache` picks the prefix cache; implementations are imported lazily.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from baton.engine.mem_cache.base import BasePrefixCache
+
+
+def create_prefix_cache(
+    disable_radix_cache: bool, req_to_token_pool: Any, allocator: Any, page_size: int
+) -> BasePrefixCache:
+    if disable_radix_cache:
+        from baton.engine.mem_cache.chunk_cache import ChunkCache
+
+        return ChunkCache(req_to_token_pool, allocator, page_size)
+    from baton.engine.mem_cache.radix_cache import RadixCache
+
+    return RadixCache(req_to_token_pool, allocator, page_size)

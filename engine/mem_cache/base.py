@@ -1,0 +1,92 @@
+"""Prefix cache contract (the radix cache and the naive cache behind --disable-radix-cache).
+
+Memory has three levels:
+
+    prefix cache (token ids -> KV slot indices, shared, LRU-evictable)
+      -> ReqToTokenPool   (request row -> KV slot indices of that request, in token order)
+        -> TokenToKVPoolAllocator + KV pool tensors (the physical pages)
+
+Ownership of the slots in one request's row `req_to_token[req.req_pool_idx, :req.kv_allocated_len]`:
+
+    | 0 .. len(req.prefix_indices)  | .. req.kv_committed_len | .. req.kv_allocated_len |
+    | owned by the cache, locked    | owned by the request,   | owned by the request,   |
+    | via req.last_node             | KV computed             | allocated, not computed |
+
+The cache only ever holds page-aligned keys: every node's key length is a multiple of page_size, so
+whole pages move between owners. Indices returned by match_prefix stay valid only while the node
+(or a descendant) is locked with inc_lock_ref; unlocked nodes may be evicted at any time.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, NamedTuple, Protocol
+
+import torch
+
+
+class MatchResult(NamedTuple):
+    device_indices: torch.Tensor  # [matched_len] int64 KV slot indices, matched_len % page_size == 0
+    last_node: Any  # the deepest matched node; lock it to keep the indices valid
+
+
+class CacheReq(Protocol):
+    """The request attributes a prefix cache reads and updates."""
+
+    req_pool_idx: int
+    fill_ids: list[int]  # token ids whose KV the request has or will have
+    prefix_indices: torch.Tensor  # cache-owned prefix slots (int64)
+    last_node: Any
+    kv_committed_len: int
+    kv_allocated_len: int
+
+
+class BasePrefixCache(ABC):
+    page_size: int
+
+    @abstractmethod
+    def reset(self) -> None:
+        """Drop every node and free its slots (used by /flush_cache when nothing is running)."""
+
+    @abstractmethod
+    def match_prefix(self, key: list[int]) -> MatchResult:
+        """Longest cached page-aligned prefix of `key`; refreshes LRU time along the path."""
+
+    @abstractmethod
+    def insert(self, key: list[int], value: torch.Tensor) -> int:
+        """Insert key -> slot indices (len(key) % page_size == 0). Returns how many leading tokens
+        were already cached: the caller still owns value[:that] and must free it (duplicates)."""
+
+    @abstractmethod
+    def cache_finished_req(self, req: CacheReq) -> None:
+        """The request is done: give its computed page-aligned KV to the cache, free duplicate and
+        tail slots, unlock req.last_node, free the request row. Every slot in the row ends up either
+        cached or free."""
+
+    @abstractmethod
+    def cache_unfinished_req(self, req: CacheReq) -> None:
+        """Mid-request (chunked prefill): insert the computed page-aligned KV, then point
+        req.prefix_indices / req.last_node at the (locked) cached copy. The request keeps its row."""
+
+    @abstractmethod
+    def evict(self, num_tokens: int) -> int:
+        """Evict unlocked leaves, least recently used first, until num_tokens slots are freed or
+        nothing is evictable. Returns the number of slots freed."""
+
+    @abstractmethod
+    def inc_lock_ref(self, node: Any) -> None:
+        """Protect node and its ancestors from eviction (moves their size evictable -> protected)."""
+
+    @abstractmethod
+    def dec_lock_ref(self, node: Any) -> None:
+        """Undo one inc_lock_ref."""
+
+    @abstractmethod
+    def evictable_size(self) -> int:
+        """Slots held by unlocked nodes."""
+
+    @abstractmethod
+    def protected_size(self) -> int:
+        """Slots held by locked nodes."""
+
+    def total_size(self) -> int:
+        return self.evictable_size() + self.protected_size()

@@ -1,0 +1,106 @@
+"""Build a model from a local Hugging Face directory: config -> registry class -> safetensors weights.
+
+dtype "auto" takes the checkpoint's dtype (`config.dtype`, or `torch_dtype` on older configs), with
+one exception: float16 on CPU becomes float32, because CPU float16 matmuls are slow (no native
+kernels on most CPUs) and the engine compares against float32 references there. bfloat16 stays
+bfloat16 on CPU (it has fast kernels on recent CPUs). An explicit dtype is always honoured.
+"""
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import logging
+import os
+from typing import TYPE_CHECKING, Iterator, Optional
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from baton.engine.models import get_model_class
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "half": torch.float16}
+
+
+def _config_dtype(config) -> Optional[torch.dtype]:
+    value = getattr(config, "dtype", None) or config.__dict__.get("torch_dtype")
+    if isinstance(value, str):
+        return _DTYPES.get(value)
+    return value if isinstance(value, torch.dtype) else None
+
+
+def resolve_dtype(dtype: str, config, device: str) -> torch.dtype:
+    if dtype != "auto":
+        if dtype not in _DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r}; use auto, float32, float16 or bfloat16")
+        return _DTYPES[dtype]
+    resolved = _config_dtype(config) or torch.float32
+    if resolved == torch.float16 and str(device).startswith("cpu"):
+        logger.info("dtype auto: float16 checkpoint on CPU -> float32 (CPU float16 matmul is slow)")
+        return torch.float32
+    return resolved
+
+
+def safetensors_files(model_path: str) -> list[str]:
+    """The shards named by model.safetensors.index.json, else every *.safetensors in the directory."""
+    index = os.path.join(model_path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(model_path, n) for n in names]
+    files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {model_path} (only safetensors checkpoints are supported)")
+    return files
+
+
+def iterate_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Streams (name, CPU tensor) one at a time, with a progress bar over all tensors."""
+    from safetensors import safe_open
+
+    total = 0
+    for path in files:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            total += len(f.keys())
+    with tqdm(total=total, desc=f"Loading {len(files)} safetensors file(s)", unit="tensor") as bar:
+        for path in files:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+                    bar.update(1)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    # Parameters are created directly in the target dtype (no float32 copy on the device first).
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def load_model(model_path: str, dtype: str = "auto",
+               device: str = "cpu") -> tuple[nn.Module, "PretrainedConfig", torch.dtype]:
+    """Returns (model in eval mode on `device`, its HF config, the dtype it was built in)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_path)
+    architectures = getattr(config, "architectures", None) or []
+    if not architectures:
+        raise ValueError(f"{model_path}/config.json has no 'architectures' entry")
+    model_cls = get_model_class(architectures[0])
+    torch_dtype = resolve_dtype(dtype, config, device)
+    with _default_dtype(torch_dtype), torch.device(device):
+        model = model_cls(config)
+    model.load_weights(iterate_safetensors(safetensors_files(model_path)))
+    model.eval().requires_grad_(False)
+    return model, config, torch_dtype

@@ -1,0 +1,106 @@
+"""ModelRunner: owns the model, the memory pools and the attention backend; runs one forward pass."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from baton.engine.model_executor.forward_batch import ForwardBatch, ForwardMode
+from baton.engine.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+# KV pool default on CPU when --max-total-tokens is not given: a share of RAM, capped, since the
+# pool tensors are allocated eagerly.
+_CPU_DEFAULT_MAX_TOKENS = 1 << 17
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    max_total_tokens: int
+    max_running_requests: int
+    context_len: int
+
+
+def _total_memory_bytes(device: str) -> int:
+    if device.startswith("cuda"):
+        free, _ = torch.cuda.mem_get_info()
+        return free
+    import os
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+class ModelRunner:
+    def __init__(self, server_args: ServerArgs) -> None:
+        from baton.engine.layers.attention import create_attention_backend
+        from baton.engine.mem_cache.allocator import TokenToKVPoolAllocator
+        from baton.engine.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+        from baton.engine.model_executor.model_loader import load_model
+
+        self.server_args, self.device = server_args, server_args.device
+        torch.manual_seed(server_args.random_seed)
+        self.model, self.hf_config, self.dtype = load_model(server_args.model_path, server_args.dtype, self.device)
+        self.model.eval()
+        text_cfg = getattr(self.hf_config, "text_config", None) or self.hf_config
+        self.vocab_size = text_cfg.vocab_size
+        self.num_layers = text_cfg.num_hidden_layers
+        self.num_kv_heads = getattr(text_cfg, "num_key_value_heads", None) or text_cfg.num_attention_heads
+        self.head_dim = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // text_cfg.num_attention_heads
+        self.pool_config = self._pool_config(text_cfg)
+        page = server_args.page_size
+        cfg = self.pool_config
+        self.req_to_token_pool = ReqToTokenPool(cfg.max_running_requests + 1, cfg.context_len + page, self.device)
+        self.token_to_kv_pool = MHATokenToKVPool(cfg.max_total_tokens, page, self.dtype, self.num_kv_heads,
+                                                 self.head_dim, self.num_layers, self.device)
+        self.allocator = TokenToKVPoolAllocator(cfg.max_total_tokens, page, self.device)
+        self.attn_backend = create_attention_backend(server_args.attention_backend, model_runner=self)
+        logger.info("model loaded: %s layers, dtype %s, KV pool %d tokens, %d max running requests",
+                    self.num_layers, self.dtype, cfg.max_total_tokens, cfg.max_running_requests)
+
+    def _pool_config(self, text_cfg) -> PoolConfig:
+        args, page = self.server_args, self.server_args.page_size
+        context_len = args.context_length or getattr(text_cfg, "max_position_embeddings", 4096)
+        cell = self.num_layers * 2 * self.num_kv_heads * self.head_dim * torch.tensor([], dtype=self.dtype).element_size()
+        if args.max_total_tokens is not None:
+            total = args.max_total_tokens
+        else:
+            total = int(_total_memory_bytes(self.device) * (1 - args.mem_fraction_static if self.device == "cpu"
+                                                             else args.mem_fraction_static) // cell)
+            if self.device == "cpu":
+                total = min(total, _CPU_DEFAULT_MAX_TOKENS)
+        total = max(total // page * page, page)
+        running = args.max_running_requests or max(1, min(256, total // 2))
+        return PoolConfig(max_total_tokens=total, max_running_requests=running, context_len=context_len)
+
+    def forward_batch_from(self, mwb) -> ForwardBatch:
+        dev = self.device
+        return ForwardBatch(
+            forward_mode=mwb.forward_mode,
+            batch_size=len(mwb.seq_lens_cpu),
+            input_ids=mwb.input_ids.to(dev, non_blocking=True),
+            positions=mwb.positions.to(dev, non_blocking=True),
+            req_pool_indices=mwb.req_pool_indices.to(dev, non_blocking=True),
+            seq_lens=torch.tensor(mwb.seq_lens_cpu, dtype=torch.int64, device=dev),
+            out_cache_loc=mwb.out_cache_loc.to(dev, non_blocking=True),
+            seq_lens_cpu=mwb.seq_lens_cpu,
+            extend_prefix_lens_cpu=mwb.extend_prefix_lens_cpu,
+            extend_seq_lens_cpu=mwb.extend_seq_lens_cpu,
+            req_to_token_pool=self.req_to_token_pool,
+            token_to_kv_pool=self.token_to_kv_pool,
+            attn_backend=self.attn_backend,
+        )
+
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        """Runs the model; returns hidden states [num_tokens, hidden]."""
+        self.attn_backend.init_forward_metadata(fb)
+        return self.model(fb.input_ids, fb.positions, fb)
+
+    @staticmethod
+    def last_token_rows(fb: ForwardBatch) -> Optional[torch.Tensor]:
+        if fb.forward_mode == ForwardMode.DECODE:
+            return None
+        ends = torch.tensor(fb.extend_seq_lens_cpu, dtype=torch.int64).cumsum(0) - 1
+        return ends.to(fb.input_ids.device)

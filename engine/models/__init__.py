@@ -1,0 +1,25 @@
+"""Model registry: HF `config.architectures[0]` -> model class, imported lazily (one file per family)."""
+from __future__ import annotations
+
+import importlib
+
+from torch import nn
+
+# architecture -> (module under baton.engine.models, class name)
+_MODELS: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("qwen2", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
+    "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def get_model_class(architecture: str) -> type[nn.Module]:
+    if architecture not in _MODELS:
+        raise ValueError(f"unsupported model architecture {architecture!r}; supported: {supported_architectures()}")
+    module_name, class_name = _MODELS[architecture]
+    return getattr(importlib.import_module(f"{__name__}.{module_name}"), class_name)

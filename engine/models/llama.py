@@ -1,0 +1,198 @@
+"""Llama, and the shared decoder skeleton the Qwen models subclass.
+
+Subclasses change one piece each by overriding a builder on LlamaForCausalLM:
+`build_attention` (bias, per-head q/k norm) and `build_mlp` (dense or sparse MoE), plus
+`load_special_weight` for checkpoint names the generic loader does not know (MoE experts).
+
+q/k/v and gate/up are fused into one linear each; the loader copies every HF checkpoint shard
+(`q_proj`, `k_proj`, `v_proj`, `gate_proj`, `up_proj`) into its slice of the fused weight.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from baton.engine.layers.activation import GatedAct
+from baton.engine.layers.layernorm import RMSNorm
+from baton.engine.layers.radix_attention import RadixAttention
+from baton.engine.layers.rotary_embedding import get_rope
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from baton.engine.model_executor.forward_batch import ForwardBatch
+
+# HF checkpoint module name -> (our fused module name, shard index)
+STACKED_SHARDS: dict[str, tuple[str, int]] = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}
+
+
+class MergedLinear(nn.Linear):
+    """One linear whose output is the concatenation of several HF projections (`output_sizes`)."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool) -> None:
+        super().__init__(in_features, sum(output_sizes), bias=bias)
+        self.output_sizes = output_sizes
+
+    @torch.no_grad()
+    def load_shard(self, param_name: str, shard: int, tensor: torch.Tensor) -> None:
+        start = sum(self.output_sizes[:shard])
+        target = getattr(self, param_name)[start:start + self.output_sizes[shard]]
+        assert target.shape == tensor.shape, f"shard {shard} of {param_name}: {tuple(tensor.shape)} in checkpoint"
+        target.copy_(tensor)
+
+
+def head_dim_of(config: "PretrainedConfig") -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: "PretrainedConfig", layer_id: int, qkv_bias: bool, o_bias: bool,
+                 qk_norm: bool = False) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = head_dim_of(config)
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if "sliding_attention" in (getattr(config, "layer_types", None) or []):
+            raise NotImplementedError("sliding-window attention layers are not supported")
+        self.qkv_proj = MergedLinear(config.hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        # Qwen3: RMSNorm over each head's q and k, before RoPE
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.rotary_emb = get_rope(config, self.head_dim)
+        self.attn = RadixAttention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads, layer_id)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, forward_batch: "ForwardBatch") -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None:
+            n = hidden.shape[0]
+            q = self.q_norm(q.reshape(n, self.num_heads, self.head_dim)).view(n, self.q_size)
+            k = self.k_norm(k.reshape(n, self.num_kv_heads, self.head_dim)).view(n, self.kv_size)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v.contiguous(), forward_batch))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.act = GatedAct(hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: "PretrainedConfig", self_attn: nn.Module, mlp: nn.Module) -> None:
+        super().__init__()
+        self.self_attn, self.mlp = self_attn, mlp
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, forward_batch: "ForwardBatch") -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), forward_batch)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: "PretrainedConfig", make_layer: Callable[[int], LlamaDecoderLayer]) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(make_layer(i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: "ForwardBatch") -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden]
+        for layer in self.layers:
+            hidden = layer(positions, hidden, forward_batch)
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: "PretrainedConfig") -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, self._make_layer)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = (None if self.tie_word_embeddings
+                        else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
+
+    # ---- pieces subclasses override ----
+
+    def build_attention(self, config: "PretrainedConfig", layer_id: int) -> nn.Module:
+        bias = bool(getattr(config, "attention_bias", False))
+        return LlamaAttention(config, layer_id, qkv_bias=bias, o_bias=bias)
+
+    def build_mlp(self, config: "PretrainedConfig", layer_id: int) -> nn.Module:
+        return LlamaMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
+                        bias=bool(getattr(config, "mlp_bias", False)))
+
+    def load_special_weight(self, name: str, tensor: torch.Tensor) -> str | None:
+        """Hook for checkpoint names the generic loader does not handle; returns the name of the
+        parameter it filled, or None when the name is not special."""
+        return None
+
+    def _make_layer(self, layer_id: int) -> LlamaDecoderLayer:
+        return LlamaDecoderLayer(self.config, self.build_attention(self.config, layer_id),
+                                 self.build_mlp(self.config, layer_id))
+
+    # ---- forward ----
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: "ForwardBatch") -> torch.Tensor:
+        """input_ids, positions [num_tokens] -> final-normed hidden states [num_tokens, hidden]."""
+        return self.model(input_ids, positions, forward_batch)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [m, hidden] -> logits [m, vocab] float32."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    # ---- weights ----
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """HF checkpoint (name, tensor) pairs; raises if any parameter of the model was not loaded."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name or (self.lm_head is None and name.startswith("lm_head.")):
+                continue
+            if (target := self.load_special_weight(name, tensor)) is not None:
+                loaded.add(target)
+            elif (target := self._load_stacked(name, tensor)) is not None:
+                loaded.add(target)
+            elif name in params:
+                assert params[name].shape == tensor.shape, f"{name}: {tuple(tensor.shape)} in checkpoint"
+                params[name].copy_(tensor)
+                loaded.add(name)
+            else:
+                raise KeyError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")
+        self._check_all_loaded(params, loaded)
+
+    def _load_stacked(self, name: str, tensor: torch.Tensor) -> str | None:
+        parts = name.split(".")
+        if len(parts) < 3 or parts[-2] not in STACKED_SHARDS:
+            return None
+        fused, shard = STACKED_SHARDS[parts[-2]]
+        module_path = ".".join(parts[:-2] + [fused])
+        try:
+            module = self.get_submodule(module_path)
+        except AttributeError:
+            return None
+        if not isinstance(module, MergedLinear):
+            return None
+        module.load_shard(parts[-1], shard, tensor)
+        return f"{module_path}.{parts[-1]}"
+
+    @staticmethod
+    def _check_all_loaded(params: dict[str, nn.Parameter], loaded: set[str]) -> None:
+        missing = [n for n in params if n not in loaded]
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} parameters, e.g. {missing[:5]}")

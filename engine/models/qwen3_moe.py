@@ -1,0 +1,41 @@
+"""Qwen3-MoE: Qwen3 attention; the MLP of layer i is a sparse MoE block unless i is in
+`mlp_only_layers` or (i + 1) % decoder_sparse_step != 0, in which case it is a dense MLP of
+`intermediate_size` (same rule as transformers' Qwen3MoeDecoderLayer)."""
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from baton.engine.layers.moe import SparseMoeBlock
+from baton.engine.models.qwen3 import Qwen3ForCausalLM
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+_MOE_NAME = re.compile(r"^model\.layers\.(\d+)\.mlp\.((?:experts|gate)\..+)$")
+
+
+def is_sparse_layer(config: "PretrainedConfig", layer_id: int) -> bool:
+    return (layer_id not in (getattr(config, "mlp_only_layers", None) or [])
+            and config.num_experts > 0 and (layer_id + 1) % config.decoder_sparse_step == 0)
+
+
+class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
+    def build_mlp(self, config: "PretrainedConfig", layer_id: int) -> nn.Module:
+        if not is_sparse_layer(config, layer_id):
+            return super().build_mlp(config, layer_id)
+        return SparseMoeBlock(config.hidden_size, config.moe_intermediate_size, config.num_experts,
+                              config.num_experts_per_tok, bool(config.norm_topk_prob), config.hidden_act)
+
+    def load_special_weight(self, name: str, tensor: torch.Tensor) -> str | None:
+        m = _MOE_NAME.match(name)
+        if m is None:
+            return None
+        block = self.model.layers[int(m.group(1))].mlp
+        if not isinstance(block, SparseMoeBlock) or not block.load_weight(m.group(2), tensor):
+            return None
+        param = "gate.weight" if m.group(2) == "gate.weight" else ("w2" if "down_proj" in m.group(2) else "w13")
+        return f"model.layers.{m.group(1)}.mlp.{param}"

@@ -1,0 +1,55 @@
+"""Logit penalties and min_new_tokens, applied in place before temperature.
+
+- repetition: HF `RepetitionPenaltyLogitsProcessor` over prompt + output tokens, each token once:
+  logit > 0 -> logit / penalty, else logit * penalty.
+- frequency / presence: OpenAI semantics over output tokens only (as in SGLang):
+  logit -= frequency * count + presence * (count > 0).
+- min_new_tokens: while fewer tokens were sampled, the request's stop ids (eos + stop_token_ids)
+  are -inf.
+"""
+from __future__ import annotations
+
+import torch
+
+from baton.engine.sampling.sampling_batch_info import SamplingBatchInfo
+
+
+def apply_penalties(logits: torch.Tensor, info: SamplingBatchInfo) -> None:
+    """`logits`: [bs, vocab] float32, modified in place. Worker side (reads the request states)."""
+    assert logits.dim() == 2 and logits.shape[0] == info.batch_size
+    if info.has_penalties:
+        _apply_token_penalties(logits, info)
+    if info.has_min_tokens:
+        _block_stop_ids(logits, info)
+
+
+def _apply_token_penalties(logits: torch.Tensor, info: SamplingBatchInfo) -> None:
+    states = [info.states[i] for i in info.penalty_rows]
+    for s in states:
+        s.ensure_penalty_tensors()
+        assert s.output_counts.shape[0] == logits.shape[1], "state vocab != logits vocab"
+    device = logits.device
+    rows = torch.tensor(info.penalty_rows, dtype=torch.int64, device=device)  # [n]
+    counts = torch.stack([s.output_counts for s in states]).to(device)  # [n, vocab] int32
+    seen = torch.stack([s.seen_mask for s in states]).to(device)  # [n, vocab] bool
+    params = [s.params for s in states]
+    rep = _column([p.repetition_penalty for p in params], device)  # [n, 1]
+    freq = _column([p.frequency_penalty for p in params], device)  # [n, 1]
+    pres = _column([p.presence_penalty for p in params], device)  # [n, 1]
+    sub = logits.index_select(0, rows)  # [n, vocab]
+    penalised = torch.where(sub > 0, sub / rep, sub * rep)
+    sub = torch.where(seen, penalised, sub)
+    sub -= freq * counts.to(torch.float32)
+    sub -= pres * (counts > 0).to(torch.float32)
+    logits.index_copy_(0, rows, sub)
+
+
+def _column(values: list[float], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32, device=device).view(-1, 1)
+
+
+def _block_stop_ids(logits: torch.Tensor, info: SamplingBatchInfo) -> None:
+    for i in info.min_tokens_rows:
+        state = info.states[i]
+        if state.min_tokens_active:
+            logits[i].index_fill_(0, state.min_tokens_stop_ids.to(logits.device), float("-inf"))

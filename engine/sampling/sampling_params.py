@@ -1,0 +1,69 @@
+"""Per-request sampling parameters, validated where they are built (bad values -> 400)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+_GREEDY_EPS = 1e-6
+
+
+class SamplingParamsError(ValueError):
+    """A sampling value a client sent is out of range; the HTTP layer answers 400."""
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: whole vocabulary
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: Optional[int] = None
+    ignore_eos: bool = False
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.temperature < _GREEDY_EPS:  # temperature 0 means greedy
+            self.temperature, self.top_k = 1.0, 1
+
+    def verify(self, vocab_size: int) -> None:
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise SamplingParamsError(msg)
+
+        need(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1, "max_new_tokens must be an integer >= 1")
+        need(0 <= self.min_new_tokens <= self.max_new_tokens, "min_new_tokens must be in [0, max_new_tokens]")
+        need(self.temperature >= 0.0, "temperature must be >= 0")
+        need(0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]")
+        need(self.top_k == -1 or self.top_k >= 1, "top_k must be -1 (disabled) or >= 1")
+        need(0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]")
+        need(0.0 < self.repetition_penalty <= 2.0, "repetition_penalty must be in (0, 2]")
+        need(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]")
+        need(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]")
+        need(self.n == 1, "n > 1 is not supported; send n separate requests")
+        need(all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings")
+        need(len(self.stop) <= 16, "at most 16 stop strings")
+        need(all(isinstance(t, int) and 0 <= t < vocab_size for t in self.stop_token_ids), "stop_token_ids out of vocabulary")
+        if self.top_k != -1:
+            self.top_k = min(self.top_k, vocab_size)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0

@@ -1,0 +1,102 @@
+"""The scheduler process's loops and its ZMQ plumbing.
+
+Plain loop:    schedule N -> run N -> process N
+Overlap loop:  schedule N+1 -> launch N+1 -> process N   (the CPU work on N's results overlaps the
+               forward of N+1; tokens of N reach N+1 through the worker's future map)
+Both produce identical outputs; tests compare them.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import traceback
+from typing import Any
+
+import zmq
+
+from baton.engine.scheduler.scheduler import Scheduler
+from baton.engine.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+# How long an idle scheduler blocks in recv before running periodic work (ms).
+IDLE_POLL_MS = 1000
+
+
+class SchedulerIO:
+    def __init__(self, ctx: zmq.Context, recv_addr: str, send_addr: str) -> None:
+        self.recv = ctx.socket(zmq.PULL)
+        self.recv.bind(recv_addr)
+        self.send = ctx.socket(zmq.PUSH)
+        self.send.connect(send_addr)
+        self.poller = zmq.Poller()
+        self.poller.register(self.recv, zmq.POLLIN)
+
+    def recv_requests(self, block: bool) -> list[Any]:
+        msgs: list[Any] = []
+        if block and not self.poller.poll(IDLE_POLL_MS):
+            return msgs
+        while True:
+            try:
+                msgs.append(self.recv.recv_pyobj(zmq.NOBLOCK))
+            except zmq.Again:
+                return msgs
+
+    def flush(self, scheduler: Scheduler) -> None:
+        for msg in scheduler.outbox:
+            self.send.send_pyobj(msg)
+        scheduler.outbox.clear()
+
+
+def event_loop_normal(scheduler: Scheduler, io: SchedulerIO) -> None:
+    while True:
+        scheduler.process_input_requests(io.recv_requests(block=scheduler.is_idle()))
+        batch = scheduler.get_next_batch_to_run()
+        if batch is not None:
+            scheduler.process_batch_result(scheduler.run_batch(batch))
+        scheduler.last_batch = batch
+        io.flush(scheduler)
+
+
+def event_loop_overlap(scheduler: Scheduler, io: SchedulerIO) -> None:
+    while True:
+        scheduler.process_input_requests(io.recv_requests(block=scheduler.is_idle()))
+        batch = scheduler.get_next_batch_to_run()
+        if batch is not None:
+            scheduler.result_queue.append(scheduler.run_batch(batch))
+        # results of the previous batch, while the one just launched computes
+        if scheduler.result_queue and (batch is None or len(scheduler.result_queue) > 1):
+            scheduler.process_batch_result(scheduler.result_queue.popleft())
+        if not scheduler.result_queue:
+            scheduler.flush_deferred()
+        scheduler.last_batch = batch
+        io.flush(scheduler)
+
+
+def run_scheduler_process(server_args: ServerArgs, recv_addr: str, send_addr: str, ready_pipe: Any) -> None:
+    """Entry point of the scheduler process. Reports ("ready", info) or ("error", text) on ready_pipe."""
+    from baton.engine.utils.logging import configure_logging
+
+    from baton.engine.utils.process import die_with_parent
+
+    die_with_parent()
+    configure_logging(server_args.log_level, prefix="scheduler")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(server_args.tokenizer_path or server_args.model_path)
+        scheduler = Scheduler(server_args, tokenizer)
+        io = SchedulerIO(zmq.Context(2), recv_addr, send_addr)
+    except Exception:
+        ready_pipe.send(("error", traceback.format_exc()))
+        return
+    ready_pipe.send(("ready", {**scheduler.get_server_info(), "vocab_size": scheduler.vocab_size}))
+    try:
+        (event_loop_overlap if scheduler.overlap is not None else event_loop_normal)(scheduler, io)
+    except Exception:
+        logger.error("scheduler crashed:\n%s", traceback.format_exc())
+        os.kill(os.getppid(), signal.SIGTERM)  # fail loudly: the server must not keep accepting requests
+        sys.exit(1)

@@ -1,0 +1,121 @@
+"""Processing a batch's result: append tokens, logprobs, finish checks, memory release, streaming."""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from baton.engine.io_struct import BatchTokenIDOut, ReqMeta
+from baton.engine.scheduler.req import Req
+
+if TYPE_CHECKING:
+    from baton.engine.scheduler.scheduler import LaunchedBatch, Scheduler
+
+
+class SchedulerOutputProcessorMixin:
+    def process_batch_result(self: "Scheduler", launched: "LaunchedBatch") -> None:
+        # Requests finished by the previous result were still in the batch we now hold the result
+        # of (overlap mode); only now is their memory no longer read.
+        ready, self.deferred_release = self.deferred_release, []
+        result = launched.wait()
+        if launched.mwb.forward_mode.is_extend():
+            self._process_extend(launched, result)
+        else:
+            self._process_decode(launched, result)
+        for req in ready:
+            self.release_now(req)
+        self.stream_output(launched.reqs)
+
+    def _process_extend(self: "Scheduler", launched: "LaunchedBatch", result) -> None:
+        for i, req in enumerate(launched.reqs):
+            if i in result.input_logprobs:
+                lps, tops = result.input_logprobs[i]
+                req.input_token_logprobs.extend(lps)
+                req.input_top_logprobs.extend(tops)
+            if req.finished():  # aborted while in flight
+                self.finish_request(req)
+                continue
+            if req.is_chunked > 0:  # an intermediate chunk: its sampled token is meaningless
+                req.is_chunked -= 1
+                continue
+            self._append_token(req, i, result)
+            if req.finished():
+                self.finish_request(req)
+            elif not self.server_args.disable_radix_cache:
+                # make the prompt's KV shareable right away (concurrent requests with the same prefix)
+                req.sync_fill_ids()
+                self.tree_cache.cache_unfinished_req(req)
+
+    def _process_decode(self: "Scheduler", launched: "LaunchedBatch", result) -> None:
+        for i, req in enumerate(launched.reqs):
+            if req.finished():
+                # overlap: the extra step after a finish, or an abort while in flight
+                self.finish_request(req)
+                continue
+            self._append_token(req, i, result)
+            if req.finished():
+                self.finish_request(req)
+
+    def _append_token(self: "Scheduler", req: Req, i: int, result) -> None:
+        req.output_ids.append(result.next_token_ids[i])
+        self.stats.generated_tokens += 1
+        if req.first_token_time is None:
+            req.first_token_time = time.time()
+        if req.return_logprob and result.next_token_logprobs is not None:
+            req.output_token_logprobs.append((result.next_token_logprobs[i], result.next_token_ids[i]))
+            if req.top_logprobs_num > 0:
+                req.output_top_logprobs.append(result.next_top_logprobs[i])
+        req.check_finished(self.tokenizer)
+
+    def finish_request(self: "Scheduler", req: Req) -> None:
+        """Release a finished request's memory once (deferred in overlap mode)."""
+        if getattr(req, "_finish_handled", False):
+            return
+        req._finish_handled = True
+        if req.req_pool_idx is not None:
+            self.release(req)
+
+    def stream_output(self: "Scheduler", reqs: list[Req]) -> None:
+        interval = self.server_args.stream_interval
+        out = None
+        for req in reqs:
+            if getattr(req, "_final_sent", False):
+                continue
+            new = len(req.output_ids) - req.sent_offset
+            finished = req.finished()
+            if not finished:
+                if not req.stream or new == 0 or (new < interval and req.sent_offset > 0):
+                    continue
+            if out is None:
+                out = BatchTokenIDOut([], [], [], [], [], [], [], [], [], [], [], [], [])
+            self._add_output(out, req)
+            req.sent_offset = len(req.output_ids)
+            if finished:
+                req._final_sent = True
+        if out is not None:
+            self.outbox.append(out)
+
+    @staticmethod
+    def _add_output(out: BatchTokenIDOut, req: Req) -> None:
+        p = req.sampling_params
+        start = req.sent_offset
+        out.rids.append(req.rid)
+        out.finished_reasons.append(req.finished_reason)
+        out.new_token_ids.append(req.output_ids[start:])
+        out.output_offsets.append(start)
+        out.skip_special_tokens.append(p.skip_special_tokens)
+        out.spaces_between_special_tokens.append(p.spaces_between_special_tokens)
+        out.stop_strs.append(p.stop)
+        out.no_stop_trim.append(p.no_stop_trim)
+        out.meta.append(ReqMeta(len(req.origin_input_ids), len(req.output_ids), req.cached_tokens))
+        if req.return_logprob:
+            out.output_token_logprobs.append(req.output_token_logprobs[start:])
+            out.output_top_logprobs.append(req.output_top_logprobs[start:] if req.top_logprobs_num else None)
+            first = not req.input_logprobs_sent and (req.output_ids or req.finished())
+            out.input_token_logprobs.append(req.input_token_logprobs if first else None)
+            out.input_top_logprobs.append(req.input_top_logprobs if first and req.top_logprobs_num else None)
+            if first:
+                req.input_logprobs_sent = True
+        else:
+            for lst in (out.output_token_logprobs, out.output_top_logprobs, out.input_token_logprobs,
+                        out.input_top_logprobs):
+                lst.append(None)

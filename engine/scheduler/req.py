@@ -1,0 +1,123 @@
+"""One generation request as the scheduler sees it."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+from baton.engine.io_struct import FinishReason
+from baton.engine.sampling.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from baton.engine.mem_cache.base import BasePrefixCache
+    from baton.engine.sampling.sampling_batch_info import ReqSamplingState
+
+_EMPTY = torch.empty((0,), dtype=torch.int64)
+# stop strings are searched in the decoded tail of this many tokens
+_STOP_STR_TAIL_TOKENS = 32
+
+
+@dataclass(eq=False)  # identity comparison: requests live in sets and lists
+class Req:
+    rid: str
+    origin_input_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int]
+    origin_input_text: Optional[str] = None
+    stream: bool = False
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    priority: int = 0
+    arrival_time: float = field(default_factory=time.time)
+
+    output_ids: list[int] = field(default_factory=list)
+    # Filled by init_next_round_input() each time the request is scheduled for an extend.
+    fill_ids: list[int] = field(default_factory=list)
+    prefix_indices: torch.Tensor = _EMPTY
+    last_node: Any = None
+    extend_input_len: int = 0
+    # Memory ownership (see mem_cache/base.py): set by ScheduleBatch.prepare_for_extend/decode.
+    req_pool_idx: Optional[int] = None
+    kv_committed_len: int = 0
+    kv_allocated_len: int = 0
+
+    finished_reason: Optional[FinishReason] = None
+    is_chunked: int = 0  # > 0 while a chunk of this request is in flight and more chunks follow
+    is_retracted: bool = False
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache, for usage reporting
+    sampling_state: Optional["ReqSamplingState"] = None  # created by the scheduler; mutated only by the worker
+    sent_offset: int = 0  # output tokens already streamed to the detokenizer
+    # logprobs, accumulated by the output processor
+    input_token_logprobs: list = field(default_factory=list)
+    input_top_logprobs: list = field(default_factory=list)
+    output_token_logprobs: list = field(default_factory=list)
+    output_top_logprobs: list = field(default_factory=list)
+    input_logprobs_sent: bool = False
+    first_token_time: Optional[float] = None
+    queue_start_time: float = field(default_factory=time.time)
+
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    @property
+    def seqlen(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    def init_next_round_input(self, tree_cache: Optional["BasePrefixCache"]) -> None:
+        """Set fill_ids and match the longest cached prefix before an extend."""
+        self.fill_ids = self.origin_input_ids + self.output_ids
+        if tree_cache is not None and self.req_pool_idx is None:
+            # Compute at least one token so the pass yields logits; keep the positions whose input
+            # logprobs were asked for out of the match.
+            max_prefix = len(self.fill_ids) - 1
+            if self.return_logprob and self.logprob_start_len >= 0:
+                max_prefix = min(max_prefix, max(self.logprob_start_len - 1, 0))
+            match = tree_cache.match_prefix(self.fill_ids[:max_prefix])
+            self.prefix_indices, self.last_node = match.device_indices, match.last_node
+        self.extend_input_len = len(self.fill_ids) - self.kv_start_len
+
+    @property
+    def kv_start_len(self) -> int:
+        """Where the next extend starts: after the cached prefix, or after this request's own
+        computed KV when it already holds a row (the next chunk of a chunked prefill)."""
+        if self.req_pool_idx is None:
+            return len(self.prefix_indices)
+        return self.kv_committed_len
+
+    def sync_fill_ids(self) -> None:
+        """Point fill_ids at exactly the tokens whose KV is computed (or launched): outputs may have
+        arrived since the last extend, and in overlap mode a launched step may have run ahead."""
+        self.fill_ids = (self.origin_input_ids + self.output_ids)[:self.kv_committed_len]
+        self.kv_committed_len = len(self.fill_ids)
+
+    def reset_for_retract(self) -> None:
+        self.prefix_indices, self.last_node = _EMPTY, None
+        self.req_pool_idx, self.kv_committed_len, self.kv_allocated_len = None, 0, 0
+        self.extend_input_len, self.is_chunked, self.is_retracted = 0, 0, True
+
+    def check_finished(self, tokenizer: Any) -> None:
+        """Length, EOS / stop token, or stop string, checked after each appended token."""
+        if self.finished_reason is not None or not self.output_ids:
+            return
+        params, last = self.sampling_params, self.output_ids[-1]
+        if len(self.output_ids) >= params.max_new_tokens:
+            self.finished_reason = FinishReason("length")
+            return
+        if len(self.output_ids) < params.min_new_tokens:
+            return
+        if last in params.stop_token_ids or (not params.ignore_eos and last in self.eos_token_ids):
+            self.finished_reason = FinishReason("stop", matched=last)
+            return
+        if params.stop and tokenizer is not None:
+            tail = tokenizer.decode(self.output_ids[-_STOP_STR_TAIL_TOKENS:], skip_special_tokens=False)
+            for stop in params.stop:
+                if stop in tail:
+                    self.finished_reason = FinishReason("stop", matched=stop)
+                    return
+
+    def abort(self, message: str, status_code: int) -> None:
+        if self.finished_reason is None:
+            self.finished_reason = FinishReason("abort", message=message, status_code=status_code)

@@ -1,0 +1,218 @@
+"""ScheduleBatch (the scheduler's CPU view of a batch) and ModelWorkerBatch (what the forward needs).
+
+Memory per request follows the ownership table in mem_cache/base.py. Each decode step the input of
+request i is its last sampled token, which in overlap mode is still a placeholder (a negative index
+into the worker's future map) when the batch is built.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from baton.engine.model_executor.forward_batch import ForwardMode
+from baton.engine.scheduler.req import Req
+
+if TYPE_CHECKING:
+    from baton.engine.mem_cache.allocator import TokenToKVPoolAllocator
+    from baton.engine.mem_cache.base import BasePrefixCache
+    from baton.engine.mem_cache.memory_pool import ReqToTokenPool
+
+# Tokens of decode headroom each running request is assumed to need after a retraction
+# (SGLang's SGLANG_RETRACT_DECODE_STEPS).
+RETRACT_DECODE_STEPS = 20
+
+
+class OutOfMemoryError(RuntimeError):
+    """The KV pool cannot hold what the admission budget promised; a scheduler bug."""
+
+
+@dataclass
+class ModelWorkerBatch:
+    forward_mode: ForwardMode
+    input_ids: torch.Tensor  # [num_tokens] int64; may hold negative future placeholders
+    positions: torch.Tensor  # [num_tokens] int64
+    req_pool_indices: torch.Tensor  # [bs] int64
+    seq_lens_cpu: list[int]
+    out_cache_loc: torch.Tensor  # [num_tokens] int64
+    extend_prefix_lens_cpu: Optional[list[int]]
+    extend_seq_lens_cpu: Optional[list[int]]
+    sampling_states: list  # [bs] ReqSamplingState, or None for a row that must not sample
+    return_logprob: bool
+    top_logprobs_nums: list[int]
+    # EXTEND rows whose input logprobs are wanted:
+    # (batch index, first prompt position to score, prompt length, prompt token after this chunk or -1)
+    input_logprob_reqs: list[tuple[int, int, int, int]]
+    # filled by the overlap worker client: where this batch's sampled tokens go in the future map
+    future_indices: Optional[torch.Tensor] = None
+
+
+class ScheduleBatch:
+    def __init__(self, reqs: list[Req], req_to_token_pool: "ReqToTokenPool",
+                 allocator: "TokenToKVPoolAllocator", tree_cache: "BasePrefixCache", device: str) -> None:
+        self.reqs = reqs
+        self.req_to_token_pool, self.allocator, self.tree_cache = req_to_token_pool, allocator, tree_cache
+        self.device = device
+        self.forward_mode = ForwardMode.IDLE
+        # [bs] int64: each request's next decode input (real token id or future placeholder);
+        # set by whoever processed or launched the previous pass of these requests.
+        self.output_ids: Optional[torch.Tensor] = None
+        self.batch_is_full = False
+        self.model_worker_batch: Optional[ModelWorkerBatch] = None
+
+    def is_empty(self) -> bool:
+        return not self.reqs
+
+    def __len__(self) -> int:
+        return len(self.reqs)
+
+    # ------------------------------------------------------------------ memory
+    def _alloc(self, fn, *args) -> torch.Tensor:
+        out = fn(*args)
+        if out is None:
+            need = self._tokens_needed_hint
+            self.tree_cache.evict(need)
+            out = fn(*args)
+        if out is None:
+            raise OutOfMemoryError(f"KV pool exhausted (needed ~{self._tokens_needed_hint} tokens, "
+                                   f"free {self.allocator.available_size()})")
+        return out
+
+    def _last_locs(self, rows: list[int], lens: list[int]) -> list[int]:
+        table = self.req_to_token_pool.req_to_token
+        return [int(table[r, n - 1]) if n > 0 else -1 for r, n in zip(rows, lens)]
+
+    # ------------------------------------------------------------------ extend
+    def prepare_for_extend(self, chunked_req: Optional[Req] = None) -> None:
+        """`chunked_req`: the request whose chunk in this batch is not its last (it must not sample)."""
+        self.forward_mode = ForwardMode.EXTEND
+        new = [r for r in self.reqs if r.req_pool_idx is None]
+        if new:
+            rows = self.req_to_token_pool.alloc(len(new))
+            if rows is None:
+                raise OutOfMemoryError("no free request rows")
+            table = self.req_to_token_pool.req_to_token
+            for req, row in zip(new, rows):
+                req.req_pool_idx = row
+                n = len(req.prefix_indices)
+                if n:
+                    table[row, :n] = req.prefix_indices
+                req.kv_committed_len = req.kv_allocated_len = n
+        rows = [r.req_pool_idx for r in self.reqs]
+        prefix_lens = [r.kv_committed_len for r in self.reqs]
+        seq_lens = [len(r.fill_ids) for r in self.reqs]
+        extend_lens = [s - p for s, p in zip(seq_lens, prefix_lens)]
+        assert all(e > 0 for e in extend_lens), "an extend must compute at least one token"
+        self._tokens_needed_hint = sum(extend_lens) + len(self.reqs) * self.allocator.page_size
+        out_cache_loc = self._alloc(self.allocator.alloc_extend, prefix_lens, seq_lens, self._last_locs(rows, prefix_lens))
+        table, offset = self.req_to_token_pool.req_to_token, 0
+        for req, row, p, s in zip(self.reqs, rows, prefix_lens, seq_lens):
+            table[row, p:s] = out_cache_loc[offset:offset + s - p]
+            offset += s - p
+            req.kv_committed_len = req.kv_allocated_len = s
+        input_ids = [t for r, p in zip(self.reqs, prefix_lens) for t in r.fill_ids[p:]]
+        positions = torch.cat([torch.arange(p, s, dtype=torch.int64) for p, s in zip(prefix_lens, seq_lens)])
+        self.model_worker_batch = ModelWorkerBatch(
+            forward_mode=ForwardMode.EXTEND,
+            input_ids=torch.tensor(input_ids, dtype=torch.int64),
+            positions=positions,
+            req_pool_indices=torch.tensor(rows, dtype=torch.int64),
+            seq_lens_cpu=seq_lens,
+            out_cache_loc=out_cache_loc,
+            extend_prefix_lens_cpu=prefix_lens,
+            extend_seq_lens_cpu=extend_lens,
+            sampling_states=[None if r is chunked_req else r.sampling_state for r in self.reqs],
+            return_logprob=any(r.return_logprob for r in self.reqs),
+            top_logprobs_nums=[r.top_logprobs_num for r in self.reqs],
+            input_logprob_reqs=[(i, r.logprob_start_len, len(r.origin_input_ids),
+                                 r.origin_input_ids[s] if s < len(r.origin_input_ids) else -1)
+                                for i, (r, s) in enumerate(zip(self.reqs, seq_lens))
+                                if r.return_logprob and r.logprob_start_len >= 0 and not r.input_logprobs_sent],
+        )
+
+    # ------------------------------------------------------------------ decode
+    def new_page_tokens_needed(self) -> int:
+        """KV slots the next decode step may take from the free pool."""
+        page = self.allocator.page_size
+        if page == 1:
+            return len(self.reqs)
+        return sum(page for r in self.reqs if r.kv_committed_len % page == 0)
+
+    def check_decode_mem(self) -> bool:
+        need = self.new_page_tokens_needed()
+        free = self.allocator.available_size()
+        if free >= need:
+            return True
+        self.tree_cache.evict(need - free)
+        return self.allocator.available_size() >= need
+
+    def prepare_for_decode(self) -> None:
+        assert self.output_ids is not None and self.output_ids.shape[0] == len(self.reqs)
+        self.forward_mode = ForwardMode.DECODE
+        rows = [r.req_pool_idx for r in self.reqs]
+        prefix_lens = [r.kv_committed_len for r in self.reqs]
+        seq_lens = [n + 1 for n in prefix_lens]
+        self._tokens_needed_hint = self.new_page_tokens_needed()
+        out_cache_loc = self._alloc(self.allocator.alloc_decode, seq_lens, self._last_locs(rows, prefix_lens))
+        rows_t = torch.tensor(rows, dtype=torch.int64)
+        positions = torch.tensor(prefix_lens, dtype=torch.int64)
+        self.req_to_token_pool.req_to_token[rows_t, positions] = out_cache_loc
+        for req in self.reqs:
+            req.kv_committed_len += 1
+            req.kv_allocated_len += 1
+        self.model_worker_batch = ModelWorkerBatch(
+            forward_mode=ForwardMode.DECODE,
+            input_ids=self.output_ids,
+            positions=positions,
+            req_pool_indices=rows_t,
+            seq_lens_cpu=seq_lens,
+            out_cache_loc=out_cache_loc,
+            extend_prefix_lens_cpu=None,
+            extend_seq_lens_cpu=None,
+            sampling_states=[r.sampling_state for r in self.reqs],
+            return_logprob=any(r.return_logprob for r in self.reqs),
+            top_logprobs_nums=[r.top_logprobs_num for r in self.reqs],
+            input_logprob_reqs=[],
+        )
+
+    def retract_decode(self, release) -> tuple[list[Req], float]:
+        """Take requests out until the next decode step fits. `release(req)` gives a request's memory
+        back (its computed KV goes to the prefix cache, so a later re-prefill hits it).
+        Returns the retracted requests and the recalibrated new_token_ratio."""
+        order = sorted(range(len(self.reqs)),
+                       key=lambda i: (len(self.reqs[i].output_ids), -len(self.reqs[i].origin_input_ids)),
+                       reverse=True)
+        retracted: list[Req] = []
+        while not self.check_decode_mem():
+            assert len(order) > 1, "a single request does not fit in the KV pool"
+            req = self.reqs[order.pop()]
+            release(req)
+            req.reset_for_retract()
+            retracted.append(req)
+        gone = set(map(id, retracted))
+        self.filter_batch(keep=[i for i, r in enumerate(self.reqs) if id(r) not in gone])
+        decoded = sum(len(r.output_ids) for r in self.reqs)
+        budget = sum(r.sampling_params.max_new_tokens for r in self.reqs)
+        ratio = (decoded + RETRACT_DECODE_STEPS * len(self.reqs)) / max(budget, 1)
+        return retracted, min(1.0, ratio)
+
+    # ------------------------------------------------------------------ membership
+    def filter_batch(self, keep: Optional[list[int]] = None, exclude: Optional[Req] = None) -> None:
+        if keep is None:
+            keep = [i for i, r in enumerate(self.reqs) if not r.finished() and r is not exclude]
+        if len(keep) == len(self.reqs):
+            return
+        self.reqs = [self.reqs[i] for i in keep]
+        if self.output_ids is not None:
+            self.output_ids = self.output_ids[torch.tensor(keep, dtype=torch.int64)]
+
+    def merge_batch(self, other: "ScheduleBatch") -> None:
+        assert other.output_ids is not None or not other.reqs
+        if not other.reqs:
+            return
+        if not self.reqs:
+            self.reqs, self.output_ids = list(other.reqs), other.output_ids
+            return
+        self.reqs = self.reqs + other.reqs
+        self.output_ids = torch.cat([self.output_ids, other.output_ids])

@@ -1,0 +1,343 @@
+"""The scheduler process: receives tokenized requests, forms batches, runs them, streams tokens.
+
+One loop iteration (plain loop; the overlap loop differs only in when results are processed):
+
+    recv_requests -> process_input_requests -> get_next_batch_to_run -> run_batch -> process_batch_result
+
+Batch choice is prefill first: a new prefill batch (under PrefillAdder's budgets) runs if one can be
+formed; otherwise the running decode batch advances one token, retracting requests when the KV pool
+cannot hold the step.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import zmq
+
+from baton.engine.io_struct import (AbortReq, FlushCacheOut, FlushCacheReq, GetServerInfoOut, GetServerInfoReq,
+                                    TokenizedGenerateReqInput)
+from baton.engine.scheduler.output_processor import SchedulerOutputProcessorMixin
+from baton.engine.scheduler.req import Req
+from baton.engine.scheduler.schedule_batch import ModelWorkerBatch, ScheduleBatch
+from baton.engine.scheduler.schedule_policy import AddReqResult, PrefillAdder, SchedulePolicy
+from baton.engine.scheduler.tp_worker import GenerationBatchResult, OverlapWorkerClient, TpModelWorker
+from baton.engine.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+# new_token_ratio schedule (SGLang's defaults): start conservative, decay per decode step to a floor,
+# jump back up after a retraction.
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
+NEW_TOKEN_RATIO_DECAY_STEPS = 600
+
+
+@dataclass
+class LaunchedBatch:
+    """What process_batch_result needs of a batch, frozen at launch (the live ScheduleBatch keeps
+    changing in overlap mode)."""
+
+    reqs: list[Req]
+    mwb: ModelWorkerBatch
+    result: Any  # GenerationBatchResult, or a Future of one in overlap mode
+
+    def wait(self) -> GenerationBatchResult:
+        return self.result.result() if hasattr(self.result, "result") else self.result
+
+
+class Scheduler(SchedulerOutputProcessorMixin):
+    def __init__(self, server_args: ServerArgs, tokenizer: Any = None) -> None:
+        from baton.engine.mem_cache import create_prefix_cache
+
+        self.server_args = args = server_args
+        self.tokenizer = tokenizer
+        self.worker = TpModelWorker(args)
+        runner = self.worker.model_runner
+        self.req_to_token_pool, self.allocator = runner.req_to_token_pool, runner.allocator
+        self.max_total_tokens = runner.pool_config.max_total_tokens
+        self.max_running_requests = runner.pool_config.max_running_requests
+        self.context_len = runner.pool_config.context_len
+        self.vocab_size = runner.vocab_size
+        self.page_size = args.page_size
+        self.tree_cache = create_prefix_cache(args.disable_radix_cache, self.req_to_token_pool, self.allocator,
+                                              args.page_size)
+        self.policy = SchedulePolicy(args.schedule_policy if not args.disable_radix_cache else "fcfs",
+                                     self.tree_cache, args.enable_priority_scheduling, args.random_seed)
+        self.overlap = OverlapWorkerClient(self.worker, self.max_running_requests) if args.enable_overlap else None
+        self.eos_token_ids = self._eos_ids(runner.hf_config, tokenizer)
+        self.chunked_prefill_size = None if args.chunked_prefill_size in (-1, 0) else args.chunked_prefill_size
+        self.init_new_token_ratio = min(INIT_NEW_TOKEN_RATIO * args.schedule_conservativeness, 1.0)
+        self.min_new_token_ratio = self.init_new_token_ratio * MIN_NEW_TOKEN_RATIO_FACTOR
+        self.new_token_ratio_decay = (self.init_new_token_ratio - self.min_new_token_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS
+        self.new_token_ratio = self.init_new_token_ratio
+        self.waiting_queue: list[Req] = []
+        self.running_batch = self._new_batch([])
+        self.chunked_req: Optional[Req] = None
+        self.last_batch: Optional[ScheduleBatch] = None
+        self.result_queue: deque[LaunchedBatch] = deque()
+        self.deferred_release: list[Req] = []
+        self.outbox: list[Any] = []  # messages for the detokenizer, flushed once per iteration
+        self.stats = SchedulerStats()
+        self.forward_ct = 0
+
+    # ------------------------------------------------------------------ setup helpers
+    @staticmethod
+    def _eos_ids(hf_config: Any, tokenizer: Any) -> frozenset[int]:
+        ids = getattr(getattr(hf_config, "text_config", None) or hf_config, "eos_token_id", None)
+        ids = set(ids if isinstance(ids, (list, tuple)) else [ids] if ids is not None else [])
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            ids.add(tokenizer.eos_token_id)
+        return frozenset(ids)
+
+    def _new_batch(self, reqs: list[Req]) -> ScheduleBatch:
+        return ScheduleBatch(reqs, self.req_to_token_pool, self.allocator, self.tree_cache, self.server_args.device)
+
+    # ------------------------------------------------------------------ request intake
+    def process_input_requests(self, msgs: list[Any]) -> None:
+        for msg in msgs:
+            if isinstance(msg, TokenizedGenerateReqInput):
+                self.handle_generate_request(msg)
+            elif isinstance(msg, AbortReq):
+                self.abort_request(msg)
+            elif isinstance(msg, FlushCacheReq):
+                self.outbox.append(self.flush_cache())
+            elif isinstance(msg, GetServerInfoReq):
+                self.outbox.append(GetServerInfoOut(self.get_server_info()))
+            else:
+                logger.error("unknown message type %s dropped", type(msg).__name__)
+
+    def handle_generate_request(self, recv: TokenizedGenerateReqInput) -> None:
+        from baton.engine.sampling.sampling_batch_info import ReqSamplingState
+
+        params = recv.sampling_params
+        req = Req(rid=recv.rid, origin_input_ids=list(recv.input_ids), sampling_params=params,
+                  eos_token_ids=self.eos_token_ids, origin_input_text=recv.input_text, stream=recv.stream,
+                  return_logprob=recv.return_logprob, logprob_start_len=recv.logprob_start_len,
+                  top_logprobs_num=recv.top_logprobs_num, priority=recv.priority or 0,
+                  arrival_time=recv.received_time)
+        error = self._validate(req)
+        if error is None:
+            stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+            req.sampling_state = ReqSamplingState(params, req.origin_input_ids, self.vocab_size, stop_ids,
+                                                  self.server_args.device)
+            max_queued = self.server_args.max_queued_requests
+            if max_queued is not None and len(self.waiting_queue) >= max_queued:
+                error = ("the server is overloaded: the waiting queue is full", 503)
+        if error is not None:
+            req.abort(*error)
+            self.stream_output([req])
+            return
+        self.waiting_queue.append(req)
+
+    def _validate(self, req: Req) -> Optional[tuple[str, int]]:
+        n = len(req.origin_input_ids)
+        if n == 0:
+            return "the prompt is empty", 400
+        if n + 1 > self.context_len:
+            return f"the prompt has {n} tokens; this model's context length is {self.context_len}", 400
+        if n + req.sampling_params.max_new_tokens + self.page_size > min(self.max_total_tokens, self.context_len + self.page_size):
+            room = min(self.max_total_tokens, self.context_len) - n
+            if room < 1:
+                return f"the prompt has {n} tokens; at most {min(self.max_total_tokens, self.context_len) - 1} fit", 400
+            req.sampling_params.max_new_tokens = room  # cap, as OpenAI servers do
+            req.sampling_params.min_new_tokens = min(req.sampling_params.min_new_tokens, room)
+        if any(not 0 <= t < self.vocab_size for t in req.origin_input_ids):
+            return "input_ids contain ids outside the vocabulary", 400
+        return None
+
+    def abort_request(self, recv: AbortReq) -> None:
+        for req in list(self.waiting_queue):
+            if recv.abort_all or req.rid == recv.rid:
+                self.waiting_queue.remove(req)  # queued requests hold no memory
+                req.abort(recv.message, recv.status_code)
+                self.stream_output([req])
+        live = list(self.running_batch.reqs) + ([self.chunked_req] if self.chunked_req else [])
+        live += [r for launched in self.result_queue for r in launched.reqs]
+        if self.last_batch is not None:
+            live += self.last_batch.reqs
+        for req in live:  # ends at the next result processing, which also frees its memory
+            if recv.abort_all or req.rid == recv.rid:
+                req.abort(recv.message, recv.status_code)
+
+    # ------------------------------------------------------------------ batch selection
+    def get_next_batch_to_run(self) -> Optional[ScheduleBatch]:
+        last = self.last_batch
+        if last is not None and last.forward_mode.is_extend():
+            if self.chunked_req is not None:
+                last.filter_batch(exclude=self.chunked_req)
+                if self.chunked_req.finished():  # aborted between chunks
+                    self.reap_finished([self.chunked_req])
+                    self.chunked_req = None
+                else:
+                    self.tree_cache.cache_unfinished_req(self.chunked_req)
+            last.filter_batch()
+            self.running_batch.merge_batch(last)
+        new_batch = self.get_new_batch_prefill()
+        if new_batch is not None:
+            return new_batch
+        self.reap_finished(self.running_batch.reqs)  # aborted while waiting for a decode step
+        self.running_batch.filter_batch()
+        if self.running_batch.is_empty():
+            return None
+        self.update_running_batch(self.running_batch)
+        return self.running_batch if not self.running_batch.is_empty() else None
+
+    def get_new_batch_prefill(self) -> Optional[ScheduleBatch]:
+        if not self.waiting_queue and self.chunked_req is None:
+            return None
+        running = len(self.running_batch.reqs)
+        if running >= self.max_running_requests and self.chunked_req is None:
+            return None
+        self.policy.calc_priority(self.waiting_queue)
+        adder = PrefillAdder(self.page_size, self.tree_cache, self.allocator, self.running_batch.reqs,
+                             self.new_token_ratio, self.server_args.max_prefill_tokens, self.chunked_prefill_size)
+        if self.chunked_req is not None:
+            self.chunked_req.init_next_round_input(None)
+            self.chunked_req = adder.add_chunked_req(self.chunked_req)
+        for req in self.waiting_queue:
+            if running + len(adder.can_run_list) >= self.max_running_requests:
+                break
+            req.init_next_round_input(self.tree_cache)
+            result = adder.add_one_req(req, has_chunked_req=self.chunked_req is not None)
+            if result != AddReqResult.CONTINUE:
+                if result == AddReqResult.NO_TOKEN:
+                    self.running_batch.batch_is_full = True
+                break
+        if not adder.can_run_list:
+            return None
+        chosen = set(map(id, adder.can_run_list))
+        self.waiting_queue = [r for r in self.waiting_queue if id(r) not in chosen]
+        if adder.new_chunked_req is not None:
+            assert self.chunked_req is None
+            self.chunked_req = adder.new_chunked_req
+        if self.chunked_req is not None:
+            self.chunked_req.is_chunked += 1
+        for req in adder.can_run_list:
+            if req.cached_tokens == 0 and not req.is_retracted:
+                req.cached_tokens = len(req.prefix_indices)
+        self.stats.on_prefill(adder.log_input_tokens, adder.log_hit_tokens)
+        batch = self._new_batch(adder.can_run_list)
+        batch.prepare_for_extend(self.chunked_req)
+        return batch
+
+    def update_running_batch(self, batch: ScheduleBatch) -> None:
+        if not batch.check_decode_mem():
+            self.drain_results()  # know every in-flight token before choosing what to retract
+            self.flush_deferred()  # nothing is in flight now
+            self.reap_finished(batch.reqs)
+            batch.filter_batch()
+            retracted, ratio = batch.retract_decode(self.release_now)
+            self.new_token_ratio = max(ratio, self.new_token_ratio)
+            self.waiting_queue.extend(retracted)
+            self.stats.retractions += len(retracted)
+            logger.warning("KV pool full: retracted %d requests; new_token_ratio=%.3f", len(retracted), self.new_token_ratio)
+            if batch.is_empty():
+                return
+        else:
+            self.new_token_ratio = max(self.new_token_ratio - self.new_token_ratio_decay, self.min_new_token_ratio)
+        batch.batch_is_full = False
+        batch.prepare_for_decode()
+
+    # ------------------------------------------------------------------ execution
+    def run_batch(self, batch: ScheduleBatch) -> LaunchedBatch:
+        mwb = batch.model_worker_batch
+        self.forward_ct += 1
+        if self.overlap is not None:
+            placeholders, future = self.overlap.launch(mwb)
+            batch.output_ids = placeholders
+            return LaunchedBatch(list(batch.reqs), mwb, future)
+        result = self.worker.forward_batch_generation(mwb)
+        batch.output_ids = result.next_token_ids_tensor
+        return LaunchedBatch(list(batch.reqs), mwb, result)
+
+    def reap_finished(self, reqs: list[Req]) -> None:
+        finished = [r for r in reqs if r.finished()]
+        for req in finished:
+            self.finish_request(req)
+        self.stream_output(finished)
+
+    def drain_results(self) -> None:
+        while self.result_queue:
+            self.process_batch_result(self.result_queue.popleft())
+
+    # ------------------------------------------------------------------ memory release
+    def release(self, req: Req) -> None:
+        """Give a finished request's memory back; in overlap mode one result later, because the
+        batch launched after the one that finished it still reads its KV and row."""
+        if self.overlap is not None:
+            self.deferred_release.append(req)
+        else:
+            self.release_now(req)
+
+    def release_now(self, req: Req) -> None:
+        if req.req_pool_idx is None:
+            return
+        req.sync_fill_ids()
+        self.tree_cache.cache_finished_req(req)
+        req.req_pool_idx = None
+
+    def flush_deferred(self) -> None:
+        """Release every deferred request (nothing is in flight any more)."""
+        ready, self.deferred_release = self.deferred_release, []
+        for req in ready:
+            self.release_now(req)
+
+    # ------------------------------------------------------------------ control requests
+    def is_idle(self) -> bool:
+        return (not self.waiting_queue and self.running_batch.is_empty() and self.chunked_req is None
+                and not self.result_queue)
+
+    def flush_cache(self) -> FlushCacheOut:
+        if not self.is_idle():
+            return FlushCacheOut(False, "requests are running; retry when idle")
+        self.flush_deferred()
+        self.tree_cache.reset()
+        return FlushCacheOut(True, "")
+
+    def get_server_info(self) -> dict[str, Any]:
+        return {
+            "max_total_num_tokens": self.max_total_tokens,
+            "max_running_requests": self.max_running_requests,
+            "context_length": self.context_len,
+            "page_size": self.page_size,
+            "num_running_reqs": len(self.running_batch.reqs),
+            "num_waiting_reqs": len(self.waiting_queue),
+            "token_usage": self.token_usage(),
+            "new_token_ratio": self.new_token_ratio,
+            "cache_hit_rate": self.stats.cache_hit_rate(),
+            "retractions": self.stats.retractions,
+            "integrity_ok": self.check_memory_integrity() if self.is_idle() else None,
+        }
+
+    def token_usage(self) -> float:
+        used = self.max_total_tokens - self.allocator.available_size() - self.tree_cache.evictable_size()
+        return used / self.max_total_tokens
+
+    def check_memory_integrity(self) -> bool:
+        """At idle every KV slot is free or cached, and every request row is free."""
+        free, cached = self.allocator.available_size(), self.tree_cache.total_size()
+        rows_free = self.req_to_token_pool.available_size() == self.req_to_token_pool.size
+        ok = free + cached == self.max_total_tokens and rows_free and self.tree_cache.protected_size() == 0
+        if not ok:
+            logger.error("memory integrity check failed: free=%d cached=%d total=%d rows_free=%s protected=%d",
+                         free, cached, self.max_total_tokens, rows_free, self.tree_cache.protected_size())
+        return ok
+
+
+class SchedulerStats:
+    def __init__(self) -> None:
+        self.prefill_tokens = self.hit_tokens = self.retractions = 0
+        self.generated_tokens = 0
+
+    def on_prefill(self, new_tokens: int, hit_tokens: int) -> None:
+        self.prefill_tokens += new_tokens
+        self.hit_tokens += hit_tokens
+
+    def cache_hit_rate(self) -> float:
+        total = self.prefill_tokens + self.hit_tokens
+        return self.hit_tokens / total if total else 0.0

@@ -1,0 +1,145 @@
+"""TpModelWorker: one forward + sample per batch. OverlapWorkerClient runs it on a worker thread so
+the scheduler can prepare batch N+1 while batch N computes ("zero-overhead" overlap).
+
+Overlap: sampled tokens of batch N go into a future map at indices reserved when N was launched.
+Batch N+1 is built with -index placeholders as the decode inputs of those requests; the worker
+replaces them with the real ids just before its forward. The worker runs batches strictly in
+launch order, so N's tokens are always in the map when N+1 resolves them.
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from baton.engine.model_executor.model_runner import ModelRunner
+from baton.engine.scheduler.schedule_batch import ModelWorkerBatch
+from baton.engine.server_args import ServerArgs
+
+
+@dataclass
+class GenerationBatchResult:
+    next_token_ids: list[int]  # one per request (garbage for rows that did not sample)
+    next_token_logprobs: Optional[list[float]] = None
+    next_top_logprobs: Optional[list[list[tuple[float, int]]]] = None
+    # batch index -> (logprobs of scored prompt tokens, their top logprobs)
+    input_logprobs: dict[int, tuple[list, list]] = field(default_factory=dict)
+    next_token_ids_tensor: Optional[torch.Tensor] = None  # [bs] int64 on the CPU, for the future map
+
+
+class TpModelWorker:
+    def __init__(self, server_args: ServerArgs) -> None:
+        from baton.engine.layers.sampler import Sampler
+
+        self.model_runner = ModelRunner(server_args)
+        self.sampler = Sampler()
+        self.device = server_args.device
+
+    def forward_batch_generation(self, mwb: ModelWorkerBatch) -> GenerationBatchResult:
+        with torch.inference_mode():
+            return self._forward_and_sample(mwb)
+
+    def _forward_and_sample(self, mwb: ModelWorkerBatch) -> GenerationBatchResult:
+        from baton.engine.sampling.sampling_batch_info import SamplingBatchInfo
+
+        runner = self.model_runner
+        fb = runner.forward_batch_from(mwb)
+        hidden = runner.forward(fb)  # [num_tokens, hidden]
+        rows = runner.last_token_rows(fb)
+        last_hidden = hidden if rows is None else hidden[rows]
+        logits = runner.model.compute_logits(last_hidden)  # [bs, vocab] float32
+        bs = logits.shape[0]
+        sample_rows = [i for i, s in enumerate(mwb.sampling_states) if s is not None]
+        next_ids = torch.zeros(bs, dtype=torch.int64)
+        result = GenerationBatchResult(next_token_ids=[])
+        if sample_rows:
+            idx = torch.tensor(sample_rows, dtype=torch.int64, device=logits.device) if len(sample_rows) < bs else None
+            sub_logits = logits if idx is None else logits[idx]
+            states = [mwb.sampling_states[i] for i in sample_rows]
+            info = SamplingBatchInfo.from_states(states, logits.device)
+            nums = [mwb.top_logprobs_nums[i] for i in sample_rows]
+            out = self.sampler.forward(sub_logits, info, mwb.return_logprob, nums)
+            sampled = out.next_token_ids.to("cpu")
+            if idx is None:
+                next_ids = sampled
+            else:
+                next_ids[torch.tensor(sample_rows)] = sampled
+            if mwb.return_logprob:
+                lps = [0.0] * bs
+                tops: list[list] = [[] for _ in range(bs)]
+                for j, i in enumerate(sample_rows):
+                    lps[i] = float(out.next_token_logprobs[j])
+                    if out.top_logprobs is not None:
+                        tops[i] = out.top_logprobs[j]
+                result.next_token_logprobs, result.next_top_logprobs = lps, tops
+        result.next_token_ids = next_ids.tolist()
+        if mwb.input_logprob_reqs:
+            result.input_logprobs = self._input_logprobs(mwb, fb, hidden)
+        result.next_token_ids_tensor = next_ids
+        return result
+
+    def _input_logprobs(self, mwb: ModelWorkerBatch, fb, hidden: torch.Tensor) -> dict[int, tuple[list, list]]:
+        """Logprobs of prompt tokens in this extend chunk. Row q of a request predicts token q+1."""
+        from baton.engine.layers.logits_processor import compute_input_logprobs
+
+        out: dict[int, tuple[list, list]] = {}
+        starts = torch.tensor([0] + fb.extend_seq_lens_cpu, dtype=torch.int64).cumsum(0).tolist()
+        for i, start_pos, input_len, next_after in mwb.input_logprob_reqs:
+            p, s = fb.extend_prefix_lens_cpu[i], fb.seq_lens_cpu[i]
+            first_t, last_t = max(start_pos, p + 1, 1), min(s, input_len - 1)  # scored tokens t in [first_t, last_t]
+            lps: list = [None] if (start_pos == 0 and p == 0) else []
+            tops: list = [None] if lps else []
+            if first_t <= last_t:
+                q = torch.arange(first_t - 1, last_t, dtype=torch.int64)  # predicting rows
+                ids = fb.input_ids[starts[i]:starts[i + 1]].to("cpu")
+                targets = torch.tensor([int(ids[t - p]) if t < s else next_after for t in range(first_t, last_t + 1)])
+                logits = self.model_runner.model.compute_logits(hidden[starts[i] + (q - p).to(hidden.device)])
+                k = mwb.top_logprobs_nums[i]
+                tl, top = compute_input_logprobs(logits, targets.to(logits.device), k)
+                lps += [(float(v), int(t)) for v, t in zip(tl.tolist(), targets.tolist())]
+                tops += top if k > 0 else [None] * len(targets)
+            out[i] = (lps, tops)
+        return out
+
+
+class FutureMap:
+    """A ring of token slots on the device; index 0 is never used so -index is always negative."""
+
+    def __init__(self, max_running_requests: int, device: str) -> None:
+        self.size = 5 * (max_running_requests + 1)  # room for several batches in flight
+        self.token_ids = torch.zeros(self.size + 1, dtype=torch.int64, device=device)
+        self.ct = 0
+
+    def reserve(self, bs: int) -> torch.Tensor:
+        start = self.ct
+        self.ct = (self.ct + bs) % self.size
+        return torch.arange(start, start + bs, dtype=torch.int64) % self.size + 1
+
+
+class OverlapWorkerClient:
+    """Launches batches on one worker thread (FIFO) and returns placeholders immediately."""
+
+    def __init__(self, worker: TpModelWorker, max_running_requests: int) -> None:
+        self.worker = worker
+        self.future_map = FutureMap(max_running_requests, worker.device)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
+
+    def launch(self, mwb: ModelWorkerBatch) -> tuple[torch.Tensor, Future]:
+        bs = len(mwb.seq_lens_cpu)
+        mwb.future_indices = self.future_map.reserve(bs)
+        return -mwb.future_indices, self._executor.submit(self._run, mwb)
+
+    def _run(self, mwb: ModelWorkerBatch) -> GenerationBatchResult:
+        from baton.engine.triton_ops.future_resolve import resolve_future_token_ids
+
+        input_ids = mwb.input_ids.clone()
+        resolve_future_token_ids(input_ids, self.future_map.token_ids)
+        mwb.input_ids = input_ids
+        result = self.worker.forward_batch_generation(mwb)
+        self.future_map.token_ids[mwb.future_indices] = result.next_token_ids_tensor.to(self.future_map.token_ids.device)
+        return result
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)

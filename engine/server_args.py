@@ -1,0 +1,130 @@
+"""Server arguments: the head of the one configuration chain (server args -> scheduler -> model).
+
+Flag names follow SGLang's where the meaning is the same, so users can move over.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
+ATTENTION_BACKENDS = ("torch", "flashinfer")
+DISAGGREGATION_MODES = ("null", "prefill", "decode")
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    model_path: str
+    tokenizer_path: Optional[str] = None
+    served_model_name: Optional[str] = None
+    host: str = "127.0.0.1"
+    port: int = 30000
+    device: str = "cpu"
+    dtype: str = "auto"  # auto | float32 | float16 | bfloat16
+    context_length: Optional[int] = None
+    # memory
+    page_size: int = 1
+    max_total_tokens: Optional[int] = None
+    mem_fraction_static: float = 0.85
+    max_running_requests: Optional[int] = None
+    max_queued_requests: Optional[int] = None
+    max_prefill_tokens: int = 16384
+    chunked_prefill_size: int = 8192
+    disable_radix_cache: bool = False
+    # scheduling
+    schedule_policy: str = "fcfs"
+    enable_priority_scheduling: bool = False
+    priority_preemption_threshold: int = 10
+    schedule_conservativeness: float = 1.0
+    disable_overlap_schedule: bool = False
+    stream_interval: int = 1
+    # execution
+    attention_backend: str = "torch"
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int = 64
+    random_seed: int = 0
+    # serving
+    api_key: Optional[str] = field(default=None, repr=False)  # never logged
+    max_request_bytes: int = 16 * 1024 * 1024
+    log_level: str = "info"
+    enable_metrics: bool = True
+    # PD disaggregation (issue 3)
+    disaggregation_mode: str = "null"
+    disaggregation_bootstrap_port: int = 8998
+    disaggregation_transfer_backend: str = "mooncake"
+    disaggregation_protocol: str = "tcp"
+    disaggregation_ib_device: Optional[str] = None
+    tp_size: int = 1
+    dp_size: int = 1
+
+    def __post_init__(self) -> None:
+        assert self.page_size >= 1, "--page-size must be >= 1"
+        assert self.schedule_policy in SCHEDULE_POLICIES, f"--schedule-policy must be one of {SCHEDULE_POLICIES}"
+        assert self.attention_backend in ATTENTION_BACKENDS, f"--attention-backend must be one of {ATTENTION_BACKENDS}"
+        assert self.disaggregation_mode in DISAGGREGATION_MODES
+        assert self.chunked_prefill_size == -1 or self.chunked_prefill_size >= self.page_size
+        assert self.stream_interval >= 1
+        if self.device == "cpu":
+            assert self.attention_backend == "torch", "FlashInfer needs --device cuda"
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or os.path.basename(os.path.normpath(self.model_path))
+
+    @property
+    def enable_overlap(self) -> bool:
+        return not self.disable_overlap_schedule
+
+    def replace(self, **changes) -> "ServerArgs":
+        return dataclasses.replace(self, **changes)
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        a = parser.add_argument
+        a("--model-path", required=True, help="local Hugging Face directory (config.json, *.safetensors, tokenizer)")
+        a("--tokenizer-path", default=None)
+        a("--served-model-name", default=None)
+        a("--host", default=ServerArgs.host)
+        a("--port", type=int, default=ServerArgs.port)
+        a("--device", default=ServerArgs.device, choices=("cpu", "cuda"))
+        a("--dtype", default=ServerArgs.dtype, choices=("auto", "float32", "float16", "bfloat16"))
+        a("--context-length", type=int, default=None)
+        a("--page-size", type=int, default=ServerArgs.page_size)
+        a("--max-total-tokens", type=int, default=None, help="KV pool size in tokens (default: from --mem-fraction-static)")
+        a("--mem-fraction-static", type=float, default=ServerArgs.mem_fraction_static)
+        a("--max-running-requests", type=int, default=None)
+        a("--max-queued-requests", type=int, default=None, help="reject with 503 beyond this many waiting requests")
+        a("--max-prefill-tokens", type=int, default=ServerArgs.max_prefill_tokens)
+        a("--chunked-prefill-size", type=int, default=ServerArgs.chunked_prefill_size, help="-1 disables chunking")
+        a("--disable-radix-cache", action="store_true")
+        a("--schedule-policy", default=ServerArgs.schedule_policy, choices=SCHEDULE_POLICIES)
+        a("--enable-priority-scheduling", action="store_true")
+        a("--priority-preemption-threshold", type=int, default=ServerArgs.priority_preemption_threshold)
+        a("--schedule-conservativeness", type=float, default=ServerArgs.schedule_conservativeness)
+        a("--disable-overlap-schedule", action="store_true")
+        a("--stream-interval", type=int, default=ServerArgs.stream_interval)
+        a("--attention-backend", default=ServerArgs.attention_backend, choices=ATTENTION_BACKENDS)
+        a("--disable-cuda-graph", action="store_true")
+        a("--cuda-graph-max-bs", type=int, default=ServerArgs.cuda_graph_max_bs)
+        a("--random-seed", type=int, default=ServerArgs.random_seed)
+        a("--api-key", default=None, help="bearer key clients must send (default: $BATON_API_KEY)")
+        a("--max-request-bytes", type=int, default=ServerArgs.max_request_bytes)
+        a("--log-level", default=ServerArgs.log_level)
+        a("--disable-metrics", action="store_true")
+        a("--disaggregation-mode", default="null", choices=DISAGGREGATION_MODES)
+        a("--disaggregation-bootstrap-port", type=int, default=ServerArgs.disaggregation_bootstrap_port)
+        a("--disaggregation-transfer-backend", default="mooncake", choices=("mooncake",))
+        a("--disaggregation-protocol", default="tcp", choices=("tcp", "rdma"))
+        a("--disaggregation-ib-device", default=None)
+        a("--tp-size", type=int, default=1)
+        a("--dp-size", type=int, default=1)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":
+        kwargs = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+        kwargs["enable_metrics"] = not getattr(args, "disable_metrics", False)
+        kwargs["api_key"] = args.api_key or os.environ.get("BATON_API_KEY") or None
+        return cls(**kwargs)

@@ -1,0 +1,242 @@
+"""TokenizerManager: the HTTP process's side of the engine. Tokenizes, sends requests to the
+scheduler, and hands each request's outputs (from the detokenizer) back to its HTTP handler."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Optional
+
+import zmq
+import zmq.asyncio
+
+from baton.engine.io_struct import (AbortReq, BatchStrOut, FinishReason, FlushCacheOut, FlushCacheReq,
+                                    GetServerInfoOut, GetServerInfoReq, TokenizedGenerateReqInput)
+from baton.engine.metrics import EngineMetrics
+from baton.engine.sampling.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# how often a waiting non-streaming handler checks whether its client went away (s)
+DISCONNECT_POLL_S = 1.0
+
+
+class RequestError(Exception):
+    """A request that fails before or in the scheduler; the HTTP layer answers `status`."""
+
+    def __init__(self, message: str, status: int = 400, err_type: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.message, self.status, self.err_type = message, status, err_type
+
+
+@dataclass
+class GenerateInput:
+    """One request after HTTP parsing (a batch is several of these)."""
+
+    sampling_params: SamplingParams
+    text: Optional[str] = None
+    input_ids: Optional[list[int]] = None
+    rid: str = field(default_factory=lambda: uuid.uuid4().hex)
+    stream: bool = False
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    priority: Optional[int] = None
+    bootstrap_host: Optional[str] = None
+    bootstrap_port: Optional[int] = None
+    bootstrap_room: Optional[int] = None
+    data_parallel_rank: Optional[int] = None
+
+
+@dataclass
+class ReqOutput:
+    """Everything a request produced so far, plus what is new in this step."""
+
+    rid: str
+    text: str = ""
+    delta: str = ""
+    output_ids: list[int] = field(default_factory=list)
+    new_ids: list[int] = field(default_factory=list)
+    finished_reason: Optional[FinishReason] = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    output_token_logprobs: list = field(default_factory=list)
+    output_top_logprobs: list = field(default_factory=list)
+    input_token_logprobs: Optional[list] = None
+    input_top_logprobs: Optional[list] = None
+    new_logprobs_from: int = 0  # index into output_token_logprobs where this step's entries begin
+    e2e_latency: float = 0.0
+
+
+@dataclass
+class _ReqState:
+    out: ReqOutput
+    queue: asyncio.Queue
+    created: float = field(default_factory=time.time)
+    last_token_time: Optional[float] = None
+
+
+class TokenizerManager:
+    def __init__(self, tokenizer: Any, scheduler_addr: str, detokenizer_out_addr: str, metrics: EngineMetrics,
+                 vocab_size: int, context_len: int) -> None:
+        self.tokenizer, self.metrics = tokenizer, metrics
+        self.vocab_size, self.context_len = vocab_size, context_len
+        self._scheduler_addr, self._detok_addr = scheduler_addr, detokenizer_out_addr
+        self.states: dict[str, _ReqState] = {}
+        self._control_waiters: dict[type, list[asyncio.Future]] = {}
+        self._loop_task: Optional[asyncio.Task] = None
+
+    async def start(self) -> None:
+        ctx = zmq.asyncio.Context(1)
+        self.send = ctx.socket(zmq.PUSH)
+        self.send.connect(self._scheduler_addr)
+        self.recv = ctx.socket(zmq.PULL)
+        self.recv.bind(self._detok_addr)
+        self._loop_task = asyncio.create_task(self._handle_loop())
+
+    # ------------------------------------------------------------------ tokenization
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def apply_chat_template(self, messages: list[dict], **kwargs: Any) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise RequestError("this model has no chat template; use /v1/completions", 400)
+        try:
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
+        except Exception as e:  # template errors are the client's messages not fitting the template
+            raise RequestError(f"messages do not fit the chat template: {e}", 400) from e
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers 5 returns a BatchEncoding
+            ids = ids["input_ids"]
+        return list(ids)
+
+    # ------------------------------------------------------------------ generation
+    def _tokenized(self, obj: GenerateInput) -> TokenizedGenerateReqInput:
+        ids = obj.input_ids if obj.input_ids is not None else self.tokenize(obj.text or "")
+        if not ids:
+            raise RequestError("the prompt is empty", 400)
+        if len(ids) >= self.context_len:
+            raise RequestError(f"the prompt has {len(ids)} tokens; this model's context length is {self.context_len}", 400)
+        obj.sampling_params.verify(self.vocab_size)
+        return TokenizedGenerateReqInput(
+            rid=obj.rid, input_text=obj.text, input_ids=list(ids), sampling_params=obj.sampling_params,
+            stream=obj.stream, return_logprob=obj.return_logprob, logprob_start_len=obj.logprob_start_len,
+            top_logprobs_num=obj.top_logprobs_num, priority=obj.priority, bootstrap_host=obj.bootstrap_host,
+            bootstrap_port=obj.bootstrap_port, bootstrap_room=obj.bootstrap_room,
+            data_parallel_rank=obj.data_parallel_rank)
+
+    async def generate(self, obj: GenerateInput, is_disconnected=None) -> AsyncIterator[ReqOutput]:
+        """Yields a ReqOutput per step (streaming) or once at the end. Aborts the request in the
+        scheduler when the consumer stops early or the client disconnects."""
+        tokenized = self._tokenized(obj)
+        if obj.rid in self.states:
+            raise RequestError(f"duplicate request id {obj.rid!r}", 400)
+        state = _ReqState(ReqOutput(rid=obj.rid), asyncio.Queue())
+        self.states[obj.rid] = state
+        await self.send.send_pyobj(tokenized)
+        finished = False
+        try:
+            while True:
+                out = await self._next(state, is_disconnected)
+                finished = out.finished_reason is not None
+                if finished or obj.stream:
+                    yield out
+                if finished:
+                    return
+        finally:
+            self.states.pop(obj.rid, None)
+            if not finished:
+                await self.abort(obj.rid, "client disconnected")
+
+    async def _next(self, state: _ReqState, is_disconnected) -> ReqOutput:
+        while True:
+            try:
+                return await asyncio.wait_for(state.queue.get(), DISCONNECT_POLL_S if is_disconnected else None)
+            except asyncio.TimeoutError:
+                if await is_disconnected():
+                    raise asyncio.CancelledError("client disconnected")
+
+    async def abort(self, rid: str, message: str = "aborted by request") -> None:
+        await self.send.send_pyobj(AbortReq(rid=rid, message=message))
+
+    # ------------------------------------------------------------------ control
+    async def _control(self, req: Any, reply_type: type, timeout: float = 30.0) -> Any:
+        fut = asyncio.get_running_loop().create_future()
+        self._control_waiters.setdefault(reply_type, []).append(fut)
+        await self.send.send_pyobj(req)
+        return await asyncio.wait_for(fut, timeout)
+
+    async def flush_cache(self) -> FlushCacheOut:
+        return await self._control(FlushCacheReq(), FlushCacheOut)
+
+    async def get_server_info(self) -> dict[str, Any]:
+        return (await self._control(GetServerInfoReq(), GetServerInfoOut)).info
+
+    # ------------------------------------------------------------------ outputs
+    async def _handle_loop(self) -> None:
+        while True:
+            msg = await self.recv.recv_pyobj()
+            try:
+                if isinstance(msg, BatchStrOut):
+                    self._handle_batch(msg)
+                else:
+                    waiters = self._control_waiters.get(type(msg), [])
+                    while waiters:
+                        fut = waiters.pop(0)
+                        if not fut.done():
+                            fut.set_result(msg)
+                            break
+            except Exception:
+                logger.exception("failed to dispatch an output message")
+
+    def _handle_batch(self, msg: BatchStrOut) -> None:
+        now = time.time()
+        for i, rid in enumerate(msg.rids):
+            state = self.states.get(rid)
+            if state is None:  # the client went away; the abort is on its way
+                continue
+            out = state.out
+            out.delta = msg.texts[i]
+            out.text += out.delta
+            out.new_ids = msg.new_token_ids[i]
+            out.output_ids.extend(out.new_ids)
+            out.finished_reason = msg.finished_reasons[i]
+            meta = msg.meta[i]
+            out.prompt_tokens, out.completion_tokens, out.cached_tokens = meta.prompt_tokens, meta.completion_tokens, meta.cached_tokens
+            out.new_logprobs_from = len(out.output_token_logprobs)
+            if msg.output_token_logprobs[i] is not None:
+                out.output_token_logprobs.extend(msg.output_token_logprobs[i])
+            if msg.output_top_logprobs[i] is not None:
+                out.output_top_logprobs.extend(msg.output_top_logprobs[i])
+            if msg.input_token_logprobs[i] is not None:
+                out.input_token_logprobs = msg.input_token_logprobs[i]
+                out.input_top_logprobs = msg.input_top_logprobs[i]
+            self._observe(state, now, len(out.new_ids))
+            state.queue.put_nowait(_snapshot(out))
+
+    def _observe(self, state: _ReqState, now: float, new_tokens: int) -> None:
+        m, out = self.metrics, state.out
+        if new_tokens:
+            if state.last_token_time is None:
+                m.ttft.observe(now - state.created)
+            else:
+                m.itl.observe((now - state.last_token_time) / new_tokens)
+            state.last_token_time = now
+            m.generation_tokens.inc(new_tokens)
+        if out.finished_reason is not None:
+            out.e2e_latency = now - state.created
+            m.e2e.observe(out.e2e_latency)
+            m.prompt_tokens.inc(out.prompt_tokens)
+            m.cached_tokens.inc(out.cached_tokens)
+            m.finished(out.finished_reason.kind)
+
+
+def _snapshot(out: ReqOutput) -> ReqOutput:
+    # the handler reads the cumulative fields after later steps may have changed them
+    snap = ReqOutput(**{k: v for k, v in out.__dict__.items()})
+    snap.output_ids = list(out.output_ids)
+    snap.output_token_logprobs = list(out.output_token_logprobs)
+    snap.output_top_logprobs = list(out.output_top_logprobs)
+    return snap

@@ -1,0 +1,104 @@
+"""Tiny random-weight HF checkpoints (+ an offline tokenizer) for engine tests.
+
+    path = make_tiny_model("qwen3", tmp_path / "qwen3")      # llama | qwen2 | qwen3 | qwen3_moe
+    AutoModelForCausalLM.from_pretrained(path)  /  load_model(str(path))  /  AutoTokenizer.from_pretrained(path)
+
+Weights use initializer_range 0.15 instead of the usual 0.02. With 0.02 a 64-wide random model is
+nearly inert: attention is almost uniform and logits are almost flat (std ~0.16), so a masking or
+indexing bug could move logits by less than the test tolerance. With 0.15 every layer matters,
+logits have std ~1.2 and the median top-1/top-2 gap is ~0.3, orders of magnitude above float32
+rounding differences between two implementations (~1e-6): greedy ties are implausible, so
+token-for-token comparisons against transformers are meaningful and atol 1e-4 on logits is tight.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Union
+
+import torch
+
+VOCAB_SIZE = 512
+SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>", "<|endoftext|>"]
+# ids follow SPECIAL_TOKENS order (the BPE trainer adds them first). <|endoftext|> is there because
+# transformers' Qwen2Tokenizer (picked by AutoTokenizer for model_type qwen2) adds it when missing.
+PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Baton hands the KV cache from prefill pods to decode pods.",
+    "Hello world! How are you today? I am a tiny language model.",
+    "Prefill first, then decode one token at a time, batch after batch.",
+    "0123456789 + - * / = ( ) [ ] { } < > , ; : ' \" ? !",
+]
+
+_BASE = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
+             initializer_range=0.15, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
+             tie_word_embeddings=False)
+ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {},
+    "qwen2": {},
+    "qwen3": {"head_dim": 16},
+    "qwen3_moe": {"head_dim": 16, "moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2,
+                  "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []},
+}
+
+
+def _config_and_model_classes(arch: str):
+    import transformers as tf
+
+    return {
+        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+        "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+        "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
+    }[arch]
+
+
+def make_tiny_model(arch: str, path: Union[str, os.PathLike], seed: int = 0, **overrides: Any) -> str:
+    """Build, save (safetensors, float32) and return the directory of a tiny random `arch` model."""
+    if arch not in ARCH_DEFAULTS:
+        raise ValueError(f"unknown tiny arch {arch!r}; choose from {sorted(ARCH_DEFAULTS)}")
+    config_cls, model_cls = _config_and_model_classes(arch)
+    config = config_cls(**{**_BASE, **ARCH_DEFAULTS[arch], **overrides})
+    torch.manual_seed(seed)
+    model = model_cls(config).to(torch.float32).eval()
+    _randomize_zero_params(model, config.initializer_range)
+    path = os.fspath(path)
+    model.save_pretrained(path)
+    save_tiny_tokenizer(path, config.vocab_size)
+    return path
+
+
+@torch.no_grad()
+def _randomize_zero_params(model: torch.nn.Module, std: float) -> None:
+    # Some modules start at zero (e.g. the MoE router): every expert would tie and top-k picks would
+    # depend on tie-breaking rather than on the math under test.
+    for name, p in model.named_parameters():
+        if p.ndim >= 2 and not p.any():
+            p.normal_(0.0, std)
+
+
+def save_tiny_tokenizer(path: Union[str, os.PathLike], vocab_size: int = VOCAB_SIZE) -> None:
+    """A byte-level BPE trained in-process, padded with plain added tokens up to exactly `vocab_size`
+    so that every id a random model can emit decodes to something."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=min(vocab_size, 400), special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_CORPUS, trainer)
+    filler = vocab_size - tok.get_vocab_size()
+    assert filler >= 0, "tokenizer vocab exceeds the model vocab"
+    tok.add_tokens([f"<|x{i}|>" for i in range(filler)])
+    assert [tok.token_to_id(t) for t in SPECIAL_TOKENS[:3]] == [PAD_ID, BOS_ID, EOS_ID]
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>",
+                                   pad_token="<|pad|>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(os.fspath(path))
