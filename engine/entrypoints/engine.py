@@ -92,7 +92,6 @@ def run_server(server_args: ServerArgs) -> None:
         ctx = ApiContext(server_args, tm, model_info, procs.alive,
                          extra={"dp_size": server_args.dp_size, "tp_size": server_args.tp_size})
         app = create_app(ctx)
-        app.add_event_handler("startup", tm.start)
         config = uvicorn.Config(app, host=server_args.host, port=server_args.port,
                                 log_level=server_args.log_level if server_args.log_level != "info" else "warning",
                                 timeout_keep_alive=30)

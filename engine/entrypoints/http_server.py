@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
@@ -91,7 +92,12 @@ SSE_DONE = b"data: [DONE]\n\n"
 def create_app(ctx: ApiContext) -> FastAPI:
     from baton.engine.entrypoints.openai_api import register_openai_routes
 
-    app = FastAPI(title="baton engine", docs_url=None, redoc_url=None)
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        await ctx.tm.start()
+        yield
+
+    app = FastAPI(title="baton engine", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.ctx = ctx
     key = ctx.server_args.api_key
 

@@ -36,7 +36,7 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
-        if self.temperature < _GREEDY_EPS:  # temperature 0 means greedy
+        if 0 <= self.temperature < _GREEDY_EPS:  # temperature 0 means greedy
             self.temperature, self.top_k = 1.0, 1
 
     def verify(self, vocab_size: int) -> None:

@@ -50,28 +50,10 @@ class SchedulerIO:
         scheduler.outbox.clear()
 
 
-def event_loop_normal(scheduler: Scheduler, io: SchedulerIO) -> None:
+def event_loop(scheduler: Scheduler, io: SchedulerIO) -> None:
     while True:
         scheduler.process_input_requests(io.recv_requests(block=scheduler.is_idle()))
-        batch = scheduler.get_next_batch_to_run()
-        if batch is not None:
-            scheduler.process_batch_result(scheduler.run_batch(batch))
-        scheduler.last_batch = batch
-        io.flush(scheduler)
-
-
-def event_loop_overlap(scheduler: Scheduler, io: SchedulerIO) -> None:
-    while True:
-        scheduler.process_input_requests(io.recv_requests(block=scheduler.is_idle()))
-        batch = scheduler.get_next_batch_to_run()
-        if batch is not None:
-            scheduler.result_queue.append(scheduler.run_batch(batch))
-        # results of the previous batch, while the one just launched computes
-        if scheduler.result_queue and (batch is None or len(scheduler.result_queue) > 1):
-            scheduler.process_batch_result(scheduler.result_queue.popleft())
-        if not scheduler.result_queue:
-            scheduler.flush_deferred()
-        scheduler.last_batch = batch
+        scheduler.run_step()
         io.flush(scheduler)
 
 
@@ -95,7 +77,7 @@ def run_scheduler_process(server_args: ServerArgs, recv_addr: str, send_addr: st
         return
     ready_pipe.send(("ready", {**scheduler.get_server_info(), "vocab_size": scheduler.vocab_size}))
     try:
-        (event_loop_overlap if scheduler.overlap is not None else event_loop_normal)(scheduler, io)
+        event_loop(scheduler, io)
     except Exception:
         logger.error("scheduler crashed:\n%s", traceback.format_exc())
         os.kill(os.getppid(), signal.SIGTERM)  # fail loudly: the server must not keep accepting requests

@@ -244,6 +244,26 @@ class Scheduler(SchedulerOutputProcessorMixin):
         batch.prepare_for_decode()
 
     # ------------------------------------------------------------------ execution
+    def run_step(self) -> bool:
+        """One loop iteration after intake. Returns whether a batch was launched.
+
+        plain:    schedule N -> run N -> process N
+        overlap:  schedule N+1 -> launch N+1 -> process N (N's CPU work overlaps N+1's forward)
+        """
+        batch = self.get_next_batch_to_run()
+        if self.overlap is None:
+            if batch is not None:
+                self.process_batch_result(self.run_batch(batch))
+        else:
+            if batch is not None:
+                self.result_queue.append(self.run_batch(batch))
+            if self.result_queue and (batch is None or len(self.result_queue) > 1):
+                self.process_batch_result(self.result_queue.popleft())
+            if not self.result_queue:
+                self.flush_deferred()
+        self.last_batch = batch
+        return batch is not None
+
     def run_batch(self, batch: ScheduleBatch) -> LaunchedBatch:
         mwb = batch.model_worker_batch
         self.forward_ct += 1

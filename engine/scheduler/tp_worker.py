@@ -89,11 +89,12 @@ class TpModelWorker:
         for i, start_pos, input_len, next_after in mwb.input_logprob_reqs:
             p, s = fb.extend_prefix_lens_cpu[i], fb.seq_lens_cpu[i]
             first_t, last_t = max(start_pos, p + 1, 1), min(s, input_len - 1)  # scored tokens t in [first_t, last_t]
-            lps: list = [None] if (start_pos == 0 and p == 0) else []
+            ids = fb.input_ids[starts[i]:starts[i + 1]].to("cpu")
+            # the first prompt token has no logprob (nothing predicts it)
+            lps: list = [(None, int(ids[0]))] if (start_pos == 0 and p == 0) else []
             tops: list = [None] if lps else []
             if first_t <= last_t:
                 q = torch.arange(first_t - 1, last_t, dtype=torch.int64)  # predicting rows
-                ids = fb.input_ids[starts[i]:starts[i + 1]].to("cpu")
                 targets = torch.tensor([int(ids[t - p]) if t < s else next_after for t in range(first_t, last_t + 1)])
                 logits = self.model_runner.model.compute_logits(hidden[starts[i] + (q - p).to(hidden.device)])
                 k = mwb.top_logprobs_nums[i]

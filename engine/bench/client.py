@@ -1,0 +1,135 @@
+"""Drive an OpenAI-compatible `/v1/completions` endpoint with streaming requests at fixed concurrency.
+
+`concurrency` workers take prompts from one queue, so exactly `concurrency` requests are in flight
+until the queue runs dry. Requests ask for `max_tokens` tokens with `ignore_eos` (an SGLang extra
+field) and `stream_options.include_usage`, so the last chunk reports the true output token count.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Optional
+
+import httpx
+
+from baton.engine.bench.metrics import RequestResult, summarize
+from baton.engine.bench.workload import BenchPrompt
+
+REQUEST_TIMEOUT_S = 600.0
+
+
+def completion_body(model: str, prompt: BenchPrompt) -> dict:
+    return {
+        "model": model,
+        "prompt": prompt.text,
+        "max_tokens": prompt.output_len,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
+def auth_headers(api_key: Optional[str]) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+async def stream_completion(client: httpx.AsyncClient, url: str, body: dict, prompt_len: int) -> RequestResult:
+    """Send one streaming request and time its chunks."""
+    result = RequestResult(prompt_len=prompt_len)
+    start = last = time.perf_counter()
+    chunks = 0
+    try:
+        async with client.stream("POST", url, json=body) as response:
+            if response.status_code != 200:
+                text = (await response.aread()).decode(errors="replace")
+                result.error = f"HTTP {response.status_code}: {text[:200]}"
+                return result
+            async for line in response.aiter_lines():
+                event = _parse_sse(line)
+                if event is None:
+                    continue
+                now = time.perf_counter()
+                if _chunk_text(event):
+                    if chunks == 0:
+                        result.ttft = now - start
+                    else:
+                        result.itl.append(now - last)
+                    chunks += 1
+                    last = now
+                if event.get("usage"):
+                    result.output_tokens = int(event["usage"]["completion_tokens"])
+                    result.usage_reported = True
+    except (httpx.HTTPError, ValueError, KeyError) as e:
+        result.error = f"{type(e).__name__}: {e}"
+        return result
+    result.e2e = time.perf_counter() - start
+    if not result.usage_reported:
+        result.output_tokens = chunks
+    result.success = chunks > 0
+    if not result.success:
+        result.error = "stream ended without text"
+    return result
+
+
+def _parse_sse(line: str) -> Optional[dict]:
+    """The JSON of a `data:` line; None for keep-alives, comments and `[DONE]`."""
+    if not line.startswith("data:"):
+        return None
+    payload = line[len("data:"):].strip()
+    if not payload or payload == "[DONE]":
+        return None
+    event = json.loads(payload)
+    if "error" in event:
+        raise ValueError(f"server error in stream: {event['error']}")
+    return event
+
+
+def _chunk_text(event: dict) -> str:
+    choices = event.get("choices") or []
+    return "".join(c.get("text") or "" for c in choices)
+
+
+async def run_requests(base_url: str, model: str, prompts: list[BenchPrompt], concurrency: int,
+                       api_key: Optional[str] = None) -> tuple[list[RequestResult], float]:
+    """All prompts through `concurrency` workers; returns results in prompt order and the wall time."""
+    assert concurrency >= 1
+    url = base_url.rstrip("/") + "/v1/completions"
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    for i in range(len(prompts)):
+        queue.put_nowait(i)
+    results: list[Optional[RequestResult]] = [None] * len(prompts)
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S, limits=limits, headers=auth_headers(api_key)) as client:
+
+        async def worker() -> None:
+            while not queue.empty():
+                i = queue.get_nowait()
+                body = completion_body(model, prompts[i])
+                results[i] = await stream_completion(client, url, body, len(prompts[i].token_ids))
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(min(concurrency, len(prompts)))))
+        duration = time.perf_counter() - start
+    return [r for r in results if r is not None], duration
+
+
+def resolve_model_name(base_url: str, api_key: Optional[str] = None) -> str:
+    """The first model `/v1/models` lists (what `--model` defaults to)."""
+    response = httpx.get(base_url.rstrip("/") + "/v1/models", headers=auth_headers(api_key), timeout=30)
+    response.raise_for_status()
+    return response.json()["data"][0]["id"]
+
+
+def run_serving_benchmark(base_url: str, model: str, prompts: list[BenchPrompt], concurrency: int,
+                          api_key: Optional[str] = None, warmup_requests: int = 1) -> dict:
+    """Warm up (not measured), run the workload, and return `metrics.summarize`'s dict plus the setup."""
+    if warmup_requests:
+        # A prompt of its own, so warming up does not put the workload's shared prefix in the cache.
+        warm = [BenchPrompt("Warm up the server, please.", (), 4)] * warmup_requests
+        asyncio.run(run_requests(base_url, model, warm, concurrency, api_key))
+    results, duration = asyncio.run(run_requests(base_url, model, prompts, concurrency, api_key))
+    summary = summarize(results, duration)
+    summary.update(base_url=base_url, model=model, concurrency=concurrency)
+    return summary

@@ -1,0 +1,86 @@
+"""The HF `transformers` baseline: `generate` on the benchmark's prompts, greedy, EOS ignored.
+
+`min_new_tokens == max_new_tokens == output_len` makes every sequence as long as a served request
+with `ignore_eos`. Two modes:
+- batched: all prompts in one left-padded batch (HF at its best for offline throughput);
+- sequential: one prompt at a time (what a naive server built on `generate` would do).
+Prompt tokenization and model loading are not timed; one short warm-up `generate` runs first.
+"""
+from __future__ import annotations
+
+import time
+from enum import Enum
+from typing import Optional
+
+import torch
+
+from baton.engine.bench.workload import BenchPrompt
+
+
+class HFMode(str, Enum):
+    BATCHED = "batched"
+    SEQUENTIAL = "sequential"
+
+
+def load_hf_model(model_path: str, device: str = "cpu", dtype: str = "float32"):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    return model, tokenizer
+
+
+def pad_token_id(model, tokenizer) -> int:
+    """Any id works for left padding (it is masked); prefer the tokenizer's, then EOS."""
+    for candidate in (tokenizer.pad_token_id, model.generation_config.pad_token_id, tokenizer.eos_token_id):
+        if candidate is not None:
+            return int(candidate[0] if isinstance(candidate, list) else candidate)
+    return 0
+
+
+def left_pad(prompts: list[list[int]], pad_id: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-aligned batch: returns input ids and attention mask, both [batch, max_len]."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        mask[row, width - len(p):] = 1
+    return ids.to(device), mask.to(device)
+
+
+@torch.inference_mode()
+def _generate(model, batch: list[list[int]], output_len: int, pad_id: int) -> int:
+    """Greedy-generate exactly `output_len` tokens per row; return the number of new tokens."""
+    ids, mask = left_pad(batch, pad_id, str(model.device))
+    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=output_len,
+                         min_new_tokens=output_len, pad_token_id=pad_id)  # [batch, prompt + new]
+    return out.shape[0] * (out.shape[1] - ids.shape[1])
+
+
+def run_hf_baseline(model_path: str, prompts: list[BenchPrompt], mode: HFMode | str,
+                    device: str = "cpu", dtype: str = "float32", model_and_tokenizer=None,
+                    max_batch_size: Optional[int] = None) -> dict:
+    """Time `generate` over all prompts; returns output tokens, seconds and tokens/s."""
+    mode = HFMode(mode)
+    model, tokenizer = model_and_tokenizer or load_hf_model(model_path, device, dtype)
+    pad_id = pad_token_id(model, tokenizer)
+    token_ids = [list(p.token_ids) for p in prompts]
+    output_len = prompts[0].output_len
+    assert all(p.output_len == output_len for p in prompts), "the HF baseline needs one output length"
+    _generate(model, token_ids[:1], 2, pad_id)  # warm-up: first-call allocations are not the baseline
+    size = 1 if mode is HFMode.SEQUENTIAL else (max_batch_size or len(token_ids))
+    start = time.perf_counter()
+    output_tokens = sum(_generate(model, token_ids[i:i + size], output_len, pad_id)
+                        for i in range(0, len(token_ids), size))
+    seconds = time.perf_counter() - start
+    return {
+        "mode": mode.value,
+        "requests": len(prompts),
+        "batch_size": size,
+        "input_tokens": sum(len(t) for t in token_ids),
+        "output_tokens": output_tokens,
+        "duration_s": seconds,
+        "output_throughput": output_tokens / seconds,
+        "request_throughput": len(prompts) / seconds,
+    }

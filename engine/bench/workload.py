@@ -1,0 +1,88 @@
+"""The benchmark workload: deterministic random-token prompts of a given token length.
+
+Prompts are sent as text (OpenAI `/v1/completions`), so each is built from random token ids,
+decoded, and re-encoded until the text tokenizes back to about `input_len` tokens (decoding random
+ids and encoding the text again merges or splits some tokens; a few rounds settle it).
+
+With `shared_prefix_len` P every prompt starts with the same P-token text. The server tokenizes the
+whole prompt, so a merge across the prefix/suffix seam can change the last prefix token or two; the
+radix cache still matches everything before that.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+from dataclasses import dataclass
+
+_SETTLE_ROUNDS = 8
+
+
+@dataclass(frozen=True)
+class WorkloadConfig:
+    num_prompts: int
+    input_len: int
+    output_len: int
+    shared_prefix_len: int = 0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        assert self.num_prompts >= 1 and self.input_len >= 1 and self.output_len >= 1
+        assert 0 <= self.shared_prefix_len < self.input_len, "--shared-prefix-len must be < --input-len"
+
+
+@dataclass(frozen=True)
+class BenchPrompt:
+    text: str
+    token_ids: tuple[int, ...]  # the text encoded without special tokens
+    output_len: int
+
+
+def add_workload_args(parser: argparse.ArgumentParser) -> None:
+    a = parser.add_argument
+    a("--num-prompts", type=int, default=32)
+    a("--input-len", type=int, default=128, help="prompt length in tokens (approximate, see workload.py)")
+    a("--output-len", type=int, default=64, help="tokens generated per request (EOS ignored)")
+    a("--shared-prefix-len", type=int, default=0, help="tokens every prompt shares at its start")
+    a("--seed", type=int, default=0)
+
+
+def workload_config_from_args(args: argparse.Namespace) -> WorkloadConfig:
+    return WorkloadConfig(num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
+                          shared_prefix_len=args.shared_prefix_len, seed=args.seed)
+
+
+def build_workload(tokenizer, config: WorkloadConfig) -> list[BenchPrompt]:
+    """`config.num_prompts` prompts; the same seed and tokenizer give the same prompts."""
+    rng = random.Random(config.seed)
+    candidates = _plain_token_ids(tokenizer)
+    prefix = _settled_text(tokenizer, rng, candidates, config.shared_prefix_len)
+    prompts = []
+    for _ in range(config.num_prompts):
+        text = prefix + _settled_text(tokenizer, rng, candidates, config.input_len - config.shared_prefix_len)
+        ids = tuple(tokenizer.encode(text, add_special_tokens=False))
+        prompts.append(BenchPrompt(text=text, token_ids=ids, output_len=config.output_len))
+    return prompts
+
+
+def _plain_token_ids(tokenizer) -> list[int]:
+    """Ids to sample from: every id but special and added tokens (a random `<|im_end|>` in the
+    middle of a prompt would make the prompt mean something else to a chat model)."""
+    special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}) or {})
+    ids = [i for i in range(len(tokenizer)) if i not in special]
+    assert ids, "the tokenizer has no plain tokens"
+    return ids
+
+
+def _settled_text(tokenizer, rng: random.Random, candidates: list[int], length: int) -> str:
+    """Text that encodes back to about `length` tokens."""
+    if length <= 0:
+        return ""
+    ids = [rng.choice(candidates) for _ in range(length)]
+    text = tokenizer.decode(ids)
+    for _ in range(_SETTLE_ROUNDS):
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        if len(ids) == length:
+            break
+        ids = ids[:length] + [rng.choice(candidates) for _ in range(length - len(ids))]
+        text = tokenizer.decode(ids)
+    return text

@@ -1,0 +1,17 @@
+"""Configuration of one running operator (from the CLI; handed to handlers through kopf's memo)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class OperatorConfig:
+    resync_seconds: float = 60.0  # full reconcile + status refresh of every InferenceService
+    retry_seconds: float = 10.0  # back-off after a temporary error (API conflict, 5xx, RBAC)
+    metrics_port: int | None = 9090  # None: no metrics server; 0: any free port
+    metrics_addr: str = "0.0.0.0"
+    post_events: bool = True  # Kubernetes Events for handler results (kopf's posting)
+
+    def __post_init__(self) -> None:
+        assert self.resync_seconds > 0 and self.retry_seconds > 0
+        assert self.metrics_port is None or 0 <= self.metrics_port < 65536

@@ -1,0 +1,242 @@
+"""The InferenceService CustomResourceDefinition, built as a dict (the single source of truth).
+
+`manifests/01-crd.yaml` and `charts/baton/crds/` are generated from `build_crd()` by
+`python -m baton.operator.install --write` and a test keeps them in sync. The schema carries the
+defaults the operator relies on (`baton.operator.defaults` applies the same ones), enums, bounds and
+the CEL rules from `baton.operator.validation`.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from baton.operator import naming
+from baton.operator.validation import Scope, rules_for
+
+ROUTER_POLICIES = ["random", "round_robin", "cache_aware", "power_of_two"]
+_QUANTITY = {"anyOf": [{"type": "integer"}, {"type": "string"}], "x-kubernetes-int-or-string": True,
+             "pattern": r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"}
+_FREE_OBJECT = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+
+
+def _str(desc: str, **kw: Any) -> dict[str, Any]:
+    return {"type": "string", "description": desc, **kw}
+
+
+def _int(desc: str, minimum: int, maximum: int, default: int | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {"type": "integer", "description": desc, "minimum": minimum, "maximum": maximum}
+    if default is not None:
+        out["default"] = default
+    return out
+
+
+def _bool(desc: str, default: bool) -> dict[str, Any]:
+    return {"type": "boolean", "description": desc, "default": default}
+
+
+def _obj(desc: str, props: dict[str, Any], required: tuple[str, ...] = (),
+         scope: Scope | None = None, **kw: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {"type": "object", "description": desc, "properties": props, **kw}
+    if required:
+        out["required"] = list(required)
+    if scope is not None:
+        out["x-kubernetes-validations"] = [{"rule": r.cel, "message": r.message} for r in rules_for(scope)]
+    return out
+
+
+def _list(desc: str, items: dict[str, Any], max_items: int, scope: Scope | None = None,
+          **kw: Any) -> dict[str, Any]:
+    out = {"type": "array", "description": desc, "items": items, "maxItems": max_items, **kw}
+    if scope is not None:
+        out["x-kubernetes-validations"] = [{"rule": r.cel, "message": r.message} for r in rules_for(scope)]
+    return out
+
+
+def _string_map(desc: str) -> dict[str, Any]:
+    return {"type": "object", "description": desc, "additionalProperties": {"type": "string"}}
+
+
+def _resources() -> dict[str, Any]:
+    quantities = {"type": "object", "additionalProperties": _QUANTITY}
+    return _obj("Kubernetes resource requests/limits of the container (GPUs: use `gpus`).",
+                {"requests": quantities, "limits": quantities})
+
+
+def _env() -> dict[str, Any]:
+    item = {"type": "object", "required": ["name"], "x-kubernetes-preserve-unknown-fields": True,
+            "properties": {"name": {"type": "string", "maxLength": 256}, "value": {"type": "string"}}}
+    return _list("Extra environment variables (Kubernetes EnvVar objects).", item, 64)
+
+
+def _placement() -> dict[str, Any]:
+    return {
+        "nodeSelector": _string_map("Node labels the pods must run on."),
+        "tolerations": _list("Kubernetes tolerations of the pods.", _FREE_OBJECT, 32),
+        "affinity": {**_FREE_OBJECT, "description": "Kubernetes affinity of the pods."},
+    }
+
+
+def role_schema(what: str) -> dict[str, Any]:
+    args = _list(f"Extra `baton serve` arguments of {what} pods.", _str("", maxLength=256), 64,
+                 scope=Scope.ENGINE_ARGS, default=[])
+    return _obj(f"{what.capitalize()} engine pods: one pod runs one `baton serve` with tp*dp ranks.", {
+        "replicas": _int("Number of engine pods.", 0, 1024, 1),
+        "tp": _int("Tensor-parallel size (--tp-size).", 1, 64, 1),
+        "dp": _int("Data-parallel size (--dp-size).", 1, 64, 1),
+        "gpus": _int("GPUs per pod: 0 runs on CPU, otherwise tp*dp.", 0, 64, 0),
+        "gpuResourceName": _str("Extended resource of one GPU.", default="nvidia.com/gpu", maxLength=253),
+        "shmSize": {**_QUANTITY, "description": "Size of the /dev/shm memory volume (unset: no limit)."},
+        "resources": _resources(), "extraArgs": args, "env": _env(), **_placement(),
+    }, scope=Scope.ROLE)
+
+
+def _model() -> dict[str, Any]:
+    pvc = _obj("Mount this PersistentVolumeClaim (read-only) at `path`.", {
+        "claimName": _str("Claim name.", minLength=1, maxLength=253),
+        "subPath": _str("Folder inside the volume holding the model.", maxLength=1024),
+    }, required=("claimName",))
+    host = _obj("Mount this node folder (read-only) at `path`.", {
+        "path": _str("Absolute folder on the node.", pattern="^/", maxLength=1024),
+    }, required=("path",))
+    return _obj("Where the weights are and the name clients use.", {
+        "name": _str("Served model name (--served-model-name): the `model` clients send.",
+                     minLength=1, maxLength=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$"),
+        "path": _str("Model folder inside the container (--model-path); with neither pvc nor "
+                     "hostPath the weights are expected in the image at this path.",
+                     pattern="^/", maxLength=1024),
+        "pvc": pvc, "hostPath": host,
+    }, required=("name", "path"), scope=Scope.MODEL)
+
+
+def _router() -> dict[str, Any]:
+    policy = {"type": "string", "enum": ROUTER_POLICIES}
+    return _obj("The router: OpenAI-compatible entry point that pairs prefill and decode pods.", {
+        "replicas": _int("Number of router pods.", 0, 100, 1),
+        "image": _str("Router image (default: spec.image).", maxLength=512),
+        "prefillPolicy": {**policy, "default": "cache_aware", "description": "How to pick a prefill pod."},
+        "decodePolicy": {**policy, "default": "round_robin", "description": "How to pick a decode pod."},
+        "policy": {**policy, "default": "cache_aware", "description": "How to pick a pod (colocated mode)."},
+        "service": _obj("The Service clients connect to.", {
+            "type": {"type": "string", "enum": ["ClusterIP", "NodePort", "LoadBalancer"], "default": "ClusterIP"},
+            "port": _int("Service port.", 1, 65535, naming.ROUTER_PORT),
+        }, default={}),
+        "apiKeySecretRef": _obj("Secret key holding the API key clients must send (BATON_API_KEY).", {
+            "name": _str("Secret name.", minLength=1, maxLength=253),
+            "key": _str("Key in the Secret.", default="api-key", minLength=1, maxLength=253),
+        }, required=("name",)),
+        "extraArgs": _list("Extra `baton router` arguments.", _str("", maxLength=256), 64,
+                           scope=Scope.ROUTER_ARGS, default=[]),
+        "resources": _resources(), "env": _env(), **_placement(),
+    }, default={})
+
+
+def _kv_transfer() -> dict[str, Any]:
+    return _obj("How decode pods receive the KV cache from prefill pods.", {
+        "backend": {"type": "string", "enum": ["mooncake"], "default": "mooncake"},
+        "protocol": {"type": "string", "enum": ["tcp", "rdma"], "default": "tcp",
+                     "description": "rdma for production, tcp where there is no RDMA NIC."},
+        "ibDevices": _list("RDMA devices (--disaggregation-ib-device), e.g. [mlx5_0, mlx5_1].",
+                           _str("", pattern=r"^[A-Za-z0-9_.:-]+$", maxLength=64), 16, default=[]),
+        "rdmaResourceName": _str("Extended resource of the RDMA device plugin, requested per engine "
+                                 "pod, e.g. rdma/hca_shared_devices_a.", maxLength=253),
+        "rdmaResourceCount": _int("How many of rdmaResourceName each engine pod requests.", 1, 64, 1),
+        "hostNetwork": _bool("Run engine pods in the node's network namespace (RoCE setups).", False),
+        "bootstrapPort": _int("Prefill bootstrap port.", 1024, 65535, naming.DEFAULT_BOOTSTRAP_PORT),
+    }, scope=Scope.KV_TRANSFER, default={})
+
+
+def _monitoring() -> dict[str, Any]:
+    return _obj("Prometheus Operator objects for the engines and the router.", {
+        "podMonitor": _bool("Create a PodMonitor scraping /metrics of every pod.", False),
+        "serviceMonitor": _bool("Create a ServiceMonitor scraping /metrics through the Services.", False),
+        "interval": _str("Scrape interval.", default="15s", pattern=r"^[0-9]+(ms|s|m)$"),
+        "labels": _string_map("Extra labels on the monitors (e.g. release: prometheus)."),
+    }, default={})
+
+
+def spec_schema() -> dict[str, Any]:
+    return _obj("Desired state of one served model.", {
+        "mode": {"type": "string", "enum": ["disaggregated", "colocated"], "default": "disaggregated",
+                 "description": "disaggregated: prefill + decode pods; colocated: one engine role."},
+        "image": _str("Image with the `baton` command.", minLength=1, maxLength=512),
+        "imagePullPolicy": {"type": "string", "enum": ["Always", "IfNotPresent", "Never"], "default": "IfNotPresent"},
+        "imagePullSecrets": _list("Names of image pull Secrets.", _str("", maxLength=253), 8),
+        "model": _model(),
+        "prefill": role_schema("prefill"), "decode": role_schema("decode"), "engine": role_schema("colocated"),
+        "router": _router(), "kvTransfer": _kv_transfer(), "monitoring": _monitoring(),
+        "podSecurity": _obj("Pod security of engines and router.", {
+            "runAsNonRoot": _bool("Run as a non-root user (set false if the image needs root).", True),
+            "runAsUser": _int("User id.", 0, 2147483647, 1000),
+            "fsGroup": _int("Group owning mounted volumes.", 0, 2147483647, 1000),
+        }, default={}),
+    }, required=("image", "model"), scope=Scope.SPEC)
+
+
+def _role_status() -> dict[str, Any]:
+    count = {"type": "integer", "minimum": 0}
+    return {"type": "object", "properties": {
+        "desiredReplicas": count, "readyReplicas": count, "updatedReplicas": count,
+        "availableReplicas": count, "summary": {"type": "string", "description": "ready/desired"}}}
+
+
+def status_schema() -> dict[str, Any]:
+    condition = {"type": "object", "required": ["type", "status"], "properties": {
+        "type": {"type": "string"}, "status": {"type": "string", "enum": ["True", "False", "Unknown"]},
+        "reason": {"type": "string"}, "message": {"type": "string"},
+        "lastTransitionTime": {"type": "string", "format": "date-time"},
+        "observedGeneration": {"type": "integer"}}}
+    return {"type": "object", "properties": {
+        "observedGeneration": {"type": "integer"}, "mode": {"type": "string"},
+        "endpoint": {"type": "string", "description": "URL of the router inside the cluster."},
+        "prefill": _role_status(), "decode": _role_status(), "engine": _role_status(),
+        "router": _role_status(),
+        "conditions": {"type": "array", "items": condition, "x-kubernetes-list-type": "map",
+                       "x-kubernetes-list-map-keys": ["type"]},
+    }}
+
+
+def _column(name: str, path: str, kind: str = "string", priority: int = 0, desc: str = "") -> dict[str, Any]:
+    col = {"name": name, "type": kind, "jsonPath": path, "description": desc}
+    if priority:
+        col["priority"] = priority
+    return col
+
+
+PRINTER_COLUMNS = [
+    _column("Ready", '.status.conditions[?(@.type=="Ready")].status', desc="The router can serve."),
+    _column("Prefill", ".status.prefill.summary", desc="Ready/desired prefill pods."),
+    _column("Decode", ".status.decode.summary", desc="Ready/desired decode pods."),
+    _column("Engine", ".status.engine.summary", priority=1, desc="Ready/desired colocated pods."),
+    _column("Router", ".status.router.summary", desc="Ready/desired router pods."),
+    _column("Mode", ".spec.mode", priority=1),
+    _column("Model", ".spec.model.name", priority=1),
+    _column("Endpoint", ".status.endpoint"),
+    _column("Age", ".metadata.creationTimestamp", kind="date"),
+]
+
+
+def openapi_schema() -> dict[str, Any]:
+    root = _obj("A model served by Baton with prefill/decode disaggregation.", {
+        "apiVersion": {"type": "string"}, "kind": {"type": "string"}, "metadata": {"type": "object"},
+        "spec": spec_schema(), "status": status_schema(),
+    }, required=("spec",), scope=Scope.ROOT)
+    return root
+
+
+def build_crd() -> dict[str, Any]:
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": naming.CRD_NAME, "labels": {"app.kubernetes.io/part-of": "baton"}},
+        "spec": {
+            "group": naming.GROUP,
+            "scope": "Namespaced",
+            "names": {"plural": naming.PLURAL, "singular": naming.SINGULAR, "kind": naming.KIND,
+                      "shortNames": list(naming.SHORT_NAMES), "categories": ["baton"]},
+            "versions": [{
+                "name": naming.VERSION, "served": True, "storage": True,
+                "subresources": {"status": {}},
+                "additionalPrinterColumns": PRINTER_COLUMNS,
+                "schema": {"openAPIV3Schema": openapi_schema()},
+            }],
+        },
+    }

@@ -1,0 +1,180 @@
+"""kopf handlers, in lifecycle order: startup, login, create/update/resume, resync, child events,
+delete, cleanup. The work is in `baton.operator.reconciler`; here errors become kopf's:
+
+- InvalidSpec, or the API server refusing a child (400/422): the user must change the spec, so
+  `kopf.PermanentError` (no retries until the next spec change) after a status condition saying what.
+- Conflicts, throttling, 5xx, network trouble, missing RBAC (403), a child name taken by a foreign
+  object: things that pass or that an admin fixes without a spec change, so `kopf.TemporaryError`.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import aiohttp
+import kopf
+
+from baton.operator import naming
+from baton.operator.apply import NotOwned, Outcome
+from baton.operator.config import OperatorConfig
+from baton.operator.kube import KINDS, ApiError, KubeClient, login
+from baton.operator.metrics import OperatorMetrics
+from baton.operator.reconciler import (now, publish, publish_invalid, publish_not_owned, reconcile,
+                                       refresh_status)
+from baton.operator.spec import InvalidSpec
+from baton.operator.status import condition
+
+RESOURCE = (naming.GROUP, naming.VERSION, naming.PLURAL)
+CHILD_LABELS = {naming.MANAGED_BY_LABEL: naming.OPERATOR_NAME}
+
+
+@kopf.on.startup()
+async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+    config: OperatorConfig = memo.setdefault("config", OperatorConfig())
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=naming.KOPF_PREFIX)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=naming.KOPF_PREFIX, key="last-handled-configuration")
+    settings.persistence.finalizer = f"{naming.GROUP}/finalizer"
+    settings.posting.enabled = config.post_events
+    settings.watching.server_timeout = 300
+    memo.setdefault("client", KubeClient())
+    memo.setdefault("metrics", OperatorMetrics())
+    memo.setdefault("locks", {})
+    if config.metrics_port is not None:
+        memo.metrics_server = memo.metrics.serve(config.metrics_port, config.metrics_addr)
+        logger.info(f"metrics on :{memo.metrics_server.server_port}/metrics")
+
+
+@kopf.on.login()
+def authenticate(logger: logging.Logger, **_: Any) -> kopf.ConnectionInfo:
+    return login(logger)
+
+
+def _lock(memo: kopf.Memo, key: tuple[str, str]) -> asyncio.Lock:
+    return memo.locks.setdefault(key, asyncio.Lock())
+
+
+async def _api_refused(client: KubeClient, body: Mapping[str, Any], e: ApiError) -> None:
+    previous = dict(body.get("status") or {})
+    gen = body["metadata"].get("generation", 1)
+    msg = (f"the API server refused a child object ({e.status} {e.reason}: {e.message}); "
+           "fix the fields copied from the spec (resources, env, tolerations, affinity, nodeSelector)")
+    keep = [c for c in previous.get("conditions", []) if c.get("type") not in ("Degraded", "Ready")]
+    old = previous.get("conditions", [])
+    conds = [condition("Ready", False, "ApiRefused", msg, gen, old, now()), *keep,
+             condition("Degraded", True, "ApiRefused", msg, gen, old, now())]
+    await publish(client, body, {**previous, "conditions": conds})
+
+
+async def run_reconcile(body: Mapping[str, Any], memo: kopf.Memo, logger: logging.Logger, trigger: str) -> None:
+    """Reconcile + status, with kopf errors and metrics. Serialised per InferenceService."""
+    client, metrics, config = memo.client, memo.metrics, memo.config
+    key = (body["metadata"]["namespace"], body["metadata"]["name"])
+    async with _lock(memo, key):
+        try:
+            with metrics.duration.labels(trigger=trigger).time():
+                result = await reconcile(client, body)
+                status = await refresh_status(client, body, result)
+        except InvalidSpec as e:
+            metrics.errors.labels(kind="invalid_spec").inc()
+            metrics.reconciles.labels(trigger=trigger, result="invalid").inc()
+            await publish_invalid(client, body, e.errors)
+            metrics.set_ready(key, "False")
+            raise kopf.PermanentError(f"invalid spec: {e}") from e
+        except NotOwned as e:
+            metrics.errors.labels(kind="name_taken").inc()
+            metrics.reconciles.labels(trigger=trigger, result="error").inc()
+            await publish_not_owned(client, body, e)
+            raise kopf.TemporaryError(str(e), delay=config.retry_seconds * 6) from e
+        except ApiError as e:
+            metrics.reconciles.labels(trigger=trigger, result="error").inc()
+            if e.status in (400, 422):
+                metrics.errors.labels(kind="permanent").inc()
+                await _api_refused(client, body, e)
+                raise kopf.PermanentError(f"API server refused a child: {e}") from e
+            metrics.errors.labels(kind="temporary").inc()
+            delay = config.retry_seconds * (6 if e.status == 403 else 1)
+            raise kopf.TemporaryError(f"API error, retrying: {e}", delay=delay) from e
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            metrics.errors.labels(kind="temporary").inc()
+            metrics.reconciles.labels(trigger=trigger, result="error").inc()
+            raise kopf.TemporaryError(f"cannot reach the API server: {e!r}", delay=config.retry_seconds) from e
+    metrics.reconciles.labels(trigger=trigger, result="ok").inc()
+    metrics.set_managed(key, result.kinds)
+    if status is not None:
+        ready = next((c["status"] for c in status["conditions"] if c["type"] == "Ready"), "Unknown")
+        metrics.set_ready(key, ready)
+    changed = {k: o.value for k, o in result.outcomes.items() if o is not Outcome.UNCHANGED}
+    if changed or result.pruned:
+        logger.info(f"applied {changed or 'nothing'}, pruned {result.pruned or 'nothing'}")
+
+
+@kopf.on.resume(*RESOURCE)
+@kopf.on.create(*RESOURCE)
+@kopf.on.update(*RESOURCE)
+async def reconcile_spec(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, reason: str,
+                         **_: Any) -> None:
+    await run_reconcile(body, memo, logger, trigger=str(reason))
+
+
+@kopf.daemon(*RESOURCE, cancellation_timeout=5.0)
+async def resync(stopped: kopf.DaemonStopped, name: str, namespace: str, memo: kopf.Memo,
+                 logger: logging.Logger, **_: Any) -> None:
+    """Every resync period: re-apply (recreates what was deleted) and recompute the status."""
+    while not await stopped.wait(memo.config.resync_seconds):
+        body = await memo.client.get(KINDS[naming.KIND], namespace, name)
+        if body is None or body["metadata"].get("deletionTimestamp"):
+            return
+        try:
+            await run_reconcile(body, memo, logger, trigger="resync")
+        except (kopf.PermanentError, kopf.TemporaryError) as e:
+            logger.warning(f"resync: {e}")
+
+
+@kopf.on.event("apps", "v1", "deployments", labels=CHILD_LABELS)
+async def child_deployment_event(event: Mapping[str, Any], body: kopf.Body, memo: kopf.Memo,
+                                 logger: logging.Logger, **_: Any) -> None:
+    """A child Deployment changed: follow its status; if it was deleted, put it back."""
+    owner = body.get("metadata", {}).get("labels", {}).get(naming.SERVICE_LABEL)
+    namespace = body.get("metadata", {}).get("namespace")
+    if not owner or not namespace:
+        return
+    client: KubeClient = memo.client
+    try:
+        if event.get("type") == "DELETED":
+            isvc = await client.get(KINDS[naming.KIND], namespace, owner)
+            if isvc is not None and not isvc["metadata"].get("deletionTimestamp"):
+                await run_reconcile(isvc, memo, logger, trigger="child-deleted")
+            return
+        async with _lock(memo, (namespace, owner)):  # read the owner after any running reconcile
+            isvc = await client.get(KINDS[naming.KIND], namespace, owner)
+            if isvc is None or isvc["metadata"].get("deletionTimestamp"):
+                return
+            status = await refresh_status(client, isvc)
+        if status is not None:
+            ready = next((c["status"] for c in status["conditions"] if c["type"] == "Ready"), "Unknown")
+            memo.metrics.set_ready((namespace, owner), ready)
+    except (ApiError, aiohttp.ClientError, asyncio.TimeoutError, kopf.TemporaryError) as e:
+        memo.metrics.errors.labels(kind="status").inc()
+        logger.warning(f"status of {namespace}/{owner} not refreshed (the resync will): {e}")
+    except kopf.PermanentError:
+        pass  # the spec is invalid; its status already says so
+
+
+@kopf.on.delete(*RESOURCE, optional=True)
+async def deleted(namespace: str, name: str, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+    """Children go with the owner (garbage collection by owner references); only forget it here."""
+    memo.metrics.forget((namespace, name))
+    memo.locks.pop((namespace, name), None)
+    logger.info("deleted; Kubernetes garbage-collects its children")
+
+
+@kopf.on.cleanup()
+async def cleanup(memo: kopf.Memo, **_: Any) -> None:
+    await memo.client.close()
+    server = getattr(memo, "metrics_server", None)
+    if server is not None:
+        server.shutdown()
+        server.server_close()

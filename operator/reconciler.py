@@ -1,0 +1,131 @@
+"""One reconcile of an InferenceService: parse, build, apply children, prune leftovers, publish status.
+
+kopf-free (the handlers translate errors into kopf's), so it runs the same from a create/update/resume
+handler, the periodic resync daemon and child Deployment events.
+"""
+from __future__ import annotations
+
+import datetime
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from baton.operator import naming
+from baton.operator.apply import NotOwned, Outcome, apply, prune
+from baton.operator.builders import build_children
+from baton.operator.kube import KINDS, ApiError, KubeClient
+from baton.operator.naming import Role
+from baton.operator.spec import InferenceService, InvalidSpec, parse
+from baton.operator.status import STATUS_KEYS, compute_status, condition, invalid_status
+
+MONITORING_KINDS = ("PodMonitor", "ServiceMonitor")
+# Degraded reasons found while applying (not visible in Deployments): kept by status-only refreshes.
+RECONCILE_REASONS = ("MonitoringUnavailable", "NameTaken")
+
+
+@dataclass
+class ReconcileResult:
+    isvc: InferenceService
+    outcomes: dict[str, Outcome] = field(default_factory=dict)  # "Kind/name" -> outcome
+    pruned: list[str] = field(default_factory=list)
+    problem: tuple[str, str] | None = None
+
+    @property
+    def kinds(self) -> list[str]:
+        return [key.split("/", 1)[0] for key in self.outcomes]
+
+
+def now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _all_children(name: str) -> list[tuple[str, str]]:
+    """Every (kind, name) any spec of this InferenceService may create, to prune the unwanted."""
+    out = [("Deployment", naming.child_name(name, r)) for r in Role]
+    out += [("Service", naming.child_name(name, r)) for r in Role]
+    out += [(k, name) for k in MONITORING_KINDS]
+    return out
+
+
+async def reconcile(client: KubeClient, body: Mapping[str, Any]) -> ReconcileResult:
+    """Apply the children of `body`'s spec. Raises InvalidSpec, ApiError, NotOwned."""
+    isvc = parse(body)
+    result = ReconcileResult(isvc)
+    desired = build_children(isvc)
+    missing_monitoring = []
+    for obj in desired:
+        key = f"{obj['kind']}/{obj['metadata']['name']}"
+        try:
+            result.outcomes[key] = await apply(client, obj, isvc.uid)
+        except ApiError as e:
+            if obj["kind"] in MONITORING_KINDS and e.status == 404:
+                missing_monitoring.append(obj["kind"])
+                continue
+            raise
+    if missing_monitoring:
+        kinds = " and ".join(missing_monitoring)
+        result.problem = ("MonitoringUnavailable",
+                          f"{kinds} cannot be created: the Prometheus Operator CRDs (monitoring.coreos.com) "
+                          "are not installed. Install them, or turn off spec.monitoring.podMonitor/serviceMonitor.")
+    wanted = {(o["kind"], o["metadata"]["name"]) for o in desired}
+    for kind, name in _all_children(isvc.name):
+        if (kind, name) not in wanted and await prune(client, kind, isvc.namespace, name, isvc.uid):
+            result.pruned.append(f"{kind}/{name}")
+    return result
+
+
+async def fetch_deployments(client: KubeClient, isvc: InferenceService) -> dict[Role, dict[str, Any] | None]:
+    kind = KINDS["Deployment"]
+    roles = [*isvc.spec.roles, Role.ROUTER]
+    return {r: await client.get(kind, isvc.namespace, naming.child_name(isvc.name, r)) for r in roles}
+
+
+def _kept_problem(status: Mapping[str, Any]) -> tuple[str, str] | None:
+    for c in status.get("conditions", []):
+        if c.get("type") == "Degraded" and c.get("reason") in RECONCILE_REASONS:
+            return c["reason"], c.get("message", "")
+    return None
+
+
+async def publish(client: KubeClient, body: Mapping[str, Any], new: dict[str, Any]) -> bool:
+    """Merge-patch `.status` to `new` (role keys of the other mode removed); False if already so."""
+    old = body.get("status") or {}
+    full = {**{k: None for k in STATUS_KEYS.values()}, **new}
+    if all(old.get(k) == v for k, v in full.items()):
+        return False
+    meta = body["metadata"]
+    await client.patch(KINDS[naming.KIND], meta["namespace"], meta["name"], {"status": full}, sub="status")
+    return True
+
+
+async def refresh_status(client: KubeClient, body: Mapping[str, Any],
+                         result: ReconcileResult | None = None) -> dict[str, Any] | None:
+    """Recompute the status from the child Deployments and publish it. None for an invalid spec
+    (its InvalidSpec status stays until the spec is fixed)."""
+    previous = body.get("status") or {}
+    try:
+        isvc = result.isvc if result else parse(body)
+    except InvalidSpec:
+        return None
+    if result is not None:  # the children of this generation were just applied
+        observed, problem = isvc.generation, result.problem
+    else:
+        observed, problem = previous.get("observedGeneration", 0), _kept_problem(previous)
+    status = compute_status(isvc, await fetch_deployments(client, isvc), previous, now(), observed, problem)
+    await publish(client, body, status)
+    return status
+
+
+async def publish_invalid(client: KubeClient, body: Mapping[str, Any], errors: list[str]) -> dict[str, Any]:
+    status = invalid_status(body.get("status") or {}, errors, body["metadata"].get("generation", 1), now())
+    await publish(client, body, status)
+    return status
+
+
+async def publish_not_owned(client: KubeClient, body: Mapping[str, Any], error: NotOwned) -> None:
+    """A name conflict blocks the reconcile: say so in Degraded and keep the rest of the status."""
+    previous = dict(body.get("status") or {})
+    gen = body["metadata"].get("generation", 1)
+    conds = [c for c in previous.get("conditions", []) if c.get("type") != "Degraded"]
+    conds.append(condition("Degraded", True, "NameTaken", str(error), gen, previous.get("conditions", []), now()))
+    await publish(client, body, {**previous, "conditions": conds})

@@ -1,0 +1,233 @@
+"""The InferenceService spec as frozen dataclasses, parsed from the (defaulted) custom resource.
+
+`parse()` applies the CRD's defaults (`baton.operator.defaults`) and the CRD's semantic rules
+(`baton.operator.validation`) before building the dataclasses, so the builders never see a spec the
+API server would have refused. Kubernetes pass-through fields (resources, env, tolerations, affinity)
+stay plain dicts: the builders copy them into pod specs as they are.
+"""
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from baton.operator.crd import openapi_schema
+from baton.operator.defaults import apply_defaults
+from baton.operator.naming import Role
+from baton.operator.validation import validate
+
+
+class InvalidSpec(ValueError):
+    """The spec breaks a rule; `errors` says what to change."""
+
+    def __init__(self, errors: list[str]):
+        super().__init__("; ".join(errors))
+        self.errors = errors
+
+
+class Mode(str, enum.Enum):
+    DISAGGREGATED = "disaggregated"
+    COLOCATED = "colocated"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    path: str
+    pvc_claim: str | None = None
+    pvc_sub_path: str | None = None
+    host_path: str | None = None
+
+
+@dataclass(frozen=True)
+class Placement:
+    node_selector: dict[str, str] = field(default_factory=dict)
+    tolerations: list[dict[str, Any]] = field(default_factory=list)
+    affinity: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class RoleSpec:
+    replicas: int = 1
+    tp: int = 1
+    dp: int = 1
+    gpus: int = 0
+    gpu_resource_name: str = "nvidia.com/gpu"
+    shm_size: str | int | None = None
+    resources: dict[str, Any] = field(default_factory=dict)
+    extra_args: tuple[str, ...] = ()
+    env: list[dict[str, Any]] = field(default_factory=list)
+    placement: Placement = field(default_factory=Placement)
+
+    def __post_init__(self) -> None:
+        assert self.gpus == 0 or self.gpus == self.tp * self.dp, "validated before parsing"
+
+    @property
+    def device(self) -> str:
+        return "cuda" if self.gpus > 0 else "cpu"
+
+
+@dataclass(frozen=True)
+class SecretKeyRef:
+    name: str
+    key: str
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    replicas: int = 1
+    image: str | None = None  # None: spec.image
+    prefill_policy: str = "cache_aware"
+    decode_policy: str = "round_robin"
+    policy: str = "cache_aware"
+    service_type: str = "ClusterIP"
+    service_port: int = 8000
+    api_key: SecretKeyRef | None = None
+    extra_args: tuple[str, ...] = ()
+    resources: dict[str, Any] = field(default_factory=dict)
+    env: list[dict[str, Any]] = field(default_factory=list)
+    placement: Placement = field(default_factory=Placement)
+
+
+@dataclass(frozen=True)
+class KvTransferSpec:
+    backend: str = "mooncake"
+    protocol: str = "tcp"
+    ib_devices: tuple[str, ...] = ()
+    rdma_resource_name: str | None = None
+    rdma_resource_count: int = 1
+    host_network: bool = False
+    bootstrap_port: int = 8998
+
+    @property
+    def rdma(self) -> bool:
+        return self.protocol == "rdma"
+
+
+@dataclass(frozen=True)
+class MonitoringSpec:
+    pod_monitor: bool = False
+    service_monitor: bool = False
+    interval: str = "15s"
+    labels: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PodSecuritySpec:
+    run_as_non_root: bool = True
+    run_as_user: int = 1000
+    fs_group: int = 1000
+
+
+@dataclass(frozen=True)
+class InferenceServiceSpec:
+    image: str
+    model: ModelSpec
+    mode: Mode = Mode.DISAGGREGATED
+    image_pull_policy: str = "IfNotPresent"
+    image_pull_secrets: tuple[str, ...] = ()
+    roles: dict[Role, RoleSpec] = field(default_factory=dict)  # engine roles only
+    router: RouterSpec = field(default_factory=RouterSpec)
+    kv_transfer: KvTransferSpec = field(default_factory=KvTransferSpec)
+    monitoring: MonitoringSpec = field(default_factory=MonitoringSpec)
+    pod_security: PodSecuritySpec = field(default_factory=PodSecuritySpec)
+
+    def __post_init__(self) -> None:
+        assert set(self.roles) == set(engine_roles(self.mode)), "one RoleSpec per engine role of the mode"
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.mode is Mode.DISAGGREGATED
+
+
+@dataclass(frozen=True)
+class InferenceService:
+    """The parts of the custom resource the builders need."""
+
+    name: str
+    namespace: str
+    uid: str
+    spec: InferenceServiceSpec
+    generation: int = 1
+
+
+def engine_roles(mode: Mode) -> tuple[Role, ...]:
+    return (Role.PREFILL, Role.DECODE) if mode is Mode.DISAGGREGATED else (Role.COLOCATED,)
+
+
+def _placement(d: Mapping[str, Any]) -> Placement:
+    return Placement(dict(d.get("nodeSelector", {})), list(d.get("tolerations", [])), d.get("affinity"))
+
+
+def _role(d: Mapping[str, Any]) -> RoleSpec:
+    return RoleSpec(
+        replicas=d["replicas"], tp=d["tp"], dp=d["dp"], gpus=d["gpus"],
+        gpu_resource_name=d["gpuResourceName"], shm_size=d.get("shmSize"),
+        resources=dict(d.get("resources", {})), extra_args=tuple(d["extraArgs"]),
+        env=list(d.get("env", [])), placement=_placement(d))
+
+
+def _router(d: Mapping[str, Any]) -> RouterSpec:
+    ref = d.get("apiKeySecretRef")
+    return RouterSpec(
+        replicas=d["replicas"], image=d.get("image"), prefill_policy=d["prefillPolicy"],
+        decode_policy=d["decodePolicy"], policy=d["policy"], service_type=d["service"]["type"],
+        service_port=d["service"]["port"],
+        api_key=SecretKeyRef(ref["name"], ref["key"]) if ref else None,
+        extra_args=tuple(d["extraArgs"]), resources=dict(d.get("resources", {})),
+        env=list(d.get("env", [])), placement=_placement(d))
+
+
+def _model(d: Mapping[str, Any]) -> ModelSpec:
+    pvc = d.get("pvc") or {}
+    return ModelSpec(name=d["name"], path=d["path"], pvc_claim=pvc.get("claimName"),
+                     pvc_sub_path=pvc.get("subPath"), host_path=(d.get("hostPath") or {}).get("path"))
+
+
+def defaulted(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The custom resource with the CRD's defaults applied, including to engine roles left out."""
+    obj = apply_defaults(openapi_schema(), {k: v for k, v in body.items() if k != "status"})
+    spec = obj.setdefault("spec", {})
+    mode = Mode(spec.get("mode", Mode.DISAGGREGATED.value))
+    role_schema = openapi_schema()["properties"]["spec"]["properties"]["prefill"]
+    others = ("engine",) if mode is Mode.DISAGGREGATED else ("prefill", "decode")
+    if not any(k in spec for k in others):  # else validation says which to remove
+        for role in engine_roles(mode):  # an omitted role means "one pod with the defaults"
+            spec[role.spec_key] = apply_defaults(role_schema, spec.get(role.spec_key, {}))
+    return obj
+
+
+def _missing(obj: Mapping[str, Any]) -> list[str]:
+    spec = obj.get("spec", {})
+    out = [f"spec.{k}: required" for k in ("image", "model") if k not in spec]
+    out += [f"spec.model.{k}: required" for k in ("name", "path") if k not in spec.get("model", {"name": 1, "path": 1})]
+    return out
+
+
+def parse(body: Mapping[str, Any]) -> InferenceService:
+    """Custom resource (as the API server returns it) -> InferenceService. Raises InvalidSpec."""
+    obj = defaulted(body)
+    errors = _missing(obj) or validate(obj)
+    if errors:
+        raise InvalidSpec(errors)
+    s, meta = obj["spec"], obj["metadata"]
+    mode = Mode(s["mode"])
+    kv = s["kvTransfer"]
+    mon = s["monitoring"]
+    sec = s["podSecurity"]
+    spec = InferenceServiceSpec(
+        image=s["image"], model=_model(s["model"]), mode=mode,
+        image_pull_policy=s["imagePullPolicy"], image_pull_secrets=tuple(s.get("imagePullSecrets", [])),
+        roles={role: _role(s[role.spec_key]) for role in engine_roles(mode)},
+        router=_router(s["router"]),
+        kv_transfer=KvTransferSpec(
+            backend=kv["backend"], protocol=kv["protocol"], ib_devices=tuple(kv["ibDevices"]),
+            rdma_resource_name=kv.get("rdmaResourceName"), rdma_resource_count=kv["rdmaResourceCount"],
+            host_network=kv["hostNetwork"], bootstrap_port=kv["bootstrapPort"]),
+        monitoring=MonitoringSpec(mon["podMonitor"], mon["serviceMonitor"], mon["interval"],
+                                  dict(mon.get("labels", {}))),
+        pod_security=PodSecuritySpec(sec["runAsNonRoot"], sec["runAsUser"], sec["fsGroup"]),
+    )
+    return InferenceService(name=meta["name"], namespace=meta.get("namespace", "default"),
+                            uid=meta.get("uid", ""), spec=spec, generation=meta.get("generation", 1))

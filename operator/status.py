@@ -1,0 +1,161 @@
+"""InferenceService status from its child Deployments (pure: the caller fetches and publishes).
+
+Ready means a request can be served: at least one ready router pod (its readiness is `/health`) and at
+least one ready pod of every engine role. Every condition that is not as it should be says what to do.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from baton.operator import naming
+from baton.operator.naming import Role
+from baton.operator.spec import InferenceService
+
+CONDITION_TYPES = {Role.PREFILL: "PrefillReady", Role.DECODE: "DecodeReady",
+                   Role.COLOCATED: "EngineReady", Role.ROUTER: "RouterReady"}
+STATUS_KEYS = {Role.PREFILL: "prefill", Role.DECODE: "decode", Role.COLOCATED: "engine", Role.ROUTER: "router"}
+
+
+@dataclass(frozen=True)
+class RoleState:
+    role: Role
+    desired: int
+    ready: int
+    updated: int
+    available: int
+    rolled_out: bool  # the Deployment's controller has caught up and no old pods remain
+    failure: tuple[str, str] | None  # (reason, message) from the Deployment's conditions
+    exists: bool
+
+    def as_status(self) -> dict[str, Any]:
+        return {"desiredReplicas": self.desired, "readyReplicas": self.ready,
+                "updatedReplicas": self.updated, "availableReplicas": self.available,
+                "summary": f"{self.ready}/{self.desired}"}
+
+
+def role_state(role: Role, desired: int, deployment: Mapping[str, Any] | None) -> RoleState:
+    if deployment is None:
+        return RoleState(role, desired, 0, 0, 0, False, None, exists=False)
+    st = deployment.get("status") or {}
+    generation = deployment.get("metadata", {}).get("generation", 0)
+    desired = deployment.get("spec", {}).get("replicas", desired)
+    ready, updated = st.get("readyReplicas", 0), st.get("updatedReplicas", 0)
+    current = st.get("observedGeneration", 0) >= generation
+    rolled_out = current and updated == desired and st.get("replicas", 0) == desired and ready == desired
+    failure = None
+    for c in st.get("conditions", []):
+        if c.get("type") == "ReplicaFailure" and c.get("status") == "True":
+            failure = ("ReplicaFailure", c.get("message", ""))
+        elif c.get("type") == "Progressing" and c.get("reason") == "ProgressDeadlineExceeded":
+            failure = ("ProgressDeadlineExceeded", c.get("message", ""))
+    return RoleState(role, desired, ready, updated, st.get("availableReplicas", 0), rolled_out, failure, True)
+
+
+def _pods_hint(isvc: InferenceService, role: Role) -> str:
+    sel = ",".join(f"{k}={v}" for k, v in naming.selector_labels(isvc.name, role).items())
+    return f"`kubectl -n {isvc.namespace} describe pods -l {sel}` and `kubectl logs -l {sel}`"
+
+
+def _role_condition(isvc: InferenceService, s: RoleState) -> tuple[bool, str, str]:
+    what = f"{s.role.suffix} pods"
+    if not s.exists:
+        return False, "DeploymentMissing", (f"Deployment {naming.child_name(isvc.name, s.role)} does "
+                                            "not exist yet; the operator creates it on its next reconcile.")
+    if s.desired == 0:
+        return False, "ScaledToZero", f"replicas is 0 for {what}: set it to at least 1 to serve."
+    if s.failure is not None:
+        reason, msg = s.failure
+        return False, reason, (f"{s.ready}/{s.desired} {what} ready: {msg} Check {_pods_hint(isvc, s.role)}"
+                               " (image, GPU/RDMA resources, model path).")
+    if s.ready < s.desired:
+        return False, "PodsNotReady", (f"{s.ready}/{s.desired} {what} ready; pods turn ready when /health "
+                                       f"answers (loading the model can take minutes). If this lasts, "
+                                       f"check {_pods_hint(isvc, s.role)}.")
+    return True, "AllReady", f"{s.ready}/{s.desired} {what} ready."
+
+
+def condition(ctype: str, ok: bool, reason: str, message: str, generation: int,
+              previous: Sequence[Mapping[str, Any]], now: str) -> dict[str, Any]:
+    status = "True" if ok else "False"
+    before = next((c for c in previous if c.get("type") == ctype), None)
+    since = before.get("lastTransitionTime", now) if before and before.get("status") == status else now
+    return {"type": ctype, "status": status, "reason": reason, "message": message,
+            "lastTransitionTime": since, "observedGeneration": generation}
+
+
+def _ready(isvc: InferenceService, states: list[RoleState], endpoint: str) -> tuple[bool, str, str]:
+    missing = [s for s in states if s.ready == 0]
+    if missing:
+        roles = ", ".join(s.role.suffix for s in missing)
+        return False, "NotServing", (f"no ready {roles} pod, so the router cannot serve yet; see the "
+                                     f"{', '.join(CONDITION_TYPES[s.role] for s in missing)} condition.")
+    partial = [f"{s.ready}/{s.desired} {s.role.suffix}" for s in states if s.ready < s.desired]
+    extra = f" with reduced capacity ({', '.join(partial)} pods ready)" if partial else ""
+    return True, "Serving", f"serving model {isvc.spec.model.name!r} at {endpoint}{extra}."
+
+
+def _progressing(states: list[RoleState], spec_applied: bool) -> tuple[bool, str, str]:
+    stuck = [s for s in states if s.failure and s.failure[0] == "ProgressDeadlineExceeded"]
+    if stuck:
+        return False, "ProgressDeadlineExceeded", (f"{', '.join(s.role.suffix for s in stuck)} did not "
+                                                   "finish rolling out in time; see the role conditions.")
+    if not spec_applied:
+        return True, "Reconciling", "the operator is applying the latest spec."
+    rolling = [f"{s.role.suffix} ({s.updated}/{s.desired} updated, {s.ready} ready)"
+               for s in states if not s.rolled_out]
+    if rolling:
+        return True, "RollingOut", f"rolling out {', '.join(rolling)}."
+    return False, "RolloutComplete", "all pods run the current spec."
+
+
+def _degraded(isvc: InferenceService, states: list[RoleState],
+              problem: tuple[str, str] | None) -> tuple[bool, str, str]:
+    if problem is not None:
+        return True, problem[0], problem[1]
+    failed = [s for s in states if s.failure]
+    if failed:
+        s = failed[0]
+        return True, s.failure[0], f"{s.role.suffix}: {s.failure[1]} Check {_pods_hint(isvc, s.role)}."
+    return False, "AsExpected", "nothing is degraded."
+
+
+def compute_status(isvc: InferenceService, deployments: Mapping[Role, Mapping[str, Any] | None],
+                   previous: Mapping[str, Any], now: str, observed_generation: int,
+                   problem: tuple[str, str] | None = None) -> dict[str, Any]:
+    """The whole `.status` (minus nothing): roles, conditions, endpoint.
+
+    `problem` is a (reason, message) the reconciler found besides the Deployments (e.g. missing
+    Prometheus Operator CRDs); it makes the resource Degraded but not un-Ready.
+    """
+    from baton.operator.builders import endpoint_url  # builders import spec; keep status light
+
+    roles = [*isvc.spec.roles, Role.ROUTER]
+    desired = {**{r: s.replicas for r, s in isvc.spec.roles.items()}, Role.ROUTER: isvc.spec.router.replicas}
+    states = [role_state(r, desired[r], deployments.get(r)) for r in roles]
+    endpoint = endpoint_url(isvc)
+    prev = previous.get("conditions", [])
+    gen = observed_generation
+    conds = [condition(CONDITION_TYPES[s.role], *_role_condition(isvc, s), gen, prev, now) for s in states]
+    conds.insert(0, condition("Ready", *_ready(isvc, states, endpoint), gen, prev, now))
+    conds.append(condition("Progressing", *_progressing(states, observed_generation >= isvc.generation),
+                           gen, prev, now))
+    conds.append(condition("Degraded", *_degraded(isvc, states, problem), gen, prev, now))
+    status: dict[str, Any] = {"observedGeneration": observed_generation, "mode": isvc.spec.mode.value,
+                              "endpoint": endpoint, "conditions": conds}
+    for s in states:
+        status[STATUS_KEYS[s.role]] = s.as_status()
+    return status
+
+
+def invalid_status(previous: Mapping[str, Any], errors: list[str], generation: int, now: str) -> dict[str, Any]:
+    """Status of a spec the operator refuses: Ready=False and Degraded=True, reason InvalidSpec."""
+    message = "the spec is invalid, fix it and apply again: " + "; ".join(errors)
+    prev = previous.get("conditions", [])
+    keep = [c for c in prev if c.get("type") not in ("Ready", "Degraded", "Progressing")]
+    return {"observedGeneration": generation, "conditions": [
+        condition("Ready", False, "InvalidSpec", message, generation, prev, now), *keep,
+        condition("Progressing", False, "InvalidSpec", "nothing is rolled out until the spec is fixed.",
+                  generation, prev, now),
+        condition("Degraded", True, "InvalidSpec", message, generation, prev, now)]}

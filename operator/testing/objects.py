@@ -1,0 +1,28 @@
+"""Small InferenceService bodies for tests."""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from baton.operator import naming
+
+
+def isvc_body(name: str = "demo", namespace: str = "default", **spec: Any) -> dict[str, Any]:
+    """A minimal valid InferenceService; keyword arguments override spec keys.
+
+    It carries a uid and generation like one read back from the API server, so builders can use it
+    directly; the API server (real or emulated) replaces both on create.
+    """
+    base = {"image": "ghcr.io/baton-llm/baton:test", "model": {"name": "tiny", "path": "/models/tiny"}}
+    base.update(copy.deepcopy(spec))
+    return {"apiVersion": naming.API_VERSION, "kind": naming.KIND,
+            "metadata": {"name": name, "namespace": namespace, "uid": f"uid-{name}", "generation": 1},
+            "spec": base}
+
+
+def for_create(body: dict[str, Any]) -> dict[str, Any]:
+    """The body without server-set metadata, as a user would apply it."""
+    body = copy.deepcopy(body)
+    for key in ("uid", "generation", "resourceVersion", "creationTimestamp"):
+        body["metadata"].pop(key, None)
+    return body

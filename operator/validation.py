@@ -1,0 +1,129 @@
+"""Semantic rules of an InferenceService, written once and enforced twice.
+
+Each rule carries a CEL expression (placed in the CRD as `x-kubernetes-validations`, so that
+`kubectl apply` refuses a wrong spec) and the same predicate in Python (so that the operator refuses it
+too, on clusters where the CRD's CEL is not enforced, e.g. an emulated API server or an old CRD).
+tests/operator/test_crd_rules.py evaluates both on the same specs and checks they agree.
+"""
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from baton.operator.naming import MAX_NAME_LENGTH, NAME_PATTERN
+
+
+class Scope(str, enum.Enum):
+    """Where in the object a rule sits (its CEL `self`)."""
+
+    ROOT = "root"  # the whole object; only metadata.name is visible to CEL there
+    SPEC = "spec"
+    MODEL = "spec.model"
+    ROLE = "spec.<role>"  # each of spec.prefill, spec.decode, spec.engine
+    ENGINE_ARGS = "spec.<role>.extraArgs"
+    ROUTER_ARGS = "spec.router.extraArgs"
+    KV_TRANSFER = "spec.kvTransfer"
+
+
+@dataclass(frozen=True)
+class Rule:
+    scope: Scope
+    cel: str
+    message: str
+    check: Callable[[Any], bool]  # Python twin of `cel`: True when the value is acceptable
+
+
+ENGINE_MANAGED_FLAGS = ("host", "port", "model-path", "served-model-name", "device", "tp-size",
+                        "dp-size", "disaggregation-[a-z-]+", "api-key")
+ROUTER_MANAGED_FLAGS = ("host", "port", "pd-disaggregation", "service-discovery[a-z-]*",
+                        "prefill-selector", "decode-selector", "selector", "prefill-policy",
+                        "decode-policy", "policy", "api-key")
+
+
+def _flags_regex(flags: tuple[str, ...]) -> str:
+    return "^--(" + "|".join(flags) + ")(=.*)?$"
+
+
+ENGINE_FLAGS_RE = _flags_regex(ENGINE_MANAGED_FLAGS)
+ROUTER_FLAGS_RE = _flags_regex(ROUTER_MANAGED_FLAGS)
+
+
+def _no_managed_flag(pattern: str) -> Callable[[Any], bool]:
+    return lambda args: not any(re.search(pattern, a) for a in args)
+
+
+RULES: tuple[Rule, ...] = (
+    Rule(Scope.ROOT, f"size(self.metadata.name) <= {MAX_NAME_LENGTH}",
+         f"metadata.name must be at most {MAX_NAME_LENGTH} characters: the operator appends "
+         "-prefill/-decode/-router to it for Deployments and Services (63 characters at most)",
+         lambda o: len(o.get("metadata", {}).get("name", "")) <= MAX_NAME_LENGTH),
+    Rule(Scope.ROOT, f"self.metadata.name.matches('{NAME_PATTERN}')",
+         "metadata.name must be a DNS-1035 label (lowercase letters, digits and '-', starting "
+         "with a letter): it names the router Service",
+         lambda o: re.search(NAME_PATTERN, o.get("metadata", {}).get("name", "")) is not None),
+    Rule(Scope.SPEC,
+         "self.mode == 'colocated' ? (!has(self.prefill) && !has(self.decode)) : !has(self.engine)",
+         "mode colocated runs spec.engine only: remove spec.prefill and spec.decode; "
+         "mode disaggregated runs spec.prefill and spec.decode: remove spec.engine",
+         lambda s: (("prefill" not in s and "decode" not in s) if s.get("mode") == "colocated"
+                    else "engine" not in s)),
+    Rule(Scope.MODEL, "!(has(self.pvc) && has(self.hostPath))",
+         "set at most one of spec.model.pvc and spec.model.hostPath (set neither when the weights "
+         "are inside the image at spec.model.path)",
+         lambda m: not ("pvc" in m and "hostPath" in m)),
+    Rule(Scope.ROLE, "self.gpus == 0 || self.gpus == self.tp * self.dp",
+         "gpus must be 0 (run on CPU) or equal tp * dp (one GPU per rank); "
+         "fix gpus, tp or dp in this role",
+         lambda r: r.get("gpus", 0) == 0 or r.get("gpus") == r.get("tp", 1) * r.get("dp", 1)),
+    Rule(Scope.ENGINE_ARGS, f"self.all(a, !a.matches('{ENGINE_FLAGS_RE}'))",
+         "extraArgs must not set flags the operator manages (--host, --port, --model-path, "
+         "--served-model-name, --device, --tp-size, --dp-size, --disaggregation-*, --api-key): "
+         "use the matching spec fields (spec.model, tp, dp, gpus, kvTransfer, router.apiKeySecretRef)",
+         _no_managed_flag(ENGINE_FLAGS_RE)),
+    Rule(Scope.ROUTER_ARGS, f"self.all(a, !a.matches('{ROUTER_FLAGS_RE}'))",
+         "router.extraArgs must not set flags the operator manages (--host, --port, "
+         "--service-discovery*, --*selector, --*policy, --pd-disaggregation, --api-key): "
+         "use spec.router.prefillPolicy/decodePolicy/policy and router.apiKeySecretRef",
+         _no_managed_flag(ROUTER_FLAGS_RE)),
+    Rule(Scope.KV_TRANSFER, "self.protocol == 'rdma' || size(self.ibDevices) == 0",
+         "kvTransfer.ibDevices is only used with protocol: rdma; set protocol: rdma or remove it",
+         lambda k: k.get("protocol") == "rdma" or not k.get("ibDevices")),
+    Rule(Scope.KV_TRANSFER, "self.protocol == 'rdma' || !has(self.rdmaResourceName)",
+         "kvTransfer.rdmaResourceName is only used with protocol: rdma; "
+         "set protocol: rdma or remove it",
+         lambda k: k.get("protocol") == "rdma" or "rdmaResourceName" not in k),
+)
+
+
+def rules_for(scope: Scope) -> list[Rule]:
+    return [r for r in RULES if r.scope is scope]
+
+
+def _targets(obj: Mapping[str, Any]) -> list[tuple[str, Scope, Any]]:
+    """(path, scope, value) for every place a rule applies in a defaulted object."""
+    spec = obj.get("spec", {})
+    out: list[tuple[str, Scope, Any]] = [("", Scope.ROOT, obj), ("spec", Scope.SPEC, spec)]
+    if "model" in spec:
+        out.append(("spec.model", Scope.MODEL, spec["model"]))
+    for key in ("prefill", "decode", "engine"):
+        if key in spec:
+            out.append((f"spec.{key}", Scope.ROLE, spec[key]))
+            out.append((f"spec.{key}.extraArgs", Scope.ENGINE_ARGS, spec[key].get("extraArgs", [])))
+    router = spec.get("router", {})
+    out.append(("spec.router.extraArgs", Scope.ROUTER_ARGS, router.get("extraArgs", [])))
+    if "kvTransfer" in spec:
+        out.append(("spec.kvTransfer", Scope.KV_TRANSFER, spec["kvTransfer"]))
+    return out
+
+
+def validate(obj: Mapping[str, Any]) -> list[str]:
+    """Messages of every rule the (defaulted) object breaks, each prefixed with where it broke."""
+    errors = []
+    for path, scope, value in _targets(obj):
+        for rule in rules_for(scope):
+            if not rule.check(value):
+                errors.append(f"{path or 'metadata.name'}: {rule.message}")
+    return errors

@@ -1,0 +1,61 @@
+"""Drive a real Scheduler in-process (same run_step the scheduler process loops on), no ZMQ/HTTP."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from transformers import AutoTokenizer
+
+from baton.engine.io_struct import BatchTokenIDOut, FinishReason, TokenizedGenerateReqInput
+from baton.engine.sampling.sampling_params import SamplingParams
+from baton.engine.scheduler.scheduler import Scheduler
+from baton.engine.server_args import ServerArgs
+
+
+@dataclass
+class Collected:
+    ids: list[int] = field(default_factory=list)
+    finish: Optional[FinishReason] = None
+    output_logprobs: list = field(default_factory=list)
+    input_logprobs: Optional[list] = None
+
+
+class SchedulerHarness:
+    def __init__(self, model_path: str, **overrides: Any) -> None:
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.scheduler = Scheduler(ServerArgs(model_path=model_path, **overrides), self.tokenizer)
+        self.results: dict[str, Collected] = {}
+
+    def submit(self, rid: str, input_ids: list[int], return_logprob: bool = False, logprob_start_len: int = -1,
+               **sampling: Any) -> None:
+        params = SamplingParams(**{"max_new_tokens": 16, "temperature": 0.0, **sampling})
+        self.scheduler.process_input_requests([TokenizedGenerateReqInput(
+            rid=rid, input_text=None, input_ids=list(input_ids), sampling_params=params,
+            return_logprob=return_logprob, logprob_start_len=logprob_start_len)])
+        self._collect()
+
+    def step(self) -> bool:
+        ran = self.scheduler.run_step()
+        self._collect()
+        return ran
+
+    def run_until_idle(self, max_steps: int = 2000) -> dict[str, Collected]:
+        for _ in range(max_steps):
+            ran = self.step()
+            if not ran and self.scheduler.is_idle():
+                return self.results
+        raise AssertionError(f"scheduler not idle after {max_steps} steps")
+
+    def _collect(self) -> None:
+        for msg in self.scheduler.outbox:
+            if not isinstance(msg, BatchTokenIDOut):
+                continue
+            for i, rid in enumerate(msg.rids):
+                c = self.results.setdefault(rid, Collected())
+                c.ids.extend(msg.new_token_ids[i])
+                c.finish = msg.finished_reasons[i]
+                if msg.output_token_logprobs[i] is not None:
+                    c.output_logprobs.extend(msg.output_token_logprobs[i])
+                if msg.input_token_logprobs[i] is not None:
+                    c.input_logprobs = msg.input_token_logprobs[i]
+        self.scheduler.outbox.clear()

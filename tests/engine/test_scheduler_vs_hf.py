@@ -1,0 +1,148 @@
+"""Greedy tokens through the real scheduler must equal HF transformers `generate`, token for token,
+under concurrency, shared prefixes (radix hits), chunked prefill, a KV pool so small that decode
+must retract, overlap on and off, and page sizes 1 and 16."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from scheduler_harness import SchedulerHarness
+
+ARCHS = ["llama", "qwen2", "qwen3", "qwen3_moe"]
+MAX_NEW = 12
+_HF_CACHE: dict[tuple, list[int]] = {}
+
+
+def workload(seed: int = 0) -> list[list[int]]:
+    """Prompts of 3..70 tokens; some share long prefixes, some exceed the 32-token chunk."""
+    rng = random.Random(seed)
+    base = [rng.randrange(6, 500) for _ in range(48)]
+    prompts = [[rng.randrange(6, 500) for _ in range(n)] for n in (3, 9, 17, 33, 40, 70)]
+    prompts += [base[:40] + [rng.randrange(6, 500) for _ in range(k)] for k in (1, 5, 9)]  # shared prefix
+    prompts += [base + [7, 8], prompts[3][:20] + [9, 9, 9]]
+    return prompts
+
+
+def hf_greedy(model_path: str, prompt: list[int], max_new: int = MAX_NEW, ignore_eos: bool = False) -> list[int]:
+    key = (model_path, tuple(prompt), max_new, ignore_eos)
+    if key not in _HF_CACHE:
+        model = _hf_model(model_path)
+        saved = model.generation_config.eos_token_id
+        if ignore_eos:  # a None passed in a GenerationConfig means "unset" and falls back to the model's
+            model.generation_config.eos_token_id = None
+        try:
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False, pad_token_id=0)
+        finally:
+            model.generation_config.eos_token_id = saved
+        _HF_CACHE[key] = out[0, len(prompt):].tolist()
+    return _HF_CACHE[key]
+
+
+_MODELS: dict[str, torch.nn.Module] = {}
+
+
+def _hf_model(path: str) -> torch.nn.Module:
+    if path not in _MODELS:
+        _MODELS[path] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return _MODELS[path]
+
+
+def run_workload(harness: SchedulerHarness, prompts: list[list[int]], staggered: bool = True,
+                 max_new: int = MAX_NEW, **sampling) -> dict:
+    half = len(prompts) // 2
+    for i, p in enumerate(prompts[:half]):
+        harness.submit(str(i), p, max_new_tokens=max_new, **sampling)
+    if staggered:  # later arrivals join while the first ones decode
+        for _ in range(3):
+            harness.step()
+    for i, p in enumerate(prompts[half:], start=half):
+        harness.submit(str(i), p, max_new_tokens=max_new, **sampling)
+    return harness.run_until_idle()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "plain"])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_matches_hf_concurrent_chunked_radix(tiny_model_factory, arch, overlap, page_size):
+    path = tiny_model_factory(arch)
+    h = SchedulerHarness(path, page_size=page_size, disable_overlap_schedule=not overlap,
+                         chunked_prefill_size=32, max_total_tokens=4096)
+    prompts = workload()
+    results = run_workload(h, prompts)
+    for i, p in enumerate(prompts):
+        assert results[str(i)].ids == hf_greedy(path, p), f"request {i} (len {len(p)}) differs from HF"
+        assert results[str(i)].finish is not None
+    assert h.scheduler.stats.cache_hit_rate() > 0, "shared prefixes should hit the radix cache"
+    assert h.scheduler.check_memory_integrity()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "plain"])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_matches_hf_under_retraction(tiny_model_factory, arch, overlap, page_size):
+    path = tiny_model_factory(arch)
+    prompts = workload(seed=1)
+    # Requests already running are budgeted at new_token_ratio (0.7) of their remaining tokens, so
+    # a second wave is admitted into a pool that cannot hold everyone's 40 tokens: decode retracts.
+    max_new = 40
+    pool = int(0.6 * (sum(map(len, prompts)) + max_new * len(prompts))) // page_size * page_size
+    h = SchedulerHarness(path, page_size=page_size, disable_overlap_schedule=not overlap,
+                         chunked_prefill_size=32, max_total_tokens=pool)
+    results = run_workload(h, prompts, staggered=True, max_new=max_new, ignore_eos=True)
+    assert h.scheduler.stats.retractions > 0, "the pool is meant to be too small for all requests at once"
+    for i, p in enumerate(prompts):
+        assert results[str(i)].ids == hf_greedy(path, p, max_new, ignore_eos=True), f"request {i} differs from HF after retraction"
+    assert h.scheduler.check_memory_integrity()
+
+
+@pytest.mark.parametrize("disable_radix", [False, True], ids=["radix", "naive"])
+def test_naive_cache_matches_radix(tiny_model_factory, disable_radix):
+    path = tiny_model_factory("qwen3")
+    h = SchedulerHarness(path, disable_radix_cache=disable_radix, chunked_prefill_size=32, max_total_tokens=2048)
+    prompts = workload(seed=2)
+    results = run_workload(h, prompts)
+    for i, p in enumerate(prompts):
+        assert results[str(i)].ids == hf_greedy(path, p)
+    assert (h.scheduler.stats.cache_hit_rate() == 0) == disable_radix
+    assert h.scheduler.check_memory_integrity()
+
+
+def test_logprobs_match_hf(tiny_model_factory):
+    path = tiny_model_factory("llama")
+    model = _hf_model(path)
+    h = SchedulerHarness(path, chunked_prefill_size=16, max_total_tokens=2048)
+    prompt = workload()[4]  # 40 tokens: three chunks of 16
+    h.submit("a", prompt, return_logprob=True, logprob_start_len=0, max_new_tokens=6)
+    res = h.run_until_idle()["a"]
+    full = prompt + res.ids
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([full])).logits[0].float(), -1)
+    # input: token t scored by position t-1; the first has none
+    assert res.input_logprobs[0] == (None, prompt[0])
+    assert [t for _, t in res.input_logprobs] == prompt
+    for t in range(1, len(prompt)):
+        assert res.input_logprobs[t][0] == pytest.approx(float(logp[t - 1, prompt[t]]), abs=1e-4)
+    assert [t for _, t in res.output_logprobs] == res.ids
+    for j, (lp, tok) in enumerate(res.output_logprobs):
+        assert lp == pytest.approx(float(logp[len(prompt) + j - 1, tok]), abs=1e-4)
+
+
+def test_stop_conditions(tiny_model_factory):
+    path = tiny_model_factory("llama")
+    prompt = workload()[2]
+    ref = hf_greedy(path, prompt)
+    h = SchedulerHarness(path, max_total_tokens=2048)
+    h.submit("len", prompt, max_new_tokens=3)
+    h.submit("stop_id", prompt, max_new_tokens=MAX_NEW, stop_token_ids=[ref[4]])
+    stop_text = h.tokenizer.decode(ref[2:4])
+    h.submit("stop_str", prompt, max_new_tokens=MAX_NEW, stop=[stop_text])
+    res = h.run_until_idle()
+    assert res["len"].ids == ref[:3] and res["len"].finish.kind == "length"
+    first = ref.index(ref[4])
+    assert res["stop_id"].ids == ref[:first + 1] and res["stop_id"].finish.matched == ref[4]
+    assert res["stop_str"].finish.kind == "stop" and res["stop_str"].finish.matched == stop_text
+    assert len(res["stop_str"].ids) <= 4
+    assert h.scheduler.check_memory_integrity()

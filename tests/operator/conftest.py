@@ -1,0 +1,62 @@
+"""Fixtures for operator tests.
+
+The operator tests run against an emulated API server (kmock) by default. Set BATON_TEST_KUBECONFIG to a
+kubeconfig of a real control plane (kube-apiserver + etcd + controller-manager + kwok) to run the same
+tests there; `Cluster.settle()` then waits for the real controllers instead of writing statuses.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from baton.operator.testing.cluster import Cluster, emulated_cluster, real_cluster
+
+REPO = Path(__file__).resolve().parents[2]
+SAMPLES = REPO / "manifests" / "samples"
+_ids = itertools.count()
+
+
+@pytest.fixture
+def repo() -> Path:
+    return REPO
+
+
+@pytest.fixture
+def samples() -> dict[str, dict[str, Any]]:
+    """manifests/samples/*.yaml by file name."""
+    out = {}
+    for path in sorted(SAMPLES.glob("*.yaml")):
+        with open(path) as f:
+            out[path.name] = yaml.safe_load(f)
+    assert out, f"no samples in {SAMPLES}"
+    return out
+
+
+@pytest.fixture(params=[False, True], ids=["no-monitoring-crds", "monitoring-crds"])
+def monitoring_crds(request: pytest.FixtureRequest) -> bool:
+    return request.param
+
+
+@pytest.fixture
+async def cluster(request: pytest.FixtureRequest) -> AsyncIterator[Cluster]:
+    kubeconfig = os.environ.get("BATON_TEST_KUBECONFIG")
+    if kubeconfig:
+        async with real_cluster(kubeconfig) as c:
+            yield c
+        return
+    monitoring = request.getfixturevalue("monitoring_crds") if "monitoring_crds" in request.fixturenames else False
+    async with emulated_cluster(monitoring=monitoring) as c:
+        yield c
+
+
+@pytest.fixture
+async def namespace(cluster: Cluster) -> str:
+    name = f"baton-test-{os.getpid()}-{next(_ids)}"
+    await cluster.create_namespace(name)
+    return name

@@ -1,0 +1,135 @@
+"""Pure parts of reconciling: the merge patch sent to children, and the status computed from them."""
+from __future__ import annotations
+
+from baton.operator.apply import merge_patch
+from baton.operator.naming import Role
+from baton.operator.spec import parse
+from baton.operator.status import compute_status, invalid_status
+from baton.operator.testing.objects import isvc_body
+
+NOW = "2026-01-01T00:00:00Z"
+
+
+def test_merge_patch_removes_dropped_keys_and_keeps_foreign_metadata():
+    live = {"apiVersion": "v1", "kind": "X",
+            "metadata": {"name": "a", "uid": "1", "labels": {"ours": "1", "theirs": "x"},
+                         "annotations": {"deployment.kubernetes.io/revision": "3"}},
+            "spec": {"replicas": 2, "nodeSelector": {"gpu": "a100"}, "template": {"c": [1, 2]}},
+            "status": {"ready": 2}}
+    desired = {"apiVersion": "v1", "kind": "X", "metadata": {"name": "a", "labels": {"ours": "2"}},
+               "spec": {"replicas": 2, "template": {"c": [1, 3]}}}
+    assert merge_patch(live, desired) == {"metadata": {"labels": {"ours": "2"}},
+                                          "spec": {"nodeSelector": None, "template": {"c": [1, 3]}}}
+
+
+def test_merge_patch_of_an_equal_object_is_empty():
+    obj = {"apiVersion": "v1", "kind": "X", "metadata": {"name": "a", "ownerReferences": [{"uid": "u"}]},
+           "data": {"k": "v"}}
+    assert merge_patch(obj, obj) == {}
+
+
+def deployment(replicas: int, ready: int, updated: int | None = None, generation: int = 1,
+               observed: int = 1, conditions: list | None = None) -> dict:
+    updated = replicas if updated is None else updated
+    return {"metadata": {"generation": generation}, "spec": {"replicas": replicas},
+            "status": {"observedGeneration": observed, "replicas": replicas, "readyReplicas": ready,
+                       "updatedReplicas": updated, "availableReplicas": ready,
+                       "conditions": conditions or []}}
+
+
+def conds(status: dict) -> dict:
+    return {c["type"]: c for c in status["conditions"]}
+
+
+def test_all_roles_ready_means_ready_and_rolled_out():
+    isvc = parse(isvc_body())
+    deps = {Role.PREFILL: deployment(1, 1), Role.DECODE: deployment(2, 2), Role.ROUTER: deployment(1, 1)}
+    st = compute_status(isvc, deps, {}, NOW, observed_generation=1)
+    c = conds(st)
+    assert {t: c[t]["status"] for t in c} == {"Ready": "True", "PrefillReady": "True", "DecodeReady": "True",
+                                             "RouterReady": "True", "Progressing": "False", "Degraded": "False"}
+    assert st["decode"] == {"desiredReplicas": 2, "readyReplicas": 2, "updatedReplicas": 2,
+                            "availableReplicas": 2, "summary": "2/2"}
+    assert st["endpoint"] == "http://demo-router.default.svc:8000" and st["observedGeneration"] == 1
+    assert "serving model 'tiny'" in c["Ready"]["message"]
+
+
+def test_no_ready_decode_pod_means_not_ready_and_says_where_to_look():
+    isvc = parse(isvc_body())
+    deps = {Role.PREFILL: deployment(1, 1), Role.DECODE: deployment(2, 0), Role.ROUTER: deployment(1, 1)}
+    c = conds(compute_status(isvc, deps, {}, NOW, 1))
+    assert c["Ready"]["status"] == "False" and c["Ready"]["reason"] == "NotServing"
+    assert "no ready decode pod" in c["Ready"]["message"] and "DecodeReady" in c["Ready"]["message"]
+    assert c["DecodeReady"]["reason"] == "PodsNotReady"
+    assert "kubectl -n default describe pods -l baton.dev/inference-service=demo,baton.dev/role=decode" in \
+        c["DecodeReady"]["message"]
+    assert c["Progressing"]["status"] == "True" and c["Progressing"]["reason"] == "RollingOut"
+
+
+def test_router_not_ready_means_not_ready_even_with_engines_up():
+    isvc = parse(isvc_body())
+    deps = {Role.PREFILL: deployment(1, 1), Role.DECODE: deployment(1, 1), Role.ROUTER: deployment(1, 0)}
+    c = conds(compute_status(isvc, deps, {}, NOW, 1))
+    assert c["Ready"]["status"] == "False" and c["RouterReady"]["status"] == "False"
+
+
+def test_partial_capacity_is_ready_but_says_so():
+    isvc = parse(isvc_body())
+    deps = {Role.PREFILL: deployment(2, 1), Role.DECODE: deployment(1, 1), Role.ROUTER: deployment(1, 1)}
+    c = conds(compute_status(isvc, deps, {}, NOW, 1))
+    assert c["Ready"]["status"] == "True" and "reduced capacity (1/2 prefill" in c["Ready"]["message"]
+    assert c["PrefillReady"]["status"] == "False"
+
+
+def test_stuck_rollout_is_degraded_with_the_deployment_message():
+    stuck = [{"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded",
+              "message": 'ReplicaSet "demo-decode-1" has timed out progressing.'}]
+    isvc = parse(isvc_body())
+    deps = {Role.PREFILL: deployment(1, 1), Role.DECODE: deployment(1, 0, conditions=stuck),
+            Role.ROUTER: deployment(1, 1)}
+    c = conds(compute_status(isvc, deps, {}, NOW, 1))
+    assert c["Degraded"]["status"] == "True" and c["Degraded"]["reason"] == "ProgressDeadlineExceeded"
+    assert "timed out progressing" in c["DecodeReady"]["message"]
+    assert c["Progressing"]["status"] == "False"
+
+
+def test_missing_deployment_and_scaled_to_zero():
+    isvc = parse(isvc_body(prefill={"replicas": 0}))
+    deps = {Role.PREFILL: deployment(0, 0), Role.DECODE: None, Role.ROUTER: deployment(1, 1)}
+    c = conds(compute_status(isvc, deps, {}, NOW, 1))
+    assert c["PrefillReady"]["reason"] == "ScaledToZero" and "at least 1" in c["PrefillReady"]["message"]
+    assert c["DecodeReady"]["reason"] == "DeploymentMissing"
+
+
+def test_colocated_status_uses_the_engine_role():
+    isvc = parse(isvc_body(mode="colocated"))
+    st = compute_status(isvc, {Role.COLOCATED: deployment(1, 1), Role.ROUTER: deployment(1, 1)}, {}, NOW, 1)
+    assert st["engine"]["summary"] == "1/1" and "prefill" not in st
+    assert conds(st)["EngineReady"]["status"] == "True" and conds(st)["Ready"]["status"] == "True"
+
+
+def test_transition_time_moves_only_when_the_status_flips():
+    isvc = parse(isvc_body())
+    ready = {Role.PREFILL: deployment(1, 1), Role.DECODE: deployment(1, 1), Role.ROUTER: deployment(1, 1)}
+    first = compute_status(isvc, ready, {}, "t1", 1)
+    again = compute_status(isvc, ready, first, "t2", 1)
+    assert conds(again)["Ready"]["lastTransitionTime"] == "t1"
+    down = compute_status(isvc, {**ready, Role.ROUTER: deployment(1, 0)}, again, "t3", 1)
+    assert conds(down)["Ready"]["lastTransitionTime"] == "t3"
+
+
+def test_newer_spec_than_applied_is_progressing():
+    body = isvc_body()
+    body["metadata"]["generation"] = 2
+    isvc = parse(body)
+    ready = {Role.PREFILL: deployment(1, 1), Role.DECODE: deployment(1, 1), Role.ROUTER: deployment(1, 1)}
+    c = conds(compute_status(isvc, ready, {}, NOW, observed_generation=1))
+    assert c["Progressing"]["status"] == "True" and c["Progressing"]["reason"] == "Reconciling"
+
+
+def test_invalid_status_tells_what_to_fix():
+    st = invalid_status({}, ["spec.prefill: gpus must be 0"], 3, NOW)
+    c = conds(st)
+    assert c["Ready"]["reason"] == "InvalidSpec" and c["Degraded"]["status"] == "True"
+    assert "fix it and apply again: spec.prefill: gpus must be 0" in c["Degraded"]["message"]
+    assert st["observedGeneration"] == 3

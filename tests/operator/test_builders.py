@@ -1,0 +1,247 @@
+"""Pure builders: every engine role, every kvTransfer mode, colocated mode, router, RBAC, monitors."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from baton.operator import naming
+from baton.operator.builders import build_children
+from baton.operator.builders.engine import engine_args, engine_deployment, engine_service
+from baton.operator.builders.monitoring import pod_monitor, service_monitor
+from baton.operator.builders.router import (router_args, router_deployment, router_role,
+                                            router_role_binding, router_service)
+from baton.operator.naming import Role
+from baton.operator.spec import parse
+from baton.operator.testing.objects import isvc_body
+
+
+def container(dep: dict) -> dict:
+    return dep["spec"]["template"]["spec"]["containers"][0]
+
+
+def flag(args: list[str], name: str) -> str | None:
+    return args[args.index(name) + 1] if name in args else None
+
+
+@pytest.mark.parametrize("role", [Role.PREFILL, Role.DECODE])
+def test_pd_engine_runs_baton_serve_with_its_role_flags(role):
+    isvc = parse(isvc_body(**{role.value: {"replicas": 3, "tp": 2, "dp": 2, "extraArgs": ["--mem-fraction-static", "0.8"]}}))
+    dep = engine_deployment(isvc, role)
+    c = container(dep)
+    assert c["command"] == ["baton", "serve"]
+    args = c["args"]
+    assert flag(args, "--model-path") == "/models/tiny" and flag(args, "--served-model-name") == "tiny"
+    assert flag(args, "--host") == "0.0.0.0" and flag(args, "--port") == "30000"
+    assert flag(args, "--tp-size") == "2" and flag(args, "--dp-size") == "2" and flag(args, "--device") == "cpu"
+    assert flag(args, "--disaggregation-mode") == role.value
+    assert flag(args, "--disaggregation-bootstrap-port") == "8998"
+    assert flag(args, "--disaggregation-transfer-backend") == "mooncake"
+    assert flag(args, "--disaggregation-protocol") == "tcp"
+    assert "--disaggregation-ib-device" not in args
+    assert args[-2:] == ["--mem-fraction-static", "0.8"]
+    assert dep["spec"]["replicas"] == 3
+    assert dep["metadata"]["name"] == f"demo-{role.value}"
+    assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+
+
+def test_prefill_exposes_the_bootstrap_port_and_annotation_decode_does_not():
+    isvc = parse(isvc_body(kvTransfer={"bootstrapPort": 9000}))
+    prefill, decode = engine_deployment(isvc, Role.PREFILL), engine_deployment(isvc, Role.DECODE)
+    ports = {p["name"]: p["containerPort"] for p in container(prefill)["ports"]}
+    assert ports == {"http": 30000, "bootstrap": 9000}
+    assert prefill["spec"]["template"]["metadata"]["annotations"][naming.BOOTSTRAP_PORT_ANNOTATION] == "9000"
+    assert {p["name"] for p in container(decode)["ports"]} == {"http"}
+    assert naming.BOOTSTRAP_PORT_ANNOTATION not in decode["spec"]["template"]["metadata"]["annotations"]
+    svc = engine_service(isvc, Role.PREFILL)
+    assert svc["spec"]["clusterIP"] == "None"
+    assert {p["name"]: p["port"] for p in svc["spec"]["ports"]} == {"http": 30000, "bootstrap": 9000}
+
+
+@pytest.mark.parametrize("role", [Role.PREFILL, Role.DECODE, Role.COLOCATED, Role.ROUTER])
+def test_pods_carry_the_labels_the_router_selects_on_and_an_owner_reference(role):
+    mode = "colocated" if role is Role.COLOCATED else "disaggregated"
+    isvc = parse(isvc_body(mode=mode))
+    dep = router_deployment(isvc) if role is Role.ROUTER else engine_deployment(isvc, role)
+    selector = {naming.SERVICE_LABEL: "demo", naming.ROLE_LABEL: role.value}
+    assert dep["spec"]["selector"]["matchLabels"] == selector
+    labels = dep["spec"]["template"]["metadata"]["labels"]
+    assert selector.items() <= labels.items()
+    assert labels["app.kubernetes.io/managed-by"] == "baton-operator"
+    assert labels["app.kubernetes.io/instance"] == "demo"
+    [owner] = dep["metadata"]["ownerReferences"]
+    assert owner == {"apiVersion": "baton.dev/v1alpha1", "kind": "InferenceService", "name": "demo",
+                     "uid": "uid-demo", "controller": True, "blockOwnerDeletion": True}
+
+
+def test_rdma_mode_sets_devices_resources_and_ipc_lock():
+    isvc = parse(isvc_body(prefill={"gpus": 2, "tp": 2}, decode={"gpus": 1},
+                           kvTransfer={"protocol": "rdma", "ibDevices": ["mlx5_0", "mlx5_1"],
+                                       "rdmaResourceName": "rdma/hca_shared_devices_a", "rdmaResourceCount": 2}))
+    for role, gpus in ((Role.PREFILL, 2), (Role.DECODE, 1)):
+        c = container(engine_deployment(isvc, role))
+        assert flag(c["args"], "--disaggregation-protocol") == "rdma"
+        assert flag(c["args"], "--disaggregation-ib-device") == "mlx5_0,mlx5_1"
+        assert flag(c["args"], "--device") == "cuda"
+        assert c["resources"]["limits"] == {"nvidia.com/gpu": gpus, "rdma/hca_shared_devices_a": 2}
+        assert c["resources"]["requests"]["nvidia.com/gpu"] == gpus
+        assert c["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
+
+
+def test_rdma_without_explicit_devices_lets_mooncake_pick():
+    isvc = parse(isvc_body(kvTransfer={"protocol": "rdma"}))
+    c = container(engine_deployment(isvc, Role.DECODE))
+    assert flag(c["args"], "--disaggregation-protocol") == "rdma"
+    assert "--disaggregation-ib-device" not in c["args"]
+    assert "rdma" not in json.dumps(c["resources"])
+
+
+def test_tcp_mode_keeps_the_container_unprivileged_and_non_root():
+    isvc = parse(isvc_body())
+    dep = engine_deployment(isvc, Role.DECODE)
+    c, pod = container(dep), dep["spec"]["template"]["spec"]
+    assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert c["securityContext"]["allowPrivilegeEscalation"] is False
+    assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] == 1000
+    assert pod["automountServiceAccountToken"] is False
+    assert "hostNetwork" not in pod
+
+
+def test_root_is_allowed_when_the_image_needs_it():
+    isvc = parse(isvc_body(podSecurity={"runAsNonRoot": False}))
+    pod = engine_deployment(isvc, Role.PREFILL)["spec"]["template"]["spec"]
+    assert "runAsNonRoot" not in pod["securityContext"]
+
+
+def test_host_network_mode_for_engines_only_and_in_place_rollouts():
+    isvc = parse(isvc_body(kvTransfer={"hostNetwork": True}))
+    for role in (Role.PREFILL, Role.DECODE):
+        dep = engine_deployment(isvc, role)
+        assert dep["spec"]["template"]["spec"]["hostNetwork"] is True
+        assert dep["spec"]["template"]["spec"]["dnsPolicy"] == "ClusterFirstWithHostNet"
+        assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
+    assert "hostNetwork" not in router_deployment(isvc)["spec"]["template"]["spec"]
+
+
+def test_colocated_engine_has_no_disaggregation_flags():
+    isvc = parse(isvc_body(mode="colocated", engine={"replicas": 2, "gpus": 1},
+                           kvTransfer={"protocol": "rdma", "rdmaResourceName": "rdma/x"}))
+    dep = engine_deployment(isvc, Role.COLOCATED)
+    assert dep["metadata"]["name"] == "demo-engine"
+    args = container(dep)["args"]
+    assert not [a for a in args if a.startswith("--disaggregation")]
+    assert container(dep)["resources"]["limits"] == {"nvidia.com/gpu": 1}
+    kinds = [(o["kind"], o["metadata"]["name"]) for o in build_children(isvc)]
+    assert ("Deployment", "demo-engine") in kinds and ("Deployment", "demo-prefill") not in kinds
+
+
+@pytest.mark.parametrize("model, volume", [
+    ({"pvc": {"claimName": "models", "subPath": "tiny"}}, {"persistentVolumeClaim": {"claimName": "models", "readOnly": True}}),
+    ({"hostPath": {"path": "/data/tiny"}}, {"hostPath": {"path": "/data/tiny", "type": "Directory"}}),
+    ({}, None),
+])
+def test_model_source_volumes(model, volume):
+    isvc = parse(isvc_body(model={"name": "tiny", "path": "/models/tiny", **model}))
+    pod = engine_deployment(isvc, Role.PREFILL)["spec"]["template"]["spec"]
+    vols = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["name"]: m for m in pod["containers"][0]["volumeMounts"]}
+    assert vols["dshm"]["emptyDir"]["medium"] == "Memory"
+    if volume is None:
+        assert "model" not in vols and "model" not in mounts
+    else:
+        assert {k: v for k, v in vols["model"].items() if k != "name"} == volume
+        assert mounts["model"]["mountPath"] == "/models/tiny" and mounts["model"]["readOnly"] is True
+    if "pvc" in model:
+        assert mounts["model"]["subPath"] == "tiny"
+
+
+def test_placement_env_and_resources_are_copied_to_the_role():
+    placement = {"nodeSelector": {"gpu": "h100"}, "tolerations": [{"key": "gpu", "operator": "Exists"}],
+                 "affinity": {"nodeAffinity": {}}, "env": [{"name": "X", "value": "1"}],
+                 "resources": {"requests": {"cpu": "2"}, "limits": {"memory": "4Gi"}}}
+    isvc = parse(isvc_body(decode=placement))
+    pod = engine_deployment(isvc, Role.DECODE)["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"gpu": "h100"} and pod["tolerations"] == placement["tolerations"]
+    assert pod["affinity"] == {"nodeAffinity": {}}
+    env = {e["name"]: e for e in pod["containers"][0]["env"]}
+    assert env["X"]["value"] == "1" and env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert pod["containers"][0]["resources"] == {"requests": {"cpu": "2"}, "limits": {"memory": "4Gi"}}
+    assert "nodeSelector" not in engine_deployment(isvc, Role.PREFILL)["spec"]["template"]["spec"]
+
+
+def test_router_pd_args_select_the_engine_roles():
+    isvc = parse(isvc_body(namespace="team-a", router={"prefillPolicy": "random", "decodePolicy": "power_of_two"}))
+    args = router_args(isvc)
+    assert args[:4] == ["--host", "0.0.0.0", "--port", "8000"]
+    assert "--pd-disaggregation" in args and "--service-discovery" in args
+    i = args.index("--prefill-selector")
+    assert args[i + 1:i + 3] == ["baton.dev/inference-service=demo", "baton.dev/role=prefill"]
+    i = args.index("--decode-selector")
+    assert args[i + 1:i + 3] == ["baton.dev/inference-service=demo", "baton.dev/role=decode"]
+    assert flag(args, "--service-discovery-namespace") == "team-a"
+    assert flag(args, "--service-discovery-port") == "30000"
+    assert flag(args, "--prefill-policy") == "random" and flag(args, "--decode-policy") == "power_of_two"
+
+
+def test_router_colocated_args():
+    args = router_args(parse(isvc_body(mode="colocated", router={"policy": "round_robin"})))
+    assert "--pd-disaggregation" not in args and "--prefill-selector" not in args
+    i = args.index("--selector")
+    assert args[i + 1:i + 3] == ["baton.dev/inference-service=demo", "baton.dev/role=colocated"]
+    assert flag(args, "--policy") == "round_robin"
+
+
+def test_router_api_key_comes_from_the_secret_never_an_argument():
+    isvc = parse(isvc_body(router={"apiKeySecretRef": {"name": "keys"}}))
+    c = container(router_deployment(isvc))
+    assert c["env"][0] == {"name": "BATON_API_KEY",
+                           "valueFrom": {"secretKeyRef": {"name": "keys", "key": "api-key"}}}
+    assert not [a for a in c["args"] if "api-key" in a]
+    assert c["command"] == ["baton", "router"]
+
+
+def test_router_service_account_may_only_read_pods_in_its_namespace():
+    isvc = parse(isvc_body(namespace="team-a"))
+    role = router_role(isvc)
+    assert role["kind"] == "Role" and role["metadata"]["namespace"] == "team-a"
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+    binding = router_role_binding(isvc)
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "demo-router"}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "demo-router", "namespace": "team-a"}]
+    pod = router_deployment(isvc)["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "demo-router"
+
+
+def test_router_service_type_and_port():
+    svc = router_service(parse(isvc_body(router={"service": {"type": "LoadBalancer", "port": 80}})))
+    assert svc["spec"]["type"] == "LoadBalancer"
+    assert svc["spec"]["ports"] == [{"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP"}]
+
+
+def test_monitors_only_when_asked():
+    isvc = parse(isvc_body())
+    assert {o["kind"] for o in build_children(isvc)}.isdisjoint({"PodMonitor", "ServiceMonitor"})
+    isvc = parse(isvc_body(monitoring={"podMonitor": True, "serviceMonitor": True, "labels": {"release": "prom"}}))
+    kinds = {o["kind"] for o in build_children(isvc)}
+    assert {"PodMonitor", "ServiceMonitor"} <= kinds
+    pm, sm = pod_monitor(isvc), service_monitor(isvc)
+    assert pm["spec"]["selector"]["matchLabels"] == {naming.SERVICE_LABEL: "demo"}
+    assert pm["spec"]["podMetricsEndpoints"] == [{"port": "http", "path": "/metrics", "interval": "15s"}]
+    assert sm["metadata"]["labels"]["release"] == "prom"
+
+
+def test_every_child_is_owned_and_stamped_with_a_hash_that_tracks_its_own_spec():
+    before = {o["metadata"]["name"] + o["kind"]: o for o in build_children(parse(isvc_body()))}
+    for obj in before.values():
+        assert obj["metadata"]["ownerReferences"][0]["uid"] == "uid-demo"
+        assert len(obj["metadata"]["annotations"][naming.SPEC_HASH_ANNOTATION]) == 16
+    after = {o["metadata"]["name"] + o["kind"]: o for o in build_children(parse(isvc_body(decode={"replicas": 4})))}
+    changed = {k for k in before if before[k] != after[k]}
+    assert changed == {"demo-decodeDeployment", "demo-topologyConfigMap"}
+
+
+def test_engine_args_follow_the_cli_contract_for_colocated():
+    isvc = parse(isvc_body(mode="colocated"))
+    assert engine_args(isvc, Role.COLOCATED) == [
+        "--model-path", "/models/tiny", "--host", "0.0.0.0", "--port", "30000", "--served-model-name", "tiny",
+        "--device", "cpu", "--tp-size", "1", "--dp-size", "1"]

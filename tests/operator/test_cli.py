@@ -1,0 +1,60 @@
+"""`baton operator` command line, and what the operator package must never import."""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+
+from baton.operator.cli import add_cli_args, config_from_args, kopf_kwargs
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    return parser.parse_args(argv)
+
+
+def test_all_namespaces_standalone_by_default():
+    args = parse(["--all-namespaces"])
+    kw = kopf_kwargs(args)
+    assert kw["clusterwide"] is True and kw["namespaces"] == [] and kw["standalone"] is True
+    assert kw["liveness_endpoint"] == "http://0.0.0.0:8080/healthz"
+    config = config_from_args(args)
+    assert config.metrics_port == 9090 and config.resync_seconds == 60
+
+
+def test_namespaces_peering_and_switches():
+    args = parse(["-n", "team-a", "--namespace", "team-*", "--peering", "baton", "--priority", "7",
+                  "--metrics-port", "0", "--liveness", "", "--no-events", "--resync-seconds", "5"])
+    kw = kopf_kwargs(args)
+    assert kw["clusterwide"] is False and kw["namespaces"] == ["team-a", "team-*"]
+    assert kw["standalone"] is False and kw["peering_name"] == "baton" and kw["priority"] == 7
+    assert kw["liveness_endpoint"] is None
+    config = config_from_args(args)
+    assert config.metrics_port is None and config.post_events is False and config.resync_seconds == 5
+
+
+def test_a_scope_is_required_and_scopes_exclude_each_other():
+    with pytest.raises(SystemExit):
+        kopf_kwargs(parse([]))
+    with pytest.raises(SystemExit):
+        parse(["-A", "-n", "x"])
+
+
+def test_baton_operator_help_runs_through_the_baton_command():
+    out = subprocess.run([sys.executable, "-m", "baton", "operator", "--help"], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "--all-namespaces" in out.stdout and "--peering" in out.stdout
+
+
+def test_the_operator_imports_neither_torch_nor_the_engine_nor_the_router():
+    code = ("import sys, operator, baton.operator.handlers, baton.operator.cli, baton.operator.install;"
+            "bad = [m for m in sys.modules if m == 'torch' or m.startswith(('baton.engine', 'baton.router'))];"
+            "assert not bad, bad;"
+            "assert operator.__file__.endswith('/operator.py') and 'site-packages' not in operator.__file__ "
+            "and '/lib/python' in operator.__file__, operator.__file__")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr

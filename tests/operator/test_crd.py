@@ -1,0 +1,170 @@
+"""The CRD: generated files in sync, a structural schema, samples valid, wrong specs refused.
+
+What the API server does on `kubectl apply` is reproduced here without one: defaults are applied from
+the schema (baton.operator.defaults), the OpenAPI schema is checked with `jsonschema`, and every CEL rule
+(`x-kubernetes-validations`) is evaluated with `cel-python` (celpy), walking the schema like the API
+server does. The CEL rules and the operator's Python twins must agree on every case.
+"""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import celpy
+import jsonschema
+import pytest
+import yaml
+
+from baton.operator.crd import build_crd, openapi_schema
+from baton.operator.defaults import apply_defaults
+from baton.operator.install import generated_files
+from baton.operator.testing.objects import for_create, isvc_body
+from baton.operator.validation import RULES, validate
+
+_ENV = celpy.Environment()
+
+
+def cel(rule: str, value: Any) -> bool:
+    result = _ENV.program(_ENV.compile(rule)).evaluate({"self": celpy.json_to_cel(value)})
+    assert not isinstance(result, celpy.CELEvalError), f"{rule!r} failed to evaluate: {result}"
+    return bool(result)
+
+
+def cel_violations(schema: dict[str, Any], value: Any, path: str = "") -> set[tuple[str, str]]:
+    """(path, message) of every CEL rule `value` breaks, like the API server's validation."""
+    out = {(path or "metadata.name", r["message"]) for r in schema.get("x-kubernetes-validations", [])
+           if not cel(r["rule"], value)}
+    if isinstance(value, dict):
+        for key, sub in schema.get("properties", {}).items():
+            if key in value:
+                out |= cel_violations(sub, value[key], f"{path}.{key}" if path else key)
+    elif isinstance(value, list) and "items" in schema:
+        for item in value:
+            out |= cel_violations(schema["items"], item, path)
+    return out
+
+
+def api_server_refusals(obj: dict[str, Any]) -> list[str]:
+    """Messages `kubectl apply` would show for `obj` (schema errors first, then CEL)."""
+    schema = openapi_schema()
+    obj = apply_defaults(schema, obj)
+    errors = [f"{'.'.join(map(str, e.absolute_path))}: {e.message}"
+              for e in jsonschema.Draft7Validator(schema).iter_errors(obj)]
+    return errors or [f"{p}: {m}" for p, m in sorted(cel_violations(schema, obj))]
+
+
+def test_generated_files_are_in_sync(repo: Path):
+    stale = [path for path, text in generated_files(str(repo)).items()
+             if not Path(path).exists() or Path(path).read_text() != text]
+    assert not stale, f"run `python -m baton.operator.install --write`; stale: {stale}"
+
+
+def _walk(schema: dict[str, Any], path: str = "root"):
+    yield path, schema
+    for key, sub in schema.get("properties", {}).items():
+        yield from _walk(sub, f"{path}.{key}")
+    if isinstance(schema.get("items"), dict):
+        yield from _walk(schema["items"], f"{path}[]")
+    if isinstance(schema.get("additionalProperties"), dict):
+        yield from _walk(schema["additionalProperties"], f"{path}{{}}")
+
+
+def test_schema_is_structural_and_cel_costs_are_bounded():
+    for path, node in _walk(openapi_schema()):
+        if not node.get("x-kubernetes-int-or-string"):
+            assert "type" in node, f"{path} has no type (not a structural schema)"
+        assert not ("properties" in node and "additionalProperties" in node), path
+        if node.get("type") == "array":
+            assert "items" in node, path
+        if node.get("x-kubernetes-validations") and node.get("type") == "array":
+            assert "maxItems" in node and "maxLength" in node["items"], f"{path}: unbounded CEL cost"
+        for rule in node.get("x-kubernetes-validations", []):
+            assert rule["message"] and _ENV.compile(rule["rule"]) is not None
+
+
+def test_crd_has_status_subresource_and_printer_columns():
+    version = build_crd()["spec"]["versions"][0]
+    assert version["subresources"] == {"status": {}}
+    columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
+    assert columns["Ready"] == '.status.conditions[?(@.type=="Ready")].status'
+    assert {"Prefill", "Decode", "Router", "Endpoint", "Age"} <= set(columns)
+
+
+def test_samples_pass_the_api_server_checks_and_the_operator(samples):
+    assert {"cpu-smollm2.yaml", "gpu-rdma.yaml", "cpu-colocated.yaml"} <= set(samples)
+    for name, body in samples.items():
+        assert api_server_refusals(body) == [], name
+        assert validate(apply_defaults(openapi_schema(), body)) == [], name
+
+
+BAD_SCHEMA = [  # refused by the OpenAPI schema: (spec override, expected words in the message)
+    ({"kvTransfer": {"protocol": "udp"}}, "'udp' is not one of ['tcp', 'rdma']"),
+    ({"prefill": {"replicas": -1}}, "-1 is less than the minimum of 0"),
+    ({"decode": {"tp": 0}}, "0 is less than the minimum of 1"),
+    ({"router": {"decodePolicy": "fastest"}}, "'fastest' is not one of"),
+    ({"router": {"service": {"port": 70000}}}, "70000 is greater than the maximum of 65535"),
+    ({"model": {"name": "m", "path": "relative/path"}}, "does not match '^/'"),
+    ({"mode": "split"}, "'split' is not one of ['disaggregated', 'colocated']"),
+]
+
+
+@pytest.mark.parametrize("spec, words", BAD_SCHEMA)
+def test_schema_refuses_wrong_values_with_a_readable_message(spec, words):
+    refusals = api_server_refusals(for_create(isvc_body(**spec)))
+    assert any(words in r for r in refusals), refusals
+
+
+BAD_RULES = [  # refused by CEL rules (and by the operator's Python twins)
+    {"mode": "colocated", "prefill": {}},
+    {"engine": {}},
+    {"prefill": {"tp": 2, "gpus": 1}},
+    {"decode": {"dp": 2, "tp": 2, "gpus": 2}},
+    {"prefill": {"extraArgs": ["--tp-size=4"]}},
+    {"decode": {"extraArgs": ["--disaggregation-mode", "prefill"]}},
+    {"router": {"extraArgs": ["--api-key", "x"]}},
+    {"kvTransfer": {"ibDevices": ["mlx5_0"]}},
+    {"kvTransfer": {"rdmaResourceName": "rdma/x"}},
+    {"model": {"name": "m", "path": "/m", "pvc": {"claimName": "c"}, "hostPath": {"path": "/h"}}},
+]
+
+
+@pytest.mark.parametrize("spec", BAD_RULES)
+def test_cel_rules_refuse_and_agree_with_the_operator(spec):
+    obj = apply_defaults(openapi_schema(), for_create(isvc_body(**spec)))
+    by_cel = {f"{p}: {m}" for p, m in cel_violations(openapi_schema(), obj)}
+    assert by_cel, "the API server would accept this"
+    assert by_cel == set(validate(obj))
+
+
+@pytest.mark.parametrize("name, ok", [("demo", True), ("a" * 45, True), ("a" * 46, False),
+                                      ("Demo", False), ("9lives", False), ("demo-", False)])
+def test_name_rules(name, ok):
+    obj = for_create(isvc_body(name=name))
+    assert (api_server_refusals(obj) == []) is ok
+    assert (validate(apply_defaults(openapi_schema(), obj)) == []) is ok
+
+
+def test_good_variants_pass_both(samples):
+    good = [{"prefill": {"tp": 2, "dp": 2, "gpus": 4}}, {"kvTransfer": {"protocol": "rdma", "ibDevices": ["mlx5_0"]}},
+            {"mode": "colocated"}, {"decode": {"extraArgs": ["--port-offset", "1", "--mem-fraction-static=0.8"]}}]
+    for spec in good:
+        obj = for_create(isvc_body(**spec))
+        assert api_server_refusals(obj) == [], spec
+        assert validate(apply_defaults(openapi_schema(), obj)) == [], spec
+
+
+def test_every_rule_is_exercised():
+    hit = set()
+    for spec in BAD_RULES:
+        obj = apply_defaults(openapi_schema(), for_create(isvc_body(**spec)))
+        hit |= {m for _, m in cel_violations(openapi_schema(), obj)}
+    hit |= {m for _, m in cel_violations(openapi_schema(), apply_defaults(openapi_schema(),
+                                                                           for_create(isvc_body(name="X" * 50))))}
+    assert hit == {r.message for r in RULES}
+
+
+def test_defaults_match_the_schema_round_trip():
+    once = apply_defaults(openapi_schema(), for_create(isvc_body()))
+    assert apply_defaults(openapi_schema(), copy.deepcopy(once)) == once
+    assert yaml.safe_load(yaml.safe_dump(once)) == once
