@@ -1,0 +1,198 @@
+"""The HTTP API of a real engine process: HF-equal greedy outputs under concurrency, OpenAI client,
+streaming, every bad-input case (clear error, right status, server keeps serving, nothing leaks),
+client disconnects, queue limit (503) and API key (401)."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from engine_server import running_engine, wait_idle_integrity
+
+
+@pytest.fixture(scope="module")
+def model_path(tiny_model_factory) -> str:
+    return tiny_model_factory("qwen3")
+
+
+@pytest.fixture(scope="module")
+def engine(model_path):
+    # small chunk + page size 4 so the API path also exercises chunking and paging
+    with running_engine(model_path, "--chunked-prefill-size", "16", "--page-size", "4",
+                        "--max-total-tokens", "2048", "--max-queued-requests", "64") as eng:
+        yield eng
+
+
+@pytest.fixture(scope="module")
+def hf(model_path):
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+
+
+def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
+    return hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)[0, len(ids):].tolist()
+
+
+async def _generate(client: httpx.AsyncClient, base: str, ids: list[int], n: int) -> dict:
+    r = await client.post(f"{base}/generate", json={"input_ids": ids, "sampling_params": {"max_new_tokens": n, "temperature": 0}})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_concurrent_generate_matches_hf(engine, hf):
+    prompts = [[(7 * i + 3 * j) % 500 + 6 for j in range(5 + 3 * i)] for i in range(16)]
+    prompts += [prompts[10][:24] + [11, 12, 13]]  # radix hit through the API
+
+    async def run():
+        async with httpx.AsyncClient(timeout=120) as c:
+            return await asyncio.gather(*[_generate(c, engine.base_url, p, 10) for p in prompts])
+
+    outs = asyncio.run(run())
+    for p, out in zip(prompts, outs):
+        assert out["output_ids"] == hf_greedy(hf, p, 10)
+        assert out["meta_info"]["prompt_tokens"] == len(p)
+        assert out["meta_info"]["finish_reason"]["type"] in ("length", "stop")
+    assert wait_idle_integrity(engine.base_url)["integrity_ok"] is True
+
+
+def test_openai_client_chat_and_completion(engine, model_path, hf):
+    client = openai.OpenAI(base_url=f"{engine.base_url}/v1", api_key="unused")
+    tok = AutoTokenizer.from_pretrained(model_path)
+    messages = [{"role": "user", "content": "hello there"}]
+    chat = client.chat.completions.create(model="ignored-if-empty" if False else client.models.list().data[0].id,
+                                          messages=messages, max_tokens=8, temperature=0)
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
+    expected = hf_greedy(hf, list(ids), 8)
+    assert chat.choices[0].message.content == tok.decode(expected, skip_special_tokens=True)
+    assert chat.usage.prompt_tokens == len(ids) and chat.usage.completion_tokens == len(expected)
+    # streaming: the deltas concatenate to the same text; usage arrives in the last chunk
+    stream = client.chat.completions.create(model=chat.model, messages=messages, max_tokens=8, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == chat.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == len(expected)
+    comp = client.completions.create(model=chat.model, prompt="the quick brown fox", max_tokens=6, temperature=0,
+                                     logprobs=2)
+    assert comp.choices[0].finish_reason in ("length", "stop")
+    assert len(comp.choices[0].logprobs.token_logprobs) == comp.usage.completion_tokens
+    assert all(len(t) <= 2 for t in comp.choices[0].logprobs.top_logprobs)
+
+
+BAD_REQUESTS = [
+    ("/v1/completions", b"{not json", 400, "malformed JSON"),
+    ("/v1/completions", {"prompt": "hi", "model": "no-such-model"}, 404, "does not exist"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": -5}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "", "max_tokens": 4}, 400, "empty"),
+    ("/v1/completions", {"prompt": [], "max_tokens": 4}, 400, "empty"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "top_k": 0}, 400, "top_k"),
+    ("/v1/completions", {"prompt": "hi", "n": 3}, 400, "n > 1"),
+    ("/v1/completions", {"prompt": 42}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x " * 3000, "max_tokens": 4}, 400, "context length"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": "hello"}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"content": "no role"}]}, 400, "role"),
+    ("/generate", {"sampling_params": {"max_new_tokens": 3}}, 400, "text or input_ids"),
+    ("/generate", {"input_ids": [1, 2, 10**9]}, 400, "vocabulary"),
+    ("/generate", {"text": "hi", "sampling_params": {"no_such_param": 1}}, 400, "sampling_params"),
+    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 0}}, 400, "max_new_tokens"),
+    ("/generate", [1, 2, 3], 400, "JSON object"),
+]
+
+
+@pytest.mark.parametrize("route,body,status,needle", BAD_REQUESTS, ids=[f"{r}-{i}" for i, (r, *_rest) in enumerate(BAD_REQUESTS)])
+def test_bad_input_gets_clear_error(engine, route, body, status, needle):
+    kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(f"{engine.base_url}{route}", timeout=60, **kwargs)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert needle.lower() in err["message"].lower() and err["code"] == status
+    # the engine keeps serving and nothing leaked
+    ok = httpx.post(f"{engine.base_url}/generate", json={"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2}}, timeout=60)
+    assert ok.status_code == 200
+    assert wait_idle_integrity(engine.base_url)["integrity_ok"] is True
+
+
+def test_body_size_limit(engine):
+    r = httpx.post(f"{engine.base_url}/v1/completions", content=b" " * (17 * 1024 * 1024),
+                   headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 413
+
+
+def test_client_disconnect_aborts_and_frees(engine):
+    """Close a stream after the first chunks: the request must be aborted, its memory freed."""
+    body = {"input_ids": list(range(6, 40)), "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}, "stream": True}
+    with httpx.Client(timeout=60) as c:
+        with c.stream("POST", f"{engine.base_url}/generate", json=body) as r:
+            assert r.status_code == 200
+            for i, line in enumerate(r.iter_lines()):
+                if i >= 3:
+                    break
+    info = wait_idle_integrity(engine.base_url, timeout_s=60)
+    assert info["integrity_ok"] is True and info["num_running_reqs"] == 0
+
+
+def test_abort_request_endpoint(engine):
+    async def run():
+        async with httpx.AsyncClient(timeout=60) as c:
+            task = asyncio.create_task(c.post(f"{engine.base_url}/generate", json={
+                "input_ids": [5, 6, 7, 8], "rid": "to-abort",
+                "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True}}))
+            await asyncio.sleep(0.3)
+            r = await c.post(f"{engine.base_url}/abort_request", json={"rid": "to-abort"})
+            assert r.status_code == 200
+            return await task
+
+    resp = asyncio.run(run())
+    assert resp.status_code == 499 or resp.json()["meta_info"]["finish_reason"]["type"] == "abort"
+    assert wait_idle_integrity(engine.base_url)["integrity_ok"] is True
+
+
+def test_health_metrics_models_flush(engine):
+    base = engine.base_url
+    assert httpx.get(f"{base}/health").status_code == 200
+    assert httpx.get(f"{base}/health_generate", timeout=60).status_code == 200
+    models = httpx.get(f"{base}/v1/models").json()
+    assert models["data"][0]["id"] == "qwen3" or models["data"][0]["root"]
+    assert httpx.get(f"{base}/get_model_info").json()["is_generation"] is True
+    metrics = httpx.get(f"{base}/metrics").text
+    for name in ("baton_time_to_first_token_seconds_bucket", "baton_generation_tokens_total",
+                 "baton_num_running_requests", "baton_token_usage", "baton_cache_hit_rate"):
+        assert name in metrics
+    wait_idle_integrity(base)
+    assert httpx.post(f"{base}/flush_cache").status_code == 200
+    info = wait_idle_integrity(base)
+    assert info["integrity_ok"] is True
+
+
+def test_queue_limit_returns_503(model_path):
+    with running_engine(model_path, "--max-queued-requests", "1", "--max-running-requests", "1") as eng:
+        body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 60, "ignore_eos": True}}
+
+        async def run():
+            async with httpx.AsyncClient(timeout=120) as c:
+                return await asyncio.gather(*[c.post(f"{eng.base_url}/generate", json=body) for _ in range(8)])
+
+        codes = sorted(r.status_code for r in asyncio.run(run()))
+        assert 200 in codes and 503 in codes, codes
+        assert wait_idle_integrity(eng.base_url)["integrity_ok"] is True
+
+
+def test_api_key(model_path):
+    with running_engine(model_path, api_key="s3cret") as eng:
+        base = eng.base_url
+        assert httpx.get(f"{base}/health").status_code == 200  # probes need no key
+        body = {"prompt": "hi", "max_tokens": 2}
+        assert httpx.post(f"{base}/v1/completions", json=body).status_code == 401
+        assert httpx.post(f"{base}/v1/completions", json=body, headers={"Authorization": "Bearer nope"}).status_code == 401
+        r = httpx.post(f"{base}/v1/completions", json=body, headers={"Authorization": "Bearer s3cret"}, timeout=60)
+        assert r.status_code == 200
+        log = open(eng.log_path).read()
+        assert "s3cret" not in log, "the API key must never be logged"
