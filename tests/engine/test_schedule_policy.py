@@ -1,0 +1,190 @@
+"""Unit tests: PrefillAdder budgets, waiting-queue policies, retraction math, the future map."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from baton.engine.mem_cache.allocator import TokenToKVPoolAllocator
+from baton.engine.mem_cache.memory_pool import ReqToTokenPool
+from baton.engine.mem_cache.radix_cache import RadixCache
+from baton.engine.sampling.sampling_params import SamplingParams
+from baton.engine.scheduler.req import Req
+from baton.engine.scheduler.schedule_batch import RETRACT_DECODE_STEPS, ScheduleBatch
+from baton.engine.scheduler.schedule_policy import (CLIP_MAX_NEW_TOKENS, AddReqResult, PrefillAdder,
+                                                    SchedulePolicy)
+from baton.engine.scheduler.tp_worker import FutureMap
+from baton.engine.triton_ops.future_resolve import resolve_future_token_ids
+
+
+def make_req(rid: str, n: int, max_new: int = 10, start: int = 10, arrival: float = 0.0, priority: int = 0) -> Req:
+    return Req(rid=rid, origin_input_ids=list(range(start, start + n)),
+               sampling_params=SamplingParams(max_new_tokens=max_new), eos_token_ids=frozenset({2}),
+               arrival_time=arrival, priority=priority)
+
+
+@pytest.fixture
+def pools():
+    req_pool = ReqToTokenPool(8, 256, "cpu")
+    alloc = TokenToKVPoolAllocator(512, 1, "cpu")
+    return req_pool, alloc, RadixCache(req_pool, alloc, 1)
+
+
+def adder(pools, running=(), ratio=0.5, max_prefill=1000, chunk=None) -> PrefillAdder:
+    _, alloc, tree = pools
+    return PrefillAdder(1, tree, alloc, list(running), ratio, max_prefill, chunk)
+
+
+def test_total_budget_counts_running_reservation(pools):
+    running = [make_req("r", 5, max_new=100)]
+    a = adder(pools, running, ratio=0.5)
+    assert a.rem_total_tokens == 512 - 50  # half of the running request's 100 future tokens
+    req = make_req("a", 400, max_new=100)
+    req.init_next_round_input(pools[2])
+    assert a.add_one_req(req, False) == AddReqResult.NO_TOKEN  # 400 + 100 > 462
+    small = make_req("b", 300, max_new=100)
+    small.init_next_round_input(pools[2])
+    assert a.add_one_req(small, False) == AddReqResult.CONTINUE
+    assert a.rem_total_tokens == 462 - 400
+
+
+def test_clip_max_new_tokens(pools):
+    a = adder(pools, [make_req("r", 5, max_new=10 ** 6)], ratio=0.0001)
+    assert a.rem_total_token_offset == pytest.approx(CLIP_MAX_NEW_TOKENS * 0.0001)
+
+
+def test_prefill_token_budget(pools):
+    a = adder(pools, max_prefill=50)
+    r1, r2 = make_req("1", 40, 1), make_req("2", 40, 1, start=100)
+    for r in (r1, r2):
+        r.init_next_round_input(pools[2])
+    assert a.add_one_req(r1, False) == AddReqResult.CONTINUE
+    assert a.add_one_req(r2, False) == AddReqResult.OTHER  # would exceed max-prefill-tokens
+    assert a.can_run_list == [r1]
+
+
+def test_first_request_may_exceed_prefill_budget(pools):
+    a = adder(pools, max_prefill=10)
+    r = make_req("1", 40, 1)
+    r.init_next_round_input(pools[2])
+    a.add_one_req(r, False)
+    assert a.can_run_list == [r]
+
+
+def test_chunking_cuts_long_prompt(pools):
+    a = adder(pools, chunk=16)
+    r = make_req("1", 40, 5)
+    r.init_next_round_input(pools[2])
+    a.add_one_req(r, False)
+    assert a.new_chunked_req is r and r.extend_input_len == 16 and len(r.fill_ids) == 16
+    other = make_req("2", 40, 5, start=200)
+    other.init_next_round_input(pools[2])
+    assert adder(pools, chunk=16).add_one_req(other, has_chunked_req=True) == AddReqResult.OTHER
+
+
+def test_chunked_req_limited_by_total_budget(pools):
+    a = adder(pools, [make_req("r", 5, max_new=1000)], ratio=0.49, chunk=512)
+    r = make_req("1", 200, 5)
+    r.init_next_round_input(None)
+    r.req_pool_idx, r.kv_committed_len = 0, 0  # holds a row: continuing a chunked prefill
+    r.extend_input_len = 200
+    assert a.add_chunked_req(r) is r  # more chunks follow
+    assert r.extend_input_len == int(512 - 490)
+
+
+def test_own_prefix_is_not_counted_as_evictable(pools):
+    req_pool, alloc, tree = pools
+    slots = alloc.alloc(300)
+    tree.insert(list(range(10, 310)), slots)  # a cached, evictable prefix
+    assert tree.evictable_size() == 300
+    r = make_req("1", 310, max_new=10)
+    r.init_next_round_input(tree)
+    assert len(r.prefix_indices) == 300
+    # free 212 + evictable 300, but the 300 become locked by this very request: 10 + 10 fit,
+    a = adder(pools)
+    assert a.add_one_req(r, False) == AddReqResult.CONTINUE
+    assert tree.protected_size() == 300
+    big = make_req("2", 250, max_new=10, start=1000)
+    big.init_next_round_input(tree)
+    assert a.add_one_req(big, False) == AddReqResult.NO_TOKEN  # only 212 - 20 free remain
+
+
+def _queue() -> list[Req]:
+    return [make_req("old", 5, max_new=1, arrival=1.0), make_req("new", 5, max_new=50, arrival=2.0, start=40),
+            make_req("mid", 5, max_new=10, arrival=1.5, start=80)]
+
+
+def test_fcfs_and_lof(pools):
+    q = _queue()
+    SchedulePolicy("fcfs", pools[2], False).calc_priority(q)
+    assert [r.rid for r in q] == ["old", "mid", "new"]
+    SchedulePolicy("lof", pools[2], False).calc_priority(q)
+    assert [r.rid for r in q] == ["new", "mid", "old"]
+
+
+def test_lpm_prefers_longest_cached_prefix(pools):
+    _, alloc, tree = pools
+    tree.insert(list(range(80, 84)), alloc.alloc(4))
+    tree.insert(list(range(40, 42)), alloc.alloc(2))
+    q = _queue()
+    SchedulePolicy("lpm", tree, False).calc_priority(q)
+    assert [r.rid for r in q] == ["mid", "new", "old"]
+
+
+def test_dfs_weight_groups_shared_prefixes(pools):
+    _, alloc, tree = pools
+    tree.insert([1, 2, 3, 4], alloc.alloc(4))
+    tree.insert([9, 9, 9, 9], alloc.alloc(4))
+    a1, b, a2, a3 = (Req(rid, ids, SamplingParams(), frozenset()) for rid, ids in
+                     (("a1", [1, 2, 3, 4, 5]), ("b", [9, 9, 9, 9, 5]), ("a2", [1, 2, 3, 4, 6]), ("a3", [1, 2, 3, 4, 7])))
+    q = [b, a1, a2, a3]
+    SchedulePolicy("dfs-weight", tree, False).calc_priority(q)
+    assert [r.rid for r in q][:3] == ["a1", "a2", "a3"]  # the heavier subtree first, together
+
+
+def test_priority_orders_before_policy(pools):
+    q = [make_req("low", 5, arrival=1.0, priority=0), make_req("high", 5, arrival=2.0, priority=5)]
+    SchedulePolicy("fcfs", pools[2], True).calc_priority(q)
+    assert [r.rid for r in q] == ["high", "low"]
+
+
+def test_retract_decode_math(pools):
+    req_pool, alloc, tree = pools
+    reqs = [make_req(str(i), 100, max_new=100, start=10 + 200 * i) for i in range(4)]
+    batch = ScheduleBatch(reqs, req_pool, alloc, tree, "cpu")
+    for r in reqs:
+        r.init_next_round_input(tree)
+    batch.prepare_for_extend()
+    for i, r in enumerate(reqs):
+        r.output_ids = [5] * (10 * (i + 1))  # request 0 has decoded least
+    alloc.alloc(alloc.available_size())  # the pool is full: nobody can decode
+    released = []
+
+    def release(req):
+        released.append(req.rid)
+        slots = req_pool.req_to_token[req.req_pool_idx, :req.kv_allocated_len].clone()
+        alloc.free(slots)
+        req_pool.free(req.req_pool_idx)
+
+    retracted, ratio = batch.retract_decode(release)
+    assert [r.rid for r in retracted] == ["0"]  # fewest outputs first; its 100 slots suffice
+    assert all(r.is_retracted and r.req_pool_idx is None for r in retracted)
+    remaining = [r for r in reqs if r not in retracted]
+    decoded = sum(len(r.output_ids) for r in remaining)
+    assert ratio == pytest.approx((decoded + RETRACT_DECODE_STEPS * 3) / 300)
+    assert len(batch.reqs) == 3
+
+
+def test_future_map_round_trip():
+    fm = FutureMap(max_running_requests=3, device="cpu")
+    first = fm.reserve(3)
+    assert (first >= 1).all()  # index 0 is never handed out, so -index is always negative
+    fm.token_ids[first] = torch.tensor([11, 12, 13])
+    ids = torch.cat([-first, torch.tensor([7])])
+    resolve_future_token_ids(ids, fm.token_ids)
+    assert ids.tolist() == [11, 12, 13, 7]
+    seen = set(first.tolist())
+    for _ in range(10):  # wraps around without ever handing out 0
+        got = fm.reserve(3)
+        assert got.min() >= 1 and got.max() <= fm.size
+        seen |= set(got.tolist())
+    assert 0 not in seen
