@@ -190,10 +190,12 @@ class Scheduler(SchedulerOutputProcessorMixin):
     def get_new_batch_prefill(self) -> Optional[ScheduleBatch]:
         if not self.waiting_queue and self.chunked_req is None:
             return None
+        self.policy.calc_priority(self.waiting_queue)
+        if self.server_args.enable_priority_scheduling and self.waiting_queue:
+            self.preempt_for(self.waiting_queue[0])
         running = len(self.running_batch.reqs)
         if running >= self.max_running_requests and self.chunked_req is None:
             return None
-        self.policy.calc_priority(self.waiting_queue)
         adder = PrefillAdder(self.page_size, self.tree_cache, self.allocator, self.running_batch.reqs,
                              self.new_token_ratio, self.server_args.max_prefill_tokens, self.chunked_prefill_size)
         if self.chunked_req is not None:
@@ -224,6 +226,37 @@ class Scheduler(SchedulerOutputProcessorMixin):
         batch = self._new_batch(adder.can_run_list)
         batch.prepare_for_extend(self.chunked_req)
         return batch
+
+    def preempt_for(self, req: Req) -> None:
+        """Priority preemption: retract running requests whose priority is lower than `req`'s by at
+        least --priority-preemption-threshold until `req` fits (memory and running slots)."""
+        threshold = self.server_args.priority_preemption_threshold
+        batch = self.running_batch
+        victims = sorted((r for r in batch.reqs if req.priority - r.priority >= threshold),
+                         key=lambda r: (r.priority, -r.arrival_time))
+        if not victims or self._fits(req, len(batch.reqs)):
+            return
+        self.drain_results()  # every in-flight token known before a request leaves the batch
+        self.flush_deferred()
+        chosen: list[Req] = []
+        for victim in victims:
+            if victim.finished():
+                continue
+            self.release_now(victim)
+            victim.reset_for_retract()
+            chosen.append(victim)
+            if self._fits(req, len(batch.reqs) - len(chosen)):
+                break
+        gone = set(map(id, chosen))
+        batch.filter_batch(keep=[i for i, r in enumerate(batch.reqs) if id(r) not in gone])
+        self.waiting_queue.extend(chosen)
+        self.stats.preemptions += len(chosen)
+        logger.info("preempted %d lower-priority requests for %s (priority %d)", len(chosen), req.rid, req.priority)
+
+    def _fits(self, req: Req, running: int) -> bool:
+        need = len(req.origin_input_ids) + len(req.output_ids) + min(req.sampling_params.max_new_tokens, 4096)
+        room = self.allocator.available_size() + self.tree_cache.evictable_size()
+        return running < self.max_running_requests and need <= room
 
     def update_running_batch(self, batch: ScheduleBatch) -> None:
         if not batch.check_decode_mem():
@@ -331,6 +364,7 @@ class Scheduler(SchedulerOutputProcessorMixin):
             "new_token_ratio": self.new_token_ratio,
             "cache_hit_rate": self.stats.cache_hit_rate(),
             "retractions": self.stats.retractions,
+            "preemptions": self.stats.preemptions,
             "integrity_ok": self.check_memory_integrity() if self.is_idle() else None,
         }
 
@@ -351,7 +385,7 @@ class Scheduler(SchedulerOutputProcessorMixin):
 
 class SchedulerStats:
     def __init__(self) -> None:
-        self.prefill_tokens = self.hit_tokens = self.retractions = 0
+        self.prefill_tokens = self.hit_tokens = self.retractions = self.preemptions = 0
         self.generated_tokens = 0
 
     def on_prefill(self, new_tokens: int, hit_tokens: int) -> None:

@@ -146,3 +146,30 @@ def test_stop_conditions(tiny_model_factory):
     assert res["stop_str"].finish.kind == "stop" and res["stop_str"].finish.matched == stop_text
     assert len(res["stop_str"].ids) <= 4
     assert h.scheduler.check_memory_integrity()
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "plain"])
+def test_priority_preemption(tiny_model_factory, overlap):
+    """A high-priority arrival preempts low-priority running requests when the pool is full; the
+    preempted ones resume later and still produce HF's tokens."""
+    path = tiny_model_factory("llama")
+    prompts = workload(seed=3)[:6]
+    h = SchedulerHarness(path, enable_priority_scheduling=True, priority_preemption_threshold=5,
+                         max_running_requests=4, disable_overlap_schedule=not overlap, max_total_tokens=2048)
+    for i, p in enumerate(prompts[:4]):
+        h.submit(f"low{i}", p, max_new_tokens=30, ignore_eos=True, priority=0)
+    for _ in range(4):
+        h.step()
+    h.submit("high", prompts[4], max_new_tokens=5, ignore_eos=True, priority=10)
+    order = []
+    for _ in range(500):
+        ran = h.step()
+        order += [rid for rid, c in h.results.items() if c.finish is not None and rid not in order]
+        if not ran and h.scheduler.is_idle():
+            break
+    assert h.scheduler.stats.preemptions >= 1
+    assert order[0] == "high", f"the high-priority request should finish first, got {order}"
+    for i, p in enumerate(prompts[:4]):
+        assert h.results[f"low{i}"].ids == hf_greedy(path, p, 30, ignore_eos=True)
+    assert h.results["high"].ids == hf_greedy(path, prompts[4], 5, ignore_eos=True)
+    assert h.scheduler.check_memory_integrity()
