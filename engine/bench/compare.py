@@ -71,7 +71,7 @@ def run_compare(model_path: str, workload: WorkloadConfig, concurrency: int, var
     if hf_modes:
         model_and_tokenizer = load_hf_model(model_path, device, dtype)
         for mode in hf_modes:
-            print(f"[HF-{HFMode(mode).value}] generating {len(prompts)} x {workload.output_len} tokens", flush=True)
+            print(f"[HF-{HFMode(mode).value}] generating {len(prompts)} requests, {sum(p.output_len for p in prompts)} output tokens", flush=True)
             result = run_hf_baseline(model_path, prompts, mode, device, dtype, model_and_tokenizer)
             results["hf"][result["mode"]] = result
             print(format_hf(result), flush=True)

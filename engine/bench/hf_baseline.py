@@ -50,12 +50,16 @@ def left_pad(prompts: list[list[int]], pad_id: int, device: str) -> tuple[torch.
 
 
 @torch.inference_mode()
-def _generate(model, batch: list[list[int]], output_len: int, pad_id: int) -> int:
-    """Greedy-generate exactly `output_len` tokens per row; return the number of new tokens."""
+def _generate(model, batch: list[list[int]], output_lens: list[int], pad_id: int) -> int:
+    """Greedy-generate a padded batch until its longest request is done; returns the tokens the
+    requests asked for (a static batch cannot stop a row early, so rows beyond their own length
+    are wasted work, as in any static-batching server)."""
     ids, mask = left_pad(batch, pad_id, str(model.device))
-    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=output_len,
-                         min_new_tokens=output_len, pad_token_id=pad_id)  # [batch, prompt + new]
-    return out.shape[0] * (out.shape[1] - ids.shape[1])
+    longest = max(output_lens)
+    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=longest,
+                         min_new_tokens=longest, pad_token_id=pad_id)  # [batch, prompt + new]
+    assert out.shape[1] - ids.shape[1] == longest
+    return sum(output_lens)
 
 
 def run_hf_baseline(model_path: str, prompts: list[BenchPrompt], mode: HFMode | str,
@@ -66,12 +70,11 @@ def run_hf_baseline(model_path: str, prompts: list[BenchPrompt], mode: HFMode | 
     model, tokenizer = model_and_tokenizer or load_hf_model(model_path, device, dtype)
     pad_id = pad_token_id(model, tokenizer)
     token_ids = [list(p.token_ids) for p in prompts]
-    output_len = prompts[0].output_len
-    assert all(p.output_len == output_len for p in prompts), "the HF baseline needs one output length"
-    _generate(model, token_ids[:1], 2, pad_id)  # warm-up: first-call allocations are not the baseline
+    output_lens = [p.output_len for p in prompts]
+    _generate(model, token_ids[:1], [2], pad_id)  # warm-up: first-call allocations are not the baseline
     size = 1 if mode is HFMode.SEQUENTIAL else (max_batch_size or len(token_ids))
     start = time.perf_counter()
-    output_tokens = sum(_generate(model, token_ids[i:i + size], output_len, pad_id)
+    output_tokens = sum(_generate(model, token_ids[i:i + size], output_lens[i:i + size], pad_id)
                         for i in range(0, len(token_ids), size))
     seconds = time.perf_counter() - start
     return {

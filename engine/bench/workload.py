@@ -24,9 +24,13 @@ class WorkloadConfig:
     output_len: int
     shared_prefix_len: int = 0
     seed: int = 0
+    # SGLang bench_serving semantics: each prompt's input and output lengths are drawn uniformly
+    # from [ratio * len, len]; 1.0 makes every request the same length.
+    random_range_ratio: float = 1.0
 
     def __post_init__(self) -> None:
         assert self.num_prompts >= 1 and self.input_len >= 1 and self.output_len >= 1
+        assert 0.0 < self.random_range_ratio <= 1.0, "--random-range-ratio must be in (0, 1]"
         assert 0 <= self.shared_prefix_len < self.input_len, "--shared-prefix-len must be < --input-len"
 
 
@@ -44,11 +48,14 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     a("--output-len", type=int, default=64, help="tokens generated per request (EOS ignored)")
     a("--shared-prefix-len", type=int, default=0, help="tokens every prompt shares at its start")
     a("--seed", type=int, default=0)
+    a("--random-range-ratio", type=float, default=1.0,
+      help="draw each prompt's input/output length uniformly from [ratio*len, len] (SGLang bench_serving)")
 
 
 def workload_config_from_args(args: argparse.Namespace) -> WorkloadConfig:
     return WorkloadConfig(num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
-                          shared_prefix_len=args.shared_prefix_len, seed=args.seed)
+                          shared_prefix_len=args.shared_prefix_len, seed=args.seed,
+                          random_range_ratio=args.random_range_ratio)
 
 
 def build_workload(tokenizer, config: WorkloadConfig) -> list[BenchPrompt]:
@@ -57,11 +64,19 @@ def build_workload(tokenizer, config: WorkloadConfig) -> list[BenchPrompt]:
     candidates = _plain_token_ids(tokenizer)
     prefix = _settled_text(tokenizer, rng, candidates, config.shared_prefix_len)
     prompts = []
+    lens = random.Random(config.seed + 1)  # lengths drawn apart from token choices
     for _ in range(config.num_prompts):
-        text = prefix + _settled_text(tokenizer, rng, candidates, config.input_len - config.shared_prefix_len)
+        in_len = _draw(lens, config.input_len, config.random_range_ratio)
+        out_len = _draw(lens, config.output_len, config.random_range_ratio)
+        suffix = max(in_len - config.shared_prefix_len, 1)
+        text = prefix + _settled_text(tokenizer, rng, candidates, suffix)
         ids = tuple(tokenizer.encode(text, add_special_tokens=False))
-        prompts.append(BenchPrompt(text=text, token_ids=ids, output_len=config.output_len))
+        prompts.append(BenchPrompt(text=text, token_ids=ids, output_len=out_len))
     return prompts
+
+
+def _draw(rng: random.Random, length: int, ratio: float) -> int:
+    return length if ratio >= 1.0 else rng.randint(max(1, int(length * ratio)), length)
 
 
 def _plain_token_ids(tokenizer) -> list[int]:

@@ -169,6 +169,16 @@ def test_workload_is_deterministic_sized_and_shares_its_prefix(tokenizer):
     assert len({p.text for p in prompts}) == 6
 
 
+def test_random_range_ratio_draws_lengths_in_range(tokenizer):
+    cfg = WorkloadConfig(num_prompts=40, input_len=60, output_len=20, seed=3, random_range_ratio=0.25)
+    prompts = build_workload(tokenizer, cfg)
+    outs = [p.output_len for p in prompts]
+    assert all(5 <= n <= 20 for n in outs) and len(set(outs)) > 5
+    ins = [len(p.token_ids) for p in prompts]
+    assert min(ins) < 30 and max(ins) > 45  # varied, roughly within [15, 60] (tokenization settles lengths)
+    assert build_workload(tokenizer, cfg) == prompts
+
+
 def test_serving_counts_requests_tokens_and_holds_concurrency(tokenizer):
     prompts = build_workload(tokenizer, WorkloadConfig(num_prompts=8, input_len=16, output_len=5, seed=0))
     fake = FakeOpenAI(gate=4)
