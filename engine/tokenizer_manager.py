@@ -151,12 +151,23 @@ class TokenizerManager:
                 await self.abort(obj.rid, "client disconnected")
 
     async def _next(self, state: _ReqState, is_disconnected) -> ReqOutput:
+        """Waits for the next step(s) of a request; steps that queued up meanwhile are merged, so a
+        slow consumer gets one larger delta instead of falling behind."""
         while True:
             try:
-                return await asyncio.wait_for(state.queue.get(), DISCONNECT_POLL_S if is_disconnected else None)
+                first = await asyncio.wait_for(state.queue.get(), DISCONNECT_POLL_S if is_disconnected else None)
+                break
             except asyncio.TimeoutError:
                 if await is_disconnected():
                     raise asyncio.CancelledError("client disconnected")
+        steps = [first]
+        while not state.queue.empty():
+            steps.append(state.queue.get_nowait())
+        out = state.out  # cumulative fields are current; set this step's view of the deltas
+        out.delta = "".join(d for d, _, _ in steps)
+        out.new_ids = [t for _, ids, _ in steps for t in ids]
+        out.new_logprobs_from = first[2]
+        return out
 
     async def abort(self, rid: str, message: str = "aborted by request") -> None:
         await self.send.send_pyobj(AbortReq(rid=rid, message=message))
@@ -198,14 +209,12 @@ class TokenizerManager:
             if state is None:  # the client went away; the abort is on its way
                 continue
             out = state.out
-            out.delta = msg.texts[i]
-            out.text += out.delta
-            out.new_ids = msg.new_token_ids[i]
-            out.output_ids.extend(out.new_ids)
+            out.text += msg.texts[i]
+            out.output_ids.extend(msg.new_token_ids[i])
             out.finished_reason = msg.finished_reasons[i]
+            logprobs_from = len(out.output_token_logprobs)
             meta = msg.meta[i]
             out.prompt_tokens, out.completion_tokens, out.cached_tokens = meta.prompt_tokens, meta.completion_tokens, meta.cached_tokens
-            out.new_logprobs_from = len(out.output_token_logprobs)
             if msg.output_token_logprobs[i] is not None:
                 out.output_token_logprobs.extend(msg.output_token_logprobs[i])
             if msg.output_top_logprobs[i] is not None:
@@ -213,8 +222,9 @@ class TokenizerManager:
             if msg.input_token_logprobs[i] is not None:
                 out.input_token_logprobs = msg.input_token_logprobs[i]
                 out.input_top_logprobs = msg.input_top_logprobs[i]
-            self._observe(state, now, len(out.new_ids))
-            state.queue.put_nowait(_snapshot(out))
+            self._observe(state, now, len(msg.new_token_ids[i]))
+            # (text delta, new token ids, where this step's logprobs start); the consumer merges
+            state.queue.put_nowait((msg.texts[i], msg.new_token_ids[i], logprobs_from))
 
     def _observe(self, state: _ReqState, now: float, new_tokens: int) -> None:
         m, out = self.metrics, state.out
@@ -231,12 +241,3 @@ class TokenizerManager:
             m.prompt_tokens.inc(out.prompt_tokens)
             m.cached_tokens.inc(out.cached_tokens)
             m.finished(out.finished_reason.kind)
-
-
-def _snapshot(out: ReqOutput) -> ReqOutput:
-    # the handler reads the cumulative fields after later steps may have changed them
-    snap = ReqOutput(**{k: v for k, v in out.__dict__.items()})
-    snap.output_ids = list(out.output_ids)
-    snap.output_token_logprobs = list(out.output_token_logprobs)
-    snap.output_top_logprobs = list(out.output_top_logprobs)
-    return snap
