@@ -36,6 +36,8 @@ class EngineMetrics:
         self.cache_hit_rate = gauge("baton_cache_hit_rate", "Prefix cache hit rate over prompt tokens since start")
         self.max_total_tokens = gauge("baton_max_total_tokens", "KV pool size in tokens")
         self.retractions = gauge("baton_retracted_requests", "Requests retracted for lack of KV memory since start")
+        self.preemptions = gauge("baton_preempted_requests", "Requests preempted by higher-priority ones since start")
+        self.gen_throughput = gauge("baton_gen_throughput", "Output tokens per second over the last ~1 s of work")
 
     def finished(self, reason: str) -> None:
         self.requests.labels(*self._lv, reason).inc()
@@ -52,3 +54,5 @@ class EngineMetrics:
         self.cache_hit_rate.set(info.get("cache_hit_rate", 0.0))
         self.max_total_tokens.set(info.get("max_total_num_tokens", 0))
         self.retractions.set(info.get("retractions", 0))
+        self.preemptions.set(info.get("preemptions", 0))
+        self.gen_throughput.set(info.get("gen_throughput", 0.0))

@@ -1,0 +1,1 @@
+"""From a scheduled batch to device tensors and a forward pass: ForwardBatch, ModelRunner, weight loading."""

@@ -1,0 +1,1 @@
+"""The scheduler process: requests, batches, admission policy, the event loop, result processing."""

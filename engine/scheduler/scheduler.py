@@ -295,6 +295,7 @@ class Scheduler(SchedulerOutputProcessorMixin):
             if not self.result_queue:
                 self.flush_deferred()
         self.last_batch = batch
+        self.stats.tick(idle=batch is None and self.is_idle())
         return batch is not None
 
     def run_batch(self, batch: ScheduleBatch) -> LaunchedBatch:
@@ -365,6 +366,7 @@ class Scheduler(SchedulerOutputProcessorMixin):
             "cache_hit_rate": self.stats.cache_hit_rate(),
             "retractions": self.stats.retractions,
             "preemptions": self.stats.preemptions,
+            "gen_throughput": self.stats.gen_throughput,
             "integrity_ok": self.check_memory_integrity() if self.is_idle() else None,
         }
 
@@ -384,9 +386,21 @@ class Scheduler(SchedulerOutputProcessorMixin):
 
 
 class SchedulerStats:
+    # output throughput is measured over windows of at least this many seconds
+    THROUGHPUT_WINDOW_S = 1.0
+
     def __init__(self) -> None:
         self.prefill_tokens = self.hit_tokens = self.retractions = self.preemptions = 0
         self.generated_tokens = 0
+        self.gen_throughput = 0.0
+        self._window = (time.monotonic(), 0)
+
+    def tick(self, idle: bool) -> None:
+        start, tokens = self._window
+        now = time.monotonic()
+        if now - start >= self.THROUGHPUT_WINDOW_S or idle:
+            self.gen_throughput = 0.0 if idle else (self.generated_tokens - tokens) / (now - start)
+            self._window = (now, self.generated_tokens)
 
     def on_prefill(self, new_tokens: int, hit_tokens: int) -> None:
         self.prefill_tokens += new_tokens

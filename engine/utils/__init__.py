@@ -1,0 +1,1 @@
+"""Small shared helpers: logging, process management, GGUF conversion."""
