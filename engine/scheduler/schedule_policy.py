@@ -86,6 +86,37 @@ def _dfs_weight_order(queue: list[Req], tree_cache: "BasePrefixCache") -> list[R
     return out
 
 
+# In-batch prefix caching (as SGLang's): a waiting request that shares at least this many tokens
+# with a request already chosen for this prefill batch, beyond what the cache already holds, waits
+# one round, so it hits the cache the chosen one fills instead of computing the same prefix again.
+IN_BATCH_PREFIX_BLOCK = 32
+
+
+class InBatchPrefixIndex:
+    """Prefixes of the requests chosen for the current batch, as chained hashes of 32-token blocks."""
+
+    def __init__(self) -> None:
+        self._hashes: set[int] = set()
+
+    @staticmethod
+    def _chain(ids: list[int]):
+        h = 0
+        for start in range(0, len(ids) - IN_BATCH_PREFIX_BLOCK + 1, IN_BATCH_PREFIX_BLOCK):
+            h = hash((h, tuple(ids[start:start + IN_BATCH_PREFIX_BLOCK])))
+            yield start + IN_BATCH_PREFIX_BLOCK, h
+
+    def add(self, ids: list[int]) -> None:
+        self._hashes.update(h for _, h in self._chain(ids))
+
+    def shared_len(self, ids: list[int]) -> int:
+        shared = 0
+        for end, h in self._chain(ids):
+            if h not in self._hashes:
+                break
+            shared = end
+        return shared
+
+
 class AddReqResult(Enum):
     CONTINUE = auto()  # keep adding
     NO_TOKEN = auto()  # KV pool budget exhausted: the batch is full

@@ -24,7 +24,7 @@ from baton.engine.io_struct import (AbortReq, FlushCacheOut, FlushCacheReq, GetS
 from baton.engine.scheduler.output_processor import SchedulerOutputProcessorMixin
 from baton.engine.scheduler.req import Req
 from baton.engine.scheduler.schedule_batch import ModelWorkerBatch, ScheduleBatch
-from baton.engine.scheduler.schedule_policy import AddReqResult, PrefillAdder, SchedulePolicy
+from baton.engine.scheduler.schedule_policy import AddReqResult, InBatchPrefixIndex, PrefillAdder, SchedulePolicy
 from baton.engine.scheduler.tp_worker import GenerationBatchResult, OverlapWorkerClient, TpModelWorker
 from baton.engine.server_args import ServerArgs
 
@@ -201,10 +201,15 @@ class Scheduler(SchedulerOutputProcessorMixin):
         if self.chunked_req is not None:
             self.chunked_req.init_next_round_input(None)
             self.chunked_req = adder.add_chunked_req(self.chunked_req)
+        in_batch = InBatchPrefixIndex() if not self.server_args.disable_radix_cache else None
         for req in self.waiting_queue:
             if running + len(adder.can_run_list) >= self.max_running_requests:
                 break
             req.init_next_round_input(self.tree_cache)
+            if in_batch is not None:
+                if in_batch.shared_len(req.origin_input_ids) > len(req.prefix_indices):
+                    continue  # its prefix is being computed right now: take the cache hit next round
+                in_batch.add(req.origin_input_ids)
             result = adder.add_one_req(req, has_chunked_req=self.chunked_req is not None)
             if result != AddReqResult.CONTINUE:
                 if result == AddReqResult.NO_TOKEN:

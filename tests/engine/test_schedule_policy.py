@@ -188,3 +188,29 @@ def test_future_map_round_trip():
         assert got.min() >= 1 and got.max() <= fm.size
         seen |= set(got.tolist())
     assert 0 not in seen
+
+
+def test_in_batch_prefix_index():
+    from baton.engine.scheduler.schedule_policy import IN_BATCH_PREFIX_BLOCK as B, InBatchPrefixIndex
+
+    idx = InBatchPrefixIndex()
+    base = list(range(100, 100 + 3 * B))
+    idx.add(base + [1, 2, 3])
+    assert idx.shared_len(base + [9]) == 3 * B
+    assert idx.shared_len(base[:2 * B] + [7] * B) == 2 * B
+    assert idx.shared_len([5] + base) == 0
+    assert idx.shared_len(base[:B - 1]) == 0  # shorter than one block
+
+
+def test_shared_prefix_requests_wait_for_the_cache(tiny_model_factory):
+    """32 requests sharing a long prefix arrive together: one computes it, the rest hit the cache."""
+    from scheduler_harness import SchedulerHarness
+
+    h = SchedulerHarness(tiny_model_factory("llama"), max_total_tokens=8192, chunked_prefill_size=-1)
+    prefix = [(i * 7) % 400 + 10 for i in range(256)]
+    for i in range(32):
+        h.submit(str(i), prefix + [i + 3, i + 4], max_new_tokens=2)
+    h.run_until_idle()
+    stats = h.scheduler.stats
+    assert stats.prefill_tokens < 256 + 32 * 3 + 2 * 256  # the prefix is computed about once, not 32 times
+    assert stats.cache_hit_rate() > 0.8

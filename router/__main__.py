@@ -1,0 +1,5 @@
+import sys
+
+from baton.router.cli import main
+
+sys.exit(main())

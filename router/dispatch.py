@@ -1,0 +1,202 @@
+"""One client request, end to end: deadline, attempts with retries (each with a new pick), aborting
+workers left behind, and turning the last failure into one clear error.
+
+The flows themselves (one worker, or a prefill/decode pair) live in `regular.py` and `pd.py`; both
+return either a finished response or a `Failure` that has sent nothing to the client yet.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import aiohttp
+from aiohttp import web
+
+from baton.router.config import RouterConfig, WorkerRole
+from baton.router.forward import (
+    JSON,
+    TRANSPORT_ERRORS,
+    ClientGone,
+    Failure,
+    end_stream_with_error,
+    error_body,
+    forward_headers,
+    pump,
+    respond_whole,
+    start_stream,
+    transport_failure,
+)
+from baton.router.metrics import RouterMetrics
+from baton.router.policies import Policy, create_policy
+from baton.router.registry import WorkerRegistry
+from baton.router.request import ParsedRequest, routing_text
+from baton.router.retry import backoff_secs
+from baton.router.timeouts import Deadline
+from baton.router.upstream import Upstream, UpstreamResponse, create_upstream
+from baton.router.worker import Target, Worker
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False, slots=True)
+class RequestContext:
+    request: web.BaseRequest
+    req: ParsedRequest
+    started: float  # time.perf_counter() at arrival
+    headers: dict[str, str]  # forwarded to workers
+    rids: list[str]  # what /abort_request needs
+    rid_fields: dict[str, Any]  # {"rid": ...} when the router chose the rid, else {}
+    text: str | None = None  # routing text, extracted once, on first need
+    response: web.StreamResponse | None = None  # set when a stream to the client has started
+    failed: set[Worker] = field(default_factory=set)  # avoided by the next attempt if possible
+
+
+class NoWorkers(Exception):
+    pass
+
+
+class Dispatcher:
+    def __init__(self, config: RouterConfig, workers: WorkerRegistry, metrics: RouterMetrics,
+                 client: aiohttp.ClientSession) -> None:
+        self.config = config
+        self.workers = workers
+        self.metrics = metrics
+        self.client = client  # control plane: aborts
+        self.upstream: Upstream = create_upstream(config.upstream_client, client)  # inference requests
+        self.policies: dict[WorkerRole, Policy] = {
+            role: create_policy(config.policy_for(role), config.cache_aware) for role in config.roles}
+        self._background: set[asyncio.Task] = set()
+        workers.on_removed.append(lambda worker, targets: self.policies[worker.role].forget(targets))
+        from baton.router import pd, regular  # the flows import this module's types
+        self._attempt = pd.attempt_pd if config.pd_disaggregation else regular.attempt_regular
+
+    async def handle(self, request: web.BaseRequest, req: ParsedRequest) -> web.StreamResponse:
+        ctx = self._context(request, req)
+        deadline = Deadline(self.config.request_timeout_secs)
+        try:
+            return await self._with_retries(ctx)
+        except asyncio.CancelledError:
+            if not deadline.absorb():  # the client went away while we waited on a worker
+                self._count_error(req, "client_disconnected")
+                raise
+            message = f"request timed out after {self.config.request_timeout_secs}s"
+            return await self._fail(ctx, Failure(504, error_body(message, 504), JSON, False, "timeout"))
+        except ClientGone:
+            self._count_error(req, "client_disconnected")
+            return ctx.response
+        finally:
+            deadline.cancel()
+
+    # -- attempts --------------------------------------------------------------------------
+    async def _with_retries(self, ctx: RequestContext) -> web.StreamResponse:
+        retry = self.config.retry
+        for attempt in range(1, retry.max_retries + 1):
+            result = await self._attempt(self, ctx)
+            if not isinstance(result, Failure):
+                return result
+            if not result.retryable or attempt == retry.max_retries or ctx.response is not None:
+                break
+            self.metrics.child(self.metrics.retries, ctx.req.path).inc()
+            await asyncio.sleep(backoff_secs(retry, attempt))
+        return await self._fail(ctx, result)
+
+    def pick(self, ctx: RequestContext, role: WorkerRole) -> Target:
+        targets = self.workers.routable(role)
+        if ctx.failed and len(targets) > 1:
+            targets = [t for t in targets if t.worker not in ctx.failed] or targets
+        if not targets:
+            raise NoWorkers(f"no healthy {role.value} workers")
+        policy = self.policies[role]
+        if policy.needs_text and ctx.text is None:
+            ctx.text = routing_text(ctx.req)
+        target, reason = policy.select(targets, ctx.text)
+        worker = target.worker
+        self.metrics.child(self.metrics.decisions, worker.side, policy.name, reason).inc()
+        self.metrics.child(self.metrics.worker_requests, worker.url, worker.side, ctx.req.path).inc()
+        return target
+
+    async def deliver(self, ctx: RequestContext, worker: Worker, resp: UpstreamResponse,
+                      transform: Callable[[bytes], bytes] | None = None) -> web.StreamResponse:
+        """Send a worker's 2xx response on to the client: whole, or streamed as it comes. A stream the
+        worker breaks off ends with an error event (its status is already out)."""
+        if not resp.is_stream:
+            return await respond_whole(resp, transform)
+        ctx.response = await start_stream(ctx.request, resp)
+        ttft = self.metrics.child(self.metrics.ttft, ctx.req.path)
+        try:
+            await pump(ctx.response, resp, lambda: ttft.observe(time.perf_counter() - ctx.started), transform)
+        except TRANSPORT_ERRORS as exc:
+            self.record(ctx, worker, transport_failure(worker.url, exc))
+            await end_stream_with_error(ctx.response, f"worker {worker.url} broke off the stream: {exc}", 502)
+        return ctx.response
+
+    def no_workers(self, exc: NoWorkers) -> Failure:
+        return Failure(503, error_body(str(exc), 503), JSON, True, "no_workers")
+
+    def record(self, ctx: RequestContext, worker: Worker, failure: Failure | None) -> None:
+        """Outcome of one request to one worker: breaker, error metrics, avoidance on retry."""
+        if failure is None:
+            self.workers.record_outcome(worker, ok=True)
+            return
+        self.metrics.child(self.metrics.worker_errors, worker.url, worker.side, failure.reason).inc()
+        if failure.retryable:
+            ctx.failed.add(worker)
+        if failure.status >= 500 or failure.reason == "transport":
+            self.workers.record_outcome(worker, ok=False)
+
+    # -- aborts ----------------------------------------------------------------------------
+    def abort(self, ctx: RequestContext, worker: Worker) -> None:
+        """Tell `worker` to drop this request (fire and forget: the client is not kept waiting)."""
+        self.metrics.child(self.metrics.aborts, worker.side).inc()
+        for rid in ctx.rids:
+            task = asyncio.ensure_future(self._send_abort(worker, rid))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    def linger(self, task: asyncio.Future, grace_secs: float) -> None:
+        """Let `task` finish in the background, cancelled if it takes longer than `grace_secs`."""
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        asyncio.get_running_loop().call_later(grace_secs, task.cancel)
+
+    async def _send_abort(self, worker: Worker, rid: str) -> None:
+        try:
+            async with self.client.post(worker.url + "/abort_request", json={"rid": rid},
+                                        timeout=aiohttp.ClientTimeout(total=self.config.abort_timeout_secs)) as r:
+                await r.read()
+        except Exception as exc:  # the worker may be the one that is gone
+            logger.debug("abort of %s on %s failed: %s", rid, worker.url, exc)
+
+    async def drain(self) -> None:
+        if self._background:
+            await asyncio.wait(self._background, timeout=self.config.abort_timeout_secs)
+        await self.upstream.close()
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _context(self, request: web.BaseRequest, req: ParsedRequest) -> RequestContext:
+        rid = req.body.get("rid")
+        fields: dict[str, Any] = {}
+        if rid is None:
+            n = req.batch_size
+            rid = _new_rid() if n is None else [_new_rid() for _ in range(n)]
+            fields = {"rid": rid}
+        rids = [r for r in (rid if isinstance(rid, list) else [rid]) if isinstance(r, str)]
+        return RequestContext(request, req, time.perf_counter(), forward_headers(request), rids, fields)
+
+    async def _fail(self, ctx: RequestContext, failure: Failure) -> web.StreamResponse:
+        self._count_error(ctx.req, failure.reason)
+        if ctx.response is not None:  # a stream had started: its status cannot change any more
+            await end_stream_with_error(ctx.response, failure.body.decode(errors="replace"), failure.status)
+            return ctx.response
+        return web.Response(status=failure.status, body=failure.body, headers={"Content-Type": failure.content_type})
+
+    def _count_error(self, req: ParsedRequest, reason: str) -> None:
+        self.metrics.child(self.metrics.errors, req.path, reason).inc()
+
+
+def _new_rid() -> str:
+    return "%032x" % random.getrandbits(128)

@@ -1,0 +1,126 @@
+"""Between the client and a worker: errors as the client sees them, body injection, the control-plane
+HTTP client, and relaying a worker's response (whole, or streamed through chunk by chunk)."""
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Callable, NamedTuple
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from baton.router.retry import is_retryable_status
+from baton.router.upstream import UpstreamResponse
+
+JSON = "application/json"
+FORWARDED_HEADERS = ("authorization", "x-request-id", "traceparent", "tracestate")
+TRANSPORT_ERRORS = (OSError, aiohttp.ClientError, asyncio.TimeoutError)  # UpstreamError is an OSError
+
+
+class ClientGone(Exception):
+    """The client closed its connection while we were writing to it."""
+
+
+class Failure(NamedTuple):
+    """An attempt that failed before anything was sent to the client."""
+
+    status: int
+    body: bytes
+    content_type: str
+    retryable: bool
+    reason: str  # metrics label: "status_503", "transport", ...
+
+
+def error_body(message: str, status: int, kind: str = "router_error") -> bytes:
+    return orjson.dumps({"error": {"message": message, "type": kind, "code": status}})
+
+
+def transport_failure(url: str, exc: BaseException) -> Failure:
+    message = f"worker {url} failed: {type(exc).__name__}: {exc}"
+    return Failure(502, error_body(message, 502), JSON, True, "transport")
+
+
+async def status_failure(resp: UpstreamResponse) -> Failure:
+    body = await resp.read()
+    return Failure(resp.status, body, resp.content_type, is_retryable_status(resp.status), f"status_{resp.status}")
+
+
+def inject(raw: bytes, body: dict[str, Any], fields: dict[str, Any]) -> bytes:
+    """`raw` with `fields` added. Splices the bytes (no re-serialization of a long prompt) unless a
+    field is already in the body, in which case ours replace the client's."""
+    if any(k in body for k in fields):
+        return orjson.dumps({**body, **fields})
+    end = raw.rindex(b"}")
+    extra = orjson.dumps(fields)[1:-1]
+    return raw[:end] + (b"," if body else b"") + extra + b"}"
+
+
+def new_client(connect_timeout: float = 10.0) -> aiohttp.ClientSession:
+    """The control-plane client (health, info, aborts; inference with --upstream-client aiohttp)."""
+    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=60)
+    return aiohttp.ClientSession(
+        connector=connector, cookie_jar=aiohttp.DummyCookieJar(), auto_decompress=False,
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout),
+        skip_auto_headers=("User-Agent",),
+    )
+
+
+def forward_headers(request: web.BaseRequest) -> dict[str, str]:
+    headers = {}
+    for name in FORWARDED_HEADERS:
+        value = request.headers.get(name)
+        if value is not None:
+            headers[name] = value
+    return headers
+
+
+async def respond_whole(resp: UpstreamResponse, transform: Callable[[bytes], bytes] | None = None) -> web.Response:
+    body = await resp.read()
+    if transform is not None:
+        body = transform(body)
+    return web.Response(body=body, status=resp.status, headers={"Content-Type": resp.content_type})
+
+
+async def start_stream(request: web.BaseRequest, resp: UpstreamResponse) -> web.StreamResponse:
+    out = web.StreamResponse(status=resp.status, headers={
+        "Content-Type": resp.content_type, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    await out.prepare(request)
+    return out
+
+
+async def pump(out: web.StreamResponse, resp: UpstreamResponse, on_first_byte: Callable[[], None],
+               transform: Callable[[bytes], bytes] | None = None) -> None:
+    """Pass the worker's SSE stream through as it arrives. With `transform`, events are cut at the
+    blank line that ends each one and rewritten one by one (used for the logprob merge)."""
+    first, pending = True, b""
+    async for chunk in resp.chunks():
+        if transform is not None:
+            pending += chunk
+            cut = pending.rfind(b"\n\n") + 2
+            if cut < 2:
+                continue
+            events = pending[:cut].split(b"\n\n")[:-1]
+            chunk, pending = b"".join(transform(e + b"\n\n") for e in events), pending[cut:]
+        if first:
+            first = False
+            on_first_byte()
+        await _write(out, chunk)
+    if pending:
+        await _write(out, pending)
+    await out.write_eof()
+
+
+async def _write(out: web.StreamResponse, data: bytes) -> None:
+    try:
+        await out.write(data)
+    except ConnectionError as exc:  # the client's side; worker-side errors are raised by chunks()
+        raise ClientGone(str(exc)) from exc
+
+
+async def end_stream_with_error(out: web.StreamResponse, message: str, status: int) -> None:
+    """A stream already started cannot change its status: end it with an SSE error event."""
+    try:
+        await out.write(b"data: " + error_body(message, status) + b"\n\ndata: [DONE]\n\n")
+        await out.write_eof()
+    except (ConnectionError, RuntimeError):
+        pass

@@ -1,0 +1,256 @@
+"""The prefill/decode flow (ARCHITECTURE.md, "The PD wire protocol").
+
+Pick a pair, add bootstrap_host/port/room to the body, POST it to both at once, hand the decode's
+response to the client (streams pass through unbuffered), merge the prefill's input logprobs in
+front of the decode's when /generate asks for them. If either side fails, the other is aborted and
+the client gets the failing side's error (or a retry on a new pair with a new room).
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import random
+from typing import Any, Callable, NamedTuple
+
+import orjson
+from aiohttp import web
+
+from baton.router.config import WorkerRole
+from baton.router.dispatch import Dispatcher, NoWorkers, RequestContext
+from baton.router.forward import TRANSPORT_ERRORS, Failure, inject, status_failure, transport_failure
+from baton.router.worker import Target, Worker
+
+logger = logging.getLogger(__name__)
+
+ROOM_LIMIT = 2**63
+PREFILL_GRACE_SECS = 1.0  # how long a finished decode waits for its prefill's answer before aborting it
+
+
+class PrefillResult(NamedTuple):
+    failure: Failure | None
+    body: bytes | None  # kept only when logprobs must be merged
+
+
+async def attempt_pd(d: Dispatcher, ctx: RequestContext) -> web.StreamResponse | Failure:
+    try:
+        prefill, decode = d.pick(ctx, WorkerRole.PREFILL), d.pick(ctx, WorkerRole.DECODE)
+    except NoWorkers as exc:
+        return d.no_workers(exc)
+    d.metrics.child(d.metrics.pd_pairs, prefill.worker.url, decode.worker.url).inc()
+    p_payload, d_payload = bootstrap_payloads(ctx, prefill, decode)
+    prefill.in_flight += 1
+    decode.in_flight += 1
+    p_task = asyncio.ensure_future(_prefill(d, ctx, prefill.worker, p_payload))
+    p_task.add_done_callback(functools.partial(_give_back, prefill))  # even if cancelled before it ran
+    guard = _PrefillGuard(p_task)
+    result: web.StreamResponse | Failure | None = None
+    try:
+        result = await guard.run(_decode(d, ctx, decode.worker, d_payload, p_task))
+        return result
+    finally:
+        decode.in_flight -= 1
+        if not p_task.done():
+            if result is None or isinstance(result, Failure):
+                p_task.cancel()  # its task aborts the prefill worker
+            else:  # the decode is done; its prefill answers about now: let it, within a grace period
+                d.linger(p_task, PREFILL_GRACE_SECS)
+
+
+class _PrefillGuard:
+    """Runs the decode side in the request's own task (no second task per request) and interrupts it
+    when the prefill fails first: the decode would only wait for KV that never comes."""
+
+    def __init__(self, p_task: asyncio.Future) -> None:
+        self.p_task = p_task
+        self.failure: Failure | None = None
+        self._task = asyncio.current_task()
+        self._armed = True
+        p_task.add_done_callback(self._on_prefill_done)
+
+    async def run(self, decode: Any) -> web.StreamResponse | Failure:
+        try:
+            return await decode
+        except asyncio.CancelledError:
+            if self.failure is None or not self._swallow_own_cancel():
+                raise
+            return self.failure  # the decode's own task code has aborted the decode worker
+        finally:
+            self._armed = False
+
+    def _on_prefill_done(self, task: asyncio.Future) -> None:
+        if self._armed and not task.cancelled() and task.result().failure is not None:
+            self.failure = task.result().failure
+            self._task.cancel()
+
+    def _swallow_own_cancel(self) -> bool:
+        uncancel = getattr(self._task, "uncancel", None)  # Python 3.11+: keep timeout bookkeeping right
+        return uncancel is None or uncancel() == 0
+
+
+def bootstrap_payloads(ctx: RequestContext, prefill: Target, decode: Target) -> tuple[bytes, bytes]:
+    """The bodies for both sides. They are the same bytes unless DP ranks are pinned. A pinned
+    prefill rank is also encoded in the room (room % dp_size == rank), the convention by which a
+    decode engine finds the prefill rank that holds the KV."""
+    n = ctx.req.batch_size
+    host, port = prefill.worker.host, prefill.worker.spec.bootstrap_port
+    rooms = [new_room(prefill.dp_rank, prefill.worker.dp_size) for _ in range(n or 1)]
+    fields: dict[str, Any] = dict(ctx.rid_fields)
+    if n is None:
+        fields.update(bootstrap_host=host, bootstrap_port=port, bootstrap_room=rooms[0])
+    else:
+        fields.update(bootstrap_host=[host] * n, bootstrap_port=[port] * n, bootstrap_room=rooms)
+    raw, body = ctx.req.raw, ctx.req.body
+    if prefill.dp_rank is None and decode.dp_rank is None:
+        payload = inject(raw, body, fields)
+        return payload, payload
+    return (inject(raw, body, _with_rank(fields, prefill.dp_rank)),
+            inject(raw, body, _with_rank(fields, decode.dp_rank)))
+
+
+def new_room(dp_rank: int | None = None, dp_size: int = 1) -> int:
+    room = random.getrandbits(63)
+    if dp_rank is not None:
+        room = room - room % dp_size + dp_rank
+        if room >= ROOM_LIMIT:
+            room -= dp_size
+    return room
+
+
+def _with_rank(fields: dict[str, Any], rank: int | None) -> dict[str, Any]:
+    return fields if rank is None else {**fields, "data_parallel_rank": rank}
+
+
+def _give_back(target: Target, _: asyncio.Future) -> None:
+    target.in_flight -= 1
+
+
+async def _prefill(d: Dispatcher, ctx: RequestContext, worker: Worker, payload: bytes) -> PrefillResult:
+    settled = False
+    try:
+        try:
+            resp = await d.upstream.post(worker.url + ctx.req.path, payload, ctx.headers)
+        except TRANSPORT_ERRORS as exc:
+            settled = True
+            return PrefillResult(_failed(d, ctx, worker, transport_failure(worker.url, exc)), None)
+        try:
+            if resp.status >= 400:
+                settled = True
+                return PrefillResult(_failed(d, ctx, worker, await status_failure(resp)), None)
+            body = await resp.read()  # drained either way; kept for the logprob merge
+            settled = True
+            d.record(ctx, worker, None)
+            return PrefillResult(None, body if ctx.req.return_logprob else None)
+        except TRANSPORT_ERRORS as exc:
+            settled = True
+            return PrefillResult(_failed(d, ctx, worker, transport_failure(worker.url, exc)), None)
+        finally:
+            resp.release()
+    finally:
+        if not settled:
+            d.abort(ctx, worker)
+
+
+async def _decode(d: Dispatcher, ctx: RequestContext, worker: Worker, payload: bytes,
+                  p_task: asyncio.Future) -> web.StreamResponse | Failure:
+    settled = False
+    try:
+        try:
+            resp = await d.upstream.post(worker.url + ctx.req.path, payload, ctx.headers)
+        except TRANSPORT_ERRORS as exc:
+            settled = True
+            return _failed(d, ctx, worker, transport_failure(worker.url, exc))
+        try:
+            if resp.status >= 400:
+                settled = True
+                return _failed(d, ctx, worker, await status_failure(resp))
+            transform = None
+            if ctx.req.return_logprob:
+                prefilled: PrefillResult = await asyncio.shield(p_task)
+                if prefilled.failure is not None:
+                    return prefilled.failure  # not settled: the decode gets aborted
+                transform = logprob_merger(prefilled.body or b"", resp.is_stream)
+            d.record(ctx, worker, None)
+            out = await d.deliver(ctx, worker, resp, transform)
+            settled = True
+            return out
+        except TRANSPORT_ERRORS as exc:
+            settled = True
+            return _failed(d, ctx, worker, transport_failure(worker.url, exc))
+        finally:
+            resp.release()
+    finally:
+        if not settled:
+            d.abort(ctx, worker)
+
+
+def _failed(d: Dispatcher, ctx: RequestContext, worker: Worker, failure: Failure) -> Failure:
+    d.record(ctx, worker, failure)
+    return failure
+
+
+# -- logprob merge (sglang-router's: prefill input_token_logprobs go in front of the decode's) -----
+def merge_input_logprobs(prefill: Any, decode: Any) -> Any:
+    """Merge one response object (or a batch: lists of them, element by element)."""
+    if isinstance(prefill, list) and isinstance(decode, list):
+        return [merge_input_logprobs(p, q) for p, q in zip(prefill, decode)]
+    if isinstance(prefill, dict) and isinstance(decode, dict):
+        _prepend(decode, _input_logprobs(prefill))
+    return decode
+
+
+def logprob_merger(prefill_body: bytes, stream: bool) -> Callable[[bytes], bytes]:
+    if not stream:
+        prefill = _loads(prefill_body)
+        return lambda body: _merge_whole(body, prefill)
+    by_index: dict[int, list] = {}
+    for event in _sse_objects(prefill_body):
+        lp = _input_logprobs(event)
+        if lp is not None:
+            by_index.setdefault(event.get("index", 0), lp)
+    return lambda event: _merge_event(event, by_index)
+
+
+def _merge_whole(body: bytes, prefill: Any) -> bytes:
+    decode = _loads(body)
+    return body if decode is None else orjson.dumps(merge_input_logprobs(prefill, decode))
+
+
+def _merge_event(event: bytes, by_index: dict[int, list]) -> bytes:
+    if not event.startswith(b"data:") or event.startswith(b"data: [DONE]"):
+        return event
+    obj = _loads(event[5:])
+    if not isinstance(obj, dict) or not _prepend(obj, by_index.get(obj.get("index", 0))):
+        return event
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+def _prepend(decode: dict, prefix: list | None) -> bool:
+    meta = decode.get("meta_info")
+    if prefix is None or not isinstance(meta, dict) or not isinstance(meta.get("input_token_logprobs"), list):
+        return False
+    meta["input_token_logprobs"] = prefix + meta["input_token_logprobs"]
+    return True
+
+
+def _input_logprobs(obj: Any) -> list | None:
+    meta = obj.get("meta_info") if isinstance(obj, dict) else None
+    value = meta.get("input_token_logprobs") if isinstance(meta, dict) else None
+    return value if isinstance(value, list) else None
+
+
+def _sse_objects(body: bytes) -> list[Any]:
+    out = []
+    for line in body.split(b"\n"):
+        if line.startswith(b"data:") and not line.startswith(b"data: [DONE]"):
+            obj = _loads(line[5:])
+            if isinstance(obj, dict):
+                out.append(obj)
+    return out
+
+
+def _loads(data: bytes) -> Any:
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return None

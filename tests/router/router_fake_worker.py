@@ -1,0 +1,172 @@
+"""A small fake engine with the HTTP API the router talks to, with knobs for fault cases.
+
+It answers /health, /health_generate, /get_server_info (dp_size), /get_model_info, /v1/models,
+/abort_request, and the three inference routes, whole or as SSE. `behavior` changes take effect on
+the next request.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+
+@dataclass
+class Behavior:
+    healthy: bool = True
+    dp_size: int | None = 1  # None: /get_server_info has no dp_size
+    status: int = 200  # status of inference responses (non-2xx: an error body)
+    fail_first: int = 0  # the first N inference requests answer `fail_status`
+    fail_status: int = 503
+    delay: float = 0.0  # seconds before the response starts
+    hang: bool = False  # never answer; the request ends when aborted or disconnected
+    stream_chunks: int = 3
+    chunk_interval: float = 0.0
+    break_stream_after: int | None = None  # drop the connection after this many chunks
+    input_logprobs: list[Any] = field(default_factory=list)  # meta_info.input_token_logprobs of /generate
+
+
+class FakeWorker:
+    def __init__(self, name: str, host: str = "127.0.0.1", port: int = 0, **behavior: Any) -> None:
+        self.name, self.host, self.port = name, host, port
+        self.behavior = Behavior(**behavior)
+        self.requests: list[tuple[str, dict[str, Any]]] = []  # (path, body) of inference requests
+        self.aborts: list[Any] = []  # rids from /abort_request
+        self.disconnects = 0  # inference requests whose client went away before the answer
+        self.health_checks = 0
+        self._runner: web.AppRunner | None = None
+        self._aborted: dict[str, asyncio.Event] = {}
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    async def start(self) -> "FakeWorker":
+        app = web.Application()
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/health_generate", self._health)
+        app.router.add_get("/get_server_info", self._server_info)
+        app.router.add_get("/get_model_info", self._model_info)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/abort_request", self._abort)
+        for path in ("/generate", "/v1/completions", "/v1/chat/completions"):
+            app.router.add_post(path, self._inference)
+        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]
+        return self
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    def bodies(self, path: str | None = None) -> list[dict[str, Any]]:
+        return [body for p, body in self.requests if path is None or p == path]
+
+    # -- handlers --------------------------------------------------------------------------
+    async def _health(self, request: web.Request) -> web.Response:
+        self.health_checks += 1
+        return web.Response(status=200 if self.behavior.healthy else 503, text=self.name)
+
+    async def _server_info(self, request: web.Request) -> web.Response:
+        info: dict[str, Any] = {"model_path": "fake-model", "worker": self.name}
+        if self.behavior.dp_size is not None:
+            info["dp_size"] = self.behavior.dp_size
+        return _json(info)
+
+    async def _model_info(self, request: web.Request) -> web.Response:
+        return _json({"model_path": "fake-model", "is_generation": True})
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return _json({"object": "list", "data": [{"id": "fake-model", "object": "model", "owned_by": "baton"}]})
+
+    async def _abort(self, request: web.Request) -> web.Response:
+        rid = (await request.json()).get("rid")
+        self.aborts.append(rid)
+        self._aborted.setdefault(str(rid), asyncio.Event()).set()
+        return _json({"aborted": rid})
+
+    async def _inference(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.requests.append((request.path, body))
+        b = self.behavior
+        try:
+            if b.hang:
+                await self._aborted.setdefault(str(body.get("rid")), asyncio.Event()).wait()
+                return _json({"error": "aborted"}, status=499)
+            if b.delay:
+                await asyncio.sleep(b.delay)
+        except asyncio.CancelledError:
+            self.disconnects += 1
+            raise
+        if len(self.requests) <= b.fail_first:
+            return _json({"error": {"message": f"{self.name} failing on purpose"}}, status=b.fail_status)
+        if b.status >= 400:
+            return _json({"error": {"message": f"{self.name} says {b.status}"}}, status=b.status)
+        if body.get("stream"):
+            return await self._stream(request, body)
+        return _json(self._answer(request.path, body))
+
+    async def _stream(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        b = self.behavior
+        try:
+            for i in range(b.stream_chunks):
+                if b.break_stream_after is not None and i == b.break_stream_after:
+                    request.transport.close()
+                    return out
+                await out.write(b"data: " + orjson.dumps(self._chunk(request.path, body, i)) + b"\n\n")
+                if b.chunk_interval:
+                    await asyncio.sleep(b.chunk_interval)
+            await out.write(b"data: [DONE]\n\n")
+        except (asyncio.CancelledError, ConnectionError):
+            self.disconnects += 1
+            raise
+        await out.write_eof()
+        return out
+
+    # -- response shapes -------------------------------------------------------------------
+    def _answer(self, path: str, body: dict[str, Any]) -> Any:
+        if path == "/generate":
+            items = body.get("text", body.get("input_ids"))
+            if isinstance(items, list) and items and isinstance(items[0], (str, list)):
+                return [self._generate_item(body, i) for i in range(len(items))]
+            return self._generate_item(body, 0)
+        if path == "/v1/completions":
+            return {"id": "cmpl-fake", "object": "text_completion", "created": int(time.time()), "model": "fake-model",
+                    "choices": [{"index": 0, "text": f"hello from {self.name}", "finish_reason": "stop",
+                                 "logprobs": None}],
+                    "usage": {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4}}
+        return {"id": "chatcmpl-fake", "object": "chat.completion", "created": int(time.time()), "model": "fake-model",
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": f"hello from {self.name}"},
+                             "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4}}
+
+    def _generate_item(self, body: dict[str, Any], index: int) -> dict[str, Any]:
+        meta: dict[str, Any] = {"id": body.get("rid"), "finish_reason": {"type": "stop"}, "worker": self.name}
+        if body.get("return_logprob"):
+            meta["input_token_logprobs"] = list(self.behavior.input_logprobs)
+        return {"text": f"hello from {self.name}", "meta_info": meta, "index": index}
+
+    def _chunk(self, path: str, body: dict[str, Any], i: int) -> dict[str, Any]:
+        if path == "/generate":
+            item = self._generate_item(body, 0)
+            item["text"] = f"tok{i}"
+            return item
+        if path == "/v1/completions":
+            return {"id": "cmpl-fake", "object": "text_completion", "created": 0, "model": "fake-model",
+                    "choices": [{"index": 0, "text": f"tok{i} ", "finish_reason": None, "logprobs": None}]}
+        return {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": 0, "model": "fake-model",
+                "choices": [{"index": 0, "delta": {"content": f"tok{i} "}, "finish_reason": None}]}
+
+
+def _json(value: Any, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=orjson.dumps(value), content_type="application/json")

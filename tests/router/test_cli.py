@@ -1,0 +1,114 @@
+"""Flags -> config, and `baton router` as a real process (no torch, no engine imported)."""
+import argparse
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+
+import aiohttp
+import pytest
+
+from baton.router.cli import add_cli_args, config_from_args
+from baton.router.config import PolicyName, WorkerRole, WorkerSpec
+
+
+def parse(*argv: str):
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    return config_from_args(parser.parse_args(list(argv)))
+
+
+def test_pd_flags_follow_sglang_router():
+    config = parse("--pd-disaggregation", "--prefill", "http://p1:8000", "9000", "--prefill", "http://p2:8000",
+                   "--prefill", "p3:8000", "none", "--decode", "http://d1:8001", "--decode", "http://d2:8001/",
+                   "--prefill-policy", "cache_aware", "--decode-policy", "power_of_two", "--policy", "random")
+    assert config.workers == (
+        WorkerSpec("http://p1:8000", WorkerRole.PREFILL, 9000), WorkerSpec("http://p2:8000", WorkerRole.PREFILL),
+        WorkerSpec("http://p3:8000", WorkerRole.PREFILL), WorkerSpec("http://d1:8001", WorkerRole.DECODE),
+        WorkerSpec("http://d2:8001", WorkerRole.DECODE))
+    assert config.policy_for(WorkerRole.PREFILL) is PolicyName.CACHE_AWARE
+    assert config.policy_for(WorkerRole.DECODE) is PolicyName.POWER_OF_TWO
+
+
+def test_reliability_and_discovery_flags():
+    config = parse("--worker-urls", "http://a:1", "--disable-retries", "--cb-failure-threshold", "4",
+                   "--health-check-interval-secs", "7", "--api-key", "k", "--dp-aware", "--service-discovery",
+                   "--selector", "app=baton", "--service-discovery-namespace", "ns", "--service-discovery-port", "8000")
+    assert config.retry.max_retries == 1 and config.circuit_breaker.failure_threshold == 4
+    assert config.health.interval_secs == 7 and config.api_key == "k" and config.dp_aware
+    assert config.discovery.enabled and config.discovery.selector == {"app": "baton"}
+    assert config.discovery.namespace == "ns" and config.discovery.port == 8000
+
+
+@pytest.mark.parametrize("argv", [
+    ["--prefill", "http://p:1"],
+    ["--pd-disaggregation", "--worker-urls", "http://a:1"],
+    ["--pd-disaggregation", "--prefill", "http://p:1", "9000", "extra"],
+    ["--service-discovery"],
+])
+def test_inconsistent_flags_are_refused(argv):
+    with pytest.raises(ValueError):
+        parse(*argv)
+
+
+def test_router_modules_do_not_import_torch_or_the_engine():
+    code = ("import sys, baton.router.server, baton.router.cli, baton.router.discovery.kubernetes, "
+            "baton.router.bench.__main__; bad = [m for m in sys.modules if m == 'torch' or "
+            "m.startswith('baton.engine')]; assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+async def test_baton_router_process_serves_and_stops_on_sigterm(fake_workers, http):
+    worker = await fake_workers("w")
+    sock_port = _free_port()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "baton.router", "--host", "127.0.0.1", "--port", str(sock_port),
+        "--worker-urls", worker.url, "--log-level", "warning",
+        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        url = f"http://127.0.0.1:{sock_port}"
+
+        async def ready() -> bool:
+            try:
+                async with http.get(url + "/health") as resp:
+                    return resp.status == 200
+            except aiohttp.ClientError:
+                return False
+
+        await _poll(ready)
+        async with http.post(url + "/v1/completions", json={"prompt": "x"}) as resp:
+            assert (await resp.json())["choices"][0]["text"] == "hello from w"
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 15) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+async def _poll(check, timeout: float = 20.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not await check():
+        assert loop.time() < deadline, "router process did not become ready"
+        await asyncio.sleep(0.05)
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+
+
+async def test_bench_runs_end_to_end_on_a_tiny_load():
+    from baton.router.bench.__main__ import main_async, parse_args
+    args = parse_args(["--mode", "pd", "--no-sglang", "--concurrency", "4", "--requests", "40",
+                       "--serial-requests", "20", "--warmup", "10", "--rounds", "1"])
+    report = await main_async(args)
+    rows = {line.split("|")[1].strip(): line for line in report.splitlines() if line.startswith("| ")}
+    assert set(rows) >= {"direct", "baton router"}
+    assert rows["baton router"].rstrip(" |").endswith("| 0")  # no errors

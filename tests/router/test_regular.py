@@ -1,0 +1,297 @@
+"""The colocated flow against fake workers: proxying, streaming, retries, breakers, health, limits."""
+import asyncio
+
+import orjson
+from router_support import make_config, url_of, wait_until
+
+from baton.router.config import CircuitBreakerConfig, HealthCheckConfig, PolicyName, RetryConfig
+
+CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}
+
+
+async def test_chat_is_proxied_with_a_rid_added(fake_workers, routers, http):
+    worker = await fake_workers("w1")
+    router = await routers(regular=[worker.url])
+    async with http.post(url_of(router, "/v1/chat/completions"), json=CHAT) as resp:
+        assert resp.status == 200
+        data = await resp.json()
+    assert data["choices"][0]["message"]["content"] == "hello from w1"
+    (body,) = worker.bodies("/v1/chat/completions")
+    assert body["messages"] == CHAT["messages"] and isinstance(body["rid"], str) and len(body["rid"]) == 32
+
+
+async def test_client_rid_is_kept(fake_workers, routers, http):
+    worker = await fake_workers()
+    router = await routers(regular=[worker.url])
+    async with http.post(url_of(router, "/generate"), json={"text": "x", "rid": "mine"}) as resp:
+        assert resp.status == 200
+    assert worker.bodies()[0]["rid"] == "mine"
+
+
+async def test_stream_is_passed_through_unchanged(fake_workers, routers, http):
+    worker = await fake_workers(stream_chunks=4)
+    router = await routers(regular=[worker.url])
+    async with http.post(url_of(router, "/v1/completions"), json={"prompt": "x", "stream": True}) as resp:
+        assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/event-stream")
+        text = (await resp.read()).decode()
+    events = [e for e in text.split("\n\n") if e]
+    assert len(events) == 5 and events[-1] == "data: [DONE]"
+    assert [orjson.loads(e[6:])["choices"][0]["text"] for e in events[:-1]] == ["tok0 ", "tok1 ", "tok2 ", "tok3 "]
+
+
+async def test_stream_chunks_arrive_before_the_stream_ends(fake_workers, routers, http):
+    worker = await fake_workers(stream_chunks=3, chunk_interval=0.3)
+    router = await routers(regular=[worker.url])
+    loop = asyncio.get_running_loop()
+    async with http.post(url_of(router, "/generate"), json={"text": "x", "stream": True}) as resp:
+        started = loop.time()
+        first = await resp.content.readuntil(b"\n\n")
+        first_at = loop.time() - started
+        await resp.read()
+        total = loop.time() - started
+    assert first.startswith(b"data: ") and first_at < total - 0.3  # not buffered until the end
+
+
+async def test_round_robin_spreads_requests(fake_workers, routers, http):
+    workers = [await fake_workers(f"w{i}") for i in range(3)]
+    router = await routers(regular=[w.url for w in workers], policy=PolicyName.ROUND_ROBIN)
+    await wait_until(lambda: len(router.workers.routable(router.config.roles[0])) == 3)
+    for _ in range(6):
+        async with http.post(url_of(router, "/v1/completions"), json={"prompt": "x"}) as resp:
+            assert resp.status == 200
+    assert [len(w.requests) for w in workers] == [2, 2, 2]
+
+
+async def test_retry_goes_to_another_worker_on_503(fake_workers, routers, http):
+    bad = await fake_workers("bad", status=503)
+    good = await fake_workers("good")
+    router = await routers(regular=[bad.url, good.url], policy=PolicyName.ROUND_ROBIN)
+    await wait_until(lambda: len(router.workers.routable(router.config.roles[0])) == 2)
+    for _ in range(4):
+        async with http.post(url_of(router, "/v1/completions"), json={"prompt": "x"}) as resp:
+            assert resp.status == 200
+            assert (await resp.json())["choices"][0]["text"] == "hello from good"
+    assert len(bad.requests) >= 1 and len(good.requests) == 4
+    assert b'baton_router_retries_total{route="/v1/completions"}' in router.metrics.render()
+
+
+async def test_retry_on_one_worker_until_it_recovers(fake_workers, routers, http):
+    worker = await fake_workers(fail_first=2, fail_status=429)
+    router = await routers(regular=[worker.url])
+    async with http.post(url_of(router, "/generate"), json={"text": "x"}) as resp:
+        assert resp.status == 200
+    assert len(worker.requests) == 3
+    rids = {b["rid"] for b in worker.bodies()}
+    assert len(rids) == 1  # the same request, retried
+
+
+async def test_non_retryable_error_is_passed_through(fake_workers, routers, http):
+    worker = await fake_workers(status=400)
+    router = await routers(regular=[worker.url])
+    async with http.post(url_of(router, "/generate"), json={"text": "x"}) as resp:
+        assert resp.status == 400
+        assert "says 400" in (await resp.json())["error"]["message"]
+    assert len(worker.requests) == 1
+
+
+async def test_retries_exhausted_gives_the_last_error(fake_workers, routers, http):
+    worker = await fake_workers(status=503)
+    router = await routers(regular=[worker.url], retry=RetryConfig(max_retries=3, initial_backoff_ms=1))
+    async with http.post(url_of(router, "/generate"), json={"text": "x"}) as resp:
+        assert resp.status == 503
+    assert len(worker.requests) == 3
+
+
+async def test_unreachable_worker_is_a_502_after_retries(fake_workers, routers, http):
+    worker = await fake_workers()
+    router = await routers(regular=[worker.url])
+    await worker.stop()
+    async with http.post(url_of(router, "/generate"), json={"text": "x"}) as resp:
+        assert resp.status == 502
+        assert "failed" in (await resp.json())["error"]["message"]
+
+
+async def test_circuit_breaker_opens_and_closes_again(fake_workers, routers, http):
+    flaky = await fake_workers("flaky", status=500)
+    good = await fake_workers("good")
+    config = make_config(regular=[flaky.url, good.url], policy=PolicyName.ROUND_ROBIN,
+                         retry=RetryConfig(max_retries=1),
+                         circuit_breaker=CircuitBreakerConfig(failure_threshold=2, success_threshold=1,
+                                                              timeout_secs=1.0))
+    router = await routers(config)
+    await wait_until(lambda: len(router.workers.routable(config.roles[0])) == 2)
+    for _ in range(4):
+        async with http.post(url_of(router, "/generate"), json={"text": "x"}) as resp:
+            await resp.read()
+    flaky_worker = router.workers.get(flaky.url, config.roles[0])
+    assert not flaky_worker.breaker.allows()
+    seen = len(flaky.requests)
+    for _ in range(4):
+        async with http.post(url_of(router, "/generate"), json={"text": "x"}) as resp:
+            assert resp.status == 200
+    assert len(flaky.requests) == seen  # open: no traffic
+    assert b'baton_router_circuit_breaker_state{side="regular",worker="%s"} 1.0' % flaky.url.encode() \
+        in router.metrics.render()
+    flaky.behavior.status = 200
+    await wait_until(lambda: len(router.workers.routable(config.roles[0])) == 2, what="half-open")
+    for _ in range(4):
+        async with http.post(url_of(router, "/generate"), json={"text": "x"}) as resp:
+            assert resp.status == 200
+    assert len(flaky.requests) > seen and flaky_worker.breaker.state.name == "CLOSED"
+
+
+async def test_health_checks_take_a_worker_out_and_back(fake_workers, routers, http):
+    sick = await fake_workers("sick")
+    good = await fake_workers("good")
+    health = HealthCheckConfig(interval_secs=0.05, failure_threshold=2, success_threshold=2,
+                               startup_check_interval_secs=0.02)
+    router = await routers(regular=[sick.url, good.url], health=health, policy=PolicyName.ROUND_ROBIN)
+    role = router.config.roles[0]
+    await wait_until(lambda: len(router.workers.routable(role)) == 2)
+    sick.behavior.healthy = False
+    await wait_until(lambda: len(router.workers.routable(role)) == 1, what="sick worker removed")
+    before = len(sick.requests)
+    for _ in range(3):
+        async with http.post(url_of(router, "/generate"), json={"text": "x"}) as resp:
+            assert resp.status == 200
+    assert len(sick.requests) == before
+    assert b'baton_router_worker_healthy{side="regular",worker="%s"} 0.0' % sick.url.encode() in router.metrics.render()
+    sick.behavior.healthy = True
+    await wait_until(lambda: len(router.workers.routable(role)) == 2, what="sick worker back")
+
+
+async def test_no_healthy_workers_is_503(fake_workers, routers, http):
+    worker = await fake_workers(healthy=False)
+    router = await routers(regular=[worker.url], wait_ready=False, retry=RetryConfig(max_retries=1))
+    async with http.post(url_of(router, "/generate"), json={"text": "x"}) as resp:
+        assert resp.status == 503
+        assert "no healthy regular workers" in (await resp.json())["error"]["message"]
+    async with http.get(url_of(router, "/health")) as resp:
+        assert resp.status == 503
+    async with http.get(url_of(router, "/liveness")) as resp:
+        assert resp.status == 200
+
+
+async def test_request_timeout_is_504_and_aborts_the_worker(fake_workers, routers, http):
+    worker = await fake_workers(hang=True)
+    router = await routers(regular=[worker.url], request_timeout_secs=0.3)
+    async with http.post(url_of(router, "/generate"), json={"text": "x"}) as resp:
+        assert resp.status == 504
+    rid = worker.bodies()[0]["rid"]
+    await wait_until(lambda: worker.aborts == [rid], what="abort sent")
+
+
+async def test_client_disconnect_aborts_the_worker(fake_workers, routers, http):
+    worker = await fake_workers(hang=True)
+    router = await routers(regular=[worker.url])
+    request = asyncio.ensure_future(http.post(url_of(router, "/v1/chat/completions"), json=CHAT))
+    await wait_until(lambda: worker.requests, what="request reached the worker")
+    request.cancel()
+    await asyncio.gather(request, return_exceptions=True)
+    rid = worker.bodies()[0]["rid"]
+    await wait_until(lambda: rid in worker.aborts, what="abort after disconnect")
+    await wait_until(lambda: router.admission.in_flight == 0, what="slot released")
+
+
+async def test_client_disconnect_mid_stream_aborts_the_worker(fake_workers, routers, http):
+    worker = await fake_workers(stream_chunks=50, chunk_interval=0.05)
+    router = await routers(regular=[worker.url])
+    resp = await http.post(url_of(router, "/generate"), json={"text": "x", "stream": True})
+    await resp.content.readuntil(b"\n\n")
+    resp.close()
+    rid = worker.bodies()[0]["rid"]
+    await wait_until(lambda: rid in worker.aborts, what="abort after mid-stream disconnect")
+
+
+async def test_worker_breaking_off_a_stream_ends_it_with_an_error_event(fake_workers, routers, http):
+    worker = await fake_workers(stream_chunks=5, break_stream_after=2)
+    router = await routers(regular=[worker.url])
+    async with http.post(url_of(router, "/generate"), json={"text": "x", "stream": True}) as resp:
+        assert resp.status == 200
+        text = (await resp.read()).decode()
+    assert text.count("tok") == 2 and '"error"' in text and text.endswith("data: [DONE]\n\n")
+
+
+async def test_bad_input_is_400_and_never_reaches_workers(fake_workers, routers, http):
+    worker = await fake_workers()
+    router = await routers(regular=[worker.url])
+    for path, body in [("/v1/chat/completions", b"{oops"), ("/v1/chat/completions", b'{"model": "m"}'),
+                       ("/v1/completions", b'{"prompt": {"a": 1}}'), ("/generate", b"[]"), ("/generate", b"")]:
+        async with http.post(url_of(router, path), data=body, headers={"Content-Type": "application/json"}) as r:
+            assert r.status == 400, (path, body)
+            assert (await r.json())["error"]["message"]
+    assert worker.requests == []
+    async with http.post(url_of(router, "/generate"), json={"text": "still fine"}) as resp:
+        assert resp.status == 200
+
+
+async def test_body_size_limit_is_413(fake_workers, routers, http):
+    worker = await fake_workers()
+    router = await routers(regular=[worker.url], max_payload_size=1000)
+    async with http.post(url_of(router, "/generate"), json={"text": "x" * 2000}) as resp:
+        assert resp.status == 413
+    async with http.post(url_of(router, "/generate"), json={"text": "x" * 100}) as resp:
+        assert resp.status == 200
+
+
+async def test_full_queue_is_429(fake_workers, routers, http):
+    worker = await fake_workers(delay=1.0)  # long enough for all three to arrive on a busy machine
+    router = await routers(regular=[worker.url], max_concurrent_requests=1, queue_size=1)
+    calls = [asyncio.ensure_future(http.post(url_of(router, "/generate"), json={"text": str(i)})) for i in range(3)]
+    responses = await asyncio.gather(*calls)
+    statuses = sorted(r.status for r in responses)
+    for r in responses:
+        r.release()
+    assert statuses == [200, 200, 429]
+
+
+async def test_api_key_is_required_when_set(fake_workers, routers, http):
+    worker = await fake_workers()
+    router = await routers(regular=[worker.url], api_key="s3cret")
+    async with http.post(url_of(router, "/generate"), json={"text": "x"}) as resp:
+        assert resp.status == 401
+    async with http.post(url_of(router, "/generate"), json={"text": "x"},
+                         headers={"Authorization": "Bearer wrong"}) as resp:
+        assert resp.status == 401
+    async with http.get(url_of(router, "/workers")) as resp:
+        assert resp.status == 401
+    async with http.post(url_of(router, "/generate"), json={"text": "x"},
+                         headers={"Authorization": "Bearer s3cret"}) as resp:
+        assert resp.status == 200
+    async with http.get(url_of(router, "/health")) as resp:  # probes stay open
+        assert resp.status == 200
+    assert worker.requests[0][1]["text"] == "x"
+
+
+async def test_info_routes_and_health_generate(fake_workers, routers, http):
+    worker = await fake_workers()
+    router = await routers(regular=[worker.url])
+    async with http.get(url_of(router, "/v1/models")) as resp:
+        assert (await resp.json())["data"][0]["id"] == "fake-model"
+    async with http.get(url_of(router, "/get_model_info")) as resp:
+        assert (await resp.json())["is_generation"] is True
+    async with http.get(url_of(router, "/health_generate")) as resp:
+        assert resp.status == 200
+    worker.behavior.healthy = False
+    async with http.get(url_of(router, "/health_generate")) as resp:
+        assert resp.status == 503
+
+
+async def test_metrics_cover_requests_latency_and_workers(fake_workers, routers, http):
+    worker = await fake_workers()
+    router = await routers(regular=[worker.url])
+    async with http.post(url_of(router, "/generate"), json={"text": "x", "stream": True}) as resp:
+        await resp.read()
+    async with http.post(url_of(router, "/generate"), data=b"nope") as resp:
+        assert resp.status == 400
+    async with http.get(url_of(router, "/metrics")) as resp:
+        text = await resp.text()
+    for needle in ['baton_router_requests_total{route="/generate"} 2.0',
+                   'baton_router_errors_total{reason="bad_request",route="/generate"} 1.0',
+                   'baton_router_ttft_seconds_count{route="/generate"} 1.0',
+                   'baton_router_request_duration_seconds_count{route="/generate"} 2.0',
+                   f'baton_router_worker_requests_total{{route="/generate",side="regular",worker="{worker.url}"}} 1.0',
+                   f'baton_router_worker_in_flight{{side="regular",worker="{worker.url}"}} 0.0',
+                   'baton_router_policy_decisions_total{policy="cache_aware",reason="cache_hit",side="regular"} 1.0',
+                   "baton_router_in_flight_requests 0.0", "baton_router_queue_depth 0.0"]:
+        assert needle in text, needle
