@@ -13,6 +13,8 @@ from typing import Union
 
 import torch
 
+from baton.engine.triton_ops.kv_store import store_kv
+
 
 class ReqToTokenPool:
     """Row r maps request-local token positions to KV slot indices: req_to_token[r, pos] = slot."""
@@ -73,9 +75,7 @@ class MHATokenToKVPool:
 
     def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor) -> None:
         """loc [n] slots; cache_k / cache_v [n, head_num, head_dim], cast to the pool dtype."""
-        # index_copy_ is several times faster than advanced-index assignment on CPU
-        self.k_buffer[layer_id].index_copy_(0, loc, cache_k.to(self.dtype))
-        self.v_buffer[layer_id].index_copy_(0, loc, cache_v.to(self.dtype))
+        store_kv(self.k_buffer[layer_id], self.v_buffer[layer_id], loc, cache_k, cache_v)  # Triton on CUDA
 
     @property
     def bytes_per_token(self) -> int:

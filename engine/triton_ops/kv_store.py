@@ -23,8 +23,9 @@ def store_kv(
 def store_kv_torch(
     k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> None:
-    k_buffer[loc] = k.to(k_buffer.dtype)
-    v_buffer[loc] = v.to(v_buffer.dtype)
+    # index_copy_ is several times faster than advanced-index assignment on CPU
+    k_buffer.index_copy_(0, loc, k.to(k_buffer.dtype))
+    v_buffer.index_copy_(0, loc, v.to(v_buffer.dtype))
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,346 @@
+"""The KV-transfer contract between a prefill engine and a decode engine (PD disaggregation, issue 3).
+
+One manager per engine (per rank) owns the registered memory and the side channel; one sender
+(prefill side) and one receiver (decode side) exist per request, paired by `bootstrap_room`.
+
+    decode                                    prefill
+    receiver = mgr.create_receiver(addr, R)   sender = mgr.create_sender(R)
+      poll() Bootstrapping -> WaitingForInput   poll() Bootstrapping
+    receiver.init(dst_pages, meta_slot)  ---->  poll() WaitingForInput   (destination arrived)
+                                                sender.init(num_pages, meta_slot)
+                                                sender.send(pages_of_chunk)            (per chunk)
+      (KV pages written straight into the     sender.send(last_pages, is_last=True, metadata=M)
+       decode pool, then the metadata slot)     poll() Transferring -> Success | Failed
+      poll() Success | Failed  <------------  (status notification)
+
+Page p covers pool slots [p * page_size, (p + 1) * page_size); page 0 is the dummy page. Both
+sides list the request's pages in token order; the prefill's i-th page lands on the decode's i-th.
+The poll states are ordered so that ranks agree by taking the minimum.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, fields
+from enum import Enum, IntEnum
+from typing import TYPE_CHECKING, NamedTuple, Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from baton.engine.mem_cache.memory_pool import MHATokenToKVPool
+
+PageList = Union[Sequence[int], np.ndarray, torch.Tensor]
+
+
+class KVPoll(IntEnum):
+    Failed = 0
+    Bootstrapping = 1
+    WaitingForInput = 2
+    Transferring = 3
+    Success = 4
+
+
+class DisaggregationMode(str, Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class KVTransferError(RuntimeError):
+    """A transfer could not be set up or carried out; the message says which side and why."""
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    """What must be identical on both sides for page i of one pool to mean page i of the other."""
+
+    page_size: int
+    dtype: str
+    layer_num: int
+    head_num: int
+    head_dim: int
+
+    def mismatch(self, other: "KVGeometry") -> Optional[str]:
+        """None when equal, else 'page_size 16 != 1, dtype ...' naming every differing field."""
+        diffs = [f"{f.name} {getattr(self, f.name)} != {getattr(other, f.name)}"
+                 for f in fields(self) if getattr(self, f.name) != getattr(other, f.name)]
+        return ", ".join(diffs) or None
+
+
+@dataclass(frozen=True)
+class KVArgs:
+    """The memory one engine registers: KV buffers (all K layers, then all V layers) and metadata buffers.
+
+    Item lengths are bytes per page for the KV buffers and bytes per slot for the metadata buffers.
+    """
+
+    geometry: KVGeometry
+    kv_data_ptrs: tuple[int, ...]
+    kv_data_lens: tuple[int, ...]
+    kv_item_lens: tuple[int, ...]
+    aux_data_ptrs: tuple[int, ...]
+    aux_data_lens: tuple[int, ...]
+    aux_item_lens: tuple[int, ...]
+    engine_rank: int = 0
+
+    def __post_init__(self) -> None:
+        assert len(self.kv_data_ptrs) == len(self.kv_data_lens) == len(self.kv_item_lens) == 2 * self.geometry.layer_num
+        assert len(self.aux_data_ptrs) == len(self.aux_data_lens) == len(self.aux_item_lens) >= 1
+
+    @classmethod
+    def from_pool(cls, pool: "MHATokenToKVPool", metadata: "MetadataBuffers", engine_rank: int = 0) -> "KVArgs":
+        ptrs, lens, per_token = pool.get_contiguous_buf_infos()
+        geometry = KVGeometry(pool.page_size, str(pool.dtype).removeprefix("torch."), pool.layer_num,
+                              pool.head_num, pool.head_dim)
+        return cls(geometry, tuple(ptrs), tuple(lens), tuple(b * pool.page_size for b in per_token),
+                   (metadata.data_ptr,), (metadata.nbytes,), (metadata.item_bytes,), engine_rank)
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    """Knobs of a transfer backend. Timeouts follow SGLang's defaults (SGLANG_DISAGGREGATION_*)."""
+
+    host: str = "127.0.0.1"  # this engine's address for the transfer engine and the side channel
+    protocol: str = "tcp"  # "tcp" | "rdma"
+    ib_device: Optional[str] = None  # "mlx5_0,mlx5_1" for rdma
+    bootstrap_timeout_s: float = 300.0  # creation -> peer handshake done
+    waiting_timeout_s: float = 300.0  # decode: destination sent -> KV arrived
+    heartbeat_interval_s: float = 5.0
+    heartbeat_max_failures: int = 2
+    fault_probability: float = 0.0  # tests: report this fraction of transfers as failed
+    fault_seed: Optional[int] = None
+    max_batch_entries: int = 4096  # one batched write carries at most this many (address, length) runs
+    num_transfer_threads: int = 2
+
+    def __post_init__(self) -> None:
+        assert self.protocol in ("tcp", "rdma"), f"unknown protocol {self.protocol!r}"
+        assert 0.0 <= self.fault_probability <= 1.0
+        assert self.max_batch_entries >= 1 and self.num_transfer_threads >= 1
+
+
+class KVMetadata(NamedTuple):
+    """What the prefill hands over besides the KV: the first output token, and the room as a check."""
+
+    output_token_id: int
+    output_logprob: float
+    bootstrap_room: int
+
+
+class MetadataBuffers:
+    """Registered per-request metadata slots, 64 bytes each (one int64 row of 8).
+
+    Columns: 0 output token id | 1 bootstrap_room | 2 output logprob (float64 bits) | 3..7 spare.
+    Slots are handed out by alloc()/free(); the decode side passes its slot to the prefill.
+    """
+
+    COLUMNS = 8
+
+    def __init__(self, size: int) -> None:
+        assert size > 0
+        self.size = size
+        self.buffer = torch.zeros((size, self.COLUMNS), dtype=torch.int64)  # [size, 8]
+        self._free = list(range(size))
+
+    @property
+    def data_ptr(self) -> int:
+        return self.buffer.data_ptr()
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.nbytes
+
+    @property
+    def item_bytes(self) -> int:
+        return self.COLUMNS * self.buffer.element_size()
+
+    def available_size(self) -> int:
+        return len(self._free)
+
+    def alloc(self) -> Optional[int]:
+        return self._free.pop() if self._free else None
+
+    def free(self, slot: int) -> None:
+        assert 0 <= slot < self.size and slot not in self._free, f"bad or double free of metadata slot {slot}"
+        self.buffer[slot].zero_()
+        self._free.append(slot)
+
+    def set(self, slot: int, meta: KVMetadata) -> None:
+        row = self.buffer[slot]
+        row[0], row[1] = meta.output_token_id, meta.bootstrap_room
+        row[2:3].view(torch.float64)[0] = meta.output_logprob
+
+    def get(self, slot: int) -> KVMetadata:
+        row = self.buffer[slot]
+        return KVMetadata(int(row[0]), float(row[2:3].view(torch.float64)[0]), int(row[1]))
+
+
+def as_pages(pages: PageList) -> np.ndarray:
+    """Page indices as a 1-D int64 numpy array."""
+    if isinstance(pages, torch.Tensor):
+        pages = pages.detach().to("cpu", torch.int64).numpy()
+    return np.ascontiguousarray(pages, dtype=np.int64).reshape(-1)
+
+
+def pages_from_slots(slots: PageList, page_size: int) -> np.ndarray:
+    """A request's slot indices (token order, page-aligned as the allocator hands them out) -> its pages."""
+    slots = as_pages(slots)
+    return slots[::page_size] // page_size
+
+
+class ContiguousRuns(NamedTuple):
+    src_starts: np.ndarray  # [num_runs] first source page of each run
+    dst_starts: np.ndarray  # [num_runs] first destination page of each run
+    lengths: np.ndarray  # [num_runs] pages per run
+
+
+def contiguous_runs(src: np.ndarray, dst: np.ndarray) -> ContiguousRuns:
+    """Split paired page lists into maximal runs where both sides advance by one page.
+
+    One run is one (address, length) entry per layer buffer; fewer, longer entries are what makes
+    TCP transfers fast.
+    """
+    assert src.shape == dst.shape and src.ndim == 1
+    if len(src) == 0:
+        empty = np.zeros(0, dtype=np.int64)
+        return ContiguousRuns(empty, empty, empty)
+    breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
+    starts = np.concatenate(([0], breaks))
+    lengths = np.diff(np.concatenate((starts, [len(src)])))
+    return ContiguousRuns(src[starts], dst[starts], lengths)
+
+
+class RoomStatus:
+    """A request's poll state, shared between the scheduler thread and transfer threads.
+
+    It only moves forward; Success and Failed are final, and the first failure reason is kept.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.status = KVPoll.Bootstrapping
+        self.reason: Optional[str] = None
+
+    @property
+    def done(self) -> bool:
+        return self.status in (KVPoll.Success, KVPoll.Failed)
+
+    def advance(self, status: KVPoll) -> bool:
+        with self._lock:
+            if self.done or status <= self.status:
+                return False
+            self.status = status
+            return True
+
+    def fail(self, reason: str) -> bool:
+        with self._lock:
+            if self.done:
+                return False
+            self.status, self.reason = KVPoll.Failed, reason
+            return True
+
+
+class TransferStats(NamedTuple):
+    bytes: int
+    seconds: float  # summed over the batched writes of the request (not queueing)
+
+
+class KVSenderBase(ABC):
+    """Prefill side of one request. Created when the request arrives; all methods are non-blocking.
+
+    Contract for the caller:
+    - wait until poll() >= WaitingForInput (the decode's destination arrived) before send();
+    - init(num_pages, meta_slot) once: num_pages must equal the pages the decode reserved;
+    - send(pages) per computed chunk in token order; a non-last chunk sends whole pages only;
+      the last one passes is_last=True and the metadata (written to meta_slot, then transferred);
+    - source pages must stay allocated until poll() returns Success or Failed; then clear().
+    """
+
+    room: int
+
+    @abstractmethod
+    def init(self, num_pages: int, meta_slot: int) -> None: ...
+
+    @abstractmethod
+    def send(self, page_indices: PageList, is_last: bool = False, metadata: Optional[KVMetadata] = None) -> None: ...
+
+    @abstractmethod
+    def poll(self) -> KVPoll: ...
+
+    @abstractmethod
+    def failure_reason(self) -> Optional[str]: ...
+
+    @abstractmethod
+    def stats(self) -> TransferStats: ...
+
+    @abstractmethod
+    def abort(self, reason: str) -> None:
+        """Fail this request here and tell the decode side (if known)."""
+
+    @abstractmethod
+    def clear(self) -> None:
+        """Forget the request in the manager; call once after a final poll() or abort()."""
+
+
+class KVReceiverBase(ABC):
+    """Decode side of one request. Creation starts the handshake with the prefill in the background.
+
+    Contract for the caller:
+    - poll() reaches WaitingForInput once the prefill rank is known and registered with;
+    - init(page_indices, meta_slot) once with the pages reserved for the prompt (token order);
+    - on Success the pages hold the prompt's KV and metadata() the first token; on Failed,
+      failure_reason() says why (timeout, prefill gone, geometry mismatch, corruption ...);
+    - destination pages stay allocated until poll() is final; then clear().
+    """
+
+    room: int
+    bootstrap_addr: str
+
+    @abstractmethod
+    def init(self, page_indices: PageList, meta_slot: int) -> None: ...
+
+    @abstractmethod
+    def poll(self) -> KVPoll: ...
+
+    @abstractmethod
+    def metadata(self) -> KVMetadata:
+        """The transferred metadata; valid once poll() returned Success."""
+
+    @abstractmethod
+    def failure_reason(self) -> Optional[str]: ...
+
+    @abstractmethod
+    def abort(self, reason: str) -> None:
+        """Fail this request here and tell the prefill side (if known)."""
+
+    @abstractmethod
+    def clear(self) -> None: ...
+
+
+class KVManagerBase(ABC):
+    """Per engine rank: registers `args` memory once, runs the background threads, makes senders/receivers.
+
+    Prefill managers register their side-channel address with the engine's bootstrap server.
+    """
+
+    args: KVArgs
+    mode: DisaggregationMode
+
+    @abstractmethod
+    def create_sender(self, room: int) -> KVSenderBase: ...
+
+    @abstractmethod
+    def create_receiver(self, bootstrap_addr: str, room: int) -> KVReceiverBase: ...
+
+    @abstractmethod
+    def num_rooms(self) -> int:
+        """Requests still known to the manager (not yet clear()ed): 0 when idle, for leak checks."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop threads and deregister memory; call before the pools are freed."""
+
+
+def deadline_passed(since: float, timeout_s: float) -> bool:
+    return time.monotonic() - since > timeout_s

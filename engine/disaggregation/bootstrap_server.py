@@ -1,0 +1,132 @@
+"""The prefill engine's bootstrap HTTP server (default port 8998) and its clients.
+
+    PUT /route   {"engine_rank", "endpoint", "session_id", "geometry"}   a prefill rank registers
+    GET /route?engine_rank=0  -> that JSON, or 404 until the rank has registered
+    GET /health  -> {"status": "ok", "sessions": {"0": session_id}}      decode heartbeats; a changed
+                                                                         session means a restarted rank
+The standard library's threading HTTP server is enough here: a handful of small requests per
+request-pair, no event loop to share with the engine.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Optional
+from urllib.parse import parse_qs, urlparse
+
+from baton.engine.disaggregation.base import KVTransferError
+
+DEFAULT_BOOTSTRAP_PORT = 8998
+
+
+@dataclass(frozen=True)
+class PrefillRankInfo:
+    engine_rank: int
+    endpoint: str  # side-channel PULL address of the rank
+    session_id: str  # Mooncake session "host:port"
+    geometry: dict
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: "_Server"
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        url = urlparse(self.path)
+        if url.path == "/health":
+            sessions = {str(r): info.session_id for r, info in self.server.ranks.items()}
+            self._reply(200, {"status": "ok", "sessions": sessions})
+        elif url.path == "/route":
+            rank = int(parse_qs(url.query).get("engine_rank", ["0"])[0])
+            info = self.server.ranks.get(rank)
+            self._reply(200, asdict(info)) if info else self._reply(404, {"error": f"rank {rank} not registered"})
+        else:
+            self._reply(404, {"error": f"no route {url.path}"})
+
+    def do_PUT(self) -> None:  # noqa: N802
+        if urlparse(self.path).path != "/route":
+            self._reply(404, {"error": "no such route"})
+            return
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+        info = PrefillRankInfo(**body)
+        self.server.ranks[info.engine_rank] = info
+        self._reply(200, {"status": "ok"})
+
+    def _reply(self, code: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args) -> None:  # requests are too frequent to log
+        pass
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+    ranks: dict[int, PrefillRankInfo]
+
+
+class KVBootstrapServer:
+    """Runs in a daemon thread of the prefill engine; port 0 picks a free port (tests)."""
+
+    def __init__(self, host: str = "0.0.0.0", port: int = DEFAULT_BOOTSTRAP_PORT) -> None:
+        self._server = _Server((host, port), _Handler)
+        self._server.ranks = {}
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.1},
+                                        name="kv-bootstrap-server", daemon=True)
+        self._thread.start()
+
+    @property
+    def port(self) -> int:
+        return self._server.server_address[1]
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
+
+
+def _request(method: str, url: str, body: Optional[dict], timeout_s: float) -> tuple[int, dict]:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def register_prefill_rank(bootstrap_addr: str, info: PrefillRankInfo, timeout_s: float) -> None:
+    """Retries until the server answers (it may start after the rank), raising after timeout_s."""
+    deadline, last = time.monotonic() + timeout_s, None
+    while time.monotonic() < deadline:
+        try:
+            if _request("PUT", f"http://{bootstrap_addr}/route", asdict(info), 2.0)[0] == 200:
+                return
+        except OSError as e:
+            last = e
+        time.sleep(0.1)  # retry pacing, not a wait for a condition
+    raise KVTransferError(f"prefill rank {info.engine_rank} could not register with the bootstrap server "
+                          f"at {bootstrap_addr} within {timeout_s:g}s: {last}")
+
+
+def fetch_prefill_rank(bootstrap_addr: str, engine_rank: int = 0, timeout_s: float = 1.0) -> Optional[PrefillRankInfo]:
+    """The rank's info, None while it has not registered; OSError when the server is unreachable."""
+    code, body = _request("GET", f"http://{bootstrap_addr}/route?engine_rank={engine_rank}", None, timeout_s)
+    return PrefillRankInfo(**body) if code == 200 else None
+
+
+def check_health(bootstrap_addr: str, timeout_s: float) -> dict[int, str]:
+    """rank -> session id of the live prefill ranks; OSError when the server is unreachable."""
+    code, body = _request("GET", f"http://{bootstrap_addr}/health", None, timeout_s)
+    if code != 200:
+        raise OSError(f"bootstrap server at {bootstrap_addr} answered {code} on /health")
+    return {int(r): s for r, s in body["sessions"].items()}

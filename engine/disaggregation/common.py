@@ -1,0 +1,228 @@
+"""Per-request bookkeeping shared by every transfer backend (validation, poll states, timeouts).
+
+A backend subclasses these and supplies only the I/O hooks: how a sender submits a chunk and
+tells the decode about an abort, how a receiver sends its destination and tells the prefill.
+Methods named in the base contract run on the scheduler thread; `attach`, `record`, `finish` and
+`on_status` are called by the backend's threads.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from abc import abstractmethod
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+
+from baton.engine.disaggregation.base import (KVArgs, KVGeometry, KVMetadata, KVPoll, KVReceiverBase, KVSenderBase,
+                                              KVTransferError, MetadataBuffers, PageList, RoomStatus,
+                                              TransferConfig, TransferStats, as_pages, deadline_passed)
+
+
+@dataclass(frozen=True)
+class Destination:
+    """Where the decode wants one request's KV, as received by the prefill."""
+
+    peer: Any  # backend handle of the decode engine (session, registered pointers)
+    pages: np.ndarray  # [num_pages] decode page indices, token order
+    meta_slot: int
+
+
+def check_destination(room: int, local: KVArgs, remote_geometry: KVGeometry, remote_kv_len: int,
+                      remote_aux_len: int, pages: np.ndarray, meta_slot: int) -> Optional[str]:
+    """Why the prefill (`local`) must refuse a decode's destination, or None when it fits."""
+    mismatch = local.geometry.mismatch(remote_geometry)
+    if mismatch:
+        return f"room {room}: KV page geometry differs between prefill and decode (prefill != decode): {mismatch}"
+    page_bytes = local.kv_item_lens[0]
+    if len(pages) and (pages.min() < 0 or (int(pages.max()) + 1) * page_bytes > remote_kv_len):
+        return f"room {room}: destination page out of the decode pool's range"
+    if meta_slot < 0 or (meta_slot + 1) * local.aux_item_lens[0] > remote_aux_len:
+        return f"room {room}: metadata slot {meta_slot} out of the decode's range"
+    return None
+
+
+class CommonKVSender(KVSenderBase):
+    def __init__(self, room: int, config: TransferConfig, metadata: MetadataBuffers) -> None:
+        self.room = room
+        self.config = config
+        self._metadata = metadata
+        self._status = RoomStatus()
+        self._created = time.monotonic()
+        self.dest: Optional[Destination] = None  # filled by attach() when the decode's message arrives
+        self.num_pages: Optional[int] = None
+        self.meta_slot: Optional[int] = None
+        self._sent = 0  # pages handed to send() so far
+        self._bytes, self._seconds = 0, 0.0
+
+    # ---- backend side ----
+
+    def attach(self, dest: Destination) -> None:
+        self.dest = dest
+        self._status.advance(KVPoll.WaitingForInput)
+
+    def record(self, nbytes: int, seconds: float) -> None:
+        self._bytes += nbytes
+        self._seconds += seconds
+
+    def finish(self) -> None:
+        self._status.advance(KVPoll.Success)
+
+    def fail(self, reason: str) -> bool:
+        return self._status.fail(reason)
+
+    @property
+    def done(self) -> bool:
+        return self._status.done
+
+    @abstractmethod
+    def _submit(self, src_pages: np.ndarray, dst_pages: np.ndarray, is_last: bool) -> None:
+        """Queue one chunk for writing; on is_last also write the metadata slot and notify the decode."""
+
+    @abstractmethod
+    def _notify_abort(self, reason: str) -> None: ...
+
+    # ---- scheduler side ----
+
+    def init(self, num_pages: int, meta_slot: int) -> None:
+        assert self.num_pages is None, f"init() twice for room {self.room}"
+        assert num_pages >= 0 and 0 <= meta_slot < self._metadata.size
+        self.num_pages, self.meta_slot = num_pages, meta_slot
+
+    def send(self, page_indices: PageList, is_last: bool = False, metadata: Optional[KVMetadata] = None) -> None:
+        if self._status.done:
+            return
+        if self.dest is None:
+            raise KVTransferError(f"room {self.room}: send() before poll() reached WaitingForInput")
+        assert self.num_pages is not None, "init() before send()"
+        assert not is_last or metadata is not None, "the last chunk carries the metadata"
+        pages = as_pages(page_indices)
+        reason = self._check_chunk(len(pages), is_last)
+        if reason is not None:
+            self.abort(reason)
+            return
+        dst = self.dest.pages[self._sent:self._sent + len(pages)]
+        self._sent += len(pages)
+        if is_last:
+            self._metadata.set(self.meta_slot, metadata)
+        self._status.advance(KVPoll.Transferring)
+        self._submit(pages, dst, is_last)
+
+    def _check_chunk(self, n: int, is_last: bool) -> Optional[str]:
+        reserved = len(self.dest.pages)
+        if self.num_pages != reserved:
+            return f"room {self.room}: page count mismatch, prefill has {self.num_pages} pages, decode reserved {reserved}"
+        end = self._sent + n
+        if end > reserved or (is_last and end != reserved):
+            return f"room {self.room}: chunk ends at page {end} of {reserved} (is_last={is_last})"
+        return None
+
+    def poll(self) -> KVPoll:
+        if self._status.status == KVPoll.Bootstrapping and deadline_passed(self._created, self.config.bootstrap_timeout_s):
+            self._status.fail(f"bootstrap timeout: no destination from a decode engine for room {self.room} "
+                              f"within {self.config.bootstrap_timeout_s:g}s")
+        return self._status.status
+
+    def failure_reason(self) -> Optional[str]:
+        return self._status.reason
+
+    def stats(self) -> TransferStats:
+        return TransferStats(self._bytes, self._seconds)
+
+    def abort(self, reason: str) -> None:
+        if self._status.fail(reason) and self.dest is not None:
+            self._notify_abort(reason)
+
+
+class CommonKVReceiver(KVReceiverBase):
+    def __init__(self, bootstrap_addr: str, room: int, config: TransferConfig, metadata: MetadataBuffers) -> None:
+        self.bootstrap_addr = bootstrap_addr
+        self.room = room
+        self.config = config
+        self._metadata = metadata
+        self._status = RoomStatus()
+        self._created = time.monotonic()
+        self._lock = threading.Lock()  # peer / pages / _dest_sent, set from two threads
+        self.peer: Any = None  # backend handle of the prefill rank, filled by attach()
+        self.pages: Optional[np.ndarray] = None
+        self.meta_slot: Optional[int] = None
+        self._init_time: Optional[float] = None
+        self._dest_sent = False
+
+    # ---- backend side ----
+
+    def attach(self, peer: Any) -> None:
+        with self._lock:
+            self.peer = peer
+            send_now = self.pages is not None and not self._dest_sent
+            self._dest_sent |= send_now
+        self._status.advance(KVPoll.WaitingForInput)
+        if send_now:
+            self._send_destination_safely()
+
+    def on_status(self, status: KVPoll, reason: Optional[str]) -> None:
+        if status != KVPoll.Success:
+            self._status.fail(reason or "prefill reported failure")
+            return
+        got = self._metadata.get(self.meta_slot).bootstrap_room
+        if got != self.room:
+            self._status.fail(f"corrupted transfer: metadata slot {self.meta_slot} carries bootstrap_room {got}, "
+                              f"expected {self.room}")
+        else:
+            self._status.advance(KVPoll.Success)
+
+    def fail(self, reason: str) -> bool:
+        return self._status.fail(reason)
+
+    @property
+    def done(self) -> bool:
+        return self._status.done
+
+    @abstractmethod
+    def _send_destination(self) -> None:
+        """Tell the prefill rank `self.peer` the pages and metadata slot for this room."""
+
+    @abstractmethod
+    def _notify_abort(self, reason: str) -> None: ...
+
+    def _send_destination_safely(self) -> None:
+        try:
+            self._send_destination()
+        except Exception as e:  # noqa: BLE001 - any I/O error ends this request only
+            self._status.fail(f"room {self.room}: could not send the destination to {self.bootstrap_addr}: {e}")
+
+    # ---- scheduler side ----
+
+    def init(self, page_indices: PageList, meta_slot: int) -> None:
+        assert 0 <= meta_slot < self._metadata.size
+        with self._lock:
+            assert self.pages is None, f"init() twice for room {self.room}"
+            self.pages, self.meta_slot = as_pages(page_indices), meta_slot
+            self._init_time = time.monotonic()
+            send_now = self.peer is not None and not self._dest_sent
+            self._dest_sent |= send_now
+        if send_now:
+            self._send_destination_safely()
+
+    def poll(self) -> KVPoll:
+        status = self._status.status
+        if status == KVPoll.Bootstrapping and deadline_passed(self._created, self.config.bootstrap_timeout_s):
+            self._status.fail(f"bootstrap timeout: prefill at {self.bootstrap_addr} not reachable for room "
+                              f"{self.room} within {self.config.bootstrap_timeout_s:g}s")
+        elif status in (KVPoll.WaitingForInput, KVPoll.Transferring) and self._init_time is not None \
+                and deadline_passed(self._init_time, self.config.waiting_timeout_s):
+            self._status.fail(f"waiting timeout: no KV from prefill at {self.bootstrap_addr} for room {self.room} "
+                              f"within {self.config.waiting_timeout_s:g}s")
+        return self._status.status
+
+    def metadata(self) -> KVMetadata:
+        assert self._status.status == KVPoll.Success, "metadata() before Success"
+        return self._metadata.get(self.meta_slot)
+
+    def failure_reason(self) -> Optional[str]:
+        return self._status.reason
+
+    def abort(self, reason: str) -> None:
+        if self._status.fail(reason) and self.peer is not None:
+            self._notify_abort(reason)

@@ -1,0 +1,1 @@
+"""Mooncake Transfer Engine backend (RDMA in production, TCP on CPU machines and in CI)."""

@@ -1,0 +1,114 @@
+"""MooncakeKVManager: one per engine rank. Owns the transfer engine with the registered KV and
+metadata buffers, the ZMQ side channel and the listener thread; the role-specific room tables
+live in sender.py (prefill) and receiver.py (decode).
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import asdict
+from typing import Optional, Union
+
+import zmq
+
+from baton.engine.disaggregation.base import (DisaggregationMode, KVArgs, KVManagerBase, KVTransferError,
+                                              MetadataBuffers, TransferConfig)
+from baton.engine.disaggregation.bootstrap_server import PrefillRankInfo, register_prefill_rank
+from baton.engine.disaggregation.mooncake import messages
+from baton.engine.disaggregation.mooncake.receiver import DecodeRooms, MooncakeKVReceiver
+from baton.engine.disaggregation.mooncake.sender import MooncakeKVSender, PrefillRooms
+from baton.engine.disaggregation.mooncake.transfer_engine import MooncakeTransferEngine
+
+
+class SideChannel:
+    """A bound PULL socket for what peers send us, and PUSH sockets (one per peer) to answer them."""
+
+    def __init__(self, host: str) -> None:
+        self._ctx = zmq.Context()
+        self._pull = self._ctx.socket(zmq.PULL)
+        self.endpoint = f"tcp://{host}:{self._pull.bind_to_random_port(f'tcp://{host}')}"
+        self._push: dict[str, zmq.Socket] = {}
+        self._lock = threading.Lock()  # zmq sockets are not thread-safe
+
+    def send(self, endpoint: str, msg: messages.Message) -> None:
+        with self._lock:
+            sock = self._push.get(endpoint)
+            if sock is None:
+                sock = self._push[endpoint] = self._ctx.socket(zmq.PUSH)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.connect(endpoint)
+            try:
+                sock.send_multipart(messages.encode(msg), flags=zmq.NOBLOCK)
+            except zmq.Again as e:
+                raise KVTransferError(f"side channel to {endpoint} is full or down") from e
+
+    def recv(self, timeout_ms: int) -> Optional[messages.Message]:
+        if not self._pull.poll(timeout_ms):
+            return None
+        return messages.decode(self._pull.recv_multipart())
+
+    def forget(self, endpoint: str) -> None:
+        with self._lock:
+            sock = self._push.pop(endpoint, None)
+            if sock is not None:
+                sock.close()
+
+    def close(self) -> None:
+        with self._lock:
+            for sock in self._push.values():
+                sock.close()
+            self._push.clear()
+            self._pull.close()
+        self._ctx.term()
+
+
+class MooncakeKVManager(KVManagerBase):
+    """`bootstrap_addr` ("host:port" of this engine's bootstrap server) is required in prefill mode."""
+
+    def __init__(self, args: KVArgs, metadata: MetadataBuffers, mode: Union[DisaggregationMode, str],
+                 config: TransferConfig, bootstrap_addr: Optional[str] = None) -> None:
+        self.args, self.metadata, self.config = args, metadata, config
+        self.mode = DisaggregationMode(mode)
+        self.engine = MooncakeTransferEngine(config.host, config.protocol, config.ib_device)
+        self.engine.register(args.kv_data_ptrs + args.aux_data_ptrs, args.kv_data_lens + args.aux_data_lens)
+        self.channel = SideChannel(config.host)
+        self.stopping = threading.Event()
+        self.rooms: Union[PrefillRooms, DecodeRooms]
+        if self.mode == DisaggregationMode.PREFILL:
+            assert bootstrap_addr, "a prefill manager registers with its engine's bootstrap server"
+            self.rooms = PrefillRooms(self)
+        else:
+            self.rooms = DecodeRooms(self)
+        self._listener = threading.Thread(target=self._listen, name=f"kv-{self.mode.value}-listener", daemon=True)
+        self._listener.start()
+        if self.mode == DisaggregationMode.PREFILL:
+            info = PrefillRankInfo(args.engine_rank, self.channel.endpoint, self.engine.session_id,
+                                   asdict(args.geometry))
+            register_prefill_rank(bootstrap_addr, info, config.bootstrap_timeout_s)
+
+    @property
+    def session_id(self) -> str:
+        return self.engine.session_id
+
+    def _listen(self) -> None:
+        while not self.stopping.is_set():
+            msg = self.channel.recv(timeout_ms=100)
+            if msg is not None:
+                self.rooms.handle(msg)
+
+    def create_sender(self, room: int) -> MooncakeKVSender:
+        assert isinstance(self.rooms, PrefillRooms), "senders live on prefill engines"
+        return MooncakeKVSender(self.rooms, room)
+
+    def create_receiver(self, bootstrap_addr: str, room: int) -> MooncakeKVReceiver:
+        assert isinstance(self.rooms, DecodeRooms), "receivers live on decode engines"
+        return MooncakeKVReceiver(self.rooms, bootstrap_addr, room)
+
+    def num_rooms(self) -> int:
+        return self.rooms.num_rooms()
+
+    def close(self) -> None:
+        self.stopping.set()
+        self._listener.join(timeout=5)
+        self.rooms.close()
+        self.channel.close()
+        self.engine.deregister_all()

@@ -1,0 +1,71 @@
+"""Side-channel messages of the Mooncake backend (ZMQ PUSH -> PULL); with the bootstrap server's
+routes they are the whole contract between a prefill rank and a decode engine.
+
+    decode  -> prefill  Register  once per (decode engine, prefill session): where to write
+    decode  -> prefill  Room      per request: destination pages and metadata slot
+    decode  -> prefill  Abort     per request, when the decode gives up
+    prefill -> decode   Status    per request: Success, or Failed with the reason
+
+Frames: [kind, JSON header] plus, for Room, the raw int64 page array.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from typing import Optional, Union
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Register:
+    session_id: str  # decode's Mooncake session "host:port"
+    endpoint: str  # decode's side-channel PULL address
+    kv_ptrs: list[int]
+    kv_lens: list[int]
+    aux_ptrs: list[int]
+    aux_lens: list[int]
+    geometry: dict
+
+
+@dataclass(frozen=True)
+class Room:
+    room: int
+    session_id: str
+    endpoint: str
+    meta_slot: int
+    pages: np.ndarray  # [num_pages] int64
+
+
+@dataclass(frozen=True)
+class Abort:
+    room: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Status:
+    room: int
+    status: int  # KVPoll value
+    reason: Optional[str] = None
+
+
+Message = Union[Register, Room, Abort, Status]
+_KINDS: dict[bytes, type] = {b"register": Register, b"room": Room, b"abort": Abort, b"status": Status}
+_KIND_OF = {cls: kind for kind, cls in _KINDS.items()}
+
+
+def encode(msg: Message) -> list[bytes]:
+    if isinstance(msg, Room):
+        header = {"room": msg.room, "session_id": msg.session_id, "endpoint": msg.endpoint, "meta_slot": msg.meta_slot}
+        return [b"room", json.dumps(header).encode(), np.ascontiguousarray(msg.pages, dtype=np.int64).tobytes()]
+    return [_KIND_OF[type(msg)], json.dumps(asdict(msg)).encode()]
+
+
+def decode(frames: list[bytes]) -> Message:
+    kind, header = frames[0], json.loads(frames[1])
+    if kind == b"room":
+        return Room(pages=np.frombuffer(frames[2], dtype=np.int64).copy(), **header)
+    if kind not in _KINDS:
+        raise ValueError(f"unknown side-channel message kind {kind!r}")
+    return _KINDS[kind](**header)

@@ -1,0 +1,212 @@
+"""Prefill side of the Mooncake backend: the room table fed by decode messages, and the transfer
+threads that write page runs into the decode's pool with batched Mooncake writes.
+
+A decode's Room message may arrive before or after the prefill creates the sender for that room;
+whichever comes second pairs them. Chunks of one room go to one thread, in order, so the final
+status is sent only after every earlier chunk has landed.
+"""
+from __future__ import annotations
+
+import queue
+import random
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional, Union
+
+import numpy as np
+
+from baton.engine.disaggregation.base import KVGeometry, KVPoll, KVTransferError, contiguous_runs
+from baton.engine.disaggregation.common import CommonKVSender, Destination, check_destination
+from baton.engine.disaggregation.mooncake import messages
+
+if TYPE_CHECKING:
+    from baton.engine.disaggregation.mooncake.conn import MooncakeKVManager
+
+
+@dataclass(frozen=True)
+class DecodePeer:
+    session_id: str
+    endpoint: str
+    kv_ptrs: np.ndarray  # [2 * layer_num] int64, K layers then V layers
+    kv_lens: tuple[int, ...]
+    aux_ptr: int
+    aux_len: int
+    geometry: KVGeometry
+
+    @classmethod
+    def from_message(cls, msg: messages.Register) -> "DecodePeer":
+        return cls(msg.session_id, msg.endpoint, np.asarray(msg.kv_ptrs, dtype=np.int64), tuple(msg.kv_lens),
+                   msg.aux_ptrs[0], msg.aux_lens[0], KVGeometry(**msg.geometry))
+
+
+class MooncakeKVSender(CommonKVSender):
+    def __init__(self, rooms: "PrefillRooms", room: int) -> None:
+        super().__init__(room, rooms.config, rooms.metadata)
+        self._rooms = rooms
+        rooms.add(self)
+
+    def _submit(self, src_pages: np.ndarray, dst_pages: np.ndarray, is_last: bool) -> None:
+        self._rooms.submit(self, src_pages, dst_pages, is_last)
+
+    def _notify_abort(self, reason: str) -> None:
+        self._rooms.reply(self.dest.peer.endpoint, messages.Status(self.room, int(KVPoll.Failed), reason))
+
+    def clear(self) -> None:
+        self._rooms.remove(self.room)
+
+
+_Pending = Union[Destination, str]  # a destination, or why the room failed before its sender existed
+
+
+class PrefillRooms:
+    def __init__(self, mgr: "MooncakeKVManager") -> None:
+        self.config, self.metadata, self._mgr = mgr.config, mgr.metadata, mgr
+        args = mgr.args
+        self._kv_ptrs = np.asarray(args.kv_data_ptrs, dtype=np.int64)  # [2 * layer_num]
+        self._item_lens = np.asarray(args.kv_item_lens, dtype=np.int64)  # [2 * layer_num] bytes per page
+        self._lock = threading.Lock()
+        self._peers: dict[str, DecodePeer] = {}
+        self._senders: dict[int, MooncakeKVSender] = {}
+        self._pending: dict[int, tuple[float, _Pending]] = {}
+        self._last_sweep = time.monotonic()
+        self._rng = random.Random(self.config.fault_seed)
+        self._queues: list[queue.Queue] = [queue.Queue() for _ in range(self.config.num_transfer_threads)]
+        self._threads = [threading.Thread(target=self._work, args=(q,), name=f"kv-transfer-{i}", daemon=True)
+                         for i, q in enumerate(self._queues)]
+        for t in self._threads:
+            t.start()
+
+    # ---- room table ----
+
+    def add(self, sender: MooncakeKVSender) -> None:
+        with self._lock:
+            assert sender.room not in self._senders, f"two senders for room {sender.room}"
+            self._senders[sender.room] = sender
+            pending = self._pending.pop(sender.room, None)
+        if pending is not None:
+            self._apply(sender, pending[1])
+
+    def remove(self, room: int) -> None:
+        with self._lock:
+            self._senders.pop(room, None)
+
+    def num_rooms(self) -> int:
+        with self._lock:
+            return len(self._senders)
+
+    def _deliver(self, room: int, item: _Pending) -> None:
+        with self._lock:
+            sender = self._senders.get(room)
+            if sender is None:
+                self._pending[room] = (time.monotonic(), item)
+                return
+        self._apply(sender, item)
+
+    @staticmethod
+    def _apply(sender: MooncakeKVSender, item: _Pending) -> None:
+        if isinstance(item, str):
+            sender.fail(item)
+        else:
+            sender.attach(item)
+
+    def _sweep_pending(self) -> None:
+        """Rooms whose prefill request never came: the decode gave up after waiting_timeout_s."""
+        now = time.monotonic()
+        if now - self._last_sweep < 1.0:
+            return
+        self._last_sweep = now
+        with self._lock:
+            stale = [r for r, (t, _) in self._pending.items() if now - t > self.config.waiting_timeout_s]
+            for r in stale:
+                del self._pending[r]
+
+    # ---- side channel (listener thread) ----
+
+    def handle(self, msg: messages.Message) -> None:
+        if isinstance(msg, messages.Register):
+            peer = DecodePeer.from_message(msg)
+            with self._lock:
+                self._peers[peer.session_id] = peer
+        elif isinstance(msg, messages.Room):
+            self._on_room(msg)
+        elif isinstance(msg, messages.Abort):
+            self._deliver(msg.room, f"aborted by the decode engine: {msg.reason}")
+        self._sweep_pending()
+
+    def _on_room(self, msg: messages.Room) -> None:
+        with self._lock:
+            peer = self._peers.get(msg.session_id)
+        reason = self._check_destination(peer, msg)
+        if reason is None:
+            self._deliver(msg.room, Destination(peer, msg.pages, msg.meta_slot))
+            return
+        self.reply(msg.endpoint, messages.Status(msg.room, int(KVPoll.Failed), reason))
+        self._deliver(msg.room, reason)
+
+    def _check_destination(self, peer: Optional[DecodePeer], msg: messages.Room) -> Optional[str]:
+        if peer is None:
+            return f"room {msg.room}: decode session {msg.session_id} never registered with this prefill"
+        return check_destination(msg.room, self._mgr.args, peer.geometry, peer.kv_lens[0], peer.aux_len,
+                                 msg.pages, msg.meta_slot)
+
+    def reply(self, endpoint: str, msg: messages.Status) -> None:
+        try:
+            self._mgr.channel.send(endpoint, msg)
+        except KVTransferError:
+            pass  # the decode is gone; its heartbeat or timeout fails the request there
+
+    # ---- transfer threads ----
+
+    def submit(self, sender: MooncakeKVSender, src: np.ndarray, dst: np.ndarray, is_last: bool) -> None:
+        self._queues[sender.room % len(self._queues)].put((sender, src, dst, is_last))
+
+    def _work(self, q: queue.Queue) -> None:
+        while (job := q.get()) is not None:
+            sender, src, dst, is_last = job
+            if sender.done:
+                continue  # aborted, or an earlier chunk failed
+            try:
+                self._transfer(sender, src, dst, is_last)
+            except Exception as e:  # noqa: BLE001 - a failed transfer ends this request only
+                reason = f"room {sender.room}: KV transfer to decode {sender.dest.peer.session_id} failed: {e}"
+                if sender.fail(reason):
+                    self.reply(sender.dest.peer.endpoint, messages.Status(sender.room, int(KVPoll.Failed), reason))
+
+    def _transfer(self, sender: MooncakeKVSender, src: np.ndarray, dst: np.ndarray, is_last: bool) -> None:
+        dest = sender.dest
+        start = time.perf_counter()
+        nbytes = self._write_pages(dest.peer, src, dst)
+        if is_last:
+            nbytes += self._write_metadata(dest, sender.meta_slot)
+        sender.record(nbytes, time.perf_counter() - start)
+        if not is_last:
+            return
+        if self._rng.random() < self.config.fault_probability:
+            raise KVTransferError(f"injected fault (fault_probability={self.config.fault_probability})")
+        self._mgr.channel.send(dest.peer.endpoint, messages.Status(sender.room, int(KVPoll.Success)))
+        sender.finish()
+
+    def _write_pages(self, peer: DecodePeer, src: np.ndarray, dst: np.ndarray) -> int:
+        runs = contiguous_runs(src, dst)
+        item = self._item_lens[:, None]  # [num_bufs, 1]
+        srcs = (self._kv_ptrs[:, None] + runs.src_starts[None, :] * item).ravel()  # [num_bufs * num_runs]
+        dsts = (peer.kv_ptrs[:, None] + runs.dst_starts[None, :] * item).ravel()
+        lens = (runs.lengths[None, :] * item).ravel()
+        step = self.config.max_batch_entries
+        for i in range(0, len(lens), step):
+            self._mgr.engine.batch_write(peer.session_id, srcs[i:i + step].tolist(), dsts[i:i + step].tolist(),
+                                         lens[i:i + step].tolist())
+        return int(lens.sum())
+
+    def _write_metadata(self, dest: Destination, meta_slot: int) -> int:
+        size = self.metadata.item_bytes
+        self._mgr.engine.batch_write(dest.peer.session_id, [self.metadata.data_ptr + meta_slot * size],
+                                     [dest.peer.aux_ptr + dest.meta_slot * size], [size])
+        return size
+
+    def close(self) -> None:
+        for q in self._queues:
+            q.put(None)
+        for t in self._threads:
+            t.join(timeout=5)
