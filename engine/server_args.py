@@ -40,6 +40,10 @@ class ServerArgs:
     priority_preemption_threshold: int = 10
     schedule_conservativeness: float = 1.0
     disable_overlap_schedule: bool = False
+    # Overlap is on by default on CUDA only: on CPU the forward itself is Python holding the GIL
+    # between small ops, so a worker thread contends with the scheduler instead of overlapping it
+    # (measured slower on a 2-core CPU, docs/benchmarks.md). This forces it on (tests use it).
+    enable_overlap_schedule: bool = False
     stream_interval: int = 1
     # execution
     attention_backend: str = "torch"
@@ -76,7 +80,9 @@ class ServerArgs:
 
     @property
     def enable_overlap(self) -> bool:
-        return not self.disable_overlap_schedule
+        if self.disable_overlap_schedule:
+            return False
+        return self.device.startswith("cuda") or self.enable_overlap_schedule
 
     def replace(self, **changes) -> "ServerArgs":
         return dataclasses.replace(self, **changes)
@@ -105,6 +111,8 @@ class ServerArgs:
         a("--priority-preemption-threshold", type=int, default=ServerArgs.priority_preemption_threshold)
         a("--schedule-conservativeness", type=float, default=ServerArgs.schedule_conservativeness)
         a("--disable-overlap-schedule", action="store_true")
+        a("--enable-overlap-schedule", action="store_true",
+          help="use the overlap loop on CPU too (default: on for CUDA, off for CPU)")
         a("--stream-interval", type=int, default=ServerArgs.stream_interval)
         a("--attention-backend", default=ServerArgs.attention_backend, choices=ATTENTION_BACKENDS)
         a("--disable-cuda-graph", action="store_true")

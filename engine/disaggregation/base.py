@@ -111,7 +111,7 @@ class TransferConfig:
     heartbeat_max_failures: int = 2
     fault_probability: float = 0.0  # tests: report this fraction of transfers as failed
     fault_seed: Optional[int] = None
-    max_batch_entries: int = 4096  # one batched write carries at most this many (address, length) runs
+    max_batch_entries: int = 512  # runs per batched write; below Mooncake TCP's per-peer queue (1024)
     num_transfer_threads: int = 2
 
     def __post_init__(self) -> None:

@@ -112,16 +112,18 @@ class CommonKVSender(KVSenderBase):
     def _check_chunk(self, n: int, is_last: bool) -> Optional[str]:
         reserved = len(self.dest.pages)
         if self.num_pages != reserved:
-            return f"room {self.room}: page count mismatch, prefill has {self.num_pages} pages, decode reserved {reserved}"
+            return (f"room {self.room}: page count mismatch, prefill has {self.num_pages} pages, "
+                    f"decode reserved {reserved}")
         end = self._sent + n
         if end > reserved or (is_last and end != reserved):
             return f"room {self.room}: chunk ends at page {end} of {reserved} (is_last={is_last})"
         return None
 
     def poll(self) -> KVPoll:
-        if self._status.status == KVPoll.Bootstrapping and deadline_passed(self._created, self.config.bootstrap_timeout_s):
+        timeout_s = self.config.bootstrap_timeout_s
+        if self._status.status == KVPoll.Bootstrapping and deadline_passed(self._created, timeout_s):
             self._status.fail(f"bootstrap timeout: no destination from a decode engine for room {self.room} "
-                              f"within {self.config.bootstrap_timeout_s:g}s")
+                              f"within {timeout_s:g}s")
         return self._status.status
 
     def failure_reason(self) -> Optional[str]:

@@ -87,7 +87,8 @@ class _Peer:
         self.info = {"bootstrap_addr": addr, "session_id": getattr(self.mgr, "session_id", None),
                      "kv_ptrs": list(self.args.kv_data_ptrs), "kv_lens": list(self.args.kv_data_lens)}
 
-    def send(self, room: int, src_pages: list[int], chunks: list[int], metadata: tuple, timeout_s: float = 30.0) -> dict:
+    def send(self, room: int, src_pages: list[int], chunks: list[int], metadata: tuple,
+             timeout_s: float = 30.0) -> dict:
         sender = self.mgr.create_sender(room)
         wait_until(lambda: sender.poll() != KVPoll.Bootstrapping, timeout_s)
         if sender.poll() == KVPoll.WaitingForInput:

@@ -214,3 +214,12 @@ def test_shared_prefix_requests_wait_for_the_cache(tiny_model_factory):
     stats = h.scheduler.stats
     assert stats.prefill_tokens < 256 + 32 * 3 + 2 * 256  # the prefix is computed about once, not 32 times
     assert stats.cache_hit_rate() > 0.8
+
+
+def test_overlap_default_depends_on_device():
+    from baton.engine.server_args import ServerArgs
+
+    assert ServerArgs(model_path="m", device="cuda", attention_backend="torch").enable_overlap
+    assert not ServerArgs(model_path="m", device="cpu").enable_overlap
+    assert ServerArgs(model_path="m", device="cpu", enable_overlap_schedule=True).enable_overlap
+    assert not ServerArgs(model_path="m", device="cuda", disable_overlap_schedule=True).enable_overlap

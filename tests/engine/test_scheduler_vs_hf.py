@@ -68,7 +68,7 @@ def run_workload(harness: SchedulerHarness, prompts: list[list[int]], staggered:
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_matches_hf_concurrent_chunked_radix(tiny_model_factory, arch, overlap, page_size):
     path = tiny_model_factory(arch)
-    h = SchedulerHarness(path, page_size=page_size, disable_overlap_schedule=not overlap,
+    h = SchedulerHarness(path, page_size=page_size, enable_overlap_schedule=overlap, disable_overlap_schedule=not overlap,
                          chunked_prefill_size=32, max_total_tokens=4096)
     prompts = workload()
     results = run_workload(h, prompts)
@@ -89,7 +89,7 @@ def test_matches_hf_under_retraction(tiny_model_factory, arch, overlap, page_siz
     # a second wave is admitted into a pool that cannot hold everyone's 40 tokens: decode retracts.
     max_new = 40
     pool = int(0.6 * (sum(map(len, prompts)) + max_new * len(prompts))) // page_size * page_size
-    h = SchedulerHarness(path, page_size=page_size, disable_overlap_schedule=not overlap,
+    h = SchedulerHarness(path, page_size=page_size, enable_overlap_schedule=overlap, disable_overlap_schedule=not overlap,
                          chunked_prefill_size=32, max_total_tokens=pool)
     results = run_workload(h, prompts, staggered=True, max_new=max_new, ignore_eos=True)
     assert h.scheduler.stats.retractions > 0, "the pool is meant to be too small for all requests at once"
@@ -155,7 +155,7 @@ def test_priority_preemption(tiny_model_factory, overlap):
     path = tiny_model_factory("llama")
     prompts = workload(seed=3)[:6]
     h = SchedulerHarness(path, enable_priority_scheduling=True, priority_preemption_threshold=5,
-                         max_running_requests=4, disable_overlap_schedule=not overlap, max_total_tokens=2048)
+                         max_running_requests=4, enable_overlap_schedule=overlap, disable_overlap_schedule=not overlap, max_total_tokens=2048)
     for i, p in enumerate(prompts[:4]):
         h.submit(f"low{i}", p, max_new_tokens=30, ignore_eos=True, priority=0)
     for _ in range(4):

@@ -23,7 +23,8 @@ def model_path(tiny_model_factory) -> str:
 @pytest.fixture(scope="module")
 def engine(model_path):
     # small chunk + page size 4 so the API path also exercises chunking and paging
-    with running_engine(model_path, "--chunked-prefill-size", "16", "--page-size", "4",
+    # the overlap loop on CPU here; the other engines in this file use the CPU default (plain loop)
+    with running_engine(model_path, "--enable-overlap-schedule", "--chunked-prefill-size", "16", "--page-size", "4",
                         "--max-total-tokens", "2048", "--max-queued-requests", "64") as eng:
         yield eng
 

@@ -1,6 +1,10 @@
 """Prefill side of the Mooncake backend: the room table fed by decode messages, and the transfer
 threads that write page runs into the decode's pool with batched Mooncake writes.
 
+Mooncake's TCP transport queues at most MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER (default 1024)
+entries per peer; a batch beyond that is rejected and the peer's lanes stay unusable for a while.
+So one batched write per decode peer is in flight at a time, of at most max_batch_entries runs.
+
 A decode's Room message may arrive before or after the prefill creates the sender for that room;
 whichever comes second pairs them. Chunks of one room go to one thread, in order, so the final
 status is sent only after every earlier chunk has landed.
@@ -70,6 +74,7 @@ class PrefillRooms:
         self._senders: dict[int, MooncakeKVSender] = {}
         self._pending: dict[int, tuple[float, _Pending]] = {}
         self._last_sweep = time.monotonic()
+        self._peer_locks: dict[str, threading.Lock] = {}  # decode session -> one batched write at a time
         self._rng = random.Random(self.config.fault_seed)
         self._queues: list[queue.Queue] = [queue.Queue() for _ in range(self.config.num_transfer_threads)]
         self._threads = [threading.Thread(target=self._work, args=(q,), name=f"kv-transfer-{i}", daemon=True)
@@ -175,11 +180,14 @@ class PrefillRooms:
 
     def _transfer(self, sender: MooncakeKVSender, src: np.ndarray, dst: np.ndarray, is_last: bool) -> None:
         dest = sender.dest
-        start = time.perf_counter()
-        nbytes = self._write_pages(dest.peer, src, dst)
-        if is_last:
-            nbytes += self._write_metadata(dest, sender.meta_slot)
-        sender.record(nbytes, time.perf_counter() - start)
+        with self._lock:
+            peer_lock = self._peer_locks.setdefault(dest.peer.session_id, threading.Lock())
+        with peer_lock:
+            start = time.perf_counter()
+            nbytes = self._write_pages(dest.peer, src, dst)
+            if is_last:
+                nbytes += self._write_metadata(dest, sender.meta_slot)
+            sender.record(nbytes, time.perf_counter() - start)
         if not is_last:
             return
         if self._rng.random() < self.config.fault_probability:
