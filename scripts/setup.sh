@@ -4,6 +4,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
+# Mooncake's TCP transport links against libibverbs even without RDMA hardware.
+if ! ldconfig -p | grep -q 'libibverbs.so.1'; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "==> installing libibverbs1 (Debian) for the Mooncake transfer engine"
+    apt-get update -qq && apt-get install -y -qq libibverbs1 >/dev/null
+  else
+    echo "warning: libibverbs1 is missing; PD (Mooncake) tests will fail. Install it: sudo apt-get install libibverbs1" >&2
+  fi
+fi
 if [ ! -x .venv/bin/python ]; then
   echo "==> creating .venv"
   "$PYTHON" -m venv .venv

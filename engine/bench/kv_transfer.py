@@ -8,7 +8,7 @@ Per prompt length and repeat, interleaved:
 - ours, contiguous pages: sender.send(all pages, is_last) -> poll() == Success, timed end to end
   (side-channel handshake done beforehand, as in serving: the decode asks before the prefill runs);
 - ours, fragmented: the decode's pages come in shuffled runs of --fragment-run-pages pages.
-Medians are reported; the ratio is ours / raw throughput.
+Cases alternate their order between repeats; medians are reported; ratio = ours / raw throughput.
 """
 from __future__ import annotations
 
@@ -96,10 +96,12 @@ class _Bench:
             pages = np.arange(1, n + 1, dtype=np.int64)
             frag = _fragmented(pages, run_pages, rng)
             times: dict[str, list[float]] = {"raw": [], "contiguous": [], "fragmented": []}
-            for _ in range(repeats):
-                times["raw"].append(self.raw(n))
-                times["contiguous"].append(self.ours(pages, pages))
-                times["fragmented"].append(self.ours(pages, frag))
+            cases = {"raw": lambda: self.raw(n), "contiguous": lambda: self.ours(pages, pages),
+                     "fragmented": lambda: self.ours(pages, frag)}
+            for i in range(repeats):
+                order = list(cases) if i % 2 == 0 else list(reversed(cases))  # no case always goes first
+                for name in order:
+                    times[name].append(cases[name]())
             nbytes = int(sum(self.mgr.args.kv_item_lens)) * n
             gbps = {k: nbytes / statistics.median(v) / 1e9 for k, v in times.items()}
             rows.append({"prompt_tokens": n_tokens, "bytes": nbytes, "gbps": gbps,
