@@ -124,7 +124,7 @@ class ServerArgs:
         a("--disable-metrics", action="store_true")
         a("--disaggregation-mode", default="null", choices=DISAGGREGATION_MODES)
         a("--disaggregation-bootstrap-port", type=int, default=ServerArgs.disaggregation_bootstrap_port)
-        a("--disaggregation-transfer-backend", default="mooncake", choices=("mooncake",))
+        a("--disaggregation-transfer-backend", default="mooncake", choices=("mooncake", "fake"))
         a("--disaggregation-protocol", default="tcp", choices=("tcp", "rdma"))
         a("--disaggregation-ib-device", default=None)
         a("--tp-size", type=int, default=1)

@@ -23,6 +23,8 @@ logger = logging.getLogger(__name__)
 
 # How long an idle scheduler blocks in recv before running periodic work (ms).
 IDLE_POLL_MS = 1000
+# PD: how long a scheduler that only waits on KV transfers blocks in recv (ms), instead of spinning.
+TRANSFER_POLL_MS = 1
 
 
 class SchedulerIO:
@@ -34,9 +36,9 @@ class SchedulerIO:
         self.poller = zmq.Poller()
         self.poller.register(self.recv, zmq.POLLIN)
 
-    def recv_requests(self, block: bool) -> list[Any]:
+    def recv_requests(self, block: bool, timeout_ms: int = IDLE_POLL_MS) -> list[Any]:
         msgs: list[Any] = []
-        if block and not self.poller.poll(IDLE_POLL_MS):
+        if block and not self.poller.poll(timeout_ms):
             return msgs
         while True:
             try:
@@ -52,7 +54,11 @@ class SchedulerIO:
 
 def event_loop(scheduler: Scheduler, io: SchedulerIO) -> None:
     while True:
-        scheduler.process_input_requests(io.recv_requests(block=scheduler.is_idle()))
+        if scheduler.disaggregation_mode != "null" and scheduler.last_batch is None and not scheduler.is_idle():
+            msgs = io.recv_requests(block=True, timeout_ms=TRANSFER_POLL_MS)
+        else:
+            msgs = io.recv_requests(block=scheduler.is_idle())
+        scheduler.process_input_requests(msgs)
         scheduler.run_step()
         io.flush(scheduler)
 

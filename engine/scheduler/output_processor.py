@@ -18,7 +18,10 @@ class SchedulerOutputProcessorMixin:
         ready, self.deferred_release = self.deferred_release, []
         result = launched.wait()
         if launched.mwb.forward_mode.is_extend():
-            self._process_extend(launched, result)
+            if self.disaggregation_mode == "prefill":
+                self.pd.process_extend_result(launched, result)
+            else:
+                self._process_extend(launched, result)
         else:
             self._process_decode(launched, result)
         for req in ready:
@@ -56,6 +59,11 @@ class SchedulerOutputProcessorMixin:
                 self.finish_request(req)
 
     def _append_token(self: "Scheduler", req: Req, i: int, result) -> None:
+        self.record_token(req, i, result)
+        req.check_finished(self.tokenizer)
+
+    def record_token(self: "Scheduler", req: Req, i: int, result) -> None:
+        """Append row i's sampled token (and logprobs) without the finish checks."""
         req.output_ids.append(result.next_token_ids[i])
         self.stats.generated_tokens += 1
         if req.first_token_time is None:
@@ -64,13 +72,14 @@ class SchedulerOutputProcessorMixin:
             req.output_token_logprobs.append((result.next_token_logprobs[i], result.next_token_ids[i]))
             if req.top_logprobs_num > 0:
                 req.output_top_logprobs.append(result.next_top_logprobs[i])
-        req.check_finished(self.tokenizer)
 
     def finish_request(self: "Scheduler", req: Req) -> None:
         """Release a finished request's memory once (deferred in overlap mode)."""
         if getattr(req, "_finish_handled", False):
             return
         req._finish_handled = True
+        if self.disaggregation_mode != "null":
+            self.pd.release_transfer(req)
         if req.req_pool_idx is not None:
             self.release(req)
 

@@ -58,6 +58,14 @@ class Req:
     input_logprobs_sent: bool = False
     first_token_time: Optional[float] = None
     queue_start_time: float = field(default_factory=time.time)
+    # PD disaggregation (disaggregation/prefill.py, decode.py): where the prefill's bootstrap server
+    # is, the pairing key, and this request's KV sender (prefill) or receiver (decode) while it lives.
+    bootstrap_host: Optional[str] = None
+    bootstrap_port: Optional[int] = None
+    bootstrap_room: Optional[int] = None
+    kv_transfer: Any = None
+    kv_meta_slot: Optional[int] = None  # metadata buffer slot of the transfer, while kv_transfer lives
+    kv_pages_sent: int = 0  # prefill: pages handed to the sender so far
 
     def finished(self) -> bool:
         return self.finished_reason is not None

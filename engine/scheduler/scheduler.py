@@ -51,7 +51,9 @@ class LaunchedBatch:
 
 
 class Scheduler(SchedulerOutputProcessorMixin):
-    def __init__(self, server_args: ServerArgs, tokenizer: Any = None) -> None:
+    def __init__(self, server_args: ServerArgs, tokenizer: Any = None, transfer_config: Any = None) -> None:
+        """`transfer_config`: a disaggregation.base.TransferConfig overriding the one derived from the
+        server args (tests: timeouts, fault injection)."""
         from baton.engine.mem_cache import create_prefix_cache
 
         self.server_args = args = server_args
@@ -84,6 +86,8 @@ class Scheduler(SchedulerOutputProcessorMixin):
         self.outbox: list[Any] = []  # messages for the detokenizer, flushed once per iteration
         self.stats = SchedulerStats()
         self.forward_ct = 0
+        self.disaggregation_mode = args.disaggregation_mode
+        self.pd = self._init_disaggregation(transfer_config)
 
     # ------------------------------------------------------------------ setup helpers
     @staticmethod
@@ -93,6 +97,21 @@ class Scheduler(SchedulerOutputProcessorMixin):
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             ids.add(tokenizer.eos_token_id)
         return frozenset(ids)
+
+    def _init_disaggregation(self, transfer_config: Any) -> Any:
+        """PD queues and KV transfer (prefill.py / decode.py); None when colocated."""
+        if self.disaggregation_mode == "prefill":
+            from baton.engine.disaggregation.prefill import PrefillDisaggregation
+            return PrefillDisaggregation(self, transfer_config)
+        if self.disaggregation_mode == "decode":
+            from baton.engine.disaggregation.decode import DecodeDisaggregation
+            return DecodeDisaggregation(self, transfer_config)
+        return None
+
+    def close(self) -> None:
+        """Stop the KV transfer threads (PD); nothing to do when colocated."""
+        if self.pd is not None:
+            self.pd.close()
 
     def _new_batch(self, reqs: list[Req]) -> ScheduleBatch:
         return ScheduleBatch(reqs, self.req_to_token_pool, self.allocator, self.tree_cache, self.server_args.device)
@@ -128,6 +147,10 @@ class Scheduler(SchedulerOutputProcessorMixin):
             max_queued = self.server_args.max_queued_requests
             if max_queued is not None and len(self.waiting_queue) >= max_queued:
                 error = ("the server is overloaded: the waiting queue is full", 503)
+        if error is None and self.disaggregation_mode != "null":
+            error = self.pd.add_request(req, recv)  # joins a PD queue; it reaches waiting_queue later
+            if error is None:
+                return
         if error is not None:
             req.abort(*error)
             self.stream_output([req])
@@ -155,6 +178,8 @@ class Scheduler(SchedulerOutputProcessorMixin):
             if recv.abort_all or req.rid == recv.rid:
                 self.waiting_queue.remove(req)  # queued requests hold no memory
                 req.abort(recv.message, recv.status_code)
+                if self.disaggregation_mode != "null":
+                    self.pd.release_transfer(req)  # and tell the peer engine
                 self.stream_output([req])
         live = list(self.running_batch.reqs) + ([self.chunked_req] if self.chunked_req else [])
         live += [r for launched in self.result_queue for r in launched.reqs]
@@ -163,6 +188,8 @@ class Scheduler(SchedulerOutputProcessorMixin):
         for req in live:  # ends at the next result processing, which also frees its memory
             if recv.abort_all or req.rid == recv.rid:
                 req.abort(recv.message, recv.status_code)
+        if self.disaggregation_mode != "null":
+            self.pd.abort_request(recv)
 
     # ------------------------------------------------------------------ batch selection
     def get_next_batch_to_run(self) -> Optional[ScheduleBatch]:
@@ -173,10 +200,13 @@ class Scheduler(SchedulerOutputProcessorMixin):
                 if self.chunked_req.finished():  # aborted between chunks
                     self.reap_finished([self.chunked_req])
                     self.chunked_req = None
-                else:
+                elif self.disaggregation_mode != "prefill":
+                    # PD prefill skips this: deduplication would free pages whose KV may still be on the
+                    # wire; the whole prompt goes to the cache once its transfer has ended.
                     self.tree_cache.cache_unfinished_req(self.chunked_req)
             last.filter_batch()
-            self.running_batch.merge_batch(last)
+            if self.disaggregation_mode != "prefill":  # prefilled requests wait in the inflight queue
+                self.running_batch.merge_batch(last)
         new_batch = self.get_new_batch_prefill()
         if new_batch is not None:
             return new_batch
@@ -194,6 +224,8 @@ class Scheduler(SchedulerOutputProcessorMixin):
         if self.server_args.enable_priority_scheduling and self.waiting_queue:
             self.preempt_for(self.waiting_queue[0])
         running = len(self.running_batch.reqs)
+        if self.disaggregation_mode != "null":
+            running += self.pd.num_reqs_holding_rows()
         if running >= self.max_running_requests and self.chunked_req is None:
             return None
         adder = PrefillAdder(self.page_size, self.tree_cache, self.allocator, self.running_batch.reqs,
@@ -288,6 +320,8 @@ class Scheduler(SchedulerOutputProcessorMixin):
         plain:    schedule N -> run N -> process N
         overlap:  schedule N+1 -> launch N+1 -> process N (N's CPU work overlaps N+1's forward)
         """
+        if self.disaggregation_mode != "null":
+            self.pd.step()
         batch = self.get_next_batch_to_run()
         if self.overlap is None:
             if batch is not None:
@@ -349,7 +383,7 @@ class Scheduler(SchedulerOutputProcessorMixin):
     # ------------------------------------------------------------------ control requests
     def is_idle(self) -> bool:
         return (not self.waiting_queue and self.running_batch.is_empty() and self.chunked_req is None
-                and not self.result_queue)
+                and not self.result_queue and (self.pd is None or self.pd.is_idle()))
 
     def flush_cache(self) -> FlushCacheOut:
         if not self.is_idle():
@@ -359,7 +393,8 @@ class Scheduler(SchedulerOutputProcessorMixin):
         return FlushCacheOut(True, "")
 
     def get_server_info(self) -> dict[str, Any]:
-        return {
+        pd_info = self.pd.server_info() if self.pd is not None else {}
+        return {**pd_info,
             "max_total_num_tokens": self.max_total_tokens,
             "max_running_requests": self.max_running_requests,
             "context_length": self.context_len,
@@ -384,6 +419,9 @@ class Scheduler(SchedulerOutputProcessorMixin):
         free, cached = self.allocator.available_size(), self.tree_cache.total_size()
         rows_free = self.req_to_token_pool.available_size() == self.req_to_token_pool.size
         ok = free + cached == self.max_total_tokens and rows_free and self.tree_cache.protected_size() == 0
+        if self.pd is not None and not self.pd.check_integrity():
+            logger.error("PD integrity check failed: metadata slots or transfer rooms leaked")
+            ok = False
         if not ok:
             logger.error("memory integrity check failed: free=%d cached=%d total=%d rows_free=%s protected=%d",
                          free, cached, self.max_total_tokens, rows_free, self.tree_cache.protected_size())

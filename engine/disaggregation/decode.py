@@ -1,0 +1,203 @@
+"""The decode engine's side of PD disaggregation (--disaggregation-mode decode).
+
+    arrive -> prealloc queue -> transfer queue -> prebuilt batch -> running_batch (normal decode)
+              (handshake; then   (poll until      (first token from the prefill, no forward:
+               reserve a row +    Success|Failed)  the row already holds the prompt's KV)
+               the prompt's KV
+               slots, send them)
+
+Reserved slots belong to the request but hold no computed KV until Success, so a request that
+ends before that gives them straight back to the allocator, never to the prefix cache. A decode
+request that is retracted later re-prefills locally from its tokens like any other.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from baton.engine.disaggregation.base import KVPoll, MetadataBuffers, TransferConfig, pages_from_slots
+from baton.engine.disaggregation.bootstrap_server import DEFAULT_BOOTSTRAP_PORT
+from baton.engine.disaggregation.prefill import (TRANSFER_FAILED_STATUS, create_kv_manager, missing_bootstrap_error,
+                                                 transfer_config_from)
+from baton.engine.io_struct import AbortReq, TokenizedGenerateReqInput
+from baton.engine.scheduler.schedule_policy import CLIP_MAX_NEW_TOKENS
+
+if TYPE_CHECKING:
+    from baton.engine.scheduler.req import Req
+    from baton.engine.scheduler.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+class DecodeDisaggregation:
+    """Prealloc queue, transfer queue and the prebuilt batch of a decode Scheduler."""
+
+    def __init__(self, scheduler: "Scheduler", config: Optional[TransferConfig] = None) -> None:
+        self.scheduler = s = scheduler
+        self.config = config or transfer_config_from(s.server_args)
+        self.metadata = MetadataBuffers(s.max_running_requests + 1)
+        self.mgr = create_kv_manager(s, "decode", self.config, self.metadata)
+        self.prealloc_queue: list["Req"] = []  # receiver created; nothing reserved yet
+        self.transfer_queue: list["Req"] = []  # row + slots reserved, destination sent
+
+    # ------------------------------------------------------------------ intake
+    def add_request(self, req: "Req", recv: TokenizedGenerateReqInput) -> Optional[tuple[str, int]]:
+        error = missing_bootstrap_error(recv, "decode")
+        if error is not None:
+            return error
+        port = recv.bootstrap_port if recv.bootstrap_port is not None else DEFAULT_BOOTSTRAP_PORT
+        req.bootstrap_host, req.bootstrap_port, req.bootstrap_room = recv.bootstrap_host, port, recv.bootstrap_room
+        req.kv_transfer = self.mgr.create_receiver(f"{recv.bootstrap_host}:{port}", recv.bootstrap_room)
+        self.prealloc_queue.append(req)
+        return None
+
+    # ------------------------------------------------------------------ per loop iteration
+    def step(self) -> None:
+        self._preallocate()
+        self._pop_transferred()
+
+    def _preallocate(self) -> None:
+        """In arrival order: reserve memory for handshaken requests while it lasts (no overtaking, so
+        a long prompt is not starved by short ones)."""
+        keep, blocked = [], False
+        for req in self.prealloc_queue:
+            status = req.kv_transfer.poll()
+            if status == KVPoll.Failed:
+                self._end(req, self._reason(req), TRANSFER_FAILED_STATUS)
+            elif blocked or status < KVPoll.WaitingForInput or not self._reserve(req):
+                blocked |= status >= KVPoll.WaitingForInput
+                keep.append(req)
+            else:
+                slots = self.scheduler.req_to_token_pool.req_to_token[req.req_pool_idx, :len(req.origin_input_ids)]
+                req.kv_transfer.init(pages_from_slots(slots, self.scheduler.page_size), req.kv_meta_slot)
+                self.transfer_queue.append(req)
+        self.prealloc_queue = keep
+
+    def _reserve(self, req: "Req") -> bool:
+        """A request row, a metadata slot and KV slots for the prompt, if the running requests' expected
+        growth still fits afterwards (the same budget PrefillAdder keeps for running decodes)."""
+        s, n = self.scheduler, len(req.origin_input_ids)
+        holders = s.running_batch.reqs + self.transfer_queue
+        if len(holders) + len(s.waiting_queue) >= s.max_running_requests:
+            return False
+        growth = sum(min(r.sampling_params.max_new_tokens - len(r.output_ids), CLIP_MAX_NEW_TOKENS)
+                     for r in holders + [req]) * s.new_token_ratio
+        need = -(-n // s.page_size) * s.page_size
+        room = s.allocator.available_size() + s.tree_cache.evictable_size()
+        if holders and need + growth > room:
+            return False
+        if need > s.allocator.available_size():
+            s.tree_cache.evict(need - s.allocator.available_size())
+        slots = s.allocator.alloc_extend([0], [n], [-1])
+        if slots is None:
+            return False
+        rows, meta_slot = s.req_to_token_pool.alloc(1), self.metadata.alloc()
+        if rows is None or meta_slot is None:
+            s.allocator.free(slots)
+            if rows is not None:
+                s.req_to_token_pool.free(rows[0])
+            if meta_slot is not None:
+                self.metadata.free(meta_slot)
+            return False
+        req.req_pool_idx, req.kv_meta_slot = rows[0], meta_slot
+        s.req_to_token_pool.req_to_token[req.req_pool_idx, :n] = slots
+        req.kv_committed_len = req.kv_allocated_len = n
+        return True
+
+    def _pop_transferred(self) -> None:
+        done, keep = [], []
+        for req in self.transfer_queue:
+            status = req.kv_transfer.poll()
+            if status == KVPoll.Success:
+                done.append(req)
+            elif status == KVPoll.Failed:
+                self._end(req, self._reason(req), TRANSFER_FAILED_STATUS)
+            else:
+                keep.append(req)
+        self.transfer_queue = keep
+        if done:
+            self._merge_prebuilt(done)
+
+    def _merge_prebuilt(self, reqs: list["Req"]) -> None:
+        """The transferred requests join running_batch with their first token, without a forward."""
+        s = self.scheduler
+        no_prefix = s.tree_cache.match_prefix([])
+        for req in reqs:
+            meta = req.kv_transfer.metadata()
+            self.release_transfer(req)
+            req.prefix_indices, req.last_node = no_prefix.device_indices, no_prefix.last_node
+            req.fill_ids = list(req.origin_input_ids)
+            req.output_ids.append(meta.output_token_id)
+            req.sampling_state.on_sampled(meta.output_token_id)
+            if req.return_logprob:
+                req.output_token_logprobs.append((meta.output_logprob, meta.output_token_id))
+                if req.top_logprobs_num > 0:
+                    req.output_top_logprobs.append([])  # the prefill sends only the chosen token's logprob
+            req.first_token_time = req.first_token_time or time.time()
+            req.check_finished(s.tokenizer)
+            s.stats.generated_tokens += 1
+        live = [r for r in reqs if not r.finished()]
+        for req in reqs:
+            if req.finished():
+                s.finish_request(req)  # the prompt's KV is real now: it goes to the prefix cache
+        if live:
+            batch = s._new_batch(live)
+            batch.output_ids = torch.tensor([r.output_ids[-1] for r in live], dtype=torch.int64)
+            s.running_batch.merge_batch(batch)
+        s.stream_output(reqs)
+
+    # ------------------------------------------------------------------ endings
+    def abort_request(self, recv: AbortReq) -> None:
+        for queue in (self.prealloc_queue, self.transfer_queue):
+            for req in [r for r in queue if recv.abort_all or r.rid == recv.rid]:
+                queue.remove(req)
+                self._end(req, recv.message, recv.status_code)
+
+    def _end(self, req: "Req", message: str, status_code: int) -> None:
+        """End a request whose KV never arrived: the prefill is told, reserved memory goes back."""
+        req.abort(message, status_code)
+        self.release_transfer(req)
+        s = self.scheduler
+        if req.req_pool_idx is not None:
+            s.allocator.free(s.req_to_token_pool.req_to_token[req.req_pool_idx, :req.kv_allocated_len])
+            s.req_to_token_pool.free(req.req_pool_idx)
+            req.req_pool_idx, req.kv_committed_len, req.kv_allocated_len = None, 0, 0
+        req._finish_handled = True  # its memory is settled here, not by finish_request
+        s.stream_output([req])
+
+    @staticmethod
+    def _reason(req: "Req") -> str:
+        return f"KV transfer failed: {req.kv_transfer.failure_reason() or 'unknown reason'}"
+
+    def release_transfer(self, req: "Req") -> None:
+        receiver = req.kv_transfer
+        if receiver is None:
+            return
+        if receiver.poll() not in (KVPoll.Success, KVPoll.Failed):
+            message = req.finished_reason.message if req.finished_reason is not None else "request ended"
+            receiver.abort(f"aborted on the decode engine: {message}")
+        receiver.clear()
+        req.kv_transfer = None
+        if req.kv_meta_slot is not None:
+            self.metadata.free(req.kv_meta_slot)
+            req.kv_meta_slot = None
+
+    # ------------------------------------------------------------------ introspection
+    def num_reqs_holding_rows(self) -> int:
+        return len(self.transfer_queue)
+
+    def is_idle(self) -> bool:
+        return not self.prealloc_queue and not self.transfer_queue
+
+    def check_integrity(self) -> bool:
+        return self.metadata.available_size() == self.metadata.size and self.mgr.num_rooms() == 0
+
+    def server_info(self) -> dict:
+        return {"disaggregation_mode": "decode", "num_prealloc_reqs": len(self.prealloc_queue),
+                "num_transfer_reqs": len(self.transfer_queue)}
+
+    def close(self) -> None:
+        self.mgr.close()

@@ -1,0 +1,244 @@
+"""The prefill engine's side of PD disaggregation (--disaggregation-mode prefill).
+
+    arrive -> bootstrap queue -> waiting queue -> extend (chunked or not) -> inflight queue -> done
+              (sender handshake:  (normal prefill     (KV sent per chunk;   (poll until Success |
+               poll >= WaitingFor  scheduling)         the last chunk       Failed, then free the
+               Input)                                  carries token 1)     KV and answer)
+
+The request finishes only after its transfer ended: its first token is sampled here but held back
+until Success, so the response (first token, input logprobs) never claims a transfer that failed.
+On the prefill side a request generates exactly one token (max_new_tokens is set to 1).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from typing import TYPE_CHECKING, Optional
+
+from baton.engine.disaggregation import create_transfer_backend
+from baton.engine.disaggregation.base import (KVArgs, KVManagerBase, KVMetadata, KVPoll, MetadataBuffers,
+                                              TransferConfig, pages_from_slots)
+from baton.engine.io_struct import AbortReq, FinishReason, TokenizedGenerateReqInput
+
+if TYPE_CHECKING:
+    from baton.engine.scheduler.req import Req
+    from baton.engine.scheduler.scheduler import LaunchedBatch, Scheduler
+    from baton.engine.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+TRANSFER_FAILED_STATUS = 500
+
+
+def transfer_config_from(args: "ServerArgs") -> TransferConfig:
+    """Server args plus SGLang's timeout environment variables (same names, so users can move over)."""
+    env = os.environ.get
+    return TransferConfig(
+        host=advertised_host(args.host), protocol=args.disaggregation_protocol,
+        ib_device=args.disaggregation_ib_device,
+        bootstrap_timeout_s=float(env("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT", 300)),
+        waiting_timeout_s=float(env("SGLANG_DISAGGREGATION_WAITING_TIMEOUT", 300)))
+
+
+def advertised_host(bind_host: str) -> str:
+    """The address peers reach this engine at: the bind address unless it is a wildcard."""
+    if bind_host not in ("0.0.0.0", "::", ""):
+        return bind_host
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.255", 1))  # no packet is sent; picks the outgoing interface
+            return s.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
+
+
+def create_kv_manager(scheduler: "Scheduler", mode: str, config: TransferConfig, metadata: MetadataBuffers,
+                      bootstrap_addr: Optional[str] = None) -> KVManagerBase:
+    pool = scheduler.worker.model_runner.token_to_kv_pool
+    return create_transfer_backend(scheduler.server_args.disaggregation_transfer_backend,
+                                   KVArgs.from_pool(pool, metadata), metadata, mode, config, bootstrap_addr)
+
+
+def missing_bootstrap_error(recv: TokenizedGenerateReqInput, mode: str) -> Optional[tuple[str, int]]:
+    if recv.bootstrap_room is None:
+        return (f"this engine runs in {mode} mode (PD disaggregation): the request needs bootstrap_room "
+                "(and bootstrap_host/bootstrap_port), as a PD router adds them", 400)
+    return None
+
+
+class PrefillDisaggregation:
+    """Bootstrap queue, per-chunk KV sending and the inflight queue of a prefill Scheduler."""
+
+    def __init__(self, scheduler: "Scheduler", config: Optional[TransferConfig] = None) -> None:
+        from baton.engine.disaggregation.bootstrap_server import KVBootstrapServer
+
+        self.scheduler = s = scheduler
+        args = s.server_args
+        self.config = config or transfer_config_from(args)
+        self.metadata = MetadataBuffers(2 * s.max_running_requests + 2)
+        self.bootstrap_server = None
+        port = args.disaggregation_bootstrap_port
+        if args.disaggregation_transfer_backend != "fake":  # the fake finds peers in-process
+            self.bootstrap_server = KVBootstrapServer(port=port)
+            port = self.bootstrap_server.port
+        self.bootstrap_port = port
+        self.mgr = create_kv_manager(s, "prefill", self.config, self.metadata, f"{self.config.host}:{port}")
+        self.bootstrap_queue: list["Req"] = []
+        self.inflight_queue: list["Req"] = []
+        self.transferred_bytes = 0
+        self.transfer_seconds = 0.0
+
+    # ------------------------------------------------------------------ intake
+    def add_request(self, req: "Req", recv: TokenizedGenerateReqInput) -> Optional[tuple[str, int]]:
+        """Returns an error (message, status) or None when the request joined the bootstrap queue."""
+        error = missing_bootstrap_error(recv, "prefill")
+        if error is not None:
+            return error
+        req.bootstrap_host, req.bootstrap_port, req.bootstrap_room = (recv.bootstrap_host, recv.bootstrap_port,
+                                                                      recv.bootstrap_room)
+        req.sampling_params.max_new_tokens = 1  # the decode engine generates the rest
+        req.sampling_params.min_new_tokens = min(req.sampling_params.min_new_tokens, 1)
+        req.kv_transfer = self.mgr.create_sender(recv.bootstrap_room)
+        self.bootstrap_queue.append(req)
+        return None
+
+    # ------------------------------------------------------------------ per loop iteration
+    def step(self) -> None:
+        self._pop_bootstrapped()
+        self._fail_waiting()
+        self._pop_transferred()
+
+    def _pop_bootstrapped(self) -> None:
+        """Requests whose decode sent its destination move on to the waiting queue."""
+        ps, keep = self.scheduler.page_size, []
+        for req in self.bootstrap_queue:
+            status = req.kv_transfer.poll()
+            if status == KVPoll.Failed:
+                self._end_failed(req)
+            elif status >= KVPoll.WaitingForInput and (slot := self.metadata.alloc()) is not None:
+                req.kv_meta_slot = slot
+                req.kv_transfer.init(-(-len(req.origin_input_ids) // ps), slot)
+                self.scheduler.waiting_queue.append(req)
+            else:
+                keep.append(req)
+        self.bootstrap_queue = keep
+
+    def _fail_waiting(self) -> None:
+        """The decode may give up (abort, timeout) while the request still waits here for a prefill."""
+        s = self.scheduler
+        failed = [r for r in s.waiting_queue if r.kv_transfer is not None and r.kv_transfer.poll() == KVPoll.Failed]
+        for req in failed:
+            s.waiting_queue.remove(req)
+            self._end_failed(req)
+        chunked = s.chunked_req
+        if chunked is not None and chunked.kv_transfer is not None and chunked.kv_transfer.poll() == KVPoll.Failed:
+            chunked.abort(self._reason(chunked), TRANSFER_FAILED_STATUS)  # reaped between chunks
+
+    def _pop_transferred(self) -> None:
+        s, keep = self.scheduler, []
+        for req in self.inflight_queue:
+            status = req.kv_transfer.poll()
+            if status not in (KVPoll.Success, KVPoll.Failed):
+                keep.append(req)
+                continue
+            stats = req.kv_transfer.stats()
+            self.transferred_bytes += stats.bytes
+            self.transfer_seconds += stats.seconds
+            if status == KVPoll.Failed:
+                req.abort(self._reason(req), TRANSFER_FAILED_STATUS)
+            else:
+                req.check_finished(s.tokenizer)
+                if not req.finished():  # min_new_tokens held back a stop token: still one token here
+                    req.finished_reason = FinishReason("length")
+            s.finish_request(req)  # clears the sender, frees the KV (the radix cache keeps the prompt)
+            s.stream_output([req])
+        self.inflight_queue = keep
+
+    # ------------------------------------------------------------------ results of a prefill forward
+    def process_extend_result(self, launched: "LaunchedBatch", result) -> None:
+        s = self.scheduler
+        for i, req in enumerate(launched.reqs):
+            if i in result.input_logprobs:
+                lps, tops = result.input_logprobs[i]
+                req.input_token_logprobs.extend(lps)
+                req.input_top_logprobs.extend(tops)
+            if req.finished():  # aborted while in flight
+                s.finish_request(req)
+                continue
+            if req.is_chunked > 0:
+                req.is_chunked -= 1
+                self._send(req, launched.mwb.seq_lens_cpu[i] // s.page_size)
+                continue
+            tok = result.next_token_ids[i]
+            logprob = result.next_token_logprobs[i] if result.next_token_logprobs is not None else 0.0
+            s.record_token(req, i, result)
+            self._send(req, -(-len(req.origin_input_ids) // s.page_size), KVMetadata(tok, logprob, req.bootstrap_room))
+            self.inflight_queue.append(req)
+
+    def _send(self, req: "Req", end_page: int, metadata: Optional[KVMetadata] = None) -> None:
+        """Pages [kv_pages_sent, end_page) of the request's row; the last call carries the metadata."""
+        ps = self.scheduler.page_size
+        if end_page <= req.kv_pages_sent and metadata is None:
+            return
+        row = self.scheduler.req_to_token_pool.req_to_token[req.req_pool_idx]
+        slots = row[req.kv_pages_sent * ps:end_page * ps]
+        req.kv_pages_sent = end_page
+        req.kv_transfer.send(pages_from_slots(slots, ps), is_last=metadata is not None, metadata=metadata)
+
+    # ------------------------------------------------------------------ endings
+    def abort_request(self, recv: AbortReq) -> None:
+        """Queued here means no KV yet; inflight requests end at their next poll (the sender fails)."""
+        for req in [r for r in self.bootstrap_queue if recv.abort_all or r.rid == recv.rid]:
+            self.bootstrap_queue.remove(req)
+            req.abort(recv.message, recv.status_code)
+            self.release_transfer(req)
+            self.scheduler.stream_output([req])
+        for req in self.inflight_queue:
+            if recv.abort_all or req.rid == recv.rid:
+                req.abort(recv.message, recv.status_code)
+                req.kv_transfer.abort(f"aborted on the prefill engine: {recv.message}")
+
+    def _end_failed(self, req: "Req") -> None:
+        req.abort(self._reason(req), TRANSFER_FAILED_STATUS)
+        self.release_transfer(req)
+        self.scheduler.stream_output([req])
+
+    @staticmethod
+    def _reason(req: "Req") -> str:
+        return f"KV transfer failed: {req.kv_transfer.failure_reason() or 'unknown reason'}"
+
+    def release_transfer(self, req: "Req") -> None:
+        """Forget the request's sender (telling the decode when it ends early) and its metadata slot."""
+        sender = req.kv_transfer
+        if sender is None:
+            return
+        if sender.poll() not in (KVPoll.Success, KVPoll.Failed):
+            message = req.finished_reason.message if req.finished_reason is not None else "request ended"
+            sender.abort(f"aborted on the prefill engine: {message}")
+        sender.clear()
+        req.kv_transfer = None
+        if req.kv_meta_slot is not None:
+            self.metadata.free(req.kv_meta_slot)
+            req.kv_meta_slot = None
+
+    # ------------------------------------------------------------------ introspection
+    def num_reqs_holding_rows(self) -> int:
+        return len(self.inflight_queue)
+
+    def is_idle(self) -> bool:
+        return not self.bootstrap_queue and not self.inflight_queue
+
+    def check_integrity(self) -> bool:
+        return self.metadata.available_size() == self.metadata.size and self.mgr.num_rooms() == 0
+
+    def server_info(self) -> dict:
+        return {"disaggregation_mode": "prefill", "bootstrap_port": self.bootstrap_port,
+                "num_bootstrap_reqs": len(self.bootstrap_queue), "num_inflight_reqs": len(self.inflight_queue),
+                "kv_transfer_bytes": self.transferred_bytes, "kv_transfer_seconds": self.transfer_seconds}
+
+    def close(self) -> None:
+        self.mgr.close()
+        if self.bootstrap_server is not None:
+            self.bootstrap_server.close()
+

@@ -1,0 +1,261 @@
+"""PD disaggregation through the real schedulers, in one process: a prefill Scheduler and a decode
+Scheduler joined by the in-process fake KV transfer backend, stepped alternately. Greedy tokens
+must equal HF `generate`; failures must end the request on both sides and leave memory whole."""
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any, Optional
+
+import pytest
+from transformers import AutoTokenizer
+
+from baton.engine.disaggregation.base import TransferConfig
+from baton.engine.io_struct import AbortReq, TokenizedGenerateReqInput
+from baton.engine.sampling.sampling_params import SamplingParams
+from baton.engine.scheduler.scheduler import Scheduler
+from baton.engine.server_args import ServerArgs
+from scheduler_harness import SchedulerHarness
+from test_scheduler_vs_hf import MAX_NEW, hf_greedy, workload
+
+_PORTS = itertools.count(41000)  # fake bootstrap ports: only keys of the in-process hub
+
+
+class PDSide(SchedulerHarness):
+    """One engine of the pair: a SchedulerHarness whose Scheduler gets a TransferConfig."""
+
+    def __init__(self, model_path: str, tokenizer: Any, config: TransferConfig, **overrides: Any) -> None:
+        self.tokenizer = tokenizer
+        self.scheduler = Scheduler(ServerArgs(model_path=model_path, disaggregation_transfer_backend="fake",
+                                              **overrides), tokenizer, config)
+        self.results = {}
+
+    def submit_pd(self, rid: str, prompt: list[int], room: Optional[int], port: int, return_logprob: bool = False,
+                  **sampling: Any) -> None:
+        params = SamplingParams(**{"max_new_tokens": MAX_NEW, "temperature": 0.0, **sampling})
+        self.scheduler.process_input_requests([TokenizedGenerateReqInput(
+            rid=rid, input_text=None, input_ids=list(prompt), sampling_params=params, return_logprob=return_logprob,
+            logprob_start_len=0 if return_logprob else -1, bootstrap_host="127.0.0.1", bootstrap_port=port,
+            bootstrap_room=room)])
+        self._collect()
+
+    def abort(self, rid: str) -> None:
+        self.scheduler.process_input_requests([AbortReq(rid=rid, message="client disconnected")])
+        self._collect()
+
+    def settled(self) -> bool:
+        s = self.scheduler
+        return s.is_idle() and s.check_memory_integrity() and s.pd.mgr.num_rooms() == 0
+
+
+class PDPair:
+    """Requests go to both engines, as a PD router sends them; steps alternate prefill, decode."""
+
+    def __init__(self, model_path: str, prefill_config: TransferConfig = TransferConfig(),
+                 decode_config: TransferConfig = TransferConfig(), prefill_args: Optional[dict] = None,
+                 **common: Any) -> None:
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.port = next(_PORTS)
+        self.prefill = PDSide(model_path, tokenizer, prefill_config, disaggregation_mode="prefill",
+                              disaggregation_bootstrap_port=self.port, **{**common, **(prefill_args or {})})
+        self.decode = PDSide(model_path, tokenizer, decode_config, disaggregation_mode="decode", **common)
+        self.rooms = itertools.count(1 << 40)
+
+    def submit(self, rid: str, prompt: list[int], decode_first: bool = False, **kw: Any) -> int:
+        room = next(self.rooms)
+        sides = (self.decode, self.prefill) if decode_first else (self.prefill, self.decode)
+        for side in sides:
+            side.submit_pd(rid, prompt, room, self.port, **kw)
+        return room
+
+    def step(self) -> None:
+        self.prefill.step()
+        self.decode.step()
+
+    def run_until_idle(self, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self.step()
+            if self.prefill.scheduler.is_idle() and self.decode.scheduler.is_idle():
+                return
+        raise AssertionError("the PD pair did not become idle in time")
+
+    def assert_settled(self) -> None:
+        assert self.prefill.settled(), "prefill: memory, metadata slots or transfer rooms leaked"
+        assert self.decode.settled(), "decode: memory, metadata slots or transfer rooms leaked"
+
+    def close(self) -> None:
+        self.prefill.scheduler.close()
+        self.decode.scheduler.close()
+
+
+@pytest.fixture
+def pair_factory():
+    pairs: list[PDPair] = []
+
+    def make(*args: Any, **kw: Any) -> PDPair:
+        pairs.append(PDPair(*args, **kw))
+        return pairs[-1]
+
+    yield make
+    for p in pairs:
+        p.close()
+
+
+def _run(pair: PDPair, prompts: list[list[int]], **sampling: Any) -> None:
+    half = len(prompts) // 2
+    for i, p in enumerate(prompts[:half]):
+        pair.submit(str(i), p, decode_first=i % 2 == 1, **sampling)
+    for _ in range(3):  # later arrivals join while the first ones decode
+        pair.step()
+    for i, p in enumerate(prompts[half:], start=half):
+        pair.submit(str(i), p, decode_first=i % 2 == 1, **sampling)
+    pair.run_until_idle()
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "plain"])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_pd_matches_hf_concurrent_chunked_radix(tiny_model_factory, pair_factory, page_size, overlap):
+    path = tiny_model_factory("llama")
+    pair = pair_factory(path, page_size=page_size, max_total_tokens=4096, enable_overlap_schedule=overlap,
+                        disable_overlap_schedule=not overlap, prefill_args={"chunked_prefill_size": 32})
+    prompts = workload()
+    _run(pair, prompts)
+    for i, p in enumerate(prompts):
+        got = pair.decode.results[str(i)]
+        assert got.ids == hf_greedy(path, p), f"request {i} (len {len(p)}) differs from HF"
+        assert got.finish is not None and got.finish.kind in ("length", "stop")
+        pre = pair.prefill.results[str(i)]
+        assert pre.ids == got.ids[:1] and pre.finish.kind in ("length", "stop"), "the prefill answers token 1"
+    assert pair.prefill.scheduler.stats.cache_hit_rate() > 0, "shared prefixes should hit the prefill's radix cache"
+    assert pair.prefill.scheduler.pd.transferred_bytes > 0
+    pair.assert_settled()
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_pd_decode_retracts_and_reprefills_locally(tiny_model_factory, pair_factory, page_size):
+    """A decode pool too small for every request's 40 tokens: decode retracts PD requests, which then
+    re-prefill on the decode engine from their tokens and still match HF."""
+    path = tiny_model_factory("llama")
+    prompts = workload(seed=1)
+    max_new = 40
+    pool = int(0.6 * (sum(map(len, prompts)) + max_new * len(prompts))) // page_size * page_size
+    pair = pair_factory(path, page_size=page_size, max_total_tokens=pool, chunked_prefill_size=32,
+                        prefill_args={"max_total_tokens": 4096})
+    _run(pair, prompts, max_new_tokens=max_new, ignore_eos=True)
+    assert pair.decode.scheduler.stats.retractions > 0, "the decode pool is meant to be too small"
+    # the transferred prompt KV is real KV: finished requests leave it in the decode's radix cache
+    assert pair.decode.scheduler.tree_cache.total_size() > 0
+    for i, p in enumerate(prompts):
+        assert pair.decode.results[str(i)].ids == hf_greedy(path, p, max_new, ignore_eos=True), f"request {i}"
+    pair.assert_settled()
+
+
+def test_pd_first_token_logprob_travels(tiny_model_factory, pair_factory):
+    path = tiny_model_factory("llama")
+    ref = SchedulerHarness(path, max_total_tokens=2048)
+    prompt = workload()[3]
+    ref.submit("a", prompt, return_logprob=True, logprob_start_len=0, max_new_tokens=6)
+    want = ref.run_until_idle()["a"]
+    pair = pair_factory(path, max_total_tokens=2048, prefill_args={"chunked_prefill_size": 16})
+    pair.submit("a", prompt, return_logprob=True, max_new_tokens=6)
+    pair.run_until_idle()
+    got, pre = pair.decode.results["a"], pair.prefill.results["a"]
+    assert got.ids == want.ids
+    assert [t for _, t in got.output_logprobs] == want.ids
+    for (lp, _), (ref_lp, _) in zip(got.output_logprobs, want.output_logprobs):
+        assert lp == pytest.approx(ref_lp, abs=1e-5)
+    assert [t for _, t in pre.input_logprobs] == prompt, "the prefill returns the input logprobs"
+    assert pre.input_logprobs[0][0] is None
+    for (lp, _), (ref_lp, _) in zip(pre.input_logprobs[1:], want.input_logprobs[1:]):
+        assert lp == pytest.approx(ref_lp, abs=1e-5)
+    pair.assert_settled()
+
+
+def test_pd_injected_transfer_fault_ends_both_sides(tiny_model_factory, pair_factory):
+    path = tiny_model_factory("llama")
+    pair = pair_factory(path, page_size=16, max_total_tokens=2048, prefill_config=TransferConfig(fault_probability=1.0))
+    prompts = workload()[:4]
+    for i, p in enumerate(prompts):
+        pair.submit(str(i), p)
+    pair.run_until_idle()
+    for side in (pair.prefill, pair.decode):
+        for i in range(len(prompts)):
+            finish = side.results[str(i)].finish
+            assert finish.kind == "abort" and finish.status_code == 500 and "injected fault" in finish.message
+    assert pair.decode.results["0"].ids == []
+    pair.assert_settled()
+
+
+@pytest.mark.parametrize("when", ["before_prefill_arrives", "waiting_for_prefill"])
+def test_pd_decode_abort_frees_both_sides(tiny_model_factory, pair_factory, when):
+    """A client disconnect on the decode is propagated to the prefill through the receiver's abort;
+    a request running beside it is unaffected."""
+    path = tiny_model_factory("llama")
+    prompts = workload()
+    pair = pair_factory(path, max_total_tokens=2048, prefill_args={"chunked_prefill_size": 16})
+    pair.submit("other", prompts[4])
+    room = next(pair.rooms)
+    pair.decode.submit_pd("gone", prompts[5], room, pair.port)
+    pair.decode.step()  # handshake, reservation and destination happen on the decode now
+    assert pair.decode.scheduler.pd.transfer_queue, "the decode should wait for the KV by now"
+    if when == "waiting_for_prefill":
+        pair.prefill.submit_pd("gone", prompts[5], room, pair.port)
+        pair.prefill.step()
+    pair.decode.abort("gone")
+    if when == "before_prefill_arrives":
+        pair.prefill.submit_pd("gone", prompts[5], room, pair.port)
+    pair.run_until_idle()
+    assert pair.decode.results["gone"].finish.kind == "abort"
+    prefill_end = pair.prefill.results["gone"].finish
+    assert prefill_end.kind == "abort" and prefill_end.status_code == 500
+    assert "aborted by the decode engine" in prefill_end.message
+    assert pair.decode.results["other"].ids == hf_greedy(path, prompts[4])
+    pair.assert_settled()
+
+
+@pytest.mark.parametrize("queue", ["bootstrap", "waiting"])
+def test_pd_prefill_abort_fails_the_decode(tiny_model_factory, pair_factory, queue):
+    """Told directly once the decode's destination has arrived; before that the prefill cannot reach
+    the decode, which then gives up at its waiting timeout."""
+    path = tiny_model_factory("llama")
+    pair = pair_factory(path, page_size=16, max_total_tokens=2048, decode_config=TransferConfig(waiting_timeout_s=0.5))
+    prompt = workload()[4]
+    pair.submit("gone", prompt, decode_first=True)
+    if queue == "waiting":
+        pair.decode.step()
+        pair.prefill.scheduler.pd.step()  # handshake done: the request moves on to the waiting queue
+        assert pair.prefill.scheduler.waiting_queue
+    pair.prefill.abort("gone")
+    pair.run_until_idle()
+    assert pair.prefill.results["gone"].finish.kind == "abort"
+    decode_end = pair.decode.results["gone"].finish
+    assert decode_end.kind == "abort" and decode_end.status_code == 500
+    expected = "aborted on the prefill engine" if queue == "waiting" else "waiting timeout"
+    assert expected in decode_end.message
+    pair.assert_settled()
+
+
+def test_pd_bootstrap_timeouts(tiny_model_factory, pair_factory):
+    """A prefill whose decode never shows up, and a decode whose prefill is unknown, both give up."""
+    path = tiny_model_factory("llama")
+    fast = TransferConfig(bootstrap_timeout_s=0.3)
+    pair = pair_factory(path, max_total_tokens=2048, prefill_config=fast, decode_config=fast)
+    prompt = workload()[2]
+    pair.prefill.submit_pd("lonely_prefill", prompt, 11, pair.port)
+    pair.decode.submit_pd("lonely_decode", prompt, 12, pair.port + 10_000)  # nobody registered there
+    pair.run_until_idle(timeout_s=30)
+    for side, rid in ((pair.prefill, "lonely_prefill"), (pair.decode, "lonely_decode")):
+        finish = side.results[rid].finish
+        assert finish.kind == "abort" and finish.status_code == 500 and "bootstrap timeout" in finish.message
+    pair.assert_settled()
+
+
+def test_pd_requests_need_bootstrap_room(tiny_model_factory, pair_factory):
+    path = tiny_model_factory("llama")
+    pair = pair_factory(path, max_total_tokens=2048)
+    for side in (pair.prefill, pair.decode):
+        side.submit_pd("no_room", workload()[0], None, pair.port)
+        finish = side.results["no_room"].finish
+        assert finish.status_code == 400 and "bootstrap_room" in finish.message
+    pair.assert_settled()

@@ -1,0 +1,170 @@
+"""PD disaggregation with real processes: a prefill engine and a decode engine (`baton serve`) moving
+KV over real Mooncake TCP on 127.0.0.1. A request goes to both, as a PD router sends it; the decode's
+answer must equal HF's greedy output. Then the published sglang-router runs in front of the pair."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import random
+import sys
+
+import httpx
+import pytest
+
+from baton.engine.bench.launcher import EngineProcess, engine_command, free_port
+from engine_server import STARTUP_TIMEOUT_S, wait_idle_integrity
+from test_scheduler_vs_hf import hf_greedy
+
+MAX_NEW = 10
+BOOTSTRAP_TIMEOUT_S = 15  # handshake deadline of both engines (SGLang's default is 300 s)
+COMMON = ["--disaggregation-transfer-backend", "mooncake", "--disaggregation-protocol", "tcp",
+          "--page-size", "4", "--max-total-tokens", "2048"]
+PROMPTS = [[(7 * i + 3 * j) % 500 + 6 for j in range(5 + 4 * i)] for i in range(8)]
+PROMPTS += [PROMPTS[6][:20] + [11, 12, 13]]  # a radix hit on the prefill
+
+
+@pytest.fixture(scope="module")
+def model_path(tiny_model_factory) -> str:
+    return tiny_model_factory("llama")
+
+
+@pytest.fixture(scope="module")
+def pd_pair(model_path):
+    """(prefill engine, its bootstrap port, decode engine), started side by side, always stopped."""
+    bootstrap_port, prefill_port, decode_port = free_port(), free_port(), free_port()
+    prefill = EngineProcess(engine_command(model_path, prefill_port, [
+        "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(bootstrap_port),
+        "--chunked-prefill-size", "16", *COMMON]), prefill_port)
+    decode = EngineProcess(engine_command(model_path, decode_port, ["--disaggregation-mode", "decode", *COMMON]),
+                           decode_port)
+    with _environ(SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT=str(BOOTSTRAP_TIMEOUT_S)), prefill, decode:
+        prefill.wait_healthy(STARTUP_TIMEOUT_S, "waiting for the prefill engine")
+        decode.wait_healthy(STARTUP_TIMEOUT_S, "waiting for the decode engine")
+        yield prefill, bootstrap_port, decode
+
+
+@contextlib.contextmanager
+def _environ(**values: str):
+    """Set environment variables for the processes started inside (the engines read them at start)."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _body(prompt: list[int], bootstrap_port: int, **extra) -> dict:
+    return {"input_ids": prompt, "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0},
+            "bootstrap_host": "127.0.0.1", "bootstrap_port": bootstrap_port,
+            "bootstrap_room": random.randrange(1 << 63), **extra}
+
+
+async def _post_both(client: httpx.AsyncClient, prefill: str, decode: str, body: dict) -> tuple:
+    return await asyncio.gather(client.post(f"{prefill}/generate", json=body), client.post(f"{decode}/generate", json=body))
+
+
+def _assert_idle_and_whole(*engines: EngineProcess) -> None:
+    for engine in engines:
+        info = wait_idle_integrity(engine.base_url, timeout_s=60)
+        assert info["integrity_ok"] is True, info
+
+
+def test_pd_pair_matches_hf(pd_pair, model_path):
+    prefill, bootstrap_port, decode = pd_pair
+
+    async def run():
+        async with httpx.AsyncClient(timeout=120) as c:
+            return await asyncio.gather(*[_post_both(c, prefill.base_url, decode.base_url, _body(p, bootstrap_port))
+                                          for p in PROMPTS])
+
+    for p, (pre, dec) in zip(PROMPTS, asyncio.run(run())):
+        assert pre.status_code == 200 and dec.status_code == 200, (pre.text, dec.text)
+        want = hf_greedy(model_path, p, MAX_NEW)
+        assert dec.json()["output_ids"] == want
+        assert pre.json()["output_ids"] == want[:1], "the prefill answers with the first token"
+    info = httpx.get(f"{prefill.base_url}/get_server_info", timeout=10).json()
+    assert info["disaggregation_mode"] == "prefill" and info["bootstrap_port"] == bootstrap_port
+    assert info["kv_transfer_bytes"] > 0
+    _assert_idle_and_whole(prefill, decode)
+
+
+def test_pd_streaming_through_decode(pd_pair, model_path):
+    prefill, bootstrap_port, decode = pd_pair
+    prompt = PROMPTS[5]
+    body = _body(prompt, bootstrap_port)
+
+    async def run():
+        async with httpx.AsyncClient(timeout=120) as c:
+            async def stream():
+                chunks = []
+                async with c.stream("POST", f"{decode.base_url}/generate", json={**body, "stream": True}) as r:
+                    assert r.status_code == 200
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: ") and line != "data: [DONE]":
+                            chunks.append(json.loads(line[len("data: "):]))
+                return chunks
+            return await asyncio.gather(c.post(f"{prefill.base_url}/generate", json=body), stream())
+
+    pre, chunks = asyncio.run(run())
+    assert pre.status_code == 200, pre.text
+    assert len(chunks) > 1, "tokens should arrive in several chunks"
+    assert chunks[-1]["output_ids"] == hf_greedy(model_path, prompt, MAX_NEW)
+    _assert_idle_and_whole(prefill, decode)
+
+
+def test_pd_requests_without_bootstrap_room_are_rejected(pd_pair):
+    prefill, _, decode = pd_pair
+    for engine in (prefill, decode):
+        r = httpx.post(f"{engine.base_url}/generate", json={"input_ids": PROMPTS[0]}, timeout=60)
+        assert r.status_code == 400 and "bootstrap_room" in r.json()["error"]["message"]
+
+
+def test_pd_decode_gives_up_on_an_unknown_prefill(pd_pair):
+    """A bootstrap address nobody serves: the decode times out; the client gets a 500 with the reason,
+    and the decode keeps nothing of the request."""
+    _, _, decode = pd_pair
+    body = {**_body(PROMPTS[1], free_port()), "sampling_params": {"max_new_tokens": 2}}
+    r = httpx.post(f"{decode.base_url}/generate", json=body, timeout=BOOTSTRAP_TIMEOUT_S + 60)
+    assert r.status_code == 500 and "bootstrap timeout" in r.json()["error"]["message"], r.text
+    _assert_idle_and_whole(decode)
+
+
+@contextlib.contextmanager
+def sglang_router(prefill: str, bootstrap_port: int, decode: str):
+    port = free_port()
+    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
+           "--prefill", prefill, str(bootstrap_port), "--decode", decode, "--host", "127.0.0.1", "--port", str(port)]
+    router = EngineProcess(cmd, port)
+    with router:
+        router.wait_healthy(120, "waiting for sglang-router")
+        yield router
+
+
+def test_sglang_router_in_front_of_the_pair(pd_pair, model_path):
+    prefill, bootstrap_port, decode = pd_pair
+    with sglang_router(prefill.base_url, bootstrap_port, decode.base_url) as router:
+        async def run():
+            async with httpx.AsyncClient(timeout=120) as c:
+                return await asyncio.gather(*[c.post(f"{router.base_url}/generate", json={
+                    "input_ids": p, "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0}})
+                    for p in PROMPTS[:4]])
+
+        for p, r in zip(PROMPTS, asyncio.run(run())):
+            assert r.status_code == 200, r.text
+            assert r.json()["output_ids"] == hf_greedy(model_path, p, MAX_NEW)
+        # with logprobs the router puts the prefill's input logprobs in front of the decode's
+        r = httpx.post(f"{router.base_url}/generate", timeout=120, json={
+            "input_ids": PROMPTS[3], "return_logprob": True, "logprob_start_len": 0,
+            "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0}})
+        assert r.status_code == 200, r.text
+        meta = r.json()["meta_info"]
+        assert [t for _, t, _ in meta["input_token_logprobs"]] == PROMPTS[3]
+        assert [t for _, t, _ in meta["output_token_logprobs"]] == hf_greedy(model_path, PROMPTS[3], MAX_NEW)
+    _assert_idle_and_whole(prefill, decode)
