@@ -168,3 +168,46 @@ def test_sglang_router_in_front_of_the_pair(pd_pair, model_path):
         assert [t for _, t, _ in meta["input_token_logprobs"]] == PROMPTS[3]
         assert [t for _, t, _ in meta["output_token_logprobs"]] == hf_greedy(model_path, PROMPTS[3], MAX_NEW)
     _assert_idle_and_whole(prefill, decode)
+
+
+@contextlib.contextmanager
+def baton_router(prefill: str, bootstrap_port: int, decode: str):
+    port = free_port()
+    cmd = [sys.executable, "-m", "baton", "router", "--pd-disaggregation", "--prefill", prefill, str(bootstrap_port),
+           "--decode", decode, "--host", "127.0.0.1", "--port", str(port)]
+    router = EngineProcess(cmd, port)
+    with router:
+        router.wait_healthy(120, "waiting for baton router")
+        yield router
+
+
+def test_baton_router_in_front_of_the_pair(pd_pair, model_path):
+    """Our router, PD mode, in front of a real prefill/decode pair over Mooncake: HF's tokens, the
+    prefill's input logprobs merged in front, streaming through the decode, the OpenAI client."""
+    import openai
+
+    prefill, bootstrap_port, decode = pd_pair
+    with baton_router(prefill.base_url, bootstrap_port, decode.base_url) as router:
+        async def run():
+            async with httpx.AsyncClient(timeout=120) as c:
+                return await asyncio.gather(*[c.post(f"{router.base_url}/generate", json={
+                    "input_ids": p, "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0}})
+                    for p in PROMPTS])
+
+        for p, r in zip(PROMPTS, asyncio.run(run())):
+            assert r.status_code == 200, r.text
+            assert r.json()["output_ids"] == hf_greedy(model_path, p, MAX_NEW)
+        r = httpx.post(f"{router.base_url}/generate", timeout=120, json={
+            "input_ids": PROMPTS[3], "return_logprob": True, "logprob_start_len": 0,
+            "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0}})
+        assert r.status_code == 200, r.text
+        meta = r.json()["meta_info"]
+        assert [t for _, t, _ in meta["input_token_logprobs"]] == PROMPTS[3]
+        assert [t for _, t, _ in meta["output_token_logprobs"]] == hf_greedy(model_path, PROMPTS[3], MAX_NEW)
+        client = openai.OpenAI(base_url=f"{router.base_url}/v1", api_key="unused")
+        model = client.models.list().data[0].id
+        kwargs = dict(model=model, prompt=PROMPTS[1], max_tokens=MAX_NEW, temperature=0)
+        whole = client.completions.create(**kwargs)
+        streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kwargs) if c.choices)
+        assert streamed == whole.choices[0].text and whole.usage.completion_tokens == MAX_NEW
+    _assert_idle_and_whole(prefill, decode)
