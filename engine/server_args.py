@@ -73,6 +73,9 @@ class ServerArgs:
         assert self.stream_interval >= 1
         if self.device == "cpu":
             assert self.attention_backend == "torch", "FlashInfer needs --device cuda"
+        if self.tp_size != 1 or self.dp_size != 1:
+            raise ValueError("tensor and data parallelism (--tp-size/--dp-size > 1) are not implemented yet; "
+                             "run one engine per GPU and let the router balance across them")
 
     @property
     def model_name(self) -> str:

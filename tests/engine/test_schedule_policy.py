@@ -223,3 +223,10 @@ def test_overlap_default_depends_on_device():
     assert not ServerArgs(model_path="m", device="cpu").enable_overlap
     assert ServerArgs(model_path="m", device="cpu", enable_overlap_schedule=True).enable_overlap
     assert not ServerArgs(model_path="m", device="cuda", disable_overlap_schedule=True).enable_overlap
+
+
+def test_parallelism_beyond_one_is_refused_clearly():
+    from baton.engine.server_args import ServerArgs
+
+    with pytest.raises(ValueError, match="not implemented"):
+        ServerArgs(model_path="m", tp_size=2)

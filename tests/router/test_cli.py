@@ -41,6 +41,15 @@ def test_reliability_and_discovery_flags():
     assert config.discovery.namespace == "ns" and config.discovery.port == 8000
 
 
+def test_api_key_from_environment(monkeypatch):
+    """The operator passes the key through a Secret-backed env var, never in argv."""
+    monkeypatch.setenv("BATON_API_KEY", "from-env")
+    assert parse("--worker-urls", "http://a:1").api_key == "from-env"
+    assert parse("--worker-urls", "http://a:1", "--api-key", "flag").api_key == "flag"
+    monkeypatch.delenv("BATON_API_KEY")
+    assert parse("--worker-urls", "http://a:1").api_key is None
+
+
 @pytest.mark.parametrize("argv", [
     ["--prefill", "http://p:1"],
     ["--pd-disaggregation", "--worker-urls", "http://a:1"],
