@@ -159,12 +159,7 @@ class PrefillDisaggregation:
     def process_extend_result(self, launched: "LaunchedBatch", result) -> None:
         s = self.scheduler
         for i, req in enumerate(launched.reqs):
-            if i in result.input_logprobs:
-                lps, tops = result.input_logprobs[i]
-                req.input_token_logprobs.extend(lps)
-                req.input_top_logprobs.extend(tops)
-            if req.finished():  # aborted while in flight
-                s.finish_request(req)
+            if not s.extend_result_prologue(req, i, result):
                 continue
             if req.is_chunked > 0:
                 req.is_chunked -= 1

@@ -28,14 +28,21 @@ class SchedulerOutputProcessorMixin:
             self.release_now(req)
         self.stream_output(launched.reqs)
 
+    def extend_result_prologue(self: "Scheduler", req: Req, i: int, result) -> bool:
+        """What every extend result does first: keep the chunk's input logprobs; end a request that
+        was aborted while in flight. Returns False when the request needs nothing more."""
+        if i in result.input_logprobs:
+            lps, tops = result.input_logprobs[i]
+            req.input_token_logprobs.extend(lps)
+            req.input_top_logprobs.extend(tops)
+        if req.finished():
+            self.finish_request(req)
+            return False
+        return True
+
     def _process_extend(self: "Scheduler", launched: "LaunchedBatch", result) -> None:
         for i, req in enumerate(launched.reqs):
-            if i in result.input_logprobs:
-                lps, tops = result.input_logprobs[i]
-                req.input_token_logprobs.extend(lps)
-                req.input_top_logprobs.extend(tops)
-            if req.finished():  # aborted while in flight
-                self.finish_request(req)
+            if not self.extend_result_prologue(req, i, result):
                 continue
             if req.is_chunked > 0:  # an intermediate chunk: its sampled token is meaningless
                 req.is_chunked -= 1

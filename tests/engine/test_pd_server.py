@@ -137,76 +137,56 @@ def test_pd_decode_gives_up_on_an_unknown_prefill(pd_pair):
 
 
 @contextlib.contextmanager
-def sglang_router(prefill: str, bootstrap_port: int, decode: str):
+def pd_router(*cmd: str, prefill: str, bootstrap_port: int, decode: str):
+    """A PD router process (`cmd` up to its flags) in front of the pair, stopped afterwards."""
     port = free_port()
-    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
-           "--prefill", prefill, str(bootstrap_port), "--decode", decode, "--host", "127.0.0.1", "--port", str(port)]
-    router = EngineProcess(cmd, port)
+    argv = [*cmd, "--pd-disaggregation", "--prefill", prefill, str(bootstrap_port), "--decode", decode,
+            "--host", "127.0.0.1", "--port", str(port)]
+    router = EngineProcess(argv, port)
     with router:
-        router.wait_healthy(120, "waiting for sglang-router")
+        router.wait_healthy(120, f"waiting for {cmd[-1]}")
         yield router
+
+
+def assert_router_serves_pair(base_url: str, model_path: str, prompts: list[list[int]]) -> None:
+    """HF's greedy tokens through the router, and with logprobs the prefill's input logprobs merged in
+    front of the decode's output logprobs."""
+    async def run():
+        async with httpx.AsyncClient(timeout=120) as c:
+            return await asyncio.gather(*[c.post(f"{base_url}/generate", json={
+                "input_ids": p, "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0}}) for p in prompts])
+
+    for p, r in zip(prompts, asyncio.run(run())):
+        assert r.status_code == 200, r.text
+        assert r.json()["output_ids"] == hf_greedy(model_path, p, MAX_NEW)
+    r = httpx.post(f"{base_url}/generate", timeout=120, json={
+        "input_ids": PROMPTS[3], "return_logprob": True, "logprob_start_len": 0,
+        "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0}})
+    assert r.status_code == 200, r.text
+    meta = r.json()["meta_info"]
+    assert [t for _, t, _ in meta["input_token_logprobs"]] == PROMPTS[3]
+    assert [t for _, t, _ in meta["output_token_logprobs"]] == hf_greedy(model_path, PROMPTS[3], MAX_NEW)
 
 
 def test_sglang_router_in_front_of_the_pair(pd_pair, model_path):
+    """The published sglang-router works unchanged against a baton prefill/decode pair."""
     prefill, bootstrap_port, decode = pd_pair
-    with sglang_router(prefill.base_url, bootstrap_port, decode.base_url) as router:
-        async def run():
-            async with httpx.AsyncClient(timeout=120) as c:
-                return await asyncio.gather(*[c.post(f"{router.base_url}/generate", json={
-                    "input_ids": p, "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0}})
-                    for p in PROMPTS[:4]])
-
-        for p, r in zip(PROMPTS, asyncio.run(run())):
-            assert r.status_code == 200, r.text
-            assert r.json()["output_ids"] == hf_greedy(model_path, p, MAX_NEW)
-        # with logprobs the router puts the prefill's input logprobs in front of the decode's
-        r = httpx.post(f"{router.base_url}/generate", timeout=120, json={
-            "input_ids": PROMPTS[3], "return_logprob": True, "logprob_start_len": 0,
-            "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0}})
-        assert r.status_code == 200, r.text
-        meta = r.json()["meta_info"]
-        assert [t for _, t, _ in meta["input_token_logprobs"]] == PROMPTS[3]
-        assert [t for _, t, _ in meta["output_token_logprobs"]] == hf_greedy(model_path, PROMPTS[3], MAX_NEW)
+    with pd_router(sys.executable, "-m", "sglang_router.launch_router", prefill=prefill.base_url,
+                   bootstrap_port=bootstrap_port, decode=decode.base_url) as router:
+        assert_router_serves_pair(router.base_url, model_path, PROMPTS[:4])
     _assert_idle_and_whole(prefill, decode)
 
 
-@contextlib.contextmanager
-def baton_router(prefill: str, bootstrap_port: int, decode: str):
-    port = free_port()
-    cmd = [sys.executable, "-m", "baton", "router", "--pd-disaggregation", "--prefill", prefill, str(bootstrap_port),
-           "--decode", decode, "--host", "127.0.0.1", "--port", str(port)]
-    router = EngineProcess(cmd, port)
-    with router:
-        router.wait_healthy(120, "waiting for baton router")
-        yield router
-
-
 def test_baton_router_in_front_of_the_pair(pd_pair, model_path):
-    """Our router, PD mode, in front of a real prefill/decode pair over Mooncake: HF's tokens, the
-    prefill's input logprobs merged in front, streaming through the decode, the OpenAI client."""
+    """Our router, PD mode, in front of the pair over Mooncake; streaming and the OpenAI client too."""
     import openai
 
     prefill, bootstrap_port, decode = pd_pair
-    with baton_router(prefill.base_url, bootstrap_port, decode.base_url) as router:
-        async def run():
-            async with httpx.AsyncClient(timeout=120) as c:
-                return await asyncio.gather(*[c.post(f"{router.base_url}/generate", json={
-                    "input_ids": p, "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0}})
-                    for p in PROMPTS])
-
-        for p, r in zip(PROMPTS, asyncio.run(run())):
-            assert r.status_code == 200, r.text
-            assert r.json()["output_ids"] == hf_greedy(model_path, p, MAX_NEW)
-        r = httpx.post(f"{router.base_url}/generate", timeout=120, json={
-            "input_ids": PROMPTS[3], "return_logprob": True, "logprob_start_len": 0,
-            "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0}})
-        assert r.status_code == 200, r.text
-        meta = r.json()["meta_info"]
-        assert [t for _, t, _ in meta["input_token_logprobs"]] == PROMPTS[3]
-        assert [t for _, t, _ in meta["output_token_logprobs"]] == hf_greedy(model_path, PROMPTS[3], MAX_NEW)
+    with pd_router(sys.executable, "-m", "baton", "router", prefill=prefill.base_url,
+                   bootstrap_port=bootstrap_port, decode=decode.base_url) as router:
+        assert_router_serves_pair(router.base_url, model_path, PROMPTS)
         client = openai.OpenAI(base_url=f"{router.base_url}/v1", api_key="unused")
-        model = client.models.list().data[0].id
-        kwargs = dict(model=model, prompt=PROMPTS[1], max_tokens=MAX_NEW, temperature=0)
+        kwargs = dict(model=client.models.list().data[0].id, prompt=PROMPTS[1], max_tokens=MAX_NEW, temperature=0)
         whole = client.completions.create(**kwargs)
         streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kwargs) if c.choices)
         assert streamed == whole.choices[0].text and whole.usage.completion_tokens == MAX_NEW
