@@ -38,6 +38,19 @@ class EngineMetrics:
         self.retractions = gauge("baton_retracted_requests", "Requests retracted for lack of KV memory since start")
         self.preemptions = gauge("baton_preempted_requests", "Requests preempted by higher-priority ones since start")
         self.gen_throughput = gauge("baton_gen_throughput", "Output tokens per second over the last ~1 s of work")
+        # PD disaggregation (prefill: bootstrap/inflight queues; decode: prealloc/transfer queues)
+        self.pd_queue = Gauge("baton_pd_queue_requests", "Requests in a PD queue", labels + ["queue"], registry=r)
+        self.kv_transfer_latency = hist("baton_kv_transfer_latency_seconds", "KV transfer time per request",
+                                        _LATENCY_BUCKETS).labels(*self._lv)
+        self.kv_transfer_bytes = Histogram("baton_kv_transfer_bytes", "KV bytes moved per request", labels,
+                                           buckets=tuple(2.0 ** k for k in range(16, 36, 2)), registry=r).labels(*self._lv)
+        self.kv_transfer_speed = Histogram("baton_kv_transfer_speed_gb_per_second", "KV transfer speed per request (GB/s)",
+                                           labels, buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64),
+                                           registry=r).labels(*self._lv)
+        self.pd_failures = Counter("baton_pd_failures", "PD requests that failed, by stage (bootstrap, transfer)",
+                                   labels + ["stage"], registry=r)
+        self._seen_seq = 0
+        self._failures_seen = {"bootstrap": 0, "transfer": 0}
 
     def finished(self, reason: str) -> None:
         self.requests.labels(*self._lv, reason).inc()
@@ -56,3 +69,23 @@ class EngineMetrics:
         self.retractions.set(info.get("retractions", 0))
         self.preemptions.set(info.get("preemptions", 0))
         self.gen_throughput.set(info.get("gen_throughput", 0.0))
+        if info.get("disaggregation_mode") in ("prefill", "decode"):
+            self._update_pd(info)
+
+    def _update_pd(self, info: dict[str, Any]) -> None:
+        for queue in ("bootstrap", "inflight", "prealloc", "transfer"):
+            if f"num_{queue}_reqs" in info:
+                self.pd_queue.labels(*self._lv, queue).set(info[f"num_{queue}_reqs"])
+        for seq, nbytes, seconds in info.get("transfer_samples", []):
+            if seq <= self._seen_seq:
+                continue
+            self._seen_seq = seq
+            self.kv_transfer_latency.observe(seconds)
+            self.kv_transfer_bytes.observe(nbytes)
+            if seconds > 0:
+                self.kv_transfer_speed.observe(nbytes / seconds / 1e9)
+        for stage in ("bootstrap", "transfer"):
+            total = info.get(f"{stage}_failures", 0)
+            if total > self._failures_seen[stage]:
+                self.pd_failures.labels(*self._lv, stage).inc(total - self._failures_seen[stage])
+                self._failures_seen[stage] = total

@@ -20,6 +20,7 @@ import torch
 
 from baton.engine.disaggregation.base import KVPoll, MetadataBuffers, TransferConfig, pages_from_slots
 from baton.engine.disaggregation.bootstrap_server import DEFAULT_BOOTSTRAP_PORT
+from baton.engine.disaggregation.stats import PDStats
 from baton.engine.disaggregation.prefill import (TRANSFER_FAILED_STATUS, create_kv_manager, missing_bootstrap_error,
                                                  transfer_config_from)
 from baton.engine.io_struct import AbortReq, TokenizedGenerateReqInput
@@ -42,6 +43,7 @@ class DecodeDisaggregation:
         self.mgr = create_kv_manager(s, "decode", self.config, self.metadata)
         self.prealloc_queue: list["Req"] = []  # receiver created; nothing reserved yet
         self.transfer_queue: list["Req"] = []  # row + slots reserved, destination sent
+        self.stats = PDStats()
 
     # ------------------------------------------------------------------ intake
     def add_request(self, req: "Req", recv: TokenizedGenerateReqInput) -> Optional[tuple[str, int]]:
@@ -66,6 +68,7 @@ class DecodeDisaggregation:
         for req in self.prealloc_queue:
             status = req.kv_transfer.poll()
             if status == KVPoll.Failed:
+                self.stats.bootstrap_failures += 1
                 self._end(req, self._reason(req), TRANSFER_FAILED_STATUS)
             elif blocked or status < KVPoll.WaitingForInput or not self._reserve(req):
                 blocked |= status >= KVPoll.WaitingForInput
@@ -73,6 +76,7 @@ class DecodeDisaggregation:
             else:
                 slots = self.scheduler.req_to_token_pool.req_to_token[req.req_pool_idx, :len(req.origin_input_ids)]
                 req.kv_transfer.init(pages_from_slots(slots, self.scheduler.page_size), req.kv_meta_slot)
+                req.kv_transfer_started = time.monotonic()
                 self.transfer_queue.append(req)
         self.prealloc_queue = keep
 
@@ -113,7 +117,11 @@ class DecodeDisaggregation:
             status = req.kv_transfer.poll()
             if status == KVPoll.Success:
                 done.append(req)
+                pool = self.scheduler.worker.model_runner.token_to_kv_pool
+                nbytes = len(req.origin_input_ids) * pool.bytes_per_token * 2 * pool.layer_num  # K and V
+                self.stats.transfer_done(nbytes, time.monotonic() - req.kv_transfer_started)
             elif status == KVPoll.Failed:
+                self.stats.transfer_failures += 1
                 self._end(req, self._reason(req), TRANSFER_FAILED_STATUS)
             else:
                 keep.append(req)
@@ -197,7 +205,7 @@ class DecodeDisaggregation:
 
     def server_info(self) -> dict:
         return {"disaggregation_mode": "decode", "num_prealloc_reqs": len(self.prealloc_queue),
-                "num_transfer_reqs": len(self.transfer_queue)}
+                "num_transfer_reqs": len(self.transfer_queue), **self.stats.to_info()}
 
     def close(self) -> None:
         self.mgr.close()

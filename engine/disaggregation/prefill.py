@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Optional
 from baton.engine.disaggregation import create_transfer_backend
 from baton.engine.disaggregation.base import (KVArgs, KVManagerBase, KVMetadata, KVPoll, MetadataBuffers,
                                               TransferConfig, pages_from_slots)
+from baton.engine.disaggregation.stats import PDStats
 from baton.engine.io_struct import AbortReq, FinishReason, TokenizedGenerateReqInput
 
 if TYPE_CHECKING:
@@ -88,6 +89,7 @@ class PrefillDisaggregation:
         self.inflight_queue: list["Req"] = []
         self.transferred_bytes = 0
         self.transfer_seconds = 0.0
+        self.stats = PDStats()
 
     # ------------------------------------------------------------------ intake
     def add_request(self, req: "Req", recv: TokenizedGenerateReqInput) -> Optional[tuple[str, int]]:
@@ -146,8 +148,10 @@ class PrefillDisaggregation:
             self.transferred_bytes += stats.bytes
             self.transfer_seconds += stats.seconds
             if status == KVPoll.Failed:
+                self.stats.transfer_failures += 1
                 req.abort(self._reason(req), TRANSFER_FAILED_STATUS)
             else:
+                self.stats.transfer_done(stats.bytes, stats.seconds)
                 req.check_finished(s.tokenizer)
                 if not req.finished():  # min_new_tokens held back a stop token: still one token here
                     req.finished_reason = FinishReason("length")
@@ -195,6 +199,8 @@ class PrefillDisaggregation:
                 req.kv_transfer.abort(f"aborted on the prefill engine: {recv.message}")
 
     def _end_failed(self, req: "Req") -> None:
+        """A request that failed before its KV was sent (no decode peer, or the peer gave up)."""
+        self.stats.bootstrap_failures += 1
         req.abort(self._reason(req), TRANSFER_FAILED_STATUS)
         self.release_transfer(req)
         self.scheduler.stream_output([req])
@@ -230,7 +236,8 @@ class PrefillDisaggregation:
     def server_info(self) -> dict:
         return {"disaggregation_mode": "prefill", "bootstrap_port": self.bootstrap_port,
                 "num_bootstrap_reqs": len(self.bootstrap_queue), "num_inflight_reqs": len(self.inflight_queue),
-                "kv_transfer_bytes": self.transferred_bytes, "kv_transfer_seconds": self.transfer_seconds}
+                "kv_transfer_bytes": self.transferred_bytes, "kv_transfer_seconds": self.transfer_seconds,
+                **self.stats.to_info()}
 
     def close(self) -> None:
         self.mgr.close()

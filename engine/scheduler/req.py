@@ -64,6 +64,7 @@ class Req:
     bootstrap_port: Optional[int] = None
     bootstrap_room: Optional[int] = None
     kv_transfer: Any = None
+    kv_transfer_started: float = 0.0  # decode: when the destination was sent (transfer latency)
     kv_meta_slot: Optional[int] = None  # metadata buffer slot of the transfer, while kv_transfer lives
     kv_pages_sent: int = 0  # prefill: pages handed to the sender so far
 

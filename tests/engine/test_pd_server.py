@@ -191,3 +191,22 @@ def test_baton_router_in_front_of_the_pair(pd_pair, model_path):
         streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kwargs) if c.choices)
         assert streamed == whole.choices[0].text and whole.usage.completion_tokens == MAX_NEW
     _assert_idle_and_whole(prefill, decode)
+
+
+def test_pd_metrics_after_transfers(pd_pair, model_path):
+    """Both engines export their PD queues and the transfers they made, via /metrics."""
+    prefill, bootstrap_port, decode = pd_pair
+
+    async def run():
+        async with httpx.AsyncClient(timeout=120) as c:
+            return await _post_both(c, prefill.base_url, decode.base_url, _body(PROMPTS[2], bootstrap_port))
+
+    assert all(r.status_code == 200 for r in asyncio.run(run()))
+    _assert_idle_and_whole(prefill, decode)
+    for engine, queues in ((prefill, ("bootstrap", "inflight")), (decode, ("prealloc", "transfer"))):
+        text = httpx.get(f"{engine.base_url}/metrics", timeout=30).text
+        for q in queues:
+            assert f'baton_pd_queue_requests{{model_name=' in text and f'queue="{q}"' in text
+        count = [line for line in text.splitlines() if line.startswith("baton_kv_transfer_latency_seconds_count")]
+        assert count and float(count[0].split()[-1]) >= 1, count
+        assert "baton_kv_transfer_bytes_bucket" in text and "baton_kv_transfer_speed_gb_per_second_bucket" in text

@@ -230,3 +230,20 @@ def test_parallelism_beyond_one_is_refused_clearly():
 
     with pytest.raises(ValueError, match="not implemented"):
         ServerArgs(model_path="m", tp_size=2)
+
+
+def test_pd_metrics_observe_each_sample_once():
+    from baton.engine.metrics import EngineMetrics
+
+    m = EngineMetrics("m", "prefill")
+    info = {"disaggregation_mode": "prefill", "num_bootstrap_reqs": 2, "num_inflight_reqs": 1,
+            "bootstrap_failures": 1, "transfer_failures": 0, "transfer_samples": [(1, 1 << 20, 0.01), (2, 1 << 21, 0.02)]}
+    m.update_from_server_info(info)
+    info["transfer_samples"] = [(2, 1 << 21, 0.02), (3, 1 << 22, 0.04)]  # sample 2 seen again: not counted twice
+    info["bootstrap_failures"] = 3
+    m.update_from_server_info(info)
+    value = lambda name, **labels: m.registry.get_sample_value(name, {"model_name": "m", "role": "prefill", **labels})  # noqa: E731
+    assert value("baton_kv_transfer_latency_seconds_count") == 3
+    assert value("baton_kv_transfer_bytes_sum") == (1 << 20) + (1 << 21) + (1 << 22)
+    assert value("baton_pd_failures_total", stage="bootstrap") == 3
+    assert value("baton_pd_queue_requests", queue="bootstrap") == 2
