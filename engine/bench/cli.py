@@ -22,9 +22,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     _add_serving_args(sub.add_parser("serving", help="stream a random-token workload to an OpenAI endpoint"))
     _add_hf_args(sub.add_parser("hf", help="HF transformers generate() on the same workload"))
     _add_compare_args(sub.add_parser("compare", help="engine variants vs HF baselines, one run"))
-    from baton.engine.bench import kv_transfer
+    from baton.engine.bench import kv_transfer, pd_ttft
 
     kv_transfer.add_cli_args(sub.add_parser("kv-transfer", help="our per-request KV transfer vs Mooncake's raw write"))
+    pd_ttft.add_cli_args(sub.add_parser("pd-ttft", help="TTFT through router + prefill + decode vs colocated"))
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -65,10 +66,10 @@ def _add_compare_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    if args.bench_command == "kv-transfer":
-        from baton.engine.bench import kv_transfer
+    if args.bench_command in ("kv-transfer", "pd-ttft"):
+        from baton.engine.bench import kv_transfer, pd_ttft
 
-        return kv_transfer.run_cli(args)
+        return {"kv-transfer": kv_transfer, "pd-ttft": pd_ttft}[args.bench_command].run_cli(args)
     runners = {"serving": _run_serving, "hf": _run_hf, "compare": _run_compare}
     results = runners[args.bench_command](args)
     if args.json_out:

@@ -382,8 +382,12 @@ class Scheduler(SchedulerOutputProcessorMixin):
 
     # ------------------------------------------------------------------ control requests
     def is_idle(self) -> bool:
+        """Nothing to schedule: the loop may block waiting for requests. A prefill batch that just
+        ran still has requests to merge into running_batch (to decode), so it counts as work."""
+        last = self.last_batch
+        pending_merge = last is not None and last.forward_mode.is_extend() and any(not r.finished() for r in last.reqs)
         return (not self.waiting_queue and self.running_batch.is_empty() and self.chunked_req is None
-                and not self.result_queue and (self.pd is None or self.pd.is_idle()))
+                and not self.result_queue and not pending_merge and (self.pd is None or self.pd.is_idle()))
 
     def flush_cache(self) -> FlushCacheOut:
         if not self.is_idle():

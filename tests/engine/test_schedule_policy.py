@@ -247,3 +247,17 @@ def test_pd_metrics_observe_each_sample_once():
     assert value("baton_kv_transfer_bytes_sum") == (1 << 20) + (1 << 21) + (1 << 22)
     assert value("baton_pd_failures_total", stage="bootstrap") == 3
     assert value("baton_pd_queue_requests", queue="bootstrap") == 2
+
+
+def test_not_idle_while_a_prefill_awaits_its_decode(tiny_model_factory):
+    """Regression: after a prefill with an empty running batch the loop must not block in its idle
+    poll (it did, adding ~1 s before every such request's second token)."""
+    from scheduler_harness import SchedulerHarness
+
+    h = SchedulerHarness(tiny_model_factory("llama"), max_total_tokens=2048)
+    h.submit("a", [5, 6, 7, 8], max_new_tokens=4, ignore_eos=True)
+    assert h.step()  # the prefill
+    assert h.scheduler.running_batch.is_empty() and not h.scheduler.is_idle()
+    assert h.step()  # the first decode step runs without waiting
+    h.run_until_idle()
+    assert h.scheduler.is_idle() and len(h.results["a"].ids) == 4
