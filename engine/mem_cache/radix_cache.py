@@ -103,12 +103,11 @@ class RadixCache(BasePrefixCache):
 
     # ---- public API ----
 
-    def match_prefix(self, key: list[int]) -> MatchResult:
-        key = list(key[: len(key) - len(key) % self.page_size])
-        now = next(self._clock)
-        node = self.root
+    def _descend(self, key: list[int], now: int) -> tuple[TreeNode, list[TreeNode]]:
+        """Walk down along `key` (page-aligned), refreshing access times and splitting the last edge
+        so the walk ends exactly at the match. Returns the deepest node and the matched path."""
+        node, path = self.root, []
         node.last_access_time = now
-        values = []
         while key:
             child = node.children.get(self._child_key(key))
             if child is None:
@@ -117,36 +116,30 @@ class RadixCache(BasePrefixCache):
             n = self._match_len(child.key, key)
             if n < len(child.key):
                 child = self._split(child, n)
-            values.append(child.value)
+            path.append(child)
             node = child
             key = key[n:]
-        indices = torch.cat(values) if values else self._empty()
+        return node, path
+
+    def match_prefix(self, key: list[int]) -> MatchResult:
+        key = list(key[: len(key) - len(key) % self.page_size])
+        node, path = self._descend(key, next(self._clock))
+        indices = torch.cat([n.value for n in path]) if path else self._empty()
         return MatchResult(device_indices=indices, last_node=node)
 
     def insert(self, key: list[int], value: torch.Tensor) -> int:
         assert len(key) % self.page_size == 0, f"key length {len(key)} is not page-aligned"
         assert len(key) == value.numel(), "key and value lengths differ"
-        key = list(key)
         now = next(self._clock)
-        node = self.root
-        cached = 0
-        while key:
-            child = node.children.get(self._child_key(key))
-            if child is None:
-                break
-            child.last_access_time = now
-            n = self._match_len(child.key, key)
-            if n < len(child.key):
-                child = self._split(child, n)
-            cached += n
-            node = child
-            key = key[n:]
-        if key:
+        node, path = self._descend(list(key), now)
+        cached = sum(len(n.key) for n in path)
+        rest = list(key[cached:])
+        if rest:
             # clone: value is usually a view of a req_to_token row, which gets reused
-            leaf = TreeNode(next(self._ids), key, value[cached:].clone(), node)
+            leaf = TreeNode(next(self._ids), rest, value[cached:].clone(), node)
             leaf.last_access_time = now
-            node.children[self._child_key(key)] = leaf
-            self.evictable_size_ += len(key)
+            node.children[self._child_key(rest)] = leaf
+            self.evictable_size_ += len(rest)
         return cached
 
     def cache_finished_req(self, req: CacheReq) -> None:
