@@ -43,7 +43,20 @@ def check_destination(room: int, local: KVArgs, remote_geometry: KVGeometry, rem
     return None
 
 
-class CommonKVSender(KVSenderBase):
+class _RoomStatusMixin:
+    """fail()/done over the `_status: RoomStatus` every sender and receiver keeps."""
+
+    _status: RoomStatus
+
+    def fail(self, reason: str) -> bool:
+        return self._status.fail(reason)
+
+    @property
+    def done(self) -> bool:
+        return self._status.done
+
+
+class CommonKVSender(_RoomStatusMixin, KVSenderBase):
     def __init__(self, room: int, config: TransferConfig, metadata: MetadataBuffers) -> None:
         self.room = room
         self.config = config
@@ -68,13 +81,6 @@ class CommonKVSender(KVSenderBase):
 
     def finish(self) -> None:
         self._status.advance(KVPoll.Success)
-
-    def fail(self, reason: str) -> bool:
-        return self._status.fail(reason)
-
-    @property
-    def done(self) -> bool:
-        return self._status.done
 
     @abstractmethod
     def _submit(self, src_pages: np.ndarray, dst_pages: np.ndarray, is_last: bool) -> None:
@@ -137,7 +143,7 @@ class CommonKVSender(KVSenderBase):
             self._notify_abort(reason)
 
 
-class CommonKVReceiver(KVReceiverBase):
+class CommonKVReceiver(_RoomStatusMixin, KVReceiverBase):
     def __init__(self, bootstrap_addr: str, room: int, config: TransferConfig, metadata: MetadataBuffers) -> None:
         self.bootstrap_addr = bootstrap_addr
         self.room = room
@@ -173,13 +179,6 @@ class CommonKVReceiver(KVReceiverBase):
                               f"expected {self.room}")
         else:
             self._status.advance(KVPoll.Success)
-
-    def fail(self, reason: str) -> bool:
-        return self._status.fail(reason)
-
-    @property
-    def done(self) -> bool:
-        return self._status.done
 
     @abstractmethod
     def _send_destination(self) -> None:

@@ -142,7 +142,9 @@ class RadixCache(BasePrefixCache):
             self.evictable_size_ += len(rest)
         return cached
 
-    def cache_finished_req(self, req: CacheReq) -> None:
+    def _insert_committed(self, req: CacheReq) -> tuple[torch.Tensor, int, int]:
+        """Insert the request's computed, page-aligned KV and free the slots the tree already held
+        (duplicates). Returns (the row's slots, len(prefix_indices), the aligned length)."""
         kv = self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.kv_allocated_len]
         num_prefix = len(req.prefix_indices)
         aligned = req.kv_committed_len // self.page_size * self.page_size
@@ -150,19 +152,17 @@ class RadixCache(BasePrefixCache):
         cached = self.insert(req.fill_ids[:aligned], kv[:aligned])
         assert cached >= num_prefix, "the request's locked prefix is no longer in the tree"
         self.allocator.free(kv[num_prefix:cached])
+        return kv, num_prefix, aligned
+
+    def cache_finished_req(self, req: CacheReq) -> None:
+        kv, _, aligned = self._insert_committed(req)
         self.allocator.free(kv[aligned:])
         self.dec_lock_ref(req.last_node)
         self.req_to_token_pool.free(req.req_pool_idx)
 
     def cache_unfinished_req(self, req: CacheReq) -> None:
         row = req.req_pool_idx
-        kv = self.req_to_token_pool.req_to_token[row, : req.kv_allocated_len]
-        num_prefix = len(req.prefix_indices)
-        aligned = req.kv_committed_len // self.page_size * self.page_size
-        assert num_prefix <= aligned, f"prefix {num_prefix} longer than committed page-aligned KV {aligned}"
-        cached = self.insert(req.fill_ids[:aligned], kv[:aligned])
-        assert cached >= num_prefix, "the request's locked prefix is no longer in the tree"
-        self.allocator.free(kv[num_prefix:cached])
+        _, num_prefix, aligned = self._insert_committed(req)
         new_indices, new_node = self.match_prefix(req.fill_ids[:aligned])
         assert len(new_indices) == aligned, f"re-match found {len(new_indices)} of {aligned} tokens"
         self.req_to_token_pool.req_to_token[row, num_prefix:aligned] = new_indices[num_prefix:]
