@@ -61,6 +61,12 @@ class ServerArgs:
     disaggregation_transfer_backend: str = "mooncake"
     disaggregation_protocol: str = "tcp"
     disaggregation_ib_device: Optional[str] = None
+    # None: SGLang's environment variable of the same name, else its default (see transfer_config_from)
+    disaggregation_bootstrap_timeout: Optional[float] = None
+    disaggregation_waiting_timeout: Optional[float] = None
+    disaggregation_heartbeat_interval: Optional[float] = None
+    disaggregation_heartbeat_max_failures: Optional[int] = None
+    disaggregation_fault_probability: float = 0.0  # tests: fail this fraction of KV transfers
     tp_size: int = 1
     dp_size: int = 1
 
@@ -71,6 +77,7 @@ class ServerArgs:
         assert self.disaggregation_mode in DISAGGREGATION_MODES
         assert self.chunked_prefill_size == -1 or self.chunked_prefill_size >= self.page_size
         assert self.stream_interval >= 1
+        assert 0.0 <= self.disaggregation_fault_probability <= 1.0, "--disaggregation-fault-probability in [0, 1]"
         if self.device == "cpu":
             assert self.attention_backend == "torch", "FlashInfer needs --device cuda"
         if self.tp_size != 1 or self.dp_size != 1:
@@ -130,6 +137,18 @@ class ServerArgs:
         a("--disaggregation-transfer-backend", default="mooncake", choices=("mooncake", "fake"))
         a("--disaggregation-protocol", default="tcp", choices=("tcp", "rdma"))
         a("--disaggregation-ib-device", default=None)
+        a("--disaggregation-bootstrap-timeout", type=float, default=None,
+          help="seconds for the prefill/decode handshake (default: $SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT or 300)")
+        a("--disaggregation-waiting-timeout", type=float, default=None,
+          help="decode: seconds from sending the destination to the KV's arrival "
+               "(default: $SGLANG_DISAGGREGATION_WAITING_TIMEOUT or 300)")
+        a("--disaggregation-heartbeat-interval", type=float, default=None,
+          help="decode: seconds between prefill health checks (default: $SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL or 5)")
+        a("--disaggregation-heartbeat-max-failures", type=int, default=None,
+          help="decode: failed health checks before a prefill's requests fail "
+               "(default: $SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE or 2)")
+        a("--disaggregation-fault-probability", type=float, default=0.0,
+          help="testing only: report this fraction of KV transfers as failed")
         a("--tp-size", type=int, default=1)
         a("--dp-size", type=int, default=1)
 

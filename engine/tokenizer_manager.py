@@ -81,9 +81,9 @@ class _ReqState:
 
 class TokenizerManager:
     def __init__(self, tokenizer: Any, scheduler_addr: str, detokenizer_out_addr: str, metrics: EngineMetrics,
-                 vocab_size: int, context_len: int) -> None:
+                 vocab_size: int, context_len: int, dp_size: int = 1) -> None:
         self.tokenizer, self.metrics = tokenizer, metrics
-        self.vocab_size, self.context_len = vocab_size, context_len
+        self.vocab_size, self.context_len, self.dp_size = vocab_size, context_len, dp_size
         self._scheduler_addr, self._detok_addr = scheduler_addr, detokenizer_out_addr
         self.states: dict[str, _ReqState] = {}
         self._control_waiters: dict[type, list[asyncio.Future]] = {}
@@ -120,6 +120,9 @@ class TokenizerManager:
         if len(ids) >= self.context_len:
             raise RequestError(f"the prompt has {len(ids)} tokens; this model's context length is {self.context_len}", 400)
         obj.sampling_params.verify(self.vocab_size)
+        if obj.data_parallel_rank is not None and not 0 <= obj.data_parallel_rank < self.dp_size:
+            raise RequestError(f"data_parallel_rank {obj.data_parallel_rank} is out of range: this engine has "
+                               f"{self.dp_size} data-parallel rank(s)", 400)
         return TokenizedGenerateReqInput(
             rid=obj.rid, input_text=obj.text, input_ids=list(ids), sampling_params=obj.sampling_params,
             stream=obj.stream, return_logprob=obj.return_logprob, logprob_start_len=obj.logprob_start_len,

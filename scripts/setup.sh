@@ -4,13 +4,19 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
-# Mooncake's TCP transport links against libibverbs even without RDMA hardware.
-if ! ldconfig -p | grep -q 'libibverbs.so.1'; then
+# Debian packages: Mooncake's TCP transport links against libibverbs even without RDMA hardware;
+# the observability e2e test runs Debian's prometheus against a local PD stack.
+need=()
+ldconfig -p | grep -q 'libibverbs.so.1' || need+=(libibverbs1)
+command -v prometheus >/dev/null || need+=(prometheus)
+if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    echo "==> installing libibverbs1 (Debian) for the Mooncake transfer engine"
-    apt-get update -qq && apt-get install -y -qq libibverbs1 >/dev/null
+    echo "==> installing ${need[*]} (Debian)"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+    # the package starts a system prometheus on :9090; the tests run their own
+    if command -v systemctl >/dev/null; then systemctl disable --now prometheus >/dev/null 2>&1 || true; fi
   else
-    echo "warning: libibverbs1 is missing; PD (Mooncake) tests will fail. Install it: sudo apt-get install libibverbs1" >&2
+    echo "warning: missing Debian packages: ${need[*]}; PD and observability tests will fail. Install them: sudo apt-get install ${need[*]}" >&2
   fi
 fi
 if [ ! -x .venv/bin/python ]; then

@@ -107,6 +107,13 @@ class EngineProcess:
         if self.log_path and os.path.exists(self.log_path):
             os.remove(self.log_path)
 
+    def kill(self) -> None:
+        """Crash the server: SIGKILL its whole process group, no shutdown path runs. start() again to restart."""
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            _signal_group(proc.pid, signal.SIGKILL)
+            _wait_group_gone(proc, STOP_GRACE_S)
+
     @property
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None

@@ -111,6 +111,9 @@ class TransferConfig:
     heartbeat_max_failures: int = 2
     fault_probability: float = 0.0  # tests: report this fraction of transfers as failed
     fault_seed: Optional[int] = None
+    # decode: pages of a request given up on mid-transfer stay out of use this long, since a write
+    # the prefill already issued may still land in them
+    abort_grace_s: float = 10.0
     max_batch_entries: int = 512  # runs per batched write; below Mooncake TCP's per-peer queue (1024)
     num_transfer_threads: int = 2
 
@@ -288,7 +291,8 @@ class KVReceiverBase(ABC):
 
     Contract for the caller:
     - poll() reaches WaitingForInput once the prefill rank is known and registered with;
-    - init(page_indices, meta_slot) once with the pages reserved for the prompt (token order);
+    - init(page_indices, meta_slot, prefix_pages) once with the pages reserved for the prompt (token
+      order), after the first `prefix_pages` pages the decode already holds (its prefix cache);
     - on Success the pages hold the prompt's KV and metadata() the first token; on Failed,
       failure_reason() says why (timeout, prefill gone, geometry mismatch, corruption ...);
     - destination pages stay allocated until poll() is final; then clear().
@@ -298,7 +302,7 @@ class KVReceiverBase(ABC):
     bootstrap_addr: str
 
     @abstractmethod
-    def init(self, page_indices: PageList, meta_slot: int) -> None: ...
+    def init(self, page_indices: PageList, meta_slot: int, prefix_pages: int = 0) -> None: ...
 
     @abstractmethod
     def poll(self) -> KVPoll: ...
@@ -326,6 +330,9 @@ class KVManagerBase(ABC):
 
     args: KVArgs
     mode: DisaggregationMode
+    # decode: how long destination pages of an abandoned transfer must stay untouched (0: writes
+    # are synchronous, nothing can be in flight)
+    abort_grace_s: float = 0.0
 
     @abstractmethod
     def create_sender(self, room: int) -> KVSenderBase: ...

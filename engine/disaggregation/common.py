@@ -25,8 +25,9 @@ class Destination:
     """Where the decode wants one request's KV, as received by the prefill."""
 
     peer: Any  # backend handle of the decode engine (session, registered pointers)
-    pages: np.ndarray  # [num_pages] decode page indices, token order
+    pages: np.ndarray  # [num_pages - prefix_pages] decode page indices, token order
     meta_slot: int
+    prefix_pages: int = 0  # leading prompt pages the decode already holds: not sent
 
 
 def check_destination(room: int, local: KVArgs, remote_geometry: KVGeometry, remote_kv_len: int,
@@ -66,7 +67,7 @@ class CommonKVSender(_RoomStatusMixin, KVSenderBase):
         self.dest: Optional[Destination] = None  # filled by attach() when the decode's message arrives
         self.num_pages: Optional[int] = None
         self.meta_slot: Optional[int] = None
-        self._sent = 0  # pages handed to send() so far
+        self._sent = 0  # prompt pages handed to send() so far (prefix pages the decode holds included)
         self._bytes, self._seconds = 0, 0.0
 
     # ---- backend side ----
@@ -108,21 +109,25 @@ class CommonKVSender(_RoomStatusMixin, KVSenderBase):
         if reason is not None:
             self.abort(reason)
             return
-        dst = self.dest.pages[self._sent:self._sent + len(pages)]
-        self._sent += len(pages)
+        skip = self.dest.prefix_pages
+        start, self._sent = self._sent, self._sent + len(pages)
+        first = max(start, skip)  # pages before `skip` are already in the decode's prefix cache
+        src, dst = pages[first - start:], self.dest.pages[first - skip:self._sent - skip]
         if is_last:
             self._metadata.set(self.meta_slot, metadata)
+        elif len(src) == 0:
+            return
         self._status.advance(KVPoll.Transferring)
-        self._submit(pages, dst, is_last)
+        self._submit(src, dst, is_last)
 
     def _check_chunk(self, n: int, is_last: bool) -> Optional[str]:
-        reserved = len(self.dest.pages)
-        if self.num_pages != reserved:
+        total = self.dest.prefix_pages + len(self.dest.pages)
+        if self.num_pages != total:
             return (f"room {self.room}: page count mismatch, prefill has {self.num_pages} pages, "
-                    f"decode reserved {reserved}")
+                    f"decode holds {self.dest.prefix_pages} and reserved {len(self.dest.pages)}")
         end = self._sent + n
-        if end > reserved or (is_last and end != reserved):
-            return f"room {self.room}: chunk ends at page {end} of {reserved} (is_last={is_last})"
+        if end > total or (is_last and end != total):
+            return f"room {self.room}: chunk ends at page {end} of {total} (is_last={is_last})"
         return None
 
     def poll(self) -> KVPoll:
@@ -155,6 +160,7 @@ class CommonKVReceiver(_RoomStatusMixin, KVReceiverBase):
         self.peer: Any = None  # backend handle of the prefill rank, filled by attach()
         self.pages: Optional[np.ndarray] = None
         self.meta_slot: Optional[int] = None
+        self.prefix_pages = 0
         self._init_time: Optional[float] = None
         self._dest_sent = False
 
@@ -195,11 +201,11 @@ class CommonKVReceiver(_RoomStatusMixin, KVReceiverBase):
 
     # ---- scheduler side ----
 
-    def init(self, page_indices: PageList, meta_slot: int) -> None:
-        assert 0 <= meta_slot < self._metadata.size
+    def init(self, page_indices: PageList, meta_slot: int, prefix_pages: int = 0) -> None:
+        assert 0 <= meta_slot < self._metadata.size and prefix_pages >= 0
         with self._lock:
             assert self.pages is None, f"init() twice for room {self.room}"
-            self.pages, self.meta_slot = as_pages(page_indices), meta_slot
+            self.pages, self.meta_slot, self.prefix_pages = as_pages(page_indices), meta_slot, prefix_pages
             self._init_time = time.monotonic()
             send_now = self.peer is not None and not self._dest_sent
             self._dest_sent |= send_now

@@ -6,9 +6,14 @@
                the prompt's KV
                slots, send them)
 
+The prompt's longest cached prefix (this engine's radix cache, filled by earlier requests) is
+matched and locked first; only the pages after it are reserved and written by the prefill.
+
 Reserved slots belong to the request but hold no computed KV until Success, so a request that
-ends before that gives them straight back to the allocator, never to the prefix cache. A decode
-request that is retracted later re-prefills locally from its tokens like any other.
+ends before that never gives them to the prefix cache. If its destination was already sent, a
+write the prefill issued may still land in them: they sit in quarantine for the backend's
+`abort_grace_s` before going back to the allocator. A decode request that is retracted later
+re-prefills locally from its tokens like any other.
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ import torch
 
 from baton.engine.disaggregation.base import KVPoll, MetadataBuffers, TransferConfig, pages_from_slots
 from baton.engine.disaggregation.bootstrap_server import DEFAULT_BOOTSTRAP_PORT
+from baton.engine.disaggregation.no_peer import NoPeerReceiver, is_no_peer
 from baton.engine.disaggregation.stats import PDStats
 from baton.engine.disaggregation.prefill import (TRANSFER_FAILED_STATUS, create_kv_manager, missing_bootstrap_error,
                                                  transfer_config_from)
@@ -43,6 +49,7 @@ class DecodeDisaggregation:
         self.mgr = create_kv_manager(s, "decode", self.config, self.metadata)
         self.prealloc_queue: list["Req"] = []  # receiver created; nothing reserved yet
         self.transfer_queue: list["Req"] = []  # row + slots reserved, destination sent
+        self.quarantine: list[tuple[float, torch.Tensor]] = []  # (release time, slots) of abandoned transfers
         self.stats = PDStats()
 
     # ------------------------------------------------------------------ intake
@@ -52,12 +59,14 @@ class DecodeDisaggregation:
             return error
         port = recv.bootstrap_port if recv.bootstrap_port is not None else DEFAULT_BOOTSTRAP_PORT
         req.bootstrap_host, req.bootstrap_port, req.bootstrap_room = recv.bootstrap_host, port, recv.bootstrap_room
-        req.kv_transfer = self.mgr.create_receiver(f"{recv.bootstrap_host}:{port}", recv.bootstrap_room)
+        req.kv_transfer = (NoPeerReceiver(recv.bootstrap_room) if is_no_peer(recv.bootstrap_host)
+                           else self.mgr.create_receiver(f"{recv.bootstrap_host}:{port}", recv.bootstrap_room))
         self.prealloc_queue.append(req)
         return None
 
     # ------------------------------------------------------------------ per loop iteration
     def step(self) -> None:
+        self._release_quarantine()
         self._preallocate()
         self._pop_transferred()
 
@@ -74,42 +83,47 @@ class DecodeDisaggregation:
                 blocked |= status >= KVPoll.WaitingForInput
                 keep.append(req)
             else:
-                slots = self.scheduler.req_to_token_pool.req_to_token[req.req_pool_idx, :len(req.origin_input_ids)]
-                req.kv_transfer.init(pages_from_slots(slots, self.scheduler.page_size), req.kv_meta_slot)
+                s, prefix = self.scheduler, len(req.prefix_indices)
+                slots = s.req_to_token_pool.req_to_token[req.req_pool_idx, prefix:len(req.origin_input_ids)]
+                req.kv_transfer.init(pages_from_slots(slots, s.page_size), req.kv_meta_slot, prefix // s.page_size)
                 req.kv_transfer_started = time.monotonic()
                 self.transfer_queue.append(req)
         self.prealloc_queue = keep
 
     def _reserve(self, req: "Req") -> bool:
-        """A request row, a metadata slot and KV slots for the prompt, if the running requests' expected
-        growth still fits afterwards (the same budget PrefillAdder keeps for running decodes)."""
+        """A request row, a metadata slot and KV slots for the prompt after its cached prefix, if the
+        running requests' expected growth still fits afterwards (the budget PrefillAdder keeps)."""
         s, n = self.scheduler, len(req.origin_input_ids)
         holders = s.running_batch.reqs + self.transfer_queue
         if len(holders) + len(s.waiting_queue) >= s.max_running_requests:
             return False
-        growth = sum(min(r.sampling_params.max_new_tokens - len(r.output_ids), CLIP_MAX_NEW_TOKENS)
-                     for r in holders + [req]) * s.new_token_ratio
-        need = -(-n // s.page_size) * s.page_size
-        room = s.allocator.available_size() + s.tree_cache.evictable_size()
-        if holders and need + growth > room:
-            return False
-        if need > s.allocator.available_size():
-            s.tree_cache.evict(need - s.allocator.available_size())
-        slots = s.allocator.alloc_extend([0], [n], [-1])
-        if slots is None:
-            return False
-        rows, meta_slot = s.req_to_token_pool.alloc(1), self.metadata.alloc()
+        match = s.tree_cache.match_prefix(req.origin_input_ids[:n - 1])  # the prefill sends >= 1 page
+        s.tree_cache.inc_lock_ref(match.last_node)  # before evicting: our own prefix must stay
+        slots = self._alloc_suffix(req, match.device_indices, holders)
+        rows, meta_slot = (s.req_to_token_pool.alloc(1), self.metadata.alloc()) if slots is not None else (None, None)
         if rows is None or meta_slot is None:
-            s.allocator.free(slots)
-            if rows is not None:
-                s.req_to_token_pool.free(rows[0])
-            if meta_slot is not None:
-                self.metadata.free(meta_slot)
+            s.tree_cache.dec_lock_ref(match.last_node)
+            for release, item in ((s.allocator.free, slots), (s.req_to_token_pool.free, rows and rows[0]),
+                                  (self.metadata.free, meta_slot)):
+                if item is not None:
+                    release(item)
             return False
+        req.prefix_indices, req.last_node, req.cached_tokens = match.device_indices, match.last_node, len(match.device_indices)
         req.req_pool_idx, req.kv_meta_slot = rows[0], meta_slot
-        s.req_to_token_pool.req_to_token[req.req_pool_idx, :n] = slots
+        s.req_to_token_pool.req_to_token[req.req_pool_idx, :n] = torch.cat([match.device_indices, slots])
         req.kv_committed_len = req.kv_allocated_len = n
         return True
+
+    def _alloc_suffix(self, req: "Req", prefix_indices: torch.Tensor, holders: list["Req"]) -> Optional[torch.Tensor]:
+        s, n, prefix = self.scheduler, len(req.origin_input_ids), len(prefix_indices)
+        growth = sum(min(r.sampling_params.max_new_tokens - len(r.output_ids), CLIP_MAX_NEW_TOKENS)
+                     for r in holders + [req]) * s.new_token_ratio
+        need = -(-(n - prefix) // s.page_size) * s.page_size
+        if holders and need + growth > s.allocator.available_size() + s.tree_cache.evictable_size():
+            return None
+        if need > s.allocator.available_size():
+            s.tree_cache.evict(need - s.allocator.available_size())
+        return s.allocator.alloc_extend([prefix], [n], [int(prefix_indices[-1]) if prefix else -1])
 
     def _pop_transferred(self) -> None:
         done, keep = [], []
@@ -117,6 +131,8 @@ class DecodeDisaggregation:
             status = req.kv_transfer.poll()
             if status == KVPoll.Success:
                 done.append(req)
+                if is_no_peer(req.bootstrap_host):
+                    continue  # nothing moved: keep it out of the transfer statistics
                 pool = self.scheduler.worker.model_runner.token_to_kv_pool
                 nbytes = len(req.origin_input_ids) * pool.bytes_per_token * 2 * pool.layer_num  # K and V
                 self.stats.transfer_done(nbytes, time.monotonic() - req.kv_transfer_started)
@@ -132,11 +148,9 @@ class DecodeDisaggregation:
     def _merge_prebuilt(self, reqs: list["Req"]) -> None:
         """The transferred requests join running_batch with their first token, without a forward."""
         s = self.scheduler
-        no_prefix = s.tree_cache.match_prefix([])
         for req in reqs:
             meta = req.kv_transfer.metadata()
             self.release_transfer(req)
-            req.prefix_indices, req.last_node = no_prefix.device_indices, no_prefix.last_node
             req.fill_ids = list(req.origin_input_ids)
             req.output_ids.append(meta.output_token_id)
             req.sampling_state.on_sampled(meta.output_token_id)
@@ -167,10 +181,16 @@ class DecodeDisaggregation:
     def _end(self, req: "Req", message: str, status_code: int) -> None:
         """End a request whose KV never arrived: the prefill is told, reserved memory goes back."""
         req.abort(message, status_code)
+        destination_sent = req.kv_transfer is not None and req.kv_transfer_started > 0.0
         self.release_transfer(req)
         s = self.scheduler
         if req.req_pool_idx is not None:
-            s.allocator.free(s.req_to_token_pool.req_to_token[req.req_pool_idx, :req.kv_allocated_len])
+            own = s.req_to_token_pool.req_to_token[req.req_pool_idx, len(req.prefix_indices):req.kv_allocated_len]
+            if destination_sent and self.mgr.abort_grace_s > 0:
+                self.quarantine.append((time.monotonic() + self.mgr.abort_grace_s, own.clone()))
+            else:
+                s.allocator.free(own)
+            s.tree_cache.dec_lock_ref(req.last_node)
             s.req_to_token_pool.free(req.req_pool_idx)
             req.req_pool_idx, req.kv_committed_len, req.kv_allocated_len = None, 0, 0
         req._finish_handled = True  # its memory is settled here, not by finish_request
@@ -193,12 +213,18 @@ class DecodeDisaggregation:
             self.metadata.free(req.kv_meta_slot)
             req.kv_meta_slot = None
 
+    def _release_quarantine(self) -> None:
+        now = time.monotonic()
+        while self.quarantine and self.quarantine[0][0] <= now:
+            self.scheduler.allocator.free(self.quarantine.pop(0)[1])
+
     # ------------------------------------------------------------------ introspection
     def num_reqs_holding_rows(self) -> int:
         return len(self.transfer_queue)
 
     def is_idle(self) -> bool:
-        return not self.prealloc_queue and not self.transfer_queue
+        """Quarantined pages count as work: the loop must keep ticking to give them back."""
+        return not self.prealloc_queue and not self.transfer_queue and not self.quarantine
 
     def check_integrity(self) -> bool:
         return self.metadata.available_size() == self.metadata.size and self.mgr.num_rooms() == 0

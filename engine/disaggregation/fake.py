@@ -91,7 +91,7 @@ class FakeKVReceiver(CommonKVReceiver):
         return super().poll()
 
     def _send_destination(self) -> None:
-        self.peer.on_room(self.room, self._mgr, self.pages, self.meta_slot)
+        self.peer.on_room(self.room, self._mgr, self.pages, self.meta_slot, self.prefix_pages)
 
     def _notify_abort(self, reason: str) -> None:
         self.peer.on_abort(self.room, reason)
@@ -151,12 +151,13 @@ class FakeKVManager(KVManagerBase):
 
     # ---- called by the peer manager ----
 
-    def on_room(self, room: int, decode: "FakeKVManager", pages: np.ndarray, meta_slot: int) -> None:
+    def on_room(self, room: int, decode: "FakeKVManager", pages: np.ndarray, meta_slot: int,
+                prefix_pages: int = 0) -> None:
         reason = check_destination(room, self.args, decode.args.geometry, decode.args.kv_data_lens[0],
                                    decode.args.aux_data_lens[0], pages, meta_slot)
         if reason is not None:
             decode.on_status(room, KVPoll.Failed, reason)
-        self._deliver(room, reason or Destination(decode, pages, meta_slot))
+        self._deliver(room, reason or Destination(decode, pages, meta_slot, prefix_pages))
 
     def on_abort(self, room: int, reason: str) -> None:
         self._deliver(room, f"aborted by the decode engine: {reason}")

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Optional
 from baton.engine.disaggregation import create_transfer_backend
 from baton.engine.disaggregation.base import (KVArgs, KVManagerBase, KVMetadata, KVPoll, MetadataBuffers,
                                               TransferConfig, pages_from_slots)
+from baton.engine.disaggregation.no_peer import NoPeerSender, is_no_peer
 from baton.engine.disaggregation.stats import PDStats
 from baton.engine.io_struct import AbortReq, FinishReason, TokenizedGenerateReqInput
 
@@ -33,13 +34,20 @@ TRANSFER_FAILED_STATUS = 500
 
 
 def transfer_config_from(args: "ServerArgs") -> TransferConfig:
-    """Server args plus SGLang's timeout environment variables (same names, so users can move over)."""
-    env = os.environ.get
+    """Server args; where a flag is unset, SGLang's environment variable of the same meaning (so
+    users can move over), else SGLang's default."""
+    def pick(flag, env_name: str, default: float) -> float:
+        return flag if flag is not None else float(os.environ.get(env_name, default))
+
     return TransferConfig(
         host=advertised_host(args.host), protocol=args.disaggregation_protocol,
         ib_device=args.disaggregation_ib_device,
-        bootstrap_timeout_s=float(env("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT", 300)),
-        waiting_timeout_s=float(env("SGLANG_DISAGGREGATION_WAITING_TIMEOUT", 300)))
+        bootstrap_timeout_s=pick(args.disaggregation_bootstrap_timeout, "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT", 300),
+        waiting_timeout_s=pick(args.disaggregation_waiting_timeout, "SGLANG_DISAGGREGATION_WAITING_TIMEOUT", 300),
+        heartbeat_interval_s=pick(args.disaggregation_heartbeat_interval, "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL", 5),
+        heartbeat_max_failures=int(pick(args.disaggregation_heartbeat_max_failures,
+                                        "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE", 2)),
+        fault_probability=args.disaggregation_fault_probability)
 
 
 def advertised_host(bind_host: str) -> str:
@@ -101,7 +109,8 @@ class PrefillDisaggregation:
                                                                       recv.bootstrap_room)
         req.sampling_params.max_new_tokens = 1  # the decode engine generates the rest
         req.sampling_params.min_new_tokens = min(req.sampling_params.min_new_tokens, 1)
-        req.kv_transfer = self.mgr.create_sender(recv.bootstrap_room)
+        room = recv.bootstrap_room
+        req.kv_transfer = NoPeerSender(room) if is_no_peer(recv.bootstrap_host) else self.mgr.create_sender(room)
         self.bootstrap_queue.append(req)
         return None
 

@@ -86,7 +86,8 @@ def run_server(server_args: ServerArgs) -> None:
         tokenizer = AutoTokenizer.from_pretrained(server_args.tokenizer_path or server_args.model_path)
         role = "colocated" if server_args.disaggregation_mode == "null" else server_args.disaggregation_mode
         tm = TokenizerManager(tokenizer, procs.scheduler_addr, procs.tokenizer_addr,
-                              EngineMetrics(server_args.model_name, role), info["vocab_size"], info["context_length"])
+                              EngineMetrics(server_args.model_name, role), info["vocab_size"], info["context_length"],
+                              dp_size=server_args.dp_size)
         model_info = {"model_path": server_args.model_path, "tokenizer_path": server_args.tokenizer_path,
                       "served_model_name": server_args.model_name, "is_generation": True}
         ctx = ApiContext(server_args, tm, model_info, procs.alive,

@@ -5,6 +5,7 @@ import asyncio
 import contextlib
 import hmac
 import json
+import secrets
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -15,6 +16,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
+from baton.engine.disaggregation.no_peer import FAKE_BOOTSTRAP_HOST
 from baton.engine.entrypoints.protocol import GenerateRequest
 from baton.engine.sampling.sampling_params import SamplingParams, SamplingParamsError
 from baton.engine.server_args import ServerArgs
@@ -142,7 +144,12 @@ def _register_native_routes(app: FastAPI, ctx: ApiContext) -> None:
 
     @app.get("/health_generate")
     async def health_generate():
+        """One real generation through the scheduler and model. On a PD engine the request runs
+        without a peer (no KV moves); a decode generates 2 tokens so it runs a forward pass."""
         obj = GenerateInput(SamplingParams(max_new_tokens=1, temperature=0.0), input_ids=[0])
+        if ctx.server_args.disaggregation_mode != "null":
+            obj.bootstrap_host, obj.bootstrap_room = FAKE_BOOTSTRAP_HOST, secrets.randbits(63)
+            obj.sampling_params = SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True)
         try:
             await asyncio.wait_for(_collect(ctx.tm, obj), 20.0)
         except (asyncio.TimeoutError, RequestError) as e:

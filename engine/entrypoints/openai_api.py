@@ -28,7 +28,7 @@ def register_openai_routes(app: FastAPI, ctx: ApiContext) -> None:
         req = parse(CompletionRequest, await read_json(request, ctx.server_args.max_request_bytes))
         _check_model(ctx, req.model)
         prompts = _completion_prompts(req.prompt)
-        objs = [_input(ctx, req, p, req.max_tokens, req.logprobs) for p in prompts]
+        objs = [_input(ctx, req, p, req.max_tokens, req.logprobs, i, len(prompts)) for i, p in enumerate(prompts)]
         if req.stream:
             if len(objs) != 1:
                 raise RequestError("streaming several prompts is not supported; send one request per prompt", 400)
@@ -60,6 +60,9 @@ def register_openai_routes(app: FastAPI, ctx: ApiContext) -> None:
                              "usage": _usage([out])})
 
 
+PD_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room", "data_parallel_rank")
+
+
 def _check_model(ctx: ApiContext, model: Optional[str]) -> None:
     if model and model not in (ctx.model_name, ctx.server_args.model_path):
         raise RequestError(f"the model {model!r} does not exist; this server serves {ctx.model_name!r}", 404,
@@ -76,8 +79,18 @@ def _completion_prompts(prompt: Any) -> list:
     return list(prompt)
 
 
+def _per_prompt(req: SamplingExtras, name: str, i: int, n: int) -> Any:
+    """A PD field for prompt i: scalars apply to every prompt; lists give one value per prompt."""
+    value = getattr(req, name)
+    if not isinstance(value, list):
+        return value
+    if len(value) != n:
+        raise RequestError(f"{name} has {len(value)} values for {n} prompt(s)", 400)
+    return value[i]
+
+
 def _input(ctx: ApiContext, req: SamplingExtras, prompt: Any, max_tokens: Optional[int],
-           top_logprobs: Optional[int]) -> GenerateInput:
+           top_logprobs: Optional[int], i: int = 0, n: int = 1) -> GenerateInput:
     if max_tokens is not None and max_tokens <= 0:
         raise RequestError("max_tokens must be at least 1", 400)
     if req.n != 1:
@@ -92,8 +105,7 @@ def _input(ctx: ApiContext, req: SamplingExtras, prompt: Any, max_tokens: Option
     obj = GenerateInput(params, text=prompt if isinstance(prompt, str) else None,
                         input_ids=prompt if isinstance(prompt, list) else None, stream=req.stream,
                         return_logprob=top_logprobs is not None, top_logprobs_num=top_logprobs or 0,
-                        priority=req.priority, bootstrap_host=req.bootstrap_host, bootstrap_port=req.bootstrap_port,
-                        bootstrap_room=req.bootstrap_room, data_parallel_rank=req.data_parallel_rank)
+                        priority=req.priority, **{name: _per_prompt(req, name, i, n) for name in PD_FIELDS})
     if req.rid:
         obj.rid = req.rid
     return obj

@@ -24,11 +24,11 @@ class SamplingExtras(_Body):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
-    # PD disaggregation, added by the router
-    bootstrap_host: Optional[str] = None
-    bootstrap_port: Optional[int] = None
-    bootstrap_room: Optional[int] = None
-    data_parallel_rank: Optional[int] = None
+    # PD disaggregation, added by the router: one value, or one per prompt of a batched completion
+    bootstrap_host: Optional[Union[str, list[str]]] = None
+    bootstrap_port: Optional[Union[int, list[Optional[int]]]] = None
+    bootstrap_room: Optional[Union[int, list[int]]] = None
+    data_parallel_rank: Optional[Union[int, list[int]]] = None
     rid: Optional[str] = None
     priority: Optional[int] = None
 

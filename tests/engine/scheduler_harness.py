@@ -18,6 +18,7 @@ class Collected:
     finish: Optional[FinishReason] = None
     output_logprobs: list = field(default_factory=list)
     input_logprobs: Optional[list] = None
+    cached_tokens: int = 0
 
 
 class SchedulerHarness:
@@ -54,6 +55,7 @@ class SchedulerHarness:
                 c = self.results.setdefault(rid, Collected())
                 c.ids.extend(msg.new_token_ids[i])
                 c.finish = msg.finished_reasons[i]
+                c.cached_tokens = msg.meta[i].cached_tokens
                 if msg.output_token_logprobs[i] is not None:
                     c.output_logprobs.extend(msg.output_token_logprobs[i])
                 if msg.input_token_logprobs[i] is not None:

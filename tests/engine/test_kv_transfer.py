@@ -299,8 +299,9 @@ def test_pages_from_slots_and_metadata_roundtrip():
 
 
 def test_side_channel_messages_roundtrip():
-    room = messages.Room(2**63 - 1, "h:1", "tcp://h:2", 3, np.array([4, 5], dtype=np.int64))
+    room = messages.Room(2**63 - 1, "h:1", "tcp://h:2", 3, np.array([4, 5], dtype=np.int64), prefix_pages=7)
     back = messages.decode(messages.encode(room))
     assert back.room == room.room and back.pages.tolist() == [4, 5] and back.endpoint == "tcp://h:2"
+    assert back.prefix_pages == 7
     status = messages.Status(1, int(KVPoll.Failed), "why")
     assert messages.decode(messages.encode(status)) == status

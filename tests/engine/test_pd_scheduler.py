@@ -214,6 +214,59 @@ def test_pd_decode_abort_frees_both_sides(tiny_model_factory, pair_factory, when
     pair.assert_settled()
 
 
+def test_pd_decode_radix_hit_transfers_only_the_suffix(tiny_model_factory, pair_factory):
+    """The decode's own prefix cache (prompts of finished requests) is matched before reserving: the
+    prefill writes only the pages after it, and the output is still HF's."""
+    path = tiny_model_factory("llama")
+    page = 4
+    pair = pair_factory(path, page_size=page, max_total_tokens=2048, prefill_args={"chunked_prefill_size": 16})
+    first = workload()[6]
+    assert len(first) >= 33, "the shared prefix below needs 8 whole pages"
+    second = first[:32] + [11, 12, 13, 14, 15]
+    pair.submit("first", first)
+    pair.run_until_idle()
+    sent_before = pair.prefill.scheduler.pd.transferred_bytes
+    pair.submit("second", second)
+    pair.run_until_idle()
+    got = pair.decode.results["second"]
+    assert got.ids == hf_greedy(path, second)
+    assert got.cached_tokens == 32, "the decode should hold the 8 shared pages already"
+    pool = pair.prefill.scheduler.worker.model_runner.token_to_kv_pool
+    page_bytes = page * pool.bytes_per_token * 2 * pool.layer_num  # K and V, every layer
+    sent = pair.prefill.scheduler.pd.transferred_bytes - sent_before
+    meta_bytes = pair.prefill.scheduler.pd.metadata.item_bytes
+    assert sent == (-(-len(second) // page) - 32 // page) * page_bytes + meta_bytes
+    pair.assert_settled()
+
+
+def test_pd_decode_quarantines_pages_of_an_abandoned_transfer(tiny_model_factory, pair_factory):
+    """A write the prefill already issued may land after the decode gives up: the request's pages
+    stay out of the allocator for abort_grace_s, then come back; nothing leaks."""
+    path = tiny_model_factory("llama")
+    pair = pair_factory(path, page_size=4, max_total_tokens=2048)
+    decode = pair.decode.scheduler
+    decode.pd.mgr.abort_grace_s = 0.3  # the fake backend writes synchronously, so its own grace is 0
+    free_before = decode.allocator.available_size()
+    room = next(pair.rooms)
+    prompt = workload()[5]
+    pair.decode.submit_pd("gone", prompt, room, pair.port)
+    pair.decode.step()
+    assert decode.pd.transfer_queue, "the destination should be sent by now"
+    pair.decode.abort("gone")
+    held = -(-len(prompt) // 4) * 4
+    assert decode.allocator.available_size() == free_before - held, "the pages must not be reusable yet"
+    assert not decode.is_idle()
+    deadline = time.monotonic() + 10
+    while not decode.is_idle() and time.monotonic() < deadline:
+        pair.decode.step()
+    assert decode.allocator.available_size() == free_before
+    assert pair.decode.results["gone"].finish.kind == "abort"
+    pair.prefill.submit_pd("gone", prompt, room, pair.port)  # arrives late: told the decode gave up
+    pair.run_until_idle()
+    assert "aborted by the decode engine" in pair.prefill.results["gone"].finish.message
+    pair.assert_settled()
+
+
 @pytest.mark.parametrize("queue", ["bootstrap", "waiting"])
 def test_pd_prefill_abort_fails_the_decode(tiny_model_factory, pair_factory, queue):
     """Told directly once the decode's destination has arrived; before that the prefill cannot reach

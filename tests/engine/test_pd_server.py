@@ -95,6 +95,55 @@ def test_pd_pair_matches_hf(pd_pair, model_path):
     _assert_idle_and_whole(prefill, decode)
 
 
+def test_pd_radix_hits_on_both_engines(pd_pair, model_path):
+    """A prompt sharing 24 tokens (6 pages) with a finished one: both engines serve the prefix from
+    their radix caches (the decode reserves and receives only the pages after it)."""
+    prefill, bootstrap_port, decode = pd_pair
+    base = [(5 * j) % 400 + 9 for j in range(30)]
+    follow = base[:24] + [21, 22, 23, 24, 25]
+    for prompt in (base, follow):
+        pre, dec = asyncio.run(_post_pair(prefill.base_url, decode.base_url, _body(prompt, bootstrap_port)))
+        assert pre.status_code == 200 and dec.status_code == 200, (pre.text, dec.text)
+        assert dec.json()["output_ids"] == hf_greedy(model_path, prompt, MAX_NEW)
+    assert pre.json()["meta_info"]["cached_tokens"] == 24, "prefill radix hit"
+    assert dec.json()["meta_info"]["cached_tokens"] == 24, "decode radix hit"
+    _assert_idle_and_whole(prefill, decode)
+
+
+def test_health_generate_on_both_engines(pd_pair):
+    """Probes need no peer: each engine runs a real generation without moving KV."""
+    prefill, _, decode = pd_pair
+    for engine in (prefill, decode):
+        r = httpx.get(f"{engine.base_url}/health_generate", timeout=60)
+        assert r.status_code == 200, r.text
+    _assert_idle_and_whole(prefill, decode)
+
+
+def test_pd_batched_completions_carry_one_room_per_prompt(pd_pair):
+    """/v1/completions with a prompt list: bootstrap fields as arrays, one per prompt (as routers
+    send batches); the texts equal those of single /generate requests through the pair."""
+    prefill, bootstrap_port, decode = pd_pair
+    prompts = PROMPTS[2:4]
+    singles = [asyncio.run(_post_pair(prefill.base_url, decode.base_url, _body(p, bootstrap_port)))[1].json()["text"]
+               for p in prompts]
+    body = {"prompt": prompts, "max_tokens": MAX_NEW, "temperature": 0, "bootstrap_host": "127.0.0.1",
+            "bootstrap_port": bootstrap_port, "bootstrap_room": [random.randrange(1 << 63) for _ in prompts]}
+    pre, dec = asyncio.run(_post_pair(prefill.base_url, decode.base_url, body, "/v1/completions"))
+    assert pre.status_code == 200 and dec.status_code == 200, (pre.text, dec.text)
+    assert [c["text"] for c in sorted(dec.json()["choices"], key=lambda c: c["index"])] == singles
+    bad = {**body, "bootstrap_room": body["bootstrap_room"][:1]}
+    r = httpx.post(f"{decode.base_url}/v1/completions", json=bad, timeout=30)
+    assert r.status_code == 400 and "bootstrap_room has 1 values for 2 prompt(s)" in r.text
+    r = httpx.post(f"{decode.base_url}/generate", json=_body(prompts[0], bootstrap_port, data_parallel_rank=1), timeout=30)
+    assert r.status_code == 400 and "data_parallel_rank 1 is out of range" in r.text
+    _assert_idle_and_whole(prefill, decode)
+
+
+async def _post_pair(prefill: str, decode: str, body: dict, route: str = "/generate") -> tuple:
+    async with httpx.AsyncClient(timeout=120) as client:
+        return await asyncio.gather(client.post(prefill + route, json=body), client.post(decode + route, json=body))
+
+
 def test_pd_streaming_through_decode(pd_pair, model_path):
     prefill, bootstrap_port, decode = pd_pair
     prompt = PROMPTS[5]

@@ -67,6 +67,7 @@ class MooncakeKVManager(KVManagerBase):
     def __init__(self, args: KVArgs, metadata: MetadataBuffers, mode: Union[DisaggregationMode, str],
                  config: TransferConfig, bootstrap_addr: Optional[str] = None) -> None:
         self.args, self.metadata, self.config = args, metadata, config
+        self.abort_grace_s = config.abort_grace_s
         self.mode = DisaggregationMode(mode)
         self.engine = MooncakeTransferEngine(config.host, config.protocol, config.ib_device)
         self.engine.register(args.kv_data_ptrs + args.aux_data_ptrs, args.kv_data_lens + args.aux_data_lens)

@@ -34,7 +34,8 @@ class Room:
     session_id: str
     endpoint: str
     meta_slot: int
-    pages: np.ndarray  # [num_pages] int64
+    pages: np.ndarray  # [num_pages - prefix_pages] int64
+    prefix_pages: int = 0  # leading prompt pages the decode already holds (prefix cache)
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,8 @@ _KIND_OF = {cls: kind for kind, cls in _KINDS.items()}
 
 def encode(msg: Message) -> list[bytes]:
     if isinstance(msg, Room):
-        header = {"room": msg.room, "session_id": msg.session_id, "endpoint": msg.endpoint, "meta_slot": msg.meta_slot}
+        header = {"room": msg.room, "session_id": msg.session_id, "endpoint": msg.endpoint, "meta_slot": msg.meta_slot,
+                  "prefix_pages": msg.prefix_pages}
         return [b"room", json.dumps(header).encode(), np.ascontiguousarray(msg.pages, dtype=np.int64).tobytes()]
     return [_KIND_OF[type(msg)], json.dumps(asdict(msg)).encode()]
 

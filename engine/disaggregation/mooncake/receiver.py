@@ -35,7 +35,7 @@ class MooncakeKVReceiver(CommonKVReceiver):
     def _send_destination(self) -> None:
         mgr = self._rooms.mgr
         mgr.channel.send(self.peer.endpoint, messages.Room(self.room, mgr.session_id, mgr.channel.endpoint,
-                                                           self.meta_slot, self.pages))
+                                                           self.meta_slot, self.pages, self.prefix_pages))
 
     def _notify_abort(self, reason: str) -> None:
         try:

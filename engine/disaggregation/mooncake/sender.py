@@ -144,7 +144,7 @@ class PrefillRooms:
             peer = self._peers.get(msg.session_id)
         reason = self._check_destination(peer, msg)
         if reason is None:
-            self._deliver(msg.room, Destination(peer, msg.pages, msg.meta_slot))
+            self._deliver(msg.room, Destination(peer, msg.pages, msg.meta_slot, msg.prefix_pages))
             return
         self.reply(msg.endpoint, messages.Status(msg.room, int(KVPoll.Failed), reason))
         self._deliver(msg.room, reason)

@@ -1,0 +1,86 @@
+"""PD failures with real processes over Mooncake TCP: a prefill engine killed while the decode waits
+for its KV. The decode must fail exactly the affected requests within its heartbeat window, keep
+serving, give back their memory, and use a restarted prefill without being restarted itself."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+
+from baton.engine.bench.launcher import EngineProcess, engine_command, free_port
+from engine_server import STARTUP_TIMEOUT_S, wait_idle_integrity
+from test_pd_server import COMMON, MAX_NEW, PROMPTS, _body, _post_both
+from test_scheduler_vs_hf import hf_greedy
+
+HEARTBEAT_S = 0.5
+MAX_FAILURES = 2
+# kill -> failure: MAX_FAILURES heartbeats of at most HEARTBEAT_S + a 0.5 s health timeout each, plus
+# scheduler polling; generous because the machine is shared
+FAILURE_DEADLINE_S = 30.0
+
+
+def _prefill(model_path: str, port: int, bootstrap_port: int) -> EngineProcess:
+    return EngineProcess(engine_command(model_path, port, [
+        "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(bootstrap_port), *COMMON]), port)
+
+
+async def _wait_transfer_queue(decode: str, n: int, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient(timeout=10) as c:
+        while time.monotonic() < deadline:
+            if (await c.get(f"{decode}/get_server_info")).json().get("num_transfer_reqs") == n:
+                return
+            await asyncio.sleep(0.05)
+    raise AssertionError(f"decode never had {n} requests waiting for KV")
+
+
+def test_killed_prefill_fails_only_its_requests_and_a_restart_serves_again(tiny_model_factory):
+    model_path = tiny_model_factory("llama")
+    bootstrap_port, prefill_port, decode_port = free_port(), free_port(), free_port()
+    prefill = _prefill(model_path, prefill_port, bootstrap_port)
+    decode = EngineProcess(engine_command(model_path, decode_port, [
+        "--disaggregation-mode", "decode", "--disaggregation-heartbeat-interval", str(HEARTBEAT_S),
+        "--disaggregation-heartbeat-max-failures", str(MAX_FAILURES), *COMMON]), decode_port)
+    with prefill, decode:
+        prefill.wait_healthy(STARTUP_TIMEOUT_S, "waiting for the prefill engine")
+        decode.wait_healthy(STARTUP_TIMEOUT_S, "waiting for the decode engine")
+
+        async def kill_mid_transfer() -> tuple[list[httpx.Response], float, httpx.Response]:
+            async with httpx.AsyncClient(timeout=120) as c:
+                pre, dec = await _post_both(c, prefill.base_url, decode.base_url, _body(PROMPTS[1], bootstrap_port))
+                assert dec.status_code == 200, dec.text  # the pair works and the decode knows the prefill
+                # the prefill never gets these two: they wait in the decode's transfer queue
+                stranded = [asyncio.create_task(c.post(f"{decode.base_url}/generate", json=_body(p, bootstrap_port)))
+                            for p in PROMPTS[2:4]]
+                await _wait_transfer_queue(decode.base_url, 2)
+                killed_at = time.monotonic()
+                prefill.kill()
+                done = await asyncio.wait_for(asyncio.gather(*stranded), FAILURE_DEADLINE_S)
+                elapsed = time.monotonic() - killed_at
+                health = await c.get(f"{decode.base_url}/health")
+                return done, elapsed, health
+
+        stranded, elapsed, health = asyncio.run(kill_mid_transfer())
+        for r in stranded:
+            assert r.status_code == 500, r.text
+            message = r.json()["error"]["message"]
+            assert "KV transfer failed" in message and "unreachable" in message, message
+        assert elapsed < FAILURE_DEADLINE_S
+        assert health.status_code == 200, "the decode keeps serving"
+        info = wait_idle_integrity(decode.base_url, timeout_s=60)  # quarantined pages come back too
+        assert info["integrity_ok"] is True, info
+
+        prefill.start()  # same ports, a new process and Mooncake session
+        prefill.wait_healthy(STARTUP_TIMEOUT_S, "waiting for the restarted prefill engine")
+
+        async def after_restart() -> tuple[httpx.Response, httpx.Response]:
+            async with httpx.AsyncClient(timeout=120) as c:
+                return await _post_both(c, prefill.base_url, decode.base_url, _body(PROMPTS[4], bootstrap_port))
+
+        pre, dec = asyncio.run(after_restart())
+        assert pre.status_code == 200 and dec.status_code == 200, (pre.text, dec.text)
+        assert dec.json()["output_ids"] == hf_greedy(model_path, PROMPTS[4], MAX_NEW)
+        for engine in (prefill, decode):
+            info = wait_idle_integrity(engine.base_url, timeout_s=60)
+            assert info["integrity_ok"] is True, info
