@@ -1,6 +1,8 @@
 """The operator's own Prometheus metrics (prefix `baton_operator_`), on a registry of its own.
 
-Listed with their meaning in docs/operator.md. One instance per running operator, kept in kopf's memo.
+Listed with their meaning in docs/metrics.md (tests/test_docs.py checks it). One instance per running
+operator, kept in kopf's memo. Labelled counters start at 0 for every known label value, so alerts and
+dashboards have series before the first reconcile or error.
 """
 from __future__ import annotations
 
@@ -8,6 +10,10 @@ from collections import Counter as Tally
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+TRIGGERS = ("create", "update", "resume", "resync", "child-deleted")  # kopf's reasons and our own
+RESULTS = ("ok", "error", "invalid")
+ERROR_KINDS = ("invalid_spec", "name_taken", "permanent", "temporary", "status")
 
 
 class OperatorMetrics:
@@ -30,6 +36,12 @@ class OperatorMetrics:
             ["ready"], registry=self.registry)
         self._managed: dict[tuple[str, str], Tally[str]] = {}
         self._ready: dict[tuple[str, str], str] = {}
+        for trigger in TRIGGERS:
+            for result in RESULTS:
+                self.reconciles.labels(trigger=trigger, result=result)
+        for kind in ERROR_KINDS:
+            self.errors.labels(kind=kind)
+        self._publish()
 
     def set_managed(self, key: tuple[str, str], kinds: list[str]) -> None:
         self._managed[key] = Tally(kinds)

@@ -2,8 +2,9 @@
 
 Counters and histograms are updated on the hot path through label children cached per label set.
 State that already lives in the worker registry (health, breaker state, in-flight counts) is not
-mirrored into gauges per request: a collector reads it at scrape time. docs/router.md lists every
-metric; keep that list in step with this file.
+mirrored into gauges per request: a collector reads it at scrape time. Counters start at 0 for every
+route and known error reason (and per worker, once it is added), so alerts and dashboards have series
+before the first event. docs/metrics.md lists every metric (tests/test_docs.py checks it).
 """
 from __future__ import annotations
 
@@ -13,12 +14,19 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from baton.router.config import WorkerRole
+from baton.router.request import Route
+
 if TYPE_CHECKING:
     from baton.router.registry import WorkerRegistry
+    from baton.router.worker import Worker
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
                    30.0, 60.0, 120.0, 300.0, 600.0)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# Error reasons known in advance (`status_NNN` ones appear when they happen).
+ERROR_REASONS = ("bad_request", "payload_too_large", "queue_full", "queue_timeout", "no_workers", "timeout",
+                 "transport", "client_disconnected")
 
 
 class RouterMetrics:
@@ -46,6 +54,22 @@ class RouterMetrics:
                                         ["side", "event"], registry=r)
         self.registry.register(_StateCollector(workers, router_state))
         self._cache: dict[tuple, Any] = {}
+        self._start_at_zero()
+        workers.on_added.append(self._start_worker_at_zero)
+
+    def _start_at_zero(self) -> None:
+        for route in Route:
+            for metric in (self.requests, self.retries, self.ttft, self.latency):
+                self.child(metric, route.value)
+            for reason in ERROR_REASONS:
+                self.child(self.errors, route.value, reason)
+        for side in (role.value for role in WorkerRole):
+            self.child(self.aborts, side)
+            for event in ("added", "removed"):
+                self.child(self.discovery_events, side, event)
+
+    def _start_worker_at_zero(self, worker: "Worker") -> None:
+        self.child(self.worker_errors, worker.url, worker.side, "transport")
 
     def child(self, metric: Any, *labels: str) -> Any:
         """The cached label child of `metric` (label lookups cost more than the update itself)."""

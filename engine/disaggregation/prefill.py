@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 from typing import TYPE_CHECKING, Optional
 
 from baton.engine.disaggregation import create_transfer_backend
@@ -130,6 +131,7 @@ class PrefillDisaggregation:
             elif status >= KVPoll.WaitingForInput and (slot := self.metadata.alloc()) is not None:
                 req.kv_meta_slot = slot
                 req.kv_transfer.init(-(-len(req.origin_input_ids) // ps), slot)
+                req.queue_start_time = time.time()  # queue time: from here, not from the bootstrap wait
                 self.scheduler.waiting_queue.append(req)
             else:
                 keep.append(req)

@@ -106,6 +106,7 @@ class Req:
         self.prefix_indices, self.last_node = _EMPTY, None
         self.req_pool_idx, self.kv_committed_len, self.kv_allocated_len = None, 0, 0
         self.extend_input_len, self.is_chunked, self.is_retracted = 0, 0, True
+        self.queue_start_time = time.time()  # back in the waiting queue: its queue time starts again
 
     def check_finished(self, tokenizer: Any) -> None:
         """Length, EOS / stop token, or stop string, checked after each appended token."""

@@ -230,6 +230,7 @@ class Scheduler(SchedulerOutputProcessorMixin):
             return None
         adder = PrefillAdder(self.page_size, self.tree_cache, self.allocator, self.running_batch.reqs,
                              self.new_token_ratio, self.server_args.max_prefill_tokens, self.chunked_prefill_size)
+        continued = self.chunked_req  # its next chunk is no new departure from the waiting queue
         if self.chunked_req is not None:
             self.chunked_req.init_next_round_input(None)
             self.chunked_req = adder.add_chunked_req(self.chunked_req)
@@ -256,9 +257,12 @@ class Scheduler(SchedulerOutputProcessorMixin):
             self.chunked_req = adder.new_chunked_req
         if self.chunked_req is not None:
             self.chunked_req.is_chunked += 1
+        now = time.time()
         for req in adder.can_run_list:
             if req.cached_tokens == 0 and not req.is_retracted:
                 req.cached_tokens = len(req.prefix_indices)
+            if req is not continued:
+                self.stats.on_dequeue(now - req.queue_start_time)
         self.stats.on_prefill(adder.log_input_tokens, adder.log_hit_tokens)
         batch = self._new_batch(adder.can_run_list)
         batch.prepare_for_extend(self.chunked_req)
@@ -411,6 +415,7 @@ class Scheduler(SchedulerOutputProcessorMixin):
             "retractions": self.stats.retractions,
             "preemptions": self.stats.preemptions,
             "gen_throughput": self.stats.gen_throughput,
+            "queue_time_samples": list(self.stats.queue_times),
             "integrity_ok": self.check_memory_integrity() if self.is_idle() else None,
         }
 
@@ -441,6 +446,13 @@ class SchedulerStats:
         self.generated_tokens = 0
         self.gen_throughput = 0.0
         self._window = (time.monotonic(), 0)
+        # (seq, seconds waited) per departure from the waiting queue; /metrics observes the new ones
+        self.queue_times: deque = deque(maxlen=4096)
+        self._queue_seq = 0
+
+    def on_dequeue(self, seconds: float) -> None:
+        self._queue_seq += 1
+        self.queue_times.append((self._queue_seq, seconds))
 
     def tick(self, idle: bool) -> None:
         start, tokens = self._window

@@ -17,7 +17,10 @@ def _meta(isvc: InferenceService) -> dict[str, Any]:
 
 
 def _endpoint(isvc: InferenceService) -> dict[str, Any]:
-    return {"port": "http", "path": "/metrics", "interval": isvc.spec.monitoring.interval}
+    return {"port": "http", "path": "/metrics", "interval": isvc.spec.monitoring.interval,
+            # dashboards and alerts select on inference_service (docs/observability.md)
+            "relabelings": [{"sourceLabels": ["__meta_kubernetes_pod_label_baton_dev_inference_service"],
+                             "targetLabel": "inference_service", "action": "replace"}]}
 
 
 def pod_monitor(isvc: InferenceService) -> dict[str, Any]:

@@ -12,6 +12,7 @@ import sys
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from baton.engine.bench.launcher import EngineProcess, engine_command, free_port
 from engine_server import STARTUP_TIMEOUT_S, wait_idle_integrity
@@ -253,9 +254,11 @@ def test_pd_metrics_after_transfers(pd_pair, model_path):
     assert all(r.status_code == 200 for r in asyncio.run(run()))
     _assert_idle_and_whole(prefill, decode)
     for engine, queues in ((prefill, ("bootstrap", "inflight")), (decode, ("prealloc", "transfer"))):
-        text = httpx.get(f"{engine.base_url}/metrics", timeout=30).text
-        for q in queues:
-            assert f'baton_pd_queue_requests{{model_name=' in text and f'queue="{q}"' in text
-        count = [line for line in text.splitlines() if line.startswith("baton_kv_transfer_latency_seconds_count")]
-        assert count and float(count[0].split()[-1]) >= 1, count
-        assert "baton_kv_transfer_bytes_bucket" in text and "baton_kv_transfer_speed_gb_per_second_bucket" in text
+        samples = [s for family in text_string_to_metric_families(httpx.get(f"{engine.base_url}/metrics", timeout=30).text)
+                   for s in family.samples]
+        have = {s.labels.get("queue") for s in samples if s.name == "baton_pd_queue_requests"}
+        assert set(queues) <= have, have
+        count = [s.value for s in samples if s.name == "baton_kv_transfer_latency_seconds_count"]
+        assert count and count[0] >= 1, count
+        names = {s.name for s in samples}
+        assert {"baton_kv_transfer_bytes_bucket", "baton_kv_transfer_speed_gb_per_second_bucket"} <= names

@@ -246,7 +246,7 @@ def test_pd_metrics_observe_each_sample_once():
     assert value("baton_kv_transfer_latency_seconds_count") == 3
     assert value("baton_kv_transfer_bytes_sum") == (1 << 20) + (1 << 21) + (1 << 22)
     assert value("baton_pd_failures_total", stage="bootstrap") == 3
-    assert value("baton_pd_queue_requests", queue="bootstrap") == 2
+    assert value("baton_pd_queue_requests", queue="bootstrap", dp_rank="0") == 2
 
 
 def test_not_idle_while_a_prefill_awaits_its_decode(tiny_model_factory):

@@ -226,7 +226,10 @@ def test_monitors_only_when_asked():
     assert {"PodMonitor", "ServiceMonitor"} <= kinds
     pm, sm = pod_monitor(isvc), service_monitor(isvc)
     assert pm["spec"]["selector"]["matchLabels"] == {naming.SERVICE_LABEL: "demo"}
-    assert pm["spec"]["podMetricsEndpoints"] == [{"port": "http", "path": "/metrics", "interval": "15s"}]
+    relabel = {"sourceLabels": ["__meta_kubernetes_pod_label_baton_dev_inference_service"],
+               "targetLabel": "inference_service", "action": "replace"}
+    assert pm["spec"]["podMetricsEndpoints"] == [{"port": "http", "path": "/metrics", "interval": "15s",
+                                                  "relabelings": [relabel]}]
     assert sm["metadata"]["labels"]["release"] == "prom"
 
 
