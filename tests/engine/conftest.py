@@ -1,27 +1,9 @@
-"""Shared engine-test fixtures. Tests import the helpers as `from tiny_models import make_tiny_model`
-(pytest runs with --import-mode=importlib, so this folder is put on sys.path here)."""
+"""Engine tests import their helpers as `from tiny_models import make_tiny_model` (pytest runs with
+--import-mode=importlib, so this folder is put on sys.path here). `tiny_model_factory` lives in
+tests/conftest.py."""
 from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Callable
-
-import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from tiny_models import make_tiny_model  # noqa: E402
-
-
-@pytest.fixture(scope="session")
-def tiny_model_factory(tmp_path_factory) -> Callable[..., str]:
-    """make(arch, **config_overrides) -> checkpoint directory, built once per session per arguments."""
-    built: dict[str, str] = {}
-
-    def make(arch: str, **overrides: Any) -> str:
-        key = f"{arch}:{sorted(overrides.items())!r}"
-        if key not in built:
-            built[key] = make_tiny_model(arch, tmp_path_factory.mktemp(arch), **overrides)
-        return built[key]
-
-    return make

@@ -1,0 +1,30 @@
+"""Fixtures shared by several test folders. Heavy imports (torch, transformers) stay inside the
+fixtures, so router and operator tests run where only their extras are installed."""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Callable
+
+import pytest
+
+ENGINE_TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "engine")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory) -> Callable[..., str]:
+    """make(arch, **config_overrides) -> checkpoint directory of a tiny random model, built once per
+    session per arguments (tests/engine/tiny_models.py)."""
+    if ENGINE_TESTS not in sys.path:
+        sys.path.insert(0, ENGINE_TESTS)
+    from tiny_models import make_tiny_model
+
+    built: dict[str, str] = {}
+
+    def make(arch: str, **overrides: Any) -> str:
+        key = f"{arch}:{sorted(overrides.items())!r}"
+        if key not in built:
+            built[key] = make_tiny_model(arch, tmp_path_factory.mktemp(arch), **overrides)
+        return built[key]
+
+    return make
