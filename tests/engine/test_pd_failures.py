@@ -66,6 +66,8 @@ def test_killed_prefill_fails_only_its_requests_and_a_restart_serves_again(tiny_
             assert r.status_code == 500, r.text
             message = r.json()["error"]["message"]
             assert "KV transfer failed" in message and "unreachable" in message, message
+        print(f"\nprefill killed: the decode failed its {len(stranded)} waiting requests after {elapsed:.2f}s "
+              f"(heartbeat {HEARTBEAT_S}s x {MAX_FAILURES})")
         assert elapsed < FAILURE_DEADLINE_S
         assert health.status_code == 200, "the decode keeps serving"
         info = wait_idle_integrity(decode.base_url, timeout_s=60)  # quarantined pages come back too
