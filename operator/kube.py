@@ -6,7 +6,9 @@ so it behaves the same against a real API server and an emulated one.
 """
 from __future__ import annotations
 
+import json
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -78,15 +80,49 @@ def login(logger: logging.Logger | None = None) -> kopf.ConnectionInfo:
     settings = kopf.OperatorSettings()
     info = kopf.login_with_service_account(settings=settings)
     if info is None:
-        try:
-            info = kopf.login_via_client(settings=settings, logger=logger or logging.getLogger(__name__))
-        except (ImportError, kopf.LoginError):
-            info = None
+        info = _login_via_client(settings)
     if info is None:
         info = kopf.login_with_kubeconfig(settings=settings)
     if info is None:
         raise kopf.LoginError("no service account and no kubeconfig: cannot reach Kubernetes")
     return info
+
+
+def _login_via_client(settings: kopf.OperatorSettings) -> kopf.ConnectionInfo | None:
+    """kopf.login_via_client, but reading $KUBECONFIG as it is now. The kubernetes client reads it once,
+    when first imported, so kopf's helper logs in with whatever file was current then: in a process
+    that changes it (tests running the operator as a ServiceAccount) that is the wrong identity."""
+    try:
+        import kubernetes.client
+        import kubernetes.config
+    except ImportError:
+        return None
+    config = kubernetes.client.Configuration()
+    try:
+        kubernetes.config.load_kube_config(config_file=os.environ.get("KUBECONFIG") or None,
+                                           client_configuration=config, persist_config=False)
+    except (kubernetes.config.ConfigException, OSError):
+        return None
+    header = config.get_api_key_with_prefix("BearerToken") or config.get_api_key_with_prefix("authorization")
+    parts = header.split(" ", 1) if header else []
+    scheme, token = (None, None) if not parts else (None, parts[0]) if len(parts) == 1 else (parts[0], parts[1])
+    return kopf.ConnectionInfo(
+        server=config.host, ca_path=config.ssl_ca_cert, insecure=not config.verify_ssl,
+        username=config.username or None, password=config.password or None, scheme=scheme, token=token,
+        certificate_path=config.cert_file, private_key_path=config.key_file,
+        trust_env=settings.networking.trust_env, priority=10)  # kopf's PRIORITY_OF_CLIENT
+
+
+def _decode(text: str) -> dict[str, Any]:
+    """A JSON object answer, or {"message": text}: a real API server answers a path of an API group
+    that is not installed (a CRD missing) with a plain-text `404 page not found`."""
+    if not text.strip():
+        return {}
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return {"message": text.strip()}
+    return data if isinstance(data, dict) else {"message": text.strip()}
 
 
 class KubeClient:
@@ -120,15 +156,14 @@ class KubeClient:
             if body is not None:
                 kwargs.update(json=body, headers={"Content-Type": content_type})
             async with session.request(method, path.lstrip("/"), **kwargs) as resp:
-                data = await resp.json(content_type=None) if resp.content_length != 0 else {}
+                data = _decode(await resp.text())
                 if resp.status == 401 and attempt == 0:
                     await self.close()  # stale token: log in again
                     continue
                 if resp.status >= 400:
-                    data = data if isinstance(data, dict) else {}
                     raise ApiError(resp.status, data.get("reason", resp.reason or ""),
                                    data.get("message", str(data)))
-                return data if isinstance(data, dict) else {}
+                return data
         raise AssertionError("unreachable")
 
     async def get(self, kind: Kind, namespace: str | None, name: str) -> dict[str, Any] | None:

@@ -88,10 +88,13 @@ RULES: tuple[Rule, ...] = (
          "--service-discovery*, --*selector, --*policy, --pd-disaggregation, --api-key): "
          "use spec.router.prefillPolicy/decodePolicy/policy and router.apiKeySecretRef",
          _no_managed_flag(ROUTER_FLAGS_RE)),
-    Rule(Scope.KV_TRANSFER, "self.protocol == 'rdma' || size(self.ibDevices) == 0",
+    # has(): the API server also checks the CRD's `default: {}` of kvTransfer against these rules,
+    # before (without) the nested defaults, so a field may be missing there.
+    Rule(Scope.KV_TRANSFER,
+         "(has(self.protocol) && self.protocol == 'rdma') || !has(self.ibDevices) || size(self.ibDevices) == 0",
          "kvTransfer.ibDevices is only used with protocol: rdma; set protocol: rdma or remove it",
          lambda k: k.get("protocol") == "rdma" or not k.get("ibDevices")),
-    Rule(Scope.KV_TRANSFER, "self.protocol == 'rdma' || !has(self.rdmaResourceName)",
+    Rule(Scope.KV_TRANSFER, "(has(self.protocol) && self.protocol == 'rdma') || !has(self.rdmaResourceName)",
          "kvTransfer.rdmaResourceName is only used with protocol: rdma; "
          "set protocol: rdma or remove it",
          lambda k: k.get("protocol") == "rdma" or "rdmaResourceName" not in k),

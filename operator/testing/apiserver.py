@@ -1,7 +1,8 @@
 """An emulated Kubernetes API server: kmock's emulator plus the API-server behaviour the operator
 relies on (kmock stores JSON and merges patches; it knows nothing of Kubernetes semantics):
 
-- uid, creationTimestamp, resourceVersion on writes; metadata.generation bumped on spec changes;
+- uid, creationTimestamp, resourceVersion on writes; metadata.generation, for the kinds that have one
+  in Kubernetes (Deployments, CRDs, custom resources), bumped on spec changes;
 - status subresource: `/status` patches change only `.status`, main patches never change it;
 - only declared resources exist (creating a PodMonitor without its CRD is a 404, as in a cluster);
 - garbage collection: deleting an owner deletes the objects whose ownerReferences name its uid
@@ -31,6 +32,8 @@ CORE = [("v1", "namespaces", "Namespace", False, ()), ("v1", "services", "Servic
 MONITORING = [("monitoring.coreos.com/v1", "podmonitors", "PodMonitor", True, ()),
               ("monitoring.coreos.com/v1", "servicemonitors", "ServiceMonitor", True, ())]
 VERBS = {"get", "list", "watch", "create", "update", "patch", "delete"}
+# Kinds whose objects carry metadata.generation in a real cluster (ConfigMaps, Services etc. do not).
+WITH_GENERATION = {"Deployment", "CustomResourceDefinition", "PodMonitor", "ServiceMonitor"}
 
 
 class ApiServer(kmock.KubernetesEmulator):
@@ -42,10 +45,12 @@ class ApiServer(kmock.KubernetesEmulator):
         self._versions = itertools.count(1)
 
     def declare(self, api_version: str, plural: str, kind: str, namespaced: bool,
-                subresources: tuple[str, ...] = ()) -> None:
+                subresources: tuple[str, ...] = (), generation: bool | None = None) -> None:
         self.resources[f"{api_version}/{plural}"] = kmock.ResourceInfo(
             kind=kind, namespaced=namespaced, verbs=VERBS, subresources=set(subresources))
-        self.declared[(api_version, plural)] = {"kind": kind, "subresources": set(subresources)}
+        self.declared[(api_version, plural)] = {
+            "kind": kind, "subresources": set(subresources),
+            "generation": kind in WITH_GENERATION if generation is None else generation}
 
     def declare_core(self, monitoring: bool = False) -> None:
         for spec in CORE + (MONITORING if monitoring else []):
@@ -56,7 +61,7 @@ class ApiServer(kmock.KubernetesEmulator):
         s = crd["spec"]
         for v in s["versions"]:
             self.declare(f"{s['group']}/{v['name']}", s["names"]["plural"], s["names"]["kind"],
-                         s["scope"] == "Namespaced", tuple(v.get("subresources", {})))
+                         s["scope"] == "Namespaced", tuple(v.get("subresources", {})), generation=True)
         self.objects["apiextensions.k8s.io/v1/customresourcedefinitions", None, crd["metadata"]["name"]] = \
             copy.deepcopy(crd)
 
@@ -87,8 +92,10 @@ class ApiServer(kmock.KubernetesEmulator):
 
     def _on_create(self, data: dict[str, Any], info: dict[str, Any]) -> None:
         meta = data.setdefault("metadata", {})
-        meta.update(uid=str(uuid.uuid4()), resourceVersion=self._next_version(), generation=1,
+        meta.update(uid=str(uuid.uuid4()), resourceVersion=self._next_version(),
                     creationTimestamp=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
+        if info["generation"]:
+            meta["generation"] = 1
         if "status" in info["subresources"]:
             data.pop("status", None)
 
@@ -107,7 +114,7 @@ class ApiServer(kmock.KubernetesEmulator):
         after = dicts.patch_dict(copy.deepcopy(live), data)
         meta = data.setdefault("metadata", {})
         meta["resourceVersion"] = self._next_version()
-        if after.get("spec") != live.get("spec"):
+        if info["generation"] and after.get("spec") != live.get("spec"):
             meta["generation"] = live.get("metadata", {}).get("generation", 1) + 1
         for k in ("uid", "creationTimestamp"):  # immutable
             meta.pop(k, None) if k in live.get("metadata", {}) else None

@@ -8,7 +8,9 @@
 
 Differences are explicit: `cluster.emulated` is True when no controllers run, and `settle()` then plays
 the Deployment controller (writes the status a real one would); with a real control plane (kwok nodes
-make pods ready) `settle()` only waits.
+make pods ready) `settle()` only waits. On a real control plane the operator can log in with a
+kubeconfig of its own (`operator_kubeconfig`: its ServiceAccount's token, so RBAC applies) and watch only
+some namespaces (`watch_namespaces`), so it leaves alone what other tests run in the same cluster.
 """
 from __future__ import annotations
 
@@ -43,10 +45,12 @@ def write_kubeconfig(server: str, directory: str) -> str:
 
 @dataclass
 class Cluster:
-    kubeconfig: str
+    kubeconfig: str  # what the test itself uses (admin on a real control plane)
     client: KubeClient
     emulated: bool
     api: Any = None  # the ApiServer when emulated
+    operator_kubeconfig: str | None = None  # None: the operator uses `kubeconfig`
+    watch_namespaces: tuple[str, ...] = ()  # empty: the operator runs cluster-wide
 
     async def create_namespace(self, name: str) -> None:
         if self.emulated:  # kmock 0.8 cannot parse /api/v1/namespaces; store it directly
@@ -120,7 +124,8 @@ async def emulated_cluster(monitoring: bool = False) -> AsyncIterator[Cluster]:
 
 
 @contextlib.asynccontextmanager
-async def real_cluster(kubeconfig: str) -> AsyncIterator[Cluster]:
+async def real_cluster(kubeconfig: str, operator_kubeconfig: str | None = None,
+                       watch_namespaces: tuple[str, ...] = ()) -> AsyncIterator[Cluster]:
     """A real control plane; installs Baton's CRD if it is missing."""
     from baton.operator.kube import login
 
@@ -132,7 +137,8 @@ async def real_cluster(kubeconfig: str) -> AsyncIterator[Cluster]:
         if await client.get(KINDS["CustomResourceDefinition"], None, crd["metadata"]["name"]) is None:
             await client.create(crd)
         try:
-            yield Cluster(kubeconfig, client, emulated=False)
+            yield Cluster(kubeconfig, client, emulated=False, operator_kubeconfig=operator_kubeconfig,
+                          watch_namespaces=watch_namespaces)
         finally:
             await client.close()
     finally:

@@ -1,4 +1,4 @@
-"""Small InferenceService bodies for tests."""
+"""Small InferenceService bodies for tests, and the version a test compares to notice a write."""
 from __future__ import annotations
 
 import copy
@@ -26,3 +26,11 @@ def for_create(body: dict[str, Any]) -> dict[str, Any]:
     for key in ("uid", "generation", "resourceVersion", "creationTimestamp"):
         body["metadata"].pop(key, None)
     return body
+
+
+def written_version(obj: dict[str, Any]) -> str:
+    """What changes when someone writes an object's spec or data: `metadata.generation` where the API
+    server keeps one (a real Deployment controller writing `.status` does not bump it), else the
+    resourceVersion."""
+    meta = obj["metadata"]
+    return f"g{meta['generation']}" if "generation" in meta else f"rv{meta['resourceVersion']}"

@@ -23,7 +23,8 @@ from baton.operator.testing.cluster import Cluster
 @contextlib.asynccontextmanager
 async def run_operator(cluster: Cluster, config: OperatorConfig | None = None,
                        startup_timeout: float = 20.0) -> AsyncIterator[kopf.Memo]:
-    """Start the operator cluster-wide; stop it (and wait for it) on exit, also on failure.
+    """Start the operator (cluster-wide, or in `cluster.watch_namespaces`); stop it (and wait for it) on
+    exit, also on failure.
 
     Yields kopf's memo: `memo.metrics` is the running operator's OperatorMetrics.
     """
@@ -34,13 +35,15 @@ async def run_operator(cluster: Cluster, config: OperatorConfig | None = None,
 
     def main() -> None:
         try:
-            asyncio.run(kopf.operator(clusterwide=True, standalone=True, memo=memo,
+            asyncio.run(kopf.operator(clusterwide=not cluster.watch_namespaces,
+                                      namespaces=list(cluster.watch_namespaces), standalone=True, memo=memo,
                                       stop_flag=stop, ready_flag=ready))
         except BaseException as e:  # reported to the test on exit
             failure.append(e)
 
     old = os.environ.get("KUBECONFIG")
-    os.environ["KUBECONFIG"] = cluster.kubeconfig  # the operator logs in like it would outside a pod
+    # the operator logs in like it would outside a pod, with its own identity where the cluster has one
+    os.environ["KUBECONFIG"] = cluster.operator_kubeconfig or cluster.kubeconfig
     thread = threading.Thread(target=main, name="baton-operator", daemon=True)
     thread.start()
     try:

@@ -3,6 +3,9 @@
 The operator tests run against an emulated API server (kmock) by default. Set BATON_TEST_KUBECONFIG to a
 kubeconfig of a real control plane (kube-apiserver + etcd + controller-manager + kwok) to run the same
 tests there; `Cluster.settle()` then waits for the real controllers instead of writing statuses.
+BATON_TEST_OPERATOR_KUBECONFIG (optional) is the operator's own identity there (its ServiceAccount's
+token, so RBAC applies); on a real cluster each test's operator watches only that test's namespace, as
+each emulated test has an API server of its own.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from baton.operator.testing.cluster import Cluster, emulated_cluster, real_clust
 REPO = Path(__file__).resolve().parents[2]
 SAMPLES = REPO / "manifests" / "samples"
 _ids = itertools.count()
+NAMESPACE_PREFIX = "baton-test-"
 
 
 @pytest.fixture
@@ -47,7 +51,8 @@ def monitoring_crds(request: pytest.FixtureRequest) -> bool:
 async def cluster(request: pytest.FixtureRequest) -> AsyncIterator[Cluster]:
     kubeconfig = os.environ.get("BATON_TEST_KUBECONFIG")
     if kubeconfig:
-        async with real_cluster(kubeconfig) as c:
+        operator_kubeconfig = os.environ.get("BATON_TEST_OPERATOR_KUBECONFIG") or None
+        async with real_cluster(kubeconfig, operator_kubeconfig, watch_namespaces=(f"{NAMESPACE_PREFIX}*",)) as c:
             yield c
         return
     monitoring = request.getfixturevalue("monitoring_crds") if "monitoring_crds" in request.fixturenames else False
@@ -57,6 +62,8 @@ async def cluster(request: pytest.FixtureRequest) -> AsyncIterator[Cluster]:
 
 @pytest.fixture
 async def namespace(cluster: Cluster) -> str:
-    name = f"baton-test-{os.getpid()}-{next(_ids)}"
+    name = f"{NAMESPACE_PREFIX}{os.getpid()}-{next(_ids)}"
     await cluster.create_namespace(name)
+    if not cluster.emulated:  # a shared cluster: the test's operator sees only its test's objects
+        cluster.watch_namespaces = (name,)
     return name

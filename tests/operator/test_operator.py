@@ -10,7 +10,7 @@ import pytest
 from baton.operator.config import OperatorConfig
 from baton.operator.kube import ApiError
 from baton.operator.testing.cluster import Cluster
-from baton.operator.testing.objects import for_create, isvc_body
+from baton.operator.testing.objects import for_create, isvc_body, written_version
 from baton.operator.testing.runner import run_operator
 
 pytestmark = pytest.mark.timeout(120)
@@ -87,7 +87,7 @@ async def test_update_changes_only_the_right_deployment(cluster: Cluster, namesp
         await condition_is(cluster, namespace, "Progressing", "True")
         after = await all_children(cluster, namespace)
         changed = {key for key in before
-                   if after[key]["metadata"]["resourceVersion"] != before[key]["metadata"]["resourceVersion"]}
+                   if written_version(after[key]) != written_version(before[key])}
         assert changed <= {("Deployment", "demo-decode"), ("ConfigMap", "demo-topology")}, changed
         assert ("Deployment", "demo-decode") in changed
         # the router's policy: only the router Deployment (and the topology) change
@@ -100,7 +100,7 @@ async def test_update_changes_only_the_right_deployment(cluster: Cluster, namesp
         await cluster.wait_for(router_updated, "router Deployment patched")
         after = await all_children(cluster, namespace)
         changed = {key for key in before
-                   if after[key]["metadata"]["resourceVersion"] != before[key]["metadata"]["resourceVersion"]}
+                   if written_version(after[key]) != written_version(before[key])}
         assert ("Deployment", "demo-router") in changed
         assert not changed & {("Deployment", "demo-prefill"), ("Deployment", "demo-decode")}, changed
 
@@ -172,8 +172,7 @@ async def test_restart_is_idempotent_and_deleted_children_come_back(cluster: Clu
         await cluster.wait_for(lambda: _positive(memo.metrics.value(
             "baton_operator_reconciles_total", trigger="resume", result="ok")), "resume reconcile")
         after = await all_children(cluster, namespace)
-        assert {k: o["metadata"]["resourceVersion"] for k, o in after.items()} == \
-            {k: o["metadata"]["resourceVersion"] for k, o in before.items()}
+        assert {k: written_version(o) for k, o in after.items()} == {k: written_version(o) for k, o in before.items()}
         await cluster.delete("Deployment", namespace, "demo-router")
         dep = await cluster.wait_for(lambda: cluster.get("Deployment", namespace, "demo-router"),
                                      "router Deployment recreated")

@@ -1,0 +1,82 @@
+"""Wrong InferenceServices are refused by the real API server, with the CRD's own messages: every CEL
+rule of `baton.operator.validation` and some OpenAPI schema checks (enum, required, bounds, pattern)."""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import yaml
+from e2e_support import create_namespace, get_or_none
+
+from baton.operator.testing.controlplane import ControlPlane
+from baton.operator.validation import RULES
+
+NS = "e2e-invalid"
+BASE = {"apiVersion": "baton.dev/v1alpha1", "kind": "InferenceService",
+        "metadata": {"name": "bad", "namespace": NS},
+        "spec": {"image": "ghcr.io/baton-llm/baton:test", "model": {"name": "m", "path": "/models/m"}}}
+
+
+def body(name: str = "bad", **spec: Any) -> dict[str, Any]:
+    out = copy.deepcopy(BASE)
+    out["metadata"]["name"] = name
+    out["spec"].update(spec)
+    return out
+
+
+# One violation per CEL rule, in the order of validation.RULES.
+CEL_CASES = [
+    body(name="a" * 46),
+    body(name="9lives"),
+    body(mode="colocated", prefill={"replicas": 1}),
+    body(model={"name": "m", "path": "/m", "pvc": {"claimName": "c"}, "hostPath": {"path": "/data"}}),
+    body(prefill={"tp": 2, "gpus": 1}),
+    body(decode={"extraArgs": ["--port=1"]}),
+    body(router={"extraArgs": ["--policy", "random"]}),
+    body(kvTransfer={"protocol": "tcp", "ibDevices": ["mlx5_0"]}),
+    body(kvTransfer={"protocol": "tcp", "rdmaResourceName": "rdma/hca"}),
+]
+SCHEMA_CASES = [
+    (body(mode="both"), 'spec.mode: Unsupported value: "both"'),
+    ({**body(), "spec": {"image": "x"}}, "spec.model: Required value"),
+    (body(prefill={"replicas": -1}), "spec.prefill.replicas: Invalid value: -1"),
+    (body(model={"name": "m", "path": "relative/path"}), "spec.model.path: Invalid value"),
+]
+
+
+@pytest.fixture(scope="module")
+def namespace(control_plane: ControlPlane, operator) -> str:
+    return create_namespace(control_plane, NS)
+
+
+def refused(cp: ControlPlane, obj: dict[str, Any]) -> str:
+    """`kubectl apply` of `obj`: must fail (exit 1) with an Invalid error and create nothing."""
+    result = cp.kubectl("apply", "-f", "-", input=yaml.safe_dump(obj), check=False)
+    assert result.returncode == 1, (result.returncode, result.stdout, result.stderr)
+    assert f'The InferenceService "{obj["metadata"]["name"]}" is invalid' in result.stderr, result.stderr
+    assert get_or_none(cp, "inferenceservice", obj["metadata"]["name"], "-n", NS) is None
+    return result.stderr
+
+
+def test_there_is_one_case_per_rule():
+    assert len(CEL_CASES) == len(RULES)
+
+
+@pytest.mark.parametrize(("index", "obj"), list(enumerate(CEL_CASES)), ids=[r.scope.value + str(i) for i, r in enumerate(RULES)])
+def test_cel_rules_are_enforced_with_their_message(control_plane: ControlPlane, namespace: str, index: int,
+                                                   obj: dict[str, Any]):
+    stderr = refused(control_plane, obj)
+    assert RULES[index].message in stderr, stderr
+
+
+@pytest.mark.parametrize(("obj", "message"), SCHEMA_CASES, ids=["enum", "required", "minimum", "pattern"])
+def test_schema_is_enforced(control_plane: ControlPlane, namespace: str, obj: dict[str, Any], message: str):
+    stderr = refused(control_plane, obj)
+    assert message in stderr, stderr
+
+
+def test_a_valid_spec_is_accepted(control_plane: ControlPlane, namespace: str):
+    """The cases above differ from this one only in the broken field."""
+    result = control_plane.kubectl("apply", "--dry-run=server", "-f", "-", input=yaml.safe_dump(body()))
+    assert "inferenceservice.baton.dev/bad created (server dry run)" in result.stdout
