@@ -214,12 +214,14 @@ def test_pd_decode_abort_frees_both_sides(tiny_model_factory, pair_factory, when
     pair.assert_settled()
 
 
-def test_pd_decode_radix_hit_transfers_only_the_suffix(tiny_model_factory, pair_factory):
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "plain"])
+def test_pd_decode_radix_hit_transfers_only_the_suffix(tiny_model_factory, pair_factory, overlap):
     """The decode's own prefix cache (prompts of finished requests) is matched before reserving: the
     prefill writes only the pages after it, and the output is still HF's."""
     path = tiny_model_factory("llama")
     page = 4
-    pair = pair_factory(path, page_size=page, max_total_tokens=2048, prefill_args={"chunked_prefill_size": 16})
+    pair = pair_factory(path, page_size=page, max_total_tokens=2048, enable_overlap_schedule=overlap,
+                        disable_overlap_schedule=not overlap, prefill_args={"chunked_prefill_size": 16})
     first = workload()[6]
     assert len(first) >= 33, "the shared prefix below needs 8 whole pages"
     second = first[:32] + [11, 12, 13, 14, 15]
