@@ -102,15 +102,19 @@ class TorchAttnBackend(AttentionBackend):
         q3 = q.view(n, layer.num_heads, layer.head_dim)
         out = torch.empty_like(q3)  # [n, num_heads, head_dim]
         gqa = layer.num_heads != layer.num_kv_heads
+        k3, v3 = k.view(n, layer.num_kv_heads, layer.head_dim), v.view(n, layer.num_kv_heads, layer.head_dim)
         for i, extend in enumerate(forward_batch.extend_seq_lens_cpu):
             if extend == 0:
                 continue
             s = meta.token_starts[i]
             qi = q3[s:s + extend].transpose(0, 1)[None]  # [1, num_heads, extend, head_dim]
-            idx = meta.kv_indices[i]
-            ki = _gather(k_buf, idx).to(q.dtype).transpose(0, 1)[None]  # [1, kv_heads, seq_len, head_dim]
-            vi = _gather(v_buf, idx).to(q.dtype).transpose(0, 1)[None]
             mask = meta.masks[i]
+            if mask is None:  # no cached prefix: the keys are exactly this pass's k/v, no pool gather
+                ki, vi = k3[s:s + extend], v3[s:s + extend]
+            else:
+                ki, vi = _gather(k_buf, meta.kv_indices[i]), _gather(v_buf, meta.kv_indices[i])
+            ki = ki.to(q.dtype).transpose(0, 1)[None]  # [1, kv_heads, seq_len, head_dim]
+            vi = vi.to(q.dtype).transpose(0, 1)[None]
             oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, is_causal=mask is None,
                                                 scale=layer.scaling, enable_gqa=gqa)
             out[s:s + extend] = oi[0].transpose(0, 1)
