@@ -9,8 +9,9 @@ Supported rope_type: default, linear, llama3, dynamic, yarn.
   (and then per batch, which makes results batch-dependent); inside that length it equals default,
   which is what we implement. Requests longer than max_position_embeddings are refused upstream.
 - yarn: frequencies and the attention factor come from transformers' own init function (static).
-cos/sin are computed per call in float32 from the positions (cheap next to the matmuls, and exactly
-what HF computes, so no cache length to size).
+cos/sin are computed in float32 from the positions (exactly what HF computes, so no cache length to
+size), once per forward pass: layers with the same RoPE share one instance (get_rope), which keeps
+the cos/sin of the last positions tensor it saw.
 """
 from __future__ import annotations
 
@@ -84,8 +85,18 @@ class RotaryEmbedding(nn.Module):
         # A plain attribute, not a buffer: model.to(bfloat16) must not round the frequencies.
         self.inv_freq = inv_freq.to(torch.float32)  # [head_dim // 2]
         self.attention_scaling = attention_scaling
+        self._memo: tuple = (None, None, None, None)  # (positions, dtype, cos, sin) of the last call
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # Every layer of one pass gets the same positions tensor; holding it keeps its id from reuse.
+        last_positions, last_dtype, cos, sin = self._memo
+        if positions is last_positions and dtype == last_dtype:
+            return cos, sin
+        cos, sin = self._cos_sin(positions, dtype)
+        self._memo = (positions, dtype, cos, sin)
+        return cos, sin
+
+    def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
         freqs = positions[:, None].float() * self.inv_freq[None, :]  # [n, head_dim // 2]
@@ -106,6 +117,13 @@ class RotaryEmbedding(nn.Module):
         return q_out.reshape(n, -1), k_out.reshape(n, -1)
 
 
+_SHARED: dict[tuple, RotaryEmbedding] = {}
+
+
 def get_rope(config: Any, head_dim: int) -> RotaryEmbedding:
+    """One instance per distinct RoPE (as SGLang's get_rope), so a pass computes cos/sin once."""
     inv_freq, scaling = compute_inv_freq(config, head_dim)
-    return RotaryEmbedding(head_dim, inv_freq, scaling)
+    key = (head_dim, tuple(inv_freq.tolist()), scaling)
+    if key not in _SHARED:
+        _SHARED[key] = RotaryEmbedding(head_dim, inv_freq, scaling)
+    return _SHARED[key]
