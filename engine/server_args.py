@@ -49,6 +49,8 @@ class ServerArgs:
     attention_backend: str = "torch"
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 64
+    enable_torch_compile: bool = False
+    torch_compile_max_bs: int = 32
     random_seed: int = 0
     # serving
     api_key: Optional[str] = field(default=None, repr=False)  # never logged
@@ -127,6 +129,10 @@ class ServerArgs:
         a("--attention-backend", default=ServerArgs.attention_backend, choices=ATTENTION_BACKENDS)
         a("--disable-cuda-graph", action="store_true")
         a("--cuda-graph-max-bs", type=int, default=ServerArgs.cuda_graph_max_bs)
+        a("--enable-torch-compile", action="store_true",
+          help="compile the decode forward with torch.compile (first decode batch pays the compile)")
+        a("--torch-compile-max-bs", type=int, default=ServerArgs.torch_compile_max_bs,
+          help="decode batches larger than this run eagerly")
         a("--random-seed", type=int, default=ServerArgs.random_seed)
         a("--api-key", default=None, help="bearer key clients must send (default: $BATON_API_KEY)")
         a("--max-request-bytes", type=int, default=ServerArgs.max_request_bytes)

@@ -141,6 +141,7 @@ def create_app(ctx: ApiContext) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
         await ctx.tm.start()
+        await warm_up_compiled_decode(ctx)
         yield
 
     app = FastAPI(title="baton engine", docs_url=None, redoc_url=None, lifespan=lifespan)
@@ -233,6 +234,26 @@ def _register_native_routes(app: FastAPI, ctx: ApiContext) -> None:
                 raise err
         bodies = [native_body(o, obj.return_logprob) for o, obj in zip(outs, objs)]
         return JSONResponse(bodies if _is_batch(req) else bodies[0])
+
+
+async def warm_up_compiled_decode(ctx: ApiContext) -> None:
+    """With --enable-torch-compile, compile before serving: decode at batch 1 (a specialised graph)
+    and batch 2 (the dynamic one every larger batch reuses). The server answers /health only after.
+    A prefill engine never decodes; a decode engine warms up without a peer (no KV moves)."""
+    args = ctx.server_args
+    if not args.enable_torch_compile or args.disaggregation_mode == "prefill":
+        return
+
+    def request() -> GenerateInput:
+        obj = GenerateInput(SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True), input_ids=[1, 2, 3])
+        if args.disaggregation_mode == "decode":
+            obj.bootstrap_host, obj.bootstrap_room = FAKE_BOOTSTRAP_HOST, secrets.randbits(63)
+        return obj
+
+    logger.info("compiling the decode forward (torch.compile)...")
+    for batch in (1, 2):
+        await asyncio.gather(*[_collect(ctx.tm, request()) for _ in range(batch)])
+    logger.info("decode forward compiled")
 
 
 async def _collect(tm: TokenizerManager, obj: GenerateInput, is_disconnected=None) -> ReqOutput:

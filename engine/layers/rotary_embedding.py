@@ -88,6 +88,8 @@ class RotaryEmbedding(nn.Module):
         self._memo: tuple = (None, None, None, None)  # (positions, dtype, cos, sin) of the last call
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if torch.compiler.is_compiling():  # a compiled graph computes it once anyway; keep state out of its guards
+            return self._cos_sin(positions, dtype)
         # Every layer of one pass gets the same positions tensor; holding it keeps its id from reuse.
         last_positions, last_dtype, cos, sin = self._memo
         if positions is last_positions and dtype == last_dtype:

@@ -56,6 +56,9 @@ class ModelRunner:
                                                  self.head_dim, self.num_layers, self.device)
         self.allocator = TokenToKVPoolAllocator(cfg.max_total_tokens, page, self.device)
         self.attn_backend = create_attention_backend(server_args.attention_backend, model_runner=self)
+        # Decode only: its shapes change little (batch size, KV length), so one dynamic graph serves
+        # every step and removes most of the per-step Python/dispatch floor. Extends stay eager.
+        self.compiled_model = torch.compile(self.model, dynamic=True) if server_args.enable_torch_compile else None
         logger.info("model loaded: %s layers, dtype %s, KV pool %d tokens, %d max running requests",
                     self.num_layers, self.dtype, cfg.max_total_tokens, cfg.max_running_requests)
 
@@ -96,6 +99,11 @@ class ModelRunner:
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """Runs the model; returns hidden states [num_tokens, hidden]."""
         self.attn_backend.init_forward_metadata(fb)
+        if (self.compiled_model is not None and fb.forward_mode == ForwardMode.DECODE
+                and len(fb.seq_lens_cpu) <= self.server_args.torch_compile_max_bs):
+            # Inputs made outside inference mode (a merged batch's token ids) would fail the graph's
+            # guards and recompile it; copies made here are inference tensors like the rest.
+            return self.compiled_model(fb.input_ids.clone(), fb.positions.clone(), fb)
         return self.model(fb.input_ids, fb.positions, fb)
 
     @staticmethod

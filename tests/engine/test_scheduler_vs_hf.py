@@ -173,3 +173,23 @@ def test_priority_preemption(tiny_model_factory, overlap):
         assert h.results[f"low{i}"].ids == hf_greedy(path, p, 30, ignore_eos=True)
     assert h.results["high"].ids == hf_greedy(path, prompts[4], 5, ignore_eos=True)
     assert h.scheduler.check_memory_integrity()
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "plain"])
+def test_torch_compile_decode_matches_hf(tiny_model_factory, overlap):
+    """--enable-torch-compile: decode batches of changing size (requests join and finish) run the
+    compiled graph, extends stay eager; greedy tokens are still HF's."""
+    path = tiny_model_factory("llama")
+    h = SchedulerHarness(path, enable_torch_compile=True, enable_overlap_schedule=overlap,
+                         disable_overlap_schedule=not overlap, chunked_prefill_size=32, max_total_tokens=4096)
+    calls = []
+    compiled = h.scheduler.worker.model_runner.compiled_model
+    h.scheduler.worker.model_runner.compiled_model = lambda *a: calls.append(len(a[0])) or compiled(*a)
+    prompts = workload()
+    for i, p in enumerate(prompts):  # different lengths: the batch shrinks as requests finish
+        h.submit(str(i), p, max_new_tokens=4 + 2 * i)
+    results = h.run_until_idle()
+    for i, p in enumerate(prompts):
+        assert results[str(i)].ids == hf_greedy(path, p, 4 + 2 * i), f"request {i} (len {len(p)}) differs from HF"
+    assert len(set(calls)) > 2, f"decode batches of several sizes should run compiled: {sorted(set(calls))}"
+    assert h.scheduler.check_memory_integrity()
