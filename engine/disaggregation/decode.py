@@ -100,13 +100,17 @@ class DecodeDisaggregation:
         match = s.tree_cache.match_prefix(req.origin_input_ids[:n - 1])  # the prefill sends >= 1 page
         s.tree_cache.inc_lock_ref(match.last_node)  # before evicting: our own prefix must stay
         slots = self._alloc_suffix(req, match.device_indices, holders)
-        rows, meta_slot = (s.req_to_token_pool.alloc(1), self.metadata.alloc()) if slots is not None else (None, None)
+        if slots is None:
+            s.tree_cache.dec_lock_ref(match.last_node)
+            return False
+        rows, meta_slot = s.req_to_token_pool.alloc(1), self.metadata.alloc()
         if rows is None or meta_slot is None:
             s.tree_cache.dec_lock_ref(match.last_node)
-            for release, item in ((s.allocator.free, slots), (s.req_to_token_pool.free, rows and rows[0]),
-                                  (self.metadata.free, meta_slot)):
-                if item is not None:
-                    release(item)
+            s.allocator.free(slots)
+            if rows is not None:
+                s.req_to_token_pool.free(rows[0])
+            if meta_slot is not None:
+                self.metadata.free(meta_slot)
             return False
         req.prefix_indices, req.last_node, req.cached_tokens = match.device_indices, match.last_node, len(match.device_indices)
         req.req_pool_idx, req.kv_meta_slot = rows[0], meta_slot

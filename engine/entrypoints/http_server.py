@@ -175,10 +175,8 @@ def _register_native_routes(app: FastAPI, ctx: ApiContext) -> None:
     async def health_generate():
         """One real generation through the scheduler and model. On a PD engine the request runs
         without a peer (no KV moves); a decode generates 2 tokens so it runs a forward pass."""
-        obj = GenerateInput(SamplingParams(max_new_tokens=1, temperature=0.0), input_ids=[0])
-        if ctx.server_args.disaggregation_mode != "null":
-            obj.bootstrap_host, obj.bootstrap_room = FAKE_BOOTSTRAP_HOST, secrets.randbits(63)
-            obj.sampling_params = SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True)
+        pd = ctx.server_args.disaggregation_mode != "null"
+        obj = local_request(ctx.server_args, [0], max_new_tokens=2 if pd else 1)
         try:
             await asyncio.wait_for(_collect(ctx.tm, obj), 20.0)
         except (asyncio.TimeoutError, RequestError) as e:
@@ -236,6 +234,16 @@ def _register_native_routes(app: FastAPI, ctx: ApiContext) -> None:
         return JSONResponse(bodies if _is_batch(req) else bodies[0])
 
 
+def local_request(args: ServerArgs, input_ids: list[int], max_new_tokens: int) -> GenerateInput:
+    """A greedy request the engine generates for itself (probes, warm-up). On a PD engine it carries
+    the fake bootstrap host, so it runs through the queues and the model without a peer."""
+    obj = GenerateInput(SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True),
+                        input_ids=input_ids)
+    if args.disaggregation_mode != "null":
+        obj.bootstrap_host, obj.bootstrap_room = FAKE_BOOTSTRAP_HOST, secrets.randbits(63)
+    return obj
+
+
 async def warm_up_compiled_decode(ctx: ApiContext) -> None:
     """With --enable-torch-compile, compile before serving: decode at batch 1 (a specialised graph)
     and batch 2 (the dynamic one every larger batch reuses). The server answers /health only after.
@@ -244,15 +252,10 @@ async def warm_up_compiled_decode(ctx: ApiContext) -> None:
     if not args.enable_torch_compile or args.disaggregation_mode == "prefill":
         return
 
-    def request() -> GenerateInput:
-        obj = GenerateInput(SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True), input_ids=[1, 2, 3])
-        if args.disaggregation_mode == "decode":
-            obj.bootstrap_host, obj.bootstrap_room = FAKE_BOOTSTRAP_HOST, secrets.randbits(63)
-        return obj
-
     logger.info("compiling the decode forward (torch.compile)...")
     for batch in (1, 2):
-        await asyncio.gather(*[_collect(ctx.tm, request()) for _ in range(batch)])
+        await asyncio.gather(*[_collect(ctx.tm, local_request(args, [1, 2, 3], max_new_tokens=4))
+                               for _ in range(batch)])
     logger.info("decode forward compiled")
 
 
