@@ -3,12 +3,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from baton.engine.model_executor.forward_batch import ForwardBatch, ForwardMode
 from baton.engine.server_args import ServerArgs
+
+if TYPE_CHECKING:
+    from baton.engine.model_executor.cuda_graph_runner import CudaGraphRunner
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +62,22 @@ class ModelRunner:
         # Decode only: its shapes change little (batch size, KV length), so one dynamic graph serves
         # every step and removes most of the per-step Python/dispatch floor. Extends stay eager.
         self.compiled_model = torch.compile(self.model, dynamic=True) if server_args.enable_torch_compile else None
+        self.cuda_graph_runner = self._init_cuda_graph_runner()
         logger.info("model loaded: %s layers, dtype %s, KV pool %d tokens, %d max running requests",
                     self.num_layers, self.dtype, cfg.max_total_tokens, cfg.max_running_requests)
+
+    def _init_cuda_graph_runner(self) -> Optional["CudaGraphRunner"]:
+        """Decode CUDA graphs: on CUDA, unless --disable-cuda-graph, with a backend that supports them."""
+        from baton.engine.model_executor.cuda_graph_runner import CudaGraphRunner, supports_cuda_graph
+
+        args = self.server_args
+        if not self.device.startswith("cuda") or args.disable_cuda_graph:
+            return None
+        if not supports_cuda_graph(self.attn_backend):
+            logger.info("CUDA graphs off: --attention-backend %s has no static-shape decode metadata "
+                        "(use --attention-backend flashinfer)", args.attention_backend)
+            return None
+        return CudaGraphRunner(self, max_bs=min(args.cuda_graph_max_bs, self.pool_config.max_running_requests))
 
     def _pool_config(self, text_cfg) -> PoolConfig:
         args, page = self.server_args, self.server_args.page_size
@@ -98,6 +115,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """Runs the model; returns hidden states [num_tokens, hidden]."""
+        if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(fb):
+            return self.cuda_graph_runner.replay(fb)  # plans its own (padded) attention metadata
         self.attn_backend.init_forward_metadata(fb)
         if (self.compiled_model is not None and fb.forward_mode == ForwardMode.DECODE
                 and len(fb.seq_lens_cpu) <= self.server_args.torch_compile_max_bs):

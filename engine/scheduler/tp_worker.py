@@ -5,12 +5,17 @@ Overlap: sampled tokens of batch N go into a future map at indices reserved when
 Batch N+1 is built with -index placeholders as the decode inputs of those requests; the worker
 replaces them with the real ids just before its forward. The worker runs batches strictly in
 launch order, so N's tokens are always in the map when N+1 resolves them.
+
+On CUDA (as SGLang's overlap worker) the worker thread runs on its own stream, which first waits on
+an event the scheduler recorded at launch (its req_to_token writes for the batch), and copies the
+sampled ids to the host non-blocking with an event behind them: the scheduler thread waits on that
+event only when it processes the result, so the worker can launch batch N+1 while N computes.
 """
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -26,7 +31,19 @@ class GenerationBatchResult:
     next_top_logprobs: Optional[list[list[tuple[float, int]]]] = None
     # batch index -> (logprobs of scored prompt tokens, their top logprobs)
     input_logprobs: dict[int, tuple[list, list]] = field(default_factory=dict)
-    next_token_ids_tensor: Optional[torch.Tensor] = None  # [bs] int64 on the CPU, for the future map
+    next_token_ids_tensor: Optional[torch.Tensor] = None  # [bs] int64 on the CPU
+    next_token_ids_device: Optional[torch.Tensor] = None  # [bs] int64 on the model's device, for the future map
+    # CUDA overlap only: recorded behind the non-blocking copy into next_token_ids_tensor, whose
+    # values (and so next_token_ids) are only there once resolve() waited on it
+    copy_done: Optional[Any] = None
+
+    def resolve(self) -> "GenerationBatchResult":
+        """Wait for the sampled ids to reach the host (no-op when they already did)."""
+        if self.copy_done is not None:
+            self.copy_done.synchronize()
+            self.next_token_ids = self.next_token_ids_tensor.tolist()
+            self.copy_done = None
+        return self
 
 
 class TpModelWorker:
@@ -37,11 +54,12 @@ class TpModelWorker:
         self.sampler = Sampler()
         self.device = server_args.device
 
-    def forward_batch_generation(self, mwb: ModelWorkerBatch) -> GenerationBatchResult:
+    def forward_batch_generation(self, mwb: ModelWorkerBatch, async_copy: bool = False) -> GenerationBatchResult:
+        """`async_copy` (CUDA): copy the sampled ids to the host without waiting; call resolve()."""
         with torch.inference_mode():
-            return self._forward_and_sample(mwb)
+            return self._forward_and_sample(mwb, async_copy)
 
-    def _forward_and_sample(self, mwb: ModelWorkerBatch) -> GenerationBatchResult:
+    def _forward_and_sample(self, mwb: ModelWorkerBatch, async_copy: bool) -> GenerationBatchResult:
         from baton.engine.sampling.sampling_batch_info import SamplingBatchInfo
 
         runner = self.model_runner
@@ -52,7 +70,7 @@ class TpModelWorker:
         logits = runner.model.compute_logits(last_hidden)  # [bs, vocab] float32
         bs = logits.shape[0]
         sample_rows = [i for i, s in enumerate(mwb.sampling_states) if s is not None]
-        next_ids = torch.zeros(bs, dtype=torch.int64)
+        next_ids = torch.zeros(bs, dtype=torch.int64, device=logits.device)  # [bs]
         result = GenerationBatchResult(next_token_ids=[])
         if sample_rows:
             idx = torch.tensor(sample_rows, dtype=torch.int64, device=logits.device) if len(sample_rows) < bs else None
@@ -61,11 +79,10 @@ class TpModelWorker:
             info = SamplingBatchInfo.from_states(states, logits.device)
             nums = [mwb.top_logprobs_nums[i] for i in sample_rows]
             out = self.sampler.forward(sub_logits, info, mwb.return_logprob, nums)
-            sampled = out.next_token_ids.to("cpu")
             if idx is None:
-                next_ids = sampled
+                next_ids = out.next_token_ids
             else:
-                next_ids[torch.tensor(sample_rows)] = sampled
+                next_ids[idx] = out.next_token_ids
             if mwb.return_logprob:
                 lps = [0.0] * bs
                 tops: list[list] = [[] for _ in range(bs)]
@@ -74,10 +91,16 @@ class TpModelWorker:
                     if out.top_logprobs is not None:
                         tops[i] = out.top_logprobs[j]
                 result.next_token_logprobs, result.next_top_logprobs = lps, tops
-        result.next_token_ids = next_ids.tolist()
         if mwb.input_logprob_reqs:
             result.input_logprobs = self._input_logprobs(mwb, fb, hidden)
-        result.next_token_ids_tensor = next_ids
+        result.next_token_ids_device = next_ids
+        if async_copy:
+            result.next_token_ids_tensor = next_ids.to("cpu", non_blocking=True)  # into pinned memory
+            result.copy_done = torch.cuda.Event()
+            result.copy_done.record()
+        else:
+            result.next_token_ids_tensor = next_ids.to("cpu")
+            result.next_token_ids = result.next_token_ids_tensor.tolist()
         return result
 
     def _input_logprobs(self, mwb: ModelWorkerBatch, fb, hidden: torch.Tensor) -> dict[int, tuple[list, list]]:
@@ -119,6 +142,17 @@ class FutureMap:
         return torch.arange(start, start + bs, dtype=torch.int64) % self.size + 1
 
 
+class PendingResult:
+    """What launch() hands the scheduler: result() waits for the worker thread, then for the sampled
+    ids' copy to the host."""
+
+    def __init__(self, future: Future) -> None:
+        self._future = future
+
+    def result(self) -> GenerationBatchResult:
+        return self._future.result().resolve()
+
+
 class OverlapWorkerClient:
     """Launches batches on one worker thread (FIFO) and returns placeholders immediately."""
 
@@ -126,20 +160,33 @@ class OverlapWorkerClient:
         self.worker = worker
         self.future_map = FutureMap(max_running_requests, worker.device)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
+        self.forward_stream = torch.cuda.Stream() if str(worker.device).startswith("cuda") else None
 
-    def launch(self, mwb: ModelWorkerBatch) -> tuple[torch.Tensor, Future]:
+    def launch(self, mwb: ModelWorkerBatch) -> tuple[torch.Tensor, PendingResult]:
         bs = len(mwb.seq_lens_cpu)
         mwb.future_indices = self.future_map.reserve(bs)
-        return -mwb.future_indices, self._executor.submit(self._run, mwb)
+        inputs_ready = None
+        if self.forward_stream is not None:  # behind the scheduler's req_to_token writes for this batch
+            inputs_ready = torch.cuda.Event()
+            inputs_ready.record()
+        return -mwb.future_indices, PendingResult(self._executor.submit(self._run, mwb, inputs_ready))
 
-    def _run(self, mwb: ModelWorkerBatch) -> GenerationBatchResult:
+    def _run(self, mwb: ModelWorkerBatch, inputs_ready: Optional[Any]) -> GenerationBatchResult:
+        if self.forward_stream is None:
+            return self._forward(mwb, async_copy=False)
+        with torch.cuda.stream(self.forward_stream):
+            self.forward_stream.wait_event(inputs_ready)
+            return self._forward(mwb, async_copy=True)
+
+    def _forward(self, mwb: ModelWorkerBatch, async_copy: bool) -> GenerationBatchResult:
         from baton.engine.triton_ops.future_resolve import resolve_future_token_ids
 
-        input_ids = mwb.input_ids.clone()
+        # a copy: mwb.input_ids is the scheduler's batch.output_ids, which must keep its placeholders
+        input_ids = mwb.input_ids.to(self.future_map.token_ids.device, copy=True)
         resolve_future_token_ids(input_ids, self.future_map.token_ids)
         mwb.input_ids = input_ids
-        result = self.worker.forward_batch_generation(mwb)
-        self.future_map.token_ids[mwb.future_indices] = result.next_token_ids_tensor.to(self.future_map.token_ids.device)
+        result = self.worker.forward_batch_generation(mwb, async_copy)
+        self.future_map.token_ids[mwb.future_indices] = result.next_token_ids_device
         return result
 
     def shutdown(self) -> None:

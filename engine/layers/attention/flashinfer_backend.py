@@ -1,0 +1,195 @@
+"""Attention through FlashInfer's paged-KV wrappers (CUDA only; fp16/bf16; head_dim 64/128/256).
+
+The pool's per-layer [slots, kv_heads, head_dim] tensors are viewed as NHD pages
+[slots // P, P, kv_heads, head_dim]; page 0 is the dummy page, never handed to a request.
+Per pass: the page metadata (triton_ops/paged_kv_indices.py) is built once, the wrapper is planned
+once in init_forward_metadata, and every layer only calls run():
+
+    DECODE   BatchDecodeWithPagedKVCacheWrapper   one query per request
+    EXTEND   BatchPrefillWithPagedKVCacheWrapper  causal, bottom-right aligned, so new token j of a
+                                                  request with a cached prefix of p tokens sees
+                                                  keys 0 .. p + j (prefix pages included)
+
+CUDA graphs (model_executor/cuda_graph_runner.py): one decode wrapper per captured batch size,
+created with use_cuda_graph=True over preallocated indptr / last_page_len buffers and one shared
+kv_indices buffer, and planned again (outside the graph) before every replay.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+from baton.engine.layers.attention.base import AttentionBackend
+from baton.engine.triton_ops.paged_kv_indices import build_paged_kv_metadata, qo_indptr_of
+
+try:
+    import flashinfer
+except ImportError as e:  # the registry imports this module only when --attention-backend flashinfer
+    raise ImportError("--attention-backend flashinfer needs the flashinfer-python package (and a CUDA "
+                      "device); install it or use --attention-backend torch") from e
+
+if TYPE_CHECKING:
+    from baton.engine.layers.radix_attention import RadixAttention
+    from baton.engine.model_executor.forward_batch import ForwardBatch
+
+# FlashInfer's recommended float workspace (split-KV partial results).
+WORKSPACE_BYTES = 128 * 1024 * 1024
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+# The FA2 decode kernel's compiled GQA group sizes (DISPATCH_GQA_GROUP_SIZE in flashinfer/utils.cuh).
+SUPPORTED_GROUP_SIZES = (1, 2, 3, 4, 6, 8, 16)
+# Pinned to one kernel family: "auto" may pick other backends per plan (and each JIT-compiles).
+KERNEL_BACKEND = "fa2"
+
+
+@dataclass
+class FlashInferMetadata:
+    wrapper: Any  # the decode or prefill wrapper planned for this pass
+
+
+@dataclass(frozen=True)
+class AttnGeometry:
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scaling: float
+
+
+def attn_geometry(model: torch.nn.Module) -> AttnGeometry:
+    """Head geometry of the model's attention layers; FlashInfer plans once per pass for all layers,
+    so every layer must agree."""
+    from baton.engine.layers.radix_attention import RadixAttention
+
+    layers = [m for m in model.modules() if isinstance(m, RadixAttention)]
+    if not layers:
+        raise ValueError("the model has no RadixAttention layers")
+    shapes = {(m.num_heads, m.num_kv_heads, m.head_dim, m.scaling) for m in layers}
+    if len(shapes) != 1:
+        raise NotImplementedError(f"FlashInfer backend needs one attention geometry for all layers, got {shapes}")
+    heads, kv_heads, head_dim, scaling = shapes.pop()
+    return AttnGeometry(heads, kv_heads, head_dim, scaling)
+
+
+class FlashInferAttnBackend(AttentionBackend):
+    supports_cuda_graph = True
+
+    def __init__(self, model_runner: Any, **_unused: Any) -> None:
+        pool = model_runner.token_to_kv_pool
+        self._check_supported(str(model_runner.device), model_runner.dtype, pool.dtype, model_runner.head_dim)
+        self.geometry = attn_geometry(model_runner.model)
+        group = self.geometry.num_qo_heads // self.geometry.num_kv_heads
+        if group not in SUPPORTED_GROUP_SIZES:
+            raise ValueError(f"--attention-backend flashinfer: GQA group size {group} is not one of "
+                             f"{SUPPORTED_GROUP_SIZES}; use --attention-backend torch")
+        self.dtype, self.kv_dtype = model_runner.dtype, pool.dtype
+        self.page_size = pool.page_size
+        self.req_to_token = model_runner.req_to_token_pool.req_to_token
+        self.device = self.req_to_token.device
+        self.max_pages_per_req = -(-self.req_to_token.shape[1] // self.page_size)
+        g = self.geometry
+        # [slots, H, D] -> [pages, P, H, D]: a view, so run() reads the very tensors store_kv writes
+        self.paged_kv = [(k.view(-1, self.page_size, g.num_kv_heads, g.head_dim),
+                          v.view(-1, self.page_size, g.num_kv_heads, g.head_dim))
+                         for k, v in zip(pool.k_buffer, pool.v_buffer)]
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", backend=KERNEL_BACKEND)
+        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, "NHD", backend=KERNEL_BACKEND)
+        self._plan_fence: Optional[torch.cuda.Event] = None
+        self._graph_wrappers: dict[int, Any] = {}
+        self._graph_kv_indices: Optional[torch.Tensor] = None
+
+    @staticmethod
+    def _check_supported(device: str, dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int) -> None:
+        if not device.startswith("cuda"):
+            raise ValueError(f"--attention-backend flashinfer needs --device cuda, got {device!r}")
+        if dtype not in SUPPORTED_DTYPES or kv_dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"--attention-backend flashinfer needs float16 or bfloat16 (model {dtype}, KV {kv_dtype}); "
+                             "pass --dtype float16/bfloat16, or use --attention-backend torch for float32")
+        if head_dim not in SUPPORTED_HEAD_DIMS:
+            raise ValueError(f"--attention-backend flashinfer supports head_dim {SUPPORTED_HEAD_DIMS}, "
+                             f"the model has {head_dim}; use --attention-backend torch")
+
+    # ------------------------------------------------------------------ planning
+    def _plan(self, wrapper: Any, *args: Any, **kwargs: Any) -> None:
+        """plan() with a fence. plan() fills a pinned host buffer and copies it to the device
+        asynchronously; the next plan() refills that buffer. The overlap loop plans batch N+1 before
+        the GPU may have reached batch N's copy, so wait until the previous plan's copy ran (the GPU
+        then works on batch N while the CPU launches N+1)."""
+        if self._plan_fence is not None:
+            self._plan_fence.synchronize()
+        common = dict(q_data_type=self.dtype, kv_data_type=self.kv_dtype, sm_scale=self.geometry.scaling,
+                      pos_encoding_mode="NONE", non_blocking=True)
+        wrapper.plan(*args, **common, **kwargs)
+        self._plan_fence = torch.cuda.Event()
+        self._plan_fence.record()
+
+    def _plan_decode(self, wrapper: Any, fb: "ForwardBatch", out: Optional[torch.Tensor] = None) -> None:
+        g = self.geometry
+        meta = build_paged_kv_metadata(self.req_to_token, fb.req_pool_indices, fb.seq_lens_cpu, self.page_size, out)
+        self._plan(wrapper, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len,
+                   g.num_qo_heads, g.num_kv_heads, g.head_dim, self.page_size)
+        fb.attn_metadata = FlashInferMetadata(wrapper)
+
+    def _plan_extend(self, fb: "ForwardBatch") -> None:
+        g = self.geometry
+        meta = build_paged_kv_metadata(self.req_to_token, fb.req_pool_indices, fb.seq_lens_cpu, self.page_size)
+        self._plan(self.prefill_wrapper, qo_indptr_of(fb.extend_seq_lens_cpu), meta.kv_indptr, meta.kv_indices,
+                   meta.kv_last_page_len, g.num_qo_heads, g.num_kv_heads, g.head_dim, self.page_size, causal=True)
+        fb.attn_metadata = FlashInferMetadata(self.prefill_wrapper)
+
+    def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
+        if forward_batch.forward_mode.is_decode():
+            self._plan_decode(self.decode_wrapper, forward_batch)
+        elif forward_batch.forward_mode.is_extend():
+            self._plan_extend(forward_batch)
+
+    # ------------------------------------------------------------------ CUDA graphs
+    def init_cuda_graph_state(self, max_bs: int) -> None:
+        """One kv_indices buffer for every captured batch size: its address is baked into the graphs."""
+        self._graph_kv_indices = torch.zeros(max_bs * self.max_pages_per_req, dtype=torch.int32, device=self.device)
+
+    def init_forward_metadata_capture(self, forward_batch: "ForwardBatch") -> None:
+        """Before capturing batch size bs: a fixed-size wrapper over static buffers, planned once."""
+        assert self._graph_kv_indices is not None, "init_cuda_graph_state first"
+        bs = forward_batch.batch_size
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_cuda_graph=True,
+            paged_kv_indptr_buffer=torch.zeros(bs + 1, dtype=torch.int32, device=self.device),
+            paged_kv_indices_buffer=self._graph_kv_indices,
+            paged_kv_last_page_len_buffer=torch.zeros(bs, dtype=torch.int32, device=self.device),
+            backend=KERNEL_BACKEND)
+        self._graph_wrappers[bs] = wrapper
+        self._plan_decode(wrapper, forward_batch, out=self._graph_kv_indices)
+
+    def init_forward_metadata_replay(self, forward_batch: "ForwardBatch") -> None:
+        """Before replaying the graph of batch size bs (padded rows included)."""
+        wrapper = self._graph_wrappers[forward_batch.batch_size]
+        self._plan_decode(wrapper, forward_batch, out=self._graph_kv_indices)
+
+    # ------------------------------------------------------------------ attention
+    def _save_kv(self, k: torch.Tensor, v: torch.Tensor, layer: "RadixAttention", fb: "ForwardBatch") -> None:
+        n = k.shape[0]
+        fb.token_to_kv_pool.set_kv_buffer(
+            layer.layer_id, fb.out_cache_loc,
+            k.view(n, layer.num_kv_heads, layer.head_dim), v.view(n, layer.num_kv_heads, layer.head_dim))
+
+    def _run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "RadixAttention",
+             fb: "ForwardBatch", save_kv_cache: bool) -> torch.Tensor:
+        if save_kv_cache:
+            self._save_kv(k, v, layer, fb)
+        n = q.shape[0]
+        q3 = q.reshape(n, layer.num_heads, layer.head_dim).contiguous()  # [n, num_heads, head_dim]
+        out = fb.attn_metadata.wrapper.run(q3, self.paged_kv[layer.layer_id])
+        return out.view(n, layer.num_heads * layer.head_dim)
+
+    def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "RadixAttention",
+                       forward_batch: "ForwardBatch", save_kv_cache: bool = True) -> torch.Tensor:
+        return self._run(q, k, v, layer, forward_batch, save_kv_cache)
+
+    def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "RadixAttention",
+                       forward_batch: "ForwardBatch", save_kv_cache: bool = True) -> torch.Tensor:
+        return self._run(q, k, v, layer, forward_batch, save_kv_cache)

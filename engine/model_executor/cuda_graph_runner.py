@@ -1,0 +1,155 @@
+"""CudaGraphRunner: the decode forward captured once per batch-size bucket, replayed per step.
+
+A decode batch of bs requests runs in the graph of the smallest captured size b >= bs. The graph
+reads static input buffers; rows bs..b-1 are padding that can never touch a real request's KV:
+
+    row        input_ids  positions  req_pool_indices  seq_lens  out_cache_loc
+    0..bs-1    real       real       real              real      real slots
+    bs..b-1    0          0          0                 1         0 (dummy page: writes land there)
+
+A padded row reads one KV entry (request row 0, position 0, any valid slot) and writes only the
+dummy slot; its output row is sliced away. The attention backend must give decode metadata of
+static shape for a fixed b (supports_cuda_graph, and the three hooks below): FlashInfer does, the
+torch backend does not (its gather width is the batch's longest sequence).
+
+With capture disabled the runner runs the very same padding / static-buffer path eagerly, which is
+how CPU tests check that padded rows change neither real rows' outputs nor their KV.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+from baton.engine.model_executor.forward_batch import ForwardBatch, ForwardMode
+
+if TYPE_CHECKING:
+    from baton.engine.model_executor.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+PAD_SEQ_LEN = 1  # a padded row attends to one KV entry: every kernel sees a non-empty sequence
+GRAPH_HOOKS = ("init_cuda_graph_state", "init_forward_metadata_capture", "init_forward_metadata_replay")
+
+
+def capture_batch_sizes(max_bs: int) -> list[int]:
+    """1, 2, 4, 8, then every 8 up to max_bs, and max_bs itself (SGLang's bucketing, coarser above 8
+    since a padded decode row costs little)."""
+    if max_bs < 1:
+        raise ValueError(f"--cuda-graph-max-bs must be >= 1, got {max_bs}")
+    sizes = [b for b in (1, 2, 4) if b < max_bs] + list(range(8, max_bs, 8))
+    return sizes + [max_bs]
+
+
+def supports_cuda_graph(attn_backend: Any) -> bool:
+    return bool(getattr(attn_backend, "supports_cuda_graph", False)) and all(
+        hasattr(attn_backend, hook) for hook in GRAPH_HOOKS)
+
+
+class CudaGraphRunner:
+    def __init__(self, model_runner: "ModelRunner", max_bs: int, capture: bool = True) -> None:
+        """`capture=False` runs the padded static-buffer path eagerly (tests; any backend)."""
+        self.model_runner = model_runner
+        self.batch_sizes = capture_batch_sizes(max_bs)
+        self.max_bs = self.batch_sizes[-1]
+        self.use_graphs = capture
+        dev, b = model_runner.device, self.max_bs
+        with torch.inference_mode():  # every forward runs in inference mode; so do its inputs
+            self.input_ids = torch.zeros(b, dtype=torch.int64, device=dev)
+            self.positions = torch.zeros(b, dtype=torch.int64, device=dev)
+            self.req_pool_indices = torch.zeros(b, dtype=torch.int64, device=dev)
+            self.seq_lens = torch.full((b,), PAD_SEQ_LEN, dtype=torch.int64, device=dev)
+            self.out_cache_loc = torch.zeros(b, dtype=torch.int64, device=dev)
+        self.graphs: dict[int, Any] = {}  # batch size -> torch.cuda.CUDAGraph
+        self.outputs: dict[int, torch.Tensor] = {}  # batch size -> [b, hidden] static graph output
+        if capture:
+            if not supports_cuda_graph(model_runner.attn_backend):
+                raise ValueError(f"{type(model_runner.attn_backend).__name__} has no static-shape decode metadata; "
+                                 "CUDA graphs need --attention-backend flashinfer")
+            self._capture_all()
+
+    # ------------------------------------------------------------------ replay
+    def can_run(self, fb: ForwardBatch) -> bool:
+        return fb.forward_mode == ForwardMode.DECODE and fb.batch_size <= self.max_bs
+
+    def bucket(self, bs: int) -> int:
+        """The smallest captured batch size >= bs."""
+        return self.batch_sizes[bisect.bisect_left(self.batch_sizes, bs)]
+
+    def replay(self, fb: ForwardBatch) -> torch.Tensor:
+        """Hidden states [bs, hidden] of a decode batch; a view of the graph's output, valid until
+        the next replay (the caller computes logits from it first)."""
+        assert self.can_run(fb), "not a decode batch within the captured sizes"
+        bs, b = fb.batch_size, self.bucket(fb.batch_size)
+        self._load_inputs(fb, b)
+        static = self._static_batch(b, fb.seq_lens_cpu + [PAD_SEQ_LEN] * (b - bs))
+        if self.use_graphs:
+            self.model_runner.attn_backend.init_forward_metadata_replay(static)
+            self.graphs[b].replay()
+            return self.outputs[b][:bs]
+        self.model_runner.attn_backend.init_forward_metadata(static)
+        return self._forward(static)[:bs]
+
+    def _load_inputs(self, fb: ForwardBatch, b: int) -> None:
+        bs = fb.batch_size
+        for buf, src in ((self.input_ids, fb.input_ids), (self.positions, fb.positions),
+                         (self.req_pool_indices, fb.req_pool_indices), (self.seq_lens, fb.seq_lens),
+                         (self.out_cache_loc, fb.out_cache_loc)):
+            buf[:bs].copy_(src, non_blocking=True)
+        self._pad_rows(bs, b)
+
+    def _pad_rows(self, start: int, end: int) -> None:
+        if start == end:
+            return
+        for buf in (self.input_ids, self.positions, self.req_pool_indices, self.out_cache_loc):
+            buf[start:end].zero_()
+        self.seq_lens[start:end].fill_(PAD_SEQ_LEN)
+
+    def _static_batch(self, b: int, seq_lens_cpu: list[int]) -> ForwardBatch:
+        mr = self.model_runner
+        return ForwardBatch(
+            forward_mode=ForwardMode.DECODE, batch_size=b, input_ids=self.input_ids[:b],
+            positions=self.positions[:b], req_pool_indices=self.req_pool_indices[:b], seq_lens=self.seq_lens[:b],
+            out_cache_loc=self.out_cache_loc[:b], seq_lens_cpu=seq_lens_cpu, extend_prefix_lens_cpu=None,
+            extend_seq_lens_cpu=None, req_to_token_pool=mr.req_to_token_pool, token_to_kv_pool=mr.token_to_kv_pool,
+            attn_backend=mr.attn_backend)
+
+    def _forward(self, fb: ForwardBatch) -> torch.Tensor:
+        # A fresh view of positions per call: RotaryEmbedding memoizes cos/sin by the positions
+        # tensor's identity, and a reused object would let a capture skip computing cos/sin
+        # (the graph would replay the warm-up's values) or an eager run reuse stale ones.
+        return self.model_runner.model(fb.input_ids, fb.positions.view(-1), fb)
+
+    # ------------------------------------------------------------------ capture
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        backend = self.model_runner.attn_backend
+        backend.init_cuda_graph_state(self.max_bs)
+        pool = torch.cuda.graph_pool_handle()
+        # Largest first: the smaller graphs then fit in the memory the largest one reserved.
+        for b in reversed(self.batch_sizes):
+            try:
+                self._capture_one(b, pool)
+            except Exception as e:
+                raise RuntimeError(f"CUDA graph capture of the decode forward failed at batch size {b} ({e}); "
+                                   "the model may have data-dependent host syncs (e.g. MoE routing): "
+                                   "run with --disable-cuda-graph") from e
+        torch.cuda.synchronize()
+        logger.info("captured CUDA graphs for decode batch sizes %s", self.batch_sizes)
+
+    def _capture_one(self, b: int, pool: Optional[Any]) -> None:
+        self._pad_rows(0, b)  # capture on all-padding inputs: only the dummy page is written
+        static = self._static_batch(b, [PAD_SEQ_LEN] * b)
+        self.model_runner.attn_backend.init_forward_metadata_capture(static)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-ups off the capture: lazy inits, Triton JIT, allocator
+            for _ in range(2):
+                self._forward(static)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            self.outputs[b] = self._forward(static)
+        self.graphs[b] = graph
