@@ -79,6 +79,7 @@ def run_detokenizer_process(tokenizer_path: str, recv_addr: str, send_addr: str,
                             ready_pipe: Any) -> None:
     from transformers import AutoTokenizer
 
+    from baton.engine.utils.gc_freeze import freeze_gc
     from baton.engine.utils.logging import configure_logging
     from baton.engine.utils.process import die_with_parent
 
@@ -94,6 +95,7 @@ def run_detokenizer_process(tokenizer_path: str, recv_addr: str, send_addr: str,
     except Exception:
         ready_pipe.send(("error", traceback.format_exc()))
         return
+    freeze_gc("detokenizer")
     ready_pipe.send(("ready", None))
     while True:
         msg = recv.recv_pyobj()

@@ -52,6 +52,11 @@ class GetServerInfoReq:
     pass
 
 
+@dataclass
+class FreezeGCReq:
+    """Start-up is over (the compile warm-up included): freeze what exists (utils/gc_freeze.py)."""
+
+
 # ---------------------------------------------------------------- scheduler -> tokenizer (via detokenizer)
 @dataclass
 class FlushCacheOut:

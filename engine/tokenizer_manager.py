@@ -12,7 +12,7 @@ from typing import Any, AsyncIterator, Optional
 import zmq
 import zmq.asyncio
 
-from baton.engine.io_struct import (AbortReq, BatchStrOut, FinishReason, FlushCacheOut, FlushCacheReq,
+from baton.engine.io_struct import (AbortReq, BatchStrOut, FinishReason, FlushCacheOut, FlushCacheReq, FreezeGCReq,
                                     GetServerInfoOut, GetServerInfoReq, TokenizedGenerateReqInput)
 from baton.engine.metrics import EngineMetrics
 from baton.engine.sampling.sampling_params import SamplingParams
@@ -184,6 +184,13 @@ class TokenizerManager:
 
     async def flush_cache(self) -> FlushCacheOut:
         return await self._control(FlushCacheReq(), FlushCacheOut)
+
+    async def freeze_gc(self) -> None:
+        """After start-up: the scheduler freezes its long-lived objects (no reply), and so does this process."""
+        from baton.engine.utils.gc_freeze import freeze_gc
+
+        await self.send.send_pyobj(FreezeGCReq())
+        freeze_gc("tokenizer manager")
 
     async def get_server_info(self) -> dict[str, Any]:
         return (await self._control(GetServerInfoReq(), GetServerInfoOut)).info

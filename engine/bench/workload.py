@@ -25,12 +25,13 @@ class WorkloadConfig:
     shared_prefix_len: int = 0
     seed: int = 0
     # SGLang bench_serving semantics: each prompt's input and output lengths are drawn uniformly
-    # from [ratio * len, len]; 1.0 makes every request the same length.
+    # from [max(1, ratio * len), len]; 1.0 makes every request the same length, 0.0 (SGLang's
+    # default) draws from [1, len].
     random_range_ratio: float = 1.0
 
     def __post_init__(self) -> None:
         assert self.num_prompts >= 1 and self.input_len >= 1 and self.output_len >= 1
-        assert 0.0 < self.random_range_ratio <= 1.0, "--random-range-ratio must be in (0, 1]"
+        assert 0.0 <= self.random_range_ratio <= 1.0, "--random-range-ratio must be in [0, 1]"
         assert 0 <= self.shared_prefix_len < self.input_len, "--shared-prefix-len must be < --input-len"
 
 

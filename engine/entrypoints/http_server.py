@@ -142,6 +142,7 @@ def create_app(ctx: ApiContext) -> FastAPI:
     async def lifespan(_: FastAPI):
         await ctx.tm.start()
         await warm_up_compiled_decode(ctx)
+        await ctx.tm.freeze_gc()  # after the warm-up: Dynamo's graphs and guards are long-lived too
         yield
 
     app = FastAPI(title="baton engine", docs_url=None, redoc_url=None, lifespan=lifespan)

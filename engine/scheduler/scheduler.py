@@ -19,14 +19,15 @@ from typing import Any, Optional
 import torch
 import zmq
 
-from baton.engine.io_struct import (AbortReq, FlushCacheOut, FlushCacheReq, GetServerInfoOut, GetServerInfoReq,
-                                    TokenizedGenerateReqInput)
+from baton.engine.io_struct import (AbortReq, FlushCacheOut, FlushCacheReq, FreezeGCReq, GetServerInfoOut,
+                                    GetServerInfoReq, TokenizedGenerateReqInput)
 from baton.engine.scheduler.output_processor import SchedulerOutputProcessorMixin
 from baton.engine.scheduler.req import Req
 from baton.engine.scheduler.schedule_batch import ModelWorkerBatch, ScheduleBatch
 from baton.engine.scheduler.schedule_policy import AddReqResult, InBatchPrefixIndex, PrefillAdder, SchedulePolicy
 from baton.engine.scheduler.tp_worker import GenerationBatchResult, OverlapWorkerClient, TpModelWorker
 from baton.engine.server_args import ServerArgs
+from baton.engine.utils.gc_freeze import freeze_gc
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +128,8 @@ class Scheduler(SchedulerOutputProcessorMixin):
                 self.outbox.append(self.flush_cache())
             elif isinstance(msg, GetServerInfoReq):
                 self.outbox.append(GetServerInfoOut(self.get_server_info()))
+            elif isinstance(msg, FreezeGCReq):
+                freeze_gc("scheduler")
             else:
                 logger.error("unknown message type %s dropped", type(msg).__name__)
 

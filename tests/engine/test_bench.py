@@ -179,6 +179,14 @@ def test_random_range_ratio_draws_lengths_in_range(tokenizer):
     assert build_workload(tokenizer, cfg) == prompts
 
 
+def test_random_range_ratio_zero_is_sglang_default_one_to_len(tokenizer):
+    cfg = WorkloadConfig(num_prompts=60, input_len=8, output_len=6, seed=5, random_range_ratio=0.0)
+    outs = [p.output_len for p in build_workload(tokenizer, cfg)]
+    assert min(outs) == 1 and max(outs) == 6
+    with pytest.raises(AssertionError, match="in \\[0, 1\\]"):
+        WorkloadConfig(num_prompts=1, input_len=8, output_len=6, random_range_ratio=-0.1)
+
+
 def test_serving_counts_requests_tokens_and_holds_concurrency(tokenizer):
     prompts = build_workload(tokenizer, WorkloadConfig(num_prompts=8, input_len=16, output_len=5, seed=0))
     fake = FakeOpenAI(gate=4)
