@@ -33,6 +33,14 @@ class AttentionBackend(ABC):
             return self.forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
         return self.forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
 
+    @staticmethod
+    def _save_kv(k: torch.Tensor, v: torch.Tensor, layer: "RadixAttention", fb: "ForwardBatch") -> None:
+        """Write this pass's K/V ([num_tokens, num_kv_heads * head_dim]) into the pool at fb.out_cache_loc."""
+        n = k.shape[0]
+        fb.token_to_kv_pool.set_kv_buffer(
+            layer.layer_id, fb.out_cache_loc,
+            k.view(n, layer.num_kv_heads, layer.head_dim), v.view(n, layer.num_kv_heads, layer.head_dim))
+
     @abstractmethod
     def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "RadixAttention",
                        forward_batch: "ForwardBatch", save_kv_cache: bool = True) -> torch.Tensor:

@@ -171,12 +171,6 @@ class FlashInferAttnBackend(AttentionBackend):
         self._plan_decode(wrapper, forward_batch, out=self._graph_kv_indices)
 
     # ------------------------------------------------------------------ attention
-    def _save_kv(self, k: torch.Tensor, v: torch.Tensor, layer: "RadixAttention", fb: "ForwardBatch") -> None:
-        n = k.shape[0]
-        fb.token_to_kv_pool.set_kv_buffer(
-            layer.layer_id, fb.out_cache_loc,
-            k.view(n, layer.num_kv_heads, layer.head_dim), v.view(n, layer.num_kv_heads, layer.head_dim))
-
     def _run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "RadixAttention",
              fb: "ForwardBatch", save_kv_cache: bool) -> torch.Tensor:
         if save_kv_cache:

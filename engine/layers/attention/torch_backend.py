@@ -76,12 +76,6 @@ class TorchAttnBackend(AttentionBackend):
             masks.append(None if prefix == 0 else _prefix_causal_mask(prefix, extend, req_to_token.device))
         return ExtendMetadata(starts, kv_indices, masks)
 
-    def _save_kv(self, k: torch.Tensor, v: torch.Tensor, layer: "RadixAttention", fb: "ForwardBatch") -> None:
-        n = k.shape[0]
-        fb.token_to_kv_pool.set_kv_buffer(
-            layer.layer_id, fb.out_cache_loc,
-            k.view(n, layer.num_kv_heads, layer.head_dim), v.view(n, layer.num_kv_heads, layer.head_dim))
-
     def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "RadixAttention",
                        forward_batch: "ForwardBatch", save_kv_cache: bool = True) -> torch.Tensor:
         if save_kv_cache:
