@@ -10,6 +10,7 @@ cannot hold the step.
 """
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from collections import deque
@@ -420,6 +421,7 @@ class Scheduler(SchedulerOutputProcessorMixin):
             "gen_throughput": self.stats.gen_throughput,
             "queue_time_samples": list(self.stats.queue_times),
             "integrity_ok": self.check_memory_integrity() if self.is_idle() else None,
+            "gc_frozen_objects": gc.get_freeze_count(),  # > 0 once start-up is over (utils/gc_freeze.py)
         }
 
     def token_usage(self) -> float:

@@ -171,6 +171,8 @@ def test_health_metrics_models_flush(engine):
     assert httpx.post(f"{base}/flush_cache").status_code == 200
     info = wait_idle_integrity(base)
     assert info["integrity_ok"] is True
+    # the HTTP process told the scheduler, once start-up was over, to freeze its start-up objects
+    assert info["gc_frozen_objects"] > 10_000
 
 
 def test_queue_limit_returns_503(model_path):
