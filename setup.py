@@ -21,4 +21,5 @@ def _packages() -> tuple[list[str], dict[str, str]]:
 
 
 packages, package_dir = _packages()
-setup(packages=packages, package_dir=package_dir)
+# The native CPU kernels are compiled from source on first use (engine/kernels/cpu_attention.py).
+setup(packages=packages, package_dir=package_dir, package_data={"baton.engine.kernels": ["*.c"]})

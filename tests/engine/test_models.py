@@ -35,14 +35,15 @@ CASES = {
 class PagedRunner:
     """Drives the model the way the model runner will: pools + backend + hand-built ForwardBatch."""
 
-    def __init__(self, model, config, page_size: int, max_reqs: int = 4, max_len: int = 48, seed: int = 0) -> None:
+    def __init__(self, model, config, page_size: int, max_reqs: int = 4, max_len: int = 48, seed: int = 0,
+                 native_decode: bool = False) -> None:
         self.model, self.page_size = model, page_size
         pages_per_req = math.ceil(max_len / page_size)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.req_pool = ReqToTokenPool(max_reqs, max_len, "cpu")
         self.kv_pool = MHATokenToKVPool(max_reqs * pages_per_req * page_size, page_size, torch.float32,
                                         config.num_key_value_heads, head_dim, config.num_hidden_layers, "cpu")
-        self.backend = create_attention_backend("torch")
+        self.backend = create_attention_backend("torch", native_decode=native_decode)
         pages = torch.randperm(max_reqs * pages_per_req, generator=torch.Generator().manual_seed(seed)) + 1
         for row in self.req_pool.alloc(max_reqs):
             own = pages[row * pages_per_req:(row + 1) * pages_per_req]
@@ -107,10 +108,11 @@ def hf_generate(hf, prompt: list[int], steps: int) -> tuple[list[int], torch.Ten
     return tokens, torch.stack([step[0] for step in out.logits]).float()  # [steps, vocab]
 
 
+@pytest.mark.parametrize("native_decode", [False, True], ids=["gather", "native"])
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_batched_extend_then_decode_matches_hf(models, page_size):
+def test_batched_extend_then_decode_matches_hf(models, page_size, native_decode):
     ours, config, hf = models
-    runner = PagedRunner(ours, config, page_size)
+    runner = PagedRunner(ours, config, page_size, native_decode=native_decode)
     rows = [2, 0, 1]  # rows out of order on purpose
     logits = runner.run(ForwardMode.EXTEND, rows, PROMPTS, [0, 0, 0])
     expected = torch.cat([hf_logits(hf, p) for p in PROMPTS])
@@ -144,10 +146,12 @@ def test_extend_with_cached_prefix_matches_hf(models, page_size):
     assert tokens[1] == hf_generate(hf, short_prompt, 4)[0]
 
 
-def test_decode_ignores_garbage_in_padding_and_dummy_page(models):
-    """Padding in the batched decode gather must be masked: poison every slot no request owns."""
+@pytest.mark.parametrize("native_decode", [False, True], ids=["gather", "native"])
+def test_decode_ignores_garbage_in_padding_and_dummy_page(models, native_decode):
+    """Padding in the batched decode gather must be masked, and the native kernel must read only a
+    request's own slots: poison every slot no request owns."""
     ours, config, hf = models
-    runner = PagedRunner(ours, config, page_size=4)
+    runner = PagedRunner(ours, config, page_size=4, native_decode=native_decode)
     rows = [0, 1]
     logits = runner.run(ForwardMode.EXTEND, rows, [PROMPTS[1], PROMPTS[2]], [0, 0])
     owned = torch.cat([runner.req_pool.req_to_token[r, :len(p) + 1] for r, p in zip(rows, [PROMPTS[1], PROMPTS[2]])])

@@ -6,22 +6,28 @@ the new K/V into the pool, then reads each request's whole KV back through its r
     kv slots of request i = req_to_token[req_pool_indices[i], :seq_lens[i]]
     query j of request i sits at position prefix_len_i + j and sees keys 0 .. prefix_len_i + j
 
-DECODE (the CPU hot path) gathers all requests at once into [bs, max_len] padded with an additive
-key mask and runs one scaled_dot_product_attention per layer. Under GQA the G query heads that share
-a KV head are passed as G query rows of that KV head ([bs, kv_heads, G, head_dim]), so SDPA never
-expands K/V to all query heads (its `enable_gqa` path does, measured ~1.3x slower per layer). EXTEND loops over requests (no padding waste
-when prompt lengths differ a lot); the index tensors and masks are built once per pass in
-init_forward_metadata and reused by every layer.
+DECODE on CPU runs the native kernel (kernels/paged_decode_attention.c) when it builds: it reads
+each request's K/V rows in place through req_to_token (~2.5x faster per layer than the gather
+below at batch 32). Otherwise it gathers all requests at once into [bs, max_len] padded with an
+additive key mask and runs one scaled_dot_product_attention per layer. Under GQA the G query heads
+that share a KV head are passed as G query rows of that KV head ([bs, kv_heads, G, head_dim]), so
+SDPA never expands K/V to all query heads (its `enable_gqa` path does, measured ~1.3x slower per
+layer). EXTEND loops over requests (no padding waste when prompt lengths differ a lot); the index
+tensors and masks are built once per pass in init_forward_metadata and reused by every layer.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn.functional as F
 
+from baton.engine.kernels import cpu_attention
 from baton.engine.layers.attention.base import AttentionBackend
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from baton.engine.layers.radix_attention import RadixAttention
@@ -42,13 +48,21 @@ class ExtendMetadata:
 
 
 class TorchAttnBackend(AttentionBackend):
-    def __init__(self, **_unused) -> None:
-        # Takes no configuration; the factory passes every backend the same keyword arguments.
-        pass
+    def __init__(self, model_runner=None, native_decode: Optional[bool] = None, **_unused) -> None:
+        """native_decode: read the pool in place with the native CPU kernel at decode (same result as
+        the gather + SDPA below, without the per-step copy of every request's KV). None = when the
+        model runner's device and dtype allow it and the kernel builds; no model runner = off."""
+        if native_decode is None and model_runner is not None:
+            reason = cpu_attention.unavailable_reason(model_runner.dtype, model_runner.device)
+            native_decode = reason is None
+            if reason and str(model_runner.device).startswith("cpu"):
+                logger.warning("native CPU decode attention off (%s); using gather + SDPA", reason)
+        self.native_decode = bool(native_decode)
 
     def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
         if forward_batch.forward_mode.is_decode():
-            forward_batch.attn_metadata = self._decode_metadata(forward_batch)
+            # The native kernel reads req_to_token itself: no per-pass metadata to build.
+            forward_batch.attn_metadata = None if self.native_decode else self._decode_metadata(forward_batch)
         elif forward_batch.forward_mode.is_extend():
             forward_batch.attn_metadata = self._extend_metadata(forward_batch)
 
@@ -80,10 +94,15 @@ class TorchAttnBackend(AttentionBackend):
                        forward_batch: "ForwardBatch", save_kv_cache: bool = True) -> torch.Tensor:
         if save_kv_cache:
             self._save_kv(k, v, layer, forward_batch)
-        meta: DecodeMetadata = forward_batch.attn_metadata
         k_buf, v_buf = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
         bs, group = q.shape[0], layer.num_heads // layer.num_kv_heads
         qg = q.view(bs, layer.num_kv_heads, group, layer.head_dim)  # query heads grouped by their KV head
+        if self.native_decode:
+            out = cpu_attention.paged_decode_attention(
+                qg, k_buf, v_buf, forward_batch.req_to_token_pool.req_to_token, forward_batch.req_pool_indices,
+                forward_batch.seq_lens, layer.scaling)
+            return out.reshape(bs, layer.num_heads * layer.head_dim)
+        meta: DecodeMetadata = forward_batch.attn_metadata
         keys = _gather(k_buf, meta.kv_indices).to(q.dtype).transpose(1, 2)  # [bs, kv_heads, max_len, head_dim]
         values = _gather(v_buf, meta.kv_indices).to(q.dtype).transpose(1, 2)
         out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=meta.key_bias.to(q.dtype),

@@ -1,0 +1,176 @@
+"""Paged decode attention on CPU (`paged_decode_attention.c`), built on first use and cached.
+
+    out = paged_decode_attention(q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, scale)
+
+q is [bs, kv_heads, group, head_dim] (the query heads grouped by the KV head they share), the pool
+buffers are [slots, kv_heads, head_dim]; the result is [bs, kv_heads, group, head_dim] in q's dtype.
+It is a torch custom op (`baton::paged_decode_attention`), so `torch.compile` keeps it as one opaque
+call instead of breaking the graph.
+
+Build: `$CC` (default `cc`) with `-O3 -march=native -fopenmp`, into `$BATON_KERNEL_CACHE` (default
+`~/.cache/baton/kernels`, or the temp dir when that is not writable). The file name carries a hash
+of the source, the compiler, its flags and the CPU's feature flags, so a cache shared between
+different machines never loads code built for another CPU. The build writes to a temporary name and
+renames, so concurrent engines starting on one machine cannot load a half-written library.
+Set `BATON_DISABLE_CPU_KERNELS=1` to use the pure-torch path (the benchmarks compare the two).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("paged_decode_attention.c")
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+DISABLE_ENV = "BATON_DISABLE_CPU_KERNELS"
+_SUPPORTED = {torch.float32: 0, torch.bfloat16: 1}  # DTYPE_F32 / DTYPE_BF16 in the C source
+
+
+_BAD_INDEX = 2  # KERNEL_BAD_INDEX in the C source
+
+
+class KernelUnavailable(RuntimeError):
+    pass
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _cache_dir() -> Path:
+    configured = os.environ.get("BATON_KERNEL_CACHE")
+    candidates = [Path(configured)] if configured else [Path.home() / ".cache" / "baton" / "kernels",
+                                                        Path(tempfile.gettempdir()) / f"baton-kernels-{os.getuid()}"]
+    for path in candidates:
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            if os.access(path, os.W_OK):
+                return path
+        except OSError:
+            continue
+    raise KernelUnavailable(f"no writable kernel cache directory (tried {', '.join(map(str, candidates))})")
+
+
+def _compiler() -> str:
+    cc = os.environ.get("CC", "cc")
+    if shutil.which(cc) is None:
+        raise KernelUnavailable(f"no C compiler: {cc!r} is not on PATH (set CC, or install gcc)")
+    return cc
+
+
+def build(verbose: bool = False) -> Path:
+    """Compile the kernel unless a library for this source, compiler and CPU is already cached."""
+    cc = _compiler()
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, version, " ".join(CFLAGS), platform.machine(),
+                                    _cpu_flags()]).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"paged_decode_attention-{key}.so"
+    if target.exists():
+        return target
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        result = subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
+        if result.returncode != 0:
+            raise KernelUnavailable(f"{cc} failed to build {SOURCE.name}: {result.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    if verbose:
+        logger.info("built %s", target)
+    return target
+
+
+@functools.lru_cache(maxsize=1)
+def _library() -> ctypes.CDLL:
+    # torch is imported first, so the library's libgomp.so.1 dependency resolves to the copy torch
+    # already loaded: one OpenMP runtime and one thread pool in the process, not two competing.
+    lib = ctypes.CDLL(str(build()))
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    # q, k, v, dtype, num_slots, r2t, r2t_rows, r2t_stride, rows, lens, bs, kv_heads, group, head_dim,
+    # scale, out, num_threads
+    lib.paged_decode_attention.argtypes = [ptr, ptr, ptr, ctypes.c_int, i64, ptr, i64, i64, ptr, ptr, i64, i64, i64,
+                                           i64, ctypes.c_float, ptr, ctypes.c_int]
+    lib.paged_decode_attention.restype = ctypes.c_int
+    return lib
+
+
+def unavailable_reason(dtype: torch.dtype, device: str) -> Optional[str]:
+    """None when the kernel can serve this dtype/device; otherwise why not (for one log line)."""
+    if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
+        return f"{DISABLE_ENV} is set"
+    if not str(device).startswith("cpu"):
+        return f"device {device} is not the CPU"
+    if dtype not in _SUPPORTED:
+        return f"dtype {dtype} is not supported (float32, bfloat16)"
+    try:
+        _library()
+    except (KernelUnavailable, OSError) as e:
+        return str(e)
+    return None
+
+
+def paged_decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, req_to_token: torch.Tensor,
+                           req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Eager calls go straight to the library (the custom-op dispatch costs ~100 us per call on a
+    small CPU); under torch.compile the op keeps the kernel one opaque node of the graph."""
+    if torch.compiler.is_compiling():
+        return torch.ops.baton.paged_decode_attention(q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens,
+                                                      scale)
+    return _paged_decode_attention(q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, scale)
+
+
+def _paged_decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, req_to_token: torch.Tensor,
+                            req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    bs, kv_heads, group, head_dim = q.shape
+    if q.dtype not in _SUPPORTED or not (q.dtype == k_buf.dtype == v_buf.dtype):
+        raise TypeError(f"paged_decode_attention: q/k/v must share one of {list(_SUPPORTED)}, "
+                        f"got {q.dtype}/{k_buf.dtype}/{v_buf.dtype}")
+    if k_buf.shape[1:] != (kv_heads, head_dim) or v_buf.shape != k_buf.shape:
+        raise ValueError(f"paged_decode_attention: pool {tuple(k_buf.shape)} does not match q {tuple(q.shape)}")
+    if req_to_token.dtype != torch.int64 or req_pool_indices.dtype != torch.int64 or seq_lens.dtype != torch.int64:
+        raise TypeError("paged_decode_attention: req_to_token, req_pool_indices and seq_lens must be int64")
+    if any(t.device.type != "cpu" for t in (q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens)):
+        raise ValueError("paged_decode_attention: every tensor must be on the CPU")
+    if req_pool_indices.shape != (bs,) or seq_lens.shape != (bs,):
+        raise ValueError(f"paged_decode_attention: {bs} queries need {bs} rows and lengths")
+    q, k_buf, v_buf = q.contiguous(), k_buf.contiguous(), v_buf.contiguous()
+    req_to_token = req_to_token.contiguous()
+    rows, lens = req_pool_indices.contiguous(), seq_lens.contiguous()
+    out = torch.empty((bs, kv_heads, group, head_dim), dtype=torch.float32)
+    failed = _library().paged_decode_attention(
+        q.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), _SUPPORTED[q.dtype], k_buf.shape[0], req_to_token.data_ptr(),
+        req_to_token.shape[0], req_to_token.stride(0), rows.data_ptr(), lens.data_ptr(), bs, kv_heads, group,
+        head_dim, scale, out.data_ptr(), torch.get_num_threads())
+    if failed & _BAD_INDEX:
+        raise IndexError("paged_decode_attention: a request row, length or KV slot is out of range")
+    if failed:
+        raise MemoryError("paged_decode_attention: out of memory for the score buffer")
+    return out if q.dtype == torch.float32 else out.to(q.dtype)
+
+
+_custom_op = torch.library.custom_op("baton::paged_decode_attention", _paged_decode_attention, mutates_args=())
+
+
+@_custom_op.register_fake
+def _(q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, scale):
+    return torch.empty_like(q)

@@ -1,0 +1,264 @@
+/* Paged decode attention on CPU: one query token per request against its whole KV, read in place.
+ *
+ * The torch path gathers every request's K and V out of the pool into a padded [bs, max_len] copy
+ * and then runs SDPA on it; at decode the copy costs as much as the attention. This kernel reads
+ * each key and value row straight from the pool through the request's req_to_token row.
+ *
+ * Layouts (all contiguous; float32 or bfloat16, the same for q, k and v):
+ *   q        [bs, kv_heads, group, head_dim]   the query heads grouped by the KV head they share
+ *   k, v     [num_slots, kv_heads, head_dim]   one layer's pool
+ *   r2t      [r2t_rows, r2t_stride] int64      req_to_token
+ *   rows     [bs] int64, lens [bs] int64       each request's row and sequence length
+ *   out      [bs, kv_heads, group, head_dim]   float32
+ * One task per request, spread over the OpenMP threads torch itself uses (libgomp is loaded once):
+ * scores for all keys, softmax in float32, then the weighted sum of values. Each slot's K (then V)
+ * row of kv_heads * head_dim values is read once, contiguously, and later slots are prefetched.
+ * Built with -march=native: on AVX-512 machines the common head sizes (32/64/128) take an
+ * intrinsics path (query and output in registers, a vectorised exp); elsewhere the portable loops.
+ * Returns 0, KERNEL_NO_MEMORY, or KERNEL_BAD_INDEX when a row, length or slot is out of range (that
+ * request is left unwritten; nothing outside the inputs is ever read).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#define KERNEL_NO_MEMORY 1
+#define KERNEL_BAD_INDEX 2
+#define DTYPE_F32 0
+#define DTYPE_BF16 1
+#define PREFETCH_AHEAD 4
+#define INLINE static inline __attribute__((always_inline))
+
+typedef uint16_t bf16_t;
+
+INLINE float bf16_to_f32(bf16_t x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* Row `index` of a [*, width] buffer as float32: read in place, or converted into buf. */
+INLINE const float *row_f32(const void *base, int dtype, int64_t index, int64_t width, float *restrict buf) {
+    if (dtype == DTYPE_F32) return (const float *)base + index * width;
+    const bf16_t *src = (const bf16_t *)base + index * width;
+#pragma omp simd
+    for (int64_t i = 0; i < width; ++i) buf[i] = bf16_to_f32(src[i]);
+    return buf;
+}
+
+INLINE void prefetch_row(const void *base, int dtype, int64_t index, int64_t width) {
+    __builtin_prefetch((const char *)base + index * width * (dtype == DTYPE_F32 ? 4 : 2));
+}
+
+INLINE float dot(const float *restrict a, const float *restrict b, int64_t n) {
+    float s = 0.f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+    return s;
+}
+
+INLINE void axpy(float *restrict y, float w, const float *restrict x, int64_t n) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) y[i] += w * x[i];
+}
+
+/* In place: s[i] = exp(s[i] - max) / sum. */
+static void softmax(float *restrict s, int64_t n) {
+    float mx = -INFINITY, sum = 0.f;
+    for (int64_t i = 0; i < n; ++i) mx = s[i] > mx ? s[i] : mx;
+    for (int64_t i = 0; i < n; ++i) {
+        s[i] = expf(s[i] - mx);
+        sum += s[i];
+    }
+    const float inv = 1.f / sum;
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) s[i] *= inv;
+}
+
+static int check_indices(const int64_t *r2t, int64_t r2t_rows, int64_t r2t_stride, int64_t row, int64_t len,
+                         int64_t num_slots) {
+    if (row < 0 || row >= r2t_rows || len < 0 || len > r2t_stride) return KERNEL_BAD_INDEX;
+    const int64_t *slots = r2t + row * r2t_stride;
+    int bad = 0;
+    for (int64_t t = 0; t < len; ++t) bad |= slots[t] < 0 || slots[t] >= num_slots;
+    return bad ? KERNEL_BAD_INDEX : 0;
+}
+
+/* One request. Always inlined with literal dtype and head_dim for the common cases, so the row
+ * loops unroll into a few vector instructions instead of generic loops with remainders.
+ * qf: [heads * head_dim], row: [kv_heads * head_dim], scores: [heads, len], o: [heads * head_dim]. */
+INLINE void attend(const void *q, const void *k, const void *v, const int dtype, const int64_t *slots,
+                   int64_t len, int64_t kv_heads, int64_t group, const int64_t head_dim, float scale,
+                   float *restrict qf, float *restrict row, float *restrict scores, float *restrict o) {
+    const int64_t heads = kv_heads * group, width = kv_heads * head_dim;
+    const float *qrow = row_f32(q, dtype, 0, heads * head_dim, qf);
+    for (int64_t i = 0; i < heads * head_dim; ++i) qf[i] = qrow[i] * scale;
+    for (int64_t t = 0; t < len; ++t) {
+        if (t + PREFETCH_AHEAD < len) prefetch_row(k, dtype, slots[t + PREFETCH_AHEAD], width);
+        const float *kr = row_f32(k, dtype, slots[t], width, row);
+        for (int64_t h = 0; h < kv_heads; ++h)
+            for (int64_t g = 0; g < group; ++g)
+                scores[(h * group + g) * len + t] = dot(qf + (h * group + g) * head_dim, kr + h * head_dim, head_dim);
+    }
+    for (int64_t i = 0; i < heads; ++i) softmax(scores + i * len, len);
+    memset(o, 0, sizeof(float) * heads * head_dim);
+    for (int64_t t = 0; t < len; ++t) {
+        if (t + PREFETCH_AHEAD < len) prefetch_row(v, dtype, slots[t + PREFETCH_AHEAD], width);
+        const float *vr = row_f32(v, dtype, slots[t], width, row);
+        for (int64_t h = 0; h < kv_heads; ++h)
+            for (int64_t g = 0; g < group; ++g)
+                axpy(o + (h * group + g) * head_dim, scores[(h * group + g) * len + t], vr + h * head_dim, head_dim);
+    }
+}
+
+#if defined(__AVX512F__)
+/* 16 values as float32 from offset (float32 or bfloat16 storage). */
+INLINE __m512 load16(const void *base, int dtype, int64_t offset) {
+    if (dtype == DTYPE_F32) return _mm512_loadu_ps((const float *)base + offset);
+    __m256i h = _mm256_loadu_si256((const __m256i *)((const bf16_t *)base + offset));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* exp(x) for x <= 0 (scores minus their max): Cephes' expf range reduction and polynomial, within
+ * ~1 ulp of expf; scalef makes very negative inputs 0 instead of wrapping the exponent. */
+INLINE __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+static void softmax_avx512(float *restrict s, int64_t n) {
+    __m512 mx = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + i));
+    const __mmask16 tail = (__mmask16)((1u << (n - i)) - 1);
+    mx = _mm512_mask_max_ps(mx, tail, mx, _mm512_maskz_loadu_ps(tail, s + i));
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    for (i = 0; i + 16 <= n; i += 16) {
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + i), m));
+        _mm512_storeu_ps(s + i, e);
+        sum = _mm512_add_ps(sum, e);
+    }
+    const __m512 e = _mm512_maskz_mov_ps(tail, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + i), m)));
+    _mm512_mask_storeu_ps(s + i, tail, e);
+    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(_mm512_add_ps(sum, e)));
+    for (i = 0; i + 16 <= n; i += 16) _mm512_storeu_ps(s + i, _mm512_mul_ps(_mm512_loadu_ps(s + i), inv));
+    _mm512_mask_storeu_ps(s + i, tail, _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, s + i), inv));
+}
+
+/* One request, one (kv head, query row) at a time with its query and output in registers. The
+ * request's rows of one head stay in L1/L2 from one query row of the group to the next. */
+INLINE void attend_avx512(const void *q, const void *k, const void *v, const int dtype, const int64_t *slots,
+                          int64_t len, int64_t kv_heads, int64_t group, const int64_t head_dim, float scale,
+                          float *restrict scores, float *restrict o) {
+    enum { MAX_VECTORS = 8 };  /* head_dim <= 128 */
+    const int64_t nv = head_dim / 16, width = kv_heads * head_dim;
+    for (int64_t h = 0; h < kv_heads; ++h) {
+        for (int64_t g = 0; g < group; ++g) {
+            const int64_t qh = h * group + g;
+            __m512 qv[MAX_VECTORS], acc[MAX_VECTORS];
+            for (int64_t j = 0; j < nv; ++j)
+                qv[j] = _mm512_mul_ps(load16(q, dtype, qh * head_dim + j * 16), _mm512_set1_ps(scale));
+            float *sg = scores + qh * len;
+            for (int64_t t = 0; t < len; ++t) {
+                const int64_t base = slots[t] * width + h * head_dim;
+                __m512 s = _mm512_mul_ps(qv[0], load16(k, dtype, base));
+                for (int64_t j = 1; j < nv; ++j) s = _mm512_fmadd_ps(qv[j], load16(k, dtype, base + j * 16), s);
+                sg[t] = _mm512_reduce_add_ps(s);
+            }
+            softmax_avx512(sg, len);
+            for (int64_t j = 0; j < nv; ++j) acc[j] = _mm512_setzero_ps();
+            for (int64_t t = 0; t < len; ++t) {
+                const int64_t base = slots[t] * width + h * head_dim;
+                const __m512 w = _mm512_set1_ps(sg[t]);
+                for (int64_t j = 0; j < nv; ++j) acc[j] = _mm512_fmadd_ps(w, load16(v, dtype, base + j * 16), acc[j]);
+            }
+            for (int64_t j = 0; j < nv; ++j) _mm512_storeu_ps(o + qh * head_dim + j * 16, acc[j]);
+        }
+    }
+}
+#endif
+
+#define ATTEND(DTYPE, DIM) attend(qb, k, v, DTYPE, slots, len, kv_heads, group, DIM, scale, qf, row, scores, o)
+
+static void attend_dispatch(const void *qb, const void *k, const void *v, int dtype, const int64_t *slots,
+                            int64_t len, int64_t kv_heads, int64_t group, int64_t head_dim, float scale, float *qf,
+                            float *row, float *scores, float *o) {
+#if defined(__AVX512F__)
+#define AVX512(DTYPE, DIM) attend_avx512(qb, k, v, DTYPE, slots, len, kv_heads, group, DIM, scale, scores, o)
+    if (len > 0) {
+        const int f32 = dtype == DTYPE_F32;
+        switch (head_dim) {
+        case 32: f32 ? AVX512(DTYPE_F32, 32) : AVX512(DTYPE_BF16, 32); return;
+        case 64: f32 ? AVX512(DTYPE_F32, 64) : AVX512(DTYPE_BF16, 64); return;
+        case 128: f32 ? AVX512(DTYPE_F32, 128) : AVX512(DTYPE_BF16, 128); return;
+        }
+    }
+#endif
+    if (dtype == DTYPE_F32) {
+        switch (head_dim) {
+        case 32: ATTEND(DTYPE_F32, 32); return;
+        case 64: ATTEND(DTYPE_F32, 64); return;
+        case 128: ATTEND(DTYPE_F32, 128); return;
+        default: ATTEND(DTYPE_F32, head_dim); return;
+        }
+    }
+    switch (head_dim) {
+    case 32: ATTEND(DTYPE_BF16, 32); return;
+    case 64: ATTEND(DTYPE_BF16, 64); return;
+    case 128: ATTEND(DTYPE_BF16, 128); return;
+    default: ATTEND(DTYPE_BF16, head_dim); return;
+    }
+}
+
+int paged_decode_attention(const void *q, const void *k, const void *v, int dtype, int64_t num_slots,
+                           const int64_t *r2t, int64_t r2t_rows, int64_t r2t_stride, const int64_t *rows,
+                           const int64_t *lens, int64_t bs, int64_t kv_heads, int64_t group, int64_t head_dim,
+                           float scale, float *out, int num_threads) {
+    if (dtype != DTYPE_F32 && dtype != DTYPE_BF16) return KERNEL_BAD_INDEX;
+    const int64_t per_request = kv_heads * group * head_dim, elem = dtype == DTYPE_F32 ? 4 : 2;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        float *qf = malloc(sizeof(float) * per_request);
+        float *row = malloc(sizeof(float) * kv_heads * head_dim);
+        float *scores = NULL;
+        int64_t capacity = 0;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t b = 0; b < bs; ++b) {
+            const int64_t len = lens[b];
+            int err = check_indices(r2t, r2t_rows, r2t_stride, rows[b], len, num_slots);
+            if (!err && kv_heads * group * len > capacity) {
+                free(scores);
+                capacity = kv_heads * group * len;
+                scores = malloc(sizeof(float) * capacity);
+            }
+            if (!err && (!qf || !row || (len && !scores))) err = KERNEL_NO_MEMORY;
+            if (err) {
+                failed |= err;
+                continue;
+            }
+            attend_dispatch((const char *)q + b * per_request * elem, k, v, dtype, r2t + rows[b] * r2t_stride, len,
+                            kv_heads, group, head_dim, scale, qf, row, scores, out + b * per_request);
+        }
+        free(qf);
+        free(row);
+        free(scores);
+    }
+    return failed;
+}

@@ -1,0 +1,146 @@
+"""The native CPU decode attention kernel (engine/kernels/) against a float64 reference.
+
+The kernel must build here: CI has gcc, and a kernel that silently fell back to the torch path
+would leave the engine's CPU hot path untested. head_dim 32/64/128 take the AVX-512 path on
+machines that have it; 48 always takes the portable loops.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from baton.engine.kernels import cpu_attention
+
+
+def _reference(q, k_buf, v_buf, req_to_token, rows, lens, scale):
+    """softmax(q k^T * scale) v per request and head, in float64, from the pool gathered by hand."""
+    bs, kv_heads, group, head_dim = q.shape
+    out = torch.zeros(bs, kv_heads, group, head_dim, dtype=torch.float64)
+    for b in range(bs):
+        slots = req_to_token[rows[b], :lens[b]]
+        keys, values = k_buf[slots].double(), v_buf[slots].double()  # [len, kv_heads, head_dim]
+        for h in range(kv_heads):
+            scores = q[b, h].double() @ keys[:, h].T * scale  # [group, len]
+            out[b, h] = torch.softmax(scores, dim=-1) @ values[:, h]
+    return out
+
+
+def _case(bs, kv_heads, group, head_dim, dtype, lens, num_slots=4096, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    k_buf = torch.randn(num_slots, kv_heads, head_dim, generator=g).to(dtype)
+    v_buf = torch.randn(num_slots, kv_heads, head_dim, generator=g).to(dtype)
+    q = torch.randn(bs, kv_heads, group, head_dim, generator=g).to(dtype)
+    rows = torch.randperm(bs + 3, generator=g)[:bs]  # rows out of order, some unused
+    req_to_token = torch.zeros(bs + 3, max(lens) + 5, dtype=torch.int64)
+    slots = torch.randperm(num_slots - 1, generator=g) + 1  # scattered slots, never the dummy slot 0
+    start = 0
+    for b, n in enumerate(lens):
+        req_to_token[rows[b], :n] = slots[start:start + n]
+        start += n
+    return q, k_buf, v_buf, req_to_token, rows, torch.tensor(lens, dtype=torch.int64)
+
+
+def test_kernel_builds_here():
+    assert cpu_attention.unavailable_reason(torch.float32, "cpu") is None
+    assert cpu_attention.unavailable_reason(torch.bfloat16, "cpu") is None
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)], ids=["f32", "bf16"])
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 48])
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_matches_reference(dtype, atol, head_dim, group):
+    lens = [1, 17, 16, 200, 33, 5]  # 1 key, tails shorter than a vector, a multiple of 16, long
+    q, k_buf, v_buf, r2t, rows, lens_t = _case(len(lens), 2, group, head_dim, dtype, lens)
+    scale = 1 / math.sqrt(head_dim)
+    out = cpu_attention.paged_decode_attention(q, k_buf, v_buf, r2t, rows, lens_t, scale)
+    assert out.dtype == dtype and out.shape == q.shape
+    expected = _reference(q, k_buf, v_buf, r2t, rows, lens_t, scale)
+    torch.testing.assert_close(out.double(), expected, atol=atol, rtol=0)
+
+
+def test_softmax_handles_large_and_very_negative_scores():
+    """Scores far apart (exp underflows to 0 for most keys) and large ones (exp must not overflow)."""
+    q, k_buf, v_buf, r2t, rows, lens = _case(3, 1, 2, 64, torch.float32, [40, 3, 100])
+    q = q * 30  # scores in the hundreds
+    out = cpu_attention.paged_decode_attention(q, k_buf, v_buf, r2t, rows, lens, 1.0)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), _reference(q, k_buf, v_buf, r2t, rows, lens, 1.0), atol=1e-4, rtol=0)
+
+
+def test_empty_request_gives_zeros_and_empty_batch_works():
+    q, k_buf, v_buf, r2t, rows, lens = _case(2, 2, 2, 32, torch.float32, [0, 7])
+    out = cpu_attention.paged_decode_attention(q, k_buf, v_buf, r2t, rows, lens, 0.1)
+    assert bool((out[0] == 0).all())
+    empty = cpu_attention.paged_decode_attention(q[:0], k_buf, v_buf, r2t, rows[:0], lens[:0], 0.1)
+    assert empty.shape == (0, 2, 2, 32)
+
+
+@pytest.mark.parametrize("corrupt", ["slot", "negative_slot", "row", "length"])
+def test_out_of_range_indices_raise_instead_of_reading_memory(corrupt):
+    q, k_buf, v_buf, r2t, rows, lens = _case(2, 2, 2, 32, torch.float32, [5, 9])
+    if corrupt == "slot":
+        r2t[rows[1], 3] = k_buf.shape[0]
+    elif corrupt == "negative_slot":
+        r2t[rows[0], 0] = -1
+    elif corrupt == "row":
+        rows[0] = r2t.shape[0]
+    else:
+        lens[1] = r2t.shape[1] + 1
+    with pytest.raises(IndexError, match="out of range"):
+        cpu_attention.paged_decode_attention(q, k_buf, v_buf, r2t, rows, lens, 0.1)
+
+
+def test_rejects_bad_types_and_shapes():
+    q, k_buf, v_buf, r2t, rows, lens = _case(2, 2, 2, 32, torch.float32, [5, 9])
+    with pytest.raises(TypeError, match="share one of"):
+        cpu_attention.paged_decode_attention(q.half(), k_buf.half(), v_buf.half(), r2t, rows, lens, 0.1)
+    with pytest.raises(TypeError, match="share one of"):
+        cpu_attention.paged_decode_attention(q, k_buf.bfloat16(), v_buf, r2t, rows, lens, 0.1)
+    with pytest.raises(TypeError, match="int64"):
+        cpu_attention.paged_decode_attention(q, k_buf, v_buf, r2t.int(), rows, lens, 0.1)
+    with pytest.raises(ValueError, match="does not match"):
+        cpu_attention.paged_decode_attention(q, k_buf[:, :1], v_buf[:, :1], r2t, rows, lens, 0.1)
+    with pytest.raises(ValueError, match="rows and lengths"):
+        cpu_attention.paged_decode_attention(q, k_buf, v_buf, r2t, rows[:1], lens, 0.1)
+
+
+def test_non_contiguous_query_is_handled():
+    q, k_buf, v_buf, r2t, rows, lens = _case(3, 2, 2, 32, torch.float32, [4, 8, 12])
+    wide = torch.cat([q, torch.full_like(q, 1e4)], dim=-1)[..., :32]  # a strided view, as after a qkv split
+    assert not wide.is_contiguous()
+    out = cpu_attention.paged_decode_attention(wide, k_buf, v_buf, r2t, rows, lens, 0.2)
+    torch.testing.assert_close(out.double(), _reference(q, k_buf, v_buf, r2t, rows, lens, 0.2), atol=2e-5, rtol=0)
+
+
+def test_inside_torch_compile_it_is_one_opaque_op():
+    q, k_buf, v_buf, r2t, rows, lens = _case(3, 2, 2, 32, torch.float32, [4, 8, 12])
+
+    def attend(q, k_buf, v_buf, r2t, rows, lens):
+        return cpu_attention.paged_decode_attention(q * 1.0, k_buf, v_buf, r2t, rows, lens, 0.2) + 1
+
+    compiled = torch.compile(attend, fullgraph=True)  # fullgraph: a graph break would raise
+    torch.testing.assert_close(compiled(q, k_buf, v_buf, r2t, rows, lens), attend(q, k_buf, v_buf, r2t, rows, lens))
+
+
+def test_disable_switch_and_unsupported_inputs_have_reasons(monkeypatch):
+    assert "not supported" in cpu_attention.unavailable_reason(torch.float16, "cpu")
+    assert "not the CPU" in cpu_attention.unavailable_reason(torch.float32, "cuda")
+    monkeypatch.setenv(cpu_attention.DISABLE_ENV, "1")
+    assert cpu_attention.DISABLE_ENV in cpu_attention.unavailable_reason(torch.float32, "cpu")
+
+
+def test_missing_compiler_is_a_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", "no-such-compiler-baton")
+    monkeypatch.setenv("BATON_KERNEL_CACHE", str(tmp_path))
+    with pytest.raises(cpu_attention.KernelUnavailable, match="no C compiler"):
+        cpu_attention.build()
+
+
+def test_build_is_cached_by_content(monkeypatch, tmp_path):
+    monkeypatch.setenv("BATON_KERNEL_CACHE", str(tmp_path))
+    first = cpu_attention.build()
+    mtime = first.stat().st_mtime_ns
+    assert cpu_attention.build() == first and first.stat().st_mtime_ns == mtime  # not rebuilt
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary files left behind
