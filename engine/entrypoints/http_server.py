@@ -141,8 +141,7 @@ def create_app(ctx: ApiContext) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
         await ctx.tm.start()
-        await warm_up_compiled_decode(ctx)
-        await ctx.tm.freeze_gc()  # after the warm-up: Dynamo's graphs and guards are long-lived too
+        await ctx.tm.freeze_gc()  # start-up is over (the scheduler compiled its graphs before it reported ready)
         yield
 
     app = FastAPI(title="baton engine", docs_url=None, redoc_url=None, lifespan=lifespan)
@@ -243,21 +242,6 @@ def local_request(args: ServerArgs, input_ids: list[int], max_new_tokens: int) -
     if args.disaggregation_mode != "null":
         obj.bootstrap_host, obj.bootstrap_room = FAKE_BOOTSTRAP_HOST, secrets.randbits(63)
     return obj
-
-
-async def warm_up_compiled_decode(ctx: ApiContext) -> None:
-    """With --enable-torch-compile, compile before serving: decode at batch 1 (a specialised graph)
-    and batch 2 (the dynamic one every larger batch reuses). The server answers /health only after.
-    A prefill engine never decodes; a decode engine warms up without a peer (no KV moves)."""
-    args = ctx.server_args
-    if not args.enable_torch_compile or args.disaggregation_mode == "prefill":
-        return
-
-    logger.info("compiling the decode forward (torch.compile)...")
-    for batch in (1, 2):
-        await asyncio.gather(*[_collect(ctx.tm, local_request(args, [1, 2, 3], max_new_tokens=4))
-                               for _ in range(batch)])
-    logger.info("decode forward compiled")
 
 
 async def _collect(tm: TokenizerManager, obj: GenerateInput, is_disconnected=None) -> ReqOutput:

@@ -1,6 +1,7 @@
 """ModelRunner: owns the model, the memory pools and the attention backend; runs one forward pass."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
@@ -35,6 +36,13 @@ def _total_memory_bytes(device: str) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
+_BATCH_TENSORS = ("input_ids", "positions", "req_pool_indices", "seq_lens", "out_cache_loc")
+
+
+def _inference(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_inference() else t.clone()
+
+
 class ModelRunner:
     def __init__(self, server_args: ServerArgs) -> None:
         from baton.engine.layers.attention import create_attention_backend
@@ -59,12 +67,54 @@ class ModelRunner:
                                                  self.head_dim, self.num_layers, self.device)
         self.allocator = TokenToKVPoolAllocator(cfg.max_total_tokens, page, self.device)
         self.attn_backend = create_attention_backend(server_args.attention_backend, model_runner=self)
-        # Decode only: its shapes change little (batch size, KV length), so one dynamic graph serves
-        # every step and removes most of the per-step Python/dispatch floor. Extends stay eager.
+        # Decode: its shapes change little (batch size, KV length), so one dynamic graph serves every
+        # step and removes most of the per-step Python/dispatch floor. On CPU with the torch backend
+        # the extend compiles too (a second graph, dynamic in the token count): its attention loop is
+        # one opaque op there, and Inductor fuses the norms, rotary and gated MLP around it.
         self.compiled_model = torch.compile(self.model, dynamic=True) if server_args.enable_torch_compile else None
+        self.compile_extend = (self.compiled_model is not None and self.device == "cpu"
+                               and server_args.attention_backend == "torch")
         self.cuda_graph_runner = self._init_cuda_graph_runner()
+        self._warm_up_compiled()
         logger.info("model loaded: %s layers, dtype %s, KV pool %d tokens, %d max running requests",
                     self.num_layers, self.dtype, cfg.max_total_tokens, cfg.max_running_requests)
+
+    # Every shape class serving can meet: Dynamo specialises sizes 0/1 and makes the rest dynamic
+    # from the second distinct size, so batch 1 and batch 2 (one token and several) cover them.
+    _WARM_UP_DECODE = ([1], [1, 1])
+    _WARM_UP_EXTEND = ([1], [3], [2, 3])
+
+    def _warm_up_compiled(self) -> None:
+        """With --enable-torch-compile, compile every graph before the engine reports ready, on dummy
+        batches whose KV reads and writes all land on the dummy page (slot 0). Compiling on real
+        traffic instead stalled a served run by ~9 s when the first batch of two extends happened
+        to arrive under load."""
+        if self.compiled_model is None:
+            return
+        logger.info("compiling the forward passes (torch.compile)...")
+        cases = [(ForwardMode.DECODE, lens) for lens in self._WARM_UP_DECODE]
+        if self.compile_extend:
+            cases += [(ForwardMode.EXTEND, lens) for lens in self._WARM_UP_EXTEND]
+        with torch.inference_mode():  # like the worker's batches: guards check inference-ness too
+            for mode, lens in cases:
+                self.forward(self._dummy_batch(mode, lens))
+        logger.info("forward passes compiled")
+
+    def _dummy_batch(self, mode: ForwardMode, lens: list[int]) -> ForwardBatch:
+        """Requests in rows 0.. of an idle pool (their req_to_token rows still map to slot 0), no
+        cached prefix; `lens` are the tokens each request runs (1 each at decode)."""
+        dev, bs = self.device, len(lens)
+        extend = mode == ForwardMode.EXTEND
+        num_tokens = sum(lens) if extend else bs
+        positions = torch.cat([torch.arange(n) for n in lens]) if extend else torch.zeros(bs, dtype=torch.int64)
+        seq_lens = list(lens) if extend else [1] * bs
+        return ForwardBatch(
+            forward_mode=mode, batch_size=bs, input_ids=torch.zeros(num_tokens, dtype=torch.int64, device=dev),
+            positions=positions.to(dev), req_pool_indices=torch.arange(bs, device=dev),
+            seq_lens=torch.tensor(seq_lens, device=dev), out_cache_loc=torch.zeros(num_tokens, dtype=torch.int64, device=dev),
+            seq_lens_cpu=seq_lens, extend_prefix_lens_cpu=[0] * bs if extend else None,
+            extend_seq_lens_cpu=list(lens) if extend else None, req_to_token_pool=self.req_to_token_pool,
+            token_to_kv_pool=self.token_to_kv_pool, attn_backend=self.attn_backend)
 
     def _init_cuda_graph_runner(self) -> Optional["CudaGraphRunner"]:
         """Decode CUDA graphs: on CUDA, unless --disable-cuda-graph, with a backend that supports them."""
@@ -118,11 +168,14 @@ class ModelRunner:
         if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(fb):
             return self.cuda_graph_runner.replay(fb)  # plans its own (padded) attention metadata
         self.attn_backend.init_forward_metadata(fb)
-        if (self.compiled_model is not None and fb.forward_mode == ForwardMode.DECODE
-                and len(fb.seq_lens_cpu) <= self.server_args.torch_compile_max_bs):
-            # Inputs made outside inference mode (a merged batch's token ids) would fail the graph's
-            # guards and recompile it; copies made here are inference tensors like the rest.
-            return self.compiled_model(fb.input_ids.clone(), fb.positions.clone(), fb)
+        if self.compiled_model is not None and (
+                (fb.forward_mode == ForwardMode.DECODE and len(fb.seq_lens_cpu) <= self.server_args.torch_compile_max_bs)
+                or (fb.forward_mode == ForwardMode.EXTEND and self.compile_extend)):
+            # Dynamo guards on each input's inference-ness: a tensor made outside inference mode (a
+            # merged batch's token ids, the allocator's slots) would recompile the graph, so every
+            # per-batch input becomes an inference tensor first (copies only where needed).
+            fb = dataclasses.replace(fb, **{name: _inference(getattr(fb, name)) for name in _BATCH_TENSORS})
+            return self.compiled_model(fb.input_ids, fb.positions, fb)
         return self.model(fb.input_ids, fb.positions, fb)
 
     @staticmethod

@@ -176,20 +176,29 @@ def test_priority_preemption(tiny_model_factory, overlap):
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "plain"])
-def test_torch_compile_decode_matches_hf(tiny_model_factory, overlap):
-    """--enable-torch-compile: decode batches of changing size (requests join and finish) run the
-    compiled graph, extends stay eager; greedy tokens are still HF's."""
+def test_torch_compile_matches_hf(tiny_model_factory, overlap):
+    """--enable-torch-compile: decode batches of changing size (requests join and finish) and, on
+    CPU, extends (chunked, with and without a cached prefix) run the graphs compiled at start-up:
+    no graph break, no compile while serving; greedy tokens are still HF's."""
+    import torch._dynamo.utils
+
     path = tiny_model_factory("llama")
     h = SchedulerHarness(path, enable_torch_compile=True, enable_overlap_schedule=overlap,
                          disable_overlap_schedule=not overlap, chunked_prefill_size=32, max_total_tokens=4096)
     calls = []
     compiled = h.scheduler.worker.model_runner.compiled_model
-    h.scheduler.worker.model_runner.compiled_model = lambda *a: calls.append(len(a[0])) or compiled(*a)
+    h.scheduler.worker.model_runner.compiled_model = lambda *a: calls.append((a[2].forward_mode.name, len(a[0]))) or compiled(*a)
+    torch._dynamo.utils.counters.clear()
     prompts = workload()
     for i, p in enumerate(prompts):  # different lengths: the batch shrinks as requests finish
         h.submit(str(i), p, max_new_tokens=4 + 2 * i)
     results = h.run_until_idle()
     for i, p in enumerate(prompts):
         assert results[str(i)].ids == hf_greedy(path, p, 4 + 2 * i), f"request {i} (len {len(p)}) differs from HF"
-    assert len(set(calls)) > 2, f"decode batches of several sizes should run compiled: {sorted(set(calls))}"
+    sizes = {mode: {n for m, n in calls if m == mode} for mode in ("DECODE", "EXTEND")}
+    assert len(sizes["DECODE"]) > 2, f"decode batches of several sizes should run compiled: {sizes}"
+    assert len(sizes["EXTEND"]) > 1, f"extends of several token counts should run compiled: {sizes}"
+    assert h.scheduler.stats.cache_hit_rate() > 0, "some extends should start from a cached prefix"
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+    assert not torch._dynamo.utils.counters["stats"]["unique_graphs"], "compiled while serving, not at start-up"
     assert h.scheduler.check_memory_integrity()

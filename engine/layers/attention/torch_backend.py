@@ -45,6 +45,21 @@ class ExtendMetadata:
     token_starts: list[int]  # request i owns new tokens [token_starts[i], token_starts[i] + extend_len_i)
     kv_indices: list[torch.Tensor]  # [seq_len_i] slots of request i
     masks: list[Optional[torch.Tensor]]  # [extend_len_i, seq_len_i] bool, None = plain causal (no prefix)
+    prefix_lens: torch.Tensor  # [bs] int64 on the CPU (what the compiled graph passes to its op)
+    extend_lens: torch.Tensor  # [bs] int64 on the CPU
+
+
+def _build_extend_metadata(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, prefix_lens: list[int],
+                           extend_lens: list[int]) -> ExtendMetadata:
+    starts, kv_indices, masks = [], [], []
+    start = 0
+    for row, prefix, extend in zip(req_pool_indices.tolist(), prefix_lens, extend_lens):
+        starts.append(start)
+        start += extend
+        kv_indices.append(req_to_token[row, :prefix + extend])
+        masks.append(None if prefix == 0 else _prefix_causal_mask(prefix, extend, req_to_token.device))
+    return ExtendMetadata(starts, kv_indices, masks, torch.tensor(prefix_lens, dtype=torch.int64),
+                          torch.tensor(extend_lens, dtype=torch.int64))
 
 
 class TorchAttnBackend(AttentionBackend):
@@ -78,17 +93,10 @@ class TorchAttnBackend(AttentionBackend):
 
     @staticmethod
     def _extend_metadata(fb: "ForwardBatch") -> ExtendMetadata:
-        req_to_token = fb.req_to_token_pool.req_to_token
-        starts, kv_indices, masks = [], [], []
-        start = 0
         for i, (prefix, extend) in enumerate(zip(fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu)):
-            seq_len = prefix + extend
-            assert seq_len == fb.seq_lens_cpu[i], "seq_len must equal prefix_len + extend_len"
-            starts.append(start)
-            start += extend
-            kv_indices.append(req_to_token[fb.req_pool_indices[i], :seq_len])
-            masks.append(None if prefix == 0 else _prefix_causal_mask(prefix, extend, req_to_token.device))
-        return ExtendMetadata(starts, kv_indices, masks)
+            assert prefix + extend == fb.seq_lens_cpu[i], "seq_len must equal prefix_len + extend_len"
+        return _build_extend_metadata(fb.req_to_token_pool.req_to_token, fb.req_pool_indices,
+                                      fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu)
 
     def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "RadixAttention",
                        forward_batch: "ForwardBatch", save_kv_cache: bool = True) -> torch.Tensor:
@@ -117,25 +125,54 @@ class TorchAttnBackend(AttentionBackend):
         k_buf, v_buf = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
         n = q.shape[0]
         q3 = q.view(n, layer.num_heads, layer.head_dim)
-        out = torch.empty_like(q3)  # [n, num_heads, head_dim]
-        gqa = layer.num_heads != layer.num_kv_heads
         k3, v3 = k.view(n, layer.num_kv_heads, layer.head_dim), v.view(n, layer.num_kv_heads, layer.head_dim)
-        for i, extend in enumerate(forward_batch.extend_seq_lens_cpu):
-            if extend == 0:
-                continue
-            s = meta.token_starts[i]
-            qi = q3[s:s + extend].transpose(0, 1)[None]  # [1, num_heads, extend, head_dim]
-            mask = meta.masks[i]
-            if mask is None:  # no cached prefix: the keys are exactly this pass's k/v, no pool gather
-                ki, vi = k3[s:s + extend], v3[s:s + extend]
-            else:
-                ki, vi = _gather(k_buf, meta.kv_indices[i]), _gather(v_buf, meta.kv_indices[i])
-            ki = ki.to(q.dtype).transpose(0, 1)[None]  # [1, kv_heads, seq_len, head_dim]
-            vi = vi.to(q.dtype).transpose(0, 1)[None]
-            oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, is_causal=mask is None,
-                                                scale=layer.scaling, enable_gqa=gqa)
-            out[s:s + extend] = oi[0].transpose(0, 1)
+        if torch.compiler.is_compiling():
+            # Under torch.compile the per-request loop is one opaque op fed with tensors only, so
+            # the model compiles into one graph whatever the batch's lengths (no graph break, no
+            # guard on Python lists of lengths).
+            out = torch.ops.baton.extend_attention(q3, k3, v3, k_buf, v_buf, forward_batch.req_to_token_pool.req_to_token,
+                                                   forward_batch.req_pool_indices, meta.prefix_lens, meta.extend_lens,
+                                                   layer.scaling)
+        else:
+            out = _extend_attention(q3, k3, v3, k_buf, v_buf, meta, layer.scaling)
         return out.view(n, layer.num_heads * layer.head_dim)
+
+
+def _extend_attention(q3: torch.Tensor, k3: torch.Tensor, v3: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                      meta: ExtendMetadata, scale: float) -> torch.Tensor:
+    """Causal attention of each request's new tokens over its prefix (from the pool) and themselves.
+    q3 [n, num_heads, head_dim], k3/v3 [n, kv_heads, head_dim] -> [n, num_heads, head_dim]."""
+    out = torch.empty_like(q3)
+    gqa = q3.shape[1] != k3.shape[1]
+    for i, extend in enumerate(meta.extend_lens.tolist()):
+        if extend == 0:
+            continue
+        s = meta.token_starts[i]
+        qi = q3[s:s + extend].transpose(0, 1)[None]  # [1, num_heads, extend, head_dim]
+        mask = meta.masks[i]
+        if mask is None:  # no cached prefix: the keys are exactly this pass's k/v, no pool gather
+            ki, vi = k3[s:s + extend], v3[s:s + extend]
+        else:
+            ki, vi = _gather(k_buf, meta.kv_indices[i]), _gather(v_buf, meta.kv_indices[i])
+        ki = ki.to(q3.dtype).transpose(0, 1)[None]  # [1, kv_heads, seq_len, head_dim]
+        vi = vi.to(q3.dtype).transpose(0, 1)[None]
+        oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                            enable_gqa=gqa)
+        out[s:s + extend] = oi[0].transpose(0, 1)
+    return out
+
+
+@torch.library.custom_op("baton::extend_attention", mutates_args=())
+def _extend_attention_op(q3: torch.Tensor, k3: torch.Tensor, v3: torch.Tensor, k_buf: torch.Tensor,
+                         v_buf: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+                         prefix_lens: torch.Tensor, extend_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    meta = _build_extend_metadata(req_to_token, req_pool_indices, prefix_lens.tolist(), extend_lens.tolist())
+    return _extend_attention(q3, k3, v3, k_buf, v_buf, meta, scale)
+
+
+@_extend_attention_op.register_fake
+def _(q3, k3, v3, k_buf, v_buf, req_to_token, req_pool_indices, prefix_lens, extend_lens, scale):
+    return torch.empty_like(q3)
 
 
 def _gather(buf: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
