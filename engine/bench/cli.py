@@ -63,6 +63,9 @@ def _add_compare_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for /health")
     p.add_argument("--api-key", default=None, help="bearer key (default: $BATON_API_KEY)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="rounds interleaving every variant and HF mode on fresh prompts, engines kept up; "
+                        "prints medians of the per-round ratios")
 
 
 def run_cli(args: argparse.Namespace) -> int:
@@ -114,4 +117,4 @@ def _run_compare(args: argparse.Namespace) -> dict:
     return run_compare(args.model_path, workload_config_from_args(args), args.concurrency, variants,
                        common_args=common, hf_modes=hf_modes, device=args.device, dtype=args.dtype,
                        startup_timeout_s=args.startup_timeout,
-                       api_key=args.api_key or os.environ.get("BATON_API_KEY"))
+                       api_key=args.api_key or os.environ.get("BATON_API_KEY"), repeats=args.repeats)

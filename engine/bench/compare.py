@@ -3,18 +3,26 @@
 Each variant starts its own engine (`baton serve --model-path DIR --port FREE <common args> <variant
 args>`), runs the serving workload and is stopped before the next starts; the HF baselines run last,
 with no engine left competing for the CPU. Ratios are taken between figures of this one run only.
+
+With `--repeats N` (N > 1) every variant's engine is started first and all stay up (idle engines use
+no CPU); then each round draws fresh prompts (seed + round, so no round hits another's prefix cache)
+and runs every variant and every HF mode on them, back to back. Interleaving rounds this way lets
+drift on a shared machine hit all contenders alike; the summary gives each ratio's median over the
+rounds and every round's value.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shlex
+import statistics
 from typing import Callable, NamedTuple, Optional
 
 from baton.engine.bench.client import resolve_model_name, run_serving_benchmark
 from baton.engine.bench.hf_baseline import HFMode, load_hf_model, run_hf_baseline
 from baton.engine.bench.launcher import EngineProcess, engine_command, free_port
-from baton.engine.bench.report import format_comparison, format_hf, format_serving
+from baton.engine.bench.report import format_comparison, format_hf, format_repeats, format_serving
 from baton.engine.bench.workload import BenchPrompt, WorkloadConfig, build_workload
 
 # (model_path, port, extra args) -> the command that starts a server; tests substitute a fake one.
@@ -34,46 +42,105 @@ def parse_variant(spec: str) -> Variant:
     return Variant(name, tuple(shlex.split(engine_args)))
 
 
-def run_variant(variant: Variant, model_path: str, prompts: list[BenchPrompt], concurrency: int,
-                common_args: list[str], startup_timeout_s: float, api_key: Optional[str],
-                command_factory: CommandFactory = engine_command) -> dict:
+def _start(variant: Variant, model_path: str, common_args: list[str], startup_timeout_s: float,
+           api_key: Optional[str], command_factory: CommandFactory, stack: contextlib.ExitStack) -> tuple[EngineProcess, str, float]:
     port = free_port()
     command = command_factory(model_path, port, [*common_args, *variant.engine_args])
     print(f"[{variant.name}] starting: {shlex.join(command)}", flush=True)
-    with EngineProcess(command, port, api_key=api_key) as engine:
-        started_in = engine.wait_healthy(startup_timeout_s, desc=f"[{variant.name}] engine starting")
-        print(f"[{variant.name}] healthy after {started_in:.1f} s; running {len(prompts)} requests", flush=True)
-        try:
-            model = resolve_model_name(engine.base_url, api_key)
-        except Exception:  # an engine without /v1/models still serves its directory's name
-            model = os.path.basename(os.path.normpath(model_path))
-        summary = run_serving_benchmark(engine.base_url, model, prompts, concurrency, api_key)
+    engine = stack.enter_context(EngineProcess(command, port, api_key=api_key))
+    started_in = engine.wait_healthy(startup_timeout_s, desc=f"[{variant.name}] engine starting")
+    print(f"[{variant.name}] healthy after {started_in:.1f} s", flush=True)
+    try:
+        model = resolve_model_name(engine.base_url, api_key)
+    except Exception:  # an engine without /v1/models still serves its directory's name
+        model = os.path.basename(os.path.normpath(model_path))
+    return engine, model, started_in
+
+
+def _serve(variant: Variant, engine: EngineProcess, model: str, started_in: float, prompts: list[BenchPrompt],
+           concurrency: int, api_key: Optional[str]) -> dict:
+    print(f"[{variant.name}] running {len(prompts)} requests", flush=True)
+    summary = run_serving_benchmark(engine.base_url, model, prompts, concurrency, api_key)
     summary.update(variant=variant.name, engine_args=list(variant.engine_args), startup_s=started_in)
     print(format_serving(summary, title=f"baton [{variant.name}]"), flush=True)
     return summary
 
 
+def run_variant(variant: Variant, model_path: str, prompts: list[BenchPrompt], concurrency: int,
+                common_args: list[str], startup_timeout_s: float, api_key: Optional[str],
+                command_factory: CommandFactory = engine_command) -> dict:
+    with contextlib.ExitStack() as stack:
+        engine, model, started_in = _start(variant, model_path, common_args, startup_timeout_s, api_key,
+                                           command_factory, stack)
+        return _serve(variant, engine, model, started_in, prompts, concurrency, api_key)
+
+
+def _run_hf_modes(model_path: str, prompts: list[BenchPrompt], hf_modes, device: str, dtype: str,
+                  model_and_tokenizer) -> dict:
+    out = {}
+    for mode in hf_modes:
+        print(f"[HF-{HFMode(mode).value}] generating {len(prompts)} requests, "
+              f"{sum(p.output_len for p in prompts)} output tokens", flush=True)
+        result = run_hf_baseline(model_path, prompts, mode, device, dtype, model_and_tokenizer)
+        out[result["mode"]] = result
+        print(format_hf(result), flush=True)
+    return out
+
+
 def run_compare(model_path: str, workload: WorkloadConfig, concurrency: int, variants: list[Variant],
                 common_args: list[str] = (), hf_modes: list[HFMode] = (HFMode.BATCHED, HFMode.SEQUENTIAL),
                 device: str = "cpu", dtype: str = "float32", startup_timeout_s: float = 600.0,
-                api_key: Optional[str] = None, command_factory: CommandFactory = engine_command) -> dict:
-    """Run every variant, then each HF mode; print the side-by-side table and return all figures."""
+                api_key: Optional[str] = None, command_factory: CommandFactory = engine_command,
+                repeats: int = 1) -> dict:
+    """Run every variant, then each HF mode; print the side-by-side table and return all figures.
+    repeats > 1: interleaved rounds (see the module docstring); results["rounds"] holds each one."""
     assert variants, "at least one variant"
     assert len({v.name for v in variants}) == len(variants), "variant names must differ"
+    assert repeats >= 1, "repeats must be >= 1"
     from transformers import AutoTokenizer
 
-    prompts = build_workload(AutoTokenizer.from_pretrained(model_path), workload)
-    results = {"workload": dataclasses.asdict(workload), "concurrency": concurrency, "variants": {}, "hf": {}}
-    for variant in variants:
-        results["variants"][variant.name] = run_variant(variant, model_path, prompts, concurrency,
-                                                        list(common_args), startup_timeout_s, api_key,
-                                                        command_factory)
-    if hf_modes:
-        model_and_tokenizer = load_hf_model(model_path, device, dtype)
-        for mode in hf_modes:
-            print(f"[HF-{HFMode(mode).value}] generating {len(prompts)} requests, {sum(p.output_len for p in prompts)} output tokens", flush=True)
-            result = run_hf_baseline(model_path, prompts, mode, device, dtype, model_and_tokenizer)
-            results["hf"][result["mode"]] = result
-            print(format_hf(result), flush=True)
-    print(format_comparison(results["variants"], results["hf"]), flush=True)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    if repeats == 1:
+        prompts = build_workload(tokenizer, workload)
+        results = {"workload": dataclasses.asdict(workload), "concurrency": concurrency, "variants": {}, "hf": {}}
+        for variant in variants:
+            results["variants"][variant.name] = run_variant(variant, model_path, prompts, concurrency,
+                                                            list(common_args), startup_timeout_s, api_key,
+                                                            command_factory)
+        if hf_modes:
+            results["hf"] = _run_hf_modes(model_path, prompts, hf_modes, device, dtype,
+                                          load_hf_model(model_path, device, dtype))
+        print(format_comparison(results["variants"], results["hf"]), flush=True)
+        return results
+
+    results = {"workload": dataclasses.asdict(workload), "concurrency": concurrency, "repeats": repeats, "rounds": []}
+    model_and_tokenizer = load_hf_model(model_path, device, dtype) if hf_modes else None
+    with contextlib.ExitStack() as stack:
+        engines = {v.name: _start(v, model_path, list(common_args), startup_timeout_s, api_key, command_factory, stack)
+                   for v in variants}
+        for round_ in range(repeats):
+            prompts = build_workload(tokenizer, dataclasses.replace(workload, seed=workload.seed + round_))
+            print(f"== round {round_ + 1}/{repeats} ==", flush=True)
+            served = {v.name: _serve(v, *engines[v.name], prompts, concurrency, api_key) for v in variants}
+            hf = _run_hf_modes(model_path, prompts, hf_modes, device, dtype, model_and_tokenizer) if hf_modes else {}
+            print(format_comparison(served, hf), flush=True)
+            results["rounds"].append({"variants": served, "hf": hf})
+    results["summary"] = summarize_rounds(results["rounds"])
+    print(format_repeats(results["summary"]), flush=True)
     return results
+
+
+def summarize_rounds(rounds: list[dict]) -> dict:
+    """For each variant: output tok/s per round and its ratio to the first variant and to each HF
+    mode per round, with medians. A ratio is always between figures of the same round."""
+    names = list(rounds[0]["variants"])
+    first = names[0]
+    summary = {}
+    for name in names:
+        tps = [r["variants"][name]["output_throughput"] for r in rounds]
+        ratios = {"vs " + first: [t / r["variants"][first]["output_throughput"] for t, r in zip(tps, rounds)]}
+        for mode in rounds[0]["hf"]:
+            ratios["vs HF-" + mode] = [t / r["hf"][mode]["output_throughput"] for t, r in zip(tps, rounds)]
+        summary[name] = {"output_throughput": tps, "median_output_throughput": statistics.median(tps),
+                         "ratios": {k: {"rounds": v, "median": statistics.median(v)} for k, v in ratios.items()}}
+    return summary

@@ -50,3 +50,14 @@ def format_comparison(variants: dict[str, dict], hf: dict[str, dict]) -> str:
         rows.append(f"{('HF-' + m)[:16]:16}{r['output_throughput']:11.1f}{r['request_throughput']:8.2f}"
                     f"{'-':>10}{'-':>9}{'-':>9}{_ratio(r['output_throughput'], first):>10}")
     return "\n".join(["== comparison (same prompts, same run; ms latencies) =="] + rows)
+
+
+def format_repeats(summary: dict) -> str:
+    """The medians over interleaved rounds (compare --repeats), each with every round's value."""
+    rows = ["== summary over rounds (median; each round's value in brackets) =="]
+    for name, s in summary.items():
+        per_round = " ".join(f"{t:.0f}" for t in s["output_throughput"])
+        rows.append(f"{name}: out tok/s {s['median_output_throughput']:.1f} [{per_round}]")
+        for label, r in s["ratios"].items():
+            rows.append(f"    {label:14} {r['median']:.2f}x  [{' '.join(f'{x:.2f}' for x in r['rounds'])}]")
+    return "\n".join(rows)

@@ -245,6 +245,32 @@ def test_compare_runs_each_variant_stops_it_and_prints_ratios(tiny_llama, capsys
     assert "noradix" in table and "HF-batched" in table and "vs HF-bat" in table
 
 
+def test_compare_repeats_interleaves_rounds_on_fresh_prompts(tiny_llama, capsys):
+    from baton.engine.bench.compare import parse_variant, run_compare
+
+    ports: list[int] = []
+
+    def command(model_path: str, port: int, extra_args: list[str]) -> list[str]:
+        ports.append(port)
+        return fake_engine_command(model_path, port, extra_args)
+
+    results = run_compare(tiny_llama, WorkloadConfig(4, 12, 3), concurrency=2,
+                          variants=[parse_variant("a:"), parse_variant("b:--disable-radix-cache")],
+                          hf_modes=["batched"], startup_timeout_s=60, command_factory=command, repeats=3)
+    assert len(ports) == 2, "each engine starts once and serves every round"
+    assert not any(_port_open(p) for p in ports)
+    assert len(results["rounds"]) == 3
+    for round_ in results["rounds"]:
+        assert all(v["completed"] == 4 for v in round_["variants"].values()) and set(round_["hf"]) == {"batched"}
+    b = results["summary"]["b"]
+    for i, round_ in enumerate(results["rounds"]):  # every ratio is within one round
+        expected = round_["variants"]["b"]["output_throughput"] / round_["hf"]["batched"]["output_throughput"]
+        assert b["ratios"]["vs HF-batched"]["rounds"][i] == pytest.approx(expected)
+    assert results["summary"]["a"]["ratios"]["vs a"]["median"] == pytest.approx(1.0)
+    out = capsys.readouterr().out
+    assert out.count("== round ") == 3 and "== summary over rounds" in out and "vs HF-batched" in out
+
+
 def test_launcher_reports_an_engine_that_dies_while_starting():
     engine = EngineProcess([sys.executable, "-c", "print('bad flag'); raise SystemExit(3)"], free_port())
     with engine, pytest.raises(EngineStartError, match="exited with code 3(.|\n)*bad flag"):
