@@ -76,14 +76,16 @@ class Detokenizer:
 
 
 def run_detokenizer_process(tokenizer_path: str, recv_addr: str, send_addr: str, log_level: str,
-                            ready_pipe: Any) -> None:
+                            ready_pipe: Any, cpu_plan: Any = None) -> None:
     from transformers import AutoTokenizer
 
+    from baton.engine.utils.cpu_affinity import bind_frontend
     from baton.engine.utils.gc_freeze import freeze_gc
     from baton.engine.utils.logging import configure_logging
     from baton.engine.utils.process import die_with_parent
 
     die_with_parent()
+    bind_frontend(cpu_plan)
     configure_logging(log_level, prefix="detokenizer")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:

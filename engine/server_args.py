@@ -50,6 +50,7 @@ class ServerArgs:
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 64
     enable_torch_compile: bool = False
+    cpu_omp_threads_bind: str = "off"  # off | auto | CPU list (utils/cpu_affinity.py)
     torch_compile_max_bs: int = 32
     random_seed: int = 0
     # serving
@@ -82,6 +83,12 @@ class ServerArgs:
         assert 0.0 <= self.disaggregation_fault_probability <= 1.0, "--disaggregation-fault-probability in [0, 1]"
         if self.device == "cpu":
             assert self.attention_backend == "torch", "FlashInfer needs --device cuda"
+        if self.cpu_omp_threads_bind != "off":
+            if self.device != "cpu":
+                raise ValueError("--cpu-omp-threads-bind is for --device cpu")
+            from baton.engine.utils.cpu_affinity import plan_binding
+
+            plan_binding(self.cpu_omp_threads_bind)  # a bad list fails here, at start-up
         if self.tp_size != 1 or self.dp_size != 1:
             raise ValueError("tensor and data parallelism (--tp-size/--dp-size > 1) are not implemented yet; "
                              "run one engine per GPU and let the router balance across them")
@@ -130,9 +137,12 @@ class ServerArgs:
         a("--disable-cuda-graph", action="store_true")
         a("--cuda-graph-max-bs", type=int, default=ServerArgs.cuda_graph_max_bs)
         a("--enable-torch-compile", action="store_true",
-          help="compile the decode forward with torch.compile (first decode batch pays the compile)")
+          help="compile the decode forward (and on CPU the extend) with torch.compile at start-up")
         a("--torch-compile-max-bs", type=int, default=ServerArgs.torch_compile_max_bs,
           help="decode batches larger than this run eagerly")
+        a("--cpu-omp-threads-bind", default=ServerArgs.cpu_omp_threads_bind, metavar="off|auto|CPULIST",
+          help="CPU serving: pin the forward pass to these CPUs (one torch thread each) and the HTTP server "
+               "and detokenizer to the rest; auto keeps the last CPU for them")
         a("--random-seed", type=int, default=ServerArgs.random_seed)
         a("--api-key", default=None, help="bearer key clients must send (default: $BATON_API_KEY)")
         a("--max-request-bytes", type=int, default=ServerArgs.max_request_bytes)

@@ -23,6 +23,7 @@ class EngineProcesses:
     scheduler_info: dict[str, Any]
     scheduler_addr: str
     tokenizer_addr: str
+    cpu_plan: Any = None  # utils.cpu_affinity.CpuPlan, or None when not binding
 
     def alive(self) -> bool:
         return self.scheduler.is_alive() and self.detokenizer.is_alive()
@@ -49,20 +50,22 @@ def _wait_ready(name: str, pipe: Any, proc: mp.Process) -> Any:
 def launch_subprocesses(server_args: ServerArgs) -> EngineProcesses:
     from baton.engine.detokenizer import run_detokenizer_process
     from baton.engine.scheduler.event_loop import run_scheduler_process
+    from baton.engine.utils.cpu_affinity import plan_binding
     from baton.engine.utils.process import ipc_names
 
     scheduler_addr, detok_addr, tokenizer_addr = ipc_names(3)
     ctx = mp.get_context("spawn")  # never fork a process that may hold CUDA or torch threads
     sched_r, sched_w = ctx.Pipe(duplex=False)
     detok_r, detok_w = ctx.Pipe(duplex=False)
+    cpu_plan = plan_binding(server_args.cpu_omp_threads_bind)
     scheduler = ctx.Process(target=run_scheduler_process, name="baton-scheduler", daemon=True,
-                            args=(server_args, scheduler_addr, detok_addr, sched_w))
+                            args=(server_args, scheduler_addr, detok_addr, sched_w, cpu_plan))
     detokenizer = ctx.Process(target=run_detokenizer_process, name="baton-detokenizer", daemon=True,
                               args=(server_args.tokenizer_path or server_args.model_path, detok_addr,
-                                    tokenizer_addr, server_args.log_level, detok_w))
+                                    tokenizer_addr, server_args.log_level, detok_w, cpu_plan))
     scheduler.start()
     detokenizer.start()
-    procs = EngineProcesses(scheduler, detokenizer, {}, scheduler_addr, tokenizer_addr)
+    procs = EngineProcesses(scheduler, detokenizer, {}, scheduler_addr, tokenizer_addr, cpu_plan)
     try:
         _wait_ready("detokenizer", detok_r, detokenizer)
         procs.scheduler_info = _wait_ready("scheduler", sched_r, scheduler)
@@ -90,8 +93,10 @@ def run_server(server_args: ServerArgs) -> None:
     from baton.engine.entrypoints.http_server import ApiContext, create_app
     from baton.engine.metrics import EngineMetrics
     from baton.engine.tokenizer_manager import TokenizerManager
+    from baton.engine.utils.cpu_affinity import bind_frontend
 
     procs = launch_subprocesses(server_args)
+    bind_frontend(procs.cpu_plan)  # after the spawns: the scheduler must not inherit the frontend's CPUs
     try:
         info = procs.scheduler_info
         tokenizer = AutoTokenizer.from_pretrained(server_args.tokenizer_path or server_args.model_path)

@@ -12,12 +12,15 @@ import os
 import signal
 import sys
 import traceback
-from typing import Any
+from typing import TYPE_CHECKING, Any, Optional
 
 import zmq
 
 from baton.engine.scheduler.scheduler import Scheduler
 from baton.engine.server_args import ServerArgs
+
+if TYPE_CHECKING:
+    from baton.engine.utils.cpu_affinity import CpuPlan
 
 logger = logging.getLogger(__name__)
 
@@ -63,14 +66,16 @@ def event_loop(scheduler: Scheduler, io: SchedulerIO) -> None:
         io.flush(scheduler)
 
 
-def run_scheduler_process(server_args: ServerArgs, recv_addr: str, send_addr: str, ready_pipe: Any) -> None:
+def run_scheduler_process(server_args: ServerArgs, recv_addr: str, send_addr: str, ready_pipe: Any,
+                          cpu_plan: Optional["CpuPlan"] = None) -> None:
     """Entry point of the scheduler process. Reports ("ready", info) or ("error", text) on ready_pipe."""
+    from baton.engine.utils.cpu_affinity import bind_scheduler
     from baton.engine.utils.logging import configure_logging
-
     from baton.engine.utils.process import die_with_parent
 
     die_with_parent()
     configure_logging(server_args.log_level, prefix="scheduler")
+    bind_scheduler(cpu_plan)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
     try:
         from transformers import AutoTokenizer

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -417,6 +418,8 @@ class Scheduler(SchedulerOutputProcessorMixin):
             "new_token_ratio": self.new_token_ratio,
             "cache_hit_rate": self.stats.cache_hit_rate(),
             "retractions": self.stats.retractions,
+            "cpu_affinity": sorted(os.sched_getaffinity(0)),
+            "torch_threads": torch.get_num_threads(),
             "preemptions": self.stats.preemptions,
             "gen_throughput": self.stats.gen_throughput,
             "queue_time_samples": list(self.stats.queue_times),
