@@ -5,10 +5,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
 # Debian packages: Mooncake's TCP transport links against libibverbs even without RDMA hardware;
-# the observability e2e test runs Debian's prometheus against a local PD stack.
+# the observability e2e test runs Debian's prometheus against a local PD stack; the engine compiles
+# its native CPU decode kernel with the C compiler (without one it falls back to pure torch).
 need=()
 ldconfig -p | grep -q 'libibverbs.so.1' || need+=(libibverbs1)
 command -v prometheus >/dev/null || need+=(prometheus)
+command -v "${CC:-cc}" >/dev/null || need+=(gcc libc6-dev)
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     echo "==> installing ${need[*]} (Debian)"
@@ -16,7 +18,7 @@ if [ ${#need[@]} -gt 0 ]; then
     # the package starts a system prometheus on :9090; the tests run their own
     if command -v systemctl >/dev/null; then systemctl disable --now prometheus >/dev/null 2>&1 || true; fi
   else
-    echo "warning: missing Debian packages: ${need[*]}; PD and observability tests will fail. Install them: sudo apt-get install ${need[*]}" >&2
+    echo "warning: missing Debian packages: ${need[*]}; PD, observability and CPU-kernel tests will fail. Install them: sudo apt-get install ${need[*]}" >&2
   fi
 fi
 if [ ! -x .venv/bin/python ]; then
