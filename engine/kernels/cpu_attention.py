@@ -36,7 +36,7 @@ SOURCE = Path(__file__).with_name("paged_decode_attention.c")
 # gnu11, not c11: strict ISO mode turns off FMA contraction (-ffp-contract=off) in the portable loops.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
 DISABLE_ENV = "BATON_DISABLE_CPU_KERNELS"
-_SUPPORTED = {torch.float32: 0, torch.bfloat16: 1}  # DTYPE_F32 / DTYPE_BF16 in the C source
+_SUPPORTED = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # DTYPE_F32 / _BF16 / _F16 in the C source
 _BAD_INDEX = 2  # KERNEL_BAD_INDEX in the C source
 
 
@@ -119,7 +119,7 @@ def unavailable_reason(dtype: torch.dtype, device: str) -> Optional[str]:
     if not str(device).startswith("cpu"):
         return f"device {device} is not the CPU"
     if dtype not in _SUPPORTED:
-        return f"dtype {dtype} is not supported (float32, bfloat16)"
+        return f"dtype {dtype} is not supported (float32, bfloat16, float16)"
     try:
         _library()
     except (KernelUnavailable, OSError) as e:

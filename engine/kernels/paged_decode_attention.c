@@ -4,7 +4,7 @@
  * and then runs SDPA on it; at decode the copy costs as much as the attention. This kernel reads
  * each key and value row straight from the pool through the request's req_to_token row.
  *
- * Layouts (all contiguous; float32 or bfloat16, the same for q, k and v):
+ * Layouts (all contiguous; float32, bfloat16 or float16, the same for q, k and v):
  *   q        [bs, kv_heads, group, head_dim]   the query heads grouped by the KV head they share
  *   k, v     [num_slots, kv_heads, head_dim]   one layer's pool
  *   r2t      [r2t_rows, r2t_stride] int64      req_to_token
@@ -30,10 +30,12 @@
 #define KERNEL_BAD_INDEX 2
 #define DTYPE_F32 0
 #define DTYPE_BF16 1
+#define DTYPE_F16 2
 #define PREFETCH_AHEAD 4
 #define INLINE static inline __attribute__((always_inline))
 
 typedef uint16_t bf16_t;
+typedef uint16_t f16_t;
 
 INLINE float bf16_to_f32(bf16_t x) {
     uint32_t u = (uint32_t)x << 16;
@@ -42,12 +44,34 @@ INLINE float bf16_to_f32(bf16_t x) {
     return f;
 }
 
+/* IEEE half -> float, exactly (subnormals, infinities and NaNs included), without F16C. */
+INLINE float f16_to_f32(f16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
+    uint32_t u;
+    if (exp == 0x1Fu) {
+        u = sign | 0x7F800000u | (man << 13);
+    } else if (exp != 0) {
+        u = sign | ((exp + 112u) << 23) | (man << 13);
+    } else {  /* zero or subnormal: man * 2^-24 */
+        float f = (float)man * 5.9604644775390625e-8f;
+        memcpy(&u, &f, sizeof u);
+        u |= sign;
+    }
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
 /* Row `index` of a [*, width] buffer as float32: read in place, or converted into buf. */
 INLINE const float *row_f32(const void *base, int dtype, int64_t index, int64_t width, float *restrict buf) {
     if (dtype == DTYPE_F32) return (const float *)base + index * width;
-    const bf16_t *src = (const bf16_t *)base + index * width;
+    const uint16_t *src = (const uint16_t *)base + index * width;
+    if (dtype == DTYPE_BF16) {
 #pragma omp simd
-    for (int64_t i = 0; i < width; ++i) buf[i] = bf16_to_f32(src[i]);
+        for (int64_t i = 0; i < width; ++i) buf[i] = bf16_to_f32(src[i]);
+    } else {
+        for (int64_t i = 0; i < width; ++i) buf[i] = f16_to_f32(src[i]);
+    }
     return buf;
 }
 
@@ -117,10 +141,11 @@ INLINE void attend(const void *q, const void *k, const void *v, const int dtype,
 }
 
 #if defined(__AVX512F__)
-/* 16 values as float32 from offset (float32 or bfloat16 storage). */
+/* 16 values as float32 from offset (float32, bfloat16 or float16 storage). */
 INLINE __m512 load16(const void *base, int dtype, int64_t offset) {
     if (dtype == DTYPE_F32) return _mm512_loadu_ps((const float *)base + offset);
-    __m256i h = _mm256_loadu_si256((const __m256i *)((const bf16_t *)base + offset));
+    __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + offset));
+    if (dtype == DTYPE_F16) return _mm512_cvtph_ps(h);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
@@ -201,36 +226,35 @@ static void attend_dispatch(const void *qb, const void *k, const void *v, int dt
                             float *row, float *scores, float *o) {
 #if defined(__AVX512F__)
 #define AVX512(DTYPE, DIM) attend_avx512(qb, k, v, DTYPE, slots, len, kv_heads, group, DIM, scale, scores, o)
+#define AVX512_DIMS(DTYPE)                            \
+    switch (head_dim) {                               \
+    case 32: AVX512(DTYPE, 32); return;               \
+    case 64: AVX512(DTYPE, 64); return;               \
+    case 128: AVX512(DTYPE, 128); return;             \
+    }
     if (len > 0) {
-        const int f32 = dtype == DTYPE_F32;
-        switch (head_dim) {
-        case 32: f32 ? AVX512(DTYPE_F32, 32) : AVX512(DTYPE_BF16, 32); return;
-        case 64: f32 ? AVX512(DTYPE_F32, 64) : AVX512(DTYPE_BF16, 64); return;
-        case 128: f32 ? AVX512(DTYPE_F32, 128) : AVX512(DTYPE_BF16, 128); return;
-        }
+        if (dtype == DTYPE_F32) AVX512_DIMS(DTYPE_F32)
+        else if (dtype == DTYPE_BF16) AVX512_DIMS(DTYPE_BF16)
+        else AVX512_DIMS(DTYPE_F16)
     }
 #endif
-    if (dtype == DTYPE_F32) {
-        switch (head_dim) {
-        case 32: ATTEND(DTYPE_F32, 32); return;
-        case 64: ATTEND(DTYPE_F32, 64); return;
-        case 128: ATTEND(DTYPE_F32, 128); return;
-        default: ATTEND(DTYPE_F32, head_dim); return;
-        }
+#define ATTEND_DIMS(DTYPE)                            \
+    switch (head_dim) {                               \
+    case 32: ATTEND(DTYPE, 32); return;               \
+    case 64: ATTEND(DTYPE, 64); return;               \
+    case 128: ATTEND(DTYPE, 128); return;             \
+    default: ATTEND(DTYPE, head_dim); return;         \
     }
-    switch (head_dim) {
-    case 32: ATTEND(DTYPE_BF16, 32); return;
-    case 64: ATTEND(DTYPE_BF16, 64); return;
-    case 128: ATTEND(DTYPE_BF16, 128); return;
-    default: ATTEND(DTYPE_BF16, head_dim); return;
-    }
+    if (dtype == DTYPE_F32) ATTEND_DIMS(DTYPE_F32)
+    if (dtype == DTYPE_BF16) ATTEND_DIMS(DTYPE_BF16)
+    ATTEND_DIMS(DTYPE_F16)
 }
 
 int paged_decode_attention(const void *q, const void *k, const void *v, int dtype, int64_t num_slots,
                            const int64_t *r2t, int64_t r2t_rows, int64_t r2t_stride, const int64_t *rows,
                            const int64_t *lens, int64_t bs, int64_t kv_heads, int64_t group, int64_t head_dim,
                            float scale, float *out, int num_threads) {
-    if (dtype != DTYPE_F32 && dtype != DTYPE_BF16) return KERNEL_BAD_INDEX;
+    if (dtype != DTYPE_F32 && dtype != DTYPE_BF16 && dtype != DTYPE_F16) return KERNEL_BAD_INDEX;
     const int64_t per_request = kv_heads * group * head_dim, elem = dtype == DTYPE_F32 ? 4 : 2;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)

@@ -45,9 +45,11 @@ def _case(bs, kv_heads, group, head_dim, dtype, lens, num_slots=4096, seed=0):
 def test_kernel_builds_here():
     assert cpu_attention.unavailable_reason(torch.float32, "cpu") is None
     assert cpu_attention.unavailable_reason(torch.bfloat16, "cpu") is None
+    assert cpu_attention.unavailable_reason(torch.float16, "cpu") is None
 
 
-@pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)], ids=["f32", "bf16"])
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2), (torch.float16, 3e-3)],
+                         ids=["f32", "bf16", "f16"])
 @pytest.mark.parametrize("head_dim", [32, 64, 128, 48])
 @pytest.mark.parametrize("group", [1, 2, 4])
 def test_matches_reference(dtype, atol, head_dim, group):
@@ -67,6 +69,22 @@ def test_softmax_handles_large_and_very_negative_scores():
     out = cpu_attention.paged_decode_attention(q, k_buf, v_buf, r2t, rows, lens, 1.0)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out.double(), _reference(q, k_buf, v_buf, r2t, rows, lens, 1.0), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("head_dim", [32, 48], ids=["avx512", "portable"])
+def test_float16_subnormals_and_signed_zeros_convert_exactly(head_dim):
+    """The half -> float conversions (F16C on AVX-512, bit manipulation in the portable loops) must
+    keep subnormal halves, whose exponent field is 0, and negative zeros."""
+    q, k_buf, v_buf, r2t, rows, lens = _case(2, 2, 2, head_dim, torch.float16, [9, 20])
+    tiny = torch.tensor([6e-8, -3e-6, 6.1e-5, -0.0], dtype=torch.float16)  # subnormals and -0
+    assert bool((tiny.float().abs() < 6.2e-5).all())
+    v_buf[:, :, :4] = tiny
+    k_buf[:, :, -4:] = tiny
+    out = cpu_attention.paged_decode_attention(q, k_buf, v_buf, r2t, rows, lens, 0.3)
+    expected = _reference(q, k_buf, v_buf, r2t, rows, lens, 0.3)
+    # each output's first four values are convex combinations of the same four values: exactly them
+    torch.testing.assert_close(out[..., :4].double(), expected[..., :4], atol=0, rtol=1e-3)
+    torch.testing.assert_close(out.double(), expected, atol=3e-3, rtol=0)
 
 
 def test_empty_request_gives_zeros_and_empty_batch_works():
@@ -95,7 +113,7 @@ def test_out_of_range_indices_raise_instead_of_reading_memory(corrupt):
 def test_rejects_bad_types_and_shapes():
     q, k_buf, v_buf, r2t, rows, lens = _case(2, 2, 2, 32, torch.float32, [5, 9])
     with pytest.raises(TypeError, match="share one of"):
-        cpu_attention.paged_decode_attention(q.half(), k_buf.half(), v_buf.half(), r2t, rows, lens, 0.1)
+        cpu_attention.paged_decode_attention(q.double(), k_buf.double(), v_buf.double(), r2t, rows, lens, 0.1)
     with pytest.raises(TypeError, match="share one of"):
         cpu_attention.paged_decode_attention(q, k_buf.bfloat16(), v_buf, r2t, rows, lens, 0.1)
     with pytest.raises(TypeError, match="int64"):
@@ -125,7 +143,7 @@ def test_inside_torch_compile_it_is_one_opaque_op():
 
 
 def test_disable_switch_and_unsupported_inputs_have_reasons(monkeypatch):
-    assert "not supported" in cpu_attention.unavailable_reason(torch.float16, "cpu")
+    assert "not supported" in cpu_attention.unavailable_reason(torch.float64, "cpu")
     assert "not the CPU" in cpu_attention.unavailable_reason(torch.float32, "cuda")
     monkeypatch.setenv(cpu_attention.DISABLE_ENV, "1")
     assert cpu_attention.DISABLE_ENV in cpu_attention.unavailable_reason(torch.float32, "cpu")

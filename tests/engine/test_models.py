@@ -36,12 +36,12 @@ class PagedRunner:
     """Drives the model the way the model runner will: pools + backend + hand-built ForwardBatch."""
 
     def __init__(self, model, config, page_size: int, max_reqs: int = 4, max_len: int = 48, seed: int = 0,
-                 native_decode: bool = False) -> None:
+                 native_decode: bool = False, dtype: torch.dtype = torch.float32) -> None:
         self.model, self.page_size = model, page_size
         pages_per_req = math.ceil(max_len / page_size)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.req_pool = ReqToTokenPool(max_reqs, max_len, "cpu")
-        self.kv_pool = MHATokenToKVPool(max_reqs * pages_per_req * page_size, page_size, torch.float32,
+        self.kv_pool = MHATokenToKVPool(max_reqs * pages_per_req * page_size, page_size, dtype,
                                         config.num_key_value_heads, head_dim, config.num_hidden_layers, "cpu")
         self.backend = create_attention_backend("torch", native_decode=native_decode)
         pages = torch.randperm(max_reqs * pages_per_req, generator=torch.Generator().manual_seed(seed)) + 1
@@ -165,6 +165,28 @@ def test_decode_ignores_garbage_in_padding_and_dummy_page(models, native_decode)
     step = runner.run(ForwardMode.DECODE, rows, [[t[0]] for t in tokens], [len(PROMPTS[1]), len(PROMPTS[2])])
     assert torch.isfinite(step).all()
     torch.testing.assert_close(step[1], hf_logits(hf, PROMPTS[2] + tokens[1])[-1], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.bfloat16, 0.125), (torch.float16, 0.02)], ids=["bf16", "f16"])
+def test_half_precision_native_decode_matches_gather(tiny_model_factory, dtype, atol):
+    """In bfloat16 and float16 the native CPU kernel serves decode (no silent fallback) and gives the
+    gather + SDPA path's logits."""
+    from baton.engine.kernels import cpu_attention
+
+    assert cpu_attention.unavailable_reason(dtype, "cpu") is None
+    path = tiny_model_factory("llama", hidden_size=128)  # head_dim 32: the AVX-512 path where there is one
+    ours, config, loaded = load_model(path, dtype=str(dtype).removeprefix("torch."))
+    assert loaded == dtype
+    rows, lens = [1, 0], [len(PROMPTS[1]), len(PROMPTS[2])]
+    steps = []
+    for native in (False, True):
+        runner = PagedRunner(ours, config, page_size=4, native_decode=native, dtype=dtype)
+        logits = runner.run(ForwardMode.EXTEND, rows, [PROMPTS[1], PROMPTS[2]], [0, 0])
+        last = logits[[lens[0] - 1, len(logits) - 1]]
+        steps.append(runner.decode_greedy(rows, last, lens, 3))
+    assert steps[1][0] == steps[0][0]
+    # a few units in the last place of the logits (bf16 keeps 8 bits of mantissa, f16 11)
+    torch.testing.assert_close(steps[1][1], steps[0][1], atol=atol, rtol=0)
 
 
 # ---- pools, loader, registry, fixtures ----
