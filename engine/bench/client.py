@@ -6,17 +6,18 @@ field) and `stream_options.include_usage`, so the last chunk reports the true ou
 
 The client shares the machine with the server under test, so it must be cheap: it streams with
 aiohttp (as SGLang's bench_serving does). Measured against one server, alternating, 32 x 64 tokens:
-httpx's streaming took 0.46-0.52 CPU-s per run, aiohttp 0.14-0.16 CPU-s.
+httpx's streaming took 0.46-0.52 CPU-s per run, aiohttp 0.14-0.16 CPU-s. It splits what each socket
+read delivered into lines itself (one await per read instead of one per line) and parses with orjson.
 """
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from typing import Optional
 
 import aiohttp
 import httpx
+import orjson
 
 from baton.engine.bench.metrics import RequestResult, summarize
 from baton.engine.bench.workload import BenchPrompt
@@ -51,21 +52,27 @@ async def stream_completion(session: aiohttp.ClientSession, url: str, body: dict
                 text = (await response.read()).decode(errors="replace")
                 result.error = f"HTTP {response.status}: {text[:200]}"
                 return result
-            async for raw in response.content:  # one SSE line per item
-                event = _parse_sse(raw.decode(errors="replace").strip())
-                if event is None:
-                    continue
+            pending = b""
+            # whatever the socket delivered, split into lines here: one await per read, not per line
+            async for piece in response.content.iter_any():
                 now = time.perf_counter()
-                if _chunk_text(event):
-                    if chunks == 0:
-                        result.ttft = now - start
-                    else:
-                        result.itl.append(now - last)
-                    chunks += 1
-                    last = now
-                if event.get("usage"):
-                    result.output_tokens = int(event["usage"]["completion_tokens"])
-                    result.usage_reported = True
+                *lines, pending = (pending + piece).split(b"\n")
+                for line in lines:
+                    event = _parse_sse(line)
+                    if event is None:
+                        continue
+                    if _chunk_text(event):
+                        if chunks == 0:
+                            result.ttft = now - start
+                        else:
+                            result.itl.append(now - last)
+                        chunks += 1
+                        last = now
+                    if event.get("usage"):
+                        result.output_tokens = int(event["usage"]["completion_tokens"])
+                        result.usage_reported = True
+            if pending.strip():  # an unterminated line: the stream was cut
+                raise ValueError("the stream ended inside an event")
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError) as e:
         result.error = f"{type(e).__name__}: {e}"
         return result
@@ -78,14 +85,15 @@ async def stream_completion(session: aiohttp.ClientSession, url: str, body: dict
     return result
 
 
-def _parse_sse(line: str) -> Optional[dict]:
-    """The JSON of a `data:` line; None for keep-alives, comments and `[DONE]`."""
-    if not line.startswith("data:"):
+def _parse_sse(line: bytes) -> Optional[dict]:
+    """The JSON of a `data:` line; None for blank lines, keep-alives, comments and `[DONE]`."""
+    line = line.strip()
+    if not line.startswith(b"data:"):
         return None
-    payload = line[len("data:"):].strip()
-    if not payload or payload == "[DONE]":
+    payload = line[len(b"data:"):].strip()
+    if not payload or payload == b"[DONE]":
         return None
-    event = json.loads(payload)
+    event = orjson.loads(payload)
     if "error" in event:
         raise ValueError(f"server error in stream: {event['error']}")
     return event

@@ -31,7 +31,10 @@ class FakeOpenAI:
     """Streams `max_tokens` one-word chunks, then a usage chunk. With `gate`, no stream starts until
     `gate` requests are in flight at once, which proves the client's concurrency deterministically."""
 
-    def __init__(self, gate: int = 0):
+    def __init__(self, gate: int = 0, split: int = 0, truncate: bool = False):
+        """split: write the stream in pieces of this many bytes, cutting lines and events anywhere
+        and packing several events into one write. truncate: stop in the middle of the last event."""
+        self.split, self.truncate = split, truncate
         self.bodies: list[dict] = []
         self.in_flight = 0
         self.max_in_flight = 0
@@ -67,12 +70,22 @@ class FakeOpenAI:
             await self._wait_gate()
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await response.prepare(request)
-            for i in range(body["max_tokens"]):
-                await _send(response, {"choices": [{"index": 0, "text": f" w{i}", "finish_reason": None}]})
+            events = [_event({"choices": [{"index": 0, "text": f" w{i}", "finish_reason": None}]})
+                      for i in range(body["max_tokens"])]
             if body.get("stream_options", {}).get("include_usage"):
                 usage = {"prompt_tokens": 3, "completion_tokens": body["max_tokens"], "total_tokens": 0}
-                await _send(response, {"choices": [], "usage": usage})
-            await response.write(b"data: [DONE]\n\n")
+                events.append(_event({"choices": [], "usage": usage}))
+            events.append(b"data: [DONE]\n\n")
+            if self.truncate:
+                events = events[:-2] + [events[-2][:len(events[-2]) // 2]]
+            if not self.split:
+                for event in events:
+                    await response.write(event)
+                return response
+            stream = b"".join(events)
+            for at in range(0, len(stream), self.split):
+                await response.write(stream[at:at + self.split])
+                await asyncio.sleep(0.001)  # separate socket reads on the client
             return response
         finally:
             self.in_flight -= 1
@@ -87,8 +100,8 @@ class FakeOpenAI:
         await asyncio.wait_for(self._gate_open.wait(), timeout=10)
 
 
-async def _send(response: web.StreamResponse, event: dict) -> None:
-    await response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+def _event(event: dict) -> bytes:
+    return b"data: " + json.dumps(event).encode() + b"\n\n"
 
 
 @contextmanager
@@ -201,6 +214,22 @@ def test_serving_counts_requests_tokens_and_holds_concurrency(tokenizer):
     s = summarize(results, duration)
     assert (s["completed"], s["output_tokens"]) == (8, 40)
     assert s["itl"]["p50_ms"] <= s["itl"]["p90_ms"] <= s["itl"]["p99_ms"]
+
+
+@pytest.mark.parametrize("split", [7, 500], ids=["lines-cut-anywhere", "several-events-per-read"])
+def test_client_reassembles_events_whatever_the_reads(tokenizer, split):
+    prompts = build_workload(tokenizer, WorkloadConfig(num_prompts=3, input_len=16, output_len=6, seed=1))
+    with fake_server(FakeOpenAI(split=split)) as url:
+        results, _ = asyncio.run(run_requests(url, "fake-model", prompts, concurrency=3))
+    assert all(r.success and r.usage_reported and r.output_tokens == 6 for r in results)
+    assert all(len(r.itl) == 5 for r in results)
+
+
+def test_client_reports_a_stream_cut_inside_an_event(tokenizer):
+    prompts = build_workload(tokenizer, WorkloadConfig(num_prompts=1, input_len=16, output_len=4, seed=2))
+    with fake_server(FakeOpenAI(split=5, truncate=True)) as url:
+        (result,), _ = asyncio.run(run_requests(url, "fake-model", prompts, concurrency=1))
+    assert not result.success and "inside an event" in result.error
 
 
 def test_bench_serving_cli_writes_json(tiny_llama, tmp_path):
