@@ -108,13 +108,11 @@ class CudaGraphRunner:
         self.seq_lens[start:end].fill_(PAD_SEQ_LEN)
 
     def _static_batch(self, b: int, seq_lens_cpu: list[int]) -> ForwardBatch:
-        mr = self.model_runner
-        return ForwardBatch(
-            forward_mode=ForwardMode.DECODE, batch_size=b, input_ids=self.input_ids[:b],
-            positions=self.positions[:b], req_pool_indices=self.req_pool_indices[:b], seq_lens=self.seq_lens[:b],
-            out_cache_loc=self.out_cache_loc[:b], seq_lens_cpu=seq_lens_cpu, extend_prefix_lens_cpu=None,
-            extend_seq_lens_cpu=None, req_to_token_pool=mr.req_to_token_pool, token_to_kv_pool=mr.token_to_kv_pool,
-            attn_backend=mr.attn_backend)
+        assert len(seq_lens_cpu) == b
+        return self.model_runner.make_forward_batch(
+            ForwardMode.DECODE, input_ids=self.input_ids[:b], positions=self.positions[:b],
+            req_pool_indices=self.req_pool_indices[:b], seq_lens=self.seq_lens[:b],
+            out_cache_loc=self.out_cache_loc[:b], seq_lens_cpu=seq_lens_cpu)
 
     def _forward(self, fb: ForwardBatch) -> torch.Tensor:
         # A fresh view of positions per call: RotaryEmbedding memoizes cos/sin by the positions

@@ -108,13 +108,11 @@ class ModelRunner:
         num_tokens = sum(lens) if extend else bs
         positions = torch.cat([torch.arange(n) for n in lens]) if extend else torch.zeros(bs, dtype=torch.int64)
         seq_lens = list(lens) if extend else [1] * bs
-        return ForwardBatch(
-            forward_mode=mode, batch_size=bs, input_ids=torch.zeros(num_tokens, dtype=torch.int64, device=dev),
-            positions=positions.to(dev), req_pool_indices=torch.arange(bs, device=dev),
-            seq_lens=torch.tensor(seq_lens, device=dev), out_cache_loc=torch.zeros(num_tokens, dtype=torch.int64, device=dev),
-            seq_lens_cpu=seq_lens, extend_prefix_lens_cpu=[0] * bs if extend else None,
-            extend_seq_lens_cpu=list(lens) if extend else None, req_to_token_pool=self.req_to_token_pool,
-            token_to_kv_pool=self.token_to_kv_pool, attn_backend=self.attn_backend)
+        return self.make_forward_batch(
+            mode, input_ids=torch.zeros(num_tokens, dtype=torch.int64, device=dev), positions=positions.to(dev),
+            req_pool_indices=torch.arange(bs, device=dev), seq_lens=torch.tensor(seq_lens, device=dev),
+            out_cache_loc=torch.zeros(num_tokens, dtype=torch.int64, device=dev), seq_lens_cpu=seq_lens,
+            extend_prefix_lens_cpu=[0] * bs if extend else None, extend_seq_lens_cpu=list(lens) if extend else None)
 
     def _init_cuda_graph_runner(self) -> Optional["CudaGraphRunner"]:
         """Decode CUDA graphs: on CUDA, unless --disable-cuda-graph, with a backend that supports them."""
@@ -144,23 +142,27 @@ class ModelRunner:
         running = args.max_running_requests or max(1, min(256, total // 2))
         return PoolConfig(max_total_tokens=total, max_running_requests=running, context_len=context_len)
 
+    def make_forward_batch(self, mode: ForwardMode, *, input_ids: torch.Tensor, positions: torch.Tensor,
+                           req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, out_cache_loc: torch.Tensor,
+                           seq_lens_cpu: list[int], extend_prefix_lens_cpu: Optional[list[int]] = None,
+                           extend_seq_lens_cpu: Optional[list[int]] = None) -> ForwardBatch:
+        """A ForwardBatch over this runner's pools and attention backend."""
+        return ForwardBatch(
+            forward_mode=mode, batch_size=len(seq_lens_cpu), input_ids=input_ids, positions=positions,
+            req_pool_indices=req_pool_indices, seq_lens=seq_lens, out_cache_loc=out_cache_loc,
+            seq_lens_cpu=seq_lens_cpu, extend_prefix_lens_cpu=extend_prefix_lens_cpu,
+            extend_seq_lens_cpu=extend_seq_lens_cpu, req_to_token_pool=self.req_to_token_pool,
+            token_to_kv_pool=self.token_to_kv_pool, attn_backend=self.attn_backend)
+
     def forward_batch_from(self, mwb) -> ForwardBatch:
         dev = self.device
-        return ForwardBatch(
-            forward_mode=mwb.forward_mode,
-            batch_size=len(mwb.seq_lens_cpu),
-            input_ids=mwb.input_ids.to(dev, non_blocking=True),
+        return self.make_forward_batch(
+            mwb.forward_mode, input_ids=mwb.input_ids.to(dev, non_blocking=True),
             positions=mwb.positions.to(dev, non_blocking=True),
             req_pool_indices=mwb.req_pool_indices.to(dev, non_blocking=True),
             seq_lens=torch.tensor(mwb.seq_lens_cpu, dtype=torch.int64, device=dev),
-            out_cache_loc=mwb.out_cache_loc.to(dev, non_blocking=True),
-            seq_lens_cpu=mwb.seq_lens_cpu,
-            extend_prefix_lens_cpu=mwb.extend_prefix_lens_cpu,
-            extend_seq_lens_cpu=mwb.extend_seq_lens_cpu,
-            req_to_token_pool=self.req_to_token_pool,
-            token_to_kv_pool=self.token_to_kv_pool,
-            attn_backend=self.attn_backend,
-        )
+            out_cache_loc=mwb.out_cache_loc.to(dev, non_blocking=True), seq_lens_cpu=mwb.seq_lens_cpu,
+            extend_prefix_lens_cpu=mwb.extend_prefix_lens_cpu, extend_seq_lens_cpu=mwb.extend_seq_lens_cpu)
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
