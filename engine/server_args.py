@@ -12,6 +12,7 @@ from typing import Optional
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 ATTENTION_BACKENDS = ("torch", "flashinfer")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e5m2")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 
 
@@ -24,6 +25,9 @@ class ServerArgs:
     port: int = 30000
     device: str = "cpu"
     dtype: str = "auto"  # auto | float32 | float16 | bfloat16
+    # The KV cache's own dtype (SGLang's and vLLM's --kv-cache-dtype): auto = the model's. A smaller
+    # one holds more tokens in the same memory and halves/quarters what each decode step reads.
+    kv_cache_dtype: str = "auto"  # auto | float32 | bfloat16 | float16 | fp8_e5m2
     context_length: Optional[int] = None
     # memory
     page_size: int = 1
@@ -116,6 +120,8 @@ class ServerArgs:
         a("--port", type=int, default=ServerArgs.port)
         a("--device", default=ServerArgs.device, choices=("cpu", "cuda"))
         a("--dtype", default=ServerArgs.dtype, choices=("auto", "float32", "float16", "bfloat16"))
+        a("--kv-cache-dtype", default=ServerArgs.kv_cache_dtype, choices=KV_CACHE_DTYPES,
+          help="dtype of the KV cache (auto: the model's); fp8_e5m2 stores a quarter of float32's bytes")
         a("--context-length", type=int, default=None)
         a("--page-size", type=int, default=ServerArgs.page_size)
         a("--max-total-tokens", type=int, default=None, help="KV pool size in tokens (default: from --mem-fraction-static)")

@@ -4,6 +4,8 @@
 
 q is [bs, kv_heads, group, head_dim] (the query heads grouped by the KV head they share), the pool
 buffers are [slots, kv_heads, head_dim]; the result is [bs, kv_heads, group, head_dim] in q's dtype.
+q is float32, bfloat16 or float16; the pool may be in any of those or in float8 e5m2 (a KV cache
+dtype of its own, `--kv-cache-dtype`).
 It is a torch custom op (`baton::paged_decode_attention`), so `torch.compile` keeps it as one opaque
 call instead of breaking the graph.
 
@@ -37,6 +39,7 @@ SOURCE = Path(__file__).with_name("paged_decode_attention.c")
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
 DISABLE_ENV = "BATON_DISABLE_CPU_KERNELS"
 _SUPPORTED = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # DTYPE_F32 / _BF16 / _F16 in the C source
+_KV_SUPPORTED = {**_SUPPORTED, torch.float8_e5m2: 3}  # DTYPE_E5M2
 _BAD_INDEX = 2  # KERNEL_BAD_INDEX in the C source
 
 
@@ -104,22 +107,25 @@ def _library() -> ctypes.CDLL:
     # already loaded: one OpenMP runtime and one thread pool in the process, not two competing.
     lib = ctypes.CDLL(str(build()))
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    # q, k, v, dtype, num_slots, r2t, r2t_rows, r2t_stride, rows, lens, bs, kv_heads, group, head_dim,
-    # scale, out, num_threads
-    lib.paged_decode_attention.argtypes = [ptr, ptr, ptr, ctypes.c_int, i64, ptr, i64, i64, ptr, ptr, i64, i64, i64,
-                                           i64, ctypes.c_float, ptr, ctypes.c_int]
+    # q, q_dtype, k, v, kv_dtype, num_slots, r2t, r2t_rows, r2t_stride, rows, lens, bs, kv_heads, group,
+    # head_dim, scale, out, num_threads
+    lib.paged_decode_attention.argtypes = [ptr, ctypes.c_int, ptr, ptr, ctypes.c_int, i64, ptr, i64, i64, ptr, ptr,
+                                           i64, i64, i64, i64, ctypes.c_float, ptr, ctypes.c_int]
     lib.paged_decode_attention.restype = ctypes.c_int
     return lib
 
 
-def unavailable_reason(dtype: torch.dtype, device: str) -> Optional[str]:
-    """None when the kernel can serve this dtype/device; otherwise why not (for one log line)."""
+def unavailable_reason(dtype: torch.dtype, device: str, kv_dtype: Optional[torch.dtype] = None) -> Optional[str]:
+    """None when the kernel can serve this model dtype, KV cache dtype (default: the model's) and
+    device; otherwise why not (for one log line)."""
     if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
         return f"{DISABLE_ENV} is set"
     if not str(device).startswith("cpu"):
         return f"device {device} is not the CPU"
     if dtype not in _SUPPORTED:
         return f"dtype {dtype} is not supported (float32, bfloat16, float16)"
+    if (kv_dtype or dtype) not in _KV_SUPPORTED:
+        return f"KV cache dtype {kv_dtype} is not supported (float32, bfloat16, float16, float8_e5m2)"
     try:
         _library()
     except (KernelUnavailable, OSError) as e:
@@ -140,9 +146,9 @@ def paged_decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Te
 def _paged_decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, req_to_token: torch.Tensor,
                             req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
     bs, kv_heads, group, head_dim = q.shape
-    if q.dtype not in _SUPPORTED or not (q.dtype == k_buf.dtype == v_buf.dtype):
-        raise TypeError(f"paged_decode_attention: q/k/v must share one of {list(_SUPPORTED)}, "
-                        f"got {q.dtype}/{k_buf.dtype}/{v_buf.dtype}")
+    if q.dtype not in _SUPPORTED or k_buf.dtype not in _KV_SUPPORTED or k_buf.dtype != v_buf.dtype:
+        raise TypeError(f"paged_decode_attention: q must be one of {list(_SUPPORTED)} and k/v share one of "
+                        f"{list(_KV_SUPPORTED)}, got {q.dtype}/{k_buf.dtype}/{v_buf.dtype}")
     if k_buf.shape[1:] != (kv_heads, head_dim) or v_buf.shape != k_buf.shape:
         raise ValueError(f"paged_decode_attention: pool {tuple(k_buf.shape)} does not match q {tuple(q.shape)}")
     if req_to_token.dtype != torch.int64 or req_pool_indices.dtype != torch.int64 or seq_lens.dtype != torch.int64:
@@ -156,7 +162,8 @@ def _paged_decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.T
     rows, lens = req_pool_indices.contiguous(), seq_lens.contiguous()
     out = torch.empty((bs, kv_heads, group, head_dim), dtype=torch.float32)
     failed = _library().paged_decode_attention(
-        q.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), _SUPPORTED[q.dtype], k_buf.shape[0], req_to_token.data_ptr(),
+        q.data_ptr(), _SUPPORTED[q.dtype], k_buf.data_ptr(), v_buf.data_ptr(), _KV_SUPPORTED[k_buf.dtype],
+        k_buf.shape[0], req_to_token.data_ptr(),
         req_to_token.shape[0], req_to_token.stride(0), rows.data_ptr(), lens.data_ptr(), bs, kv_heads, group,
         head_dim, scale, out.data_ptr(), torch.get_num_threads())
     if failed & _BAD_INDEX:

@@ -4,7 +4,8 @@
  * and then runs SDPA on it; at decode the copy costs as much as the attention. This kernel reads
  * each key and value row straight from the pool through the request's req_to_token row.
  *
- * Layouts (all contiguous; float32, bfloat16 or float16, the same for q, k and v):
+ * Layouts (all contiguous; q in float32, bfloat16 or float16; k and v in one of those or in
+ * float8 e5m2, the KV cache dtype, which may differ from q's):
  *   q        [bs, kv_heads, group, head_dim]   the query heads grouped by the KV head they share
  *   k, v     [num_slots, kv_heads, head_dim]   one layer's pool
  *   r2t      [r2t_rows, r2t_stride] int64      req_to_token
@@ -31,6 +32,7 @@
 #define DTYPE_F32 0
 #define DTYPE_BF16 1
 #define DTYPE_F16 2
+#define DTYPE_E5M2 3 /* float8 e5m2: the high byte of a float16 */
 #define PREFETCH_AHEAD 4
 #define INLINE static inline __attribute__((always_inline))
 
@@ -62,9 +64,16 @@ INLINE float f16_to_f32(f16_t h) {
     return f;
 }
 
+INLINE int64_t elem_bytes(int dtype) { return dtype == DTYPE_F32 ? 4 : dtype == DTYPE_E5M2 ? 1 : 2; }
+
 /* Row `index` of a [*, width] buffer as float32: read in place, or converted into buf. */
 INLINE const float *row_f32(const void *base, int dtype, int64_t index, int64_t width, float *restrict buf) {
     if (dtype == DTYPE_F32) return (const float *)base + index * width;
+    if (dtype == DTYPE_E5M2) {
+        const uint8_t *src = (const uint8_t *)base + index * width;
+        for (int64_t i = 0; i < width; ++i) buf[i] = f16_to_f32((f16_t)(src[i] << 8));
+        return buf;
+    }
     const uint16_t *src = (const uint16_t *)base + index * width;
     if (dtype == DTYPE_BF16) {
 #pragma omp simd
@@ -76,7 +85,7 @@ INLINE const float *row_f32(const void *base, int dtype, int64_t index, int64_t 
 }
 
 INLINE void prefetch_row(const void *base, int dtype, int64_t index, int64_t width) {
-    __builtin_prefetch((const char *)base + index * width * (dtype == DTYPE_F32 ? 4 : 2));
+    __builtin_prefetch((const char *)base + index * width * elem_bytes(dtype));
 }
 
 INLINE float dot(const float *restrict a, const float *restrict b, int64_t n) {
@@ -116,11 +125,11 @@ static int check_indices(const int64_t *r2t, int64_t r2t_rows, int64_t r2t_strid
 /* One request. Always inlined with literal dtype and head_dim for the common cases, so the row
  * loops unroll into a few vector instructions instead of generic loops with remainders.
  * qf: [heads * head_dim], row: [kv_heads * head_dim], scores: [heads, len], o: [heads * head_dim]. */
-INLINE void attend(const void *q, const void *k, const void *v, const int dtype, const int64_t *slots,
+INLINE void attend(const void *q, const int q_dtype, const void *k, const void *v, const int dtype, const int64_t *slots,
                    int64_t len, int64_t kv_heads, int64_t group, const int64_t head_dim, float scale,
                    float *restrict qf, float *restrict row, float *restrict scores, float *restrict o) {
     const int64_t heads = kv_heads * group, width = kv_heads * head_dim;
-    const float *qrow = row_f32(q, dtype, 0, heads * head_dim, qf);
+    const float *qrow = row_f32(q, q_dtype, 0, heads * head_dim, qf);
     for (int64_t i = 0; i < heads * head_dim; ++i) qf[i] = qrow[i] * scale;
     for (int64_t t = 0; t < len; ++t) {
         if (t + PREFETCH_AHEAD < len) prefetch_row(k, dtype, slots[t + PREFETCH_AHEAD], width);
@@ -141,9 +150,13 @@ INLINE void attend(const void *q, const void *k, const void *v, const int dtype,
 }
 
 #if defined(__AVX512F__)
-/* 16 values as float32 from offset (float32, bfloat16 or float16 storage). */
+/* 16 values as float32 from offset (float32, bfloat16, float16 or float8 e5m2 storage). */
 INLINE __m512 load16(const void *base, int dtype, int64_t offset) {
     if (dtype == DTYPE_F32) return _mm512_loadu_ps((const float *)base + offset);
+    if (dtype == DTYPE_E5M2) {
+        const __m128i b = _mm_loadu_si128((const __m128i *)((const uint8_t *)base + offset));
+        return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(b), 8));
+    }
     __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + offset));
     if (dtype == DTYPE_F16) return _mm512_cvtph_ps(h);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
@@ -188,7 +201,7 @@ static void softmax_avx512(float *restrict s, int64_t n) {
 
 /* One request, one (kv head, query row) at a time with its query and output in registers. The
  * request's rows of one head stay in L1/L2 from one query row of the group to the next. */
-INLINE void attend_avx512(const void *q, const void *k, const void *v, const int dtype, const int64_t *slots,
+INLINE void attend_avx512(const void *q, const int q_dtype, const void *k, const void *v, const int dtype, const int64_t *slots,
                           int64_t len, int64_t kv_heads, int64_t group, const int64_t head_dim, float scale,
                           float *restrict scores, float *restrict o) {
     enum { MAX_VECTORS = 8 };  /* head_dim <= 128 */
@@ -198,7 +211,7 @@ INLINE void attend_avx512(const void *q, const void *k, const void *v, const int
             const int64_t qh = h * group + g;
             __m512 qv[MAX_VECTORS], acc[MAX_VECTORS];
             for (int64_t j = 0; j < nv; ++j)
-                qv[j] = _mm512_mul_ps(load16(q, dtype, qh * head_dim + j * 16), _mm512_set1_ps(scale));
+                qv[j] = _mm512_mul_ps(load16(q, q_dtype, qh * head_dim + j * 16), _mm512_set1_ps(scale));
             float *sg = scores + qh * len;
             for (int64_t t = 0; t < len; ++t) {
                 const int64_t base = slots[t] * width + h * head_dim;
@@ -219,13 +232,16 @@ INLINE void attend_avx512(const void *q, const void *k, const void *v, const int
 }
 #endif
 
-#define ATTEND(DTYPE, DIM) attend(qb, k, v, DTYPE, slots, len, kv_heads, group, DIM, scale, qf, row, scores, o)
+#define ATTEND(DTYPE, DIM) \
+    attend(qb, q_dtype, k, v, DTYPE, slots, len, kv_heads, group, DIM, scale, qf, row, scores, o)
 
-static void attend_dispatch(const void *qb, const void *k, const void *v, int dtype, const int64_t *slots,
-                            int64_t len, int64_t kv_heads, int64_t group, int64_t head_dim, float scale, float *qf,
-                            float *row, float *scores, float *o) {
+/* Instantiated per KV dtype and head size (the inner loops); the query's dtype is read once per
+ * request, so it stays a runtime value. */
+static void attend_dispatch(const void *qb, int q_dtype, const void *k, const void *v, int dtype,
+                            const int64_t *slots, int64_t len, int64_t kv_heads, int64_t group, int64_t head_dim,
+                            float scale, float *qf, float *row, float *scores, float *o) {
 #if defined(__AVX512F__)
-#define AVX512(DTYPE, DIM) attend_avx512(qb, k, v, DTYPE, slots, len, kv_heads, group, DIM, scale, scores, o)
+#define AVX512(DTYPE, DIM) attend_avx512(qb, q_dtype, k, v, DTYPE, slots, len, kv_heads, group, DIM, scale, scores, o)
 #define AVX512_DIMS(DTYPE)                            \
     switch (head_dim) {                               \
     case 32: AVX512(DTYPE, 32); return;               \
@@ -235,7 +251,8 @@ static void attend_dispatch(const void *qb, const void *k, const void *v, int dt
     if (len > 0) {
         if (dtype == DTYPE_F32) AVX512_DIMS(DTYPE_F32)
         else if (dtype == DTYPE_BF16) AVX512_DIMS(DTYPE_BF16)
-        else AVX512_DIMS(DTYPE_F16)
+        else if (dtype == DTYPE_F16) AVX512_DIMS(DTYPE_F16)
+        else AVX512_DIMS(DTYPE_E5M2)
     }
 #endif
 #define ATTEND_DIMS(DTYPE)                            \
@@ -247,15 +264,19 @@ static void attend_dispatch(const void *qb, const void *k, const void *v, int dt
     }
     if (dtype == DTYPE_F32) ATTEND_DIMS(DTYPE_F32)
     if (dtype == DTYPE_BF16) ATTEND_DIMS(DTYPE_BF16)
-    ATTEND_DIMS(DTYPE_F16)
+    if (dtype == DTYPE_F16) ATTEND_DIMS(DTYPE_F16)
+    ATTEND_DIMS(DTYPE_E5M2)
 }
 
-int paged_decode_attention(const void *q, const void *k, const void *v, int dtype, int64_t num_slots,
-                           const int64_t *r2t, int64_t r2t_rows, int64_t r2t_stride, const int64_t *rows,
-                           const int64_t *lens, int64_t bs, int64_t kv_heads, int64_t group, int64_t head_dim,
-                           float scale, float *out, int num_threads) {
-    if (dtype != DTYPE_F32 && dtype != DTYPE_BF16 && dtype != DTYPE_F16) return KERNEL_BAD_INDEX;
-    const int64_t per_request = kv_heads * group * head_dim, elem = dtype == DTYPE_F32 ? 4 : 2;
+/* q_dtype: float32, bfloat16 or float16; kv_dtype: one of those or float8 e5m2. */
+int paged_decode_attention(const void *q, int q_dtype, const void *k, const void *v, int kv_dtype,
+                           int64_t num_slots, const int64_t *r2t, int64_t r2t_rows, int64_t r2t_stride,
+                           const int64_t *rows, const int64_t *lens, int64_t bs, int64_t kv_heads, int64_t group,
+                           int64_t head_dim, float scale, float *out, int num_threads) {
+    if (q_dtype != DTYPE_F32 && q_dtype != DTYPE_BF16 && q_dtype != DTYPE_F16) return KERNEL_BAD_INDEX;
+    if (kv_dtype != DTYPE_F32 && kv_dtype != DTYPE_BF16 && kv_dtype != DTYPE_F16 && kv_dtype != DTYPE_E5M2)
+        return KERNEL_BAD_INDEX;
+    const int64_t per_request = kv_heads * group * head_dim, elem = elem_bytes(q_dtype);
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
@@ -277,8 +298,8 @@ int paged_decode_attention(const void *q, const void *k, const void *v, int dtyp
                 failed |= err;
                 continue;
             }
-            attend_dispatch((const char *)q + b * per_request * elem, k, v, dtype, r2t + rows[b] * r2t_stride, len,
-                            kv_heads, group, head_dim, scale, qf, row, scores, out + b * per_request);
+            attend_dispatch((const char *)q + b * per_request * elem, q_dtype, k, v, kv_dtype, r2t + rows[b] * r2t_stride,
+                            len, kv_heads, group, head_dim, scale, qf, row, scores, out + b * per_request);
         }
         free(qf);
         free(row);

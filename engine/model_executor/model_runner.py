@@ -39,6 +39,19 @@ def _total_memory_bytes(device: str) -> int:
 _BATCH_TENSORS = ("input_ids", "positions", "req_pool_indices", "seq_lens", "out_cache_loc")
 
 
+_KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+              "fp8_e5m2": torch.float8_e5m2}
+
+
+def resolve_kv_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """--kv-cache-dtype: auto keeps the model's dtype."""
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype not in _KV_DTYPES:
+        raise ValueError(f"unknown --kv-cache-dtype {kv_cache_dtype!r}; use auto or one of {sorted(_KV_DTYPES)}")
+    return _KV_DTYPES[kv_cache_dtype]
+
+
 def _inference(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_inference() else t.clone()
 
@@ -54,6 +67,7 @@ class ModelRunner:
         torch.manual_seed(server_args.random_seed)
         self.model, self.hf_config, self.dtype = load_model(server_args.model_path, server_args.dtype, self.device)
         self.model.eval()
+        self.kv_dtype = resolve_kv_dtype(server_args.kv_cache_dtype, self.dtype)
         text_cfg = getattr(self.hf_config, "text_config", None) or self.hf_config
         self.vocab_size = text_cfg.vocab_size
         self.num_layers = text_cfg.num_hidden_layers
@@ -63,7 +77,7 @@ class ModelRunner:
         page = server_args.page_size
         cfg = self.pool_config
         self.req_to_token_pool = ReqToTokenPool(cfg.max_running_requests + 1, cfg.context_len + page, self.device)
-        self.token_to_kv_pool = MHATokenToKVPool(cfg.max_total_tokens, page, self.dtype, self.num_kv_heads,
+        self.token_to_kv_pool = MHATokenToKVPool(cfg.max_total_tokens, page, self.kv_dtype, self.num_kv_heads,
                                                  self.head_dim, self.num_layers, self.device)
         self.allocator = TokenToKVPoolAllocator(cfg.max_total_tokens, page, self.device)
         self.attn_backend = create_attention_backend(server_args.attention_backend, model_runner=self)
@@ -76,8 +90,8 @@ class ModelRunner:
                                and server_args.attention_backend == "torch")
         self.cuda_graph_runner = self._init_cuda_graph_runner()
         self._warm_up_compiled()
-        logger.info("model loaded: %s layers, dtype %s, KV pool %d tokens, %d max running requests",
-                    self.num_layers, self.dtype, cfg.max_total_tokens, cfg.max_running_requests)
+        logger.info("model loaded: %s layers, dtype %s, KV cache %s, KV pool %d tokens, %d max running requests",
+                    self.num_layers, self.dtype, self.kv_dtype, cfg.max_total_tokens, cfg.max_running_requests)
 
     # Every shape class serving can meet: Dynamo specialises sizes 0/1 and makes the rest dynamic
     # from the second distinct size, so batch 1 and batch 2 (one token and several) cover them.
@@ -130,7 +144,7 @@ class ModelRunner:
     def _pool_config(self, text_cfg) -> PoolConfig:
         args, page = self.server_args, self.server_args.page_size
         context_len = args.context_length or getattr(text_cfg, "max_position_embeddings", 4096)
-        cell = self.num_layers * 2 * self.num_kv_heads * self.head_dim * torch.tensor([], dtype=self.dtype).element_size()
+        cell = self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.kv_dtype.itemsize
         if args.max_total_tokens is not None:
             total = args.max_total_tokens
         else:

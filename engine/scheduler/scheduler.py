@@ -412,6 +412,8 @@ class Scheduler(SchedulerOutputProcessorMixin):
             "max_running_requests": self.max_running_requests,
             "context_length": self.context_len,
             "page_size": self.page_size,
+            "dtype": str(self.worker.model_runner.dtype).removeprefix("torch."),
+            "kv_cache_dtype": str(self.worker.model_runner.kv_dtype).removeprefix("torch."),
             "num_running_reqs": len(self.running_batch.reqs),
             "num_waiting_reqs": len(self.waiting_queue),
             "token_usage": self.token_usage(),

@@ -13,7 +13,13 @@ except ImportError:  # CPU-only installs may lack triton; the torch path serves 
 def store_kv(
     k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> None:
-    """k_buffer, v_buffer: [num_slots, H, D]; loc: [n] int64 slots; k, v: [n, H, D]. In place."""
+    """k_buffer, v_buffer: [num_slots, H, D]; loc: [n] int64 slots; k, v: [n, H, D]. In place.
+    The values are cast to the buffers' dtype (the KV cache may have its own, --kv-cache-dtype). A
+    float8 cache is written as bytes: index_copy_ has no float8 kernel."""
+    if k.dtype != k_buffer.dtype:
+        k, v = k.to(k_buffer.dtype), v.to(v_buffer.dtype)
+    if k_buffer.dtype.itemsize == 1 and k_buffer.dtype.is_floating_point:
+        k, v, k_buffer, v_buffer = (t.view(torch.uint8) for t in (k, v, k_buffer, v_buffer))
     if triton is not None and k_buffer.is_cuda:
         store_kv_triton(k_buffer, v_buffer, loc, k, v)
     else:

@@ -62,6 +62,24 @@ def test_matches_reference(dtype, atol, head_dim, group):
     torch.testing.assert_close(out.double(), expected, atol=atol, rtol=0)
 
 
+@pytest.mark.parametrize("q_dtype,kv_dtype,atol", [
+    (torch.float32, torch.bfloat16, 2e-5), (torch.float32, torch.float8_e5m2, 2e-5),
+    (torch.bfloat16, torch.float8_e5m2, 2e-2), (torch.float16, torch.float32, 3e-3)],
+    ids=["f32-q-bf16-kv", "f32-q-e5m2-kv", "bf16-q-e5m2-kv", "f16-q-f32-kv"])
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 48])
+def test_kv_cache_dtype_differs_from_the_query(q_dtype, kv_dtype, atol, head_dim):
+    """A KV cache in its own dtype (--kv-cache-dtype): the kernel must read the pool as stored, so
+    the reference is computed from the stored (rounded) values and the bound stays q's own."""
+    lens = [1, 17, 16, 200, 33, 5]
+    q, k_buf, v_buf, r2t, rows, lens_t = _case(len(lens), 2, 2, head_dim, torch.float32, lens)
+    q, k_buf, v_buf = q.to(q_dtype), k_buf.to(kv_dtype), v_buf.to(kv_dtype)
+    scale = 1 / math.sqrt(head_dim)
+    out = cpu_attention.paged_decode_attention(q, k_buf, v_buf, r2t, rows, lens_t, scale)
+    assert out.dtype == q_dtype
+    expected = _reference(q, k_buf, v_buf, r2t, rows, lens_t, scale)
+    torch.testing.assert_close(out.double(), expected, atol=atol, rtol=0)
+
+
 def test_softmax_handles_large_and_very_negative_scores():
     """Scores far apart (exp underflows to 0 for most keys) and large ones (exp must not overflow)."""
     q, k_buf, v_buf, r2t, rows, lens = _case(3, 1, 2, 64, torch.float32, [40, 3, 100])
@@ -116,6 +134,8 @@ def test_rejects_bad_types_and_shapes():
         cpu_attention.paged_decode_attention(q.double(), k_buf.double(), v_buf.double(), r2t, rows, lens, 0.1)
     with pytest.raises(TypeError, match="share one of"):
         cpu_attention.paged_decode_attention(q, k_buf.bfloat16(), v_buf, r2t, rows, lens, 0.1)
+    with pytest.raises(TypeError, match="share one of"):  # float8 is a KV cache dtype, not a query dtype
+        cpu_attention.paged_decode_attention(q.to(torch.float8_e5m2), k_buf, v_buf, r2t, rows, lens, 0.1)
     with pytest.raises(TypeError, match="int64"):
         cpu_attention.paged_decode_attention(q, k_buf, v_buf, r2t.int(), rows, lens, 0.1)
     with pytest.raises(ValueError, match="does not match"):
@@ -144,6 +164,8 @@ def test_inside_torch_compile_it_is_one_opaque_op():
 
 def test_disable_switch_and_unsupported_inputs_have_reasons(monkeypatch):
     assert "not supported" in cpu_attention.unavailable_reason(torch.float64, "cpu")
+    assert "KV cache dtype" in cpu_attention.unavailable_reason(torch.float32, "cpu", torch.float8_e4m3fn)
+    assert cpu_attention.unavailable_reason(torch.float32, "cpu", torch.float8_e5m2) is None
     assert "not the CPU" in cpu_attention.unavailable_reason(torch.float32, "cuda")
     monkeypatch.setenv(cpu_attention.DISABLE_ENV, "1")
     assert cpu_attention.DISABLE_ENV in cpu_attention.unavailable_reason(torch.float32, "cpu")

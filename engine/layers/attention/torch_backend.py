@@ -68,7 +68,8 @@ class TorchAttnBackend(AttentionBackend):
         the gather + SDPA below, without the per-step copy of every request's KV). None = when the
         model runner's device and dtype allow it and the kernel builds; no model runner = off."""
         if native_decode is None and model_runner is not None:
-            reason = cpu_attention.unavailable_reason(model_runner.dtype, model_runner.device)
+            reason = cpu_attention.unavailable_reason(model_runner.dtype, model_runner.device,
+                                                      model_runner.token_to_kv_pool.dtype)
             native_decode = reason is None
             if reason and str(model_runner.device).startswith("cpu"):
                 logger.warning("native CPU decode attention off (%s); using gather + SDPA", reason)
@@ -87,7 +88,9 @@ class TorchAttnBackend(AttentionBackend):
         rows = fb.req_to_token_pool.req_to_token[fb.req_pool_indices, :max_len]  # [bs, max_len]
         valid = torch.arange(max_len, device=rows.device)[None, :] < fb.seq_lens[:, None]  # [bs, max_len]
         kv_indices = torch.where(valid, rows, torch.zeros_like(rows))
-        bias = torch.zeros(valid.shape, dtype=fb.token_to_kv_pool.dtype, device=rows.device)
+        pool_dtype = fb.token_to_kv_pool.dtype  # a float8 KV cache gets a float32 bias (cast to q's at use)
+        bias = torch.zeros(valid.shape, dtype=pool_dtype if pool_dtype.itemsize >= 2 else torch.float32,
+                           device=rows.device)
         bias.masked_fill_(~valid, float("-inf"))
         return DecodeMetadata(kv_indices, bias[:, None, None, :])
 
