@@ -85,6 +85,13 @@ class ServerArgs:
         assert self.chunked_prefill_size == -1 or self.chunked_prefill_size >= self.page_size
         assert self.stream_interval >= 1
         assert 0.0 <= self.disaggregation_fault_probability <= 1.0, "--disaggregation-fault-probability in [0, 1]"
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"--kv-cache-dtype must be one of {KV_CACHE_DTYPES}")
+        if self.kv_cache_dtype not in ("auto", self.dtype) and self.attention_backend != "torch":
+            # FlashInfer would need its KV dtype planned and verified on a GPU; the torch backend
+            # reads any pool dtype (the native CPU kernel, or a gather cast to the query's dtype).
+            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype} needs --attention-backend torch "
+                             "(or --kv-cache-dtype auto)")
         if self.device == "cpu":
             assert self.attention_backend == "torch", "FlashInfer needs --device cuda"
         if self.cpu_omp_threads_bind != "off":

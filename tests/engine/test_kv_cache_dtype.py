@@ -41,6 +41,14 @@ def test_same_memory_holds_two_and_four_times_the_tokens(llama, monkeypatch):
     assert abs(sizes["bfloat16"] / sizes["auto"] - 2) < 0.01 and abs(sizes["fp8_e5m2"] / sizes["auto"] - 4) < 0.01
 
 
+def test_server_args_check_the_kv_cache_dtype():
+    with pytest.raises(ValueError, match="needs --attention-backend torch"):
+        ServerArgs(model_path="m", kv_cache_dtype="fp8_e5m2", attention_backend="flashinfer", device="cuda")
+    with pytest.raises(ValueError, match="must be one of"):
+        ServerArgs(model_path="m", kv_cache_dtype="fp8_e4m3")
+    assert ServerArgs(model_path="m", kv_cache_dtype="auto", attention_backend="flashinfer", device="cuda")
+
+
 def test_float8_store_writes_the_rounded_values():
     pool = MHATokenToKVPool(16, 1, torch.float8_e5m2, head_num=2, head_dim=4, layer_num=1, device="cpu")
     k, v = torch.randn(3, 2, 4), torch.randn(3, 2, 4)
