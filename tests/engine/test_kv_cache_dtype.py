@@ -114,3 +114,23 @@ def test_served_with_prefix_hits_and_nothing_leaks(llama, kv, native, monkeypatc
 def test_pd_peers_with_different_kv_cache_dtypes_do_not_pair():
     a, b = KVGeometry(1, "float32", 2, 2, 32), KVGeometry(1, "float8_e5m2", 2, 2, 32)
     assert "dtype float32 != float8_e5m2" in a.mismatch(b)
+
+
+def test_torch_compile_with_a_float8_cache_has_no_graph_break_and_compiles_only_at_start(llama):
+    """The float8 store (a byte view) and the kernel's second dtype stay inside the compiled graphs."""
+    import torch._dynamo.utils
+
+    torch._dynamo.utils.counters.clear()
+    h = SchedulerHarness(llama, device="cpu", max_total_tokens=1024, page_size=4, disable_overlap_schedule=True,
+                         kv_cache_dtype="fp8_e5m2", enable_torch_compile=True, chunked_prefill_size=16)
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+    torch._dynamo.utils.counters.clear()
+    shared = list(range(7, 27))
+    for i in range(4):  # chunked extends, prefix hits, decode batches that shrink
+        h.submit(f"r{i}", shared + [40 + i] * (i + 1), max_new_tokens=3 + 2 * i)
+        h.step()
+    out = h.run_until_idle()
+    assert [len(out[f"r{i}"].ids) for i in range(4)] == [3, 5, 7, 9]
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+    assert not torch._dynamo.utils.counters["stats"]["unique_graphs"], "compiled while serving, not at start-up"
+    assert h.scheduler.check_memory_integrity()
