@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from baton.engine.model_executor.forward_batch import ForwardBatch, ForwardMode
+from baton.engine.model_executor.model_loader import _DTYPES as MODEL_DTYPES
 from baton.engine.server_args import ServerArgs
 
 if TYPE_CHECKING:
@@ -39,8 +40,7 @@ def _total_memory_bytes(device: str) -> int:
 _BATCH_TENSORS = ("input_ids", "positions", "req_pool_indices", "seq_lens", "out_cache_loc")
 
 
-_KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-              "fp8_e5m2": torch.float8_e5m2}
+_KV_DTYPES = {**MODEL_DTYPES, "fp8_e5m2": torch.float8_e5m2}
 
 
 def resolve_kv_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
