@@ -262,3 +262,45 @@ def test_pd_metrics_after_transfers(pd_pair, model_path):
         assert count and count[0] >= 1, count
         names = {s.name for s in samples}
         assert {"baton_kv_transfer_bytes_bucket", "baton_kv_transfer_speed_gb_per_second_bucket"} <= names
+
+
+@pytest.fixture(scope="module")
+def pd_pair_fp8(model_path):
+    """A second pair, both engines with a float8 KV cache (--kv-cache-dtype fp8_e5m2)."""
+    bootstrap_port, prefill_port, decode_port = free_port(), free_port(), free_port()
+    fp8 = [*COMMON, "--kv-cache-dtype", "fp8_e5m2"]
+    prefill = EngineProcess(engine_command(model_path, prefill_port, [
+        "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(bootstrap_port),
+        "--chunked-prefill-size", "16", *fp8]), prefill_port)
+    decode = EngineProcess(engine_command(model_path, decode_port, ["--disaggregation-mode", "decode", *fp8]),
+                           decode_port)
+    with _environ(SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT=str(BOOTSTRAP_TIMEOUT_S)), prefill, decode:
+        prefill.wait_healthy(STARTUP_TIMEOUT_S, "waiting for the prefill engine")
+        decode.wait_healthy(STARTUP_TIMEOUT_S, "waiting for the decode engine")
+        yield prefill, bootstrap_port, decode
+
+
+def test_pd_pair_moves_a_float8_cache_byte_for_byte(pd_pair_fp8, model_path):
+    """With a float8 cache on both sides the decode continues from the prefill's float8 pages: its
+    tokens equal a colocated engine's with the same cache and chunking (greedy equality with HF is
+    not expected of a float8 cache; equality with colocated shows the pages arrived intact)."""
+    from scheduler_harness import SchedulerHarness
+
+    prefill, bootstrap_port, decode = pd_pair_fp8
+    for engine in (prefill, decode):
+        assert httpx.get(f"{engine.base_url}/get_server_info", timeout=10).json()["kv_cache_dtype"] == "float8_e5m2"
+    prompts = PROMPTS[3:7]
+    # one at a time on both sides: a chunk boundary decides which keys a chunk reads back from the
+    # float8 pool, so the chunking must be the same (a lone request's is deterministic)
+    colocated = SchedulerHarness(model_path, page_size=4, max_total_tokens=2048, chunked_prefill_size=16,
+                                 kv_cache_dtype="fp8_e5m2", disable_overlap_schedule=True)
+    want = {}
+    for i, p in enumerate(prompts):
+        pre, dec = asyncio.run(_post_pair(prefill.base_url, decode.base_url, _body(p, bootstrap_port)))
+        assert pre.status_code == 200 and dec.status_code == 200, (pre.text, dec.text)
+        colocated.submit(str(i), p, max_new_tokens=MAX_NEW)
+        want = colocated.run_until_idle()
+        assert dec.json()["output_ids"] == want[str(i)].ids, f"prompt {i}"
+    assert sum(want[str(i)].ids != hf_greedy(model_path, p, MAX_NEW) for i, p in enumerate(prompts)) >= 1, \
+        "the float8 cache should change some greedy continuation of this model"
+    _assert_idle_and_whole(prefill, decode)
