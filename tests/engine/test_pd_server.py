@@ -31,19 +31,26 @@ def model_path(tiny_model_factory) -> str:
     return tiny_model_factory("llama")
 
 
-@pytest.fixture(scope="module")
-def pd_pair(model_path):
-    """(prefill engine, its bootstrap port, decode engine), started side by side, always stopped."""
+@contextlib.contextmanager
+def _pair(model_path: str, extra: list[str]):
+    """(prefill engine, its bootstrap port, decode engine), started side by side, always stopped;
+    `extra` goes to both."""
     bootstrap_port, prefill_port, decode_port = free_port(), free_port(), free_port()
     prefill = EngineProcess(engine_command(model_path, prefill_port, [
         "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(bootstrap_port),
-        "--chunked-prefill-size", "16", *COMMON]), prefill_port)
-    decode = EngineProcess(engine_command(model_path, decode_port, ["--disaggregation-mode", "decode", *COMMON]),
-                           decode_port)
+        "--chunked-prefill-size", "16", *COMMON, *extra]), prefill_port)
+    decode = EngineProcess(engine_command(model_path, decode_port, ["--disaggregation-mode", "decode", *COMMON,
+                                                                    *extra]), decode_port)
     with _environ(SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT=str(BOOTSTRAP_TIMEOUT_S)), prefill, decode:
         prefill.wait_healthy(STARTUP_TIMEOUT_S, "waiting for the prefill engine")
         decode.wait_healthy(STARTUP_TIMEOUT_S, "waiting for the decode engine")
         yield prefill, bootstrap_port, decode
+
+
+@pytest.fixture(scope="module")
+def pd_pair(model_path):
+    with _pair(model_path, []) as pair:
+        yield pair
 
 
 @contextlib.contextmanager
@@ -266,18 +273,9 @@ def test_pd_metrics_after_transfers(pd_pair, model_path):
 
 @pytest.fixture(scope="module")
 def pd_pair_fp8(model_path):
-    """A second pair, both engines with a float8 KV cache (--kv-cache-dtype fp8_e5m2)."""
-    bootstrap_port, prefill_port, decode_port = free_port(), free_port(), free_port()
-    fp8 = [*COMMON, "--kv-cache-dtype", "fp8_e5m2"]
-    prefill = EngineProcess(engine_command(model_path, prefill_port, [
-        "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(bootstrap_port),
-        "--chunked-prefill-size", "16", *fp8]), prefill_port)
-    decode = EngineProcess(engine_command(model_path, decode_port, ["--disaggregation-mode", "decode", *fp8]),
-                           decode_port)
-    with _environ(SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT=str(BOOTSTRAP_TIMEOUT_S)), prefill, decode:
-        prefill.wait_healthy(STARTUP_TIMEOUT_S, "waiting for the prefill engine")
-        decode.wait_healthy(STARTUP_TIMEOUT_S, "waiting for the decode engine")
-        yield prefill, bootstrap_port, decode
+    """A second pair, both engines with a float8 KV cache."""
+    with _pair(model_path, ["--kv-cache-dtype", "fp8_e5m2"]) as pair:
+        yield pair
 
 
 def test_pd_pair_moves_a_float8_cache_byte_for_byte(pd_pair_fp8, model_path):
