@@ -25,22 +25,22 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
            "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "half": torch.float16}
 
 
 def _config_dtype(config) -> Optional[torch.dtype]:
     value = getattr(config, "dtype", None) or config.__dict__.get("torch_dtype")
     if isinstance(value, str):
-        return _DTYPES.get(value)
+        return DTYPES.get(value)
     return value if isinstance(value, torch.dtype) else None
 
 
 def resolve_dtype(dtype: str, config, device: str) -> torch.dtype:
     if dtype != "auto":
-        if dtype not in _DTYPES:
+        if dtype not in DTYPES:
             raise ValueError(f"unknown dtype {dtype!r}; use auto, float32, float16 or bfloat16")
-        return _DTYPES[dtype]
+        return DTYPES[dtype]
     resolved = _config_dtype(config) or torch.float32
     if resolved == torch.float16 and str(device).startswith("cpu"):
         logger.info("dtype auto: float16 checkpoint on CPU -> float32 (CPU float16 matmul is slow)")

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from baton.engine.model_executor.forward_batch import ForwardBatch, ForwardMode
-from baton.engine.model_executor.model_loader import _DTYPES as MODEL_DTYPES
+from baton.engine.model_executor.model_loader import DTYPES as MODEL_DTYPES
 from baton.engine.server_args import ServerArgs
 
 if TYPE_CHECKING:

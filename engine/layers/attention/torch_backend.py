@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 @dataclass
 class DecodeMetadata:
     kv_indices: torch.Tensor  # [bs, max_len] slots, padding points at slot 0 (dummy page)
-    key_bias: torch.Tensor  # [bs, 1, 1, max_len] float, 0 = attend, -inf = padding
+    key_mask: torch.Tensor  # [bs, 1, 1, max_len] bool, True = a key of the request, False = padding
 
 
 @dataclass
@@ -88,11 +88,8 @@ class TorchAttnBackend(AttentionBackend):
         rows = fb.req_to_token_pool.req_to_token[fb.req_pool_indices, :max_len]  # [bs, max_len]
         valid = torch.arange(max_len, device=rows.device)[None, :] < fb.seq_lens[:, None]  # [bs, max_len]
         kv_indices = torch.where(valid, rows, torch.zeros_like(rows))
-        pool_dtype = fb.token_to_kv_pool.dtype  # a float8 KV cache gets a float32 bias (cast to q's at use)
-        bias = torch.zeros(valid.shape, dtype=pool_dtype if pool_dtype.itemsize >= 2 else torch.float32,
-                           device=rows.device)
-        bias.masked_fill_(~valid, float("-inf"))
-        return DecodeMetadata(kv_indices, bias[:, None, None, :])
+        # a bool mask: SDPA applies it in the query's dtype, whatever the pool's (--kv-cache-dtype)
+        return DecodeMetadata(kv_indices, valid[:, None, None, :])
 
     @staticmethod
     def _extend_metadata(fb: "ForwardBatch") -> ExtendMetadata:
@@ -116,7 +113,7 @@ class TorchAttnBackend(AttentionBackend):
         meta: DecodeMetadata = forward_batch.attn_metadata
         keys = _gather(k_buf, meta.kv_indices).to(q.dtype).transpose(1, 2)  # [bs, kv_heads, max_len, head_dim]
         values = _gather(v_buf, meta.kv_indices).to(q.dtype).transpose(1, 2)
-        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=meta.key_bias.to(q.dtype),
+        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=meta.key_mask,
                                              scale=layer.scaling)
         return out.reshape(bs, layer.num_heads * layer.head_dim)  # [bs, num_heads * head_dim]
 
