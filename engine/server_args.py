@@ -61,6 +61,7 @@ class ServerArgs:
     api_key: Optional[str] = field(default=None, repr=False)  # never logged
     max_request_bytes: int = 16 * 1024 * 1024
     log_level: str = "info"
+    decode_log_interval: int = 40  # log a "Decode batch." line every this many decode steps
     enable_metrics: bool = True
     # PD disaggregation (issue 3)
     disaggregation_mode: str = "null"
@@ -84,6 +85,8 @@ class ServerArgs:
         assert self.disaggregation_mode in DISAGGREGATION_MODES
         assert self.chunked_prefill_size == -1 or self.chunked_prefill_size >= self.page_size
         assert self.stream_interval >= 1
+        if self.decode_log_interval < 1:
+            raise ValueError("--decode-log-interval must be >= 1")
         assert 0.0 <= self.disaggregation_fault_probability <= 1.0, "--disaggregation-fault-probability in [0, 1]"
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"--kv-cache-dtype must be one of {KV_CACHE_DTYPES}")
@@ -160,6 +163,8 @@ class ServerArgs:
         a("--api-key", default=None, help="bearer key clients must send (default: $BATON_API_KEY)")
         a("--max-request-bytes", type=int, default=ServerArgs.max_request_bytes)
         a("--log-level", default=ServerArgs.log_level)
+        a("--decode-log-interval", type=int, default=ServerArgs.decode_log_interval,
+          help="log the running batch (requests, tokens, throughput, queue) every this many decode steps")
         a("--disable-metrics", action="store_true")
         a("--disaggregation-mode", default="null", choices=DISAGGREGATION_MODES)
         a("--disaggregation-bootstrap-port", type=int, default=ServerArgs.disaggregation_bootstrap_port)

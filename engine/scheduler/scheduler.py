@@ -89,6 +89,7 @@ class Scheduler(SchedulerOutputProcessorMixin):
         self.outbox: list[Any] = []  # messages for the detokenizer, flushed once per iteration
         self.stats = SchedulerStats()
         self.forward_ct = 0
+        self.decode_ct = 0  # decode batches run, for the periodic decode log line
         self.disaggregation_mode = args.disaggregation_mode
         self.pd = self._init_disaggregation(transfer_config)
 
@@ -271,6 +272,11 @@ class Scheduler(SchedulerOutputProcessorMixin):
         self.stats.on_prefill(adder.log_input_tokens, adder.log_hit_tokens)
         batch = self._new_batch(adder.can_run_list)
         batch.prepare_for_extend(self.chunked_req)
+        if logger.isEnabledFor(logging.INFO):  # after the batch took its KV slots: usage includes them
+            logger.info("Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
+                        "#running-req: %d, #queue-req: %d%s", len(adder.can_run_list), adder.log_input_tokens,
+                        adder.log_hit_tokens, self.token_usage(), len(self.running_batch.reqs),
+                        len(self.waiting_queue), self._pd_log_fields())
         return batch
 
     def preempt_for(self, req: Req) -> None:
@@ -332,6 +338,10 @@ class Scheduler(SchedulerOutputProcessorMixin):
         if self.disaggregation_mode != "null":
             self.pd.step()
         batch = self.get_next_batch_to_run()
+        if batch is not None and batch.forward_mode.is_decode():
+            self.decode_ct += 1
+            if self.decode_ct % self.server_args.decode_log_interval == 0 and logger.isEnabledFor(logging.INFO):
+                self._log_decode(batch)  # before the step's results can finish and free requests
         if self.overlap is None:
             if batch is not None:
                 self.process_batch_result(self.run_batch(batch))
@@ -345,6 +355,22 @@ class Scheduler(SchedulerOutputProcessorMixin):
         self.last_batch = batch
         self.stats.tick(idle=batch is None and self.is_idle())
         return batch is not None
+
+    def _log_decode(self, batch: ScheduleBatch) -> None:
+        """SGLang's periodic decode line: batch size, KV tokens in use, output tok/s since the last line."""
+        used = round(self.token_usage() * self.max_total_tokens)
+        logger.info("Decode batch. #running-req: %d, #token: %d, token usage: %.2f, gen throughput (token/s): %.2f, "
+                    "#queue-req: %d%s", len(batch.reqs), used, used / self.max_total_tokens,
+                    self.stats.interval_throughput(), len(self.waiting_queue), self._pd_log_fields())
+
+    def _pd_log_fields(self) -> str:
+        """The PD queues, as SGLang's prefill and decode servers add them to their batch lines."""
+        if self.pd is None:
+            return ""
+        info = self.pd.server_info()
+        if self.disaggregation_mode == "prefill":
+            return f", #bootstrap-req: {info['num_bootstrap_reqs']}, #inflight-req: {info['num_inflight_reqs']}"
+        return f", #prealloc-req: {info['num_prealloc_reqs']}, #transfer-req: {info['num_transfer_reqs']}"
 
     def run_batch(self, batch: ScheduleBatch) -> LaunchedBatch:
         mwb = batch.model_worker_batch
@@ -456,6 +482,7 @@ class SchedulerStats:
         self.generated_tokens = 0
         self.gen_throughput = 0.0
         self._window = (time.monotonic(), 0)
+        self._log_mark = self._window  # (time, generated_tokens) at the last decode log line
         # (seq, seconds waited) per departure from the waiting queue; /metrics observes the new ones
         self.queue_times: deque = deque(maxlen=4096)
         self._queue_seq = 0
@@ -470,6 +497,14 @@ class SchedulerStats:
         if now - start >= self.THROUGHPUT_WINDOW_S or idle:
             self.gen_throughput = 0.0 if idle else (self.generated_tokens - tokens) / (now - start)
             self._window = (now, self.generated_tokens)
+        if idle:  # an idle stretch is not part of the next decode line's interval
+            self._log_mark = (now, self.generated_tokens)
+
+    def interval_throughput(self) -> float:
+        """Output tokens per second since the previous call (or since the engine was last idle)."""
+        now, (start, tokens) = time.monotonic(), self._log_mark
+        self._log_mark = (now, self.generated_tokens)
+        return (self.generated_tokens - tokens) / max(now - start, 1e-9)
 
     def on_prefill(self, new_tokens: int, hit_tokens: int) -> None:
         self.prefill_tokens += new_tokens
