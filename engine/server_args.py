@@ -12,6 +12,7 @@ from typing import Optional
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 ATTENTION_BACKENDS = ("torch", "flashinfer")
+MODEL_DTYPES = ("auto", "float32", "float16", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e5m2")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 
@@ -129,7 +130,7 @@ class ServerArgs:
         a("--host", default=ServerArgs.host)
         a("--port", type=int, default=ServerArgs.port)
         a("--device", default=ServerArgs.device, choices=("cpu", "cuda"))
-        a("--dtype", default=ServerArgs.dtype, choices=("auto", "float32", "float16", "bfloat16"))
+        a("--dtype", default=ServerArgs.dtype, choices=MODEL_DTYPES)
         a("--kv-cache-dtype", default=ServerArgs.kv_cache_dtype, choices=KV_CACHE_DTYPES,
           help="dtype of the KV cache (auto: the model's); fp8_e5m2 stores a quarter of float32's bytes")
         a("--context-length", type=int, default=None)

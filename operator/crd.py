@@ -18,6 +18,12 @@ _QUANTITY = {"anyOf": [{"type": "integer"}, {"type": "string"}], "x-kubernetes-i
 _FREE_OBJECT = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
 
 
+# The engine's --dtype and --kv-cache-dtype choices (the operator does not import the engine;
+# tests/operator/test_crd.py checks these agree with baton.engine.server_args).
+MODEL_DTYPES = ("auto", "float32", "float16", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e5m2")
+
+
 def _str(desc: str, **kw: Any) -> dict[str, Any]:
     return {"type": "string", "description": desc, **kw}
 
@@ -104,6 +110,13 @@ def _model() -> dict[str, Any]:
                      "hostPath the weights are expected in the image at this path.",
                      pattern="^/", maxLength=1024),
         "pvc": pvc, "hostPath": host,
+        # Set once for every engine role: a prefill and a decode pod whose KV pages differ in dtype
+        # cannot pair, so these are not per-role extraArgs.
+        "dtype": {"type": "string", "enum": list(MODEL_DTYPES), "default": "auto",
+                  "description": "Weights and activations of every engine (--dtype); auto: the checkpoint's."},
+        "kvCacheDtype": {"type": "string", "enum": list(KV_CACHE_DTYPES), "default": "auto",
+                         "description": "KV cache of every engine (--kv-cache-dtype); auto: the model's dtype. "
+                                        "fp8_e5m2 holds 2x the tokens of bfloat16, rounding the cached K/V."},
     }, required=("name", "path"), scope=Scope.MODEL)
 
 

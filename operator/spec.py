@@ -38,6 +38,8 @@ class ModelSpec:
     pvc_claim: str | None = None
     pvc_sub_path: str | None = None
     host_path: str | None = None
+    dtype: str = "auto"  # --dtype of every engine role
+    kv_cache_dtype: str = "auto"  # --kv-cache-dtype of every engine role
 
 
 @dataclass(frozen=True)
@@ -182,7 +184,8 @@ def _router(d: Mapping[str, Any]) -> RouterSpec:
 def _model(d: Mapping[str, Any]) -> ModelSpec:
     pvc = d.get("pvc") or {}
     return ModelSpec(name=d["name"], path=d["path"], pvc_claim=pvc.get("claimName"),
-                     pvc_sub_path=pvc.get("subPath"), host_path=(d.get("hostPath") or {}).get("path"))
+                     pvc_sub_path=pvc.get("subPath"), host_path=(d.get("hostPath") or {}).get("path"),
+                     dtype=d["dtype"], kv_cache_dtype=d["kvCacheDtype"])
 
 
 def defaulted(body: Mapping[str, Any]) -> dict[str, Any]:

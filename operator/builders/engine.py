@@ -24,6 +24,11 @@ def engine_args(isvc: InferenceService, role: Role) -> list[str]:
     args = ["--model-path", spec.model.path, "--host", "0.0.0.0", "--port", str(naming.ENGINE_PORT),
             "--served-model-name", spec.model.name, "--device", r.device,
             "--tp-size", str(r.tp), "--dp-size", str(r.dp)]
+    # only when set: the engine's own default is auto, and unchanged args keep existing pods as they are
+    if spec.model.dtype != "auto":
+        args += ["--dtype", spec.model.dtype]
+    if spec.model.kv_cache_dtype != "auto":
+        args += ["--kv-cache-dtype", spec.model.kv_cache_dtype]
     if role in (Role.PREFILL, Role.DECODE):
         kv = spec.kv_transfer
         args += ["--disaggregation-mode", role.value,

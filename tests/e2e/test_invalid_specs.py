@@ -42,6 +42,8 @@ SCHEMA_CASES = [
     ({**body(), "spec": {"image": "x"}}, "spec.model: Required value"),
     (body(prefill={"replicas": -1}), "spec.prefill.replicas: Invalid value: -1"),
     (body(model={"name": "m", "path": "relative/path"}), "spec.model.path: Invalid value"),
+    (body(model={"name": "m", "path": "/m", "kvCacheDtype": "fp8_e4m3"}),
+     'spec.model.kvCacheDtype: Unsupported value: "fp8_e4m3"'),
 ]
 
 
@@ -70,10 +72,17 @@ def test_cel_rules_are_enforced_with_their_message(control_plane: ControlPlane, 
     assert RULES[index].message in stderr, stderr
 
 
-@pytest.mark.parametrize(("obj", "message"), SCHEMA_CASES, ids=["enum", "required", "minimum", "pattern"])
+@pytest.mark.parametrize(("obj", "message"), SCHEMA_CASES, ids=["enum", "required", "minimum", "pattern", "kv-cache-dtype"])
 def test_schema_is_enforced(control_plane: ControlPlane, namespace: str, obj: dict[str, Any], message: str):
     stderr = refused(control_plane, obj)
     assert message in stderr, stderr
+
+
+def test_per_role_dtype_flags_are_refused(control_plane: ControlPlane, namespace: str):
+    """A prefill and a decode pool of different dtypes cannot pair: the dtypes are spec.model fields."""
+    for args in (["--kv-cache-dtype", "fp8_e5m2"], ["--dtype=bfloat16"]):
+        stderr = refused(control_plane, body(decode={"extraArgs": args}))
+        assert "spec.model.kvCacheDtype" in stderr, stderr
 
 
 def test_a_valid_spec_is_accepted(control_plane: ControlPlane, namespace: str):

@@ -45,6 +45,26 @@ def test_pd_engine_runs_baton_serve_with_its_role_flags(role):
     assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
 
 
+def test_model_dtypes_reach_every_engine_role_as_flags_the_engine_accepts():
+    import argparse
+
+    from baton.engine.server_args import ServerArgs
+
+    model = {"name": "tiny", "path": "/models/tiny", "dtype": "bfloat16", "kvCacheDtype": "fp8_e5m2"}
+    for mode, roles in (("disaggregated", (Role.PREFILL, Role.DECODE)), ("colocated", (Role.COLOCATED,))):
+        isvc = parse(isvc_body(mode=mode, model=model))
+        for role in roles:
+            args = engine_args(isvc, role)
+            assert flag(args, "--dtype") == "bfloat16" and flag(args, "--kv-cache-dtype") == "fp8_e5m2"
+            parser = argparse.ArgumentParser()
+            ServerArgs.add_cli_args(parser)
+            server_args = ServerArgs.from_cli_args(parser.parse_args(args))
+            assert (server_args.dtype, server_args.kv_cache_dtype) == ("bfloat16", "fp8_e5m2")
+    # auto (the default) adds no flag: the engine's default is auto, and existing pods keep their args
+    args = engine_args(parse(isvc_body()), Role.DECODE)
+    assert "--dtype" not in args and "--kv-cache-dtype" not in args
+
+
 def test_prefill_exposes_the_bootstrap_port_and_annotation_decode_does_not():
     isvc = parse(isvc_body(kvTransfer={"bootstrapPort": 9000}))
     prefill, decode = engine_deployment(isvc, Role.PREFILL), engine_deployment(isvc, Role.DECODE)

@@ -106,6 +106,8 @@ BAD_SCHEMA = [  # refused by the OpenAPI schema: (spec override, expected words 
     ({"router": {"service": {"port": 70000}}}, "70000 is greater than the maximum of 65535"),
     ({"model": {"name": "m", "path": "relative/path"}}, "does not match '^/'"),
     ({"mode": "split"}, "'split' is not one of ['disaggregated', 'colocated']"),
+    ({"model": {"name": "m", "path": "/m", "kvCacheDtype": "fp8_e4m3"}}, "'fp8_e4m3' is not one of"),
+    ({"model": {"name": "m", "path": "/m", "dtype": "float64"}}, "'float64' is not one of"),
 ]
 
 
@@ -123,6 +125,8 @@ BAD_RULES = [  # refused by CEL rules (and by the operator's Python twins)
     {"prefill": {"extraArgs": ["--tp-size=4"]}},
     {"decode": {"extraArgs": ["--disaggregation-mode", "prefill"]}},
     {"router": {"extraArgs": ["--api-key", "x"]}},
+    {"decode": {"extraArgs": ["--kv-cache-dtype", "fp8_e5m2"]}},  # spec.model.kvCacheDtype: both roles
+    {"prefill": {"extraArgs": ["--dtype=bfloat16"]}},
     {"kvTransfer": {"ibDevices": ["mlx5_0"]}},
     {"kvTransfer": {"rdmaResourceName": "rdma/x"}},
     {"model": {"name": "m", "path": "/m", "pvc": {"claimName": "c"}, "hostPath": {"path": "/h"}}},
@@ -152,6 +156,16 @@ def test_good_variants_pass_both(samples):
         obj = for_create(isvc_body(**spec))
         assert api_server_refusals(obj) == [], spec
         assert validate(apply_defaults(openapi_schema(), obj)) == [], spec
+
+
+def test_dtype_enums_are_the_engines_choices():
+    from baton.engine.server_args import KV_CACHE_DTYPES, MODEL_DTYPES
+
+    model = openapi_schema()["properties"]["spec"]["properties"]["model"]["properties"]
+    assert model["dtype"]["enum"] == list(MODEL_DTYPES)
+    assert model["kvCacheDtype"]["enum"] == list(KV_CACHE_DTYPES)
+    defaulted = apply_defaults(openapi_schema(), for_create(isvc_body()))["spec"]["model"]
+    assert (defaulted["dtype"], defaulted["kvCacheDtype"]) == ("auto", "auto")
 
 
 def test_every_rule_is_exercised():
