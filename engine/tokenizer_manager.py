@@ -72,6 +72,22 @@ class ReqOutput:
 
 
 @dataclass
+class _Step:
+    """One request's part of one scheduler step, as it arrived; applied to the request's ReqOutput
+    only when the consumer reads it."""
+
+    text: str
+    new_ids: list[int]
+    finished_reason: Optional[FinishReason]
+    meta: Any  # prompt, completion and cached token counts so far
+    output_token_logprobs: Optional[list]
+    output_top_logprobs: Optional[list]
+    input_token_logprobs: Optional[list]
+    input_top_logprobs: Optional[list]
+    e2e_latency: float
+
+
+@dataclass
 class _ReqState:
     out: ReqOutput
     queue: asyncio.Queue
@@ -166,10 +182,24 @@ class TokenizerManager:
         steps = [first]
         while not state.queue.empty():
             steps.append(state.queue.get_nowait())
-        out = state.out  # cumulative fields are current; set this step's view of the deltas
-        out.delta = "".join(d for d, _, _ in steps)
-        out.new_ids = [t for _, ids, _ in steps for t in ids]
-        out.new_logprobs_from = first[2]
+        # The output changes here only, when its consumer reads: a consumer that yields between reads
+        # (to send a chunk) never sees a later step's finish or text on the step it is handling.
+        out = state.out
+        out.new_logprobs_from = len(out.output_token_logprobs)
+        for step in steps:
+            out.text += step.text
+            out.output_ids.extend(step.new_ids)
+            out.finished_reason = step.finished_reason
+            out.prompt_tokens, out.completion_tokens = step.meta.prompt_tokens, step.meta.completion_tokens
+            out.cached_tokens, out.e2e_latency = step.meta.cached_tokens, step.e2e_latency
+            if step.output_token_logprobs is not None:
+                out.output_token_logprobs.extend(step.output_token_logprobs)
+            if step.output_top_logprobs is not None:
+                out.output_top_logprobs.extend(step.output_top_logprobs)
+            if step.input_token_logprobs is not None:
+                out.input_token_logprobs, out.input_top_logprobs = step.input_token_logprobs, step.input_top_logprobs
+        out.delta = "".join(step.text for step in steps)
+        out.new_ids = [t for step in steps for t in step.new_ids]
         return out
 
     async def abort(self, rid: str, message: str = "aborted by request") -> None:
@@ -218,26 +248,16 @@ class TokenizerManager:
             state = self.states.get(rid)
             if state is None:  # the client went away; the abort is on its way
                 continue
-            out = state.out
-            out.text += msg.texts[i]
-            out.output_ids.extend(msg.new_token_ids[i])
-            out.finished_reason = msg.finished_reasons[i]
-            logprobs_from = len(out.output_token_logprobs)
-            meta = msg.meta[i]
-            out.prompt_tokens, out.completion_tokens, out.cached_tokens = meta.prompt_tokens, meta.completion_tokens, meta.cached_tokens
-            if msg.output_token_logprobs[i] is not None:
-                out.output_token_logprobs.extend(msg.output_token_logprobs[i])
-            if msg.output_top_logprobs[i] is not None:
-                out.output_top_logprobs.extend(msg.output_top_logprobs[i])
-            if msg.input_token_logprobs[i] is not None:
-                out.input_token_logprobs = msg.input_token_logprobs[i]
-                out.input_top_logprobs = msg.input_top_logprobs[i]
-            self._observe(state, now, len(msg.new_token_ids[i]))
-            # (text delta, new token ids, where this step's logprobs start); the consumer merges
-            state.queue.put_nowait((msg.texts[i], msg.new_token_ids[i], logprobs_from))
+            finished, meta = msg.finished_reasons[i], msg.meta[i]
+            self._observe(state, now, len(msg.new_token_ids[i]), finished, meta)  # on arrival, for TTFT/ITL
+            state.queue.put_nowait(_Step(
+                msg.texts[i], msg.new_token_ids[i], finished, meta, msg.output_token_logprobs[i],
+                msg.output_top_logprobs[i], msg.input_token_logprobs[i], msg.input_top_logprobs[i],
+                now - state.created))
 
-    def _observe(self, state: _ReqState, now: float, new_tokens: int) -> None:
-        m, out = self.metrics, state.out
+    def _observe(self, state: _ReqState, now: float, new_tokens: int, finished: Optional[FinishReason],
+                 meta: Any) -> None:
+        m = self.metrics
         if new_tokens:
             if state.last_token_time is None:
                 m.ttft.observe(now - state.created)
@@ -245,9 +265,8 @@ class TokenizerManager:
                 m.itl.observe((now - state.last_token_time) / new_tokens)
             state.last_token_time = now
             m.generation_tokens.inc(new_tokens)
-        if out.finished_reason is not None:
-            out.e2e_latency = now - state.created
-            m.e2e.observe(out.e2e_latency)
-            m.prompt_tokens.inc(out.prompt_tokens)
-            m.cached_tokens.inc(out.cached_tokens)
-            m.finished(out.finished_reason.kind)
+        if finished is not None:
+            m.e2e.observe(now - state.created)
+            m.prompt_tokens.inc(meta.prompt_tokens)
+            m.cached_tokens.inc(meta.cached_tokens)
+            m.finished(finished.kind)

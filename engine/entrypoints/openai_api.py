@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from typing import Any, AsyncIterator, Optional
@@ -28,18 +29,20 @@ def register_openai_routes(app: FastAPI, ctx: ApiContext) -> None:
         req = parse(CompletionRequest, await read_json(request, ctx.server_args.max_request_bytes))
         _check_model(ctx, req.model)
         prompts = _completion_prompts(req.prompt)
-        objs = [_input(ctx, req, p, req.max_tokens, req.logprobs, i, len(prompts)) for i, p in enumerate(prompts)]
+        objs = [o for i, p in enumerate(prompts)
+                for o in _copies(req, _input(ctx, req, p, req.max_tokens, req.logprobs, i, len(prompts)))]
         if req.stream:
-            if len(objs) != 1:
+            if len(prompts) != 1:
                 raise RequestError("streaming several prompts is not supported; send one request per prompt", 400)
-            return await _stream(ctx, objs[0], request, req, chat=False)
+            return await _stream(ctx, objs, request, req, chat=False)
         outs = await _collect_all(ctx, objs, request)
-        choices = [{"index": i, "text": (_echo(ctx, prompts[i], req) + o.text),
+        # choice k is copy k % n of prompt k // n, as OpenAI orders them
+        choices = [{"index": k, "text": (_echo(ctx, prompts[k // req.n], req) + o.text),
                     "logprobs": _completion_logprobs(ctx, o, 0) if req.logprobs is not None else None,
-                    "finish_reason": _reason(o), "matched_stop": _matched(o)} for i, o in enumerate(outs)]
+                    "finish_reason": _reason(o), "matched_stop": _matched(o)} for k, o in enumerate(outs)]
         return JSONResponse({"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
                              "created": int(time.time()), "model": ctx.model_name, "choices": choices,
-                             "usage": _usage(outs)})
+                             "usage": _usage(outs, req.n)})
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -48,19 +51,41 @@ def register_openai_routes(app: FastAPI, ctx: ApiContext) -> None:
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         ids = ctx.tm.apply_chat_template(messages)
         top = (req.top_logprobs or 0) if req.logprobs else None
-        obj = _input(ctx, req, ids, req.max_completion_tokens or req.max_tokens, top)
+        objs = _copies(req, _input(ctx, req, ids, req.max_completion_tokens or req.max_tokens, top))
         if req.stream:
-            return await _stream(ctx, obj, request, req, chat=True)
-        out = (await _collect_all(ctx, [obj], request))[0]
-        choice = {"index": 0, "message": {"role": "assistant", "content": out.text},
-                  "logprobs": {"content": _chat_logprobs(ctx, out, 0)} if req.logprobs else None,
-                  "finish_reason": _reason(out), "matched_stop": _matched(out)}
+            return await _stream(ctx, objs, request, req, chat=True)
+        outs = await _collect_all(ctx, objs, request)
+        choices = [{"index": k, "message": {"role": "assistant", "content": out.text},
+                    "logprobs": {"content": _chat_logprobs(ctx, out, 0)} if req.logprobs else None,
+                    "finish_reason": _reason(out), "matched_stop": _matched(out)} for k, out in enumerate(outs)]
         return JSONResponse({"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
-                             "created": int(time.time()), "model": ctx.model_name, "choices": [choice],
-                             "usage": _usage([out])})
+                             "created": int(time.time()), "model": ctx.model_name, "choices": choices,
+                             "usage": _usage(outs, req.n)})
 
 
 PD_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room", "data_parallel_rank")
+MAX_N = 128  # choices per prompt, OpenAI's bound
+
+
+def _copies(req: SamplingExtras, obj: GenerateInput) -> list[GenerateInput]:
+    """The `n` requests of one prompt (n > 1: parallel sampling). They share the prompt, so all but
+    the first take it from the radix cache. A seed becomes seed + k for copy k: reproducible, yet the
+    choices differ. Each copy needs a KV transfer of its own under PD, which one bootstrap room
+    cannot name, so PD requests keep n = 1."""
+    n = req.n
+    if n == 1:
+        return [obj]
+    if obj.bootstrap_room is not None:
+        raise RequestError("n > 1 is not supported with PD disaggregation (one bootstrap room per request); "
+                           "send n requests", 400)
+    out = []
+    for k in range(n):
+        params = dataclasses.replace(obj.sampling_params)
+        if params.seed is not None:
+            params.seed += k
+        out.append(dataclasses.replace(obj, sampling_params=params,
+                                       rid=f"{req.rid}-{k}" if req.rid else uuid.uuid4().hex))
+    return out
 
 
 def _check_model(ctx: ApiContext, model: Optional[str]) -> None:
@@ -93,8 +118,8 @@ def _input(ctx: ApiContext, req: SamplingExtras, prompt: Any, max_tokens: Option
            top_logprobs: Optional[int], i: int = 0, n: int = 1) -> GenerateInput:
     if max_tokens is not None and max_tokens <= 0:
         raise RequestError("max_tokens must be at least 1", 400)
-    if req.n != 1:
-        raise RequestError("n > 1 is not supported; send n separate requests", 400)
+    if not 1 <= req.n <= MAX_N:
+        raise RequestError(f"n must be between 1 and {MAX_N}", 400)
     params = SamplingParams(
         max_new_tokens=max_tokens if max_tokens is not None else ctx.tm.context_len,
         min_new_tokens=req.min_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
@@ -133,11 +158,13 @@ def _matched(out: ReqOutput) -> Any:
     return out.finished_reason.matched if out.finished_reason and out.finished_reason.kind == "stop" else None
 
 
-def _usage(outs: list[ReqOutput]) -> dict[str, Any]:
-    prompt = sum(o.prompt_tokens for o in outs)
+def _usage(outs: list[ReqOutput], n: int = 1) -> dict[str, Any]:
+    """A prompt counts once however many choices it has (outs: n consecutive copies per prompt)."""
+    firsts = outs[::n]
+    prompt = sum(o.prompt_tokens for o in firsts)
     completion = sum(o.completion_tokens for o in outs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(o.cached_tokens for o in outs)}}
+            "prompt_tokens_details": {"cached_tokens": sum(o.cached_tokens for o in firsts)}}
 
 
 def _token_text(ctx: ApiContext, tid: int) -> str:
@@ -164,49 +191,78 @@ def _chat_logprobs(ctx: ApiContext, out: ReqOutput, start: int) -> list[dict[str
     return items
 
 
-async def _stream(ctx: ApiContext, obj: GenerateInput, request: Request, req: Any, chat: bool) -> StreamingResponse:
-    stream = ctx.tm.generate(obj)
-    first = await anext(stream)
-    if (err := abort_error(first)) is not None:
-        await stream.aclose()
-        raise err
+async def _start_streams(ctx: ApiContext, objs: list[GenerateInput]) -> tuple[list, list[ReqOutput]]:
+    """Submit every copy at once and wait for each one's first output. If any is refused, all are
+    closed (which aborts those already running) and its error is raised."""
+    streams = [ctx.tm.generate(o) for o in objs]
+    firsts = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
+    error = next((f if isinstance(f, BaseException) else abort_error(f) for f in firsts
+                  if isinstance(f, BaseException) or abort_error(f) is not None), None)
+    if error is not None:
+        for s in streams:
+            await s.aclose()
+        raise error
+    return streams, firsts
+
+
+async def _stream(ctx: ApiContext, objs: list[GenerateInput], request: Request, req: Any,
+                  chat: bool) -> StreamingResponse:
+    """One SSE stream for the n choices of one prompt; each chunk carries its choice's index. At most
+    one read per choice is outstanding, so a choice's output object is never advanced before its
+    chunk went out."""
+    streams, firsts = await _start_streams(ctx, objs)
     cid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     created, obj_name = int(time.time()), "chat.completion.chunk" if chat else "text_completion"
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    want_logprobs = objs[0].return_logprob
 
     def chunk(choice: dict[str, Any]) -> bytes:
         return sse({"id": cid, "object": obj_name, "created": created, "model": ctx.model_name, "choices": [choice]})
 
+    def step_chunk(k: int, out: ReqOutput) -> Optional[bytes]:
+        if not (out.delta or out.finished_reason is not None):
+            return None
+        lp = None
+        if want_logprobs:
+            lp = ({"content": _chat_logprobs(ctx, out, out.new_logprobs_from)} if chat
+                  else _completion_logprobs(ctx, out, out.new_logprobs_from))
+        choice = {"index": k, "logprobs": lp, "finish_reason": _reason(out)}
+        choice.update({"delta": {"content": out.delta}} if chat else {"text": out.delta})
+        if out.finished_reason is not None:
+            choice["matched_stop"] = _matched(out)
+        return chunk(choice)
+
     async def body() -> AsyncIterator[bytes]:
-        out = first
+        pending: dict[asyncio.Future, int] = {}  # the outstanding read of each unfinished choice
+        ready = list(enumerate(firsts))
         try:
             if chat:
-                yield chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                             "finish_reason": None})
-            while True:
-                err = abort_error(out)
-                if err is not None:
-                    yield sse({"error": {"message": err.message, "type": err.err_type, "code": err.status}})
-                    break
-                lp = None
-                if obj.return_logprob:
-                    lp = ({"content": _chat_logprobs(ctx, out, out.new_logprobs_from)} if chat
-                          else _completion_logprobs(ctx, out, out.new_logprobs_from))
-                if out.delta or out.finished_reason is not None:
-                    delta = {"content": out.delta} if chat else None
-                    choice = {"index": 0, "logprobs": lp, "finish_reason": _reason(out)}
-                    choice.update({"delta": delta} if chat else {"text": out.delta})
-                    if out.finished_reason is not None:
-                        choice["matched_stop"] = _matched(out)
-                    yield chunk(choice)
-                if out.finished_reason is not None:
-                    if include_usage:
-                        yield sse({"id": cid, "object": obj_name, "created": created, "model": ctx.model_name,
-                                   "choices": [], "usage": _usage([out])})
-                    break
-                out = await anext(stream)
+                for k in range(len(streams)):
+                    yield chunk({"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                 "finish_reason": None})
+            while ready:
+                for k, out in ready:
+                    err = abort_error(out)
+                    if err is not None:
+                        yield sse({"error": {"message": err.message, "type": err.err_type, "code": err.status}})
+                        return
+                    if (data := step_chunk(k, out)) is not None:
+                        yield data
+                    if out.finished_reason is None:
+                        pending[asyncio.ensure_future(anext(streams[k]))] = k
+                ready = []
+                if pending:
+                    done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                    ready = sorted((pending.pop(f), f.result()) for f in done)
+            if include_usage:
+                yield sse({"id": cid, "object": obj_name, "created": created, "model": ctx.model_name,
+                           "choices": [], "usage": _usage(firsts, len(firsts))})
             yield SSE_DONE
         finally:
-            await stream.aclose()
+            for f in pending:  # a read in flight must end before its stream can be closed
+                f.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            for s in streams:
+                await s.aclose()
 
     return StreamingResponse(body(), media_type="text/event-stream")

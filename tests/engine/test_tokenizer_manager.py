@@ -1,0 +1,66 @@
+"""The tokenizer manager's per-request outputs: a step that arrives changes a request's ReqOutput only
+when its consumer reads it (a streaming consumer sends a chunk between reads, and must not see a later
+step's finish or text on the step it is sending); steps that queued up are merged into one read."""
+from __future__ import annotations
+
+import asyncio
+
+from prometheus_client import generate_latest
+
+from baton.engine.io_struct import BatchStrOut, FinishReason, ReqMeta
+from baton.engine.metrics import EngineMetrics
+from baton.engine.tokenizer_manager import ReqOutput, TokenizerManager, _ReqState
+
+
+def _msg(rid: str, text: str, ids: list[int], done: bool, completion: int) -> BatchStrOut:
+    finish = FinishReason("length") if done else None
+    return BatchStrOut([rid], [text], [finish], [ids], [ReqMeta(5, completion, 2)],
+                       [[(-0.5 * i, t) for i, t in enumerate(ids)]], [None], [None], [None])
+
+
+def _manager() -> tuple[TokenizerManager, _ReqState]:
+    tm = TokenizerManager(None, "", "", EngineMetrics("m", "colocated"), vocab_size=100, context_len=64)
+    state = _ReqState(ReqOutput(rid="r"), asyncio.Queue())
+    tm.states["r"] = state
+    return tm, state
+
+
+def test_an_arriving_step_does_not_change_the_output_being_handled():
+    async def run():
+        tm, state = _manager()
+        tm._handle_batch(_msg("r", "ab", [1, 2], False, 2))
+        out = await tm._next(state, None)
+        assert (out.delta, out.new_ids, out.finished_reason, out.completion_tokens) == ("ab", [1, 2], None, 2)
+        tm._handle_batch(_msg("r", "c", [3], True, 3))  # arrives while the consumer sends "ab"
+        assert (out.text, out.delta, out.finished_reason, out.completion_tokens) == ("ab", "ab", None, 2)
+        assert out.output_token_logprobs == [(-0.0, 1), (-0.5, 2)] and out.new_logprobs_from == 0
+        out = await tm._next(state, None)
+        assert (out.text, out.delta, out.new_ids, out.finished_reason.kind) == ("abc", "c", [3], "length")
+        assert out.output_token_logprobs[out.new_logprobs_from:] == [(-0.0, 3)]
+        assert (out.prompt_tokens, out.completion_tokens, out.cached_tokens) == (5, 3, 2)
+        assert out.e2e_latency > 0
+
+    asyncio.run(run())
+
+
+def test_queued_steps_merge_into_one_read():
+    async def run():
+        tm, state = _manager()
+        for text, ids, done, n in (("x", [7], False, 1), ("y", [8], False, 2), ("z", [9], True, 3)):
+            tm._handle_batch(_msg("r", text, ids, done, n))
+        out = await tm._next(state, None)
+        assert (out.text, out.delta, out.new_ids, out.finished_reason.kind) == ("xyz", "xyz", [7, 8, 9], "length")
+        assert out.new_logprobs_from == 0 and [t for _, t in out.output_token_logprobs] == [7, 8, 9]
+        assert state.queue.empty()
+
+    asyncio.run(run())
+
+
+def test_metrics_observe_arrival_not_reads():
+    tm, state = _manager()
+    tm._handle_batch(_msg("r", "a", [1], False, 1))
+    tm._handle_batch(_msg("r", "b", [2], True, 2))  # nobody read either step
+    text = generate_latest(tm.metrics.registry).decode()
+    assert 'baton_generation_tokens_total{model_name="m",role="colocated"} 2.0' in text
+    assert 'baton_prompt_tokens_total{model_name="m",role="colocated"} 5.0' in text
+    assert state.out.text == "" and state.queue.qsize() == 2
