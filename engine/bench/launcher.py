@@ -107,6 +107,17 @@ class EngineProcess:
         if self.log_path and os.path.exists(self.log_path):
             os.remove(self.log_path)
 
+    def terminate(self) -> None:
+        """SIGTERM to the server's main process only, as Kubernetes stops a pod (its PID 1)."""
+        if self._proc is not None:
+            self._proc.send_signal(signal.SIGTERM)
+
+    def wait_exit(self, timeout_s: float) -> Optional[int]:
+        """The exit code once the main process and every child of its group are gone; None on timeout."""
+        if self._proc is None or not _wait_group_gone(self._proc, timeout_s):
+            return None
+        return self._proc.returncode
+
     def kill(self) -> None:
         """Crash the server: SIGKILL its whole process group, no shutdown path runs. start() again to restart."""
         proc, self._proc = self._proc, None

@@ -86,6 +86,11 @@ def _run_event_loop(main) -> None:
     uvloop.run(main)
 
 
+def _exit_after_drain(signum: int, frame: Any) -> None:
+    logger.info("SIGTERM: stopped; shutting the engine down")
+    raise SystemExit(0)
+
+
 def run_server(server_args: ServerArgs) -> None:
     import uvicorn
     from transformers import AutoTokenizer
@@ -95,6 +100,10 @@ def run_server(server_args: ServerArgs) -> None:
     from baton.engine.tokenizer_manager import TokenizerManager
     from baton.engine.utils.cpu_affinity import bind_frontend
 
+    # uvicorn answers SIGTERM (what Kubernetes sends) by closing the listener and letting running
+    # requests finish, then raises the signal again once it has drained. Turning that into SystemExit
+    # stops the scheduler and detokenizer below and exits 0, instead of dying by the signal midway.
+    signal.signal(signal.SIGTERM, _exit_after_drain)
     procs = launch_subprocesses(server_args)
     bind_frontend(procs.cpu_plan)  # after the spawns: the scheduler must not inherit the frontend's CPUs
     try:

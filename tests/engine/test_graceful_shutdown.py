@@ -1,0 +1,46 @@
+"""SIGTERM to `baton serve` (what Kubernetes sends a pod's main process): the listener closes at once,
+so no new request gets in, the streams already running finish whole, and then the server and its
+scheduler and detokenizer processes exit cleanly."""
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+
+from engine_server import running_engine
+
+MAX_TOKENS = 300
+
+
+def test_sigterm_drains_running_streams_then_exits(tiny_model_factory):
+    with running_engine(tiny_model_factory("llama"), "--max-total-tokens", "2048") as engine:
+        body = {"prompt": "drain me", "max_tokens": MAX_TOKENS, "ignore_eos": True, "temperature": 0,
+                "stream": True, "stream_options": {"include_usage": True}}
+        text, usage, finish, refused_while_streaming = "", None, None, False
+        with httpx.Client(timeout=120) as c, c.stream("POST", f"{engine.base_url}/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            for i, line in enumerate(r.iter_lines()):
+                if not line.startswith("data: {"):
+                    continue
+                event = json.loads(line[6:])
+                if event.get("usage"):
+                    usage = event["usage"]
+                for choice in event["choices"]:
+                    text += choice["text"]
+                    finish = choice["finish_reason"] or finish
+                if i == 2:
+                    engine.terminate()
+                elif i > 2 and not refused_while_streaming and finish is None:
+                    try:  # a new connection must fail while this stream still runs
+                        httpx.get(f"{engine.base_url}/health", timeout=2)
+                    except httpx.TransportError:
+                        refused_while_streaming = True
+                        seen_at = i
+        assert finish == "length" and usage["completion_tokens"] == MAX_TOKENS, (finish, usage)
+        assert refused_while_streaming, "the server kept accepting connections after SIGTERM"
+        assert seen_at < MAX_TOKENS - 1
+        started = time.monotonic()
+        code = engine.wait_exit(timeout_s=60)
+        assert code == 0, f"exit code {code} after {time.monotonic() - started:.1f}s\n{engine.log_tail()}"
+        assert text
