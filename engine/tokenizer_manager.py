@@ -3,6 +3,7 @@ scheduler, and hands each request's outputs (from the detokenizer) back to its H
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -48,6 +49,30 @@ class GenerateInput:
     bootstrap_port: Optional[int] = None
     bootstrap_room: Optional[int] = None
     data_parallel_rank: Optional[int] = None
+
+    def parallel(self, n: int) -> list["GenerateInput"]:
+        """The n requests of parallel sampling (OpenAI's and SGLang's `n`). They share the prompt, so
+        all but the first take it from the radix cache. A seed becomes seed + k for copy k:
+        reproducible, yet the choices differ. Under PD each copy needs its own KV transfer, which one
+        bootstrap room cannot name, so PD requests keep n = 1."""
+        if not 1 <= n <= MAX_PARALLEL_SAMPLES:
+            raise RequestError(f"n must be between 1 and {MAX_PARALLEL_SAMPLES}", 400)
+        if n == 1:
+            self.sampling_params.n = 1
+            return [self]
+        if self.bootstrap_room is not None:
+            raise RequestError("n > 1 is not supported with PD disaggregation (one bootstrap room per request); "
+                               "send n requests", 400)
+        copies = []
+        for k in range(n):
+            params = dataclasses.replace(self.sampling_params, n=1)
+            if params.seed is not None:
+                params.seed += k
+            copies.append(dataclasses.replace(self, sampling_params=params, rid=f"{self.rid}-{k}"))
+        return copies
+
+
+MAX_PARALLEL_SAMPLES = 128  # OpenAI's bound on n
 
 
 @dataclass

@@ -224,14 +224,15 @@ def _register_native_routes(app: FastAPI, ctx: ApiContext) -> None:
         objs = _native_inputs(req)
         if req.stream:
             if len(objs) != 1:
-                raise RequestError("streaming a batch is not supported; send one request per prompt", 400)
+                raise RequestError("streaming a batch (or n > 1) is not supported; send one request per prompt",
+                                   400)
             return await _stream_native(ctx, objs[0], request)
         outs = await asyncio.gather(*[_collect(ctx.tm, o, request.is_disconnected) for o in objs])
         for out in outs:
             if (err := abort_error(out)) is not None:
                 raise err
         bodies = [native_body(o, obj.return_logprob) for o, obj in zip(outs, objs)]
-        return JSONResponse(bodies if _is_batch(req) else bodies[0])
+        return JSONResponse(bodies if _is_batch(req) or len(bodies) > 1 else bodies[0])
 
 
 def local_request(args: ServerArgs, input_ids: list[int], max_new_tokens: int) -> GenerateInput:
@@ -287,8 +288,15 @@ def _native_inputs(req: GenerateRequest) -> list[GenerateInput]:
         rid = _pick(req.rid, i, batch)
         if rid is not None:
             obj.rid = str(rid)
-        objs.append(obj)
+        objs += obj.parallel(_parallel_n(sp))  # SGLang's sampling_params.n: n outputs per prompt
     return objs
+
+
+def _parallel_n(sp: Any) -> int:
+    n = sp.get("n", 1) if isinstance(sp, dict) else 1
+    if not isinstance(n, int) or isinstance(n, bool):
+        raise RequestError("sampling_params.n must be an integer", 400)
+    return n
 
 
 def _lp_triples(entries: Optional[list]) -> Optional[list]:

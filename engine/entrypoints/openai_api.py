@@ -29,8 +29,8 @@ def register_openai_routes(app: FastAPI, ctx: ApiContext) -> None:
         req = parse(CompletionRequest, await read_json(request, ctx.server_args.max_request_bytes))
         _check_model(ctx, req.model)
         prompts = _completion_prompts(req.prompt)
-        objs = [o for i, p in enumerate(prompts)
-                for o in _copies(req, _input(ctx, req, p, req.max_tokens, req.logprobs, i, len(prompts)))]
+        objs = [o for i, p in enumerate(prompts)  # the n choices of each prompt (parallel sampling)
+                for o in _input(ctx, req, p, req.max_tokens, req.logprobs, i, len(prompts)).parallel(req.n)]
         if req.stream:
             if len(prompts) != 1:
                 raise RequestError("streaming several prompts is not supported; send one request per prompt", 400)
@@ -51,7 +51,7 @@ def register_openai_routes(app: FastAPI, ctx: ApiContext) -> None:
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         ids = ctx.tm.apply_chat_template(messages)
         top = (req.top_logprobs or 0) if req.logprobs else None
-        objs = _copies(req, _input(ctx, req, ids, req.max_completion_tokens or req.max_tokens, top))
+        objs = _input(ctx, req, ids, req.max_completion_tokens or req.max_tokens, top).parallel(req.n)
         if req.stream:
             return await _stream(ctx, objs, request, req, chat=True)
         outs = await _collect_all(ctx, objs, request)
@@ -64,28 +64,6 @@ def register_openai_routes(app: FastAPI, ctx: ApiContext) -> None:
 
 
 PD_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room", "data_parallel_rank")
-MAX_N = 128  # choices per prompt, OpenAI's bound
-
-
-def _copies(req: SamplingExtras, obj: GenerateInput) -> list[GenerateInput]:
-    """The `n` requests of one prompt (n > 1: parallel sampling). They share the prompt, so all but
-    the first take it from the radix cache. A seed becomes seed + k for copy k: reproducible, yet the
-    choices differ. Each copy needs a KV transfer of its own under PD, which one bootstrap room
-    cannot name, so PD requests keep n = 1."""
-    n = req.n
-    if n == 1:
-        return [obj]
-    if obj.bootstrap_room is not None:
-        raise RequestError("n > 1 is not supported with PD disaggregation (one bootstrap room per request); "
-                           "send n requests", 400)
-    out = []
-    for k in range(n):
-        params = dataclasses.replace(obj.sampling_params)
-        if params.seed is not None:
-            params.seed += k
-        out.append(dataclasses.replace(obj, sampling_params=params,
-                                       rid=f"{req.rid}-{k}" if req.rid else uuid.uuid4().hex))
-    return out
 
 
 def _check_model(ctx: ApiContext, model: Optional[str]) -> None:
@@ -118,8 +96,6 @@ def _input(ctx: ApiContext, req: SamplingExtras, prompt: Any, max_tokens: Option
            top_logprobs: Optional[int], i: int = 0, n: int = 1) -> GenerateInput:
     if max_tokens is not None and max_tokens <= 0:
         raise RequestError("max_tokens must be at least 1", 400)
-    if not 1 <= req.n <= MAX_N:
-        raise RequestError(f"n must be between 1 and {MAX_N}", 400)
     params = SamplingParams(
         max_new_tokens=max_tokens if max_tokens is not None else ctx.tm.context_len,
         min_new_tokens=req.min_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,

@@ -53,7 +53,7 @@ class SamplingParams:
         need(0.0 < self.repetition_penalty <= 2.0, "repetition_penalty must be in (0, 2]")
         need(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]")
         need(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]")
-        need(self.n == 1, "n > 1 is not supported; send n separate requests")
+        need(self.n == 1, "a request samples one sequence: n > 1 is expanded into n requests before this")
         need(all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings")
         need(len(self.stop) <= 16, "at most 16 stop strings")
         need(all(isinstance(t, int) and 0 <= t < vocab_size for t in self.stop_token_ids), "stop_token_ids out of vocabulary")

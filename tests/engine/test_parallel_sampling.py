@@ -145,3 +145,22 @@ def test_a_refused_copy_refuses_the_request(engine):
     assert r.status_code == 400 and "top_p" in r.json()["error"]["message"]
     info = wait_idle_integrity(engine.base_url)
     assert info["integrity_ok"] is True and info["num_running_reqs"] == 0
+
+
+def test_native_generate_n(engine):
+    """SGLang's /generate with sampling_params.n: a list of n outputs per prompt, prompt-major."""
+    sp = {"max_new_tokens": 8, "temperature": 1.0, "sampling_seed": 3, "n": 3, "ignore_eos": True}
+    outs = _post(engine, "/generate", {"text": "native copies", "sampling_params": sp})
+    assert isinstance(outs, list) and len(outs) == 3
+    singles = [_post(engine, "/generate", {"text": "native copies", "sampling_params": {**sp, "n": 1,
+                                                                                          "sampling_seed": 3 + k}})
+               for k in range(3)]
+    assert [o["output_ids"] for o in outs] == [s["output_ids"] for s in singles]
+    assert len({tuple(o["output_ids"]) for o in outs}) > 1
+    batch = _post(engine, "/generate", {"text": ["p one", "p two"],
+                                        "sampling_params": {"max_new_tokens": 4, "temperature": 0, "n": 2}})
+    assert len(batch) == 4
+    firsts = [_post(engine, "/generate", {"text": t, "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
+              for t in ("p one", "p two")]
+    assert [b["output_ids"] for b in batch] == [firsts[0]["output_ids"]] * 2 + [firsts[1]["output_ids"]] * 2
+    assert wait_idle_integrity(engine.base_url)["integrity_ok"] is True
