@@ -53,26 +53,29 @@ class GenerateInput:
     def parallel(self, n: int) -> list["GenerateInput"]:
         """The n requests of parallel sampling (OpenAI's and SGLang's `n`). They share the prompt, so
         all but the first take it from the radix cache. A seed becomes seed + k for copy k:
-        reproducible, yet the choices differ. Under PD each copy needs its own KV transfer, which one
-        bootstrap room cannot name, so PD requests keep n = 1."""
+        reproducible, yet the choices differ.
+
+        Under PD each copy is a KV transfer of its own, so copy k uses bootstrap room + k (as SGLang's
+        servers fan a room out over a batch). The prefill and the decode engine get the same body and
+        derive the same rooms, so copy k of one meets copy k of the other."""
         if not 1 <= n <= MAX_PARALLEL_SAMPLES:
             raise RequestError(f"n must be between 1 and {MAX_PARALLEL_SAMPLES}", 400)
         if n == 1:
             self.sampling_params.n = 1
             return [self]
-        if self.bootstrap_room is not None:
-            raise RequestError("n > 1 is not supported with PD disaggregation (one bootstrap room per request); "
-                               "send n requests", 400)
         copies = []
         for k in range(n):
             params = dataclasses.replace(self.sampling_params, n=1)
             if params.seed is not None:
                 params.seed += k
-            copies.append(dataclasses.replace(self, sampling_params=params, rid=f"{self.rid}-{k}"))
+            room = None if self.bootstrap_room is None else (self.bootstrap_room + k) % ROOM_LIMIT
+            copies.append(dataclasses.replace(self, sampling_params=params, rid=f"{self.rid}-{k}",
+                                              bootstrap_room=room))
         return copies
 
 
 MAX_PARALLEL_SAMPLES = 128  # OpenAI's bound on n
+ROOM_LIMIT = 2**63  # bootstrap rooms are non-negative int64
 
 
 @dataclass

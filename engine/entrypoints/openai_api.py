@@ -14,7 +14,7 @@ from baton.engine.entrypoints.http_server import (SSE_DONE, ApiContext, _collect
                                                   sse)
 from baton.engine.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, SamplingExtras
 from baton.engine.sampling.sampling_params import SamplingParams
-from baton.engine.tokenizer_manager import GenerateInput, ReqOutput, RequestError
+from baton.engine.tokenizer_manager import ROOM_LIMIT, GenerateInput, ReqOutput, RequestError
 
 
 def register_openai_routes(app: FastAPI, ctx: ApiContext) -> None:
@@ -83,8 +83,12 @@ def _completion_prompts(prompt: Any) -> list:
 
 
 def _per_prompt(req: SamplingExtras, name: str, i: int, n: int) -> Any:
-    """A PD field for prompt i: scalars apply to every prompt; lists give one value per prompt."""
+    """A PD field for prompt i: lists give one value per prompt; other scalars apply to every prompt,
+    but one room cannot name several transfers, so a scalar room fans out: prompt i, choice k uses
+    room + i * req.n + k (GenerateInput.parallel adds the k), as SGLang's servers fan a room out."""
     value = getattr(req, name)
+    if name == "bootstrap_room" and isinstance(value, int) and n > 1:
+        return (value + i * req.n) % ROOM_LIMIT
     if not isinstance(value, list):
         return value
     if len(value) != n:

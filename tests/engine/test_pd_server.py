@@ -147,6 +147,33 @@ def test_pd_batched_completions_carry_one_room_per_prompt(pd_pair):
     _assert_idle_and_whole(prefill, decode)
 
 
+def test_pd_parallel_sampling_one_room_per_choice(pd_pair):
+    """n > 1 through the pair: copy k of the request uses room + k on both engines, so each choice is
+    a transfer of its own, and equals the single request with seed + k. A scalar room on a batch fans
+    out the same way (request j: room + j)."""
+    prefill, bootstrap_port, decode = pd_pair
+    pd = {"bootstrap_host": "127.0.0.1", "bootstrap_port": bootstrap_port}
+    prompt, sampling = PROMPTS[4], {"max_tokens": MAX_NEW, "temperature": 1.0, "seed": 5, "ignore_eos": True}
+
+    def via_pair(body: dict, route: str = "/v1/completions") -> dict:
+        pre, dec = asyncio.run(_post_pair(prefill.base_url, decode.base_url, body, route))
+        assert pre.status_code == 200 and dec.status_code == 200, (pre.text, dec.text)
+        return dec.json()
+
+    singles = [via_pair({"prompt": prompt, **sampling, "seed": 5 + k, **pd,
+                         "bootstrap_room": random.randrange(1 << 62)})["choices"][0]["text"] for k in range(3)]
+    room = random.randrange(1 << 62)
+    out = via_pair({"prompt": prompt, "n": 3, **sampling, **pd, "bootstrap_room": room})
+    assert [c["text"] for c in out["choices"]] == singles and len(set(singles)) > 1
+    native = via_pair({"input_ids": [PROMPTS[2], PROMPTS[3]], **pd, "bootstrap_room": random.randrange(1 << 62),
+                       "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0, "n": 2}}, "/generate")
+    assert len(native) == 4  # prompt-major: two greedy copies of each prompt, four transfers
+    for p, copies in ((PROMPTS[2], native[:2]), (PROMPTS[3], native[2:])):
+        one = via_pair(_body(p, bootstrap_port), "/generate")
+        assert [c["output_ids"] for c in copies] == [one["output_ids"]] * 2
+    _assert_idle_and_whole(prefill, decode)
+
+
 async def _post_pair(prefill: str, decode: str, body: dict, route: str = "/generate") -> tuple:
     async with httpx.AsyncClient(timeout=120) as client:
         return await asyncio.gather(client.post(prefill + route, json=body), client.post(decode + route, json=body))
@@ -247,6 +274,9 @@ def test_baton_router_in_front_of_the_pair(pd_pair, model_path):
         whole = client.completions.create(**kwargs)
         streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kwargs) if c.choices)
         assert streamed == whole.choices[0].text and whole.usage.completion_tokens == MAX_NEW
+        many = client.completions.create(n=3, **kwargs)  # parallel sampling: one transfer per choice
+        assert [c.text for c in many.choices] == [whole.choices[0].text] * 3
+        assert many.usage.completion_tokens == 3 * MAX_NEW
     _assert_idle_and_whole(prefill, decode)
 
 

@@ -96,8 +96,6 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "top_k": 0}, 400, "top_k"),
     ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n must be between 1 and 128"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 129}, 400, "n must be"),
-    ("/v1/completions", {"prompt": "hi", "n": 2, "bootstrap_room": 5, "bootstrap_host": "127.0.0.1"}, 400,
-     "n > 1 is not supported with PD"),
     ("/generate", {"text": "hi", "sampling_params": {"n": 0}}, 400, "n must be between 1 and 128"),
     ("/generate", {"text": "hi", "sampling_params": {"n": "2"}}, 400, "sampling_params.n must be an integer"),
     ("/generate", {"text": "hi", "sampling_params": {"n": 2}, "stream": True}, 400, "n > 1"),
