@@ -258,10 +258,14 @@ def test_sglang_router_in_front_of_the_pair(pd_pair, model_path):
     with pd_router(sys.executable, "-m", "sglang_router.launch_router", prefill=prefill.base_url,
                    bootstrap_port=bootstrap_port, decode=decode.base_url) as router:
         assert_router_serves_pair(router.base_url, model_path, PROMPTS[:4])
-        r = httpx.post(f"{router.base_url}/v1/completions", timeout=120, json={  # n: the engines fan the room out
-            "model": httpx.get(f"{decode.base_url}/v1/models", timeout=30).json()["data"][0]["id"], "prompt": "the pair samples twice", "max_tokens": MAX_NEW, "temperature": 0, "n": 2, "ignore_eos": True})
+        # n = 2 with the one room sglang-router sends: the engines fan it out, one transfer per choice
+        model = httpx.get(f"{decode.base_url}/v1/models", timeout=30).json()["data"][0]["id"]
+        r = httpx.post(f"{router.base_url}/v1/completions", timeout=120, json={
+            "model": model, "prompt": "the pair samples twice", "max_tokens": MAX_NEW, "temperature": 0, "n": 2,
+            "ignore_eos": True})
         assert r.status_code == 200, r.text
-        assert [c["index"] for c in r.json()["choices"]] == [0, 1] and r.json()["usage"]["completion_tokens"] == 2 * MAX_NEW
+        out = r.json()
+        assert [c["index"] for c in out["choices"]] == [0, 1] and out["usage"]["completion_tokens"] == 2 * MAX_NEW
     _assert_idle_and_whole(prefill, decode)
 
 
