@@ -61,6 +61,8 @@ class RoleSpec:
     extra_args: tuple[str, ...] = ()
     env: list[dict[str, Any]] = field(default_factory=list)
     placement: Placement = field(default_factory=Placement)
+    # SIGTERM -> SIGKILL: how long a stopping pod's running requests have to finish
+    termination_grace_seconds: int = 60
 
     def __post_init__(self) -> None:
         assert self.gpus == 0 or self.gpus == self.tp * self.dp, "validated before parsing"
@@ -167,7 +169,8 @@ def _role(d: Mapping[str, Any]) -> RoleSpec:
         replicas=d["replicas"], tp=d["tp"], dp=d["dp"], gpus=d["gpus"],
         gpu_resource_name=d["gpuResourceName"], shm_size=d.get("shmSize"),
         resources=dict(d.get("resources", {})), extra_args=tuple(d["extraArgs"]),
-        env=list(d.get("env", [])), placement=_placement(d))
+        env=list(d.get("env", [])), placement=_placement(d),
+        termination_grace_seconds=d["terminationGracePeriodSeconds"])
 
 
 def _router(d: Mapping[str, Any]) -> RouterSpec:

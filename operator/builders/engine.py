@@ -128,7 +128,7 @@ def engine_pod_spec(isvc: InferenceService, role: Role) -> dict[str, Any]:
     pod: dict[str, Any] = {
         "containers": [engine_container(isvc, role)], "volumes": volumes,
         "automountServiceAccountToken": False, "enableServiceLinks": False,
-        "terminationGracePeriodSeconds": 60,
+        "terminationGracePeriodSeconds": r.termination_grace_seconds,
         "securityContext": pod_security_context(spec.pod_security),
         **placement_fields(r.placement.node_selector, r.placement.tolerations, r.placement.affinity),
     }

@@ -65,6 +65,13 @@ def test_model_dtypes_reach_every_engine_role_as_flags_the_engine_accepts():
     assert "--dtype" not in args and "--kv-cache-dtype" not in args
 
 
+def test_termination_grace_period_per_role():
+    isvc = parse(isvc_body(decode={"terminationGracePeriodSeconds": 900}))
+    pods = {role: engine_deployment(isvc, role)["spec"]["template"]["spec"] for role in (Role.PREFILL, Role.DECODE)}
+    assert pods[Role.DECODE]["terminationGracePeriodSeconds"] == 900
+    assert pods[Role.PREFILL]["terminationGracePeriodSeconds"] == 60  # the default
+
+
 def test_prefill_exposes_the_bootstrap_port_and_annotation_decode_does_not():
     isvc = parse(isvc_body(kvTransfer={"bootstrapPort": 9000}))
     prefill, decode = engine_deployment(isvc, Role.PREFILL), engine_deployment(isvc, Role.DECODE)

@@ -101,6 +101,7 @@ def test_samples_pass_the_api_server_checks_and_the_operator(samples):
 BAD_SCHEMA = [  # refused by the OpenAPI schema: (spec override, expected words in the message)
     ({"kvTransfer": {"protocol": "udp"}}, "'udp' is not one of ['tcp', 'rdma']"),
     ({"prefill": {"replicas": -1}}, "-1 is less than the minimum of 0"),
+    ({"decode": {"terminationGracePeriodSeconds": 90000}}, "90000 is greater than the maximum of 86400"),
     ({"decode": {"tp": 0}}, "0 is less than the minimum of 1"),
     ({"router": {"decodePolicy": "fastest"}}, "'fastest' is not one of"),
     ({"router": {"service": {"port": 70000}}}, "70000 is greater than the maximum of 65535"),
