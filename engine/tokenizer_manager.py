@@ -230,6 +230,11 @@ class TokenizerManager:
         out.new_ids = [t for step in steps for t in step.new_ids]
         return out
 
+    def rids_of(self, rid: str) -> list[str]:
+        """`rid` and the running copies it was expanded into by n > 1 (rid-0, rid-1, ...)."""
+        prefix = rid + "-"
+        return [rid] + [r for r in self.states if r.startswith(prefix) and r[len(prefix):].isdigit()]
+
     async def abort(self, rid: str, message: str = "aborted by request") -> None:
         await self.send.send_pyobj(AbortReq(rid=rid, message=message))
 

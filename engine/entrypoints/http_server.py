@@ -206,7 +206,7 @@ def _register_native_routes(app: FastAPI, ctx: ApiContext) -> None:
         rid = data.get("rid")
         if not isinstance(rid, str) and not data.get("abort_all"):
             raise RequestError("abort_request needs a string rid (or abort_all: true)", 400)
-        for r in (list(ctx.tm.states) if data.get("abort_all") else [rid]):
+        for r in (list(ctx.tm.states) if data.get("abort_all") else ctx.tm.rids_of(rid)):
             await ctx.tm.abort(r)
         return Response(status_code=200)
 

@@ -5,6 +5,7 @@ by index; a client leaving mid-stream aborts every choice and leaks nothing."""
 from __future__ import annotations
 
 import json
+import time
 from collections import defaultdict
 
 import httpx
@@ -164,3 +165,32 @@ def test_native_generate_n(engine):
               for t in ("p one", "p two")]
     assert [b["output_ids"] for b in batch] == [firsts[0]["output_ids"]] * 2 + [firsts[1]["output_ids"]] * 2
     assert wait_idle_integrity(engine.base_url)["integrity_ok"] is True
+
+
+def test_abort_request_by_rid_ends_every_choice(engine):
+    """/abort_request with the client's rid (what a router sends) ends all n copies (rid-0, rid-1, ...)."""
+    import threading
+
+    body = {"prompt": "abort us all", "n": 3, "max_tokens": 2000, "ignore_eos": True, "stream": True, "rid": "par-7"}
+    events: list = []
+
+    def stream():
+        with httpx.Client(timeout=120) as c, c.stream("POST", f"{engine.base_url}/v1/completions", json=body) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    events.append(json.loads(line[6:]))
+
+    t = threading.Thread(target=stream)
+    t.start()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and len(events) < 6:  # all three choices under way
+        time.sleep(0.02)
+    r = httpx.post(f"{engine.base_url}/abort_request", json={"rid": "par-7"}, timeout=30)
+    assert r.status_code == 200
+    t.join(timeout=60)
+    assert not t.is_alive(), "the stream did not end after the abort"
+    assert any("error" in e for e in events), "no abort reached the client"
+    assert sum(1 for e in events for c in e.get("choices", [])) < 3 * 2000
+    assert {c["index"] for e in events for c in e.get("choices", [])} == {0, 1, 2}
+    info = wait_idle_integrity(engine.base_url, timeout_s=60)
+    assert info["integrity_ok"] is True and info["num_running_reqs"] == 0
