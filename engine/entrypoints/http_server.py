@@ -4,7 +4,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import secrets
 import logging
 from dataclasses import dataclass, field

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
-import zmq
 
 from baton.engine.io_struct import (AbortReq, FlushCacheOut, FlushCacheReq, FreezeGCReq, GetServerInfoOut,
                                     GetServerInfoReq, TokenizedGenerateReqInput)

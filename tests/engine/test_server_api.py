@@ -4,7 +4,6 @@ client disconnects, queue limit (503) and API key (401)."""
 from __future__ import annotations
 
 import asyncio
-import json
 
 import httpx
 import openai
