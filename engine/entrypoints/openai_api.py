@@ -211,8 +211,20 @@ async def _stream(ctx: ApiContext, objs: list[GenerateInput], request: Request, 
             choice["matched_stop"] = _matched(out)
         return chunk(choice)
 
+    pending: dict[asyncio.Future, int] = {}  # the outstanding read of each unfinished choice
+
+    async def next_outputs(unfinished: list[int]) -> list[tuple[int, ReqOutput]]:
+        """The next output(s) of the choices still running: at least one, or none when all ended."""
+        if len(streams) == 1:  # one choice: read it in place, no task per step
+            return [(0, await anext(streams[0]))] if unfinished else []
+        for k in unfinished:
+            pending[asyncio.ensure_future(anext(streams[k]))] = k
+        if not pending:
+            return []
+        done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        return sorted((pending.pop(f), f.result()) for f in done)
+
     async def body() -> AsyncIterator[bytes]:
-        pending: dict[asyncio.Future, int] = {}  # the outstanding read of each unfinished choice
         ready = list(enumerate(firsts))
         try:
             if chat:
@@ -220,6 +232,7 @@ async def _stream(ctx: ApiContext, objs: list[GenerateInput], request: Request, 
                     yield chunk({"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                  "finish_reason": None})
             while ready:
+                unfinished = []
                 for k, out in ready:
                     err = abort_error(out)
                     if err is not None:
@@ -228,11 +241,8 @@ async def _stream(ctx: ApiContext, objs: list[GenerateInput], request: Request, 
                     if (data := step_chunk(k, out)) is not None:
                         yield data
                     if out.finished_reason is None:
-                        pending[asyncio.ensure_future(anext(streams[k]))] = k
-                ready = []
-                if pending:
-                    done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                    ready = sorted((pending.pop(f), f.result()) for f in done)
+                        unfinished.append(k)
+                ready = await next_outputs(unfinished)
             if include_usage:
                 yield sse({"id": cid, "object": obj_name, "created": created, "model": ctx.model_name,
                            "choices": [], "usage": _usage(firsts, len(firsts))})
