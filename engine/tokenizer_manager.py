@@ -14,7 +14,7 @@ import zmq
 import zmq.asyncio
 
 from baton.engine.io_struct import (AbortReq, BatchStrOut, FinishReason, FlushCacheOut, FlushCacheReq, FreezeGCReq,
-                                    GetServerInfoOut, GetServerInfoReq, TokenizedGenerateReqInput)
+                                    GetServerInfoOut, GetServerInfoReq, ReqMeta, TokenizedGenerateReqInput)
 from baton.engine.metrics import EngineMetrics
 from baton.engine.sampling.sampling_params import SamplingParams
 
@@ -61,21 +61,24 @@ class GenerateInput:
         if not 1 <= n <= MAX_PARALLEL_SAMPLES:
             raise RequestError(f"n must be between 1 and {MAX_PARALLEL_SAMPLES}", 400)
         if n == 1:
-            self.sampling_params.n = 1
             return [self]
         copies = []
         for k in range(n):
             params = dataclasses.replace(self.sampling_params, n=1)
             if params.seed is not None:
                 params.seed += k
-            room = None if self.bootstrap_room is None else (self.bootstrap_room + k) % ROOM_LIMIT
             copies.append(dataclasses.replace(self, sampling_params=params, rid=f"{self.rid}-{k}",
-                                              bootstrap_room=room))
+                                              bootstrap_room=fanned_room(self.bootstrap_room, k)))
         return copies
 
 
 MAX_PARALLEL_SAMPLES = 128  # OpenAI's bound on n
-ROOM_LIMIT = 2**63  # bootstrap rooms are non-negative int64
+
+
+def fanned_room(room: Optional[int], j: int) -> Optional[int]:
+    """The bootstrap room of the j-th request one room was given for (a batch, n copies): room + j.
+    Both PD engines get the same body and derive the same rooms, so their j-th requests meet."""
+    return None if room is None else (room + j) % 2**63  # rooms are non-negative int64
 
 
 @dataclass
@@ -107,7 +110,7 @@ class _Step:
     text: str
     new_ids: list[int]
     finished_reason: Optional[FinishReason]
-    meta: Any  # prompt, completion and cached token counts so far
+    meta: ReqMeta  # prompt, completion and cached token counts so far
     output_token_logprobs: Optional[list]
     output_top_logprobs: Optional[list]
     input_token_logprobs: Optional[list]

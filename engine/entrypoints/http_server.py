@@ -20,7 +20,7 @@ from baton.engine.disaggregation.no_peer import FAKE_BOOTSTRAP_HOST
 from baton.engine.entrypoints.protocol import GenerateRequest
 from baton.engine.sampling.sampling_params import SamplingParams, SamplingParamsError
 from baton.engine.server_args import ServerArgs
-from baton.engine.tokenizer_manager import ROOM_LIMIT, GenerateInput, ReqOutput, RequestError, TokenizerManager
+from baton.engine.tokenizer_manager import GenerateInput, ReqOutput, RequestError, TokenizerManager, fanned_room
 
 logger = logging.getLogger(__name__)
 
@@ -287,8 +287,8 @@ def _native_inputs(req: GenerateRequest) -> list[GenerateInput]:
         rid = _pick(req.rid, i, batch)
         if rid is not None:
             obj.rid = str(rid)
-        if batch and isinstance(req.bootstrap_room, int):  # one room per transfer: the j-th request room + j
-            obj.bootstrap_room = (req.bootstrap_room + len(objs)) % ROOM_LIMIT
+        if batch and isinstance(req.bootstrap_room, int):  # one room per transfer (parallel adds the copy's k)
+            obj.bootstrap_room = fanned_room(req.bootstrap_room, len(objs))
         objs += obj.parallel(_parallel_n(sp))  # SGLang's sampling_params.n: n outputs per prompt
     return objs
 

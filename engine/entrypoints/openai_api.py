@@ -13,7 +13,7 @@ from baton.engine.entrypoints.http_server import (SSE_DONE, ApiContext, _collect
                                                   sse)
 from baton.engine.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, SamplingExtras
 from baton.engine.sampling.sampling_params import SamplingParams
-from baton.engine.tokenizer_manager import ROOM_LIMIT, GenerateInput, ReqOutput, RequestError
+from baton.engine.tokenizer_manager import GenerateInput, ReqOutput, RequestError, fanned_room
 
 
 def register_openai_routes(app: FastAPI, ctx: ApiContext) -> None:
@@ -87,7 +87,7 @@ def _per_prompt(req: SamplingExtras, name: str, i: int, n: int) -> Any:
     room + i * req.n + k (GenerateInput.parallel adds the k), as SGLang's servers fan a room out."""
     value = getattr(req, name)
     if name == "bootstrap_room" and isinstance(value, int) and n > 1:
-        return (value + i * req.n) % ROOM_LIMIT
+        return fanned_room(value, i * req.n)
     if not isinstance(value, list):
         return value
     if len(value) != n:
