@@ -30,9 +30,7 @@ def register_openai_routes(app: FastAPI, ctx: ApiContext) -> None:
         prompts = _completion_prompts(req.prompt)
         objs = [o for i, p in enumerate(prompts)  # the n choices of each prompt (parallel sampling)
                 for o in _input(ctx, req, p, req.max_tokens, req.logprobs, i, len(prompts)).parallel(req.n)]
-        if req.stream:
-            if len(prompts) != 1:
-                raise RequestError("streaming several prompts is not supported; send one request per prompt", 400)
+        if req.stream:  # every choice of every prompt in one stream, by index
             return await _stream(ctx, objs, request, req, chat=False)
         outs = await _collect_all(ctx, objs, request)
         # choice k is copy k % n of prompt k // n, as OpenAI orders them
@@ -186,9 +184,8 @@ async def _start_streams(ctx: ApiContext, objs: list[GenerateInput]) -> tuple[li
 
 async def _stream(ctx: ApiContext, objs: list[GenerateInput], request: Request, req: Any,
                   chat: bool) -> StreamingResponse:
-    """One SSE stream for the n choices of one prompt; each chunk carries its choice's index. At most
-    one read per choice is outstanding, so a choice's output object is never advanced before its
-    chunk went out."""
+    """One SSE stream for all choices (n per prompt, prompt-major, as in the whole response); each
+    chunk carries its choice's index. At most one read per choice is outstanding."""
     streams, firsts = await _start_streams(ctx, objs)
     cid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     created, obj_name = int(time.time()), "chat.completion.chunk" if chat else "text_completion"
@@ -245,7 +242,7 @@ async def _stream(ctx: ApiContext, objs: list[GenerateInput], request: Request, 
                 ready = await next_outputs(unfinished)
             if include_usage:
                 yield sse({"id": cid, "object": obj_name, "created": created, "model": ctx.model_name,
-                           "choices": [], "usage": _usage(firsts, len(firsts))})
+                           "choices": [], "usage": _usage(firsts, req.n)})
             yield SSE_DONE
         finally:
             for f in pending:  # a read in flight must end before its stream can be closed

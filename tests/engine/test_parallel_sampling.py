@@ -194,3 +194,22 @@ def test_abort_request_by_rid_ends_every_choice(engine):
     assert {c["index"] for e in events for c in e.get("choices", [])} == {0, 1, 2}
     info = wait_idle_integrity(engine.base_url, timeout_s=60)
     assert info["integrity_ok"] is True and info["num_running_reqs"] == 0
+
+
+def test_streaming_several_prompts_with_n(engine):
+    """A prompt list streams too: choice k is copy k % n of prompt k // n, as in the whole response."""
+    body = {"prompt": ["first prompt", "second prompt here"], "n": 2, "max_tokens": 6, "temperature": 1.0,
+            "seed": 21, "ignore_eos": True}
+    whole = _post(engine, "/v1/completions", body)
+    events = _stream_events(engine, "/v1/completions", {**body, "stream": True,
+                                                         "stream_options": {"include_usage": True}})
+    text = defaultdict(str)
+    for ev in events[:-2]:
+        (choice,) = ev["choices"]
+        text[choice["index"]] += choice["text"]
+    assert [text[k] for k in range(4)] == [c["text"] for c in whole["choices"]]
+    usage = events[-2]["usage"]  # each prompt counted once, four choices' tokens (the cache differs: warm now)
+    assert {k: usage[k] for k in ("prompt_tokens", "completion_tokens")} == \
+        {k: whole["usage"][k] for k in ("prompt_tokens", "completion_tokens")}
+    assert whole["usage"]["completion_tokens"] == 4 * 6
+    assert wait_idle_integrity(engine.base_url)["integrity_ok"] is True
