@@ -357,7 +357,7 @@ class Scheduler(SchedulerOutputProcessorMixin):
 
     def _log_decode(self, batch: ScheduleBatch) -> None:
         """SGLang's periodic decode line: batch size, KV tokens in use, output tok/s since the last line."""
-        used = round(self.token_usage() * self.max_total_tokens)
+        used = self.used_tokens()
         logger.info("Decode batch. #running-req: %d, #token: %d, token usage: %.2f, gen throughput (token/s): %.2f, "
                     "#queue-req: %d%s", len(batch.reqs), used, used / self.max_total_tokens,
                     self.stats.interval_throughput(), len(self.waiting_queue), self._pd_log_fields())
@@ -366,10 +366,10 @@ class Scheduler(SchedulerOutputProcessorMixin):
         """The PD queues, as SGLang's prefill and decode servers add them to their batch lines."""
         if self.pd is None:
             return ""
-        info = self.pd.server_info()
+        pd = self.pd
         if self.disaggregation_mode == "prefill":
-            return f", #bootstrap-req: {info['num_bootstrap_reqs']}, #inflight-req: {info['num_inflight_reqs']}"
-        return f", #prealloc-req: {info['num_prealloc_reqs']}, #transfer-req: {info['num_transfer_reqs']}"
+            return f", #bootstrap-req: {len(pd.bootstrap_queue)}, #inflight-req: {len(pd.inflight_queue)}"
+        return f", #prealloc-req: {len(pd.prealloc_queue)}, #transfer-req: {len(pd.transfer_queue)}"
 
     def run_batch(self, batch: ScheduleBatch) -> LaunchedBatch:
         mwb = batch.model_worker_batch
@@ -454,9 +454,12 @@ class Scheduler(SchedulerOutputProcessorMixin):
             "gc_frozen_objects": gc.get_freeze_count(),  # > 0 once start-up is over (utils/gc_freeze.py)
         }
 
+    def used_tokens(self) -> int:
+        """KV slots neither free nor evictable."""
+        return self.max_total_tokens - self.allocator.available_size() - self.tree_cache.evictable_size()
+
     def token_usage(self) -> float:
-        used = self.max_total_tokens - self.allocator.available_size() - self.tree_cache.evictable_size()
-        return used / self.max_total_tokens
+        return self.used_tokens() / self.max_total_tokens
 
     def check_memory_integrity(self) -> bool:
         """At idle every KV slot is free or cached, and every request row is free."""
