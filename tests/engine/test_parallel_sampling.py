@@ -13,10 +13,14 @@ import pytest
 
 from engine_server import running_engine, wait_idle_integrity
 
+MAX_LONG = 12000  # tokens per choice: seconds of decoding, far more than an abort takes to arrive
+
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_factory):
-    with running_engine(tiny_model_factory("llama"), "--max-total-tokens", "4096") as eng:
+    # a long context and a pool to match: the abort tests' streams cannot end on their own before the abort
+    with running_engine(tiny_model_factory("llama", max_position_embeddings=16384),
+                        "--max-total-tokens", "40000") as eng:
         yield eng
 
 
@@ -126,7 +130,7 @@ def test_streamed_choices_add_up_to_the_whole_ones(engine, chat):
 
 
 def test_leaving_mid_stream_aborts_every_choice(engine):
-    body = {"prompt": "stream forever", "n": 3, "max_tokens": 400, "ignore_eos": True, "stream": True}
+    body = {"prompt": "stream forever", "n": 3, "max_tokens": MAX_LONG, "ignore_eos": True, "stream": True}
     with httpx.Client(timeout=60) as c, c.stream("POST", f"{engine.base_url}/v1/completions", json=body) as r:
         assert r.status_code == 200
         seen = set()
@@ -171,7 +175,8 @@ def test_abort_request_by_rid_ends_every_choice(engine):
     """/abort_request with the client's rid (what a router sends) ends all n copies (rid-0, rid-1, ...)."""
     import threading
 
-    body = {"prompt": "abort us all", "n": 3, "max_tokens": 2000, "ignore_eos": True, "stream": True, "rid": "par-7"}
+    body = {"prompt": "abort us all", "n": 3, "max_tokens": MAX_LONG, "ignore_eos": True, "stream": True,
+            "rid": "par-7"}
     events: list = []
 
     def stream():
@@ -190,7 +195,7 @@ def test_abort_request_by_rid_ends_every_choice(engine):
     t.join(timeout=60)
     assert not t.is_alive(), "the stream did not end after the abort"
     assert any("error" in e for e in events), "no abort reached the client"
-    assert sum(1 for e in events for c in e.get("choices", [])) < 3 * 2000
+    assert sum(1 for e in events for c in e.get("choices", [])) < 3 * MAX_LONG
     assert {c["index"] for e in events for c in e.get("choices", [])} == {0, 1, 2}
     info = wait_idle_integrity(engine.base_url, timeout_s=60)
     assert info["integrity_ok"] is True and info["num_running_reqs"] == 0
