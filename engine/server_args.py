@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
+import json
 import os
 from dataclasses import dataclass, field
 from typing import Optional
@@ -51,7 +53,9 @@ class ServerArgs:
     enable_overlap_schedule: bool = False
     stream_interval: int = 1
     # execution
-    attention_backend: str = "torch"
+    # auto: FlashInfer on CUDA when it is installed and the model runs in half precision (its
+    # kernels, and with them CUDA-graph decode), else the torch backend
+    attention_backend: str = "auto"
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 64
     enable_torch_compile: bool = False
@@ -82,6 +86,8 @@ class ServerArgs:
     def __post_init__(self) -> None:
         assert self.page_size >= 1, "--page-size must be >= 1"
         assert self.schedule_policy in SCHEDULE_POLICIES, f"--schedule-policy must be one of {SCHEDULE_POLICIES}"
+        if self.attention_backend == "auto":
+            object.__setattr__(self, "attention_backend", self._auto_attention_backend())  # frozen
         assert self.attention_backend in ATTENTION_BACKENDS, f"--attention-backend must be one of {ATTENTION_BACKENDS}"
         assert self.disaggregation_mode in DISAGGREGATION_MODES
         assert self.chunked_prefill_size == -1 or self.chunked_prefill_size >= self.page_size
@@ -107,6 +113,21 @@ class ServerArgs:
         if self.tp_size != 1 or self.dp_size != 1:
             raise ValueError("tensor and data parallelism (--tp-size/--dp-size > 1) are not implemented yet; "
                              "run one engine per GPU and let the router balance across them")
+
+    def _auto_attention_backend(self) -> str:
+        if not self.device.startswith("cuda") or importlib.util.find_spec("flashinfer") is None:
+            return "torch"
+        dtype = self.dtype
+        if dtype == "auto":  # the checkpoint's own (model_loader.resolve_dtype reads the same fields)
+            try:
+                with open(os.path.join(self.model_path, "config.json")) as f:
+                    config = json.load(f)
+                dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
+            except (OSError, ValueError):
+                return "torch"
+        if dtype not in ("float16", "bfloat16") or self.kv_cache_dtype not in ("auto", dtype):
+            return "torch"
+        return "flashinfer"
 
     @property
     def model_name(self) -> str:
@@ -150,7 +171,8 @@ class ServerArgs:
         a("--enable-overlap-schedule", action="store_true",
           help="use the overlap loop on CPU too (default: on for CUDA, off for CPU)")
         a("--stream-interval", type=int, default=ServerArgs.stream_interval)
-        a("--attention-backend", default=ServerArgs.attention_backend, choices=ATTENTION_BACKENDS)
+        a("--attention-backend", default=ServerArgs.attention_backend, choices=("auto",) + ATTENTION_BACKENDS,
+          help="auto (default): flashinfer on CUDA for float16/bfloat16 when installed, else torch")
         a("--disable-cuda-graph", action="store_true")
         a("--cuda-graph-max-bs", type=int, default=ServerArgs.cuda_graph_max_bs)
         a("--enable-torch-compile", action="store_true",

@@ -122,7 +122,7 @@ def step_ms(runner, bs):
                                 extend_prefix_lens_cpu=None, extend_seq_lens_cpu=None)
     @torch.inference_mode()
     def step():
-        fb = runner.forward_batch_from(mwb)
+        fb, _ = runner.forward_batch_from(mwb)
         runner.model.compute_logits(runner.forward(fb)).argmax(-1)
     for _ in range(5):
         step()

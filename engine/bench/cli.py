@@ -66,6 +66,8 @@ def _add_compare_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=1,
                    help="rounds interleaving every variant and HF mode on fresh prompts, engines kept up; "
                         "prints medians of the per-round ratios")
+    p.add_argument("--warmup-rounds", type=int, default=0,
+                   help="rounds run first and left out of the figures (GPU: first full batches pay one-time costs)")
 
 
 def run_cli(args: argparse.Namespace) -> int:
@@ -117,4 +119,5 @@ def _run_compare(args: argparse.Namespace) -> dict:
     return run_compare(args.model_path, workload_config_from_args(args), args.concurrency, variants,
                        common_args=common, hf_modes=hf_modes, device=args.device, dtype=args.dtype,
                        startup_timeout_s=args.startup_timeout,
-                       api_key=args.api_key or os.environ.get("BATON_API_KEY"), repeats=args.repeats)
+                       api_key=args.api_key or os.environ.get("BATON_API_KEY"), repeats=args.repeats,
+                       warmup_rounds=args.warmup_rounds)

@@ -8,7 +8,9 @@ With `--repeats N` (N > 1) every variant's engine is started first and all stay 
 no CPU); then each round draws fresh prompts (seed + round, so no round hits another's prefix cache)
 and runs every variant and every HF mode on them, back to back. Interleaving rounds this way lets
 drift on a shared machine hit all contenders alike; the summary gives each ratio's median over the
-rounds and every round's value.
+rounds and every round's value. `--warmup-rounds K` runs K such rounds first and leaves them out of
+the figures: on a GPU the first full-size batch of each contender pays one-time costs (kernel
+selection, allocator growth) that one short warm-up request does not reach.
 """
 from __future__ import annotations
 
@@ -91,16 +93,18 @@ def run_compare(model_path: str, workload: WorkloadConfig, concurrency: int, var
                 common_args: list[str] = (), hf_modes: list[HFMode] = (HFMode.BATCHED, HFMode.SEQUENTIAL),
                 device: str = "cpu", dtype: str = "float32", startup_timeout_s: float = 600.0,
                 api_key: Optional[str] = None, command_factory: CommandFactory = engine_command,
-                repeats: int = 1) -> dict:
+                repeats: int = 1, warmup_rounds: int = 0) -> dict:
     """Run every variant, then each HF mode; print the side-by-side table and return all figures.
-    repeats > 1: interleaved rounds (see the module docstring); results["rounds"] holds each one."""
+    repeats > 1 (or warm-up rounds): interleaved rounds (see the module docstring); results["rounds"]
+    holds each counted one."""
     assert variants, "at least one variant"
     assert len({v.name for v in variants}) == len(variants), "variant names must differ"
     assert repeats >= 1, "repeats must be >= 1"
+    assert warmup_rounds >= 0, "warmup_rounds must be >= 0"
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    if repeats == 1:
+    if repeats == 1 and not warmup_rounds:
         prompts = build_workload(tokenizer, workload)
         results = {"workload": dataclasses.asdict(workload), "concurrency": concurrency, "variants": {}, "hf": {}}
         for variant in variants:
@@ -118,13 +122,17 @@ def run_compare(model_path: str, workload: WorkloadConfig, concurrency: int, var
     with contextlib.ExitStack() as stack:
         engines = {v.name: _start(v, model_path, list(common_args), startup_timeout_s, api_key, command_factory, stack)
                    for v in variants}
-        for round_ in range(repeats):
-            prompts = build_workload(tokenizer, dataclasses.replace(workload, seed=workload.seed + round_))
-            print(f"== round {round_ + 1}/{repeats} ==", flush=True)
+        for round_ in range(-warmup_rounds, repeats):
+            # warm-up rounds draw seeds past the counted ones: no counted round meets their prefixes
+            seed = workload.seed + (round_ if round_ >= 0 else repeats - round_ - 1)
+            prompts = build_workload(tokenizer, dataclasses.replace(workload, seed=seed))
+            print(f"== warm-up round {round_ + warmup_rounds + 1}/{warmup_rounds} (not counted) ==" if round_ < 0
+                  else f"== round {round_ + 1}/{repeats} ==", flush=True)
             served = {v.name: _serve(v, *engines[v.name], prompts, concurrency, api_key) for v in variants}
             hf = _run_hf_modes(model_path, prompts, hf_modes, device, dtype, model_and_tokenizer) if hf_modes else {}
             print(format_comparison(served, hf), flush=True)
-            results["rounds"].append({"variants": served, "hf": hf})
+            if round_ >= 0:
+                results["rounds"].append({"variants": served, "hf": hf})
     results["summary"] = summarize_rounds(results["rounds"])
     print(format_repeats(results["summary"]), flush=True)
     return results

@@ -114,7 +114,7 @@ class DecodeDisaggregation:
             return False
         req.prefix_indices, req.last_node, req.cached_tokens = match.device_indices, match.last_node, len(match.device_indices)
         req.req_pool_idx, req.kv_meta_slot = rows[0], meta_slot
-        s.req_to_token_pool.req_to_token[req.req_pool_idx, :n] = torch.cat([match.device_indices, slots])
+        s.req_to_token_pool.req_to_token[req.req_pool_idx, :n] = torch.cat([match.device_indices, slots.to(match.device_indices.device)])
         req.kv_committed_len = req.kv_allocated_len = n
         return True
 

@@ -168,15 +168,28 @@ class ModelRunner:
             extend_seq_lens_cpu=extend_seq_lens_cpu, req_to_token_pool=self.req_to_token_pool,
             token_to_kv_pool=self.token_to_kv_pool, attn_backend=self.attn_backend)
 
-    def forward_batch_from(self, mwb) -> ForwardBatch:
-        dev = self.device
-        return self.make_forward_batch(
-            mwb.forward_mode, input_ids=mwb.input_ids.to(dev, non_blocking=True),
-            positions=mwb.positions.to(dev, non_blocking=True),
-            req_pool_indices=mwb.req_pool_indices.to(dev, non_blocking=True),
-            seq_lens=torch.tensor(mwb.seq_lens_cpu, dtype=torch.int64, device=dev),
-            out_cache_loc=mwb.out_cache_loc.to(dev, non_blocking=True), seq_lens_cpu=mwb.seq_lens_cpu,
+    def forward_batch_from(self, mwb, extra: Optional[torch.Tensor] = None) -> tuple[ForwardBatch, Optional[torch.Tensor]]:
+        """The device-side batch of a ModelWorkerBatch (host tensors), and `extra` (an int64 host
+        tensor: the overlap loop's future-map slots) on the device too.
+
+        On CUDA every host input travels in one copy, from pinned memory and without blocking: a
+        blocking copy waits for the stream's earlier work, and the overlap loop enqueues a batch
+        while the previous one still runs. input_ids is a fresh tensor (never the batch's own), so
+        resolving its placeholders in place leaves the scheduler's copy alone."""
+        host = [mwb.input_ids, mwb.positions, mwb.req_pool_indices,
+                torch.tensor(mwb.seq_lens_cpu, dtype=torch.int64), mwb.out_cache_loc]
+        if extra is not None:
+            host.append(extra)
+        sizes = [t.numel() for t in host]
+        packed = torch.cat([t.to("cpu", torch.int64).view(-1) for t in host])
+        if self.device != "cpu":
+            packed = packed.pin_memory().to(self.device, non_blocking=True)
+        parts = packed.split(sizes)
+        fb = self.make_forward_batch(
+            mwb.forward_mode, input_ids=parts[0], positions=parts[1], req_pool_indices=parts[2], seq_lens=parts[3],
+            out_cache_loc=parts[4], seq_lens_cpu=mwb.seq_lens_cpu,
             extend_prefix_lens_cpu=mwb.extend_prefix_lens_cpu, extend_seq_lens_cpu=mwb.extend_seq_lens_cpu)
+        return fb, (parts[5] if extra is not None else None)
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:

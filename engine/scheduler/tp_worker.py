@@ -1,15 +1,16 @@
-"""TpModelWorker: one forward + sample per batch. OverlapWorkerClient runs it on a worker thread so
-the scheduler can prepare batch N+1 while batch N computes ("zero-overhead" overlap).
+"""TpModelWorker: one forward + sample per batch. OverlapWorkerClient launches batches so that the
+scheduler prepares batch N+1 while batch N computes ("zero-overhead" overlap).
 
 Overlap: sampled tokens of batch N go into a future map at indices reserved when N was launched.
-Batch N+1 is built with -index placeholders as the decode inputs of those requests; the worker
-replaces them with the real ids just before its forward. The worker runs batches strictly in
-launch order, so N's tokens are always in the map when N+1 resolves them.
+Batch N+1 is built with -index placeholders as the decode inputs of those requests; they are
+replaced with the real ids on the device just before its forward. Batches run strictly in launch
+order, so N's tokens are always in the map when N+1 resolves them.
 
-On CUDA (as SGLang's overlap worker) the worker thread runs on its own stream, which first waits on
-an event the scheduler recorded at launch (its req_to_token writes for the batch), and copies the
-sampled ids to the host non-blocking with an event behind them: the scheduler thread waits on that
-event only when it processes the result, so the worker can launch batch N+1 while N computes.
+On CUDA (as SGLang's overlap loop) the launch runs in the scheduler thread and only enqueues work
+on a forward stream, which first waits on an event the scheduler recorded at launch (its
+req_to_token writes for the batch); the sampled ids come to the host through a non-blocking copy
+with an event behind it, and the scheduler waits on that event only when it processes the result.
+On CPU a worker thread runs the forward (see OverlapWorkerClient).
 """
 from __future__ import annotations
 
@@ -54,16 +55,22 @@ class TpModelWorker:
         self.sampler = Sampler()
         self.device = server_args.device
 
-    def forward_batch_generation(self, mwb: ModelWorkerBatch, async_copy: bool = False) -> GenerationBatchResult:
-        """`async_copy` (CUDA): copy the sampled ids to the host without waiting; call resolve()."""
+    def forward_batch_generation(self, mwb: ModelWorkerBatch, async_copy: bool = False,
+                                 future_map: Optional["FutureMap"] = None) -> GenerationBatchResult:
+        """`async_copy` (CUDA): copy the sampled ids to the host without waiting; call resolve().
+        `future_map` (overlap): resolve the batch's placeholder inputs from it, store its samples in it."""
         with torch.inference_mode():
-            return self._forward_and_sample(mwb, async_copy)
+            return self._forward_and_sample(mwb, async_copy, future_map)
 
-    def _forward_and_sample(self, mwb: ModelWorkerBatch, async_copy: bool) -> GenerationBatchResult:
+    def _forward_and_sample(self, mwb: ModelWorkerBatch, async_copy: bool,
+                            future_map: Optional["FutureMap"]) -> GenerationBatchResult:
         from baton.engine.sampling.sampling_batch_info import SamplingBatchInfo
+        from baton.engine.triton_ops.future_resolve import resolve_future_token_ids
 
         runner = self.model_runner
-        fb = runner.forward_batch_from(mwb)
+        fb, future_slots = runner.forward_batch_from(mwb, None if future_map is None else mwb.future_indices)
+        if future_map is not None:
+            resolve_future_token_ids(fb.input_ids, future_map.token_ids)
         hidden = runner.forward(fb)  # [num_tokens, hidden]
         rows = runner.last_token_rows(fb)
         last_hidden = hidden if rows is None else hidden[rows]
@@ -94,6 +101,8 @@ class TpModelWorker:
         if mwb.input_logprob_reqs:
             result.input_logprobs = self._input_logprobs(mwb, fb, hidden)
         result.next_token_ids_device = next_ids
+        if future_map is not None:
+            future_map.token_ids[future_slots] = next_ids
         if async_copy:
             result.next_token_ids_tensor = next_ids.to("cpu", non_blocking=True)  # into pinned memory
             result.copy_done = torch.cuda.Event()
@@ -154,13 +163,22 @@ class PendingResult:
 
 
 class OverlapWorkerClient:
-    """Launches batches on one worker thread (FIFO) and returns placeholders immediately."""
+    """Launches batches in order and returns placeholders immediately.
 
-    def __init__(self, worker: TpModelWorker, max_running_requests: int) -> None:
+    On CUDA a launch only enqueues work on the forward stream (the inputs' copy, the forward, the
+    sampling, a non-blocking copy of the sampled ids behind an event), so it runs inline in the
+    scheduler thread, as SGLang's overlap loop does: the GPU computes batch N+1 while the same thread
+    processes batch N's result. A worker thread there would buy nothing and cost a GIL hand-off per
+    op: measured on an H100, overlap through a thread was 0.77-0.87x the plain loop (docs/benchmarks.md).
+    On CPU the forward is the work itself, so it goes to one worker thread (FIFO)."""
+
+    def __init__(self, worker: TpModelWorker, max_running_requests: int, inline: Optional[bool] = None) -> None:
         self.worker = worker
         self.future_map = FutureMap(max_running_requests, worker.device)
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
-        self.forward_stream = torch.cuda.Stream() if str(worker.device).startswith("cuda") else None
+        cuda = str(worker.device).startswith("cuda")
+        self.forward_stream = torch.cuda.Stream() if cuda else None
+        self.inline = cuda if inline is None else inline
+        self._executor = None if self.inline else ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
 
     def launch(self, mwb: ModelWorkerBatch) -> tuple[torch.Tensor, PendingResult]:
         bs = len(mwb.seq_lens_cpu)
@@ -169,25 +187,22 @@ class OverlapWorkerClient:
         if self.forward_stream is not None:  # behind the scheduler's req_to_token writes for this batch
             inputs_ready = torch.cuda.Event()
             inputs_ready.record()
-        return -mwb.future_indices, PendingResult(self._executor.submit(self._run, mwb, inputs_ready))
+        if self._executor is not None:
+            return -mwb.future_indices, PendingResult(self._executor.submit(self._run, mwb, inputs_ready))
+        done: Future = Future()
+        try:
+            done.set_result(self._run(mwb, inputs_ready))
+        except Exception as e:  # raised where the result is read, as from the worker thread
+            done.set_exception(e)
+        return -mwb.future_indices, PendingResult(done)
 
     def _run(self, mwb: ModelWorkerBatch, inputs_ready: Optional[Any]) -> GenerationBatchResult:
         if self.forward_stream is None:
-            return self._forward(mwb, async_copy=False)
+            return self.worker.forward_batch_generation(mwb, async_copy=False, future_map=self.future_map)
         with torch.cuda.stream(self.forward_stream):
             self.forward_stream.wait_event(inputs_ready)
-            return self._forward(mwb, async_copy=True)
-
-    def _forward(self, mwb: ModelWorkerBatch, async_copy: bool) -> GenerationBatchResult:
-        from baton.engine.triton_ops.future_resolve import resolve_future_token_ids
-
-        # a copy: mwb.input_ids is the scheduler's batch.output_ids, which must keep its placeholders
-        input_ids = mwb.input_ids.to(self.future_map.token_ids.device, copy=True)
-        resolve_future_token_ids(input_ids, self.future_map.token_ids)
-        mwb.input_ids = input_ids
-        result = self.worker.forward_batch_generation(mwb, async_copy)
-        self.future_map.token_ids[mwb.future_indices] = result.next_token_ids_device
-        return result
+            return self.worker.forward_batch_generation(mwb, async_copy=True, future_map=self.future_map)
 
     def shutdown(self) -> None:
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)

@@ -300,6 +300,18 @@ def test_compare_repeats_interleaves_rounds_on_fresh_prompts(tiny_llama, capsys)
     assert out.count("== round ") == 3 and "== summary over rounds" in out and "vs HF-batched" in out
 
 
+def test_compare_warmup_rounds_run_but_are_not_counted(tiny_llama, capsys):
+    from baton.engine.bench.compare import parse_variant, run_compare
+
+    results = run_compare(tiny_llama, WorkloadConfig(4, 12, 3), concurrency=2, variants=[parse_variant("a:")],
+                          hf_modes=["batched"], startup_timeout_s=60, command_factory=fake_engine_command,
+                          repeats=1, warmup_rounds=2)
+    assert len(results["rounds"]) == 1 and results["summary"]["a"]["ratios"]["vs HF-batched"]["rounds"]
+    out = capsys.readouterr().out
+    assert out.count("== warm-up round ") == 2 and out.count("== round ") == 1
+    assert out.index("== warm-up round 2/2") < out.index("== round 1/1")
+
+
 def test_launcher_reports_an_engine_that_dies_while_starting():
     engine = EngineProcess([sys.executable, "-c", "print('bad flag'); raise SystemExit(3)"], free_port())
     with engine, pytest.raises(EngineStartError, match="exited with code 3(.|\n)*bad flag"):

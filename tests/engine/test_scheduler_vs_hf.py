@@ -63,13 +63,31 @@ def run_workload(harness: SchedulerHarness, prompts: list[list[int]], staggered:
     return harness.run_until_idle()
 
 
+LOOPS = ["overlap", "inline", "plain"]
+
+
+def harness_for(path: str, loop: str, **overrides) -> SchedulerHarness:
+    """`loop`: plain, overlap (CPU: the forward on a worker thread), or inline (the overlap loop's
+    CUDA form, the launch in the scheduler thread, run here on the CPU)."""
+    overlap = loop != "plain"
+    h = SchedulerHarness(path, enable_overlap_schedule=overlap, disable_overlap_schedule=not overlap, **overrides)
+    if loop == "inline":
+        from baton.engine.scheduler.tp_worker import OverlapWorkerClient
+
+        s = h.scheduler
+        s.overlap.shutdown()
+        s.overlap = OverlapWorkerClient(s.worker, s.max_running_requests, inline=True)
+    assert (h.scheduler.overlap is not None) == overlap
+    assert overlap is False or h.scheduler.overlap.inline == (loop == "inline")
+    return h
+
+
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "plain"])
+@pytest.mark.parametrize("loop", LOOPS)
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_matches_hf_concurrent_chunked_radix(tiny_model_factory, arch, overlap, page_size):
+def test_matches_hf_concurrent_chunked_radix(tiny_model_factory, arch, loop, page_size):
     path = tiny_model_factory(arch)
-    h = SchedulerHarness(path, page_size=page_size, enable_overlap_schedule=overlap, disable_overlap_schedule=not overlap,
-                         chunked_prefill_size=32, max_total_tokens=4096)
+    h = harness_for(path, loop, page_size=page_size, chunked_prefill_size=32, max_total_tokens=4096)
     prompts = workload()
     results = run_workload(h, prompts)
     for i, p in enumerate(prompts):
@@ -80,17 +98,16 @@ def test_matches_hf_concurrent_chunked_radix(tiny_model_factory, arch, overlap, 
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
-@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "plain"])
+@pytest.mark.parametrize("loop", LOOPS)
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_matches_hf_under_retraction(tiny_model_factory, arch, overlap, page_size):
+def test_matches_hf_under_retraction(tiny_model_factory, arch, loop, page_size):
     path = tiny_model_factory(arch)
     prompts = workload(seed=1)
     # Requests already running are budgeted at new_token_ratio (0.7) of their remaining tokens, so
     # a second wave is admitted into a pool that cannot hold everyone's 40 tokens: decode retracts.
     max_new = 40
     pool = int(0.6 * (sum(map(len, prompts)) + max_new * len(prompts))) // page_size * page_size
-    h = SchedulerHarness(path, page_size=page_size, enable_overlap_schedule=overlap, disable_overlap_schedule=not overlap,
-                         chunked_prefill_size=32, max_total_tokens=pool)
+    h = harness_for(path, loop, page_size=page_size, chunked_prefill_size=32, max_total_tokens=pool)
     results = run_workload(h, prompts, staggered=True, max_new=max_new, ignore_eos=True)
     assert h.scheduler.stats.retractions > 0, "the pool is meant to be too small for all requests at once"
     for i, p in enumerate(prompts):

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Served throughput on a GPU machine, side by side in one run: `baton serve --device cuda` under its
+# default settings (FlashInfer, CUDA-graph decode, overlap), with overlap off, and with the torch
+# backend, against HF transformers' batched `generate` on the same GPU, prompts and lengths.
+#
+#   bash scripts/gpu_serve_bench.sh     # on the GPU machine, from the repository root
+#
+# The GPU image has torch/transformers but not the HTTP stack: pyzmq (.whl/, see gpu_check.sh
+# fetch-wheels) and fastapi, uvicorn, pydantic & co. (.whl_http/, `bash scripts/gpu_serve_bench.sh
+# fetch-wheels` here) travel as wheels. The model is a random-weight Llama, float16: by default
+# ~0.2B (hidden 1024, 16 layers, 16 heads / 8 KV heads); SHAPE sets another. Logs go to $OUT (or
+# ./gpu_check_out); environment knobs: NUM, INPUT, OUTPUT, REPEATS, HF_MODES, TORCH_BACKEND, SHAPE, TAG.
+set -uo pipefail
+
+HTTP_WHEELS="fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.3 pydantic_core==2.50.4 annotated-types==0.8.0
+typing-inspection==0.4.5 typing_extensions==4.16.0 httptools==0.9.0 orjson==3.13.0 uvicorn==0.54.0
+opentelemetry-api==1.45.2 annotated-doc==0.0.7"
+
+if [ "${1:-}" = "fetch-wheels" ]; then
+    # shellcheck disable=SC2086
+    ${PYTHON:-.venv/bin/python} -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+        --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 \
+        --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 \
+        -d .whl_http $HTTP_WHEELS || exit 1
+    ls .whl_http
+    exit 0
+fi
+
+OUT=${OUT:-$PWD/gpu_check_out}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+"$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .whl/*.whl .whl_http/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+
+# SHAPE="hidden intermediate layers heads kv_heads" (head_dim 64 throughout: one FlashInfer JIT build)
+read -r HIDDEN INTER LAYERS HEADS KV_HEADS <<<"${SHAPE:-1024 2816 16 16 8}"
+MODEL=/tmp/gpu-bench-llama-$HIDDEN-$LAYERS
+[ -f "$MODEL/config.json" ] || "$PY" - "$MODEL" "$HIDDEN" "$INTER" "$LAYERS" "$HEADS" "$KV_HEADS" <<'EOF' || exit 1
+import sys
+sys.path.insert(0, "tests/engine")
+from tiny_models import make_tiny_model
+hidden, inter, layers, heads, kv_heads = map(int, sys.argv[2:])
+make_tiny_model("llama", sys.argv[1], hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=4096)
+EOF
+
+NUM=${NUM:-64} INPUT=${INPUT:-256} OUTPUT=${OUTPUT:-512}
+# every engine shares the one GPU: a fixed KV pool each instead of a fraction of free memory
+timeout "${BENCH_TIMEOUT:-420}" "$PY" -m baton bench compare --model-path "$MODEL" --device cuda --dtype float16 \
+    --num-prompts "$NUM" --concurrency "$NUM" --input-len "$INPUT" --output-len "$OUTPUT" \
+    --repeats "${REPEATS:-3}" --warmup-rounds 1 --hf-modes "${HF_MODES-batched}" --engine-args "--max-total-tokens 131072" \
+    --variant default: --variant no-overlap:--disable-overlap-schedule \
+    ${TORCH_BACKEND-"--variant=torch-backend:--attention-backend torch"} \
+    --json-out "$OUT/${TAG:-serve_bench}.json" 2>&1 | tee "$OUT/${TAG:-serve_bench}.txt"
