@@ -113,6 +113,9 @@ def paged_kv_indices_triton(req_to_token: torch.Tensor, req_pool_indices: torch.
     if bs == 0:
         return
     assert req_to_token.stride(1) == 1 and out.is_contiguous() and out.dtype == torch.int32
-    indptr = kv_indptr.to(device=req_to_token.device, dtype=torch.int32, non_blocking=True)
+    indptr = kv_indptr.to(torch.int32)
+    if req_to_token.is_cuda and not indptr.is_cuda:  # pinned: a pageable copy may wait for the stream's earlier work
+        indptr = indptr.pin_memory()
+    indptr = indptr.to(req_to_token.device, non_blocking=True)
     rows = req_pool_indices.to(req_to_token.device, non_blocking=True)
     _paged_kv_indices_kernel[(bs,)](req_to_token, rows, indptr, out, req_to_token.stride(0), page_size, BLOCK=128)
