@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional
 
@@ -118,10 +119,44 @@ class _Step:
     e2e_latency: float
 
 
+class StepQueue:
+    """The steps of one request that its consumer has not read yet. The output loop puts without
+    blocking; the consumer drains everything queued at once. (An asyncio.Queue's get() per step,
+    under a timeout, cost a task and a timer per streamed token.)"""
+
+    __slots__ = ("items", "_waiter")
+
+    def __init__(self) -> None:
+        self.items: deque = deque()
+        self._waiter: Optional[asyncio.Future] = None
+
+    def put_nowait(self, step: Any) -> None:
+        self.items.append(step)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def empty(self) -> bool:
+        return not self.items
+
+    def qsize(self) -> int:
+        return len(self.items)
+
+    def get_nowait(self) -> Any:
+        return self.items.popleft()
+
+    async def wait_nonempty(self) -> None:
+        while not self.items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+
+
 @dataclass
 class _ReqState:
     out: ReqOutput
-    queue: asyncio.Queue
+    queue: StepQueue
     created: float = field(default_factory=time.time)
     last_token_time: Optional[float] = None
 
@@ -183,7 +218,7 @@ class TokenizerManager:
         tokenized = self._tokenized(obj)
         if obj.rid in self.states:
             raise RequestError(f"duplicate request id {obj.rid!r}", 400)
-        state = _ReqState(ReqOutput(rid=obj.rid), asyncio.Queue())
+        state = _ReqState(ReqOutput(rid=obj.rid), StepQueue())
         self.states[obj.rid] = state
         await self.send.send_pyobj(tokenized)
         finished = False
@@ -203,13 +238,16 @@ class TokenizerManager:
     async def _next(self, state: _ReqState, is_disconnected) -> ReqOutput:
         """Waits for the next step(s) of a request; steps that queued up meanwhile are merged, so a
         slow consumer gets one larger delta instead of falling behind."""
-        while True:
+        while state.queue.empty():
             try:
-                first = await asyncio.wait_for(state.queue.get(), DISCONNECT_POLL_S if is_disconnected else None)
-                break
-            except asyncio.TimeoutError:
+                # asyncio.timeout, not wait_for: wait_for wraps the get in a task of its own, once
+                # per streamed step (Python 3.11)
+                async with asyncio.timeout(DISCONNECT_POLL_S if is_disconnected else None):
+                    await state.queue.wait_nonempty()
+            except TimeoutError:
                 if await is_disconnected():
                     raise asyncio.CancelledError("client disconnected")
+        first = state.queue.get_nowait()
         steps = [first]
         while not state.queue.empty():
             steps.append(state.queue.get_nowait())
@@ -279,17 +317,20 @@ class TokenizerManager:
                 logger.exception("failed to dispatch an output message")
 
     def _handle_batch(self, msg: BatchStrOut) -> None:
-        now = time.time()
+        now, generated = time.time(), 0
         for i, rid in enumerate(msg.rids):
             state = self.states.get(rid)
             if state is None:  # the client went away; the abort is on its way
                 continue
             finished, meta = msg.finished_reasons[i], msg.meta[i]
+            generated += len(msg.new_token_ids[i])
             self._observe(state, now, len(msg.new_token_ids[i]), finished, meta)  # on arrival, for TTFT/ITL
             state.queue.put_nowait(_Step(
                 msg.texts[i], msg.new_token_ids[i], finished, meta, msg.output_token_logprobs[i],
                 msg.output_top_logprobs[i], msg.input_token_logprobs[i], msg.input_top_logprobs[i],
                 now - state.created))
+        if generated:
+            self.metrics.generation_tokens.inc(generated)  # once per batch: the counter takes a lock
 
     def _observe(self, state: _ReqState, now: float, new_tokens: int, finished: Optional[FinishReason],
                  meta: Any) -> None:
@@ -300,7 +341,6 @@ class TokenizerManager:
             else:
                 m.itl.observe((now - state.last_token_time) / new_tokens)
             state.last_token_time = now
-            m.generation_tokens.inc(new_tokens)
         if finished is not None:
             m.e2e.observe(now - state.created)
             m.prompt_tokens.inc(meta.prompt_tokens)

@@ -191,9 +191,10 @@ async def _stream(ctx: ApiContext, objs: list[GenerateInput], request: Request, 
     created, obj_name = int(time.time()), "chat.completion.chunk" if chat else "text_completion"
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     want_logprobs = objs[0].return_logprob
+    model = ctx.model_name
 
     def chunk(choice: dict[str, Any]) -> bytes:
-        return sse({"id": cid, "object": obj_name, "created": created, "model": ctx.model_name, "choices": [choice]})
+        return sse({"id": cid, "object": obj_name, "created": created, "model": model, "choices": [choice]})
 
     def step_chunk(k: int, out: ReqOutput) -> Optional[bytes]:
         if not (out.delta or out.finished_reason is not None):

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from prometheus_client import generate_latest
 
 from baton.engine.io_struct import BatchStrOut, FinishReason, ReqMeta
 from baton.engine.metrics import EngineMetrics
-from baton.engine.tokenizer_manager import ReqOutput, TokenizerManager, _ReqState
+from baton.engine.tokenizer_manager import ReqOutput, StepQueue, TokenizerManager, _ReqState
 
 
 def _msg(rid: str, text: str, ids: list[int], done: bool, completion: int) -> BatchStrOut:
@@ -20,7 +22,7 @@ def _msg(rid: str, text: str, ids: list[int], done: bool, completion: int) -> Ba
 
 def _manager() -> tuple[TokenizerManager, _ReqState]:
     tm = TokenizerManager(None, "", "", EngineMetrics("m", "colocated"), vocab_size=100, context_len=64)
-    state = _ReqState(ReqOutput(rid="r"), asyncio.Queue())
+    state = _ReqState(ReqOutput(rid="r"), StepQueue())
     tm.states["r"] = state
     return tm, state
 
@@ -64,3 +66,38 @@ def test_metrics_observe_arrival_not_reads():
     assert 'baton_generation_tokens_total{model_name="m",role="colocated"} 2.0' in text
     assert 'baton_prompt_tokens_total{model_name="m",role="colocated"} 5.0' in text
     assert state.out.text == "" and state.queue.qsize() == 2
+
+
+def test_a_waiting_read_wakes_on_the_next_step_and_polls_for_a_disconnect(monkeypatch):
+    import baton.engine.tokenizer_manager as tm_module
+
+    monkeypatch.setattr(tm_module, "DISCONNECT_POLL_S", 0.01)
+
+    async def run():
+        tm, state = _manager()
+        polls = []
+
+        async def connected():
+            polls.append(1)
+            return False
+
+        reader = asyncio.ensure_future(tm._next(state, connected))
+        await asyncio.sleep(0.05)  # several poll periods with nothing queued
+        assert not reader.done() and len(polls) >= 2
+        tm._handle_batch(_msg("r", "q", [4], False, 1))
+        out = await asyncio.wait_for(reader, 1)
+        assert (out.delta, out.new_ids) == ("q", [4]) and state.queue.empty()
+        reader = asyncio.ensure_future(tm._next(state, None))  # no polling: only the step can wake it
+        await asyncio.sleep(0.02)
+        tm._handle_batch(_msg("r", "s", [5], False, 2))
+        out = await asyncio.wait_for(reader, 1)
+        assert (out.delta, out.new_ids) == ("s", [5])
+
+        async def gone():
+            return True
+
+        with pytest.raises(asyncio.CancelledError):
+            await tm._next(state, gone)
+        assert state.queue._waiter is None  # nothing left waiting on the queue
+
+    asyncio.run(run())
