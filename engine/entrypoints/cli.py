@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import sys
 
 from baton.engine.server_args import ServerArgs
 
@@ -11,10 +13,27 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     ServerArgs.add_cli_args(parser)
 
 
+def model_dir_problem(path: str, tokenizer_path: str | None = None) -> str | None:
+    """Why `path` cannot be served, in one line, or None. Caught before any process starts: the
+    loaders' own errors for a wrong path are tracebacks about hub repo ids."""
+    if not os.path.isdir(path):
+        return (f"--model-path {path}: no such directory (baton serves a local Hugging Face directory: "
+                "config.json, *.safetensors, tokenizer files)")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        return f"--model-path {path}: no config.json in it"
+    if tokenizer_path is not None and not os.path.isdir(tokenizer_path):
+        return f"--tokenizer-path {tokenizer_path}: no such directory"
+    return None
+
+
 def run_cli(args: argparse.Namespace) -> int:
     from baton.engine.entrypoints.engine import run_server
     from baton.engine.utils.logging import configure_logging
 
+    problem = model_dir_problem(args.model_path, args.tokenizer_path)
+    if problem is not None:
+        print(f"baton serve: error: {problem}", file=sys.stderr)
+        return 2
     server_args = ServerArgs.from_cli_args(args)
     configure_logging(server_args.log_level, prefix="server")
     logging.getLogger(__name__).info("starting engine: %s", server_args)  # api_key has repr=False

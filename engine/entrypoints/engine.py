@@ -6,7 +6,7 @@ import logging
 import multiprocessing as mp
 import signal
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Optional
 
 from baton.engine.server_args import ServerArgs
 
@@ -24,6 +24,7 @@ class EngineProcesses:
     scheduler_addr: str
     tokenizer_addr: str
     cpu_plan: Any = None  # utils.cpu_affinity.CpuPlan, or None when not binding
+    prepared: Any = None  # what launch_subprocesses' while_starting returned
 
     def alive(self) -> bool:
         return self.scheduler.is_alive() and self.detokenizer.is_alive()
@@ -47,7 +48,9 @@ def _wait_ready(name: str, pipe: Any, proc: mp.Process) -> Any:
     return payload
 
 
-def launch_subprocesses(server_args: ServerArgs) -> EngineProcesses:
+def launch_subprocesses(server_args: ServerArgs, while_starting: Optional[Callable[[], Any]] = None) -> EngineProcesses:
+    """Start the scheduler and detokenizer and wait until both are ready. `while_starting` runs in
+    between (the front end's own start-up: imports, tokenizer), its result in procs.prepared."""
     from baton.engine.detokenizer import run_detokenizer_process
     from baton.engine.scheduler.event_loop import run_scheduler_process
     from baton.engine.utils.cpu_affinity import plan_binding
@@ -67,6 +70,8 @@ def launch_subprocesses(server_args: ServerArgs) -> EngineProcesses:
     detokenizer.start()
     procs = EngineProcesses(scheduler, detokenizer, {}, scheduler_addr, tokenizer_addr, cpu_plan)
     try:
+        if while_starting is not None:
+            procs.prepared = while_starting()
         _wait_ready("detokenizer", detok_r, detokenizer)
         procs.scheduler_info = _wait_ready("scheduler", sched_r, scheduler)
     except BaseException:
@@ -92,23 +97,31 @@ def _exit_after_drain(signum: int, frame: Any) -> None:
 
 
 def run_server(server_args: ServerArgs) -> None:
-    import uvicorn
-    from transformers import AutoTokenizer
-
-    from baton.engine.entrypoints.http_server import ApiContext, create_app
-    from baton.engine.metrics import EngineMetrics
-    from baton.engine.tokenizer_manager import TokenizerManager
     from baton.engine.utils.cpu_affinity import bind_frontend
+
+    def front_end_start_up():  # while the scheduler loads the model: ~3 s of a CPU start on this VM
+        import uvicorn  # noqa: F401
+        from transformers import AutoTokenizer
+
+        import baton.engine.entrypoints.http_server  # noqa: F401
+        import baton.engine.tokenizer_manager  # noqa: F401
+
+        return AutoTokenizer.from_pretrained(server_args.tokenizer_path or server_args.model_path)
 
     # uvicorn answers SIGTERM (what Kubernetes sends) by closing the listener and letting running
     # requests finish, then raises the signal again once it has drained. Turning that into SystemExit
     # stops the scheduler and detokenizer below and exits 0, instead of dying by the signal midway.
     signal.signal(signal.SIGTERM, _exit_after_drain)
-    procs = launch_subprocesses(server_args)
+    procs = launch_subprocesses(server_args, while_starting=front_end_start_up)
     bind_frontend(procs.cpu_plan)  # after the spawns: the scheduler must not inherit the frontend's CPUs
     try:
-        info = procs.scheduler_info
-        tokenizer = AutoTokenizer.from_pretrained(server_args.tokenizer_path or server_args.model_path)
+        import uvicorn
+
+        from baton.engine.entrypoints.http_server import ApiContext, create_app
+        from baton.engine.metrics import EngineMetrics
+        from baton.engine.tokenizer_manager import TokenizerManager
+
+        info, tokenizer = procs.scheduler_info, procs.prepared
         role = "colocated" if server_args.disaggregation_mode == "null" else server_args.disaggregation_mode
         tm = TokenizerManager(tokenizer, procs.scheduler_addr, procs.tokenizer_addr,
                               EngineMetrics(server_args.model_name, role), info["vocab_size"], info["context_length"],

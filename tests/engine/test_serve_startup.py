@@ -1,0 +1,67 @@
+"""`baton serve` with a model directory it cannot serve: a one-line error before anything starts for a
+wrong path, and a clean non-zero exit with no process left behind when the model fails to load."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+from baton.engine.utils.process import free_port
+
+
+def _serve(model_path: str, mark: str = "", timeout: float = 240) -> subprocess.CompletedProcess:
+    """`mark` goes into the environment, which the spawned scheduler and detokenizer inherit."""
+    return subprocess.run([sys.executable, "-m", "baton", "serve", "--model-path", model_path, "--host", "127.0.0.1",
+                           "--port", str(free_port()), "--max-total-tokens", "1024"],
+                          capture_output=True, text=True, timeout=timeout, env={**os.environ, "BATON_TEST_MARK": mark})
+
+
+def _processes_marked(mark: str) -> list[str]:
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                marked = f"BATON_TEST_MARK={mark}".encode() in f.read().split(b"\0")
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if marked:
+            found.append(f"{pid}: {cmd}")
+    return found
+
+
+@pytest.mark.parametrize("case", ["missing", "no-config"])
+def test_a_wrong_model_path_is_one_line_and_exit_2(tmp_path, case):
+    path = tmp_path / "model"
+    if case == "no-config":
+        path.mkdir()
+    proc = _serve(str(path), timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    expected = "no such directory" if case == "missing" else "no config.json"
+    assert proc.stderr.strip().startswith("baton serve: error: --model-path") and expected in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_model_that_fails_to_load_exits_nonzero_and_leaves_nothing_running(tiny_model_factory, tmp_path):
+    broken = tmp_path / "broken-model"
+    shutil.copytree(tiny_model_factory("llama"), broken)
+    for name in os.listdir(broken):
+        if name.endswith(".safetensors"):
+            os.remove(broken / name)  # config and tokenizer are there, the weights are not
+    mark = uuid.uuid4().hex
+    proc = _serve(str(broken), mark)
+    assert proc.returncode != 0
+    assert "the scheduler failed to start" in proc.stderr and "safetensors" in proc.stderr, proc.stderr[-2000:]
+    assert _processes_marked(mark) == []
+    control = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                               env={**os.environ, "BATON_TEST_MARK": mark})
+    try:  # the scan does see a live process carrying the mark
+        assert len(_processes_marked(mark)) == 1
+    finally:
+        control.kill()
+        control.wait()
