@@ -37,5 +37,16 @@ def run_cli(args: argparse.Namespace) -> int:
     server_args = ServerArgs.from_cli_args(args)
     configure_logging(server_args.log_level, prefix="server")
     logging.getLogger(__name__).info("starting engine: %s", server_args)  # api_key has repr=False
-    run_server(server_args)
-    return 0
+    try:
+        run_server(server_args)
+    except SystemExit as e:  # SIGTERM's drain ends here, with 0
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    else:
+        code = 0
+    # The engine's processes are stopped and its logs written: leave without the interpreter's
+    # teardown. Triton's extension (imported by transformers' tokenizer loading) prints dozens of
+    # "nanobind: leaked ..." lines there, at every stop, which read like a fault in a pod's log.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -12,6 +12,7 @@ import glob
 import json
 import logging
 import os
+import threading
 from typing import TYPE_CHECKING, Iterator, Optional
 
 import torch
@@ -69,6 +70,11 @@ def iterate_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
     for path in files:
         with safe_open(path, framework="pt", device="cpu") as f:
             total += len(f.keys())
+    if not hasattr(tqdm, "_lock"):
+        # A thread lock only: tqdm's default adds a multiprocessing lock, a named semaphore that the
+        # scheduler process (stopped by a signal) never unlinks, so every engine stop warned
+        # "resource_tracker: There appear to be 1 leaked semaphore objects".
+        tqdm.set_lock(threading.RLock())
     with tqdm(total=total, desc=f"Loading {len(files)} safetensors file(s)", unit="tensor") as bar:
         for path in files:
             with safe_open(path, framework="pt", device="cpu") as f:
