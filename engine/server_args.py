@@ -19,6 +19,18 @@ KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e5m2")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 
 
+def auto_dtype_name(checkpoint_dtype: Optional[str], device: str) -> str:
+    """--dtype auto: the checkpoint's dtype, except float16 on CPU -> float32 (CPU float16 matmuls are
+    slow) and float32 on CUDA -> float16 (as SGLang and vLLM do: half precision is what FlashInfer
+    and CUDA-graph decode run; --dtype float32 keeps it)."""
+    name = checkpoint_dtype if checkpoint_dtype in ("float32", "float16", "bfloat16") else "float32"
+    if name == "float16" and device.startswith("cpu"):
+        return "float32"
+    if name == "float32" and device.startswith("cuda"):
+        return "float16"
+    return name
+
+
 @dataclass(frozen=True)
 class ServerArgs:
     model_path: str
@@ -118,13 +130,13 @@ class ServerArgs:
         if not self.device.startswith("cuda") or importlib.util.find_spec("flashinfer") is None:
             return "torch"
         dtype = self.dtype
-        if dtype == "auto":  # the checkpoint's own (model_loader.resolve_dtype reads the same fields)
+        if dtype == "auto":  # what model_loader.resolve_dtype will pick from the checkpoint
             try:
                 with open(os.path.join(self.model_path, "config.json")) as f:
                     config = json.load(f)
-                dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
             except (OSError, ValueError):
                 return "torch"
+            dtype = auto_dtype_name(config.get("dtype") or config.get("torch_dtype"), self.device)
         if dtype not in ("float16", "bfloat16") or self.kv_cache_dtype not in ("auto", dtype):
             return "torch"
         return "flashinfer"

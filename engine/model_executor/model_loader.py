@@ -1,9 +1,10 @@
 """Build a model from a local Hugging Face directory: config -> registry class -> safetensors weights.
 
 dtype "auto" takes the checkpoint's dtype (`config.dtype`, or `torch_dtype` on older configs), with
-one exception: float16 on CPU becomes float32, because CPU float16 matmuls are slow (no native
-kernels on most CPUs) and the engine compares against float32 references there. bfloat16 stays
-bfloat16 on CPU (it has fast kernels on recent CPUs). An explicit dtype is always honoured.
+two exceptions (server_args.auto_dtype_name): float16 on CPU becomes float32, because CPU float16
+matmuls are slow (no native kernels on most CPUs) and the engine compares against float32 references
+there; float32 on CUDA becomes float16, as in SGLang and vLLM. bfloat16 stays bfloat16 on CPU (it has
+fast kernels on recent CPUs). An explicit dtype is always honoured.
 """
 from __future__ import annotations
 
@@ -42,10 +43,13 @@ def resolve_dtype(dtype: str, config, device: str) -> torch.dtype:
         if dtype not in DTYPES:
             raise ValueError(f"unknown dtype {dtype!r}; use auto, float32, float16 or bfloat16")
         return DTYPES[dtype]
-    resolved = _config_dtype(config) or torch.float32
-    if resolved == torch.float16 and str(device).startswith("cpu"):
-        logger.info("dtype auto: float16 checkpoint on CPU -> float32 (CPU float16 matmul is slow)")
-        return torch.float32
+    from baton.engine.server_args import auto_dtype_name
+
+    checkpoint = _config_dtype(config) or torch.float32
+    name = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}.get(checkpoint, "float32")
+    resolved = DTYPES[auto_dtype_name(name, str(device))]
+    if resolved != checkpoint:
+        logger.info("dtype auto: %s checkpoint on %s -> %s", name, device, resolved)
     return resolved
 
 

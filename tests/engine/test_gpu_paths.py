@@ -256,7 +256,8 @@ def test_auto_attention_backend(tmp_path, monkeypatch):
     assert backend(device="cpu") == "torch"
     assert backend(attention_backend="torch") == "torch"
     (tmp_path / "config.json").write_text('{"dtype": "float32"}')
-    assert backend() == "torch"
+    assert backend() == "flashinfer"  # --dtype auto serves a float32 checkpoint in float16 on CUDA
+    assert backend(kv_cache_dtype="bfloat16") == "torch"  # a KV cache cast away from that float16
     assert ServerArgs(model_path=str(tmp_path / "missing"), device="cuda").attention_backend == "torch"
     installed["flashinfer"] = False
     assert backend(dtype="float16") == "torch"
@@ -292,10 +293,11 @@ def test_flashinfer_rejects_float32_and_torch_backend_runs_without_graphs(tiny_m
     with pytest.raises(ValueError, match="float16 or bfloat16"):
         make_runner(path, 16, "cuda", dtype="float32", attention_backend="flashinfer")
     assert make_runner(path, 16, "cuda", dtype="float16", attention_backend="torch").cuda_graph_runner is None
-    # the default (auto) on CUDA: FlashInfer and graphs in half precision, torch for the float32 checkpoint
+    # the default (auto) on CUDA: FlashInfer and graphs in half precision
     auto = make_runner(path, 16, "cuda", dtype="float16")
     assert auto.server_args.attention_backend == "flashinfer" and auto.cuda_graph_runner is not None
-    assert make_runner(path, 16, "cuda").server_args.attention_backend == "torch"
+    auto_dtype = make_runner(path, 16, "cuda")  # the float32 checkpoint, --dtype auto: float16 on CUDA
+    assert auto_dtype.dtype == torch.float16 and auto_dtype.server_args.attention_backend == "flashinfer"
 
 
 @pytest.mark.gpu

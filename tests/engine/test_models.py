@@ -257,6 +257,10 @@ def test_dtype_resolution():
     assert resolve_dtype("auto", bf16, "cpu") == torch.bfloat16
     assert resolve_dtype("float16", bf16, "cpu") == torch.float16  # explicit wins
     assert resolve_dtype("auto", LlamaConfig(), "cpu") == torch.float32
+    fp32 = LlamaConfig(dtype="float32")
+    assert resolve_dtype("auto", fp32, "cuda") == torch.float16  # as SGLang and vLLM: half precision on a GPU
+    assert resolve_dtype("auto", bf16, "cuda:1") == torch.bfloat16
+    assert resolve_dtype("float32", fp32, "cuda") == torch.float32  # explicit wins
 
 
 def test_bfloat16_load_keeps_rope_in_float32(tiny_model_factory):
