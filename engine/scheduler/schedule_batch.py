@@ -181,11 +181,8 @@ class ScheduleBatch:
         out_cache_loc = self._alloc(self.allocator.alloc_decode, seq_lens, self._last_locs(rows, prefix_lens))
         rows_t = torch.tensor(rows, dtype=torch.int64)
         positions = torch.tensor(prefix_lens, dtype=torch.int64)
-        table = self.req_to_token_pool.req_to_token
-        if table.is_cuda:
-            table[rows_t.to(table.device), positions.to(table.device)] = out_cache_loc.to(table.device)
-        else:
-            table[rows_t, positions] = out_cache_loc
+        table = self.req_to_token_pool.req_to_token  # .to() is a no-op on a CPU table
+        table[rows_t.to(table.device), positions.to(table.device)] = out_cache_loc.to(table.device)
         for req in self.reqs:
             req.kv_committed_len += 1
             req.kv_allocated_len += 1
