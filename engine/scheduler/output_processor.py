@@ -56,14 +56,24 @@ class SchedulerOutputProcessorMixin:
                 self.tree_cache.cache_unfinished_req(req)
 
     def _process_decode(self: "Scheduler", launched: "LaunchedBatch", result) -> None:
+        # The per-token loop of every decode step: record_token's work inlined for the common case
+        # (no logprobs, first token long sent), the token counter bumped once per batch.
+        ids, tokenizer, plain = result.next_token_ids, self.tokenizer, result.next_token_logprobs is None
+        appended = 0
         for i, req in enumerate(launched.reqs):
-            if req.finished():
+            if req.finished_reason is not None:
                 # overlap: the extra step after a finish, or an abort while in flight
                 self.finish_request(req)
                 continue
-            self._append_token(req, i, result)
-            if req.finished():
+            if plain and req.first_token_time is not None:
+                req.output_ids.append(ids[i])
+                appended += 1
+            else:
+                self.record_token(req, i, result)
+            req.check_finished(tokenizer)
+            if req.finished_reason is not None:
                 self.finish_request(req)
+        self.stats.generated_tokens += appended
 
     def _append_token(self: "Scheduler", req: Req, i: int, result) -> None:
         self.record_token(req, i, result)
