@@ -4,8 +4,13 @@
 # CPU time, not wall time, so it holds up on a noisy shared machine. From the repository root:
 #
 #   bash scripts/frontend_cpu.sh            # NUM=64 OUT=512 by default; ENGINE_ARGS adds serve flags
-#   SPY=1 bash scripts/frontend_cpu.sh      # also a py-spy profile of the HTTP process (py-spy in .venv)
+#   SPY=1 bash scripts/frontend_cpu.sh      # also a py-spy profile of the HTTP process, to ./spy.txt
+#                                           # (py-spy is no dependency: .venv/bin/pip install py-spy first)
 set -euo pipefail
+if [ -n "${SPY:-}" ] && [ ! -x .venv/bin/py-spy ]; then
+    echo "SPY=1 needs py-spy: .venv/bin/pip install py-spy" >&2
+    exit 2
+fi
 MODEL=${MODEL:-/tmp/baton-tiny-h64}
 PORT=${PORT:-$(.venv/bin/python -c "from baton.engine.utils.process import free_port; print(free_port())")}
 NUM=${NUM:-64} OUT=${OUT:-512}
