@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The engine's GPU paths (FlashInfer, CUDA-graph decode, the overlap worker's stream), verified and
+# The engine's GPU paths (FlashInfer, CUDA-graph decode, the overlap worker's stream, the Triton MoE), verified and
 # timed in one command on a GPU machine, from the repository root:
 #
 #   bash scripts/gpu_check.sh                # on the GPU machine: install .whl/, run the GPU tests, time decode
@@ -92,7 +92,7 @@ echo "JIT compile + first run: ${SECONDS}s" | tee -a "$OUT/jit.txt"
 
 echo "== GPU tests"
 SECONDS=0
-timeout 150 "$PY" -m pytest -p no:cacheprovider -q -rs tests/engine/test_gpu_paths.py 2>&1 | tee "$OUT/tests.txt" || status=1
+timeout 240 "$PY" -m pytest -p no:cacheprovider -q -rs tests/engine/test_gpu_paths.py 2>&1 | tee "$OUT/tests.txt" || status=1
 timeout 60 "$PY" -m pytest -p no:cacheprovider -q -rs -m gpu tests/engine/test_triton_ops.py tests/engine/test_sampling.py \
     2>&1 | tee -a "$OUT/tests.txt" || status=1
 echo "tests: ${SECONDS}s" | tee -a "$OUT/tests.txt"
@@ -148,6 +148,42 @@ print("|---|---|---|---|---|---|---|")
 for bs in BATCHES:
     t, f, g = times["torch"][bs], times["flashinfer"][bs], times["flashinfer+graph"][bs]
     print(f"| {bs} | {t:.3f} | {f:.3f} | {g:.3f} | {t / f:.2f}x | {f / g:.2f}x | {t / g:.2f}x |")
+EOF
+
+echo "== MoE experts: Triton grouped GEMMs vs the per-expert loop (one Qwen3-30B-A3B layer's shape, bf16)"
+timeout 120 "$PY" - <<'EOF' 2>&1 | tee "$OUT/moe_timing.txt" || status=1
+import torch, torch.nn.functional as F
+from baton.engine.triton_ops.fused_moe import fused_experts_torch, fused_experts_triton
+
+E, K, H, I, REPS = 128, 8, 2048, 768, 20
+dt, dev = torch.bfloat16, "cuda"
+w13 = torch.randn(E, 2 * I, H, device=dev, dtype=dt) / H ** 0.5
+w2 = torch.randn(E, H, I, device=dev, dtype=dt) / I ** 0.5
+
+def ms(fn):
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize(); start.record()
+    for _ in range(REPS):
+        fn()
+    end.record(); torch.cuda.synchronize()
+    return start.elapsed_time(end) / REPS
+
+print(f"E {E}, top_k {K}, hidden {H}, moe_intermediate {I}, bf16; ms per call, CUDA events, {REPS} calls")
+print("| tokens | loop ms | triton ms | triton graph ms | loop / triton | loop / graph |")
+print("|---|---|---|---|---|---|")
+for n in (1, 8, 32, 64, 256, 2048):
+    x = torch.randn(n, H, device=dev, dtype=dt)
+    weights, ids = torch.topk(torch.softmax(torch.randn(n, E, device=dev), -1), K)
+    weights = weights.to(dt)
+    loop = ms(lambda: fused_experts_torch(x, w13, w2, weights, ids, F.silu))
+    tri = ms(lambda: fused_experts_triton(x, w13, w2, weights, ids, F.silu))
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fused_experts_triton(x, w13, w2, weights, ids, F.silu)
+    graph = ms(g.replay)
+    print(f"| {n} | {loop:.3f} | {tri:.3f} | {graph:.3f} | {loop / tri:.2f}x | {loop / graph:.2f}x |")
 EOF
 
 echo "== done (status $status); logs in $OUT"

@@ -2,18 +2,19 @@
 
 Router: softmax over all experts in float32, top-k, optionally renormalised (`norm_topk_prob`).
 Experts are stacked weights, `w13` [E, 2 * I, H] laid out [gate | up] (HF's fused `gate_up_proj`)
-and `w2` [E, H, I]. The forward loops over the experts that were hit, gathering their tokens: the
-obvious path, fine on CPU; a grouped-GEMM kernel can replace `_experts` on GPU.
+and `w2` [E, H, I]. The experts run in `triton_ops.fused_moe.fused_experts`: on CPU a loop over the
+experts that were hit (transformers' order of ops); on CUDA two grouped-GEMM Triton kernels with no
+host sync, so decode captures into a CUDA graph.
 """
 from __future__ import annotations
 
 import re
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from baton.engine.layers.activation import get_act_fn
+from baton.engine.triton_ops.fused_moe import fused_experts
 
 _PER_EXPERT = re.compile(r"^experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
@@ -44,13 +45,7 @@ class SparseMoeBlock(nn.Module):
         return self._experts(x, weights, ids)
 
     def _experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(x)
-        for e in torch.unique(ids).tolist():
-            token_idx, k_pos = torch.where(ids == e)
-            gate, up = F.linear(x[token_idx], self.w13[e]).chunk(2, dim=-1)  # [m, I] each
-            y = F.linear(self.act_fn(gate) * up, self.w2[e])  # [m, H]
-            out.index_add_(0, token_idx, y * weights[token_idx, k_pos, None])
-        return out
+        return fused_experts(x, self.w13, self.w2, weights, ids, self.act_fn)
 
     @torch.no_grad()
     def load_weight(self, name: str, tensor: torch.Tensor) -> bool:

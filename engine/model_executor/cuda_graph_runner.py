@@ -132,7 +132,7 @@ class CudaGraphRunner:
                 self._capture_one(b, pool)
             except Exception as e:
                 raise RuntimeError(f"CUDA graph capture of the decode forward failed at batch size {b} ({e}); "
-                                   "the model may have data-dependent host syncs (e.g. MoE routing): "
+                                   "the forward may have a data-dependent host sync (an .item() or .tolist()): "
                                    "run with --disable-cuda-graph") from e
         torch.cuda.synchronize()
         logger.info("captured CUDA graphs for decode batch sizes %s", self.batch_sizes)

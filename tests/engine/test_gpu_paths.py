@@ -28,6 +28,7 @@ from baton.engine.triton_ops.paged_kv_indices import build_paged_kv_metadata, pa
 PROMPTS = [[5, 17, 200, 33, 41, 90, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18], [300, 12, 8], [44] * 21,
            [7, 9, 11, 13, 15], list(range(101, 117)), list(range(200, 233)), [77]]
 GPU_MODEL = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2)  # head_dim 64: FlashInfer's smallest
+GPU_MOE_MODEL = dict(GPU_MODEL, head_dim=64, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128)
 
 
 # ---------------------------------------------------------------- paged metadata (CPU)
@@ -358,18 +359,20 @@ def hf_consistency(path: str, prompt: list[int], ids: list[int], tol: float) -> 
     return int((logits.argmax(-1) == torch.tensor(ids)).sum())
 
 
-GREEDY_CASES = [("flashinfer", graph, overlap, page) for graph in (True, False) for overlap in (True, False)
-                for page in (1, 16)] + [("torch", False, True, 1), ("torch", False, False, 16)]
+GREEDY_CASES = [("llama", "flashinfer", graph, overlap, page) for graph in (True, False) for overlap in (True, False)
+                for page in (1, 16)] + [("llama", "torch", False, True, 1), ("llama", "torch", False, False, 16),
+                                        # the MoE experts as Triton grouped GEMMs, captured in the decode graphs
+                                        ("qwen3_moe", "flashinfer", True, True, 16), ("qwen3_moe", "flashinfer", False, False, 1)]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend,graph,overlap,page_size", GREEDY_CASES)
-def test_scheduler_greedy_matches_hf_on_cuda(tiny_model_factory, backend, graph, overlap, page_size):
+@pytest.mark.parametrize("arch,backend,graph,overlap,page_size", GREEDY_CASES)
+def test_scheduler_greedy_matches_hf_on_cuda(tiny_model_factory, arch, backend, graph, overlap, page_size):
     need_gpu(flashinfer=backend == "flashinfer")
     from scheduler_harness import SchedulerHarness
     from test_scheduler_vs_hf import run_workload, workload
 
-    path = tiny_model_factory("llama", **GPU_MODEL)
+    path = tiny_model_factory(arch, **(GPU_MOE_MODEL if arch == "qwen3_moe" else GPU_MODEL))
     h = SchedulerHarness(path, device="cuda", dtype="float16", attention_backend=backend, page_size=page_size,
                          disable_cuda_graph=not graph, cuda_graph_max_bs=16, enable_overlap_schedule=overlap,
                          disable_overlap_schedule=not overlap, chunked_prefill_size=32, max_total_tokens=4096)
@@ -385,9 +388,47 @@ def test_scheduler_greedy_matches_hf_on_cuda(tiny_model_factory, backend, graph,
     for i, p in enumerate(prompts):
         exact += hf_consistency(path, p, results[str(i)].ids, tol=0.1)
         total += len(results[str(i)].ids)
-    print(f"[{backend} graph={graph} overlap={overlap} page={page_size}] {exact}/{total} tokens are HF's exact argmax")
+    print(f"[{arch} {backend} graph={graph} overlap={overlap} page={page_size}] {exact}/{total} tokens are HF's exact argmax")
     assert exact >= 0.9 * total
     # every request decodes to max_new_tokens together, so decode is one batch size throughout; the
     # padded replay of other sizes is test_cuda_graph_replay_matches_eager's
     assert not graph or (replays and max(replays) <= 16), f"decode should replay the captured graphs: {replays}"
     assert h.scheduler.check_memory_integrity()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fused_moe_on_cuda_matches_the_loop_without_a_host_sync(dtype):
+    """The Triton experts against the per-expert loop on CUDA, with no device->host sync (sync debug
+    mode "error"), and captured into a CUDA graph whose replay on new inputs matches eager."""
+    need_gpu(flashinfer=False)
+    import torch.nn.functional as F
+
+    from baton.engine.triton_ops.fused_moe import fused_experts_torch, fused_experts_triton
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for n, experts, top_k, hidden, inter in ((1, 128, 8, 256, 128), (13, 8, 2, 256, 128), (700, 16, 4, 512, 256)):
+        w13 = (torch.randn(experts, 2 * inter, hidden, generator=g, device="cuda") / hidden ** 0.5).to(dtype)
+        w2 = (torch.randn(experts, hidden, inter, generator=g, device="cuda") / inter ** 0.5).to(dtype)
+
+        def inputs():
+            x = torch.randn(n, hidden, generator=g, device="cuda").to(dtype)
+            weights, ids = torch.topk(torch.softmax(torch.randn(n, experts, generator=g, device="cuda"), -1), top_k)
+            return x, weights.to(dtype), ids
+
+        x, weights, ids = inputs()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = fused_experts_triton(x, w13, w2, weights, ids, F.silu)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        want = fused_experts_torch(x, w13, w2, weights, ids, F.silu)
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = fused_experts_triton(x, w13, w2, weights, ids, F.silu)
+        for static, new in zip((x, weights, ids), inputs()):
+            static.copy_(new)
+        graph.replay()
+        torch.testing.assert_close(captured, fused_experts_triton(x, w13, w2, weights, ids, F.silu), atol=0, rtol=0)

@@ -47,6 +47,29 @@ INTERPRETED_CHECKS = textwrap.dedent(
         resolve_future_token_ids_triton(a, fmap)
         resolve_future_token_ids_torch(b, fmap)
         assert torch.equal(a, b) and bool((a >= 0).all()), dtype
+
+    import torch.nn.functional as F
+    from baton.engine.triton_ops.fused_moe import fused_experts_torch, fused_experts_triton
+
+    def check_moe(n, experts, top_k, hidden, inter, dtype, unused=(), tol=1e-5):
+        # the grouped-GEMM experts against the per-expert loop; `unused` experts are never routed to
+        x = torch.randn(n, hidden, generator=g).to(dtype)
+        w13 = (torch.randn(experts, 2 * inter, hidden, generator=g) / hidden ** 0.5).to(dtype)
+        w2 = (torch.randn(experts, hidden, inter, generator=g) / inter ** 0.5).to(dtype)
+        logits = torch.randn(n, experts, generator=g)
+        logits[:, list(unused)] = -1e9
+        weights, ids = torch.topk(torch.softmax(logits, -1), top_k, dim=-1)
+        got = fused_experts_triton(x, w13, w2, weights.to(dtype), ids, F.silu)
+        want = fused_experts_torch(x, w13, w2, weights.to(dtype), ids, F.silu)
+        assert got.dtype == dtype and got.shape == (n, hidden)
+        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol, msg=str((n, experts, top_k, dtype)))
+
+    check_moe(5, 8, 2, 32, 48, torch.float32, unused=(3, 6))   # N, K not multiples of the tiles
+    check_moe(1, 4, 4, 16, 16, torch.float32)                  # one token, every expert
+    check_moe(90, 4, 2, 64, 80, torch.float32)                 # 45 rows per expert: blocks of 32, several per expert
+    check_moe(300, 2, 1, 32, 16, torch.float32)                # 150 rows per expert: blocks of 64
+    check_moe(7, 16, 3, 32, 24, torch.float16, tol=2e-3)
+    check_moe(0, 4, 2, 16, 16, torch.float32)
     print("INTERPRETED OK")
     """
 )
@@ -91,3 +114,28 @@ def test_triton_kernels_on_cuda():
     ids = torch.tensor([5, -1, 7, -3], device="cuda")
     resolve_future_token_ids(ids, torch.tensor([0, 100, 200, 300], device="cuda"))
     assert ids.tolist() == [5, 100, 7, 300]
+
+
+@pytest.mark.parametrize("n,experts,top_k,block_m", [(1, 8, 2, 16), (6, 4, 4, 16), (37, 8, 3, 16), (200, 3, 2, 64),
+                                                     (5, 64, 8, 16)])
+def test_moe_align_groups_every_slot_by_expert(n, experts, top_k, block_m):
+    """Each slot once; each block one expert; runs padded to whole blocks; the bound on the length."""
+    from baton.engine.triton_ops.fused_moe import moe_align, padded_slots
+
+    g = torch.Generator().manual_seed(n)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(n)])
+    sorted_slots, block_expert, num_padded = moe_align(ids, experts, block_m)
+    slots = n * top_k
+    assert sorted_slots.numel() == padded_slots(slots, experts, block_m) == block_expert.numel() * block_m
+    used = int(num_padded)
+    counts = torch.bincount(ids.flatten(), minlength=experts)
+    assert used == int(((counts + block_m - 1) // block_m * block_m).sum()) <= sorted_slots.numel()
+    assert sorted(sorted_slots[sorted_slots < slots].tolist()) == list(range(slots))
+    assert bool((sorted_slots[used:] == slots).all())  # only padding past the used length
+    flat = ids.flatten()
+    for b in range(used // block_m):
+        block = sorted_slots[b * block_m:(b + 1) * block_m]
+        real = block[block < slots]
+        assert real.numel() > 0, f"block {b} is all padding"
+        assert bool((flat[real] == block_expert[b]).all()), f"block {b} mixes experts"
+        assert real.tolist() == sorted(real.tolist())  # stable: a token's slots keep their order
