@@ -21,11 +21,14 @@ import shlex
 import statistics
 from typing import Callable, NamedTuple, Optional
 
-from baton.engine.bench.client import resolve_model_name, run_serving_benchmark
+import httpx
+
+from baton.engine.bench.client import auth_headers, resolve_model_name, run_serving_benchmark
 from baton.engine.bench.hf_baseline import HFMode, load_hf_model, run_hf_baseline
 from baton.engine.bench.launcher import EngineProcess, engine_command, free_port
 from baton.engine.bench.report import format_comparison, format_hf, format_repeats, format_serving
 from baton.engine.bench.workload import BenchPrompt, WorkloadConfig, build_workload
+from baton.engine.utils.logging import format_phases
 
 # (model_path, port, extra args) -> the command that starts a server; tests substitute a fake one.
 CommandFactory = Callable[[str, int, list[str]], list[str]]
@@ -44,6 +47,15 @@ def parse_variant(spec: str) -> Variant:
     return Variant(name, tuple(shlex.split(engine_args)))
 
 
+def _startup_phases(base_url: str, api_key: Optional[str]) -> str:
+    """ "; scheduler: load_weights 3.2 s, ..." from a baton engine's /get_server_info; "" from others."""
+    try:
+        phases = httpx.get(base_url + "/get_server_info", headers=auth_headers(api_key), timeout=10).json()["startup_s"]
+    except Exception:  # any OpenAI server may be benchmarked; the breakdown is a baton extra
+        return ""
+    return f"; scheduler: {format_phases(phases)}"
+
+
 def _start(variant: Variant, model_path: str, common_args: list[str], startup_timeout_s: float,
            api_key: Optional[str], command_factory: CommandFactory, stack: contextlib.ExitStack) -> tuple[EngineProcess, str, float]:
     port = free_port()
@@ -51,7 +63,7 @@ def _start(variant: Variant, model_path: str, common_args: list[str], startup_ti
     print(f"[{variant.name}] starting: {shlex.join(command)}", flush=True)
     engine = stack.enter_context(EngineProcess(command, port, api_key=api_key))
     started_in = engine.wait_healthy(startup_timeout_s, desc=f"[{variant.name}] engine starting")
-    print(f"[{variant.name}] healthy after {started_in:.1f} s", flush=True)
+    print(f"[{variant.name}] healthy after {started_in:.1f} s{_startup_phases(engine.base_url, api_key)}", flush=True)
     try:
         model = resolve_model_name(engine.base_url, api_key)
     except Exception:  # an engine without /v1/models still serves its directory's name

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
@@ -64,8 +65,19 @@ class ModelRunner:
         from baton.engine.model_executor.model_loader import load_model
 
         self.server_args, self.device = server_args, server_args.device
+        # seconds per start-up phase, reported in /get_server_info and the scheduler's ready line
+        self.startup_s: dict[str, float] = {}
+        clock = time.perf_counter()
+
+        def phase(name: str) -> None:
+            nonlocal clock
+            now = time.perf_counter()
+            self.startup_s[name] = round(now - clock, 3)
+            clock = now
+
         torch.manual_seed(server_args.random_seed)
         self.model, self.hf_config, self.dtype = load_model(server_args.model_path, server_args.dtype, self.device)
+        phase("load_weights")
         self.model.eval()
         self.kv_dtype = resolve_kv_dtype(server_args.kv_cache_dtype, self.dtype)
         text_cfg = getattr(self.hf_config, "text_config", None) or self.hf_config
@@ -81,6 +93,7 @@ class ModelRunner:
                                                  self.head_dim, self.num_layers, self.device)
         self.allocator = TokenToKVPoolAllocator(cfg.max_total_tokens, page, self.device)
         self.attn_backend = create_attention_backend(server_args.attention_backend, model_runner=self)
+        phase("kv_pool")
         # Decode: its shapes change little (batch size, KV length), so one dynamic graph serves every
         # step and removes most of the per-step Python/dispatch floor. On CPU with the torch backend
         # the extend compiles too (a second graph, dynamic in the token count): its attention loop is
@@ -89,7 +102,9 @@ class ModelRunner:
         self.compile_extend = (self.compiled_model is not None and self.device == "cpu"
                                and server_args.attention_backend == "torch")
         self.cuda_graph_runner = self._init_cuda_graph_runner()
+        phase("cuda_graphs")
         self._warm_up_compiled()
+        phase("compile")
         logger.info("model loaded: %s layers, dtype %s, KV cache %s, KV pool %d tokens, %d max running requests",
                     self.num_layers, self.dtype, self.kv_dtype, cfg.max_total_tokens, cfg.max_running_requests)
 

@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import sys
+import time
 import traceback
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -70,7 +71,7 @@ def run_scheduler_process(server_args: ServerArgs, recv_addr: str, send_addr: st
                           cpu_plan: Optional["CpuPlan"] = None) -> None:
     """Entry point of the scheduler process. Reports ("ready", info) or ("error", text) on ready_pipe."""
     from baton.engine.utils.cpu_affinity import bind_scheduler
-    from baton.engine.utils.logging import configure_logging
+    from baton.engine.utils.logging import configure_logging, format_phases
     from baton.engine.utils.process import die_with_parent
 
     die_with_parent()
@@ -80,12 +81,17 @@ def run_scheduler_process(server_args: ServerArgs, recv_addr: str, send_addr: st
     try:
         from transformers import AutoTokenizer
 
+        start = time.perf_counter()
         tokenizer = AutoTokenizer.from_pretrained(server_args.tokenizer_path or server_args.model_path)
+        tokenizer_s = time.perf_counter() - start
         scheduler = Scheduler(server_args, tokenizer)
         io = SchedulerIO(zmq.Context(2), recv_addr, send_addr)
     except Exception:
         ready_pipe.send(("error", traceback.format_exc()))
         return
+    startup = scheduler.startup_s
+    startup.update(tokenizer=round(tokenizer_s, 3), total=round(time.perf_counter() - start, 3))
+    logger.info("ready: %s", format_phases(startup))
     ready_pipe.send(("ready", {**scheduler.get_server_info(), "vocab_size": scheduler.vocab_size}))
     try:
         event_loop(scheduler, io)

@@ -62,6 +62,7 @@ class Scheduler(SchedulerOutputProcessorMixin):
         self.tokenizer = tokenizer
         self.worker = TpModelWorker(args)
         runner = self.worker.model_runner
+        self.startup_s: dict[str, float] = dict(runner.startup_s)  # the process adds tokenizer / total
         self.req_to_token_pool, self.allocator = runner.req_to_token_pool, runner.allocator
         self.max_total_tokens = runner.pool_config.max_total_tokens
         self.max_running_requests = runner.pool_config.max_running_requests
@@ -452,6 +453,7 @@ class Scheduler(SchedulerOutputProcessorMixin):
             "queue_time_samples": list(self.stats.queue_times),
             "integrity_ok": self.check_memory_integrity() if self.is_idle() else None,
             "gc_frozen_objects": gc.get_freeze_count(),  # > 0 once start-up is over (utils/gc_freeze.py)
+            "startup_s": self.startup_s,
         }
 
     def used_tokens(self) -> int:
