@@ -72,7 +72,7 @@ def run_scheduler_process(server_args: ServerArgs, recv_addr: str, send_addr: st
     """Entry point of the scheduler process. Reports ("ready", info) or ("error", text) on ready_pipe."""
     from baton.engine.utils.cpu_affinity import bind_scheduler
     from baton.engine.utils.logging import configure_logging, format_phases
-    from baton.engine.utils.process import die_with_parent
+    from baton.engine.utils.process import die_with_parent, process_age_s
 
     die_with_parent()
     configure_logging(server_args.log_level, prefix="scheduler")
@@ -81,7 +81,7 @@ def run_scheduler_process(server_args: ServerArgs, recv_addr: str, send_addr: st
     try:
         from transformers import AutoTokenizer
 
-        start = time.perf_counter()
+        start, spawn_s = time.perf_counter(), process_age_s()  # interpreter + imports before this point
         tokenizer = AutoTokenizer.from_pretrained(server_args.tokenizer_path or server_args.model_path)
         tokenizer_s = time.perf_counter() - start
         scheduler = Scheduler(server_args, tokenizer)
@@ -89,9 +89,9 @@ def run_scheduler_process(server_args: ServerArgs, recv_addr: str, send_addr: st
     except Exception:
         ready_pipe.send(("error", traceback.format_exc()))
         return
-    startup = scheduler.startup_s
-    startup.update(tokenizer=round(tokenizer_s, 3), total=round(time.perf_counter() - start, 3))
-    logger.info("ready: %s", format_phases(startup))
+    scheduler.startup_s = {"spawn": round(spawn_s, 3), "tokenizer": round(tokenizer_s, 3), **scheduler.startup_s,
+                           "total": round(time.perf_counter() - start + spawn_s, 3)}
+    logger.info("ready: %s", format_phases(scheduler.startup_s))
     ready_pipe.send(("ready", {**scheduler.get_server_info(), "vocab_size": scheduler.vocab_size}))
     try:
         event_loop(scheduler, io)

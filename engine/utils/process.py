@@ -29,3 +29,16 @@ def free_port(host: str = "127.0.0.1") -> int:
 def ipc_names(count: int) -> list[str]:
     base = os.path.join(tempfile.gettempdir(), f"baton-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     return [f"ipc://{base}-{i}" for i in range(count)]
+
+
+def process_age_s() -> float:
+    """Seconds since this process was created (Linux /proc; 0.0 elsewhere): at a process's entry
+    point, what interpreter start-up and the imports of a spawned child took."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
