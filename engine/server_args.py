@@ -79,6 +79,7 @@ class ServerArgs:
     max_request_bytes: int = 16 * 1024 * 1024
     log_level: str = "info"
     decode_log_interval: int = 40  # log a "Decode batch." line every this many decode steps
+    watchdog_timeout: float = 300.0  # a scheduler step longer than this stops the engine (0: off)
     enable_metrics: bool = True
     # PD disaggregation (issue 3)
     disaggregation_mode: str = "null"
@@ -106,6 +107,8 @@ class ServerArgs:
         assert self.stream_interval >= 1
         if self.decode_log_interval < 1:
             raise ValueError("--decode-log-interval must be >= 1")
+        if self.watchdog_timeout < 0:
+            raise ValueError("--watchdog-timeout must be >= 0 (0 turns the watchdog off)")
         assert 0.0 <= self.disaggregation_fault_probability <= 1.0, "--disaggregation-fault-probability in [0, 1]"
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"--kv-cache-dtype must be one of {KV_CACHE_DTYPES}")
@@ -200,6 +203,9 @@ class ServerArgs:
         a("--log-level", default=ServerArgs.log_level)
         a("--decode-log-interval", type=int, default=ServerArgs.decode_log_interval,
           help="log the running batch (requests, tokens, throughput, queue) every this many decode steps")
+        a("--watchdog-timeout", type=float, default=ServerArgs.watchdog_timeout,
+          help="seconds one scheduler step (a forward pass, a hung GPU or transfer) may take before the "
+               "engine dumps its threads' stacks and exits non-zero, so its pod is restarted (0: off)")
         a("--disable-metrics", action="store_true")
         a("--disaggregation-mode", default="null", choices=DISAGGREGATION_MODES)
         a("--disaggregation-bootstrap-port", type=int, default=ServerArgs.disaggregation_bootstrap_port)

@@ -170,6 +170,7 @@ class TokenizerManager:
         self.states: dict[str, _ReqState] = {}
         self._control_waiters: dict[type, list[asyncio.Future]] = {}
         self._loop_task: Optional[asyncio.Task] = None
+        self.stopped: Optional[str] = None  # why the engine behind this front end is gone (fail_all)
 
     async def start(self) -> None:
         ctx = zmq.asyncio.Context(1)
@@ -215,6 +216,8 @@ class TokenizerManager:
     async def generate(self, obj: GenerateInput, is_disconnected=None) -> AsyncIterator[ReqOutput]:
         """Yields a ReqOutput per step (streaming) or once at the end. Aborts the request in the
         scheduler when the consumer stops early or the client disconnects."""
+        if self.stopped is not None:
+            raise RequestError(self.stopped, 503, "server_error")
         tokenized = self._tokenized(obj)
         if obj.rid in self.states:
             raise RequestError(f"duplicate request id {obj.rid!r}", 400)
@@ -279,8 +282,27 @@ class TokenizerManager:
     async def abort(self, rid: str, message: str = "aborted by request") -> None:
         await self.send.send_pyobj(AbortReq(rid=rid, message=message))
 
+    def fail_all(self, message: str) -> None:
+        """The scheduler or detokenizer is gone: every request in flight ends now with a 503 abort
+        (streams get an error event), control calls fail, and new requests are refused."""
+        self.stopped = message
+        now = time.time()
+        reason = FinishReason("abort", message=message, status_code=503)
+        for state in self.states.values():
+            out = state.out
+            state.queue.put_nowait(_Step("", [], reason, ReqMeta(out.prompt_tokens, out.completion_tokens,
+                                                                 out.cached_tokens),
+                                         None, None, None, None, now - state.created))
+        for waiters in self._control_waiters.values():
+            for fut in waiters:
+                if not fut.done():
+                    fut.set_exception(RequestError(message, 503, "server_error"))
+            waiters.clear()
+
     # ------------------------------------------------------------------ control
     async def _control(self, req: Any, reply_type: type, timeout: float = 30.0) -> Any:
+        if self.stopped is not None:
+            raise RequestError(self.stopped, 503, "server_error")
         fut = asyncio.get_running_loop().create_future()
         self._control_waiters.setdefault(reply_type, []).append(fut)
         await self.send.send_pyobj(req)

@@ -29,6 +29,13 @@ class EngineProcesses:
     def alive(self) -> bool:
         return self.scheduler.is_alive() and self.detokenizer.is_alive()
 
+    def exited(self) -> Optional[str]:
+        """How the first child process that is no longer running ended; None while both run."""
+        for name, proc in (("scheduler", self.scheduler), ("detokenizer", self.detokenizer)):
+            if not proc.is_alive():
+                return f"the {name} process {describe_exit(proc.exitcode)}"
+        return None
+
     def shutdown(self) -> None:
         for proc in (self.scheduler, self.detokenizer):
             if proc.is_alive():
@@ -37,6 +44,35 @@ class EngineProcesses:
             proc.join(timeout=10)
             if proc.is_alive():
                 proc.kill()
+
+
+def describe_exit(code: Optional[int]) -> str:
+    if code is None:
+        return "is running"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"was killed by {name}" + (" (out of memory?)" if code == -signal.SIGKILL else "")
+    return f"exited with code {code}"
+
+
+# How often the HTTP process checks that its scheduler and detokenizer still run (s).
+SUPERVISE_INTERVAL_S = 0.5
+
+
+async def supervise(procs: "EngineProcesses", tm: Any, server: Any) -> Optional[str]:
+    """Until a child process ends: then fail every request in flight (503, at once: nothing would
+    ever answer them), refuse new ones, stop the HTTP server and return why. A container whose
+    scheduler died (the OOM killer's usual pick, a crash, the watchdog) thus exits and is restarted,
+    instead of staying up with a TCP liveness probe that still passes."""
+    while (reason := procs.exited()) is None:
+        await asyncio.sleep(SUPERVISE_INTERVAL_S)
+    logger.error("%s: failing %d request(s) in flight and stopping the server", reason, len(tm.states))
+    tm.fail_all(f"the engine stopped: {reason}")
+    server.should_exit = True
+    return reason
 
 
 def _wait_ready(name: str, pipe: Any, proc: mp.Process) -> Any:
@@ -136,6 +172,19 @@ def run_server(server_args: ServerArgs) -> None:
                                 timeout_keep_alive=30)
         server = uvicorn.Server(config)
         logger.info("serving %s on http://%s:%d", server_args.model_name, server_args.host, server_args.port)
-        _run_event_loop(server.serve())
+        died: list[str] = []
+
+        async def serve() -> None:
+            watch = asyncio.create_task(supervise(procs, tm, server))
+            try:
+                await server.serve()
+            finally:
+                if watch.done() and not watch.cancelled():
+                    died.append(watch.result())
+                watch.cancel()
+
+        _run_event_loop(serve())
+        if died:
+            raise SystemExit(1)
     finally:
         procs.shutdown()

@@ -8,7 +8,6 @@ Both produce identical outputs; tests compare them.
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import sys
 import time
@@ -18,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import zmq
 
 from baton.engine.scheduler.scheduler import Scheduler
+from baton.engine.scheduler.watchdog import Watchdog
 from baton.engine.server_args import ServerArgs
 
 if TYPE_CHECKING:
@@ -56,8 +56,10 @@ class SchedulerIO:
         scheduler.outbox.clear()
 
 
-def event_loop(scheduler: Scheduler, io: SchedulerIO) -> None:
+def event_loop(scheduler: Scheduler, io: SchedulerIO, watchdog: Optional[Watchdog] = None) -> None:
     while True:
+        if watchdog is not None:
+            watchdog.tick()
         if scheduler.disaggregation_mode != "null" and scheduler.last_batch is None and not scheduler.is_idle():
             msgs = io.recv_requests(block=True, timeout_ms=TRANSFER_POLL_MS)
         else:
@@ -93,9 +95,10 @@ def run_scheduler_process(server_args: ServerArgs, recv_addr: str, send_addr: st
                            "total": round(time.perf_counter() - start + spawn_s, 3)}
     logger.info("ready: %s", format_phases(scheduler.startup_s))
     ready_pipe.send(("ready", {**scheduler.get_server_info(), "vocab_size": scheduler.vocab_size}))
+    watchdog = Watchdog(server_args.watchdog_timeout).start() if server_args.watchdog_timeout > 0 else None
     try:
-        event_loop(scheduler, io)
+        event_loop(scheduler, io, watchdog)
     except Exception:
+        # the HTTP process's supervisor sees this process end: it fails the requests in flight and exits
         logger.error("scheduler crashed:\n%s", traceback.format_exc())
-        os.kill(os.getppid(), signal.SIGTERM)  # fail loudly: the server must not keep accepting requests
         sys.exit(1)

@@ -446,6 +446,7 @@ class Scheduler(SchedulerOutputProcessorMixin):
             "new_token_ratio": self.new_token_ratio,
             "cache_hit_rate": self.stats.cache_hit_rate(),
             "retractions": self.stats.retractions,
+            "scheduler_pid": os.getpid(),
             "cpu_affinity": sorted(os.sched_getaffinity(0)),
             "torch_threads": torch.get_num_threads(),
             "preemptions": self.stats.preemptions,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from typing import Iterator, Optional
 
@@ -31,3 +32,19 @@ def wait_idle_integrity(base_url: str, headers: Optional[dict] = None, timeout_s
             return info
         time.sleep(0.05)
     raise AssertionError(f"engine not idle after {timeout_s}s: {info}")
+
+
+def processes_marked(mark: str) -> list[str]:
+    """Live processes whose environment has BATON_TEST_MARK=mark (a server's spawned children inherit it)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                marked = f"BATON_TEST_MARK={mark}".encode() in f.read().split(b"\0")
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if marked:
+            found.append(f"{pid}: {cmd}")
+    return found

@@ -11,6 +11,7 @@ import uuid
 import pytest
 
 from baton.engine.utils.process import free_port
+from engine_server import processes_marked
 
 
 def _serve(model_path: str, mark: str = "", timeout: float = 240) -> subprocess.CompletedProcess:
@@ -18,21 +19,6 @@ def _serve(model_path: str, mark: str = "", timeout: float = 240) -> subprocess.
     return subprocess.run([sys.executable, "-m", "baton", "serve", "--model-path", model_path, "--host", "127.0.0.1",
                            "--port", str(free_port()), "--max-total-tokens", "1024"],
                           capture_output=True, text=True, timeout=timeout, env={**os.environ, "BATON_TEST_MARK": mark})
-
-
-def _processes_marked(mark: str) -> list[str]:
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                marked = f"BATON_TEST_MARK={mark}".encode() in f.read().split(b"\0")
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if marked:
-            found.append(f"{pid}: {cmd}")
-    return found
 
 
 @pytest.mark.parametrize("case", ["missing", "no-config"])
@@ -57,11 +43,11 @@ def test_a_model_that_fails_to_load_exits_nonzero_and_leaves_nothing_running(tin
     proc = _serve(str(broken), mark)
     assert proc.returncode != 0
     assert "the scheduler failed to start" in proc.stderr and "safetensors" in proc.stderr, proc.stderr[-2000:]
-    assert _processes_marked(mark) == []
+    assert processes_marked(mark) == []
     control = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
                                env={**os.environ, "BATON_TEST_MARK": mark})
     try:  # the scan does see a live process carrying the mark
-        assert len(_processes_marked(mark)) == 1
+        assert len(processes_marked(mark)) == 1
     finally:
         control.kill()
         control.wait()
