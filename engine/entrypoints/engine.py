@@ -27,7 +27,7 @@ class EngineProcesses:
     prepared: Any = None  # what launch_subprocesses' while_starting returned
 
     def alive(self) -> bool:
-        return self.scheduler.is_alive() and self.detokenizer.is_alive()
+        return self.exited() is None
 
     def exited(self) -> Optional[str]:
         """How the first child process that is no longer running ended; None while both run."""
