@@ -8,8 +8,9 @@
 # The GPU image has torch/transformers but not the HTTP stack: pyzmq (.whl/, see gpu_check.sh
 # fetch-wheels) and fastapi, uvicorn, pydantic & co. (.whl_http/, `bash scripts/gpu_serve_bench.sh
 # fetch-wheels` here) travel as wheels. The model is a random-weight Llama, float16: by default
-# ~0.2B (hidden 1024, 16 layers, 16 heads / 8 KV heads); SHAPE sets another. Logs go to $OUT (or
-# ./gpu_check_out); environment knobs: NUM, INPUT, OUTPUT, REPEATS, HF_MODES, TORCH_BACKEND, SHAPE, TAG.
+# ~0.2B (hidden 1024, 16 layers, 16 heads / 8 KV heads); SHAPE sets another, ARCH=qwen3_moe (with MOE)
+# a sparse MoE model. Logs go to $OUT (or ./gpu_check_out); environment knobs: NUM, INPUT, OUTPUT,
+# REPEATS, HF_MODES, TORCH_BACKEND, SHAPE, ARCH, MOE, TAG.
 set -uo pipefail
 
 HTTP_WHEELS="fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.3 pydantic_core==2.50.4 annotated-types==0.8.0
@@ -35,14 +36,21 @@ export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1 PYT
 
 # SHAPE="hidden intermediate layers heads kv_heads" (head_dim 64 throughout: one FlashInfer JIT build)
 read -r HIDDEN INTER LAYERS HEADS KV_HEADS <<<"${SHAPE:-1024 2816 16 16 8}"
-MODEL=/tmp/gpu-bench-llama-$HIDDEN-$LAYERS
-[ -f "$MODEL/config.json" ] || "$PY" - "$MODEL" "$HIDDEN" "$INTER" "$LAYERS" "$HEADS" "$KV_HEADS" <<'EOF' || exit 1
+# ARCH=qwen3_moe: every MLP a sparse MoE block, MOE="experts top_k moe_intermediate" (Triton experts on CUDA)
+ARCH=${ARCH:-llama}
+read -r EXPERTS TOP_K MOE_INTER <<<"${MOE:-64 8 512}"
+MODEL=/tmp/gpu-bench-$ARCH-$HIDDEN-$LAYERS
+[ -f "$MODEL/config.json" ] || "$PY" - "$MODEL" "$ARCH" "$HIDDEN" "$INTER" "$LAYERS" "$HEADS" "$KV_HEADS" \
+    "$EXPERTS" "$TOP_K" "$MOE_INTER" <<'EOF' || exit 1
 import sys
 sys.path.insert(0, "tests/engine")
 from tiny_models import make_tiny_model
-hidden, inter, layers, heads, kv_heads = map(int, sys.argv[2:])
-make_tiny_model("llama", sys.argv[1], hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-                num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=4096)
+path, arch = sys.argv[1:3]
+hidden, inter, layers, heads, kv_heads, experts, top_k, moe_inter = map(int, sys.argv[3:])
+extra = (dict(head_dim=64, num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=moe_inter)
+         if arch == "qwen3_moe" else {})
+make_tiny_model(arch, path, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=4096, **extra)
 EOF
 
 NUM=${NUM:-64} INPUT=${INPUT:-256} OUTPUT=${OUTPUT:-512}
