@@ -62,7 +62,7 @@ class Scheduler(SchedulerOutputProcessorMixin):
         self.tokenizer = tokenizer
         self.worker = TpModelWorker(args)
         runner = self.worker.model_runner
-        self.startup_s: dict[str, float] = dict(runner.startup_s)  # the process adds tokenizer / total
+        self.startup_s: dict[str, float] = dict(runner.startup_s)  # the process adds spawn, tokenizer, total
         self.req_to_token_pool, self.allocator = runner.req_to_token_pool, runner.allocator
         self.max_total_tokens = runner.pool_config.max_total_tokens
         self.max_running_requests = runner.pool_config.max_running_requests
