@@ -46,9 +46,8 @@ class EngineProcesses:
                 proc.kill()
 
 
-def describe_exit(code: Optional[int]) -> str:
-    if code is None:
-        return "is running"
+def describe_exit(code: int) -> str:
+    """A finished process's exit code in words (negative: the signal that killed it)."""
     if code < 0:
         try:
             name = signal.Signals(-code).name
