@@ -201,6 +201,11 @@ class Scheduler(SchedulerOutputProcessorMixin):
     def get_next_batch_to_run(self) -> Optional[ScheduleBatch]:
         last = self.last_batch
         if last is not None and last.forward_mode.is_extend():
+            if self.disaggregation_mode != "prefill":
+                # Aborted after this prefill's result was processed (the plain loop processes it
+                # in the same step): the filters below would drop it with its memory still held
+                # and its client never told. (PD prefill: the transfer queue owns it and its abort.)
+                self.reap_finished([r for r in last.reqs if r is not self.chunked_req])
             if self.chunked_req is not None:
                 last.filter_batch(exclude=self.chunked_req)
                 if self.chunked_req.finished():  # aborted between chunks

@@ -19,6 +19,7 @@ class Collected:
     output_logprobs: list = field(default_factory=list)
     input_logprobs: Optional[list] = None
     cached_tokens: int = 0
+    after_finish: int = 0  # outputs that arrived after the request had finished (must stay 0)
 
 
 class SchedulerHarness:
@@ -53,6 +54,7 @@ class SchedulerHarness:
                 continue
             for i, rid in enumerate(msg.rids):
                 c = self.results.setdefault(rid, Collected())
+                c.after_finish += c.finish is not None
                 c.ids.extend(msg.new_token_ids[i])
                 c.finish = msg.finished_reasons[i]
                 c.cached_tokens = msg.meta[i].cached_tokens

@@ -1,0 +1,160 @@
+"""Seeded random schedules through the real scheduler: arrivals at random steps, shared prefixes,
+aborts at any stage (waiting, mid-chunk, running, retracted), abort-all, cache flushes, priorities
+with preemption, stop token ids, a KV pool small enough to retract, every policy, both loops, page
+sizes 1/4/16, radix on and off. Whatever the interleaving:
+
+- every request finishes exactly once and nothing is sent for it afterwards;
+- a request that was not aborted produces HF's greedy tokens (cut at its stop token or length);
+- an aborted one produced a prefix of them;
+- at idle, every KV slot is free or cached and every request row is free.
+
+Each case prints its seed and configuration on failure, so it replays alone."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from baton.engine.io_struct import AbortReq, FlushCacheReq
+from baton.engine.server_args import SCHEDULE_POLICIES
+from test_scheduler_vs_hf import LOOPS, _hf_model, harness_for
+
+REF_LEN = 40  # the longest max_new_tokens drawn
+VOCAB_LO, VOCAB_HI = 6, 500
+_REFS: dict[tuple, list[int]] = {}
+
+
+def reference(path: str, prompt: list[int]) -> list[int]:
+    """HF's greedy continuation of REF_LEN tokens (EOS ignored): the HF model's own forward with its
+    KV cache, argmax per step (what `generate` does greedily, without its per-call set-up, which
+    dominated this test's time); shorter requests take a prefix."""
+    key = (path, tuple(prompt))
+    if key not in _REFS:
+        model = _hf_model(path)
+        out, ids, past = [], torch.tensor([prompt]), None
+        with torch.no_grad():
+            for _ in range(REF_LEN):
+                step = model(input_ids=ids, past_key_values=past, use_cache=True)
+                past = step.past_key_values
+                out.append(int(step.logits[0, -1].argmax()))
+                ids = torch.tensor([[out[-1]]])
+        _REFS[key] = out
+    return _REFS[key]
+
+
+def expected(ref: list[int], max_new: int, stop_id: int | None) -> list[int]:
+    out = ref[:max_new]
+    if stop_id is not None and stop_id in out:
+        out = out[:out.index(stop_id) + 1]
+    return out
+
+
+def draw_config(rng: random.Random) -> dict:
+    page = rng.choice([1, 4, 16])
+    return dict(
+        loop=rng.choice(LOOPS),
+        page_size=page,
+        schedule_policy=rng.choice(SCHEDULE_POLICIES),
+        disable_radix_cache=rng.random() < 0.25,
+        enable_priority_scheduling=rng.random() < 0.5,
+        priority_preemption_threshold=rng.choice([1, 5]),
+        chunked_prefill_size=rng.choice([16, 32, 64]),
+        max_running_requests=rng.randint(3, 12),
+        # one request needs at most 80 + 40 tokens (the scheduler caps max_new_tokens to the pool); a pool of a few of them makes decode retract
+        max_total_tokens=rng.randint(160, 400) // page * page,
+    )
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_schedules_keep_outputs_and_memory(tiny_model_factory, seed):
+    rng = random.Random(seed)
+    config = draw_config(rng)
+    context = f"seed {seed}, config {config}"
+    path = tiny_model_factory("llama")
+    loop = config.pop("loop")
+    h = harness_for(path, loop, **config)
+    s = h.scheduler
+
+    # a small pool of prompts (HF's reference is computed once per prompt); requests draw from it
+    # whole, cut short or extended, so identical prompts and shared prefixes both hit the radix cache
+    pool = [[rng.randrange(VOCAB_LO, VOCAB_HI) for _ in range(rng.randint(1, 80))] for _ in range(24)]
+    submitted: dict[str, dict] = {}
+    aborted: set[str] = set()
+
+    def new_request() -> None:
+        rid = f"r{len(submitted)}"
+        prompt = rng.choice(pool)
+        if rng.random() < 0.3:  # a prefix of another prompt, cut anywhere (also inside a page)
+            prompt = prompt[:rng.randint(1, len(prompt))]
+        max_new = rng.randint(1, REF_LEN) if rng.random() < 0.3 else rng.randint(REF_LEN // 2, REF_LEN)
+        ref = reference(path, prompt)
+        stop_id = rng.choice(ref[:max_new]) if rng.random() < 0.2 else None
+        submitted[rid] = dict(prompt=prompt, max_new=max_new, stop_id=stop_id, ref=ref)
+        h.submit(rid, prompt, max_new_tokens=max_new, ignore_eos=True, priority=rng.randint(0, 10),
+                 stop_token_ids=[stop_id] if stop_id is not None else None)
+
+    flushed = 0
+    for _ in range(rng.randint(120, 220)):
+        if rng.random() < 0.3:
+            for _ in range(rng.randint(1, 4)):
+                new_request()
+        if submitted and rng.random() < 0.08:
+            rid = rng.choice(list(submitted))
+            aborted.add(rid)
+            s.process_input_requests([AbortReq(rid=rid)])
+        if rng.random() < 0.004:
+            aborted.update(submitted)
+            s.process_input_requests([AbortReq(abort_all=True)])
+        if rng.random() < 0.04:
+            s.process_input_requests([FlushCacheReq()])
+            reply = s.outbox.pop()
+            if reply.success:
+                flushed += 1
+                assert s.tree_cache.total_size() == 0, context
+        h.step()
+    h.run_until_idle()
+
+    assert submitted, context
+    for rid, req in submitted.items():
+        got = h.results.get(rid)
+        assert got is not None and got.finish is not None, f"{rid} never finished ({context})"
+        assert got.after_finish == 0, f"{rid}: {got.after_finish} outputs after its finish ({context})"
+        want = expected(req["ref"], req["max_new"], req["stop_id"])
+        if got.finish.kind == "abort":
+            assert rid in aborted, f"{rid} aborted without being asked: {got.finish} ({context})"
+            assert got.ids == want[:len(got.ids)], f"{rid} (aborted) is not a prefix of HF's tokens ({context})"
+        else:
+            assert got.ids == want, f"{rid} differs from HF: {got.ids} != {want} ({context})"
+            # the length check comes first (as SGLang's): a stop token as the last allowed token is "length"
+            kind = "stop" if len(want) < req["max_new"] else "length"
+            assert got.finish.kind == kind, f"{rid}: {got.finish} ({context})"
+    assert s.is_idle(), context
+    assert s.check_memory_integrity(), context
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+@pytest.mark.parametrize("steps_before", [0, 1, 2, 6], ids=["waiting", "after-1-step", "after-2-steps", "decoding"])
+@pytest.mark.parametrize("prompt_len", [20, 70], ids=["one-chunk", "three-chunks"])
+def test_abort_at_every_stage_ends_the_request_and_frees_it(tiny_model_factory, loop, steps_before, prompt_len):
+    """An abort after N steps: still queued, between chunks, right after its prefill result was
+    processed (before it joined the running batch: the plain loop once dropped it there without
+    freeing its KV or telling the client), or while decoding. It ends once, with an abort, having
+    produced a prefix of HF's tokens; a neighbour is untouched; nothing leaks."""
+    path = tiny_model_factory("llama")
+    rng = random.Random(prompt_len)
+    victim = [rng.randrange(VOCAB_LO, VOCAB_HI) for _ in range(prompt_len)]
+    other = [rng.randrange(VOCAB_LO, VOCAB_HI) for _ in range(30)]
+    h = harness_for(path, loop, chunked_prefill_size=32, max_total_tokens=1024)
+    h.submit("victim", victim, max_new_tokens=REF_LEN, ignore_eos=True)
+    h.submit("other", other, max_new_tokens=REF_LEN, ignore_eos=True)
+    for _ in range(steps_before):
+        h.step()
+    h.scheduler.process_input_requests([AbortReq(rid="victim")])
+    h.run_until_idle()
+    got = h.results["victim"]
+    assert got.finish is not None and got.finish.kind == "abort", got.finish
+    assert got.after_finish == 0
+    assert got.ids == reference(path, victim)[:len(got.ids)]
+    assert h.results["other"].ids == reference(path, other)
+    assert h.scheduler.check_memory_integrity()
