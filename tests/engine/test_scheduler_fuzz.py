@@ -1,10 +1,12 @@
 """Seeded random schedules through the real scheduler: arrivals at random steps, shared prefixes,
 aborts at any stage (waiting, mid-chunk, running, retracted), abort-all, cache flushes, priorities
-with preemption, stop token ids, a KV pool small enough to retract, every policy, both loops, page
+with preemption, stop token ids, sampled requests (penalties, seeds, min_tokens) and logprobs beside
+greedy ones, a KV pool small enough to retract, every policy, both loops, page
 sizes 1/4/16, radix on and off. Whatever the interleaving:
 
 - every request finishes exactly once and nothing is sent for it afterwards;
-- a request that was not aborted produces HF's greedy tokens (cut at its stop token or length);
+- a greedy request that was not aborted produces HF's greedy tokens (cut at its stop token or
+  length), whatever else shares its batches; a sampled one ends where its tokens say it should;
 - an aborted one produced a prefix of them;
 - at idle, every KV slot is free or cached and every request row is free.
 
@@ -16,6 +18,7 @@ import random
 import pytest
 import torch
 
+from baton.engine.disaggregation.base import TransferConfig
 from baton.engine.io_struct import AbortReq, FlushCacheReq
 from baton.engine.server_args import SCHEDULE_POLICIES
 from test_scheduler_vs_hf import LOOPS, _hf_model, harness_for
@@ -90,9 +93,19 @@ def test_random_schedules_keep_outputs_and_memory(tiny_model_factory, seed):
         max_new = rng.randint(1, REF_LEN) if rng.random() < 0.3 else rng.randint(REF_LEN // 2, REF_LEN)
         ref = reference(path, prompt)
         stop_id = rng.choice(ref[:max_new]) if rng.random() < 0.2 else None
-        submitted[rid] = dict(prompt=prompt, max_new=max_new, stop_id=stop_id, ref=ref)
+        sampling = {}
+        if rng.random() < 0.25:  # sampled, beside the greedy requests in the same batches
+            sampling = dict(temperature=rng.uniform(0.5, 1.5), top_k=rng.choice([-1, 5, 50]),
+                            top_p=rng.choice([1.0, 0.9]), min_p=rng.choice([0.0, 0.05]),
+                            repetition_penalty=rng.choice([1.0, 1.2]), frequency_penalty=rng.choice([0.0, 0.5]),
+                            presence_penalty=rng.choice([0.0, 0.5]), seed=rng.choice([None, rng.randrange(1 << 30)]),
+                            min_new_tokens=rng.randint(0, max_new))
+        logprobs = rng.random() < 0.2
+        submitted[rid] = dict(prompt=prompt, max_new=max_new, stop_id=stop_id, ref=ref, sampled=bool(sampling),
+                              min_new=sampling.get("min_new_tokens", 0), logprobs=logprobs)
         h.submit(rid, prompt, max_new_tokens=max_new, ignore_eos=True, priority=rng.randint(0, 10),
-                 stop_token_ids=[stop_id] if stop_id is not None else None)
+                 stop_token_ids=[stop_id] if stop_id is not None else None, return_logprob=logprobs,
+                 logprob_start_len=rng.choice([-1, 0, len(prompt) - 1]) if logprobs else -1, **sampling)
 
     flushed = 0
     for _ in range(rng.randint(120, 220)):
@@ -113,16 +126,28 @@ def test_random_schedules_keep_outputs_and_memory(tiny_model_factory, seed):
                 flushed += 1
                 assert s.tree_cache.total_size() == 0, context
         h.step()
-    h.run_until_idle()
+    h.run_until_idle(max_steps=20_000)  # the queue can be long: up to ~190 requests, 3 running at once
 
     assert submitted, context
     for rid, req in submitted.items():
         got = h.results.get(rid)
         assert got is not None and got.finish is not None, f"{rid} never finished ({context})"
         assert got.after_finish == 0, f"{rid}: {got.after_finish} outputs after its finish ({context})"
-        want = expected(req["ref"], req["max_new"], req["stop_id"])
+        if req["logprobs"]:
+            assert [t for _, t in got.output_logprobs] == got.ids, f"{rid}: logprobs out of step ({context})"
+            assert all(lp <= 1e-5 for lp, _ in got.output_logprobs), f"{rid}: {got.output_logprobs} ({context})"
         if got.finish.kind == "abort":
             assert rid in aborted, f"{rid} aborted without being asked: {got.finish} ({context})"
+        if req["sampled"]:  # no reference: the finish must agree with the tokens
+            assert len(got.ids) <= req["max_new"], context
+            if got.finish.kind == "length":
+                assert len(got.ids) == req["max_new"], f"{rid}: {got.finish} after {len(got.ids)} ({context})"
+            elif got.finish.kind == "stop":
+                assert got.ids[-1] == req["stop_id"] and req["min_new"] <= len(got.ids) < req["max_new"], context
+                assert req["stop_id"] not in got.ids[max(req["min_new"] - 1, 0):-1], f"{rid} ran past its stop ({context})"
+            continue
+        want = expected(req["ref"], req["max_new"], req["stop_id"])
+        if got.finish.kind == "abort":
             assert got.ids == want[:len(got.ids)], f"{rid} (aborted) is not a prefix of HF's tokens ({context})"
         else:
             assert got.ids == want, f"{rid} differs from HF: {got.ids} != {want} ({context})"
@@ -158,3 +183,79 @@ def test_abort_at_every_stage_ends_the_request_and_frees_it(tiny_model_factory, 
     assert got.ids == reference(path, victim)[:len(got.ids)]
     assert h.results["other"].ids == reference(path, other)
     assert h.scheduler.check_memory_integrity()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_pd_schedules_keep_outputs_and_memory(tiny_model_factory, seed):
+    """The same for a PD pair (prefill + decode schedulers, the in-process fake transfer): requests
+    reach the two engines in either order, sometimes steps apart; aborts hit the decode, the prefill
+    or both at random stages; some transfers fail by injection; the decode pool is small enough to
+    retract. Every request ends on both engines; the decode's tokens are HF's (a prefix if it was
+    aborted); both engines settle with no memory, metadata slot or transfer room held."""
+    from test_pd_scheduler import PDPair
+
+    rng = random.Random(1000 + seed)
+    page = rng.choice([1, 4, 16])
+    overlap = rng.random() < 0.5
+    config = dict(page_size=page, overlap=overlap, decode_pool=rng.randint(200, 600) // page * page,
+                  chunk=rng.choice([16, 32, 64]), fault=rng.choice([0.0, 0.0, 0.1]))
+    context = f"seed {seed}, config {config}"
+    path = tiny_model_factory("llama")
+    pair = PDPair(path, prefill_config=TransferConfig(fault_probability=config["fault"], fault_seed=seed),
+                  decode_config=TransferConfig(waiting_timeout_s=2.0),
+                  page_size=page, enable_overlap_schedule=overlap, disable_overlap_schedule=not overlap,
+                  max_total_tokens=config["decode_pool"],
+                  prefill_args={"chunked_prefill_size": config["chunk"], "max_total_tokens": 2048})
+    try:
+        pool = [[rng.randrange(VOCAB_LO, VOCAB_HI) for _ in range(rng.randint(1, 80))] for _ in range(16)]
+        submitted: dict[str, dict] = {}
+        late: list[tuple[int, str]] = []  # (step, rid): the second engine hears of it then
+        aborted: set[str] = set()
+        for step in range(rng.randint(80, 140)):
+            if rng.random() < 0.25:
+                rid = f"r{len(submitted)}"
+                prompt = rng.choice(pool)
+                max_new = rng.randint(1, REF_LEN)
+                room = next(pair.rooms)
+                first, second = (pair.decode, pair.prefill) if rng.random() < 0.5 else (pair.prefill, pair.decode)
+                submitted[rid] = dict(prompt=prompt, max_new=max_new, room=room, second=second, ref=reference(path, prompt))
+                first.submit_pd(rid, prompt, room, pair.port, max_new_tokens=max_new, ignore_eos=True)
+                if rng.random() < 0.3:
+                    late.append((step + rng.randint(1, 6), rid))
+                else:
+                    second.submit_pd(rid, prompt, room, pair.port, max_new_tokens=max_new, ignore_eos=True)
+            for due, rid in [x for x in late if x[0] <= step]:
+                late.remove((due, rid))
+                req = submitted[rid]
+                req["second"].submit_pd(rid, req["prompt"], req["room"], pair.port, max_new_tokens=req["max_new"],
+                                        ignore_eos=True)
+            if submitted and rng.random() < 0.06:
+                rid = rng.choice(list(submitted))
+                aborted.add(rid)
+                for side in rng.choice([(pair.decode,), (pair.prefill,), (pair.decode, pair.prefill)]):
+                    side.abort(rid)
+            pair.step()
+        for _, rid in late:
+            req = submitted[rid]
+            req["second"].submit_pd(rid, req["prompt"], req["room"], pair.port, max_new_tokens=req["max_new"],
+                                    ignore_eos=True)
+        pair.run_until_idle(timeout_s=120)
+
+        for rid, req in submitted.items():
+            got, pre = pair.decode.results.get(rid), pair.prefill.results.get(rid)
+            assert got is not None and got.finish is not None, f"{rid} never finished on the decode ({context})"
+            assert pre is not None and pre.finish is not None, f"{rid} never finished on the prefill ({context})"
+            assert got.after_finish == 0 and pre.after_finish == 0, f"{rid}: outputs after the finish ({context})"
+            want = req["ref"][:req["max_new"]]
+            if got.finish.kind == "abort":
+                assert rid in aborted or config["fault"] > 0, f"{rid}: {got.finish} ({context})"
+                assert got.ids == want[:len(got.ids)], f"{rid} (aborted) is not a prefix of HF's tokens ({context})"
+            else:
+                assert got.ids == want, f"{rid} differs from HF: {got.ids} != {want} ({context})"
+                assert got.finish.kind == "length", f"{rid}: {got.finish} ({context})"
+                if pre.finish.kind != "abort":
+                    assert pre.ids == want[:1], f"{rid}: the prefill's token 1 ({context})"
+        assert pair.prefill.settled(), f"prefill: memory, metadata slots or rooms leaked ({context})"
+        assert pair.decode.settled(), f"decode: memory, metadata slots or rooms leaked ({context})"
+    finally:
+        pair.close()
