@@ -1,6 +1,6 @@
 """Seeded random schedules through the real scheduler: arrivals at random steps, shared prefixes,
 aborts at any stage (waiting, mid-chunk, running, retracted), abort-all, cache flushes, priorities
-with preemption, stop token ids, sampled requests (penalties, seeds, min_tokens) and logprobs beside
+with preemption, a waiting-queue limit (503), stop token ids, sampled requests (penalties, seeds, min_tokens) and logprobs beside
 greedy ones, a KV pool small enough to retract, every policy, both loops, page
 sizes 1/4/16, radix on and off. Whatever the interleaving:
 
@@ -64,6 +64,7 @@ def draw_config(rng: random.Random) -> dict:
         priority_preemption_threshold=rng.choice([1, 5]),
         chunked_prefill_size=rng.choice([16, 32, 64]),
         max_running_requests=rng.randint(3, 12),
+        max_queued_requests=rng.choice([None, None, 30]),  # beyond it: 503 at once
         # one request needs at most 80 + 40 tokens (the scheduler caps max_new_tokens to the pool); a pool of a few of them makes decode retract
         max_total_tokens=rng.randint(160, 400) // page * page,
     )
@@ -75,8 +76,7 @@ def test_random_schedules_keep_outputs_and_memory(tiny_model_factory, seed):
     config = draw_config(rng)
     context = f"seed {seed}, config {config}"
     path = tiny_model_factory("llama")
-    loop = config.pop("loop")
-    h = harness_for(path, loop, **config)
+    h = harness_for(path, **config)
     s = h.scheduler
 
     # a small pool of prompts (HF's reference is computed once per prompt); requests draw from it
@@ -129,6 +129,7 @@ def test_random_schedules_keep_outputs_and_memory(tiny_model_factory, seed):
     h.run_until_idle(max_steps=20_000)  # the queue can be long: up to ~190 requests, 3 running at once
 
     assert submitted, context
+    queue_full = 0
     for rid, req in submitted.items():
         got = h.results.get(rid)
         assert got is not None and got.finish is not None, f"{rid} never finished ({context})"
@@ -136,7 +137,10 @@ def test_random_schedules_keep_outputs_and_memory(tiny_model_factory, seed):
         if req["logprobs"]:
             assert [t for _, t in got.output_logprobs] == got.ids, f"{rid}: logprobs out of step ({context})"
             assert all(lp <= 1e-5 for lp, _ in got.output_logprobs), f"{rid}: {got.output_logprobs} ({context})"
-        if got.finish.kind == "abort":
+        if got.finish.kind == "abort" and got.finish.status_code == 503:
+            assert config["max_queued_requests"] and not got.ids, f"{rid}: {got.finish} ({context})"
+            queue_full += 1
+        elif got.finish.kind == "abort":
             assert rid in aborted, f"{rid} aborted without being asked: {got.finish} ({context})"
         if req["sampled"]:  # no reference: the finish must agree with the tokens
             assert len(got.ids) <= req["max_new"], context
@@ -154,6 +158,8 @@ def test_random_schedules_keep_outputs_and_memory(tiny_model_factory, seed):
             # the length check comes first (as SGLang's): a stop token as the last allowed token is "length"
             kind = "stop" if len(want) < req["max_new"] else "length"
             assert got.finish.kind == kind, f"{rid}: {got.finish} ({context})"
+    if config["max_queued_requests"] is None:
+        assert queue_full == 0, context
     assert s.is_idle(), context
     assert s.check_memory_integrity(), context
 
