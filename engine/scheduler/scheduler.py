@@ -218,11 +218,12 @@ class Scheduler(SchedulerOutputProcessorMixin):
             last.filter_batch()
             if self.disaggregation_mode != "prefill":  # prefilled requests wait in the inflight queue
                 self.running_batch.merge_batch(last)
+        # aborted while waiting for a decode step: free them before admitting new prefills
+        self.reap_finished(self.running_batch.reqs)
+        self.running_batch.filter_batch()
         new_batch = self.get_new_batch_prefill()
         if new_batch is not None:
             return new_batch
-        self.reap_finished(self.running_batch.reqs)  # aborted while waiting for a decode step
-        self.running_batch.filter_batch()
         if self.running_batch.is_empty():
             return None
         self.update_running_batch(self.running_batch)
@@ -246,15 +247,19 @@ class Scheduler(SchedulerOutputProcessorMixin):
             self.chunked_req.init_next_round_input(None)
             self.chunked_req = adder.add_chunked_req(self.chunked_req)
         in_batch = InBatchPrefixIndex() if not self.server_args.disable_radix_cache else None
+        # rows actually free: in overlap mode a request that just ended keeps its row one more result
+        free_rows, new_rows = self.req_to_token_pool.available_size(), 0
         for req in self.waiting_queue:
-            if running + len(adder.can_run_list) >= self.max_running_requests:
+            if running + len(adder.can_run_list) >= self.max_running_requests or new_rows >= free_rows:
                 break
             req.init_next_round_input(self.tree_cache)
             if in_batch is not None:
                 if in_batch.shared_len(req.origin_input_ids) > len(req.prefix_indices):
                     continue  # its prefix is being computed right now: take the cache hit next round
                 in_batch.add(req.origin_input_ids)
+            taken = len(adder.can_run_list)
             result = adder.add_one_req(req, has_chunked_req=self.chunked_req is not None)
+            new_rows += sum(r.req_pool_idx is None for r in adder.can_run_list[taken:])
             if result != AddReqResult.CONTINUE:
                 if result == AddReqResult.NO_TOKEN:
                     self.running_batch.batch_is_full = True

@@ -265,3 +265,27 @@ def test_random_pd_schedules_keep_outputs_and_memory(tiny_model_factory, seed):
         assert pair.decode.settled(), f"decode: memory, metadata slots or rooms leaked ({context})"
     finally:
         pair.close()
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_abort_of_a_decoding_request_is_not_held_back_by_prefills(tiny_model_factory, loop):
+    """Prefill goes first, so a long chunked prefill delays decode steps; a request aborted while
+    decoding still ends (and frees its memory) at the next step, not after the whole prefill."""
+    path = tiny_model_factory("llama")
+    h = harness_for(path, loop, chunked_prefill_size=16, max_total_tokens=1024)
+    decoding = [9, 8, 7, 6, 5]
+    h.submit("decoding", decoding, max_new_tokens=REF_LEN, ignore_eos=True)
+    for _ in range(4):
+        h.step()
+    assert [r.rid for r in h.scheduler.running_batch.reqs] == ["decoding"] and "decoding" not in h.results
+    h.submit("long", list(range(6, 6 + 90)), max_new_tokens=4, ignore_eos=True)  # six chunks
+    h.scheduler.process_input_requests([AbortReq(rid="decoding")])
+    h.step()
+    h.step()  # overlap: the step after the one that saw the abort carries its result
+    got = h.results["decoding"]
+    assert got.finish is not None and got.finish.kind == "abort"
+    assert "long" not in h.results, "the long prefill should still be running"
+    assert got.ids == reference(path, decoding)[:len(got.ids)]
+    h.run_until_idle()
+    assert h.results["long"].ids == reference(path, list(range(6, 6 + 90)))[:4]
+    assert h.scheduler.check_memory_integrity()
