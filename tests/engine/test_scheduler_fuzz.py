@@ -289,3 +289,24 @@ def test_abort_of_a_decoding_request_is_not_held_back_by_prefills(tiny_model_fac
     h.run_until_idle()
     assert h.results["long"].ids == reference(path, list(range(6, 6 + 90)))[:4]
     assert h.scheduler.check_memory_integrity()
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_admission_waits_for_rows_still_held_by_ended_requests(tiny_model_factory, loop):
+    """Overlap keeps an ended request's row until the next result (the batch in flight may still
+    read it). Requests aborted while decoding leave the running batch at once, so admission must
+    count the rows actually free, not max_running_requests minus the running batch."""
+    path = tiny_model_factory("llama")
+    h = harness_for(path, loop, max_running_requests=2, max_total_tokens=1024)
+    for rid in ("a", "b"):
+        h.submit(rid, [7, 8, 9, 10], max_new_tokens=REF_LEN, ignore_eos=True)
+    for _ in range(4):
+        h.step()
+    h.scheduler.process_input_requests([AbortReq(abort_all=True)])
+    for rid in ("c", "d"):
+        h.submit(rid, [11, 12, 13, 14, 15], max_new_tokens=6, ignore_eos=True)
+    h.run_until_idle()  # raised "no free request rows" in the overlap loops before
+    assert h.results["a"].finish.kind == h.results["b"].finish.kind == "abort"
+    for rid in ("c", "d"):
+        assert h.results[rid].ids == reference(path, [11, 12, 13, 14, 15])[:6]
+    assert h.scheduler.check_memory_integrity()
