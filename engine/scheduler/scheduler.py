@@ -300,6 +300,8 @@ class Scheduler(SchedulerOutputProcessorMixin):
             return
         self.drain_results()  # every in-flight token known before a request leaves the batch
         self.flush_deferred()
+        self.reap_finished(batch.reqs)  # the drain may have ended some: they leave the batch too
+        batch.filter_batch()
         chosen: list[Req] = []
         for victim in victims:
             if victim.finished():

@@ -70,7 +70,9 @@ def draw_config(rng: random.Random) -> dict:
     )
 
 
-@pytest.mark.parametrize("seed", range(12))
+# 12 and 27 (inline overlap, priority preemption): a request ended by preemption's drain of the
+# in-flight result stayed in the running batch without its row (found by a wider seed sweep)
+@pytest.mark.parametrize("seed", [*range(12), 27])
 def test_random_schedules_keep_outputs_and_memory(tiny_model_factory, seed):
     rng = random.Random(seed)
     config = draw_config(rng)
