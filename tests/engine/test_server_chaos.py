@@ -100,18 +100,21 @@ def test_random_client_mix_never_hangs_or_leaks(model_path, seed):
         assert json.loads(r.text)["error"]["code"] == status
         outcomes.append("bad")
 
-    kinds = [generate] * 6 + [dropped_stream] * 3 + [sampled_n, bad]
+    # who does what, and when, drawn up front (the draws inside the calls depend on timing)
+    plan = [generate] * 26 + [dropped_stream] * 12 + [sampled_n] * 5 + [bad] * 5
+    rng.shuffle(plan)
+    starts = [rng.uniform(0, 2.0) for _ in plan]
 
     async def client(base: str, i: int) -> None:
-        await asyncio.sleep(rng.uniform(0, 2.0))
+        await asyncio.sleep(starts[i])
         async with httpx.AsyncClient(timeout=CALL_TIMEOUT_S) as c:
-            await asyncio.wait_for(rng.choice(kinds)(c, base, i), CALL_TIMEOUT_S)
+            await asyncio.wait_for(plan[i](c, base, i), CALL_TIMEOUT_S)
 
     # a pool of 384 tokens for up to 8 running requests of up to 60 + 200 tokens: decode retracts
     with running_engine(model_path, "--page-size", "4", "--chunked-prefill-size", "32", "--max-total-tokens", "384",
                         "--max-running-requests", "8") as eng:
         async def run_all() -> list:
-            return await asyncio.gather(*[client(eng.base_url, i) for i in range(48)], return_exceptions=True)
+            return await asyncio.gather(*[client(eng.base_url, i) for i in range(len(plan))], return_exceptions=True)
 
         errors = [e for e in asyncio.run(run_all()) if e is not None]
         assert not errors, f"{len(errors)} calls failed, first: {errors[0]!r}"
@@ -121,7 +124,8 @@ def test_random_client_mix_never_hangs_or_leaks(model_path, seed):
                        timeout=60)
         assert r.status_code == 200, "the engine should still serve"
 
-    assert {"greedy", "dropped", "bad"} <= set(outcomes), outcomes
+    assert outcomes.count("dropped") == 12 and outcomes.count("bad") == 5 and outcomes.count("n") == 5, outcomes
+    assert "greedy" in outcomes, outcomes
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     for rid, (prompt, n, ids) in greedy.items():
         assert ids == hf_greedy(model, prompt, n), f"{rid} differs from HF"
