@@ -15,7 +15,8 @@
  * scores for all keys, softmax in float32, then the weighted sum of values. Each slot's K (then V)
  * row of kv_heads * head_dim values is read once, contiguously, and later slots are prefetched.
  * Built with -march=native: on AVX-512 machines the common head sizes (32/64/128) take an
- * intrinsics path (query and output in registers, a vectorised exp); elsewhere the portable loops.
+ * intrinsics path (one KV head at a time, a block of its query rows and their outputs in registers,
+ * each row of the head loaded once per block, a vectorised exp); elsewhere the portable loops.
  * Returns 0, KERNEL_NO_MEMORY, or KERNEL_BAD_INDEX when a row, length or slot is out of range (that
  * request is left unwritten; nothing outside the inputs is ever read).
  */
@@ -199,34 +200,53 @@ static void softmax_avx512(float *restrict s, int64_t n) {
     _mm512_mask_storeu_ps(s + i, tail, _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, s + i), inv));
 }
 
-/* One request, one (kv head, query row) at a time with its query and output in registers. The
- * request's rows of one head stay in L1/L2 from one query row of the group to the next. */
+/* One request, one KV head and a block of GB query rows of its group at a time: each key (then
+ * value) row of the head is loaded once per block and used by every row in it, whose queries and
+ * outputs stay in registers. Slots are scattered through the pool, so the head's part of each row
+ * is prefetched PREFETCH_KEYS keys ahead. */
+#define PREFETCH_KEYS 16
+INLINE void prefetch_head(const void *base, int dtype, int64_t offset, int64_t head_dim) {
+    const char *p = (const char *)base + offset * elem_bytes(dtype);
+    for (int64_t i = 0; i < head_dim * elem_bytes(dtype); i += 64) __builtin_prefetch(p + i);
+}
+
 INLINE void attend_avx512(const void *q, const int q_dtype, const void *k, const void *v, const int dtype, const int64_t *slots,
-                          int64_t len, int64_t kv_heads, int64_t group, const int64_t head_dim, float scale,
+                          int64_t len, int64_t kv_heads, int64_t group, const int64_t GB, const int64_t head_dim, float scale,
                           float *restrict scores, float *restrict o) {
-    enum { MAX_VECTORS = 8 };  /* head_dim <= 128 */
+    enum { MAX_REGS = 16 };  /* GB * head_dim / 16 <= MAX_REGS */
     const int64_t nv = head_dim / 16, width = kv_heads * head_dim;
     for (int64_t h = 0; h < kv_heads; ++h) {
-        for (int64_t g = 0; g < group; ++g) {
-            const int64_t qh = h * group + g;
-            __m512 qv[MAX_VECTORS], acc[MAX_VECTORS];
-            for (int64_t j = 0; j < nv; ++j)
-                qv[j] = _mm512_mul_ps(load16(q, q_dtype, qh * head_dim + j * 16), _mm512_set1_ps(scale));
-            float *sg = scores + qh * len;
+        for (int64_t g0 = 0; g0 < group; g0 += GB) {
+            const int64_t qh0 = h * group + g0;
+            __m512 qv[MAX_REGS], acc[MAX_REGS];
+            for (int64_t g = 0; g < GB; ++g)
+                for (int64_t j = 0; j < nv; ++j)
+                    qv[g * nv + j] = _mm512_mul_ps(load16(q, q_dtype, (qh0 + g) * head_dim + j * 16), _mm512_set1_ps(scale));
+            float *sg = scores + qh0 * len;
             for (int64_t t = 0; t < len; ++t) {
+                if (t + PREFETCH_KEYS < len) prefetch_head(k, dtype, slots[t + PREFETCH_KEYS] * width + h * head_dim, head_dim);
                 const int64_t base = slots[t] * width + h * head_dim;
-                __m512 s = _mm512_mul_ps(qv[0], load16(k, dtype, base));
-                for (int64_t j = 1; j < nv; ++j) s = _mm512_fmadd_ps(qv[j], load16(k, dtype, base + j * 16), s);
-                sg[t] = _mm512_reduce_add_ps(s);
+                __m512 kr[MAX_REGS];
+                for (int64_t j = 0; j < nv; ++j) kr[j] = load16(k, dtype, base + j * 16);
+                for (int64_t g = 0; g < GB; ++g) {
+                    __m512 s = _mm512_mul_ps(qv[g * nv], kr[0]);
+                    for (int64_t j = 1; j < nv; ++j) s = _mm512_fmadd_ps(qv[g * nv + j], kr[j], s);
+                    sg[g * len + t] = _mm512_reduce_add_ps(s);
+                }
             }
-            softmax_avx512(sg, len);
-            for (int64_t j = 0; j < nv; ++j) acc[j] = _mm512_setzero_ps();
+            for (int64_t g = 0; g < GB; ++g) softmax_avx512(sg + g * len, len);
+            for (int64_t i = 0; i < GB * nv; ++i) acc[i] = _mm512_setzero_ps();
             for (int64_t t = 0; t < len; ++t) {
+                if (t + PREFETCH_KEYS < len) prefetch_head(v, dtype, slots[t + PREFETCH_KEYS] * width + h * head_dim, head_dim);
                 const int64_t base = slots[t] * width + h * head_dim;
-                const __m512 w = _mm512_set1_ps(sg[t]);
-                for (int64_t j = 0; j < nv; ++j) acc[j] = _mm512_fmadd_ps(w, load16(v, dtype, base + j * 16), acc[j]);
+                for (int64_t j = 0; j < nv; ++j) {
+                    const __m512 vr = load16(v, dtype, base + j * 16);
+                    for (int64_t g = 0; g < GB; ++g)
+                        acc[g * nv + j] = _mm512_fmadd_ps(_mm512_set1_ps(sg[g * len + t]), vr, acc[g * nv + j]);
+                }
             }
-            for (int64_t j = 0; j < nv; ++j) _mm512_storeu_ps(o + qh * head_dim + j * 16, acc[j]);
+            for (int64_t g = 0; g < GB; ++g)
+                for (int64_t j = 0; j < nv; ++j) _mm512_storeu_ps(o + (qh0 + g) * head_dim + j * 16, acc[g * nv + j]);
         }
     }
 }
@@ -241,7 +261,13 @@ static void attend_dispatch(const void *qb, int q_dtype, const void *k, const vo
                             const int64_t *slots, int64_t len, int64_t kv_heads, int64_t group, int64_t head_dim,
                             float scale, float *qf, float *row, float *scores, float *o) {
 #if defined(__AVX512F__)
-#define AVX512(DTYPE, DIM) attend_avx512(qb, q_dtype, k, v, DTYPE, slots, len, kv_heads, group, DIM, scale, scores, o)
+/* The largest block of query rows (1, 2, 4 or 8) that divides the group and fits 16 registers. */
+#define AVX512_GB(DTYPE, DIM, GB) attend_avx512(qb, q_dtype, k, v, DTYPE, slots, len, kv_heads, group, GB, DIM, scale, scores, o)
+#define AVX512(DTYPE, DIM)                                                              \
+    if (group % 8 == 0 && 8 * (DIM) <= 256) AVX512_GB(DTYPE, DIM, 8);                   \
+    else if (group % 4 == 0 && 4 * (DIM) <= 256) AVX512_GB(DTYPE, DIM, 4);              \
+    else if (group % 2 == 0 && 2 * (DIM) <= 256) AVX512_GB(DTYPE, DIM, 2);              \
+    else AVX512_GB(DTYPE, DIM, 1)
 #define AVX512_DIMS(DTYPE)                            \
     switch (head_dim) {                               \
     case 32: AVX512(DTYPE, 32); return;               \
