@@ -33,6 +33,14 @@ class RequestError(Exception):
         self.message, self.status, self.err_type = message, status, err_type
 
 
+class ClientDisconnected(RequestError):
+    """The client of a whole (non-streamed) response went away while it waited: the request is
+    aborted in the scheduler, and the HTTP layer ends the call quietly (499, nobody left to read it)."""
+
+    def __init__(self) -> None:
+        super().__init__("client disconnected", 499, "client_disconnected")
+
+
 @dataclass
 class GenerateInput:
     """One request after HTTP parsing (a batch is several of these)."""
@@ -249,7 +257,7 @@ class TokenizerManager:
                     await state.queue.wait_nonempty()
             except TimeoutError:
                 if await is_disconnected():
-                    raise asyncio.CancelledError("client disconnected")
+                    raise ClientDisconnected()
         first = state.queue.get_nowait()
         steps = [first]
         while not state.queue.empty():

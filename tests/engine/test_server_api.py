@@ -143,6 +143,26 @@ def test_client_disconnect_aborts_and_frees(engine):
     assert info["integrity_ok"] is True and info["num_running_reqs"] == 0
 
 
+@pytest.mark.parametrize("route,body", [
+    ("/generate", {"input_ids": [5, 6, 7, 8], "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True}}),
+    ("/v1/completions", {"prompt": [5, 6, 7, 8], "max_tokens": 1000, "ignore_eos": True, "n": 2}),
+], ids=["generate", "completions-n2"])
+def test_a_whole_response_client_that_hangs_up_is_aborted_quietly(engine, route, body):
+    """A non-streaming client gone before its answer: its request (every copy of n) is aborted and
+    freed, and the server logs no traceback for it."""
+    async def hang_up():
+        async with httpx.AsyncClient(timeout=60) as c:
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(c.post(f"{engine.base_url}{route}", json=body), 0.5)
+
+    before = engine.log_tail(10_000).count("\n")
+    asyncio.run(hang_up())
+    info = wait_idle_integrity(engine.base_url, timeout_s=60)
+    assert info["integrity_ok"] is True and info["num_running_reqs"] == 0
+    new_lines = engine.log_tail(10_000).splitlines()[before:]
+    assert not [line for line in new_lines if "Traceback" in line or "Exception in ASGI" in line], new_lines
+
+
 def test_abort_request_endpoint(engine):
     async def run():
         async with httpx.AsyncClient(timeout=60) as c:

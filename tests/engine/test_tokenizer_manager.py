@@ -96,7 +96,7 @@ def test_a_waiting_read_wakes_on_the_next_step_and_polls_for_a_disconnect(monkey
         async def gone():
             return True
 
-        with pytest.raises(asyncio.CancelledError):
+        with pytest.raises(tm_module.ClientDisconnected):
             await tm._next(state, gone)
         assert state.queue._waiter is None  # nothing left waiting on the queue
 
