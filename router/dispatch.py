@@ -48,8 +48,9 @@ class RequestContext:
     req: ParsedRequest
     started: float  # time.perf_counter() at arrival
     headers: dict[str, str]  # forwarded to workers
-    rids: list[str]  # what /abort_request needs
-    rid_fields: dict[str, Any]  # {"rid": ...} when the router chose the rid, else {}
+    rids: list[str]  # what /abort_request needs, for the current attempt
+    rid_fields: dict[str, Any]  # {"rid": ...} to send when the router chose the rid or renewed it, else {}
+    own_rids: bool  # the router chose the rids (the client sent none)
     text: str | None = None  # routing text, extracted once, on first need
     response: web.StreamResponse | None = None  # set when a stream to the client has started
     failed: set[Worker] = field(default_factory=set)  # avoided by the next attempt if possible
@@ -95,12 +96,16 @@ class Dispatcher:
     async def _with_retries(self, ctx: RequestContext) -> web.StreamResponse:
         retry = self.config.retry
         for attempt in range(1, retry.max_retries + 1):
+            if attempt > 1:
+                _renew_rids(ctx, attempt)
             result = await self._attempt(self, ctx)
             if not isinstance(result, Failure):
                 return result
             if not result.retryable or attempt == retry.max_retries or ctx.response is not None:
                 break
             self.metrics.child(self.metrics.retries, ctx.req.path).inc()
+            logger.warning("%s: attempt %d failed (%s): %s; retrying", ctx.req.path, attempt, result.reason,
+                           result.body[:300].decode(errors="replace"))
             await asyncio.sleep(backoff_secs(retry, attempt))
         return await self._fail(ctx, result)
 
@@ -149,10 +154,11 @@ class Dispatcher:
             self.workers.record_outcome(worker, ok=False)
 
     # -- aborts ----------------------------------------------------------------------------
-    def abort(self, ctx: RequestContext, worker: Worker) -> None:
-        """Tell `worker` to drop this request (fire and forget: the client is not kept waiting)."""
+    def abort(self, rids: list[str], worker: Worker) -> None:
+        """Tell `worker` to drop an attempt's request, by the rids that attempt sent (fire and forget:
+        the client is not kept waiting)."""
         self.metrics.child(self.metrics.aborts, worker.side).inc()
-        for rid in ctx.rids:
+        for rid in rids:
             task = asyncio.ensure_future(self._send_abort(worker, rid))
             self._background.add(task)
             task.add_done_callback(self._background.discard)
@@ -184,8 +190,8 @@ class Dispatcher:
             n = req.batch_size
             rid = _new_rid() if n is None else [_new_rid() for _ in range(n)]
             fields = {"rid": rid}
-        rids = [r for r in (rid if isinstance(rid, list) else [rid]) if isinstance(r, str)]
-        return RequestContext(request, req, time.perf_counter(), forward_headers(request), rids, fields)
+        return RequestContext(request, req, time.perf_counter(), forward_headers(request), _rid_list(rid), fields,
+                              own_rids=bool(fields))
 
     async def _fail(self, ctx: RequestContext, failure: Failure) -> web.StreamResponse:
         self._count_error(ctx.req, failure.reason)
@@ -200,3 +206,22 @@ class Dispatcher:
 
 def _new_rid() -> str:
     return "%032x" % random.getrandbits(128)
+
+
+def _renew_rids(ctx: RequestContext, attempt: int) -> None:
+    """Ids of their own for a retry: a worker may still hold the failed attempt's request (the other
+    side of a PD pair, a connection that broke, an abort still on its way), and an engine refuses a
+    second request under an id it holds. The router's own ids are drawn again; a client's get a
+    `-retry<k>` suffix. Assigned as new objects: an abort still to be sent keeps the old ids."""
+    def renew(r: Any) -> Any:
+        if ctx.own_rids:
+            return _new_rid()
+        return f"{r}-retry{attempt}" if isinstance(r, str) else r
+
+    old = ctx.rid_fields["rid"] if ctx.own_rids else ctx.req.body["rid"]
+    rid = [renew(r) for r in old] if isinstance(old, list) else renew(old)
+    ctx.rid_fields, ctx.rids = {"rid": rid}, _rid_list(rid)
+
+
+def _rid_list(rid: Any) -> list[str]:
+    return [r for r in (rid if isinstance(rid, list) else [rid]) if isinstance(r, str)]

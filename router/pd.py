@@ -41,12 +41,13 @@ async def attempt_pd(d: Dispatcher, ctx: RequestContext) -> web.StreamResponse |
     p_payload, d_payload = bootstrap_payloads(ctx, prefill, decode)
     prefill.in_flight += 1
     decode.in_flight += 1
-    p_task = asyncio.ensure_future(_prefill(d, ctx, prefill.worker, p_payload))
+    rids = ctx.rids  # this attempt's: a retry sends others (an abort may come after it started)
+    p_task = asyncio.ensure_future(_prefill(d, ctx, prefill.worker, p_payload, rids))
     p_task.add_done_callback(functools.partial(_give_back, prefill))  # even if cancelled before it ran
     guard = _PrefillGuard(p_task)
     result: web.StreamResponse | Failure | None = None
     try:
-        result = await guard.run(_decode(d, ctx, decode.worker, d_payload, p_task))
+        result = await guard.run(_decode(d, ctx, decode.worker, d_payload, p_task, rids))
         return result
     finally:
         decode.in_flight -= 1
@@ -125,7 +126,8 @@ def _give_back(target: Target, _: asyncio.Future) -> None:
     target.in_flight -= 1
 
 
-async def _prefill(d: Dispatcher, ctx: RequestContext, worker: Worker, payload: bytes) -> PrefillResult:
+async def _prefill(d: Dispatcher, ctx: RequestContext, worker: Worker, payload: bytes,
+                   rids: list[str]) -> PrefillResult:
     settled = False
     try:
         try:
@@ -148,11 +150,11 @@ async def _prefill(d: Dispatcher, ctx: RequestContext, worker: Worker, payload: 
             resp.release()
     finally:
         if not settled:
-            d.abort(ctx, worker)
+            d.abort(rids, worker)
 
 
 async def _decode(d: Dispatcher, ctx: RequestContext, worker: Worker, payload: bytes,
-                  p_task: asyncio.Future) -> web.StreamResponse | Failure:
+                  p_task: asyncio.Future, rids: list[str]) -> web.StreamResponse | Failure:
     settled = False
     try:
         try:
@@ -181,7 +183,7 @@ async def _decode(d: Dispatcher, ctx: RequestContext, worker: Worker, payload: b
             resp.release()
     finally:
         if not settled:
-            d.abort(ctx, worker)
+            d.abort(rids, worker)
 
 
 def _failed(d: Dispatcher, ctx: RequestContext, worker: Worker, failure: Failure) -> Failure:

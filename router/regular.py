@@ -13,7 +13,7 @@ async def attempt_regular(d: Dispatcher, ctx: RequestContext) -> web.StreamRespo
         target = d.pick(ctx, WorkerRole.REGULAR)
     except NoWorkers as exc:
         return d.no_workers(exc)
-    worker, req = target.worker, ctx.req
+    worker, req, rids = target.worker, ctx.req, ctx.rids
     fields = ctx.rid_fields if target.dp_rank is None else {**ctx.rid_fields, "data_parallel_rank": target.dp_rank}
     payload = inject(req.raw, req.body, fields) if fields else req.raw
     target.in_flight += 1
@@ -40,7 +40,7 @@ async def attempt_regular(d: Dispatcher, ctx: RequestContext) -> web.StreamRespo
     finally:
         target.in_flight -= 1
         if not settled:
-            d.abort(ctx, worker)
+            d.abort(rids, worker)
 
 
 def _failed(d: Dispatcher, ctx: RequestContext, worker, failure: Failure) -> Failure:

@@ -116,7 +116,10 @@ async def test_retry_uses_a_new_pair_and_a_new_room(fake_workers, routers, http)
     rooms = [b["bootstrap_room"] for b in decode.bodies()]
     assert rooms[0] != rooms[1]
     assert decode.bodies()[1]["bootstrap_room"] == good.bodies()[0]["bootstrap_room"]
-    assert decode.bodies()[0]["rid"] in decode.aborts  # the first decode was told to stop
+    first, second = decode.bodies()
+    assert first["rid"] in decode.aborts  # the first decode was told to stop
+    assert second["rid"] != first["rid"] and second["rid"] == good.bodies()[0]["rid"]
+    assert second["rid"] not in decode.aborts
 
 
 async def test_client_disconnect_aborts_both_sides(fake_workers, routers, http):

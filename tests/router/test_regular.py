@@ -82,7 +82,15 @@ async def test_retry_on_one_worker_until_it_recovers(fake_workers, routers, http
         assert resp.status == 200
     assert len(worker.requests) == 3
     rids = {b["rid"] for b in worker.bodies()}
-    assert len(rids) == 1  # the same request, retried
+    assert len(rids) == 3  # each attempt its own id: the worker may still hold a failed attempt's
+
+
+async def test_a_clients_rid_is_kept_and_suffixed_on_retries(fake_workers, routers, http):
+    worker = await fake_workers(fail_first=2, fail_status=503)
+    router = await routers(regular=[worker.url])
+    async with http.post(url_of(router, "/generate"), json={"text": ["x", "y"], "rid": ["a", "b"]}) as resp:
+        assert resp.status == 200
+    assert [b["rid"] for b in worker.bodies()] == [["a", "b"], ["a-retry2", "b-retry2"], ["a-retry3", "b-retry3"]]
 
 
 async def test_non_retryable_error_is_passed_through(fake_workers, routers, http):
