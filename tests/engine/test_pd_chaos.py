@@ -28,10 +28,12 @@ def model_path(tiny_model_factory) -> str:
     return tiny_model_factory("llama")
 
 
-@pytest.fixture(scope="module")
-def stack(model_path):
-    """Pools of 384 tokens for up to 8 running requests of up to 60 + 200 tokens."""
-    with _pair(model_path, ["--max-total-tokens", "384", "--max-running-requests", "8"]) as (prefill, port, decode):
+@pytest.fixture(scope="module", params=[[], ["--enable-overlap-schedule"]], ids=["plain", "overlap"])
+def stack(model_path, request):
+    """Both engines on the CPU default loop, then both on the overlap loop; pools of 384 tokens for up
+    to 8 running requests of up to 60 + 200 tokens."""
+    args = ["--max-total-tokens", "384", "--max-running-requests", "8", *request.param]
+    with _pair(model_path, args) as (prefill, port, decode):
         with pd_router(sys.executable, "-m", "baton", "router", prefill=prefill.base_url, bootstrap_port=port,
                        decode=decode.base_url) as router:
             yield prefill, decode, router
