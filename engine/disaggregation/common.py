@@ -213,14 +213,16 @@ class CommonKVReceiver(_RoomStatusMixin, KVReceiverBase):
             self._send_destination_safely()
 
     def poll(self) -> KVPoll:
+        """A timeout is an abort: once the destination is out, the prefill must be told to write
+        nothing more, before the decode gives those pages to another request."""
         status = self._status.status
         if status == KVPoll.Bootstrapping and deadline_passed(self._created, self.config.bootstrap_timeout_s):
-            self._status.fail(f"bootstrap timeout: prefill at {self.bootstrap_addr} not reachable for room "
-                              f"{self.room} within {self.config.bootstrap_timeout_s:g}s")
+            self.abort(f"bootstrap timeout: prefill at {self.bootstrap_addr} not reachable for room "
+                       f"{self.room} within {self.config.bootstrap_timeout_s:g}s")
         elif status in (KVPoll.WaitingForInput, KVPoll.Transferring) and self._init_time is not None \
                 and deadline_passed(self._init_time, self.config.waiting_timeout_s):
-            self._status.fail(f"waiting timeout: no KV from prefill at {self.bootstrap_addr} for room {self.room} "
-                              f"within {self.config.waiting_timeout_s:g}s")
+            self.abort(f"waiting timeout: no KV from prefill at {self.bootstrap_addr} for room {self.room} "
+                       f"within {self.config.waiting_timeout_s:g}s")
         return self._status.status
 
     def metadata(self) -> KVMetadata:

@@ -8,12 +8,12 @@ router holds nothing in flight, and the three still serve."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import random
 import sys
 import time
 
+import client_mix
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -56,6 +56,7 @@ def _wait_router_drained(base_url: str, timeout_s: float = 30.0) -> None:
         time.sleep(0.1)
 
 
+# PD_CHAOS_SEEDS=2,3,... sweeps more seeds by hand (CI runs 0 and 1)
 @pytest.mark.parametrize("seed", [int(x) for x in os.environ.get("PD_CHAOS_SEEDS", "0,1").split(",")])
 def test_random_client_mix_through_the_router_never_hangs_or_leaks(stack, model_path, seed):
     prefill, decode, router = stack
@@ -84,62 +85,20 @@ def test_random_client_mix_through_the_router_never_hangs_or_leaks(stack, model_
         except asyncio.TimeoutError:
             outcomes.append("hang-up")
 
-    async def dropped_stream(c: httpx.AsyncClient, i: int) -> None:
-        route = rng.choice(["/generate", "/v1/completions", "/v1/chat/completions"])
-        keep = rng.randint(0, 6)
-        body = {"/generate": {"input_ids": rng.choice(prompts), "stream": True,
-                              "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}},
-                "/v1/completions": {"prompt": rng.choice(prompts), "max_tokens": 200, "stream": True,
-                                    "ignore_eos": True, "temperature": 0.8, "seed": i},
-                "/v1/chat/completions": {"messages": [{"role": "user", "content": "tell me more " * rng.randint(1, 8)}],
-                                         "max_tokens": 200, "stream": True, "ignore_eos": True,
-                                         "presence_penalty": 0.5}}[route]
-        async with c.stream("POST", f"{base}{route}", json=body) as r:
-            assert r.status_code == 200
-            seen = 0
-            async for line in r.aiter_lines():
-                seen += line.startswith("data:")
-                if seen > keep:
-                    break  # leaving the block closes the connection
-        outcomes.append("dropped")
+    async def dropped(c: httpx.AsyncClient, i: int) -> None:
+        outcomes.append(await client_mix.dropped_stream(c, base, rng, prompts, seed=i))
 
-    async def sampled_n(c: httpx.AsyncClient, i: int) -> None:
-        n = rng.randint(2, 3)
-        r = await c.post(f"{base}/v1/completions", json={"prompt": rng.choice(prompts), "max_tokens": rng.randint(1, 20),
-                                                         "n": n, "temperature": 1.0, "top_k": 20, "ignore_eos": True})
-        assert r.status_code == 200, r.text
-        out = r.json()
-        assert len(out["choices"]) == n and all(ch["finish_reason"] == "length" for ch in out["choices"])
-        outcomes.append("n")
+    async def sampled(c: httpx.AsyncClient, i: int) -> None:
+        outcomes.append(await client_mix.sampled_n(c, base, rng, prompts))
 
     async def bad(c: httpx.AsyncClient, i: int) -> None:
-        route, body, status = rng.choice([
-            ("/v1/completions", b"{not json", 400),
-            ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400),
-            ("/generate", {"input_ids": [1, 2, 10**9]}, 400),
-            ("/v1/completions", {"prompt": [6] * 5000, "max_tokens": 4}, 400),
-            ("/v1/chat/completions", {"messages": [{"content": "no role"}]}, 400),
-        ])
-        kwargs = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else {"json": body}
-        r = await c.post(f"{base}{route}", **kwargs)
-        assert r.status_code == status, r.text
-        assert "error" in json.loads(r.text), r.text
-        outcomes.append("bad")
+        outcomes.append(await client_mix.bad(c, base, rng))
 
     # who does what, and when, drawn up front (the draws inside the calls depend on timing)
-    plan = [generate] * 16 + [hang_up] * 6 + [dropped_stream] * 8 + [sampled_n] * 4 + [bad] * 4
+    plan = [generate] * 16 + [hang_up] * 6 + [dropped] * 8 + [sampled] * 4 + [bad] * 4
     rng.shuffle(plan)
     starts = [rng.uniform(0, 2.0) for _ in plan]
-
-    async def client(i: int) -> None:
-        await asyncio.sleep(starts[i])
-        async with httpx.AsyncClient(timeout=CALL_TIMEOUT_S) as c:
-            await asyncio.wait_for(plan[i](c, i), CALL_TIMEOUT_S)
-
-    async def run_all() -> list:
-        return await asyncio.gather(*[client(i) for i in range(len(plan))], return_exceptions=True)
-
-    errors = [e for e in asyncio.run(run_all()) if e is not None]
+    errors = client_mix.run_clients(plan, starts, CALL_TIMEOUT_S)
     assert not errors, (f"{len(errors)} calls failed:\n" + "\n".join(repr(e)[:300] for e in errors) + "\n"
                         + "\n".join(p.log_tail(80) for p in (router, prefill, decode)))
     assert outcomes.count("dropped") == 8 and outcomes.count("bad") == 4 and outcomes.count("n") == 4, outcomes
@@ -152,10 +111,9 @@ def test_random_client_mix_through_the_router_never_hangs_or_leaks(stack, model_
         info = httpx.get(f"{engine.base_url}/get_server_info", timeout=10).json()
         held = {q: info[q] for q in ("num_running_reqs", "num_waiting_reqs", *queues)}
         assert not any(held.values()), held
-        print(f"\nseed {seed}, {info['disaggregation_mode']}: {info['retractions']} retractions")
     aborts = [s.value for family in text_string_to_metric_families(httpx.get(f"{base}/metrics", timeout=10).text)
               for s in family.samples if s.name == "baton_router_aborts_total"]
-    print(f"seed {seed}: {sum(aborts):.0f} aborts from the router; {sorted(outcomes)}")
+    print(f"\nseed {seed}: {sum(aborts):.0f} aborts from the router; {sorted(outcomes)}")
     print("".join(line for line in router.log_tail(10_000).splitlines(keepends=True) if "retrying" in line))
     for i, (prompt, n, ids) in greedy.items():  # HF's greedy tokens, EOS ignored as the requests do
         assert ids == reference(model_path, prompt)[:n], f"client {i} differs from HF"

@@ -269,6 +269,34 @@ def test_pd_decode_quarantines_pages_of_an_abandoned_transfer(tiny_model_factory
     pair.assert_settled()
 
 
+def test_pd_decode_waiting_timeout_tells_the_prefill_before_its_pages_are_reused(tiny_model_factory, pair_factory):
+    """The decode gives up on a transfer at its waiting timeout and frees the pages it had sent as the
+    destination. The prefill must hear of it: if it prefilled the request later and wrote its KV
+    there, it would overwrite whoever holds those pages now (found by the PD fuzz, seed 1: a greedy
+    request's tokens went wrong after the pages of a timed-out one came back to it)."""
+    path = tiny_model_factory("llama")
+    pair = pair_factory(path, page_size=4, max_total_tokens=2048, decode_config=TransferConfig(waiting_timeout_s=0.2))
+    decode = pair.decode.scheduler
+    late, victim = workload()[5], workload()[6]
+    room = next(pair.rooms)
+    pair.decode.submit_pd("late", late, room, pair.port)  # the prefill hears of it only much later
+    pair.decode.step()
+    assert decode.pd.transfer_queue, "the destination should be sent by now"
+    time.sleep(0.3)
+    pair.decode.step()
+    assert pair.decode.results["late"].finish.kind == "abort"
+    assert "waiting timeout" in pair.decode.results["late"].finish.message
+    pair.submit("victim", victim)  # takes the pages "late" gave back
+    for _ in range(3):
+        pair.step()
+    assert decode.running_batch.reqs, "the victim should be decoding"
+    pair.prefill.submit_pd("late", late, room, pair.port)  # now the prefill runs it
+    pair.run_until_idle()
+    assert pair.decode.results["victim"].ids == hf_greedy(path, victim)
+    assert "aborted by the decode engine" in pair.prefill.results["late"].finish.message
+    pair.assert_settled()
+
+
 @pytest.mark.parametrize("queue", ["bootstrap", "waiting"])
 def test_pd_prefill_abort_fails_the_decode(tiny_model_factory, pair_factory, queue):
     """Told directly once the decode's destination has arrived; before that the prefill cannot reach
