@@ -261,7 +261,10 @@ class LeanUpstream(Upstream):
             conn.close()
         try:
             loop = asyncio.get_running_loop()
-            _, conn = await asyncio.wait_for(loop.create_connection(_Connection, *key), self._connect_timeout)
+            # asyncio.timeout, not wait_for: 3.11's wait_for drops a cancel that lands as the connection
+            # completes, and the cancelled request would go on waiting for its worker's answer
+            async with asyncio.timeout(self._connect_timeout):
+                _, conn = await loop.create_connection(_Connection, *key)
         except (OSError, asyncio.TimeoutError) as exc:
             raise UpstreamError(f"cannot connect to {key[0]}:{key[1]}: {exc or type(exc).__name__}") from exc
         return conn, False

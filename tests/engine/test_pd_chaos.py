@@ -49,14 +49,15 @@ def _router_in_flight(base_url: str) -> dict[str, float]:
             for s in family.samples if s.name in ("baton_router_in_flight_requests", "baton_router_worker_in_flight")}
 
 
-def _wait_router_drained(base_url: str, timeout_s: float = 30.0) -> None:
+def _wait_router_drained(router, *engines, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
-        gauges = _router_in_flight(base_url)
+        gauges = _router_in_flight(router.base_url)
         if gauges and not any(gauges.values()):
             return
         if time.monotonic() > deadline:
-            raise AssertionError(f"router still has requests in flight: {gauges}")
+            raise AssertionError(f"router still has requests in flight: {gauges}\n"
+                                 + "\n".join(p.log_tail(60) for p in (router, *engines)))
         time.sleep(0.1)
 
 
@@ -108,7 +109,7 @@ def test_random_client_mix_through_the_router_never_hangs_or_leaks(stack, model_
     assert outcomes.count("dropped") == 8 and outcomes.count("bad") == 4 and outcomes.count("n") == 4, outcomes
     assert outcomes.count("greedy") == 16, outcomes
 
-    _wait_router_drained(base)
+    _wait_router_drained(router, prefill, decode)
     _assert_idle_and_whole(prefill, decode)
     for engine, queues in ((prefill, ("num_bootstrap_reqs", "num_inflight_reqs")),
                            (decode, ("num_prealloc_reqs", "num_transfer_reqs"))):

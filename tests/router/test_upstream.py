@@ -153,3 +153,35 @@ async def test_router_flows_on_both_clients(client, fake_workers, routers, http)
     prefill.behavior.status, decode.behavior.delay = 400, 0.3  # a real decode waits for the KV
     async with http.post(url_of(router, "/v1/completions"), json={"prompt": "x"}) as resp:
         assert resp.status == 400
+
+
+@pytest.mark.parametrize("client", ["lean", "aiohttp"])
+async def test_a_cancelled_post_is_cancelled_at_every_point(client):
+    """Cancelling a post must cancel it, wherever it is: while connecting, just as the connection
+    completes, while waiting for the head. A post that swallows its cancellation keeps waiting on a
+    worker that never answers (the router's prefill side waited out a 150 s bootstrap timeout that
+    way, its in-flight gauge held, after the client had gone). Python 3.11's `asyncio.wait_for`
+    returns the result, dropping the cancel, when both land in one loop iteration."""
+    async def never_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.read()  # until the client closes
+        except (asyncio.CancelledError, ConnectionError):
+            pass
+        writer.close()
+
+    server = await asyncio.start_server(never_answer, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/generate"
+    async with aiohttp.ClientSession() as session:
+        upstream = LeanUpstream(AiohttpUpstream(session)) if client == "lean" else AiohttpUpstream(session)
+        try:
+            for spins in range(40):  # cancel after 0, 1, 2, ... loop iterations
+                task = asyncio.ensure_future(upstream.post(url, b"{}", {}))
+                for _ in range(spins):
+                    await asyncio.sleep(0)
+                task.cancel()
+                done, _ = await asyncio.wait([task], timeout=2.0)
+                assert done and task.cancelled(), f"cancelled after {spins} loop iterations, the post went on"
+        finally:
+            await upstream.close()
+            server.close()
+            await server.wait_closed()
