@@ -1,16 +1,23 @@
-"""PD failures with real processes over Mooncake TCP: a prefill engine killed while the decode waits
-for its KV. The decode must fail exactly the affected requests within its heartbeat window, keep
-serving, give back their memory, and use a restarted prefill without being restarted itself."""
+"""PD failures with real processes over Mooncake TCP.
+
+- A prefill engine killed while the decode waits for its KV. The decode must fail exactly the
+  affected requests within its heartbeat window, keep serving, give back their memory, and use a
+  restarted prefill without being restarted itself.
+- A decode engine killed behind the router while requests are at every stage (decoding, waiting
+  for memory, in the prefill's bootstrap queue). Every client call must end promptly, the prefill
+  must give everything back, the router must hold nothing, and a restarted decode serves again."""
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 
 import httpx
 
 from baton.engine.bench.launcher import EngineProcess, engine_command, free_port
 from engine_server import STARTUP_TIMEOUT_S, wait_idle_integrity
-from test_pd_server import COMMON, MAX_NEW, PROMPTS, _body, _post_both
+from test_pd_chaos import _wait_router_drained
+from test_pd_server import COMMON, MAX_NEW, PROMPTS, _body, _post_both, pd_router
 from test_scheduler_vs_hf import hf_greedy
 
 HEARTBEAT_S = 0.5
@@ -86,3 +93,61 @@ def test_killed_prefill_fails_only_its_requests_and_a_restart_serves_again(tiny_
         for engine in (prefill, decode):
             info = wait_idle_integrity(engine.base_url, timeout_s=60)
             assert info["integrity_ok"] is True, info
+
+
+def test_killed_decode_behind_the_router_ends_every_call_and_a_restart_serves_again(tiny_model_factory):
+    model_path = tiny_model_factory("llama")
+    bootstrap_port, prefill_port, decode_port = free_port(), free_port(), free_port()
+    prefill = _prefill(model_path, prefill_port, bootstrap_port)
+    # room for 4 running requests of 300 tokens: the rest wait for memory on the decode or in the
+    # prefill's bootstrap queue when the decode dies
+    decode = EngineProcess(engine_command(model_path, decode_port, [
+        "--disaggregation-mode", "decode", "--max-running-requests", "4", *COMMON]), decode_port)
+    with prefill, decode:
+        prefill.wait_healthy(STARTUP_TIMEOUT_S, "waiting for the prefill engine")
+        decode.wait_healthy(STARTUP_TIMEOUT_S, "waiting for the decode engine")
+        with pd_router(sys.executable, "-m", "baton", "router", flags=("--health-check-interval-secs", "1"),
+                       prefill=prefill.base_url, bootstrap_port=bootstrap_port, decode=decode.base_url) as router:
+
+            async def call(c: httpx.AsyncClient, i: int) -> str:
+                body = {"input_ids": PROMPTS[i % len(PROMPTS)], "stream": i % 2 == 0,
+                        "sampling_params": {"max_new_tokens": 300, "ignore_eos": True}}
+                async with c.stream("POST", f"{router.base_url}/generate", json=body) as r:
+                    text = (await r.aread()).decode(errors="replace")
+                if r.status_code == 200 and '"error"' not in text:
+                    return "ok"  # finished before the kill (unlikely at 300 tokens)
+                assert r.status_code in (200, 500, 502, 503), (r.status_code, text[-500:])
+                return f"failed {r.status_code}"
+
+            async def kill_under_load() -> tuple[list[str], float]:
+                async with httpx.AsyncClient(timeout=120) as c:
+                    calls = [asyncio.create_task(call(c, i)) for i in range(12)]
+                    deadline = time.monotonic() + 60
+                    while (await c.get(f"{decode.base_url}/get_server_info")).json().get("num_running_reqs", 0) < 4:
+                        assert time.monotonic() < deadline, "the decode never ran 4 requests"
+                        await asyncio.sleep(0.05)
+                    decode.kill()
+                    killed_at = time.monotonic()
+                    outcomes = await asyncio.wait_for(asyncio.gather(*calls), FAILURE_DEADLINE_S)
+                    return outcomes, time.monotonic() - killed_at
+
+            outcomes, elapsed = asyncio.run(kill_under_load())
+            print(f"\ndecode killed: all 12 calls ended {elapsed:.2f}s later: {sorted(outcomes)}")
+            assert sum(o.startswith("failed") for o in outcomes) >= 4, outcomes
+            _wait_router_drained(router, prefill)
+            info = wait_idle_integrity(prefill.base_url, timeout_s=60)
+            assert info["integrity_ok"] is True, info
+            for queue in ("num_bootstrap_reqs", "num_inflight_reqs"):
+                assert info[queue] == 0, info
+
+            decode.start()  # same port, a new process and Mooncake session
+            decode.wait_healthy(STARTUP_TIMEOUT_S, "waiting for the restarted decode engine")
+            body = {"input_ids": PROMPTS[4], "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0}}
+            deadline = time.monotonic() + 60  # the router's health check readmits the decode
+            while (r := httpx.post(f"{router.base_url}/generate", json=body, timeout=120)).status_code != 200:
+                assert time.monotonic() < deadline, (r.status_code, r.text)
+                time.sleep(0.5)
+            assert r.json()["output_ids"] == hf_greedy(model_path, PROMPTS[4], MAX_NEW)
+            for engine in (prefill, decode):
+                info = wait_idle_integrity(engine.base_url, timeout_s=60)
+                assert info["integrity_ok"] is True, info

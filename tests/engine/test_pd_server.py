@@ -221,10 +221,10 @@ def test_pd_decode_gives_up_on_an_unknown_prefill(pd_pair):
 
 
 @contextlib.contextmanager
-def pd_router(*cmd: str, prefill: str, bootstrap_port: int, decode: str):
+def pd_router(*cmd: str, prefill: str, bootstrap_port: int, decode: str, flags: tuple[str, ...] = ()):
     """A PD router process (`cmd` up to its flags) in front of the pair, stopped afterwards."""
     port = free_port()
-    argv = [*cmd, "--pd-disaggregation", "--prefill", prefill, str(bootstrap_port), "--decode", decode,
+    argv = [*cmd, *flags, "--pd-disaggregation", "--prefill", prefill, str(bootstrap_port), "--decode", decode,
             "--host", "127.0.0.1", "--port", str(port)]
     router = EngineProcess(argv, port)
     with router:
