@@ -151,3 +151,47 @@ def test_killed_decode_behind_the_router_ends_every_call_and_a_restart_serves_ag
             for engine in (prefill, decode):
                 info = wait_idle_integrity(engine.base_url, timeout_s=60)
                 assert info["integrity_ok"] is True, info
+
+
+def test_killed_router_leaves_nothing_behind_on_either_engine(tiny_model_factory):
+    """The router dies with requests at every stage: no abort reaches the engines, only closed
+    connections. Each engine must notice its clients are gone and give everything back."""
+    model_path = tiny_model_factory("llama")
+    bootstrap_port, prefill_port, decode_port = free_port(), free_port(), free_port()
+    prefill = _prefill(model_path, prefill_port, bootstrap_port)
+    decode = EngineProcess(engine_command(model_path, decode_port, [
+        "--disaggregation-mode", "decode", "--max-running-requests", "4", *COMMON]), decode_port)
+    with prefill, decode:
+        prefill.wait_healthy(STARTUP_TIMEOUT_S, "waiting for the prefill engine")
+        decode.wait_healthy(STARTUP_TIMEOUT_S, "waiting for the decode engine")
+        with pd_router(sys.executable, "-m", "baton", "router", prefill=prefill.base_url,
+                       bootstrap_port=bootstrap_port, decode=decode.base_url) as router:
+
+            async def kill_under_load() -> list[BaseException | httpx.Response]:
+                async with httpx.AsyncClient(timeout=120) as c:
+                    calls = [asyncio.create_task(c.post(f"{router.base_url}/generate", json={
+                        "input_ids": PROMPTS[i % len(PROMPTS)], "stream": i % 2 == 0,
+                        "sampling_params": {"max_new_tokens": 300, "ignore_eos": True}})) for i in range(12)]
+                    deadline = time.monotonic() + 60
+                    while (await c.get(f"{decode.base_url}/get_server_info")).json().get("num_running_reqs", 0) < 4:
+                        assert time.monotonic() < deadline, "the decode never ran 4 requests"
+                        await asyncio.sleep(0.05)
+                    router.kill()
+                    return await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), FAILURE_DEADLINE_S)
+
+            results = asyncio.run(kill_under_load())
+            assert all(isinstance(r, httpx.TransportError) for r in results), results
+
+        for engine, queues in ((prefill, ("num_bootstrap_reqs", "num_inflight_reqs")),
+                               (decode, ("num_prealloc_reqs", "num_transfer_reqs"))):
+            info = wait_idle_integrity(engine.base_url, timeout_s=FAILURE_DEADLINE_S)
+            assert info["integrity_ok"] is True, info
+            assert all(info[q] == 0 for q in queues), info
+        pre, dec = asyncio.run(_post_both_once(prefill.base_url, decode.base_url, _body(PROMPTS[4], bootstrap_port)))
+        assert pre.status_code == 200 and dec.status_code == 200, (pre.text, dec.text)
+        assert dec.json()["output_ids"] == hf_greedy(model_path, PROMPTS[4], MAX_NEW)
+
+
+async def _post_both_once(prefill: str, decode: str, body: dict) -> tuple[httpx.Response, httpx.Response]:
+    async with httpx.AsyncClient(timeout=120) as c:
+        return await _post_both(c, prefill, decode, body)
