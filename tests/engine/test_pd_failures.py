@@ -13,6 +13,7 @@ import sys
 import time
 
 import httpx
+import pytest
 
 from baton.engine.bench.launcher import EngineProcess, engine_command, free_port
 from engine_server import STARTUP_TIMEOUT_S, wait_idle_integrity
@@ -95,101 +96,112 @@ def test_killed_prefill_fails_only_its_requests_and_a_restart_serves_again(tiny_
             assert info["integrity_ok"] is True, info
 
 
-def test_killed_decode_behind_the_router_ends_every_call_and_a_restart_serves_again(tiny_model_factory):
+@pytest.fixture(scope="module")
+def loaded_pair(tiny_model_factory):
+    """A prefill and a decode with room for 4 running requests: under 12 long ones, the rest wait for
+    memory on the decode or in the prefill's bootstrap queue."""
     model_path = tiny_model_factory("llama")
     bootstrap_port, prefill_port, decode_port = free_port(), free_port(), free_port()
     prefill = _prefill(model_path, prefill_port, bootstrap_port)
-    # room for 4 running requests of 300 tokens: the rest wait for memory on the decode or in the
-    # prefill's bootstrap queue when the decode dies
     decode = EngineProcess(engine_command(model_path, decode_port, [
         "--disaggregation-mode", "decode", "--max-running-requests", "4", *COMMON]), decode_port)
     with prefill, decode:
         prefill.wait_healthy(STARTUP_TIMEOUT_S, "waiting for the prefill engine")
         decode.wait_healthy(STARTUP_TIMEOUT_S, "waiting for the decode engine")
-        with pd_router(sys.executable, "-m", "baton", "router", flags=("--health-check-interval-secs", "1"),
-                       prefill=prefill.base_url, bootstrap_port=bootstrap_port, decode=decode.base_url) as router:
-
-            async def call(c: httpx.AsyncClient, i: int) -> str:
-                body = {"input_ids": PROMPTS[i % len(PROMPTS)], "stream": i % 2 == 0,
-                        "sampling_params": {"max_new_tokens": 300, "ignore_eos": True}}
-                async with c.stream("POST", f"{router.base_url}/generate", json=body) as r:
-                    text = (await r.aread()).decode(errors="replace")
-                if r.status_code == 200 and '"error"' not in text:
-                    return "ok"  # finished before the kill (unlikely at 300 tokens)
-                assert r.status_code in (200, 500, 502, 503), (r.status_code, text[-500:])
-                return f"failed {r.status_code}"
-
-            async def kill_under_load() -> tuple[list[str], float]:
-                async with httpx.AsyncClient(timeout=120) as c:
-                    calls = [asyncio.create_task(call(c, i)) for i in range(12)]
-                    deadline = time.monotonic() + 60
-                    while (await c.get(f"{decode.base_url}/get_server_info")).json().get("num_running_reqs", 0) < 4:
-                        assert time.monotonic() < deadline, "the decode never ran 4 requests"
-                        await asyncio.sleep(0.05)
-                    decode.kill()
-                    killed_at = time.monotonic()
-                    outcomes = await asyncio.wait_for(asyncio.gather(*calls), FAILURE_DEADLINE_S)
-                    return outcomes, time.monotonic() - killed_at
-
-            outcomes, elapsed = asyncio.run(kill_under_load())
-            print(f"\ndecode killed: all 12 calls ended {elapsed:.2f}s later: {sorted(outcomes)}")
-            assert sum(o.startswith("failed") for o in outcomes) >= 4, outcomes
-            _wait_router_drained(router, prefill)
-            info = wait_idle_integrity(prefill.base_url, timeout_s=60)
-            assert info["integrity_ok"] is True, info
-            for queue in ("num_bootstrap_reqs", "num_inflight_reqs"):
-                assert info[queue] == 0, info
-
-            decode.start()  # same port, a new process and Mooncake session
-            decode.wait_healthy(STARTUP_TIMEOUT_S, "waiting for the restarted decode engine")
-            body = {"input_ids": PROMPTS[4], "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0}}
-            deadline = time.monotonic() + 60  # the router's health check readmits the decode
-            while (r := httpx.post(f"{router.base_url}/generate", json=body, timeout=120)).status_code != 200:
-                assert time.monotonic() < deadline, (r.status_code, r.text)
-                time.sleep(0.5)
-            assert r.json()["output_ids"] == hf_greedy(model_path, PROMPTS[4], MAX_NEW)
-            for engine in (prefill, decode):
-                info = wait_idle_integrity(engine.base_url, timeout_s=60)
-                assert info["integrity_ok"] is True, info
+        yield model_path, prefill, decode, bootstrap_port
 
 
-def test_killed_router_leaves_nothing_behind_on_either_engine(tiny_model_factory):
+def _long_call(c: httpx.AsyncClient, base_url: str, i: int):
+    return c.stream("POST", f"{base_url}/generate", json={
+        "input_ids": PROMPTS[i % len(PROMPTS)], "stream": i % 2 == 0,
+        "sampling_params": {"max_new_tokens": 300, "ignore_eos": True}})
+
+
+async def _until_running(c: httpx.AsyncClient, decode: EngineProcess, n: int = 4) -> None:
+    deadline = time.monotonic() + 60
+    while (await c.get(f"{decode.base_url}/get_server_info")).json().get("num_running_reqs", 0) < n:
+        assert time.monotonic() < deadline, f"the decode never ran {n} requests"
+        await asyncio.sleep(0.05)
+
+
+def _assert_engines_clean(prefill: EngineProcess, decode: EngineProcess, timeout_s: float = 60) -> None:
+    for engine, queues in ((prefill, ("num_bootstrap_reqs", "num_inflight_reqs")),
+                           (decode, ("num_prealloc_reqs", "num_transfer_reqs"))):
+        info = wait_idle_integrity(engine.base_url, timeout_s=timeout_s)
+        assert info["integrity_ok"] is True, info
+        assert all(info[q] == 0 for q in queues), info
+
+
+def test_killed_decode_behind_the_router_ends_every_call_and_a_restart_serves_again(loaded_pair):
+    model_path, prefill, decode, bootstrap_port = loaded_pair
+    with pd_router(sys.executable, "-m", "baton", "router", flags=("--health-check-interval-secs", "1"),
+                   prefill=prefill.base_url, bootstrap_port=bootstrap_port, decode=decode.base_url) as router:
+
+        async def call(c: httpx.AsyncClient, i: int) -> str:
+            async with _long_call(c, router.base_url, i) as r:
+                text = (await r.aread()).decode(errors="replace")
+            if r.status_code == 200 and '"error"' not in text:
+                return "ok"  # finished before the kill (unlikely at 300 tokens)
+            assert r.status_code in (200, 500, 502, 503), (r.status_code, text[-500:])
+            return f"failed {r.status_code}"
+
+        async def kill_under_load() -> tuple[list[str], float]:
+            async with httpx.AsyncClient(timeout=120) as c:
+                calls = [asyncio.create_task(call(c, i)) for i in range(12)]
+                await _until_running(c, decode)
+                decode.kill()
+                killed_at = time.monotonic()
+                outcomes = await asyncio.wait_for(asyncio.gather(*calls), FAILURE_DEADLINE_S)
+                return outcomes, time.monotonic() - killed_at
+
+        outcomes, elapsed = asyncio.run(kill_under_load())
+        print(f"\ndecode killed: all 12 calls ended {elapsed:.2f}s later: {sorted(outcomes)}")
+        assert sum(o.startswith("failed") for o in outcomes) >= 4, outcomes
+        _wait_router_drained(router, prefill)
+        info = wait_idle_integrity(prefill.base_url, timeout_s=60)
+        assert info["integrity_ok"] is True, info
+        assert info["num_bootstrap_reqs"] == 0 and info["num_inflight_reqs"] == 0, info
+
+        decode.start()  # same port, a new process and Mooncake session
+        decode.wait_healthy(STARTUP_TIMEOUT_S, "waiting for the restarted decode engine")
+        body = {"input_ids": PROMPTS[4], "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0}}
+        deadline = time.monotonic() + 60  # the router's health check readmits the decode
+        while (r := httpx.post(f"{router.base_url}/generate", json=body, timeout=120)).status_code != 200:
+            assert time.monotonic() < deadline, (r.status_code, r.text)
+            time.sleep(0.5)
+        assert r.json()["output_ids"] == hf_greedy(model_path, PROMPTS[4], MAX_NEW)
+        _assert_engines_clean(prefill, decode)
+
+
+def test_killed_router_leaves_nothing_behind_on_either_engine(loaded_pair):
     """The router dies with requests at every stage: no abort reaches the engines, only closed
     connections. Each engine must notice its clients are gone and give everything back."""
-    model_path = tiny_model_factory("llama")
-    bootstrap_port, prefill_port, decode_port = free_port(), free_port(), free_port()
-    prefill = _prefill(model_path, prefill_port, bootstrap_port)
-    decode = EngineProcess(engine_command(model_path, decode_port, [
-        "--disaggregation-mode", "decode", "--max-running-requests", "4", *COMMON]), decode_port)
-    with prefill, decode:
-        prefill.wait_healthy(STARTUP_TIMEOUT_S, "waiting for the prefill engine")
-        decode.wait_healthy(STARTUP_TIMEOUT_S, "waiting for the decode engine")
-        with pd_router(sys.executable, "-m", "baton", "router", prefill=prefill.base_url,
-                       bootstrap_port=bootstrap_port, decode=decode.base_url) as router:
+    model_path, prefill, decode, bootstrap_port = loaded_pair
+    with pd_router(sys.executable, "-m", "baton", "router", prefill=prefill.base_url,
+                   bootstrap_port=bootstrap_port, decode=decode.base_url) as router:
 
-            async def kill_under_load() -> list[BaseException | httpx.Response]:
-                async with httpx.AsyncClient(timeout=120) as c:
-                    calls = [asyncio.create_task(c.post(f"{router.base_url}/generate", json={
-                        "input_ids": PROMPTS[i % len(PROMPTS)], "stream": i % 2 == 0,
-                        "sampling_params": {"max_new_tokens": 300, "ignore_eos": True}})) for i in range(12)]
-                    deadline = time.monotonic() + 60
-                    while (await c.get(f"{decode.base_url}/get_server_info")).json().get("num_running_reqs", 0) < 4:
-                        assert time.monotonic() < deadline, "the decode never ran 4 requests"
-                        await asyncio.sleep(0.05)
-                    router.kill()
-                    return await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), FAILURE_DEADLINE_S)
+        async def call(c: httpx.AsyncClient, i: int) -> BaseException | None:
+            try:
+                async with _long_call(c, router.base_url, i) as r:
+                    await r.aread()
+            except httpx.TransportError as exc:
+                return exc
+            return None
 
-            results = asyncio.run(kill_under_load())
-            assert all(isinstance(r, httpx.TransportError) for r in results), results
+        async def kill_under_load() -> list[BaseException | None]:
+            async with httpx.AsyncClient(timeout=120) as c:
+                calls = [asyncio.create_task(call(c, i)) for i in range(12)]
+                await _until_running(c, decode)
+                router.kill()
+                return await asyncio.wait_for(asyncio.gather(*calls), FAILURE_DEADLINE_S)
 
-        for engine, queues in ((prefill, ("num_bootstrap_reqs", "num_inflight_reqs")),
-                               (decode, ("num_prealloc_reqs", "num_transfer_reqs"))):
-            info = wait_idle_integrity(engine.base_url, timeout_s=FAILURE_DEADLINE_S)
-            assert info["integrity_ok"] is True, info
-            assert all(info[q] == 0 for q in queues), info
-        pre, dec = asyncio.run(_post_both_once(prefill.base_url, decode.base_url, _body(PROMPTS[4], bootstrap_port)))
-        assert pre.status_code == 200 and dec.status_code == 200, (pre.text, dec.text)
-        assert dec.json()["output_ids"] == hf_greedy(model_path, PROMPTS[4], MAX_NEW)
+        results = asyncio.run(kill_under_load())
+        assert all(isinstance(r, httpx.TransportError) for r in results), results
+
+    _assert_engines_clean(prefill, decode, timeout_s=FAILURE_DEADLINE_S)
+    pre, dec = asyncio.run(_post_both_once(prefill.base_url, decode.base_url, _body(PROMPTS[4], bootstrap_port)))
+    assert pre.status_code == 200 and dec.status_code == 200, (pre.text, dec.text)
+    assert dec.json()["output_ids"] == hf_greedy(model_path, PROMPTS[4], MAX_NEW)
 
 
 async def _post_both_once(prefill: str, decode: str, body: dict) -> tuple[httpx.Response, httpx.Response]:
