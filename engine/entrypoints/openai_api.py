@@ -27,6 +27,7 @@ def register_openai_routes(app: FastAPI, ctx: ApiContext) -> None:
     async def completions(request: Request):
         req = parse(CompletionRequest, await read_json(request, ctx.server_args.max_request_bytes))
         _check_model(ctx, req.model)
+        reject_unsupported(req)
         prompts = _completion_prompts(req.prompt)
         objs = [o for i, p in enumerate(prompts)  # the n choices of each prompt (parallel sampling)
                 for o in _input(ctx, req, p, req.max_tokens, req.logprobs, i, len(prompts)).parallel(req.n)]
@@ -45,7 +46,8 @@ def register_openai_routes(app: FastAPI, ctx: ApiContext) -> None:
     async def chat(request: Request):
         req = parse(ChatCompletionRequest, await read_json(request, ctx.server_args.max_request_bytes))
         _check_model(ctx, req.model)
-        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        reject_unsupported(req)
+        messages = [text_message(m.model_dump(exclude_none=True)) for m in req.messages]
         ids = ctx.tm.apply_chat_template(messages)
         top = (req.top_logprobs or 0) if req.logprobs else None
         objs = _input(ctx, req, ids, req.max_completion_tokens or req.max_tokens, top).parallel(req.n)
@@ -67,6 +69,36 @@ def _check_model(ctx: ApiContext, model: Optional[str]) -> None:
     if model and model not in (ctx.model_name, ctx.server_args.model_path):
         raise RequestError(f"the model {model!r} does not exist; this server serves {ctx.model_name!r}", 404,
                            "model_not_found")
+
+
+def reject_unsupported(req: SamplingExtras) -> None:
+    """A request for an OpenAI feature this server lacks gets a 400 that names it, not an answer
+    that silently ignores it (free text where JSON was asked for, no tool call where one was)."""
+    fmt = (req.response_format or {}).get("type", "text")
+    if fmt != "text":
+        raise RequestError(f"response_format {fmt!r} (structured output) is not supported by this server; "
+                           "only 'text'", 400)
+    if req.tools or req.functions:
+        raise RequestError("tool calling (tools / functions) is not supported by this server", 400)
+    if req.suffix:
+        raise RequestError("suffix (insertion) is not supported by this server", 400)
+    if req.best_of is not None and req.best_of != getattr(req, "n", 1):
+        raise RequestError("best_of other than n is not supported by this server", 400)
+
+
+def text_message(message: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI content parts to the plain string a text-only chat template expects: text parts joined
+    by newlines (as vLLM does); any other part (image_url, input_audio, file, ...) is a 400."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    texts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise RequestError(f"content part of type {kind!r} is not supported: this model takes text only", 400)
+        texts.append(part["text"])
+    return {**message, "content": "\n".join(texts)}
 
 
 def _completion_prompts(prompt: Any) -> list:
@@ -103,7 +135,8 @@ def _input(ctx: ApiContext, req: SamplingExtras, prompt: Any, max_tokens: Option
         min_p=req.min_p, repetition_penalty=req.repetition_penalty, frequency_penalty=req.frequency_penalty,
         presence_penalty=req.presence_penalty, seed=req.seed, ignore_eos=req.ignore_eos, stop=req.stop or [],
         stop_token_ids=req.stop_token_ids or [], skip_special_tokens=req.skip_special_tokens,
-        spaces_between_special_tokens=req.spaces_between_special_tokens, no_stop_trim=req.no_stop_trim)
+        spaces_between_special_tokens=req.spaces_between_special_tokens, no_stop_trim=req.no_stop_trim,
+        logit_bias=req.logit_bias)
     obj = GenerateInput(params, text=prompt if isinstance(prompt, str) else None,
                         input_ids=prompt if isinstance(prompt, list) else None, stream=req.stream,
                         return_logprob=top_logprobs is not None, top_logprobs_num=top_logprobs or 0,

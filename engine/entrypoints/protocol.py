@@ -31,6 +31,14 @@ class SamplingExtras(_Body):
     data_parallel_rank: Optional[Union[int, list[int]]] = None
     rid: Optional[str] = None
     priority: Optional[int] = None
+    logit_bias: Optional[dict[str, Any]] = None  # checked with the other sampling values (SamplingParams)
+    # OpenAI features this server does not implement: a request for one gets a 400, never a silent
+    # answer without it (openai_api.reject_unsupported)
+    response_format: Optional[dict[str, Any]] = None
+    tools: Optional[list[Any]] = None
+    functions: Optional[list[Any]] = None
+    suffix: Optional[str] = None
+    best_of: Optional[int] = None
 
 
 class StreamOptions(_Body):

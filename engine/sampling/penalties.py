@@ -4,6 +4,8 @@
   logit > 0 -> logit / penalty, else logit * penalty.
 - frequency / presence: OpenAI semantics over output tokens only (as in SGLang):
   logit -= frequency * count + presence * (count > 0).
+- logit_bias: OpenAI semantics, the bias is added to the token's logit (after the penalties, as
+  vLLM's logits processor does; a greedy request takes the argmax of the biased logits).
 - min_new_tokens: while fewer tokens were sampled, the request's stop ids (eos + stop_token_ids)
   are -inf.
 """
@@ -19,6 +21,9 @@ def apply_penalties(logits: torch.Tensor, info: SamplingBatchInfo) -> None:
     assert logits.dim() == 2 and logits.shape[0] == info.batch_size
     if info.has_penalties:
         _apply_token_penalties(logits, info)
+    for i in info.bias_rows:
+        ids, values = info.states[i].logit_bias()
+        logits[i].index_add_(0, ids.to(logits.device), values.to(logits.device))
     if info.has_min_tokens:
         _block_stop_ids(logits, info)
 

@@ -52,6 +52,7 @@ class ReqSamplingState:
         self._prompt_ids: Optional[list[int]] = list(prompt_ids) if params.has_penalties else None
         self.output_counts: Optional[torch.Tensor] = None  # [vocab] int32, output tokens only
         self.seen_mask: Optional[torch.Tensor] = None  # [vocab] bool, prompt + output tokens
+        self._bias: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # logit_bias as (ids, values)
 
     @property
     def has_penalties(self) -> bool:
@@ -60,6 +61,15 @@ class ReqSamplingState:
     @property
     def min_tokens_active(self) -> bool:
         return self.min_tokens_stop_ids is not None and self.num_sampled < self.params.min_new_tokens
+
+    def logit_bias(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """`params.logit_bias` as ([k] int64 ids, [k] float32 biases), built on first use (worker side)."""
+        if self._bias is None:
+            bias = self.params.logit_bias
+            assert bias, "logit_bias() of a request without one"
+            self._bias = (torch.tensor(list(bias), dtype=torch.int64, device=self.device),
+                          torch.tensor(list(bias.values()), dtype=torch.float32, device=self.device))
+        return self._bias
 
     def ensure_penalty_tensors(self) -> None:
         """Build `output_counts` / `seen_mask` on first use (worker side)."""
@@ -109,8 +119,13 @@ class SamplingBatchInfo:
     greedy_mask: Optional[torch.Tensor]  # [bs] bool; None when no row or every row is greedy
     penalty_rows: list[int]  # rows whose request has repetition/frequency/presence penalties
     min_tokens_rows: list[int]  # rows whose request may block stop ids (min_new_tokens > 0)
+    bias_rows: list[int]  # rows whose request has a logit_bias
     seeded_rows: list[int]  # non-greedy rows sampled with the request's own generator
     discard_rows: frozenset[int]  # rows sampled greedily and not recorded (see from_states)
+
+    @property
+    def has_logit_bias(self) -> bool:
+        return bool(self.bias_rows)
 
     @property
     def batch_size(self) -> int:
@@ -133,6 +148,7 @@ class SamplingBatchInfo:
         live = [i for i in range(len(states)) if i not in discard]
         penalty_rows = [i for i in live if states[i].has_penalties]
         min_tokens_rows = [i for i in live if states[i].min_tokens_stop_ids is not None]
+        bias_rows = [i for i in live if states[i].params.logit_bias]
         seeded_rows = [i for i in live if not greedy[i] and states[i].generator is not None]
         is_all_greedy = all(greedy)
         tensors = (None, None, None, None, None)
@@ -156,6 +172,7 @@ class SamplingBatchInfo:
             greedy_mask=tensors[4],
             penalty_rows=penalty_rows,
             min_tokens_rows=min_tokens_rows,
+            bias_rows=bias_rows,
             seeded_rows=seeded_rows,
             discard_rows=discard,
         )

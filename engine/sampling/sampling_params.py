@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 _GREEDY_EPS = 1e-6
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range: [-100, 100]
+MAX_LOGIT_BIAS_ENTRIES = 1024
 
 
 class SamplingParamsError(ValueError):
@@ -30,6 +32,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
     n: int = 1
+    logit_bias: Optional[dict[Any, Any]] = None  # token id (int or its string, as JSON keys are) -> bias
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -59,6 +62,7 @@ class SamplingParams:
         need(all(isinstance(t, int) and 0 <= t < vocab_size for t in self.stop_token_ids), "stop_token_ids out of vocabulary")
         if self.top_k != -1:
             self.top_k = min(self.top_k, vocab_size)
+        self.logit_bias = _logit_bias(self.logit_bias, vocab_size)
 
     @property
     def is_greedy(self) -> bool:
@@ -67,3 +71,27 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+
+def _logit_bias(value: Any, vocab_size: int) -> Optional[dict[int, float]]:
+    """OpenAI's `logit_bias` ({"token id": bias}) as {int: float}; None when empty."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise SamplingParamsError("logit_bias must map token ids to numbers")
+    bias: dict[int, float] = {}
+    for key, v in value.items():
+        try:
+            tid = int(key)
+        except (TypeError, ValueError):
+            raise SamplingParamsError(f"logit_bias key {key!r} is not a token id") from None
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise SamplingParamsError(f"logit_bias value for token {key} must be a number")
+        if not 0 <= tid < vocab_size:
+            raise SamplingParamsError(f"logit_bias token id {tid} is out of vocabulary (size {vocab_size})")
+        if not -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS:  # NaN fails this too
+            raise SamplingParamsError(f"logit_bias values must be in [-100, 100], got {v} for token {tid}")
+        bias[tid] = float(v)
+    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise SamplingParamsError(f"logit_bias has {len(bias)} entries; at most {MAX_LOGIT_BIAS_ENTRIES}")
+    return bias or None

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from baton.engine.layers.logits_processor import compute_input_logprobs, last_to
 from baton.engine.layers.sampler import Sampler
 from baton.engine.sampling.penalties import apply_penalties
 from baton.engine.sampling.sampling_batch_info import ReqSamplingState, SamplingBatchInfo
-from baton.engine.sampling.sampling_params import SamplingParams
+from baton.engine.sampling.sampling_params import SamplingParams, SamplingParamsError
 
 VOCAB = 8
 # sorted probabilities 0.4, 0.3, 0.2, 0.1 on tokens 2, 5, 0, 7; the rest ~0
@@ -285,3 +286,43 @@ def test_seeded_and_greedy_sampling_on_cuda():
     assert mixed[1] == alone[0]
     assert mixed[2] == [int(torch.argmax(other))] * 8
     assert int(states[1].output_counts.sum()) == 8
+
+
+# ---------------------------------------------------------------- logit_bias
+
+
+def test_logit_bias_is_added_to_the_logits_of_its_row_only():
+    logits = PROBS.log().expand(2, VOCAB).clone()
+    biased = make_state(temperature=0.0, logit_bias={3: 50.0, 2: -100.0})
+    out = sample([biased, make_state(temperature=0.0)], logits).next_token_ids.tolist()
+    assert out == [3, 2]  # the bias moves the argmax of its row; the other row keeps token 2
+    # a sampled row: the banned best token never comes, the rest keep their odds renormalised
+    torch.manual_seed(0)
+    states = [make_state(logit_bias={2: -100.0}) for _ in range(4000)]
+    assert_freqs(sample(states, PROBS.log().expand(4000, VOCAB)).next_token_ids, {0: 1 / 3, 5: 0.5, 7: 1 / 6})
+
+
+@pytest.mark.parametrize("bias,needle", [
+    ({"x": 1.0}, "not a token id"),
+    ({"8": 1.0}, "out of vocabulary"),
+    ({"-1": 1.0}, "out of vocabulary"),
+    ({"3": 100.5}, "[-100, 100]"),
+    ({"3": float("nan")}, "[-100, 100]"),
+    ({"3": "1"}, "must be a number"),
+    ({"3": True}, "must be a number"),
+    ([3, 1.0], "must map token ids"),
+])
+def test_bad_logit_bias_is_rejected(bias, needle):
+    with pytest.raises(SamplingParamsError, match=re.escape(needle)):
+        SamplingParams(logit_bias=bias).verify(VOCAB)
+
+
+def test_logit_bias_keys_arrive_as_strings_and_empty_means_none():
+    p = SamplingParams(logit_bias={"3": 1, "5": -2.5})
+    p.verify(VOCAB)
+    assert p.logit_bias == {3: 1.0, 5: -2.5}
+    p.verify(VOCAB)  # a copy of n > 1 is verified again
+    assert p.logit_bias == {3: 1.0, 5: -2.5}
+    empty = SamplingParams(logit_bias={})
+    empty.verify(VOCAB)
+    assert empty.logit_bias is None
