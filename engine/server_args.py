@@ -58,6 +58,9 @@ class ServerArgs:
     enable_priority_scheduling: bool = False
     priority_preemption_threshold: int = 10
     schedule_conservativeness: float = 1.0
+    # structured output (engine/constrained)
+    grammar_backend: str = "xgrammar"
+    constrained_json_disable_any_whitespace: bool = False
     disable_overlap_schedule: bool = False
     # Overlap is on by default on CUDA only: on CPU the forward itself is Python holding the GIL
     # between small ops, so a worker thread contends with the scheduler instead of overlapping it
@@ -182,6 +185,10 @@ class ServerArgs:
         a("--enable-priority-scheduling", action="store_true")
         a("--priority-preemption-threshold", type=int, default=ServerArgs.priority_preemption_threshold)
         a("--schedule-conservativeness", type=float, default=ServerArgs.schedule_conservativeness)
+        a("--grammar-backend", default=ServerArgs.grammar_backend, choices=["xgrammar", "none"],
+          help="structured output (json_schema, regex, ebnf, response_format); none refuses it with a 400")
+        a("--constrained-json-disable-any-whitespace", action="store_true",
+          help="JSON schemas allow no free whitespace (small models can loop on it)")
         a("--disable-overlap-schedule", action="store_true")
         a("--enable-overlap-schedule", action="store_true",
           help="use the overlap loop on CPU too (default: on for CUDA, off for CPU)")

@@ -158,6 +158,8 @@ class DecodeDisaggregation:
             req.fill_ids = list(req.origin_input_ids)
             req.output_ids.append(meta.output_token_id)
             req.sampling_state.on_sampled(meta.output_token_id)
+            if req.grammar is not None:  # the prefill sampled it under the same grammar
+                req.accept_grammar_token(meta.output_token_id)
             if req.return_logprob:
                 req.output_token_logprobs.append((meta.output_logprob, meta.output_token_id))
                 if req.top_logprobs_num > 0:

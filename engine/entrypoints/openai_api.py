@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from baton.engine.entrypoints.http_server import (SSE_DONE, ApiContext, _collect, abort_error, parse, read_json,
                                                   sse)
+from baton.engine.constrained.grammar import schema_text
 from baton.engine.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, SamplingExtras
 from baton.engine.sampling.sampling_params import SamplingParams
 from baton.engine.tokenizer_manager import GenerateInput, ReqOutput, RequestError, fanned_room
@@ -74,16 +75,36 @@ def _check_model(ctx: ApiContext, model: Optional[str]) -> None:
 def reject_unsupported(req: SamplingExtras) -> None:
     """A request for an OpenAI feature this server lacks gets a 400 that names it, not an answer
     that silently ignores it (free text where JSON was asked for, no tool call where one was)."""
-    fmt = (req.response_format or {}).get("type", "text")
-    if fmt != "text":
-        raise RequestError(f"response_format {fmt!r} (structured output) is not supported by this server; "
-                           "only 'text'", 400)
     if req.tools or req.functions:
         raise RequestError("tool calling (tools / functions) is not supported by this server", 400)
     if req.suffix:
         raise RequestError("suffix (insertion) is not supported by this server", 400)
     if req.best_of is not None and req.best_of != getattr(req, "n", 1):
         raise RequestError("best_of other than n is not supported by this server", 400)
+
+
+def grammar_fields(req: SamplingExtras) -> dict[str, Any]:
+    """The sampling fields of a request's structured output: OpenAI's response_format (json_object:
+    any JSON object; json_schema: its schema) or SGLang's json_schema / regex / ebnf."""
+    fields = {k: getattr(req, k) for k in ("json_schema", "regex", "ebnf") if getattr(req, k) is not None}
+    fmt = req.response_format
+    if fmt is None:
+        return fields
+    kind = fmt.get("type", "text")
+    if kind == "text":
+        return fields
+    if fields:
+        raise RequestError("response_format and json_schema / regex / ebnf are exclusive", 400)
+    if kind == "json_object":
+        return {"json_schema": '{"type": "object"}'}
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        schema = spec.get("schema", spec.get("schema_")) if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise RequestError("response_format json_schema needs json_schema.schema, a JSON schema object", 400)
+        return {"json_schema": schema_text(schema)}
+    raise RequestError(f"response_format type {kind!r} is not supported by this server "
+                       "(text, json_object, json_schema)", 400)
 
 
 def text_message(message: dict[str, Any]) -> dict[str, Any]:
@@ -136,7 +157,7 @@ def _input(ctx: ApiContext, req: SamplingExtras, prompt: Any, max_tokens: Option
         presence_penalty=req.presence_penalty, seed=req.seed, ignore_eos=req.ignore_eos, stop=req.stop or [],
         stop_token_ids=req.stop_token_ids or [], skip_special_tokens=req.skip_special_tokens,
         spaces_between_special_tokens=req.spaces_between_special_tokens, no_stop_trim=req.no_stop_trim,
-        logit_bias=req.logit_bias)
+        logit_bias=req.logit_bias, **grammar_fields(req))
     obj = GenerateInput(params, text=prompt if isinstance(prompt, str) else None,
                         input_ids=prompt if isinstance(prompt, list) else None, stream=req.stream,
                         return_logprob=top_logprobs is not None, top_logprobs_num=top_logprobs or 0,

@@ -32,9 +32,13 @@ class SamplingExtras(_Body):
     rid: Optional[str] = None
     priority: Optional[int] = None
     logit_bias: Optional[dict[str, Any]] = None  # checked with the other sampling values (SamplingParams)
+    # structured output: OpenAI's response_format, or SGLang's extras (at most one grammar)
+    response_format: Optional[dict[str, Any]] = None
+    json_schema: Optional[Any] = None
+    regex: Optional[str] = None
+    ebnf: Optional[str] = None
     # OpenAI features this server does not implement: a request for one gets a 400, never a silent
     # answer without it (openai_api.reject_unsupported)
-    response_format: Optional[dict[str, Any]] = None
     tools: Optional[list[Any]] = None
     functions: Optional[list[Any]] = None
     suffix: Optional[str] = None

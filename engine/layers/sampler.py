@@ -1,6 +1,6 @@
 """Sample the next token of every request in a batch from its last-position logits.
 
-Order: penalties, logit_bias -> greedy rows: argmax -> temperature -> softmax -> top-k -> top-p -> min-p ->
+Order: penalties, logit_bias, grammar mask -> greedy rows: argmax -> temperature -> softmax -> top-k -> top-p -> min-p ->
 multinomial. top-p is taken over the top-k-restricted distribution (renormalised), as in HF
 `generate` and vLLM. An all-greedy batch without penalties is one `argmax` and nothing else.
 """
@@ -37,7 +37,7 @@ class Sampler(torch.nn.Module):
         assert logits.dim() == 2 and logits.shape[0] == info.batch_size
         assert logits.dtype == torch.float32, "sample from float32 logits"
         logprobs = torch.log_softmax(logits, dim=-1) if return_logprob else None  # [bs, vocab]
-        if info.has_penalties or info.has_min_tokens or info.has_logit_bias:
+        if info.has_penalties or info.has_min_tokens or info.has_logit_bias or info.has_grammar:
             apply_penalties(logits, info)
         if info.is_all_greedy:
             next_ids = torch.argmax(logits, dim=-1)  # [bs]

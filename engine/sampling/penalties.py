@@ -6,6 +6,7 @@
   logit -= frequency * count + presence * (count > 0).
 - logit_bias: OpenAI semantics, the bias is added to the token's logit (after the penalties, as
   vLLM's logits processor does; a greedy request takes the argmax of the biased logits).
+- grammar (structured output): tokens the request's grammar does not allow next are -inf.
 - min_new_tokens: while fewer tokens were sampled, the request's stop ids (eos + stop_token_ids)
   are -inf.
 """
@@ -24,6 +25,10 @@ def apply_penalties(logits: torch.Tensor, info: SamplingBatchInfo) -> None:
     for i in info.bias_rows:
         ids, values = info.states[i].logit_bias()
         logits[i].index_add_(0, ids.to(logits.device), values.to(logits.device))
+    if info.has_grammar:
+        from baton.engine.constrained.grammar import apply_bitmasks
+
+        apply_bitmasks(logits, info.grammar_rows, [info.states[i].grammar for i in info.grammar_rows])
     if info.has_min_tokens:
         _block_stop_ids(logits, info)
 
@@ -56,5 +61,5 @@ def _column(values: list[float], device: torch.device) -> torch.Tensor:
 def _block_stop_ids(logits: torch.Tensor, info: SamplingBatchInfo) -> None:
     for i in info.min_tokens_rows:
         state = info.states[i]
-        if state.min_tokens_active:
+        if state.min_tokens_active and state.grammar is None:  # a finished grammar allows only stop ids
             logits[i].index_fill_(0, state.min_tokens_stop_ids.to(logits.device), float("-inf"))

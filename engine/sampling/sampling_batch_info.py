@@ -11,11 +11,14 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 
 from baton.engine.sampling.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from baton.engine.constrained.grammar import Grammar
 
 
 class ReqSamplingState:
@@ -53,6 +56,10 @@ class ReqSamplingState:
         self.output_counts: Optional[torch.Tensor] = None  # [vocab] int32, output tokens only
         self.seen_mask: Optional[torch.Tensor] = None  # [vocab] bool, prompt + output tokens
         self._bias: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # logit_bias as (ids, values)
+        # structured output (engine/constrained/grammar.py). The one exception to "worker only": the
+        # scheduler fills its bitmask before launching a batch, once the previous step's result is
+        # processed (so the worker never reads a row while it is written).
+        self.grammar: Optional["Grammar"] = None
 
     @property
     def has_penalties(self) -> bool:
@@ -120,12 +127,17 @@ class SamplingBatchInfo:
     penalty_rows: list[int]  # rows whose request has repetition/frequency/presence penalties
     min_tokens_rows: list[int]  # rows whose request may block stop ids (min_new_tokens > 0)
     bias_rows: list[int]  # rows whose request has a logit_bias
+    grammar_rows: list[int]  # rows whose request has a grammar (structured output)
     seeded_rows: list[int]  # non-greedy rows sampled with the request's own generator
     discard_rows: frozenset[int]  # rows sampled greedily and not recorded (see from_states)
 
     @property
     def has_logit_bias(self) -> bool:
         return bool(self.bias_rows)
+
+    @property
+    def has_grammar(self) -> bool:
+        return bool(self.grammar_rows)
 
     @property
     def batch_size(self) -> int:
@@ -149,6 +161,7 @@ class SamplingBatchInfo:
         penalty_rows = [i for i in live if states[i].has_penalties]
         min_tokens_rows = [i for i in live if states[i].min_tokens_stop_ids is not None]
         bias_rows = [i for i in live if states[i].params.logit_bias]
+        grammar_rows = [i for i in live if states[i].grammar is not None]
         seeded_rows = [i for i in live if not greedy[i] and states[i].generator is not None]
         is_all_greedy = all(greedy)
         tensors = (None, None, None, None, None)
@@ -173,6 +186,7 @@ class SamplingBatchInfo:
             penalty_rows=penalty_rows,
             min_tokens_rows=min_tokens_rows,
             bias_rows=bias_rows,
+            grammar_rows=grammar_rows,
             seeded_rows=seeded_rows,
             discard_rows=discard,
         )

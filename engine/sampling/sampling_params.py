@@ -1,6 +1,7 @@
 """Per-request sampling parameters, validated where they are built (bad values -> 400)."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -33,6 +34,10 @@ class SamplingParams:
     no_stop_trim: bool = False
     n: int = 1
     logit_bias: Optional[dict[Any, Any]] = None  # token id (int or its string, as JSON keys are) -> bias
+    # structured output (engine/constrained): at most one; json_schema as text (an object is dumped)
+    json_schema: Optional[Any] = None
+    regex: Optional[str] = None
+    ebnf: Optional[str] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -63,6 +68,13 @@ class SamplingParams:
         if self.top_k != -1:
             self.top_k = min(self.top_k, vocab_size)
         self.logit_bias = _logit_bias(self.logit_bias, vocab_size)
+        grammars = [k for k in ("json_schema", "regex", "ebnf") if getattr(self, k) is not None]
+        need(len(grammars) <= 1, f"at most one of json_schema, regex, ebnf; got {', '.join(grammars)}")
+        if self.json_schema is not None and not isinstance(self.json_schema, str):
+            need(isinstance(self.json_schema, dict), "json_schema must be a JSON schema (an object or its text)")
+            self.json_schema = json.dumps(self.json_schema)
+        need(all(isinstance(getattr(self, k), (str, type(None))) for k in ("regex", "ebnf")),
+             "regex and ebnf must be strings")
 
     @property
     def is_greedy(self) -> bool:

@@ -65,7 +65,7 @@ class SchedulerOutputProcessorMixin:
                 # overlap: the extra step after a finish, or an abort while in flight
                 self.finish_request(req)
                 continue
-            if plain and req.first_token_time is not None:
+            if plain and req.first_token_time is not None and req.grammar is None:
                 req.output_ids.append(ids[i])
                 appended += 1
             else:
@@ -82,6 +82,8 @@ class SchedulerOutputProcessorMixin:
     def record_token(self: "Scheduler", req: Req, i: int, result) -> None:
         """Append row i's sampled token (and logprobs) without the finish checks."""
         req.output_ids.append(result.next_token_ids[i])
+        if req.grammar is not None:
+            req.accept_grammar_token(result.next_token_ids[i])
         self.stats.generated_tokens += 1
         if req.first_token_time is None:
             req.first_token_time = time.time()

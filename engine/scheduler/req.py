@@ -49,6 +49,7 @@ class Req:
     is_retracted: bool = False
     cached_tokens: int = 0  # prompt tokens served from the prefix cache, for usage reporting
     sampling_state: Optional["ReqSamplingState"] = None  # created by the scheduler; mutated only by the worker
+    grammar: Any = None  # structured output (constrained/grammar.py): also in sampling_state.grammar
     sent_offset: int = 0  # output tokens already streamed to the detokenizer
     # logprobs, accumulated by the output processor
     input_token_logprobs: list = field(default_factory=list)
@@ -127,6 +128,16 @@ class Req:
                 if stop in tail:
                     self.finished_reason = FinishReason("stop", matched=stop)
                     return
+
+    def accept_grammar_token(self, token_id: int) -> None:
+        """Feed a sampled (or transferred) token to the request's grammar; a grammar that has
+        accepted its stop token ends the request."""
+        if self.finished_reason is not None:
+            return
+        if not self.grammar.accept(token_id):  # the mask makes this a bug, not a client error
+            self.abort(f"token {token_id} is not allowed by the request's grammar", 500)
+        elif self.grammar.terminated:
+            self.finished_reason = FinishReason("stop", matched=token_id)
 
     def abort(self, message: str, status_code: int) -> None:
         if self.finished_reason is None:

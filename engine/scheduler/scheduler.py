@@ -75,6 +75,12 @@ class Scheduler(SchedulerOutputProcessorMixin):
                                      self.tree_cache, args.enable_priority_scheduling, args.random_seed)
         self.overlap = OverlapWorkerClient(self.worker, self.max_running_requests) if args.enable_overlap else None
         self.eos_token_ids = self._eos_ids(runner.hf_config, tokenizer)
+        self.grammar_backend = None
+        if args.grammar_backend == "xgrammar" and tokenizer is not None:
+            from baton.engine.constrained.grammar import GrammarBackend
+
+            self.grammar_backend = GrammarBackend(tokenizer, self.vocab_size, list(self.eos_token_ids),
+                                                  any_whitespace=not args.constrained_json_disable_any_whitespace)
         self.chunked_prefill_size = None if args.chunked_prefill_size in (-1, 0) else args.chunked_prefill_size
         self.init_new_token_ratio = min(INIT_NEW_TOKEN_RATIO * args.schedule_conservativeness, 1.0)
         self.min_new_token_ratio = self.init_new_token_ratio * MIN_NEW_TOKEN_RATIO_FACTOR
@@ -153,6 +159,8 @@ class Scheduler(SchedulerOutputProcessorMixin):
             max_queued = self.server_args.max_queued_requests
             if max_queued is not None and len(self.waiting_queue) >= max_queued:
                 error = ("the server is overloaded: the waiting queue is full", 503)
+            else:
+                error = self._attach_grammar(req)
         if error is None and self.disaggregation_mode != "null":
             error = self.pd.add_request(req, recv)  # joins a PD queue; it reaches waiting_queue later
             if error is None:
@@ -162,6 +170,34 @@ class Scheduler(SchedulerOutputProcessorMixin):
             self.stream_output([req])
             return
         self.waiting_queue.append(req)
+
+    def _attach_grammar(self, req: Req) -> Optional[tuple[str, int]]:
+        from baton.engine.constrained.grammar import GrammarError, grammar_spec
+
+        spec = grammar_spec(req.sampling_params)
+        if spec is None:
+            return None
+        if self.grammar_backend is None:
+            return "structured output is off on this server (--grammar-backend none)", 400
+        try:
+            req.grammar = req.sampling_state.grammar = self.grammar_backend.grammar(*spec)
+        except GrammarError as e:
+            return str(e), 400
+        except ImportError as e:
+            return f"structured output needs the xgrammar package: {e}", 400
+        return None
+
+    def fill_grammar_masks(self, batch: ScheduleBatch) -> None:
+        """Before a launch: each grammar's bitmask from its matcher. The overlap loop first processes
+        the step in flight, whose tokens the matchers have not seen yet (a plain step, only for
+        batches with a grammar)."""
+        if not any(r.grammar is not None for r in batch.reqs):
+            return
+        if self.overlap is not None:
+            self.drain_results()
+        for req in batch.reqs:
+            if req.grammar is not None and not req.finished():
+                req.grammar.fill()
 
     def _validate(self, req: Req) -> Optional[tuple[str, int]]:
         n = len(req.origin_input_ids)
@@ -385,6 +421,8 @@ class Scheduler(SchedulerOutputProcessorMixin):
         return f", #prealloc-req: {len(pd.prealloc_queue)}, #transfer-req: {len(pd.transfer_queue)}"
 
     def run_batch(self, batch: ScheduleBatch) -> LaunchedBatch:
+        if self.grammar_backend is not None:
+            self.fill_grammar_masks(batch)
         mwb = batch.model_worker_batch
         self.forward_ct += 1
         if self.overlap is not None:

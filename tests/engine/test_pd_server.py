@@ -8,10 +8,12 @@ import contextlib
 import json
 import os
 import random
+import re
 import sys
 
 import httpx
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from baton.engine.bench.launcher import EngineProcess, engine_command, free_port
@@ -100,6 +102,36 @@ def test_pd_pair_matches_hf(pd_pair, model_path):
     info = httpx.get(f"{prefill.base_url}/get_server_info", timeout=10).json()
     assert info["disaggregation_mode"] == "prefill" and info["bootstrap_port"] == bootstrap_port
     assert info["kv_transfer_bytes"] > 0
+    _assert_idle_and_whole(prefill, decode)
+
+
+def test_pd_structured_output_matches_hf_under_the_same_grammar(pd_pair, model_path):
+    """The prefill samples the first token under the request's grammar, the decode feeds that token
+    to its own matcher and goes on: HF `generate` with xgrammar's logits processor, token for token."""
+    import xgrammar as xgr
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from xgrammar.contrib.hf import LogitsProcessor
+
+    prefill, bootstrap_port, decode = pd_pair
+    regex = r"(yes|no)-[0-9]{2,4}"
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=model.config.vocab_size,
+                                              stop_token_ids=[tokenizer.eos_token_id])
+    compiled = xgr.GrammarCompiler(info).compile_regex(regex)
+
+    async def run():
+        async with httpx.AsyncClient(timeout=120) as c:
+            return await asyncio.gather(*[_post_both(c, prefill.base_url, decode.base_url, _body(
+                p, bootstrap_port, sampling_params={"max_new_tokens": 20, "temperature": 0, "regex": regex}))
+                for p in PROMPTS[:4]])
+
+    for p, (pre, dec) in zip(PROMPTS[:4], asyncio.run(run())):
+        assert pre.status_code == 200 and dec.status_code == 200, (pre.text, dec.text)
+        want = model.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False, pad_token_id=0,
+                              logits_processor=[LogitsProcessor(compiled)])[0, len(p):].tolist()
+        assert dec.json()["output_ids"] == want
+        assert re.fullmatch(regex, dec.json()["text"]), dec.json()["text"]
     _assert_idle_and_whole(prefill, decode)
 
 

@@ -3,7 +3,9 @@ under concurrency, shared prefixes (radix hits), chunked prefill, a KV pool so s
 must retract, overlap on and off, and page sizes 1 and 16."""
 from __future__ import annotations
 
+import json
 import random
+import re
 
 import pytest
 import torch
@@ -243,3 +245,69 @@ def test_logit_bias_matches_hf_sequence_bias(tiny_model_factory, loop):
     assert [res[str(i)].ids for i in range(len(prompts))] == expected
     assert res["unbiased"].ids == refs[0]
     assert h.scheduler.check_memory_integrity()
+
+
+# structured output: grammars whose every sentence is short, so a random model finishes each one
+GRAMMARS = {
+    "json_schema": json.dumps({"type": "object", "additionalProperties": False, "required": ["ok", "tag", "pair"],
+                               "properties": {"ok": {"type": "boolean"}, "tag": {"enum": ["red", "green", "blue"]},
+                                              "pair": {"type": "array", "items": {"type": "boolean"},
+                                                       "minItems": 2, "maxItems": 2}}}),
+    "regex": r"(yes|no)-[0-9]{2,4}",
+    "ebnf": 'root ::= "(" letter letter? ")"\nletter ::= "a" | "b" | "c"',
+}
+
+_HF_GRAMMAR_CACHE: dict[tuple, list[int]] = {}
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+@pytest.mark.parametrize("pool", [4096, 160], ids=["roomy", "retracting"])
+def test_structured_output_matches_hf_under_the_same_grammar(tiny_model_factory, loop, pool):
+    """json_schema / regex / ebnf: greedy tokens equal HF `generate` with xgrammar's logits processor
+    on the same compiled grammar, every output is a whole sentence of its grammar ending in EOS, and
+    a request without a grammar in the same batches keeps HF's plain tokens; also in a pool so small
+    that decode retracts requests (their matchers keep the tokens already accepted)."""
+    import xgrammar as xgr
+    from xgrammar.contrib.hf import LogitsProcessor
+
+    path = tiny_model_factory("llama")
+    prompts = workload()[:3]
+    # retracting: admission budgets almost nothing for the tokens still to come, so decode runs out
+    h = harness_for(path, loop, max_total_tokens=pool, constrained_json_disable_any_whitespace=True,
+                    schedule_conservativeness=1.0 if pool >= 4096 else 0.05)
+    s = h.scheduler
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(
+        h.tokenizer, vocab_size=s.vocab_size, stop_token_ids=sorted(s.eos_token_ids)))
+    compile_ = {"json_schema": lambda g: compiler.compile_json_schema(g, any_whitespace=False),
+                "regex": compiler.compile_regex, "ebnf": compiler.compile_grammar}
+    model = _hf_model(path)
+    for i, p in enumerate(prompts):  # long requests without a grammar: they fill a small pool
+        h.submit(f"free{i}", p, max_new_tokens=60, ignore_eos=True)
+    expected = {}
+    for kind, grammar in GRAMMARS.items():
+        for i, p in enumerate(prompts):
+            key = (path, kind, i)
+            if key not in _HF_GRAMMAR_CACHE:  # the same for every loop
+                out = model.generate(torch.tensor([p]), max_new_tokens=80, do_sample=False, pad_token_id=0,
+                                     logits_processor=[LogitsProcessor(compile_[kind](grammar))])
+                _HF_GRAMMAR_CACHE[key] = out[0, len(p):].tolist()
+            expected[f"{kind}{i}"] = _HF_GRAMMAR_CACHE[key]
+            h.submit(f"{kind}{i}", p, max_new_tokens=80, **{kind: grammar})
+        for _ in range(3):  # later arrivals join while the first ones decode
+            h.step()
+    res = h.run_until_idle()
+    assert (s.stats.retractions > 0) == (pool < 4096), s.stats.retractions
+    for rid, ids in expected.items():
+        assert res[rid].ids == ids, rid
+        assert ids[-1] in s.eos_token_ids and res[rid].finish.kind == "stop", (rid, res[rid].finish)
+        text = h.tokenizer.decode(ids[:-1])
+        if rid.startswith("json_schema"):
+            obj = json.loads(text)
+            assert set(obj) == {"ok", "tag", "pair"} and obj["tag"] in ("red", "green", "blue"), text
+        elif rid.startswith("regex"):
+            assert re.fullmatch(GRAMMARS["regex"], text), text
+        else:
+            assert re.fullmatch(r"\([abc]{1,2}\)", text), text
+    for i, p in enumerate(prompts):
+        assert res[f"free{i}"].ids == hf_greedy(path, p, 60, ignore_eos=True)
+    assert s.check_memory_integrity()
