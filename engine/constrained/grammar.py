@@ -13,13 +13,12 @@ schema therefore stalls this loop for its compile time, once).
 """
 from __future__ import annotations
 
-import json
 from typing import TYPE_CHECKING, Any, Optional
 
-if TYPE_CHECKING:  # the HTTP process imports schema_text from here without paying for torch
-    import torch
+from baton.engine.sampling.sampling_params import GRAMMAR_KINDS
 
-KINDS = ("json_schema", "regex", "ebnf")
+if TYPE_CHECKING:
+    import torch
 
 
 class GrammarError(ValueError):
@@ -84,16 +83,11 @@ class GrammarBackend:
 
 def grammar_spec(params: Any) -> Optional[tuple[str, str]]:
     """(kind, text) of the one grammar field a request sets, or None."""
-    for kind in KINDS:
+    for kind in GRAMMAR_KINDS:
         value = getattr(params, kind, None)
         if value is not None:
             return kind, value
     return None
-
-
-def schema_text(value: Any) -> str:
-    """A JSON schema given as an object or as its text, as text."""
-    return value if isinstance(value, str) else json.dumps(value)
 
 
 def apply_bitmasks(logits: torch.Tensor, rows: list[int], grammars: list[Grammar]) -> None:

@@ -11,9 +11,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from baton.engine.entrypoints.http_server import (SSE_DONE, ApiContext, _collect, abort_error, parse, read_json,
                                                   sse)
-from baton.engine.constrained.grammar import schema_text
 from baton.engine.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, SamplingExtras
-from baton.engine.sampling.sampling_params import SamplingParams
+from baton.engine.sampling.sampling_params import GRAMMAR_KINDS, SamplingParams
 from baton.engine.tokenizer_manager import GenerateInput, ReqOutput, RequestError, fanned_room
 
 
@@ -86,7 +85,7 @@ def reject_unsupported(req: SamplingExtras) -> None:
 def grammar_fields(req: SamplingExtras) -> dict[str, Any]:
     """The sampling fields of a request's structured output: OpenAI's response_format (json_object:
     any JSON object; json_schema: its schema) or SGLang's json_schema / regex / ebnf."""
-    fields = {k: getattr(req, k) for k in ("json_schema", "regex", "ebnf") if getattr(req, k) is not None}
+    fields = {k: getattr(req, k) for k in GRAMMAR_KINDS if getattr(req, k) is not None}
     fmt = req.response_format
     if fmt is None:
         return fields
@@ -102,7 +101,7 @@ def grammar_fields(req: SamplingExtras) -> dict[str, Any]:
         schema = spec.get("schema", spec.get("schema_")) if isinstance(spec, dict) else None
         if not isinstance(schema, dict):
             raise RequestError("response_format json_schema needs json_schema.schema, a JSON schema object", 400)
-        return {"json_schema": schema_text(schema)}
+        return {"json_schema": schema}  # SamplingParams.verify turns the object into its text
     raise RequestError(f"response_format type {kind!r} is not supported by this server "
                        "(text, json_object, json_schema)", 400)
 

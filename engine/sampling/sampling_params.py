@@ -8,6 +8,7 @@ from typing import Any, Optional
 _GREEDY_EPS = 1e-6
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range: [-100, 100]
 MAX_LOGIT_BIAS_ENTRIES = 1024
+GRAMMAR_KINDS = ("json_schema", "regex", "ebnf")  # structured output: a request sets at most one
 
 
 class SamplingParamsError(ValueError):
@@ -68,7 +69,7 @@ class SamplingParams:
         if self.top_k != -1:
             self.top_k = min(self.top_k, vocab_size)
         self.logit_bias = _logit_bias(self.logit_bias, vocab_size)
-        grammars = [k for k in ("json_schema", "regex", "ebnf") if getattr(self, k) is not None]
+        grammars = [k for k in GRAMMAR_KINDS if getattr(self, k) is not None]
         need(len(grammars) <= 1, f"at most one of json_schema, regex, ebnf; got {', '.join(grammars)}")
         if self.json_schema is not None and not isinstance(self.json_schema, str):
             need(isinstance(self.json_schema, dict), "json_schema must be a JSON schema (an object or its text)")

@@ -49,7 +49,6 @@ class Req:
     is_retracted: bool = False
     cached_tokens: int = 0  # prompt tokens served from the prefix cache, for usage reporting
     sampling_state: Optional["ReqSamplingState"] = None  # created by the scheduler; mutated only by the worker
-    grammar: Any = None  # structured output (constrained/grammar.py): also in sampling_state.grammar
     sent_offset: int = 0  # output tokens already streamed to the detokenizer
     # logprobs, accumulated by the output processor
     input_token_logprobs: list = field(default_factory=list)
@@ -68,6 +67,11 @@ class Req:
     kv_transfer_started: float = 0.0  # decode: when the destination was sent (transfer latency)
     kv_meta_slot: Optional[int] = None  # metadata buffer slot of the transfer, while kv_transfer lives
     kv_pages_sent: int = 0  # prefill: pages handed to the sender so far
+
+    @property
+    def grammar(self) -> Any:
+        """Structured output (constrained/grammar.py): the matcher lives in the sampling state."""
+        return None if self.sampling_state is None else self.sampling_state.grammar
 
     def finished(self) -> bool:
         return self.finished_reason is not None

@@ -180,7 +180,7 @@ class Scheduler(SchedulerOutputProcessorMixin):
         if self.grammar_backend is None:
             return "structured output is off on this server (--grammar-backend none)", 400
         try:
-            req.grammar = req.sampling_state.grammar = self.grammar_backend.grammar(*spec)
+            req.sampling_state.grammar = self.grammar_backend.grammar(*spec)
         except GrammarError as e:
             return str(e), 400
         except ImportError as e:
