@@ -64,8 +64,11 @@ class Detokenizer:
             st.ids.extend(out.new_token_ids[i])
             states.append(st)
             flags = (out.skip_special_tokens[i], out.spaces_between_special_tokens[i])
-            if out.finished_reasons[i] is not None:
-                jobs.append((st.ids, *flags))  # exact, whatever the offsets held back
+            finished = out.finished_reasons[i]
+            if finished is not None:  # exact, whatever the offsets held back; without the stop token
+                trim = (finished.kind == "stop" and isinstance(finished.matched, int) and not out.no_stop_trim[i]
+                        and st.ids[-1:] == [finished.matched])  # as SGLang: its text is not part of the answer
+                jobs.append((st.ids[:-1] if trim else st.ids, *flags))
             else:
                 jobs.append((st.ids[st.prefix_offset:st.read_offset], *flags))
                 jobs.append((st.ids[st.prefix_offset:], *flags))

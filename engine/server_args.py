@@ -12,6 +12,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional
 
+from baton.engine.parsers import REASONING_PARSERS, TOOL_PARSERS
+
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 ATTENTION_BACKENDS = ("torch", "flashinfer")
 MODEL_DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -58,6 +60,11 @@ class ServerArgs:
     enable_priority_scheduling: bool = False
     priority_preemption_threshold: int = 10
     schedule_conservativeness: float = 1.0
+    # chat: a Jinja template file instead of the tokenizer's; the model's tool-call and reasoning
+    # formats, parsed out of chat answers (engine/parsers, entrypoints/chat_tools.py)
+    chat_template: Optional[str] = None
+    tool_call_parser: Optional[str] = None
+    reasoning_parser: Optional[str] = None
     # structured output (engine/constrained)
     grammar_backend: str = "xgrammar"
     constrained_json_disable_any_whitespace: bool = False
@@ -128,6 +135,12 @@ class ServerArgs:
             from baton.engine.utils.cpu_affinity import plan_binding
 
             plan_binding(self.cpu_omp_threads_bind)  # a bad list fails here, at start-up
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"--tool-call-parser must be one of {TOOL_PARSERS}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"--reasoning-parser must be one of {REASONING_PARSERS}")
+        if self.chat_template is not None and not os.path.isfile(self.chat_template):
+            raise ValueError(f"--chat-template {self.chat_template}: no such file")
         if self.tp_size != 1 or self.dp_size != 1:
             raise ValueError("tensor and data parallelism (--tp-size/--dp-size > 1) are not implemented yet; "
                              "run one engine per GPU and let the router balance across them")
@@ -185,6 +198,11 @@ class ServerArgs:
         a("--enable-priority-scheduling", action="store_true")
         a("--priority-preemption-threshold", type=int, default=ServerArgs.priority_preemption_threshold)
         a("--schedule-conservativeness", type=float, default=ServerArgs.schedule_conservativeness)
+        a("--chat-template", default=None, help="a Jinja chat template file, instead of the tokenizer's")
+        a("--tool-call-parser", default=None, choices=TOOL_PARSERS,
+          help="the model's tool-call format: chat requests with tools get tool_calls (tool_choice auto)")
+        a("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+          help="split the model's <think> block into reasoning_content")
         a("--grammar-backend", default=ServerArgs.grammar_backend, choices=["xgrammar", "none"],
           help="structured output (json_schema, regex, ebnf, response_format); none refuses it with a 400")
         a("--constrained-json-disable-any-whitespace", action="store_true",

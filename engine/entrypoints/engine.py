@@ -141,7 +141,11 @@ def run_server(server_args: ServerArgs) -> None:
         import baton.engine.entrypoints.http_server  # noqa: F401
         import baton.engine.tokenizer_manager  # noqa: F401
 
-        return AutoTokenizer.from_pretrained(server_args.tokenizer_path or server_args.model_path)
+        tokenizer = AutoTokenizer.from_pretrained(server_args.tokenizer_path or server_args.model_path)
+        if server_args.chat_template:
+            with open(server_args.chat_template) as f:
+                tokenizer.chat_template = f.read()
+        return tokenizer
 
     # uvicorn answers SIGTERM (what Kubernetes sends) by closing the listener and letting running
     # requests finish, then raises the signal again once it has drained. Turning that into SystemExit

@@ -4,14 +4,16 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Callable, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from baton.engine.entrypoints import chat_tools
 from baton.engine.entrypoints.http_server import (SSE_DONE, ApiContext, _collect, abort_error, parse, read_json,
                                                   sse)
 from baton.engine.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, SamplingExtras
+from baton.engine.parsers import make_tool_parser
 from baton.engine.sampling.sampling_params import GRAMMAR_KINDS, SamplingParams
 from baton.engine.tokenizer_manager import GenerateInput, ReqOutput, RequestError, fanned_room
 
@@ -46,17 +48,33 @@ def register_openai_routes(app: FastAPI, ctx: ApiContext) -> None:
     async def chat(request: Request):
         req = parse(ChatCompletionRequest, await read_json(request, ctx.server_args.max_request_bytes))
         _check_model(ctx, req.model)
-        reject_unsupported(req)
-        messages = [text_message(m.model_dump(exclude_none=True)) for m in req.messages]
-        ids = ctx.tm.apply_chat_template(messages)
+        reject_unsupported(req, chat=True)
+        args = ctx.server_args
+        plan = chat_tools.plan_tools(req, args.tool_call_parser)
+        messages = chat_tools.template_messages([text_message(m.model_dump(exclude_none=True)) for m in req.messages])
+        ids = ctx.tm.apply_chat_template(messages, tools=plan.tools if plan else None,
+                                         **chat_tools.template_kwargs(req))
         top = (req.top_logprobs or 0) if req.logprobs else None
-        objs = _input(ctx, req, ids, req.max_completion_tokens or req.max_tokens, top).parallel(req.n)
+        overrides: dict[str, Any] = {}
+        if plan is not None and plan.schema is not None:
+            overrides["json_schema"] = plan.schema
+        if plan is not None and plan.mode == "auto" and not make_tool_parser(args.tool_call_parser).skip_special_tokens:
+            overrides["skip_special_tokens"] = False  # the format's marker is a special token
+        objs = _input(ctx, req, ids, req.max_completion_tokens or req.max_tokens, top, overrides=overrides).parallel(req.n)
+        parser = chat_tools.choice_parser_factory(plan, req, args.tool_call_parser, args.reasoning_parser)
         if req.stream:
-            return await _stream(ctx, objs, request, req, chat=True)
+            return await _stream(ctx, objs, request, req, chat=True, parser=parser)
         outs = await _collect_all(ctx, objs, request)
-        choices = [{"index": k, "message": {"role": "assistant", "content": out.text},
-                    "logprobs": {"content": _chat_logprobs(ctx, out, 0)} if req.logprobs else None,
-                    "finish_reason": _reason(out), "matched_stop": _matched(out)} for k, out in enumerate(outs)]
+        with_reasoning = args.reasoning_parser is not None and req.separate_reasoning
+        choices = []
+        for k, out in enumerate(outs):
+            p = parser() if parser else None
+            msg = (chat_tools.message(p.whole(out.text), with_reasoning) if p
+                   else {"role": "assistant", "content": out.text})
+            reason = p.finish_reason(_reason(out)) if p else _reason(out)
+            choices.append({"index": k, "message": msg,
+                            "logprobs": {"content": _chat_logprobs(ctx, out, 0)} if req.logprobs else None,
+                            "finish_reason": reason, "matched_stop": _matched(out)})
         return JSONResponse({"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
                              "created": int(time.time()), "model": ctx.model_name, "choices": choices,
                              "usage": _usage(outs, req.n)})
@@ -71,11 +89,13 @@ def _check_model(ctx: ApiContext, model: Optional[str]) -> None:
                            "model_not_found")
 
 
-def reject_unsupported(req: SamplingExtras) -> None:
+def reject_unsupported(req: SamplingExtras, chat: bool = False) -> None:
     """A request for an OpenAI feature this server lacks gets a 400 that names it, not an answer
     that silently ignores it (free text where JSON was asked for, no tool call where one was)."""
-    if req.tools or req.functions:
-        raise RequestError("tool calling (tools / functions) is not supported by this server", 400)
+    if req.tools and not chat:
+        raise RequestError("tools are for /v1/chat/completions", 400)
+    if req.functions:
+        raise RequestError("functions (deprecated by OpenAI) is not supported by this server; use tools", 400)
     if req.suffix:
         raise RequestError("suffix (insertion) is not supported by this server", 400)
     if req.best_of is not None and req.best_of != getattr(req, "n", 1):
@@ -146,10 +166,11 @@ def _per_prompt(req: SamplingExtras, name: str, i: int, n: int) -> Any:
 
 
 def _input(ctx: ApiContext, req: SamplingExtras, prompt: Any, max_tokens: Optional[int],
-           top_logprobs: Optional[int], i: int = 0, n: int = 1) -> GenerateInput:
+           top_logprobs: Optional[int], i: int = 0, n: int = 1,
+           overrides: Optional[dict[str, Any]] = None) -> GenerateInput:
     if max_tokens is not None and max_tokens <= 0:
         raise RequestError("max_tokens must be at least 1", 400)
-    params = SamplingParams(
+    fields = dict(
         max_new_tokens=max_tokens if max_tokens is not None else ctx.tm.context_len,
         min_new_tokens=req.min_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
         min_p=req.min_p, repetition_penalty=req.repetition_penalty, frequency_penalty=req.frequency_penalty,
@@ -157,6 +178,7 @@ def _input(ctx: ApiContext, req: SamplingExtras, prompt: Any, max_tokens: Option
         stop_token_ids=req.stop_token_ids or [], skip_special_tokens=req.skip_special_tokens,
         spaces_between_special_tokens=req.spaces_between_special_tokens, no_stop_trim=req.no_stop_trim,
         logit_bias=req.logit_bias, **grammar_fields(req))
+    params = SamplingParams(**{**fields, **(overrides or {})})
     obj = GenerateInput(params, text=prompt if isinstance(prompt, str) else None,
                         input_ids=prompt if isinstance(prompt, list) else None, stream=req.stream,
                         return_logprob=top_logprobs is not None, top_logprobs_num=top_logprobs or 0,
@@ -235,11 +257,13 @@ async def _start_streams(ctx: ApiContext, objs: list[GenerateInput]) -> tuple[li
     return streams, firsts
 
 
-async def _stream(ctx: ApiContext, objs: list[GenerateInput], request: Request, req: Any,
-                  chat: bool) -> StreamingResponse:
+async def _stream(ctx: ApiContext, objs: list[GenerateInput], request: Request, req: Any, chat: bool,
+                  parser: Optional[Callable[[], chat_tools.ChoiceParser]] = None) -> StreamingResponse:
     """One SSE stream for all choices (n per prompt, prompt-major, as in the whole response); each
-    chunk carries its choice's index. At most one read per choice is outstanding."""
+    chunk carries its choice's index. At most one read per choice is outstanding. With a chat
+    `parser`, each choice's text becomes reasoning / content / tool-call deltas."""
     streams, firsts = await _start_streams(ctx, objs)
+    parsers = [parser() for _ in objs] if parser else None
     cid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     created, obj_name = int(time.time()), "chat.completion.chunk" if chat else "text_completion"
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -257,7 +281,18 @@ async def _stream(ctx: ApiContext, objs: list[GenerateInput], request: Request, 
             lp = ({"content": _chat_logprobs(ctx, out, out.new_logprobs_from)} if chat
                   else _completion_logprobs(ctx, out, out.new_logprobs_from))
         choice = {"index": k, "logprobs": lp, "finish_reason": _reason(out)}
-        choice.update({"delta": {"content": out.delta}} if chat else {"text": out.delta})
+        if parsers is not None:
+            p = parsers[k]
+            fields = p.feed(out.delta)
+            if out.finished_reason is not None:
+                rest = p.finish()
+                fields = {key: fields[key] + rest[key] for key in fields}
+            choice["delta"] = chat_tools.delta(fields)
+            choice["finish_reason"] = p.finish_reason(choice["finish_reason"])
+            if not choice["delta"] and out.finished_reason is None and lp is None:
+                return None  # held back (a marker may be starting); nothing to send yet
+        else:
+            choice.update({"delta": {"content": out.delta}} if chat else {"text": out.delta})
         if out.finished_reason is not None:
             choice["matched_stop"] = _matched(out)
         return chunk(choice)

@@ -5,7 +5,7 @@ SGLang extras (top_k, min_p, ignore_eos, ...) and the PD fields the router adds 
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -37,8 +37,8 @@ class SamplingExtras(_Body):
     json_schema: Optional[Any] = None
     regex: Optional[str] = None
     ebnf: Optional[str] = None
-    # OpenAI features this server does not implement: a request for one gets a 400, never a silent
-    # answer without it (openai_api.reject_unsupported)
+    # OpenAI features this server does not implement (tools: on completions; chat has its own),
+    # a request for one gets a 400, never a silent answer without it (openai_api.reject_unsupported)
     tools: Optional[list[Any]] = None
     functions: Optional[list[Any]] = None
     suffix: Optional[str] = None
@@ -71,6 +71,30 @@ class ChatMessage(_Body):
     role: str
     content: Optional[Union[str, list[dict[str, Any]]]] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None  # an assistant turn that called tools
+    tool_call_id: Optional[str] = None  # a tool's answer
+    reasoning_content: Optional[str] = None  # an earlier turn's reasoning, for templates that show it
+
+
+class FunctionDefinition(_Body):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None  # a JSON schema; none: no arguments
+    strict: Optional[bool] = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingExtras):
@@ -90,6 +114,12 @@ class ChatCompletionRequest(SamplingExtras):
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     user: Optional[str] = None
+    # tool calling (entrypoints/chat_tools.py) and reasoning (--reasoning-parser)
+    tools: Optional[list[Tool]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
+    parallel_tool_calls: bool = True
+    separate_reasoning: bool = True
+    chat_template_kwargs: Optional[dict[str, Any]] = None
 
 
 class GenerateRequest(_Body):

@@ -131,3 +131,19 @@ def test_batch_decoder_is_not_used_when_transformers_would_clean_up(tokenizer, m
     keeps calling it rather than the raw Rust decode."""
     monkeypatch.setattr(tokenizer, "clean_up_tokenization_spaces", True)
     assert Detokenizer(tokenizer)._batch_decode is None
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_a_matched_stop_token_is_not_part_of_the_text(tokenizer, skip):
+    """As SGLang: the stop token that ended a request (EOS, or one of stop_token_ids, special or
+    not) is trimmed from its text; with special tokens kept, EOS would otherwise show as <|eos|>."""
+    for stop_text in ("<|eos|>", "!"):
+        body = tokenizer.encode("héllo wörld", add_special_tokens=False)
+        stop_id = tokenizer.encode(stop_text, add_special_tokens=False)
+        assert len(stop_id) == 1, stop_id
+        ids = body + stop_id
+        deltas = _stream(Detokenizer(tokenizer), ids, [len(body), 1], skip=skip,
+                         finish=FinishReason("stop", matched=stop_id[0]))
+        assert "".join(deltas) == tokenizer.decode(body, skip_special_tokens=skip)
+        kept = _stream(Detokenizer(tokenizer), ids, [len(ids)], skip=skip, finish=FinishReason("length"))
+        assert "".join(kept) == tokenizer.decode(ids, skip_special_tokens=skip)  # ended by length: kept

@@ -317,6 +317,17 @@ def test_baton_router_in_front_of_the_pair(pd_pair, model_path):
         many = client.completions.create(n=3, **kwargs)  # parallel sampling: one transfer per choice
         assert [c.text for c in many.choices] == [whole.choices[0].text] * 3
         assert many.usage.completion_tokens == 3 * MAX_NEW
+        # a forced tool call: both engines constrain to the tool's schema (the prefill its first token)
+        tools = [{"type": "function", "function": {"name": "pick", "parameters": {
+            "type": "object", "additionalProperties": False, "required": ["unit"],
+            "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}}}}}]
+        chat = dict(model=kwargs["model"], messages=[{"role": "user", "content": "pick"}], tools=tools,
+                    tool_choice={"type": "function", "function": {"name": "pick"}}, max_tokens=40, temperature=0)
+        (call,) = client.chat.completions.create(**chat).choices[0].message.tool_calls
+        assert call.function.name == "pick" and set(json.loads(call.function.arguments)) == {"unit"}
+        deltas = [c.choices[0].delta for c in client.chat.completions.create(stream=True, **chat) if c.choices]
+        (streamed,) = [t for d in deltas for t in (d.tool_calls or [])]
+        assert streamed.function.arguments == call.function.arguments
     _assert_idle_and_whole(prefill, decode)
 
 

@@ -1,0 +1,207 @@
+"""Tool calling and reasoning on /v1/chat/completions, as OpenAI defines it and SGLang / vLLM serve it.
+
+tool_choice (default "auto" when tools are given):
+- "none": the template still sees the tools; the output is plain content;
+- "auto": the output is parsed with the server's --tool-call-parser (the model's own format); a
+  request needs one (400 otherwise, as vLLM answers);
+- "required": decoding is constrained (xgrammar) to a JSON array of {"name", "parameters"} of the
+  given tools, at least one; parsed as such (no model format needed);
+- {"type": "function", "function": {"name": F}}: decoding is constrained to F's parameters schema;
+  the output is F's arguments.
+With --reasoning-parser, the `<think>` block becomes `reasoning_content` first; the rest is then
+content (and tool calls). A constraint applies from the first token, so with "required" or a named
+function the model cannot think first.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from baton.engine.entrypoints.protocol import ChatCompletionRequest, NamedToolChoice
+from baton.engine.parsers import make_tool_parser, reasoning_forced
+from baton.engine.parsers.base import Parsed, ToolCall, ToolStream, call_from
+from baton.engine.parsers.reasoning import ReasoningStream
+from baton.engine.sampling.sampling_params import GRAMMAR_KINDS
+from baton.engine.tokenizer_manager import RequestError
+
+_NO_ARGS = {"type": "object", "properties": {}}
+_RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prompt", "tokenize", "conversation"})
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """How one chat request treats its tools."""
+
+    tools: list[dict[str, Any]]  # for the chat template, OpenAI's shape
+    mode: str  # none | auto | required | named
+    named: Optional[str] = None
+    max_calls: Optional[int] = None  # 1 when parallel_tool_calls is false
+    schema: Optional[dict[str, Any]] = None  # the constraint of required / named
+
+    def known(self, name: str) -> bool:
+        return any(t["function"]["name"] == name for t in self.tools)
+
+
+def plan_tools(req: ChatCompletionRequest, tool_parser: Optional[str]) -> Optional[ToolPlan]:
+    choice = req.tool_choice
+    if not req.tools:
+        if choice not in (None, "none"):
+            raise RequestError("tool_choice needs tools", 400)
+        return None
+    tools = [t.model_dump(exclude_none=True) for t in req.tools]
+    names = [t["function"]["name"] for t in tools]
+    if len(set(names)) != len(names):
+        raise RequestError("tools have duplicate function names", 400)
+    max_calls = None if req.parallel_tool_calls else 1
+    mode = "auto" if choice is None else choice if isinstance(choice, str) else "named"
+    if mode in ("required", "named") and any(getattr(req, k) is not None for k in (*GRAMMAR_KINDS, "response_format")):
+        raise RequestError(f"tool_choice {mode!r} constrains the output itself; it cannot be combined with "
+                           "response_format or json_schema / regex / ebnf", 400)
+    if mode == "auto" and tool_parser is None:
+        raise RequestError('tool_choice "auto" needs a server started with --tool-call-parser; '
+                           'use "required", a named function, or "none"', 400)
+    if mode == "named":
+        assert isinstance(choice, NamedToolChoice)
+        if choice.function.name not in names:
+            raise RequestError(f"tool_choice names {choice.function.name!r}, which is not among the tools", 400)
+        fn = next(t["function"] for t in tools if t["function"]["name"] == choice.function.name)
+        return ToolPlan(tools, mode, fn["name"], 1, fn.get("parameters") or _NO_ARGS)
+    schema = None
+    if mode == "required":
+        items = [{"type": "object", "required": ["name", "parameters"],
+                  "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
+                                 "parameters": t["function"].get("parameters") or _NO_ARGS}} for t in tools]
+        schema = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+        if max_calls == 1:
+            schema["maxItems"] = 1
+    return ToolPlan(tools, mode, None, max_calls, schema)
+
+
+def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Earlier tool calls as chat templates read them: arguments as an object, not JSON text (Qwen's
+    and Llama's templates serialize them again)."""
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls")
+        if calls:
+            m = {**m, "tool_calls": [_call_for_template(c) for c in calls]}
+        out.append(m)
+    return out
+
+
+def _call_for_template(call: dict[str, Any]) -> dict[str, Any]:
+    fn = call.get("function")
+    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
+        return call
+    try:
+        args = json.loads(fn["arguments"])
+    except ValueError:
+        return call
+    return {**call, "function": {**fn, "arguments": args}}
+
+
+def template_kwargs(req: ChatCompletionRequest) -> dict[str, Any]:
+    kwargs = dict(req.chat_template_kwargs or {})
+    if clash := _RESERVED_TEMPLATE_KWARGS & set(kwargs):
+        raise RequestError(f"chat_template_kwargs cannot set {sorted(clash)}", 400)
+    return kwargs
+
+
+class _Constrained:
+    """required / named: the whole output is JSON the grammar made; parsed once it has ended."""
+
+    def __init__(self, plan: ToolPlan) -> None:
+        self.plan, self.buf = plan, ""
+
+    def feed(self, delta: str) -> Parsed:
+        self.buf += delta
+        return Parsed("", [])
+
+    def finish(self) -> Parsed:
+        text, self.buf = self.buf, ""
+        try:
+            value = json.loads(text)
+        except ValueError:  # cut short (length): not a call; the client sees the text
+            return Parsed(text, [])
+        if self.plan.mode == "named":
+            return Parsed("", [ToolCall(self.plan.named, json.dumps(value, ensure_ascii=False))])
+        calls = [call_from(v, ("parameters", "arguments")) for v in value] if isinstance(value, list) else [None]
+        if not calls or any(c is None or not self.plan.known(c.name) for c in calls):
+            return Parsed(text, [])
+        return Parsed("", calls[: self.plan.max_calls])
+
+
+class ChoiceParser:
+    """One choice's output split into reasoning, content and tool calls, over deltas or whole."""
+
+    def __init__(self, plan: Optional[ToolPlan], tool_parser: Optional[str], reasoning_parser: Optional[str]) -> None:
+        self.reasoning = ReasoningStream(reasoning_forced(reasoning_parser)) if reasoning_parser else None
+        self.tools: Any = None
+        if plan is not None and plan.mode in ("required", "named"):
+            self.tools = _Constrained(plan)
+        elif plan is not None and plan.mode == "auto":
+            self.tools = ToolStream(make_tool_parser(tool_parser), plan.known, plan.max_calls)
+        self.named = plan is not None and plan.mode == "named"
+        self.n_calls = 0
+
+    def feed(self, delta: str) -> dict[str, Any]:
+        return self._fields(*(self.reasoning.feed(delta) if self.reasoning else ("", delta)), final=False)
+
+    def finish(self) -> dict[str, Any]:
+        reasoning, content = self.reasoning.finish() if self.reasoning else ("", "")
+        return self._fields(reasoning, content, final=True)
+
+    def whole(self, text: str) -> dict[str, Any]:
+        head, tail = self.feed(text), self.finish()
+        return {"reasoning_content": head["reasoning_content"] + tail["reasoning_content"],
+                "content": head["content"] + tail["content"], "tool_calls": head["tool_calls"] + tail["tool_calls"]}
+
+    def finish_reason(self, reason: Optional[str]) -> Optional[str]:
+        """OpenAI's "tool_calls" when the model called a tool (a forced named call stays "stop")."""
+        return "tool_calls" if reason == "stop" and self.n_calls and not self.named else reason
+
+    def _fields(self, reasoning: str, content: str, final: bool) -> dict[str, Any]:
+        calls: list[ToolCall] = []
+        if self.tools is not None:
+            parsed = self.tools.feed(content)
+            if final:
+                rest = self.tools.finish()
+                parsed = Parsed(parsed.content + rest.content, parsed.calls + rest.calls)
+            content, calls = parsed
+        out = [dict(call.openai(), index=self.n_calls + i) for i, call in enumerate(calls)]
+        self.n_calls += len(calls)
+        return {"reasoning_content": reasoning, "content": content, "tool_calls": out}
+
+
+def choice_parser_factory(plan: Optional[ToolPlan], req: ChatCompletionRequest, tool_parser: Optional[str],
+                          reasoning_parser: Optional[str]) -> Optional[Callable[[], ChoiceParser]]:
+    """A parser per choice, or None when the output is plain content (no tools, no reasoning split)."""
+    reasoning = reasoning_parser if req.separate_reasoning else None
+    if reasoning is None and (plan is None or plan.mode == "none"):
+        return None
+    return lambda: ChoiceParser(plan, tool_parser, reasoning)
+
+
+def message(fields: dict[str, Any], with_reasoning: bool) -> dict[str, Any]:
+    """The assistant message of a whole response."""
+    content = fields["content"]
+    msg: dict[str, Any] = {"role": "assistant", "content": None if fields["tool_calls"] and not content.strip()
+                           else content}
+    if fields["tool_calls"]:
+        msg["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in fields["tool_calls"]]
+    if with_reasoning:
+        msg["reasoning_content"] = fields["reasoning_content"] or None
+    return msg
+
+
+def delta(fields: dict[str, Any]) -> dict[str, Any]:
+    """A stream chunk's delta: only what this step added."""
+    out: dict[str, Any] = {}
+    if fields["reasoning_content"]:
+        out["reasoning_content"] = fields["reasoning_content"]
+    if fields["content"]:
+        out["content"] = fields["content"]
+    if fields["tool_calls"]:
+        out["tool_calls"] = fields["tool_calls"]
+    return out

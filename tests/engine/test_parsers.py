@@ -1,0 +1,179 @@
+"""Tool-call formats and the reasoning split (engine/parsers), and the chat request's tool plan
+(entrypoints/chat_tools.py): whole answers, and the same answers streamed in every split."""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from baton.engine.entrypoints.chat_tools import ChoiceParser, plan_tools, template_messages
+from baton.engine.entrypoints.protocol import ChatCompletionRequest
+from baton.engine.parsers import make_tool_parser
+from baton.engine.parsers.base import ToolStream, parse_whole
+from baton.engine.parsers.reasoning import ReasoningStream
+from baton.engine.tokenizer_manager import RequestError
+
+KNOWN = {"get_weather", "add"}.__contains__
+
+# (parser, output, expected content, expected [(name, arguments)])
+CASES = [
+    ("qwen25", 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+     "Let me check.\n", [("get_weather", {"city": "Paris"})]),
+    ("qwen25", '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>\n<tool_call>\n'
+               '{"name": "get_weather", "arguments": "{\\"city\\": \\"Oslo\\"}"}\n</tool_call>',
+     "\n", [("add", {"a": 1, "b": 2}), ("get_weather", {"city": "Oslo"})]),
+    ("hermes", "No tools needed: 1 < 2 and <tool is not a tag.", "No tools needed: 1 < 2 and <tool is not a tag.", []),
+    ("qwen25", '<tool_call>{"name": "get_weather", "arguments": {"city": "Pa', '<tool_call>{"name": "get_weather", "arguments": {"city": "Pa', []),
+    ("qwen25", '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call> done',
+     '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call> done', []),  # unknown function: content
+    ("qwen25", "<tool_call>not json</tool_call>", "<tool_call>not json</tool_call>", []),
+    ("llama3", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Rome"}}', "", [("get_weather", {"city": "Rome"})]),
+    ("llama3", ' {"name": "add", "parameters": {"a": 1, "b": 2}}; {"name": "add", "parameters": {"a": 3, "b": 4}}',
+     "", [("add", {"a": 1, "b": 2}), ("add", {"a": 3, "b": 4})]),
+    ("llama3", 'The answer is {"name": "add"}', 'The answer is {"name": "add"}', []),  # not at the start
+    ("mistral", 'Sure. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Lyon"}}]', "Sure. ",
+     [("get_weather", {"city": "Lyon"})]),
+    ("pythonic", '[get_weather(city="Nice"), add(a=1, b=-2.5)]', "",
+     [("get_weather", {"city": "Nice"}), ("add", {"a": 1, "b": -2.5})]),
+    ("pythonic", "[1, 2, 3] are numbers", "[1, 2, 3] are numbers", []),
+    ("pythonic", "[get_weather(city=os.environ)]", "[get_weather(city=os.environ)]", []),  # not a literal
+]
+
+
+def _summary(calls):
+    return [(c.name, json.loads(c.arguments)) for c in calls]
+
+
+@pytest.mark.parametrize("name,text,content,calls", CASES)
+def test_whole_output(name, text, content, calls):
+    parsed = parse_whole(make_tool_parser(name), text, KNOWN)
+    assert parsed.content == content
+    assert _summary(parsed.calls) == calls
+
+
+@pytest.mark.parametrize("name,text,content,calls", CASES)
+def test_streamed_in_any_split_equals_whole(name, text, content, calls):
+    rng = random.Random(len(text))
+    splits = [[text[:i], text[i:]] for i in range(len(text) + 1)]
+    for _ in range(30):  # and random chunkings of 1-6 characters
+        cuts, i = [], 0
+        while i < len(text):
+            step = rng.randint(1, 6)
+            cuts.append(text[i:i + step])
+            i += step
+        splits.append(cuts)
+    for pieces in splits:
+        stream = ToolStream(make_tool_parser(name), KNOWN)
+        got_content, got_calls = "", []
+        for piece in pieces:
+            part = stream.feed(piece)
+            got_content += part.content
+            got_calls += part.calls
+        tail = stream.finish()
+        assert got_content + tail.content == content, pieces
+        assert _summary(got_calls + tail.calls) == calls, pieces
+
+
+def test_content_is_not_held_back_longer_than_a_marker_could_be():
+    stream = ToolStream(make_tool_parser("qwen25"), KNOWN)
+    assert stream.feed("Hello wor").content == "Hello wor"
+    assert stream.feed("ld <tool").content == "ld "  # "<tool" may begin <tool_call>
+    assert stream.feed("box>").content == "<toolbox>"
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call():
+    text = '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call><tool_call>{"name": "add", "arguments": {"a": 2}}</tool_call>'
+    parsed = parse_whole(make_tool_parser("qwen25"), text, KNOWN, max_calls=1)
+    assert _summary(parsed.calls) == [("add", {"a": 1})]
+
+
+@pytest.mark.parametrize("forced,text,reasoning,content", [
+    (False, "<think>\nsun is a star\n</think>\n\nIt is hot.", "\nsun is a star\n", "It is hot."),
+    (False, "It is hot.", "", "It is hot."),
+    (False, "<think>still thinking", "still thinking", ""),
+    (False, "<thi", "", "<thi"),
+    (False, "  <think>a</think>b", "a", "b"),
+    (True, "a plan\n</think>\n\nanswer", "a plan\n", "answer"),
+    (True, "<think>a plan</think>answer", "a plan", "answer"),
+    (True, "never closed", "never closed", ""),
+    (False, "<think></think>", "", ""),
+])
+def test_reasoning_split_whole_and_streamed(forced, text, reasoning, content):
+    for i in range(len(text) + 1):
+        for pieces in ([text[:i], text[i:]], list(text)):
+            s = ReasoningStream(forced)
+            parts = [s.feed(p) for p in pieces] + [s.finish()]
+            assert "".join(p.reasoning for p in parts) == reasoning, pieces
+            assert "".join(p.content for p in parts) == content, pieces
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "weather of a city",
+                                            "parameters": {"type": "object", "required": ["city"],
+                                                           "properties": {"city": {"type": "string"}}}}},
+         {"type": "function", "function": {"name": "add"}}]
+
+
+def _req(**kw):
+    return ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], **kw})
+
+
+def test_tool_plan_modes():
+    assert plan_tools(_req(), None) is None
+    auto = plan_tools(_req(tools=TOOLS), "qwen25")
+    assert auto.mode == "auto" and auto.schema is None and auto.known("add") and not auto.known("x")
+    req = plan_tools(_req(tools=TOOLS, tool_choice="required", parallel_tool_calls=False), None)
+    assert req.mode == "required" and req.schema["minItems"] == 1 and req.schema["maxItems"] == 1
+    assert [i["properties"]["name"]["enum"] for i in req.schema["items"]["anyOf"]] == [["get_weather"], ["add"]]
+    named = plan_tools(_req(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}}), None)
+    assert named.mode == "named" and named.schema == TOOLS[0]["function"]["parameters"]
+    assert plan_tools(_req(tools=TOOLS, tool_choice="none"), None).mode == "none"
+
+
+@pytest.mark.parametrize("kw,parser,needle", [
+    (dict(tools=TOOLS), None, "--tool-call-parser"),
+    (dict(tool_choice="required"), "qwen25", "needs tools"),
+    (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}), None, "not among"),
+    (dict(tools=TOOLS + TOOLS[:1]), "qwen25", "duplicate"),
+    (dict(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"}), None, "cannot be combined"),
+    (dict(tools=TOOLS, tool_choice="required", regex="a+"), None, "cannot be combined"),
+])
+def test_tool_plan_errors(kw, parser, needle):
+    with pytest.raises(RequestError) as e:
+        plan_tools(_req(**kw), parser)
+    assert e.value.status == 400 and needle in e.value.message
+
+
+def test_required_and_named_outputs_become_calls():
+    plan = plan_tools(_req(tools=TOOLS, tool_choice="required"), None)
+    p = ChoiceParser(plan, None, None)
+    out = p.whole('[{"name": "get_weather", "parameters": {"city": "Bern"}}, {"name": "add", "parameters": {}}]')
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"]), c["index"]) for c in out["tool_calls"]] == \
+        [("get_weather", {"city": "Bern"}, 0), ("add", {}, 1)]
+    assert out["content"] == "" and p.finish_reason("stop") == "tool_calls" and p.finish_reason("length") == "length"
+    cut = ChoiceParser(plan, None, None).whole('[{"name": "get_wea')  # cut short by max_tokens
+    assert cut["tool_calls"] == [] and cut["content"] == '[{"name": "get_wea'
+    named = ChoiceParser(plan_tools(_req(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "add"}}),
+                                    None), None, None)
+    out = named.whole('{"a": 1}')
+    assert out["tool_calls"][0]["function"] == {"name": "add", "arguments": '{"a": 1}'}
+    assert named.finish_reason("stop") == "stop"  # a forced call, as OpenAI reports it
+
+
+def test_reasoning_then_tool_calls_streamed():
+    text = '<think>need weather</think>\n\n<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    plan = plan_tools(_req(tools=TOOLS), "qwen25")
+    p = ChoiceParser(plan, "qwen25", "qwen3")
+    deltas = [p.feed(ch) for ch in text] + [p.finish()]
+    assert "".join(d["reasoning_content"] for d in deltas) == "need weather"
+    assert "".join(d["content"] for d in deltas) == ""
+    calls = [c for d in deltas for c in d["tool_calls"]]
+    assert len(calls) == 1 and calls[0]["function"]["name"] == "get_weather" and calls[0]["id"].startswith("call_")
+
+
+def test_earlier_tool_calls_reach_the_template_as_objects():
+    msgs = template_messages([{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "1"}])
+    assert msgs[0]["tool_calls"][0]["function"]["arguments"] == {"a": 1}
+    assert msgs[1] == {"role": "tool", "tool_call_id": "call_1", "content": "1"}

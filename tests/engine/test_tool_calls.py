@@ -1,0 +1,223 @@
+"""Tool calling and reasoning through a real engine process and the OpenAI client: a Qwen-style chat
+template given with --chat-template, --tool-call-parser qwen25, --reasoning-parser qwen3.
+
+A random tiny model never writes a tool call of its own accord, so each call here is either forced by
+tool_choice (the engine constrains decoding to the tool's schema: tokens equal HF `generate` with
+xgrammar's logits processor on the same prompt and schema) or steered by a regex in the request
+(tool_choice auto: the model's text goes through the parser, whole and streamed)."""
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import openai
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from engine_server import running_engine, wait_idle_integrity
+
+TEMPLATE = r"""
+{%- if tools %}<|im_start|>system
+Tools:
+<tools>
+{%- for tool in tools %}
+{{ tool | tojson }}
+{%- endfor %}
+</tools>
+Call one with <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>
+{% endif %}
+{%- for m in messages %}
+{%- if m.role == 'assistant' and m.tool_calls %}<|im_start|>assistant
+{%- for tc in m.tool_calls %}
+<tool_call>{"name": "{{ tc.function.name }}", "arguments": {{ tc.function.arguments | tojson }}}</tool_call>
+{%- endfor %}<|im_end|>
+{% elif m.role == 'tool' %}<|im_start|>user
+<tool_response>{{ m.content }}</tool_response><|im_end|>
+{% else %}<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% if enable_thinking is defined and enable_thinking is false %}<think>
+
+</think>
+
+{% endif %}{% endif %}"""
+
+TOOLS = [{"type": "function", "function": {
+             "name": "get_weather", "description": "the weather in a city",
+             "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+                            "properties": {"city": {"type": "string", "maxLength": 8},
+                                           "unit": {"enum": ["c", "f"]}}}}},
+         {"type": "function", "function": {
+             "name": "add", "parameters": {"type": "object", "additionalProperties": False, "required": ["a"],
+                                           "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}}}}}]
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+CALL_REGEX = r'<tool_call>\{"name": "get_weather", "arguments": \{"city": "[a-z]{1,6}", "unit": "c"\}\}</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def model_path(tiny_model_factory) -> str:
+    return tiny_model_factory("qwen3", max_position_embeddings=2048)  # the tools make long prompts
+
+
+@pytest.fixture(scope="module")
+def engine(model_path, tmp_path_factory):
+    template = tmp_path_factory.mktemp("template") / "tools.jinja"
+    template.write_text(TEMPLATE)
+    with running_engine(model_path, "--chat-template", str(template), "--tool-call-parser", "qwen25",
+                        "--reasoning-parser", "qwen3", "--constrained-json-disable-any-whitespace") as eng:
+        eng.template = TEMPLATE
+        yield eng
+
+
+@pytest.fixture(scope="module")
+def client(engine):
+    return openai.OpenAI(base_url=f"{engine.base_url}/v1", api_key="unused")
+
+
+@pytest.fixture(scope="module")
+def hf(model_path):
+    tok = AutoTokenizer.from_pretrained(model_path)
+    tok.chat_template = TEMPLATE
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval(), tok
+
+
+def _hf_constrained(hf, messages, schema, max_new_tokens=120) -> list[int]:
+    """HF greedy under xgrammar's HF logits processor, on the prompt our template renders."""
+    import xgrammar as xgr
+    from xgrammar.contrib.hf import LogitsProcessor
+
+    model, tok = hf
+    ids = tok.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids)
+    eos = model.generation_config.eos_token_id
+    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=model.config.vocab_size,
+                                              stop_token_ids=[eos] if isinstance(eos, int) else sorted(eos))
+    compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(schema), any_whitespace=False)
+    out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
+                         logits_processor=[LogitsProcessor(compiled)])
+    return out[0, len(ids):].tolist()
+
+
+def test_named_tool_choice_equals_hf_under_the_schema(client, hf):
+    model = client.models.list().data[0].id
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    resp = client.chat.completions.create(model=model, messages=MESSAGES, tools=TOOLS, tool_choice=choice,
+                                          max_tokens=120, temperature=0)
+    expected = _hf_constrained(hf, MESSAGES, TOOLS[0]["function"]["parameters"])
+    text = hf[1].decode(expected, skip_special_tokens=True)
+    c = resp.choices[0]
+    assert c.finish_reason == "stop" and c.message.content is None, c  # a forced call reports "stop", as OpenAI
+    (call,) = c.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name == "get_weather"
+    assert call.function.arguments == text  # the model's own text, token for token HF's
+    args = json.loads(call.function.arguments)
+    assert set(args) == {"city", "unit"} and args["unit"] in ("c", "f") and len(args["city"]) <= 8
+    assert resp.usage.completion_tokens == len(expected)
+
+
+def test_required_tool_choice_equals_hf_and_streams_the_same(client, hf):
+    from baton.engine.entrypoints.chat_tools import plan_tools
+    from baton.engine.entrypoints.protocol import ChatCompletionRequest
+
+    model = client.models.list().data[0].id
+    resp = client.chat.completions.create(model=model, messages=MESSAGES, tools=TOOLS, tool_choice="required",
+                                          max_tokens=160, temperature=0)
+    plan = plan_tools(ChatCompletionRequest.model_validate(
+        {"messages": MESSAGES, "tools": TOOLS, "tool_choice": "required"}), None)
+    expected = json.loads(hf[1].decode(_hf_constrained(hf, MESSAGES, plan.schema, 160), skip_special_tokens=True))
+    c = resp.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content is None, c
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in c.message.tool_calls] == \
+        [(e["name"], e["parameters"]) for e in expected]
+    stream = client.chat.completions.create(model=model, messages=MESSAGES, tools=TOOLS, tool_choice="required",
+                                            max_tokens=160, temperature=0, stream=True)
+    deltas = [ch.choices[0] for ch in stream if ch.choices]
+    streamed = [t for d in deltas for t in (d.delta.tool_calls or [])]
+    assert [(t.index, t.function.name, t.function.arguments) for t in streamed] == \
+        [(i, t.function.name, t.function.arguments) for i, t in enumerate(c.message.tool_calls)]
+    assert deltas[-1].finish_reason == "tool_calls"
+
+
+def test_auto_tool_call_parsed_from_the_models_text_whole_and_streamed(client):
+    """tool_choice auto: the model's own <tool_call> text (steered here by a regex) becomes a call;
+    the reasoning block before it becomes reasoning_content."""
+    model = client.models.list().data[0].id
+    steer = {"regex": r"<think>[a-z ]{1,12}</think>\n" + CALL_REGEX}
+    resp = client.chat.completions.create(model=model, messages=MESSAGES, tools=TOOLS, max_tokens=150,
+                                          temperature=0, extra_body=steer)
+    c = resp.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content is None, c
+    assert re.fullmatch("[a-z ]{1,12}", c.message.reasoning_content), c.message
+    (call,) = c.message.tool_calls
+    assert call.function.name == "get_weather"
+    args = json.loads(call.function.arguments)
+    assert re.fullmatch("[a-z]{1,6}", args["city"]) and args["unit"] == "c"
+    stream = client.chat.completions.create(model=model, messages=MESSAGES, tools=TOOLS, max_tokens=150,
+                                            temperature=0, extra_body=steer, stream=True)
+    deltas = [ch.choices[0] for ch in stream if ch.choices]
+    assert "".join(getattr(d.delta, "reasoning_content", None) or "" for d in deltas) == c.message.reasoning_content
+    assert "".join(d.delta.content or "" for d in deltas) == ""
+    (streamed,) = [t for d in deltas for t in (d.delta.tool_calls or [])]
+    assert (streamed.index, streamed.function.name, streamed.function.arguments) == (0, "get_weather",
+                                                                                     call.function.arguments)
+    assert deltas[-1].finish_reason == "tool_calls"
+
+
+def test_plain_text_with_tools_stays_content(client):
+    """tool_choice auto, and the model writes no call: its text is the content, as without tools."""
+    model = client.models.list().data[0].id
+    resp = client.chat.completions.create(model=model, messages=MESSAGES, tools=TOOLS, max_tokens=12,
+                                          temperature=0, extra_body={"regex": "[a-z]{4} [a-z]{4}"})
+    c = resp.choices[0]
+    assert c.finish_reason == "stop" and not c.message.tool_calls and re.fullmatch("[a-z]{4} [a-z]{4}", c.message.content)
+    assert c.message.reasoning_content is None
+
+
+def test_tool_turns_and_template_kwargs_reach_the_template(client, hf, engine):
+    model = client.models.list().data[0].id
+    turns = MESSAGES + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 7}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "7"}]
+    tok = hf[1]
+    want = tok.apply_chat_template([{**m, "tool_calls": [{**t, "function": {"name": "add", "arguments": {"a": 7}}}
+                                                         for t in m["tool_calls"]]} if m.get("tool_calls") else m
+                                    for m in turns], tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    assert '"arguments": {"a": 7}' in want
+    resp = client.chat.completions.create(model=model, messages=turns, tools=TOOLS, max_tokens=2, temperature=0)
+    assert resp.usage.prompt_tokens == len(tok(want)["input_ids"])
+    off = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2, temperature=0,
+                                         extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    on = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2, temperature=0)
+    assert off.usage.prompt_tokens == on.usage.prompt_tokens + len(tok("<think>\n\n</think>\n\n")["input_ids"])
+    assert wait_idle_integrity(engine.base_url)["integrity_ok"] is True
+
+
+BAD = [
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not among"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "cannot be combined"),
+    ({"tool_choice": "required"}, "needs tools"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
+    ({"tools": [{"type": "retrieval"}]}, "tools"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+    ({"functions": [{"name": "f"}]}, "use tools"),
+    ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs"),
+]
+
+
+@pytest.mark.parametrize("extra,needle", BAD)
+def test_bad_tool_requests_get_400(engine, extra, needle):
+    r = httpx.post(f"{engine.base_url}/v1/chat/completions", timeout=30,
+                   json={"messages": MESSAGES, "max_tokens": 4, **extra})
+    assert r.status_code == 400, r.text
+    assert needle in r.json()["error"]["message"], r.text
+
+
+def test_tools_on_completions_get_400_and_nothing_leaks(engine):
+    r = httpx.post(f"{engine.base_url}/v1/completions", timeout=30, json={"prompt": "hi", "tools": TOOLS})
+    assert r.status_code == 400 and "chat" in r.json()["error"]["message"], r.text
+    assert wait_idle_integrity(engine.base_url)["integrity_ok"] is True
