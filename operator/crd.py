@@ -22,6 +22,9 @@ _FREE_OBJECT = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
 # tests/operator/test_crd.py checks these agree with baton.engine.server_args).
 MODEL_DTYPES = ("auto", "float32", "float16", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e5m2")
+# --tool-call-parser / --reasoning-parser choices (baton.engine.parsers; the same check)
+TOOL_CALL_PARSERS = ("qwen25", "qwen", "hermes", "llama3", "mistral", "pythonic")
+REASONING_PARSERS = ("qwen3", "deepseek-r1")
 
 
 def _str(desc: str, **kw: Any) -> dict[str, Any]:
@@ -120,6 +123,14 @@ def _model() -> dict[str, Any]:
         "kvCacheDtype": {"type": "string", "enum": list(KV_CACHE_DTYPES), "default": "auto",
                          "description": "KV cache of every engine (--kv-cache-dtype); auto: the model's dtype. "
                                         "fp8_e5m2 holds 2x the tokens of bfloat16, rounding the cached K/V."},
+        # the chat route of both PD roles must agree: the prefill refuses tool_choice auto without one
+        "toolCallParser": {"type": "string", "enum": list(TOOL_CALL_PARSERS),
+                           "description": "The model's tool-call format (--tool-call-parser of every engine): "
+                                          "chat requests with tools get tool_calls. Unset: only tool_choice "
+                                          "required or a named function (constrained) are served."},
+        "reasoningParser": {"type": "string", "enum": list(REASONING_PARSERS),
+                            "description": "Split the model's <think> block into reasoning_content "
+                                           "(--reasoning-parser of every engine)."},
     }, required=("name", "path"), scope=Scope.MODEL)
 
 

@@ -40,6 +40,8 @@ class ModelSpec:
     host_path: str | None = None
     dtype: str = "auto"  # --dtype of every engine role
     kv_cache_dtype: str = "auto"  # --kv-cache-dtype of every engine role
+    tool_call_parser: str | None = None  # --tool-call-parser of every engine role
+    reasoning_parser: str | None = None  # --reasoning-parser of every engine role
 
 
 @dataclass(frozen=True)
@@ -188,7 +190,8 @@ def _model(d: Mapping[str, Any]) -> ModelSpec:
     pvc = d.get("pvc") or {}
     return ModelSpec(name=d["name"], path=d["path"], pvc_claim=pvc.get("claimName"),
                      pvc_sub_path=pvc.get("subPath"), host_path=(d.get("hostPath") or {}).get("path"),
-                     dtype=d["dtype"], kv_cache_dtype=d["kvCacheDtype"])
+                     dtype=d["dtype"], kv_cache_dtype=d["kvCacheDtype"],
+                     tool_call_parser=d.get("toolCallParser"), reasoning_parser=d.get("reasoningParser"))
 
 
 def defaulted(body: Mapping[str, Any]) -> dict[str, Any]:

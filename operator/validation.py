@@ -37,7 +37,8 @@ class Rule:
 
 
 ENGINE_MANAGED_FLAGS = ("host", "port", "model-path", "served-model-name", "device", "tp-size",
-                        "dp-size", "disaggregation-[a-z-]+", "api-key", "dtype", "kv-cache-dtype")
+                        "dp-size", "disaggregation-[a-z-]+", "api-key", "dtype", "kv-cache-dtype",
+                        "tool-call-parser", "reasoning-parser")
 ROUTER_MANAGED_FLAGS = ("host", "port", "pd-disaggregation", "service-discovery[a-z-]*",
                         "prefill-selector", "decode-selector", "selector", "prefill-policy",
                         "decode-policy", "policy", "api-key")
@@ -81,8 +82,9 @@ RULES: tuple[Rule, ...] = (
     Rule(Scope.ENGINE_ARGS, f"self.all(a, !a.matches('{ENGINE_FLAGS_RE}'))",
          "extraArgs must not set flags the operator manages (--host, --port, --model-path, "
          "--served-model-name, --device, --tp-size, --dp-size, --disaggregation-*, --api-key, --dtype, "
-         "--kv-cache-dtype): use the matching spec fields (spec.model, spec.model.dtype, "
-         "spec.model.kvCacheDtype, tp, dp, gpus, kvTransfer, router.apiKeySecretRef)",
+         "--kv-cache-dtype, --tool-call-parser, --reasoning-parser): use the matching spec fields "
+         "(spec.model, spec.model.dtype, spec.model.kvCacheDtype, spec.model.toolCallParser, "
+         "spec.model.reasoningParser, tp, dp, gpus, kvTransfer, router.apiKeySecretRef)",
          _no_managed_flag(ENGINE_FLAGS_RE)),
     Rule(Scope.ROUTER_ARGS, f"self.all(a, !a.matches('{ROUTER_FLAGS_RE}'))",
          "router.extraArgs must not set flags the operator manages (--host, --port, "

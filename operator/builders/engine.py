@@ -29,6 +29,10 @@ def engine_args(isvc: InferenceService, role: Role) -> list[str]:
         args += ["--dtype", spec.model.dtype]
     if spec.model.kv_cache_dtype != "auto":
         args += ["--kv-cache-dtype", spec.model.kv_cache_dtype]
+    if spec.model.tool_call_parser:
+        args += ["--tool-call-parser", spec.model.tool_call_parser]
+    if spec.model.reasoning_parser:
+        args += ["--reasoning-parser", spec.model.reasoning_parser]
     if role in (Role.PREFILL, Role.DECODE):
         kv = spec.kv_transfer
         args += ["--disaggregation-mode", role.value,

@@ -45,12 +45,13 @@ def test_pd_engine_runs_baton_serve_with_its_role_flags(role):
     assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
 
 
-def test_model_dtypes_reach_every_engine_role_as_flags_the_engine_accepts():
+def test_model_dtypes_and_parsers_reach_every_engine_role_as_flags_the_engine_accepts():
     import argparse
 
     from baton.engine.server_args import ServerArgs
 
-    model = {"name": "tiny", "path": "/models/tiny", "dtype": "bfloat16", "kvCacheDtype": "fp8_e5m2"}
+    model = {"name": "tiny", "path": "/models/tiny", "dtype": "bfloat16", "kvCacheDtype": "fp8_e5m2",
+             "toolCallParser": "qwen25", "reasoningParser": "qwen3"}
     for mode, roles in (("disaggregated", (Role.PREFILL, Role.DECODE)), ("colocated", (Role.COLOCATED,))):
         isvc = parse(isvc_body(mode=mode, model=model))
         for role in roles:
@@ -60,9 +61,10 @@ def test_model_dtypes_reach_every_engine_role_as_flags_the_engine_accepts():
             ServerArgs.add_cli_args(parser)
             server_args = ServerArgs.from_cli_args(parser.parse_args(args))
             assert (server_args.dtype, server_args.kv_cache_dtype) == ("bfloat16", "fp8_e5m2")
+            assert (server_args.tool_call_parser, server_args.reasoning_parser) == ("qwen25", "qwen3")
     # auto (the default) adds no flag: the engine's default is auto, and existing pods keep their args
     args = engine_args(parse(isvc_body()), Role.DECODE)
-    assert "--dtype" not in args and "--kv-cache-dtype" not in args
+    assert not {"--dtype", "--kv-cache-dtype", "--tool-call-parser", "--reasoning-parser"} & set(args)
 
 
 def test_termination_grace_period_per_role():

@@ -109,6 +109,7 @@ BAD_SCHEMA = [  # refused by the OpenAPI schema: (spec override, expected words 
     ({"mode": "split"}, "'split' is not one of ['disaggregated', 'colocated']"),
     ({"model": {"name": "m", "path": "/m", "kvCacheDtype": "fp8_e4m3"}}, "'fp8_e4m3' is not one of"),
     ({"model": {"name": "m", "path": "/m", "dtype": "float64"}}, "'float64' is not one of"),
+    ({"model": {"name": "m", "path": "/m", "toolCallParser": "gpt"}}, "'gpt' is not one of"),
 ]
 
 
@@ -127,6 +128,7 @@ BAD_RULES = [  # refused by CEL rules (and by the operator's Python twins)
     {"decode": {"extraArgs": ["--disaggregation-mode", "prefill"]}},
     {"router": {"extraArgs": ["--api-key", "x"]}},
     {"decode": {"extraArgs": ["--kv-cache-dtype", "fp8_e5m2"]}},  # spec.model.kvCacheDtype: both roles
+    {"prefill": {"extraArgs": ["--tool-call-parser=qwen25"]}},  # spec.model.toolCallParser: both roles
     {"prefill": {"extraArgs": ["--dtype=bfloat16"]}},
     {"kvTransfer": {"ibDevices": ["mlx5_0"]}},
     {"kvTransfer": {"rdmaResourceName": "rdma/x"}},
@@ -160,11 +162,14 @@ def test_good_variants_pass_both(samples):
 
 
 def test_dtype_enums_are_the_engines_choices():
+    from baton.engine.parsers import REASONING_PARSERS, TOOL_PARSERS
     from baton.engine.server_args import KV_CACHE_DTYPES, MODEL_DTYPES
 
     model = openapi_schema()["properties"]["spec"]["properties"]["model"]["properties"]
     assert model["dtype"]["enum"] == list(MODEL_DTYPES)
     assert model["kvCacheDtype"]["enum"] == list(KV_CACHE_DTYPES)
+    assert model["toolCallParser"]["enum"] == list(TOOL_PARSERS)
+    assert model["reasoningParser"]["enum"] == list(REASONING_PARSERS)
     defaulted = apply_defaults(openapi_schema(), for_create(isvc_body()))["spec"]["model"]
     assert (defaulted["dtype"], defaulted["kvCacheDtype"]) == ("auto", "auto")
 
