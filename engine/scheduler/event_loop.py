@@ -27,8 +27,9 @@ logger = logging.getLogger(__name__)
 
 # How long an idle scheduler blocks in recv before running periodic work (ms).
 IDLE_POLL_MS = 1000
-# PD: how long a scheduler that only waits on KV transfers blocks in recv (ms), instead of spinning.
-TRANSFER_POLL_MS = 1
+# How long a scheduler that only waits on background work (PD KV transfers, grammar compiles) blocks
+# in recv (ms), instead of spinning.
+BACKGROUND_POLL_MS = 1
 
 
 class SchedulerIO:
@@ -60,8 +61,10 @@ def event_loop(scheduler: Scheduler, io: SchedulerIO, watchdog: Optional[Watchdo
     while True:
         if watchdog is not None:
             watchdog.tick()
-        if scheduler.disaggregation_mode != "null" and scheduler.last_batch is None and not scheduler.is_idle():
-            msgs = io.recv_requests(block=True, timeout_ms=TRANSFER_POLL_MS)
+        waits_in_background = scheduler.disaggregation_mode != "null" or scheduler.grammar_queue
+        if waits_in_background and scheduler.last_batch is None and not scheduler.is_idle():
+            # only background work (KV transfers, grammar compiles) to wait for: block briefly
+            msgs = io.recv_requests(block=True, timeout_ms=BACKGROUND_POLL_MS)
         else:
             msgs = io.recv_requests(block=scheduler.is_idle())
         scheduler.process_input_requests(msgs)

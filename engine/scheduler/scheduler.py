@@ -22,6 +22,7 @@ import torch
 
 from baton.engine.io_struct import (AbortReq, FlushCacheOut, FlushCacheReq, FreezeGCReq, GetServerInfoOut,
                                     GetServerInfoReq, TokenizedGenerateReqInput)
+from baton.engine.scheduler.grammar_queue import GrammarQueue
 from baton.engine.scheduler.output_processor import SchedulerOutputProcessorMixin
 from baton.engine.scheduler.req import Req
 from baton.engine.scheduler.schedule_batch import ModelWorkerBatch, ScheduleBatch
@@ -87,6 +88,7 @@ class Scheduler(SchedulerOutputProcessorMixin):
         self.new_token_ratio_decay = (self.init_new_token_ratio - self.min_new_token_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS
         self.new_token_ratio = self.init_new_token_ratio
         self.waiting_queue: list[Req] = []
+        self.grammar_queue = GrammarQueue()  # structured requests whose grammar is compiling
         self.running_batch = self._new_batch([])
         self.chunked_req: Optional[Req] = None
         self.last_batch: Optional[ScheduleBatch] = None
@@ -119,9 +121,11 @@ class Scheduler(SchedulerOutputProcessorMixin):
         return None
 
     def close(self) -> None:
-        """Stop the KV transfer threads (PD); nothing to do when colocated."""
+        """Stop the KV transfer threads (PD) and the grammar compiler's thread."""
         if self.pd is not None:
             self.pd.close()
+        if self.grammar_backend is not None:
+            self.grammar_backend.close()
 
     def _new_batch(self, reqs: list[Req]) -> ScheduleBatch:
         return ScheduleBatch(reqs, self.req_to_token_pool, self.allocator, self.tree_cache, self.server_args.device)
@@ -157,10 +161,20 @@ class Scheduler(SchedulerOutputProcessorMixin):
             req.sampling_state = ReqSamplingState(params, req.origin_input_ids, self.vocab_size, stop_ids,
                                                   self.server_args.device)
             max_queued = self.server_args.max_queued_requests
-            if max_queued is not None and len(self.waiting_queue) >= max_queued:
+            if max_queued is not None and len(self.waiting_queue) + len(self.grammar_queue) >= max_queued:
                 error = ("the server is overloaded: the waiting queue is full", 503)
             else:
-                error = self._attach_grammar(req)
+                error, future = self._start_grammar(req)
+                if future is not None and not future.done():  # admitted once it has compiled
+                    self.grammar_queue.add(req, recv, future)
+                    return
+                if future is not None:
+                    error = self._attach_grammar(req, future)
+        self._admit(req, recv, error)
+
+    def _admit(self, req: Req, recv: TokenizedGenerateReqInput, error: Optional[tuple[str, int]]) -> None:
+        """A request ready to be scheduled joins waiting_queue (PD: its mode's first queue); one
+        with an error ends here."""
         if error is None and self.disaggregation_mode != "null":
             error = self.pd.add_request(req, recv)  # joins a PD queue; it reaches waiting_queue later
             if error is None:
@@ -171,21 +185,32 @@ class Scheduler(SchedulerOutputProcessorMixin):
             return
         self.waiting_queue.append(req)
 
-    def _attach_grammar(self, req: Req) -> Optional[tuple[str, int]]:
-        from baton.engine.constrained.grammar import GrammarError, grammar_spec
+    def _start_grammar(self, req: Req) -> tuple[Optional[tuple[str, int]], Any]:
+        """(error, future of the compiled grammar); both None for a request without a grammar."""
+        from baton.engine.constrained.grammar import grammar_spec
 
         spec = grammar_spec(req.sampling_params)
         if spec is None:
-            return None
+            return None, None
         if self.grammar_backend is None:
-            return "structured output is off on this server (--grammar-backend none)", 400
+            return ("structured output is off on this server (--grammar-backend none)", 400), None
+        return None, self.grammar_backend.submit(*spec)
+
+    def _attach_grammar(self, req: Req, future: Any) -> Optional[tuple[str, int]]:
+        from baton.engine.constrained.grammar import GrammarError
+
         try:
-            req.sampling_state.grammar = self.grammar_backend.grammar(*spec)
+            req.sampling_state.grammar = self.grammar_backend.grammar(future.result())
         except GrammarError as e:
             return str(e), 400
         except ImportError as e:
             return f"structured output needs the xgrammar package: {e}", 400
         return None
+
+    def admit_compiled(self) -> None:
+        """Requests whose grammar has compiled since the last step join the queues."""
+        for wait in self.grammar_queue.pop_ready():
+            self._admit(wait.req, wait.recv, self._attach_grammar(wait.req, wait.future))
 
     def fill_grammar_masks(self, batch: ScheduleBatch) -> None:
         """Before a launch: each grammar's bitmask from its matcher. The overlap loop first processes
@@ -216,6 +241,9 @@ class Scheduler(SchedulerOutputProcessorMixin):
         return None
 
     def abort_request(self, recv: AbortReq) -> None:
+        for req in self.grammar_queue.remove(None if recv.abort_all else recv.rid):
+            req.abort(recv.message, recv.status_code)  # never admitted: no memory, no PD entry
+            self.stream_output([req])
         for req in list(self.waiting_queue):
             if recv.abort_all or req.rid == recv.rid:
                 self.waiting_queue.remove(req)  # queued requests hold no memory
@@ -383,6 +411,7 @@ class Scheduler(SchedulerOutputProcessorMixin):
         plain:    schedule N -> run N -> process N
         overlap:  schedule N+1 -> launch N+1 -> process N (N's CPU work overlaps N+1's forward)
         """
+        self.admit_compiled()
         if self.disaggregation_mode != "null":
             self.pd.step()
         batch = self.get_next_batch_to_run()
@@ -471,7 +500,8 @@ class Scheduler(SchedulerOutputProcessorMixin):
         ran still has requests to merge into running_batch (to decode), so it counts as work."""
         last = self.last_batch
         pending_merge = last is not None and last.forward_mode.is_extend() and any(not r.finished() for r in last.reqs)
-        return (not self.waiting_queue and self.running_batch.is_empty() and self.chunked_req is None
+        return (not self.waiting_queue and not self.grammar_queue and self.running_batch.is_empty()
+                and self.chunked_req is None
                 and not self.result_queue and not pending_merge and (self.pd is None or self.pd.is_idle()))
 
     def flush_cache(self) -> FlushCacheOut:
@@ -492,6 +522,7 @@ class Scheduler(SchedulerOutputProcessorMixin):
             "kv_cache_dtype": str(self.worker.model_runner.kv_dtype).removeprefix("torch."),
             "num_running_reqs": len(self.running_batch.reqs),
             "num_waiting_reqs": len(self.waiting_queue),
+            "num_grammar_queue_reqs": len(self.grammar_queue),
             "token_usage": self.token_usage(),
             "new_token_ratio": self.new_token_ratio,
             "cache_hit_rate": self.stats.cache_hit_rate(),

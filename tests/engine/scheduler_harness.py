@@ -46,6 +46,8 @@ class SchedulerHarness:
             ran = self.step()
             if not ran and self.scheduler.is_idle():
                 return self.results
+            if not ran:  # e.g. only grammars compiling (as the process loop, block instead of spinning)
+                self.scheduler.grammar_queue.wait(timeout_s=1.0)
         raise AssertionError(f"scheduler not idle after {max_steps} steps")
 
     def _collect(self) -> None:

@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from baton.engine.io_struct import AbortReq
 from scheduler_harness import SchedulerHarness
 
 ARCHS = ["llama", "qwen2", "qwen3", "qwen3_moe"]
@@ -310,4 +311,71 @@ def test_structured_output_matches_hf_under_the_same_grammar(tiny_model_factory,
             assert re.fullmatch(r"\([abc]{1,2}\)", text), text
     for i, p in enumerate(prompts):
         assert res[f"free{i}"].ids == hf_greedy(path, p, 60, ignore_eos=True)
+    assert s.check_memory_integrity()
+
+
+class _HeldCompiles:
+    """The grammar backend's submit with each compile held until the test releases it (a slow
+    compile, made deterministic): the real compile runs, its future is handed over later."""
+
+    def __init__(self, backend) -> None:
+        self.backend, self.held = backend, []
+        self.real_submit, backend.submit = backend.submit, self.submit
+
+    def submit(self, kind, spec):
+        from concurrent.futures import Future
+
+        held = Future()
+        self.held.append((self.real_submit(kind, spec), held))
+        return held
+
+    def release(self) -> None:
+        for real, held in self.held:
+            try:
+                held.set_result(real.result())
+            except Exception as e:  # noqa: BLE001 - a bad grammar's error travels on
+                held.set_exception(e)
+        self.held.clear()
+
+
+@pytest.mark.parametrize("loop", ["overlap", "plain"])
+def test_a_compiling_grammar_does_not_hold_up_running_requests(tiny_model_factory, loop):
+    """While a grammar compiles, its request waits in the grammar queue with no memory and the
+    running requests go on decoding; then it runs and equals HF under its grammar. An abort and a
+    bad grammar end requests that are still waiting there, and nothing leaks."""
+    import xgrammar as xgr
+    from xgrammar.contrib.hf import LogitsProcessor
+
+    path = tiny_model_factory("llama")
+    prompts = workload()[:2]
+    h = harness_for(path, loop, max_total_tokens=4096)
+    s = h.scheduler
+    compiles = _HeldCompiles(s.grammar_backend)
+    h.submit("free", prompts[0], max_new_tokens=30, ignore_eos=True)
+    h.step()
+    h.submit("regex", prompts[1], max_new_tokens=40, regex=GRAMMARS["regex"])
+    h.submit("gone", prompts[1], max_new_tokens=40, regex="[a-c]{3}")
+    h.submit("bad", prompts[1], max_new_tokens=40, regex="(unclosed")
+    live = s.running_batch.reqs + (s.last_batch.reqs if s.last_batch is not None else [])
+    free = next(r for r in live if r.rid == "free")
+    before = len(free.output_ids)
+    for _ in range(6):
+        h.step()
+    assert len(free.output_ids) >= before + 5 and "regex" not in h.results, (free.output_ids, h.results.keys())
+    assert len(s.grammar_queue) == 3 and s.get_server_info()["num_grammar_queue_reqs"] == 3
+    assert not s.is_idle()
+    s.process_input_requests([AbortReq(rid="gone")])
+    h.step()  # collects the outputs
+    assert h.results["gone"].finish.kind == "abort" and len(s.grammar_queue) == 2
+    compiles.release()
+    res = h.run_until_idle()
+    assert res["bad"].finish.kind == "abort" and res["bad"].finish.status_code == 400, res["bad"].finish
+    assert "invalid regex" in res["bad"].finish.message
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(
+        h.tokenizer, vocab_size=s.vocab_size, stop_token_ids=sorted(s.eos_token_ids)))
+    want = _hf_model(path).generate(torch.tensor([prompts[1]]), max_new_tokens=40, do_sample=False, pad_token_id=0,
+                                    logits_processor=[LogitsProcessor(compiler.compile_regex(GRAMMARS["regex"]))])
+    assert res["regex"].ids == want[0, len(prompts[1]):].tolist()
+    assert res["free"].ids == hf_greedy(path, prompts[0], 30, ignore_eos=True)
+    assert all(c.after_finish == 0 for c in res.values())
     assert s.check_memory_integrity()
