@@ -26,6 +26,8 @@ class TokenizedGenerateReqInput:
     logprob_start_len: int = -1  # -1: no input logprobs; else first prompt position to score
     top_logprobs_num: int = 0
     priority: Optional[int] = None
+    # the output starts with reasoning: a grammar applies only after the reasoning's end token
+    require_reasoning: bool = False
     # PD disaggregation: filled from the router's fields
     bootstrap_host: Optional[str] = None
     bootstrap_port: Optional[int] = None

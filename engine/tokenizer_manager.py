@@ -58,6 +58,7 @@ class GenerateInput:
     bootstrap_port: Optional[int] = None
     bootstrap_room: Optional[int] = None
     data_parallel_rank: Optional[int] = None
+    require_reasoning: bool = False  # a grammar applies after the reasoning (--reasoning-parser)
 
     def parallel(self, n: int) -> list["GenerateInput"]:
         """The n requests of parallel sampling (OpenAI's and SGLang's `n`). They share the prompt, so
@@ -219,7 +220,7 @@ class TokenizerManager:
             stream=obj.stream, return_logprob=obj.return_logprob, logprob_start_len=obj.logprob_start_len,
             top_logprobs_num=obj.top_logprobs_num, priority=obj.priority, bootstrap_host=obj.bootstrap_host,
             bootstrap_port=obj.bootstrap_port, bootstrap_room=obj.bootstrap_room,
-            data_parallel_rank=obj.data_parallel_rank)
+            data_parallel_rank=obj.data_parallel_rank, require_reasoning=obj.require_reasoning)
 
     async def generate(self, obj: GenerateInput, is_disconnected=None) -> AsyncIterator[ReqOutput]:
         """Yields a ReqOutput per step (streaming) or once at the end. Aborts the request in the

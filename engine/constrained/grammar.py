@@ -30,11 +30,23 @@ class GrammarError(ValueError):
 
 
 class Grammar:
-    """One request's matcher and its bitmask row ([1, ceil(vocab / 32)] int32, a set bit = allowed)."""
+    """One request's matcher and its bitmask row ([1, ceil(vocab / 32)] int32, a set bit = allowed).
 
-    def __init__(self, matcher: Any, bitmask: torch.Tensor) -> None:
+    `reasoning_end` (a token id): the output starts with reasoning, which the grammar does not
+    constrain; it applies from the token after that one (SGLang's reasoner grammar)."""
+
+    def __init__(self, matcher: Any, bitmask: torch.Tensor, reasoning_end: Optional[int] = None) -> None:
         self.matcher = matcher
         self.bitmask = bitmask
+        self.reasoning_end = reasoning_end
+
+    @property
+    def active(self) -> bool:
+        return self.reasoning_end is None
+
+    def note_reasoning_token(self, token_id: int) -> None:
+        if token_id == self.reasoning_end:
+            self.reasoning_end = None
 
     def fill(self) -> None:
         self.matcher.fill_next_token_bitmask(self.bitmask, 0)
@@ -72,11 +84,11 @@ class GrammarBackend:
             self._compiled.move_to_end(key)
         return future
 
-    def grammar(self, compiled: Any) -> Grammar:
+    def grammar(self, compiled: Any, reasoning_end: Optional[int] = None) -> Grammar:
         """A request's own matcher over a compiled grammar (cheap; on the scheduler thread)."""
         import xgrammar as xgr
 
-        return Grammar(xgr.GrammarMatcher(compiled), xgr.allocate_token_bitmask(1, self.vocab_size))
+        return Grammar(xgr.GrammarMatcher(compiled), xgr.allocate_token_bitmask(1, self.vocab_size), reasoning_end)
 
     def compile_now(self, kind: str, spec: str) -> Grammar:
         """Compile and wait (tests and tools; the scheduler goes through submit)."""

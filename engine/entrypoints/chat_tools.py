@@ -9,8 +9,8 @@ tool_choice (default "auto" when tools are given):
 - {"type": "function", "function": {"name": F}}: decoding is constrained to F's parameters schema;
   the output is F's arguments.
 With --reasoning-parser, the `<think>` block becomes `reasoning_content` first; the rest is then
-content (and tool calls). A constraint applies from the first token, so with "required" or a named
-function the model cannot think first.
+content (and tool calls). A constraint (required, a named function, response_format) applies after
+the reasoning when the model reasons (`reasons`): the scheduler starts the grammar after `</think>`.
 """
 from __future__ import annotations
 
@@ -101,6 +101,15 @@ def _call_for_template(call: dict[str, Any]) -> dict[str, Any]:
     return {**call, "function": {**fn, "arguments": args}}
 
 
+def reasons(reasoning_parser: Optional[str], kwargs: dict[str, Any]) -> bool:
+    """Whether the answer starts with reasoning: a model with a reasoning parser, unless the
+    template was told not to think (Qwen3's enable_thinking false). Then everything up to
+    `</think>` is reasoning (a leading `<think>` dropped), and a grammar starts after it."""
+    if reasoning_parser is None:
+        return False
+    return reasoning_forced(reasoning_parser) or kwargs.get("enable_thinking", True) is not False
+
+
 def template_kwargs(req: ChatCompletionRequest) -> dict[str, Any]:
     kwargs = dict(req.chat_template_kwargs or {})
     if clash := _RESERVED_TEMPLATE_KWARGS & set(kwargs):
@@ -135,8 +144,11 @@ class _Constrained:
 class ChoiceParser:
     """One choice's output split into reasoning, content and tool calls, over deltas or whole."""
 
-    def __init__(self, plan: Optional[ToolPlan], tool_parser: Optional[str], reasoning_parser: Optional[str]) -> None:
-        self.reasoning = ReasoningStream(reasoning_forced(reasoning_parser)) if reasoning_parser else None
+    def __init__(self, plan: Optional[ToolPlan], tool_parser: Optional[str], reasoning_parser: Optional[str],
+                 thinking: bool = False) -> None:
+        """`thinking`: the answer starts inside the reasoning block (`reasons`), else a block is
+        recognised only when the answer opens one."""
+        self.reasoning = ReasoningStream(thinking) if reasoning_parser else None
         self.tools: Any = None
         if plan is not None and plan.mode in ("required", "named"):
             self.tools = _Constrained(plan)
@@ -175,12 +187,12 @@ class ChoiceParser:
 
 
 def choice_parser_factory(plan: Optional[ToolPlan], req: ChatCompletionRequest, tool_parser: Optional[str],
-                          reasoning_parser: Optional[str]) -> Optional[Callable[[], ChoiceParser]]:
+                          reasoning_parser: Optional[str], thinking: bool) -> Optional[Callable[[], ChoiceParser]]:
     """A parser per choice, or None when the output is plain content (no tools, no reasoning split)."""
     reasoning = reasoning_parser if req.separate_reasoning else None
     if reasoning is None and (plan is None or plan.mode == "none"):
         return None
-    return lambda: ChoiceParser(plan, tool_parser, reasoning)
+    return lambda: ChoiceParser(plan, tool_parser, reasoning, thinking)
 
 
 def message(fields: dict[str, Any], with_reasoning: bool) -> dict[str, Any]:

@@ -281,7 +281,8 @@ def _native_inputs(req: GenerateRequest) -> list[GenerateInput]:
                             bootstrap_host=_pick(req.bootstrap_host, i, batch),
                             bootstrap_port=_pick(req.bootstrap_port, i, batch),
                             bootstrap_room=_pick(req.bootstrap_room, i, batch),
-                            data_parallel_rank=_pick(req.data_parallel_rank, i, batch))
+                            data_parallel_rank=_pick(req.data_parallel_rank, i, batch),
+                            require_reasoning=req.require_reasoning)
         if obj.return_logprob and obj.logprob_start_len < 0 and req.logprob_start_len == -1:
             obj.logprob_start_len = -1  # output logprobs only, as SGLang's default
         rid = _pick(req.rid, i, batch)

@@ -52,16 +52,19 @@ def register_openai_routes(app: FastAPI, ctx: ApiContext) -> None:
         args = ctx.server_args
         plan = chat_tools.plan_tools(req, args.tool_call_parser)
         messages = chat_tools.template_messages([text_message(m.model_dump(exclude_none=True)) for m in req.messages])
-        ids = ctx.tm.apply_chat_template(messages, tools=plan.tools if plan else None,
-                                         **chat_tools.template_kwargs(req))
+        kwargs = chat_tools.template_kwargs(req)
+        ids = ctx.tm.apply_chat_template(messages, tools=plan.tools if plan else None, **kwargs)
         top = (req.top_logprobs or 0) if req.logprobs else None
         overrides: dict[str, Any] = {}
         if plan is not None and plan.schema is not None:
             overrides["json_schema"] = plan.schema
         if plan is not None and plan.mode == "auto" and not make_tool_parser(args.tool_call_parser).skip_special_tokens:
             overrides["skip_special_tokens"] = False  # the format's marker is a special token
-        objs = _input(ctx, req, ids, req.max_completion_tokens or req.max_tokens, top, overrides=overrides).parallel(req.n)
-        parser = chat_tools.choice_parser_factory(plan, req, args.tool_call_parser, args.reasoning_parser)
+        obj = _input(ctx, req, ids, req.max_completion_tokens or req.max_tokens, top, overrides=overrides)
+        obj.require_reasoning = chat_tools.reasons(args.reasoning_parser, kwargs)
+        objs = obj.parallel(req.n)
+        parser = chat_tools.choice_parser_factory(plan, req, args.tool_call_parser, args.reasoning_parser,
+                                                  obj.require_reasoning)
         if req.stream:
             return await _stream(ctx, objs, request, req, chat=True, parser=parser)
         outs = await _collect_all(ctx, objs, request)

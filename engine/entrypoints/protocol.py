@@ -134,6 +134,7 @@ class GenerateRequest(_Body):
     top_logprobs_num: Union[int, list[int]] = 0
     rid: Optional[Union[str, list[str]]] = None
     priority: Optional[Union[int, list[int]]] = None
+    require_reasoning: bool = False  # SGLang's: a grammar applies after the reasoning's end token
     bootstrap_host: Optional[Union[str, list[str]]] = None
     bootstrap_port: Optional[Union[int, list[Optional[int]]]] = None
     bootstrap_room: Optional[Union[int, list[int]]] = None

@@ -19,7 +19,8 @@ def make_tool_parser(name: str) -> ToolParser:
 
 
 def reasoning_forced(name: str) -> bool:
-    """Whether the output starts inside the reasoning block (the template opened it)."""
+    """Whether the output starts inside the reasoning block whatever the request asks (the
+    template always opens it)."""
     if name not in REASONING_PARSERS:
         raise ValueError(f"unknown reasoning parser {name!r}; one of {REASONING_PARSERS}")
     return name == "deepseek-r1"

@@ -1,10 +1,12 @@
 """Reasoning text (`<think> ... </think>`) split from the answer, as SGLang's --reasoning-parser.
 
 
-- `qwen3`: a reasoning block only when the output opens with `<think>` (Qwen3 with thinking off, or
-  a chat template that does not ask for it, answers directly);
+- `qwen3`: with thinking on (the template's default) the output is reasoning until `</think>`, as
+  with `deepseek-r1`; with `enable_thinking` false, only a block the output itself opens;
 - `deepseek-r1`: the chat template already opened the block, so the output is reasoning until
-  `</think>` (a leading `<think>` is dropped as well). An output that never closes it is all reasoning.
+  `</think>` whatever the request says.
+In both, a leading `<think>` is dropped, and an output that never closes the block is all reasoning
+(entrypoints/chat_tools.reasons decides, per request).
 
 Whitespace between `</think>` and the answer is dropped.
 """

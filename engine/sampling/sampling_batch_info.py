@@ -161,7 +161,7 @@ class SamplingBatchInfo:
         penalty_rows = [i for i in live if states[i].has_penalties]
         min_tokens_rows = [i for i in live if states[i].min_tokens_stop_ids is not None]
         bias_rows = [i for i in live if states[i].params.logit_bias]
-        grammar_rows = [i for i in live if states[i].grammar is not None]
+        grammar_rows = [i for i in live if states[i].grammar is not None and states[i].grammar.active]
         seeded_rows = [i for i in live if not greedy[i] and states[i].generator is not None]
         is_all_greedy = all(greedy)
         tensors = (None, None, None, None, None)

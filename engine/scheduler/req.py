@@ -31,6 +31,7 @@ class Req:
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     priority: int = 0
+    require_reasoning: bool = False  # the output starts with reasoning (a grammar waits for its end)
     arrival_time: float = field(default_factory=time.time)
 
     output_ids: list[int] = field(default_factory=list)
@@ -135,8 +136,12 @@ class Req:
 
     def accept_grammar_token(self, token_id: int) -> None:
         """Feed a sampled (or transferred) token to the request's grammar; a grammar that has
-        accepted its stop token ends the request."""
+        accepted its stop token ends the request. A grammar waiting for the end of the reasoning
+        starts after that token, which it does not see."""
         if self.finished_reason is not None:
+            return
+        if not self.grammar.active:
+            self.grammar.note_reasoning_token(token_id)
             return
         if not self.grammar.accept(token_id):  # the mask makes this a bug, not a client error
             self.abort(f"token {token_id} is not allowed by the request's grammar", 500)

@@ -82,6 +82,7 @@ class Scheduler(SchedulerOutputProcessorMixin):
 
             self.grammar_backend = GrammarBackend(tokenizer, self.vocab_size, list(self.eos_token_ids),
                                                   any_whitespace=not args.constrained_json_disable_any_whitespace)
+        self.think_end_id = self._think_end_id(args, tokenizer)
         self.chunked_prefill_size = None if args.chunked_prefill_size in (-1, 0) else args.chunked_prefill_size
         self.init_new_token_ratio = min(INIT_NEW_TOKEN_RATIO * args.schedule_conservativeness, 1.0)
         self.min_new_token_ratio = self.init_new_token_ratio * MIN_NEW_TOKEN_RATIO_FACTOR
@@ -109,6 +110,21 @@ class Scheduler(SchedulerOutputProcessorMixin):
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             ids.add(tokenizer.eos_token_id)
         return frozenset(ids)
+
+    @staticmethod
+    def _think_end_id(args: ServerArgs, tokenizer: Any) -> Optional[int]:
+        """With --reasoning-parser: the one token that ends the reasoning, after which a grammar of a
+        request that reasons applies (None: grammars apply from the first token)."""
+        if args.reasoning_parser is None or tokenizer is None:
+            return None
+        from baton.engine.parsers.reasoning import THINK_END
+
+        ids = tokenizer.encode(THINK_END, add_special_tokens=False)
+        if len(ids) != 1:
+            logger.warning("%s is not one token of this tokenizer: structured output applies from the "
+                           "first token, reasoning included", THINK_END)
+            return None
+        return ids[0]
 
     def _init_disaggregation(self, transfer_config: Any) -> Any:
         """PD queues and KV transfer (prefill.py / decode.py); None when colocated."""
@@ -154,7 +170,7 @@ class Scheduler(SchedulerOutputProcessorMixin):
                   eos_token_ids=self.eos_token_ids, origin_input_text=recv.input_text, stream=recv.stream,
                   return_logprob=recv.return_logprob, logprob_start_len=recv.logprob_start_len,
                   top_logprobs_num=recv.top_logprobs_num, priority=recv.priority or 0,
-                  arrival_time=recv.received_time)
+                  arrival_time=recv.received_time, require_reasoning=recv.require_reasoning)
         error = self._validate(req)
         if error is None:
             stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
@@ -200,7 +216,8 @@ class Scheduler(SchedulerOutputProcessorMixin):
         from baton.engine.constrained.grammar import GrammarError
 
         try:
-            req.sampling_state.grammar = self.grammar_backend.grammar(future.result())
+            reasoning_end = self.think_end_id if req.require_reasoning else None
+            req.sampling_state.grammar = self.grammar_backend.grammar(future.result(), reasoning_end)
         except GrammarError as e:
             return str(e), 400
         except ImportError as e:
@@ -221,7 +238,7 @@ class Scheduler(SchedulerOutputProcessorMixin):
         if self.overlap is not None:
             self.drain_results()
         for req in batch.reqs:
-            if req.grammar is not None and not req.finished():
+            if req.grammar is not None and req.grammar.active and not req.finished():
                 req.grammar.fill()
 
     def _validate(self, req: Req) -> Optional[tuple[str, int]]:

@@ -29,11 +29,12 @@ class SchedulerHarness:
         self.results: dict[str, Collected] = {}
 
     def submit(self, rid: str, input_ids: list[int], return_logprob: bool = False, logprob_start_len: int = -1,
-               priority: int = 0, **sampling: Any) -> None:
+               priority: int = 0, require_reasoning: bool = False, **sampling: Any) -> None:
         params = SamplingParams(**{"max_new_tokens": 16, "temperature": 0.0, **sampling})
         self.scheduler.process_input_requests([TokenizedGenerateReqInput(
             rid=rid, input_text=None, input_ids=list(input_ids), sampling_params=params,
-            return_logprob=return_logprob, logprob_start_len=logprob_start_len, priority=priority)])
+            return_logprob=return_logprob, logprob_start_len=logprob_start_len, priority=priority,
+            require_reasoning=require_reasoning)])
         self._collect()
 
     def step(self) -> bool:

@@ -379,3 +379,57 @@ def test_a_compiling_grammar_does_not_hold_up_running_requests(tiny_model_factor
     assert res["free"].ids == hf_greedy(path, prompts[0], 30, ignore_eos=True)
     assert all(c.after_finish == 0 for c in res.values())
     assert s.check_memory_integrity()
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_grammar_waits_for_the_end_of_the_reasoning(tiny_model_factory, loop):
+    """--reasoning-parser: a request that reasons samples freely until </think>, then under its
+    grammar; equal to HF with xgrammar's processor started after that token (a bias on </think>
+    makes the random model close the block after a few tokens). A request beside it that does not
+    reason is constrained from its first token."""
+    import xgrammar as xgr
+    from xgrammar.contrib.hf import LogitsProcessor
+
+    path = tiny_model_factory("llama", extra_tokens=("<think>", "</think>"))
+    h = harness_for(path, loop, reasoning_parser="qwen3")
+    s = h.scheduler
+    think_end = h.tokenizer.convert_tokens_to_ids("</think>")
+    assert s.think_end_id == think_end
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(
+        h.tokenizer, vocab_size=s.vocab_size, stop_token_ids=sorted(s.eos_token_ids)))
+    regex = GRAMMARS["regex"]
+    model = _hf_model(path)
+
+    def hf_after_think(prompt: list[int], bias: float) -> list[int]:
+        state = {"inner": None}
+
+        def proc(input_ids, scores):
+            scores[:, think_end] += bias
+            if state["inner"] is None and think_end in input_ids[0, len(prompt):].tolist():
+                state["inner"] = LogitsProcessor(compiler.compile_regex(regex))
+            return scores if state["inner"] is None else state["inner"](input_ids, scores)
+
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False, pad_token_id=0,
+                             logits_processor=[proc])
+        return out[0, len(prompt):].tolist()
+
+    prompts = workload()[:4]
+    expected = {}
+    for i, p in enumerate(prompts):
+        for bias in (2.0, 3.0, 4.0):  # the smallest that closes the block within the budget
+            ids = hf_after_think(p, bias)
+            if think_end in ids[:30]:
+                break
+        expected[f"think{i}"] = ids
+        h.submit(f"think{i}", p, max_new_tokens=40, regex=regex, logit_bias={think_end: bias},
+                 require_reasoning=True)
+        h.submit(f"plain{i}", p, max_new_tokens=40, regex=regex)
+        h.step()
+    res = h.run_until_idle()
+    assert any(ids.index(think_end) > 0 for ids in expected.values() if think_end in ids), expected
+    for i, p in enumerate(prompts):
+        assert res[f"think{i}"].ids == expected[f"think{i}"], i
+        want = model.generate(torch.tensor([p]), max_new_tokens=40, do_sample=False, pad_token_id=0,
+                              logits_processor=[LogitsProcessor(compiler.compile_regex(regex))])
+        assert res[f"plain{i}"].ids == want[0, len(p):].tolist(), i
+    assert s.check_memory_integrity()

@@ -60,7 +60,8 @@ CALL_REGEX = r'<tool_call>\{"name": "get_weather", "arguments": \{"city": "[a-z]
 
 @pytest.fixture(scope="module")
 def model_path(tiny_model_factory) -> str:
-    return tiny_model_factory("qwen3", max_position_embeddings=2048)  # the tools make long prompts
+    # the tools make long prompts; <think> and </think> are one token each, as in Qwen3's vocabulary
+    return tiny_model_factory("qwen3", max_position_embeddings=2048, extra_tokens=("<think>", "</think>"))
 
 
 @pytest.fixture(scope="module")
@@ -85,20 +86,31 @@ def hf(model_path):
     return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval(), tok
 
 
-def _hf_constrained(hf, messages, schema, max_new_tokens=120) -> list[int]:
-    """HF greedy under xgrammar's HF logits processor, on the prompt our template renders."""
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}  # the grammar applies from the first token
+
+
+def _compiled_schema(hf, schema):
     import xgrammar as xgr
-    from xgrammar.contrib.hf import LogitsProcessor
 
     model, tok = hf
-    ids = tok.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, tokenize=True)
-    ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids)
     eos = model.generation_config.eos_token_id
     info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=model.config.vocab_size,
                                               stop_token_ids=[eos] if isinstance(eos, int) else sorted(eos))
-    compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(schema), any_whitespace=False)
-    out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
-                         logits_processor=[LogitsProcessor(compiled)])
+    return xgr.GrammarCompiler(info).compile_json_schema(json.dumps(schema), any_whitespace=False)
+
+
+def _prompt(hf, messages, **kwargs) -> list[int]:
+    ids = hf[1].apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, tokenize=True, **kwargs)
+    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids)
+
+
+def _hf_constrained(hf, messages, schema, max_new_tokens=120) -> list[int]:
+    """HF greedy under xgrammar's HF logits processor, on the prompt our template renders (no thinking)."""
+    from xgrammar.contrib.hf import LogitsProcessor
+
+    ids = _prompt(hf, messages, enable_thinking=False)
+    out = hf[0].generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
+                         logits_processor=[LogitsProcessor(_compiled_schema(hf, schema))])
     return out[0, len(ids):].tolist()
 
 
@@ -106,7 +118,7 @@ def test_named_tool_choice_equals_hf_under_the_schema(client, hf):
     model = client.models.list().data[0].id
     choice = {"type": "function", "function": {"name": "get_weather"}}
     resp = client.chat.completions.create(model=model, messages=MESSAGES, tools=TOOLS, tool_choice=choice,
-                                          max_tokens=120, temperature=0)
+                                          max_tokens=120, temperature=0, extra_body=NO_THINKING)
     expected = _hf_constrained(hf, MESSAGES, TOOLS[0]["function"]["parameters"])
     text = hf[1].decode(expected, skip_special_tokens=True)
     c = resp.choices[0]
@@ -125,7 +137,7 @@ def test_required_tool_choice_equals_hf_and_streams_the_same(client, hf):
 
     model = client.models.list().data[0].id
     resp = client.chat.completions.create(model=model, messages=MESSAGES, tools=TOOLS, tool_choice="required",
-                                          max_tokens=160, temperature=0)
+                                          max_tokens=160, temperature=0, extra_body=NO_THINKING)
     plan = plan_tools(ChatCompletionRequest.model_validate(
         {"messages": MESSAGES, "tools": TOOLS, "tool_choice": "required"}), None)
     expected = json.loads(hf[1].decode(_hf_constrained(hf, MESSAGES, plan.schema, 160), skip_special_tokens=True))
@@ -134,7 +146,7 @@ def test_required_tool_choice_equals_hf_and_streams_the_same(client, hf):
     assert [(t.function.name, json.loads(t.function.arguments)) for t in c.message.tool_calls] == \
         [(e["name"], e["parameters"]) for e in expected]
     stream = client.chat.completions.create(model=model, messages=MESSAGES, tools=TOOLS, tool_choice="required",
-                                            max_tokens=160, temperature=0, stream=True)
+                                            max_tokens=160, temperature=0, stream=True, extra_body=NO_THINKING)
     deltas = [ch.choices[0] for ch in stream if ch.choices]
     streamed = [t for d in deltas for t in (d.delta.tool_calls or [])]
     assert [(t.index, t.function.name, t.function.arguments) for t in streamed] == \
@@ -146,7 +158,7 @@ def test_auto_tool_call_parsed_from_the_models_text_whole_and_streamed(client):
     """tool_choice auto: the model's own <tool_call> text (steered here by a regex) becomes a call;
     the reasoning block before it becomes reasoning_content."""
     model = client.models.list().data[0].id
-    steer = {"regex": r"<think>[a-z ]{1,12}</think>\n" + CALL_REGEX}
+    steer = {"regex": r"<think>[a-z ]{1,12}</think>\n" + CALL_REGEX, **NO_THINKING}  # the regex writes the block
     resp = client.chat.completions.create(model=model, messages=MESSAGES, tools=TOOLS, max_tokens=150,
                                           temperature=0, extra_body=steer)
     c = resp.choices[0]
@@ -167,11 +179,63 @@ def test_auto_tool_call_parsed_from_the_models_text_whole_and_streamed(client):
     assert deltas[-1].finish_reason == "tool_calls"
 
 
+class _AfterThink:
+    """HF's side of a grammar that waits for the reasoning: logit_bias throughout, and xgrammar's HF
+    processor from the token after </think> on (it takes everything before as its prompt)."""
+
+    def __init__(self, compiled, think_end: int, bias: dict[int, float], prompt_len: int) -> None:
+        self.compiled, self.think_end, self.bias, self.prompt_len = compiled, think_end, bias, prompt_len
+        self.inner = None
+
+    def __call__(self, input_ids, scores):
+        from xgrammar.contrib.hf import LogitsProcessor
+
+        for t, b in self.bias.items():
+            scores[:, t] += b
+        if self.inner is None and self.think_end in input_ids[0, self.prompt_len:].tolist():
+            self.inner = LogitsProcessor(self.compiled)
+        return scores if self.inner is None else self.inner(input_ids, scores)
+
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["ok"], "properties": {"ok": {"type": "boolean"}}}
+
+
+def test_a_grammar_applies_after_the_reasoning(engine, client, hf):
+    """A model that reasons (qwen3 parser, thinking on) writes its <think> block freely; the JSON
+    schema applies from the token after </think>: tokens equal HF with the same rule, and the chat
+    answer is reasoning_content plus JSON content. A bias makes the random model close the block."""
+    model, tok = hf
+    think_end = tok.convert_tokens_to_ids("</think>")
+    bias = {think_end: 2.0}  # closes the block after 18 tokens (greedy, this seed)
+    ids = _prompt(hf, MESSAGES)
+    proc = _AfterThink(_compiled_schema(hf, SCHEMA), think_end, bias, len(ids))
+    want = model.generate(torch.tensor([ids]), max_new_tokens=60, do_sample=False, pad_token_id=0,
+                          logits_processor=[proc])[0, len(ids):].tolist()
+    assert think_end in want and want.index(think_end) > 0, want  # some reasoning, then the end
+    r = httpx.post(f"{engine.base_url}/generate", timeout=60, json={
+        "input_ids": ids, "require_reasoning": True,
+        "sampling_params": {"max_new_tokens": 60, "temperature": 0, "json_schema": json.dumps(SCHEMA),
+                            "logit_bias": {str(t): b for t, b in bias.items()}}})
+    assert r.status_code == 200, r.text
+    assert r.json()["output_ids"] == want
+    resp = client.chat.completions.create(model=client.models.list().data[0].id, messages=MESSAGES, tools=TOOLS,
+                                          tool_choice="none", max_tokens=60, temperature=0,
+                                          logit_bias={str(t): b for t, b in bias.items()},
+                                          response_format={"type": "json_schema",
+                                                           "json_schema": {"name": "a", "schema": SCHEMA}})
+    c = resp.choices[0]
+    assert c.finish_reason == "stop" and resp.usage.completion_tokens == len(want), c
+    text = tok.decode(want, skip_special_tokens=True)
+    reasoning, answer = text.split("</think>", 1)
+    assert c.message.reasoning_content == reasoning.removeprefix("<think>") and c.message.content == answer.lstrip()
+    assert set(json.loads(c.message.content)) == {"ok"}
+
+
 def test_plain_text_with_tools_stays_content(client):
     """tool_choice auto, and the model writes no call: its text is the content, as without tools."""
     model = client.models.list().data[0].id
     resp = client.chat.completions.create(model=model, messages=MESSAGES, tools=TOOLS, max_tokens=12,
-                                          temperature=0, extra_body={"regex": "[a-z]{4} [a-z]{4}"})
+                                          temperature=0, extra_body={"regex": "[a-z]{4} [a-z]{4}", **NO_THINKING})
     c = resp.choices[0]
     assert c.finish_reason == "stop" and not c.message.tool_calls and re.fullmatch("[a-z]{4} [a-z]{4}", c.message.content)
     assert c.message.reasoning_content is None

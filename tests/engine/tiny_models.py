@@ -58,7 +58,8 @@ def _config_and_model_classes(arch: str):
     }[arch]
 
 
-def make_tiny_model(arch: str, path: Union[str, os.PathLike], seed: int = 0, **overrides: Any) -> str:
+def make_tiny_model(arch: str, path: Union[str, os.PathLike], seed: int = 0, extra_tokens: tuple[str, ...] = (),
+                    **overrides: Any) -> str:
     """Build, save (safetensors, float32) and return the directory of a tiny random `arch` model."""
     if arch not in ARCH_DEFAULTS:
         raise ValueError(f"unknown tiny arch {arch!r}; choose from {sorted(ARCH_DEFAULTS)}")
@@ -69,7 +70,7 @@ def make_tiny_model(arch: str, path: Union[str, os.PathLike], seed: int = 0, **o
     _randomize_zero_params(model, config.initializer_range)
     path = os.fspath(path)
     model.save_pretrained(path)
-    save_tiny_tokenizer(path, config.vocab_size)
+    save_tiny_tokenizer(path, config.vocab_size, extra_tokens)
     return path
 
 
@@ -82,9 +83,11 @@ def _randomize_zero_params(model: torch.nn.Module, std: float) -> None:
             p.normal_(0.0, std)
 
 
-def save_tiny_tokenizer(path: Union[str, os.PathLike], vocab_size: int = VOCAB_SIZE) -> None:
+def save_tiny_tokenizer(path: Union[str, os.PathLike], vocab_size: int = VOCAB_SIZE,
+                        extra_tokens: tuple[str, ...] = ()) -> None:
     """A byte-level BPE trained in-process, padded with plain added tokens up to exactly `vocab_size`
-    so that every id a random model can emit decodes to something."""
+    so that every id a random model can emit decodes to something. `extra_tokens` (e.g. "</think>")
+    are added first, each one token."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -94,6 +97,7 @@ def save_tiny_tokenizer(path: Union[str, os.PathLike], vocab_size: int = VOCAB_S
     trainer = trainers.BpeTrainer(vocab_size=min(vocab_size, 400), special_tokens=SPECIAL_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(_CORPUS, trainer)
+    tok.add_tokens(list(extra_tokens))
     filler = vocab_size - tok.get_vocab_size()
     assert filler >= 0, "tokenizer vocab exceeds the model vocab"
     tok.add_tokens([f"<|x{i}|>" for i in range(filler)])
