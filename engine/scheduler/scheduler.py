@@ -20,16 +20,15 @@ from typing import Any, Optional
 
 import torch
 
-from baton.engine.io_struct import (AbortReq, FlushCacheOut, FlushCacheReq, FreezeGCReq, GetServerInfoOut,
-                                    GetServerInfoReq, TokenizedGenerateReqInput)
+from baton.engine.io_struct import (FlushCacheOut)
 from baton.engine.scheduler.grammar_queue import GrammarQueue
+from baton.engine.scheduler.intake import SchedulerIntakeMixin
 from baton.engine.scheduler.output_processor import SchedulerOutputProcessorMixin
 from baton.engine.scheduler.req import Req
 from baton.engine.scheduler.schedule_batch import ModelWorkerBatch, ScheduleBatch
 from baton.engine.scheduler.schedule_policy import AddReqResult, InBatchPrefixIndex, PrefillAdder, SchedulePolicy
 from baton.engine.scheduler.tp_worker import GenerationBatchResult, OverlapWorkerClient, TpModelWorker
 from baton.engine.server_args import ServerArgs
-from baton.engine.utils.gc_freeze import freeze_gc
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +52,7 @@ class LaunchedBatch:
         return self.result.result() if hasattr(self.result, "result") else self.result
 
 
-class Scheduler(SchedulerOutputProcessorMixin):
+class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin):
     def __init__(self, server_args: ServerArgs, tokenizer: Any = None, transfer_config: Any = None) -> None:
         """`transfer_config`: a disaggregation.base.TransferConfig overriding the one derived from the
         server args (tests: timeouts, fault injection)."""
@@ -111,21 +110,6 @@ class Scheduler(SchedulerOutputProcessorMixin):
             ids.add(tokenizer.eos_token_id)
         return frozenset(ids)
 
-    @staticmethod
-    def _think_end_id(args: ServerArgs, tokenizer: Any) -> Optional[int]:
-        """With --reasoning-parser: the one token that ends the reasoning, after which a grammar of a
-        request that reasons applies (None: grammars apply from the first token)."""
-        if args.reasoning_parser is None or tokenizer is None:
-            return None
-        from baton.engine.parsers.reasoning import THINK_END
-
-        ids = tokenizer.encode(THINK_END, add_special_tokens=False)
-        if len(ids) != 1:
-            logger.warning("%s is not one token of this tokenizer: structured output applies from the "
-                           "first token, reasoning included", THINK_END)
-            return None
-        return ids[0]
-
     def _init_disaggregation(self, transfer_config: Any) -> Any:
         """PD queues and KV transfer (prefill.py / decode.py); None when colocated."""
         if self.disaggregation_mode == "prefill":
@@ -145,138 +129,6 @@ class Scheduler(SchedulerOutputProcessorMixin):
 
     def _new_batch(self, reqs: list[Req]) -> ScheduleBatch:
         return ScheduleBatch(reqs, self.req_to_token_pool, self.allocator, self.tree_cache, self.server_args.device)
-
-    # ------------------------------------------------------------------ request intake
-    def process_input_requests(self, msgs: list[Any]) -> None:
-        for msg in msgs:
-            if isinstance(msg, TokenizedGenerateReqInput):
-                self.handle_generate_request(msg)
-            elif isinstance(msg, AbortReq):
-                self.abort_request(msg)
-            elif isinstance(msg, FlushCacheReq):
-                self.outbox.append(self.flush_cache())
-            elif isinstance(msg, GetServerInfoReq):
-                self.outbox.append(GetServerInfoOut(self.get_server_info()))
-            elif isinstance(msg, FreezeGCReq):
-                freeze_gc("scheduler")
-            else:
-                logger.error("unknown message type %s dropped", type(msg).__name__)
-
-    def handle_generate_request(self, recv: TokenizedGenerateReqInput) -> None:
-        from baton.engine.sampling.sampling_batch_info import ReqSamplingState
-
-        params = recv.sampling_params
-        req = Req(rid=recv.rid, origin_input_ids=list(recv.input_ids), sampling_params=params,
-                  eos_token_ids=self.eos_token_ids, origin_input_text=recv.input_text, stream=recv.stream,
-                  return_logprob=recv.return_logprob, logprob_start_len=recv.logprob_start_len,
-                  top_logprobs_num=recv.top_logprobs_num, priority=recv.priority or 0,
-                  arrival_time=recv.received_time, require_reasoning=recv.require_reasoning)
-        error = self._validate(req)
-        if error is None:
-            stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
-            req.sampling_state = ReqSamplingState(params, req.origin_input_ids, self.vocab_size, stop_ids,
-                                                  self.server_args.device)
-            max_queued = self.server_args.max_queued_requests
-            if max_queued is not None and len(self.waiting_queue) + len(self.grammar_queue) >= max_queued:
-                error = ("the server is overloaded: the waiting queue is full", 503)
-            else:
-                error, future = self._start_grammar(req)
-                if future is not None and not future.done():  # admitted once it has compiled
-                    self.grammar_queue.add(req, recv, future)
-                    return
-                if future is not None:
-                    error = self._attach_grammar(req, future)
-        self._admit(req, recv, error)
-
-    def _admit(self, req: Req, recv: TokenizedGenerateReqInput, error: Optional[tuple[str, int]]) -> None:
-        """A request ready to be scheduled joins waiting_queue (PD: its mode's first queue); one
-        with an error ends here."""
-        if error is None and self.disaggregation_mode != "null":
-            error = self.pd.add_request(req, recv)  # joins a PD queue; it reaches waiting_queue later
-            if error is None:
-                return
-        if error is not None:
-            req.abort(*error)
-            self.stream_output([req])
-            return
-        self.waiting_queue.append(req)
-
-    def _start_grammar(self, req: Req) -> tuple[Optional[tuple[str, int]], Any]:
-        """(error, future of the compiled grammar); both None for a request without a grammar."""
-        from baton.engine.constrained.grammar import grammar_spec
-
-        spec = grammar_spec(req.sampling_params)
-        if spec is None:
-            return None, None
-        if self.grammar_backend is None:
-            return ("structured output is off on this server (--grammar-backend none)", 400), None
-        return None, self.grammar_backend.submit(*spec)
-
-    def _attach_grammar(self, req: Req, future: Any) -> Optional[tuple[str, int]]:
-        from baton.engine.constrained.grammar import GrammarError
-
-        try:
-            reasoning_end = self.think_end_id if req.require_reasoning else None
-            req.sampling_state.grammar = self.grammar_backend.grammar(future.result(), reasoning_end)
-        except GrammarError as e:
-            return str(e), 400
-        except ImportError as e:
-            return f"structured output needs the xgrammar package: {e}", 400
-        return None
-
-    def admit_compiled(self) -> None:
-        """Requests whose grammar has compiled since the last step join the queues."""
-        for wait in self.grammar_queue.pop_ready():
-            self._admit(wait.req, wait.recv, self._attach_grammar(wait.req, wait.future))
-
-    def fill_grammar_masks(self, batch: ScheduleBatch) -> None:
-        """Before a launch: each grammar's bitmask from its matcher. The overlap loop first processes
-        the step in flight, whose tokens the matchers have not seen yet (a plain step, only for
-        batches with a grammar)."""
-        if not any(r.grammar is not None for r in batch.reqs):
-            return
-        if self.overlap is not None:
-            self.drain_results()
-        for req in batch.reqs:
-            if req.grammar is not None and req.grammar.active and not req.finished():
-                req.grammar.fill()
-
-    def _validate(self, req: Req) -> Optional[tuple[str, int]]:
-        n = len(req.origin_input_ids)
-        if n == 0:
-            return "the prompt is empty", 400
-        if n + 1 > self.context_len:
-            return f"the prompt has {n} tokens; this model's context length is {self.context_len}", 400
-        if n + req.sampling_params.max_new_tokens + self.page_size > min(self.max_total_tokens, self.context_len + self.page_size):
-            room = min(self.max_total_tokens, self.context_len) - n
-            if room < 1:
-                return f"the prompt has {n} tokens; at most {min(self.max_total_tokens, self.context_len) - 1} fit", 400
-            req.sampling_params.max_new_tokens = room  # cap, as OpenAI servers do
-            req.sampling_params.min_new_tokens = min(req.sampling_params.min_new_tokens, room)
-        if any(not 0 <= t < self.vocab_size for t in req.origin_input_ids):
-            return "input_ids contain ids outside the vocabulary", 400
-        return None
-
-    def abort_request(self, recv: AbortReq) -> None:
-        for req in self.grammar_queue.remove(None if recv.abort_all else recv.rid):
-            req.abort(recv.message, recv.status_code)  # never admitted: no memory, no PD entry
-            self.stream_output([req])
-        for req in list(self.waiting_queue):
-            if recv.abort_all or req.rid == recv.rid:
-                self.waiting_queue.remove(req)  # queued requests hold no memory
-                req.abort(recv.message, recv.status_code)
-                if self.disaggregation_mode != "null":
-                    self.pd.release_transfer(req)  # and tell the peer engine
-                self.stream_output([req])
-        live = list(self.running_batch.reqs) + ([self.chunked_req] if self.chunked_req else [])
-        live += [r for launched in self.result_queue for r in launched.reqs]
-        if self.last_batch is not None:
-            live += self.last_batch.reqs
-        for req in live:  # ends at the next result processing, which also frees its memory
-            if recv.abort_all or req.rid == recv.rid:
-                req.abort(recv.message, recv.status_code)
-        if self.disaggregation_mode != "null":
-            self.pd.abort_request(recv)
 
     # ------------------------------------------------------------------ batch selection
     def get_next_batch_to_run(self) -> Optional[ScheduleBatch]:
@@ -465,6 +317,18 @@ class Scheduler(SchedulerOutputProcessorMixin):
         if self.disaggregation_mode == "prefill":
             return f", #bootstrap-req: {len(pd.bootstrap_queue)}, #inflight-req: {len(pd.inflight_queue)}"
         return f", #prealloc-req: {len(pd.prealloc_queue)}, #transfer-req: {len(pd.transfer_queue)}"
+
+    def fill_grammar_masks(self, batch: ScheduleBatch) -> None:
+        """Before a launch: each grammar's bitmask from its matcher. The overlap loop first processes
+        the step in flight, whose tokens the matchers have not seen yet (a plain step, only for
+        batches with a grammar)."""
+        if not any(r.grammar is not None for r in batch.reqs):
+            return
+        if self.overlap is not None:
+            self.drain_results()
+        for req in batch.reqs:
+            if req.grammar is not None and req.grammar.active and not req.finished():
+                req.grammar.fill()
 
     def run_batch(self, batch: ScheduleBatch) -> LaunchedBatch:
         if self.grammar_backend is not None:
