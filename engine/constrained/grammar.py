@@ -106,6 +106,8 @@ class GrammarBackend:
                 return compiler.compile_regex(spec)
             if kind == "ebnf":
                 return compiler.compile_grammar(spec)
+            if kind == "structural_tag":
+                return compiler.compile_structural_tag(spec)
         except Exception as e:  # noqa: BLE001 - xgrammar reports bad grammars as RuntimeError and others
             raise GrammarError(f"invalid {kind}: {_first_line(e)}") from None
         raise GrammarError(f"unknown grammar kind {kind!r}")

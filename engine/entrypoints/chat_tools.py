@@ -3,11 +3,13 @@
 tool_choice (default "auto" when tools are given):
 - "none": the template still sees the tools; the output is plain content;
 - "auto": the output is parsed with the server's --tool-call-parser (the model's own format); a
-  request needs one (400 otherwise, as vLLM answers);
-- "required": decoding is constrained (xgrammar) to a JSON array of {"name", "parameters"} of the
-  given tools, at least one; parsed as such (no model format needed);
-- {"type": "function", "function": {"name": F}}: decoding is constrained to F's parameters schema;
-  the output is F's arguments.
+  request needs one (400 otherwise, as vLLM answers). When a tool is `strict` and xgrammar knows the
+  format (a structural tag: Qwen/Hermes), text stays free until the model opens a call, and the
+  call is then constrained to a tool's name and schema, so it always parses;
+- "required" / {"type": "function", "function": {"name": F}}: decoding is constrained (xgrammar).
+  In the model's own format when xgrammar knows it (at least one call of the tools / a call of F),
+  parsed by the format's parser; otherwise to a JSON array of {"name", "parameters"} of the tools /
+  to F's parameters schema (the output is then F's arguments), as vLLM does.
 With --reasoning-parser, the `<think>` block becomes `reasoning_content` first; the rest is then
 content (and tool calls). A constraint (required, a named function, response_format) applies after
 the reasoning when the model reasons (`reasons`): the scheduler starts the grammar after `</think>`.
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from baton.engine.entrypoints.protocol import ChatCompletionRequest, NamedToolChoice
-from baton.engine.parsers import make_tool_parser, reasoning_forced
+from baton.engine.parsers import make_tool_parser, reasoning_forced, structural_tag_model
 from baton.engine.parsers.base import Parsed, ToolCall, ToolStream, call_from
 from baton.engine.parsers.reasoning import ReasoningStream
 from baton.engine.sampling.sampling_params import GRAMMAR_KINDS
@@ -37,13 +39,18 @@ class ToolPlan:
     mode: str  # none | auto | required | named
     named: Optional[str] = None
     max_calls: Optional[int] = None  # 1 when parallel_tool_calls is false
-    schema: Optional[dict[str, Any]] = None  # the constraint of required / named
+    # the constraint: a JSON schema (required / named without a model format; the output is JSON,
+    # not the model's format) or an xgrammar structural tag of the model's format
+    schema: Optional[dict[str, Any]] = None
+    structural_tag: Optional[dict[str, Any]] = None
 
     def known(self, name: str) -> bool:
         return any(t["function"]["name"] == name for t in self.tools)
 
 
-def plan_tools(req: ChatCompletionRequest, tool_parser: Optional[str]) -> Optional[ToolPlan]:
+def plan_tools(req: ChatCompletionRequest, tool_parser: Optional[str], compact_json: bool = False) -> Optional[ToolPlan]:
+    """`compact_json`: the server's --constrained-json-disable-any-whitespace (no free whitespace in
+    constrained arguments)."""
     choice = req.tool_choice
     if not req.tools:
         if choice not in (None, "none"):
@@ -55,9 +62,13 @@ def plan_tools(req: ChatCompletionRequest, tool_parser: Optional[str]) -> Option
         raise RequestError("tools have duplicate function names", 400)
     max_calls = None if req.parallel_tool_calls else 1
     mode = "auto" if choice is None else choice if isinstance(choice, str) else "named"
-    if mode in ("required", "named") and any(getattr(req, k) is not None for k in (*GRAMMAR_KINDS, "response_format")):
-        raise RequestError(f"tool_choice {mode!r} constrains the output itself; it cannot be combined with "
-                           "response_format or json_schema / regex / ebnf", 400)
+    tag_model = structural_tag_model(tool_parser)
+    strict = mode == "auto" and tag_model is not None and any(t["function"].get("strict") for t in tools)
+    if (mode in ("required", "named") or strict) and any(getattr(req, k) is not None
+                                                         for k in (*GRAMMAR_KINDS, "response_format")):
+        what = "strict tools" if strict else f"tool_choice {mode!r}"
+        raise RequestError(f"{what} constrain the output itself; this cannot be combined with "
+                           "response_format or json_schema / regex / ebnf / structural_tag", 400)
     if mode == "auto" and tool_parser is None:
         raise RequestError('tool_choice "auto" needs a server started with --tool-call-parser; '
                            'use "required", a named function, or "none"', 400)
@@ -65,6 +76,13 @@ def plan_tools(req: ChatCompletionRequest, tool_parser: Optional[str]) -> Option
         assert isinstance(choice, NamedToolChoice)
         if choice.function.name not in names:
             raise RequestError(f"tool_choice names {choice.function.name!r}, which is not among the tools", 400)
+        max_calls = 1
+    if tag_model is not None and (mode in ("required", "named") or strict):
+        tag = _structural_tag(tag_model, tools, choice.model_dump() if mode == "named" else mode, max_calls,
+                              compact_json)
+        return ToolPlan(tools, mode, choice.function.name if mode == "named" else None, max_calls,
+                        structural_tag=tag)
+    if mode == "named":
         fn = next(t["function"] for t in tools if t["function"]["name"] == choice.function.name)
         return ToolPlan(tools, mode, fn["name"], 1, fn.get("parameters") or _NO_ARGS)
     schema = None
@@ -76,6 +94,20 @@ def plan_tools(req: ChatCompletionRequest, tool_parser: Optional[str]) -> Option
         if max_calls == 1:
             schema["maxItems"] = 1
     return ToolPlan(tools, mode, None, max_calls, schema)
+
+
+def _structural_tag(model: str, tools: list[dict[str, Any]], tool_choice: Any, max_calls: Optional[int],
+                    compact_json: bool) -> dict[str, Any]:
+    """xgrammar's structural tag for calls in `model`'s format. Reasoning is left out: the scheduler
+    starts a grammar after the reasoning (require_reasoning)."""
+    import xgrammar as xgr
+
+    with_params = [{**t, "function": {**t["function"], "parameters": t["function"].get("parameters") or _NO_ARGS}}
+                   for t in tools]
+    tag = xgr.get_model_structural_tag(model, tools=with_params, tool_choice=tool_choice, reasoning=False,
+                                       parallel_tool_calls=max_calls is None,
+                                       max_whitespace_cnt=1 if compact_json else None)  # 0 is refused
+    return json.loads(tag.model_dump_json())
 
 
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -150,9 +182,9 @@ class ChoiceParser:
         recognised only when the answer opens one."""
         self.reasoning = ReasoningStream(thinking) if reasoning_parser else None
         self.tools: Any = None
-        if plan is not None and plan.mode in ("required", "named"):
+        if plan is not None and plan.schema is not None:  # JSON the grammar made, not the model's format
             self.tools = _Constrained(plan)
-        elif plan is not None and plan.mode == "auto":
+        elif plan is not None and plan.mode != "none":
             self.tools = ToolStream(make_tool_parser(tool_parser), plan.known, plan.max_calls)
         self.named = plan is not None and plan.mode == "named"
         self.n_calls = 0

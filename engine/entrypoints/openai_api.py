@@ -50,7 +50,7 @@ def register_openai_routes(app: FastAPI, ctx: ApiContext) -> None:
         _check_model(ctx, req.model)
         reject_unsupported(req, chat=True)
         args = ctx.server_args
-        plan = chat_tools.plan_tools(req, args.tool_call_parser)
+        plan = chat_tools.plan_tools(req, args.tool_call_parser, args.constrained_json_disable_any_whitespace)
         messages = chat_tools.template_messages([text_message(m.model_dump(exclude_none=True)) for m in req.messages])
         kwargs = chat_tools.template_kwargs(req)
         ids = ctx.tm.apply_chat_template(messages, tools=plan.tools if plan else None, **kwargs)
@@ -58,7 +58,10 @@ def register_openai_routes(app: FastAPI, ctx: ApiContext) -> None:
         overrides: dict[str, Any] = {}
         if plan is not None and plan.schema is not None:
             overrides["json_schema"] = plan.schema
-        if plan is not None and plan.mode == "auto" and not make_tool_parser(args.tool_call_parser).skip_special_tokens:
+        if plan is not None and plan.structural_tag is not None:
+            overrides["structural_tag"] = plan.structural_tag
+        if plan is not None and plan.mode != "none" and plan.schema is None \
+                and not make_tool_parser(args.tool_call_parser).skip_special_tokens:
             overrides["skip_special_tokens"] = False  # the format's marker is a special token
         obj = _input(ctx, req, ids, req.max_completion_tokens or req.max_tokens, top, overrides=overrides)
         obj.require_reasoning = chat_tools.reasons(args.reasoning_parser, kwargs)

@@ -37,6 +37,7 @@ class SamplingExtras(_Body):
     json_schema: Optional[Any] = None
     regex: Optional[str] = None
     ebnf: Optional[str] = None
+    structural_tag: Optional[Any] = None
     # OpenAI features this server does not implement (tools: on completions; chat has its own),
     # a request for one gets a 400, never a silent answer without it (openai_api.reject_unsupported)
     tools: Optional[list[Any]] = None

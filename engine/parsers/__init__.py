@@ -1,6 +1,8 @@
 """Tool-call and reasoning parsers (names as SGLang's --tool-call-parser / --reasoning-parser)."""
 from __future__ import annotations
 
+from typing import Optional
+
 from baton.engine.parsers.base import ToolParser
 
 TOOL_PARSERS = ("qwen25", "qwen", "hermes", "llama3", "mistral", "pythonic")
@@ -16,6 +18,16 @@ def make_tool_parser(name: str) -> ToolParser:
     if name not in classes:
         raise ValueError(f"unknown tool-call parser {name!r}; one of {TOOL_PARSERS}")
     return classes[name]()
+
+
+# The tool-call formats xgrammar can constrain natively (its builtin structural tags): a call in the
+# model's own format whose arguments follow the tool's schema.
+_STRUCTURAL_TAG_MODELS = {"qwen25": "qwen_3", "qwen": "qwen_3", "hermes": "qwen_3"}
+
+
+def structural_tag_model(name: Optional[str]) -> Optional[str]:
+    """xgrammar's model key for a tool-call parser, or None (no native constraint for its format)."""
+    return _STRUCTURAL_TAG_MODELS.get(name) if name else None
 
 
 def reasoning_forced(name: str) -> bool:

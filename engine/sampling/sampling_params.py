@@ -8,7 +8,8 @@ from typing import Any, Optional
 _GREEDY_EPS = 1e-6
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range: [-100, 100]
 MAX_LOGIT_BIAS_ENTRIES = 1024
-GRAMMAR_KINDS = ("json_schema", "regex", "ebnf")  # structured output: a request sets at most one
+# structured output: a request sets at most one (structural_tag: xgrammar's, as SGLang's extra)
+GRAMMAR_KINDS = ("json_schema", "regex", "ebnf", "structural_tag")
 
 
 class SamplingParamsError(ValueError):
@@ -35,10 +36,12 @@ class SamplingParams:
     no_stop_trim: bool = False
     n: int = 1
     logit_bias: Optional[dict[Any, Any]] = None  # token id (int or its string, as JSON keys are) -> bias
-    # structured output (engine/constrained): at most one; json_schema as text (an object is dumped)
+    # structured output (engine/constrained): at most one; json_schema and structural_tag as text
+    # (an object is dumped)
     json_schema: Optional[Any] = None
     regex: Optional[str] = None
     ebnf: Optional[str] = None
+    structural_tag: Optional[Any] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -70,10 +73,12 @@ class SamplingParams:
             self.top_k = min(self.top_k, vocab_size)
         self.logit_bias = _logit_bias(self.logit_bias, vocab_size)
         grammars = [k for k in GRAMMAR_KINDS if getattr(self, k) is not None]
-        need(len(grammars) <= 1, f"at most one of json_schema, regex, ebnf; got {', '.join(grammars)}")
-        if self.json_schema is not None and not isinstance(self.json_schema, str):
-            need(isinstance(self.json_schema, dict), "json_schema must be a JSON schema (an object or its text)")
-            self.json_schema = json.dumps(self.json_schema)
+        need(len(grammars) <= 1, f"at most one of {', '.join(GRAMMAR_KINDS)}; got {', '.join(grammars)}")
+        for kind in ("json_schema", "structural_tag"):
+            value = getattr(self, kind)
+            if value is not None and not isinstance(value, str):
+                need(isinstance(value, dict), f"{kind} must be a JSON object or its text")
+                setattr(self, kind, json.dumps(value))
         need(all(isinstance(getattr(self, k), (str, type(None))) for k in ("regex", "ebnf")),
              "regex and ebnf must be strings")
 

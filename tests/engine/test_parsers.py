@@ -177,3 +177,25 @@ def test_earlier_tool_calls_reach_the_template_as_objects():
         {"role": "tool", "tool_call_id": "call_1", "content": "1"}])
     assert msgs[0]["tool_calls"][0]["function"]["arguments"] == {"a": 1}
     assert msgs[1] == {"role": "tool", "tool_call_id": "call_1", "content": "1"}
+
+
+def test_a_known_format_is_constrained_in_the_models_own_syntax():
+    """qwen25 (xgrammar's qwen_3 structural tag): required, named and strict auto become a structural
+    tag that begins each call as the format does and holds the tool's schema; without strict, auto
+    stays free; a format xgrammar lacks (mistral) falls back to the JSON forms."""
+    strict = [{**t, "function": {**t["function"], "strict": True}} for t in TOOLS]
+    for kw in (dict(tools=TOOLS, tool_choice="required"),
+               dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}}),
+               dict(tools=strict)):
+        plan = plan_tools(_req(**kw), "qwen25")
+        assert plan.schema is None and plan.structural_tag is not None, kw
+        text = json.dumps(plan.structural_tag)
+        assert '<tool_call>\\n{\\"name\\": \\"get_weather\\", \\"arguments\\": ' in text
+        assert json.dumps(TOOLS[0]["function"]["parameters"]) in text
+    assert plan_tools(_req(tools=TOOLS), "qwen25").structural_tag is None
+    assert plan_tools(_req(tools=TOOLS, tool_choice="required"), "mistral").schema["type"] == "array"
+    with pytest.raises(RequestError, match="strict tools"):
+        plan_tools(_req(tools=strict, regex="a+"), "qwen25")
+    p = ChoiceParser(plan_tools(_req(tools=TOOLS, tool_choice="required"), "qwen25"), "qwen25", None)
+    out = p.whole('Sure.<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>')
+    assert out["content"] == "Sure." and out["tool_calls"][0]["function"] == {"name": "add", "arguments": '{"a": 1}'}

@@ -134,6 +134,41 @@ def test_structured_output_through_the_openai_client(engine):
     assert wait_idle_integrity(engine.base_url)["integrity_ok"] is True
 
 
+def test_required_tool_choice_without_a_parser_is_a_json_array_equal_to_hf(engine, hf, model_path):
+    """No --tool-call-parser here: tool_choice required constrains the output to a JSON array of
+    {"name", "parameters"} (vLLM's form), parsed into calls; tokens equal HF under that schema."""
+    import xgrammar as xgr
+    from xgrammar.contrib.hf import LogitsProcessor
+
+    from baton.engine.entrypoints.chat_tools import plan_tools
+    from baton.engine.entrypoints.protocol import ChatCompletionRequest
+
+    tools = [{"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "additionalProperties": False, "required": ["n"],
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}}}}]
+    body = {"messages": [{"role": "user", "content": "pick"}], "tools": tools, "tool_choice": "required"}
+    tok = AutoTokenizer.from_pretrained(model_path)
+    # the schema allows free whitespace, and this random model would write nothing else: bias it away
+    blank = {t: -100.0 for t in range(hf.config.vocab_size) if tok.decode([t]) and not tok.decode([t]).strip()}
+    client = openai.OpenAI(base_url=f"{engine.base_url}/v1", api_key="unused")
+    resp = client.chat.completions.create(model=client.models.list().data[0].id, max_tokens=60, temperature=0,
+                                          logit_bias={str(t): b for t, b in blank.items()}, **body)
+    schema = plan_tools(ChatCompletionRequest.model_validate(body), None).schema
+    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=hf.config.vocab_size,
+                                              stop_token_ids=[hf.generation_config.eos_token_id])
+    ids = tok.apply_chat_template(body["messages"], add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "input_ids") or isinstance(ids, dict) else ids)
+    out = hf.generate(torch.tensor([ids]), max_new_tokens=60, do_sample=False, pad_token_id=0,
+                      sequence_bias={(t,): b for t, b in blank.items()}, logits_processor=[
+        LogitsProcessor(xgr.GrammarCompiler(info).compile_json_schema(json.dumps(schema)))])[0, len(ids):].tolist()
+    expected = json.loads(tok.decode(out, skip_special_tokens=True))
+    c = resp.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content is None, c
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in c.message.tool_calls] == \
+        [(e["name"], e["parameters"]) for e in expected]
+    assert resp.usage.completion_tokens == len(out)
+
+
 BAD_REQUESTS = [
     ("/v1/completions", b"{not json", 400, "malformed JSON"),
     ("/v1/completions", {"prompt": "hi", "model": "no-such-model"}, 404, "does not exist"),

@@ -61,7 +61,7 @@ CALL_REGEX = r'<tool_call>\{"name": "get_weather", "arguments": \{"city": "[a-z]
 @pytest.fixture(scope="module")
 def model_path(tiny_model_factory) -> str:
     # the tools make long prompts; <think> and </think> are one token each, as in Qwen3's vocabulary
-    return tiny_model_factory("qwen3", max_position_embeddings=2048, extra_tokens=("<think>", "</think>"))
+    return tiny_model_factory("qwen3", max_position_embeddings=2048, extra_tokens=("<think>", "</think>", "<tool_call>", "</tool_call>"))
 
 
 @pytest.fixture(scope="module")
@@ -89,14 +89,18 @@ def hf(model_path):
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}  # the grammar applies from the first token
 
 
-def _compiled_schema(hf, schema):
+def _compiler(hf):
     import xgrammar as xgr
 
     model, tok = hf
     eos = model.generation_config.eos_token_id
     info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=model.config.vocab_size,
                                               stop_token_ids=[eos] if isinstance(eos, int) else sorted(eos))
-    return xgr.GrammarCompiler(info).compile_json_schema(json.dumps(schema), any_whitespace=False)
+    return xgr.GrammarCompiler(info)
+
+
+def _compiled_schema(hf, schema):
+    return _compiler(hf).compile_json_schema(json.dumps(schema), any_whitespace=False)
 
 
 def _prompt(hf, messages, **kwargs) -> list[int]:
@@ -104,54 +108,99 @@ def _prompt(hf, messages, **kwargs) -> list[int]:
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids)
 
 
-def _hf_constrained(hf, messages, schema, max_new_tokens=120) -> list[int]:
-    """HF greedy under xgrammar's HF logits processor, on the prompt our template renders (no thinking)."""
+def _plan(**kw):
+    """The server's plan for a request (qwen25 format, compact JSON, as the engine here runs)."""
+    from baton.engine.entrypoints.chat_tools import plan_tools
+    from baton.engine.entrypoints.protocol import ChatCompletionRequest
+
+    return plan_tools(ChatCompletionRequest.model_validate({"messages": MESSAGES, "tools": TOOLS, **kw}),
+                      "qwen25", True)
+
+
+def _hf_tag(hf, tag: dict, max_new_tokens: int, bias=None, **template_kwargs) -> list[int]:
+    """HF greedy under xgrammar's processor on a structural tag (and a sequence bias)."""
     from xgrammar.contrib.hf import LogitsProcessor
 
-    ids = _prompt(hf, messages, enable_thinking=False)
+    ids = _prompt(hf, MESSAGES, **template_kwargs)
+    compiled = _compiler(hf).compile_structural_tag(json.dumps(tag))
     out = hf[0].generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
-                         logits_processor=[LogitsProcessor(_compiled_schema(hf, schema))])
+                         logits_processor=[LogitsProcessor(compiled)],
+                         sequence_bias={(t,): b for t, b in (bias or {}).items()} or None)
     return out[0, len(ids):].tolist()
 
 
-def test_named_tool_choice_equals_hf_under_the_schema(client, hf):
+def _calls_in(hf, ids: list[int], content: str = "") -> list[tuple[str, dict]]:
+    """The calls in an HF output of the qwen25 format; the text around them must be `content`."""
+    from baton.engine.parsers import make_tool_parser
+    from baton.engine.parsers.base import parse_whole
+
+    parsed = parse_whole(make_tool_parser("qwen25"), hf[1].decode(ids, skip_special_tokens=True),
+                         {"get_weather", "add"}.__contains__)
+    assert parsed.content.strip() == (content or "").strip(), parsed
+    return [(c.name, json.loads(c.arguments)) for c in parsed.calls]
+
+
+def _check_weather(args: dict) -> None:
+    assert set(args) == {"city", "unit"} and args["unit"] in ("c", "f") and len(args["city"]) <= 8, args
+
+
+def test_named_tool_choice_is_a_call_in_the_models_format_equal_to_hf(client, hf):
+    """With a format xgrammar knows (qwen25), a named tool_choice constrains the model to write that
+    call in its own format: tokens equal HF under the same structural tag."""
     model = client.models.list().data[0].id
     choice = {"type": "function", "function": {"name": "get_weather"}}
     resp = client.chat.completions.create(model=model, messages=MESSAGES, tools=TOOLS, tool_choice=choice,
                                           max_tokens=120, temperature=0, extra_body=NO_THINKING)
-    expected = _hf_constrained(hf, MESSAGES, TOOLS[0]["function"]["parameters"])
-    text = hf[1].decode(expected, skip_special_tokens=True)
+    expected = _hf_tag(hf, _plan(tool_choice=choice).structural_tag, 120, enable_thinking=False)
+    ((name, args),) = _calls_in(hf, expected)
     c = resp.choices[0]
     assert c.finish_reason == "stop" and c.message.content is None, c  # a forced call reports "stop", as OpenAI
     (call,) = c.message.tool_calls
-    assert call.type == "function" and call.id.startswith("call_") and call.function.name == "get_weather"
-    assert call.function.arguments == text  # the model's own text, token for token HF's
-    args = json.loads(call.function.arguments)
-    assert set(args) == {"city", "unit"} and args["unit"] in ("c", "f") and len(args["city"]) <= 8
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name == name == "get_weather"
+    assert json.loads(call.function.arguments) == args
+    _check_weather(args)
     assert resp.usage.completion_tokens == len(expected)
 
 
 def test_required_tool_choice_equals_hf_and_streams_the_same(client, hf):
-    from baton.engine.entrypoints.chat_tools import plan_tools
-    from baton.engine.entrypoints.protocol import ChatCompletionRequest
-
     model = client.models.list().data[0].id
-    resp = client.chat.completions.create(model=model, messages=MESSAGES, tools=TOOLS, tool_choice="required",
-                                          max_tokens=160, temperature=0, extra_body=NO_THINKING)
-    plan = plan_tools(ChatCompletionRequest.model_validate(
-        {"messages": MESSAGES, "tools": TOOLS, "tool_choice": "required"}), None)
-    expected = json.loads(hf[1].decode(_hf_constrained(hf, MESSAGES, plan.schema, 160), skip_special_tokens=True))
+    # one call: the grammar ends after it (the format lets a model write on after its calls otherwise)
+    one = dict(tool_choice="required", parallel_tool_calls=False)
+    resp = client.chat.completions.create(model=model, messages=MESSAGES, tools=TOOLS, max_tokens=160, temperature=0,
+                                          extra_body=NO_THINKING, **one)
     c = resp.choices[0]
-    assert c.finish_reason == "tool_calls" and c.message.content is None, c
-    assert [(t.function.name, json.loads(t.function.arguments)) for t in c.message.tool_calls] == \
-        [(e["name"], e["parameters"]) for e in expected]
-    stream = client.chat.completions.create(model=model, messages=MESSAGES, tools=TOOLS, tool_choice="required",
-                                            max_tokens=160, temperature=0, stream=True, extra_body=NO_THINKING)
+    # the format lets the model write text around its calls (this random one does)
+    expected = _calls_in(hf, _hf_tag(hf, _plan(**one).structural_tag, 160, enable_thinking=False), c.message.content)
+    assert c.finish_reason == "tool_calls", c
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in c.message.tool_calls] == expected
+    assert expected, "at least one call"
+    stream = client.chat.completions.create(model=model, messages=MESSAGES, tools=TOOLS, max_tokens=160, temperature=0,
+                                            stream=True, extra_body=NO_THINKING, **one)
     deltas = [ch.choices[0] for ch in stream if ch.choices]
     streamed = [t for d in deltas for t in (d.delta.tool_calls or [])]
     assert [(t.index, t.function.name, t.function.arguments) for t in streamed] == \
         [(i, t.function.name, t.function.arguments) for i, t in enumerate(c.message.tool_calls)]
     assert deltas[-1].finish_reason == "tool_calls"
+
+
+def test_strict_tools_make_an_auto_call_parse(client, hf):
+    """tool_choice auto: a bias makes the random model open a call (<tool_call>). Without strict the
+    rest is its own noise and stays content; with a strict tool, the call is constrained to a tool's
+    name and schema (equal to HF under the same structural tag) and parses."""
+    model = client.models.list().data[0].id
+    opener = hf[1].convert_tokens_to_ids("<tool_call>")
+    kw = dict(model=model, messages=MESSAGES, max_tokens=80, temperature=0, parallel_tool_calls=False,
+              logit_bias={str(opener): 100}, extra_body=NO_THINKING)
+    loose = client.chat.completions.create(tools=TOOLS, **kw).choices[0]
+    assert not loose.message.tool_calls and loose.message.content.startswith("<tool_call>"), loose
+    strict = [{**t, "function": {**t["function"], "strict": True}} for t in TOOLS]
+    c = client.chat.completions.create(tools=strict, **kw).choices[0]
+    plan = _plan(tools=strict, parallel_tool_calls=False)
+    assert plan.structural_tag is not None and plan.schema is None
+    expected = _calls_in(hf, _hf_tag(hf, plan.structural_tag, 80, {opener: 100.0}, enable_thinking=False))
+    assert c.finish_reason == "tool_calls" and c.message.content is None, c
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in c.message.tool_calls] == expected
+    assert len(expected) == 1
 
 
 def test_auto_tool_call_parsed_from_the_models_text_whole_and_streamed(client):
@@ -206,11 +255,14 @@ def test_a_grammar_applies_after_the_reasoning(engine, client, hf):
     answer is reasoning_content plus JSON content. A bias makes the random model close the block."""
     model, tok = hf
     think_end = tok.convert_tokens_to_ids("</think>")
-    bias = {think_end: 2.0}  # closes the block after 18 tokens (greedy, this seed)
     ids = _prompt(hf, MESSAGES)
-    proc = _AfterThink(_compiled_schema(hf, SCHEMA), think_end, bias, len(ids))
-    want = model.generate(torch.tensor([ids]), max_new_tokens=60, do_sample=False, pad_token_id=0,
-                          logits_processor=[proc])[0, len(ids):].tolist()
+    for strength in (1.0, 1.5, 2.0, 2.5, 3.0, 4.0):  # the first that closes the block after some reasoning
+        bias = {think_end: strength}
+        proc = _AfterThink(_compiled_schema(hf, SCHEMA), think_end, bias, len(ids))
+        want = model.generate(torch.tensor([ids]), max_new_tokens=60, do_sample=False, pad_token_id=0,
+                              logits_processor=[proc])[0, len(ids):].tolist()
+        if think_end in want[1:40]:
+            break
     assert think_end in want and want.index(think_end) > 0, want  # some reasoning, then the end
     r = httpx.post(f"{engine.base_url}/generate", timeout=60, json={
         "input_ids": ids, "require_reasoning": True,
