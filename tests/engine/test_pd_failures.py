@@ -134,7 +134,10 @@ def _assert_engines_clean(prefill: EngineProcess, decode: EngineProcess, timeout
 
 def test_killed_decode_behind_the_router_ends_every_call_and_a_restart_serves_again(loaded_pair):
     model_path, prefill, decode, bootstrap_port = loaded_pair
-    with pd_router(sys.executable, "-m", "baton", "router", flags=("--health-check-interval-secs", "1"),
+    # the kill opens the decode's circuit breaker (default: 60 s before a trial); a short timer here,
+    # so that the readmission below is up to the health check and the engines, not to that wait
+    flags = ("--health-check-interval-secs", "1", "--cb-timeout-duration-secs", "2")
+    with pd_router(sys.executable, "-m", "baton", "router", flags=flags,
                    prefill=prefill.base_url, bootstrap_port=bootstrap_port, decode=decode.base_url) as router:
 
         async def call(c: httpx.AsyncClient, i: int) -> str:
@@ -165,10 +168,12 @@ def test_killed_decode_behind_the_router_ends_every_call_and_a_restart_serves_ag
         decode.start()  # same port, a new process and Mooncake session
         decode.wait_healthy(STARTUP_TIMEOUT_S, "waiting for the restarted decode engine")
         body = {"input_ids": PROMPTS[4], "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0}}
-        deadline = time.monotonic() + 60  # the router's health check readmits the decode
+        start, refused = time.monotonic(), []  # the router's health check readmits the decode
         while (r := httpx.post(f"{router.base_url}/generate", json=body, timeout=120)).status_code != 200:
-            assert time.monotonic() < deadline, (r.status_code, r.text)
+            refused.append((round(time.monotonic() - start, 1), r.status_code, r.text[:100]))
+            assert time.monotonic() < start + 60, refused
             time.sleep(0.5)
+        print(f"readmitted after {time.monotonic() - start:.1f} s; refused before that: {refused}")
         assert r.json()["output_ids"] == hf_greedy(model_path, PROMPTS[4], MAX_NEW)
         _assert_engines_clean(prefill, decode)
 
