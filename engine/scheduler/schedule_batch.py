@@ -201,16 +201,21 @@ class ScheduleBatch:
             input_logprob_reqs=[],
         )
 
-    def retract_decode(self, release) -> tuple[list[Req], float]:
+    def retract_decode(self, release, may_empty: bool = False) -> tuple[list[Req], float]:
         """Take requests out until the next decode step fits. `release(req)` gives a request's memory
         back (its computed KV goes to the prefix cache, so a later re-prefill hits it).
+        `may_empty`: memory is also held outside this batch (a chunked prefill, PD transfers whose KV
+        is still coming), so even the last request may have to yield; otherwise one request always
+        fits (admission caps max_new_tokens to the pool) and not fitting is a bug.
         Returns the retracted requests and the recalibrated new_token_ratio."""
         order = sorted(range(len(self.reqs)),
                        key=lambda i: (len(self.reqs[i].output_ids), -len(self.reqs[i].origin_input_ids)),
                        reverse=True)
         retracted: list[Req] = []
         while not self.check_decode_mem():
-            assert len(order) > 1, "a single request does not fit in the KV pool"
+            if not order:
+                break
+            assert may_empty or len(order) > 1, "a single request does not fit in the KV pool"
             req = self.reqs[order.pop()]
             release(req)
             req.reset_for_retract()

@@ -261,7 +261,9 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin):
             self.flush_deferred()  # nothing is in flight now
             self.reap_finished(batch.reqs)
             batch.filter_batch()
-            retracted, ratio = batch.retract_decode(self.release_now)
+            held_elsewhere = self.chunked_req is not None or (
+                self.disaggregation_mode == "decode" and bool(self.pd.transfer_queue))
+            retracted, ratio = batch.retract_decode(self.release_now, may_empty=held_elsewhere)
             self.new_token_ratio = max(ratio, self.new_token_ratio)
             self.waiting_queue.extend(retracted)
             self.stats.retractions += len(retracted)

@@ -342,3 +342,38 @@ def test_pd_requests_need_bootstrap_room(tiny_model_factory, pair_factory):
         finish = side.results["no_room"].finish
         assert finish.status_code == 400 and "bootstrap_room" in finish.message
     pair.assert_settled()
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "plain"])
+def test_pd_decode_lone_request_makes_room_for_a_reserved_transfer(tiny_model_factory, pair_factory, overlap):
+    """The decode reserves a prompt's pages for a transfer whose KV has not arrived (the prefill has
+    not even seen it), counting only the expected growth of the request running beside it. That one
+    then outgrows the pool alone: it is retracted (and re-prefilled from its cached tokens later)
+    instead of failing the engine, as CI once saw (`a single request does not fit in the KV pool`).
+    Both then match HF and nothing leaks."""
+    path = tiny_model_factory("llama")
+    pair = pair_factory(path, max_total_tokens=256, enable_overlap_schedule=overlap,
+                        disable_overlap_schedule=not overlap, prefill_args={"max_total_tokens": 4096})
+    long_out, big = workload()[2][:20], [(7 * i) % 500 + 6 for i in range(60)]
+    pair.submit("a", long_out, max_new_tokens=200, ignore_eos=True)
+    d = pair.decode.scheduler
+    for _ in range(200):
+        pair.step()
+        if d.running_batch.reqs:
+            break
+    room = next(pair.rooms)
+    pair.decode.submit_pd("b", big, room, pair.port, max_new_tokens=1, ignore_eos=True)  # the prefill: later
+    pair.decode.step()
+    assert d.pd.transfer_queue, "the decode should hold b's pages by now"
+    for _ in range(400):
+        pair.decode.step()
+        if d.stats.retractions:
+            break
+    assert d.stats.retractions > 0 and d.pd.transfer_queue, "a should have outgrown the pool beside b's pages"
+    for _ in range(30):  # b's KV is still not coming: a waits (or re-prefills and yields again), no crash
+        pair.decode.step()
+    pair.prefill.submit_pd("b", big, room, pair.port, max_new_tokens=1, ignore_eos=True)
+    pair.run_until_idle()
+    assert pair.decode.results["a"].ids == hf_greedy(path, long_out, 200, ignore_eos=True)
+    assert pair.decode.results["b"].ids == hf_greedy(path, big, 1, ignore_eos=True)
+    pair.assert_settled()
