@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import uuid
 
 import pytest
@@ -46,7 +47,11 @@ def test_a_model_that_fails_to_load_exits_nonzero_and_leaves_nothing_running(tin
     assert processes_marked(mark) == []
     control = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
                                env={**os.environ, "BATON_TEST_MARK": mark})
-    try:  # the scan does see a live process carrying the mark
+    try:  # the scan does see a live process carrying the mark (once it has exec'd with its environment)
+        deadline = time.monotonic() + 10
+        while not processes_marked(mark):
+            assert time.monotonic() < deadline, "the control process never showed its mark"
+            time.sleep(0.05)
         assert len(processes_marked(mark)) == 1
     finally:
         control.kill()
