@@ -107,7 +107,14 @@ def _structural_tag(model: str, tools: list[dict[str, Any]], tool_choice: Any, m
     tag = xgr.get_model_structural_tag(model, tools=with_params, tool_choice=tool_choice, reasoning=False,
                                        parallel_tool_calls=max_calls is None,
                                        max_whitespace_cnt=1 if compact_json else None)  # 0 is refused
-    return json.loads(tag.model_dump_json())
+    tag = json.loads(tag.model_dump_json())
+    fmt = tag["format"]
+    if tool_choice == "required" and fmt.get("type") == "triggered_tags":
+        # xgrammar's "required" lets free text run before the first call, which a small model fills
+        # until max_tokens (SmolLM2 did); as vLLM's and OpenAI's required: the answer is calls only
+        tag["format"] = {"type": "tags_with_separator", "tags": fmt["tags"], "separator": "\n",
+                         "at_least_one": True, "stop_after_first": fmt.get("stop_after_first", False)}
+    return tag
 
 
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
