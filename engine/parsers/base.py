@@ -138,8 +138,13 @@ class ToolStream:
             body = self.buf.lstrip()
             maybe = not self.seen_text and any(m.startswith(body) for m in self.parser.markers)
             return len(self.buf) if maybe else 0
-        return max((k for m in self.parser.markers for k in range(min(len(m) - 1, len(self.buf)), 0, -1)
-                    if self.buf.endswith(m[:k])), default=0)
+        return max(partial_marker(self.buf, m) for m in self.parser.markers)
+
+
+def partial_marker(text: str, marker: str) -> int:
+    """Length of the longest end of `text` that is a proper beginning of `marker` (0 if none): text
+    held back while streaming, since the next delta may complete the marker."""
+    return next((k for k in range(min(len(marker) - 1, len(text)), 0, -1) if text.endswith(marker[:k])), 0)
 
 
 def parse_whole(parser: ToolParser, text: str, known: Callable[[str], bool],

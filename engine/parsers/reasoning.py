@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from baton.engine.parsers.base import partial_marker
+
 THINK_START, THINK_END = "<think>", "</think>"
 
 
@@ -47,8 +49,7 @@ class ReasoningStream:
             if self.state == "open":
                 i = self.buf.find(THINK_END)
                 if i < 0:
-                    keep = max((k for k in range(min(len(THINK_END) - 1, len(self.buf)), 0, -1)
-                                if self.buf.endswith(THINK_END[:k])), default=0)
+                    keep = partial_marker(self.buf, THINK_END)
                     reasoning += self.buf[:len(self.buf) - keep]
                     self.buf = self.buf[len(self.buf) - keep:]
                     return Split(reasoning, content)
