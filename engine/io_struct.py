@@ -64,11 +64,12 @@ class FreezeGCReq:
 class FlushCacheOut:
     success: bool
     message: str = ""
+    dp_rank: int = 0  # which scheduler answered (a DP engine gathers one answer per rank)
 
 
 @dataclass
 class GetServerInfoOut:
-    info: dict[str, Any]
+    info: dict[str, Any]  # carries "dp_rank"
 
 
 @dataclass

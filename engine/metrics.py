@@ -30,8 +30,10 @@ class EngineMetrics:
         self._define_request_metrics()
         self._define_scheduler_metrics()
         self._define_pd_metrics()
-        self._seen = {"transfer": 0, "queue": 0}  # highest sample sequence number observed
-        self._totals_seen: dict[str, int] = {}  # scheduler totals already turned into counter increments
+        self._rank = 0  # the DP rank whose info is being read
+        # per DP rank: each scheduler numbers its samples and keeps its totals on its own
+        self._seen: dict[tuple[str, int], int] = {}  # (kind, rank) -> highest sample sequence number observed
+        self._totals_seen: dict[tuple[str, int], int] = {}  # scheduler totals already turned into increments
 
     # -- definitions -----------------------------------------------------------------------
     def _hist(self, name: str, doc: str, buckets: tuple) -> Any:
@@ -96,10 +98,16 @@ class EngineMetrics:
     def error(self, status: int) -> None:
         self.errors.labels(*self._lv, str(status)).inc()
 
+    def update_from_server_infos(self, infos: list[dict[str, Any]]) -> None:
+        """One scrape: each DP rank's scheduler info."""
+        for info in infos:
+            self.update_from_server_info(info)
+
     def update_from_server_info(self, info: Optional[dict[str, Any]]) -> None:
         if not info:
             return
-        rank = (*self._lv, str(info.get("dp_rank", 0)))
+        self._rank = int(info.get("dp_rank", 0))
+        rank = (*self._lv, str(self._rank))
         self.num_running.labels(*rank).set(info.get("num_running_reqs", 0))
         self.num_queued.labels(*rank).set(info.get("num_waiting_reqs", 0))
         self.num_grammar_queued.labels(*rank).set(info.get("num_grammar_queue_reqs", 0))
@@ -128,15 +136,15 @@ class EngineMetrics:
 
     def _add_total(self, key: str, info: dict[str, Any], counter: Any) -> None:
         """Turn a scheduler's running total into counter increments (totals only grow)."""
-        total, seen = info.get(key, 0), self._totals_seen.get(key, 0)
+        total, seen = info.get(key, 0), self._totals_seen.get((key, self._rank), 0)
         if total > seen:
             counter.inc(total - seen)
-            self._totals_seen[key] = total
+            self._totals_seen[(key, self._rank)] = total
 
     def _new_samples(self, kind: str, samples: list) -> list:
         """The payloads of samples (seq, *payload) newer than the last seen; each is observed once even
         when several scrapes return it."""
-        fresh = [s for s in samples if s[0] > self._seen[kind]]
+        fresh = [s for s in samples if s[0] > self._seen.get((kind, self._rank), 0)]
         if fresh:
-            self._seen[kind] = fresh[-1][0]
+            self._seen[(kind, self._rank)] = fresh[-1][0]
         return [s[1] if len(s) == 2 else tuple(s[1:]) for s in fresh]

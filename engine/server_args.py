@@ -19,6 +19,9 @@ ATTENTION_BACKENDS = ("torch", "flashinfer")
 MODEL_DTYPES = ("auto", "float32", "float16", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e5m2")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
+# How the front end picks a DP rank for a request that names none (data_parallel_rank) and has no
+# bootstrap room (PD: room % dp_size, the convention the router pins ranks by).
+LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
 
 
 def auto_dtype_name(checkpoint_dtype: Optional[str], device: str) -> str:
@@ -104,7 +107,11 @@ class ServerArgs:
     disaggregation_heartbeat_max_failures: Optional[int] = None
     disaggregation_fault_probability: float = 0.0  # tests: fail this fraction of KV transfers
     tp_size: int = 1
+    # Data parallelism: dp_size full replicas of the model (one scheduler process each, GPU
+    # base_gpu_id + rank on CUDA) behind one HTTP server, tokenizer and detokenizer.
     dp_size: int = 1
+    load_balance_method: str = "round_robin"  # round_robin | shortest_queue (SGLang's flag)
+    base_gpu_id: int = 0
 
     def __post_init__(self) -> None:
         assert self.page_size >= 1, "--page-size must be >= 1"
@@ -141,9 +148,18 @@ class ServerArgs:
             raise ValueError(f"--reasoning-parser must be one of {REASONING_PARSERS}")
         if self.chat_template is not None and not os.path.isfile(self.chat_template):
             raise ValueError(f"--chat-template {self.chat_template}: no such file")
-        if self.tp_size != 1 or self.dp_size != 1:
-            raise ValueError("tensor and data parallelism (--tp-size/--dp-size > 1) are not implemented yet; "
-                             "run one engine per GPU and let the router balance across them")
+        if self.tp_size != 1:
+            raise ValueError("tensor parallelism (--tp-size > 1) is not implemented yet; use --dp-size "
+                             "(one model replica per GPU) or one engine per GPU behind the router")
+        if self.dp_size < 1:
+            raise ValueError("--dp-size must be >= 1")
+        if self.dp_size > 1 and self.disaggregation_mode != "null":
+            raise ValueError("--dp-size > 1 with --disaggregation-mode is not implemented yet: run one PD "
+                             "engine per GPU and let the router pair them")
+        if self.load_balance_method not in LOAD_BALANCE_METHODS:
+            raise ValueError(f"--load-balance-method must be one of {LOAD_BALANCE_METHODS}")
+        if self.base_gpu_id < 0:
+            raise ValueError("--base-gpu-id must be >= 0")
 
     def _auto_attention_backend(self) -> str:
         if not self.device.startswith("cuda") or importlib.util.find_spec("flashinfer") is None:
@@ -249,8 +265,13 @@ class ServerArgs:
                "(default: $SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE or 2)")
         a("--disaggregation-fault-probability", type=float, default=0.0,
           help="testing only: report this fraction of KV transfers as failed")
-        a("--tp-size", type=int, default=1)
-        a("--dp-size", type=int, default=1)
+        a("--tp-size", type=int, default=1, help="tensor parallelism: only 1 for now")
+        a("--dp-size", type=int, default=1,
+          help="data parallelism: this many model replicas (scheduler processes), one GPU each on CUDA")
+        a("--load-balance-method", default=ServerArgs.load_balance_method, choices=LOAD_BALANCE_METHODS,
+          help="how requests without data_parallel_rank are spread over the DP ranks (shortest_queue: "
+               "fewest requests in flight)")
+        a("--base-gpu-id", type=int, default=ServerArgs.base_gpu_id, help="CUDA: DP rank i runs on GPU base + i")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":

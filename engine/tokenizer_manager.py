@@ -170,24 +170,69 @@ class _ReqState:
     last_token_time: Optional[float] = None
 
 
+@dataclass
+class _Gather:
+    """A control call's answers, one per DP rank."""
+
+    fut: asyncio.Future
+    replies: dict[int, Any] = field(default_factory=dict)
+
+
+def _reply_rank(msg: Any) -> int:
+    info = getattr(msg, "info", None)
+    return int(info.get("dp_rank", 0)) if isinstance(info, dict) else int(getattr(msg, "dp_rank", 0))
+
+
 class TokenizerManager:
-    def __init__(self, tokenizer: Any, scheduler_addr: str, detokenizer_out_addr: str, metrics: EngineMetrics,
-                 vocab_size: int, context_len: int, dp_size: int = 1) -> None:
+    """`scheduler_addrs`: one scheduler per DP rank. A request goes to the rank it names
+    (`data_parallel_rank`), else under PD to bootstrap_room % dp_size (the convention by which the
+    router pins a prefill rank and a decode finds it), else by `load_balance_method`. Control calls
+    (flush, server info) go to every rank and gather one answer from each."""
+
+    def __init__(self, tokenizer: Any, scheduler_addrs: "str | list[str]", detokenizer_out_addr: str,
+                 metrics: EngineMetrics, vocab_size: int, context_len: int,
+                 load_balance_method: str = "round_robin") -> None:
         self.tokenizer, self.metrics = tokenizer, metrics
-        self.vocab_size, self.context_len, self.dp_size = vocab_size, context_len, dp_size
-        self._scheduler_addr, self._detok_addr = scheduler_addr, detokenizer_out_addr
+        self._scheduler_addrs = [scheduler_addrs] if isinstance(scheduler_addrs, str) else list(scheduler_addrs)
+        self.vocab_size, self.context_len, self.dp_size = vocab_size, context_len, len(self._scheduler_addrs)
+        self.load_balance_method = load_balance_method
+        self._detok_addr = detokenizer_out_addr
         self.states: dict[str, _ReqState] = {}
-        self._control_waiters: dict[type, list[asyncio.Future]] = {}
+        self._rank_of: dict[str, int] = {}  # rid -> DP rank, while in flight
+        self.in_flight = [0] * self.dp_size  # requests in flight per DP rank
+        self._next_rank = 0
+        self._control_waiters: dict[type, list[_Gather]] = {}
         self._loop_task: Optional[asyncio.Task] = None
         self.stopped: Optional[str] = None  # why the engine behind this front end is gone (fail_all)
 
     async def start(self) -> None:
         ctx = zmq.asyncio.Context(1)
-        self.send = ctx.socket(zmq.PUSH)
-        self.send.connect(self._scheduler_addr)
+        self.sends = []
+        for addr in self._scheduler_addrs:
+            sock = ctx.socket(zmq.PUSH)
+            sock.connect(addr)
+            self.sends.append(sock)
         self.recv = ctx.socket(zmq.PULL)
         self.recv.bind(self._detok_addr)
         self._loop_task = asyncio.create_task(self._handle_loop())
+
+    def pick_rank(self, obj: "GenerateInput") -> int:
+        """The DP rank a new request goes to."""
+        dp = self.dp_size
+        if dp == 1:
+            return 0
+        if obj.data_parallel_rank is not None:
+            return obj.data_parallel_rank
+        if obj.bootstrap_room is not None:
+            return obj.bootstrap_room % dp
+        start, self._next_rank = self._next_rank, (self._next_rank + 1) % dp
+        if self.load_balance_method == "shortest_queue":  # ties rotate, so an idle engine still spreads
+            return min(range(dp), key=lambda r: (self.in_flight[r], (r - start) % dp))
+        return start
+
+    async def _broadcast(self, msg: Any) -> None:
+        for sock in self.sends:
+            await sock.send_pyobj(msg)
 
     # ------------------------------------------------------------------ tokenization
     def tokenize(self, text: str) -> list[int]:
@@ -232,9 +277,12 @@ class TokenizerManager:
             raise RequestError(f"duplicate request id {obj.rid!r}", 400)
         state = _ReqState(ReqOutput(rid=obj.rid), StepQueue())
         self.states[obj.rid] = state
-        await self.send.send_pyobj(tokenized)
+        rank = self.pick_rank(obj)
+        self._rank_of[obj.rid] = rank
+        self.in_flight[rank] += 1
         finished = False
         try:
+            await self.sends[rank].send_pyobj(tokenized)
             while True:
                 out = await self._next(state, is_disconnected)
                 finished = out.finished_reason is not None
@@ -246,6 +294,8 @@ class TokenizerManager:
             self.states.pop(obj.rid, None)
             if not finished:
                 await self.abort(obj.rid, "client disconnected")
+            self._rank_of.pop(obj.rid, None)
+            self.in_flight[rank] -= 1
 
     async def _next(self, state: _ReqState, is_disconnected) -> ReqOutput:
         """Waits for the next step(s) of a request; steps that queued up meanwhile are merged, so a
@@ -289,7 +339,10 @@ class TokenizerManager:
         return [rid] + [r for r in self.states if r.startswith(prefix) and r[len(prefix):].isdigit()]
 
     async def abort(self, rid: str, message: str = "aborted by request") -> None:
-        await self.send.send_pyobj(AbortReq(rid=rid, message=message))
+        """To the rank that has the request; to every rank when it is not known here."""
+        msg = AbortReq(rid=rid, message=message)
+        rank = self._rank_of.get(rid)
+        await (self._broadcast(msg) if rank is None else self.sends[rank].send_pyobj(msg))
 
     def fail_all(self, message: str) -> None:
         """The scheduler or detokenizer is gone: every request in flight ends now with a 503 abort
@@ -303,32 +356,54 @@ class TokenizerManager:
                                                                  out.cached_tokens),
                                          None, None, None, None, now - state.created))
         for waiters in self._control_waiters.values():
-            for fut in waiters:
-                if not fut.done():
-                    fut.set_exception(RequestError(message, 503, "server_error"))
+            for gather in waiters:
+                if not gather.fut.done():
+                    gather.fut.set_exception(RequestError(message, 503, "server_error"))
             waiters.clear()
 
     # ------------------------------------------------------------------ control
-    async def _control(self, req: Any, reply_type: type, timeout: float = 30.0) -> Any:
+    async def _control(self, req: Any, reply_type: type, timeout: float = 30.0) -> list[Any]:
+        """Sends `req` to every DP rank; the answers, in rank order."""
         if self.stopped is not None:
             raise RequestError(self.stopped, 503, "server_error")
-        fut = asyncio.get_running_loop().create_future()
-        self._control_waiters.setdefault(reply_type, []).append(fut)
-        await self.send.send_pyobj(req)
-        return await asyncio.wait_for(fut, timeout)
+        gather = _Gather(asyncio.get_running_loop().create_future())
+        self._control_waiters.setdefault(reply_type, []).append(gather)
+        await self._broadcast(req)
+        return await asyncio.wait_for(gather.fut, timeout)
+
+    def _deliver(self, msg: Any) -> None:
+        """A control answer goes to the oldest call still waiting for its rank's answer: each rank
+        answers in the order it was asked, so concurrent calls each get one answer per rank."""
+        rank, waiters = _reply_rank(msg), self._control_waiters.get(type(msg), [])
+        for gather in list(waiters):
+            if gather.fut.done():  # timed out or failed
+                waiters.remove(gather)
+            elif rank not in gather.replies:
+                gather.replies[rank] = msg
+                if len(gather.replies) == self.dp_size:
+                    waiters.remove(gather)
+                    gather.fut.set_result([gather.replies[r] for r in range(self.dp_size)])
+                return
 
     async def flush_cache(self) -> FlushCacheOut:
-        return await self._control(FlushCacheReq(), FlushCacheOut)
+        """Flushed only where every rank was idle; the first refusal's message otherwise."""
+        outs = await self._control(FlushCacheReq(), FlushCacheOut)
+        failed = [o for o in outs if not o.success]
+        return failed[0] if failed else outs[0]
 
     async def freeze_gc(self) -> None:
-        """After start-up: the scheduler freezes its long-lived objects (no reply), and so does this process."""
+        """After start-up: the scheduler(s) freeze their long-lived objects (no reply), and so does this process."""
         from baton.engine.utils.gc_freeze import freeze_gc
 
-        await self.send.send_pyobj(FreezeGCReq())
+        await self._broadcast(FreezeGCReq())
         freeze_gc("tokenizer manager")
 
+    async def get_server_infos(self) -> list[dict[str, Any]]:
+        """Each DP rank's scheduler state, in rank order."""
+        return [out.info for out in await self._control(GetServerInfoReq(), GetServerInfoOut)]
+
     async def get_server_info(self) -> dict[str, Any]:
-        return (await self._control(GetServerInfoReq(), GetServerInfoOut)).info
+        return merge_server_infos(await self.get_server_infos())
 
     # ------------------------------------------------------------------ outputs
     async def _handle_loop(self) -> None:
@@ -338,12 +413,7 @@ class TokenizerManager:
                 if isinstance(msg, BatchStrOut):
                     self._handle_batch(msg)
                 else:
-                    waiters = self._control_waiters.get(type(msg), [])
-                    while waiters:
-                        fut = waiters.pop(0)
-                        if not fut.done():
-                            fut.set_result(msg)
-                            break
+                    self._deliver(msg)
             except Exception:
                 logger.exception("failed to dispatch an output message")
 
@@ -377,3 +447,28 @@ class TokenizerManager:
             m.prompt_tokens.inc(meta.prompt_tokens)
             m.cached_tokens.inc(meta.cached_tokens)
             m.finished(finished.kind)
+
+
+# Per-rank counts that add up over DP ranks in the merged server info (the rest is rank 0's).
+_SUMMED_INFO = ("num_running_reqs", "num_waiting_reqs", "num_grammar_queue_reqs", "retractions", "preemptions",
+                "gen_throughput", "max_total_num_tokens", "num_bootstrap_reqs", "num_inflight_reqs",
+                "num_prealloc_reqs", "num_transfer_reqs")
+
+
+def merge_server_infos(infos: list[dict[str, Any]]) -> dict[str, Any]:
+    """One engine's view of its DP ranks: rank 0's fields, counts summed over the ranks, token usage
+    and cache hit rate averaged, integrity_ok true only when every rank checked and held, and each
+    rank's own info under `internal_states` (SGLang's name)."""
+    if len(infos) == 1:
+        return infos[0]
+    merged = dict(infos[0])
+    for key in _SUMMED_INFO:
+        if all(key in info for info in infos):
+            merged[key] = sum(info[key] for info in infos)
+    for key in ("token_usage", "cache_hit_rate"):
+        if all(key in info for info in infos):
+            merged[key] = sum(info[key] for info in infos) / len(infos)
+    checks = [info.get("integrity_ok") for info in infos]
+    merged["integrity_ok"] = None if None in checks else all(checks)
+    merged["internal_states"] = infos
+    return merged

@@ -18,29 +18,35 @@ STARTUP_TIMEOUT_S = 1800
 
 @dataclass
 class EngineProcesses:
-    scheduler: mp.Process
+    schedulers: list[mp.Process]  # one per DP rank
     detokenizer: mp.Process
-    scheduler_info: dict[str, Any]
-    scheduler_addr: str
+    scheduler_info: dict[str, Any]  # rank 0's ready report
+    scheduler_addrs: list[str]  # where each rank receives requests
     tokenizer_addr: str
     cpu_plan: Any = None  # utils.cpu_affinity.CpuPlan, or None when not binding
     prepared: Any = None  # what launch_subprocesses' while_starting returned
+
+    def _named(self) -> list[tuple[str, mp.Process]]:
+        many = len(self.schedulers) > 1
+        return [(f"scheduler (DP rank {i})" if many else "scheduler", p) for i, p in enumerate(self.schedulers)] + [
+            ("detokenizer", self.detokenizer)]
 
     def alive(self) -> bool:
         return self.exited() is None
 
     def exited(self) -> Optional[str]:
-        """How the first child process that is no longer running ended; None while both run."""
-        for name, proc in (("scheduler", self.scheduler), ("detokenizer", self.detokenizer)):
+        """How the first child process that is no longer running ended; None while all run."""
+        for name, proc in self._named():
             if not proc.is_alive():
                 return f"the {name} process {describe_exit(proc.exitcode)}"
         return None
 
     def shutdown(self) -> None:
-        for proc in (self.scheduler, self.detokenizer):
+        procs = [p for _, p in self._named()]
+        for proc in procs:
             if proc.is_alive():
                 proc.terminate()
-        for proc in (self.scheduler, self.detokenizer):
+        for proc in procs:
             proc.join(timeout=10)
             if proc.is_alive():
                 proc.kill()
@@ -84,31 +90,39 @@ def _wait_ready(name: str, pipe: Any, proc: mp.Process) -> Any:
 
 
 def launch_subprocesses(server_args: ServerArgs, while_starting: Optional[Callable[[], Any]] = None) -> EngineProcesses:
-    """Start the scheduler and detokenizer and wait until both are ready. `while_starting` runs in
-    between (the front end's own start-up: imports, tokenizer), its result in procs.prepared."""
+    """Start the scheduler(s) (one per DP rank) and the detokenizer, and wait until all are ready.
+    `while_starting` runs in between (the front end's own start-up: imports, tokenizer), its result
+    in procs.prepared."""
     from baton.engine.detokenizer import run_detokenizer_process
     from baton.engine.scheduler.event_loop import run_scheduler_process
     from baton.engine.utils.cpu_affinity import plan_binding
     from baton.engine.utils.process import ipc_names
 
-    scheduler_addr, detok_addr, tokenizer_addr = ipc_names(3)
+    dp = server_args.dp_size
+    *scheduler_addrs, detok_addr, tokenizer_addr = ipc_names(dp + 2)
     ctx = mp.get_context("spawn")  # never fork a process that may hold CUDA or torch threads
-    sched_r, sched_w = ctx.Pipe(duplex=False)
-    detok_r, detok_w = ctx.Pipe(duplex=False)
     cpu_plan = plan_binding(server_args.cpu_omp_threads_bind)
-    scheduler = ctx.Process(target=run_scheduler_process, name="baton-scheduler", daemon=True,
-                            args=(server_args, scheduler_addr, detok_addr, sched_w, cpu_plan))
+    schedulers, sched_pipes = [], []
+    for rank, addr in enumerate(scheduler_addrs):
+        r, w = ctx.Pipe(duplex=False)
+        sched_pipes.append(r)
+        schedulers.append(ctx.Process(target=run_scheduler_process, name=f"baton-scheduler-{rank}", daemon=True,
+                                      args=(server_args, addr, detok_addr, w, cpu_plan, rank)))
+    detok_r, detok_w = ctx.Pipe(duplex=False)
     detokenizer = ctx.Process(target=run_detokenizer_process, name="baton-detokenizer", daemon=True,
                               args=(server_args.tokenizer_path or server_args.model_path, detok_addr,
                                     tokenizer_addr, server_args.log_level, detok_w, cpu_plan))
-    scheduler.start()
+    for proc in schedulers:
+        proc.start()
     detokenizer.start()
-    procs = EngineProcesses(scheduler, detokenizer, {}, scheduler_addr, tokenizer_addr, cpu_plan)
+    procs = EngineProcesses(schedulers, detokenizer, {}, scheduler_addrs, tokenizer_addr, cpu_plan)
     try:
         if while_starting is not None:
             procs.prepared = while_starting()
         _wait_ready("detokenizer", detok_r, detokenizer)
-        procs.scheduler_info = _wait_ready("scheduler", sched_r, scheduler)
+        infos = [_wait_ready("scheduler" if dp == 1 else f"scheduler of DP rank {rank}", pipe, proc)
+                 for rank, (pipe, proc) in enumerate(zip(sched_pipes, schedulers))]
+        procs.scheduler_info = infos[0]
     except BaseException:
         procs.shutdown()
         raise
@@ -162,9 +176,9 @@ def run_server(server_args: ServerArgs) -> None:
 
         info, tokenizer = procs.scheduler_info, procs.prepared
         role = "colocated" if server_args.disaggregation_mode == "null" else server_args.disaggregation_mode
-        tm = TokenizerManager(tokenizer, procs.scheduler_addr, procs.tokenizer_addr,
+        tm = TokenizerManager(tokenizer, procs.scheduler_addrs, procs.tokenizer_addr,
                               EngineMetrics(server_args.model_name, role), info["vocab_size"], info["context_length"],
-                              dp_size=server_args.dp_size)
+                              load_balance_method=server_args.load_balance_method)
         model_info = {"model_path": server_args.model_path, "tokenizer_path": server_args.tokenizer_path,
                       "served_model_name": server_args.model_name, "is_generation": True}
         ctx = ApiContext(server_args, tm, model_info, procs.alive,

@@ -212,7 +212,7 @@ def _register_native_routes(app: FastAPI, ctx: ApiContext) -> None:
     @app.get("/metrics")
     async def metrics():
         try:
-            ctx.tm.metrics.update_from_server_info(await ctx.tm.get_server_info())
+            ctx.tm.metrics.update_from_server_infos(await ctx.tm.get_server_infos())
         except asyncio.TimeoutError:
             logger.warning("scheduler did not answer for /metrics; gauges are stale")
         return Response(generate_latest(ctx.tm.metrics.registry), media_type=CONTENT_TYPE_LATEST)

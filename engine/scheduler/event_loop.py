@@ -73,23 +73,29 @@ def event_loop(scheduler: Scheduler, io: SchedulerIO, watchdog: Optional[Watchdo
 
 
 def run_scheduler_process(server_args: ServerArgs, recv_addr: str, send_addr: str, ready_pipe: Any,
-                          cpu_plan: Optional["CpuPlan"] = None) -> None:
-    """Entry point of the scheduler process. Reports ("ready", info) or ("error", text) on ready_pipe."""
+                          cpu_plan: Optional["CpuPlan"] = None, dp_rank: int = 0) -> None:
+    """Entry point of a scheduler process (one per DP rank). Reports ("ready", info) or ("error",
+    text) on ready_pipe."""
     from baton.engine.utils.cpu_affinity import bind_scheduler
     from baton.engine.utils.logging import configure_logging, format_phases
     from baton.engine.utils.process import die_with_parent, process_age_s
 
     die_with_parent()
-    configure_logging(server_args.log_level, prefix="scheduler")
-    bind_scheduler(cpu_plan)
+    dp = server_args.dp_size > 1
+    configure_logging(server_args.log_level, prefix=f"scheduler DP{dp_rank}" if dp else "scheduler")
+    bind_scheduler(cpu_plan, dp_rank, server_args.dp_size)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
     try:
         from transformers import AutoTokenizer
 
+        if server_args.device.startswith("cuda") and dp:
+            import torch
+
+            torch.cuda.set_device(server_args.base_gpu_id + dp_rank)  # "cuda" means this rank's GPU from here
         start, spawn_s = time.perf_counter(), process_age_s()  # interpreter + imports before this point
         tokenizer = AutoTokenizer.from_pretrained(server_args.tokenizer_path or server_args.model_path)
         tokenizer_s = time.perf_counter() - start
-        scheduler = Scheduler(server_args, tokenizer)
+        scheduler = Scheduler(server_args, tokenizer, dp_rank=dp_rank)
         io = SchedulerIO(zmq.Context(2), recv_addr, send_addr)
     except Exception:
         ready_pipe.send(("error", traceback.format_exc()))

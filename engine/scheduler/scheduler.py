@@ -53,13 +53,15 @@ class LaunchedBatch:
 
 
 class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin):
-    def __init__(self, server_args: ServerArgs, tokenizer: Any = None, transfer_config: Any = None) -> None:
+    def __init__(self, server_args: ServerArgs, tokenizer: Any = None, transfer_config: Any = None,
+                 dp_rank: int = 0) -> None:
         """`transfer_config`: a disaggregation.base.TransferConfig overriding the one derived from the
-        server args (tests: timeouts, fault injection)."""
+        server args (tests: timeouts, fault injection). `dp_rank`: this replica's data-parallel rank."""
         from baton.engine.mem_cache import create_prefix_cache
 
         self.server_args = args = server_args
         self.tokenizer = tokenizer
+        self.dp_rank = dp_rank
         self.worker = TpModelWorker(args)
         runner = self.worker.model_runner
         self.startup_s: dict[str, float] = dict(runner.startup_s)  # the process adds spawn, tokenizer, total
@@ -389,14 +391,15 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin):
 
     def flush_cache(self) -> FlushCacheOut:
         if not self.is_idle():
-            return FlushCacheOut(False, "requests are running; retry when idle")
+            return FlushCacheOut(False, "requests are running; retry when idle", self.dp_rank)
         self.flush_deferred()
         self.tree_cache.reset()
-        return FlushCacheOut(True, "")
+        return FlushCacheOut(True, "", self.dp_rank)
 
     def get_server_info(self) -> dict[str, Any]:
         pd_info = self.pd.server_info() if self.pd is not None else {}
         return {**pd_info,
+            "dp_rank": self.dp_rank,
             "max_total_num_tokens": self.max_total_tokens,
             "max_running_requests": self.max_running_requests,
             "context_length": self.context_len,

@@ -65,15 +65,32 @@ def plan_binding(spec: str, available: Optional[list[int]] = None) -> Optional[C
     return CpuPlan(tuple(wanted), tuple(c for c in available if c not in wanted))
 
 
-def bind_scheduler(plan: Optional[CpuPlan]) -> None:
-    """In the scheduler process, before the model runs: pin it and size torch's thread pool."""
-    if plan is None:
-        return
+def rank_cpus(cpus: tuple[int, ...], dp_rank: int, dp_size: int) -> tuple[int, ...]:
+    """DP rank `dp_rank`'s share of the scheduler CPUs: contiguous, as even as the count allows;
+    with fewer CPUs than ranks, ranks share them round-robin."""
+    if dp_size <= 1:
+        return cpus
+    if len(cpus) < dp_size:
+        return (cpus[dp_rank % len(cpus)],)
+    base, extra = divmod(len(cpus), dp_size)
+    start = dp_rank * base + min(dp_rank, extra)
+    return cpus[start:start + base + (dp_rank < extra)]
+
+
+def bind_scheduler(plan: Optional[CpuPlan], dp_rank: int = 0, dp_size: int = 1) -> None:
+    """In a scheduler process, before the model runs: pin it and size torch's thread pool. With
+    several DP ranks each takes its share of the CPUs; unbound, each still sizes its thread pool to
+    its share, so the ranks' OpenMP teams do not oversubscribe the machine."""
     import torch
 
-    os.sched_setaffinity(0, plan.scheduler)
-    torch.set_num_threads(len(plan.scheduler))
-    logger.info("scheduler bound to CPUs %s (%d torch threads)", list(plan.scheduler), len(plan.scheduler))
+    if plan is None:
+        if dp_size > 1:
+            torch.set_num_threads(max(1, len(available_cpus()) // dp_size))
+        return
+    cpus = rank_cpus(plan.scheduler, dp_rank, dp_size)
+    os.sched_setaffinity(0, cpus)
+    torch.set_num_threads(len(cpus))
+    logger.info("scheduler bound to CPUs %s (%d torch threads)", list(cpus), len(cpus))
 
 
 def bind_frontend(plan: Optional[CpuPlan]) -> None:

@@ -1,0 +1,242 @@
+"""Data parallelism (--dp-size): one HTTP server and detokenizer in front of several scheduler
+processes, each a full replica with its own KV pool and radix cache. Unit tests of the rank choice,
+the gathering of control answers and the merged server info; then a served engine with two ranks:
+HF-equal greedy outputs, round robin and pinned ranks (seen through each replica's own radix cache),
+flush and abort on every rank, per-rank metrics, nothing leaked."""
+from __future__ import annotations
+
+import asyncio
+import os
+
+import httpx
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from baton.engine.io_struct import FlushCacheOut, GetServerInfoOut
+from baton.engine.metrics import EngineMetrics
+from baton.engine.sampling.sampling_params import SamplingParams
+from baton.engine.server_args import ServerArgs
+from baton.engine.tokenizer_manager import GenerateInput, TokenizerManager, merge_server_infos
+from baton.engine.utils.cpu_affinity import rank_cpus
+
+
+def _tm(dp: int, method: str = "round_robin") -> TokenizerManager:
+    return TokenizerManager(None, [f"ipc://unused-{i}" for i in range(dp)], "", EngineMetrics("m", "colocated"),
+                            vocab_size=100, context_len=64, load_balance_method=method)
+
+
+def _input(**kw) -> GenerateInput:
+    return GenerateInput(SamplingParams(), input_ids=[1, 2], **kw)
+
+
+def test_rank_choice():
+    tm = _tm(3)
+    assert [tm.pick_rank(_input()) for _ in range(7)] == [0, 1, 2, 0, 1, 2, 0]
+    assert tm.pick_rank(_input(data_parallel_rank=2)) == 2  # pinned
+    assert tm.pick_rank(_input(bootstrap_room=10)) == 1  # PD: room % dp_size
+    assert _tm(1).pick_rank(_input()) == 0
+    sq = _tm(3, "shortest_queue")
+    sq.in_flight = [2, 0, 1]
+    assert sq.pick_rank(_input()) == 1
+    sq.in_flight = [1, 1, 1]  # ties rotate
+    assert {sq.pick_rank(_input()) for _ in range(3)} == {0, 1, 2}
+
+
+def test_concurrent_control_calls_each_get_one_answer_per_rank():
+    async def run():
+        tm = _tm(2)
+
+        async def broadcast(msg):
+            pass
+
+        tm._broadcast = broadcast
+        first = asyncio.create_task(tm._control(object(), GetServerInfoOut))
+        second = asyncio.create_task(tm._control(object(), GetServerInfoOut))
+        await asyncio.sleep(0)
+        # each rank answers in the order it was asked; the ranks interleave
+        for rank, call in ((0, "a"), (0, "b"), (1, "a"), (1, "b")):
+            tm._deliver(GetServerInfoOut({"dp_rank": rank, "call": call}))
+        return await first, await second
+
+    first, second = asyncio.run(run())
+    assert [(i.info["dp_rank"], i.info["call"]) for i in first] == [(0, "a"), (1, "a")]
+    assert [(i.info["dp_rank"], i.info["call"]) for i in second] == [(0, "b"), (1, "b")]
+
+
+def test_flush_reports_the_first_refusal():
+    async def run(outs):
+        tm = _tm(2)
+
+        async def broadcast(msg):
+            for out in outs:
+                tm._deliver(out)
+
+        tm._broadcast = broadcast
+        return await tm.flush_cache()
+
+    assert asyncio.run(run([FlushCacheOut(True, "", 0), FlushCacheOut(True, "", 1)])).success
+    refused = asyncio.run(run([FlushCacheOut(True, "", 0), FlushCacheOut(False, "busy", 1)]))
+    assert not refused.success and refused.message == "busy"
+
+
+def test_merged_server_info():
+    infos = [{"dp_rank": 0, "num_running_reqs": 2, "max_total_num_tokens": 100, "token_usage": 0.5,
+              "cache_hit_rate": 0.2, "integrity_ok": True, "page_size": 1},
+             {"dp_rank": 1, "num_running_reqs": 3, "max_total_num_tokens": 100, "token_usage": 0.1,
+              "cache_hit_rate": 0.0, "integrity_ok": None, "page_size": 1}]
+    merged = merge_server_infos(infos)
+    assert merged["num_running_reqs"] == 5 and merged["max_total_num_tokens"] == 200
+    assert merged["token_usage"] == pytest.approx(0.3) and merged["cache_hit_rate"] == pytest.approx(0.1)
+    assert merged["integrity_ok"] is None  # rank 1 was busy: not checked
+    assert merged["internal_states"] == infos and merged["page_size"] == 1
+    infos[1]["integrity_ok"] = False
+    assert merge_server_infos(infos)["integrity_ok"] is False
+    assert merge_server_infos(infos[:1]) == infos[0]
+
+
+def test_rank_cpus():
+    cpus = (0, 1, 2, 3, 4)
+    assert [rank_cpus(cpus, r, 2) for r in range(2)] == [(0, 1, 2), (3, 4)]
+    assert [rank_cpus(cpus, r, 1) for r in range(1)] == [cpus]
+    assert [rank_cpus((0, 1), r, 3) for r in range(3)] == [(0,), (1,), (0,)]  # fewer CPUs than ranks: shared
+
+
+def test_server_args():
+    assert ServerArgs(model_path="m", dp_size=2, load_balance_method="shortest_queue").dp_size == 2
+    with pytest.raises(ValueError, match="--dp-size must be >= 1"):
+        ServerArgs(model_path="m", dp_size=0)
+    with pytest.raises(ValueError, match="--load-balance-method"):
+        ServerArgs(model_path="m", dp_size=2, load_balance_method="least_tokens")
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        ServerArgs(model_path="m", tp_size=2)
+    with pytest.raises(ValueError, match="with --disaggregation-mode is not implemented"):
+        ServerArgs(model_path="m", dp_size=2, disaggregation_mode="prefill")
+
+
+# ---------------------------------------------------------------------------- a served engine, 2 ranks
+
+@pytest.fixture(scope="module")
+def model_path(tiny_model_factory) -> str:
+    return tiny_model_factory("qwen3")
+
+
+@pytest.fixture(scope="module")
+def engine(model_path):
+    from engine_server import running_engine
+
+    with running_engine(model_path, "--dp-size", "2", "--max-total-tokens", "1024", "--page-size", "4") as eng:
+        yield eng
+
+
+@pytest.fixture(scope="module")
+def hf(model_path):
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+
+
+def _generate(base: str, ids: list[int], n: int = 4, **extra) -> dict:
+    r = httpx.post(f"{base}/generate", json={"input_ids": ids, "sampling_params": {"max_new_tokens": n, "temperature": 0},
+                                             **extra}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_two_replicas_serve_hf_equal_greedy_outputs(engine, hf):
+    from engine_server import wait_idle_integrity
+
+    prompts = [[(11 * i + 5 * j) % 480 + 7 for j in range(4 + 3 * i)] for i in range(12)]
+
+    async def run():
+        async with httpx.AsyncClient(timeout=120) as c:
+            rs = await asyncio.gather(*[c.post(f"{engine.base_url}/generate", json={
+                "input_ids": p, "sampling_params": {"max_new_tokens": 8, "temperature": 0}}) for p in prompts])
+        assert all(r.status_code == 200 for r in rs), [r.text for r in rs]
+        return [r.json()["output_ids"] for r in rs]
+
+    for p, out in zip(prompts, asyncio.run(run())):
+        assert out == hf.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False)[0, len(p):].tolist()
+    info = wait_idle_integrity(engine.base_url)
+    assert info["integrity_ok"] is True and info["dp_size"] == 2
+    ranks = info["internal_states"]
+    assert [s["dp_rank"] for s in ranks] == [0, 1]
+    assert len({s["scheduler_pid"] for s in ranks}) == 2  # two processes
+    assert all(s["integrity_ok"] is True for s in ranks)
+    if len(os.sched_getaffinity(0)) >= 2:  # each replica sized its thread pool to its share of the CPUs
+        assert all(s["torch_threads"] == len(os.sched_getaffinity(0)) // 2 for s in ranks)
+
+
+def test_round_robin_and_pinned_ranks_use_their_own_radix_cache(engine):
+    from engine_server import wait_idle_integrity
+
+    base = engine.base_url
+    assert httpx.post(f"{base}/flush_cache", timeout=30).status_code == 200
+    prompt = [31, 32, 33, 34, 35, 36, 37, 38, 39]
+    # one at a time: the first two go to different replicas, so neither finds the prompt cached
+    cached = [_generate(base, prompt)["meta_info"]["cached_tokens"] for _ in range(4)]
+    assert cached[:2] == [0, 0] and min(cached[2:]) > 0, cached
+    other = [41, 42, 43, 44, 45, 46, 47, 48, 49]
+    assert _generate(base, other, data_parallel_rank=1)["meta_info"]["cached_tokens"] == 0
+    assert _generate(base, other, data_parallel_rank=0)["meta_info"]["cached_tokens"] == 0  # not on rank 0
+    assert _generate(base, other, data_parallel_rank=1)["meta_info"]["cached_tokens"] > 0
+    # flush reaches every rank
+    wait_idle_integrity(base)
+    assert httpx.post(f"{base}/flush_cache", timeout=30).status_code == 200
+    assert _generate(base, other, data_parallel_rank=1)["meta_info"]["cached_tokens"] == 0
+    r = httpx.post(f"{base}/generate", json={"input_ids": other, "data_parallel_rank": 2}, timeout=30)
+    assert r.status_code == 400 and "2 data-parallel rank(s)" in r.text
+
+
+def test_abort_reaches_the_rank_that_runs_the_request(engine):
+    from engine_server import wait_idle_integrity
+
+    async def run():
+        async with httpx.AsyncClient(timeout=60) as c:
+            task = asyncio.create_task(c.post(f"{engine.base_url}/generate", json={
+                "input_ids": [5, 6, 7, 8], "rid": "dp-abort", "data_parallel_rank": 1,
+                "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True}}))
+            await asyncio.sleep(0.3)
+            r = await c.post(f"{engine.base_url}/abort_request", json={"rid": "dp-abort"})
+            assert r.status_code == 200
+            return await task
+
+    resp = asyncio.run(run())  # the scheduler's abort, answered as the client's (499)
+    assert resp.status_code == 499 and "aborted by request" in resp.text, resp.text
+    info = wait_idle_integrity(engine.base_url)
+    assert info["integrity_ok"] is True and info["num_running_reqs"] == 0
+
+
+def test_metrics_carry_every_rank(engine):
+    text = httpx.get(f"{engine.base_url}/metrics", timeout=30).text
+    for rank in ("0", "1"):
+        assert f'baton_num_running_requests{{dp_rank="{rank}"' in text
+        assert f'baton_max_total_tokens{{dp_rank="{rank}"' in text
+
+
+def test_a_killed_rank_fails_every_request_in_flight_and_the_server_exits(tiny_model_factory):
+    """One replica gone is an engine that can no longer serve what it promised (pinned ranks, its
+    share of the load): as with one scheduler, requests in flight on any rank end with a 503 and
+    the server exits, so that its pod restarts."""
+    import signal
+
+    from engine_server import running_engine
+
+    # a context long enough that the request still runs when the rank dies (~10 s of decoding)
+    with running_engine(tiny_model_factory("llama", max_position_embeddings=8192), "--dp-size", "2",
+                        "--max-total-tokens", "8192") as eng:
+        ranks = httpx.get(f"{eng.base_url}/get_server_info", timeout=30).json()["internal_states"]
+
+        async def run():
+            async with httpx.AsyncClient(timeout=120) as c:
+                task = asyncio.create_task(c.post(f"{eng.base_url}/generate", json={
+                    "input_ids": [5, 6, 7], "data_parallel_rank": 0,
+                    "sampling_params": {"max_new_tokens": 8000, "ignore_eos": True}}))
+                await asyncio.sleep(0.5)
+                os.kill(ranks[1]["scheduler_pid"], signal.SIGKILL)
+                return await task
+
+        resp = asyncio.run(run())
+        assert resp.status_code == 503 and "DP rank 1" in resp.text, resp.text
+        code = eng.wait_exit(timeout_s=60)
+        log = eng.log_tail(200)
+        assert code == 1, f"exit code {code}\n{log}"
+        assert "the scheduler (DP rank 1) process was killed by SIGKILL" in log, log
