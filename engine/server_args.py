@@ -153,9 +153,9 @@ class ServerArgs:
                              "(one model replica per GPU) or one engine per GPU behind the router")
         if self.dp_size < 1:
             raise ValueError("--dp-size must be >= 1")
-        if self.dp_size > 1 and self.disaggregation_mode != "null":
-            raise ValueError("--dp-size > 1 with --disaggregation-mode is not implemented yet: run one PD "
-                             "engine per GPU and let the router pair them")
+        if self.dp_size > 1 and self.disaggregation_mode == "prefill" and self.disaggregation_bootstrap_port == 0:
+            raise ValueError("a prefill engine with --dp-size > 1 needs a fixed --disaggregation-bootstrap-port "
+                             "(its ranks register with rank 0's bootstrap server there)")
         if self.load_balance_method not in LOAD_BALANCE_METHODS:
             raise ValueError(f"--load-balance-method must be one of {LOAD_BALANCE_METHODS}")
         if self.base_gpu_id < 0:

@@ -185,17 +185,19 @@ def _reply_rank(msg: Any) -> int:
 
 class TokenizerManager:
     """`scheduler_addrs`: one scheduler per DP rank. A request goes to the rank it names
-    (`data_parallel_rank`), else under PD to bootstrap_room % dp_size (the convention by which the
-    router pins a prefill rank and a decode finds it), else by `load_balance_method`. Control calls
-    (flush, server info) go to every rank and gather one answer from each."""
+    (`data_parallel_rank`), else under PD to bootstrap_room % dp_size, else by `load_balance_method`.
+    A prefill engine always takes room % dp_size: that is where a decode looks for the room's KV
+    (the router pins a prefill rank by drawing such a room, and the copies of `n` > 1, rooms
+    room + k, spread over the ranks the same way on both sides). Control calls (flush, server info)
+    go to every rank and gather one answer from each."""
 
     def __init__(self, tokenizer: Any, scheduler_addrs: "str | list[str]", detokenizer_out_addr: str,
                  metrics: EngineMetrics, vocab_size: int, context_len: int,
-                 load_balance_method: str = "round_robin") -> None:
+                 load_balance_method: str = "round_robin", disaggregation_mode: str = "null") -> None:
         self.tokenizer, self.metrics = tokenizer, metrics
         self._scheduler_addrs = [scheduler_addrs] if isinstance(scheduler_addrs, str) else list(scheduler_addrs)
         self.vocab_size, self.context_len, self.dp_size = vocab_size, context_len, len(self._scheduler_addrs)
-        self.load_balance_method = load_balance_method
+        self.load_balance_method, self.disaggregation_mode = load_balance_method, disaggregation_mode
         self._detok_addr = detokenizer_out_addr
         self.states: dict[str, _ReqState] = {}
         self._rank_of: dict[str, int] = {}  # rid -> DP rank, while in flight
@@ -221,10 +223,10 @@ class TokenizerManager:
         dp = self.dp_size
         if dp == 1:
             return 0
+        if obj.bootstrap_room is not None and (self.disaggregation_mode == "prefill" or obj.data_parallel_rank is None):
+            return obj.bootstrap_room % dp
         if obj.data_parallel_rank is not None:
             return obj.data_parallel_rank
-        if obj.bootstrap_room is not None:
-            return obj.bootstrap_room % dp
         start, self._next_rank = self._next_rank, (self._next_rank + 1) % dp
         if self.load_balance_method == "shortest_queue":  # ties rotate, so an idle engine still spreads
             return min(range(dp), key=lambda r: (self.in_flight[r], (r - start) % dp))

@@ -89,8 +89,9 @@ def role_schema(what: str) -> dict[str, Any]:
                  scope=Scope.ENGINE_ARGS, default=[])
     return _obj(f"{what.capitalize()} engine pods: one pod runs one `baton serve` with tp*dp ranks.", {
         "replicas": _int("Number of engine pods.", 0, 1024, 1),
-        "tp": _int("Tensor-parallel size (--tp-size).", 1, 64, 1),
-        "dp": _int("Data-parallel size (--dp-size).", 1, 64, 1),
+        "tp": _int("Tensor-parallel size (--tp-size); must be 1 until the engine implements tensor parallelism.",
+                   1, 64, 1),
+        "dp": _int("Data-parallel size (--dp-size): model replicas in the pod, one GPU each.", 1, 64, 1),
         "gpus": _int("GPUs per pod: 0 runs on CPU, otherwise tp*dp.", 0, 64, 0),
         "gpuResourceName": _str("Extended resource of one GPU.", default="nvidia.com/gpu", maxLength=253),
         "shmSize": {**_QUANTITY, "description": "Size of the /dev/shm memory volume (unset: no limit)."},

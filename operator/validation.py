@@ -79,6 +79,10 @@ RULES: tuple[Rule, ...] = (
          "gpus must be 0 (run on CPU) or equal tp * dp (one GPU per rank); "
          "fix gpus, tp or dp in this role",
          lambda r: r.get("gpus", 0) == 0 or r.get("gpus") == r.get("tp", 1) * r.get("dp", 1)),
+    Rule(Scope.ROLE, "self.tp == 1",
+         "tp must be 1: the engine does not implement tensor parallelism yet (it refuses --tp-size > 1); "
+         "use dp for one model replica per GPU",
+         lambda r: r.get("tp", 1) == 1),
     Rule(Scope.ENGINE_ARGS, f"self.all(a, !a.matches('{ENGINE_FLAGS_RE}'))",
          "extraArgs must not set flags the operator manages (--host, --port, --model-path, "
          "--served-model-name, --device, --tp-size, --dp-size, --disaggregation-*, --api-key, --dtype, "

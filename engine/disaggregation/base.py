@@ -83,19 +83,21 @@ class KVArgs:
     aux_data_ptrs: tuple[int, ...]
     aux_data_lens: tuple[int, ...]
     aux_item_lens: tuple[int, ...]
-    engine_rank: int = 0
+    engine_rank: int = 0  # this engine's DP rank
+    dp_size: int = 1  # its engine's DP ranks
 
     def __post_init__(self) -> None:
         assert len(self.kv_data_ptrs) == len(self.kv_data_lens) == len(self.kv_item_lens) == 2 * self.geometry.layer_num
         assert len(self.aux_data_ptrs) == len(self.aux_data_lens) == len(self.aux_item_lens) >= 1
 
     @classmethod
-    def from_pool(cls, pool: "MHATokenToKVPool", metadata: "MetadataBuffers", engine_rank: int = 0) -> "KVArgs":
+    def from_pool(cls, pool: "MHATokenToKVPool", metadata: "MetadataBuffers", engine_rank: int = 0,
+                  dp_size: int = 1) -> "KVArgs":
         ptrs, lens, per_token = pool.get_contiguous_buf_infos()
         geometry = KVGeometry(pool.page_size, str(pool.dtype).removeprefix("torch."), pool.layer_num,
                               pool.head_num, pool.head_dim)
         return cls(geometry, tuple(ptrs), tuple(lens), tuple(b * pool.page_size for b in per_token),
-                   (metadata.data_ptr,), (metadata.nbytes,), (metadata.item_bytes,), engine_rank)
+                   (metadata.data_ptr,), (metadata.nbytes,), (metadata.item_bytes,), engine_rank, dp_size)
 
 
 @dataclass(frozen=True)

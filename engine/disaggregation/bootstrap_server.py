@@ -1,6 +1,6 @@
 """The prefill engine's bootstrap HTTP server (default port 8998) and its clients.
 
-    PUT /route   {"engine_rank", "endpoint", "session_id", "geometry"}   a prefill rank registers
+    PUT /route   {"engine_rank", "endpoint", "session_id", "geometry", "dp_size"}   a prefill rank registers
     GET /route?engine_rank=0  -> that JSON, or 404 until the rank has registered
     GET /health  -> {"status": "ok", "sessions": {"0": session_id}}      decode heartbeats; a changed
                                                                          session means a restarted rank
@@ -26,10 +26,13 @@ DEFAULT_BOOTSTRAP_PORT = 8998
 
 @dataclass(frozen=True)
 class PrefillRankInfo:
-    engine_rank: int
+    engine_rank: int  # the prefill's DP rank
     endpoint: str  # side-channel PULL address of the rank
     session_id: str  # Mooncake session "host:port"
     geometry: dict
+    # the prefill engine's DP ranks: the KV of room R is on rank R % dp_size (the rank its front end
+    # gave the request), so a decode asks rank 0 for this and then that rank for its route
+    dp_size: int = 1
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -75,7 +78,8 @@ class _Server(ThreadingHTTPServer):
 
 
 class KVBootstrapServer:
-    """Runs in a daemon thread of the prefill engine; port 0 picks a free port (tests)."""
+    """Runs in a daemon thread of the prefill engine's DP rank 0; every rank registers with it. Port
+    0 picks a free port (tests; one rank only)."""
 
     def __init__(self, host: str = "0.0.0.0", port: int = DEFAULT_BOOTSTRAP_PORT) -> None:
         self._server = _Server((host, port), _Handler)

@@ -66,8 +66,9 @@ def advertised_host(bind_host: str) -> str:
 def create_kv_manager(scheduler: "Scheduler", mode: str, config: TransferConfig, metadata: MetadataBuffers,
                       bootstrap_addr: Optional[str] = None) -> KVManagerBase:
     pool = scheduler.worker.model_runner.token_to_kv_pool
+    args = KVArgs.from_pool(pool, metadata, engine_rank=scheduler.dp_rank, dp_size=scheduler.server_args.dp_size)
     return create_transfer_backend(scheduler.server_args.disaggregation_transfer_backend,
-                                   KVArgs.from_pool(pool, metadata), metadata, mode, config, bootstrap_addr)
+                                   args, metadata, mode, config, bootstrap_addr)
 
 
 def missing_bootstrap_error(recv: TokenizedGenerateReqInput, mode: str) -> Optional[tuple[str, int]]:
@@ -89,7 +90,8 @@ class PrefillDisaggregation:
         self.metadata = MetadataBuffers(2 * s.max_running_requests + 2)
         self.bootstrap_server = None
         port = args.disaggregation_bootstrap_port
-        if args.disaggregation_transfer_backend != "fake":  # the fake finds peers in-process
+        # the fake finds peers in-process; with DP ranks, rank 0 serves and the others register with it
+        if args.disaggregation_transfer_backend != "fake" and s.dp_rank == 0:
             self.bootstrap_server = KVBootstrapServer(port=port)
             port = self.bootstrap_server.port
         self.bootstrap_port = port

@@ -178,7 +178,8 @@ def run_server(server_args: ServerArgs) -> None:
         role = "colocated" if server_args.disaggregation_mode == "null" else server_args.disaggregation_mode
         tm = TokenizerManager(tokenizer, procs.scheduler_addrs, procs.tokenizer_addr,
                               EngineMetrics(server_args.model_name, role), info["vocab_size"], info["context_length"],
-                              load_balance_method=server_args.load_balance_method)
+                              load_balance_method=server_args.load_balance_method,
+                              disaggregation_mode=server_args.disaggregation_mode)
         model_info = {"model_path": server_args.model_path, "tokenizer_path": server_args.tokenizer_path,
                       "served_model_name": server_args.model_name, "is_generation": True}
         ctx = ApiContext(server_args, tm, model_info, procs.alive,

@@ -35,6 +35,11 @@ def test_rank_choice():
     assert [tm.pick_rank(_input()) for _ in range(7)] == [0, 1, 2, 0, 1, 2, 0]
     assert tm.pick_rank(_input(data_parallel_rank=2)) == 2  # pinned
     assert tm.pick_rank(_input(bootstrap_room=10)) == 1  # PD: room % dp_size
+    assert tm.pick_rank(_input(bootstrap_room=10, data_parallel_rank=2)) == 2  # a decode takes the pinned rank
+    prefill = TokenizerManager(None, ["a", "b", "c"], "", EngineMetrics("m", "prefill"), vocab_size=100,
+                               context_len=64, disaggregation_mode="prefill")
+    # a prefill takes the room's rank, where the decode looks for the KV
+    assert prefill.pick_rank(_input(bootstrap_room=10, data_parallel_rank=2)) == 1
     assert _tm(1).pick_rank(_input()) == 0
     sq = _tm(3, "shortest_queue")
     sq.in_flight = [2, 0, 1]
@@ -110,8 +115,8 @@ def test_server_args():
         ServerArgs(model_path="m", dp_size=2, load_balance_method="least_tokens")
     with pytest.raises(ValueError, match="tensor parallelism"):
         ServerArgs(model_path="m", tp_size=2)
-    with pytest.raises(ValueError, match="with --disaggregation-mode is not implemented"):
-        ServerArgs(model_path="m", dp_size=2, disaggregation_mode="prefill")
+    with pytest.raises(ValueError, match="needs a fixed --disaggregation-bootstrap-port"):
+        ServerArgs(model_path="m", dp_size=2, disaggregation_mode="prefill", disaggregation_bootstrap_port=0)
 
 
 # ---------------------------------------------------------------------------- a served engine, 2 ranks
@@ -240,3 +245,48 @@ def test_a_killed_rank_fails_every_request_in_flight_and_the_server_exits(tiny_m
         log = eng.log_tail(200)
         assert code == 1, f"exit code {code}\n{log}"
         assert "the scheduler (DP rank 1) process was killed by SIGKILL" in log, log
+
+
+def test_pd_with_dp_ranks_on_both_sides_matches_hf(tiny_model_factory):
+    """A prefill and a decode engine with 2 DP ranks each, over real Mooncake TCP: each prefill rank
+    registers with rank 0's bootstrap server; room R's prefill runs on rank R % 2, and the decode
+    rank that gets it finds that rank through the bootstrap server. Then our router in DP-aware mode
+    in front: it pins ranks (the prefill's encoded in the room), and n = 2 fans the room out over
+    both prefill ranks."""
+    import random
+    import sys
+
+    from test_pd_server import MAX_NEW, PROMPTS, _assert_idle_and_whole, _body, _pair, _post_both, pd_router
+    from test_scheduler_vs_hf import hf_greedy
+
+    model_path = tiny_model_factory("llama")
+    with _pair(model_path, ["--dp-size", "2"]) as (prefill, bootstrap_port, decode):
+        bodies = [_body(p, bootstrap_port, bootstrap_room=2 * random.randrange(1 << 61) + i % 2)
+                  for i, p in enumerate(PROMPTS)]
+
+        async def run():
+            async with httpx.AsyncClient(timeout=120) as c:
+                return await asyncio.gather(*[_post_both(c, prefill.base_url, decode.base_url, b) for b in bodies])
+
+        for p, (pre, dec) in zip(PROMPTS, asyncio.run(run())):
+            assert pre.status_code == 200 and dec.status_code == 200, (pre.text, dec.text)
+            assert dec.json()["output_ids"] == hf_greedy(model_path, p, MAX_NEW)
+        ranks = httpx.get(f"{prefill.base_url}/get_server_info", timeout=10).json()["internal_states"]
+        assert [r["dp_rank"] for r in ranks] == [0, 1] and all(r["kv_transfer_bytes"] > 0 for r in ranks), ranks
+        sessions = httpx.get(f"http://127.0.0.1:{bootstrap_port}/health", timeout=10).json()["sessions"]
+        assert sorted(sessions) == ["0", "1"] and len(set(sessions.values())) == 2
+        _assert_idle_and_whole(prefill, decode)
+
+        with pd_router(sys.executable, "-m", "baton", "router", prefill=prefill.base_url,
+                       bootstrap_port=bootstrap_port, decode=decode.base_url,
+                       flags=("--dp-aware", "--policy", "round_robin")) as router:
+            rs = [httpx.post(f"{router.base_url}/generate", timeout=120, json={
+                "input_ids": p, "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0}}) for p in PROMPTS[:4]]
+            for p, r in zip(PROMPTS, rs):
+                assert r.status_code == 200, r.text
+                assert r.json()["output_ids"] == hf_greedy(model_path, p, MAX_NEW)
+            r = httpx.post(f"{router.base_url}/generate", timeout=120, json={
+                "input_ids": PROMPTS[2], "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0, "n": 2}})
+            assert r.status_code == 200, r.text
+            assert [o["output_ids"] for o in r.json()] == [hf_greedy(model_path, PROMPTS[2], MAX_NEW)] * 2
+        _assert_idle_and_whole(prefill, decode)

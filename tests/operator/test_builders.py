@@ -26,14 +26,14 @@ def flag(args: list[str], name: str) -> str | None:
 
 @pytest.mark.parametrize("role", [Role.PREFILL, Role.DECODE])
 def test_pd_engine_runs_baton_serve_with_its_role_flags(role):
-    isvc = parse(isvc_body(**{role.value: {"replicas": 3, "tp": 2, "dp": 2, "extraArgs": ["--mem-fraction-static", "0.8"]}}))
+    isvc = parse(isvc_body(**{role.value: {"replicas": 3, "dp": 2, "extraArgs": ["--mem-fraction-static", "0.8"]}}))
     dep = engine_deployment(isvc, role)
     c = container(dep)
     assert c["command"] == ["baton", "serve"]
     args = c["args"]
     assert flag(args, "--model-path") == "/models/tiny" and flag(args, "--served-model-name") == "tiny"
     assert flag(args, "--host") == "0.0.0.0" and flag(args, "--port") == "30000"
-    assert flag(args, "--tp-size") == "2" and flag(args, "--dp-size") == "2" and flag(args, "--device") == "cpu"
+    assert flag(args, "--tp-size") == "1" and flag(args, "--dp-size") == "2" and flag(args, "--device") == "cpu"
     assert flag(args, "--disaggregation-mode") == role.value
     assert flag(args, "--disaggregation-bootstrap-port") == "8998"
     assert flag(args, "--disaggregation-transfer-backend") == "mooncake"
@@ -104,7 +104,7 @@ def test_pods_carry_the_labels_the_router_selects_on_and_an_owner_reference(role
 
 
 def test_rdma_mode_sets_devices_resources_and_ipc_lock():
-    isvc = parse(isvc_body(prefill={"gpus": 2, "tp": 2}, decode={"gpus": 1},
+    isvc = parse(isvc_body(prefill={"gpus": 2, "dp": 2}, decode={"gpus": 1},
                            kvTransfer={"protocol": "rdma", "ibDevices": ["mlx5_0", "mlx5_1"],
                                        "rdmaResourceName": "rdma/hca_shared_devices_a", "rdmaResourceCount": 2}))
     for role, gpus in ((Role.PREFILL, 2), (Role.DECODE, 1)):

@@ -124,6 +124,7 @@ BAD_RULES = [  # refused by CEL rules (and by the operator's Python twins)
     {"engine": {}},
     {"prefill": {"tp": 2, "gpus": 1}},
     {"decode": {"dp": 2, "tp": 2, "gpus": 2}},
+    {"decode": {"tp": 2, "gpus": 2}},  # tensor parallelism: not in the engine yet
     {"prefill": {"extraArgs": ["--tp-size=4"]}},
     {"decode": {"extraArgs": ["--disaggregation-mode", "prefill"]}},
     {"router": {"extraArgs": ["--api-key", "x"]}},
@@ -153,7 +154,7 @@ def test_name_rules(name, ok):
 
 
 def test_good_variants_pass_both(samples):
-    good = [{"prefill": {"tp": 2, "dp": 2, "gpus": 4}}, {"kvTransfer": {"protocol": "rdma", "ibDevices": ["mlx5_0"]}},
+    good = [{"prefill": {"dp": 4, "gpus": 4}}, {"kvTransfer": {"protocol": "rdma", "ibDevices": ["mlx5_0"]}},
             {"mode": "colocated"}, {"decode": {"extraArgs": ["--port-offset", "1", "--mem-fraction-static=0.8"]}}]
     for spec in good:
         obj = for_create(isvc_body(**spec))

@@ -42,7 +42,7 @@ def test_manifests_validate_against_kubernetes_schemas(repo: Path):
 
 @pytest.mark.parametrize("spec", [
     {}, {"mode": "colocated"},
-    {"prefill": {"gpus": 2, "tp": 2, "tolerations": [{"key": "gpu", "operator": "Exists"}], "shmSize": "8Gi"},
+    {"prefill": {"gpus": 2, "dp": 2, "tolerations": [{"key": "gpu", "operator": "Exists"}], "shmSize": "8Gi"},
      "kvTransfer": {"protocol": "rdma", "ibDevices": ["mlx5_0"], "rdmaResourceName": "rdma/x", "hostNetwork": True},
      "model": {"name": "m", "path": "/m", "pvc": {"claimName": "c", "subPath": "m"}}},
     {"router": {"apiKeySecretRef": {"name": "k"}, "service": {"type": "NodePort"}},

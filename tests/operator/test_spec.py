@@ -27,7 +27,8 @@ def test_colocated_mode_has_one_engine_role():
 @pytest.mark.parametrize("spec, fragment", [
     ({"mode": "colocated", "prefill": {}}, "mode colocated runs spec.engine only"),
     ({"engine": {}}, "remove spec.engine"),
-    ({"prefill": {"tp": 2, "gpus": 1}}, "gpus must be 0 (run on CPU) or equal tp * dp"),
+    ({"prefill": {"dp": 2, "gpus": 1}}, "gpus must be 0 (run on CPU) or equal tp * dp"),
+    ({"decode": {"tp": 2, "gpus": 2}}, "tp must be 1: the engine does not implement tensor parallelism"),
     ({"decode": {"extraArgs": ["--port", "1"]}}, "extraArgs must not set flags the operator manages"),
     ({"router": {"extraArgs": ["--prefill-policy=random"]}}, "router.extraArgs must not set flags"),
     ({"kvTransfer": {"ibDevices": ["mlx5_0"]}}, "ibDevices is only used with protocol: rdma"),

@@ -1,6 +1,10 @@
 """Decode side of the Mooncake backend: one background thread resolves prefill ranks through their
 bootstrap servers, registers this engine with each new prefill session, and heartbeats them.
 
+A prefill engine with DP ranks holds room R's KV on rank R % dp_size (its front end sends the request
+there; the router pins a prefill rank by drawing such a room). Rank 0's route tells its dp_size; the
+receiver of room R then binds to rank R % dp_size's route.
+
 Heartbeat window: a prefill whose /health fails `heartbeat_max_failures` times in a row, or whose
 session changed (a restart), fails every unfinished receiver bound to it; the cached route is
 dropped, so later requests bootstrap afresh against the restarted prefill.
@@ -52,7 +56,7 @@ class DecodeRooms:
         self.mgr, self.config, self.metadata = mgr, mgr.config, mgr.metadata
         self._lock = threading.Lock()
         self._receivers: dict[int, MooncakeKVReceiver] = {}
-        self._routes: dict[str, PrefillRankInfo] = {}  # bootstrap addr -> its rank 0, while healthy
+        self._routes: dict[tuple[str, int], PrefillRankInfo] = {}  # (bootstrap addr, rank) -> route, while healthy
         self._registered: set[str] = set()  # prefill sessions that have our Register message
         self._failures: dict[str, int] = defaultdict(int)
         self._next_try: dict[str, float] = {}
@@ -100,34 +104,37 @@ class DecodeRooms:
     def _bootstrap_pending(self) -> None:
         with self._lock:
             pending = [r for r in self._receivers.values() if r.peer is None and not r.done]
-        by_addr: dict[str, list[MooncakeKVReceiver]] = defaultdict(list)
+        by_route: dict[tuple[str, int], list[MooncakeKVReceiver]] = defaultdict(list)
         for r in pending:
-            by_addr[r.bootstrap_addr].append(r)
-        for addr, receivers in by_addr.items():
-            route = self._route(addr)
+            first = self._route(r.bootstrap_addr, 0)
+            if first is not None:  # else retried next tick; receivers time out in poll()
+                by_route[(r.bootstrap_addr, r.room % first.dp_size)].append(r)
+        for (addr, rank), receivers in by_route.items():
+            route = self._route(addr, rank)
             if route is None:
-                continue  # retried next tick; receivers time out in poll()
+                continue
             try:
                 self._ensure_registered(route)
             except KVTransferError as e:
                 for r in receivers:
-                    r.fail(f"room {r.room}: could not register with prefill at {addr}: {e}")
+                    r.fail(f"room {r.room}: could not register with prefill rank {rank} at {addr}: {e}")
                 continue
             for r in receivers:
                 r.attach(route)
 
-    def _route(self, addr: str) -> Optional[PrefillRankInfo]:
-        route = self._routes.get(addr)
-        if route is not None or time.monotonic() < self._next_try.get(addr, 0.0):
+    def _route(self, addr: str, rank: int) -> Optional[PrefillRankInfo]:
+        key = (addr, rank)
+        route = self._routes.get(key)
+        if route is not None or time.monotonic() < self._next_try.get(key, 0.0):
             return route
         try:
-            route = fetch_prefill_rank(addr, engine_rank=0, timeout_s=1.0)
+            route = fetch_prefill_rank(addr, engine_rank=rank, timeout_s=1.0)
         except OSError:
             route = None
         if route is None:
-            self._next_try[addr] = time.monotonic() + _RETRY_S
+            self._next_try[key] = time.monotonic() + _RETRY_S
             return None
-        self._routes[addr] = route
+        self._routes[key] = route
         self._failures[addr] = 0
         return route
 
@@ -141,25 +148,29 @@ class DecodeRooms:
         self._registered.add(route.session_id)
 
     def _heartbeat(self) -> None:
-        for addr, route in list(self._routes.items()):
+        for addr in sorted({addr for addr, _ in self._routes}):
             try:
                 sessions = check_health(addr, timeout_s=min(self.config.heartbeat_interval_s, 2.0))
             except OSError as e:
                 self._failures[addr] += 1
                 if self._failures[addr] >= self.config.heartbeat_max_failures:
-                    self._drop(addr, f"prefill at {addr} is unreachable: {self._failures[addr]} heartbeats "
-                                     f"failed (last: {e})")
+                    self._drop_addr(addr, f"prefill at {addr} is unreachable: {self._failures[addr]} heartbeats "
+                                          f"failed (last: {e})")
                 continue
             self._failures[addr] = 0
-            live = sessions.get(route.engine_rank)
-            if live != route.session_id:
-                self._drop(addr, f"prefill at {addr} restarted (session {route.session_id} -> {live}); "
-                                 f"its in-flight KV is lost")
+            for (a, rank), route in list(self._routes.items()):
+                if a == addr and (live := sessions.get(rank)) != route.session_id:
+                    self._drop((a, rank), f"prefill at {addr} restarted (rank {rank} session {route.session_id} "
+                                          f"-> {live}); its in-flight KV is lost")
 
-    def _drop(self, addr: str, reason: str) -> None:
-        route = self._routes.pop(addr)
-        self._registered.discard(route.session_id)
+    def _drop_addr(self, addr: str, reason: str) -> None:
+        for key in [k for k in self._routes if k[0] == addr]:
+            self._drop(key, reason)
         self._failures.pop(addr, None)
+
+    def _drop(self, key: tuple[str, int], reason: str) -> None:
+        route = self._routes.pop(key)
+        self._registered.discard(route.session_id)
         self.mgr.channel.forget(route.endpoint)
         with self._lock:
             bound = [r for r in self._receivers.values() if r.peer is route]
