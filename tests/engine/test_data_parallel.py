@@ -217,6 +217,29 @@ def test_metrics_carry_every_rank(engine):
         assert f'baton_max_total_tokens{{dp_rank="{rank}"' in text
 
 
+def test_dp_aware_router_pins_ranks_of_a_real_engine(engine):
+    """Our router with --dp-aware reads dp_size 2 from the engine's /get_server_info and routes to
+    (engine, rank) targets, pinning each with data_parallel_rank. Its cache-aware policy sends a
+    repeated prompt to the rank that saw it, so every repeat hits that replica's radix cache; the
+    engine's own round robin would have sent the second one to the other, cold replica."""
+    import sys
+
+    from baton.engine.bench.launcher import EngineProcess, free_port
+
+    port = free_port()
+    argv = [sys.executable, "-m", "baton", "router", "--worker-urls", engine.base_url, "--dp-aware",
+            "--policy", "cache_aware", "--host", "127.0.0.1", "--port", str(port)]
+    assert httpx.post(f"{engine.base_url}/flush_cache", timeout=30).status_code == 200
+    with EngineProcess(argv, port) as router:
+        router.wait_healthy(120, "waiting for the router")
+        prompt = [51, 52, 53, 54, 55, 56, 57, 58, 59]
+        cached = [_generate(router.base_url, prompt)["meta_info"]["cached_tokens"] for _ in range(4)]
+        assert cached[0] == 0 and min(cached[1:]) > 0, cached
+        metrics = httpx.get(f"{router.base_url}/metrics", timeout=10).text
+        for rank in ("0", "1"):  # one target per rank
+            assert f'dp_rank="{rank}"' in metrics and "baton_router_dp_rank_in_flight" in metrics
+
+
 def test_a_killed_rank_fails_every_request_in_flight_and_the_server_exits(tiny_model_factory):
     """One replica gone is an engine that can no longer serve what it promised (pinned ranks, its
     share of the load): as with one scheduler, requests in flight on any rank end with a 503 and
