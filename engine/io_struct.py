@@ -69,7 +69,8 @@ class FlushCacheOut:
 
 @dataclass
 class GetServerInfoOut:
-    info: dict[str, Any]  # carries "dp_rank"
+    info: dict[str, Any]
+    dp_rank: int = 0  # which scheduler answered
 
 
 @dataclass

@@ -30,7 +30,6 @@ class EngineMetrics:
         self._define_request_metrics()
         self._define_scheduler_metrics()
         self._define_pd_metrics()
-        self._rank = 0  # the DP rank whose info is being read
         # per DP rank: each scheduler numbers its samples and keeps its totals on its own
         self._seen: dict[tuple[str, int], int] = {}  # (kind, rank) -> highest sample sequence number observed
         self._totals_seen: dict[tuple[str, int], int] = {}  # scheduler totals already turned into increments
@@ -106,8 +105,7 @@ class EngineMetrics:
     def update_from_server_info(self, info: Optional[dict[str, Any]]) -> None:
         if not info:
             return
-        self._rank = int(info.get("dp_rank", 0))
-        rank = (*self._lv, str(self._rank))
+        rank = (*self._lv, str(info.get("dp_rank", 0)))
         self.num_running.labels(*rank).set(info.get("num_running_reqs", 0))
         self.num_queued.labels(*rank).set(info.get("num_waiting_reqs", 0))
         self.num_grammar_queued.labels(*rank).set(info.get("num_grammar_queue_reqs", 0))
@@ -117,7 +115,7 @@ class EngineMetrics:
         self.gen_throughput.labels(*rank).set(info.get("gen_throughput", 0.0))
         self._add_total("retractions", info, self.retractions)
         self._add_total("preemptions", info, self.preemptions)
-        for seconds in self._new_samples("queue", info.get("queue_time_samples", [])):
+        for seconds in self._new_samples("queue", info, "queue_time_samples"):
             self.queue_time.observe(seconds)
         if info.get("disaggregation_mode") in PD_QUEUES:
             self._update_pd(info, rank)
@@ -126,7 +124,7 @@ class EngineMetrics:
         for queue in ("bootstrap", "inflight", "prealloc", "transfer"):
             if f"num_{queue}_reqs" in info:
                 self.pd_queue.labels(*rank, queue).set(info[f"num_{queue}_reqs"])
-        for nbytes, seconds in self._new_samples("transfer", info.get("transfer_samples", [])):
+        for nbytes, seconds in self._new_samples("transfer", info, "transfer_samples"):
             self.kv_transfer_latency.observe(seconds)
             self.kv_transfer_bytes.observe(nbytes)
             if seconds > 0:
@@ -136,15 +134,17 @@ class EngineMetrics:
 
     def _add_total(self, key: str, info: dict[str, Any], counter: Any) -> None:
         """Turn a scheduler's running total into counter increments (totals only grow)."""
-        total, seen = info.get(key, 0), self._totals_seen.get((key, self._rank), 0)
+        mark = (key, info.get("dp_rank", 0))
+        total, seen = info.get(key, 0), self._totals_seen.get(mark, 0)
         if total > seen:
             counter.inc(total - seen)
-            self._totals_seen[(key, self._rank)] = total
+            self._totals_seen[mark] = total
 
-    def _new_samples(self, kind: str, samples: list) -> list:
-        """The payloads of samples (seq, *payload) newer than the last seen; each is observed once even
-        when several scrapes return it."""
-        fresh = [s for s in samples if s[0] > self._seen.get((kind, self._rank), 0)]
+    def _new_samples(self, kind: str, info: dict[str, Any], field: str) -> list:
+        """The payloads of the samples (seq, *payload) in info[field] newer than the last seen from
+        that rank; each is observed once even when several scrapes return it."""
+        mark = (kind, info.get("dp_rank", 0))
+        fresh = [s for s in info.get(field, []) if s[0] > self._seen.get(mark, 0)]
         if fresh:
-            self._seen[(kind, self._rank)] = fresh[-1][0]
+            self._seen[mark] = fresh[-1][0]
         return [s[1] if len(s) == 2 else tuple(s[1:]) for s in fresh]

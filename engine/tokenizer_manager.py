@@ -178,11 +178,6 @@ class _Gather:
     replies: dict[int, Any] = field(default_factory=dict)
 
 
-def _reply_rank(msg: Any) -> int:
-    info = getattr(msg, "info", None)
-    return int(info.get("dp_rank", 0)) if isinstance(info, dict) else int(getattr(msg, "dp_rank", 0))
-
-
 class TokenizerManager:
     """`scheduler_addrs`: one scheduler per DP rank. A request goes to the rank it names
     (`data_parallel_rank`), else under PD to bootstrap_room % dp_size, else by `load_balance_method`.
@@ -376,7 +371,7 @@ class TokenizerManager:
     def _deliver(self, msg: Any) -> None:
         """A control answer goes to the oldest call still waiting for its rank's answer: each rank
         answers in the order it was asked, so concurrent calls each get one answer per rank."""
-        rank, waiters = _reply_rank(msg), self._control_waiters.get(type(msg), [])
+        rank, waiters = msg.dp_rank, self._control_waiters.get(type(msg), [])
         for gather in list(waiters):
             if gather.fut.done():  # timed out or failed
                 waiters.remove(gather)

@@ -43,7 +43,7 @@ class SchedulerIntakeMixin:
             elif isinstance(msg, FlushCacheReq):
                 self.outbox.append(self.flush_cache())
             elif isinstance(msg, GetServerInfoReq):
-                self.outbox.append(GetServerInfoOut(self.get_server_info()))
+                self.outbox.append(GetServerInfoOut(self.get_server_info(), self.dp_rank))
             elif isinstance(msg, FreezeGCReq):
                 freeze_gc("scheduler")
             else:

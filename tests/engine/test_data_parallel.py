@@ -61,7 +61,7 @@ def test_concurrent_control_calls_each_get_one_answer_per_rank():
         await asyncio.sleep(0)
         # each rank answers in the order it was asked; the ranks interleave
         for rank, call in ((0, "a"), (0, "b"), (1, "a"), (1, "b")):
-            tm._deliver(GetServerInfoOut({"dp_rank": rank, "call": call}))
+            tm._deliver(GetServerInfoOut({"dp_rank": rank, "call": call}, rank))
         return await first, await second
 
     first, second = asyncio.run(run())
