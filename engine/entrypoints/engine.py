@@ -27,9 +27,8 @@ class EngineProcesses:
     prepared: Any = None  # what launch_subprocesses' while_starting returned
 
     def _named(self) -> list[tuple[str, mp.Process]]:
-        many = len(self.schedulers) > 1
-        return [(f"scheduler (DP rank {i})" if many else "scheduler", p) for i, p in enumerate(self.schedulers)] + [
-            ("detokenizer", self.detokenizer)]
+        dp = len(self.schedulers)
+        return [(scheduler_name(i, dp), p) for i, p in enumerate(self.schedulers)] + [("detokenizer", self.detokenizer)]
 
     def alive(self) -> bool:
         return self.exited() is None
@@ -50,6 +49,11 @@ class EngineProcesses:
             proc.join(timeout=10)
             if proc.is_alive():
                 proc.kill()
+
+
+def scheduler_name(rank: int, dp_size: int) -> str:
+    """How logs and errors name a scheduler process."""
+    return "scheduler" if dp_size == 1 else f"scheduler (DP rank {rank})"
 
 
 def describe_exit(code: int) -> str:
@@ -120,7 +124,7 @@ def launch_subprocesses(server_args: ServerArgs, while_starting: Optional[Callab
         if while_starting is not None:
             procs.prepared = while_starting()
         _wait_ready("detokenizer", detok_r, detokenizer)
-        infos = [_wait_ready("scheduler" if dp == 1 else f"scheduler of DP rank {rank}", pipe, proc)
+        infos = [_wait_ready(scheduler_name(rank, dp), pipe, proc)
                  for rank, (pipe, proc) in enumerate(zip(sched_pipes, schedulers))]
         procs.scheduler_info = infos[0]
     except BaseException:
