@@ -106,7 +106,10 @@ class ServerArgs:
     disaggregation_heartbeat_interval: Optional[float] = None
     disaggregation_heartbeat_max_failures: Optional[int] = None
     disaggregation_fault_probability: float = 0.0  # tests: fail this fraction of KV transfers
+    # Tensor parallelism: each model replica split over tp_size processes (GPUs on CUDA), Megatron
+    # style; the TP rank 0 process runs the scheduler and drives the others step by step.
     tp_size: int = 1
+    nccl_port: Optional[int] = None  # TP rendezvous port (DP rank i: + i); None: a free port
     # Data parallelism: dp_size full replicas of the model (one scheduler process each, GPU
     # base_gpu_id + rank on CUDA) behind one HTTP server, tokenizer and detokenizer.
     dp_size: int = 1
@@ -148,9 +151,11 @@ class ServerArgs:
             raise ValueError(f"--reasoning-parser must be one of {REASONING_PARSERS}")
         if self.chat_template is not None and not os.path.isfile(self.chat_template):
             raise ValueError(f"--chat-template {self.chat_template}: no such file")
-        if self.tp_size != 1:
-            raise ValueError("tensor parallelism (--tp-size > 1) is not implemented yet; use --dp-size "
-                             "(one model replica per GPU) or one engine per GPU behind the router")
+        if self.tp_size < 1:
+            raise ValueError("--tp-size must be >= 1")
+        if self.tp_size > 1 and self.disaggregation_mode != "null":
+            raise ValueError("--tp-size > 1 with --disaggregation-mode is not implemented yet (each TP rank's KV "
+                             "shard would need its own transfer); use --dp-size, or TP on a colocated engine")
         if self.dp_size < 1:
             raise ValueError("--dp-size must be >= 1")
         if self.dp_size > 1 and self.disaggregation_mode == "prefill" and self.disaggregation_bootstrap_port == 0:
@@ -265,13 +270,21 @@ class ServerArgs:
                "(default: $SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE or 2)")
         a("--disaggregation-fault-probability", type=float, default=0.0,
           help="testing only: report this fraction of KV transfers as failed")
-        a("--tp-size", type=int, default=1, help="tensor parallelism: only 1 for now")
+        a("--tp-size", type=int, default=1,
+          help="tensor parallelism: split each model replica over this many processes (GPUs on CUDA); "
+               "attention heads and MLP columns are sharded, two all-reduces per layer")
+        a("--nccl-port", type=int, default=None,
+          help="the TP group's rendezvous port on 127.0.0.1 (DP rank i uses port + i; default: a free port)")
         a("--dp-size", type=int, default=1,
           help="data parallelism: this many model replicas (scheduler processes), one GPU each on CUDA")
         a("--load-balance-method", default=ServerArgs.load_balance_method, choices=LOAD_BALANCE_METHODS,
           help="how requests without data_parallel_rank are spread over the DP ranks (shortest_queue: "
                "fewest requests in flight)")
-        a("--base-gpu-id", type=int, default=ServerArgs.base_gpu_id, help="CUDA: DP rank i runs on GPU base + i")
+        a("--base-gpu-id", type=int, default=ServerArgs.base_gpu_id, help="CUDA: DP rank i, TP rank t runs on GPU base + i * tp_size + t")
+
+    def gpu_id(self, dp_rank: int, tp_rank: int) -> int:
+        """The GPU of one engine process on CUDA."""
+        return self.base_gpu_id + dp_rank * self.tp_size + tp_rank
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":

@@ -5,7 +5,8 @@ import asyncio
 import logging
 import multiprocessing as mp
 import signal
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from baton.engine.server_args import ServerArgs
@@ -18,17 +19,19 @@ STARTUP_TIMEOUT_S = 1800
 
 @dataclass
 class EngineProcesses:
-    schedulers: list[mp.Process]  # one per DP rank
+    schedulers: list[mp.Process]  # one per DP rank (with TP: the group's rank 0)
     detokenizer: mp.Process
     scheduler_info: dict[str, Any]  # rank 0's ready report
     scheduler_addrs: list[str]  # where each rank receives requests
     tokenizer_addr: str
     cpu_plan: Any = None  # utils.cpu_affinity.CpuPlan, or None when not binding
     prepared: Any = None  # what launch_subprocesses' while_starting returned
+    followers: list[tuple[str, mp.Process]] = field(default_factory=list)  # TP ranks > 0, named
 
     def _named(self) -> list[tuple[str, mp.Process]]:
         dp = len(self.schedulers)
-        return [(scheduler_name(i, dp), p) for i, p in enumerate(self.schedulers)] + [("detokenizer", self.detokenizer)]
+        return ([(scheduler_name(i, dp), p) for i, p in enumerate(self.schedulers)] + self.followers
+                + [("detokenizer", self.detokenizer)])
 
     def alive(self) -> bool:
         return self.exited() is None
@@ -54,6 +57,21 @@ class EngineProcesses:
 def scheduler_name(rank: int, dp_size: int) -> str:
     """How logs and errors name a scheduler process."""
     return "scheduler" if dp_size == 1 else f"scheduler (DP rank {rank})"
+
+
+def follower_name(dp_rank: int, dp_size: int, tp_rank: int) -> str:
+    """How logs and errors name a TP rank > 0 (it holds a shard and runs the scheduler's steps)."""
+    return f"TP rank {tp_rank}" + ("" if dp_size == 1 else f" of DP rank {dp_rank}")
+
+
+def tp_init_addrs(server_args: ServerArgs) -> list[Optional[str]]:
+    """Each DP replica's TP rendezvous (None without TP): --nccl-port + DP rank, else free ports."""
+    from baton.engine.utils.process import free_port
+
+    if server_args.tp_size == 1:
+        return [None] * server_args.dp_size
+    base = server_args.nccl_port
+    return [f"127.0.0.1:{base + d if base is not None else free_port()}" for d in range(server_args.dp_size)]
 
 
 def describe_exit(code: int) -> str:
@@ -84,13 +102,29 @@ async def supervise(procs: "EngineProcesses", tm: Any, server: Any) -> Optional[
     return reason
 
 
-def _wait_ready(name: str, pipe: Any, proc: mp.Process) -> Any:
-    if not pipe.poll(STARTUP_TIMEOUT_S):
-        raise RuntimeError(f"the {name} did not start within {STARTUP_TIMEOUT_S}s")
-    status, payload = pipe.recv()
-    if status != "ready":
-        raise RuntimeError(f"the {name} failed to start:\n{payload}")
-    return payload
+def _wait_all_ready(named_pipes: list[tuple[str, Any]]) -> dict[str, Any]:
+    """Each process's ready report, by name. The first failure raises at once: the others may be
+    waiting for it (a TP group's rendezvous), so waiting on them in turn could never end."""
+    from multiprocessing.connection import wait
+
+    pending, infos = dict(named_pipes), {}
+    by_pipe = {id(pipe): name for name, pipe in named_pipes}
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while pending:
+        ready = wait(list(pending.values()), timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            raise RuntimeError(f"the {', '.join(pending)} did not start within {STARTUP_TIMEOUT_S}s")
+        for pipe in ready:
+            name = by_pipe[id(pipe)]
+            try:
+                status, payload = pipe.recv()
+            except EOFError:  # it died before reporting
+                status, payload = "error", "the process ended without reporting (killed?)"
+            if status != "ready":
+                raise RuntimeError(f"the {name} failed to start:\n{payload}")
+            infos[name] = payload
+            del pending[name]
+    return infos
 
 
 def launch_subprocesses(server_args: ServerArgs, while_starting: Optional[Callable[[], Any]] = None) -> EngineProcesses:
@@ -98,7 +132,7 @@ def launch_subprocesses(server_args: ServerArgs, while_starting: Optional[Callab
     `while_starting` runs in between (the front end's own start-up: imports, tokenizer), its result
     in procs.prepared."""
     from baton.engine.detokenizer import run_detokenizer_process
-    from baton.engine.scheduler.event_loop import run_scheduler_process
+    from baton.engine.scheduler.event_loop import run_scheduler_process, run_tp_follower_process
     from baton.engine.utils.cpu_affinity import plan_binding
     from baton.engine.utils.process import ipc_names
 
@@ -106,27 +140,34 @@ def launch_subprocesses(server_args: ServerArgs, while_starting: Optional[Callab
     *scheduler_addrs, detok_addr, tokenizer_addr = ipc_names(dp + 2)
     ctx = mp.get_context("spawn")  # never fork a process that may hold CUDA or torch threads
     cpu_plan = plan_binding(server_args.cpu_omp_threads_bind)
-    schedulers, sched_pipes = [], []
-    for rank, addr in enumerate(scheduler_addrs):
+    schedulers, sched_pipes, followers, follower_pipes = [], [], [], []
+    for rank, (addr, tp_addr) in enumerate(zip(scheduler_addrs, tp_init_addrs(server_args))):
         r, w = ctx.Pipe(duplex=False)
         sched_pipes.append(r)
         schedulers.append(ctx.Process(target=run_scheduler_process, name=f"baton-scheduler-{rank}", daemon=True,
-                                      args=(server_args, addr, detok_addr, w, cpu_plan, rank)))
+                                      args=(server_args, addr, detok_addr, w, cpu_plan, rank, tp_addr)))
+        for tp_rank in range(1, server_args.tp_size):
+            r, w = ctx.Pipe(duplex=False)
+            follower_pipes.append(r)
+            followers.append((follower_name(rank, dp, tp_rank), ctx.Process(
+                target=run_tp_follower_process, name=f"baton-tp-{rank}-{tp_rank}", daemon=True,
+                args=(server_args, rank, tp_rank, tp_addr, w, cpu_plan))))
     detok_r, detok_w = ctx.Pipe(duplex=False)
     detokenizer = ctx.Process(target=run_detokenizer_process, name="baton-detokenizer", daemon=True,
                               args=(server_args.tokenizer_path or server_args.model_path, detok_addr,
                                     tokenizer_addr, server_args.log_level, detok_w, cpu_plan))
-    for proc in schedulers:
+    for proc in schedulers + [p for _, p in followers]:
         proc.start()
     detokenizer.start()
-    procs = EngineProcesses(schedulers, detokenizer, {}, scheduler_addrs, tokenizer_addr, cpu_plan)
+    procs = EngineProcesses(schedulers, detokenizer, {}, scheduler_addrs, tokenizer_addr, cpu_plan,
+                            followers=followers)
     try:
         if while_starting is not None:
             procs.prepared = while_starting()
-        _wait_ready("detokenizer", detok_r, detokenizer)
-        infos = [_wait_ready(scheduler_name(rank, dp), pipe, proc)
-                 for rank, (pipe, proc) in enumerate(zip(sched_pipes, schedulers))]
-        procs.scheduler_info = infos[0]
+        named = ([("detokenizer", detok_r)] + [(scheduler_name(rank, dp), pipe) for rank, pipe in enumerate(sched_pipes)]
+                 + [(name, pipe) for (name, _), pipe in zip(followers, follower_pipes)])
+        infos = _wait_all_ready(named)
+        procs.scheduler_info = infos[scheduler_name(0, dp)]
     except BaseException:
         procs.shutdown()
         raise

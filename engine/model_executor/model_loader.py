@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from baton.engine.distributed.parallel_state import TpGroup, validate_tp
 from baton.engine.models import get_model_class
 
 if TYPE_CHECKING:
@@ -98,9 +99,10 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def load_model(model_path: str, dtype: str = "auto",
-               device: str = "cpu") -> tuple[nn.Module, "PretrainedConfig", torch.dtype]:
-    """Returns (model in eval mode on `device`, its HF config, the dtype it was built in)."""
+def load_model(model_path: str, dtype: str = "auto", device: str = "cpu",
+               tp: TpGroup = TpGroup()) -> tuple[nn.Module, "PretrainedConfig", torch.dtype]:
+    """Returns (model in eval mode on `device`, its HF config, the dtype it was built in). With a
+    TP group of several ranks the model is this rank's shard."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_path)
@@ -109,8 +111,9 @@ def load_model(model_path: str, dtype: str = "auto",
         raise ValueError(f"{model_path}/config.json has no 'architectures' entry")
     model_cls = get_model_class(architectures[0])
     torch_dtype = resolve_dtype(dtype, config, device)
+    validate_tp(config, tp.size)
     with _default_dtype(torch_dtype), torch.device(device):
-        model = model_cls(config)
+        model = model_cls(config, tp=tp)
     model.load_weights(iterate_safetensors(safetensors_files(model_path)))
     model.eval().requires_grad_(False)
     return model, config, torch_dtype

@@ -14,6 +14,7 @@ from baton.engine.model_executor.model_loader import DTYPES as MODEL_DTYPES
 from baton.engine.server_args import ServerArgs
 
 if TYPE_CHECKING:
+    from baton.engine.distributed.parallel_state import TpGroup
     from baton.engine.model_executor.cuda_graph_runner import CudaGraphRunner
 
 logger = logging.getLogger(__name__)
@@ -58,13 +59,17 @@ def _inference(t: torch.Tensor) -> torch.Tensor:
 
 
 class ModelRunner:
-    def __init__(self, server_args: ServerArgs) -> None:
+    def __init__(self, server_args: ServerArgs, tp: Optional["TpGroup"] = None) -> None:
+        """`tp`: the tensor-parallel group this runner's shard belongs to (one rank by default)."""
         from baton.engine.layers.attention import create_attention_backend
         from baton.engine.mem_cache.allocator import TokenToKVPoolAllocator
         from baton.engine.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
         from baton.engine.model_executor.model_loader import load_model
 
+        from baton.engine.distributed.parallel_state import TpGroup
+
         self.server_args, self.device = server_args, server_args.device
+        self.tp = tp or TpGroup()
         # seconds per start-up phase, reported in /get_server_info and the scheduler's ready line
         self.startup_s: dict[str, float] = {}
         clock = time.perf_counter()
@@ -76,14 +81,17 @@ class ModelRunner:
             clock = now
 
         torch.manual_seed(server_args.random_seed)
-        self.model, self.hf_config, self.dtype = load_model(server_args.model_path, server_args.dtype, self.device)
+        self.model, self.hf_config, self.dtype = load_model(server_args.model_path, server_args.dtype, self.device,
+                                                            self.tp)
         phase("load_weights")
         self.model.eval()
         self.kv_dtype = resolve_kv_dtype(server_args.kv_cache_dtype, self.dtype)
         text_cfg = getattr(self.hf_config, "text_config", None) or self.hf_config
         self.vocab_size = text_cfg.vocab_size
         self.num_layers = text_cfg.num_hidden_layers
-        self.num_kv_heads = getattr(text_cfg, "num_key_value_heads", None) or text_cfg.num_attention_heads
+        # this rank's KV heads: the pool holds only those
+        self.num_kv_heads = self.tp.kv_head_range(
+            getattr(text_cfg, "num_key_value_heads", None) or text_cfg.num_attention_heads)[1]
         self.head_dim = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // text_cfg.num_attention_heads
         self.pool_config = self._pool_config(text_cfg)
         page = server_args.page_size
@@ -167,6 +175,10 @@ class ModelRunner:
                                                              else args.mem_fraction_static) // cell)
             if self.device == "cpu":
                 total = min(total, _CPU_DEFAULT_MAX_TOKENS)
+            # every shard maps the same slots: the pool is as large as the rank with the least room
+            from baton.engine.distributed.parallel_state import all_reduce_min
+
+            total = all_reduce_min(total, self.tp)
         total = max(total // page * page, page)
         running = args.max_running_requests or max(1, min(256, total // 2))
         return PoolConfig(max_total_tokens=total, max_running_requests=running, context_len=context_len)

@@ -6,6 +6,11 @@ Subclasses change one piece each by overriding a builder on LlamaForCausalLM:
 
 q/k/v and gate/up are fused into one linear each; the loader copies every HF checkpoint shard
 (`q_proj`, `k_proj`, `v_proj`, `gate_proj`, `up_proj`) into its slice of the fused weight.
+
+Tensor parallelism (`tp`, a TpGroup; one rank by default) is Megatron's split: q/k/v and gate/up
+are column-parallel (this rank's heads, its slice of the intermediate size), o_proj and down_proj
+row-parallel (one all-reduce each per layer). Norms, the embedding and the LM head are replicated.
+Each rank builds only its shard and the loader narrows the full checkpoint tensors into it.
 """
 from __future__ import annotations
 
@@ -15,8 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from baton.engine.distributed.parallel_state import TpGroup
 from baton.engine.layers.activation import GatedAct
 from baton.engine.layers.layernorm import RMSNorm
+from baton.engine.layers.linear import MergedColumnLinear, RowParallelLinear, even_parts, load_param, qkv_parts
 from baton.engine.layers.radix_attention import RadixAttention
 from baton.engine.layers.rotary_embedding import get_rope
 
@@ -32,36 +39,24 @@ STACKED_SHARDS: dict[str, tuple[str, int]] = {
 }
 
 
-class MergedLinear(nn.Linear):
-    """One linear whose output is the concatenation of several HF projections (`output_sizes`)."""
-
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool) -> None:
-        super().__init__(in_features, sum(output_sizes), bias=bias)
-        self.output_sizes = output_sizes
-
-    @torch.no_grad()
-    def load_shard(self, param_name: str, shard: int, tensor: torch.Tensor) -> None:
-        start = sum(self.output_sizes[:shard])
-        target = getattr(self, param_name)[start:start + self.output_sizes[shard]]
-        assert target.shape == tensor.shape, f"shard {shard} of {param_name}: {tuple(tensor.shape)} in checkpoint"
-        target.copy_(tensor)
-
-
 def head_dim_of(config: "PretrainedConfig") -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 class LlamaAttention(nn.Module):
     def __init__(self, config: "PretrainedConfig", layer_id: int, qkv_bias: bool, o_bias: bool,
-                 qk_norm: bool = False) -> None:
+                 qk_norm: bool = False, tp: TpGroup = TpGroup()) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        total_heads, total_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = head_dim_of(config)
-        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         if "sliding_attention" in (getattr(config, "layer_types", None) or []):
             raise NotImplementedError("sliding-window attention layers are not supported")
-        self.qkv_proj = MergedLinear(config.hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        parts = qkv_parts(total_heads, total_kv_heads, self.head_dim, tp)
+        # this rank's heads
+        self.num_heads, self.num_kv_heads = parts[0].size // self.head_dim, parts[1].size // self.head_dim
+        self.q_size, self.kv_size = parts[0].size, parts[1].size
+        self.qkv_proj = MergedColumnLinear(config.hidden_size, parts, bias=qkv_bias)
+        self.o_proj = RowParallelLinear(total_heads * self.head_dim, config.hidden_size, bias=o_bias, tp=tp)
         # Qwen3: RMSNorm over each head's q and k, before RoPE
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
@@ -79,10 +74,11 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool = False) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool = False,
+                 tp: TpGroup = TpGroup()) -> None:
         super().__init__()
-        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_up_proj = MergedColumnLinear(hidden_size, even_parts([intermediate_size] * 2, tp), bias=bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, tp=tp)
         self.act = GatedAct(hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -116,9 +112,9 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: "PretrainedConfig") -> None:
+    def __init__(self, config: "PretrainedConfig", tp: TpGroup = TpGroup()) -> None:
         super().__init__()
-        self.config = config
+        self.config, self.tp = config, tp
         self.model = LlamaModel(config, self._make_layer)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = (None if self.tie_word_embeddings
@@ -128,11 +124,11 @@ class LlamaForCausalLM(nn.Module):
 
     def build_attention(self, config: "PretrainedConfig", layer_id: int) -> nn.Module:
         bias = bool(getattr(config, "attention_bias", False))
-        return LlamaAttention(config, layer_id, qkv_bias=bias, o_bias=bias)
+        return LlamaAttention(config, layer_id, qkv_bias=bias, o_bias=bias, tp=self.tp)
 
     def build_mlp(self, config: "PretrainedConfig", layer_id: int) -> nn.Module:
         return LlamaMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
-                        bias=bool(getattr(config, "mlp_bias", False)))
+                        bias=bool(getattr(config, "mlp_bias", False)), tp=self.tp)
 
     def load_special_weight(self, name: str, tensor: torch.Tensor) -> str | None:
         """Hook for checkpoint names the generic loader does not handle; returns the name of the
@@ -169,8 +165,7 @@ class LlamaForCausalLM(nn.Module):
             elif (target := self._load_stacked(name, tensor)) is not None:
                 loaded.add(target)
             elif name in params:
-                assert params[name].shape == tensor.shape, f"{name}: {tuple(tensor.shape)} in checkpoint"
-                params[name].copy_(tensor)
+                load_param(params[name], tensor, name)
                 loaded.add(name)
             else:
                 raise KeyError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")
@@ -186,7 +181,7 @@ class LlamaForCausalLM(nn.Module):
             module = self.get_submodule(module_path)
         except AttributeError:
             return None
-        if not isinstance(module, MergedLinear):
+        if not isinstance(module, MergedColumnLinear):
             return None
         module.load_shard(parts[-1], shard, tensor)
         return f"{module_path}.{parts[-1]}"

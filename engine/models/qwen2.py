@@ -13,4 +13,4 @@ if TYPE_CHECKING:
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
     def build_attention(self, config: "PretrainedConfig", layer_id: int) -> nn.Module:
-        return LlamaAttention(config, layer_id, qkv_bias=True, o_bias=False)
+        return LlamaAttention(config, layer_id, qkv_bias=True, o_bias=False, tp=self.tp)

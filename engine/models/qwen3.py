@@ -14,4 +14,4 @@ if TYPE_CHECKING:
 class Qwen3ForCausalLM(LlamaForCausalLM):
     def build_attention(self, config: "PretrainedConfig", layer_id: int) -> nn.Module:
         bias = bool(getattr(config, "attention_bias", False))
-        return LlamaAttention(config, layer_id, qkv_bias=bias, o_bias=bias, qk_norm=True)
+        return LlamaAttention(config, layer_id, qkv_bias=bias, o_bias=bias, qk_norm=True, tp=self.tp)

@@ -28,7 +28,7 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
         if not is_sparse_layer(config, layer_id):
             return super().build_mlp(config, layer_id)
         return SparseMoeBlock(config.hidden_size, config.moe_intermediate_size, config.num_experts,
-                              config.num_experts_per_tok, bool(config.norm_topk_prob), config.hidden_act)
+                              config.num_experts_per_tok, bool(config.norm_topk_prob), config.hidden_act, tp=self.tp)
 
     def load_special_weight(self, name: str, tensor: torch.Tensor) -> str | None:
         m = _MOE_NAME.match(name)

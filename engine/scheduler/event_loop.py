@@ -72,30 +72,43 @@ def event_loop(scheduler: Scheduler, io: SchedulerIO, watchdog: Optional[Watchdo
         io.flush(scheduler)
 
 
-def run_scheduler_process(server_args: ServerArgs, recv_addr: str, send_addr: str, ready_pipe: Any,
-                          cpu_plan: Optional["CpuPlan"] = None, dp_rank: int = 0) -> None:
-    """Entry point of a scheduler process (one per DP rank). Reports ("ready", info) or ("error",
-    text) on ready_pipe."""
+def _start_process(server_args: ServerArgs, dp_rank: int, tp_rank: int, cpu_plan: Optional["CpuPlan"]) -> None:
+    """What every engine process that holds a model shard does first: die with its parent, log
+    under its name, take its CPUs (or its GPU)."""
     from baton.engine.utils.cpu_affinity import bind_scheduler
-    from baton.engine.utils.logging import configure_logging, format_phases
-    from baton.engine.utils.process import die_with_parent, process_age_s
+    from baton.engine.utils.logging import configure_logging
+    from baton.engine.utils.process import die_with_parent
 
     die_with_parent()
-    dp = server_args.dp_size > 1
-    configure_logging(server_args.log_level, prefix=f"scheduler DP{dp_rank}" if dp else "scheduler")
-    bind_scheduler(cpu_plan, dp_rank, server_args.dp_size)
+    dp, tp = server_args.dp_size, server_args.tp_size
+    name = "scheduler" if tp_rank == 0 else f"TP{tp_rank}"
+    configure_logging(server_args.log_level, prefix=f"{name} DP{dp_rank}" if dp > 1 else name)
+    bind_scheduler(cpu_plan, dp_rank * tp + tp_rank, dp * tp)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
+    if server_args.device.startswith("cuda") and dp * tp > 1:
+        import torch
+
+        torch.cuda.set_device(server_args.gpu_id(dp_rank, tp_rank))  # "cuda" means this process's GPU from here
+
+
+def run_scheduler_process(server_args: ServerArgs, recv_addr: str, send_addr: str, ready_pipe: Any,
+                          cpu_plan: Optional["CpuPlan"] = None, dp_rank: int = 0,
+                          tp_init_addr: Optional[str] = None) -> None:
+    """Entry point of a scheduler process (one per DP rank; with TP, the group's rank 0, which joins
+    the group at `tp_init_addr`). Reports ("ready", info) or ("error", text) on ready_pipe."""
+    from baton.engine.distributed.parallel_state import init_tp_group
+    from baton.engine.utils.logging import format_phases
+    from baton.engine.utils.process import process_age_s
+
+    _start_process(server_args, dp_rank, 0, cpu_plan)
     try:
         from transformers import AutoTokenizer
 
-        if server_args.device.startswith("cuda") and dp:
-            import torch
-
-            torch.cuda.set_device(server_args.base_gpu_id + dp_rank)  # "cuda" means this rank's GPU from here
         start, spawn_s = time.perf_counter(), process_age_s()  # interpreter + imports before this point
         tokenizer = AutoTokenizer.from_pretrained(server_args.tokenizer_path or server_args.model_path)
         tokenizer_s = time.perf_counter() - start
-        scheduler = Scheduler(server_args, tokenizer, dp_rank=dp_rank)
+        tp = init_tp_group(0, server_args.tp_size, tp_init_addr, server_args.device) if server_args.tp_size > 1 else None
+        scheduler = Scheduler(server_args, tokenizer, dp_rank=dp_rank, tp=tp)
         io = SchedulerIO(zmq.Context(2), recv_addr, send_addr)
     except Exception:
         ready_pipe.send(("error", traceback.format_exc()))
@@ -111,3 +124,29 @@ def run_scheduler_process(server_args: ServerArgs, recv_addr: str, send_addr: st
         # the HTTP process's supervisor sees this process end: it fails the requests in flight and exits
         logger.error("scheduler crashed:\n%s", traceback.format_exc())
         sys.exit(1)
+
+
+def run_tp_follower_process(server_args: ServerArgs, dp_rank: int, tp_rank: int, tp_init_addr: str,
+                            ready_pipe: Any, cpu_plan: Optional["CpuPlan"] = None) -> None:
+    """Entry point of a TP rank > 0: load this rank's shard, then run the steps the group's
+    scheduler sends (scheduler/tp_step.py) until it says stop. Reports on ready_pipe like a
+    scheduler; a failure ends the process with 1, which stops the engine."""
+    from baton.engine.distributed.parallel_state import destroy_tp_group, init_tp_group
+    from baton.engine.model_executor.model_runner import ModelRunner
+    from baton.engine.scheduler.tp_step import StepReceiver
+
+    _start_process(server_args, dp_rank, tp_rank, cpu_plan)
+    try:
+        tp = init_tp_group(tp_rank, server_args.tp_size, tp_init_addr, server_args.device)
+        runner = ModelRunner(server_args, tp)
+    except Exception:
+        ready_pipe.send(("error", traceback.format_exc()))
+        return
+    ready_pipe.send(("ready", {"tp_rank": tp_rank}))
+    try:
+        steps = StepReceiver(tp, runner).run()
+    except Exception:
+        logger.error("TP rank %d crashed:\n%s", tp_rank, traceback.format_exc())
+        sys.exit(1)
+    logger.info("TP rank %d: stopped after %d steps", tp_rank, steps)
+    destroy_tp_group(tp)  # before the interpreter exits: gloo aborts the process if torn down at exit

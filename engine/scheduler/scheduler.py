@@ -54,15 +54,16 @@ class LaunchedBatch:
 
 class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin):
     def __init__(self, server_args: ServerArgs, tokenizer: Any = None, transfer_config: Any = None,
-                 dp_rank: int = 0) -> None:
+                 dp_rank: int = 0, tp: Any = None) -> None:
         """`transfer_config`: a disaggregation.base.TransferConfig overriding the one derived from the
-        server args (tests: timeouts, fault injection). `dp_rank`: this replica's data-parallel rank."""
+        server args (tests: timeouts, fault injection). `dp_rank`: this replica's data-parallel rank.
+        `tp`: the distributed.parallel_state.TpGroup whose driver this scheduler is (joined already)."""
         from baton.engine.mem_cache import create_prefix_cache
 
         self.server_args = args = server_args
         self.tokenizer = tokenizer
         self.dp_rank = dp_rank
-        self.worker = TpModelWorker(args)
+        self.worker = TpModelWorker(args, tp)
         runner = self.worker.model_runner
         self.startup_s: dict[str, float] = dict(runner.startup_s)  # the process adds spawn, tokenizer, total
         self.req_to_token_pool, self.allocator = runner.req_to_token_pool, runner.allocator
@@ -123,11 +124,15 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin):
         return None
 
     def close(self) -> None:
-        """Stop the KV transfer threads (PD) and the grammar compiler's thread."""
+        """Stop the KV transfer threads (PD), the grammar compiler's thread, the overlap worker
+        thread, and the other TP ranks' step loops."""
         if self.pd is not None:
             self.pd.close()
         if self.grammar_backend is not None:
             self.grammar_backend.close()
+        if self.overlap is not None:
+            self.overlap.shutdown()
+        self.worker.close()
 
     def _new_batch(self, reqs: list[Req]) -> ScheduleBatch:
         return ScheduleBatch(reqs, self.req_to_token_pool, self.allocator, self.tree_cache, self.server_args.device)

@@ -11,18 +11,25 @@ on a forward stream, which first waits on an event the scheduler recorded at lau
 req_to_token writes for the batch); the sampled ids come to the host through a non-blocking copy
 with an event behind it, and the scheduler waits on that event only when it processes the result.
 On CPU a worker thread runs the forward (see OverlapWorkerClient).
+
+Tensor parallelism: this worker is the driver of its TP group. Before each forward it sends the
+step to the other ranks (tp_step.py), in the thread that runs the forward, so the step and the
+forward's all-reduces reach every rank in one order; it alone computes logits and samples.
 """
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
 from baton.engine.model_executor.model_runner import ModelRunner
 from baton.engine.scheduler.schedule_batch import ModelWorkerBatch
 from baton.engine.server_args import ServerArgs
+
+if TYPE_CHECKING:
+    from baton.engine.distributed.parallel_state import TpGroup
 
 
 @dataclass
@@ -48,12 +55,23 @@ class GenerationBatchResult:
 
 
 class TpModelWorker:
-    def __init__(self, server_args: ServerArgs) -> None:
+    def __init__(self, server_args: ServerArgs, tp: Optional["TpGroup"] = None) -> None:
+        """`tp`: the TP group this worker drives (joined by the caller; one rank by default)."""
         from baton.engine.layers.sampler import Sampler
+        from baton.engine.scheduler.tp_step import StepSender
 
-        self.model_runner = ModelRunner(server_args)
+        self.model_runner = ModelRunner(server_args, tp)
+        self.tp = self.model_runner.tp
         self.sampler = Sampler()
         self.device = server_args.device
+        self.step_sender = (StepSender(self.tp, self.model_runner.req_to_token_pool.req_to_token)
+                            if self.tp.size > 1 else None)
+
+    def close(self) -> None:
+        """Release the other TP ranks from their step loop (after the last forward)."""
+        if self.step_sender is not None:
+            self.step_sender.stop()
+            self.step_sender = None
 
     def forward_batch_generation(self, mwb: ModelWorkerBatch, async_copy: bool = False,
                                  future_map: Optional["FutureMap"] = None) -> GenerationBatchResult:
@@ -68,6 +86,8 @@ class TpModelWorker:
         from baton.engine.triton_ops.future_resolve import resolve_future_token_ids
 
         runner = self.model_runner
+        if self.step_sender is not None:
+            self.step_sender.send(mwb)
         fb, future_slots = runner.forward_batch_from(mwb, None if future_map is None else mwb.future_indices)
         if future_map is not None:
             resolve_future_token_ids(fb.input_ids, future_map.token_ids)
@@ -103,6 +123,8 @@ class TpModelWorker:
         result.next_token_ids_device = next_ids
         if future_map is not None:
             future_map.token_ids[future_slots] = next_ids
+            if self.step_sender is not None:
+                self.step_sender.send_sampled(next_ids)
         if async_copy:
             result.next_token_ids_tensor = next_ids.to("cpu", non_blocking=True)  # into pinned memory
             result.copy_done = torch.cuda.Event()

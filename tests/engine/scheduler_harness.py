@@ -23,9 +23,10 @@ class Collected:
 
 
 class SchedulerHarness:
-    def __init__(self, model_path: str, **overrides: Any) -> None:
+    def __init__(self, model_path: str, tp: Any = None, **overrides: Any) -> None:
+        """`tp`: a joined TpGroup (tp_group.py) whose driver this scheduler becomes."""
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.scheduler = Scheduler(ServerArgs(model_path=model_path, **overrides), self.tokenizer)
+        self.scheduler = Scheduler(ServerArgs(model_path=model_path, **overrides), self.tokenizer, tp=tp)
         self.results: dict[str, Collected] = {}
 
     def submit(self, rid: str, input_ids: list[int], return_logprob: bool = False, logprob_start_len: int = -1,

@@ -1,0 +1,146 @@
+"""One tensor-parallel group: which shard this process holds, and the collectives its layers call.
+
+A `TpGroup` is passed down the configuration chain (server args -> model runner -> model -> layers);
+there is no process-wide state. With size 1 every collective is the identity and nothing is
+initialised, so a single-process engine never touches torch.distributed.
+
+Two process groups per TP group, as SGLang keeps them:
+- the device group, for the all-reduces inside the forward: NCCL on CUDA, gloo on CPU;
+- the CPU group (gloo), for what the scheduler's rank tells the others every step (step.py).
+On CPU both are one gloo group.
+
+The all-reduce is a torch custom op (`baton::tp_all_reduce`): Dynamo treats it as one opaque call,
+so a compiled forward keeps one graph, and on CUDA it is captured into the decode graphs like any
+kernel (NCCL's all-reduce is graph-safe).
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# An idle engine's followers wait in a broadcast until the next step, for as long as nothing is sent.
+# gloo would raise after its timeout, so it is long; a dead peer is noticed sooner (its socket
+# closes), and the HTTP process's supervisor stops the engine when any of its processes ends.
+IDLE_WAIT = datetime.timedelta(days=30)
+
+
+@dataclass(frozen=True)
+class TpGroup:
+    rank: int = 0
+    size: int = 1
+    # torch.distributed group names (the custom op takes a string); None when size is 1
+    device_group: Optional[str] = None
+    cpu_group: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        assert 0 <= self.rank < self.size, f"TP rank {self.rank} out of range for size {self.size}"
+
+    @property
+    def is_driver(self) -> bool:
+        """The rank that runs the scheduler, samples, and tells the others what to run."""
+        return self.rank == 0
+
+    def shard(self, total: int, what: str = "size") -> int:
+        """This rank's part of `total` (an even split; anything else is refused at start-up)."""
+        if total % self.size:
+            raise ValueError(f"{what} {total} is not divisible by the tensor-parallel size {self.size}")
+        return total // self.size
+
+    def kv_head_range(self, num_kv_heads: int) -> tuple[int, int]:
+        """(first KV head, count) this rank holds. With fewer KV heads than ranks each KV head is
+        replicated on size // num_kv_heads consecutive ranks (as SGLang and vLLM do)."""
+        if num_kv_heads >= self.size:
+            n = self.shard(num_kv_heads, "num_key_value_heads")
+            return self.rank * n, n
+        if self.size % num_kv_heads:
+            raise ValueError(f"the tensor-parallel size {self.size} must be a multiple of num_key_value_heads "
+                             f"({num_kv_heads}) when it exceeds it")
+        return self.rank // (self.size // num_kv_heads), 1
+
+
+def validate_tp(config: Any, tp_size: int) -> None:
+    """Refuse, before any process starts, a checkpoint whose heads or MLP do not split over tp_size."""
+    if tp_size == 1:
+        return
+    text = getattr(config, "text_config", None) or config
+    heads = text.num_attention_heads
+    kv = getattr(text, "num_key_value_heads", None) or heads
+    problems = []
+    if heads % tp_size:
+        problems.append(f"num_attention_heads ({heads})")
+    if (kv >= tp_size and kv % tp_size) or (kv < tp_size and tp_size % kv):
+        problems.append(f"num_key_value_heads ({kv})")
+    for name in ("intermediate_size", "moe_intermediate_size"):
+        value = getattr(text, name, None)
+        if value and value % tp_size:
+            problems.append(f"{name} ({value})")
+    if problems:
+        raise ValueError(f"--tp-size {tp_size} does not divide the model's " + ", ".join(problems))
+
+
+def init_tp_group(tp_rank: int, tp_size: int, init_addr: str, device: str) -> TpGroup:
+    """Join this model's TP group (every rank calls it; `init_addr` is host:port of the rendezvous).
+    Returns TpGroup() without touching torch.distributed when tp_size is 1."""
+    if tp_size == 1:
+        return TpGroup()
+    import torch.distributed as dist
+
+    cuda = device.startswith("cuda")
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://{init_addr}", world_size=tp_size,
+                            rank=tp_rank, timeout=IDLE_WAIT)
+    world = dist.group.WORLD
+    cpu = dist.new_group(list(range(tp_size)), backend="gloo", timeout=IDLE_WAIT) if cuda else world
+    logger.info("TP rank %d of %d joined (%s)", tp_rank, tp_size, dist.get_backend(world))
+    return TpGroup(tp_rank, tp_size, world.group_name, cpu.group_name)
+
+
+def destroy_tp_group(tp: TpGroup) -> None:
+    if tp.size > 1:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def resolve_group(name: str) -> Any:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
+
+
+@torch.library.custom_op("baton::tp_all_reduce", mutates_args=())
+def _tp_all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    import torch.distributed as dist
+
+    out = x.clone()
+    dist.all_reduce(out, group=resolve_group(group_name))
+    return out
+
+
+@_tp_all_reduce.register_fake
+def _(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def all_reduce(x: torch.Tensor, tp: TpGroup) -> torch.Tensor:
+    """The sum of x over the TP group (x itself when the group is one rank)."""
+    if tp.size == 1:
+        return x
+    return _tp_all_reduce(x, tp.device_group)
+
+
+def all_reduce_min(value: int, tp: TpGroup) -> int:
+    """The smallest of each rank's `value` (e.g. KV pool sizes: every shard must hold the same slots)."""
+    if tp.size == 1:
+        return value
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=resolve_group(tp.cpu_group))
+    return int(t.item())

@@ -1,0 +1,176 @@
+"""The TP step broadcast: how the scheduler's rank (the driver) makes the other ranks of its TP group
+run the same forward pass.
+
+Only the driver runs a scheduler, samples and talks to the rest of the engine. Every other rank
+(a follower) loops: receive a step, run the model on its shard (the layers' all-reduces meet the
+driver's), repeat. A follower thus needs nothing of the scheduler but what the forward reads:
+
+    header  int64[8]   command, forward mode, batch size, tokens, table updates, has future slots
+    payload int64[..]  input_ids | positions | req_pool_indices | seq_lens | out_cache_loc
+                       [| extend_prefix_lens | extend_seq_lens]     (EXTEND)
+                       [| future slots]                             (overlap loop)
+                       | rows | cols | slots                        (req_to_token updates)
+
+req_to_token: the attention reads each request's row of slot indices, and only the driver's
+scheduler writes rows (admission, prefix hits, radix de-duplication, decode appends). The driver
+keeps a mirror of what the followers' tables hold, compares the batch's rows with it before each
+step and sends the entries that differ, so the followers' tables equal the driver's wherever this
+pass reads them; a decode step sends one entry per request.
+
+Overlap loop: a batch's decode inputs may be placeholders for tokens the previous batch has not
+sampled yet. Each follower keeps its own future map: after sampling, the driver broadcasts the
+sampled ids over the device group (asynchronous on CUDA), and the followers store them at the
+slots the step named.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple, Optional
+
+import torch
+
+from baton.engine.distributed.parallel_state import TpGroup, resolve_group
+from baton.engine.model_executor.forward_batch import ForwardMode
+
+if TYPE_CHECKING:
+    from baton.engine.model_executor.model_runner import ModelRunner
+    from baton.engine.scheduler.schedule_batch import ModelWorkerBatch
+
+_HEADER = 8
+_STOP, _FORWARD = 0, 1
+
+
+def _broadcast(t: torch.Tensor, group_name: str) -> None:
+    import torch.distributed as dist
+
+    dist.broadcast(t, src=0, group=resolve_group(group_name))
+
+
+class Step(NamedTuple):
+    """What a follower runs: a ModelWorkerBatch's forward inputs (host tensors)."""
+
+    mode: ForwardMode
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    req_pool_indices: torch.Tensor
+    seq_lens: list[int]
+    out_cache_loc: torch.Tensor
+    extend_prefix_lens: Optional[list[int]]
+    extend_seq_lens: Optional[list[int]]
+    future_slots: Optional[torch.Tensor]  # [bs] where this batch's sampled ids go (overlap loop)
+
+
+class StepSender:
+    """The driver's side. Call send() before each forward, in the thread that runs the forward."""
+
+    def __init__(self, tp: TpGroup, req_to_token: torch.Tensor) -> None:
+        assert tp.is_driver and tp.size > 1
+        self.tp, self.table = tp, req_to_token
+        self.mirror = torch.zeros_like(req_to_token)  # what every follower's req_to_token holds
+
+    def send(self, mwb: "ModelWorkerBatch") -> None:
+        rows, cols, slots = self._table_updates(mwb.req_pool_indices, mwb.seq_lens_cpu)
+        extend = mwb.forward_mode == ForwardMode.EXTEND
+        parts = [mwb.input_ids, mwb.positions, mwb.req_pool_indices, torch.tensor(mwb.seq_lens_cpu),
+                 mwb.out_cache_loc]
+        if extend:
+            parts += [torch.tensor(mwb.extend_prefix_lens_cpu), torch.tensor(mwb.extend_seq_lens_cpu)]
+        if mwb.future_indices is not None:
+            parts.append(mwb.future_indices)
+        parts += [rows, cols, slots]
+        payload = torch.cat([t.to("cpu", torch.int64).reshape(-1) for t in parts])
+        header = torch.tensor([_FORWARD, int(mwb.forward_mode), len(mwb.seq_lens_cpu), mwb.input_ids.numel(),
+                               rows.numel(), mwb.future_indices is not None, payload.numel(), 0], dtype=torch.int64)
+        _broadcast(header, self.tp.cpu_group)
+        _broadcast(payload, self.tp.cpu_group)
+
+    def send_sampled(self, next_ids: torch.Tensor) -> None:
+        """Overlap loop: the ids this step sampled, for the followers' future maps (device group)."""
+        _broadcast(next_ids.contiguous(), self.tp.device_group)
+
+    def stop(self) -> None:
+        """Let the followers leave their loop (engine shutdown)."""
+        _broadcast(torch.zeros(_HEADER, dtype=torch.int64), self.tp.cpu_group)
+
+    def _table_updates(self, req_pool_indices: torch.Tensor,
+                       seq_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(rows, cols, slots) of the entries in the batch's rows, below each seq_len, where the
+        driver's table differs from the followers'; the mirror takes them."""
+        dev = self.table.device
+        rows = req_pool_indices.to(dev, torch.int64)
+        width = max(seq_lens)
+        cols = torch.arange(width, device=dev)
+        live = cols[None, :] < torch.tensor(seq_lens, device=dev)[:, None]  # [bs, width]
+        now = self.table[rows[:, None], cols[None, :]]
+        diff = (now != self.mirror[rows[:, None], cols[None, :]]) & live
+        r, c = diff.nonzero(as_tuple=True)
+        r = rows[r]
+        slots = self.table[r, c]
+        self.mirror[r, c] = slots
+        return r.cpu(), c.cpu(), slots.cpu()
+
+
+class StepReceiver:
+    """A follower's side: recv() blocks until the driver sends a step (None: stop)."""
+
+    def __init__(self, tp: TpGroup, runner: "ModelRunner") -> None:
+        assert not tp.is_driver
+        self.tp, self.runner = tp, runner
+        self.future_ids: Optional[torch.Tensor] = None  # this follower's future map, made on first use
+
+    def recv(self) -> Optional[Step]:
+        header = torch.empty(_HEADER, dtype=torch.int64)
+        _broadcast(header, self.tp.cpu_group)
+        cmd, mode, bs, num_tokens, n_updates, has_future, size, _ = header.tolist()
+        if cmd == _STOP:
+            return None
+        payload = torch.empty(size, dtype=torch.int64)
+        _broadcast(payload, self.tp.cpu_group)
+        mode = ForwardMode(mode)
+        sizes = [num_tokens, num_tokens, bs, bs, num_tokens]
+        if mode == ForwardMode.EXTEND:
+            sizes += [bs, bs]
+        if has_future:
+            sizes.append(bs)
+        sizes += [n_updates] * 3
+        fields = list(payload.split(sizes))
+        rows, cols, slots = fields[-3:]
+        table = self.runner.req_to_token_pool.req_to_token
+        table[rows.to(table.device), cols.to(table.device)] = slots.to(table.device)
+        extend = mode == ForwardMode.EXTEND
+        return Step(mode, fields[0], fields[1], fields[2], fields[3].tolist(), fields[4],
+                    fields[5].tolist() if extend else None, fields[6].tolist() if extend else None,
+                    fields[7 if extend else 5] if has_future else None)
+
+    @torch.inference_mode()  # every tensor it makes is an inference tensor, as the driver's batches
+    def run(self) -> int:
+        """The follower loop: run every step the driver sends until it says stop. Returns the
+        number of steps run."""
+        steps = 0
+        while (step := self.recv()) is not None:
+            self._run_step(step)
+            steps += 1
+        return steps
+
+    def _run_step(self, step: Step) -> None:
+        from baton.engine.triton_ops.future_resolve import resolve_future_token_ids
+
+        runner, dev = self.runner, self.runner.device
+        fb = runner.make_forward_batch(
+            step.mode, input_ids=step.input_ids.to(dev), positions=step.positions.to(dev),
+            req_pool_indices=step.req_pool_indices.to(dev), seq_lens=torch.tensor(step.seq_lens, device=dev),
+            out_cache_loc=step.out_cache_loc.to(dev), seq_lens_cpu=step.seq_lens,
+            extend_prefix_lens_cpu=step.extend_prefix_lens, extend_seq_lens_cpu=step.extend_seq_lens)
+        if step.future_slots is not None:  # the overlap loop: decode inputs may be placeholders
+            resolve_future_token_ids(fb.input_ids, self._future_map())
+        runner.forward(fb)
+        if step.future_slots is not None:
+            sampled = torch.empty(len(step.seq_lens), dtype=torch.int64, device=dev)
+            _broadcast(sampled, self.tp.device_group)
+            self._future_map()[step.future_slots.to(dev)] = sampled
+
+    def _future_map(self) -> torch.Tensor:
+        if self.future_ids is None:
+            from baton.engine.scheduler.tp_worker import FutureMap  # tp_worker imports this module
+
+            self.future_ids = FutureMap(self.runner.pool_config.max_running_requests, self.runner.device).token_ids
+        return self.future_ids
