@@ -42,13 +42,17 @@ def _bool(desc: str, default: bool) -> dict[str, Any]:
     return {"type": "boolean", "description": desc, "default": default}
 
 
+def _validations(scope: Scope) -> list[dict[str, str]]:
+    return [{"rule": r.cel, "message": r.message} for r in rules_for(scope)]
+
+
 def _obj(desc: str, props: dict[str, Any], required: tuple[str, ...] = (),
          scope: Scope | None = None, **kw: Any) -> dict[str, Any]:
     out: dict[str, Any] = {"type": "object", "description": desc, "properties": props, **kw}
     if required:
         out["required"] = list(required)
     if scope is not None:
-        out["x-kubernetes-validations"] = [{"rule": r.cel, "message": r.message} for r in rules_for(scope)]
+        out["x-kubernetes-validations"] = _validations(scope)
     return out
 
 
@@ -56,7 +60,7 @@ def _list(desc: str, items: dict[str, Any], max_items: int, scope: Scope | None 
           **kw: Any) -> dict[str, Any]:
     out = {"type": "array", "description": desc, "items": items, "maxItems": max_items, **kw}
     if scope is not None:
-        out["x-kubernetes-validations"] = [{"rule": r.cel, "message": r.message} for r in rules_for(scope)]
+        out["x-kubernetes-validations"] = _validations(scope)
     return out
 
 
@@ -85,21 +89,28 @@ def _placement() -> dict[str, Any]:
 
 
 def role_schema(what: str) -> dict[str, Any]:
+    """Schema of one engine role; `what` is prefill, decode or colocated."""
     args = _list(f"Extra `baton serve` arguments of {what} pods.", _str("", maxLength=256), 64,
                  scope=Scope.ENGINE_ARGS, default=[])
-    return _obj(f"{what.capitalize()} engine pods: one pod runs one `baton serve` with tp*dp ranks.", {
+    out = _obj(f"{what.capitalize()} engine pods: one pod runs one `baton serve` with tp*dp ranks.", {
         "replicas": _int("Number of engine pods.", 0, 1024, 1),
-        "tp": _int("Tensor-parallel size (--tp-size); must be 1 until the engine implements tensor parallelism.",
-                   1, 64, 1),
-        "dp": _int("Data-parallel size (--dp-size): model replicas in the pod, one GPU each.", 1, 64, 1),
+        "tp": _int("Tensor-parallel size (--tp-size): GPUs one model replica is sharded over. Colocated "
+                   "(spec.engine) only: prefill and decode need 1 (the KV transfer does not send per-rank "
+                   "shards yet).", 1, 64, 1),
+        "dp": _int("Data-parallel size (--dp-size): model replicas in the pod, tp GPUs each.", 1, 64, 1),
         "gpus": _int("GPUs per pod: 0 runs on CPU, otherwise tp*dp.", 0, 64, 0),
         "gpuResourceName": _str("Extended resource of one GPU.", default="nvidia.com/gpu", maxLength=253),
-        "shmSize": {**_QUANTITY, "description": "Size of the /dev/shm memory volume (unset: no limit)."},
+        "shmSize": {**_QUANTITY, "description": "Size of the /dev/shm memory volume that pods with more than "
+                                                "one rank (tp*dp > 1) get for NCCL/gloo (unset: no limit); "
+                                                "set, every pod of the role gets the volume."},
         "terminationGracePeriodSeconds": _int(
             "Seconds a stopping pod gets to finish the requests it runs (it accepts no new ones) before it "
             "is killed; raise it for long generations.", 0, 86400, 60),
         "resources": _resources(), "extraArgs": args, "env": _env(), **_placement(),
     }, scope=Scope.ROLE)
+    if what in ("prefill", "decode"):
+        out["x-kubernetes-validations"] += _validations(Scope.PD_ROLE)
+    return out
 
 
 def _model() -> dict[str, Any]:

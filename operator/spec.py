@@ -67,7 +67,12 @@ class RoleSpec:
     termination_grace_seconds: int = 60
 
     def __post_init__(self) -> None:
-        assert self.gpus == 0 or self.gpus == self.tp * self.dp, "validated before parsing"
+        assert self.gpus == 0 or self.gpus == self.ranks, "validated before parsing"
+
+    @property
+    def ranks(self) -> int:
+        """Engine processes of one pod (one GPU each on CUDA)."""
+        return self.tp * self.dp
 
     @property
     def device(self) -> str:

@@ -3,7 +3,7 @@
 Each rule carries a CEL expression (placed in the CRD as `x-kubernetes-validations`, so that
 `kubectl apply` refuses a wrong spec) and the same predicate in Python (so that the operator refuses it
 too, on clusters where the CRD's CEL is not enforced, e.g. an emulated API server or an old CRD).
-tests/operator/test_crd_rules.py evaluates both on the same specs and checks they agree.
+tests/operator/test_crd.py evaluates both on the same specs and checks they agree.
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ class Scope(str, enum.Enum):
     SPEC = "spec"
     MODEL = "spec.model"
     ROLE = "spec.<role>"  # each of spec.prefill, spec.decode, spec.engine
+    PD_ROLE = "spec.<pd-role>"  # spec.prefill and spec.decode only
     ENGINE_ARGS = "spec.<role>.extraArgs"
     ROUTER_ARGS = "spec.router.extraArgs"
     KV_TRANSFER = "spec.kvTransfer"
@@ -79,9 +80,12 @@ RULES: tuple[Rule, ...] = (
          "gpus must be 0 (run on CPU) or equal tp * dp (one GPU per rank); "
          "fix gpus, tp or dp in this role",
          lambda r: r.get("gpus", 0) == 0 or r.get("gpus") == r.get("tp", 1) * r.get("dp", 1)),
-    Rule(Scope.ROLE, "self.tp == 1",
-         "tp must be 1: the engine does not implement tensor parallelism yet (it refuses --tp-size > 1); "
-         "use dp for one model replica per GPU",
+    # The engine refuses --tp-size > 1 with --disaggregation-mode: each TP rank holds a shard of the KV
+    # heads, which the KV transfer would have to send (and the decode side receive) rank by rank.
+    Rule(Scope.PD_ROLE, "self.tp == 1",
+         "tp must be 1 in spec.prefill and spec.decode: tensor parallelism is not implemented for PD roles "
+         "yet (each TP rank's KV shard would need its own transfer); use dp, or mode: colocated with tp "
+         "in spec.engine",
          lambda r: r.get("tp", 1) == 1),
     Rule(Scope.ENGINE_ARGS, f"self.all(a, !a.matches('{ENGINE_FLAGS_RE}'))",
          "extraArgs must not set flags the operator manages (--host, --port, --model-path, "
@@ -121,6 +125,8 @@ def _targets(obj: Mapping[str, Any]) -> list[tuple[str, Scope, Any]]:
     for key in ("prefill", "decode", "engine"):
         if key in spec:
             out.append((f"spec.{key}", Scope.ROLE, spec[key]))
+            if key != "engine":
+                out.append((f"spec.{key}", Scope.PD_ROLE, spec[key]))
             out.append((f"spec.{key}.extraArgs", Scope.ENGINE_ARGS, spec[key].get("extraArgs", [])))
     router = spec.get("router", {})
     out.append(("spec.router.extraArgs", Scope.ROUTER_ARGS, router.get("extraArgs", [])))

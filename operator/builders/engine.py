@@ -63,11 +63,16 @@ def _env(r: RoleSpec) -> list[dict[str, Any]]:
 
 def _volumes(isvc: InferenceService, r: RoleSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     model = isvc.spec.model
-    shm: dict[str, Any] = {"medium": "Memory"}
-    if r.shm_size is not None:
-        shm["sizeLimit"] = r.shm_size
-    volumes = [{"name": SHM_VOLUME, "emptyDir": shm}]
-    mounts = [{"name": SHM_VOLUME, "mountPath": "/dev/shm"}]
+    volumes: list[dict[str, Any]] = []
+    mounts: list[dict[str, Any]] = []
+    # NCCL and gloo between the ranks of a pod go through /dev/shm, which is 64 MiB in a container.
+    # A single rank does not need more: it gets the runtime's /dev/shm unless shmSize asks otherwise.
+    if r.ranks > 1 or r.shm_size is not None:
+        shm: dict[str, Any] = {"medium": "Memory"}
+        if r.shm_size is not None:
+            shm["sizeLimit"] = r.shm_size
+        volumes.append({"name": SHM_VOLUME, "emptyDir": shm})
+        mounts.append({"name": SHM_VOLUME, "mountPath": "/dev/shm"})
     if model.pvc_claim:
         volumes.append({"name": MODEL_VOLUME, "persistentVolumeClaim": {"claimName": model.pvc_claim,
                                                                          "readOnly": True}})
@@ -98,17 +103,19 @@ def engine_container(isvc: InferenceService, role: Role) -> dict[str, Any]:
     _, mounts = _volumes(isvc, r)
     # RDMA registers (pins) KV memory: the container needs IPC_LOCK to lock it.
     caps = ("IPC_LOCK",) if _uses_rdma(isvc, role) else ()
-    return {
+    container = {
         "name": "engine", "image": isvc.spec.image, "imagePullPolicy": isvc.spec.image_pull_policy,
         "command": ["baton", "serve"], "args": engine_args(isvc, role),
         "ports": _ports(isvc, role), "env": _env(r),
         "resources": resources(r.resources, _extended_resources(isvc, r, role)),
-        "volumeMounts": mounts,
         "startupProbe": tcp_probe("http", STARTUP_PERIOD, STARTUP_SECONDS // STARTUP_PERIOD),
         "readinessProbe": http_probe("http", "/health", 5, 3),
         "livenessProbe": tcp_probe("http", 10, 6),
         "securityContext": container_security_context(caps),
     }
+    if mounts:
+        container["volumeMounts"] = mounts
+    return container
 
 
 def _pod_annotations(isvc: InferenceService, role: Role) -> dict[str, str]:
@@ -130,12 +137,14 @@ def engine_pod_spec(isvc: InferenceService, role: Role) -> dict[str, Any]:
     spec, r = isvc.spec, isvc.spec.roles[role]
     volumes, _ = _volumes(isvc, r)
     pod: dict[str, Any] = {
-        "containers": [engine_container(isvc, role)], "volumes": volumes,
+        "containers": [engine_container(isvc, role)],
         "automountServiceAccountToken": False, "enableServiceLinks": False,
         "terminationGracePeriodSeconds": r.termination_grace_seconds,
         "securityContext": pod_security_context(spec.pod_security),
         **placement_fields(r.placement.node_selector, r.placement.tolerations, r.placement.affinity),
     }
+    if volumes:
+        pod["volumes"] = volumes
     if spec.image_pull_secrets:
         pod["imagePullSecrets"] = [{"name": n} for n in spec.image_pull_secrets]
     if role is not Role.COLOCATED and spec.kv_transfer.host_network:

@@ -10,7 +10,7 @@ import yaml
 from e2e_support import create_namespace, get_or_none
 
 from baton.operator.testing.controlplane import ControlPlane
-from baton.operator.validation import RULES
+from baton.operator.validation import RULES, Scope, rules_for
 
 NS = "e2e-invalid"
 BASE = {"apiVersion": "baton.dev/v1alpha1", "kind": "InferenceService",
@@ -90,3 +90,13 @@ def test_a_valid_spec_is_accepted(control_plane: ControlPlane, namespace: str):
     """The cases above differ from this one only in the broken field."""
     result = control_plane.kubectl("apply", "--dry-run=server", "-f", "-", input=yaml.safe_dump(body()))
     assert "inferenceservice.baton.dev/bad created (server dry run)" in result.stdout
+
+
+def test_tensor_parallelism_is_accepted_on_the_colocated_role_only(control_plane: ControlPlane, namespace: str):
+    """The engine refuses --tp-size > 1 with --disaggregation-mode: so does the CRD, on prefill and decode."""
+    ok = body(mode="colocated", engine={"tp": 2, "gpus": 2})
+    result = control_plane.kubectl("apply", "--dry-run=server", "-f", "-", input=yaml.safe_dump(ok))
+    assert "inferenceservice.baton.dev/bad created (server dry run)" in result.stdout
+    [pd_tp] = rules_for(Scope.PD_ROLE)
+    stderr = refused(control_plane, body(prefill={"tp": 2, "gpus": 2}))
+    assert "spec.prefill" in stderr and pd_tp.message in stderr, stderr

@@ -172,9 +172,9 @@ def test_colocated_engine_has_no_disaggregation_flags():
 def test_model_source_volumes(model, volume):
     isvc = parse(isvc_body(model={"name": "tiny", "path": "/models/tiny", **model}))
     pod = engine_deployment(isvc, Role.PREFILL)["spec"]["template"]["spec"]
-    vols = {v["name"]: v for v in pod["volumes"]}
-    mounts = {m["name"]: m for m in pod["containers"][0]["volumeMounts"]}
-    assert vols["dshm"]["emptyDir"]["medium"] == "Memory"
+    vols = {v["name"]: v for v in pod.get("volumes", [])}
+    mounts = {m["name"]: m for m in pod["containers"][0].get("volumeMounts", [])}
+    assert "dshm" not in vols and "dshm" not in mounts  # one rank: the runtime's /dev/shm is enough
     if volume is None:
         assert "model" not in vols and "model" not in mounts
     else:
@@ -182,6 +182,35 @@ def test_model_source_volumes(model, volume):
         assert mounts["model"]["mountPath"] == "/models/tiny" and mounts["model"]["readOnly"] is True
     if "pvc" in model:
         assert mounts["model"]["subPath"] == "tiny"
+
+
+def test_colocated_tensor_parallel_engine_gets_tp_size_and_a_memory_dev_shm():
+    isvc = parse(isvc_body(mode="colocated", engine={"tp": 2, "gpus": 2}))
+    dep = engine_deployment(isvc, Role.COLOCATED)
+    c, pod = container(dep), dep["spec"]["template"]["spec"]
+    assert flag(c["args"], "--tp-size") == "2" and flag(c["args"], "--dp-size") == "1"
+    assert flag(c["args"], "--device") == "cuda" and c["resources"]["limits"] == {"nvidia.com/gpu": 2}
+    assert pod["volumes"] == [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
+    assert c["volumeMounts"] == [{"name": "dshm", "mountPath": "/dev/shm"}]
+    assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}  # shared memory needs no privilege
+
+
+@pytest.mark.parametrize("role_spec, shm", [
+    ({}, None), ({"gpus": 1}, None), ({"dp": 2}, {"medium": "Memory"}),
+    ({"tp": 2, "dp": 2, "gpus": 4}, {"medium": "Memory"}),
+    ({"tp": 2, "gpus": 2, "shmSize": "8Gi"}, {"medium": "Memory", "sizeLimit": "8Gi"}),
+    ({"shmSize": "1Gi"}, {"medium": "Memory", "sizeLimit": "1Gi"}),  # asked for: one rank gets it too
+], ids=["cpu-1-rank", "gpu-1-rank", "dp2", "tp2-dp2", "tp2-sized", "1-rank-sized"])
+def test_dev_shm_volume_only_for_pods_of_several_ranks_or_a_set_shm_size(role_spec, shm):
+    isvc = parse(isvc_body(mode="colocated", engine=role_spec))
+    pod = engine_deployment(isvc, Role.COLOCATED)["spec"]["template"]["spec"]
+    vols = {v["name"]: v for v in pod.get("volumes", [])}
+    mounts = pod["containers"][0].get("volumeMounts", [])
+    if shm is None:
+        assert "volumes" not in pod and "volumeMounts" not in pod["containers"][0]
+    else:
+        assert vols["dshm"]["emptyDir"] == shm
+        assert {"name": "dshm", "mountPath": "/dev/shm"} in mounts
 
 
 def test_placement_env_and_resources_are_copied_to_the_role():

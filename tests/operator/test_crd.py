@@ -20,7 +20,7 @@ from baton.operator.crd import build_crd, openapi_schema
 from baton.operator.defaults import apply_defaults
 from baton.operator.install import generated_files
 from baton.operator.testing.objects import for_create, isvc_body
-from baton.operator.validation import RULES, validate
+from baton.operator.validation import RULES, Scope, rules_for, validate
 
 _ENV = celpy.Environment()
 
@@ -124,7 +124,9 @@ BAD_RULES = [  # refused by CEL rules (and by the operator's Python twins)
     {"engine": {}},
     {"prefill": {"tp": 2, "gpus": 1}},
     {"decode": {"dp": 2, "tp": 2, "gpus": 2}},
-    {"decode": {"tp": 2, "gpus": 2}},  # tensor parallelism: not in the engine yet
+    {"decode": {"tp": 2, "gpus": 2}},  # tensor parallelism: colocated only
+    {"prefill": {"tp": 2}},
+    {"mode": "colocated", "engine": {"tp": 2, "gpus": 1}},  # gpus == tp * dp applies to TP too
     {"prefill": {"extraArgs": ["--tp-size=4"]}},
     {"decode": {"extraArgs": ["--disaggregation-mode", "prefill"]}},
     {"router": {"extraArgs": ["--api-key", "x"]}},
@@ -155,11 +157,23 @@ def test_name_rules(name, ok):
 
 def test_good_variants_pass_both(samples):
     good = [{"prefill": {"dp": 4, "gpus": 4}}, {"kvTransfer": {"protocol": "rdma", "ibDevices": ["mlx5_0"]}},
-            {"mode": "colocated"}, {"decode": {"extraArgs": ["--port-offset", "1", "--mem-fraction-static=0.8"]}}]
+            {"mode": "colocated"}, {"decode": {"extraArgs": ["--port-offset", "1", "--mem-fraction-static=0.8"]}},
+            {"mode": "colocated", "engine": {"tp": 2, "gpus": 2}}, {"mode": "colocated", "engine": {"tp": 4, "dp": 2}}]
     for spec in good:
         obj = for_create(isvc_body(**spec))
         assert api_server_refusals(obj) == [], spec
         assert validate(apply_defaults(openapi_schema(), obj)) == [], spec
+
+
+def test_tp_rule_sits_on_the_prefill_and_decode_schemas_only():
+    props = openapi_schema()["properties"]["spec"]["properties"]
+    tp_rules = {key: [r["message"] for r in props[key]["x-kubernetes-validations"] if r["rule"] == "self.tp == 1"]
+                for key in ("prefill", "decode", "engine")}
+    [pd_tp] = rules_for(Scope.PD_ROLE)
+    assert tp_rules == {"prefill": [pd_tp.message], "decode": [pd_tp.message], "engine": []}
+    obj = apply_defaults(openapi_schema(), for_create(isvc_body(decode={"tp": 2, "gpus": 2})))
+    assert cel_violations(openapi_schema(), obj) == {("spec.decode", pd_tp.message)}
+    assert "tensor parallelism is not implemented for PD roles yet" in pd_tp.message and "use dp" in pd_tp.message
 
 
 def test_dtype_enums_are_the_engines_choices():

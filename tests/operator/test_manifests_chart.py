@@ -41,13 +41,13 @@ def test_manifests_validate_against_kubernetes_schemas(repo: Path):
 
 
 @pytest.mark.parametrize("spec", [
-    {}, {"mode": "colocated"},
+    {}, {"mode": "colocated"}, {"mode": "colocated", "engine": {"tp": 2, "gpus": 2}},
     {"prefill": {"gpus": 2, "dp": 2, "tolerations": [{"key": "gpu", "operator": "Exists"}], "shmSize": "8Gi"},
      "kvTransfer": {"protocol": "rdma", "ibDevices": ["mlx5_0"], "rdmaResourceName": "rdma/x", "hostNetwork": True},
      "model": {"name": "m", "path": "/m", "pvc": {"claimName": "c", "subPath": "m"}}},
     {"router": {"apiKeySecretRef": {"name": "k"}, "service": {"type": "NodePort"}},
      "model": {"name": "m", "path": "/m", "hostPath": {"path": "/data/m"}}, "imagePullSecrets": ["regcred"]},
-], ids=["default", "colocated", "gpu-rdma-pvc", "apikey-hostpath"])
+], ids=["default", "colocated", "colocated-tp2", "gpu-rdma-pvc", "apikey-hostpath"])
 def test_generated_children_validate_against_kubernetes_schemas(spec):
     children = build_children(parse(isvc_body(monitoring={"podMonitor": True, "serviceMonitor": True}, **spec)))
     checked = [o for o in children if o["kind"] not in NO_UPSTREAM_SCHEMA]
