@@ -228,7 +228,8 @@ def run_server(server_args: ServerArgs) -> None:
         model_info = {"model_path": server_args.model_path, "tokenizer_path": server_args.tokenizer_path,
                       "served_model_name": server_args.model_name, "is_generation": True}
         ctx = ApiContext(server_args, tm, model_info, procs.alive,
-                         extra={"dp_size": server_args.dp_size, "tp_size": server_args.tp_size})
+                         extra={"dp_size": server_args.dp_size, "tp_size": server_args.tp_size,
+                                "tp_follower_pids": [p.pid for _, p in procs.followers]})
         app = create_app(ctx)
         config = uvicorn.Config(app, host=server_args.host, port=server_args.port,
                                 log_level=server_args.log_level if server_args.log_level != "info" else "warning",

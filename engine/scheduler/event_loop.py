@@ -8,6 +8,7 @@ Both produce identical outputs; tests compare them.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import time
@@ -131,7 +132,7 @@ def run_tp_follower_process(server_args: ServerArgs, dp_rank: int, tp_rank: int,
     """Entry point of a TP rank > 0: load this rank's shard, then run the steps the group's
     scheduler sends (scheduler/tp_step.py) until it says stop. Reports on ready_pipe like a
     scheduler; a failure ends the process with 1, which stops the engine."""
-    from baton.engine.distributed.parallel_state import destroy_tp_group, init_tp_group
+    from baton.engine.distributed.parallel_state import init_tp_group
     from baton.engine.model_executor.model_runner import ModelRunner
     from baton.engine.scheduler.tp_step import StepReceiver
 
@@ -149,4 +150,7 @@ def run_tp_follower_process(server_args: ServerArgs, dp_rank: int, tp_rank: int,
         logger.error("TP rank %d crashed:\n%s", tp_rank, traceback.format_exc())
         sys.exit(1)
     logger.info("TP rank %d: stopped after %d steps", tp_rank, steps)
-    destroy_tp_group(tp)  # before the interpreter exits: gloo aborts the process if torn down at exit
+    # Leave without tearing the process group down: gloo's teardown, at destroy or at interpreter
+    # exit, races the peer's sockets closing and can std::terminate (SIGABRT) a finished process.
+    logging.shutdown()
+    os._exit(0)

@@ -37,10 +37,13 @@ def tp_followers(args: ServerArgs) -> Iterator[TpGroup]:
     tp = None
     try:
         tp = init_tp_group(0, args.tp_size, addr, args.device)
+        # no waiting for the followers' ready reports here: their start-up (compile warm-up, pool
+        # sizing) runs collectives that meet the driver's own start-up, which comes next
+        yield tp
         for pipe in pipes:
+            assert pipe.poll(JOIN_TIMEOUT_S), "a follower never reported its start-up"
             status, payload = pipe.recv()
             assert status == "ready", payload
-        yield tp
         for proc in procs:
             proc.join(JOIN_TIMEOUT_S)
         codes = [proc.exitcode for proc in procs]

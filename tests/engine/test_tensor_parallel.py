@@ -1,0 +1,233 @@
+"""Tensor parallelism (--tp-size): each model replica split over TP ranks, Megatron style. Unit
+tests of the shard arithmetic and of the sharded layers against the unsharded ones (the ranks'
+partial sums added by hand), and of the driver's req_to_token mirror; then the real thing over
+gloo: the scheduler in this process as TP rank 0 driving a follower process, greedy tokens equal to
+HF for every architecture (KV heads split and replicated), both loops, chunked prefill, radix hits,
+retraction and torch.compile; and a served engine with --tp-size 2, whose follower's death stops it."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import httpx
+import pytest
+import torch
+import torch.nn.functional as F
+
+from baton.engine.distributed.parallel_state import TpGroup, validate_tp
+from baton.engine.layers.linear import MergedColumnLinear, RowParallelLinear, even_parts, qkv_parts
+from baton.engine.server_args import ServerArgs
+from scheduler_harness import SchedulerHarness
+from test_scheduler_vs_hf import MAX_NEW, hf_greedy, run_workload, workload
+from tp_group import tp_followers
+
+
+# ---------------------------------------------------------------------------- shard arithmetic
+
+def test_kv_heads_split_or_replicated():
+    assert [TpGroup(r, 2).kv_head_range(4) for r in range(2)] == [(0, 2), (2, 2)]
+    assert [TpGroup(r, 4).kv_head_range(2) for r in range(4)] == [(0, 1), (0, 1), (1, 1), (1, 1)]
+    with pytest.raises(ValueError, match="multiple of num_key_value_heads"):
+        TpGroup(0, 4).kv_head_range(3)
+    with pytest.raises(ValueError, match="not divisible"):
+        TpGroup(0, 2).kv_head_range(3)
+
+
+def test_validate_tp_names_what_does_not_divide():
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(num_attention_heads=6, num_key_value_heads=3, intermediate_size=100)
+    validate_tp(cfg, 1)
+    with pytest.raises(ValueError, match=r"num_attention_heads \(6\), num_key_value_heads \(3\)"):
+        validate_tp(cfg, 4)
+    with pytest.raises(ValueError, match=r"intermediate_size \(100\)"):
+        validate_tp(SimpleNamespace(num_attention_heads=8, num_key_value_heads=8, intermediate_size=100), 8)
+
+
+def test_server_args():
+    assert ServerArgs(model_path="m", tp_size=2).tp_size == 2
+    with pytest.raises(ValueError, match="--tp-size must be >= 1"):
+        ServerArgs(model_path="m", tp_size=0)
+    with pytest.raises(ValueError, match="not implemented yet"):
+        ServerArgs(model_path="m", tp_size=2, disaggregation_mode="prefill")
+    assert ServerArgs(model_path="m", tp_size=2, dp_size=2, base_gpu_id=1).gpu_id(1, 1) == 4
+
+
+@pytest.mark.parametrize("kv_heads", [4, 1])
+def test_sharded_attention_projections_equal_the_full_ones(kv_heads):
+    """q/k/v column shards, concatenated per part over the ranks, are the full projection (or with
+    one KV head, each rank holds that head); o_proj's per-rank partial products sum to the full one."""
+    torch.manual_seed(0)
+    heads, hd, hidden, tp = 4, 8, 32, 2
+    wq, wk, wv = torch.randn(heads * hd, hidden), torch.randn(kv_heads * hd, hidden), torch.randn(kv_heads * hd, hidden)
+    wo, x = torch.randn(hidden, heads * hd), torch.randn(5, hidden)
+    qs, ks, outs = [], [], []
+    for rank in range(tp):
+        g = TpGroup(rank, tp)
+        qkv = MergedColumnLinear(hidden, qkv_parts(heads, kv_heads, hd, g), bias=False)
+        for shard, w in enumerate((wq, wk, wv)):
+            qkv.load_shard("weight", shard, w)
+        q, k, v = qkv(x).split(qkv.output_sizes, dim=-1)
+        qs.append(q)
+        ks.append(k)
+        o = RowParallelLinear(heads * hd, hidden, bias=False, tp=g)
+        o.weight.weight_loader(o.weight, wo)
+        outs.append(F.linear(q, o.weight))  # the partial product each rank all-reduces
+    torch.testing.assert_close(torch.cat(qs, -1), x @ wq.T)
+    full_k = x @ wk.T
+    torch.testing.assert_close(torch.cat(ks, -1) if kv_heads >= tp else ks[0], full_k)
+    if kv_heads < tp:
+        torch.testing.assert_close(ks[1], full_k)  # replicated
+    torch.testing.assert_close(sum(outs), (x @ wq.T) @ wo.T, rtol=1e-4, atol=1e-4)
+
+
+def test_sharded_mlp_and_moe_sum_to_the_full_ones():
+    from baton.engine.layers.moe import SparseMoeBlock
+
+    torch.manual_seed(0)
+    hidden, inter, tp = 16, 24, 2
+    gate, up, down, x = torch.randn(inter, hidden), torch.randn(inter, hidden), torch.randn(hidden, inter), torch.randn(3, hidden)
+    partial = []
+    for rank in range(tp):
+        g = TpGroup(rank, tp)
+        gu = MergedColumnLinear(hidden, even_parts([inter, inter], g), bias=False)
+        gu.load_shard("weight", 0, gate)
+        gu.load_shard("weight", 1, up)
+        d = RowParallelLinear(inter, hidden, bias=False, tp=g)
+        d.weight.weight_loader(d.weight, down)
+        a, b = gu(x).split(gu.output_sizes, -1)
+        partial.append(F.linear(F.silu(a) * b, d.weight))
+    torch.testing.assert_close(sum(partial), (F.silu(x @ gate.T) * (x @ up.T)) @ down.T, rtol=1e-4, atol=1e-4)
+
+    experts, top_k = 4, 2
+    weights = {"gate.weight": torch.randn(experts, hidden),
+               "experts.gate_up_proj": torch.randn(experts, 2 * inter, hidden),
+               "experts.down_proj": torch.randn(experts, hidden, inter)}
+    full = SparseMoeBlock(hidden, inter, experts, top_k, True)
+    shards = [SparseMoeBlock(hidden, inter, experts, top_k, True, tp=TpGroup(r, tp)) for r in range(tp)]
+    for block in [full, *shards]:
+        for name, t in weights.items():
+            assert block.load_weight(name, t)
+    w, ids = full.route(x)
+    torch.testing.assert_close(sum(b._experts(x, w, ids) for b in shards), full(x), rtol=1e-4, atol=1e-4)
+
+
+def test_the_driver_sends_only_the_table_entries_that_changed():
+    from baton.engine.scheduler.tp_step import StepSender
+
+    table = torch.zeros(4, 16, dtype=torch.int64)
+    sender = StepSender(TpGroup(0, 2, "x", "x"), table)
+    table[1, :5] = torch.arange(10, 15)  # a prefill of 5 tokens in row 1
+    rows, cols, slots = sender._table_updates(torch.tensor([1]), [5])
+    assert rows.tolist() == [1] * 5 and cols.tolist() == list(range(5)) and slots.tolist() == list(range(10, 15))
+    table[1, 5] = 20  # a decode step: one entry
+    assert [t.tolist() for t in sender._table_updates(torch.tensor([1]), [6])] == [[1], [5], [20]]
+    assert [t.tolist() for t in sender._table_updates(torch.tensor([1]), [6])] == [[], [], []]
+    table[1, 1] = 99  # the prefix cache swapped a slot (de-duplication): it is sent again
+    table[2, :2] = torch.tensor([7, 8])  # beyond row 2's seq_len nothing is read, so nothing is sent
+    assert [t.tolist() for t in sender._table_updates(torch.tensor([1, 2]), [6, 1])] == [[1, 2], [1, 0], [99, 7]]
+    assert torch.equal(sender.mirror[1, :6], table[1, :6])
+
+
+# ---------------------------------------------------------------------------- TP 2 over gloo, in-process driver
+
+def _run_tp(path: str, prompts, max_new: int = MAX_NEW, **overrides):
+    args = dict(tp_size=2, **overrides)
+    with tp_followers(ServerArgs(model_path=path, **args)) as tp:
+        h = SchedulerHarness(path, tp=tp, **args)
+        try:
+            results = run_workload(h, prompts, max_new=max_new, **({"ignore_eos": True} if max_new != MAX_NEW else {}))
+            assert h.scheduler.check_memory_integrity()
+            return h.scheduler, results
+        finally:
+            h.scheduler.close()  # releases the follower: tp_followers checks it exited 0
+
+
+def _loop(loop: str) -> dict:
+    return dict(enable_overlap_schedule=loop == "overlap", disable_overlap_schedule=loop == "plain")
+
+
+@pytest.mark.parametrize("arch, overrides", [("llama", {}), ("qwen2", {}), ("qwen3", {"num_key_value_heads": 1}),
+                                             ("qwen3_moe", {})], ids=["llama", "qwen2", "qwen3-kv1", "qwen3_moe"])
+@pytest.mark.parametrize("loop", ["plain", "overlap"])
+def test_tp2_matches_hf_concurrent_chunked_radix(tiny_model_factory, arch, overrides, loop):
+    path = tiny_model_factory(arch, **overrides)
+    prompts = workload()
+    scheduler, results = _run_tp(path, prompts, page_size=16 if loop == "plain" else 1, chunked_prefill_size=32,
+                                 max_total_tokens=4096, **_loop(loop))
+    for i, p in enumerate(prompts):
+        assert results[str(i)].ids == hf_greedy(path, p), f"request {i} (len {len(p)}) differs from HF"
+    assert scheduler.stats.cache_hit_rate() > 0
+    # 2 KV heads split over 2 ranks, or the one KV head replicated: each rank's pool holds one
+    assert scheduler.worker.model_runner.token_to_kv_pool.head_num == 1
+
+
+@pytest.mark.parametrize("loop", ["plain", "overlap"])
+def test_tp2_matches_hf_under_retraction(tiny_model_factory, loop):
+    path = tiny_model_factory("llama")
+    prompts, max_new = workload(seed=1), 40
+    pool = int(0.6 * (sum(map(len, prompts)) + max_new * len(prompts)))
+    scheduler, results = _run_tp(path, prompts, max_new=max_new, chunked_prefill_size=32, max_total_tokens=pool,
+                                 **_loop(loop))
+    assert scheduler.stats.retractions > 0
+    for i, p in enumerate(prompts):
+        assert results[str(i)].ids == hf_greedy(path, p, max_new, ignore_eos=True), f"request {i} differs from HF"
+
+
+def test_tp2_compiled_matches_hf_without_graph_breaks(tiny_model_factory):
+    """The all-reduce is one opaque custom op: each pass stays one graph, compiled at start-up on
+    both ranks (their warm-ups meet in the same all-reduces), and serving compiles nothing."""
+    from torch._dynamo.utils import counters
+
+    path = tiny_model_factory("qwen3")
+    prompts = workload()
+    args = dict(tp_size=2, enable_torch_compile=True, chunked_prefill_size=32, max_total_tokens=4096)
+    with tp_followers(ServerArgs(model_path=path, **args)) as tp:
+        h = SchedulerHarness(path, tp=tp, **args)
+        try:
+            graphs = counters["stats"]["unique_graphs"]
+            results = run_workload(h, prompts)
+            assert counters["stats"]["unique_graphs"] == graphs, "serving compiled a new graph"
+            assert not counters["graph_break"], dict(counters["graph_break"])
+        finally:
+            h.scheduler.close()
+    for i, p in enumerate(prompts):
+        assert results[str(i)].ids == hf_greedy(path, p), f"request {i} differs from HF"
+
+
+# ---------------------------------------------------------------------------- served
+
+def test_served_tp2_matches_hf_and_a_dead_follower_stops_the_engine(tiny_model_factory):
+    from engine_server import running_engine, wait_idle_integrity
+
+    path = tiny_model_factory("llama", max_position_embeddings=8192)
+    prompts = [[(13 * i + 7 * j) % 480 + 7 for j in range(3 + 4 * i)] for i in range(10)]
+    with running_engine(path, "--tp-size", "2", "--max-total-tokens", "8192", "--page-size", "4") as eng:
+        async def run():
+            async with httpx.AsyncClient(timeout=120) as c:
+                rs = await asyncio.gather(*[c.post(f"{eng.base_url}/generate", json={
+                    "input_ids": p, "sampling_params": {"max_new_tokens": 8, "temperature": 0}}) for p in prompts])
+            assert all(r.status_code == 200 for r in rs), [r.text for r in rs]
+            return [r.json()["output_ids"] for r in rs]
+
+        for p, out in zip(prompts, asyncio.run(run())):
+            assert out == hf_greedy(path, p, 8)
+        info = wait_idle_integrity(eng.base_url)
+        assert info["integrity_ok"] is True and info["tp_size"] == 2
+        (follower,) = info["tp_follower_pids"]
+
+        async def killed():
+            async with httpx.AsyncClient(timeout=120) as c:
+                task = asyncio.create_task(c.post(f"{eng.base_url}/generate", json={
+                    "input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 8000, "ignore_eos": True}}))
+                await asyncio.sleep(0.5)
+                os.kill(follower, signal.SIGKILL)
+                return await task
+
+        resp = asyncio.run(killed())
+        assert resp.status_code == 503, resp.text
+        code = eng.wait_exit(timeout_s=60)
+        log = eng.log_tail(200)
+        assert code == 1, f"exit code {code}\n{log}"
+        assert "TP rank 1" in log, log
