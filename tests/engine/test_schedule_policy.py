@@ -229,7 +229,7 @@ def test_parallelism_beyond_one_is_refused_clearly():
     from baton.engine.server_args import ServerArgs
 
     with pytest.raises(ValueError, match="not implemented"):
-        ServerArgs(model_path="m", tp_size=2)
+        ServerArgs(model_path="m", tp_size=2, disaggregation_mode="decode")
 
 
 def test_pd_metrics_observe_each_sample_once():

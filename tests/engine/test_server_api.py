@@ -18,7 +18,9 @@ from engine_server import running_engine, wait_idle_integrity
 
 @pytest.fixture(scope="module")
 def model_path(tiny_model_factory) -> str:
-    return tiny_model_factory("qwen3")
+    # a 2k context: a request for 1000 tokens runs its full length (~0.5 s even on a fast VM), so a
+    # client that hangs up mid-request really does (512 capped it at ~0.25 s, and it finished first)
+    return tiny_model_factory("qwen3", max_position_embeddings=2048)
 
 
 @pytest.fixture(scope="module")
@@ -265,7 +267,7 @@ def test_a_whole_response_client_that_hangs_up_is_aborted_quietly(engine, route,
     async def hang_up():
         async with httpx.AsyncClient(timeout=60) as c:
             with pytest.raises(asyncio.TimeoutError):
-                await asyncio.wait_for(c.post(f"{engine.base_url}{route}", json=body), 0.5)
+                await asyncio.wait_for(c.post(f"{engine.base_url}{route}", json=body), 0.25)
 
     before = engine.log_tail(10_000).count("\n")
     asyncio.run(hang_up())
