@@ -113,6 +113,12 @@ def _wait_scraped(prom, sent: int) -> None:
                        *((f'sum(baton_kv_transfer_latency_seconds_count{{{sel}, role="{role}"}})', sent)
                          for role in ("prefill", "decode"))):
         prom.wait_for(expr, lambda r, want=want: r and float(r[0]["value"][1]) >= want, f">= {want}", timeout_s=30)
+    # rate() needs two samples in its window: a router series born with the traffic and scraped once
+    # since (a fast run) has data in an instant query but none in the dashboards' rate panels
+    for name in ("baton_router_worker_requests_total", "baton_router_pd_pairs_total",
+                 "baton_router_policy_decisions_total"):
+        prom.wait_for(f"min(count_over_time({name}{{{sel}}}[1h]))", lambda r: r and float(r[0]["value"][1]) >= 2,
+                      f"two scrapes of {name}", timeout_s=30)
     prom.wait_for("sum(changes(baton_operator_reconcile_duration_seconds_count[1h]))",  # a resync, scraped
                   lambda r: r and float(r[0]["value"][1]) > 0, "a reconcile while Prometheus scrapes", timeout_s=30)
 
