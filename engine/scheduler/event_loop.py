@@ -108,7 +108,7 @@ def run_scheduler_process(server_args: ServerArgs, recv_addr: str, send_addr: st
         start, spawn_s = time.perf_counter(), process_age_s()  # interpreter + imports before this point
         tokenizer = AutoTokenizer.from_pretrained(server_args.tokenizer_path or server_args.model_path)
         tokenizer_s = time.perf_counter() - start
-        tp = init_tp_group(0, server_args.tp_size, tp_init_addr, server_args.device) if server_args.tp_size > 1 else None
+        tp = init_tp_group(0, server_args.tp_size, tp_init_addr, server_args.device)  # TpGroup() without TP
         scheduler = Scheduler(server_args, tokenizer, dp_rank=dp_rank, tp=tp)
         io = SchedulerIO(zmq.Context(2), recv_addr, send_addr)
     except Exception:

@@ -6,6 +6,7 @@ Only the driver runs a scheduler, samples and talks to the rest of the engine. E
 driver's), repeat. A follower thus needs nothing of the scheduler but what the forward reads:
 
     header  int64[8]   command, forward mode, batch size, tokens, table updates, has future slots
+                       (the payload's layout follows from these)
     payload int64[..]  input_ids | positions | req_pool_indices | seq_lens | out_cache_loc
                        [| extend_prefix_lens | extend_seq_lens]     (EXTEND)
                        [| future slots]                             (overlap loop)
@@ -79,7 +80,7 @@ class StepSender:
         parts += [rows, cols, slots]
         payload = torch.cat([t.to("cpu", torch.int64).reshape(-1) for t in parts])
         header = torch.tensor([_FORWARD, int(mwb.forward_mode), len(mwb.seq_lens_cpu), mwb.input_ids.numel(),
-                               rows.numel(), mwb.future_indices is not None, payload.numel(), 0], dtype=torch.int64)
+                               rows.numel(), mwb.future_indices is not None, 0, 0], dtype=torch.int64)
         _broadcast(header, self.tp.cpu_group)
         _broadcast(payload, self.tp.cpu_group)
 
@@ -103,8 +104,7 @@ class StepSender:
         now = self.table[rows[:, None], cols[None, :]]
         diff = (now != self.mirror[rows[:, None], cols[None, :]]) & live
         r, c = diff.nonzero(as_tuple=True)
-        r = rows[r]
-        slots = self.table[r, c]
+        r, slots = rows[r], now[diff]  # both in row-major order
         self.mirror[r, c] = slots
         return r.cpu(), c.cpu(), slots.cpu()
 
@@ -120,11 +120,9 @@ class StepReceiver:
     def recv(self) -> Optional[Step]:
         header = torch.empty(_HEADER, dtype=torch.int64)
         _broadcast(header, self.tp.cpu_group)
-        cmd, mode, bs, num_tokens, n_updates, has_future, size, _ = header.tolist()
+        cmd, mode, bs, num_tokens, n_updates, has_future, _, _ = header.tolist()
         if cmd == _STOP:
             return None
-        payload = torch.empty(size, dtype=torch.int64)
-        _broadcast(payload, self.tp.cpu_group)
         mode = ForwardMode(mode)
         sizes = [num_tokens, num_tokens, bs, bs, num_tokens]
         if mode == ForwardMode.EXTEND:
@@ -132,6 +130,8 @@ class StepReceiver:
         if has_future:
             sizes.append(bs)
         sizes += [n_updates] * 3
+        payload = torch.empty(sum(sizes), dtype=torch.int64)
+        _broadcast(payload, self.tp.cpu_group)
         fields = list(payload.split(sizes))
         rows, cols, slots = fields[-3:]
         table = self.runner.req_to_token_pool.req_to_token

@@ -22,6 +22,20 @@ def running_engine(model_path: str, *extra: str, api_key: Optional[str] = None) 
         yield engine
 
 
+def greedy_concurrently(base_url: str, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+    """Every prompt posted to /generate at once (greedy); each request's output ids, all 200s."""
+    import asyncio
+
+    async def run():
+        async with httpx.AsyncClient(timeout=120) as c:
+            rs = await asyncio.gather(*[c.post(f"{base_url}/generate", json={
+                "input_ids": p, "sampling_params": {"max_new_tokens": max_new, "temperature": 0}}) for p in prompts])
+        assert all(r.status_code == 200 for r in rs), [r.text for r in rs]
+        return [r.json()["output_ids"] for r in rs]
+
+    return asyncio.run(run())
+
+
 def wait_idle_integrity(base_url: str, headers: Optional[dict] = None, timeout_s: float = 30.0) -> dict:
     """Polls /get_server_info until the scheduler is idle, then returns its info (with integrity_ok)."""
     deadline = time.monotonic() + timeout_s

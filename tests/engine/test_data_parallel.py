@@ -146,18 +146,11 @@ def _generate(base: str, ids: list[int], n: int = 4, **extra) -> dict:
 
 
 def test_two_replicas_serve_hf_equal_greedy_outputs(engine, hf):
-    from engine_server import wait_idle_integrity
+    from engine_server import greedy_concurrently, wait_idle_integrity
 
     prompts = [[(11 * i + 5 * j) % 480 + 7 for j in range(4 + 3 * i)] for i in range(12)]
 
-    async def run():
-        async with httpx.AsyncClient(timeout=120) as c:
-            rs = await asyncio.gather(*[c.post(f"{engine.base_url}/generate", json={
-                "input_ids": p, "sampling_params": {"max_new_tokens": 8, "temperature": 0}}) for p in prompts])
-        assert all(r.status_code == 200 for r in rs), [r.text for r in rs]
-        return [r.json()["output_ids"] for r in rs]
-
-    for p, out in zip(prompts, asyncio.run(run())):
+    for p, out in zip(prompts, greedy_concurrently(engine.base_url, prompts, 8)):
         assert out == hf.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False)[0, len(p):].tolist()
     info = wait_idle_integrity(engine.base_url)
     assert info["integrity_ok"] is True and info["dp_size"] == 2

@@ -199,19 +199,12 @@ def test_tp2_compiled_matches_hf_without_graph_breaks(tiny_model_factory):
 # ---------------------------------------------------------------------------- served
 
 def test_served_tp2_matches_hf_and_a_dead_follower_stops_the_engine(tiny_model_factory):
-    from engine_server import running_engine, wait_idle_integrity
+    from engine_server import greedy_concurrently, running_engine, wait_idle_integrity
 
     path = tiny_model_factory("llama", max_position_embeddings=8192)
     prompts = [[(13 * i + 7 * j) % 480 + 7 for j in range(3 + 4 * i)] for i in range(10)]
     with running_engine(path, "--tp-size", "2", "--max-total-tokens", "8192", "--page-size", "4") as eng:
-        async def run():
-            async with httpx.AsyncClient(timeout=120) as c:
-                rs = await asyncio.gather(*[c.post(f"{eng.base_url}/generate", json={
-                    "input_ids": p, "sampling_params": {"max_new_tokens": 8, "temperature": 0}}) for p in prompts])
-            assert all(r.status_code == 200 for r in rs), [r.text for r in rs]
-            return [r.json()["output_ids"] for r in rs]
-
-        for p, out in zip(prompts, asyncio.run(run())):
+        for p, out in zip(prompts, greedy_concurrently(eng.base_url, prompts, 8)):
             assert out == hf_greedy(path, p, 8)
         info = wait_idle_integrity(eng.base_url)
         assert info["integrity_ok"] is True and info["tp_size"] == 2
