@@ -153,9 +153,9 @@ class ServerArgs:
             raise ValueError(f"--chat-template {self.chat_template}: no such file")
         if self.tp_size < 1:
             raise ValueError("--tp-size must be >= 1")
-        if self.tp_size > 1 and self.disaggregation_mode != "null":
-            raise ValueError("--tp-size > 1 with --disaggregation-mode is not implemented yet (each TP rank's KV "
-                             "shard would need its own transfer); use --dp-size, or TP on a colocated engine")
+        if self.tp_size > 1 and self.disaggregation_mode != "null" and self.disaggregation_transfer_backend == "fake":
+            raise ValueError("--tp-size > 1 with --disaggregation-mode needs a transfer backend that crosses processes "
+                             "(each TP rank moves its own KV shard): use --disaggregation-transfer-backend mooncake")
         if self.dp_size < 1:
             raise ValueError("--dp-size must be >= 1")
         if self.dp_size > 1 and self.disaggregation_mode == "prefill" and self.disaggregation_bootstrap_port == 0:

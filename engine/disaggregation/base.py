@@ -85,6 +85,8 @@ class KVArgs:
     aux_item_lens: tuple[int, ...]
     engine_rank: int = 0  # this engine's DP rank
     dp_size: int = 1  # its engine's DP ranks
+    tp_rank: int = 0  # the TP rank whose KV shard this is (disaggregation/tp_fanout.py)
+    tp_size: int = 1
 
     def __post_init__(self) -> None:
         assert len(self.kv_data_ptrs) == len(self.kv_data_lens) == len(self.kv_item_lens) == 2 * self.geometry.layer_num
@@ -92,12 +94,13 @@ class KVArgs:
 
     @classmethod
     def from_pool(cls, pool: "MHATokenToKVPool", metadata: "MetadataBuffers", engine_rank: int = 0,
-                  dp_size: int = 1) -> "KVArgs":
+                  dp_size: int = 1, tp_rank: int = 0, tp_size: int = 1) -> "KVArgs":
         ptrs, lens, per_token = pool.get_contiguous_buf_infos()
         geometry = KVGeometry(pool.page_size, str(pool.dtype).removeprefix("torch."), pool.layer_num,
                               pool.head_num, pool.head_dim)
         return cls(geometry, tuple(ptrs), tuple(lens), tuple(b * pool.page_size for b in per_token),
-                   (metadata.data_ptr,), (metadata.nbytes,), (metadata.item_bytes,), engine_rank, dp_size)
+                   (metadata.data_ptr,), (metadata.nbytes,), (metadata.item_bytes,), engine_rank, dp_size,
+                   tp_rank, tp_size)
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,11 @@
 """The prefill engine's bootstrap HTTP server (default port 8998) and its clients.
 
-    PUT /route   {"engine_rank", "endpoint", "session_id", "geometry", "dp_size"}   a prefill rank registers
-    GET /route?engine_rank=0  -> that JSON, or 404 until the rank has registered
-    GET /health  -> {"status": "ok", "sessions": {"0": session_id}}      decode heartbeats; a changed
-                                                                         session means a restarted rank
+    PUT /route   {"engine_rank", "endpoint", "session_id", "geometry", "dp_size", "tp_rank", "tp_size"}
+                 a prefill rank registers (one per DP rank and TP rank)
+    GET /route?engine_rank=0[&tp_rank=0]  -> that JSON, or 404 until the rank has registered
+    GET /health  -> {"status": "ok", "sessions": {"0": session_id, "0.1": ...}}
+                 decode heartbeats; a changed session means a restarted rank. Keys: the DP rank,
+                 with ".T" for TP rank T > 0
 The standard library's threading HTTP server is enough here: a handful of small requests per
 request-pair, no event loop to share with the engine.
 """
@@ -33,6 +35,19 @@ class PrefillRankInfo:
     # the prefill engine's DP ranks: the KV of room R is on rank R % dp_size (the rank its front end
     # gave the request), so a decode asks rank 0 for this and then that rank for its route
     dp_size: int = 1
+    # with tensor parallelism every TP rank registers its KV shard; a decode's TP rank T binds to
+    # the prefill's TP rank T, so both engines must run the same tp_size
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    @property
+    def key(self) -> str:
+        return rank_key(self.engine_rank, self.tp_rank)
+
+
+def rank_key(engine_rank: int, tp_rank: int = 0) -> str:
+    """A rank's key in /health's sessions: "D" for DP rank D (TP rank 0), "D.T" for its TP rank T."""
+    return str(engine_rank) if tp_rank == 0 else f"{engine_rank}.{tp_rank}"
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -41,12 +56,18 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:  # noqa: N802 - http.server's naming
         url = urlparse(self.path)
         if url.path == "/health":
-            sessions = {str(r): info.session_id for r, info in self.server.ranks.items()}
+            sessions = {info.key: info.session_id for info in self.server.ranks.values()}
             self._reply(200, {"status": "ok", "sessions": sessions})
         elif url.path == "/route":
-            rank = int(parse_qs(url.query).get("engine_rank", ["0"])[0])
-            info = self.server.ranks.get(rank)
-            self._reply(200, asdict(info)) if info else self._reply(404, {"error": f"rank {rank} not registered"})
+            query = parse_qs(url.query)
+            try:
+                rank, tp_rank = int(query.get("engine_rank", ["0"])[0]), int(query.get("tp_rank", ["0"])[0])
+            except ValueError:
+                self._reply(400, {"error": "engine_rank and tp_rank must be integers"})
+                return
+            info = self.server.ranks.get((rank, tp_rank))
+            self._reply(200, asdict(info)) if info else self._reply(
+                404, {"error": f"rank {rank_key(rank, tp_rank)} not registered"})
         else:
             self._reply(404, {"error": f"no route {url.path}"})
 
@@ -56,7 +77,7 @@ class _Handler(BaseHTTPRequestHandler):
             return
         body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
         info = PrefillRankInfo(**body)
-        self.server.ranks[info.engine_rank] = info
+        self.server.ranks[(info.engine_rank, info.tp_rank)] = info
         self._reply(200, {"status": "ok"})
 
     def _reply(self, code: int, body: dict) -> None:
@@ -74,7 +95,7 @@ class _Handler(BaseHTTPRequestHandler):
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
-    ranks: dict[int, PrefillRankInfo]
+    ranks: dict[tuple[int, int], PrefillRankInfo]  # (DP rank, TP rank) -> info
 
 
 class KVBootstrapServer:
@@ -118,19 +139,21 @@ def register_prefill_rank(bootstrap_addr: str, info: PrefillRankInfo, timeout_s:
         except OSError as e:
             last = e
         time.sleep(0.1)  # retry pacing, not a wait for a condition
-    raise KVTransferError(f"prefill rank {info.engine_rank} could not register with the bootstrap server "
+    raise KVTransferError(f"prefill rank {info.key} could not register with the bootstrap server "
                           f"at {bootstrap_addr} within {timeout_s:g}s: {last}")
 
 
-def fetch_prefill_rank(bootstrap_addr: str, engine_rank: int = 0, timeout_s: float = 1.0) -> Optional[PrefillRankInfo]:
+def fetch_prefill_rank(bootstrap_addr: str, engine_rank: int = 0, timeout_s: float = 1.0,
+                       tp_rank: int = 0) -> Optional[PrefillRankInfo]:
     """The rank's info, None while it has not registered; OSError when the server is unreachable."""
-    code, body = _request("GET", f"http://{bootstrap_addr}/route?engine_rank={engine_rank}", None, timeout_s)
+    code, body = _request("GET", f"http://{bootstrap_addr}/route?engine_rank={engine_rank}&tp_rank={tp_rank}", None,
+                          timeout_s)
     return PrefillRankInfo(**body) if code == 200 else None
 
 
-def check_health(bootstrap_addr: str, timeout_s: float) -> dict[int, str]:
-    """rank -> session id of the live prefill ranks; OSError when the server is unreachable."""
+def check_health(bootstrap_addr: str, timeout_s: float) -> dict[str, str]:
+    """rank_key -> session id of the live prefill ranks; OSError when the server is unreachable."""
     code, body = _request("GET", f"http://{bootstrap_addr}/health", None, timeout_s)
     if code != 200:
         raise OSError(f"bootstrap server at {bootstrap_addr} answered {code} on /health")
-    return {int(r): s for r, s in body["sessions"].items()}
+    return dict(body["sessions"])

@@ -138,7 +138,8 @@ class DecodeDisaggregation:
                 if is_no_peer(req.bootstrap_host):
                     continue  # nothing moved: keep it out of the transfer statistics
                 pool = self.scheduler.worker.model_runner.token_to_kv_pool
-                nbytes = len(req.origin_input_ids) * pool.bytes_per_token * 2 * pool.layer_num  # K and V
+                # K and V of every layer, on every TP rank (each moves its shard)
+                nbytes = len(req.origin_input_ids) * pool.bytes_per_token * 2 * pool.layer_num * self.scheduler.worker.tp.size
                 self.stats.transfer_done(nbytes, time.monotonic() - req.kv_transfer_started)
             elif status == KVPoll.Failed:
                 self.stats.transfer_failures += 1

@@ -65,10 +65,24 @@ def advertised_host(bind_host: str) -> str:
 
 def create_kv_manager(scheduler: "Scheduler", mode: str, config: TransferConfig, metadata: MetadataBuffers,
                       bootstrap_addr: Optional[str] = None) -> KVManagerBase:
-    pool = scheduler.worker.model_runner.token_to_kv_pool
-    args = KVArgs.from_pool(pool, metadata, engine_rank=scheduler.dp_rank, dp_size=scheduler.server_args.dp_size)
-    return create_transfer_backend(scheduler.server_args.disaggregation_transfer_backend,
-                                   args, metadata, mode, config, bootstrap_addr)
+    """This rank's transfer backend; with TP, one that drives the other ranks' too (tp_fanout.py)."""
+    from dataclasses import asdict
+
+    from baton.engine.disaggregation.tp_fanout import FollowerSetup, driver_manager
+
+    pool, tp, server_args = scheduler.worker.model_runner.token_to_kv_pool, scheduler.worker.tp, scheduler.server_args
+    args = KVArgs.from_pool(pool, metadata, engine_rank=scheduler.dp_rank, dp_size=server_args.dp_size,
+                            tp_size=tp.size)
+    backend = server_args.disaggregation_transfer_backend
+
+    def local() -> KVManagerBase:
+        return create_transfer_backend(backend, args, metadata, mode, config, bootstrap_addr)
+
+    if tp.size == 1:
+        return local()
+    setup = FollowerSetup(mode, backend, asdict(config), metadata.size, bootstrap_addr, scheduler.dp_rank,
+                          server_args.dp_size)
+    return driver_manager(local, tp, setup)
 
 
 def missing_bootstrap_error(recv: TokenizedGenerateReqInput, mode: str) -> Optional[tuple[str, int]]:

@@ -140,6 +140,11 @@ def run_tp_follower_process(server_args: ServerArgs, dp_rank: int, tp_rank: int,
     try:
         tp = init_tp_group(tp_rank, server_args.tp_size, tp_init_addr, server_args.device)
         runner = ModelRunner(server_args, tp)
+        kv = None
+        if server_args.disaggregation_mode != "null":  # this rank moves its own KV shard (tp_fanout.py)
+            from baton.engine.disaggregation.tp_fanout import FollowerKVService
+
+            kv = FollowerKVService.join(server_args, runner, tp, dp_rank)
     except Exception:
         ready_pipe.send(("error", traceback.format_exc()))
         return
@@ -149,6 +154,8 @@ def run_tp_follower_process(server_args: ServerArgs, dp_rank: int, tp_rank: int,
     except Exception:
         logger.error("TP rank %d crashed:\n%s", tp_rank, traceback.format_exc())
         sys.exit(1)
+    if kv is not None:
+        kv.close()
     logger.info("TP rank %d: stopped after %d steps", tp_rank, steps)
     # Leave without tearing the process group down: gloo's teardown, at destroy or at interpreter
     # exit, races the peer's sockets closing and can std::terminate (SIGABRT) a finished process.

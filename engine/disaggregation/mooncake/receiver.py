@@ -3,7 +3,9 @@ bootstrap servers, registers this engine with each new prefill session, and hear
 
 A prefill engine with DP ranks holds room R's KV on rank R % dp_size (its front end sends the request
 there; the router pins a prefill rank by drawing such a room). Rank 0's route tells its dp_size; the
-receiver of room R then binds to rank R % dp_size's route.
+receiver of room R then binds to rank R % dp_size's route. With tensor parallelism this manager
+holds TP rank T's shard and binds to the prefill's TP rank T of that DP rank; rank 0's route also
+tells the prefill's tp_size, and a different one than ours fails the request at once.
 
 Heartbeat window: a prefill whose /health fails `heartbeat_max_failures` times in a row, or whose
 session changed (a restart), fails every unfinished receiver bound to it; the cached route is
@@ -18,7 +20,8 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Optional
 
 from baton.engine.disaggregation.base import KVPoll, KVTransferError
-from baton.engine.disaggregation.bootstrap_server import PrefillRankInfo, check_health, fetch_prefill_rank
+from baton.engine.disaggregation.bootstrap_server import (PrefillRankInfo, check_health, fetch_prefill_rank,
+                                                         rank_key)
 from baton.engine.disaggregation.common import CommonKVReceiver
 from baton.engine.disaggregation.mooncake import messages
 
@@ -56,7 +59,8 @@ class DecodeRooms:
         self.mgr, self.config, self.metadata = mgr, mgr.config, mgr.metadata
         self._lock = threading.Lock()
         self._receivers: dict[int, MooncakeKVReceiver] = {}
-        self._routes: dict[tuple[str, int], PrefillRankInfo] = {}  # (bootstrap addr, rank) -> route, while healthy
+        # (bootstrap addr, DP rank, TP rank) -> route, while healthy
+        self._routes: dict[tuple[str, int, int], PrefillRankInfo] = {}
         self._registered: set[str] = set()  # prefill sessions that have our Register message
         self._failures: dict[str, int] = defaultdict(int)
         self._next_try: dict[str, float] = {}
@@ -105,30 +109,38 @@ class DecodeRooms:
         with self._lock:
             pending = [r for r in self._receivers.values() if r.peer is None and not r.done]
         by_route: dict[tuple[str, int], list[MooncakeKVReceiver]] = defaultdict(list)
+        tp_rank, tp_size = self.mgr.args.tp_rank, self.mgr.args.tp_size
         for r in pending:
-            first = self._route(r.bootstrap_addr, 0)
-            if first is not None:  # else retried next tick; receivers time out in poll()
-                by_route[(r.bootstrap_addr, r.room % first.dp_size)].append(r)
+            first = self._route(r.bootstrap_addr, 0, 0)
+            if first is None:
+                continue  # retried next tick; receivers time out in poll()
+            if first.tp_size != tp_size:
+                r.fail(f"room {r.room}: the prefill at {r.bootstrap_addr} runs --tp-size {first.tp_size} and this "
+                       f"decode --tp-size {tp_size}: each decode TP rank receives the KV heads of the same prefill "
+                       "TP rank, so both engines need the same TP size")
+                continue
+            by_route[(r.bootstrap_addr, r.room % first.dp_size)].append(r)
         for (addr, rank), receivers in by_route.items():
-            route = self._route(addr, rank)
+            route = self._route(addr, rank, tp_rank)
             if route is None:
                 continue
             try:
                 self._ensure_registered(route)
             except KVTransferError as e:
                 for r in receivers:
-                    r.fail(f"room {r.room}: could not register with prefill rank {rank} at {addr}: {e}")
+                    r.fail(f"room {r.room}: could not register with prefill rank {rank_key(rank, tp_rank)} at "
+                           f"{addr}: {e}")
                 continue
             for r in receivers:
                 r.attach(route)
 
-    def _route(self, addr: str, rank: int) -> Optional[PrefillRankInfo]:
-        key = (addr, rank)
+    def _route(self, addr: str, rank: int, tp_rank: int) -> Optional[PrefillRankInfo]:
+        key = (addr, rank, tp_rank)
         route = self._routes.get(key)
         if route is not None or time.monotonic() < self._next_try.get(key, 0.0):
             return route
         try:
-            route = fetch_prefill_rank(addr, engine_rank=rank, timeout_s=1.0)
+            route = fetch_prefill_rank(addr, engine_rank=rank, timeout_s=1.0, tp_rank=tp_rank)
         except OSError:
             route = None
         if route is None:
@@ -148,7 +160,7 @@ class DecodeRooms:
         self._registered.add(route.session_id)
 
     def _heartbeat(self) -> None:
-        for addr in sorted({addr for addr, _ in self._routes}):
+        for addr in sorted({key[0] for key in self._routes}):
             try:
                 sessions = check_health(addr, timeout_s=min(self.config.heartbeat_interval_s, 2.0))
             except OSError as e:
@@ -158,17 +170,17 @@ class DecodeRooms:
                                           f"failed (last: {e})")
                 continue
             self._failures[addr] = 0
-            for (a, rank), route in list(self._routes.items()):
-                if a == addr and (live := sessions.get(rank)) != route.session_id:
-                    self._drop((a, rank), f"prefill at {addr} restarted (rank {rank} session {route.session_id} "
-                                          f"-> {live}); its in-flight KV is lost")
+            for key, route in list(self._routes.items()):
+                if key[0] == addr and (live := sessions.get(route.key)) != route.session_id:
+                    self._drop(key, f"prefill at {addr} restarted (rank {route.key} session {route.session_id} "
+                                    f"-> {live}); its in-flight KV is lost")
 
     def _drop_addr(self, addr: str, reason: str) -> None:
         for key in [k for k in self._routes if k[0] == addr]:
             self._drop(key, reason)
         self._failures.pop(addr, None)
 
-    def _drop(self, key: tuple[str, int], reason: str) -> None:
+    def _drop(self, key: tuple[str, int, int], reason: str) -> None:
         route = self._routes.pop(key)
         self._registered.discard(route.session_id)
         self.mgr.channel.forget(route.endpoint)

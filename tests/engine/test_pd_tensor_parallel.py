@@ -1,0 +1,227 @@
+"""PD disaggregation with tensor parallelism: every TP rank moves its own KV shard to the same TP
+rank of the decode engine (engine/disaggregation/tp_fanout.py).
+
+First in this process, with real Mooncake over TCP on 127.0.0.1: two ranks per side, each with its
+own pool filled differently, the rank-0 managers driving the rank-1 ones through the fan-out link
+as a TP driver does. Each decode rank must receive exactly its prefill rank's pages; a failure on
+one rank fails the request on both sides, naming the rank; a decode of another TP size is refused.
+Then the real thing: a prefill and a decode engine with --tp-size 2 each (`baton serve`), greedy
+tokens equal to HF."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from baton.engine.bench.launcher import EngineProcess, engine_command, free_port
+from baton.engine.disaggregation import create_transfer_backend
+from baton.engine.disaggregation.base import KVArgs, KVGeometry, KVMetadata, KVPoll, MetadataBuffers, TransferConfig
+from baton.engine.disaggregation.bootstrap_server import KVBootstrapServer, check_health, fetch_prefill_rank
+from baton.engine.disaggregation.loopback_peer import fill_pool, make_pool, wait_final, wait_until
+from baton.engine.disaggregation.tp_fanout import DriverLink, FollowerKVService, TpKVManager
+from engine_server import STARTUP_TIMEOUT_S, wait_idle_integrity
+from test_scheduler_vs_hf import hf_greedy
+
+pytest.importorskip("mooncake.engine", reason="mooncake-transfer-engine(-non-cuda) is a test dependency")
+
+CONFIG = TransferConfig(bootstrap_timeout_s=15, waiting_timeout_s=30, heartbeat_interval_s=0.2,
+                        heartbeat_max_failures=2)
+GEO = KVGeometry(page_size=4, dtype="float16", layer_num=2, head_num=2, head_dim=8)  # per shard
+NUM_PAGES = 32
+
+
+class Side:
+    """One engine's transfer state over `tp_size` ranks: rank 0's manager drives the others."""
+
+    def __init__(self, mode: str, tp_size: int, addr=None, seed: int = 0, configs=None) -> None:
+        self.pools, self.metas, self.services, self.link = [], [], [], None
+        local = None
+        for rank in range(tp_size):
+            pool, meta = make_pool(GEO, NUM_PAGES), MetadataBuffers(8)
+            if mode == "prefill":
+                fill_pool(pool, seed + rank)
+            config = (configs or {}).get(rank, CONFIG)
+            mgr = create_transfer_backend("mooncake", KVArgs.from_pool(pool, meta, tp_rank=rank, tp_size=tp_size),
+                                          meta, mode, config, addr)
+            self.pools.append(pool)
+            self.metas.append(meta)
+            if rank == 0:
+                local = mgr
+            else:
+                self.services.append((FollowerKVService(rank), mgr, meta))
+        if tp_size == 1:
+            self.mgr = local
+            return
+        self.link = DriverLink()
+        self.link.connect([svc.endpoint for svc, _, _ in self.services])
+        for svc, mgr, meta in self.services:
+            svc.start(mgr, meta, self.link.status_endpoint)
+        self.services = [svc for svc, _, _ in self.services]
+        self.mgr = TpKVManager(local, self.link, tp_size)
+
+    def close(self) -> None:
+        assert self.mgr.num_rooms() == 0, "a sender or receiver was not cleared on rank 0"
+        assert all(wait_until(lambda s=s: s.num_rooms() == 0, 10) for s in self.services), \
+            "a follower kept a room after the driver cleared it"
+        self.mgr.close()  # stops the followers' service threads through the link
+        for svc in self.services:
+            svc.close()
+
+
+@contextlib.contextmanager
+def engines(decode_tp: int = 2, prefill_configs=None):
+    server = KVBootstrapServer("127.0.0.1", 0)
+    addr = f"127.0.0.1:{server.port}"
+    made = []
+    try:
+        prefill = Side("prefill", 2, addr, seed=11, configs=prefill_configs)
+        made.append(prefill)
+        decode = Side("decode", decode_tp)
+        made.append(decode)
+        yield addr, prefill, decode
+    finally:
+        for side in reversed(made):
+            side.close()
+        server.close()
+
+
+def _transfer(addr: str, prefill: Side, decode: Side, room: int, src: list[int], dst: list[int]):
+    receiver = decode.mgr.create_receiver(addr, room)
+    receiver.init(np.array(dst), decode.metas[0].alloc())
+    sender = prefill.mgr.create_sender(room)
+    assert wait_until(lambda: sender.poll() != KVPoll.Bootstrapping, 15), sender.failure_reason()
+    if sender.poll() == KVPoll.WaitingForInput:
+        sender.init(len(src), prefill.metas[0].alloc())
+        sender.send(src[:1])  # two chunks, as a chunked prefill sends them
+        sender.send(src[1:], is_last=True, metadata=KVMetadata(42, -0.5, room))
+    return sender, receiver
+
+
+def _finish(prefill: Side, decode: Side, sender, receiver) -> None:
+    if sender.local.meta_slot is not None:
+        prefill.metas[0].free(sender.local.meta_slot)
+    sender.clear()
+    decode.metas[0].free(receiver.local.meta_slot)
+    receiver.clear()
+
+
+def test_each_decode_rank_receives_its_prefill_ranks_shard():
+    with engines() as (addr, prefill, decode):
+        sessions = check_health(addr, 5)
+        assert sorted(sessions) == ["0", "0.1"] and len(set(sessions.values())) == 2
+        assert fetch_prefill_rank(addr, 0, tp_rank=1).tp_size == 2
+        src, dst = [3, 4, 5], [9, 10, 2]
+        sender, receiver = _transfer(addr, prefill, decode, 7001, src, dst)
+        assert wait_final(sender, 15) == KVPoll.Success, sender.failure_reason()
+        assert wait_final(receiver, 15) == KVPoll.Success, receiver.failure_reason()
+        assert receiver.metadata() == KVMetadata(42, -0.5, 7001)
+        ps = GEO.page_size
+        for rank in range(2):
+            src_pool, dst_pool = prefill.pools[rank], decode.pools[rank]
+            for s_buf, d_buf in zip(src_pool.k_buffer + src_pool.v_buffer, dst_pool.k_buffer + dst_pool.v_buffer):
+                for s, d in zip(src, dst):
+                    assert torch.equal(d_buf[d * ps:(d + 1) * ps], s_buf[s * ps:(s + 1) * ps]), f"rank {rank}"
+        other = prefill.pools[1].k_buffer[0][src[0] * ps:(src[0] + 1) * ps]
+        assert not torch.equal(decode.pools[0].k_buffer[0][dst[0] * ps:(dst[0] + 1) * ps], other), \
+            "the ranks' shards were filled alike: the check above proves nothing"
+        assert sender.stats().bytes == 2 * sender.local.stats().bytes  # the engine's bytes: both shards
+        _finish(prefill, decode, sender, receiver)
+
+
+def test_a_failure_on_one_rank_fails_the_request_on_both_sides_and_names_the_rank():
+    faulty = TransferConfig(bootstrap_timeout_s=15, heartbeat_interval_s=0.2, fault_probability=1.0)
+    with engines(prefill_configs={1: faulty}) as (addr, prefill, decode):
+        sender, receiver = _transfer(addr, prefill, decode, 7002, [1, 2], [5, 6])
+        assert wait_final(sender, 15) == KVPoll.Failed
+        assert sender.failure_reason().startswith("TP rank 1: ") and "injected fault" in sender.failure_reason()
+        assert sender.local.poll() == KVPoll.Success, "rank 0's shard went through: only rank 1 failed"
+        assert wait_final(receiver, 15) == KVPoll.Failed and "TP rank 1: " in receiver.failure_reason()
+        _finish(prefill, decode, sender, receiver)
+
+
+def test_an_abort_on_the_decode_reaches_every_prefill_rank():
+    with engines() as (addr, prefill, decode):
+        receiver = decode.mgr.create_receiver(addr, 7003)
+        receiver.init(np.array([1]), decode.metas[0].alloc())
+        sender = prefill.mgr.create_sender(7003)
+        assert wait_until(lambda: sender.poll() == KVPoll.WaitingForInput, 15), sender.failure_reason()
+        receiver.abort("client disconnected")
+        assert wait_final(sender, 15) == KVPoll.Failed and "client disconnected" in sender.failure_reason()
+        assert wait_until(lambda: prefill.link.state(7003)[0] == KVPoll.Failed, 15), "rank 1 never heard of it"
+        _finish(prefill, decode, sender, receiver)
+
+
+def test_a_decode_of_another_tp_size_is_refused_with_the_reason():
+    with engines(decode_tp=1) as (addr, prefill, decode):
+        receiver = decode.mgr.create_receiver(addr, 7004)
+        receiver.init(np.array([1]), decode.metas[0].alloc())
+        assert wait_final(receiver, 15) == KVPoll.Failed
+        assert "--tp-size 2 and this decode --tp-size 1" in receiver.failure_reason()
+        decode.metas[0].free(receiver.meta_slot)
+        receiver.clear()
+
+
+def test_the_bootstrap_server_keeps_each_tp_ranks_route():
+    server = KVBootstrapServer("127.0.0.1", 0)
+    try:
+        addr = f"127.0.0.1:{server.port}"
+        assert fetch_prefill_rank(addr, 0, tp_rank=1) is None
+        bad = httpx.get(f"http://{addr}/route?engine_rank=0&tp_rank=x", timeout=5)
+        assert bad.status_code == 400 and "integers" in bad.json()["error"]
+    finally:
+        server.close()
+
+
+# ------------------------------------------------------------------------------- served engines
+
+MAX_NEW = 8
+PROMPTS = [[(7 * i + 3 * j) % 500 + 6 for j in range(5 + 6 * i)] for i in range(6)]
+PROMPTS += [PROMPTS[5][:24] + [11, 12, 13]]  # a radix hit on both engines
+
+
+@pytest.fixture(scope="module")
+def model_path(tiny_model_factory) -> str:
+    return tiny_model_factory("llama")  # 4 heads / 2 KV heads: one KV head per TP rank
+
+
+def test_prefill_and_decode_with_tp2_serve_hf_greedy_tokens(model_path):
+    common = ["--disaggregation-transfer-backend", "mooncake", "--page-size", "4", "--max-total-tokens", "1024",
+              "--tp-size", "2"]
+    bootstrap_port, prefill_port, decode_port = free_port(), free_port(), free_port()
+    prefill = EngineProcess(engine_command(model_path, prefill_port, [
+        "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(bootstrap_port),
+        "--chunked-prefill-size", "16", *common]), prefill_port)
+    decode = EngineProcess(engine_command(model_path, decode_port, ["--disaggregation-mode", "decode", *common]),
+                           decode_port)
+    with prefill, decode:
+        prefill.wait_healthy(STARTUP_TIMEOUT_S, "waiting for the prefill engine")
+        decode.wait_healthy(STARTUP_TIMEOUT_S, "waiting for the decode engine")
+        sessions = httpx.get(f"http://127.0.0.1:{bootstrap_port}/health", timeout=10).json()["sessions"]
+        assert sorted(sessions) == ["0", "0.1"], sessions
+
+        async def run(prompts):
+            async with httpx.AsyncClient(timeout=120) as c:
+                async def both(p):
+                    body = {"input_ids": p, "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0},
+                            "bootstrap_host": "127.0.0.1", "bootstrap_port": bootstrap_port,
+                            "bootstrap_room": int(np.random.randint(1 << 62))}
+                    return await asyncio.gather(c.post(f"{prefill.base_url}/generate", json=body),
+                                                c.post(f"{decode.base_url}/generate", json=body))
+                return await asyncio.gather(*[both(p) for p in prompts])
+
+        results = asyncio.run(run(PROMPTS[:-1])) + asyncio.run(run(PROMPTS[-1:]))
+        for p, (pre, dec) in zip(PROMPTS, results):
+            assert pre.status_code == 200 and dec.status_code == 200, (pre.text, dec.text)
+            want = hf_greedy(model_path, p, MAX_NEW)
+            assert dec.json()["output_ids"] == want, p
+            assert pre.json()["output_ids"] == want[:1]
+        assert results[-1][1].json()["meta_info"]["cached_tokens"] > 0, "the decode's radix cache was not hit"
+        for engine in (prefill, decode):
+            info = wait_idle_integrity(engine.base_url, timeout_s=60)
+            assert info["integrity_ok"] is True and info["tp_size"] == 2, info
+        info = httpx.get(f"{prefill.base_url}/get_server_info", timeout=10).json()
+        assert info["kv_transfer_bytes"] > 0
