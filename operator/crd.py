@@ -92,11 +92,11 @@ def role_schema(what: str) -> dict[str, Any]:
     """Schema of one engine role; `what` is prefill, decode or colocated."""
     args = _list(f"Extra `baton serve` arguments of {what} pods.", _str("", maxLength=256), 64,
                  scope=Scope.ENGINE_ARGS, default=[])
-    out = _obj(f"{what.capitalize()} engine pods: one pod runs one `baton serve` with tp*dp ranks.", {
+    return _obj(f"{what.capitalize()} engine pods: one pod runs one `baton serve` with tp*dp ranks.", {
         "replicas": _int("Number of engine pods.", 0, 1024, 1),
-        "tp": _int("Tensor-parallel size (--tp-size): GPUs one model replica is sharded over. Colocated "
-                   "(spec.engine) only: prefill and decode need 1 (the KV transfer does not send per-rank "
-                   "shards yet).", 1, 64, 1),
+        "tp": _int("Tensor-parallel size (--tp-size): GPUs one model replica is sharded over. Prefill and "
+                   "decode must use the same tp (each TP rank sends its KV shard to the same decode TP rank).",
+                   1, 64, 1),
         "dp": _int("Data-parallel size (--dp-size): model replicas in the pod, tp GPUs each.", 1, 64, 1),
         "gpus": _int("GPUs per pod: 0 runs on CPU, otherwise tp*dp.", 0, 64, 0),
         "gpuResourceName": _str("Extended resource of one GPU.", default="nvidia.com/gpu", maxLength=253),
@@ -108,9 +108,6 @@ def role_schema(what: str) -> dict[str, Any]:
             "is killed; raise it for long generations.", 0, 86400, 60),
         "resources": _resources(), "extraArgs": args, "env": _env(), **_placement(),
     }, scope=Scope.ROLE)
-    if what in ("prefill", "decode"):
-        out["x-kubernetes-validations"] += _validations(Scope.PD_ROLE)
-    return out
 
 
 def _model() -> dict[str, Any]:

@@ -23,7 +23,6 @@ class Scope(str, enum.Enum):
     SPEC = "spec"
     MODEL = "spec.model"
     ROLE = "spec.<role>"  # each of spec.prefill, spec.decode, spec.engine
-    PD_ROLE = "spec.<pd-role>"  # spec.prefill and spec.decode only
     ENGINE_ARGS = "spec.<role>.extraArgs"
     ROUTER_ARGS = "spec.router.extraArgs"
     KV_TRANSFER = "spec.kvTransfer"
@@ -80,13 +79,15 @@ RULES: tuple[Rule, ...] = (
          "gpus must be 0 (run on CPU) or equal tp * dp (one GPU per rank); "
          "fix gpus, tp or dp in this role",
          lambda r: r.get("gpus", 0) == 0 or r.get("gpus") == r.get("tp", 1) * r.get("dp", 1)),
-    # The engine refuses --tp-size > 1 with --disaggregation-mode: each TP rank holds a shard of the KV
-    # heads, which the KV transfer would have to send (and the decode side receive) rank by rank.
-    Rule(Scope.PD_ROLE, "self.tp == 1",
-         "tp must be 1 in spec.prefill and spec.decode: tensor parallelism is not implemented for PD roles "
-         "yet (each TP rank's KV shard would need its own transfer); use dp, or mode: colocated with tp "
-         "in spec.engine",
-         lambda r: r.get("tp", 1) == 1),
+    # With TP each rank holds a shard of the KV heads, and a decode's TP rank r receives the KV of
+    # the prefill's TP rank r: the engines refuse a pair of different TP sizes per request; the spec
+    # refuses it up front. A role left out runs with tp 1. (has(): see the kvTransfer rules below.)
+    Rule(Scope.SPEC,
+         "(has(self.prefill) && has(self.prefill.tp) ? self.prefill.tp : 1) == "
+         "(has(self.decode) && has(self.decode.tp) ? self.decode.tp : 1)",
+         "spec.prefill.tp and spec.decode.tp must be equal: each decode TP rank receives the KV cache "
+         "shard of the same prefill TP rank",
+         lambda s: s.get("prefill", {}).get("tp", 1) == s.get("decode", {}).get("tp", 1)),
     Rule(Scope.ENGINE_ARGS, f"self.all(a, !a.matches('{ENGINE_FLAGS_RE}'))",
          "extraArgs must not set flags the operator manages (--host, --port, --model-path, "
          "--served-model-name, --device, --tp-size, --dp-size, --disaggregation-*, --api-key, --dtype, "
@@ -125,8 +126,6 @@ def _targets(obj: Mapping[str, Any]) -> list[tuple[str, Scope, Any]]:
     for key in ("prefill", "decode", "engine"):
         if key in spec:
             out.append((f"spec.{key}", Scope.ROLE, spec[key]))
-            if key != "engine":
-                out.append((f"spec.{key}", Scope.PD_ROLE, spec[key]))
             out.append((f"spec.{key}.extraArgs", Scope.ENGINE_ARGS, spec[key].get("extraArgs", [])))
     router = spec.get("router", {})
     out.append(("spec.router.extraArgs", Scope.ROUTER_ARGS, router.get("extraArgs", [])))

@@ -92,11 +92,13 @@ def test_a_valid_spec_is_accepted(control_plane: ControlPlane, namespace: str):
     assert "inferenceservice.baton.dev/bad created (server dry run)" in result.stdout
 
 
-def test_tensor_parallelism_is_accepted_on_the_colocated_role_only(control_plane: ControlPlane, namespace: str):
-    """The engine refuses --tp-size > 1 with --disaggregation-mode: so does the CRD, on prefill and decode."""
-    ok = body(mode="colocated", engine={"tp": 2, "gpus": 2})
-    result = control_plane.kubectl("apply", "--dry-run=server", "-f", "-", input=yaml.safe_dump(ok))
-    assert "inferenceservice.baton.dev/bad created (server dry run)" in result.stdout
-    [pd_tp] = rules_for(Scope.PD_ROLE)
+def test_tensor_parallelism_is_accepted_with_equal_prefill_and_decode_sizes(control_plane: ControlPlane,
+                                                                            namespace: str):
+    """A decode TP rank receives the KV shard of the same prefill TP rank: the CRD refuses unequal sizes."""
+    for ok in (body(mode="colocated", engine={"tp": 2, "gpus": 2}),
+               body(prefill={"tp": 2, "gpus": 2}, decode={"tp": 2, "gpus": 2})):
+        result = control_plane.kubectl("apply", "--dry-run=server", "-f", "-", input=yaml.safe_dump(ok))
+        assert "inferenceservice.baton.dev/bad created (server dry run)" in result.stdout
+    [tp_rule] = [r for r in rules_for(Scope.SPEC) if "tp must be equal" in r.message]
     stderr = refused(control_plane, body(prefill={"tp": 2, "gpus": 2}))
-    assert "spec.prefill" in stderr and pd_tp.message in stderr, stderr
+    assert tp_rule.message in stderr, stderr

@@ -165,15 +165,18 @@ def test_good_variants_pass_both(samples):
         assert validate(apply_defaults(openapi_schema(), obj)) == [], spec
 
 
-def test_tp_rule_sits_on_the_prefill_and_decode_schemas_only():
-    props = openapi_schema()["properties"]["spec"]["properties"]
-    tp_rules = {key: [r["message"] for r in props[key]["x-kubernetes-validations"] if r["rule"] == "self.tp == 1"]
-                for key in ("prefill", "decode", "engine")}
-    [pd_tp] = rules_for(Scope.PD_ROLE)
-    assert tp_rules == {"prefill": [pd_tp.message], "decode": [pd_tp.message], "engine": []}
-    obj = apply_defaults(openapi_schema(), for_create(isvc_body(decode={"tp": 2, "gpus": 2})))
-    assert cel_violations(openapi_schema(), obj) == {("spec.decode", pd_tp.message)}
-    assert "tensor parallelism is not implemented for PD roles yet" in pd_tp.message and "use dp" in pd_tp.message
+def test_pd_roles_take_tp_when_prefill_and_decode_agree():
+    [tp_rule] = [r for r in rules_for(Scope.SPEC) if "tp must be equal" in r.message]
+    spec = openapi_schema()["properties"]["spec"]
+    assert tp_rule.cel in [r["rule"] for r in spec["x-kubernetes-validations"]]
+    for good in ({"prefill": {"tp": 2, "gpus": 2}, "decode": {"tp": 2, "gpus": 2}},
+                 {"prefill": {"tp": 2, "dp": 2, "gpus": 4}, "decode": {"tp": 2}}):
+        obj = apply_defaults(openapi_schema(), for_create(isvc_body(**good)))
+        assert cel_violations(openapi_schema(), obj) == set() and validate(obj) == [], good
+    for bad in ({"decode": {"tp": 2, "gpus": 2}}, {"prefill": {"tp": 4}, "decode": {"tp": 2}}):
+        obj = apply_defaults(openapi_schema(), for_create(isvc_body(**bad)))
+        assert cel_violations(openapi_schema(), obj) == {("spec", tp_rule.message)}, bad
+        assert validate(obj) == [f"spec: {tp_rule.message}"], bad
 
 
 def test_dtype_enums_are_the_engines_choices():

@@ -25,25 +25,26 @@ def test_colocated_mode_has_one_engine_role():
     assert isvc.spec.roles[Role.COLOCATED].replicas == 3
 
 
-def test_tensor_parallelism_is_for_the_colocated_role_only():
+def test_tensor_parallelism_on_every_role_with_equal_prefill_and_decode_sizes():
     r = parse(isvc_body(mode="colocated", engine={"tp": 4, "dp": 2, "gpus": 8})).spec.roles[Role.COLOCATED]
     assert (r.tp, r.dp, r.ranks, r.device) == (4, 2, 8, "cuda")
     with pytest.raises(InvalidSpec) as info:  # gpus == tp * dp still holds
         parse(isvc_body(mode="colocated", engine={"tp": 2, "gpus": 1}))
     assert [e.split(":")[0] for e in info.value.errors] == ["spec.engine"]
-    [pd_tp] = rules_for(Scope.PD_ROLE)
-    for role in ("prefill", "decode"):
-        with pytest.raises(InvalidSpec) as info:
-            parse(isvc_body(**{role: {"tp": 2, "gpus": 2}}))
-        assert info.value.errors == [f"spec.{role}: {pd_tp.message}"]
+    roles = parse(isvc_body(prefill={"tp": 2, "gpus": 2}, decode={"tp": 2, "dp": 2, "gpus": 4})).spec.roles
+    assert [(roles[role].tp, roles[role].ranks) for role in (Role.PREFILL, Role.DECODE)] == [(2, 2), (2, 4)]
+    [tp_rule] = [r for r in rules_for(Scope.SPEC) if "tp must be equal" in r.message]
+    with pytest.raises(InvalidSpec) as info:
+        parse(isvc_body(decode={"tp": 2, "gpus": 2}))
+    assert info.value.errors == [f"spec: {tp_rule.message}"]
 
 
 @pytest.mark.parametrize("spec, fragment", [
     ({"mode": "colocated", "prefill": {}}, "mode colocated runs spec.engine only"),
     ({"engine": {}}, "remove spec.engine"),
     ({"prefill": {"dp": 2, "gpus": 1}}, "gpus must be 0 (run on CPU) or equal tp * dp"),
-    ({"decode": {"tp": 2, "gpus": 2}}, "tensor parallelism is not implemented for PD roles yet"),
-    ({"prefill": {"tp": 2}}, "use dp, or mode: colocated with tp in spec.engine"),
+    ({"decode": {"tp": 2, "gpus": 2}}, "spec.prefill.tp and spec.decode.tp must be equal"),
+    ({"prefill": {"tp": 2}, "decode": {"tp": 4}}, "KV cache shard of the same prefill TP rank"),
     ({"decode": {"extraArgs": ["--port", "1"]}}, "extraArgs must not set flags the operator manages"),
     ({"router": {"extraArgs": ["--prefill-policy=random"]}}, "router.extraArgs must not set flags"),
     ({"kvTransfer": {"ibDevices": ["mlx5_0"]}}, "ibDevices is only used with protocol: rdma"),
