@@ -110,6 +110,7 @@ class ServerArgs:
     # style; the TP rank 0 process runs the scheduler and drives the others step by step.
     tp_size: int = 1
     nccl_port: Optional[int] = None  # TP rendezvous port (DP rank i: + i); None: a free port
+    tp_cpu_allreduce: str = "shm"  # CPU TP: the forward's all-reduces through shared memory, or gloo
     # Data parallelism: dp_size full replicas of the model (one scheduler process each, GPU
     # base_gpu_id + rank on CUDA) behind one HTTP server, tokenizer and detokenizer.
     dp_size: int = 1
@@ -161,6 +162,8 @@ class ServerArgs:
         if self.dp_size > 1 and self.disaggregation_mode == "prefill" and self.disaggregation_bootstrap_port == 0:
             raise ValueError("a prefill engine with --dp-size > 1 needs a fixed --disaggregation-bootstrap-port "
                              "(its ranks register with rank 0's bootstrap server there)")
+        if self.tp_cpu_allreduce not in ("shm", "gloo"):
+            raise ValueError("--tp-cpu-allreduce must be shm or gloo")
         if self.load_balance_method not in LOAD_BALANCE_METHODS:
             raise ValueError(f"--load-balance-method must be one of {LOAD_BALANCE_METHODS}")
         if self.base_gpu_id < 0:
@@ -275,6 +278,8 @@ class ServerArgs:
                "attention heads and MLP columns are sharded, two all-reduces per layer")
         a("--nccl-port", type=int, default=None,
           help="the TP group's rendezvous port on 127.0.0.1 (DP rank i uses port + i; default: a free port)")
+        a("--tp-cpu-allreduce", default="shm", choices=("shm", "gloo"),
+          help="CPU tensor parallelism: the forward's all-reduces through a shared memory segment (default) or gloo")
         a("--dp-size", type=int, default=1,
           help="data parallelism: this many model replicas (scheduler processes), one GPU each on CUDA")
         a("--load-balance-method", default=ServerArgs.load_balance_method, choices=LOAD_BALANCE_METHODS,

@@ -7,7 +7,8 @@ initialised, so a single-process engine never touches torch.distributed.
 Two process groups per TP group, as SGLang keeps them:
 - the device group, for the all-reduces inside the forward: NCCL on CUDA, gloo on CPU;
 - the CPU group (gloo), for what the scheduler's rank tells the others every step (step.py).
-On CPU both are one gloo group.
+On CPU both are one gloo group, and the forward's all-reduces go through a shared memory segment
+instead (shm_allreduce.py; `--tp-cpu-allreduce gloo` keeps gloo's).
 
 The all-reduce is a torch custom op (`baton::tp_all_reduce`): Dynamo treats it as one opaque call,
 so a compiled forward keeps one graph, and on CUDA it is captured into the decode graphs like any
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -84,26 +86,78 @@ def validate_tp(config: Any, tp_size: int) -> None:
         raise ValueError(f"--tp-size {tp_size} does not divide the model's " + ", ".join(problems))
 
 
-def init_tp_group(tp_rank: int, tp_size: int, init_addr: str, device: str) -> TpGroup:
+CPU_ALLREDUCE = ("shm", "gloo")
+
+# device group name -> the shared memory all-reduce of a CPU TP group this process belongs to
+_SHM: dict[str, Any] = {}
+
+
+def init_tp_group(tp_rank: int, tp_size: int, init_addr: str, device: str, cpu_allreduce: str = "shm") -> TpGroup:
     """Join this model's TP group (every rank calls it; `init_addr` is host:port of the rendezvous).
     Returns TpGroup() without touching torch.distributed when tp_size is 1."""
     if tp_size == 1:
         return TpGroup()
     import torch.distributed as dist
 
+    assert cpu_allreduce in CPU_ALLREDUCE, cpu_allreduce
     cuda = device.startswith("cuda")
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://{init_addr}", world_size=tp_size,
                             rank=tp_rank, timeout=IDLE_WAIT)
     world = dist.group.WORLD
     cpu = dist.new_group(list(range(tp_size)), backend="gloo", timeout=IDLE_WAIT) if cuda else world
-    logger.info("TP rank %d of %d joined (%s)", tp_rank, tp_size, dist.get_backend(world))
-    return TpGroup(tp_rank, tp_size, world.group_name, cpu.group_name)
+    tp = TpGroup(tp_rank, tp_size, world.group_name, cpu.group_name)
+    if not cuda and cpu_allreduce == "shm":
+        _join_shm_all_reduce(tp)
+    logger.info("TP rank %d of %d joined (%s, all-reduce over %s)", tp_rank, tp_size, dist.get_backend(world),
+                all_reduce_backend(tp))
+    return tp
+
+
+def _join_shm_all_reduce(tp: TpGroup) -> None:
+    """Rank 0 makes the segment, every rank maps it; all ranks use it only if every rank could (a
+    rank without it would wait in gloo for the others forever), else all keep gloo."""
+    import torch.distributed as dist
+
+    from baton.engine.distributed import shm_allreduce
+
+    group = resolve_group(tp.cpu_group)
+    path, shm, why = None, None, shm_allreduce.unavailable_reason()
+    if tp.is_driver and why is None:
+        path = shm_allreduce.new_segment_path()
+        why = None if path else f"no writable {shm_allreduce.SHM_DIR}"
+    box = [path]
+    dist.broadcast_object_list(box, src=0, group=group)
+    path = box[0]
+    if path is not None and why is None:
+        try:
+            shm = shm_allreduce.ShmAllReduce(path, tp.rank, tp.size, create=tp.is_driver)
+        except OSError as e:
+            why = f"{path}: {e}"
+    ok = all_reduce_min(int(shm is not None), tp)  # also: every rank has mapped the file by now
+    if tp.is_driver and path is not None and os.path.exists(path):
+        os.unlink(path)  # the mappings stay; nothing is left in /dev/shm if a rank dies
+    if ok:
+        _SHM[tp.device_group] = shm
+    elif tp.is_driver or why:
+        logger.warning("TP all-reduce stays on gloo: %s", why or "another rank could not map the shared memory")
+
+
+def all_reduce_backend(tp: TpGroup) -> str:
+    """What the forward's all-reduces go through: "shm", "gloo", "nccl", or "none" without TP."""
+    if tp.size == 1:
+        return "none"
+    if tp.device_group in _SHM:
+        return "shm"
+    import torch.distributed as dist
+
+    return str(dist.get_backend(resolve_group(tp.device_group)))
 
 
 def destroy_tp_group(tp: TpGroup) -> None:
     if tp.size > 1:
         import torch.distributed as dist
 
+        _SHM.pop(tp.device_group, None)
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -118,6 +172,9 @@ def resolve_group(name: str) -> Any:
 def _tp_all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
     import torch.distributed as dist
 
+    shm = _SHM.get(group_name)
+    if shm is not None and shm.supports(x):
+        return shm.all_reduce(x)
     out = x.clone()
     dist.all_reduce(out, group=resolve_group(group_name))
     return out

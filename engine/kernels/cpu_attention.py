@@ -9,96 +9,36 @@ dtype of its own, `--kv-cache-dtype`).
 It is a torch custom op (`baton::paged_decode_attention`), so `torch.compile` keeps it as one opaque
 call instead of breaking the graph.
 
-Build: `$CC` (default `cc`) with `-O3 -march=native -fopenmp`, into `$BATON_KERNEL_CACHE` (default
-`~/.cache/baton/kernels`, or the temp dir when that is not writable). The file name carries a hash
-of the source, the compiler, its flags and the CPU's feature flags, so a cache shared between
-different machines never loads code built for another CPU. The build writes to a temporary name and
-renames, so concurrent engines starting on one machine cannot load a half-written library.
+Built on first use with `-O3 -march=native -fopenmp` and cached per source, compiler and CPU
+(engine/kernels/build.py).
 Set `BATON_DISABLE_CPU_KERNELS=1` to use the pure-torch path (the benchmarks compare the two).
 """
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 from typing import Optional
 
 import torch
 
+from baton.engine.kernels.build import DEFAULT_CFLAGS, KernelUnavailable, build_library
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_decode_attention.c")
-# gnu11, not c11: strict ISO mode turns off FMA contraction (-ffp-contract=off) in the portable loops.
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
+CFLAGS = DEFAULT_CFLAGS
 DISABLE_ENV = "BATON_DISABLE_CPU_KERNELS"
 _SUPPORTED = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # DTYPE_F32 / _BF16 / _F16 in the C source
 _KV_SUPPORTED = {**_SUPPORTED, torch.float8_e5m2: 3}  # DTYPE_E5M2
 _BAD_INDEX = 2  # KERNEL_BAD_INDEX in the C source
 
 
-class KernelUnavailable(RuntimeError):
-    pass
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _cache_dir() -> Path:
-    configured = os.environ.get("BATON_KERNEL_CACHE")
-    candidates = [Path(configured)] if configured else [Path.home() / ".cache" / "baton" / "kernels",
-                                                        Path(tempfile.gettempdir()) / f"baton-kernels-{os.getuid()}"]
-    for path in candidates:
-        try:
-            path.mkdir(parents=True, exist_ok=True)
-            if os.access(path, os.W_OK):
-                return path
-        except OSError:
-            continue
-    raise KernelUnavailable(f"no writable kernel cache directory (tried {', '.join(map(str, candidates))})")
-
-
-def _compiler() -> str:
-    cc = os.environ.get("CC", "cc")
-    if shutil.which(cc) is None:
-        raise KernelUnavailable(f"no C compiler: {cc!r} is not on PATH (set CC, or install gcc)")
-    return cc
-
-
 def build() -> Path:
     """Compile the kernel unless a library for this source, compiler and CPU is already cached."""
-    cc = _compiler()
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, version, " ".join(CFLAGS), platform.machine(),
-                                    _cpu_flags()]).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"paged_decode_attention-{key}.so"
-    if target.exists():
-        return target
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        result = subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
-        if result.returncode != 0:
-            raise KernelUnavailable(f"{cc} failed to build {SOURCE.name}: {result.stderr.strip()[-2000:]}")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    logger.info("built %s", target)
-    return target
+    return build_library(SOURCE, CFLAGS)
 
 
 @functools.lru_cache(maxsize=1)

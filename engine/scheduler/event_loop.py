@@ -108,7 +108,8 @@ def run_scheduler_process(server_args: ServerArgs, recv_addr: str, send_addr: st
         start, spawn_s = time.perf_counter(), process_age_s()  # interpreter + imports before this point
         tokenizer = AutoTokenizer.from_pretrained(server_args.tokenizer_path or server_args.model_path)
         tokenizer_s = time.perf_counter() - start
-        tp = init_tp_group(0, server_args.tp_size, tp_init_addr, server_args.device)  # TpGroup() without TP
+        tp = init_tp_group(0, server_args.tp_size, tp_init_addr, server_args.device,  # TpGroup() without TP
+                           server_args.tp_cpu_allreduce)
         scheduler = Scheduler(server_args, tokenizer, dp_rank=dp_rank, tp=tp)
         io = SchedulerIO(zmq.Context(2), recv_addr, send_addr)
     except Exception:
@@ -138,7 +139,7 @@ def run_tp_follower_process(server_args: ServerArgs, dp_rank: int, tp_rank: int,
 
     _start_process(server_args, dp_rank, tp_rank, cpu_plan)
     try:
-        tp = init_tp_group(tp_rank, server_args.tp_size, tp_init_addr, server_args.device)
+        tp = init_tp_group(tp_rank, server_args.tp_size, tp_init_addr, server_args.device, server_args.tp_cpu_allreduce)
         runner = ModelRunner(server_args, tp)
         kv = None
         if server_args.disaggregation_mode != "null":  # this rank moves its own KV shard (tp_fanout.py)

@@ -20,6 +20,7 @@ from typing import Any, Optional
 
 import torch
 
+from baton.engine.distributed.parallel_state import all_reduce_backend
 from baton.engine.io_struct import (FlushCacheOut)
 from baton.engine.scheduler.grammar_queue import GrammarQueue
 from baton.engine.scheduler.intake import SchedulerIntakeMixin
@@ -421,6 +422,7 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin):
             "scheduler_pid": os.getpid(),
             "cpu_affinity": sorted(os.sched_getaffinity(0)),
             "torch_threads": torch.get_num_threads(),
+            "tp_allreduce": all_reduce_backend(self.worker.tp),  # shm | gloo | nccl | none
             "preemptions": self.stats.preemptions,
             "gen_throughput": self.stats.gen_throughput,
             "queue_time_samples": list(self.stats.queue_times),

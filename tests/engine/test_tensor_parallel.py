@@ -1,9 +1,10 @@
 """Tensor parallelism (--tp-size): each model replica split over TP ranks, Megatron style. Unit
 tests of the shard arithmetic and of the sharded layers against the unsharded ones (the ranks'
-partial sums added by hand), and of the driver's req_to_token mirror; then the real thing over
-gloo: the scheduler in this process as TP rank 0 driving a follower process, greedy tokens equal to
-HF for every architecture (KV heads split and replicated), both loops, chunked prefill, radix hits,
-retraction and torch.compile; and a served engine with --tp-size 2, whose follower's death stops it."""
+partial sums added by hand), and of the driver's req_to_token mirror; then the real thing (the
+forward's all-reduces through shared memory, once through gloo): the scheduler in this process as
+TP rank 0 driving a follower process, greedy tokens equal to HF for every architecture (KV heads
+split and replicated), both loops, chunked prefill, radix hits, retraction and torch.compile; and a
+served engine with --tp-size 2, whose follower's death stops it."""
 from __future__ import annotations
 
 import asyncio
@@ -15,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from baton.engine.distributed.parallel_state import TpGroup, validate_tp
+from baton.engine.distributed.parallel_state import TpGroup, all_reduce_backend, validate_tp
 from baton.engine.layers.linear import MergedColumnLinear, RowParallelLinear, even_parts, qkv_parts
 from baton.engine.server_args import ServerArgs
 from scheduler_harness import SchedulerHarness
@@ -132,11 +133,13 @@ def test_the_driver_sends_only_the_table_entries_that_changed():
     assert torch.equal(sender.mirror[1, :6], table[1, :6])
 
 
-# ---------------------------------------------------------------------------- TP 2 over gloo, in-process driver
+# ---------------------------------------------------------------------------- TP 2, in-process driver
 
 def _run_tp(path: str, prompts, max_new: int = MAX_NEW, **overrides):
     args = dict(tp_size=2, **overrides)
     with tp_followers(ServerArgs(model_path=path, **args)) as tp:
+        # the forward's all-reduces: the shared memory segment unless the test asks for gloo's
+        assert all_reduce_backend(tp) == args.get("tp_cpu_allreduce", "shm")
         h = SchedulerHarness(path, tp=tp, **args)
         try:
             results = run_workload(h, prompts, max_new=max_new, **({"ignore_eos": True} if max_new != MAX_NEW else {}))
@@ -165,13 +168,13 @@ def test_tp2_matches_hf_concurrent_chunked_radix(tiny_model_factory, arch, overr
     assert scheduler.worker.model_runner.token_to_kv_pool.head_num == 1
 
 
-@pytest.mark.parametrize("loop", ["plain", "overlap"])
-def test_tp2_matches_hf_under_retraction(tiny_model_factory, loop):
+@pytest.mark.parametrize("loop, allreduce", [("plain", "shm"), ("overlap", "gloo")])
+def test_tp2_matches_hf_under_retraction(tiny_model_factory, loop, allreduce):
     path = tiny_model_factory("llama")
     prompts, max_new = workload(seed=1), 40
     pool = int(0.6 * (sum(map(len, prompts)) + max_new * len(prompts)))
     scheduler, results = _run_tp(path, prompts, max_new=max_new, chunked_prefill_size=32, max_total_tokens=pool,
-                                 **_loop(loop))
+                                 tp_cpu_allreduce=allreduce, **_loop(loop))
     assert scheduler.stats.retractions > 0
     for i, p in enumerate(prompts):
         assert results[str(i)].ids == hf_greedy(path, p, max_new, ignore_eos=True), f"request {i} differs from HF"
@@ -209,7 +212,7 @@ def test_served_tp2_matches_hf_and_a_dead_follower_stops_the_engine(tiny_model_f
         for p, out in zip(prompts, greedy_concurrently(eng.base_url, prompts, 8)):
             assert out == hf_greedy(path, p, 8)
         info = wait_idle_integrity(eng.base_url)
-        assert info["integrity_ok"] is True and info["tp_size"] == 2
+        assert info["integrity_ok"] is True and info["tp_size"] == 2 and info["tp_allreduce"] == "shm"
         (follower,) = info["tp_follower_pids"]
 
         async def killed():

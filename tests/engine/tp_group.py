@@ -36,7 +36,7 @@ def tp_followers(args: ServerArgs) -> Iterator[TpGroup]:
         pipes.append(r)
     tp = None
     try:
-        tp = init_tp_group(0, args.tp_size, addr, args.device)
+        tp = init_tp_group(0, args.tp_size, addr, args.device, args.tp_cpu_allreduce)
         # no waiting for the followers' ready reports here: their start-up (compile warm-up, pool
         # sizing) runs collectives that meet the driver's own start-up, which comes next
         yield tp
