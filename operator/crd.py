@@ -101,8 +101,8 @@ def role_schema(what: str) -> dict[str, Any]:
         "gpus": _int("GPUs per pod: 0 runs on CPU, otherwise tp*dp.", 0, 64, 0),
         "gpuResourceName": _str("Extended resource of one GPU.", default="nvidia.com/gpu", maxLength=253),
         "shmSize": {**_QUANTITY, "description": "Size of the /dev/shm memory volume that pods with more than "
-                                                "one rank (tp*dp > 1) get for NCCL/gloo (unset: no limit); "
-                                                "set, every pod of the role gets the volume."},
+                                                "one rank (tp*dp > 1) get for NCCL, gloo and the CPU TP all-reduce "
+                                                "(unset: no limit); set, every pod of the role gets the volume."},
         "terminationGracePeriodSeconds": _int(
             "Seconds a stopping pod gets to finish the requests it runs (it accepts no new ones) before it "
             "is killed; raise it for long generations.", 0, 86400, 60),

@@ -120,22 +120,26 @@ def _join_shm_all_reduce(tp: TpGroup) -> None:
 
     from baton.engine.distributed import shm_allreduce
 
-    group = resolve_group(tp.cpu_group)
-    path, shm, why = None, None, shm_allreduce.unavailable_reason()
+    made, shm, why = None, None, shm_allreduce.unavailable_reason()
     if tp.is_driver and why is None:
-        path = shm_allreduce.new_segment_path()
-        why = None if path else f"no writable {shm_allreduce.SHM_DIR}"
-    box = [path]
-    dist.broadcast_object_list(box, src=0, group=group)
+        made = shm_allreduce.new_segment_path()
+        why = None if made else f"no writable {shm_allreduce.SHM_DIR}"
+        if made is not None:
+            try:  # made before its path is sent: a follower opens an existing file
+                shm = shm_allreduce.ShmAllReduce(made, tp.rank, tp.size, create=True)
+            except OSError as e:
+                why = f"{made}: {e}"
+    box = [made if shm is not None else None]
+    dist.broadcast_object_list(box, src=0, group=resolve_group(tp.cpu_group))
     path = box[0]
-    if path is not None and why is None:
+    if not tp.is_driver and path is not None and why is None:
         try:
-            shm = shm_allreduce.ShmAllReduce(path, tp.rank, tp.size, create=tp.is_driver)
+            shm = shm_allreduce.ShmAllReduce(path, tp.rank, tp.size)
         except OSError as e:
             why = f"{path}: {e}"
     ok = all_reduce_min(int(shm is not None), tp)  # also: every rank has mapped the file by now
-    if tp.is_driver and path is not None and os.path.exists(path):
-        os.unlink(path)  # the mappings stay; nothing is left in /dev/shm if a rank dies
+    if made is not None and os.path.exists(made):
+        os.unlink(made)  # the mappings stay; nothing is left in /dev/shm if a rank dies
     if ok:
         _SHM[tp.device_group] = shm
     elif tp.is_driver or why:

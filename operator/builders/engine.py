@@ -65,8 +65,9 @@ def _volumes(isvc: InferenceService, r: RoleSpec) -> tuple[list[dict[str, Any]],
     model = isvc.spec.model
     volumes: list[dict[str, Any]] = []
     mounts: list[dict[str, Any]] = []
-    # NCCL and gloo between the ranks of a pod go through /dev/shm, which is 64 MiB in a container.
-    # A single rank does not need more: it gets the runtime's /dev/shm unless shmSize asks otherwise.
+    # NCCL, gloo and the CPU TP all-reduce between the ranks of a pod go through /dev/shm, which is
+    # 64 MiB in a container. A single rank does not need more: it gets the runtime's /dev/shm unless
+    # shmSize asks otherwise.
     if r.ranks > 1 or r.shm_size is not None:
         shm: dict[str, Any] = {"medium": "Memory"}
         if r.shm_size is not None:

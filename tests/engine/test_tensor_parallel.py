@@ -229,3 +229,21 @@ def test_served_tp2_matches_hf_and_a_dead_follower_stops_the_engine(tiny_model_f
         log = eng.log_tail(200)
         assert code == 1, f"exit code {code}\n{log}"
         assert "TP rank 1" in log, log
+
+
+def test_served_dp2_tp2_runs_two_sharded_replicas_equal_to_hf(tiny_model_factory):
+    """--dp-size 2 --tp-size 2: four processes, two replicas each split over two ranks, each pair
+    with its own rendezvous and all-reduce segment."""
+    from engine_server import greedy_concurrently, running_engine, wait_idle_integrity
+
+    path = tiny_model_factory("llama")
+    prompts = [[(17 * i + 5 * j) % 480 + 7 for j in range(4 + 3 * i)] for i in range(8)]
+    with running_engine(path, "--tp-size", "2", "--dp-size", "2", "--max-total-tokens", "2048") as eng:
+        for p, out in zip(prompts, greedy_concurrently(eng.base_url, prompts, 6)):
+            assert out == hf_greedy(path, p, 6)
+        info = wait_idle_integrity(eng.base_url)
+        assert info["integrity_ok"] is True and info["dp_size"] == 2 and info["tp_size"] == 2
+        assert len(info["tp_follower_pids"]) == 2
+        ranks = info["internal_states"]
+        assert [(s["dp_rank"], s["tp_allreduce"]) for s in ranks] == [(0, "shm"), (1, "shm")], eng.log_tail(60)
+        assert all(s["integrity_ok"] is True and s["num_running_reqs"] == 0 for s in ranks)
