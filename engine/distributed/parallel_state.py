@@ -7,8 +7,8 @@ initialised, so a single-process engine never touches torch.distributed.
 Two process groups per TP group, as SGLang keeps them:
 - the device group, for the all-reduces inside the forward: NCCL on CUDA, gloo on CPU;
 - the CPU group (gloo), for what the scheduler's rank tells the others every step (step.py).
-On CPU both are one gloo group, and the forward's all-reduces go through a shared memory segment
-instead (shm_allreduce.py; `--tp-cpu-allreduce gloo` keeps gloo's).
+On CPU both are one gloo group, and its all-reduces and the step broadcasts go through a shared
+memory segment instead (shm_group.py; `--tp-cpu-allreduce gloo` keeps gloo's).
 
 The all-reduce is a torch custom op (`baton::tp_all_reduce`): Dynamo treats it as one opaque call,
 so a compiled forward keeps one graph, and on CUDA it is captured into the decode graphs like any
@@ -88,7 +88,8 @@ def validate_tp(config: Any, tp_size: int) -> None:
 
 CPU_ALLREDUCE = ("shm", "gloo")
 
-# device group name -> the shared memory all-reduce of a CPU TP group this process belongs to
+# group name -> the shared memory segment of a CPU TP group this process belongs to (on CPU the
+# device and CPU groups are one group)
 _SHM: dict[str, Any] = {}
 
 
@@ -118,15 +119,15 @@ def _join_shm_all_reduce(tp: TpGroup) -> None:
     rank without it would wait in gloo for the others forever), else all keep gloo."""
     import torch.distributed as dist
 
-    from baton.engine.distributed import shm_allreduce
+    from baton.engine.distributed import shm_group
 
-    made, shm, why = None, None, shm_allreduce.unavailable_reason()
+    made, shm, why = None, None, shm_group.unavailable_reason()
     if tp.is_driver and why is None:
-        made = shm_allreduce.new_segment_path()
-        why = None if made else f"no writable {shm_allreduce.SHM_DIR}"
+        made = shm_group.new_segment_path()
+        why = None if made else f"no writable {shm_group.SHM_DIR}"
         if made is not None:
             try:  # made before its path is sent: a follower opens an existing file
-                shm = shm_allreduce.ShmAllReduce(made, tp.rank, tp.size, create=True)
+                shm = shm_group.ShmGroup(made, tp.rank, tp.size, create=True)
             except OSError as e:
                 why = f"{made}: {e}"
     box = [made if shm is not None else None]
@@ -134,7 +135,7 @@ def _join_shm_all_reduce(tp: TpGroup) -> None:
     path = box[0]
     if not tp.is_driver and path is not None and why is None:
         try:
-            shm = shm_allreduce.ShmAllReduce(path, tp.rank, tp.size)
+            shm = shm_group.ShmGroup(path, tp.rank, tp.size)
         except OSError as e:
             why = f"{path}: {e}"
     ok = all_reduce_min(int(shm is not None), tp)  # also: every rank has mapped the file by now
@@ -144,6 +145,11 @@ def _join_shm_all_reduce(tp: TpGroup) -> None:
         _SHM[tp.device_group] = shm
     elif tp.is_driver or why:
         logger.warning("TP all-reduce stays on gloo: %s", why or "another rank could not map the shared memory")
+
+
+def shm_group_of(group_name: Optional[str]) -> Any:
+    """The shared memory segment that carries this group's collectives, or None (gloo, NCCL)."""
+    return _SHM.get(group_name) if group_name else None
 
 
 def all_reduce_backend(tp: TpGroup) -> str:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, NamedTuple, Optional
 
 import torch
 
-from baton.engine.distributed.parallel_state import TpGroup, resolve_group
+from baton.engine.distributed.parallel_state import TpGroup, resolve_group, shm_group_of
 from baton.engine.model_executor.forward_batch import ForwardMode
 
 if TYPE_CHECKING:
@@ -43,7 +43,11 @@ _STOP, _FORWARD = 0, 1
 def _broadcast(t: torch.Tensor, group_name: str) -> None:
     import torch.distributed as dist
 
-    dist.broadcast(t, src=0, group=resolve_group(group_name))
+    shm = shm_group_of(group_name)  # a CPU group's shared memory segment, when it has one
+    if shm is not None and t.device.type == "cpu":
+        shm.broadcast(t)
+    else:
+        dist.broadcast(t, src=0, group=resolve_group(group_name))
 
 
 class Step(NamedTuple):

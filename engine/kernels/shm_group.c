@@ -13,6 +13,15 @@
 //
 // Tensors larger than a slot go in slot-sized rounds. bfloat16 and float16 are summed in float32
 // and rounded to nearest even once, per element.
+//
+// The same file carries the driver's step broadcast (scheduler/tp_step.py), in a region of its own
+// (`bbase`):
+//   published  int64, one line                       the driver's last written round
+//   acks       int64[size], one line each            follower r's last consumed round
+//   data       2 buffers x buf_bytes                 round s is in buffer (s & 1)
+// The driver writes buffer b again at round s + 2 only once every follower acknowledged round s.
+// A follower waits for the next round as long as the engine is idle: it spins briefly, then
+// yields, then sleeps in steps growing to 1 ms, so an idle engine's followers cost ~nothing.
 #define _GNU_SOURCE
 #include <immintrin.h>
 #include <sched.h>
@@ -116,4 +125,60 @@ int shm_allreduce(char *base, int rank, int size, int64_t slot_bytes, void *data
             sum_half(base, size, slot_bytes, s, (uint16_t *)(bytes + done * elem), n, dtype);
     }
     return 0;
+}
+
+static inline volatile int64_t *bcast_published(char *bbase) { return (volatile int64_t *)bbase; }
+static inline volatile int64_t *bcast_ack(char *bbase, int rank) {
+    return (volatile int64_t *)bbase + (1 + rank) * FLAG_STRIDE;
+}
+static inline char *bcast_buffer(char *bbase, int size, int64_t buf_bytes, int64_t seq) {
+    return bbase + (int64_t)(1 + size) * FLAG_STRIDE * sizeof(int64_t) + (seq & 1) * buf_bytes;
+}
+
+// Driver (rank 0): sends nbytes of data to every follower. Returns 0, or 1 when a follower did not
+// take a round within timeout_s (it is gone).
+int shm_bcast_send(char *bbase, int size, int64_t buf_bytes, const void *data, int64_t nbytes, int64_t *seq,
+                   double timeout_s) {
+    const char *bytes = (const char *)data;
+    for (int64_t done = 0; done < nbytes; done += buf_bytes) {
+        int64_t n = nbytes - done < buf_bytes ? nbytes - done : buf_bytes;
+        int64_t s = ++*seq;
+        for (int r = 1; r < size; r++) {  // the buffer of round s - 2 must have been read by all
+            long spins = 0;
+            double start = 0.0;
+            while (__atomic_load_n(bcast_ack(bbase, r), __ATOMIC_ACQUIRE) < s - 2) {
+                _mm_pause();
+                if (++spins % SPINS_BEFORE_YIELD == 0) {
+                    sched_yield();
+                    if (start == 0.0) start = now_s();
+                    else if (now_s() - start > timeout_s) return 1;
+                }
+            }
+        }
+        memcpy(bcast_buffer(bbase, size, buf_bytes, s), bytes + done, n);
+        __atomic_store_n(bcast_published(bbase), s, __ATOMIC_RELEASE);
+    }
+    return 0;
+}
+
+// Follower: receives nbytes into out, waiting for the driver as long as it takes.
+void shm_bcast_recv(char *bbase, int rank, int size, int64_t buf_bytes, void *out, int64_t nbytes, int64_t *seq) {
+    char *bytes = (char *)out;
+    for (int64_t done = 0; done < nbytes; done += buf_bytes) {
+        int64_t n = nbytes - done < buf_bytes ? nbytes - done : buf_bytes;
+        int64_t s = ++*seq;
+        long spins = 0, sleep_ns = 20000;
+        while (__atomic_load_n(bcast_published(bbase), __ATOMIC_ACQUIRE) < s) {
+            if (++spins < 16 * SPINS_BEFORE_YIELD) {
+                _mm_pause();
+                if (spins % SPINS_BEFORE_YIELD == 0) sched_yield();
+            } else {
+                struct timespec ts = {0, sleep_ns};
+                nanosleep(&ts, NULL);
+                if (sleep_ns < 1000000) sleep_ns *= 2;
+            }
+        }
+        memcpy(bytes + done, bcast_buffer(bbase, size, buf_bytes, s), n);
+        __atomic_store_n(bcast_ack(bbase, rank), s, __ATOMIC_RELEASE);
+    }
 }

@@ -1,0 +1,159 @@
+"""The shared memory collectives of CPU TP groups (engine/distributed/shm_group.py): real ranks in
+separate processes. All-reduce against sums computed here in the same order (tensors of several
+rounds, every dtype, size 0); the step broadcast byte for byte, in several rounds, after an idle
+wait; a missing peer is an error, not a hang. The TP tests (test_tensor_parallel.py) run their
+steps and forwards through it and match HF."""
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import os
+
+import pytest
+import torch
+
+from baton.engine.distributed import shm_group
+from baton.engine.distributed.shm_group import ShmGroup
+
+if shm_group.unavailable_reason() is not None or shm_group.new_segment_path() is None:
+    pytest.fail(f"the shared memory all-reduce cannot run here: {shm_group.unavailable_reason() or '/dev/shm'}")
+
+SLOT = 64  # bytes: 16 float32s per round, so most tensors below take several rounds
+SHAPES = [(0,), (1,), (3, 5), (16,), (17,), (4, 33), (1000,)]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _inputs(rank: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 + rank)
+    return [(torch.randn(shape, generator=gen) * 10).to(dtype) for dtype in DTYPES for shape in SHAPES]
+
+
+def _expected(size: int) -> list[torch.Tensor]:
+    """Rank order, in float32, rounded once: what every rank must produce, bit for bit."""
+    per_rank = [_inputs(r) for r in range(size)]
+    out = []
+    for parts in zip(*per_rank):
+        acc = parts[0].float()
+        for p in parts[1:]:
+            acc = acc + p.float()
+        out.append(acc.to(parts[0].dtype))
+    return out
+
+
+def _rank(path: str, rank: int, size: int, queue) -> None:
+    shm = ShmGroup(path, rank, size, slot_bytes=SLOT)
+    results = []
+    for x in _inputs(rank):
+        before = x.clone()
+        results.append(shm.all_reduce(x))
+        assert torch.equal(x, before), "the input was changed"
+    buf = io.BytesIO()
+    torch.save(results, buf)  # bytes, not tensors: a queued tensor's memory dies with this process
+    queue.put((rank, buf.getvalue()))
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_every_rank_gets_the_same_sum_in_every_dtype(size):
+    path = shm_group.new_segment_path()
+    ShmGroup(path, 0, size, slot_bytes=SLOT, create=True)  # made here, as TP rank 0 makes it
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(path, r, size, queue), daemon=True) for r in range(size)]
+    try:
+        for p in procs:
+            p.start()
+        got = {rank: torch.load(io.BytesIO(data)) for rank, data in (queue.get(timeout=120) for _ in procs)}
+        for p in procs:
+            p.join(30)
+        assert [p.exitcode for p in procs] == [0] * size
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        os.unlink(path)
+    want = _expected(size)
+    for rank in range(size):
+        for i, (g, w) in enumerate(zip(got[rank], want)):
+            assert g.dtype == w.dtype and g.shape == w.shape and torch.equal(g, w), (rank, i, g.dtype, g.shape)
+
+
+def test_a_missing_peer_is_an_error_not_a_hang():
+    path = shm_group.new_segment_path()
+    try:
+        shm = ShmGroup(path, 0, 2, slot_bytes=SLOT, create=True, timeout_s=0.3)
+        with pytest.raises(RuntimeError, match="did not arrive within 0.3s"):
+            shm.all_reduce(torch.ones(4))
+    finally:
+        os.unlink(path)
+
+
+def test_a_segment_of_another_group_size_is_refused():
+    path = shm_group.new_segment_path()
+    try:
+        ShmGroup(path, 0, 2, slot_bytes=SLOT, create=True)
+        with pytest.raises(ValueError, match="expected"):
+            ShmGroup(path, 1, 3, slot_bytes=SLOT)
+    finally:
+        os.unlink(path)
+
+
+BCAST = 64  # bytes per broadcast round
+
+
+def _messages() -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(5)
+    return [torch.randint(-2**40, 2**40, (n,), generator=gen) for n in (8, 1, 7, 8, 9, 100, 3)]
+
+
+def _bcast_rank(path: str, rank: int, size: int, queue) -> None:
+    import time
+
+    shm = ShmGroup(path, rank, size, slot_bytes=SLOT, bcast_bytes=BCAST)
+    got = []
+    for i, msg in enumerate(_messages()):
+        if rank == 0:
+            if i == 3:
+                time.sleep(0.5)  # the followers wait idle (spin, yield, then sleep) meanwhile
+            shm.broadcast(msg.clone())
+        else:
+            out = torch.zeros_like(msg)
+            shm.broadcast(out)
+            got.append(out)
+    buf = io.BytesIO()
+    torch.save(got, buf)
+    queue.put((rank, buf.getvalue()))
+
+
+def test_the_step_broadcast_reaches_every_follower_byte_for_byte():
+    size = 3
+    path = shm_group.new_segment_path()
+    ShmGroup(path, 0, size, slot_bytes=SLOT, bcast_bytes=BCAST, create=True)
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_bcast_rank, args=(path, r, size, queue), daemon=True) for r in range(size)]
+    try:
+        for p in procs:
+            p.start()
+        got = {rank: torch.load(io.BytesIO(data)) for rank, data in (queue.get(timeout=120) for _ in procs)}
+        for p in procs:
+            p.join(30)
+        assert [p.exitcode for p in procs] == [0] * size
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        os.unlink(path)
+    for rank in (1, 2):
+        assert [g.tolist() for g in got[rank]] == [m.tolist() for m in _messages()], rank
+
+
+def test_a_broadcast_no_follower_takes_is_an_error_not_a_hang():
+    path = shm_group.new_segment_path()
+    try:
+        shm = ShmGroup(path, 0, 2, slot_bytes=SLOT, bcast_bytes=BCAST, create=True, timeout_s=0.3)
+        shm.broadcast(torch.zeros(8, dtype=torch.int64))  # rounds 1 and 2 need no acknowledgement yet
+        shm.broadcast(torch.zeros(8, dtype=torch.int64))
+        with pytest.raises(RuntimeError, match="did not take the data within 0.3s"):
+            shm.broadcast(torch.zeros(8, dtype=torch.int64))
+    finally:
+        os.unlink(path)
