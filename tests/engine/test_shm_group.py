@@ -19,6 +19,7 @@ if shm_group.unavailable_reason() is not None or shm_group.new_segment_path() is
     pytest.fail(f"the shared memory all-reduce cannot run here: {shm_group.unavailable_reason() or '/dev/shm'}")
 
 SLOT = 64  # bytes: 16 float32s per round, so most tensors below take several rounds
+BCAST = 64  # bytes per broadcast round
 SHAPES = [(0,), (1,), (3, 5), (16,), (17,), (4, 33), (1000,)]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -41,24 +42,23 @@ def _expected(size: int) -> list[torch.Tensor]:
 
 
 def _rank(path: str, rank: int, size: int, queue) -> None:
-    shm = ShmGroup(path, rank, size, slot_bytes=SLOT)
+    shm = ShmGroup(path, rank, size, slot_bytes=SLOT, bcast_bytes=BCAST)
     results = []
     for x in _inputs(rank):
         before = x.clone()
         results.append(shm.all_reduce(x))
         assert torch.equal(x, before), "the input was changed"
-    buf = io.BytesIO()
-    torch.save(results, buf)  # bytes, not tensors: a queued tensor's memory dies with this process
-    queue.put((rank, buf.getvalue()))
+    _put(queue, rank, results)
 
 
-@pytest.mark.parametrize("size", [2, 3])
-def test_every_rank_gets_the_same_sum_in_every_dtype(size):
+def _run_ranks(target, size: int) -> dict[int, list[torch.Tensor]]:
+    """`target(path, rank, size, queue)` in one process per rank on a segment made here (as TP rank
+    0 makes it); returns what each rank put on the queue."""
     path = shm_group.new_segment_path()
-    ShmGroup(path, 0, size, slot_bytes=SLOT, create=True)  # made here, as TP rank 0 makes it
+    ShmGroup(path, 0, size, slot_bytes=SLOT, bcast_bytes=BCAST, create=True)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(path, r, size, queue), daemon=True) for r in range(size)]
+    procs = [ctx.Process(target=target, args=(path, r, size, queue), daemon=True) for r in range(size)]
     try:
         for p in procs:
             p.start()
@@ -66,11 +66,23 @@ def test_every_rank_gets_the_same_sum_in_every_dtype(size):
         for p in procs:
             p.join(30)
         assert [p.exitcode for p in procs] == [0] * size
+        return got
     finally:
         for p in procs:
             if p.is_alive():
                 p.kill()
         os.unlink(path)
+
+
+def _put(queue, rank: int, tensors: list[torch.Tensor]) -> None:
+    buf = io.BytesIO()
+    torch.save(tensors, buf)  # bytes, not tensors: a queued tensor's memory dies with this process
+    queue.put((rank, buf.getvalue()))
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_every_rank_gets_the_same_sum_in_every_dtype(size):
+    got = _run_ranks(_rank, size)
     want = _expected(size)
     for rank in range(size):
         for i, (g, w) in enumerate(zip(got[rank], want)):
@@ -97,8 +109,6 @@ def test_a_segment_of_another_group_size_is_refused():
         os.unlink(path)
 
 
-BCAST = 64  # bytes per broadcast round
-
 
 def _messages() -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(5)
@@ -119,30 +129,11 @@ def _bcast_rank(path: str, rank: int, size: int, queue) -> None:
             out = torch.zeros_like(msg)
             shm.broadcast(out)
             got.append(out)
-    buf = io.BytesIO()
-    torch.save(got, buf)
-    queue.put((rank, buf.getvalue()))
+    _put(queue, rank, got)
 
 
 def test_the_step_broadcast_reaches_every_follower_byte_for_byte():
-    size = 3
-    path = shm_group.new_segment_path()
-    ShmGroup(path, 0, size, slot_bytes=SLOT, bcast_bytes=BCAST, create=True)
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_bcast_rank, args=(path, r, size, queue), daemon=True) for r in range(size)]
-    try:
-        for p in procs:
-            p.start()
-        got = {rank: torch.load(io.BytesIO(data)) for rank, data in (queue.get(timeout=120) for _ in procs)}
-        for p in procs:
-            p.join(30)
-        assert [p.exitcode for p in procs] == [0] * size
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        os.unlink(path)
+    got = _run_ranks(_bcast_rank, 3)
     for rank in (1, 2):
         assert [g.tolist() for g in got[rank]] == [m.tolist() for m in _messages()], rank
 
