@@ -158,7 +158,34 @@ class DriverLink:
         self._ctx.term()
 
 
-class TpKVSender(KVSenderBase):
+class _FanOut:
+    """What a sender and a receiver of the driver share: the rank-0 object `local`, its room, the
+    followers' states through `link`."""
+
+    local: Any
+    link: DriverLink
+    room: int
+
+    def poll(self) -> KVPoll:
+        return min(self.local.poll(), self.link.state(self.room)[0])
+
+    def failure_reason(self) -> Optional[str]:
+        if self.local.poll() == KVPoll.Failed:
+            return self.local.failure_reason()
+        state, reason = self.link.state(self.room)
+        return reason if state == KVPoll.Failed else None
+
+    def abort(self, reason: str) -> None:
+        self.local.abort(reason)
+        self.link.op({"op": "abort", "room": self.room, "reason": reason})
+
+    def clear(self) -> None:
+        self.local.clear()
+        self.link.op({"op": "clear", "room": self.room})
+        self.link.forget(self.room)
+
+
+class TpKVSender(_FanOut, KVSenderBase):
     def __init__(self, local: KVSenderBase, link: DriverLink, tp_size: int) -> None:
         self.local, self.link, self.room, self._tp_size = local, link, local.room, tp_size
 
@@ -172,28 +199,13 @@ class TpKVSender(KVSenderBase):
         self.link.op({"op": "send", "room": self.room, "is_last": is_last,
                       "metadata": list(metadata) if metadata is not None else None}, pages)
 
-    def poll(self) -> KVPoll:
-        return min(self.local.poll(), self.link.state(self.room)[0])
-
-    def failure_reason(self) -> Optional[str]:
-        return _reason(self.local, self.link, self.room)
-
     def stats(self) -> TransferStats:
         """The engine's bytes: every rank moves a shard of the same size."""
         own = self.local.stats()
         return TransferStats(own.bytes * self._tp_size, own.seconds)
 
-    def abort(self, reason: str) -> None:
-        self.local.abort(reason)
-        self.link.op({"op": "abort", "room": self.room, "reason": reason})
 
-    def clear(self) -> None:
-        self.local.clear()
-        self.link.op({"op": "clear", "room": self.room})
-        self.link.forget(self.room)
-
-
-class TpKVReceiver(KVReceiverBase):
+class TpKVReceiver(_FanOut, KVReceiverBase):
     def __init__(self, local: KVReceiverBase, link: DriverLink) -> None:
         self.local, self.link = local, link
         self.room, self.bootstrap_addr = local.room, local.bootstrap_addr
@@ -203,30 +215,8 @@ class TpKVReceiver(KVReceiverBase):
         self.local.init(pages, meta_slot, prefix_pages)
         self.link.op({"op": "rinit", "room": self.room, "meta_slot": meta_slot, "prefix_pages": prefix_pages}, pages)
 
-    def poll(self) -> KVPoll:
-        return min(self.local.poll(), self.link.state(self.room)[0])
-
     def metadata(self) -> KVMetadata:
         return self.local.metadata()
-
-    def failure_reason(self) -> Optional[str]:
-        return _reason(self.local, self.link, self.room)
-
-    def abort(self, reason: str) -> None:
-        self.local.abort(reason)
-        self.link.op({"op": "abort", "room": self.room, "reason": reason})
-
-    def clear(self) -> None:
-        self.local.clear()
-        self.link.op({"op": "clear", "room": self.room})
-        self.link.forget(self.room)
-
-
-def _reason(local, link: DriverLink, room: int) -> Optional[str]:
-    if local.poll() == KVPoll.Failed:
-        return local.failure_reason()
-    state, reason = link.state(room)
-    return reason if state == KVPoll.Failed else None
 
 
 class TpKVManager(KVManagerBase):
