@@ -195,6 +195,18 @@ def test_colocated_tensor_parallel_engine_gets_tp_size_and_a_memory_dev_shm():
     assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}  # shared memory needs no privilege
 
 
+def test_pd_roles_with_tensor_parallelism_get_tp_size_and_a_memory_dev_shm():
+    """Each TP rank of a prefill sends its KV shard to the same rank of the decode: both get --tp-size,
+    the disaggregation flags, and /dev/shm for the ranks' collectives."""
+    isvc = parse(isvc_body(prefill={"tp": 2}, decode={"tp": 2, "dp": 2}))
+    for role, ranks in ((Role.PREFILL, 2), (Role.DECODE, 4)):
+        dep = engine_deployment(isvc, role)
+        c, pod = container(dep), dep["spec"]["template"]["spec"]
+        assert flag(c["args"], "--tp-size") == "2" and flag(c["args"], "--disaggregation-mode") == role.value
+        assert flag(c["args"], "--dp-size") == str(ranks // 2) and flag(c["args"], "--device") == "cpu"
+        assert pod["volumes"] == [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
+
+
 @pytest.mark.parametrize("role_spec, shm", [
     ({}, None), ({"gpus": 1}, None), ({"dp": 2}, {"medium": "Memory"}),
     ({"tp": 2, "dp": 2, "gpus": 4}, {"medium": "Memory"}),
