@@ -138,7 +138,8 @@ def test_a_failure_on_one_rank_fails_the_request_on_both_sides_and_names_the_ran
         sender, receiver = _transfer(addr, prefill, decode, 7002, [1, 2], [5, 6])
         assert wait_final(sender, 15) == KVPoll.Failed
         assert sender.failure_reason().startswith("TP rank 1: ") and "injected fault" in sender.failure_reason()
-        assert sender.local.poll() == KVPoll.Success, "rank 0's shard went through: only rank 1 failed"
+        # rank 0's shard goes through (it may still be on its way when rank 1's failure is in)
+        assert wait_final(sender.local, 15) == KVPoll.Success, sender.local.failure_reason()
         assert wait_final(receiver, 15) == KVPoll.Failed and "TP rank 1: " in receiver.failure_reason()
         _finish(prefill, decode, sender, receiver)
 

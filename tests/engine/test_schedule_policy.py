@@ -225,11 +225,12 @@ def test_overlap_default_depends_on_device():
     assert not ServerArgs(model_path="m", device="cuda", disable_overlap_schedule=True).enable_overlap
 
 
-def test_parallelism_beyond_one_is_refused_clearly():
+def test_pd_with_tp_needs_a_backend_that_crosses_processes():
     from baton.engine.server_args import ServerArgs
 
-    with pytest.raises(ValueError, match="not implemented"):
-        ServerArgs(model_path="m", tp_size=2, disaggregation_mode="decode")
+    assert ServerArgs(model_path="m", tp_size=2, disaggregation_mode="decode").tp_size == 2  # mooncake
+    with pytest.raises(ValueError, match="crosses processes"):
+        ServerArgs(model_path="m", tp_size=2, disaggregation_mode="decode", disaggregation_transfer_backend="fake")
 
 
 def test_pd_metrics_observe_each_sample_once():

@@ -50,10 +50,7 @@ def test_server_args():
     assert ServerArgs(model_path="m", tp_size=2).tp_size == 2
     with pytest.raises(ValueError, match="--tp-size must be >= 1"):
         ServerArgs(model_path="m", tp_size=0)
-    # PD + TP: each rank moves its own shard, which the in-process fake backend cannot do
-    assert ServerArgs(model_path="m", tp_size=2, disaggregation_mode="prefill").tp_size == 2
-    with pytest.raises(ValueError, match="crosses processes"):
-        ServerArgs(model_path="m", tp_size=2, disaggregation_mode="decode", disaggregation_transfer_backend="fake")
+    # PD + TP (each rank moves its own shard; the in-process fake backend cannot): test_schedule_policy.py
     assert ServerArgs(model_path="m", tp_size=2, dp_size=2, base_gpu_id=1).gpu_id(1, 1) == 4
 
 
