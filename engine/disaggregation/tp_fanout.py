@@ -286,7 +286,7 @@ class FollowerKVService:
         return self
 
     @classmethod
-    def join(cls, server_args, runner, tp, dp_rank: int) -> "FollowerKVService":
+    def join(cls, runner, tp) -> "FollowerKVService":
         """The follower's side of DriverLink.exchange, then its backend (a prefill rank registers at
         the bootstrap server here)."""
         from baton.engine.disaggregation import create_transfer_backend

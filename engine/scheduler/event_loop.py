@@ -145,7 +145,7 @@ def run_tp_follower_process(server_args: ServerArgs, dp_rank: int, tp_rank: int,
         if server_args.disaggregation_mode != "null":  # this rank moves its own KV shard (tp_fanout.py)
             from baton.engine.disaggregation.tp_fanout import FollowerKVService
 
-            kv = FollowerKVService.join(server_args, runner, tp, dp_rank)
+            kv = FollowerKVService.join(runner, tp)
     except Exception:
         ready_pipe.send(("error", traceback.format_exc()))
         return
