@@ -10,7 +10,7 @@ Two process groups per TP group, as SGLang keeps them:
 On CPU both are one gloo group, and its all-reduces and the step broadcasts go through a shared
 memory segment instead (shm_group.py; `--tp-cpu-allreduce gloo` keeps gloo's).
 
-The all-reduce is a torch custom op (`baton::tp_all_reduce`): Dynamo treats it as one opaque call,
+The all-reduce (and the LM head's all-gather) is a torch custom op (`baton::tp_all_reduce`): Dynamo treats it as one opaque call,
 so a compiled forward keeps one graph, and on CUDA it is captured into the decode graphs like any
 kernel (NCCL's all-reduce is graph-safe).
 """
@@ -200,6 +200,37 @@ def all_reduce(x: torch.Tensor, tp: TpGroup) -> torch.Tensor:
     if tp.size == 1:
         return x
     return _tp_all_reduce(x, tp.device_group)
+
+
+@torch.library.custom_op("baton::tp_all_gather", mutates_args=())
+def _tp_all_gather(x: torch.Tensor, group_name: str, size: int) -> torch.Tensor:
+    import torch.distributed as dist
+
+    shm = _SHM.get(group_name)
+    if shm is not None and shm.supports(x):
+        return shm.all_gather(x)
+    x = x.contiguous()
+    out = x.new_empty((size, *x.shape))
+    group = resolve_group(group_name)
+    if x.device.type == "cuda":
+        dist.all_gather_into_tensor(out.view(-1), x.view(-1), group=group)
+    else:
+        dist.all_gather(list(out.unbind(0)), x, group=group)
+    return out
+
+
+@_tp_all_gather.register_fake
+def _(x: torch.Tensor, group_name: str, size: int) -> torch.Tensor:
+    return x.new_empty((size, *x.shape))
+
+
+def all_gather_last_dim(x: torch.Tensor, tp: TpGroup) -> torch.Tensor:
+    """[m, n] on each rank -> [m, size * n], the ranks' columns side by side in rank order (x
+    itself when the group is one rank)."""
+    if tp.size == 1:
+        return x
+    m, n = x.shape
+    return _tp_all_gather(x, tp.device_group, tp.size).permute(1, 0, 2).reshape(m, tp.size * n)
 
 
 def all_reduce_min(value: int, tp: TpGroup) -> int:

@@ -45,6 +45,9 @@ def _library() -> ctypes.CDLL:
     # base, rank, size, slot_bytes, data, numel, dtype, seq*, timeout_s
     lib.shm_allreduce.argtypes = [ptr, ctypes.c_int, ctypes.c_int, i64, ptr, i64, ctypes.c_int, seq, ctypes.c_double]
     lib.shm_allreduce.restype = ctypes.c_int
+    # base, rank, size, slot_bytes, data, nbytes, out, seq*, timeout_s
+    lib.shm_allgather.argtypes = [ptr, ctypes.c_int, ctypes.c_int, i64, ptr, i64, ptr, seq, ctypes.c_double]
+    lib.shm_allgather.restype = ctypes.c_int
     # bbase, size, buf_bytes, data, nbytes, seq*, timeout_s
     lib.shm_bcast_send.argtypes = [ptr, ctypes.c_int, i64, ptr, i64, seq, ctypes.c_double]
     lib.shm_bcast_send.restype = ctypes.c_int
@@ -97,6 +100,19 @@ class ShmGroup:
                                          self.timeout_s)
         if failed:
             raise RuntimeError(f"TP all-reduce: a rank of {self.size} did not arrive within {self.timeout_s:g}s "
+                               "(its process is gone)")
+        return out
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's x (same shape and dtype on each), stacked in rank order: [size, *x.shape]."""
+        x = x.contiguous()
+        out = x.new_empty((self.size, *x.shape))
+        # the all-reduce's round counter: both use the same slots and flags, in one order on every rank
+        failed = self._lib.shm_allgather(self._base, self.rank, self.size, self.slot_bytes, x.data_ptr(),
+                                         x.numel() * x.element_size(), out.data_ptr(),
+                                         ctypes.byref(self._reduce_seq), self.timeout_s)
+        if failed:
+            raise RuntimeError(f"TP all-gather: a rank of {self.size} did not arrive within {self.timeout_s:g}s "
                                "(its process is gone)")
         return out
 

@@ -14,6 +14,10 @@
 // Tensors larger than a slot go in slot-sized rounds. bfloat16 and float16 are summed in float32
 // and rounded to nearest even once, per element.
 //
+// All-gather (the vocab-parallel LM head's logits) uses the same slots and flags: each round every
+// rank copies its next slot-sized piece into its slot, and once all have published, copies every
+// rank's piece out to that rank's part of the output.
+//
 // The same file carries the driver's step broadcast (scheduler/tp_step.py), in a region of its own
 // (`bbase`):
 //   published  int64, one line                       the driver's last written round
@@ -123,6 +127,23 @@ int shm_allreduce(char *base, int rank, int size, int64_t slot_bytes, void *data
             sum_f32(base, size, slot_bytes, s, (float *)(bytes + done * elem), n);
         else
             sum_half(base, size, slot_bytes, s, (uint16_t *)(bytes + done * elem), n, dtype);
+    }
+    return 0;
+}
+
+// Every rank's `nbytes` of `data`, rank after rank, into `out` (size * nbytes bytes). *seq and the
+// return value as in shm_allreduce (one counter for both: every rank calls them in the same order).
+int shm_allgather(char *base, int rank, int size, int64_t slot_bytes, const void *data, int64_t nbytes, void *out,
+                  int64_t *seq, double timeout_s) {
+    const char *in = (const char *)data;
+    char *dst = (char *)out;
+    for (int64_t done = 0; done < nbytes; done += slot_bytes) {
+        int64_t n = nbytes - done < slot_bytes ? nbytes - done : slot_bytes;
+        int64_t s = ++*seq;
+        memcpy(slot_of(base, size, slot_bytes, s, rank), in + done, n);
+        __atomic_store_n(flag_of(base, rank), s, __ATOMIC_RELEASE);
+        if (wait_all(base, size, s, timeout_s)) return 1;
+        for (int r = 0; r < size; r++) memcpy(dst + r * nbytes + done, slot_of(base, size, slot_bytes, s, r), n);
     }
     return 0;
 }

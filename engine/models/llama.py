@@ -9,15 +9,16 @@ q/k/v and gate/up are fused into one linear each; the loader copies every HF che
 
 Tensor parallelism (`tp`, a TpGroup; one rank by default) is Megatron's split: q/k/v and gate/up
 are column-parallel (this rank's heads, its slice of the intermediate size), o_proj and down_proj
-row-parallel (one all-reduce each per layer). Norms, the embedding and the LM head are replicated.
-Each rank builds only its shard and the loader narrows the full checkpoint tensors into it.
+row-parallel (one all-reduce each per layer); the embedding and the LM head are split by vocabulary
+rows (layers/vocab_parallel.py: an all-reduce after the lookup, an all-gather of the logits). Norms
+are replicated. Each rank builds only its shard and the loader narrows the full checkpoint tensors
+into it.
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from baton.engine.distributed.parallel_state import TpGroup
@@ -26,6 +27,7 @@ from baton.engine.layers.layernorm import RMSNorm
 from baton.engine.layers.linear import MergedColumnLinear, RowParallelLinear, even_parts, load_param, qkv_parts
 from baton.engine.layers.radix_attention import RadixAttention
 from baton.engine.layers.rotary_embedding import get_rope
+from baton.engine.layers.vocab_parallel import VocabParallelEmbedding
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -98,9 +100,10 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: "PretrainedConfig", make_layer: Callable[[int], LlamaDecoderLayer]) -> None:
+    def __init__(self, config: "PretrainedConfig", make_layer: Callable[[int], LlamaDecoderLayer],
+                 tp: TpGroup = TpGroup()) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(make_layer(i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -115,10 +118,10 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: "PretrainedConfig", tp: TpGroup = TpGroup()) -> None:
         super().__init__()
         self.config, self.tp = config, tp
-        self.model = LlamaModel(config, self._make_layer)
+        self.model = LlamaModel(config, self._make_layer, tp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = (None if self.tie_word_embeddings
-                        else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
+                        else VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp))
 
     # ---- pieces subclasses override ----
 
@@ -146,9 +149,9 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, forward_batch)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [m, hidden] -> logits [m, vocab] float32."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        """hidden [m, hidden] -> logits [m, vocab] float32. With TP a collective: every rank calls
+        it on the same rows."""
+        return (self.model.embed_tokens if self.lm_head is None else self.lm_head).logits(hidden)
 
     # ---- weights ----
 

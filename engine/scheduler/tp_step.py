@@ -5,12 +5,19 @@ Only the driver runs a scheduler, samples and talks to the rest of the engine. E
 (a follower) loops: receive a step, run the model on its shard (the layers' all-reduces meet the
 driver's), repeat. A follower thus needs nothing of the scheduler but what the forward reads:
 
-    header  int64[8]   command, forward mode, batch size, tokens, table updates, has future slots
-                       (the payload's layout follows from these)
+    header  int64[8]   command, forward mode, batch size, tokens, table updates, has future slots,
+                       prompt-logprob spans (the payload's layout follows from these)
     payload int64[..]  input_ids | positions | req_pool_indices | seq_lens | out_cache_loc
                        [| extend_prefix_lens | extend_seq_lens]     (EXTEND)
                        [| future slots]                             (overlap loop)
                        | rows | cols | slots                        (req_to_token updates)
+                       | span first rows | span row counts          (prompt logprobs)
+
+The LM head is split by vocabulary rows, and each of its calls all-gathers the logits: after the
+forward a follower makes the driver's calls, on the same rows, in the same order. One on each
+request's last position, then one per span of prompt positions whose logprobs a request asked for
+(layers/logits_processor.py prompt_logprob_spans; the step carries the spans, since a follower has
+no requests).
 
 req_to_token: the attention reads each request's row of slot indices, and only the driver's
 scheduler writes rows (admission, prefix hits, radix de-duplication, decode appends). The driver
@@ -62,6 +69,18 @@ class Step(NamedTuple):
     extend_prefix_lens: Optional[list[int]]
     extend_seq_lens: Optional[list[int]]
     future_slots: Optional[torch.Tensor]  # [bs] where this batch's sampled ids go (overlap loop)
+    logit_spans: list[tuple[int, int]]  # (first hidden row, rows) of each prompt-logprob LM head call
+
+
+def _logit_spans(mwb: "ModelWorkerBatch") -> list[tuple[int, int]]:
+    """(first hidden row, rows) of each prompt-logprob LM head call the driver will make."""
+    if not mwb.input_logprob_reqs:
+        return []
+    from baton.engine.layers.logits_processor import prompt_logprob_spans
+
+    spans = prompt_logprob_spans(mwb.input_logprob_reqs, mwb.extend_prefix_lens_cpu, mwb.extend_seq_lens_cpu,
+                                 mwb.seq_lens_cpu)
+    return [(s.first_row, s.rows) for s in spans if s.rows]
 
 
 class StepSender:
@@ -81,10 +100,12 @@ class StepSender:
             parts += [torch.tensor(mwb.extend_prefix_lens_cpu), torch.tensor(mwb.extend_seq_lens_cpu)]
         if mwb.future_indices is not None:
             parts.append(mwb.future_indices)
-        parts += [rows, cols, slots]
+        spans = _logit_spans(mwb)
+        parts += [rows, cols, slots, torch.tensor([s[0] for s in spans], dtype=torch.int64),
+                  torch.tensor([s[1] for s in spans], dtype=torch.int64)]
         payload = torch.cat([t.to("cpu", torch.int64).reshape(-1) for t in parts])
         header = torch.tensor([_FORWARD, int(mwb.forward_mode), len(mwb.seq_lens_cpu), mwb.input_ids.numel(),
-                               rows.numel(), mwb.future_indices is not None, 0, 0], dtype=torch.int64)
+                               rows.numel(), mwb.future_indices is not None, len(spans), 0], dtype=torch.int64)
         _broadcast(header, self.tp.cpu_group)
         _broadcast(payload, self.tp.cpu_group)
 
@@ -124,7 +145,7 @@ class StepReceiver:
     def recv(self) -> Optional[Step]:
         header = torch.empty(_HEADER, dtype=torch.int64)
         _broadcast(header, self.tp.cpu_group)
-        cmd, mode, bs, num_tokens, n_updates, has_future, _, _ = header.tolist()
+        cmd, mode, bs, num_tokens, n_updates, has_future, n_spans, _ = header.tolist()
         if cmd == _STOP:
             return None
         mode = ForwardMode(mode)
@@ -133,17 +154,18 @@ class StepReceiver:
             sizes += [bs, bs]
         if has_future:
             sizes.append(bs)
-        sizes += [n_updates] * 3
+        sizes += [n_updates] * 3 + [n_spans] * 2
         payload = torch.empty(sum(sizes), dtype=torch.int64)
         _broadcast(payload, self.tp.cpu_group)
         fields = list(payload.split(sizes))
-        rows, cols, slots = fields[-3:]
+        rows, cols, slots, span_rows, span_counts = fields[-5:]
         table = self.runner.req_to_token_pool.req_to_token
         table[rows.to(table.device), cols.to(table.device)] = slots.to(table.device)
         extend = mode == ForwardMode.EXTEND
         return Step(mode, fields[0], fields[1], fields[2], fields[3].tolist(), fields[4],
                     fields[5].tolist() if extend else None, fields[6].tolist() if extend else None,
-                    fields[7 if extend else 5] if has_future else None)
+                    fields[7 if extend else 5] if has_future else None,
+                    list(zip(span_rows.tolist(), span_counts.tolist())))
 
     @torch.inference_mode()  # every tensor it makes is an inference tensor, as the driver's batches
     def run(self) -> int:
@@ -166,7 +188,12 @@ class StepReceiver:
             extend_prefix_lens_cpu=step.extend_prefix_lens, extend_seq_lens_cpu=step.extend_seq_lens)
         if step.future_slots is not None:  # the overlap loop: decode inputs may be placeholders
             resolve_future_token_ids(fb.input_ids, self._future_map())
-        runner.forward(fb)
+        hidden = runner.forward(fb)
+        # the driver's LM head calls (each all-gathers logits): last positions, then prompt spans
+        rows = runner.last_token_rows(fb)
+        runner.model.compute_logits(hidden if rows is None else hidden[rows])
+        for first, count in step.logit_spans:
+            runner.model.compute_logits(hidden[first:first + count])
         if step.future_slots is not None:
             sampled = torch.empty(len(step.seq_lens), dtype=torch.int64, device=dev)
             _broadcast(sampled, self.tp.device_group)

@@ -14,7 +14,9 @@ On CPU a worker thread runs the forward (see OverlapWorkerClient).
 
 Tensor parallelism: this worker is the driver of its TP group. Before each forward it sends the
 step to the other ranks (tp_step.py), in the thread that runs the forward, so the step and the
-forward's all-reduces reach every rank in one order; it alone computes logits and samples.
+forward's all-reduces reach every rank in one order. It alone samples; the LM head is split by
+vocabulary rows, so its logits calls are collectives the followers make too, on the rows the step
+names.
 """
 from __future__ import annotations
 
@@ -135,22 +137,25 @@ class TpModelWorker:
         return result
 
     def _input_logprobs(self, mwb: ModelWorkerBatch, fb, hidden: torch.Tensor) -> dict[int, tuple[list, list]]:
-        """Logprobs of prompt tokens in this extend chunk. Row q of a request predicts token q+1."""
-        from baton.engine.layers.logits_processor import compute_input_logprobs
+        """Logprobs of prompt tokens in this extend chunk. Row q of a request predicts token q+1.
+        The LM head runs once per span with rows, in span order: a TP step names the same spans to
+        the followers, whose shards take part in each call (tp_step.py)."""
+        from baton.engine.layers.logits_processor import compute_input_logprobs, prompt_logprob_spans
 
         out: dict[int, tuple[list, list]] = {}
         starts = torch.tensor([0] + fb.extend_seq_lens_cpu, dtype=torch.int64).cumsum(0).tolist()
-        for i, start_pos, input_len, next_after in mwb.input_logprob_reqs:
+        spans = prompt_logprob_spans(mwb.input_logprob_reqs, fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu,
+                                     fb.seq_lens_cpu)
+        for (i, start_pos, _, next_after), span in zip(mwb.input_logprob_reqs, spans):
             p, s = fb.extend_prefix_lens_cpu[i], fb.seq_lens_cpu[i]
-            first_t, last_t = max(start_pos, p + 1, 1), min(s, input_len - 1)  # scored tokens t in [first_t, last_t]
             ids = fb.input_ids[starts[i]:starts[i + 1]].to("cpu")
             # the first prompt token has no logprob (nothing predicts it)
             lps: list = [(None, int(ids[0]))] if (start_pos == 0 and p == 0) else []
             tops: list = [None] if lps else []
-            if first_t <= last_t:
-                q = torch.arange(first_t - 1, last_t, dtype=torch.int64)  # predicting rows
-                targets = torch.tensor([int(ids[t - p]) if t < s else next_after for t in range(first_t, last_t + 1)])
-                logits = self.model_runner.model.compute_logits(hidden[starts[i] + (q - p).to(hidden.device)])
+            if span.rows:
+                targets = torch.tensor([int(ids[t - p]) if t < s else next_after
+                                        for t in range(span.first_t, span.first_t + span.rows)])
+                logits = self.model_runner.model.compute_logits(hidden[span.first_row:span.first_row + span.rows])
                 k = mwb.top_logprobs_nums[i]
                 tl, top = compute_input_logprobs(logits, targets.to(logits.device), k)
                 lps += [(float(v), int(t)) for v, t in zip(tl.tolist(), targets.tolist())]

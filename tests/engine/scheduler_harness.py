@@ -17,6 +17,7 @@ class Collected:
     ids: list[int] = field(default_factory=list)
     finish: Optional[FinishReason] = None
     output_logprobs: list = field(default_factory=list)
+    output_top_logprobs: list = field(default_factory=list)
     input_logprobs: Optional[list] = None
     cached_tokens: int = 0
     after_finish: int = 0  # outputs that arrived after the request had finished (must stay 0)
@@ -30,11 +31,13 @@ class SchedulerHarness:
         self.results: dict[str, Collected] = {}
 
     def submit(self, rid: str, input_ids: list[int], return_logprob: bool = False, logprob_start_len: int = -1,
-               priority: int = 0, require_reasoning: bool = False, **sampling: Any) -> None:
+               priority: int = 0, require_reasoning: bool = False, top_logprobs_num: int = 0,
+               **sampling: Any) -> None:
         params = SamplingParams(**{"max_new_tokens": 16, "temperature": 0.0, **sampling})
         self.scheduler.process_input_requests([TokenizedGenerateReqInput(
             rid=rid, input_text=None, input_ids=list(input_ids), sampling_params=params,
-            return_logprob=return_logprob, logprob_start_len=logprob_start_len, priority=priority,
+            return_logprob=return_logprob, logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
+            priority=priority,
             require_reasoning=require_reasoning)])
         self._collect()
 
@@ -64,6 +67,8 @@ class SchedulerHarness:
                 c.cached_tokens = msg.meta[i].cached_tokens
                 if msg.output_token_logprobs[i] is not None:
                     c.output_logprobs.extend(msg.output_token_logprobs[i])
+                if msg.output_top_logprobs[i] is not None:
+                    c.output_top_logprobs.extend(msg.output_top_logprobs[i])
                 if msg.input_token_logprobs[i] is not None:
                     c.input_logprobs = msg.input_token_logprobs[i]
         self.scheduler.outbox.clear()

@@ -1,7 +1,8 @@
 """The shared memory collectives of CPU TP groups (engine/distributed/shm_group.py): real ranks in
 separate processes. All-reduce against sums computed here in the same order (tensors of several
 rounds, every dtype, size 0); the step broadcast byte for byte, in several rounds, after an idle
-wait; a missing peer is an error, not a hang. The TP tests (test_tensor_parallel.py) run their
+wait; all-gather stacked in rank order, interleaved with all-reduces (they share rounds); a missing
+peer is an error, not a hang. The TP tests (test_tensor_parallel.py) run their
 steps and forwards through it and match HF."""
 from __future__ import annotations
 
@@ -89,12 +90,36 @@ def test_every_rank_gets_the_same_sum_in_every_dtype(size):
             assert g.dtype == w.dtype and g.shape == w.shape and torch.equal(g, w), (rank, i, g.dtype, g.shape)
 
 
+def _gather_rank(path: str, rank: int, size: int, queue) -> None:
+    """All-gathers interleaved with all-reduces: the two share the segment's slots and round counter."""
+    shm = ShmGroup(path, rank, size, slot_bytes=SLOT, bcast_bytes=BCAST)
+    results = []
+    for x in _inputs(rank):
+        results.append(shm.all_gather(x))
+        results.append(shm.all_reduce(x))
+    _put(queue, rank, results)
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_all_gather_stacks_every_rank_in_rank_order(size):
+    got = _run_ranks(_gather_rank, size)
+    per_rank, sums = [_inputs(r) for r in range(size)], _expected(size)
+    for rank in range(size):
+        gathered, reduced = got[rank][0::2], got[rank][1::2]
+        for i, (g, s) in enumerate(zip(gathered, reduced)):
+            want = torch.stack([per_rank[r][i] for r in range(size)])
+            assert g.dtype == want.dtype and g.shape == want.shape and torch.equal(g, want), (rank, i)
+            assert torch.equal(s, sums[i]), (rank, i)
+
+
 def test_a_missing_peer_is_an_error_not_a_hang():
     path = shm_group.new_segment_path()
     try:
         shm = ShmGroup(path, 0, 2, slot_bytes=SLOT, create=True, timeout_s=0.3)
         with pytest.raises(RuntimeError, match="did not arrive within 0.3s"):
             shm.all_reduce(torch.ones(4))
+        with pytest.raises(RuntimeError, match="all-gather: a rank of 2 did not arrive within 0.3s"):
+            shm.all_gather(torch.ones(4))
     finally:
         os.unlink(path)
 

@@ -113,6 +113,35 @@ def test_sharded_mlp_and_moe_sum_to_the_full_ones():
     torch.testing.assert_close(sum(b._experts(x, w, ids) for b in shards), full(x), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("vocab, tp", [(12, 2), (10, 3)], ids=["even", "padded"])
+def test_vocab_parallel_embedding_and_lm_head_combine_to_the_full_ones(monkeypatch, vocab, tp):
+    """Each rank holds ceil(vocab / tp) rows (zeros past the vocabulary); the lookups' per-rank rows
+    sum to the full embedding exactly (one rank's value plus zeros), and the per-rank logits, side
+    by side with the padding cut off, are the full LM head's."""
+    from baton.engine.layers import vocab_parallel
+    from baton.engine.layers.vocab_parallel import VocabParallelEmbedding
+
+    monkeypatch.setattr(vocab_parallel, "all_reduce", lambda x, g: x)  # each rank's part, combined here
+    monkeypatch.setattr(vocab_parallel, "all_gather_last_dim", lambda x, g: x)
+    torch.manual_seed(0)
+    dim = 8
+    table, ids, hidden = torch.randn(vocab, dim), torch.tensor([0, vocab - 1, 3, 5, 3]), torch.randn(4, dim)
+    shards = [VocabParallelEmbedding(vocab, dim, TpGroup(r, tp)) for r in range(tp)]
+    per_rank = -(-vocab // tp)
+    for r, e in enumerate(shards):
+        e.weight.weight_loader(e.weight, table)
+        assert e.weight.shape == (per_rank, dim) and e.shard.start == r * per_rank
+        held = table[r * per_rank:(r + 1) * per_rank]
+        assert torch.equal(e.weight[:len(held)], held) and not e.weight[len(held):].any()
+    assert torch.equal(sum(e(ids) for e in shards), F.embedding(ids, table))
+    scores = torch.cat([F.linear(hidden, e.weight) for e in shards], -1)[:, :vocab]
+    torch.testing.assert_close(scores, hidden @ table.T)
+    whole = VocabParallelEmbedding(vocab, dim)  # one rank: exactly nn.Embedding and F.linear
+    whole.weight.weight_loader(whole.weight, table)
+    assert torch.equal(whole(ids), F.embedding(ids, table))
+    assert torch.equal(whole.logits(hidden), F.linear(hidden, table).float())
+
+
 def test_the_driver_sends_only_the_table_entries_that_changed():
     from baton.engine.scheduler.tp_step import StepSender
 
@@ -175,6 +204,50 @@ def test_tp2_matches_hf_under_retraction(tiny_model_factory, loop, allreduce):
     assert scheduler.stats.retractions > 0
     for i, p in enumerate(prompts):
         assert results[str(i)].ids == hf_greedy(path, p, max_new, ignore_eos=True), f"request {i} differs from HF"
+
+
+@pytest.mark.parametrize("tie, vocab", [(False, 512), (True, 509)], ids=["lm_head", "tied-odd-vocab"])
+def test_tp2_prompt_and_output_logprobs_match_one_rank(tiny_model_factory, tie, vocab):
+    """Prompt logprobs over several chunks and output logprobs with top-k: the LM head split by
+    vocabulary rows (the followers join each of the driver's logits calls, prompt spans included)
+    scores as one rank does; each rank holds half the embedding and LM head rows (an odd
+    vocabulary: the second rank's last row is padding, cut from the logits)."""
+    path = tiny_model_factory("qwen2", tie_word_embeddings=tie, vocab_size=vocab)
+    prompts = workload(seed=2)[:6]
+    args = dict(chunked_prefill_size=16, max_total_tokens=4096, disable_overlap_schedule=True)
+    sampling = dict(return_logprob=True, logprob_start_len=0, top_logprobs_num=3, max_new_tokens=6)
+
+    def run(h):
+        for i, p in enumerate(prompts):
+            h.submit(str(i), p, **sampling)
+        return h.run_until_idle()
+
+    one = SchedulerHarness(path, **args)
+    want = run(one)
+    one.scheduler.close()
+    with tp_followers(ServerArgs(model_path=path, tp_size=2, **args)) as tp:
+        h = SchedulerHarness(path, tp=tp, tp_size=2, **args)
+        try:
+            got = run(h)
+            assert h.scheduler.check_memory_integrity()
+            model = h.scheduler.worker.model_runner.model
+            assert model.config.vocab_size == vocab
+            assert model.model.embed_tokens.weight.shape[0] == (vocab + 1) // 2
+            assert (model.lm_head is None) == tie and (tie or model.lm_head.weight.shape[0] == vocab // 2)
+        finally:
+            h.scheduler.close()
+    for i, p in enumerate(prompts):
+        g, w = got[str(i)], want[str(i)]
+        assert g.ids == w.ids, f"request {i}"
+        assert [t for _, t in g.input_logprobs] == p and g.input_logprobs[0][0] is None
+        torch.testing.assert_close([lp for lp, _ in g.input_logprobs[1:]], [lp for lp, _ in w.input_logprobs[1:]],
+                                   rtol=1e-4, atol=1e-4)
+        assert len(g.output_top_logprobs) == len(g.ids) and all(len(top) == 3 for top in g.output_top_logprobs)
+        assert [[t for _, t in top] for top in g.output_top_logprobs] == \
+            [[t for _, t in top] for top in w.output_top_logprobs], f"request {i}: top-k ids"
+        assert [t for _, t in g.output_logprobs] == g.ids
+        torch.testing.assert_close([lp for lp, _ in g.output_logprobs], [lp for lp, _ in w.output_logprobs],
+                                   rtol=1e-4, atol=1e-4)
 
 
 def test_tp2_compiled_matches_hf_without_graph_breaks(tiny_model_factory):
