@@ -76,6 +76,9 @@ class EngineMetrics:
                                          "Requests retracted for lack of KV memory").labels(*self._lv)
         self.preemptions = self._counter("baton_preempted_requests",
                                          "Requests preempted by higher-priority ones").labels(*self._lv)
+        self.mixed_decode_tokens = self._counter(
+            "baton_mixed_decode_tokens", "Decode tokens computed inside prefill batches (--enable-mixed-chunk)"
+        ).labels(*self._lv)
 
     def _define_pd_metrics(self) -> None:
         self.pd_queue = self._gauge("baton_pd_queue_requests", "Requests in a PD queue", ("queue",))
@@ -115,6 +118,7 @@ class EngineMetrics:
         self.gen_throughput.labels(*rank).set(info.get("gen_throughput", 0.0))
         self._add_total("retractions", info, self.retractions)
         self._add_total("preemptions", info, self.preemptions)
+        self._add_total("mixed_decode_tokens", info, self.mixed_decode_tokens)
         for seconds in self._new_samples("queue", info, "queue_time_samples"):
             self.queue_time.observe(seconds)
         if info.get("disaggregation_mode") in PD_QUEUES:

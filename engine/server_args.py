@@ -63,6 +63,9 @@ class ServerArgs:
     enable_priority_scheduling: bool = False
     priority_preemption_threshold: int = 10
     schedule_conservativeness: float = 1.0
+    # a prefill batch also carries one decode step of every running request, so decoding does not
+    # stall while prompts are prefilled (SGLang's --enable-mixed-chunk); colocated engines only
+    enable_mixed_chunk: bool = False
     # chat: a Jinja template file instead of the tokenizer's; the model's tool-call and reasoning
     # formats, parsed out of chat answers (engine/parsers, entrypoints/chat_tools.py)
     chat_template: Optional[str] = None
@@ -152,6 +155,9 @@ class ServerArgs:
             raise ValueError(f"--reasoning-parser must be one of {REASONING_PARSERS}")
         if self.chat_template is not None and not os.path.isfile(self.chat_template):
             raise ValueError(f"--chat-template {self.chat_template}: no such file")
+        if self.enable_mixed_chunk and self.disaggregation_mode != "null":
+            raise ValueError("--enable-mixed-chunk mixes prefills with decode steps of one engine; a "
+                             f"--disaggregation-mode {self.disaggregation_mode} engine runs only one of the two")
         if self.tp_size < 1:
             raise ValueError("--tp-size must be >= 1")
         if self.tp_size > 1 and self.disaggregation_mode != "null" and self.disaggregation_transfer_backend == "fake":
@@ -231,6 +237,8 @@ class ServerArgs:
           help="structured output (json_schema, regex, ebnf, response_format); none refuses it with a 400")
         a("--constrained-json-disable-any-whitespace", action="store_true",
           help="JSON schemas allow no free whitespace (small models can loop on it)")
+        a("--enable-mixed-chunk", action="store_true",
+          help="run one decode step of the running requests inside each prefill batch (colocated only)")
         a("--disable-overlap-schedule", action="store_true")
         a("--enable-overlap-schedule", action="store_true",
           help="use the overlap loop on CPU too (default: on for CUDA, off for CPU)")

@@ -41,6 +41,8 @@ class SchedulerOutputProcessorMixin:
         return True
 
     def _process_extend(self: "Scheduler", launched: "LaunchedBatch", result) -> None:
+        # --enable-mixed-chunk: rows from here on were decode steps of running requests
+        first_decode = len(launched.reqs) - launched.mwb.num_decode_rows
         for i, req in enumerate(launched.reqs):
             if not self.extend_result_prologue(req, i, result):
                 continue
@@ -50,7 +52,7 @@ class SchedulerOutputProcessorMixin:
             self._append_token(req, i, result)
             if req.finished():
                 self.finish_request(req)
-            elif not self.server_args.disable_radix_cache:
+            elif not self.server_args.disable_radix_cache and i < first_decode:
                 # make the prompt's KV shareable right away (concurrent requests with the same prefix)
                 req.sync_fill_ids()
                 self.tree_cache.cache_unfinished_req(req)

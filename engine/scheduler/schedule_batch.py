@@ -46,6 +46,9 @@ class ModelWorkerBatch:
     input_logprob_reqs: list[tuple[int, int, int, int]]
     # filled by the overlap worker client: where this batch's sampled tokens go in the future map
     future_indices: Optional[torch.Tensor] = None
+    # --enable-mixed-chunk: the batch's last rows are one decode step of running requests, each an
+    # extend of one token over its whole sequence
+    num_decode_rows: int = 0
 
 
 class ScheduleBatch:
@@ -200,6 +203,32 @@ class ScheduleBatch:
             top_logprobs_nums=[r.top_logprobs_num for r in self.reqs],
             input_logprob_reqs=[],
         )
+
+    def mix_with_running(self, running: "ScheduleBatch") -> None:
+        """--enable-mixed-chunk: this extend batch also runs `running`'s next decode step; its
+        requests move here (behind the prefills), and `running` is left empty. The caller checked
+        that the decode step fits (running.check_decode_mem()). After the forward the batch merges
+        back into the running batch, as any prefill batch does."""
+        assert self.forward_mode.is_extend() and not running.is_empty()
+        running.prepare_for_decode()
+        a, b = self.model_worker_batch, running.model_worker_batch
+        self.model_worker_batch = ModelWorkerBatch(
+            forward_mode=ForwardMode.EXTEND,
+            input_ids=torch.cat([a.input_ids, b.input_ids.to(a.input_ids.device)]),
+            positions=torch.cat([a.positions, b.positions]),
+            req_pool_indices=torch.cat([a.req_pool_indices, b.req_pool_indices]),
+            seq_lens_cpu=a.seq_lens_cpu + b.seq_lens_cpu,
+            out_cache_loc=torch.cat([a.out_cache_loc, b.out_cache_loc.to(a.out_cache_loc.device)]),
+            extend_prefix_lens_cpu=a.extend_prefix_lens_cpu + [s - 1 for s in b.seq_lens_cpu],
+            extend_seq_lens_cpu=a.extend_seq_lens_cpu + [1] * len(b.seq_lens_cpu),
+            sampling_states=a.sampling_states + b.sampling_states,
+            return_logprob=a.return_logprob or b.return_logprob,
+            top_logprobs_nums=a.top_logprobs_nums + b.top_logprobs_nums,
+            input_logprob_reqs=a.input_logprob_reqs,  # rows of the prefills, which come first
+            num_decode_rows=len(running.reqs),
+        )
+        self.reqs = self.reqs + running.reqs
+        running.reqs, running.output_ids = [], None
 
     def retract_decode(self, release, may_empty: bool = False) -> tuple[list[Req], float]:
         """Take requests out until the next decode step fits. `release(req)` gives a request's memory

@@ -126,10 +126,18 @@ class AddReqResult(Enum):
 class PrefillAdder:
     def __init__(self, page_size: int, tree_cache: "BasePrefixCache", allocator: "TokenToKVPoolAllocator",
                  running_reqs: list[Req], new_token_ratio: float, max_prefill_tokens: int,
-                 chunked_prefill_size: Optional[int]) -> None:
+                 chunked_prefill_size: Optional[int], mixed_with_decode_tokens: int = 0) -> None:
+        """`mixed_with_decode_tokens`: decode tokens the batch will also carry (--enable-mixed-chunk);
+        they count against the input and chunk budgets, as SGLang's adder counts them, but leave at
+        least a page of each, so that a prompt makes progress however many requests decode."""
         self.page_size, self.tree_cache, self.allocator = page_size, tree_cache, allocator
-        self.rem_input_tokens = max_prefill_tokens
-        self.rem_chunk_tokens = chunked_prefill_size  # None: chunking disabled
+
+        def less_mixed(budget: int) -> int:
+            return budget if not mixed_with_decode_tokens else max(budget - mixed_with_decode_tokens, page_size)
+
+        self.rem_input_tokens = less_mixed(max_prefill_tokens)
+        # None: chunking disabled
+        self.rem_chunk_tokens = None if chunked_prefill_size is None else less_mixed(chunked_prefill_size)
         self.rem_total_token_offset = sum(
             min(r.sampling_params.max_new_tokens - len(r.output_ids), CLIP_MAX_NEW_TOKENS) * new_token_ratio
             for r in running_reqs)

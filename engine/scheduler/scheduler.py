@@ -181,8 +181,10 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin):
             running += self.pd.num_reqs_holding_rows()
         if running >= self.max_running_requests and self.chunked_req is None:
             return None
+        mixing = self.server_args.enable_mixed_chunk and not self.running_batch.is_empty()
         adder = PrefillAdder(self.page_size, self.tree_cache, self.allocator, self.running_batch.reqs,
-                             self.new_token_ratio, self.server_args.max_prefill_tokens, self.chunked_prefill_size)
+                             self.new_token_ratio, self.server_args.max_prefill_tokens, self.chunked_prefill_size,
+                             mixed_with_decode_tokens=len(self.running_batch.reqs) if mixing else 0)
         continued = self.chunked_req  # its next chunk is no new departure from the waiting queue
         if self.chunked_req is not None:
             self.chunked_req.init_next_round_input(None)
@@ -223,12 +225,24 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin):
         self.stats.on_prefill(adder.log_input_tokens, adder.log_hit_tokens)
         batch = self._new_batch(adder.can_run_list)
         batch.prepare_for_extend(self.chunked_req)
+        running = len(self.running_batch.reqs)
+        mixed = mixing and self._mix_running_into(batch)
         if logger.isEnabledFor(logging.INFO):  # after the batch took its KV slots: usage includes them
             logger.info("Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
-                        "#running-req: %d, #queue-req: %d%s", len(adder.can_run_list), adder.log_input_tokens,
-                        adder.log_hit_tokens, self.token_usage(), len(self.running_batch.reqs),
-                        len(self.waiting_queue), self._pd_log_fields())
+                        "#running-req: %d, #queue-req: %d%s%s", len(adder.can_run_list), adder.log_input_tokens,
+                        adder.log_hit_tokens, self.token_usage(), running, len(self.waiting_queue),
+                        f", #mixed-decode: {running}" if mixed else "", self._pd_log_fields())
         return batch
+
+    def _mix_running_into(self, batch: ScheduleBatch) -> bool:
+        """--enable-mixed-chunk: the running requests' next decode step rides in this prefill batch,
+        unless it does not fit in the KV pool now (then they decode, or are retracted, next step)."""
+        if not self.running_batch.check_decode_mem():
+            return False
+        self.new_token_ratio = max(self.new_token_ratio - self.new_token_ratio_decay, self.min_new_token_ratio)
+        self.stats.mixed_decode_tokens += len(self.running_batch.reqs)
+        batch.mix_with_running(self.running_batch)
+        return True
 
     def preempt_for(self, req: Req) -> None:
         """Priority preemption: retract running requests whose priority is lower than `req`'s by at
@@ -424,6 +438,7 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin):
             "torch_threads": torch.get_num_threads(),
             "tp_allreduce": all_reduce_backend(self.worker.tp),  # shm | gloo | nccl | none
             "preemptions": self.stats.preemptions,
+            "mixed_decode_tokens": self.stats.mixed_decode_tokens,
             "gen_throughput": self.stats.gen_throughput,
             "queue_time_samples": list(self.stats.queue_times),
             "integrity_ok": self.check_memory_integrity() if self.is_idle() else None,
@@ -458,6 +473,7 @@ class SchedulerStats:
 
     def __init__(self) -> None:
         self.prefill_tokens = self.hit_tokens = self.retractions = self.preemptions = 0
+        self.mixed_decode_tokens = 0  # decode steps run inside prefill batches (--enable-mixed-chunk)
         self.generated_tokens = 0
         self.gen_throughput = 0.0
         self._window = (time.monotonic(), 0)

@@ -84,3 +84,27 @@ def test_pd_lines_name_the_pd_queues(tiny_model_factory, pair_factory, caplog): 
 def test_decode_log_interval_must_be_positive():
     with pytest.raises(ValueError, match="--decode-log-interval"):
         ServerArgs(model_path="unused", decode_log_interval=0)
+
+
+def test_a_mixed_prefill_line_counts_its_decode_steps(tiny_model_factory, caplog):
+    """--enable-mixed-chunk: a prefill batch that carried the running requests' decode step says so
+    (`#mixed-decode: N`, N = the running requests); the others keep the plain line."""
+    path = tiny_model_factory("llama")
+    h = SchedulerHarness(path, device="cpu", max_total_tokens=2048, enable_mixed_chunk=True)
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    h.submit("first", list(range(10, 40)), max_new_tokens=8, ignore_eos=True)
+    h.step()
+    h.step()  # "first" decodes
+    h.submit("second", list(range(50, 70)), max_new_tokens=4, ignore_eos=True)
+    h.run_until_idle()
+    first, second = _lines(caplog, PREFILL)
+    assert first.group(7) == ""
+    assert (int(second.group(5)), second.group(7)) == (1, ", #mixed-decode: 1")
+    assert h.scheduler.stats.mixed_decode_tokens == 1 and h.scheduler.check_memory_integrity()
+    assert len(h.results["first"].ids) == 8 and len(h.results["second"].ids) == 4
+
+
+def test_mixed_chunk_is_for_colocated_engines():
+    for mode in ("prefill", "decode"):
+        with pytest.raises(ValueError, match=f"--enable-mixed-chunk .* --disaggregation-mode {mode} engine"):
+            ServerArgs(model_path="unused", enable_mixed_chunk=True, disaggregation_mode=mode)

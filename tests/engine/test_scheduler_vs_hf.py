@@ -118,6 +118,84 @@ def test_matches_hf_under_retraction(tiny_model_factory, arch, loop, page_size):
     assert h.scheduler.check_memory_integrity()
 
 
+def _staggered(h: SchedulerHarness, prompts: list[list[int]], max_new: int, **sampling) -> dict:
+    """Requests arrive one every two steps: prompts keep being prefilled while earlier ones decode."""
+    for i, p in enumerate(prompts):
+        h.submit(str(i), p, max_new_tokens=max_new, **sampling)
+        h.step()
+        h.step()
+    return h.run_until_idle()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+@pytest.mark.parametrize("loop", LOOPS)
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_mixed_chunk_matches_hf(tiny_model_factory, arch, loop, page_size):
+    """--enable-mixed-chunk: each prefill batch also runs one decode step of the running requests
+    (extends of one token each, behind the prompts' chunks); greedy tokens stay HF's, with chunked
+    prefill, radix hits, and a pool small enough that decode also retracts."""
+    path = tiny_model_factory(arch)
+    prompts = workload(seed=4)
+    max_new = 24
+    pool = int(0.6 * (sum(map(len, prompts)) + max_new * len(prompts))) // page_size * page_size
+    h = harness_for(path, loop, page_size=page_size, chunked_prefill_size=32, max_total_tokens=pool,
+                    enable_mixed_chunk=True)
+    results = _staggered(h, prompts, max_new, ignore_eos=True)
+    stats = h.scheduler.stats
+    assert stats.mixed_decode_tokens > 0, "prefills arrived while others decoded: some should have been mixed"
+    for i, p in enumerate(prompts):
+        assert results[str(i)].ids == hf_greedy(path, p, max_new, ignore_eos=True), f"request {i} differs from HF"
+    assert stats.cache_hit_rate() > 0
+    assert h.scheduler.check_memory_integrity()
+
+
+def test_mixed_chunk_logprobs_equal_unmixed(tiny_model_factory):
+    """Prompt and output logprobs (top-k too) of requests whose decode steps rode in prefill batches
+    equal those of the plain schedule; the mixed steps also stream every token once."""
+    path = tiny_model_factory("qwen2")
+    prompts = workload(seed=5)[:8]
+    runs = {}
+    for mixed in (False, True):
+        h = SchedulerHarness(path, chunked_prefill_size=16, max_total_tokens=4096, enable_mixed_chunk=mixed)
+        runs[mixed] = _staggered(h, prompts, 8, return_logprob=True, logprob_start_len=0, top_logprobs_num=2)
+        assert (h.scheduler.stats.mixed_decode_tokens > 0) == mixed
+        assert h.scheduler.check_memory_integrity()
+    for rid, want in runs[False].items():
+        got = runs[True][rid]
+        assert got.ids == want.ids and len(got.ids) == 8 and got.after_finish == 0, rid
+        assert [t for _, t in got.input_logprobs] == [t for _, t in want.input_logprobs]
+        torch.testing.assert_close([lp for lp, _ in got.input_logprobs[1:]], [lp for lp, _ in want.input_logprobs[1:]],
+                                   rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close([lp for lp, _ in got.output_logprobs], [lp for lp, _ in want.output_logprobs],
+                                   rtol=1e-4, atol=1e-4)
+        assert [[t for _, t in top] for top in got.output_top_logprobs] == \
+            [[t for _, t in top] for top in want.output_top_logprobs]
+
+
+def test_mixed_chunk_leaves_a_chunk_room_however_many_decode():
+    """The decode tokens a mixed batch carries come out of the chunk and input budgets, but never
+    below one page: a long prompt still advances when more requests decode than a chunk holds."""
+    from baton.engine.scheduler.schedule_policy import PrefillAdder
+
+    class Pool:
+        page_size = 16
+
+        def available_size(self):
+            return 10_000
+
+    class Cache:
+        def evictable_size(self):
+            return 0
+
+    plain = PrefillAdder(16, Cache(), Pool(), [], 0.7, 1024, 64)
+    mixed = PrefillAdder(16, Cache(), Pool(), [], 0.7, 1024, 64, mixed_with_decode_tokens=40)
+    crowded = PrefillAdder(16, Cache(), Pool(), [], 0.7, 1024, 64, mixed_with_decode_tokens=100)
+    assert (plain.rem_chunk_tokens, plain.rem_input_tokens) == (64, 1024)
+    assert (mixed.rem_chunk_tokens, mixed.rem_input_tokens) == (24, 984)
+    assert (crowded.rem_chunk_tokens, crowded.rem_input_tokens) == (16, 924)
+    assert PrefillAdder(16, Cache(), Pool(), [], 0.7, 1024, None, mixed_with_decode_tokens=40).rem_chunk_tokens is None
+
+
 @pytest.mark.parametrize("disable_radix", [False, True], ids=["radix", "naive"])
 def test_naive_cache_matches_radix(tiny_model_factory, disable_radix):
     path = tiny_model_factory("qwen3")
