@@ -184,3 +184,34 @@ def test_build_is_cached_by_content(monkeypatch, tmp_path):
     mtime = first.stat().st_mtime_ns
     assert cpu_attention.build() == first and first.stat().st_mtime_ns == mtime  # not rebuilt
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary files left behind
+
+
+def test_a_mixed_extend_batch_sends_its_one_token_tail_to_the_kernel():
+    """--enable-mixed-chunk: the last rows of an extend batch, one new token each over a cached
+    prefix (the running requests' decode step), run in one native decode call; the result equals
+    the per-request SDPA loop. A one-token row in the middle stays in the loop."""
+    from baton.engine.layers.attention.torch_backend import _build_extend_metadata, _extend_attention
+
+    torch.manual_seed(0)
+    kv_heads, group, head_dim, slots = 2, 2, 16, 512
+    k_buf, v_buf = torch.randn(slots, kv_heads, head_dim), torch.randn(slots, kv_heads, head_dim)
+    prefix_lens, extend_lens = [0, 5, 3, 9, 20, 1], [7, 4, 1, 6, 1, 1]  # a one-token row at 2, a tail of 2
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+    req_to_token = torch.zeros(8, 64, dtype=torch.int64)
+    perm = torch.randperm(slots - 1) + 1  # scattered slots, none the dummy slot 0
+    used = 0
+    for row, n in enumerate(seq_lens):
+        req_to_token[row, :n] = perm[used:used + n]
+        used += n
+    rows = torch.arange(len(seq_lens))
+    # the pass's own K/V are already in the pool (forward_extend saves them first)
+    n_tokens = sum(extend_lens)
+    new_slots = torch.cat([req_to_token[r, p:s] for r, p, s in zip(rows.tolist(), prefix_lens, seq_lens)])
+    k3, v3 = k_buf[new_slots].clone(), v_buf[new_slots].clone()
+    q3 = torch.randn(n_tokens, kv_heads * group, head_dim)
+    meta = _build_extend_metadata(req_to_token, rows, prefix_lens, extend_lens)
+    assert meta.decode_tail == 2
+    looped = _extend_attention(q3, k3, v3, k_buf, v_buf, meta, 0.25)
+    native = _extend_attention(q3, k3, v3, k_buf, v_buf, meta, 0.25, req_to_token, rows, native_decode=True)
+    torch.testing.assert_close(native, looped, atol=1e-5, rtol=1e-5)
+    assert not torch.equal(native[-2:], torch.zeros_like(native[-2:]))

@@ -149,6 +149,25 @@ def test_mixed_chunk_matches_hf(tiny_model_factory, arch, loop, page_size):
     assert h.scheduler.check_memory_integrity()
 
 
+def test_mixed_chunk_compiled_matches_hf(tiny_model_factory):
+    """--enable-mixed-chunk with --enable-torch-compile: the mixed batches run the compiled extend
+    graph, whose attention op sends their decode tail to the native kernel; no new graph at serve
+    time, tokens equal HF's."""
+    from torch._dynamo.utils import counters
+
+    path = tiny_model_factory("qwen3")
+    prompts = workload(seed=6)
+    h = SchedulerHarness(path, chunked_prefill_size=32, max_total_tokens=4096, enable_mixed_chunk=True,
+                         enable_torch_compile=True)
+    graphs = counters["stats"]["unique_graphs"]
+    results = _staggered(h, prompts, 12, ignore_eos=True)
+    assert counters["stats"]["unique_graphs"] == graphs, "serving compiled a new graph"
+    assert h.scheduler.stats.mixed_decode_tokens > 0
+    for i, p in enumerate(prompts):
+        assert results[str(i)].ids == hf_greedy(path, p, 12, ignore_eos=True), f"request {i} differs from HF"
+    assert h.scheduler.check_memory_integrity()
+
+
 def test_mixed_chunk_logprobs_equal_unmixed(tiny_model_factory):
     """Prompt and output logprobs (top-k too) of requests whose decode steps rode in prefill batches
     equal those of the plain schedule; the mixed steps also stream every token once."""

@@ -13,7 +13,9 @@ additive key mask and runs one scaled_dot_product_attention per layer. Under GQA
 that share a KV head are passed as G query rows of that KV head ([bs, kv_heads, G, head_dim]), so
 SDPA never expands K/V to all query heads (its `enable_gqa` path does, measured ~1.3x slower per
 layer). EXTEND loops over requests (no padding waste when prompt lengths differ a lot); the index
-tensors and masks are built once per pass in init_forward_metadata and reused by every layer.
+tensors and masks are built once per pass in init_forward_metadata and reused by every layer. The
+one-token rows at the end of a mixed batch (--enable-mixed-chunk: the running requests' decode
+step) go to the native decode kernel in one call, as a decode batch would.
 """
 from __future__ import annotations
 
@@ -47,6 +49,9 @@ class ExtendMetadata:
     masks: list[Optional[torch.Tensor]]  # [extend_len_i, seq_len_i] bool, None = plain causal (no prefix)
     prefix_lens: torch.Tensor  # [bs] int64 on the CPU (what the compiled graph passes to its op)
     extend_lens: torch.Tensor  # [bs] int64 on the CPU
+    # the batch's last rows that are one new token over a cached prefix (a mixed batch's decode
+    # steps, --enable-mixed-chunk): the native decode kernel can take them in one call
+    decode_tail: int = 0
 
 
 def _build_extend_metadata(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, prefix_lens: list[int],
@@ -58,8 +63,11 @@ def _build_extend_metadata(req_to_token: torch.Tensor, req_pool_indices: torch.T
         start += extend
         kv_indices.append(req_to_token[row, :prefix + extend])
         masks.append(None if prefix == 0 else _prefix_causal_mask(prefix, extend, req_to_token.device))
+    tail = 0
+    while tail < len(extend_lens) and extend_lens[-1 - tail] == 1 and prefix_lens[-1 - tail] > 0:
+        tail += 1
     return ExtendMetadata(starts, kv_indices, masks, torch.tensor(prefix_lens, dtype=torch.int64),
-                          torch.tensor(extend_lens, dtype=torch.int64))
+                          torch.tensor(extend_lens, dtype=torch.int64), tail)
 
 
 class TorchAttnBackend(AttentionBackend):
@@ -132,19 +140,32 @@ class TorchAttnBackend(AttentionBackend):
             # guard on Python lists of lengths).
             out = torch.ops.baton.extend_attention(q3, k3, v3, k_buf, v_buf, forward_batch.req_to_token_pool.req_to_token,
                                                    forward_batch.req_pool_indices, meta.prefix_lens, meta.extend_lens,
-                                                   layer.scaling)
+                                                   layer.scaling, self.native_decode)
         else:
-            out = _extend_attention(q3, k3, v3, k_buf, v_buf, meta, layer.scaling)
+            out = _extend_attention(q3, k3, v3, k_buf, v_buf, meta, layer.scaling,
+                                    forward_batch.req_to_token_pool.req_to_token, forward_batch.req_pool_indices,
+                                    self.native_decode)
         return out.view(n, layer.num_heads * layer.head_dim)
 
 
 def _extend_attention(q3: torch.Tensor, k3: torch.Tensor, v3: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
-                      meta: ExtendMetadata, scale: float) -> torch.Tensor:
+                      meta: ExtendMetadata, scale: float, req_to_token: Optional[torch.Tensor] = None,
+                      req_pool_indices: Optional[torch.Tensor] = None, native_decode: bool = False) -> torch.Tensor:
     """Causal attention of each request's new tokens over its prefix (from the pool) and themselves.
-    q3 [n, num_heads, head_dim], k3/v3 [n, kv_heads, head_dim] -> [n, num_heads, head_dim]."""
+    q3 [n, num_heads, head_dim], k3/v3 [n, kv_heads, head_dim] -> [n, num_heads, head_dim].
+    With `native_decode`, the trailing one-token rows (meta.decode_tail, already in the pool) go
+    through the native decode kernel in one call instead of one SDPA each."""
     out = torch.empty_like(q3)
     gqa = q3.shape[1] != k3.shape[1]
-    for i, extend in enumerate(meta.extend_lens.tolist()):
+    bs, tail = len(meta.token_starts), meta.decode_tail if native_decode and req_to_token is not None else 0
+    if tail:
+        n, heads, head_dim = q3.shape
+        kv_heads = k_buf.shape[1]
+        qg = q3[n - tail:].reshape(tail, kv_heads, heads // kv_heads, head_dim)
+        dec = cpu_attention.paged_decode_attention(qg, k_buf, v_buf, req_to_token, req_pool_indices[bs - tail:],
+                                                   meta.prefix_lens[bs - tail:] + 1, scale)
+        out[n - tail:] = dec.reshape(tail, heads, head_dim).to(out.dtype)
+    for i, extend in enumerate(meta.extend_lens[:bs - tail].tolist()):
         if extend == 0:
             continue
         s = meta.token_starts[i]
@@ -165,13 +186,14 @@ def _extend_attention(q3: torch.Tensor, k3: torch.Tensor, v3: torch.Tensor, k_bu
 @torch.library.custom_op("baton::extend_attention", mutates_args=())
 def _extend_attention_op(q3: torch.Tensor, k3: torch.Tensor, v3: torch.Tensor, k_buf: torch.Tensor,
                          v_buf: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
-                         prefix_lens: torch.Tensor, extend_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                         prefix_lens: torch.Tensor, extend_lens: torch.Tensor, scale: float,
+                         native_decode: bool) -> torch.Tensor:
     meta = _build_extend_metadata(req_to_token, req_pool_indices, prefix_lens.tolist(), extend_lens.tolist())
-    return _extend_attention(q3, k3, v3, k_buf, v_buf, meta, scale)
+    return _extend_attention(q3, k3, v3, k_buf, v_buf, meta, scale, req_to_token, req_pool_indices, native_decode)
 
 
 @_extend_attention_op.register_fake
-def _(q3, k3, v3, k_buf, v_buf, req_to_token, req_pool_indices, prefix_lens, extend_lens, scale):
+def _(q3, k3, v3, k_buf, v_buf, req_to_token, req_pool_indices, prefix_lens, extend_lens, scale, native_decode):
     return torch.empty_like(q3)
 
 
