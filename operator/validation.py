@@ -88,6 +88,17 @@ RULES: tuple[Rule, ...] = (
          "spec.prefill.tp and spec.decode.tp must be equal: each decode TP rank receives the KV cache "
          "shard of the same prefill TP rank",
          lambda s: s.get("prefill", {}).get("tp", 1) == s.get("decode", {}).get("tp", 1)),
+    # A PD engine refuses --enable-mixed-chunk at start-up (it runs prefills or decodes, not both):
+    # refused here, before a pod crash-loops on it.
+    Rule(Scope.SPEC,
+         "(!has(self.prefill) || !has(self.prefill.extraArgs) || "
+         "!self.prefill.extraArgs.exists(a, a == '--enable-mixed-chunk')) && "
+         "(!has(self.decode) || !has(self.decode.extraArgs) || "
+         "!self.decode.extraArgs.exists(a, a == '--enable-mixed-chunk'))",
+         "--enable-mixed-chunk mixes prefills with decode steps of one engine: set it in "
+         "spec.engine.extraArgs (mode colocated), not in spec.prefill or spec.decode",
+         lambda s: all("--enable-mixed-chunk" not in s.get(role, {}).get("extraArgs", [])
+                       for role in ("prefill", "decode"))),
     Rule(Scope.ENGINE_ARGS, f"self.all(a, !a.matches('{ENGINE_FLAGS_RE}'))",
          "extraArgs must not set flags the operator manages (--host, --port, --model-path, "
          "--served-model-name, --device, --tp-size, --dp-size, --disaggregation-*, --api-key, --dtype, "

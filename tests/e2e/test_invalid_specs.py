@@ -33,6 +33,7 @@ CEL_CASES = [
     body(model={"name": "m", "path": "/m", "pvc": {"claimName": "c"}, "hostPath": {"path": "/data"}}),
     body(prefill={"dp": 2, "gpus": 1}),
     body(decode={"tp": 2, "gpus": 2}),
+    body(decode={"extraArgs": ["--enable-mixed-chunk"]}),
     body(decode={"extraArgs": ["--port=1"]}),
     body(router={"extraArgs": ["--policy", "random"]}),
     body(kvTransfer={"protocol": "tcp", "ibDevices": ["mlx5_0"]}),

@@ -124,7 +124,8 @@ BAD_RULES = [  # refused by CEL rules (and by the operator's Python twins)
     {"engine": {}},
     {"prefill": {"tp": 2, "gpus": 1}},
     {"decode": {"dp": 2, "tp": 2, "gpus": 2}},
-    {"decode": {"tp": 2, "gpus": 2}},  # tensor parallelism: colocated only
+    {"decode": {"tp": 2, "gpus": 2}},  # unequal prefill and decode TP sizes
+    {"decode": {"extraArgs": ["--enable-mixed-chunk"]}},  # mixed chunk: colocated only
     {"prefill": {"tp": 2}},
     {"mode": "colocated", "engine": {"tp": 2, "gpus": 1}},  # gpus == tp * dp applies to TP too
     {"prefill": {"extraArgs": ["--tp-size=4"]}},
@@ -206,3 +207,19 @@ def test_defaults_match_the_schema_round_trip():
     once = apply_defaults(openapi_schema(), for_create(isvc_body()))
     assert apply_defaults(openapi_schema(), copy.deepcopy(once)) == once
     assert yaml.safe_load(yaml.safe_dump(once)) == once
+
+
+def test_mixed_chunk_is_taken_by_the_colocated_engine_only():
+    """An engine of a PD pair refuses --enable-mixed-chunk at start-up: the CRD refuses it there."""
+    [rule] = [r for r in rules_for(Scope.SPEC) if "--enable-mixed-chunk" in r.message]
+    spec = openapi_schema()["properties"]["spec"]
+    assert rule.cel in [r["rule"] for r in spec["x-kubernetes-validations"]]
+    for good in ({"mode": "colocated", "engine": {"extraArgs": ["--enable-mixed-chunk"]}},
+                 {"prefill": {"extraArgs": ["--chunked-prefill-size", "4096"]}, "decode": {}}):
+        obj = apply_defaults(openapi_schema(), for_create(isvc_body(**good)))
+        assert cel_violations(openapi_schema(), obj) == set() and validate(obj) == [], good
+    for bad in ({"prefill": {"extraArgs": ["--enable-mixed-chunk"]}},
+                {"decode": {"extraArgs": ["--log-level", "info", "--enable-mixed-chunk"]}}):
+        obj = apply_defaults(openapi_schema(), for_create(isvc_body(**bad)))
+        assert cel_violations(openapi_schema(), obj) == {("spec", rule.message)}, bad
+        assert validate(obj) == [f"spec: {rule.message}"], bad

@@ -46,6 +46,7 @@ def test_tensor_parallelism_on_every_role_with_equal_prefill_and_decode_sizes():
     ({"decode": {"tp": 2, "gpus": 2}}, "spec.prefill.tp and spec.decode.tp must be equal"),
     ({"prefill": {"tp": 2}, "decode": {"tp": 4}}, "KV cache shard of the same prefill TP rank"),
     ({"decode": {"extraArgs": ["--port", "1"]}}, "extraArgs must not set flags the operator manages"),
+    ({"prefill": {"extraArgs": ["--enable-mixed-chunk"]}}, "not in spec.prefill or spec.decode"),
     ({"router": {"extraArgs": ["--prefill-policy=random"]}}, "router.extraArgs must not set flags"),
     ({"kvTransfer": {"ibDevices": ["mlx5_0"]}}, "ibDevices is only used with protocol: rdma"),
     ({"kvTransfer": {"rdmaResourceName": "rdma/x"}}, "rdmaResourceName is only used with protocol: rdma"),
