@@ -18,6 +18,9 @@ every shard has moved, and fails when any shard fails.
     TpKVSender.send(pages)    -- op ---------->  its sender.send(pages)     (its shard of those pages)
     TpKVSender.poll() = min(own, reported)  <--  (room, state, reason) on change
 
+The idle integrity check counts every rank's rooms: the driver asks each follower over the same
+link (after every earlier op, so cleared rooms never count) and waits for the answers.
+
 Page indices and metadata slots are the driver's on every rank: the followers' pools and
 req_to_token tables move in lockstep with the driver's (scheduler/tp_step.py), and a follower's KV
 for a chunk is written before the driver's forward of that chunk can end (the layers' all-reduces
@@ -28,6 +31,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -41,6 +45,7 @@ from baton.engine.disaggregation.base import (KVArgs, KVManagerBase, KVMetadata,
 logger = logging.getLogger(__name__)
 
 _POLL_MS = 10  # a follower's wait for the next op; its rooms are polled (timeouts, states) in between
+COUNT_TIMEOUT_S = 2.0  # the idle integrity check's wait for every follower's room count
 
 
 @dataclass(frozen=True)
@@ -102,6 +107,8 @@ class DriverLink:
         # room -> {follower rank: (state, reason)}; a rank not heard from yet counts as Bootstrapping
         self._states: dict[int, dict[int, tuple[KVPoll, Optional[str]]]] = {}
         self.followers = 0
+        self._count_seq = 0
+        self._counts: dict[int, int] = {}  # follower rank -> rooms, answers to the latest count op
 
     @classmethod
     def exchange(cls, tp, setup: FollowerSetup) -> "DriverLink":
@@ -143,9 +150,28 @@ class DriverLink:
                 worst, reason = state, (f"TP rank {rank}: {why}" if why else None)
         return worst, reason
 
+    def count_rooms(self, timeout_s: float = COUNT_TIMEOUT_S) -> int:
+        """The rooms the followers still hold, asked now: each answers after every op sent before
+        (its clears included), so a room the driver has cleared never counts. A follower that does
+        not answer within timeout_s counts as one room (its state is unknown, so not proven clean)."""
+        self._count_seq += 1
+        self._counts = {}
+        self.op({"op": "count", "room": -1, "seq": self._count_seq})
+        deadline = time.monotonic() + timeout_s
+        while len(self._counts) < self.followers:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._reports.poll(int(left * 1000) + 1):
+                break
+            self._drain()
+        return sum(self._counts.values()) + self.followers - len(self._counts)
+
     def _drain(self) -> None:
         while self._reports.poll(0):
             msg = json.loads(self._reports.recv())
+            if "count_seq" in msg:
+                if msg["count_seq"] == self._count_seq:
+                    self._counts[msg["rank"]] = msg["rooms"]
+                continue
             ranks = self._states.get(msg["room"])
             if ranks is not None:  # else a report about a room already cleared here
                 ranks[msg["rank"]] = (KVPoll(msg["status"]), msg["reason"])
@@ -239,7 +265,8 @@ class TpKVManager(KVManagerBase):
         return TpKVReceiver(receiver, self.link)
 
     def num_rooms(self) -> int:
-        return self.local.num_rooms()
+        """The driver's rooms plus every follower's (asked synchronously: the idle integrity check)."""
+        return self.local.num_rooms() + self.link.count_rooms()
 
     def close(self) -> None:
         self.link.close()
@@ -317,6 +344,10 @@ class FollowerKVService:
         kind, room = op["op"], op["room"]
         if kind == "stop":
             self._stop.set()
+            return
+        if kind == "count":  # rooms this rank holds: its senders/receivers and its backend's table
+            rooms = max(len(self._items), self.mgr.num_rooms())
+            self._reports.send(json.dumps({"count_seq": op["seq"], "rank": self.tp_rank, "rooms": rooms}).encode())
             return
         if kind in ("sender", "receiver"):
             try:

@@ -109,6 +109,31 @@ def _finish(prefill: Side, decode: Side, sender, receiver) -> None:
     receiver.clear()
 
 
+def test_the_integrity_count_includes_a_room_only_a_follower_holds():
+    """The idle check's room count asks the followers: a room left on rank 1 alone (a planted
+    follower-only sender) makes the engine's count non-zero until it is cleared there."""
+    with engines() as (_, prefill, _decode):
+        assert prefill.mgr.num_rooms() == 0
+        prefill.link.op({"op": "sender", "room": 4242})  # rank 1 only: the driver holds nothing
+        assert prefill.mgr.local.num_rooms() == 0 and prefill.mgr.num_rooms() == 1
+        prefill.link.op({"op": "clear", "room": 4242})
+        assert prefill.mgr.num_rooms() == 0
+        assert prefill.link.count_rooms(timeout_s=5) == 0
+
+
+def test_a_follower_that_does_not_answer_the_count_is_not_proven_clean():
+    link = DriverLink()
+    silent = FollowerKVService(1)  # its op socket is bound, but no thread reads it
+    try:
+        link.connect([silent.endpoint])
+        assert link.count_rooms(timeout_s=0.2) == 1
+    finally:
+        link._ops[0].close()
+        link._reports.close()
+        link._ctx.term()
+        silent.close()
+
+
 def test_each_decode_rank_receives_its_prefill_ranks_shard():
     with engines() as (addr, prefill, decode):
         sessions = check_health(addr, 5)
