@@ -194,6 +194,26 @@ def test_tp2_matches_hf_concurrent_chunked_radix(tiny_model_factory, arch, overr
     assert scheduler.worker.model_runner.token_to_kv_pool.head_num == 1
 
 
+@pytest.mark.parametrize("loop", ["plain", "overlap"])
+def test_tp2_mixed_chunk_matches_hf(tiny_model_factory, loop):
+    """--enable-mixed-chunk under TP: the mixed extend batches (one-token decode rows behind the
+    prompts) reach the follower through the same step broadcast; tokens equal HF's."""
+    from test_scheduler_vs_hf import _staggered
+
+    path = tiny_model_factory("llama")
+    prompts = workload(seed=4)
+    args = dict(tp_size=2, chunked_prefill_size=32, max_total_tokens=4096, enable_mixed_chunk=True, **_loop(loop))
+    with tp_followers(ServerArgs(model_path=path, **args)) as tp:
+        h = SchedulerHarness(path, tp=tp, **args)
+        try:
+            results = _staggered(h, prompts, 10, ignore_eos=True)
+            assert h.scheduler.stats.mixed_decode_tokens > 0 and h.scheduler.check_memory_integrity()
+        finally:
+            h.scheduler.close()
+    for i, p in enumerate(prompts):
+        assert results[str(i)].ids == hf_greedy(path, p, 10, ignore_eos=True), f"request {i} differs from HF"
+
+
 @pytest.mark.parametrize("loop, allreduce", [("plain", "shm"), ("overlap", "gloo")])
 def test_tp2_matches_hf_under_retraction(tiny_model_factory, loop, allreduce):
     path = tiny_model_factory("llama")
