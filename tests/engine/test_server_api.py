@@ -26,8 +26,10 @@ def model_path(tiny_model_factory) -> str:
 @pytest.fixture(scope="module")
 def engine(model_path):
     # small chunk + page size 4 so the API path also exercises chunking and paging
-    # the overlap loop on CPU here; the other engines in this file use the CPU default (plain loop)
-    with running_engine(model_path, "--enable-overlap-schedule", "--chunked-prefill-size", "16", "--page-size", "4",
+    # the overlap loop on CPU here; the other engines in this file use the CPU default (plain loop);
+    # mixed chunked prefill on, so the API path also runs decode steps inside prefill batches
+    with running_engine(model_path, "--enable-overlap-schedule", "--enable-mixed-chunk",
+                        "--chunked-prefill-size", "16", "--page-size", "4",
                         "--max-total-tokens", "2048", "--max-queued-requests", "64") as eng:
         yield eng
 
@@ -60,7 +62,13 @@ def test_concurrent_generate_matches_hf(engine, hf):
         assert out["output_ids"] == hf_greedy(hf, p, 10)
         assert out["meta_info"]["prompt_tokens"] == len(p)
         assert out["meta_info"]["finish_reason"]["type"] in ("length", "stop")
-    assert wait_idle_integrity(engine.base_url)["integrity_ok"] is True
+    info = wait_idle_integrity(engine.base_url)
+    assert info["integrity_ok"] is True
+    # 17 prompts through 16-token chunks: later prefill batches carried the earlier requests' decodes
+    assert info["mixed_decode_tokens"] > 0
+    metrics = httpx.get(f"{engine.base_url}/metrics").text
+    [line] = [ln for ln in metrics.splitlines() if ln.startswith("baton_mixed_decode_tokens_total{")]
+    assert float(line.rsplit(" ", 1)[1]) == info["mixed_decode_tokens"]
 
 
 def test_openai_client_chat_and_completion(engine, model_path, hf):
