@@ -10,9 +10,10 @@ Two process groups per TP group, as SGLang keeps them:
 On CPU both are one gloo group, and its all-reduces and the step broadcasts go through a shared
 memory segment instead (shm_group.py; `--tp-cpu-allreduce gloo` keeps gloo's).
 
-The all-reduce (and the LM head's all-gather) is a torch custom op (`baton::tp_all_reduce`): Dynamo treats it as one opaque call,
+The all-reduce is a torch custom op (`baton::tp_all_reduce`): Dynamo treats it as one opaque call,
 so a compiled forward keeps one graph, and on CUDA it is captured into the decode graphs like any
-kernel (NCCL's all-reduce is graph-safe).
+kernel (NCCL's all-reduce is graph-safe). The LM head's all-gather (`baton::tp_all_gather`) is one
+too.
 """
 from __future__ import annotations
 

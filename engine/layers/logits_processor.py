@@ -25,7 +25,6 @@ _INPUT_LOGPROB_CHUNK = 2048
 class PromptSpan(NamedTuple):
     """The prompt tokens one EXTEND request scores in this chunk: tokens first_t..first_t+rows-1,
     predicted by the packed hidden rows first_row..first_row+rows-1 (rows may be 0)."""
-    index: int  # the request's row in the batch
     first_t: int
     first_row: int
     rows: int
@@ -33,7 +32,8 @@ class PromptSpan(NamedTuple):
 
 def prompt_logprob_spans(input_logprob_reqs: list[tuple[int, int, int, int]], extend_prefix_lens_cpu: list[int],
                          extend_seq_lens_cpu: list[int], seq_lens_cpu: list[int]) -> list[PromptSpan]:
-    """One span per request that wants input logprobs (ModelWorkerBatch.input_logprob_reqs).
+    """One span per request that wants input logprobs (ModelWorkerBatch.input_logprob_reqs), in
+    its order.
     Chunk positions p..s-1 are in the batch; token t is predicted by position t-1, and the first
     prompt token by nothing, so the scored tokens are t in [max(start, p + 1, 1), min(s, len - 1)]
     (t == s: the next chunk's first token, predicted by this chunk's last position)."""
@@ -42,7 +42,7 @@ def prompt_logprob_spans(input_logprob_reqs: list[tuple[int, int, int, int]], ex
     for i, start_pos, input_len, _ in input_logprob_reqs:
         p, s = extend_prefix_lens_cpu[i], seq_lens_cpu[i]
         first_t, last_t = max(start_pos, p + 1, 1), min(s, input_len - 1)
-        spans.append(PromptSpan(i, first_t, starts[i] + first_t - 1 - p, max(0, last_t - first_t + 1)))
+        spans.append(PromptSpan(first_t, starts[i] + first_t - 1 - p, max(0, last_t - first_t + 1)))
     return spans
 
 

@@ -118,6 +118,18 @@ def test_matches_hf_under_retraction(tiny_model_factory, arch, loop, page_size):
     assert h.scheduler.check_memory_integrity()
 
 
+def assert_same_logprobs(got, want, label: str = "") -> None:
+    """Two runs of one request (Collected): the same scored ids, prompt and output logprobs within
+    float rounding (the first prompt token has none), the same top-k ids."""
+    assert [t for _, t in got.input_logprobs] == [t for _, t in want.input_logprobs], label
+    torch.testing.assert_close([lp for lp, _ in got.input_logprobs[1:]], [lp for lp, _ in want.input_logprobs[1:]],
+                               rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close([lp for lp, _ in got.output_logprobs], [lp for lp, _ in want.output_logprobs],
+                               rtol=1e-4, atol=1e-4)
+    assert [[t for _, t in top] for top in got.output_top_logprobs] == \
+        [[t for _, t in top] for top in want.output_top_logprobs], f"{label}: top-k ids"
+
+
 def _staggered(h: SchedulerHarness, prompts: list[list[int]], max_new: int, **sampling) -> dict:
     """Requests arrive one every two steps: prompts keep being prefilled while earlier ones decode."""
     for i, p in enumerate(prompts):
@@ -182,13 +194,7 @@ def test_mixed_chunk_logprobs_equal_unmixed(tiny_model_factory):
     for rid, want in runs[False].items():
         got = runs[True][rid]
         assert got.ids == want.ids and len(got.ids) == 8 and got.after_finish == 0, rid
-        assert [t for _, t in got.input_logprobs] == [t for _, t in want.input_logprobs]
-        torch.testing.assert_close([lp for lp, _ in got.input_logprobs[1:]], [lp for lp, _ in want.input_logprobs[1:]],
-                                   rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close([lp for lp, _ in got.output_logprobs], [lp for lp, _ in want.output_logprobs],
-                                   rtol=1e-4, atol=1e-4)
-        assert [[t for _, t in top] for top in got.output_top_logprobs] == \
-            [[t for _, t in top] for top in want.output_top_logprobs]
+        assert_same_logprobs(got, want, rid)
 
 
 def test_mixed_chunk_leaves_a_chunk_room_however_many_decode():
