@@ -59,8 +59,15 @@ def main() -> None:
     parser.add_argument("--cold", action="store_true", help="evict the caches before every call")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    old_src = subprocess.run(["git", "show", f"{args.base}:engine/kernels/paged_decode_attention.c"], cwd=ROOT,
-                             check=True, capture_output=True, text=True).stdout
+    old_src = None
+    for name in ("paged_attention.c", "paged_decode_attention.c"):  # the source's name before and after 2026-11
+        shown = subprocess.run(["git", "show", f"{args.base}:engine/kernels/{name}"], cwd=ROOT, capture_output=True,
+                               text=True)
+        if shown.returncode == 0:
+            old_src = shown.stdout
+            break
+    if old_src is None:
+        raise SystemExit(f"no attention kernel source at {args.base}")
     new_src = ca.SOURCE.read_text()
     flush = torch.zeros((64 << 20) // 4)
     calls = 40 if args.cold else 200

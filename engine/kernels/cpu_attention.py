@@ -1,9 +1,16 @@
-"""Paged decode attention on CPU (`paged_decode_attention.c`), built on first use and cached.
+"""Paged attention on CPU (`paged_attention.c`): decode and extend, built on first use and cached.
 
     out = paged_decode_attention(q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, scale)
+    out = paged_extend_attention(q, k, v, k_buf, v_buf, req_to_token, req_pool_indices, prefix_lens,
+                                 extend_lens, scale)
 
-q is [bs, kv_heads, group, head_dim] (the query heads grouped by the KV head they share), the pool
-buffers are [slots, kv_heads, head_dim]; the result is [bs, kv_heads, group, head_dim] in q's dtype.
+Decode: q is [bs, kv_heads, group, head_dim] (the query heads grouped by the KV head they share), the
+pool buffers are [slots, kv_heads, head_dim]; the result is [bs, kv_heads, group, head_dim] in q's
+dtype. Extend: q is this pass's [n, heads, head_dim] and k, v its [n, kv_heads, head_dim]
+(request after request, extend_lens[i] tokens each); token j of request i sees the prefix_lens[i]
+cached keys of its req_to_token row, then the pass's own keys up to itself; the result is
+[n, heads, head_dim] in q's dtype. One call serves the whole
+batch, prefixes included, with no gather and no mask.
 q is float32, bfloat16 or float16; the pool may be in any of those or in float8 e5m2 (a KV cache
 dtype of its own, `--kv-cache-dtype`).
 It is a torch custom op (`baton::paged_decode_attention`), so `torch.compile` keeps it as one opaque
@@ -28,7 +35,7 @@ from baton.engine.kernels.build import DEFAULT_CFLAGS, KernelUnavailable, build_
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("paged_decode_attention.c")
+SOURCE = Path(__file__).with_name("paged_attention.c")
 CFLAGS = DEFAULT_CFLAGS
 DISABLE_ENV = "BATON_DISABLE_CPU_KERNELS"
 _SUPPORTED = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # DTYPE_F32 / _BF16 / _F16 in the C source
@@ -52,6 +59,12 @@ def _library() -> ctypes.CDLL:
     lib.paged_decode_attention.argtypes = [ptr, ctypes.c_int, ptr, ptr, ctypes.c_int, i64, ptr, i64, i64, ptr, ptr,
                                            i64, i64, i64, i64, ctypes.c_float, ptr, ctypes.c_int]
     lib.paged_decode_attention.restype = ctypes.c_int
+    # q, q_dtype, k_new, v_new, k, v, kv_dtype, num_slots, r2t, r2t_rows, r2t_stride, rows, prefix_lens,
+    # extend_lens, q_starts, bs, kv_heads, group, head_dim, scale, out, num_threads
+    lib.paged_extend_attention.argtypes = [ptr, ctypes.c_int, ptr, ptr, ptr, ptr, ctypes.c_int, i64, ptr, i64, i64, ptr,
+                                           ptr,
+                                           ptr, ptr, i64, i64, i64, i64, ctypes.c_float, ptr, ctypes.c_int]
+    lib.paged_extend_attention.restype = ctypes.c_int
     return lib
 
 
@@ -119,3 +132,62 @@ _custom_op = torch.library.custom_op("baton::paged_decode_attention", _paged_dec
 @_custom_op.register_fake
 def _(q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, scale):
     return torch.empty_like(q)
+
+
+EXTEND_MAX_HEAD_DIM = 128
+
+
+def paged_extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                           req_to_token: torch.Tensor,
+                           req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: torch.Tensor,
+                           scale: float, q_starts: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Causal attention of every request's new tokens over its prefix and themselves, read from the
+    pool in place (see the module docstring). Not a custom op of its own: under torch.compile the
+    backend's `baton::extend_attention` op is the opaque node, and it calls this.
+    q_starts: where each request's tokens start in q, for a subset of q's requests (the rows of q
+    no request owns are left unspecified in the result); default: the requests fill q in order."""
+    n, heads, head_dim = q.shape
+    kv_heads = k_buf.shape[1] if k_buf.dim() == 3 else -1
+    if q.dtype not in _SUPPORTED or k_buf.dtype not in _KV_SUPPORTED or k_buf.dtype != v_buf.dtype:
+        raise TypeError(f"paged_extend_attention: q must be one of {list(_SUPPORTED)} and k/v share one of "
+                        f"{list(_KV_SUPPORTED)}, got {q.dtype}/{k_buf.dtype}/{v_buf.dtype}")
+    if kv_heads <= 0 or heads % kv_heads or k_buf.shape[2] != head_dim or v_buf.shape != k_buf.shape:
+        raise ValueError(f"paged_extend_attention: pool {tuple(k_buf.shape)} does not match q {tuple(q.shape)}")
+    if k.shape != (n, kv_heads, head_dim) or v.shape != k.shape or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"paged_extend_attention: this pass's k/v must be [{n}, {kv_heads}, {head_dim}] in {q.dtype}")
+    if head_dim > EXTEND_MAX_HEAD_DIM:
+        raise ValueError(f"paged_extend_attention: head_dim {head_dim} > {EXTEND_MAX_HEAD_DIM}")
+    if any(t.dtype != torch.int64 for t in (req_to_token, req_pool_indices, prefix_lens, extend_lens)):
+        raise TypeError("paged_extend_attention: req_to_token, req_pool_indices and the lengths must be int64")
+    if any(t.device.type != "cpu" for t in (q, k_buf, v_buf, req_to_token, req_pool_indices, prefix_lens, extend_lens)):
+        raise ValueError("paged_extend_attention: every tensor must be on the CPU")
+    bs = req_pool_indices.shape[0]
+    if prefix_lens.shape != (bs,) or extend_lens.shape != (bs,):
+        raise ValueError(f"paged_extend_attention: {bs} requests need {bs} prefix and extend lengths")
+    if q_starts is None:
+        q_starts = torch.zeros(bs, dtype=torch.int64)
+        if bs:
+            torch.cumsum(extend_lens[:-1], 0, out=q_starts[1:])
+        if int(extend_lens.sum()) != n:
+            raise ValueError(f"paged_extend_attention: the extend lengths sum to {int(extend_lens.sum())}, "
+                             f"q has {n} tokens")
+    elif q_starts.dtype != torch.int64 or q_starts.shape != (bs,):
+        raise ValueError(f"paged_extend_attention: q_starts must be {bs} int64 offsets")
+    elif bs and (int(q_starts.min()) < 0 or int((q_starts + extend_lens).max()) > n):
+        raise IndexError("paged_extend_attention: a request's tokens run past q")
+    q_starts = q_starts.contiguous()
+    q, k, v, req_to_token = q.contiguous(), k.contiguous(), v.contiguous(), req_to_token.contiguous()
+    k_buf, v_buf = k_buf.contiguous(), v_buf.contiguous()
+    rows, prefix_lens, extend_lens = req_pool_indices.contiguous(), prefix_lens.contiguous(), extend_lens.contiguous()
+    out = torch.empty((n, heads, head_dim), dtype=torch.float32)
+    failed = _library().paged_extend_attention(
+        q.data_ptr(), _SUPPORTED[q.dtype], k.data_ptr(), v.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(),
+        _KV_SUPPORTED[k_buf.dtype], k_buf.shape[0], req_to_token.data_ptr(), req_to_token.shape[0], req_to_token.stride(0),
+        rows.data_ptr(),
+        prefix_lens.data_ptr(), extend_lens.data_ptr(), q_starts.data_ptr(), bs, kv_heads, heads // kv_heads,
+        head_dim, scale, out.data_ptr(), torch.get_num_threads())
+    if failed & _BAD_INDEX:
+        raise IndexError("paged_extend_attention: a request row, length or KV slot is out of range")
+    if failed:
+        raise MemoryError("paged_extend_attention: out of memory for the K/V and score buffers")
+    return out if q.dtype == torch.float32 else out.to(q.dtype)

@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from baton.engine.kernels import cpu_attention
 
@@ -186,10 +187,11 @@ def test_build_is_cached_by_content(monkeypatch, tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary files left behind
 
 
-def test_a_mixed_extend_batch_sends_its_one_token_tail_to_the_kernel():
+def test_a_mixed_extend_batch_routes_its_requests_to_the_native_kernels():
     """--enable-mixed-chunk: the last rows of an extend batch, one new token each over a cached
-    prefix (the running requests' decode step), run in one native decode call; the result equals
-    the per-request SDPA loop. A one-token row in the middle stays in the loop."""
+    prefix (the running requests' decode step), run in one native decode call; every other request
+    (a one-token row in the middle included) in one native extend call, except those over
+    NATIVE_EXTEND_MAX_TOKENS new tokens, which stay on SDPA. The result equals the per-request SDPA loop."""
     from baton.engine.layers.attention.torch_backend import _build_extend_metadata, _extend_attention
 
     torch.manual_seed(0)
@@ -209,9 +211,98 @@ def test_a_mixed_extend_batch_sends_its_one_token_tail_to_the_kernel():
     new_slots = torch.cat([req_to_token[r, p:s] for r, p, s in zip(rows.tolist(), prefix_lens, seq_lens)])
     k3, v3 = k_buf[new_slots].clone(), v_buf[new_slots].clone()
     q3 = torch.randn(n_tokens, kv_heads * group, head_dim)
-    meta = _build_extend_metadata(req_to_token, rows, prefix_lens, extend_lens)
-    assert meta.decode_tail == 2
-    looped = _extend_attention(q3, k3, v3, k_buf, v_buf, meta, 0.25)
-    native = _extend_attention(q3, k3, v3, k_buf, v_buf, meta, 0.25, req_to_token, rows, native_decode=True)
+    plain = _build_extend_metadata(req_to_token, rows, prefix_lens, extend_lens)
+    assert plain.decode_tail == 0 and plain.native == [] and all(i is not None for i in plain.kv_indices)
+    looped = _extend_attention(q3, k3, v3, k_buf, v_buf, plain, 0.25)
+    meta = _build_extend_metadata(req_to_token, rows, prefix_lens, extend_lens, native=True)
+    assert meta.decode_tail == 2 and meta.native == [0, 1, 2, 3]
+    assert all(i is None for i in meta.kv_indices) and all(m is None for m in meta.masks)
+    native = _extend_attention(q3, k3, v3, k_buf, v_buf, meta, 0.25, req_to_token, rows)
     torch.testing.assert_close(native, looped, atol=1e-5, rtol=1e-5)
     assert not torch.equal(native[-2:], torch.zeros_like(native[-2:]))
+    # a request over the native limit stays on SDPA (its index row and causal mask are built)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("baton.engine.layers.attention.torch_backend.NATIVE_EXTEND_MAX_TOKENS", 5)
+        capped = _build_extend_metadata(req_to_token, rows, prefix_lens, extend_lens, native=True)
+        assert capped.native == [1, 2] and capped.kv_indices[0] is not None and capped.masks[3] is not None
+        mixed = _extend_attention(q3, k3, v3, k_buf, v_buf, capped, 0.25, req_to_token, rows)
+    torch.testing.assert_close(mixed, looped, atol=1e-5, rtol=1e-5)
+
+
+def _extend_reference(q, k_buf, v_buf, req_to_token, rows, prefix_lens, extend_lens, scale):
+    """Each request's causal attention in float32 SDPA over its gathered K/V."""
+    outs, start = [], 0
+    for row, prefix, extend in zip(rows.tolist(), prefix_lens.tolist(), extend_lens.tolist()):
+        idx = req_to_token[row, :prefix + extend]
+        ki, vi = k_buf[idx].float().transpose(0, 1)[None], v_buf[idx].float().transpose(0, 1)[None]
+        qi = q[start:start + extend].float().transpose(0, 1)[None]
+        mask = torch.arange(prefix + extend)[None, :] <= torch.arange(prefix, prefix + extend)[:, None]
+        o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale,
+                                           enable_gqa=q.shape[1] != k_buf.shape[1])
+        outs.append(o[0].transpose(0, 1))
+        start += extend
+    return torch.cat(outs)
+
+
+def _extend_inputs(dtype, kv_dtype, head_dim, prefix_lens, extend_lens, kv_heads=2, group=3, slots=4000, seed=0):
+    torch.manual_seed(seed)
+    k_buf = torch.randn(slots, kv_heads, head_dim).to(kv_dtype)
+    v_buf = torch.randn(slots, kv_heads, head_dim).to(kv_dtype)
+    bs = len(prefix_lens)
+    rows = torch.randperm(bs + 3)[:bs]
+    req_to_token = torch.zeros(bs + 3, 1024, dtype=torch.int64)
+    perm, used = torch.randperm(slots), 0
+    for row, p, e in zip(rows.tolist(), prefix_lens, extend_lens):
+        req_to_token[row, :p + e] = perm[used:used + p + e]
+        used += p + e
+    q = torch.randn(sum(extend_lens), kv_heads * group, head_dim).to(dtype)
+    # this pass's own K/V: what forward_extend saved at the new slots (here the pool's rows, read back)
+    new = torch.cat([req_to_token[r, p:p + e] for r, p, e in zip(rows.tolist(), prefix_lens, extend_lens)])
+    kv_new = (k_buf[new].to(dtype), v_buf[new].to(dtype))
+    return q, kv_new, k_buf, v_buf, req_to_token, rows, torch.tensor(prefix_lens), torch.tensor(extend_lens)
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 48])
+@pytest.mark.parametrize("dtype,kv_dtype,atol", [
+    (torch.float32, torch.float32, 2e-5), (torch.bfloat16, torch.bfloat16, 1.6e-2),
+    (torch.float16, torch.float16, 2e-3), (torch.float32, torch.float8_e5m2, 2e-5)])
+def test_extend_kernel_matches_sdpa_per_request(dtype, kv_dtype, atol, head_dim):
+    """Prefixes, one-token and empty extends, lengths off the 16-key and 4-row blocks, scattered
+    slots, GQA, every dtype pair: equal to causal SDPA over each request's gathered K/V."""
+    prefix_lens, extend_lens = [0, 5, 100, 0, 17, 3], [1, 70, 130, 33, 0, 129]
+    q, (k, v), k_buf, v_buf, r2t, rows, prefix, extend = _extend_inputs(dtype, kv_dtype, head_dim, prefix_lens,
+                                                                         extend_lens)
+    out = cpu_attention.paged_extend_attention(q, k, v, k_buf, v_buf, r2t, rows, prefix, extend, 0.17)
+    assert out.dtype == dtype and out.shape == q.shape
+    ref = _extend_reference(q, k_buf, v_buf, r2t, rows, prefix, extend, 0.17)
+    torch.testing.assert_close(out.float(), ref.to(dtype).float(), atol=atol, rtol=0)
+
+
+def test_extend_kernel_subset_and_bad_input():
+    """q_starts lets one call serve some of q's requests (the others' rows of the result mean
+    nothing); out-of-range rows, slots, lengths and offsets raise instead of reading outside."""
+    q, (k, v), k_buf, v_buf, r2t, rows, prefix, extend = _extend_inputs(torch.float32, torch.float32, 32, [4, 0, 9],
+                                                                         [6, 8, 3])
+    full = cpu_attention.paged_extend_attention(q, k, v, k_buf, v_buf, r2t, rows, prefix, extend, 0.2)
+    pick = torch.tensor([0, 2])
+    part = cpu_attention.paged_extend_attention(q, k, v, k_buf, v_buf, r2t, rows[pick], prefix[pick], extend[pick], 0.2,
+                                                q_starts=torch.tensor([0, 14]))
+    torch.testing.assert_close(part[:6], full[:6], atol=0, rtol=0)
+    torch.testing.assert_close(part[14:], full[14:], atol=0, rtol=0)
+    bad_slot = r2t.clone()
+    bad_slot[rows[0], 3] = k_buf.shape[0]  # a cached prefix slot
+    with pytest.raises(IndexError):
+        cpu_attention.paged_extend_attention(q, k, v, k_buf, v_buf, bad_slot, rows, prefix, extend, 0.2)
+    with pytest.raises(IndexError):
+        cpu_attention.paged_extend_attention(q, k, v, k_buf, v_buf, r2t, torch.tensor([0, 1, r2t.shape[0]]), prefix, extend, 0.2)
+    with pytest.raises(IndexError):
+        cpu_attention.paged_extend_attention(q, k, v, k_buf, v_buf, r2t, rows, prefix + 2000, extend, 0.2)
+    with pytest.raises(ValueError):
+        cpu_attention.paged_extend_attention(q[:-1], k[:-1], v[:-1], k_buf, v_buf, r2t, rows, prefix, extend, 0.2)
+    with pytest.raises(IndexError):
+        cpu_attention.paged_extend_attention(q, k, v, k_buf, v_buf, r2t, rows[pick], prefix[pick], extend[pick], 0.2,
+                                             q_starts=torch.tensor([0, 15]))
+    with pytest.raises(ValueError):
+        wide = torch.randn(17, 2, 256)
+        cpu_attention.paged_extend_attention(torch.randn(17, 6, 256), wide, wide, torch.randn(100, 2, 256),
+                                             torch.randn(100, 2, 256), r2t, rows, prefix, extend, 0.2)

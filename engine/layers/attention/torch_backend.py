@@ -12,15 +12,19 @@ below at batch 32). Otherwise it gathers all requests at once into [bs, max_len]
 additive key mask and runs one scaled_dot_product_attention per layer. Under GQA the G query heads
 that share a KV head are passed as G query rows of that KV head ([bs, kv_heads, G, head_dim]), so
 SDPA never expands K/V to all query heads (its `enable_gqa` path does, measured ~1.3x slower per
-layer). EXTEND loops over requests (no padding waste when prompt lengths differ a lot); the index
-tensors and masks are built once per pass in init_forward_metadata and reused by every layer. The
-one-token rows at the end of a mixed batch (--enable-mixed-chunk: the running requests' decode
-step) go to the native decode kernel in one call, as a decode batch would.
+layer). EXTEND on CPU also runs a native kernel when it builds (paged_extend_attention): one call
+for the whole batch, each request's cached prefix read in place through req_to_token and its new
+tokens from the pass's own K/V (as the SDPA path), no gather and no mask; requests of more than NATIVE_EXTEND_MAX_TOKENS new tokens stay on SDPA, whose
+flash kernel is as fast there. Otherwise EXTEND loops over requests with one SDPA each (no padding
+waste when prompt lengths differ a lot); the index tensors and masks of those requests are built
+once per pass in init_forward_metadata and reused by every layer. The one-token rows at the end of
+a mixed batch (--enable-mixed-chunk: the running requests' decode step) go to the native decode
+kernel in one call, as a decode batch would.
 """
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -42,39 +46,57 @@ class DecodeMetadata:
     key_mask: torch.Tensor  # [bs, 1, 1, max_len] bool, True = a key of the request, False = padding
 
 
+# Longer extends go to SDPA: measured per layer on a 2-core AVX-512 VM, the native kernel took
+# 0.45-0.6x SDPA's time for 32 x 128 new tokens and 4 x 512, 0.85x for 32 x 32 over 1,024 cached,
+# and 0.9-1.1x for one 2,048-token prompt (head_dim 128), where SDPA's per-call cost is nothing.
+NATIVE_EXTEND_MAX_TOKENS = 1024
+
+
 @dataclass
 class ExtendMetadata:
     token_starts: list[int]  # request i owns new tokens [token_starts[i], token_starts[i] + extend_len_i)
-    kv_indices: list[torch.Tensor]  # [seq_len_i] slots of request i
+    # for the requests SDPA serves (None for those the native kernels take):
+    kv_indices: list[Optional[torch.Tensor]]  # [seq_len_i] slots of request i
     masks: list[Optional[torch.Tensor]]  # [extend_len_i, seq_len_i] bool, None = plain causal (no prefix)
     prefix_lens: torch.Tensor  # [bs] int64 on the CPU (what the compiled graph passes to its op)
     extend_lens: torch.Tensor  # [bs] int64 on the CPU
     # the batch's last rows that are one new token over a cached prefix (a mixed batch's decode
     # steps, --enable-mixed-chunk): the native decode kernel can take them in one call
     decode_tail: int = 0
+    native: list[int] = field(default_factory=list)  # requests the native extend kernel takes, in one call
 
 
 def _build_extend_metadata(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, prefix_lens: list[int],
-                           extend_lens: list[int]) -> ExtendMetadata:
-    starts, kv_indices, masks = [], [], []
+                           extend_lens: list[int], native: bool = False) -> ExtendMetadata:
+    """`native`: the native kernels are available (the decode tail and every request of at most
+    NATIVE_EXTEND_MAX_TOKENS new tokens go to them; no index tensors or masks are built for those)."""
+    bs = len(extend_lens)
+    tail = 0
+    while tail < bs and extend_lens[-1 - tail] == 1 and prefix_lens[-1 - tail] > 0:
+        tail += 1
+    tail = tail if native else 0
+    starts, kv_indices, masks, native_rows = [], [], [], []
     start = 0
-    for row, prefix, extend in zip(req_pool_indices.tolist(), prefix_lens, extend_lens):
+    for i, (row, prefix, extend) in enumerate(zip(req_pool_indices.tolist(), prefix_lens, extend_lens)):
         starts.append(start)
         start += extend
+        if i >= bs - tail or (native and 0 < extend <= NATIVE_EXTEND_MAX_TOKENS):
+            native_rows.extend([] if i >= bs - tail else [i])
+            kv_indices.append(None)
+            masks.append(None)
+            continue
         kv_indices.append(req_to_token[row, :prefix + extend])
         masks.append(None if prefix == 0 else _prefix_causal_mask(prefix, extend, req_to_token.device))
-    tail = 0
-    while tail < len(extend_lens) and extend_lens[-1 - tail] == 1 and prefix_lens[-1 - tail] > 0:
-        tail += 1
     return ExtendMetadata(starts, kv_indices, masks, torch.tensor(prefix_lens, dtype=torch.int64),
-                          torch.tensor(extend_lens, dtype=torch.int64), tail)
+                          torch.tensor(extend_lens, dtype=torch.int64), tail, native_rows)
 
 
 class TorchAttnBackend(AttentionBackend):
     def __init__(self, model_runner=None, native_decode: Optional[bool] = None, **_unused) -> None:
-        """native_decode: read the pool in place with the native CPU kernel at decode (same result as
-        the gather + SDPA below, without the per-step copy of every request's KV). None = when the
-        model runner's device and dtype allow it and the kernel builds; no model runner = off."""
+        """native_decode: read the pool in place with the native CPU kernels, at decode (same result as
+        the gather + SDPA below, without the per-step copy of every request's KV) and at extend (when
+        head_dim <= 128). None = when the model runner's device and dtype allow it and the kernels
+        build; no model runner = off."""
         if native_decode is None and model_runner is not None:
             reason = cpu_attention.unavailable_reason(model_runner.dtype, model_runner.device,
                                                       model_runner.token_to_kv_pool.dtype)
@@ -82,6 +104,8 @@ class TorchAttnBackend(AttentionBackend):
             if reason and str(model_runner.device).startswith("cpu"):
                 logger.warning("native CPU decode attention off (%s); using gather + SDPA", reason)
         self.native_decode = bool(native_decode)
+        head_dim = getattr(model_runner, "head_dim", None)
+        self.native_extend = self.native_decode and (head_dim is None or head_dim <= cpu_attention.EXTEND_MAX_HEAD_DIM)
 
     def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
         if forward_batch.forward_mode.is_decode():
@@ -99,12 +123,11 @@ class TorchAttnBackend(AttentionBackend):
         # a bool mask: SDPA applies it in the query's dtype, whatever the pool's (--kv-cache-dtype)
         return DecodeMetadata(kv_indices, valid[:, None, None, :])
 
-    @staticmethod
-    def _extend_metadata(fb: "ForwardBatch") -> ExtendMetadata:
+    def _extend_metadata(self, fb: "ForwardBatch") -> ExtendMetadata:
         for i, (prefix, extend) in enumerate(zip(fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu)):
             assert prefix + extend == fb.seq_lens_cpu[i], "seq_len must equal prefix_len + extend_len"
         return _build_extend_metadata(fb.req_to_token_pool.req_to_token, fb.req_pool_indices,
-                                      fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu)
+                                      fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu, self.native_extend)
 
     def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "RadixAttention",
                        forward_batch: "ForwardBatch", save_kv_cache: bool = True) -> torch.Tensor:
@@ -140,33 +163,39 @@ class TorchAttnBackend(AttentionBackend):
             # guard on Python lists of lengths).
             out = torch.ops.baton.extend_attention(q3, k3, v3, k_buf, v_buf, forward_batch.req_to_token_pool.req_to_token,
                                                    forward_batch.req_pool_indices, meta.prefix_lens, meta.extend_lens,
-                                                   layer.scaling, self.native_decode)
+                                                   layer.scaling, self.native_extend)
         else:
             out = _extend_attention(q3, k3, v3, k_buf, v_buf, meta, layer.scaling,
-                                    forward_batch.req_to_token_pool.req_to_token, forward_batch.req_pool_indices,
-                                    self.native_decode)
+                                    forward_batch.req_to_token_pool.req_to_token, forward_batch.req_pool_indices)
         return out.view(n, layer.num_heads * layer.head_dim)
 
 
 def _extend_attention(q3: torch.Tensor, k3: torch.Tensor, v3: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                       meta: ExtendMetadata, scale: float, req_to_token: Optional[torch.Tensor] = None,
-                      req_pool_indices: Optional[torch.Tensor] = None, native_decode: bool = False) -> torch.Tensor:
+                      req_pool_indices: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal attention of each request's new tokens over its prefix (from the pool) and themselves.
     q3 [n, num_heads, head_dim], k3/v3 [n, kv_heads, head_dim] -> [n, num_heads, head_dim].
-    With `native_decode`, the trailing one-token rows (meta.decode_tail, already in the pool) go
-    through the native decode kernel in one call instead of one SDPA each."""
-    out = torch.empty_like(q3)
-    gqa = q3.shape[1] != k3.shape[1]
-    bs, tail = len(meta.token_starts), meta.decode_tail if native_decode and req_to_token is not None else 0
+    The requests in meta.native go to the native extend kernel in one call, the trailing one-token
+    rows (meta.decode_tail) to the native decode kernel in one call (their K/V are in the pool
+    already); every other request gets one SDPA."""
+    n, heads, head_dim = q3.shape
+    bs, tail = len(meta.token_starts), meta.decode_tail
+    if meta.native:
+        idx = torch.tensor(meta.native, dtype=torch.int64)
+        out = cpu_attention.paged_extend_attention(
+            q3, k3, v3, k_buf, v_buf, req_to_token, req_pool_indices[idx], meta.prefix_lens[idx], meta.extend_lens[idx], scale,
+            q_starts=torch.tensor([meta.token_starts[i] for i in meta.native], dtype=torch.int64))
+    else:
+        out = torch.empty_like(q3)
+    gqa = heads != k3.shape[1]
     if tail:
-        n, heads, head_dim = q3.shape
         kv_heads = k_buf.shape[1]
         qg = q3[n - tail:].reshape(tail, kv_heads, heads // kv_heads, head_dim)
         dec = cpu_attention.paged_decode_attention(qg, k_buf, v_buf, req_to_token, req_pool_indices[bs - tail:],
                                                    meta.prefix_lens[bs - tail:] + 1, scale)
         out[n - tail:] = dec.reshape(tail, heads, head_dim).to(out.dtype)
     for i, extend in enumerate(meta.extend_lens[:bs - tail].tolist()):
-        if extend == 0:
+        if extend == 0 or meta.kv_indices[i] is None:  # nothing to attend, or a native request
             continue
         s = meta.token_starts[i]
         qi = q3[s:s + extend].transpose(0, 1)[None]  # [1, num_heads, extend, head_dim]
@@ -187,13 +216,13 @@ def _extend_attention(q3: torch.Tensor, k3: torch.Tensor, v3: torch.Tensor, k_bu
 def _extend_attention_op(q3: torch.Tensor, k3: torch.Tensor, v3: torch.Tensor, k_buf: torch.Tensor,
                          v_buf: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                          prefix_lens: torch.Tensor, extend_lens: torch.Tensor, scale: float,
-                         native_decode: bool) -> torch.Tensor:
-    meta = _build_extend_metadata(req_to_token, req_pool_indices, prefix_lens.tolist(), extend_lens.tolist())
-    return _extend_attention(q3, k3, v3, k_buf, v_buf, meta, scale, req_to_token, req_pool_indices, native_decode)
+                         native: bool) -> torch.Tensor:
+    meta = _build_extend_metadata(req_to_token, req_pool_indices, prefix_lens.tolist(), extend_lens.tolist(), native)
+    return _extend_attention(q3, k3, v3, k_buf, v_buf, meta, scale, req_to_token, req_pool_indices)
 
 
 @_extend_attention_op.register_fake
-def _(q3, k3, v3, k_buf, v_buf, req_to_token, req_pool_indices, prefix_lens, extend_lens, scale, native_decode):
+def _(q3, k3, v3, k_buf, v_buf, req_to_token, req_pool_indices, prefix_lens, extend_lens, scale, native):
     return torch.empty_like(q3)
 
 

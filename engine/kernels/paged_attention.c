@@ -333,3 +333,284 @@ int paged_decode_attention(const void *q, int q_dtype, const void *k, const void
     }
     return failed;
 }
+
+/* ---------------------------------------------------------------------------------------------
+ * Paged extend (prefill) attention: every request's new tokens against its cached prefix and
+ * themselves, causally, in one call for the whole batch, K/V read through req_to_token.
+ *
+ * Layouts (contiguous):
+ *   q        [n, kv_heads * group, head_dim]     this pass's queries, request after request
+ *   kn, vn   [n, kv_heads, head_dim]             this pass's keys and values, in q's dtype
+ *   k, v     [num_slots, kv_heads, head_dim]     one layer's pool, where the cached prefixes are
+ *   rows, prefix_lens, extend_lens, q_starts [bs] int64
+ *            request b owns query tokens [q_starts[b], q_starts[b] + extend_lens[b]); its token j
+ *            sits at position prefix_lens[b] + j and sees keys 0 .. prefix_lens[b] + j: the first
+ *            prefix_lens[b] through its req_to_token row, the rest from kn / vn (as SDPA over the
+ *            pass's own K/V would: unrounded when the KV cache has a narrower dtype)
+ *   out      [n, kv_heads * group, head_dim]     float32
+ * Tasks are (request, KV head, chunk of EXT_QCHUNK query tokens), spread over the OpenMP threads.
+ * A task converts its head's K (transposed, [head_dim][keys]) and V ([keys][head_dim]) into float32
+ * once, then every query row of the chunk and group computes its scores 16 keys per vector
+ * (no horizontal sums), a softmax in float32 and the weighted sum of the values.
+ * ------------------------------------------------------------------------------------------- */
+#define EXT_QCHUNK 64
+#define EXT_KB 16 /* keys per score vector */
+
+/* n values from offset as float32 into dst (float32, bfloat16, float16 or float8 e5m2 storage). */
+INLINE void load_f32(const void *base, int dtype, int64_t offset, int64_t n, float *restrict dst) {
+    if (dtype == DTYPE_F32) {
+        memcpy(dst, (const float *)base + offset, sizeof(float) * n);
+    } else if (dtype == DTYPE_BF16) {
+        const uint16_t *src = (const uint16_t *)base + offset;
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_f32(src[i]);
+    } else if (dtype == DTYPE_F16) {
+        const uint16_t *src = (const uint16_t *)base + offset;
+        for (int64_t i = 0; i < n; ++i) dst[i] = f16_to_f32(src[i]);
+    } else {
+        const uint8_t *src = (const uint8_t *)base + offset;
+        for (int64_t i = 0; i < n; ++i) dst[i] = f16_to_f32((f16_t)(src[i] << 8));
+    }
+}
+
+/* In place over s[0, n): exp(s - max); returns the sum. */
+static float exp_minus_max(float *restrict s, int64_t n) {
+#if defined(__AVX512F__)
+    __m512 mx = _mm512_set1_ps(-INFINITY), acc = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + i));
+    const __mmask16 tail = (__mmask16)((1u << (n - i)) - 1);
+    mx = _mm512_mask_max_ps(mx, tail, mx, _mm512_maskz_loadu_ps(tail, s + i));
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    for (i = 0; i + 16 <= n; i += 16) {
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + i), m));
+        _mm512_storeu_ps(s + i, e);
+        acc = _mm512_add_ps(acc, e);
+    }
+    const __m512 e = _mm512_maskz_mov_ps(tail, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + i), m)));
+    _mm512_mask_storeu_ps(s + i, tail, e);
+    return _mm512_reduce_add_ps(_mm512_add_ps(acc, e));
+#else
+    float mx = -INFINITY, sum = 0.f;
+    for (int64_t i = 0; i < n; ++i) mx = s[i] > mx ? s[i] : mx;
+    for (int64_t i = 0; i < n; ++i) {
+        s[i] = expf(s[i] - mx);
+        sum += s[i];
+    }
+    return sum;
+#endif
+}
+
+/* o = (sum over t < nk of p[t] * V[t]) * inv, from Vf [nk][head_dim]. */
+INLINE void ext_values(const float *restrict p, const float *restrict Vf, int64_t nk, const int64_t head_dim, float inv,
+                       float *restrict o) {
+    float acc[128];
+    for (int64_t d = 0; d < head_dim; ++d) acc[d] = 0.f;
+    for (int64_t t = 0; t < nk; ++t) {
+        const float pt = p[t];
+        const float *restrict vr = Vf + t * head_dim;
+#pragma omp simd
+        for (int64_t d = 0; d < head_dim; ++d) acc[d] += pt * vr[d];
+    }
+#pragma omp simd
+    for (int64_t d = 0; d < head_dim; ++d) o[d] = acc[d] * inv;
+}
+
+#if defined(__AVX512F__)
+/* S[r][t] = q_r . K[:, t] for R query rows (qb [R][hd], scaled) and the keys of `npanels` panels of
+ * Kp (panel p holds keys 16p .. 16p + 15 as [hd][16]). Four panels at a time: per dimension four
+ * key vectors and R broadcasts feed 4R FMAs, with the 4R accumulators in registers. */
+INLINE void ext_qk_avx512(const float *restrict qb, const float *restrict Kp, int64_t npanels, const int64_t hd,
+                          const int R, float *restrict S, int64_t ld) {
+    int64_t p = 0;
+    for (; p + 4 <= npanels; p += 4) {
+        __m512 acc[4][4];
+        for (int r = 0; r < R; ++r)
+            for (int i = 0; i < 4; ++i) acc[r][i] = _mm512_setzero_ps();
+        const float *restrict kp = Kp + p * hd * 16;
+        for (int64_t d = 0; d < hd; ++d) {
+            __m512 kv[4];
+            for (int i = 0; i < 4; ++i) kv[i] = _mm512_loadu_ps(kp + (i * hd + d) * 16);
+            for (int r = 0; r < R; ++r) {
+                const __m512 qd = _mm512_set1_ps(qb[r * hd + d]);
+                for (int i = 0; i < 4; ++i) acc[r][i] = _mm512_fmadd_ps(qd, kv[i], acc[r][i]);
+            }
+        }
+        for (int r = 0; r < R; ++r)
+            for (int i = 0; i < 4; ++i) _mm512_storeu_ps(S + r * ld + (p + i) * 16, acc[r][i]);
+    }
+    for (; p < npanels; ++p) {
+        __m512 acc[4];
+        for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+        const float *restrict kp = Kp + p * hd * 16;
+        for (int64_t d = 0; d < hd; ++d) {
+            const __m512 kv = _mm512_loadu_ps(kp + d * 16);
+            for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(qb[r * hd + d]), kv, acc[r]);
+        }
+        for (int r = 0; r < R; ++r) _mm512_storeu_ps(S + r * ld + p * 16, acc[r]);
+    }
+}
+
+/* o_r = (sum over t < nk of S[r][t] * V[t]) * inv[r] for R rows, from Vf [nk][hd]; 64 dimensions at
+ * a time so the 4R accumulators stay in registers. */
+INLINE void ext_pv_avx512(const float *restrict S, int64_t ld, const float *restrict Vf, int64_t nk, const int64_t hd,
+                          const int R, const float *restrict inv, float *const *restrict o) {
+    for (int64_t c0 = 0; c0 < hd; c0 += 64) {
+        const int nv = hd - c0 >= 64 ? 4 : (int)((hd - c0) / 16);
+        __m512 acc[4][4];
+        for (int r = 0; r < R; ++r)
+            for (int i = 0; i < 4; ++i) acc[r][i] = _mm512_setzero_ps();
+        for (int64_t t = 0; t < nk; ++t) {
+            __m512 vv[4];
+            for (int i = 0; i < nv; ++i) vv[i] = _mm512_loadu_ps(Vf + t * hd + c0 + i * 16);
+            for (int r = 0; r < R; ++r) {
+                const __m512 pt = _mm512_set1_ps(S[r * ld + t]);
+                for (int i = 0; i < nv; ++i) acc[r][i] = _mm512_fmadd_ps(pt, vv[i], acc[r][i]);
+            }
+        }
+        for (int r = 0; r < R; ++r)
+            for (int i = 0; i < nv; ++i)
+                _mm512_storeu_ps(o[r] + c0 + i * 16, _mm512_mul_ps(acc[r][i], _mm512_set1_ps(inv[r])));
+    }
+}
+#endif
+
+/* One task: query tokens [j0, j1) of request b (positions prefix + j), KV head h. Its keys
+ * 0 .. prefix + j1 - 1 are converted once into float32 panels Kp ([L/16][hd][16], zero-padded) and
+ * rows Vf ([L][hd]); its query rows (token, group member) go R at a time. */
+INLINE void ext_task(const void *q, int q_dtype, const void *kn, const void *vn, const void *k, const void *v, int dtype,
+                     const int64_t *slots,
+                     int64_t prefix, int64_t q_start, int64_t j0, int64_t j1, int64_t h, int64_t kv_heads, int64_t group,
+                     const int64_t head_dim, float scale, float *restrict Kp, float *restrict Vf, float *restrict S,
+                     float *restrict qb, float *restrict out) {
+    enum { R = 4 };
+    const int64_t L = prefix + j1, ld = (L + EXT_KB - 1) / EXT_KB * EXT_KB, width = kv_heads * head_dim;
+    const int64_t heads = kv_heads * group, nrows = (j1 - j0) * group;
+    float *row = qb + R * head_dim;  /* head_dim floats of scratch after the queries */
+    for (int64_t t = 0; t < L; ++t) {  /* the prefix from the pool, this pass's tokens from kn / vn */
+        const int cached = t < prefix;
+        const int64_t off = cached ? slots[t] * width + h * head_dim : (q_start + t - prefix) * width + h * head_dim;
+        if (t + PREFETCH_AHEAD < prefix) prefetch_row(k, dtype, slots[t + PREFETCH_AHEAD] * kv_heads + h, head_dim);
+        load_f32(cached ? k : kn, cached ? dtype : q_dtype, off, head_dim, row);
+        float *panel = Kp + (t / EXT_KB) * head_dim * EXT_KB + t % EXT_KB;
+        for (int64_t d = 0; d < head_dim; ++d) panel[d * EXT_KB] = row[d];
+        load_f32(cached ? v : vn, cached ? dtype : q_dtype, off, head_dim, Vf + t * head_dim);
+    }
+    for (int64_t t = L; t < ld; ++t) {
+        float *panel = Kp + (t / EXT_KB) * head_dim * EXT_KB + t % EXT_KB;
+        for (int64_t d = 0; d < head_dim; ++d) panel[d * EXT_KB] = 0.f;
+    }
+    for (int64_t r0 = 0; r0 < nrows; r0 += R) {
+        const int nr = nrows - r0 < R ? (int)(nrows - r0) : R;
+        int64_t nk[R];
+        float *o[R];
+        float inv[R];
+        for (int r = 0; r < nr; ++r) {
+            const int64_t j = j0 + (r0 + r) / group, g = (r0 + r) % group;
+            const int64_t off = ((q_start + j) * heads + h * group + g) * head_dim;
+            load_f32(q, q_dtype, off, head_dim, qb + r * head_dim);
+#pragma omp simd
+            for (int64_t d = 0; d < head_dim; ++d) qb[r * head_dim + d] *= scale;
+            nk[r] = prefix + j + 1;
+            o[r] = out + off;
+        }
+        const int64_t nk_max = nk[nr - 1], npanels = (nk_max + EXT_KB - 1) / EXT_KB;
+#if defined(__AVX512F__)
+        if (head_dim % 16 == 0) {
+#define EXT_QK(NR) ext_qk_avx512(qb, Kp, npanels, head_dim, NR, S, ld)
+            switch (nr) { case 4: EXT_QK(4); break; case 3: EXT_QK(3); break; case 2: EXT_QK(2); break; default: EXT_QK(1); }
+#undef EXT_QK
+        } else
+#endif
+        {
+            for (int r = 0; r < nr; ++r) {
+                for (int64_t p = 0; p < npanels; ++p) {
+                    float acc[EXT_KB] = {0};
+                    const float *kp = Kp + p * head_dim * EXT_KB;
+                    for (int64_t d = 0; d < head_dim; ++d) {
+                        const float qd = qb[r * head_dim + d];
+#pragma omp simd
+                        for (int i = 0; i < EXT_KB; ++i) acc[i] += qd * kp[d * EXT_KB + i];
+                    }
+                    memcpy(S + r * ld + p * EXT_KB, acc, sizeof acc);
+                }
+            }
+        }
+        for (int r = 0; r < nr; ++r) {  /* causal: row r sees nk[r] keys; the rest weigh 0 */
+            inv[r] = 1.f / exp_minus_max(S + r * ld, nk[r]);
+            for (int64_t t = nk[r]; t < nk_max; ++t) S[r * ld + t] = 0.f;
+        }
+#if defined(__AVX512F__)
+        if (head_dim % 16 == 0) {
+#define EXT_PV(NR) ext_pv_avx512(S, ld, Vf, nk_max, head_dim, NR, inv, o)
+            switch (nr) { case 4: EXT_PV(4); break; case 3: EXT_PV(3); break; case 2: EXT_PV(2); break; default: EXT_PV(1); }
+#undef EXT_PV
+            continue;
+        }
+#endif
+        for (int r = 0; r < nr; ++r) ext_values(S + r * ld, Vf, nk_max, head_dim, inv[r], o[r]);
+    }
+}
+
+/* q_dtype: float32, bfloat16 or float16; kv_dtype: one of those or float8 e5m2; head_dim <= 128. */
+int paged_extend_attention(const void *q, int q_dtype, const void *kn, const void *vn, const void *k, const void *v,
+                           int kv_dtype, int64_t num_slots,
+                           const int64_t *r2t, int64_t r2t_rows, int64_t r2t_stride, const int64_t *rows,
+                           const int64_t *prefix_lens, const int64_t *extend_lens, const int64_t *q_starts, int64_t bs,
+                           int64_t kv_heads, int64_t group, int64_t head_dim, float scale, float *out, int num_threads) {
+    if (q_dtype != DTYPE_F32 && q_dtype != DTYPE_BF16 && q_dtype != DTYPE_F16) return KERNEL_BAD_INDEX;
+    if (kv_dtype != DTYPE_F32 && kv_dtype != DTYPE_BF16 && kv_dtype != DTYPE_F16 && kv_dtype != DTYPE_E5M2)
+        return KERNEL_BAD_INDEX;
+    if (head_dim <= 0 || head_dim > 128) return KERNEL_BAD_INDEX;
+    /* validate every request up front; a bad one fails the call before any thread starts */
+    int64_t ntasks = 0, max_len = 0;
+    for (int64_t b = 0; b < bs; ++b) {
+        if (prefix_lens[b] < 0 || extend_lens[b] < 0) return KERNEL_BAD_INDEX;
+        const int64_t len = prefix_lens[b] + extend_lens[b];
+        if (check_indices(r2t, r2t_rows, r2t_stride, rows[b], len, num_slots)) return KERNEL_BAD_INDEX;
+        ntasks += (extend_lens[b] + EXT_QCHUNK - 1) / EXT_QCHUNK;
+        max_len = len > max_len ? len : max_len;
+    }
+    int64_t *task_b = malloc(sizeof(int64_t) * (ntasks ? ntasks : 1)), *task_j = malloc(sizeof(int64_t) * (ntasks ? ntasks : 1));
+    if (!task_b || !task_j) {
+        free(task_b);
+        free(task_j);
+        return KERNEL_NO_MEMORY;
+    }
+    int64_t n = 0;
+    for (int64_t b = 0; b < bs; ++b)
+        for (int64_t j = 0; j < extend_lens[b]; j += EXT_QCHUNK) task_b[n] = b, task_j[n++] = j;
+    const int64_t ld_max = (max_len + EXT_KB - 1) / EXT_KB * EXT_KB;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        float *Kt = malloc(sizeof(float) * (head_dim * ld_max + 1));
+        float *Vf = malloc(sizeof(float) * (head_dim * max_len + 1));
+        float *s = malloc(sizeof(float) * (4 * ld_max + 1));
+        float *qf = malloc(sizeof(float) * 5 * head_dim);
+        if (!Kt || !Vf || !s || !qf) failed |= KERNEL_NO_MEMORY;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < ntasks * kv_heads; ++i) {
+            if (!Kt || !Vf || !s || !qf) continue;
+            const int64_t t = i / kv_heads, h = i % kv_heads, b = task_b[t], j0 = task_j[t];
+            const int64_t j1 = j0 + EXT_QCHUNK < extend_lens[b] ? j0 + EXT_QCHUNK : extend_lens[b];
+            const int64_t *slots = r2t + rows[b] * r2t_stride;
+#define EXT_TASK(DIM) ext_task(q, q_dtype, kn, vn, k, v, kv_dtype, slots, prefix_lens[b], q_starts[b], j0, j1, h, kv_heads, \
+                               group, DIM, scale, Kt, Vf, s, qf, out)
+            switch (head_dim) {
+            case 32: EXT_TASK(32); break;
+            case 64: EXT_TASK(64); break;
+            case 128: EXT_TASK(128); break;
+            default: EXT_TASK(head_dim);
+            }
+#undef EXT_TASK
+        }
+        free(Kt);
+        free(Vf);
+        free(s);
+        free(qf);
+    }
+    free(task_b);
+    free(task_j);
+    return failed;
+}
