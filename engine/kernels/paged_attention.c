@@ -181,7 +181,8 @@ INLINE __m512 exp16(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-static void softmax_avx512(float *restrict s, int64_t n) {
+/* In place over s[0, n): exp(s - max); returns the sum. */
+static float exp_minus_max_avx512(float *restrict s, int64_t n) {
     __m512 mx = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + i));
@@ -195,8 +196,14 @@ static void softmax_avx512(float *restrict s, int64_t n) {
     }
     const __m512 e = _mm512_maskz_mov_ps(tail, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + i), m)));
     _mm512_mask_storeu_ps(s + i, tail, e);
-    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(_mm512_add_ps(sum, e)));
-    for (i = 0; i + 16 <= n; i += 16) _mm512_storeu_ps(s + i, _mm512_mul_ps(_mm512_loadu_ps(s + i), inv));
+    return _mm512_reduce_add_ps(_mm512_add_ps(sum, e));
+}
+
+static void softmax_avx512(float *restrict s, int64_t n) {
+    const __m512 inv = _mm512_set1_ps(1.f / exp_minus_max_avx512(s, n));
+    int64_t i = 0;
+    const __mmask16 tail = (__mmask16)((1u << (n % 16)) - 1);
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(s + i, _mm512_mul_ps(_mm512_loadu_ps(s + i), inv));
     _mm512_mask_storeu_ps(s + i, tail, _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, s + i), inv));
 }
 
@@ -376,20 +383,7 @@ INLINE void load_f32(const void *base, int dtype, int64_t offset, int64_t n, flo
 /* In place over s[0, n): exp(s - max); returns the sum. */
 static float exp_minus_max(float *restrict s, int64_t n) {
 #if defined(__AVX512F__)
-    __m512 mx = _mm512_set1_ps(-INFINITY), acc = _mm512_setzero_ps();
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + i));
-    const __mmask16 tail = (__mmask16)((1u << (n - i)) - 1);
-    mx = _mm512_mask_max_ps(mx, tail, mx, _mm512_maskz_loadu_ps(tail, s + i));
-    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-    for (i = 0; i + 16 <= n; i += 16) {
-        const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + i), m));
-        _mm512_storeu_ps(s + i, e);
-        acc = _mm512_add_ps(acc, e);
-    }
-    const __m512 e = _mm512_maskz_mov_ps(tail, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + i), m)));
-    _mm512_mask_storeu_ps(s + i, tail, e);
-    return _mm512_reduce_add_ps(_mm512_add_ps(acc, e));
+    return exp_minus_max_avx512(s, n);
 #else
     float mx = -INFINITY, sum = 0.f;
     for (int64_t i = 0; i < n; ++i) mx = s[i] > mx ? s[i] : mx;
