@@ -469,6 +469,62 @@ INLINE void ext_pv_avx512(const float *restrict S, int64_t ld, const float *rest
 }
 #endif
 
+#if defined(__AVX512F__)
+/* In place: the 16 x 16 block r (row i = r[i]) becomes its transpose. */
+INLINE void transpose16(__m512 r[16]) {
+    __m512 t[16], u[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {  /* u[i + m], lane l: column 4l + m of rows i .. i + 3 */
+        u[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+        u[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+        u[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+        u[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+    }
+    for (int m = 0; m < 4; ++m) {  /* gather lane l of u[m], u[4 + m], u[8 + m], u[12 + m] */
+        const __m512 v02 = _mm512_shuffle_f32x4(u[m], u[4 + m], 0x88), v13 = _mm512_shuffle_f32x4(u[m], u[4 + m], 0xDD);
+        const __m512 w02 = _mm512_shuffle_f32x4(u[8 + m], u[12 + m], 0x88), w13 = _mm512_shuffle_f32x4(u[8 + m], u[12 + m], 0xDD);
+        r[m] = _mm512_shuffle_f32x4(v02, w02, 0x88);
+        r[8 + m] = _mm512_shuffle_f32x4(v02, w02, 0xDD);
+        r[4 + m] = _mm512_shuffle_f32x4(v13, w13, 0x88);
+        r[12 + m] = _mm512_shuffle_f32x4(v13, w13, 0xDD);
+    }
+}
+
+/* Keys 0 .. L - 1 of KV head h as float32: K into panels of 16 keys ([hd][16], zero past L) through
+ * 16 x 16 register transposes, V into rows. The prefix comes from the pool, the rest from kn / vn. */
+static void ext_convert_avx512(int q_dtype, const void *kn, const void *vn, const void *k, const void *v, int dtype,
+                               const int64_t *slots, int64_t prefix, int64_t q_start, int64_t L, int64_t h,
+                               int64_t kv_heads, int64_t hd, float *restrict Kp, float *restrict Vf) {
+    const int64_t width = kv_heads * hd;
+    for (int64_t t0 = 0; t0 < L; t0 += 16) {
+        const void *src[16];
+        int src_dtype[16];
+        int64_t off[16];
+        for (int i = 0; i < 16 && t0 + i < L; ++i) {
+            const int64_t t = t0 + i;
+            const int cached = t < prefix;
+            src_dtype[i] = cached ? dtype : q_dtype;
+            off[i] = cached ? slots[t] * width + h * hd : (q_start + t - prefix) * width + h * hd;
+            src[i] = cached ? k : kn;
+            if (cached && t + 16 < prefix) prefetch_head(k, dtype, slots[t + 16] * width + h * hd, hd);
+            for (int64_t c = 0; c < hd; c += 16)
+                _mm512_storeu_ps(Vf + t * hd + c, load16(cached ? v : vn, src_dtype[i], off[i] + c));
+        }
+        float *panel = Kp + t0 * hd;
+        for (int64_t c = 0; c < hd; c += 16) {
+            __m512 r[16];
+            for (int i = 0; i < 16; ++i)
+                r[i] = t0 + i < L ? load16(src[i], src_dtype[i], off[i] + c) : _mm512_setzero_ps();
+            transpose16(r);
+            for (int dd = 0; dd < 16; ++dd) _mm512_storeu_ps(panel + (c + dd) * 16, r[dd]);
+        }
+    }
+}
+#endif
+
 /* One task: query tokens [j0, j1) of request b (positions prefix + j), KV head h. Its keys
  * 0 .. prefix + j1 - 1 are converted once into float32 panels Kp ([L/16][hd][16], zero-padded) and
  * rows Vf ([L][hd]); its query rows (token, group member) go R at a time. */
@@ -481,18 +537,25 @@ INLINE void ext_task(const void *q, int q_dtype, const void *kn, const void *vn,
     const int64_t L = prefix + j1, ld = (L + EXT_KB - 1) / EXT_KB * EXT_KB, width = kv_heads * head_dim;
     const int64_t heads = kv_heads * group, nrows = (j1 - j0) * group;
     float *row = qb + R * head_dim;  /* head_dim floats of scratch after the queries */
-    for (int64_t t = 0; t < L; ++t) {  /* the prefix from the pool, this pass's tokens from kn / vn */
-        const int cached = t < prefix;
-        const int64_t off = cached ? slots[t] * width + h * head_dim : (q_start + t - prefix) * width + h * head_dim;
-        if (t + PREFETCH_AHEAD < prefix) prefetch_row(k, dtype, slots[t + PREFETCH_AHEAD] * kv_heads + h, head_dim);
-        load_f32(cached ? k : kn, cached ? dtype : q_dtype, off, head_dim, row);
-        float *panel = Kp + (t / EXT_KB) * head_dim * EXT_KB + t % EXT_KB;
-        for (int64_t d = 0; d < head_dim; ++d) panel[d * EXT_KB] = row[d];
-        load_f32(cached ? v : vn, cached ? dtype : q_dtype, off, head_dim, Vf + t * head_dim);
-    }
-    for (int64_t t = L; t < ld; ++t) {
-        float *panel = Kp + (t / EXT_KB) * head_dim * EXT_KB + t % EXT_KB;
-        for (int64_t d = 0; d < head_dim; ++d) panel[d * EXT_KB] = 0.f;
+#if defined(__AVX512F__)
+    if (head_dim % 16 == 0) {
+        ext_convert_avx512(q_dtype, kn, vn, k, v, dtype, slots, prefix, q_start, L, h, kv_heads, head_dim, Kp, Vf);
+    } else
+#endif
+    {
+        for (int64_t t = 0; t < L; ++t) {  /* the prefix from the pool, this pass's tokens from kn / vn */
+            const int cached = t < prefix;
+            const int64_t off = cached ? slots[t] * width + h * head_dim : (q_start + t - prefix) * width + h * head_dim;
+            if (t + PREFETCH_AHEAD < prefix) prefetch_row(k, dtype, slots[t + PREFETCH_AHEAD] * kv_heads + h, head_dim);
+            load_f32(cached ? k : kn, cached ? dtype : q_dtype, off, head_dim, row);
+            float *panel = Kp + (t / EXT_KB) * head_dim * EXT_KB + t % EXT_KB;
+            for (int64_t d = 0; d < head_dim; ++d) panel[d * EXT_KB] = row[d];
+            load_f32(cached ? v : vn, cached ? dtype : q_dtype, off, head_dim, Vf + t * head_dim);
+        }
+        for (int64_t t = L; t < ld; ++t) {
+            float *panel = Kp + (t / EXT_KB) * head_dim * EXT_KB + t % EXT_KB;
+            for (int64_t d = 0; d < head_dim; ++d) panel[d * EXT_KB] = 0.f;
+        }
     }
     for (int64_t r0 = 0; r0 < nrows; r0 += R) {
         const int nr = nrows - r0 < R ? (int)(nrows - r0) : R;

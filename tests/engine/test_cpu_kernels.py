@@ -51,7 +51,7 @@ def test_kernel_builds_here():
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2), (torch.float16, 3e-3)],
                          ids=["f32", "bf16", "f16"])
-@pytest.mark.parametrize("head_dim", [32, 64, 128, 48])
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 48, 40])  # 40: the portable loops (not a multiple of 16)
 @pytest.mark.parametrize("group", [1, 2, 3, 4, 8])  # the AVX-512 path takes query rows in blocks of 1-8
 def test_matches_reference(dtype, atol, head_dim, group):
     lens = [1, 17, 16, 200, 33, 5]  # 1 key, tails shorter than a vector, a multiple of 16, long
@@ -67,7 +67,7 @@ def test_matches_reference(dtype, atol, head_dim, group):
     (torch.float32, torch.bfloat16, 2e-5), (torch.float32, torch.float8_e5m2, 2e-5),
     (torch.bfloat16, torch.float8_e5m2, 2e-2), (torch.float16, torch.float32, 3e-3)],
     ids=["f32-q-bf16-kv", "f32-q-e5m2-kv", "bf16-q-e5m2-kv", "f16-q-f32-kv"])
-@pytest.mark.parametrize("head_dim", [32, 64, 128, 48])
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 48, 40])  # 40: the portable loops (not a multiple of 16)
 def test_kv_cache_dtype_differs_from_the_query(q_dtype, kv_dtype, atol, head_dim):
     """A KV cache in its own dtype (--kv-cache-dtype): the kernel must read the pool as stored, so
     the reference is computed from the stored (rounded) values and the bound stays q's own."""
@@ -262,7 +262,7 @@ def _extend_inputs(dtype, kv_dtype, head_dim, prefix_lens, extend_lens, kv_heads
     return q, kv_new, k_buf, v_buf, req_to_token, rows, torch.tensor(prefix_lens), torch.tensor(extend_lens)
 
 
-@pytest.mark.parametrize("head_dim", [32, 64, 128, 48])
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 48, 40])  # 40: the portable loops (not a multiple of 16)
 @pytest.mark.parametrize("dtype,kv_dtype,atol", [
     (torch.float32, torch.float32, 2e-5), (torch.bfloat16, torch.bfloat16, 1.6e-2),
     (torch.float16, torch.float16, 2e-3), (torch.float32, torch.float8_e5m2, 2e-5)])

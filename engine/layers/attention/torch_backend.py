@@ -47,8 +47,9 @@ class DecodeMetadata:
 
 
 # Longer extends go to SDPA: measured per layer on a 2-core AVX-512 VM, the native kernel took
-# 0.45-0.6x SDPA's time for 32 x 128 new tokens and 4 x 512, 0.85x for 32 x 32 over 1,024 cached,
-# and 0.9-1.1x for one 2,048-token prompt (head_dim 128), where SDPA's per-call cost is nothing.
+# 0.3-0.45x SDPA's time for 32 x 128 new tokens, 32 x 32 over 1,024 cached and 4 x 512, but
+# 0.9-1.15x for one prompt of 2,048-4,096 new tokens, where SDPA's per-call cost is nothing and its
+# key tiling keeps the working set in cache.
 NATIVE_EXTEND_MAX_TOKENS = 1024
 
 
