@@ -267,9 +267,9 @@ def _extend_inputs(dtype, kv_dtype, head_dim, prefix_lens, extend_lens, kv_heads
     (torch.float32, torch.float32, 2e-5), (torch.bfloat16, torch.bfloat16, 1.6e-2),
     (torch.float16, torch.float16, 2e-3), (torch.float32, torch.float8_e5m2, 2e-5)])
 def test_extend_kernel_matches_sdpa_per_request(dtype, kv_dtype, atol, head_dim):
-    """Prefixes, one-token and empty extends, lengths off the 16-key and 4-row blocks, scattered
+    """Prefixes, one-token and empty extends, lengths off the 16-key, 4-row and 256-key blocks, scattered
     slots, GQA, every dtype pair: equal to causal SDPA over each request's gathered K/V."""
-    prefix_lens, extend_lens = [0, 5, 100, 0, 17, 3], [1, 70, 130, 33, 0, 129]
+    prefix_lens, extend_lens = [0, 5, 100, 0, 17, 3, 600], [1, 70, 130, 33, 0, 129, 300]  # the last: 4 key tiles
     q, (k, v), k_buf, v_buf, r2t, rows, prefix, extend = _extend_inputs(dtype, kv_dtype, head_dim, prefix_lens,
                                                                          extend_lens)
     out = cpu_attention.paged_extend_attention(q, k, v, k_buf, v_buf, r2t, rows, prefix, extend, 0.17)
