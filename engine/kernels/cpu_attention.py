@@ -9,8 +9,8 @@ pool buffers are [slots, kv_heads, head_dim]; the result is [bs, kv_heads, group
 dtype. Extend: q is this pass's [n, heads, head_dim] and k, v its [n, kv_heads, head_dim]
 (request after request, extend_lens[i] tokens each); token j of request i sees the prefix_lens[i]
 cached keys of its req_to_token row, then the pass's own keys up to itself; the result is
-[n, heads, head_dim] in q's dtype. One call serves the whole
-batch, prefixes included, with no gather and no mask.
+[n, heads, head_dim] in q's dtype. One call serves the whole batch, prefixes included, with no
+gather and no mask.
 q is float32, bfloat16 or float16; the pool may be in any of those or in float8 e5m2 (a KV cache
 dtype of its own, `--kv-cache-dtype`).
 It is a torch custom op (`baton::paged_decode_attention`), so `torch.compile` keeps it as one opaque
@@ -62,8 +62,7 @@ def _library() -> ctypes.CDLL:
     # q, q_dtype, k_new, v_new, k, v, kv_dtype, num_slots, r2t, r2t_rows, r2t_stride, rows, prefix_lens,
     # extend_lens, q_starts, bs, kv_heads, group, head_dim, scale, out, num_threads
     lib.paged_extend_attention.argtypes = [ptr, ctypes.c_int, ptr, ptr, ptr, ptr, ctypes.c_int, i64, ptr, i64, i64, ptr,
-                                           ptr,
-                                           ptr, ptr, i64, i64, i64, i64, ctypes.c_float, ptr, ctypes.c_int]
+                                           ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_float, ptr, ctypes.c_int]
     lib.paged_extend_attention.restype = ctypes.c_int
     return lib
 
@@ -96,18 +95,32 @@ def paged_decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Te
     return _paged_decode_attention(q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, scale)
 
 
+def _check_inputs(op: str, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, index_names: str,
+                  indices: tuple[torch.Tensor, ...], others: tuple[torch.Tensor, ...] = ()) -> None:
+    """What both kernels require: supported dtypes, int64 index tensors, everything on the CPU."""
+    if q.dtype not in _SUPPORTED or k_buf.dtype not in _KV_SUPPORTED or k_buf.dtype != v_buf.dtype:
+        raise TypeError(f"{op}: q must be one of {list(_SUPPORTED)} and k/v share one of "
+                        f"{list(_KV_SUPPORTED)}, got {q.dtype}/{k_buf.dtype}/{v_buf.dtype}")
+    if any(t.dtype != torch.int64 for t in indices):
+        raise TypeError(f"{op}: {index_names} must be int64")
+    if any(t.device.type != "cpu" for t in (q, k_buf, v_buf, *indices, *others)):
+        raise ValueError(f"{op}: every tensor must be on the CPU")
+
+
+def _raise_on_failure(op: str, failed: int, buffers: str) -> None:
+    if failed & _BAD_INDEX:
+        raise IndexError(f"{op}: a request row, length or KV slot is out of range")
+    if failed:
+        raise MemoryError(f"{op}: out of memory for the {buffers}")
+
+
 def _paged_decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, req_to_token: torch.Tensor,
                             req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
     bs, kv_heads, group, head_dim = q.shape
-    if q.dtype not in _SUPPORTED or k_buf.dtype not in _KV_SUPPORTED or k_buf.dtype != v_buf.dtype:
-        raise TypeError(f"paged_decode_attention: q must be one of {list(_SUPPORTED)} and k/v share one of "
-                        f"{list(_KV_SUPPORTED)}, got {q.dtype}/{k_buf.dtype}/{v_buf.dtype}")
+    _check_inputs("paged_decode_attention", q, k_buf, v_buf, "req_to_token, req_pool_indices and seq_lens",
+                  (req_to_token, req_pool_indices, seq_lens))
     if k_buf.shape[1:] != (kv_heads, head_dim) or v_buf.shape != k_buf.shape:
         raise ValueError(f"paged_decode_attention: pool {tuple(k_buf.shape)} does not match q {tuple(q.shape)}")
-    if req_to_token.dtype != torch.int64 or req_pool_indices.dtype != torch.int64 or seq_lens.dtype != torch.int64:
-        raise TypeError("paged_decode_attention: req_to_token, req_pool_indices and seq_lens must be int64")
-    if any(t.device.type != "cpu" for t in (q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens)):
-        raise ValueError("paged_decode_attention: every tensor must be on the CPU")
     if req_pool_indices.shape != (bs,) or seq_lens.shape != (bs,):
         raise ValueError(f"paged_decode_attention: {bs} queries need {bs} rows and lengths")
     q, k_buf, v_buf = q.contiguous(), k_buf.contiguous(), v_buf.contiguous()
@@ -119,10 +132,7 @@ def _paged_decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.T
         k_buf.shape[0], req_to_token.data_ptr(),
         req_to_token.shape[0], req_to_token.stride(0), rows.data_ptr(), lens.data_ptr(), bs, kv_heads, group,
         head_dim, scale, out.data_ptr(), torch.get_num_threads())
-    if failed & _BAD_INDEX:
-        raise IndexError("paged_decode_attention: a request row, length or KV slot is out of range")
-    if failed:
-        raise MemoryError("paged_decode_attention: out of memory for the score buffer")
+    _raise_on_failure("paged_decode_attention", failed, "score buffer")
     return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 
@@ -138,8 +148,7 @@ EXTEND_MAX_HEAD_DIM = 128
 
 
 def paged_extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
-                           req_to_token: torch.Tensor,
-                           req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: torch.Tensor,
+                           req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: torch.Tensor,
                            scale: float, q_starts: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal attention of every request's new tokens over its prefix and themselves, read from the
     pool in place (see the module docstring). Not a custom op of its own: under torch.compile the
@@ -148,19 +157,14 @@ def paged_extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_
     no request owns are left unspecified in the result); default: the requests fill q in order."""
     n, heads, head_dim = q.shape
     kv_heads = k_buf.shape[1] if k_buf.dim() == 3 else -1
-    if q.dtype not in _SUPPORTED or k_buf.dtype not in _KV_SUPPORTED or k_buf.dtype != v_buf.dtype:
-        raise TypeError(f"paged_extend_attention: q must be one of {list(_SUPPORTED)} and k/v share one of "
-                        f"{list(_KV_SUPPORTED)}, got {q.dtype}/{k_buf.dtype}/{v_buf.dtype}")
+    _check_inputs("paged_extend_attention", q, k_buf, v_buf, "req_to_token, req_pool_indices and the lengths",
+                  (req_to_token, req_pool_indices, prefix_lens, extend_lens), (k, v))
     if kv_heads <= 0 or heads % kv_heads or k_buf.shape[2] != head_dim or v_buf.shape != k_buf.shape:
         raise ValueError(f"paged_extend_attention: pool {tuple(k_buf.shape)} does not match q {tuple(q.shape)}")
     if k.shape != (n, kv_heads, head_dim) or v.shape != k.shape or k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"paged_extend_attention: this pass's k/v must be [{n}, {kv_heads}, {head_dim}] in {q.dtype}")
     if head_dim > EXTEND_MAX_HEAD_DIM:
         raise ValueError(f"paged_extend_attention: head_dim {head_dim} > {EXTEND_MAX_HEAD_DIM}")
-    if any(t.dtype != torch.int64 for t in (req_to_token, req_pool_indices, prefix_lens, extend_lens)):
-        raise TypeError("paged_extend_attention: req_to_token, req_pool_indices and the lengths must be int64")
-    if any(t.device.type != "cpu" for t in (q, k_buf, v_buf, req_to_token, req_pool_indices, prefix_lens, extend_lens)):
-        raise ValueError("paged_extend_attention: every tensor must be on the CPU")
     bs = req_pool_indices.shape[0]
     if prefix_lens.shape != (bs,) or extend_lens.shape != (bs,):
         raise ValueError(f"paged_extend_attention: {bs} requests need {bs} prefix and extend lengths")
@@ -183,11 +187,7 @@ def paged_extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_
     failed = _library().paged_extend_attention(
         q.data_ptr(), _SUPPORTED[q.dtype], k.data_ptr(), v.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(),
         _KV_SUPPORTED[k_buf.dtype], k_buf.shape[0], req_to_token.data_ptr(), req_to_token.shape[0], req_to_token.stride(0),
-        rows.data_ptr(),
-        prefix_lens.data_ptr(), extend_lens.data_ptr(), q_starts.data_ptr(), bs, kv_heads, heads // kv_heads,
+        rows.data_ptr(), prefix_lens.data_ptr(), extend_lens.data_ptr(), q_starts.data_ptr(), bs, kv_heads, heads // kv_heads,
         head_dim, scale, out.data_ptr(), torch.get_num_threads())
-    if failed & _BAD_INDEX:
-        raise IndexError("paged_extend_attention: a request row, length or KV slot is out of range")
-    if failed:
-        raise MemoryError("paged_extend_attention: out of memory for the K/V and score buffers")
+    _raise_on_failure("paged_extend_attention", failed, "K/V and score buffers")
     return out if q.dtype == torch.float32 else out.to(q.dtype)

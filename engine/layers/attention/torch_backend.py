@@ -14,8 +14,8 @@ that share a KV head are passed as G query rows of that KV head ([bs, kv_heads, 
 SDPA never expands K/V to all query heads (its `enable_gqa` path does, measured ~1.3x slower per
 layer). EXTEND on CPU also runs a native kernel when it builds (paged_extend_attention): one call
 for the whole batch, each request's cached prefix read in place through req_to_token and its new
-tokens from the pass's own K/V (as the SDPA path), no gather and no mask; requests of more than NATIVE_EXTEND_MAX_TOKENS new tokens stay on SDPA, whose
-flash kernel is as fast there. Otherwise EXTEND loops over requests with one SDPA each (no padding
+tokens from the pass's own K/V (as the SDPA path), no gather and no mask; requests of more than
+NATIVE_EXTEND_MAX_TOKENS new tokens stay on SDPA, whose flash kernel is as fast there. Otherwise EXTEND loops over requests with one SDPA each (no padding
 waste when prompt lengths differ a lot); the index tensors and masks of those requests are built
 once per pass in init_forward_metadata and reused by every layer. The one-token rows at the end of
 a mixed batch (--enable-mixed-chunk: the running requests' decode step) go to the native decode
@@ -54,6 +54,16 @@ NATIVE_EXTEND_MAX_TOKENS = 1024
 
 
 @dataclass
+class NativeExtend:
+    """The requests of a pass that the native extend kernel takes in one call, as its arguments
+    (built once per pass, used by every layer)."""
+    rows: torch.Tensor  # [m] int64 req_to_token rows
+    prefix_lens: torch.Tensor  # [m] int64
+    extend_lens: torch.Tensor  # [m] int64
+    q_starts: torch.Tensor  # [m] int64 where each one's tokens start in the pass
+
+
+@dataclass
 class ExtendMetadata:
     token_starts: list[int]  # request i owns new tokens [token_starts[i], token_starts[i] + extend_len_i)
     # for the requests SDPA serves (None for those the native kernels take):
@@ -64,7 +74,8 @@ class ExtendMetadata:
     # the batch's last rows that are one new token over a cached prefix (a mixed batch's decode
     # steps, --enable-mixed-chunk): the native decode kernel can take them in one call
     decode_tail: int = 0
-    native: list[int] = field(default_factory=list)  # requests the native extend kernel takes, in one call
+    native: list[int] = field(default_factory=list)  # the requests the native extend kernel takes, in one call
+    native_args: Optional[NativeExtend] = None  # their arguments to it (None when there are none)
 
 
 def _build_extend_metadata(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, prefix_lens: list[int],
@@ -73,23 +84,30 @@ def _build_extend_metadata(req_to_token: torch.Tensor, req_pool_indices: torch.T
     NATIVE_EXTEND_MAX_TOKENS new tokens go to them; no index tensors or masks are built for those)."""
     bs = len(extend_lens)
     tail = 0
-    while tail < bs and extend_lens[-1 - tail] == 1 and prefix_lens[-1 - tail] > 0:
+    while native and tail < bs and extend_lens[-1 - tail] == 1 and prefix_lens[-1 - tail] > 0:
         tail += 1
-    tail = tail if native else 0
-    starts, kv_indices, masks, native_rows = [], [], [], []
+    rows = req_pool_indices.tolist()
+    starts, kv_indices, masks, native_reqs = [], [], [], []
     start = 0
-    for i, (row, prefix, extend) in enumerate(zip(req_pool_indices.tolist(), prefix_lens, extend_lens)):
+    for i, (row, prefix, extend) in enumerate(zip(rows, prefix_lens, extend_lens)):
         starts.append(start)
         start += extend
-        if i >= bs - tail or (native and 0 < extend <= NATIVE_EXTEND_MAX_TOKENS):
-            native_rows.extend([] if i >= bs - tail else [i])
+        on_sdpa = i < bs - tail and not (native and 0 < extend <= NATIVE_EXTEND_MAX_TOKENS)
+        if on_sdpa:
+            kv_indices.append(req_to_token[row, :prefix + extend])
+            masks.append(None if prefix == 0 else _prefix_causal_mask(prefix, extend, req_to_token.device))
+        else:
             kv_indices.append(None)
             masks.append(None)
-            continue
-        kv_indices.append(req_to_token[row, :prefix + extend])
-        masks.append(None if prefix == 0 else _prefix_causal_mask(prefix, extend, req_to_token.device))
+            if i < bs - tail:
+                native_reqs.append(i)
+    picked = None
+    if native_reqs:
+        def pick(values: list[int]) -> torch.Tensor:
+            return torch.tensor([values[i] for i in native_reqs], dtype=torch.int64)
+        picked = NativeExtend(pick(rows), pick(prefix_lens), pick(extend_lens), pick(starts))
     return ExtendMetadata(starts, kv_indices, masks, torch.tensor(prefix_lens, dtype=torch.int64),
-                          torch.tensor(extend_lens, dtype=torch.int64), tail, native_rows)
+                          torch.tensor(extend_lens, dtype=torch.int64), tail, native_reqs, picked)
 
 
 class TorchAttnBackend(AttentionBackend):
@@ -181,11 +199,10 @@ def _extend_attention(q3: torch.Tensor, k3: torch.Tensor, v3: torch.Tensor, k_bu
     already); every other request gets one SDPA."""
     n, heads, head_dim = q3.shape
     bs, tail = len(meta.token_starts), meta.decode_tail
-    if meta.native:
-        idx = torch.tensor(meta.native, dtype=torch.int64)
-        out = cpu_attention.paged_extend_attention(
-            q3, k3, v3, k_buf, v_buf, req_to_token, req_pool_indices[idx], meta.prefix_lens[idx], meta.extend_lens[idx], scale,
-            q_starts=torch.tensor([meta.token_starts[i] for i in meta.native], dtype=torch.int64))
+    if meta.native_args is not None:
+        nat = meta.native_args
+        out = cpu_attention.paged_extend_attention(q3, k3, v3, k_buf, v_buf, req_to_token, nat.rows, nat.prefix_lens,
+                                                   nat.extend_lens, scale, q_starts=nat.q_starts)
     else:
         out = torch.empty_like(q3)
     gqa = heads != k3.shape[1]
