@@ -8,6 +8,14 @@ match and nodes split only at page boundaries.
 Lock counts live on nodes. inc_lock_ref(node) bumps node and every ancestor (the root is always
 locked), so a locked path can never lose a leaf; a split copies lock_ref and access time to the new
 parent, which keeps the counts of requests holding the split node balanced.
+
+Eviction does not scan the tree. Every evictable node (an unlocked leaf) has an entry in a heap
+keyed by (access time, id), pushed when the node becomes evictable: inserted as a leaf, unlocked as
+a leaf, or left childless by an eviction. Entries go stale when a node is touched, locked or given a
+child; `evict` checks the top entry and drops it (no longer evictable) or re-pushes it with the
+node's current time (touched since), so it frees exactly the least recently used leaves, as a full
+scan would, in O(k log n) for k evictions. A node has at most one entry. (A server with a full pool
+evicts on most decode steps; with a scan, the step's cost grew with every cached request.)
 """
 from __future__ import annotations
 
@@ -21,7 +29,7 @@ from baton.engine.mem_cache.base import BasePrefixCache, CacheReq, MatchResult
 
 
 class TreeNode:
-    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access_time", "id")
+    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access_time", "id", "in_heap")
 
     def __init__(self, node_id: int, key: list[int], value: torch.Tensor, parent: Optional["TreeNode"]) -> None:
         self.id = node_id
@@ -31,6 +39,7 @@ class TreeNode:
         self.value = value  # [len(key)] int64 slot indices, owned by the tree
         self.lock_ref = 0
         self.last_access_time = 0
+        self.in_heap = False  # has an entry in RadixCache._evict_heap
 
     def __lt__(self, other: "TreeNode") -> bool:
         return (self.last_access_time, self.id) < (other.last_access_time, other.id)
@@ -57,6 +66,7 @@ class RadixCache(BasePrefixCache):
         """Forget every node without freeing slots (the allocator is being cleared too)."""
         self.root = TreeNode(next(self._ids), [], self._empty(), None)
         self.root.lock_ref = 1
+        self._evict_heap: list[tuple[int, int, TreeNode]] = []
         self.evictable_size_ = 0
         self.protected_size_ = 0
 
@@ -93,6 +103,12 @@ class RadixCache(BasePrefixCache):
         upper.children[self._child_key(child.key)] = child
         parent.children[self._child_key(upper.key)] = upper
         return upper
+
+    def _mark_evictable(self, node: TreeNode) -> None:
+        """`node` just became an unlocked leaf: make sure the eviction heap holds an entry for it."""
+        if not node.in_heap:
+            node.in_heap = True
+            heapq.heappush(self._evict_heap, (node.last_access_time, node.id, node))
 
     def _iter_nodes(self) -> Iterator[TreeNode]:
         stack = [self.root]
@@ -140,6 +156,7 @@ class RadixCache(BasePrefixCache):
             leaf.last_access_time = now
             node.children[self._child_key(rest)] = leaf
             self.evictable_size_ += len(rest)
+            self._mark_evictable(leaf)
         return cached
 
     def _insert_committed(self, req: CacheReq) -> tuple[torch.Tensor, int, int]:
@@ -172,19 +189,29 @@ class RadixCache(BasePrefixCache):
         req.last_node = new_node
 
     def evict(self, num_tokens: int) -> int:
-        heap = [n for n in self._iter_nodes() if not n.children and n.lock_ref == 0 and n is not self.root]
-        heapq.heapify(heap)
+        """Free at least `num_tokens` slots (fewer if the unlocked leaves run out), least recently
+        used leaves first; a parent left childless and unlocked becomes a candidate in turn."""
+        heap = self._evict_heap
         freed: list[torch.Tensor] = []
         num_freed = 0
         while num_freed < num_tokens and heap:
-            leaf = heapq.heappop(heap)
+            stamp, _, leaf = heap[0]
+            if leaf.children or leaf.lock_ref:  # no longer evictable: becoming so again pushes it anew
+                heapq.heappop(heap)
+                leaf.in_heap = False
+                continue
+            if stamp != leaf.last_access_time:  # touched since it was pushed: back in at its place now
+                heapq.heapreplace(heap, (leaf.last_access_time, leaf.id, leaf))
+                continue
+            heapq.heappop(heap)
+            leaf.in_heap = False
             parent = leaf.parent
             del parent.children[self._child_key(leaf.key)]
             freed.append(leaf.value)
             num_freed += len(leaf.key)
             self.evictable_size_ -= len(leaf.key)
-            if not parent.children and parent.lock_ref == 0 and parent is not self.root:
-                heapq.heappush(heap, parent)
+            if not parent.children and parent.lock_ref == 0:  # the root is always locked
+                self._mark_evictable(parent)
         if freed:
             self.allocator.free(torch.cat(freed))
         return num_freed
@@ -203,6 +230,8 @@ class RadixCache(BasePrefixCache):
             if node.lock_ref == 1:
                 self.evictable_size_ += len(node.key)
                 self.protected_size_ -= len(node.key)
+                if not node.children:
+                    self._mark_evictable(node)
             node.lock_ref -= 1
             node = node.parent
 

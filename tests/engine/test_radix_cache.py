@@ -1,5 +1,6 @@
 """RadixCache and ChunkCache: matching, splits, locks, LRU eviction, request caching, and a
 fixed-seed random mini-scheduler that checks the memory accounting after every step."""
+import heapq
 import random
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,6 +67,43 @@ def check_sizes(tree: RadixCache) -> None:
         assert len(n.key) % tree.page_size == 0 and len(n.key) == n.value.numel() > 0
         assert n.parent.children[tree._child_key(n.key)] is n
         assert n.lock_ref <= n.parent.lock_ref or n.parent is tree.root
+        if not n.children and n.lock_ref == 0:  # evictable: the eviction heap must hold it
+            assert n.in_heap
+    queued = [entry[2] for entry in tree._evict_heap]
+    assert len(queued) == len({id(n) for n in queued}), "a node has two heap entries"
+    assert all(n.in_heap for n in queued)
+    assert sum(n.in_heap for n in nodes) == len(queued)
+
+
+def scan_eviction(tree: RadixCache, num_tokens: int) -> tuple[list[int], int]:
+    """What a full scan would evict (node ids, tokens): the reference the heap must agree with.
+    Collect every unlocked leaf, pop the least recently used (ties: the older node) until enough is
+    freed; a parent left childless and unlocked joins the candidates. Reads the tree, changes nothing."""
+    nodes = [n for n in tree._iter_nodes() if n is not tree.root]
+    children = {n.id: len(n.children) for n in nodes}
+    heap = [(n.last_access_time, n.id, n) for n in nodes if not n.children and n.lock_ref == 0]
+    heapq.heapify(heap)
+    evicted, freed = [], 0
+    while freed < num_tokens and heap:
+        _, node_id, leaf = heapq.heappop(heap)
+        evicted.append(node_id)
+        freed += len(leaf.key)
+        parent = leaf.parent
+        if parent is not tree.root:
+            children[parent.id] -= 1
+            if children[parent.id] == 0 and parent.lock_ref == 0:
+                heapq.heappush(heap, (parent.last_access_time, parent.id, parent))
+    return evicted, freed
+
+
+def evict_checked(tree: RadixCache, num_tokens: int) -> int:
+    """tree.evict, checked against `scan_eviction`: the same nodes go, and as many tokens."""
+    expected, expected_freed = scan_eviction(tree, num_tokens)
+    before = {n.id for n in tree._iter_nodes()}
+    freed = tree.evict(num_tokens)
+    gone = before - {n.id for n in tree._iter_nodes()}
+    assert freed == expected_freed and gone == set(expected)
+    return freed
 
 
 def test_insert_and_match_page1():
@@ -152,6 +190,32 @@ def test_eviction_is_least_recently_used_first():
     assert tree.evict(1) == 2
     assert tree.match_prefix([3, 3]).device_indices.numel() == 0
     assert tree.match_prefix([1, 1]).device_indices.numel() == 2
+
+
+def test_eviction_heap_follows_locks_touches_and_children():
+    """The heap's lazy entries: a leaf that was locked, touched, or given a child while queued must
+    be evicted (or kept) as a fresh scan would decide, and lock cycles must not grow the heap."""
+    tree, alloc, _ = make(page=1, pages=256)
+    for key in ([1, 1], [2, 2], [3, 3], [4, 4]):
+        insert_fresh(tree, alloc, key)
+    locked = tree.match_prefix([1, 1]).last_node
+    tree.inc_lock_ref(locked)  # [1,1] is queued but locked: skipped
+    insert_fresh(tree, alloc, [2, 2, 5])  # [2,2] now has a child: only the child can go
+    tree.match_prefix([3, 3])  # touched: now the most recent
+    check_sizes(tree)
+    assert evict_checked(tree, 1) == 2  # [4,4], the least recent evictable leaf
+    assert evict_checked(tree, 1) == 1  # [5], put in by the walk through [2,2] before [3,3] was touched
+    assert tree.match_prefix([3, 3]).device_indices.numel() == 2
+    for _ in range(1000):  # each unlock of a queued leaf pushes nothing new
+        tree.dec_lock_ref(locked)
+        tree.inc_lock_ref(locked)
+    assert len(tree._evict_heap) <= sum(1 for _ in tree._iter_nodes())
+    tree.dec_lock_ref(locked)
+    check_sizes(tree)
+    while evict_checked(tree, 1):
+        check_sizes(tree)
+    assert tree.total_size() == 0 and not tree._evict_heap
+    assert alloc.available_size() == alloc.total_size
 
 
 def test_evicting_leaf_exposes_parent():
@@ -264,7 +328,7 @@ def test_random_operations_keep_memory_accounted(page):
     def alloc_or_evict(fn, need: int):
         out = fn()
         if out is None:
-            tree.evict(need)
+            evict_checked(tree, need)
             out = fn()
         return out
 
@@ -324,7 +388,7 @@ def test_random_operations_keep_memory_accounted(page):
             req = live.pop(rng.randrange(len(live)))
             tree.cache_finished_req(req)
         elif op < 0.95:
-            tree.evict(rng.randint(1, 40))
+            evict_checked(tree, rng.randint(1, 40))
         else:
             tokens = rng.choice(bases)[: rng.randint(0, 24)]
             prefix = tree.match_prefix(tokens).device_indices
