@@ -17,6 +17,8 @@
  * Built with -march=native: on AVX-512 machines the common head sizes (32/64/128) take an
  * intrinsics path (one KV head at a time, a block of its query rows and their outputs in registers,
  * each row of the head loaded once per block, a vectorised exp); elsewhere the portable loops.
+ * With AVX512_BF16 as well, bfloat16 queries over a bfloat16 cache take the bf16 dot-product path
+ * (attend_avx512_bf16: no conversion of K/V, one add tree per 16 scores).
  * Returns 0, KERNEL_NO_MEMORY, or KERNEL_BAD_INDEX when a row, length or slot is out of range (that
  * request is left unwritten; nothing outside the inputs is ever read).
  */
@@ -259,6 +261,107 @@ INLINE void attend_avx512(const void *q, const int q_dtype, const void *k, const
 }
 #endif
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+/* Lane t of the result = the sum of v[t]'s 16 lanes: a transposing add tree (45 shuffles and adds
+ * for 16 sums instead of 16 horizontal reductions). */
+INLINE __m512 hsum16(const __m512 v[16]) {
+    __m512 a[8], b[4];
+    for (int i = 0; i < 8; ++i)  /* per 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3] of v[2i], v[2i+1] */
+        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; ++i) {  /* per 128-bit lane: that lane's part of keys 4i .. 4i+3 */
+        const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+        b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    const __m512 c0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88), _mm512_shuffle_f32x4(b[0], b[1], 0xDD));
+    const __m512 c1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88), _mm512_shuffle_f32x4(b[2], b[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(c0, c1, 0x88), _mm512_shuffle_f32x4(c0, c1, 0xDD));
+}
+
+/* bfloat16 queries against a bfloat16 cache, on AVX512_BF16's dot products (pairs of bfloat16
+ * products summed into float32; the products are exact, so the scores equal the float32 path's up
+ * to the order of the additions). Scores: 16 keys of one query row at a time, each key's
+ * head_dim / 32 dot products summed by one add tree; then the float32 softmax; then the weighted sum
+ * over pairs of keys: the two value rows interleaved (unpack), multiplied by the pair of
+ * probabilities rounded to bfloat16, as torch's own CPU attention rounds them before its value
+ * GEMM. The interleave permutes the output lanes; one permute per 16 outputs puts them back. */
+INLINE void attend_avx512_bf16(const bf16_t *q, const bf16_t *k, const bf16_t *v, const int64_t *slots, int64_t len,
+                               int64_t kv_heads, int64_t group, const int64_t GB, const int64_t head_dim, float scale,
+                               float *restrict scores, bf16_t *restrict probs, float *restrict o) {
+    enum { MAX_REGS = 16 };  /* GB * head_dim / 16 <= MAX_REGS */
+    const int64_t nq = head_dim / 32, width = kv_heads * head_dim, plen = len + 2;  /* a row of probs, padded */
+    const __m512 vscale = _mm512_set1_ps(scale);
+    const __m512i lo_idx = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i hi_idx = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int64_t h = 0; h < kv_heads; ++h) {
+        for (int64_t g0 = 0; g0 < group; g0 += GB) {
+            const int64_t qh0 = h * group + g0;
+            float *sg = scores + qh0 * len;
+            for (int64_t g = 0; g < GB; ++g) {
+                __m512bh qv[4];
+                for (int64_t j = 0; j < nq; ++j)
+                    qv[j] = (__m512bh)_mm512_loadu_si512((const void *)(q + (qh0 + g) * head_dim + j * 32));
+                for (int64_t t0 = 0; t0 < len; t0 += 16) {
+                    const int64_t n = len - t0 < 16 ? len - t0 : 16;
+                    __m512 part[16];
+                    for (int64_t t = 0; t < 16; ++t) {
+                        part[t] = _mm512_setzero_ps();
+                        if (t >= n) continue;
+                        if (g == 0 && t0 + t + PREFETCH_KEYS < len)
+                            prefetch_head(k, DTYPE_BF16, slots[t0 + t + PREFETCH_KEYS] * width + h * head_dim, head_dim);
+                        const bf16_t *kr = k + slots[t0 + t] * width + h * head_dim;
+                        for (int64_t j = 0; j < nq; ++j)
+                            part[t] = _mm512_dpbf16_ps(part[t], (__m512bh)_mm512_loadu_si512((const void *)(kr + j * 32)), qv[j]);
+                    }
+                    const __mmask16 m = (__mmask16)((1u << n) - 1);
+                    _mm512_mask_storeu_ps(sg + g * len + t0, m, _mm512_mul_ps(hsum16(part), vscale));
+                }
+            }
+            for (int64_t g = 0; g < GB; ++g) {
+                float *s = sg + g * len;
+                bf16_t *p = probs + g * plen;
+                softmax_avx512(s, len);
+                int64_t t = 0;
+                for (; t + 16 <= len; t += 16)
+                    _mm256_storeu_si256((__m256i *)(p + t), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + t)));
+                const __mmask16 tail = (__mmask16)((1u << (len - t)) - 1);
+                _mm256_mask_storeu_epi16(p + t, tail, (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(tail, s + t)));
+                p[len] = 0;  /* an odd last key pairs with a zero weight */
+            }
+            __m512 acc[MAX_REGS];
+            for (int64_t i = 0; i < GB * 2 * nq; ++i) acc[i] = _mm512_setzero_ps();
+            for (int64_t t = 0; t < len; t += 2) {
+                if (t + PREFETCH_KEYS < len) {
+                    prefetch_head(v, DTYPE_BF16, slots[t + PREFETCH_KEYS] * width + h * head_dim, head_dim);
+                    if (t + 1 + PREFETCH_KEYS < len)
+                        prefetch_head(v, DTYPE_BF16, slots[t + 1 + PREFETCH_KEYS] * width + h * head_dim, head_dim);
+                }
+                const bf16_t *v0 = v + slots[t] * width + h * head_dim;
+                const bf16_t *v1 = t + 1 < len ? v + slots[t + 1] * width + h * head_dim : NULL;
+                for (int64_t j = 0; j < nq; ++j) {
+                    const __m512i a = _mm512_loadu_si512((const void *)(v0 + j * 32));
+                    const __m512i b = v1 ? _mm512_loadu_si512((const void *)(v1 + j * 32)) : _mm512_setzero_si512();
+                    const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(a, b), hi = (__m512bh)_mm512_unpackhi_epi16(a, b);
+                    for (int64_t g = 0; g < GB; ++g) {
+                        uint32_t pair;
+                        memcpy(&pair, probs + g * plen + t, sizeof pair);
+                        const __m512bh w = (__m512bh)_mm512_set1_epi32((int)pair);
+                        acc[(g * nq + j) * 2] = _mm512_dpbf16_ps(acc[(g * nq + j) * 2], lo, w);
+                        acc[(g * nq + j) * 2 + 1] = _mm512_dpbf16_ps(acc[(g * nq + j) * 2 + 1], hi, w);
+                    }
+                }
+            }
+            for (int64_t g = 0; g < GB; ++g)
+                for (int64_t j = 0; j < nq; ++j) {
+                    float *dst = o + (qh0 + g) * head_dim + j * 32;
+                    const __m512 lo = acc[(g * nq + j) * 2], hi = acc[(g * nq + j) * 2 + 1];
+                    _mm512_storeu_ps(dst, _mm512_permutex2var_ps(lo, lo_idx, hi));
+                    _mm512_storeu_ps(dst + 16, _mm512_permutex2var_ps(lo, hi_idx, hi));
+                }
+        }
+    }
+}
+#endif
+
 #define ATTEND(DTYPE, DIM) \
     attend(qb, q_dtype, k, v, DTYPE, slots, len, kv_heads, group, DIM, scale, qf, row, scores, o)
 
@@ -266,7 +369,23 @@ INLINE void attend_avx512(const void *q, const int q_dtype, const void *k, const
  * request, so it stays a runtime value. */
 static void attend_dispatch(const void *qb, int q_dtype, const void *k, const void *v, int dtype,
                             const int64_t *slots, int64_t len, int64_t kv_heads, int64_t group, int64_t head_dim,
-                            float scale, float *qf, float *row, float *scores, float *o) {
+                            float scale, float *qf, float *row, float *scores, bf16_t *probs, float *o) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define BF16_GB(DIM, GB) attend_avx512_bf16((const bf16_t *)qb, (const bf16_t *)k, (const bf16_t *)v, slots, len, \
+                                            kv_heads, group, GB, DIM, scale, scores, probs, o)
+#define BF16(DIM)                                                                       \
+    if (group % 8 == 0 && 8 * (DIM) <= 256) BF16_GB(DIM, 8);                            \
+    else if (group % 4 == 0 && 4 * (DIM) <= 256) BF16_GB(DIM, 4);                       \
+    else if (group % 2 == 0 && 2 * (DIM) <= 256) BF16_GB(DIM, 2);                       \
+    else BF16_GB(DIM, 1)
+    if (len > 0 && q_dtype == DTYPE_BF16 && dtype == DTYPE_BF16) {
+        switch (head_dim) {
+        case 32: BF16(32); return;
+        case 64: BF16(64); return;
+        case 128: BF16(128); return;
+        }
+    }
+#endif
 #if defined(__AVX512F__)
 /* The largest block of query rows (1, 2, 4 or 8) that divides the group and fits 16 registers. */
 #define AVX512_GB(DTYPE, DIM, GB) attend_avx512(qb, q_dtype, k, v, DTYPE, slots, len, kv_heads, group, GB, DIM, scale, scores, o)
@@ -321,9 +440,10 @@ int paged_decode_attention(const void *q, int q_dtype, const void *k, const void
         for (int64_t b = 0; b < bs; ++b) {
             const int64_t len = lens[b];
             int err = check_indices(r2t, r2t_rows, r2t_stride, rows[b], len, num_slots);
-            if (!err && kv_heads * group * len > capacity) {
+            /* the scores, then (as bfloat16, a row of len + 2 per query row of the group) the probabilities */
+            if (!err && kv_heads * group * len + group * (len + 2) > capacity) {
                 free(scores);
-                capacity = kv_heads * group * len;
+                capacity = kv_heads * group * len + group * (len + 2);
                 scores = malloc(sizeof(float) * capacity);
             }
             if (!err && (!qf || !row || (len && !scores))) err = KERNEL_NO_MEMORY;
@@ -332,7 +452,8 @@ int paged_decode_attention(const void *q, int q_dtype, const void *k, const void
                 continue;
             }
             attend_dispatch((const char *)q + b * per_request * elem, q_dtype, k, v, kv_dtype, r2t + rows[b] * r2t_stride,
-                            len, kv_heads, group, head_dim, scale, qf, row, scores, out + b * per_request);
+                            len, kv_heads, group, head_dim, scale, qf, row, scores,
+                            scores ? (bf16_t *)(scores + kv_heads * group * len) : NULL, out + b * per_request);
         }
         free(qf);
         free(row);
