@@ -298,10 +298,13 @@ class TokenizerManager:
         """Waits for the next step(s) of a request; steps that queued up meanwhile are merged, so a
         slow consumer gets one larger delta instead of falling behind."""
         while state.queue.empty():
+            if is_disconnected is None:  # a stream: a disconnect ends its send instead (no timer per step)
+                await state.queue.wait_nonempty()
+                continue
             try:
                 # asyncio.timeout, not wait_for: wait_for wraps the get in a task of its own, once
-                # per streamed step (Python 3.11)
-                async with asyncio.timeout(DISCONNECT_POLL_S if is_disconnected else None):
+                # per step (Python 3.11)
+                async with asyncio.timeout(DISCONNECT_POLL_S):
                     await state.queue.wait_nonempty()
             except TimeoutError:
                 if await is_disconnected():
