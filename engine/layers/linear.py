@@ -6,16 +6,23 @@
 A column-parallel layer may fuse several checkpoint projections (q|k|v, gate|up); each part says
 which rows of its checkpoint tensor this rank holds (`OutputPart`). With one rank every part is the
 whole tensor and the layers compute exactly what nn.Linear does.
+
+On a CPU with AVX512_BF16, `pack_small_batch_weights` gives each bfloat16 layer a packed copy of its
+weight (a buffer, `packed_weight`), and calls of up to 64 rows (decode) go through the kernel of
+engine/kernels/cpu_linear.py instead of torch's GEMM.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+import logging
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from baton.engine.distributed.parallel_state import TpGroup, all_reduce
+
+logger = logging.getLogger(__name__)
 
 
 class OutputPart(NamedTuple):
@@ -38,6 +45,15 @@ def qkv_parts(num_heads: int, num_kv_heads: int, head_dim: int, tp: TpGroup) -> 
     return [q, kv, kv]
 
 
+def _matmul(layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """F.linear(x, layer.weight, bias), through the packed copy when the layer has one."""
+    packed = getattr(layer, "packed_weight", None)
+    if packed is None:
+        return F.linear(x, layer.weight, bias)
+    from baton.engine.kernels.cpu_linear import small_linear
+    return small_linear(x, layer.weight, packed, bias)
+
+
 class MergedColumnLinear(nn.Linear):
     """One linear whose output is this rank's rows of several checkpoint projections, concatenated."""
 
@@ -45,6 +61,9 @@ class MergedColumnLinear(nn.Linear):
         super().__init__(in_features, sum(p.size for p in parts), bias=bias)
         self.parts = parts
         self.output_sizes = [p.size for p in parts]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _matmul(self, x, self.bias)
 
     @torch.no_grad()
     def load_shard(self, param_name: str, shard: int, tensor: torch.Tensor) -> None:
@@ -79,13 +98,34 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.linear(x, self.weight, self.bias)  # exactly nn.Linear
-        out = all_reduce(F.linear(x, self.weight), self.tp)
+            return _matmul(self, x, self.bias)  # exactly nn.Linear
+        out = all_reduce(_matmul(self, x, None), self.tp)
         return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features} (this rank: {self.in_local}), out_features={self.out_features}, "
                 f"bias={self.bias is not None}")
+
+
+def pack_small_batch_weights(model: nn.Module, device: str) -> int:
+    """After loading: a packed weight copy for every bfloat16 linear layer the CPU kernel can serve
+    (see engine/kernels/cpu_linear.py). Returns how many layers got one; 0, with the reason logged,
+    where the kernel cannot run."""
+    from baton.engine.kernels import cpu_linear
+
+    layers = [m for m in model.modules() if isinstance(m, (MergedColumnLinear, RowParallelLinear))
+              and cpu_linear.packable(m.weight)]
+    if not layers:
+        return 0
+    reason = cpu_linear.unavailable_reason(device)
+    if reason is not None:
+        logger.info("bfloat16 linears stay on torch's GEMM: %s", reason)
+        return 0
+    for m in layers:
+        m.register_buffer("packed_weight", cpu_linear.pack_weight(m.weight), persistent=False)
+    logger.info("small-batch bfloat16 kernel serves %d linear layers (packed copies: %.1f MB)", len(layers),
+                sum(m.packed_weight.numel() * 2 for m in layers) / 1e6)
+    return len(layers)
 
 
 def load_param(param: nn.Parameter, tensor: torch.Tensor, name: str) -> None:

@@ -1,0 +1,107 @@
+"""bfloat16 linear layers for small batches on CPU (`cpu_linear.c`), on AVX512_BF16 dot products.
+
+    packed = pack_weight(weight)                       # once, after the weights are loaded
+    y = small_linear(x, weight, packed, bias)          # every call
+
+At decode a linear layer multiplies a few dozen rows, where oneDNN's per-call set-up costs more than
+its arithmetic; the kernel runs the same product over a weight copy packed at load time, 1.6-2.4x
+faster at 32 rows on the bench model's shapes (docs/benchmarks.md). Calls with more than
+`SMALL_M_MAX` rows (prefill) keep torch's GEMM on the original weight, so the packed copy doubles
+the memory of the layers it serves. It is a torch custom op (`baton::small_linear`) under
+torch.compile, decided inside the op by the row count, so one graph serves decode and prefill with
+no guard on the batch size. `BATON_DISABLE_CPU_KERNELS=1` turns it off with the attention kernels.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from baton.engine.kernels.build import DEFAULT_CFLAGS, KernelUnavailable, build_library
+
+SOURCE = Path(__file__).with_name("cpu_linear.c")
+DISABLE_ENV = "BATON_DISABLE_CPU_KERNELS"
+SMALL_M_MAX = 64  # rows up to which the kernel beats torch's GEMM here (1.3-1.6x at 64)
+
+
+@functools.lru_cache(maxsize=1)
+def _library() -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(build_library(SOURCE, DEFAULT_CFLAGS)))
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.small_gemm_available.argtypes, lib.small_gemm_available.restype = [], ctypes.c_int
+    lib.pack_bf16_weight.argtypes, lib.pack_bf16_weight.restype = [ptr, i64, i64, ptr], None
+    lib.small_gemm_bf16.argtypes = [ptr, i64, i64, ptr, i64, ptr, ctypes.c_int]
+    lib.small_gemm_bf16.restype = ctypes.c_int
+    return lib
+
+
+def unavailable_reason(device: str = "cpu") -> Optional[str]:
+    """None when packed bfloat16 linears can run here; otherwise why not (for one log line)."""
+    if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
+        return f"{DISABLE_ENV} is set"
+    if not str(device).startswith("cpu"):
+        return f"device {device} is not the CPU"
+    try:
+        if not _library().small_gemm_available():
+            return "this CPU has no AVX512_BF16"
+    except (KernelUnavailable, OSError) as e:
+        return str(e)
+    return None
+
+
+def packable(weight: torch.Tensor) -> bool:
+    """A [N, K] bfloat16 CPU weight with N a multiple of 16 and K even."""
+    return (weight.dim() == 2 and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
+            and weight.shape[0] % 16 == 0 and weight.shape[1] % 2 == 0 and weight.shape[1] > 0)
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The kernel's copy of a [N, K] weight: [N / 16, K / 2, 16, 2], bfloat16."""
+    if not packable(weight):
+        raise ValueError(f"pack_weight: need a [N, K] bfloat16 CPU weight with N % 16 == 0 and even K, "
+                         f"got {tuple(weight.shape)} {weight.dtype} on {weight.device}")
+    n, k = weight.shape
+    weight = weight.detach().contiguous()
+    out = torch.empty((n // 16, k // 2, 16, 2), dtype=torch.bfloat16)
+    _library().pack_bf16_weight(weight.data_ptr(), n, k, out.data_ptr())
+    return out
+
+
+def small_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor,
+                 bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """F.linear(x, weight, bias), through the packed copy when x has at most SMALL_M_MAX rows.
+    Eager calls go straight to the library; under torch.compile it is one opaque op."""
+    if torch.compiler.is_compiling():
+        return torch.ops.baton.small_linear(x, weight, packed, bias)
+    return _small_linear(x, weight, packed, bias)
+
+
+def _small_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor,
+                  bias: Optional[torch.Tensor]) -> torch.Tensor:
+    n, k = weight.shape
+    rows = x.numel() // k if k else 0
+    if rows > SMALL_M_MAX or x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.shape[-1] != k:
+        return F.linear(x, weight, bias)
+    if packed.shape != (n // 16, k // 2, 16, 2) or packed.dtype != torch.bfloat16:
+        raise ValueError(f"small_linear: packed weight {tuple(packed.shape)} does not match weight {tuple(weight.shape)}")
+    x2 = x.reshape(rows, k).contiguous()
+    y = torch.empty((rows, n), dtype=torch.bfloat16)
+    if rows and _library().small_gemm_bf16(x2.data_ptr(), rows, k, packed.data_ptr(), n, y.data_ptr(),
+                                           torch.get_num_threads()):
+        raise RuntimeError("small_linear: the kernel refused the shape (or has no AVX512_BF16 here)")
+    if bias is not None:
+        y += bias
+    return y.view(*x.shape[:-1], n)
+
+
+_custom_op = torch.library.custom_op("baton::small_linear", _small_linear, mutates_args=())
+
+
+@_custom_op.register_fake
+def _(x, weight, packed, bias):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))

@@ -1,0 +1,129 @@
+"""The small-batch bfloat16 linear kernel (engine/kernels/cpu_linear.py) against torch's GEMM, its
+fallbacks, its place in the model's linear layers, and inside torch.compile."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from baton.engine.kernels import cpu_linear
+from baton.engine.layers.linear import MergedColumnLinear, RowParallelLinear, even_parts, pack_small_batch_weights
+from baton.engine.distributed.parallel_state import TpGroup
+
+REASON = cpu_linear.unavailable_reason()
+needs_kernel = pytest.mark.skipif(REASON is not None, reason=f"packed bf16 linear unavailable: {REASON}")
+
+
+def _ulps_close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """Within one bfloat16 rounding of a float64 reference: both sides round once, so two ulps."""
+    ref = ref.double()
+    ulp = torch.finfo(torch.bfloat16).eps * ref.abs().clamp_min(1e-3)
+    assert ((out.double() - ref).abs() <= 2 * ulp + 1e-6).all(), (out.double() - ref).abs().max()
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 31, 32, 64])
+@pytest.mark.parametrize("k,n", [(256, 512), (64, 16), (96, 48), (768, 256), (2, 32)])
+def test_matches_float64_reference_like_torch(rows, k, n):
+    g = torch.Generator().manual_seed(rows * 1000 + k + n)
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    w = torch.randn(n, k, generator=g).bfloat16()
+    out = cpu_linear.small_linear(x, w, cpu_linear.pack_weight(w))
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
+    ref = x.double() @ w.double().T
+    _ulps_close(out, ref)
+    _ulps_close(F.linear(x, w), ref)  # the same bound holds for torch's own GEMM
+
+
+@needs_kernel
+def test_bias_leading_dims_and_empty_batch():
+    g = torch.Generator().manual_seed(1)
+    w, b = torch.randn(64, 32, generator=g).bfloat16(), torch.randn(64, generator=g).bfloat16()
+    packed = cpu_linear.pack_weight(w)
+    x = torch.randn(2, 3, 32, generator=g).bfloat16()
+    out = cpu_linear.small_linear(x, w, packed, b)
+    assert out.shape == (2, 3, 64)
+    torch.testing.assert_close(out, F.linear(x, w, b), atol=0.1, rtol=0.02)
+    empty = cpu_linear.small_linear(torch.empty(0, 32, dtype=torch.bfloat16), w, packed)
+    assert empty.shape == (0, 64)
+    strided = torch.randn(32, 8, generator=g).bfloat16().T  # [8, 32], not contiguous
+    torch.testing.assert_close(cpu_linear.small_linear(strided, w, packed), F.linear(strided, w), atol=0.1, rtol=0.02)
+
+
+@needs_kernel
+def test_large_batches_and_other_dtypes_take_torch_gemm(monkeypatch):
+    """Past SMALL_M_MAX rows, or in another dtype, the call is F.linear exactly (same bits)."""
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(32, 16, generator=g).bfloat16()
+    packed = cpu_linear.pack_weight(w)
+    big = torch.randn(cpu_linear.SMALL_M_MAX + 1, 16, generator=g).bfloat16()
+    assert torch.equal(cpu_linear.small_linear(big, w, packed), F.linear(big, w))
+    calls = []
+    monkeypatch.setattr(cpu_linear, "_library", lambda: calls.append(1))  # the kernel must not be reached
+    x32 = torch.randn(4, 16, generator=g)
+    assert torch.equal(cpu_linear.small_linear(x32, w.float(), packed), F.linear(x32, w.float()))
+    assert not calls
+
+
+def test_pack_rejects_unsupported_weights():
+    with pytest.raises(ValueError, match="N % 16"):
+        cpu_linear.pack_weight(torch.zeros(24, 16, dtype=torch.bfloat16))  # N not a multiple of 16
+    with pytest.raises(ValueError, match="even K"):
+        cpu_linear.pack_weight(torch.zeros(16, 15, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="bfloat16"):
+        cpu_linear.pack_weight(torch.zeros(16, 16))
+    assert not cpu_linear.packable(torch.zeros(16, 16, 2, dtype=torch.bfloat16))
+
+
+def test_other_devices_have_a_reason():
+    assert "not the CPU" in cpu_linear.unavailable_reason("cuda:0")
+
+
+def test_disable_switch_has_a_reason(monkeypatch):
+    monkeypatch.setenv(cpu_linear.DISABLE_ENV, "1")
+    assert "BATON_DISABLE_CPU_KERNELS" in cpu_linear.unavailable_reason()
+    layer = MergedColumnLinear(32, even_parts([16, 16], TpGroup()), bias=False).bfloat16()
+    assert pack_small_batch_weights(layer, "cpu") == 0 and not hasattr(layer, "packed_weight")
+
+
+@needs_kernel
+def test_model_layers_pack_and_compute_what_they_did():
+    """Column and row layers of a bf16 model get packed copies (unsupported shapes keep none) and
+    give torch's results within rounding, eager and under torch.compile (one opaque op)."""
+    torch.manual_seed(3)
+    tp = TpGroup()
+    model = torch.nn.Sequential(MergedColumnLinear(64, even_parts([48, 48], tp), bias=True),
+                                RowParallelLinear(96, 64, bias=False, tp=tp),
+                                MergedColumnLinear(64, even_parts([20], tp), bias=False))  # N = 20: not packable
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    model = model.bfloat16()
+    x = torch.randn(8, 64).bfloat16()
+    with torch.no_grad():
+        before = model(x)
+        assert pack_small_batch_weights(model, "cpu") == 2
+        assert model[0].packed_weight.shape == (6, 32, 16, 2) and not hasattr(model[2], "packed_weight")
+        assert "packed_weight" not in model.state_dict()  # not a checkpoint tensor
+        after = model(x)
+        torch.testing.assert_close(after, before, atol=0.05, rtol=0.02)
+        compiled = torch.compile(model, dynamic=True)
+        torch.testing.assert_close(compiled(x), after, atol=0, rtol=0)
+        big = torch.randn(100, 64).bfloat16()  # the same graph, past SMALL_M_MAX: torch's GEMM inside the op
+        torch.testing.assert_close(compiled(big), model(big), atol=0, rtol=0)
+
+
+@needs_kernel
+@pytest.mark.parametrize("disable", [False, True], ids=["packed", "torch-gemm"])
+def test_bf16_engine_serves_with_and_without_packed_linears(tiny_model_factory, disable):
+    """Through the scheduler: a bfloat16 engine packs its linears unless --disable-packed-linear,
+    and either way serves a batch to the end with its memory accounted for."""
+    from scheduler_harness import SchedulerHarness
+
+    path = tiny_model_factory("llama", hidden_size=64)
+    h = SchedulerHarness(path, dtype="bfloat16", disable_packed_linear=disable, max_total_tokens=2048)
+    model = h.scheduler.worker.model_runner.model
+    packed = [m for m in model.modules() if hasattr(m, "packed_weight")]
+    assert (len(packed) == 0) if disable else (len(packed) > 0)
+    for i in range(5):
+        h.submit(f"r{i}", [5 + i, 9, 13, 21 + i], max_new_tokens=6, ignore_eos=True)
+    out = h.run_until_idle()
+    assert all(len(out[f"r{i}"].ids) == 6 and out[f"r{i}"].finish.kind == "length" for i in range(5))
+    assert h.scheduler.check_memory_integrity()
