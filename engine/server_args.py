@@ -88,7 +88,7 @@ class ServerArgs:
     cuda_graph_max_bs: int = 64
     enable_torch_compile: bool = False
     cpu_omp_threads_bind: str = "off"  # off | auto | CPU list (utils/cpu_affinity.py)
-    disable_packed_linear: bool = False  # CPU bf16: keep torch's GEMM at decode (engine/kernels/cpu_linear.py)
+    disable_packed_linear: bool = False  # CPU bf16: keep torch's GEMM (engine/kernels/cpu_linear.py)
     torch_compile_max_bs: int = 32
     random_seed: int = 0
     # serving
@@ -256,7 +256,7 @@ class ServerArgs:
           help="CPU serving: pin the forward pass to these CPUs (one torch thread each) and the HTTP server "
                "and detokenizer to the rest; auto keeps the last CPU for them")
         a("--disable-packed-linear", action="store_true",
-          help="CPU, bfloat16: keep torch's GEMM for decode-sized batches instead of the AVX512_BF16 kernel "
+          help="CPU, bfloat16: keep torch's GEMM for the linear layers instead of the AVX512_BF16 kernel "
                "over packed weight copies (saves those copies' memory)")
         a("--random-seed", type=int, default=ServerArgs.random_seed)
         a("--api-key", default=None, help="bearer key clients must send (default: $BATON_API_KEY)")

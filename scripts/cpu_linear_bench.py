@@ -1,7 +1,7 @@
 """The packed bfloat16 linear kernel (engine/kernels/cpu_linear.py) against torch's GEMM (F.linear),
 side by side in one run: per shape, the median of 300 eager calls of each after 20 warm-ups, in
 inference mode, with torch's thread count. Shapes: the bench model's four projections and a
-Llama-3-8B-sized one, at a few decode batch sizes.
+Llama-3-8B-sized one, at decode batch sizes and (with `1024` or `4096` in ROWS) prefill sizes.
 
     .venv/bin/python scripts/cpu_linear_bench.py [ROWS,...]
 """
@@ -41,7 +41,7 @@ def main() -> None:
             for k, n, name in SHAPES:
                 x, w = torch.randn(rows, k).bfloat16(), torch.randn(n, k).bfloat16()
                 packed = cpu_linear.pack_weight(w)
-                ours = median_us(lambda: cpu_linear.small_linear(x, w, packed))
+                ours = median_us(lambda: cpu_linear.packed_linear(x, w, packed))
                 theirs = median_us(lambda: F.linear(x, w))
                 print(f"{rows:>4} {f'{k}x{n}':>11} {name:8} {theirs:7.1f}us {ours:7.1f}us {theirs / ours:14.2f}x "
                       f"{2 * rows * k * n / ours / 1e3:15.0f}")

@@ -1,9 +1,9 @@
-/* bfloat16 linear layers for small batches on CPU: y [M, N] = x [M, K] @ W^T, on AVX512_BF16.
+/* bfloat16 linear layers on CPU: y [M, N] = x [M, K] @ W^T, on AVX512_BF16.
  *
  * At decode a linear layer sees a few dozen rows, where a library GEMM spends more time setting up
- * than computing (oneDNN: 30-100 us per call for 32 x 256 x 256..1536 on a 2-core Zen 4, of which a
- * fraction is arithmetic). Here the weight is packed once, at load, into the operand layout of
- * vdpbf16ps, and a call is a plain loop nest:
+ * than computing (oneDNN: 30-100 us per call for 32 x 256 x 256..1536 on a 2-core Zen 4, a fraction
+ * of it arithmetic). Here the weight is packed once, at load, into the operand layout of vdpbf16ps,
+ * and a call is a plain loop nest, which also keeps up with oneDNN at prefill sizes:
  *
  *   packed [N/16][K/2][16][2]   for 16 outputs and one pair of inputs, the 16 outputs' two weights
  *                               side by side (one 64-byte vector per pair of inputs)

@@ -1,15 +1,16 @@
-"""bfloat16 linear layers for small batches on CPU (`cpu_linear.c`), on AVX512_BF16 dot products.
+"""bfloat16 linear layers on CPU (`cpu_linear.c`), on AVX512_BF16 dot products over packed weights.
 
     packed = pack_weight(weight)                       # once, after the weights are loaded
-    y = small_linear(x, weight, packed, bias)          # every call
+    y = packed_linear(x, weight, packed, bias)         # every call
 
 At decode a linear layer multiplies a few dozen rows, where oneDNN's per-call set-up costs more than
-its arithmetic; the kernel runs the same product over a weight copy packed at load time, 1.6-2.4x
-faster at 32 rows on the bench model's shapes (docs/benchmarks.md). Calls with more than
-`SMALL_M_MAX` rows (prefill) keep torch's GEMM on the original weight, so the packed copy doubles
-the memory of the layers it serves. It is a torch custom op (`baton::small_linear`) under
-torch.compile, decided inside the op by the row count, so one graph serves decode and prefill with
-no guard on the batch size. `BATON_DISABLE_CPU_KERNELS=1` turns it off with the attention kernels.
+its arithmetic; the kernel runs the same product over a weight copy packed at load time: 1.4-2.3x
+torch's GEMM at 1-32 rows on the bench model's shapes, and still 1.0-1.3x at prefill sizes (up to
+4,096 rows, K up to 14,336; docs/benchmarks.md), so it serves every call. The original weight
+stays (the checkpoint's tensor, and torch's GEMM for inputs the kernel does not take), so the
+packed copy doubles the memory of the layers it serves; `--disable-packed-linear` keeps torch's GEMM
+alone. Under torch.compile it is one opaque custom op (`baton::packed_linear`).
+`BATON_DISABLE_CPU_KERNELS=1` turns it off with the attention kernels.
 """
 from __future__ import annotations
 
@@ -26,7 +27,6 @@ from baton.engine.kernels.build import DEFAULT_CFLAGS, KernelUnavailable, build_
 
 SOURCE = Path(__file__).with_name("cpu_linear.c")
 DISABLE_ENV = "BATON_DISABLE_CPU_KERNELS"
-SMALL_M_MAX = 64  # rows up to which the kernel beats torch's GEMM here (1.3-1.6x at 64)
 
 
 @functools.lru_cache(maxsize=1)
@@ -72,34 +72,35 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def small_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor,
-                 bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """F.linear(x, weight, bias), through the packed copy when x has at most SMALL_M_MAX rows.
-    Eager calls go straight to the library; under torch.compile it is one opaque op."""
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor,
+                  bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """F.linear(x, weight, bias), computed from the packed copy (bfloat16 CPU inputs; others take
+    torch's GEMM on `weight`). Eager calls go straight to the library; under torch.compile it is
+    one opaque op."""
     if torch.compiler.is_compiling():
-        return torch.ops.baton.small_linear(x, weight, packed, bias)
-    return _small_linear(x, weight, packed, bias)
+        return torch.ops.baton.packed_linear(x, weight, packed, bias)
+    return _packed_linear(x, weight, packed, bias)
 
 
-def _small_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor,
-                  bias: Optional[torch.Tensor]) -> torch.Tensor:
+def _packed_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor,
+                   bias: Optional[torch.Tensor]) -> torch.Tensor:
     n, k = weight.shape
-    rows = x.numel() // k if k else 0
-    if rows > SMALL_M_MAX or x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.shape[-1] != k:
+    if x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.shape[-1] != k:
         return F.linear(x, weight, bias)
     if packed.shape != (n // 16, k // 2, 16, 2) or packed.dtype != torch.bfloat16:
-        raise ValueError(f"small_linear: packed weight {tuple(packed.shape)} does not match weight {tuple(weight.shape)}")
+        raise ValueError(f"packed_linear: packed weight {tuple(packed.shape)} does not match weight {tuple(weight.shape)}")
+    rows = x.numel() // k
     x2 = x.reshape(rows, k).contiguous()
     y = torch.empty((rows, n), dtype=torch.bfloat16)
     if rows and _library().small_gemm_bf16(x2.data_ptr(), rows, k, packed.data_ptr(), n, y.data_ptr(),
                                            torch.get_num_threads()):
-        raise RuntimeError("small_linear: the kernel refused the shape (or has no AVX512_BF16 here)")
+        raise RuntimeError("packed_linear: the kernel refused the shape (or has no AVX512_BF16 here)")
     if bias is not None:
         y += bias
     return y.view(*x.shape[:-1], n)
 
 
-_custom_op = torch.library.custom_op("baton::small_linear", _small_linear, mutates_args=())
+_custom_op = torch.library.custom_op("baton::packed_linear", _packed_linear, mutates_args=())
 
 
 @_custom_op.register_fake

@@ -7,8 +7,8 @@ A column-parallel layer may fuse several checkpoint projections (q|k|v, gate|up)
 which rows of its checkpoint tensor this rank holds (`OutputPart`). With one rank every part is the
 whole tensor and the layers compute exactly what nn.Linear does.
 
-On a CPU with AVX512_BF16, `pack_small_batch_weights` gives each bfloat16 layer a packed copy of its
-weight (a buffer, `packed_weight`), and calls of up to 64 rows (decode) go through the kernel of
+On a CPU with AVX512_BF16, `pack_linear_weights` gives each bfloat16 layer a packed copy of its
+weight (a buffer, `packed_weight`), and its calls go through the kernel of
 engine/kernels/cpu_linear.py instead of torch's GEMM.
 """
 from __future__ import annotations
@@ -50,8 +50,8 @@ def _matmul(layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> 
     packed = getattr(layer, "packed_weight", None)
     if packed is None:
         return F.linear(x, layer.weight, bias)
-    from baton.engine.kernels.cpu_linear import small_linear
-    return small_linear(x, layer.weight, packed, bias)
+    from baton.engine.kernels.cpu_linear import packed_linear
+    return packed_linear(x, layer.weight, packed, bias)
 
 
 class MergedColumnLinear(nn.Linear):
@@ -107,7 +107,7 @@ class RowParallelLinear(nn.Module):
                 f"bias={self.bias is not None}")
 
 
-def pack_small_batch_weights(model: nn.Module, device: str) -> int:
+def pack_linear_weights(model: nn.Module, device: str) -> int:
     """After loading: a packed weight copy for every bfloat16 linear layer the CPU kernel can serve
     (see engine/kernels/cpu_linear.py). Returns how many layers got one; 0, with the reason logged,
     where the kernel cannot run."""
@@ -123,7 +123,7 @@ def pack_small_batch_weights(model: nn.Module, device: str) -> int:
         return 0
     for m in layers:
         m.register_buffer("packed_weight", cpu_linear.pack_weight(m.weight), persistent=False)
-    logger.info("small-batch bfloat16 kernel serves %d linear layers (packed copies: %.1f MB)", len(layers),
+    logger.info("the packed bfloat16 kernel serves %d linear layers (packed copies: %.1f MB)", len(layers),
                 sum(m.packed_weight.numel() * 2 for m in layers) / 1e6)
     return len(layers)
 

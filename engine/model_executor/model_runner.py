@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from baton.engine.layers.linear import pack_small_batch_weights
+from baton.engine.layers.linear import pack_linear_weights
 from baton.engine.model_executor.forward_batch import ForwardBatch, ForwardMode
 from baton.engine.model_executor.model_loader import DTYPES as MODEL_DTYPES
 from baton.engine.server_args import ServerArgs
@@ -87,7 +87,7 @@ class ModelRunner:
         phase("load_weights")
         self.model.eval()
         if self.device == "cpu" and self.dtype == torch.bfloat16 and not server_args.disable_packed_linear:
-            pack_small_batch_weights(self.model, self.device)
+            pack_linear_weights(self.model, self.device)
         self.kv_dtype = resolve_kv_dtype(server_args.kv_cache_dtype, self.dtype)
         text_cfg = getattr(self.hf_config, "text_config", None) or self.hf_config
         self.vocab_size = text_cfg.vocab_size

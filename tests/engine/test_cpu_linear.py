@@ -1,11 +1,11 @@
-"""The small-batch bfloat16 linear kernel (engine/kernels/cpu_linear.py) against torch's GEMM, its
+"""The packed bfloat16 linear kernel (engine/kernels/cpu_linear.py) against torch's GEMM, its
 fallbacks, its place in the model's linear layers, and inside torch.compile."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 from baton.engine.kernels import cpu_linear
-from baton.engine.layers.linear import MergedColumnLinear, RowParallelLinear, even_parts, pack_small_batch_weights
+from baton.engine.layers.linear import MergedColumnLinear, RowParallelLinear, even_parts, pack_linear_weights
 from baton.engine.distributed.parallel_state import TpGroup
 
 REASON = cpu_linear.unavailable_reason()
@@ -20,13 +20,13 @@ def _ulps_close(out: torch.Tensor, ref: torch.Tensor) -> None:
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 31, 32, 64])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 31, 32, 64, 300])
 @pytest.mark.parametrize("k,n", [(256, 512), (64, 16), (96, 48), (768, 256), (2, 32)])
 def test_matches_float64_reference_like_torch(rows, k, n):
     g = torch.Generator().manual_seed(rows * 1000 + k + n)
     x = torch.randn(rows, k, generator=g).bfloat16()
     w = torch.randn(n, k, generator=g).bfloat16()
-    out = cpu_linear.small_linear(x, w, cpu_linear.pack_weight(w))
+    out = cpu_linear.packed_linear(x, w, cpu_linear.pack_weight(w))
     assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
     ref = x.double() @ w.double().T
     _ulps_close(out, ref)
@@ -39,28 +39,34 @@ def test_bias_leading_dims_and_empty_batch():
     w, b = torch.randn(64, 32, generator=g).bfloat16(), torch.randn(64, generator=g).bfloat16()
     packed = cpu_linear.pack_weight(w)
     x = torch.randn(2, 3, 32, generator=g).bfloat16()
-    out = cpu_linear.small_linear(x, w, packed, b)
+    out = cpu_linear.packed_linear(x, w, packed, b)
     assert out.shape == (2, 3, 64)
     torch.testing.assert_close(out, F.linear(x, w, b), atol=0.1, rtol=0.02)
-    empty = cpu_linear.small_linear(torch.empty(0, 32, dtype=torch.bfloat16), w, packed)
+    empty = cpu_linear.packed_linear(torch.empty(0, 32, dtype=torch.bfloat16), w, packed)
     assert empty.shape == (0, 64)
     strided = torch.randn(32, 8, generator=g).bfloat16().T  # [8, 32], not contiguous
-    torch.testing.assert_close(cpu_linear.small_linear(strided, w, packed), F.linear(strided, w), atol=0.1, rtol=0.02)
+    torch.testing.assert_close(cpu_linear.packed_linear(strided, w, packed), F.linear(strided, w), atol=0.1, rtol=0.02)
 
 
 @needs_kernel
-def test_large_batches_and_other_dtypes_take_torch_gemm(monkeypatch):
-    """Past SMALL_M_MAX rows, or in another dtype, the call is F.linear exactly (same bits)."""
+def test_other_dtypes_take_torch_gemm(monkeypatch):
+    """A float32 input (not what a packed layer is given, but possible) is F.linear exactly, and
+    never reaches the kernel."""
     g = torch.Generator().manual_seed(2)
     w = torch.randn(32, 16, generator=g).bfloat16()
     packed = cpu_linear.pack_weight(w)
-    big = torch.randn(cpu_linear.SMALL_M_MAX + 1, 16, generator=g).bfloat16()
-    assert torch.equal(cpu_linear.small_linear(big, w, packed), F.linear(big, w))
     calls = []
     monkeypatch.setattr(cpu_linear, "_library", lambda: calls.append(1))  # the kernel must not be reached
     x32 = torch.randn(4, 16, generator=g)
-    assert torch.equal(cpu_linear.small_linear(x32, w.float(), packed), F.linear(x32, w.float()))
+    assert torch.equal(cpu_linear.packed_linear(x32, w.float(), packed), F.linear(x32, w.float()))
     assert not calls
+
+
+@needs_kernel
+def test_a_packed_copy_of_another_weight_is_refused():
+    w = torch.randn(32, 16).bfloat16()
+    with pytest.raises(ValueError, match="does not match"):
+        cpu_linear.packed_linear(torch.randn(2, 16).bfloat16(), w, cpu_linear.pack_weight(torch.randn(16, 16).bfloat16()))
 
 
 def test_pack_rejects_unsupported_weights():
@@ -81,7 +87,7 @@ def test_disable_switch_has_a_reason(monkeypatch):
     monkeypatch.setenv(cpu_linear.DISABLE_ENV, "1")
     assert "BATON_DISABLE_CPU_KERNELS" in cpu_linear.unavailable_reason()
     layer = MergedColumnLinear(32, even_parts([16, 16], TpGroup()), bias=False).bfloat16()
-    assert pack_small_batch_weights(layer, "cpu") == 0 and not hasattr(layer, "packed_weight")
+    assert pack_linear_weights(layer, "cpu") == 0 and not hasattr(layer, "packed_weight")
 
 
 @needs_kernel
@@ -99,14 +105,14 @@ def test_model_layers_pack_and_compute_what_they_did():
     x = torch.randn(8, 64).bfloat16()
     with torch.no_grad():
         before = model(x)
-        assert pack_small_batch_weights(model, "cpu") == 2
+        assert pack_linear_weights(model, "cpu") == 2
         assert model[0].packed_weight.shape == (6, 32, 16, 2) and not hasattr(model[2], "packed_weight")
         assert "packed_weight" not in model.state_dict()  # not a checkpoint tensor
         after = model(x)
         torch.testing.assert_close(after, before, atol=0.05, rtol=0.02)
         compiled = torch.compile(model, dynamic=True)
         torch.testing.assert_close(compiled(x), after, atol=0, rtol=0)
-        big = torch.randn(100, 64).bfloat16()  # the same graph, past SMALL_M_MAX: torch's GEMM inside the op
+        big = torch.randn(300, 64).bfloat16()  # a prefill-sized call: the same graph, no recompile
         torch.testing.assert_close(compiled(big), model(big), atol=0, rtol=0)
 
 
