@@ -7,8 +7,8 @@ A column-parallel layer may fuse several checkpoint projections (q|k|v, gate|up)
 which rows of its checkpoint tensor this rank holds (`OutputPart`). With one rank every part is the
 whole tensor and the layers compute exactly what nn.Linear does.
 
-On a CPU with AVX512_BF16, `pack_linear_weights` gives each bfloat16 layer a packed copy of its
-weight (a buffer, `packed_weight`), and its calls go through the kernel of
+On a CPU with AVX512_BF16, `pack_linear_weights` gives each bfloat16 layer (and the LM head) a packed
+copy of its weight (a buffer, `packed_weight`), and its calls go through the kernel of
 engine/kernels/cpu_linear.py instead of torch's GEMM.
 """
 from __future__ import annotations
@@ -45,7 +45,7 @@ def qkv_parts(num_heads: int, num_kv_heads: int, head_dim: int, tp: TpGroup) -> 
     return [q, kv, kv]
 
 
-def _matmul(layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+def linear_forward(layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """F.linear(x, layer.weight, bias), through the packed copy when the layer has one."""
     packed = getattr(layer, "packed_weight", None)
     if packed is None:
@@ -63,7 +63,7 @@ class MergedColumnLinear(nn.Linear):
         self.output_sizes = [p.size for p in parts]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _matmul(self, x, self.bias)
+        return linear_forward(self, x, self.bias)
 
     @torch.no_grad()
     def load_shard(self, param_name: str, shard: int, tensor: torch.Tensor) -> None:
@@ -98,8 +98,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return _matmul(self, x, self.bias)  # exactly nn.Linear
-        out = all_reduce(_matmul(self, x, None), self.tp)
+            return linear_forward(self, x, self.bias)  # exactly nn.Linear
+        out = all_reduce(linear_forward(self, x, None), self.tp)
         return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:
@@ -108,12 +108,13 @@ class RowParallelLinear(nn.Module):
 
 
 def pack_linear_weights(model: nn.Module, device: str) -> int:
-    """After loading: a packed weight copy for every bfloat16 linear layer the CPU kernel can serve
-    (see engine/kernels/cpu_linear.py). Returns how many layers got one; 0, with the reason logged,
+    """After loading: a packed weight copy for every bfloat16 linear layer and LM head the CPU
+    kernel can serve (see engine/kernels/cpu_linear.py). Returns how many layers got one; 0, with the reason logged,
     where the kernel cannot run."""
     from baton.engine.kernels import cpu_linear
+    from baton.engine.layers.vocab_parallel import VocabParallelEmbedding  # its `logits` is the LM head
 
-    layers = [m for m in model.modules() if isinstance(m, (MergedColumnLinear, RowParallelLinear))
+    layers = [m for m in model.modules() if isinstance(m, (MergedColumnLinear, RowParallelLinear, VocabParallelEmbedding))
               and cpu_linear.packable(m.weight)]
     if not layers:
         return 0

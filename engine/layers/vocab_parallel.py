@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from baton.engine.distributed.parallel_state import TpGroup, all_gather_last_dim, all_reduce
+from baton.engine.layers.linear import linear_forward
 
 
 class VocabShard(NamedTuple):
@@ -68,7 +69,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[m, dim] -> [m, vocab] float32 scores against every row of the table."""
-        scores = F.linear(hidden, self.weight)
+        scores = linear_forward(self, hidden, None)  # through a packed copy where there is one
         if self.tp.size > 1:
             scores = all_gather_last_dim(scores, self.tp)[:, :self.shard.vocab]
         return scores.float()

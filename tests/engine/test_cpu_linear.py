@@ -119,7 +119,7 @@ def test_model_layers_pack_and_compute_what_they_did():
 @needs_kernel
 @pytest.mark.parametrize("disable", [False, True], ids=["packed", "torch-gemm"])
 def test_bf16_engine_serves_with_and_without_packed_linears(tiny_model_factory, disable):
-    """Through the scheduler: a bfloat16 engine packs its linears unless --disable-packed-linear,
+    """Through the scheduler: a bfloat16 engine packs its linears and LM head unless --disable-packed-linear,
     and either way serves a batch to the end with its memory accounted for."""
     from scheduler_harness import SchedulerHarness
 
@@ -127,7 +127,9 @@ def test_bf16_engine_serves_with_and_without_packed_linears(tiny_model_factory, 
     h = SchedulerHarness(path, dtype="bfloat16", disable_packed_linear=disable, max_total_tokens=2048)
     model = h.scheduler.worker.model_runner.model
     packed = [m for m in model.modules() if hasattr(m, "packed_weight")]
-    assert (len(packed) == 0) if disable else (len(packed) > 0)
+    from baton.engine.layers.vocab_parallel import VocabParallelEmbedding
+
+    assert (len(packed) == 0) if disable else any(isinstance(m, VocabParallelEmbedding) for m in packed)
     for i in range(5):
         h.submit(f"r{i}", [5 + i, 9, 13, 21 + i], max_new_tokens=6, ignore_eos=True)
     out = h.run_until_idle()
