@@ -256,8 +256,8 @@ class ServerArgs:
           help="CPU serving: pin the forward pass to these CPUs (one torch thread each) and the HTTP server "
                "and detokenizer to the rest; auto keeps the last CPU for them")
         a("--disable-packed-linear", action="store_true",
-          help="CPU, bfloat16: keep torch's GEMM for the linear layers instead of the AVX512_BF16 kernel "
-               "over packed weight copies (saves those copies' memory)")
+          help="CPU, bfloat16: keep torch's GEMM for the linear layers and LM head instead of the "
+               "AVX512_BF16 kernel over weights packed at load")
         a("--random-seed", type=int, default=ServerArgs.random_seed)
         a("--api-key", default=None, help="bearer key clients must send (default: $BATON_API_KEY)")
         a("--max-request-bytes", type=int, default=ServerArgs.max_request_bytes)

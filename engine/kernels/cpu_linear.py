@@ -6,10 +6,10 @@
 At decode a linear layer multiplies a few dozen rows, where oneDNN's per-call set-up costs more than
 its arithmetic; the kernel runs the same product over a weight copy packed at load time: 1.4-2.3x
 torch's GEMM at 1-32 rows on the bench model's shapes, and still 1.0-1.3x at prefill sizes (up to
-4,096 rows, K up to 14,336; docs/benchmarks.md), so it serves every call. The original weight
-stays (the checkpoint's tensor, and torch's GEMM for inputs the kernel does not take), so the
-packed copy doubles the memory of the layers it serves; `--disable-packed-linear` keeps torch's GEMM
-alone. Under torch.compile it is one opaque custom op (`baton::packed_linear`).
+4,096 rows, K up to 14,336; docs/benchmarks.md), so it serves every call, and the layer's
+original weight is released once packed (`released_placeholder`: same shape, one element of
+storage), so packing costs no memory. `--disable-packed-linear` keeps torch's GEMM instead.
+Under torch.compile it is one opaque custom op (`baton::packed_linear`).
 `BATON_DISABLE_CPU_KERNELS=1` turns it off with the attention kernels.
 """
 from __future__ import annotations
@@ -72,11 +72,20 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def released_placeholder(weight: torch.Tensor) -> torch.Tensor:
+    """What stands in for a weight whose packed copy now serves it: its shape and dtype, no data."""
+    return torch.zeros(1, dtype=weight.dtype).expand(weight.shape)
+
+
+def is_released(weight: torch.Tensor) -> bool:
+    return weight.numel() > 1 and all(stride == 0 for stride in weight.stride())
+
+
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor,
                   bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """F.linear(x, weight, bias), computed from the packed copy (bfloat16 CPU inputs; others take
-    torch's GEMM on `weight`). Eager calls go straight to the library; under torch.compile it is
-    one opaque op."""
+    torch's GEMM on `weight`, unless it was released). Eager calls go straight to the library;
+    under torch.compile it is one opaque op."""
     if torch.compiler.is_compiling():
         return torch.ops.baton.packed_linear(x, weight, packed, bias)
     return _packed_linear(x, weight, packed, bias)
@@ -86,6 +95,9 @@ def _packed_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor,
                    bias: Optional[torch.Tensor]) -> torch.Tensor:
     n, k = weight.shape
     if x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.shape[-1] != k:
+        if is_released(weight):
+            raise TypeError(f"packed_linear: this layer computes bfloat16 CPU inputs of {k} features only "
+                            f"(its weight lives in the packed copy), got {x.dtype} {tuple(x.shape)} on {x.device}")
         return F.linear(x, weight, bias)
     if packed.shape != (n // 16, k // 2, 16, 2) or packed.dtype != torch.bfloat16:
         raise ValueError(f"packed_linear: packed weight {tuple(packed.shape)} does not match weight {tuple(weight.shape)}")

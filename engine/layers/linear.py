@@ -108,24 +108,37 @@ class RowParallelLinear(nn.Module):
 
 
 def pack_linear_weights(model: nn.Module, device: str) -> int:
-    """After loading: a packed weight copy for every bfloat16 linear layer and LM head the CPU
-    kernel can serve (see engine/kernels/cpu_linear.py). Returns how many layers got one; 0, with the reason logged,
-    where the kernel cannot run."""
+    """After loading: a packed weight copy for every bfloat16 linear layer and the LM head that the
+    CPU kernel can serve (engine/kernels/cpu_linear.py), which then computes every call of theirs.
+    Their original weights are released (a placeholder of the same shape, one element of storage),
+    so the model takes no more memory than before; only a tied LM head keeps its table, which is
+    also the embedding. Returns how many layers were packed; 0, with the reason logged, where the
+    kernel cannot run."""
     from baton.engine.kernels import cpu_linear
-    from baton.engine.layers.vocab_parallel import VocabParallelEmbedding  # its `logits` is the LM head
+    from baton.engine.layers.vocab_parallel import VocabParallelEmbedding
 
-    layers = [m for m in model.modules() if isinstance(m, (MergedColumnLinear, RowParallelLinear, VocabParallelEmbedding))
-              and cpu_linear.packable(m.weight)]
+    head = getattr(model, "lm_head", None)
+    tied = head is None
+    if tied:  # the input embedding is the LM head
+        head = getattr(getattr(model, "model", None), "embed_tokens", None)
+    layers = [m for m in model.modules() if isinstance(m, (MergedColumnLinear, RowParallelLinear))]
+    if isinstance(head, VocabParallelEmbedding):
+        layers.append(head)
+    layers = [m for m in layers if cpu_linear.packable(m.weight)]
     if not layers:
         return 0
     reason = cpu_linear.unavailable_reason(device)
     if reason is not None:
         logger.info("bfloat16 linears stay on torch's GEMM: %s", reason)
         return 0
+    released = 0
     for m in layers:
         m.register_buffer("packed_weight", cpu_linear.pack_weight(m.weight), persistent=False)
-    logger.info("the packed bfloat16 kernel serves %d linear layers (packed copies: %.1f MB)", len(layers),
-                sum(m.packed_weight.numel() * 2 for m in layers) / 1e6)
+        if not (tied and m is head):
+            released += m.weight.numel() * 2
+            m.weight = nn.Parameter(cpu_linear.released_placeholder(m.weight), requires_grad=False)
+    logger.info("the packed bfloat16 kernel serves %d linear layers (%.1f MB packed, %.1f MB of originals released)",
+                len(layers), sum(m.packed_weight.numel() * 2 for m in layers) / 1e6, released / 1e6)
     return len(layers)
 
 

@@ -93,7 +93,8 @@ def test_disable_switch_has_a_reason(monkeypatch):
 @needs_kernel
 def test_model_layers_pack_and_compute_what_they_did():
     """Column and row layers of a bf16 model get packed copies (unsupported shapes keep none) and
-    give torch's results within rounding, eager and under torch.compile (one opaque op)."""
+    give torch's results within rounding, eager and under torch.compile (one opaque op), with their
+    original weights released."""
     torch.manual_seed(3)
     tp = TpGroup()
     model = torch.nn.Sequential(MergedColumnLinear(64, even_parts([48, 48], tp), bias=True),
@@ -108,12 +109,45 @@ def test_model_layers_pack_and_compute_what_they_did():
         assert pack_linear_weights(model, "cpu") == 2
         assert model[0].packed_weight.shape == (6, 32, 16, 2) and not hasattr(model[2], "packed_weight")
         assert "packed_weight" not in model.state_dict()  # not a checkpoint tensor
+        for layer in model[:2]:  # released: the shape stays, the data is gone
+            assert cpu_linear.is_released(layer.weight) and layer.weight.untyped_storage().nbytes() == 2
+        assert model[2].weight.untyped_storage().nbytes() == 20 * 64 * 2  # unpacked: kept
         after = model(x)
         torch.testing.assert_close(after, before, atol=0.05, rtol=0.02)
         compiled = torch.compile(model, dynamic=True)
         torch.testing.assert_close(compiled(x), after, atol=0, rtol=0)
         big = torch.randn(300, 64).bfloat16()  # a prefill-sized call: the same graph, no recompile
         torch.testing.assert_close(compiled(big), model(big), atol=0, rtol=0)
+        with pytest.raises(TypeError, match="bfloat16 CPU inputs"):  # no silent product with a placeholder
+            model[0](torch.randn(2, 64))
+
+
+@needs_kernel
+def test_lm_heads_pack_and_a_tied_table_is_kept():
+    """An untied LM head is packed and released; a tied one (the embedding table) is packed and
+    kept, since the embedding lookup still reads it."""
+    from baton.engine.layers.vocab_parallel import VocabParallelEmbedding
+
+    class Model(torch.nn.Module):
+        def __init__(self, tied: bool) -> None:
+            super().__init__()
+            self.model = torch.nn.Module()
+            self.model.embed_tokens = VocabParallelEmbedding(64, 32)
+            self.lm_head = None if tied else VocabParallelEmbedding(64, 32)
+
+    for tied in (False, True):
+        m = Model(tied).bfloat16()
+        for p in m.parameters():
+            torch.nn.init.normal_(p)
+        head = m.model.embed_tokens if tied else m.lm_head
+        hidden, ids = torch.randn(3, 32).bfloat16(), torch.tensor([1, 5, 63])
+        with torch.no_grad():
+            want_logits, want_rows = head.logits(hidden), m.model.embed_tokens(ids)
+            assert pack_linear_weights(m, "cpu") == 1 and hasattr(head, "packed_weight")
+            torch.testing.assert_close(head.logits(hidden), want_logits, atol=0.05, rtol=0.02)
+            assert torch.equal(m.model.embed_tokens(ids), want_rows)  # the lookup table is intact
+        assert cpu_linear.is_released(head.weight) == (not tied)
+        assert not hasattr(m.model.embed_tokens, "packed_weight") or tied
 
 
 @needs_kernel
