@@ -1,6 +1,6 @@
 """The packed bfloat16 linear kernel (engine/kernels/cpu_linear.py) against torch's GEMM (F.linear),
-side by side in one run: per shape, the median of 300 eager calls of each after 20 warm-ups, in
-inference mode, with torch's thread count. Shapes: the bench model's four projections and a
+side by side in one run: per shape, the median of 300 eager calls of each after 20 warm-ups (10
+after 3 past a GFLOP per call), in inference mode, with torch's thread count. Shapes: the bench model's four projections and a
 Llama-3-8B-sized one, at decode batch sizes and (with `1024` or `4096` in ROWS) prefill sizes.
 
     .venv/bin/python scripts/cpu_linear_bench.py [ROWS,...]
@@ -17,8 +17,8 @@ from baton.engine.kernels import cpu_linear
 SHAPES = [(256, 512, "qkv"), (256, 256, "o"), (256, 1536, "gate_up"), (768, 256, "down"), (4096, 4096, "8B o")]
 
 
-def median_us(fn, calls: int = 300) -> float:
-    for _ in range(20):
+def median_us(fn, calls: int = 300, warm_ups: int = 20) -> float:
+    for _ in range(warm_ups):
         fn()
     times = []
     for _ in range(calls):
@@ -41,8 +41,9 @@ def main() -> None:
             for k, n, name in SHAPES:
                 x, w = torch.randn(rows, k).bfloat16(), torch.randn(n, k).bfloat16()
                 packed = cpu_linear.pack_weight(w)
-                ours = median_us(lambda: cpu_linear.packed_linear(x, w, packed))
-                theirs = median_us(lambda: F.linear(x, w))
+                calls, warm_ups = (10, 3) if 2 * rows * k * n > 1e9 else (300, 20)
+                ours = median_us(lambda: cpu_linear.packed_linear(x, w, packed), calls, warm_ups)
+                theirs = median_us(lambda: F.linear(x, w), calls, warm_ups)
                 print(f"{rows:>4} {f'{k}x{n}':>11} {name:8} {theirs:7.1f}us {ours:7.1f}us {theirs / ours:14.2f}x "
                       f"{2 * rows * k * n / ours / 1e3:15.0f}")
 

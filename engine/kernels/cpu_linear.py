@@ -4,9 +4,9 @@
     y = packed_linear(x, weight, packed, bias)         # every call
 
 At decode a linear layer multiplies a few dozen rows, where oneDNN's per-call set-up costs more than
-its arithmetic; the kernel runs the same product over a weight copy packed at load time: 1.4-2.3x
-torch's GEMM at 1-32 rows on the bench model's shapes, and still 1.0-1.3x at prefill sizes (up to
-4,096 rows, K up to 14,336; docs/benchmarks.md), so it serves every call, and the layer's
+its arithmetic; the kernel runs the same product over a weight copy packed at load time: 1.2-2.3x
+torch's GEMM at 1-32 rows on the bench model's shapes and a Llama-3-8B one, and still 1.0-1.1x at
+prefill sizes (up to 4,096 rows, K up to 14,336; docs/benchmarks.md), so it serves every call, and the layer's
 original weight is released once packed (`released_placeholder`: same shape, one element of
 storage), so packing costs no memory. `--disable-packed-linear` keeps torch's GEMM instead.
 Under torch.compile it is one opaque custom op (`baton::packed_linear`).
