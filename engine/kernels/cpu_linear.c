@@ -13,7 +13,7 @@
  * Tiles are spread over the OpenMP threads torch uses. Accumulation is in float32 (each product
  * exact, pairs summed, then added), and the result is rounded to bfloat16 once, as torch's bfloat16
  * GEMM rounds it. N must be a multiple of 16 and K even (the caller checks; other shapes keep
- * torch's GEMM). Without AVX512_BF16 the library builds but `small_gemm_available` returns 0.
+ * torch's GEMM). Without AVX512_BF16 the library builds but `packed_gemm_available` returns 0.
  */
 #include <stdint.h>
 #include <string.h>
@@ -21,7 +21,7 @@
 #include <immintrin.h>
 #endif
 
-int small_gemm_available(void) {
+int packed_gemm_available(void) {
 #if defined(__AVX512BF16__)
     return 1;
 #else
@@ -71,7 +71,7 @@ INLINE void tile(const uint16_t *x, const uint16_t *packed, int64_t k, int64_t n
 
 /* x [M, K], y [M, N], contiguous bfloat16; packed from pack_bf16_weight. Returns 0, or 1 when this
  * build has no AVX512_BF16 or the shape is not supported (nothing written). */
-int small_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, const uint16_t *packed, int64_t n, uint16_t *y,
+int packed_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, const uint16_t *packed, int64_t n, uint16_t *y,
                     int num_threads) {
 #if defined(__AVX512BF16__)
     enum { MR = 4, NB = 4 };

@@ -24,19 +24,19 @@ import torch
 import torch.nn.functional as F
 
 from baton.engine.kernels.build import DEFAULT_CFLAGS, KernelUnavailable, build_library
+from baton.engine.kernels.cpu_attention import DISABLE_ENV  # one switch for every CPU kernel
 
 SOURCE = Path(__file__).with_name("cpu_linear.c")
-DISABLE_ENV = "BATON_DISABLE_CPU_KERNELS"
 
 
 @functools.lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(build_library(SOURCE, DEFAULT_CFLAGS)))
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.small_gemm_available.argtypes, lib.small_gemm_available.restype = [], ctypes.c_int
+    lib.packed_gemm_available.argtypes, lib.packed_gemm_available.restype = [], ctypes.c_int
     lib.pack_bf16_weight.argtypes, lib.pack_bf16_weight.restype = [ptr, i64, i64, ptr], None
-    lib.small_gemm_bf16.argtypes = [ptr, i64, i64, ptr, i64, ptr, ctypes.c_int]
-    lib.small_gemm_bf16.restype = ctypes.c_int
+    lib.packed_gemm_bf16.argtypes = [ptr, i64, i64, ptr, i64, ptr, ctypes.c_int]
+    lib.packed_gemm_bf16.restype = ctypes.c_int
     return lib
 
 
@@ -47,7 +47,7 @@ def unavailable_reason(device: str = "cpu") -> Optional[str]:
     if not str(device).startswith("cpu"):
         return f"device {device} is not the CPU"
     try:
-        if not _library().small_gemm_available():
+        if not _library().packed_gemm_available():
             return "this CPU has no AVX512_BF16"
     except (KernelUnavailable, OSError) as e:
         return str(e)
@@ -104,7 +104,7 @@ def _packed_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor,
     rows = x.numel() // k
     x2 = x.reshape(rows, k).contiguous()
     y = torch.empty((rows, n), dtype=torch.bfloat16)
-    if rows and _library().small_gemm_bf16(x2.data_ptr(), rows, k, packed.data_ptr(), n, y.data_ptr(),
+    if rows and _library().packed_gemm_bf16(x2.data_ptr(), rows, k, packed.data_ptr(), n, y.data_ptr(),
                                            torch.get_num_threads()):
         raise RuntimeError("packed_linear: the kernel refused the shape (or has no AVX512_BF16 here)")
     if bias is not None:

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from baton.engine.distributed.parallel_state import TpGroup, all_reduce
+from baton.engine.kernels import cpu_linear
 
 logger = logging.getLogger(__name__)
 
@@ -50,8 +51,7 @@ def linear_forward(layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tenso
     packed = getattr(layer, "packed_weight", None)
     if packed is None:
         return F.linear(x, layer.weight, bias)
-    from baton.engine.kernels.cpu_linear import packed_linear
-    return packed_linear(x, layer.weight, packed, bias)
+    return cpu_linear.packed_linear(x, layer.weight, packed, bias)
 
 
 class MergedColumnLinear(nn.Linear):
@@ -114,8 +114,7 @@ def pack_linear_weights(model: nn.Module, device: str) -> int:
     so the model takes no more memory than before; only a tied LM head keeps its table, which is
     also the embedding. Returns how many layers were packed; 0, with the reason logged, where the
     kernel cannot run."""
-    from baton.engine.kernels import cpu_linear
-    from baton.engine.layers.vocab_parallel import VocabParallelEmbedding
+    from baton.engine.layers.vocab_parallel import VocabParallelEmbedding  # it imports this module
 
     head = getattr(model, "lm_head", None)
     tied = head is None

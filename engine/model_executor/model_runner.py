@@ -86,7 +86,7 @@ class ModelRunner:
                                                             self.tp)
         phase("load_weights")
         self.model.eval()
-        if self.device == "cpu" and self.dtype == torch.bfloat16 and not server_args.disable_packed_linear:
+        if not server_args.disable_packed_linear:  # CPU bfloat16 layers only; it checks
             pack_linear_weights(self.model, self.device)
         self.kv_dtype = resolve_kv_dtype(server_args.kv_cache_dtype, self.dtype)
         text_cfg = getattr(self.hf_config, "text_config", None) or self.hf_config
