@@ -10,10 +10,10 @@ Two process groups per TP group, as SGLang keeps them:
 On CPU both are one gloo group, and its all-reduces and the step broadcasts go through a shared
 memory segment instead (shm_group.py; `--tp-cpu-allreduce gloo` keeps gloo's).
 
-The all-reduce is a torch custom op (`baton::tp_all_reduce`): Dynamo treats it as one opaque call,
-so a compiled forward keeps one graph, and on CUDA it is captured into the decode graphs like any
-kernel (NCCL's all-reduce is graph-safe). The LM head's all-gather (`baton::tp_all_gather`) is one
-too.
+The all-reduce is a torch op (`baton::tp_all_reduce`, registered in kernels/torch_ops.py): Dynamo
+treats it as one opaque call, so a compiled forward keeps one graph, and on CUDA it is captured into
+the decode graphs like any kernel (NCCL's all-reduce is graph-safe). The LM head's all-gather
+(`baton::tp_all_gather`) is one too.
 """
 from __future__ import annotations
 
@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
+
+from baton.engine.kernels.torch_ops import define_op
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +39,7 @@ IDLE_WAIT = datetime.timedelta(days=30)
 class TpGroup:
     rank: int = 0
     size: int = 1
-    # torch.distributed group names (the custom op takes a string); None when size is 1
+    # torch.distributed group names (the op takes a string); None when size is 1
     device_group: Optional[str] = None
     cpu_group: Optional[str] = None
 
@@ -179,8 +181,7 @@ def resolve_group(name: str) -> Any:
     return _resolve_process_group(name)
 
 
-@torch.library.custom_op("baton::tp_all_reduce", mutates_args=())
-def _tp_all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
+def _tp_all_reduce_impl(x: torch.Tensor, group_name: str) -> torch.Tensor:
     import torch.distributed as dist
 
     shm = _SHM.get(group_name)
@@ -191,9 +192,9 @@ def _tp_all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
     return out
 
 
-@_tp_all_reduce.register_fake
-def _(x: torch.Tensor, group_name: str) -> torch.Tensor:
-    return torch.empty_like(x)
+define_op("tp_all_reduce", "(Tensor x, str group_name) -> Tensor", _tp_all_reduce_impl,
+          lambda x, group_name: torch.empty_like(x), dispatch_key="CompositeExplicitAutograd")
+_tp_all_reduce = torch.ops.baton.tp_all_reduce.default
 
 
 def all_reduce(x: torch.Tensor, tp: TpGroup) -> torch.Tensor:
@@ -203,8 +204,7 @@ def all_reduce(x: torch.Tensor, tp: TpGroup) -> torch.Tensor:
     return _tp_all_reduce(x, tp.device_group)
 
 
-@torch.library.custom_op("baton::tp_all_gather", mutates_args=())
-def _tp_all_gather(x: torch.Tensor, group_name: str, size: int) -> torch.Tensor:
+def _tp_all_gather_impl(x: torch.Tensor, group_name: str, size: int) -> torch.Tensor:
     import torch.distributed as dist
 
     shm = _SHM.get(group_name)
@@ -220,9 +220,9 @@ def _tp_all_gather(x: torch.Tensor, group_name: str, size: int) -> torch.Tensor:
     return out
 
 
-@_tp_all_gather.register_fake
-def _(x: torch.Tensor, group_name: str, size: int) -> torch.Tensor:
-    return x.new_empty((size, *x.shape))
+define_op("tp_all_gather", "(Tensor x, str group_name, int size) -> Tensor", _tp_all_gather_impl,
+          lambda x, group_name, size: x.new_empty((size, *x.shape)), dispatch_key="CompositeExplicitAutograd")
+_tp_all_gather = torch.ops.baton.tp_all_gather.default
 
 
 def all_gather_last_dim(x: torch.Tensor, tp: TpGroup) -> torch.Tensor:

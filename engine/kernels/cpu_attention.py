@@ -13,8 +13,8 @@ cached keys of its req_to_token row, then the pass's own keys up to itself; the 
 gather and no mask.
 q is float32, bfloat16 or float16; the pool may be in any of those or in float8 e5m2 (a KV cache
 dtype of its own, `--kv-cache-dtype`).
-It is a torch custom op (`baton::paged_decode_attention`), so `torch.compile` keeps it as one opaque
-call instead of breaking the graph.
+It is a torch op (`baton::paged_decode_attention`, registered in torch_ops.py), so `torch.compile`
+keeps it as one opaque call instead of breaking the graph.
 
 Built on first use with `-O3 -march=native -fopenmp` and cached per source, compiler and CPU
 (engine/kernels/build.py).
@@ -32,6 +32,7 @@ from typing import Optional
 import torch
 
 from baton.engine.kernels.build import DEFAULT_CFLAGS, KernelUnavailable, build_library
+from baton.engine.kernels.torch_ops import define_op
 
 logger = logging.getLogger(__name__)
 
@@ -87,8 +88,8 @@ def unavailable_reason(dtype: torch.dtype, device: str, kv_dtype: Optional[torch
 
 def paged_decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, req_to_token: torch.Tensor,
                            req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """Eager calls go straight to the library (the custom-op dispatch costs ~100 us per call on a
-    small CPU); under torch.compile the op keeps the kernel one opaque node of the graph."""
+    """Eager calls go straight to the library (the op's dispatcher round trip is a few us per call);
+    under torch.compile the op keeps the kernel one opaque node of the graph."""
     if torch.compiler.is_compiling():
         return torch.ops.baton.paged_decode_attention(q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens,
                                                       scale)
@@ -101,10 +102,12 @@ def _check_inputs(op: str, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Te
     if q.dtype not in _SUPPORTED or k_buf.dtype not in _KV_SUPPORTED or k_buf.dtype != v_buf.dtype:
         raise TypeError(f"{op}: q must be one of {list(_SUPPORTED)} and k/v share one of "
                         f"{list(_KV_SUPPORTED)}, got {q.dtype}/{k_buf.dtype}/{v_buf.dtype}")
-    if any(t.dtype != torch.int64 for t in indices):
-        raise TypeError(f"{op}: {index_names} must be int64")
-    if any(t.device.type != "cpu" for t in (q, k_buf, v_buf, *indices, *others)):
-        raise ValueError(f"{op}: every tensor must be on the CPU")
+    for t in indices:
+        if t.dtype != torch.int64:
+            raise TypeError(f"{op}: {index_names} must be int64")
+    for t in (q, k_buf, v_buf, *indices, *others):
+        if not t.is_cpu:
+            raise ValueError(f"{op}: every tensor must be on the CPU")
 
 
 def _raise_on_failure(op: str, failed: int, buffers: str) -> None:
@@ -136,12 +139,9 @@ def _paged_decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.T
     return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 
-_custom_op = torch.library.custom_op("baton::paged_decode_attention", _paged_decode_attention, mutates_args=())
-
-
-@_custom_op.register_fake
-def _(q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, scale):
-    return torch.empty_like(q)
+define_op("paged_decode_attention", "(Tensor q, Tensor k_buf, Tensor v_buf, Tensor req_to_token, "
+          "Tensor req_pool_indices, Tensor seq_lens, float scale) -> Tensor", _paged_decode_attention,
+          lambda q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, scale: torch.empty_like(q))
 
 
 EXTEND_MAX_HEAD_DIM = 128
@@ -151,7 +151,7 @@ def paged_extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_
                            req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: torch.Tensor,
                            scale: float, q_starts: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal attention of every request's new tokens over its prefix and themselves, read from the
-    pool in place (see the module docstring). Not a custom op of its own: under torch.compile the
+    pool in place (see the module docstring). Not a torch op of its own: under torch.compile the
     backend's `baton::extend_attention` op is the opaque node, and it calls this.
     q_starts: where each request's tokens start in q, for a subset of q's requests (the rows of q
     no request owns are left unspecified in the result); default: the requests fill q in order."""

@@ -9,7 +9,7 @@ torch's GEMM at 1-32 rows on the bench model's shapes and a Llama-3-8B one, and 
 prefill sizes (up to 4,096 rows, K up to 14,336; docs/benchmarks.md), so it serves every call, and the layer's
 original weight is released once packed (`released_placeholder`: same shape, one element of
 storage), so packing costs no memory. `--disable-packed-linear` keeps torch's GEMM instead.
-Under torch.compile it is one opaque custom op (`baton::packed_linear`).
+Under torch.compile it is one opaque op (`baton::packed_linear`, see torch_ops.py).
 `BATON_DISABLE_CPU_KERNELS=1` turns it off with the attention kernels.
 """
 from __future__ import annotations
@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from baton.engine.kernels.build import DEFAULT_CFLAGS, KernelUnavailable, build_library
 from baton.engine.kernels.cpu_attention import DISABLE_ENV  # one switch for every CPU kernel
+from baton.engine.kernels.torch_ops import define_op
 
 SOURCE = Path(__file__).with_name("cpu_linear.c")
 
@@ -94,27 +95,24 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor,
 def _packed_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor,
                    bias: Optional[torch.Tensor]) -> torch.Tensor:
     n, k = weight.shape
-    if x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.shape[-1] != k:
+    if x.dtype != torch.bfloat16 or not x.is_cpu or x.shape[-1] != k:
         if is_released(weight):
             raise TypeError(f"packed_linear: this layer computes bfloat16 CPU inputs of {k} features only "
                             f"(its weight lives in the packed copy), got {x.dtype} {tuple(x.shape)} on {x.device}")
         return F.linear(x, weight, bias)
-    if packed.shape != (n // 16, k // 2, 16, 2) or packed.dtype != torch.bfloat16:
+    if packed.dtype != torch.bfloat16 or packed.shape != (n // 16, k // 2, 16, 2):
         raise ValueError(f"packed_linear: packed weight {tuple(packed.shape)} does not match weight {tuple(weight.shape)}")
-    rows = x.numel() // k
-    x2 = x.reshape(rows, k).contiguous()
+    flat = x.dim() == 2  # a compiled graph's calls: [rows, k], contiguous
+    x2 = x if flat and x.is_contiguous() else x.reshape(-1, k).contiguous()
+    rows = x2.shape[0]
     y = torch.empty((rows, n), dtype=torch.bfloat16)
     if rows and _library().packed_gemm_bf16(x2.data_ptr(), rows, k, packed.data_ptr(), n, y.data_ptr(),
                                            torch.get_num_threads()):
         raise RuntimeError("packed_linear: the kernel refused the shape (or has no AVX512_BF16 here)")
     if bias is not None:
         y += bias
-    return y.view(*x.shape[:-1], n)
+    return y if flat else y.view(*x.shape[:-1], n)
 
 
-_custom_op = torch.library.custom_op("baton::packed_linear", _packed_linear, mutates_args=())
-
-
-@_custom_op.register_fake
-def _(x, weight, packed, bias):
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+define_op("packed_linear", "(Tensor x, Tensor weight, Tensor packed, Tensor? bias) -> Tensor", _packed_linear,
+          lambda x, weight, packed, bias: x.new_empty((*x.shape[:-1], weight.shape[0])))

@@ -109,7 +109,12 @@ class ModelRunner:
         # step and removes most of the per-step Python/dispatch floor. On CPU with the torch backend
         # the extend compiles too (a second graph, dynamic in the token count): its attention loop is
         # one opaque op there, and Inductor fuses the norms, rotary and gated MLP around it.
-        self.compiled_model = torch.compile(self.model, dynamic=True) if server_args.enable_torch_compile else None
+        # The model's modules and weights never change once loaded, so the graphs skip Dynamo's
+        # guards on them (as vLLM compiles without guards at all): those were about half of the
+        # guard check every call pays, ~0.1-0.2 ms of a CPU decode step. Guards on the batch stay.
+        self.compiled_model = (torch.compile(self.model, dynamic=True,
+                                             options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+                               if server_args.enable_torch_compile else None)
         self.compile_extend = (self.compiled_model is not None and self.device == "cpu"
                                and server_args.attention_backend == "torch")
         self.cuda_graph_runner = self._init_cuda_graph_runner()

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from baton.engine.kernels import cpu_attention
+from baton.engine.kernels.torch_ops import define_op
 from baton.engine.layers.attention.base import AttentionBackend
 
 logger = logging.getLogger(__name__)
@@ -230,18 +231,19 @@ def _extend_attention(q3: torch.Tensor, k3: torch.Tensor, v3: torch.Tensor, k_bu
     return out
 
 
-@torch.library.custom_op("baton::extend_attention", mutates_args=())
-def _extend_attention_op(q3: torch.Tensor, k3: torch.Tensor, v3: torch.Tensor, k_buf: torch.Tensor,
-                         v_buf: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
-                         prefix_lens: torch.Tensor, extend_lens: torch.Tensor, scale: float,
-                         native: bool) -> torch.Tensor:
+def _extend_attention_impl(q3: torch.Tensor, k3: torch.Tensor, v3: torch.Tensor, k_buf: torch.Tensor,
+                           v_buf: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+                           prefix_lens: torch.Tensor, extend_lens: torch.Tensor, scale: float,
+                           native: bool) -> torch.Tensor:
     meta = _build_extend_metadata(req_to_token, req_pool_indices, prefix_lens.tolist(), extend_lens.tolist(), native)
     return _extend_attention(q3, k3, v3, k_buf, v_buf, meta, scale, req_to_token, req_pool_indices)
 
 
-@_extend_attention_op.register_fake
-def _(q3, k3, v3, k_buf, v_buf, req_to_token, req_pool_indices, prefix_lens, extend_lens, scale, native):
-    return torch.empty_like(q3)
+define_op("extend_attention", "(Tensor q3, Tensor k3, Tensor v3, Tensor k_buf, Tensor v_buf, Tensor req_to_token, "
+          "Tensor req_pool_indices, Tensor prefix_lens, Tensor extend_lens, float scale, bool native) -> Tensor",
+          _extend_attention_impl,
+          lambda q3, k3, v3, k_buf, v_buf, req_to_token, req_pool_indices, prefix_lens, extend_lens, scale, native:
+          torch.empty_like(q3), dispatch_key="CompositeExplicitAutograd")
 
 
 def _gather(buf: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
