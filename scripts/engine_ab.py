@@ -8,7 +8,9 @@ is checked out into a temporary git worktree, removed at the end) and drives a r
 through the test harness (`tests/engine/scheduler_harness.py` of that tree): every round submits
 the same fresh random prompts to both sides, runs them to the end and reports the round's wall
 time and each step's, split by forward mode. Rounds alternate A B B A ..., so drift on a shared
-machine falls on both. Greedy tokens must come out identical on both sides, or the run fails.
+machine falls on both. Greedy tokens must come out identical on both sides, or the run fails;
+`--allow-token-diff` (for a change of numerics, such as a different but equally exact kernel in
+bfloat16) counts the requests that differ instead.
 Prints medians and old / new ratios (above 1: the new code is faster).
 """
 from __future__ import annotations
@@ -87,6 +89,8 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--overrides", default='{"dtype": "bfloat16", "enable_torch_compile": true}',
                     help="ServerArgs fields for both sides, as JSON")
+    ap.add_argument("--allow-token-diff", action="store_true",
+                    help="report requests whose greedy tokens differ instead of failing")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     overrides = {"device": "cpu", **json.loads(args.overrides)}
@@ -103,6 +107,7 @@ def main() -> None:
         for name, proc in procs.items():
             print(f"{name}: {args.old if name == 'old' else 'this checkout'} -> {read(proc)['baton']}", flush=True)
         results = {"old": [], "new": []}
+        diverged = 0
         for r in range(args.warmup_rounds + args.rounds):
             order = ("old", "new") if r % 2 == 0 else ("new", "old")
             got = {}
@@ -110,8 +115,11 @@ def main() -> None:
                 procs[name].stdin.write(f"{1000 + r}\n")
                 procs[name].stdin.flush()
                 got[name] = read(procs[name])
-            if got["old"]["tokens"] != got["new"]["tokens"]:
-                raise SystemExit(f"round {r}: greedy tokens differ between the old and the new code")
+            differ = [i for i, (a, b) in enumerate(zip(got["old"]["tokens"], got["new"]["tokens"])) if a != b]
+            if differ and not args.allow_token_diff:
+                raise SystemExit(f"round {r}: greedy tokens differ between the old and the new code "
+                                 f"(requests {differ}; --allow-token-diff to count them instead)")
+            diverged += len(differ)
             if r >= args.warmup_rounds:
                 for name in got:
                     results[name].append(got[name])
@@ -128,8 +136,10 @@ def main() -> None:
             return statistics.median(x["round_s"] for x in results[name]) * 1e3
         return statistics.median(s for x in results[name] for s in x["steps"][key]) * 1e3
 
-    print(f"\n{args.rounds} rounds of {args.num} x {args.input_len} in / {args.output_len} out, {overrides}; "
-          "greedy tokens identical in every round")
+    total = (args.warmup_rounds + args.rounds) * args.num
+    same = "greedy tokens identical in every round" if not diverged else \
+        f"greedy tokens differ in {diverged} of {total} requests"
+    print(f"\n{args.rounds} rounds of {args.num} x {args.input_len} in / {args.output_len} out, {overrides}; {same}")
     print(f"{'median':16s} {'old ms':>9s} {'new ms':>9s} {'old/new':>8s}")
     for key, label in (("round", "round"), ("extend", "extend step"), ("decode", "decode step")):
         old, new = med("old", key), med("new", key)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from baton.engine.layers.linear import pack_linear_weights
+from baton.engine.layers.rotary_embedding import RotaryEmbedding
 from baton.engine.model_executor.forward_batch import ForwardBatch, ForwardMode
 from baton.engine.model_executor.model_loader import DTYPES as MODEL_DTYPES
 from baton.engine.server_args import ServerArgs
@@ -99,6 +100,9 @@ class ModelRunner:
         self.pool_config = self._pool_config(text_cfg)
         page = server_args.page_size
         cfg = self.pool_config
+        # RoPE's cos/sin tables cover every position a request can reach, before compile or capture
+        for rope in {id(m): m for m in self.model.modules() if isinstance(m, RotaryEmbedding)}.values():
+            rope.reserve(cfg.context_len + page, self.device)
         self.req_to_token_pool = ReqToTokenPool(cfg.max_running_requests + 1, cfg.context_len + page, self.device)
         self.token_to_kv_pool = MHATokenToKVPool(cfg.max_total_tokens, page, self.kv_dtype, self.num_kv_heads,
                                                  self.head_dim, self.num_layers, self.device)
@@ -126,8 +130,16 @@ class ModelRunner:
 
     # Every shape class serving can meet: Dynamo specialises sizes 0/1 and makes the rest dynamic
     # from the second distinct size, so batch 1 and batch 2 (one token and several) cover them.
+    # Inductor takes the sizes a dynamic graph was compiled on as the typical ones (its "hints"),
+    # and decides from them which loops are worth running on every thread: an extend graph
+    # compiled on 3 or 5 tokens ran its rotary and KV-store loops on one thread at every prefill.
+    # So the extends that make the token count dynamic carry a chunk-sized count.
     _WARM_UP_DECODE = ([1], [1, 1])
-    _WARM_UP_EXTEND = ([1], [3], [2, 3])
+    _WARM_UP_EXTEND_TOKENS = 512
+
+    def _warm_up_extend_lens(self) -> list[list[int]]:
+        n = max(3, min(self._WARM_UP_EXTEND_TOKENS, self.pool_config.context_len - 1))
+        return [[1], [n], [n // 2, n - n // 2]]
 
     def _warm_up_compiled(self) -> None:
         """With --enable-torch-compile, compile every graph before the engine reports ready, on dummy
@@ -139,7 +151,7 @@ class ModelRunner:
         logger.info("compiling the forward passes (torch.compile)...")
         cases = [(ForwardMode.DECODE, lens) for lens in self._WARM_UP_DECODE]
         if self.compile_extend:
-            cases += [(ForwardMode.EXTEND, lens) for lens in self._WARM_UP_EXTEND]
+            cases += [(ForwardMode.EXTEND, lens) for lens in self._warm_up_extend_lens()]
         with torch.inference_mode():  # like the worker's batches: guards check inference-ness too
             for mode, lens in cases:
                 self.forward(self._dummy_batch(mode, lens))

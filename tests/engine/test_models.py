@@ -304,6 +304,39 @@ def test_rope_scaling_matches_hf(rope):
     ours = get_rope(config, head_dim=16)
     positions = torch.arange(0, 512, 7)
     hf_cos, hf_sin = LlamaRotaryEmbedding(config)(torch.zeros(1, dtype=torch.float32), positions[None])
-    cos, sin = ours.cos_sin(positions, torch.float32)
-    torch.testing.assert_close(cos, hf_cos[0], atol=1e-6, rtol=0)
-    torch.testing.assert_close(sin, hf_sin[0], atol=1e-6, rtol=0)
+    cos, sin = ours.cos_sin(positions, torch.float32)  # one half of HF's (its two halves repeat)
+    torch.testing.assert_close(torch.cat((cos, cos), dim=-1), hf_cos[0], atol=1e-6, rtol=0)
+    torch.testing.assert_close(torch.cat((sin, sin), dim=-1), hf_sin[0], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_rotation_is_hfs_bit_for_bit(dtype):
+    """The tables and the half-by-half rotation give exactly HF's apply_rotary_pos_emb, eager in
+    both dtypes and compiled in float32, and reserve() extends the tables past the config's
+    positions. Compiled bfloat16 computes the rotation in float32 and rounds once (Inductor drops
+    intermediate roundings): within one bfloat16 rounding of HF's."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    from baton.engine.layers.rotary_embedding import RotaryEmbedding, compute_inv_freq
+
+    config = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                          "original_max_position_embeddings": 64})
+    inv_freq, scaling = compute_inv_freq(config, 16)
+    rope = RotaryEmbedding(16, inv_freq, scaling, max_positions=256)
+    rope.reserve(1000, "cpu")  # a --context-length past the config's
+    assert rope.cos_table.shape == (1000, 8)
+    g = torch.Generator().manual_seed(0)
+    positions = torch.randint(0, 1000, (37,), generator=g)
+    q = torch.randn(37, 4 * 16, generator=g).to(dtype)
+    k = torch.randn(37, 2 * 16, generator=g).to(dtype)
+    config.max_position_embeddings = 1000
+    cos, sin = LlamaRotaryEmbedding(config)(q, positions[None])
+    hf_q, hf_k = apply_rotary_pos_emb(q.view(1, 37, 4, 16), k.view(1, 37, 2, 16), cos, sin, unsqueeze_dim=2)
+    for fn, exact in ((rope, True), (torch.compile(rope, dynamic=True, fullgraph=True), dtype == torch.float32)):
+        our_q, our_k = fn(positions, q, k)
+        tol = {"atol": 0, "rtol": 0} if exact else {"atol": 2 ** -6, "rtol": 2 ** -7}
+        torch.testing.assert_close(our_q, hf_q.reshape(37, 64), **tol)
+        torch.testing.assert_close(our_k, hf_k.reshape(37, 32), **tol)
