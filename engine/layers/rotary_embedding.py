@@ -14,7 +14,8 @@ computes them (position x inv_freq, then cos/sin, times the attention scaling), 
 position, as SGLang's cos_sin_cache. The tables hold head_dim // 2 columns, as the two halves of
 HF's cos/sin repeat; the rotation is applied half by half, which is HF's `q * cos + rotate_half(q)
 * sin` element for element without building the rotated copy. The model runner sizes the tables to
-the context length (`reserve`) before any compile or CUDA graph capture. Computing cos/sin from the
+the context length (`reserve`) before any compile or CUDA graph capture; they take positions x
+head_dim x 4 bytes (64 MiB at 131,072 positions and head_dim 128). Computing cos/sin from the
 positions inside the forward instead cost a compiled CPU prefill ~9% of its time: Inductor fused
 the cos/sin into each layer's rotation kernel, so every head of every layer recomputed them.
 Layers with the same RoPE share one instance (get_rope), which keeps the cos/sin of the last
