@@ -4,8 +4,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+import types
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
@@ -24,6 +25,18 @@ logger = logging.getLogger(__name__)
 # KV pool default on CPU when --max-total-tokens is not given: a share of RAM, capped, since the
 # pool tensors are allocated eagerly.
 _CPU_DEFAULT_MAX_TOKENS = 1 << 17
+
+
+def _own_code_forward(model: torch.nn.Module) -> Callable:
+    """`model(input_ids, positions, forward_batch)` through a function whose code object is new, so
+    what torch.compile caches for it belongs to this model alone. (Two engines in one process, e.g.
+    tests, otherwise share the graphs compiled for the model class's forward; with the guards on
+    the modules filtered out, a second model of other sizes would run the first one's graph.)"""
+    def forward(input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+        return model(input_ids, positions, forward_batch)
+
+    return types.FunctionType(forward.__code__.replace(), forward.__globals__, forward.__name__, None,
+                              forward.__closure__)
 
 
 @dataclass(frozen=True)
@@ -116,7 +129,9 @@ class ModelRunner:
         # The model's modules and weights never change once loaded, so the graphs skip Dynamo's
         # guards on them (as vLLM compiles without guards at all): those were about half of the
         # guard check every call pays, ~0.1-0.2 ms of a CPU decode step. Guards on the batch stay.
-        self.compiled_model = (torch.compile(self.model, dynamic=True,
+        # Without those guards nothing would tell this model's graphs from another model's, so
+        # they live on a code object of this runner's own (Dynamo keeps graphs per code object).
+        self.compiled_model = (torch.compile(_own_code_forward(self.model), dynamic=True,
                                              options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
                                if server_args.enable_torch_compile else None)
         self.compile_extend = (self.compiled_model is not None and self.device == "cpu"

@@ -327,6 +327,23 @@ def test_torch_compile_matches_hf(tiny_model_factory, overlap):
     assert h.scheduler.check_memory_integrity()
 
 
+def test_compiled_models_of_other_sizes_in_one_process_keep_their_own_graphs(tiny_model_factory):
+    """The compiled graphs skip Dynamo's guards on the model's modules, so nothing in the guards
+    tells two models apart: each runner compiles through a code object of its own. Two models whose
+    KV pools have the same shapes but whose MLPs differ, compiled one after the other in one
+    process, each serve HF's greedy tokens (sharing graphs, the second ran the first's)."""
+    import torch._dynamo.utils
+
+    prompt = workload()[3]
+    for intermediate in (96, 160):
+        path = tiny_model_factory("llama", intermediate_size=intermediate)
+        h = SchedulerHarness(path, enable_torch_compile=True, disable_overlap_schedule=True, max_total_tokens=2048)
+        torch._dynamo.utils.counters.clear()
+        h.submit("x", prompt, max_new_tokens=8)
+        assert h.run_until_idle()["x"].ids == hf_greedy(path, prompt, 8), f"intermediate_size {intermediate}"
+        assert not torch._dynamo.utils.counters["stats"]["unique_graphs"], "compiled while serving"
+
+
 @pytest.mark.parametrize("loop", ["plain", "overlap"])
 def test_logit_bias_matches_hf_sequence_bias(tiny_model_factory, loop):
     """OpenAI's logit_bias: greedy tokens equal HF `generate` with the same single-token
