@@ -32,7 +32,8 @@ MARK = "ENGINE_AB "
 
 def worker(tree: str, model: str, overrides: dict, num: int, input_len: int, output_len: int, vocab: int) -> None:
     sys.path.insert(0, os.path.join(tree, "tests", "engine"))
-    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "scripts"]  # only the tree under test is imported
+    # only the tree under test is imported: the driver's scripts/ goes off the path
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "scripts"]
     import torch
     from scheduler_harness import SchedulerHarness
 

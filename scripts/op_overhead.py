@@ -67,9 +67,10 @@ def main() -> None:
         ("decode attention", "torch op (custom_op)", lambda: old_attn(*args)),
     ]
     with torch.inference_mode():
-        torch.testing.assert_close(torch.ops.baton.packed_linear.default(x, w, packed, None), old_linear(x, w, packed, None),
-                                   rtol=0, atol=0)
-        torch.testing.assert_close(torch.ops.baton.paged_decode_attention.default(*args), old_attn(*args), rtol=0, atol=0)
+        same = {"rtol": 0, "atol": 0}
+        torch.testing.assert_close(torch.ops.baton.packed_linear.default(x, w, packed, None),
+                                   old_linear(x, w, packed, None), **same)
+        torch.testing.assert_close(torch.ops.baton.paged_decode_attention.default(*args), old_attn(*args), **same)
         print(f"{'kernel':18s} {'path':24s} {'us/call':>8s}")
         for kernel, path, fn in cases:
             print(f"{kernel:18s} {path:24s} {per_call_us(fn):8.1f}", flush=True)

@@ -131,8 +131,8 @@ class ModelRunner:
         # guard check every call pays, ~0.1-0.2 ms of a CPU decode step. Guards on the batch stay.
         # Without those guards nothing would tell this model's graphs from another model's, so
         # they live on a code object of this runner's own (Dynamo keeps graphs per code object).
-        self.compiled_model = (torch.compile(_own_code_forward(self.model), dynamic=True,
-                                             options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+        skip_module_guards = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+        self.compiled_model = (torch.compile(_own_code_forward(self.model), dynamic=True, options=skip_module_guards)
                                if server_args.enable_torch_compile else None)
         self.compile_extend = (self.compiled_model is not None and self.device == "cpu"
                                and server_args.attention_backend == "torch")
