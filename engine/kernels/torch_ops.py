@@ -6,8 +6,7 @@ Python kernel, `torch._disable_dynamo`, an eval-frame switch). On this project's
 costs ~5 us per call over the bare Python function at a decode-size GEMM (28.3 against 23.3 us) and
 ~10 us at decode attention (132.6 against 122.8 us); a schema plus a kernel registered directly
 costs about half of that (26.0 and 128.6 us; `scripts/op_overhead.py` measures all of them in one
-run). A
-compiled decode step calls these ops ~20 times.
+run). A compiled decode step calls these ops ~20 times.
 
 What the low-level API leaves to us: the ops are functional (their schemas mutate nothing) and have
 no autograd formula (the engine runs under `torch.inference_mode`).

@@ -115,7 +115,7 @@ class RotaryEmbedding(nn.Module):
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [n, head_dim // 2] in `dtype` for positions [n] (< max_positions)."""
         if torch.compiler.is_compiling():  # keep state out of the graph's guards; reserve() ran at load
-            return self.cos_table[positions].to(dtype), self.sin_table[positions].to(dtype)
+            return self._gather(positions, dtype)
         table = self.cos_table
         if table is None or table.device != positions.device or table.shape[0] < self.max_positions:
             self.reserve(self.max_positions, positions.device)
@@ -123,9 +123,12 @@ class RotaryEmbedding(nn.Module):
         last_positions, last_dtype, cos, sin = self._memo
         if positions is last_positions and dtype == last_dtype:
             return cos, sin
-        cos, sin = self.cos_table[positions].to(dtype), self.sin_table[positions].to(dtype)
+        cos, sin = self._gather(positions, dtype)
         self._memo = (positions, dtype, cos, sin)
         return cos, sin
+
+    def _gather(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos_table[positions].to(dtype), self.sin_table[positions].to(dtype)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [n]; q [n, num_heads * head_dim]; k [n, num_kv_heads * head_dim]; returns the same shapes."""

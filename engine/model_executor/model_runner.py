@@ -114,8 +114,9 @@ class ModelRunner:
         page = server_args.page_size
         cfg = self.pool_config
         # RoPE's cos/sin tables cover every position a request can reach, before compile or capture
-        for rope in {id(m): m for m in self.model.modules() if isinstance(m, RotaryEmbedding)}.values():
-            rope.reserve(cfg.context_len + page, self.device)
+        for rope in self.model.modules():  # each module once, however many layers share it
+            if isinstance(rope, RotaryEmbedding):
+                rope.reserve(cfg.context_len + page, self.device)
         self.req_to_token_pool = ReqToTokenPool(cfg.max_running_requests + 1, cfg.context_len + page, self.device)
         self.token_to_kv_pool = MHATokenToKVPool(cfg.max_total_tokens, page, self.kv_dtype, self.num_kv_heads,
                                                  self.head_dim, self.num_layers, self.device)
