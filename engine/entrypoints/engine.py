@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing as mp
+import shutil
 import signal
 import time
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ class EngineProcesses:
     cpu_plan: Any = None  # utils.cpu_affinity.CpuPlan, or None when not binding
     prepared: Any = None  # what launch_subprocesses' while_starting returned
     followers: list[tuple[str, mp.Process]] = field(default_factory=list)  # TP ranks > 0, named
+    ipc_dir: Optional[str] = None  # where the IPC sockets live; removed at shutdown
 
     def _named(self) -> list[tuple[str, mp.Process]]:
         dp = len(self.schedulers)
@@ -52,6 +54,8 @@ class EngineProcesses:
             proc.join(timeout=10)
             if proc.is_alive():
                 proc.kill()
+        if self.ipc_dir:
+            shutil.rmtree(self.ipc_dir, ignore_errors=True)
 
 
 def scheduler_name(rank: int, dp_size: int) -> str:
@@ -137,7 +141,7 @@ def launch_subprocesses(server_args: ServerArgs, while_starting: Optional[Callab
     from baton.engine.utils.process import ipc_names
 
     dp = server_args.dp_size
-    *scheduler_addrs, detok_addr, tokenizer_addr = ipc_names(dp + 2)
+    ipc_dir, (*scheduler_addrs, detok_addr, tokenizer_addr) = ipc_names(dp + 2)
     ctx = mp.get_context("spawn")  # never fork a process that may hold CUDA or torch threads
     cpu_plan = plan_binding(server_args.cpu_omp_threads_bind)
     schedulers, sched_pipes, followers, follower_pipes = [], [], [], []
@@ -160,7 +164,7 @@ def launch_subprocesses(server_args: ServerArgs, while_starting: Optional[Callab
         proc.start()
     detokenizer.start()
     procs = EngineProcesses(schedulers, detokenizer, {}, scheduler_addrs, tokenizer_addr, cpu_plan,
-                            followers=followers)
+                            followers=followers, ipc_dir=ipc_dir)
     try:
         if while_starting is not None:
             procs.prepared = while_starting()

@@ -6,7 +6,6 @@ import os
 import signal
 import socket
 import tempfile
-import uuid
 
 _PR_SET_PDEATHSIG = 1
 
@@ -26,9 +25,11 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def ipc_names(count: int) -> list[str]:
-    base = os.path.join(tempfile.gettempdir(), f"baton-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    return [f"ipc://{base}-{i}" for i in range(count)]
+def ipc_names(count: int) -> tuple[str, list[str]]:
+    """A fresh private directory and `count` ZMQ IPC addresses inside it. The socket files stay
+    after their sockets close, so the owner removes the directory when it shuts down."""
+    directory = tempfile.mkdtemp(prefix="baton-ipc-")
+    return directory, [f"ipc://{os.path.join(directory, str(i))}" for i in range(count)]
 
 
 def process_age_s() -> float:

@@ -1,6 +1,6 @@
 """SIGTERM to `baton serve` (what Kubernetes sends a pod's main process): the listener closes at once,
 so no new request gets in, the streams already running finish whole, and then the server and its
-scheduler and detokenizer processes exit cleanly."""
+scheduler and detokenizer processes exit cleanly, leaving no IPC socket files behind."""
 from __future__ import annotations
 
 import json
@@ -13,11 +13,13 @@ from engine_server import running_engine
 MAX_TOKENS = 300
 
 
-def test_sigterm_drains_running_streams_then_exits(tiny_model_factory):
+def test_sigterm_drains_running_streams_then_exits(tiny_model_factory, tmp_path, monkeypatch):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the server's temporary files, where this test sees them
     with running_engine(tiny_model_factory("llama"), "--max-total-tokens", "2048") as engine:
         body = {"prompt": "drain me", "max_tokens": MAX_TOKENS, "ignore_eos": True, "temperature": 0,
                 "stream": True, "stream_options": {"include_usage": True}}
         text, usage, finish, refused_while_streaming = "", None, None, False
+        assert [p.name for p in tmp_path.glob("baton-ipc-*")], "the server's IPC sockets are not under TMPDIR"
         with httpx.Client(timeout=120) as c, c.stream("POST", f"{engine.base_url}/v1/completions", json=body) as r:
             assert r.status_code == 200
             for i, line in enumerate(r.iter_lines()):
@@ -50,3 +52,4 @@ def test_sigterm_drains_running_streams_then_exits(tiny_model_factory):
         # in the scheduler) and none of the "nanobind: leaked" lines of an interpreter teardown
         assert "leaked" not in log and "Traceback" not in log, log
         assert text
+        assert not list(tmp_path.glob("baton-ipc-*")), "the IPC socket directory outlived the server"
