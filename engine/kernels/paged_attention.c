@@ -211,12 +211,46 @@ static void softmax_avx512(float *restrict s, int64_t n) {
 
 /* One request, one KV head and a block of GB query rows of its group at a time: each key (then
  * value) row of the head is loaded once per block and used by every row in it, whose queries and
- * outputs stay in registers. Slots are scattered through the pool, so the head's part of each row
- * is prefetched PREFETCH_KEYS keys ahead. */
-#define PREFETCH_KEYS 16
+ * outputs stay in registers. Slots are scattered through the pool, so rows are prefetched about
+ * PREFETCH_BYTES ahead (a step's K/V rarely stay in cache from the previous step: 16 keys ahead
+ * of a 64-byte head, a compiled decode step spent most of its attention waiting on these loads). */
+#define PREFETCH_BYTES 4096
+#define PREFETCH_KEYS_MIN 8
+#define PREFETCH_KEYS_MAX 64
 INLINE void prefetch_head(const void *base, int dtype, int64_t offset, int64_t head_dim) {
     const char *p = (const char *)base + offset * elem_bytes(dtype);
     for (int64_t i = 0; i < head_dim * elem_bytes(dtype); i += 64) __builtin_prefetch(p + i);
+}
+
+/* Small rows (every KV head's part of one slot, up to WHOLE_ROW_MAX_BYTES) are fetched whole while
+ * the first head is read, when the request's K and V fit WHOLE_ROWS_MAX_BYTES: the passes over the
+ * other heads then find them in L2 instead of memory. (Larger rows, as 8 KV heads of 128 take, ran
+ * 0-12% slower so: too many lines in flight at once.) */
+#define WHOLE_ROW_MAX_BYTES 512
+#define WHOLE_ROWS_MAX_BYTES (512 << 10)
+
+/* The offset and length (in elements) to prefetch of each row in the pass over head h: the whole
+ * row in the first head's pass when the rows are small and fit (above), else the head's part. */
+INLINE int64_t prefetch_span(int64_t h, int64_t len, int64_t width, int64_t head_dim, int dtype, int64_t *first) {
+    const int64_t row_bytes = width * elem_bytes(dtype);
+    if (h == 0 && row_bytes <= WHOLE_ROW_MAX_BYTES && 2 * len * row_bytes <= WHOLE_ROWS_MAX_BYTES) {
+        *first = 0;
+        return width;
+    }
+    *first = h * head_dim;
+    return head_dim;
+}
+
+/* How many keys ahead to prefetch spans of `span` elements: about PREFETCH_BYTES in flight. */
+INLINE int64_t prefetch_ahead(int64_t span, int dtype) {
+    const int64_t keys = PREFETCH_BYTES / (span * elem_bytes(dtype));
+    return keys < PREFETCH_KEYS_MIN ? PREFETCH_KEYS_MIN : keys > PREFETCH_KEYS_MAX ? PREFETCH_KEYS_MAX : keys;
+}
+
+/* The first `ahead` rows of a pass, before it starts (the pass prefetches the rest ahead). */
+INLINE void prefetch_start(const void *base, int dtype, const int64_t *slots, int64_t len, int64_t width,
+                           int64_t first, int64_t span, int64_t ahead) {
+    for (int64_t t = 0; t < len && t < ahead; ++t) prefetch_head(base, dtype, slots[t] * width + first, span);
 }
 
 INLINE void attend_avx512(const void *q, const int q_dtype, const void *k, const void *v, const int dtype, const int64_t *slots,
@@ -225,15 +259,21 @@ INLINE void attend_avx512(const void *q, const int q_dtype, const void *k, const
     enum { MAX_REGS = 16 };  /* GB * head_dim / 16 <= MAX_REGS */
     const int64_t nv = head_dim / 16, width = kv_heads * head_dim;
     for (int64_t h = 0; h < kv_heads; ++h) {
+        int64_t first;
+        const int64_t span = prefetch_span(h, len, width, head_dim, dtype, &first);
         for (int64_t g0 = 0; g0 < group; g0 += GB) {
             const int64_t qh0 = h * group + g0;
+            /* the first block of the head fetches for the others (and whole rows for the other heads) */
+            const int64_t pf_first = g0 == 0 ? first : h * head_dim, pf_span = g0 == 0 ? span : head_dim;
+            const int64_t ahead = prefetch_ahead(pf_span, dtype);
             __m512 qv[MAX_REGS], acc[MAX_REGS];
             for (int64_t g = 0; g < GB; ++g)
                 for (int64_t j = 0; j < nv; ++j)
                     qv[g * nv + j] = _mm512_mul_ps(load16(q, q_dtype, (qh0 + g) * head_dim + j * 16), _mm512_set1_ps(scale));
             float *sg = scores + qh0 * len;
+            prefetch_start(k, dtype, slots, len, width, pf_first, pf_span, ahead);
             for (int64_t t = 0; t < len; ++t) {
-                if (t + PREFETCH_KEYS < len) prefetch_head(k, dtype, slots[t + PREFETCH_KEYS] * width + h * head_dim, head_dim);
+                if (t + ahead < len) prefetch_head(k, dtype, slots[t + ahead] * width + pf_first, pf_span);
                 const int64_t base = slots[t] * width + h * head_dim;
                 __m512 kr[MAX_REGS];
                 for (int64_t j = 0; j < nv; ++j) kr[j] = load16(k, dtype, base + j * 16);
@@ -245,8 +285,9 @@ INLINE void attend_avx512(const void *q, const int q_dtype, const void *k, const
             }
             for (int64_t g = 0; g < GB; ++g) softmax_avx512(sg + g * len, len);
             for (int64_t i = 0; i < GB * nv; ++i) acc[i] = _mm512_setzero_ps();
+            prefetch_start(v, dtype, slots, len, width, pf_first, pf_span, ahead);
             for (int64_t t = 0; t < len; ++t) {
-                if (t + PREFETCH_KEYS < len) prefetch_head(v, dtype, slots[t + PREFETCH_KEYS] * width + h * head_dim, head_dim);
+                if (t + ahead < len) prefetch_head(v, dtype, slots[t + ahead] * width + pf_first, pf_span);
                 const int64_t base = slots[t] * width + h * head_dim;
                 for (int64_t j = 0; j < nv; ++j) {
                     const __m512 vr = load16(v, dtype, base + j * 16);
@@ -293,9 +334,15 @@ INLINE void attend_avx512_bf16(const bf16_t *q, const bf16_t *k, const bf16_t *v
     const __m512i lo_idx = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
     const __m512i hi_idx = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
     for (int64_t h = 0; h < kv_heads; ++h) {
+        int64_t first;
+        const int64_t span = prefetch_span(h, len, width, head_dim, DTYPE_BF16, &first);
         for (int64_t g0 = 0; g0 < group; g0 += GB) {
             const int64_t qh0 = h * group + g0;
+            /* the first block of the head fetches for the others (and whole rows for the other heads) */
+            const int64_t pf_first = g0 == 0 ? first : h * head_dim, pf_span = g0 == 0 ? span : head_dim;
+            const int64_t ahead = prefetch_ahead(pf_span, DTYPE_BF16);
             float *sg = scores + qh0 * len;
+            prefetch_start(k, DTYPE_BF16, slots, len, width, pf_first, pf_span, ahead);
             for (int64_t g = 0; g < GB; ++g) {
                 __m512bh qv[4];
                 for (int64_t j = 0; j < nq; ++j)
@@ -306,8 +353,8 @@ INLINE void attend_avx512_bf16(const bf16_t *q, const bf16_t *k, const bf16_t *v
                     for (int64_t t = 0; t < 16; ++t) {
                         part[t] = _mm512_setzero_ps();
                         if (t >= n) continue;
-                        if (g == 0 && t0 + t + PREFETCH_KEYS < len)
-                            prefetch_head(k, DTYPE_BF16, slots[t0 + t + PREFETCH_KEYS] * width + h * head_dim, head_dim);
+                        if (g == 0 && t0 + t + ahead < len)
+                            prefetch_head(k, DTYPE_BF16, slots[t0 + t + ahead] * width + pf_first, pf_span);
                         const bf16_t *kr = k + slots[t0 + t] * width + h * head_dim;
                         for (int64_t j = 0; j < nq; ++j)
                             part[t] = _mm512_dpbf16_ps(part[t], (__m512bh)_mm512_loadu_si512((const void *)(kr + j * 32)), qv[j]);
@@ -329,11 +376,12 @@ INLINE void attend_avx512_bf16(const bf16_t *q, const bf16_t *k, const bf16_t *v
             }
             __m512 acc[MAX_REGS];
             for (int64_t i = 0; i < GB * 2 * nq; ++i) acc[i] = _mm512_setzero_ps();
+            prefetch_start(v, DTYPE_BF16, slots, len, width, pf_first, pf_span, ahead);
             for (int64_t t = 0; t < len; t += 2) {
-                if (t + PREFETCH_KEYS < len) {
-                    prefetch_head(v, DTYPE_BF16, slots[t + PREFETCH_KEYS] * width + h * head_dim, head_dim);
-                    if (t + 1 + PREFETCH_KEYS < len)
-                        prefetch_head(v, DTYPE_BF16, slots[t + 1 + PREFETCH_KEYS] * width + h * head_dim, head_dim);
+                if (t + ahead < len) {
+                    prefetch_head(v, DTYPE_BF16, slots[t + ahead] * width + pf_first, pf_span);
+                    if (t + 1 + ahead < len)
+                        prefetch_head(v, DTYPE_BF16, slots[t + 1 + ahead] * width + pf_first, pf_span);
                 }
                 const bf16_t *v0 = v + slots[t] * width + h * head_dim;
                 const bf16_t *v1 = t + 1 < len ? v + slots[t + 1] * width + h * head_dim : NULL;
