@@ -247,9 +247,11 @@ INLINE int64_t prefetch_ahead(int64_t span, int dtype) {
     return keys < PREFETCH_KEYS_MIN ? PREFETCH_KEYS_MIN : keys > PREFETCH_KEYS_MAX ? PREFETCH_KEYS_MAX : keys;
 }
 
-/* The first `ahead` rows of a pass, before it starts (the pass prefetches the rest ahead). */
+/* In a pass that fetches whole rows, the first `ahead` of them before it starts (the pass prefetches
+ * the rest ahead). A head's part only, as the other passes fetch, gained nothing so, or lost. */
 INLINE void prefetch_start(const void *base, int dtype, const int64_t *slots, int64_t len, int64_t width,
                            int64_t first, int64_t span, int64_t ahead) {
+    if (span != width) return;
     for (int64_t t = 0; t < len && t < ahead; ++t) prefetch_head(base, dtype, slots[t] * width + first, span);
 }
 
