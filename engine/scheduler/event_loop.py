@@ -112,11 +112,15 @@ def run_scheduler_process(server_args: ServerArgs, recv_addr: str, send_addr: st
                            server_args.tp_cpu_allreduce)
         scheduler = Scheduler(server_args, tokenizer, dp_rank=dp_rank, tp=tp)
         io = SchedulerIO(zmq.Context(2), recv_addr, send_addr)
+        grammar_start = time.perf_counter()
+        if scheduler.grammar_backend is not None:  # ready means full speed: not while it holds the GIL
+            scheduler.grammar_backend.wait_prepared()
+        grammar_s = time.perf_counter() - grammar_start
     except Exception:
         ready_pipe.send(("error", traceback.format_exc()))
         return
     scheduler.startup_s = {"spawn": round(spawn_s, 3), "tokenizer": round(tokenizer_s, 3), **scheduler.startup_s,
-                           "total": round(time.perf_counter() - start + spawn_s, 3)}
+                           "grammar": round(grammar_s, 3), "total": round(time.perf_counter() - start + spawn_s, 3)}
     logger.info("ready: %s", format_phases(scheduler.startup_s))
     ready_pipe.send(("ready", {**scheduler.get_server_info(), "vocab_size": scheduler.vocab_size}))
     watchdog = Watchdog(server_args.watchdog_timeout).start() if server_args.watchdog_timeout > 0 else None

@@ -501,6 +501,26 @@ def test_a_compiling_grammar_does_not_hold_up_running_requests(tiny_model_factor
     assert s.check_memory_integrity()
 
 
+def test_the_grammar_backend_is_prepared_before_ready_and_a_failed_preparation_stays_a_request_error(
+        tiny_model_factory):
+    """The scheduler waits for the vocabulary's indexing before it reports ready (it holds the GIL);
+    a preparation that fails does not stop start-up: the first structured request reports it."""
+    from transformers import AutoTokenizer
+
+    from baton.engine.constrained.grammar import GrammarBackend
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_factory("llama"))
+    backend = GrammarBackend(tokenizer, tokenizer.vocab_size, [0])
+    backend.wait_prepared()
+    assert backend._compiler is not None
+    broken = GrammarBackend(object(), 512, [0])  # not a tokenizer: TokenizerInfo cannot be built
+    broken.wait_prepared()  # returns; does not raise
+    with pytest.raises(Exception):
+        broken.submit("regex", "[a-c]{3}").result(timeout=60)
+    backend.close()
+    broken.close()
+
+
 @pytest.mark.parametrize("loop", LOOPS)
 def test_a_grammar_waits_for_the_end_of_the_reasoning(tiny_model_factory, loop):
     """--reasoning-parser: a request that reasons samples freely until </think>, then under its

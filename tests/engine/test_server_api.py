@@ -320,7 +320,7 @@ def test_health_metrics_models_flush(engine):
     assert info["gc_frozen_objects"] > 10_000
     # start-up phases: every one timed, none negative, together within the scheduler's total
     startup = info["startup_s"]
-    phases = {"load_weights", "kv_pool", "cuda_graphs", "compile", "tokenizer", "spawn"}
+    phases = {"load_weights", "kv_pool", "cuda_graphs", "compile", "tokenizer", "spawn", "grammar"}
     assert set(startup) == phases | {"total"} and all(v >= 0 for v in startup.values())
     assert startup["load_weights"] > 0 and startup["spawn"] > 0.1 and sum(startup[k] for k in phases) <= startup["total"] + 1e-3
 
