@@ -58,6 +58,8 @@ class EngineProcess:
         self.stop()
 
     def start(self) -> None:
+        if self.log_path and os.path.exists(self.log_path):  # a killed run's log, kept until now
+            os.remove(self.log_path)
         fd, self.log_path = tempfile.mkstemp(prefix="baton-engine-", suffix=".log")
         with os.fdopen(fd, "wb") as log:
             self._proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,

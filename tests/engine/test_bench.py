@@ -319,6 +319,19 @@ def test_launcher_reports_an_engine_that_dies_while_starting():
     assert not engine.running
 
 
+def test_launcher_logs_do_not_outlive_a_kill_and_restart_or_a_stop():
+    engine = EngineProcess([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"], free_port())
+    engine.start()
+    first = engine.log_path
+    engine.kill()  # a crash: the log stays, to be read
+    assert os.path.exists(first)
+    engine.start()  # the restart's log replaces it
+    assert engine.log_path != first and not os.path.exists(first)
+    second = engine.log_path
+    engine.stop()
+    assert not os.path.exists(second)
+
+
 def test_demo_serves_and_asks_with_a_converted_model(tmp_path, capsys, monkeypatch):
     from baton.engine.entrypoints import demo
     from baton.engine.utils.gguf_convert import COMPLETE_MARKER
