@@ -62,7 +62,8 @@ def build_library(source: Path, cflags: list[str] = DEFAULT_CFLAGS) -> Path:
     """Compile `source` unless a library for this source, compiler, flags and CPU is already cached."""
     cc = _compiler()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([source.read_text(), cc, version, " ".join(cflags), platform.machine(),
+    headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]  # what `#include "x.h"` may pull in
+    key = hashlib.sha256("\0".join([source.read_text(), *headers, cc, version, " ".join(cflags), platform.machine(),
                                     _cpu_flags()]).encode()).hexdigest()[:16]
     target = _cache_dir() / f"{source.stem}-{key}.so"
     if target.exists():

@@ -19,6 +19,8 @@
 #include <string.h>
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
+
+#include "vec_math.h" /* exp16 */
 #endif
 
 int packed_gemm_available(void) {
@@ -45,27 +47,76 @@ void pack_bf16_weight(const uint16_t *w, int64_t n, int64_t k, uint16_t *out) {
 #if defined(__AVX512BF16__)
 #define INLINE static inline __attribute__((always_inline))
 
-/* Rows [m0, m0 + MR) x output blocks [nb0, nb0 + NB). */
-INLINE void tile(const uint16_t *x, const uint16_t *packed, int64_t k, int64_t n, uint16_t *y, int64_t m0,
-                 int64_t nb0, const int MR, const int NB) {
+/* float32 -> the nearest bfloat16 -> float32 (what storing a GEMM's output as bfloat16 does). */
+INLINE __m512 round_bf16(__m512 v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+
+/* Rows [m0, m0 + MR) x output blocks [nb0, nb0 + NB) of y [M, ldy]. With GLU the weight is a
+ * gated MLP's gate|up ([2I, K] packed: the gate's blocks, then the up's, `half` = I / 16 each) and
+ * the tile is silu(gate) * up for its NB blocks of I: per pair of inputs NB gate and NB up weight
+ * loads, MR broadcasts, 2 * MR * NB dot products; the epilogue rounds gate and up to bfloat16 as the
+ * plain GEMM stores them, computes silu(g) * u in float32 and rounds once, as torch.compile's fused
+ * kernel for `F.silu(gate) * up` does. */
+INLINE void tile(const uint16_t *x, const uint16_t *packed, int64_t k, int64_t half, uint16_t *y, int64_t ldy,
+                 int64_t m0, int64_t nb0, const int MR, const int NB, const int GLU) {
+    const int nw = GLU ? 2 * NB : NB;  /* weight blocks per pair of inputs */
     __m512 acc[4][4];
     for (int r = 0; r < MR; ++r)
-        for (int c = 0; c < NB; ++c) acc[r][c] = _mm512_setzero_ps();
+        for (int c = 0; c < nw; ++c) acc[r][c] = _mm512_setzero_ps();
     const int64_t pairs = k / 2;
-    const uint16_t *w = packed + nb0 * pairs * 32;
     for (int64_t kp = 0; kp < pairs; ++kp) {
         __m512bh b[4];
-        for (int c = 0; c < NB; ++c) b[c] = (__m512bh)_mm512_loadu_si512((const void *)(w + (c * pairs + kp) * 32));
+        for (int c = 0; c < nw; ++c) {
+            const int64_t block = c < NB ? nb0 + c : half + nb0 + c - NB;
+            b[c] = (__m512bh)_mm512_loadu_si512((const void *)(packed + (block * pairs + kp) * 32));
+        }
         for (int r = 0; r < MR; ++r) {
             uint32_t pair;
             memcpy(&pair, x + (m0 + r) * k + 2 * kp, sizeof pair);
             const __m512bh a = (__m512bh)_mm512_set1_epi32((int)pair);
-            for (int c = 0; c < NB; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], a, b[c]);
+            for (int c = 0; c < nw; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], a, b[c]);
         }
     }
+    const __m512 one = _mm512_set1_ps(1.f);
     for (int r = 0; r < MR; ++r)
-        for (int c = 0; c < NB; ++c)
-            _mm256_storeu_si256((__m256i *)(y + (m0 + r) * n + (nb0 + c) * 16), (__m256i)_mm512_cvtneps_pbh(acc[r][c]));
+        for (int c = 0; c < NB; ++c) {
+            __m512 out = acc[r][c];
+            if (GLU) {
+                const __m512 g = round_bf16(out), u = round_bf16(acc[r][NB + c]);
+                out = _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)))), u);
+            }
+            _mm256_storeu_si256((__m256i *)(y + (m0 + r) * ldy + (nb0 + c) * 16), (__m256i)_mm512_cvtneps_pbh(out));
+        }
+}
+
+/* Every tile of y [M, blocks * 16] over the OpenMP threads: MR = 4 rows by up to `nb_max` blocks
+ * (GLU: the fused silu(gate) * up of tile(), `half` = blocks). */
+INLINE void run_tiles(const uint16_t *x, int64_t m, int64_t k, const uint16_t *packed, int64_t blocks, int64_t half,
+                      uint16_t *y, int num_threads, const int nb_max, const int GLU) {
+    enum { MR = 4 };
+    const int64_t ntiles = (blocks + nb_max - 1) / nb_max, mtiles = (m + MR - 1) / MR;
+#pragma omp parallel for num_threads(num_threads) schedule(static) collapse(2)
+    for (int64_t nt = 0; nt < ntiles; ++nt)
+        for (int64_t mt = 0; mt < mtiles; ++mt) {
+            const int64_t m0 = mt * MR, nb0 = nt * nb_max;
+            const int64_t mr = m - m0 < MR ? m - m0 : MR, nbs = blocks - nb0 < nb_max ? blocks - nb0 : nb_max;
+#define T(R, C) tile(x, packed, k, half, y, blocks * 16, m0, nb0, R, C, GLU)
+#define ROWS(C)           \
+    if (mr == 4) T(4, C); \
+    else if (mr == 3) T(3, C); \
+    else if (mr == 2) T(2, C); \
+    else T(1, C)
+            if (GLU) {  /* 2 x nbs weight blocks: at most 4 */
+                if (nbs == 2) { ROWS(2); }
+                else { ROWS(1); }
+            } else if (nbs == 4) { ROWS(4); }
+            else if (nbs == 3) { ROWS(3); }
+            else if (nbs == 2) { ROWS(2); }
+            else { ROWS(1); }
+#undef ROWS
+#undef T
+        }
 }
 #endif
 
@@ -74,27 +125,23 @@ INLINE void tile(const uint16_t *x, const uint16_t *packed, int64_t k, int64_t n
 int packed_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, const uint16_t *packed, int64_t n, uint16_t *y,
                     int num_threads) {
 #if defined(__AVX512BF16__)
-    enum { MR = 4, NB = 4 };
     if (m < 0 || k <= 0 || k % 2 || n <= 0 || n % 16) return 1;
-    const int64_t blocks = n / 16, ntiles = (blocks + NB - 1) / NB, mtiles = (m + MR - 1) / MR;
-#pragma omp parallel for num_threads(num_threads) schedule(static) collapse(2)
-    for (int64_t nt = 0; nt < ntiles; ++nt)
-        for (int64_t mt = 0; mt < mtiles; ++mt) {
-            const int64_t m0 = mt * MR, nb0 = nt * NB;
-            const int64_t mr = m - m0 < MR ? m - m0 : MR, nbs = blocks - nb0 < NB ? blocks - nb0 : NB;
-#define T(R, C) tile(x, packed, k, n, y, m0, nb0, R, C)
-#define ROWS(C)           \
-    if (mr == 4) T(4, C); \
-    else if (mr == 3) T(3, C); \
-    else if (mr == 2) T(2, C); \
-    else T(1, C)
-            if (nbs == 4) { ROWS(4); }
-            else if (nbs == 3) { ROWS(3); }
-            else if (nbs == 2) { ROWS(2); }
-            else { ROWS(1); }
-#undef ROWS
-#undef T
-        }
+    run_tiles(x, m, k, packed, n / 16, 0, y, num_threads, 4, 0);
+    return 0;
+#else
+    (void)x; (void)m; (void)k; (void)packed; (void)n; (void)y; (void)num_threads;
+    return 1;
+#endif
+}
+
+/* y [M, N / 2] = silu(x @ W[:N/2]^T) * (x @ W[N/2:]^T) for a gate|up weight W [N, K] packed by
+ * pack_bf16_weight; x contiguous bfloat16. N must be a multiple of 32 (each half whole blocks of 16)
+ * and K even. Returns 0, or 1 as packed_gemm_bf16 does. */
+int packed_gemm_silu_mul_bf16(const uint16_t *x, int64_t m, int64_t k, const uint16_t *packed, int64_t n,
+                              uint16_t *y, int num_threads) {
+#if defined(__AVX512BF16__)
+    if (m < 0 || k <= 0 || k % 2 || n <= 0 || n % 32) return 1;
+    run_tiles(x, m, k, packed, n / 32, n / 32, y, num_threads, 2, 1);  /* 2 blocks of gate and 2 of up */
     return 0;
 #else
     (void)x; (void)m; (void)k; (void)packed; (void)n; (void)y; (void)num_threads;

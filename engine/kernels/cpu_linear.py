@@ -9,7 +9,9 @@ torch's GEMM at 1-32 rows on the bench model's shapes and a Llama-3-8B one, and 
 prefill sizes (up to 4,096 rows, K up to 14,336; docs/benchmarks.md), so it serves every call, and the layer's
 original weight is released once packed (`released_placeholder`: same shape, one element of
 storage), so packing costs no memory. `--disable-packed-linear` keeps torch's GEMM instead.
-Under torch.compile it is one opaque op (`baton::packed_linear`, see torch_ops.py).
+Under torch.compile it is one opaque op (`baton::packed_linear`, see torch_ops.py). A gated MLP's
+gate|up layer can instead give silu(gate) * up straight from its tiles (`packed_linear_silu_mul`):
+the [rows, 2I] product is never written, and the compiled graph loses its SiLU kernel.
 `BATON_DISABLE_CPU_KERNELS=1` turns it off with the attention kernels.
 """
 from __future__ import annotations
@@ -38,6 +40,8 @@ def _library() -> ctypes.CDLL:
     lib.pack_bf16_weight.argtypes, lib.pack_bf16_weight.restype = [ptr, i64, i64, ptr], None
     lib.packed_gemm_bf16.argtypes = [ptr, i64, i64, ptr, i64, ptr, ctypes.c_int]
     lib.packed_gemm_bf16.restype = ctypes.c_int
+    lib.packed_gemm_silu_mul_bf16.argtypes = [ptr, i64, i64, ptr, i64, ptr, ctypes.c_int]
+    lib.packed_gemm_silu_mul_bf16.restype = ctypes.c_int
     return lib
 
 
@@ -116,3 +120,40 @@ def _packed_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor,
 
 define_op("packed_linear", "(Tensor x, Tensor weight, Tensor packed, Tensor? bias) -> Tensor", _packed_linear,
           lambda x, weight, packed, bias: x.new_empty((*x.shape[:-1], weight.shape[0])))
+
+
+def silu_mul_fusable(weight: torch.Tensor, packed: Optional[torch.Tensor], bias: Optional[torch.Tensor]) -> bool:
+    """A gate|up layer whose silu(gate) * up can come out of its packed GEMM (no bias; each half
+    whole blocks of 16 outputs)."""
+    return packed is not None and bias is None and weight.shape[0] % 32 == 0
+
+
+def packed_linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of F.linear(x, weight) laid out [gate | up], in one pass over the packed
+    weight: the [rows, 2I] product is never stored. Rounds as the unfused layer under
+    torch.compile does (gate and up to bfloat16, then silu(gate) * up once)."""
+    if torch.compiler.is_compiling():
+        return torch.ops.baton.packed_linear_silu_mul(x, weight, packed)
+    return _packed_linear_silu_mul(x, weight, packed)
+
+
+def _packed_linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    n, k = weight.shape
+    if x.dtype != torch.bfloat16 or not x.is_cpu or x.shape[-1] != k or n % 32:
+        raise TypeError(f"packed_linear_silu_mul: bfloat16 CPU inputs of {k} features and a gate|up weight of "
+                        f"whole 16-row blocks per half, got {x.dtype} {tuple(x.shape)} on {x.device}, weight {tuple(weight.shape)}")
+    if packed.dtype != torch.bfloat16 or packed.shape != (n // 16, k // 2, 16, 2):
+        raise ValueError(f"packed_linear_silu_mul: packed weight {tuple(packed.shape)} does not match weight "
+                         f"{tuple(weight.shape)}")
+    flat = x.dim() == 2
+    x2 = x if flat and x.is_contiguous() else x.reshape(-1, k).contiguous()
+    rows = x2.shape[0]
+    y = torch.empty((rows, n // 2), dtype=torch.bfloat16)
+    if rows and _library().packed_gemm_silu_mul_bf16(x2.data_ptr(), rows, k, packed.data_ptr(), n, y.data_ptr(),
+                                                     torch.get_num_threads()):
+        raise RuntimeError("packed_linear_silu_mul: the kernel refused the shape (or has no AVX512_BF16 here)")
+    return y if flat else y.view(*x.shape[:-1], n // 2)
+
+
+define_op("packed_linear_silu_mul", "(Tensor x, Tensor weight, Tensor packed) -> Tensor", _packed_linear_silu_mul,
+          lambda x, weight, packed: x.new_empty((*x.shape[:-1], weight.shape[0] // 2)))

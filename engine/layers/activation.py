@@ -29,6 +29,7 @@ class GatedAct(nn.Module):
     def __init__(self, act: str = "silu") -> None:
         super().__init__()
         self.act_fn = get_act_fn(act)
+        self.is_silu = self.act_fn is F.silu  # what a packed gate|up GEMM can fuse (cpu_linear.py)
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         d = gate_up.shape[-1] // 2

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from baton.engine.distributed.parallel_state import TpGroup
+from baton.engine.kernels import cpu_linear
 from baton.engine.layers.activation import GatedAct
 from baton.engine.layers.layernorm import RMSNorm
 from baton.engine.layers.linear import MergedColumnLinear, RowParallelLinear, even_parts, load_param, qkv_parts
@@ -84,7 +85,13 @@ class LlamaMLP(nn.Module):
         self.act = GatedAct(hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj
+        packed = getattr(gate_up, "packed_weight", None)
+        if self.act.is_silu and x.dtype == torch.bfloat16 and cpu_linear.silu_mul_fusable(gate_up.weight, packed,
+                                                                                          gate_up.bias):
+            # bfloat16 on AVX512_BF16: silu(gate) * up straight out of the GEMM, no [rows, 2I] product
+            return self.down_proj(cpu_linear.packed_linear_silu_mul(x, gate_up.weight, packed))
+        return self.down_proj(self.act(gate_up(x)))
 
 
 class LlamaDecoderLayer(nn.Module):

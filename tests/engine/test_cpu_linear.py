@@ -169,3 +169,68 @@ def test_bf16_engine_serves_with_and_without_packed_linears(tiny_model_factory, 
     out = h.run_until_idle()
     assert all(len(out[f"r{i}"].ids) == 6 and out[f"r{i}"].finish.kind == "length" for i in range(5))
     assert h.scheduler.check_memory_integrity()
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 32, 300])
+@pytest.mark.parametrize("k,n", [(256, 1536), (64, 32), (96, 96), (2, 64)])
+def test_silu_mul_fused_is_the_unfused_layer_under_compile_exactly(rows, k, n):
+    """silu(gate) * up out of the packed GEMM equals, bit for bit, what torch.compile makes of the
+    unfused layer's bfloat16 gate|up: silu and the product in float32, rounded once."""
+    g = torch.Generator().manual_seed(rows * 7 + k + n)
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    w = (torch.randn(n, k, generator=g) * 0.2).bfloat16()
+    packed = cpu_linear.pack_weight(w)
+    out = cpu_linear.packed_linear_silu_mul(x, w, packed)
+    gate_up = cpu_linear.packed_linear(x, w, packed).float()
+    want = (F.silu(gate_up[:, :n // 2]) * gate_up[:, n // 2:]).bfloat16()
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, n // 2)
+    torch.testing.assert_close(out, want, atol=0, rtol=0)
+    eager = F.silu(F.linear(x, w)[:, :n // 2]) * F.linear(x, w)[:, n // 2:]  # rounds twice more
+    torch.testing.assert_close(out, eager, atol=0.05, rtol=0.03)
+
+
+@needs_kernel
+def test_silu_mul_fused_shapes_compile_and_refusals():
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(64, 32, generator=g).bfloat16()
+    packed = cpu_linear.pack_weight(w)
+    x = torch.randn(2, 3, 32, generator=g).bfloat16()
+    assert cpu_linear.packed_linear_silu_mul(x, w, packed).shape == (2, 3, 32)
+    assert cpu_linear.packed_linear_silu_mul(torch.empty(0, 32, dtype=torch.bfloat16), w, packed).shape == (0, 32)
+    flat = torch.randn(7, 32, generator=g).bfloat16()
+    compiled = torch.compile(lambda t: cpu_linear.packed_linear_silu_mul(t, w, packed), dynamic=True, fullgraph=True)
+    torch.testing.assert_close(compiled(flat), cpu_linear.packed_linear_silu_mul(flat, w, packed), atol=0, rtol=0)
+    with pytest.raises(TypeError, match="bfloat16 CPU inputs"):
+        cpu_linear.packed_linear_silu_mul(torch.randn(2, 32), w, packed)
+    w48 = torch.randn(48, 32, generator=g).bfloat16()  # halves of 24 rows: not whole blocks of 16
+    assert not cpu_linear.silu_mul_fusable(w48, cpu_linear.pack_weight(w48), None)
+    with pytest.raises(TypeError, match="16-row blocks"):
+        cpu_linear.packed_linear_silu_mul(flat, w48, cpu_linear.pack_weight(w48))
+    assert not cpu_linear.silu_mul_fusable(w, packed, torch.zeros(64, dtype=torch.bfloat16))  # a bias: unfused
+    assert not cpu_linear.silu_mul_fusable(w, None, None)
+
+
+@needs_kernel
+def test_a_packed_bf16_llama_mlp_takes_the_fused_path_and_keeps_its_result(monkeypatch):
+    from baton.engine.models.llama import LlamaMLP
+
+    torch.manual_seed(6)
+    mlp = LlamaMLP(64, 96, "silu").bfloat16()
+    for p in mlp.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    x = torch.randn(9, 64).bfloat16()
+    with torch.no_grad():
+        unfused = torch.compile(mlp, dynamic=True)(x)  # before packing: torch's GEMMs, Inductor's silu * up
+        assert pack_linear_weights(mlp, "cpu") == 2
+        calls = []
+        real = cpu_linear._packed_linear_silu_mul
+        monkeypatch.setattr(cpu_linear, "_packed_linear_silu_mul", lambda *a: calls.append(1) or real(*a))
+        fused = mlp(x)
+        assert calls, "the packed bf16 MLP did not take the fused kernel"
+        torch.testing.assert_close(fused, unfused, atol=0.05, rtol=0.03)
+        gelu = LlamaMLP(64, 96, "gelu").bfloat16()
+        pack_linear_weights(gelu, "cpu")
+        calls.clear()
+        gelu(x)
+        assert not calls  # only silu is fused
