@@ -306,3 +306,21 @@ def test_extend_kernel_subset_and_bad_input():
         wide = torch.randn(17, 2, 256)
         cpu_attention.paged_extend_attention(torch.randn(17, 6, 256), wide, wide, torch.randn(100, 2, 256),
                                              torch.randn(100, 2, 256), r2t, rows, prefix, extend, 0.2)
+
+
+def test_a_kernel_is_rebuilt_when_a_header_beside_it_changes(tmp_path, monkeypatch):
+    """The cache key covers the headers a source may include, so editing vec_math.h rebuilds the
+    kernels that use it instead of loading a stale library."""
+    from baton.engine.kernels.build import DEFAULT_CFLAGS, build_library
+
+    monkeypatch.setenv("BATON_KERNEL_CACHE", str(tmp_path / "cache"))
+    src = tmp_path / "k.c"
+    src.write_text('#include "h.h"\nint value(void) { return VALUE; }\n')
+    (tmp_path / "h.h").write_text("#define VALUE 1\n")
+    first = build_library(src, DEFAULT_CFLAGS)
+    assert build_library(src, DEFAULT_CFLAGS) == first  # cached
+    (tmp_path / "h.h").write_text("#define VALUE 2\n")
+    second = build_library(src, DEFAULT_CFLAGS)
+    assert second != first
+    import ctypes
+    assert ctypes.CDLL(str(second)).value() == 2
