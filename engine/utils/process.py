@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shutil
 import signal
 import socket
 import tempfile
+from typing import Optional
 
 _PR_SET_PDEATHSIG = 1
 
@@ -25,11 +27,40 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+IPC_PREFIX = "baton-ipc-"
+
+
 def ipc_names(count: int) -> tuple[str, list[str]]:
     """A fresh private directory and `count` ZMQ IPC addresses inside it. The socket files stay
-    after their sockets close, so the owner removes the directory when it shuts down."""
-    directory = tempfile.mkdtemp(prefix="baton-ipc-")
+    after their sockets close, so the owner removes the directory when it shuts down; the
+    directories of engines that were killed (no shutdown ran) go at the next start."""
+    remove_stale_ipc_dirs()
+    directory = tempfile.mkdtemp(prefix=f"{IPC_PREFIX}{os.getpid()}-")
     return directory, [f"ipc://{os.path.join(directory, str(i))}" for i in range(count)]
+
+
+def remove_stale_ipc_dirs(parent: Optional[str] = None) -> list[str]:
+    """Remove the IPC directories (`baton-ipc-<pid>-*`) whose process no longer exists; returns them."""
+    parent = parent or tempfile.gettempdir()
+    removed = []
+    for name in os.listdir(parent):
+        pid = name[len(IPC_PREFIX):].split("-", 1)[0]
+        if not name.startswith(IPC_PREFIX) or not pid.isdigit() or _alive(int(pid)):
+            continue
+        path = os.path.join(parent, name)
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
 
 
 def process_age_s() -> float:

@@ -53,3 +53,23 @@ def test_sigterm_drains_running_streams_then_exits(tiny_model_factory, tmp_path,
         assert "leaked" not in log and "Traceback" not in log, log
         assert text
         assert not list(tmp_path.glob("baton-ipc-*")), "the IPC socket directory outlived the server"
+
+
+def test_a_killed_engines_ipc_directory_goes_at_the_next_start(tmp_path):
+    """SIGKILL runs no shutdown, so its IPC directory stays; the next engine to start removes the
+    directories of processes that no longer exist, and never a live one's."""
+    import os
+    import subprocess
+    import sys
+
+    from baton.engine.utils.process import IPC_PREFIX, remove_stale_ipc_dirs
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    stale, live, other = (tmp_path / f"{IPC_PREFIX}{gone.pid}-abc", tmp_path / f"{IPC_PREFIX}{os.getpid()}-def",
+                          tmp_path / "unrelated-123")
+    for d in (stale, live, other):
+        d.mkdir()
+        (d / "0").write_text("")  # a socket file left behind
+    assert remove_stale_ipc_dirs(str(tmp_path)) == [str(stale)]
+    assert not stale.exists() and live.exists() and other.exists()
