@@ -29,9 +29,13 @@ ARGTYPES = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, cty
             ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
 
 
-def load(source: str, workdir: Path, name: str) -> ctypes.CDLL:
-    src, lib = workdir / f"{name}.c", workdir / f"{name}.so"
+def load(source: str, headers: dict[str, str], workdir: Path, name: str) -> ctypes.CDLL:
+    """Build one version: its source beside its own headers (`#include "vec_math.h"`)."""
+    (workdir / name).mkdir()
+    src, lib = workdir / name / "kernel.c", workdir / f"{name}.so"
     src.write_text(source)
+    for header, text in headers.items():
+        (workdir / name / header).write_text(text)
     subprocess.run(["cc", *ca.CFLAGS, str(src), "-o", str(lib), "-lm"], check=True)
     handle = ctypes.CDLL(str(lib))
     handle.paged_decode_attention.argtypes = ARGTYPES
@@ -71,6 +75,13 @@ def main() -> None:
     if old_src is None:
         raise SystemExit(f"no attention kernel source at {args.base}")
     new_src = ca.SOURCE.read_text()
+    new_headers = {h.name: h.read_text() for h in ca.SOURCE.parent.glob("*.h")}
+    old_headers = {}
+    for header in new_headers:  # the revision's own copies, where it has them
+        shown = subprocess.run(["git", "show", f"{args.base}:engine/kernels/{header}"], cwd=ROOT, capture_output=True,
+                               text=True)
+        if shown.returncode == 0:
+            old_headers[header] = shown.stdout
     flush = torch.zeros((64 << 20) // 4)
     calls = 40 if args.cold else 200
 
@@ -89,7 +100,8 @@ def main() -> None:
     torch.manual_seed(0)
     bs, prompt, decoded, num_slots = 32, 128, 64, 1 << 18
     with tempfile.TemporaryDirectory() as tmp:
-        libs = {args.base: load(old_src, Path(tmp), "base"), "tree": load(new_src, Path(tmp), "tree")}
+        libs = {args.base: load(old_src, old_headers, Path(tmp), "base"),
+                "tree": load(new_src, new_headers, Path(tmp), "tree")}
         print(f"{'dtype':9s} {'kv x group x dim':17s} {'layout':12s} {args.base:>10s} {'tree':>10s}  tree/base")
         for dtype, kv_heads, group, head_dim in [(torch.bfloat16, 4, 2, 32), (torch.float32, 4, 2, 32),
                                                  (torch.bfloat16, 2, 4, 64), (torch.bfloat16, 8, 2, 128),

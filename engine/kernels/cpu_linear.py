@@ -106,16 +106,22 @@ def _packed_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor,
         return F.linear(x, weight, bias)
     if packed.dtype != torch.bfloat16 or packed.shape != (n // 16, k // 2, 16, 2):
         raise ValueError(f"packed_linear: packed weight {tuple(packed.shape)} does not match weight {tuple(weight.shape)}")
+    y = _run(_library().packed_gemm_bf16, "packed_linear", x, packed, n, n)
+    if bias is not None:
+        y += bias
+    return y
+
+
+def _run(kernel, name: str, x: torch.Tensor, packed: torch.Tensor, n: int, out_features: int) -> torch.Tensor:
+    """`kernel` over x's rows as one [rows, k] matrix (a weight of n rows); [..., out_features]."""
+    k = x.shape[-1]
     flat = x.dim() == 2  # a compiled graph's calls: [rows, k], contiguous
     x2 = x if flat and x.is_contiguous() else x.reshape(-1, k).contiguous()
     rows = x2.shape[0]
-    y = torch.empty((rows, n), dtype=torch.bfloat16)
-    if rows and _library().packed_gemm_bf16(x2.data_ptr(), rows, k, packed.data_ptr(), n, y.data_ptr(),
-                                           torch.get_num_threads()):
-        raise RuntimeError("packed_linear: the kernel refused the shape (or has no AVX512_BF16 here)")
-    if bias is not None:
-        y += bias
-    return y if flat else y.view(*x.shape[:-1], n)
+    y = torch.empty((rows, out_features), dtype=torch.bfloat16)
+    if rows and kernel(x2.data_ptr(), rows, k, packed.data_ptr(), n, y.data_ptr(), torch.get_num_threads()):
+        raise RuntimeError(f"{name}: the kernel refused the shape (or has no AVX512_BF16 here)")
+    return y if flat else y.view(*x.shape[:-1], out_features)
 
 
 define_op("packed_linear", "(Tensor x, Tensor weight, Tensor packed, Tensor? bias) -> Tensor", _packed_linear,
@@ -145,14 +151,7 @@ def _packed_linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, packed: torch
     if packed.dtype != torch.bfloat16 or packed.shape != (n // 16, k // 2, 16, 2):
         raise ValueError(f"packed_linear_silu_mul: packed weight {tuple(packed.shape)} does not match weight "
                          f"{tuple(weight.shape)}")
-    flat = x.dim() == 2
-    x2 = x if flat and x.is_contiguous() else x.reshape(-1, k).contiguous()
-    rows = x2.shape[0]
-    y = torch.empty((rows, n // 2), dtype=torch.bfloat16)
-    if rows and _library().packed_gemm_silu_mul_bf16(x2.data_ptr(), rows, k, packed.data_ptr(), n, y.data_ptr(),
-                                                     torch.get_num_threads()):
-        raise RuntimeError("packed_linear_silu_mul: the kernel refused the shape (or has no AVX512_BF16 here)")
-    return y if flat else y.view(*x.shape[:-1], n // 2)
+    return _run(_library().packed_gemm_silu_mul_bf16, "packed_linear_silu_mul", x, packed, n, n // 2)
 
 
 define_op("packed_linear_silu_mul", "(Tensor x, Tensor weight, Tensor packed) -> Tensor", _packed_linear_silu_mul,

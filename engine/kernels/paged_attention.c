@@ -213,30 +213,28 @@ INLINE void prefetch_head(const void *base, int dtype, int64_t offset, int64_t h
 #define WHOLE_ROW_MAX_BYTES 512
 #define WHOLE_ROWS_MAX_BYTES (512 << 10)
 
-/* The offset and length (in elements) to prefetch of each row in the pass over head h: the whole
- * row in the first head's pass when the rows are small and fit (above), else the head's part. */
-INLINE int64_t prefetch_span(int64_t h, int64_t len, int64_t width, int64_t head_dim, int dtype, int64_t *first) {
-    const int64_t row_bytes = width * elem_bytes(dtype);
-    if (h == 0 && row_bytes <= WHOLE_ROW_MAX_BYTES && 2 * len * row_bytes <= WHOLE_ROWS_MAX_BYTES) {
-        *first = 0;
-        return width;
-    }
-    *first = h * head_dim;
-    return head_dim;
-}
+/* What the pass over head h, query block g0 prefetches of each row: `span` elements from `first`
+ * (the whole row in the first block of the first head when the rows are small and fit, above; else
+ * the head's part), `ahead` keys ahead (about PREFETCH_BYTES in flight). */
+typedef struct {
+    int64_t first, span, ahead;
+} PrefetchPlan;
 
-/* How many keys ahead to prefetch spans of `span` elements: about PREFETCH_BYTES in flight. */
-INLINE int64_t prefetch_ahead(int64_t span, int dtype) {
-    const int64_t keys = PREFETCH_BYTES / (span * elem_bytes(dtype));
-    return keys < PREFETCH_KEYS_MIN ? PREFETCH_KEYS_MIN : keys > PREFETCH_KEYS_MAX ? PREFETCH_KEYS_MAX : keys;
+INLINE PrefetchPlan prefetch_plan(int64_t h, int64_t g0, int64_t len, int64_t width, int64_t head_dim, int dtype) {
+    const int64_t row_bytes = width * elem_bytes(dtype);
+    const int whole = h == 0 && g0 == 0 && row_bytes <= WHOLE_ROW_MAX_BYTES && 2 * len * row_bytes <= WHOLE_ROWS_MAX_BYTES;
+    PrefetchPlan p = {whole ? 0 : h * head_dim, whole ? width : head_dim, 0};
+    const int64_t keys = PREFETCH_BYTES / (p.span * elem_bytes(dtype));
+    p.ahead = keys < PREFETCH_KEYS_MIN ? PREFETCH_KEYS_MIN : keys > PREFETCH_KEYS_MAX ? PREFETCH_KEYS_MAX : keys;
+    return p;
 }
 
 /* In a pass that fetches whole rows, the first `ahead` of them before it starts (the pass prefetches
  * the rest ahead). A head's part only, as the other passes fetch, gained nothing so, or lost. */
 INLINE void prefetch_start(const void *base, int dtype, const int64_t *slots, int64_t len, int64_t width,
-                           int64_t first, int64_t span, int64_t ahead) {
-    if (span != width) return;
-    for (int64_t t = 0; t < len && t < ahead; ++t) prefetch_head(base, dtype, slots[t] * width + first, span);
+                           PrefetchPlan pf) {
+    if (pf.span != width) return;
+    for (int64_t t = 0; t < len && t < pf.ahead; ++t) prefetch_head(base, dtype, slots[t] * width + pf.first, pf.span);
 }
 
 INLINE void attend_avx512(const void *q, const int q_dtype, const void *k, const void *v, const int dtype, const int64_t *slots,
@@ -245,21 +243,17 @@ INLINE void attend_avx512(const void *q, const int q_dtype, const void *k, const
     enum { MAX_REGS = 16 };  /* GB * head_dim / 16 <= MAX_REGS */
     const int64_t nv = head_dim / 16, width = kv_heads * head_dim;
     for (int64_t h = 0; h < kv_heads; ++h) {
-        int64_t first;
-        const int64_t span = prefetch_span(h, len, width, head_dim, dtype, &first);
         for (int64_t g0 = 0; g0 < group; g0 += GB) {
             const int64_t qh0 = h * group + g0;
-            /* the first block of the head fetches for the others (and whole rows for the other heads) */
-            const int64_t pf_first = g0 == 0 ? first : h * head_dim, pf_span = g0 == 0 ? span : head_dim;
-            const int64_t ahead = prefetch_ahead(pf_span, dtype);
+            const PrefetchPlan pf = prefetch_plan(h, g0, len, width, head_dim, dtype);
             __m512 qv[MAX_REGS], acc[MAX_REGS];
             for (int64_t g = 0; g < GB; ++g)
                 for (int64_t j = 0; j < nv; ++j)
                     qv[g * nv + j] = _mm512_mul_ps(load16(q, q_dtype, (qh0 + g) * head_dim + j * 16), _mm512_set1_ps(scale));
             float *sg = scores + qh0 * len;
-            prefetch_start(k, dtype, slots, len, width, pf_first, pf_span, ahead);
+            prefetch_start(k, dtype, slots, len, width, pf);
             for (int64_t t = 0; t < len; ++t) {
-                if (t + ahead < len) prefetch_head(k, dtype, slots[t + ahead] * width + pf_first, pf_span);
+                if (t + pf.ahead < len) prefetch_head(k, dtype, slots[t + pf.ahead] * width + pf.first, pf.span);
                 const int64_t base = slots[t] * width + h * head_dim;
                 __m512 kr[MAX_REGS];
                 for (int64_t j = 0; j < nv; ++j) kr[j] = load16(k, dtype, base + j * 16);
@@ -271,9 +265,9 @@ INLINE void attend_avx512(const void *q, const int q_dtype, const void *k, const
             }
             for (int64_t g = 0; g < GB; ++g) softmax_avx512(sg + g * len, len);
             for (int64_t i = 0; i < GB * nv; ++i) acc[i] = _mm512_setzero_ps();
-            prefetch_start(v, dtype, slots, len, width, pf_first, pf_span, ahead);
+            prefetch_start(v, dtype, slots, len, width, pf);
             for (int64_t t = 0; t < len; ++t) {
-                if (t + ahead < len) prefetch_head(v, dtype, slots[t + ahead] * width + pf_first, pf_span);
+                if (t + pf.ahead < len) prefetch_head(v, dtype, slots[t + pf.ahead] * width + pf.first, pf.span);
                 const int64_t base = slots[t] * width + h * head_dim;
                 for (int64_t j = 0; j < nv; ++j) {
                     const __m512 vr = load16(v, dtype, base + j * 16);
@@ -320,15 +314,11 @@ INLINE void attend_avx512_bf16(const bf16_t *q, const bf16_t *k, const bf16_t *v
     const __m512i lo_idx = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
     const __m512i hi_idx = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
     for (int64_t h = 0; h < kv_heads; ++h) {
-        int64_t first;
-        const int64_t span = prefetch_span(h, len, width, head_dim, DTYPE_BF16, &first);
         for (int64_t g0 = 0; g0 < group; g0 += GB) {
             const int64_t qh0 = h * group + g0;
-            /* the first block of the head fetches for the others (and whole rows for the other heads) */
-            const int64_t pf_first = g0 == 0 ? first : h * head_dim, pf_span = g0 == 0 ? span : head_dim;
-            const int64_t ahead = prefetch_ahead(pf_span, DTYPE_BF16);
+            const PrefetchPlan pf = prefetch_plan(h, g0, len, width, head_dim, DTYPE_BF16);
             float *sg = scores + qh0 * len;
-            prefetch_start(k, DTYPE_BF16, slots, len, width, pf_first, pf_span, ahead);
+            prefetch_start(k, DTYPE_BF16, slots, len, width, pf);
             for (int64_t g = 0; g < GB; ++g) {
                 __m512bh qv[4];
                 for (int64_t j = 0; j < nq; ++j)
@@ -339,8 +329,8 @@ INLINE void attend_avx512_bf16(const bf16_t *q, const bf16_t *k, const bf16_t *v
                     for (int64_t t = 0; t < 16; ++t) {
                         part[t] = _mm512_setzero_ps();
                         if (t >= n) continue;
-                        if (g == 0 && t0 + t + ahead < len)
-                            prefetch_head(k, DTYPE_BF16, slots[t0 + t + ahead] * width + pf_first, pf_span);
+                        if (g == 0 && t0 + t + pf.ahead < len)
+                            prefetch_head(k, DTYPE_BF16, slots[t0 + t + pf.ahead] * width + pf.first, pf.span);
                         const bf16_t *kr = k + slots[t0 + t] * width + h * head_dim;
                         for (int64_t j = 0; j < nq; ++j)
                             part[t] = _mm512_dpbf16_ps(part[t], (__m512bh)_mm512_loadu_si512((const void *)(kr + j * 32)), qv[j]);
@@ -362,12 +352,12 @@ INLINE void attend_avx512_bf16(const bf16_t *q, const bf16_t *k, const bf16_t *v
             }
             __m512 acc[MAX_REGS];
             for (int64_t i = 0; i < GB * 2 * nq; ++i) acc[i] = _mm512_setzero_ps();
-            prefetch_start(v, DTYPE_BF16, slots, len, width, pf_first, pf_span, ahead);
+            prefetch_start(v, DTYPE_BF16, slots, len, width, pf);
             for (int64_t t = 0; t < len; t += 2) {
-                if (t + ahead < len) {
-                    prefetch_head(v, DTYPE_BF16, slots[t + ahead] * width + pf_first, pf_span);
-                    if (t + 1 + ahead < len)
-                        prefetch_head(v, DTYPE_BF16, slots[t + 1 + ahead] * width + pf_first, pf_span);
+                if (t + pf.ahead < len) {
+                    prefetch_head(v, DTYPE_BF16, slots[t + pf.ahead] * width + pf.first, pf.span);
+                    if (t + 1 + pf.ahead < len)
+                        prefetch_head(v, DTYPE_BF16, slots[t + 1 + pf.ahead] * width + pf.first, pf.span);
                 }
                 const bf16_t *v0 = v + slots[t] * width + h * head_dim;
                 const bf16_t *v1 = t + 1 < len ? v + slots[t + 1] * width + h * head_dim : NULL;

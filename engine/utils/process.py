@@ -44,8 +44,8 @@ def remove_stale_ipc_dirs(parent: Optional[str] = None) -> list[str]:
     parent = parent or tempfile.gettempdir()
     removed = []
     for name in os.listdir(parent):
-        pid = name[len(IPC_PREFIX):].split("-", 1)[0]
-        if not name.startswith(IPC_PREFIX) or not pid.isdigit() or _alive(int(pid)):
+        pid = name[len(IPC_PREFIX):].split("-", 1)[0] if name.startswith(IPC_PREFIX) else ""
+        if not pid.isdigit() or _alive(int(pid)):
             continue
         path = os.path.join(parent, name)
         shutil.rmtree(path, ignore_errors=True)
@@ -59,7 +59,7 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:  # someone else's process: alive
-        return True
+        pass
     return True
 
 
