@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 logger = logging.getLogger(__name__)
 
@@ -58,11 +59,26 @@ def _compiler() -> str:
     return cc
 
 
+def _included_sources(source: Path, seen: Optional[set] = None) -> list[str]:
+    """The text of every `.c` file `source` includes with `#include "name.c"`, recursively."""
+    seen = set() if seen is None else seen
+    texts = []
+    for line in source.read_text().splitlines():
+        name = line.strip().removeprefix("#include").strip()
+        if line.lstrip().startswith("#include") and name.startswith('"') and name.endswith('.c"'):
+            path = source.parent / name.strip('"')
+            if path not in seen:
+                seen.add(path)
+                texts += [path.read_text(), *_included_sources(path, seen)]
+    return texts
+
+
 def build_library(source: Path, cflags: list[str] = DEFAULT_CFLAGS) -> Path:
     """Compile `source` unless a library for this source, compiler, flags and CPU is already cached."""
     cc = _compiler()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]  # what `#include "x.h"` may pull in
+    # what `#include "x.h"` may pull in, and the sources a source includes whole (cpu_decode.c)
+    headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))] + _included_sources(source)
     key = hashlib.sha256("\0".join([source.read_text(), *headers, cc, version, " ".join(cflags), platform.machine(),
                                     _cpu_flags()]).encode()).hexdigest()[:16]
     target = _cache_dir() / f"{source.stem}-{key}.so"

@@ -139,6 +139,12 @@ class ModelRunner:
                                and server_args.attention_backend == "torch")
         self.cuda_graph_runner = self._init_cuda_graph_runner()
         phase("cuda_graphs")
+        # CPU bfloat16 dense Llama-family models: a decode step is one native call (kernels/cpu_decode.py)
+        self.native_decode_step = None
+        if self.device == "cpu" and self.dtype == torch.bfloat16 and not server_args.disable_native_decode_step:
+            from baton.engine.kernels.cpu_decode import NativeDecodeStep
+            self.native_decode_step = NativeDecodeStep.create(self.model, self.req_to_token_pool,
+                                                              self.token_to_kv_pool, self.tp.size, self.device)
         self._warm_up_compiled()
         phase("compile")
         logger.info("model loaded: %s layers, dtype %s, KV cache %s, KV pool %d tokens, %d max running requests",
@@ -259,6 +265,9 @@ class ModelRunner:
         """Runs the model; returns hidden states [num_tokens, hidden]."""
         if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(fb):
             return self.cuda_graph_runner.replay(fb)  # plans its own (padded) attention metadata
+        if self.native_decode_step is not None and fb.forward_mode == ForwardMode.DECODE:
+            return self.native_decode_step(fb.input_ids, fb.positions, fb.req_pool_indices, fb.seq_lens,
+                                           fb.out_cache_loc)
         self.attn_backend.init_forward_metadata(fb)
         if self.compiled_model is not None and (
                 (fb.forward_mode == ForwardMode.DECODE and len(fb.seq_lens_cpu) <= self.server_args.torch_compile_max_bs)

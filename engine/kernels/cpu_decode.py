@@ -1,0 +1,185 @@
+"""A whole decode step of a dense Llama-family model in one native call (`cpu_decode.c`).
+
+    step = NativeDecodeStep.create(model, req_to_token_pool, token_to_kv_pool)   # None: see reason()
+    hidden = step(input_ids, positions, req_pool_indices, seq_lens, out_cache_loc)  # [bs, hidden]
+
+On CPU a small model's decode step is as much Python and dispatch as arithmetic, even compiled:
+at batch 16 of the bench model on one thread, 2.5 ms of which the GEMMs and the attention are
+1.4 ms and the compiled graph's guards, wrapper and op dispatch ~0.7 ms. This runs the same
+kernels (the packed bfloat16 GEMMs, the paged decode attention) from C, layer after layer, with the
+norms, RoPE and the KV store between them, so a step costs its kernels and one call. It serves the
+decode steps of bfloat16 Llama, Qwen2 and Qwen3 models (not MoE) on CPUs with AVX512_BF16, with the
+packed linears, a bfloat16 KV cache and one TP rank; anything else keeps the model's own forward
+(the reason is logged once). The results are the eager bfloat16 model's within bfloat16 rounding
+(the test compares logits and greedy tokens). `--disable-native-decode-step` or
+`BATON_DISABLE_CPU_KERNELS=1` turn it off.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from baton.engine.kernels import cpu_attention, cpu_linear
+from baton.engine.kernels.build import DEFAULT_CFLAGS, KernelUnavailable, build_library
+
+if TYPE_CHECKING:
+    from baton.engine.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_decode.c")
+_ERRORS = {1: "out of memory", 2: "a token id, position, slot or request row out of range",
+           3: "this build has no AVX512_BF16"}  # KERNEL_NO_MEMORY, KERNEL_BAD_INDEX, DECODE_UNSUPPORTED
+
+_ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
+
+
+class _Layer(ctypes.Structure):  # DecodeLayer in cpu_decode.c, field for field
+    _fields_ = [(name, _ptr) for name in ("input_norm", "post_norm", "q_norm", "k_norm", "qkv", "o", "gate_up",
+                                          "down", "qkv_bias", "k_cache", "v_cache")]
+
+
+class _Model(ctypes.Structure):  # DecodeModel
+    _fields_ = ([(name, _i64) for name in ("layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate",
+                                           "vocab", "max_positions", "num_slots", "r2t_rows", "r2t_stride")]
+                + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+                + [(name, _ptr) for name in ("embed", "final_norm", "cos", "sin", "r2t")]
+                + [("layer", ctypes.POINTER(_Layer))])
+
+
+@functools.lru_cache(maxsize=1)
+def _library() -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(build_library(SOURCE, DEFAULT_CFLAGS)))
+    # model, ids, positions, rows, lens, loc, bs, out, num_threads
+    lib.decode_step.argtypes = [ctypes.POINTER(_Model), _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, ctypes.c_int]
+    lib.decode_step.restype = ctypes.c_int
+    return lib
+
+
+def _ptr_of(t: Optional[torch.Tensor]) -> Optional[int]:
+    return None if t is None else t.data_ptr()
+
+
+def unavailable_reason(model: torch.nn.Module, kv_pool: "MHATokenToKVPool", tp_size: int = 1,
+                       device: str = "cpu") -> Optional[str]:
+    """None when the native step can serve this model's decode; otherwise why not."""
+    from baton.engine.layers.layernorm import RMSNorm
+    from baton.engine.layers.rotary_embedding import RotaryEmbedding
+    from baton.engine.mem_cache.memory_pool import MHATokenToKVPool
+    from baton.engine.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+
+    reason = cpu_linear.unavailable_reason(device) or cpu_attention.unavailable_reason(torch.bfloat16, device)
+    if reason is not None:
+        return reason
+    if tp_size != 1:
+        return "tensor parallelism (one rank only)"
+    if not isinstance(model, LlamaForCausalLM):
+        return f"{type(model).__name__} is not a Llama-family model"
+    embed = model.model.embed_tokens.weight
+    if embed.dtype != torch.bfloat16 or cpu_linear.is_released(embed):
+        return f"the model is {embed.dtype}, not bfloat16"
+    if type(kv_pool) is not MHATokenToKVPool or kv_pool.dtype != torch.bfloat16:
+        return f"the KV cache is {kv_pool.dtype} (bfloat16 only)"
+    norms = [model.model.norm]
+    for layer in model.model.layers:
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        if type(layer) is not LlamaDecoderLayer or type(attn) is not LlamaAttention or type(mlp) is not LlamaMLP:
+            return f"{type(model).__name__} has layers other than dense Llama ones (MoE)"
+        if not mlp.act.is_silu:
+            return "the MLP's activation is not SiLU"
+        for name, lin in (("qkv_proj", attn.qkv_proj), ("o_proj", attn.o_proj), ("gate_up_proj", mlp.gate_up_proj),
+                          ("down_proj", mlp.down_proj)):
+            if getattr(lin, "packed_weight", None) is None:
+                return f"{name} has no packed weight (--disable-packed-linear, or a shape the kernel does not take)"
+            if lin.bias is not None and name != "qkv_proj":
+                return f"{name} has a bias"
+        if not cpu_linear.silu_mul_fusable(mlp.gate_up_proj.weight, mlp.gate_up_proj.packed_weight, None):
+            return "the gate|up halves are not whole blocks of 16"
+        if type(attn.rotary_emb) is not RotaryEmbedding or attn.rotary_emb.head_dim != attn.head_dim:
+            return "the rotary embedding is not the standard one over the whole head"
+        if attn.head_dim % 2 or attn.num_heads % attn.num_kv_heads:
+            return "unsupported head layout"
+        norms += [layer.input_layernorm, layer.post_attention_layernorm]
+        norms += [n for n in (attn.q_norm, attn.k_norm) if n is not None]
+    if any(type(n) is not RMSNorm or n.weight.dtype != torch.bfloat16 for n in norms):
+        return "a norm is not a bfloat16 RMSNorm"
+    if len({n.variance_epsilon for n in norms}) != 1:
+        return "the norms' epsilons differ"
+    return None
+
+
+class NativeDecodeStep:
+    """The decode forward of one loaded model over its pools (held for the engine's lifetime)."""
+
+    def __init__(self, model: torch.nn.Module, req_to_token_pool: "ReqToTokenPool",
+                 kv_pool: "MHATokenToKVPool") -> None:
+        first = model.model.layers[0].self_attn
+        rope = first.rotary_emb
+        if rope.cos_table is None or rope.cos_table.device.type != "cpu":
+            rope.reserve(rope.max_positions, "cpu")
+        # the tables as of now: a later reserve() makes new ones, these stay valid for their positions
+        self._cos, self._sin = rope.cos_table.contiguous(), rope.sin_table.contiguous()
+        r2t = req_to_token_pool.req_to_token
+        assert r2t.dtype == torch.int64 and r2t.is_contiguous()
+        layers = model.model.layers
+        self._layers = (_Layer * len(layers))()
+        for i, layer in enumerate(layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            k_cache, v_cache = kv_pool.get_kv_buffer(i)
+            assert k_cache.is_contiguous() and v_cache.is_contiguous()
+            self._layers[i] = _Layer(
+                layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
+                _ptr_of(attn.q_norm.weight if attn.q_norm is not None else None),
+                _ptr_of(attn.k_norm.weight if attn.k_norm is not None else None),
+                attn.qkv_proj.packed_weight.data_ptr(), attn.o_proj.packed_weight.data_ptr(),
+                mlp.gate_up_proj.packed_weight.data_ptr(), mlp.down_proj.packed_weight.data_ptr(),
+                _ptr_of(attn.qkv_proj.bias), k_cache.data_ptr(), v_cache.data_ptr())
+        embed = model.model.embed_tokens.weight
+        self.hidden = embed.shape[1]
+        self._model = _Model(
+            layers=len(layers), hidden=self.hidden, heads=first.num_heads, kv_heads=first.num_kv_heads,
+            head_dim=first.head_dim, intermediate=layers[0].mlp.down_proj.in_local, vocab=embed.shape[0],
+            max_positions=self._cos.shape[0], num_slots=kv_pool.get_kv_buffer(0)[0].shape[0],
+            r2t_rows=r2t.shape[0], r2t_stride=r2t.shape[1], eps=model.model.norm.variance_epsilon,
+            scale=first.attn.scaling, embed=embed.data_ptr(), final_norm=model.model.norm.weight.data_ptr(),
+            cos=self._cos.data_ptr(), sin=self._sin.data_ptr(), r2t=r2t.data_ptr(),
+            layer=ctypes.cast(self._layers, ctypes.POINTER(_Layer)))
+        self._keep = (model, req_to_token_pool, kv_pool)  # what the pointers point into
+        self._fn = _library().decode_step
+        self._model_ref = ctypes.byref(self._model)
+
+    @classmethod
+    def create(cls, model: torch.nn.Module, req_to_token_pool: "ReqToTokenPool", kv_pool: "MHATokenToKVPool",
+               tp_size: int = 1, device: str = "cpu") -> Optional["NativeDecodeStep"]:
+        """The step for this model, or None (with the reason logged) where it cannot serve it."""
+        try:
+            reason = unavailable_reason(model, kv_pool, tp_size, device)
+            if reason is None:
+                step = cls(model, req_to_token_pool, kv_pool)
+                logger.info("decode steps run natively (cpu_decode.c): one call per step")
+                return step
+        except (KernelUnavailable, OSError) as e:
+            reason = str(e)
+        logger.info("decode steps keep the model's forward: %s", reason)
+        return None
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, req_pool_indices: torch.Tensor,
+                 seq_lens: torch.Tensor, out_cache_loc: torch.Tensor) -> torch.Tensor:
+        """[bs] int64 CPU tensors each -> the final norm's output [bs, hidden] bfloat16; stores each
+        layer's K and V of the step at out_cache_loc."""
+        ins = [t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
+               for t in (input_ids, positions, req_pool_indices, seq_lens, out_cache_loc)]
+        bs = ins[0].shape[0]
+        if any(t.shape != (bs,) for t in ins):
+            raise ValueError(f"native decode step: every input must be [{bs}], got {[tuple(t.shape) for t in ins]}")
+        out = torch.empty((bs, self.hidden), dtype=torch.bfloat16)
+        err = self._fn(self._model_ref, *(t.data_ptr() for t in ins), bs, out.data_ptr(), torch.get_num_threads())
+        if err:
+            raise RuntimeError(f"native decode step: {_ERRORS.get(err, f'error {err}')}")
+        return out
