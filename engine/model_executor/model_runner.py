@@ -124,7 +124,9 @@ class ModelRunner:
         self.attn_backend = create_attention_backend(server_args.attention_backend, model_runner=self)
         phase("kv_pool")
         # Decode: its shapes change little (batch size, KV length), so one dynamic graph serves every
-        # step and removes most of the per-step Python/dispatch floor. On CPU with the torch backend
+        # step and removes most of the per-step Python/dispatch floor (on CPU, bfloat16 dense
+        # Llama-family models go further: the native decode step below, and their decode graphs are
+        # never compiled). On CPU with the torch backend
         # the extend compiles too (a second graph, dynamic in the token count): its attention loop is
         # one opaque op there, and Inductor fuses the norms, rotary and gated MLP around it.
         # The model's modules and weights never change once loaded, so the graphs skip Dynamo's

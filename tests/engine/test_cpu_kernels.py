@@ -324,3 +324,22 @@ def test_a_kernel_is_rebuilt_when_a_header_beside_it_changes(tmp_path, monkeypat
     assert second != first
     import ctypes
     assert ctypes.CDLL(str(second)).value() == 2
+
+
+def test_a_kernel_is_rebuilt_when_a_source_it_includes_changes(tmp_path, monkeypatch):
+    """cpu_decode.c includes cpu_linear.c and paged_attention.c whole: editing either rebuilds it."""
+    from baton.engine.kernels.build import DEFAULT_CFLAGS, build_library
+
+    monkeypatch.setenv("BATON_KERNEL_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "sub").mkdir()
+    src = tmp_path / "outer.c"
+    src.write_text('#include "inner.c"\nint value(void) { return inner(); }\n')
+    (tmp_path / "inner.c").write_text('#include "sub/leaf.c"\nstatic int inner(void) { return LEAF; }\n')
+    (tmp_path / "sub" / "leaf.c").write_text("#define LEAF 1\n")
+    first = build_library(src, DEFAULT_CFLAGS)
+    assert build_library(src, DEFAULT_CFLAGS) == first  # cached
+    (tmp_path / "sub" / "leaf.c").write_text("#define LEAF 2\n")  # two levels down
+    second = build_library(src, DEFAULT_CFLAGS)
+    assert second != first
+    import ctypes
+    assert ctypes.CDLL(str(second)).value() == 2
