@@ -21,6 +21,7 @@ import orjson
 
 from baton.engine.bench.metrics import RequestResult, summarize
 from baton.engine.bench.workload import BenchPrompt
+from baton.engine.utils.gc_freeze import gc_paused
 
 REQUEST_TIMEOUT_S = 600.0
 
@@ -143,7 +144,8 @@ def run_serving_benchmark(base_url: str, model: str, prompts: list[BenchPrompt],
         # A prompt of its own, so warming up does not put the workload's shared prefix in the cache.
         warm = [BenchPrompt("Warm up the server, please.", (), 4)] * warmup_requests
         asyncio.run(run_requests(base_url, model, warm, concurrency, api_key))
-    results, duration = asyncio.run(run_requests(base_url, model, prompts, concurrency, api_key))
+    with gc_paused():  # the client's own collections are not the server's latency
+        results, duration = asyncio.run(run_requests(base_url, model, prompts, concurrency, api_key))
     summary = summarize(results, duration)
     summary.update(base_url=base_url, model=model, concurrency=concurrency)
     return summary

@@ -7,7 +7,7 @@ import gc
 import pytest
 
 from baton.engine.io_struct import FreezeGCReq
-from baton.engine.utils.gc_freeze import freeze_gc
+from baton.engine.utils.gc_freeze import freeze_gc, gc_paused
 from scheduler_harness import SchedulerHarness
 
 
@@ -27,6 +27,19 @@ def test_freeze_gc_moves_live_objects_to_the_permanent_generation(unfrozen):
     assert frozen == gc.get_freeze_count() > len(kept)
     _make_cycles(10)  # cycles created after the freeze are collected as usual
     assert gc.collect() >= 10
+
+
+def test_gc_paused_freezes_for_the_section_only(unfrozen):
+    kept = [object() for _ in range(1000)]
+    with gc_paused():
+        assert gc.get_freeze_count() > len(kept)  # what lived before: out of the collector's walk
+        _make_cycles(10)
+        assert gc.collect() >= 10  # what the section creates is still collected
+    assert gc.get_freeze_count() == 0
+    with pytest.raises(KeyError):  # unfrozen on the way out of a failure too
+        with gc_paused():
+            raise KeyError("x")
+    assert gc.get_freeze_count() == 0
 
 
 def _make_cycles(n: int) -> None:
