@@ -86,11 +86,13 @@ def unavailable_reason(model: torch.nn.Module, kv_pool: "MHATokenToKVPool", tp_s
         return f"the model is {embed.dtype}, not bfloat16"
     if type(kv_pool) is not MHATokenToKVPool or kv_pool.dtype != torch.bfloat16:
         return f"the KV cache is {kv_pool.dtype} (bfloat16 only)"
-    norms = [model.model.norm]
+    norms, shapes = [model.model.norm], set()
     for layer in model.model.layers:
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         if type(layer) is not LlamaDecoderLayer or type(attn) is not LlamaAttention or type(mlp) is not LlamaMLP:
             return f"{type(model).__name__} has layers other than dense Llama ones (MoE)"
+        shapes.add((attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.attn.scaling, id(attn.rotary_emb),
+                    mlp.down_proj.in_local))
         if not mlp.act.is_silu:
             return "the MLP's activation is not SiLU"
         for name, lin in (("qkv_proj", attn.qkv_proj), ("o_proj", attn.o_proj), ("gate_up_proj", mlp.gate_up_proj),
@@ -107,6 +109,8 @@ def unavailable_reason(model: torch.nn.Module, kv_pool: "MHATokenToKVPool", tp_s
             return "unsupported head layout"
         norms += [layer.input_layernorm, layer.post_attention_layernorm]
         norms += [n for n in (attn.q_norm, attn.k_norm) if n is not None]
+    if len(shapes) > 1:
+        return "the layers differ in heads, RoPE or MLP width"
     if any(type(n) is not RMSNorm or n.weight.dtype != torch.bfloat16 for n in norms):
         return "a norm is not a bfloat16 RMSNorm"
     if len({n.variance_epsilon for n in norms}) != 1:
