@@ -82,7 +82,7 @@ def unavailable_reason(model: torch.nn.Module, kv_pool: "MHATokenToKVPool", tp_s
     if not isinstance(model, LlamaForCausalLM):
         return f"{type(model).__name__} is not a Llama-family model"
     embed = model.model.embed_tokens.weight
-    if embed.dtype != torch.bfloat16 or cpu_linear.is_released(embed):
+    if embed.dtype != torch.bfloat16 or cpu_linear.is_released(embed) or not embed.is_contiguous():
         return f"the model is {embed.dtype}, not bfloat16"
     if type(kv_pool) is not MHATokenToKVPool or kv_pool.dtype != torch.bfloat16:
         return f"the KV cache is {kv_pool.dtype} (bfloat16 only)"
@@ -99,8 +99,8 @@ def unavailable_reason(model: torch.nn.Module, kv_pool: "MHATokenToKVPool", tp_s
                           ("down_proj", mlp.down_proj)):
             if getattr(lin, "packed_weight", None) is None:
                 return f"{name} has no packed weight (--disable-packed-linear, or a shape the kernel does not take)"
-            if lin.bias is not None and name != "qkv_proj":
-                return f"{name} has a bias"
+            if lin.bias is not None and (name != "qkv_proj" or lin.bias.dtype != torch.bfloat16):
+                return f"{name} has a bias" + (f" in {lin.bias.dtype}" if name == "qkv_proj" else "")
         if not cpu_linear.silu_mul_fusable(mlp.gate_up_proj.weight, mlp.gate_up_proj.packed_weight, None):
             return "the gate|up halves are not whole blocks of 16"
         if type(attn.rotary_emb) is not RotaryEmbedding or attn.rotary_emb.head_dim != attn.head_dim:
@@ -111,7 +111,7 @@ def unavailable_reason(model: torch.nn.Module, kv_pool: "MHATokenToKVPool", tp_s
         norms += [n for n in (attn.q_norm, attn.k_norm) if n is not None]
     if len(shapes) > 1:
         return "the layers differ in heads, RoPE or MLP width"
-    if any(type(n) is not RMSNorm or n.weight.dtype != torch.bfloat16 for n in norms):
+    if any(type(n) is not RMSNorm or n.weight.dtype != torch.bfloat16 or not n.weight.is_contiguous() for n in norms):
         return "a norm is not a bfloat16 RMSNorm"
     if len({n.variance_epsilon for n in norms}) != 1:
         return "the norms' epsilons differ"
