@@ -89,7 +89,7 @@ class ServerArgs:
     enable_torch_compile: bool = False
     cpu_omp_threads_bind: str = "off"  # off | auto | CPU list (utils/cpu_affinity.py)
     disable_packed_linear: bool = False  # CPU bf16: keep torch's GEMM (engine/kernels/cpu_linear.py)
-    disable_native_decode_step: bool = False  # CPU bf16: decode through the model's forward (kernels/cpu_decode.py)
+    disable_native_forward: bool = False  # CPU bf16: every step through the model's forward (kernels/cpu_forward.py)
     torch_compile_max_bs: int = 32
     random_seed: int = 0
     # serving
@@ -259,9 +259,9 @@ class ServerArgs:
         a("--disable-packed-linear", action="store_true",
           help="CPU, bfloat16: keep torch's GEMM for the linear layers and LM head instead of the "
                "AVX512_BF16 kernel over weights packed at load")
-        a("--disable-native-decode-step", action="store_true",
-          help="CPU, bfloat16 dense Llama-family models: run decode steps through the model's (compiled) "
-               "forward instead of one native call per step")
+        a("--disable-native-forward", action="store_true",
+          help="CPU, bfloat16 dense Llama-family models: run every step through the model's own (possibly "
+               "compiled) forward instead of one native call per step")
         a("--random-seed", type=int, default=ServerArgs.random_seed)
         a("--api-key", default=None, help="bearer key clients must send (default: $BATON_API_KEY)")
         a("--max-request-bytes", type=int, default=ServerArgs.max_request_bytes)

@@ -77,7 +77,7 @@ def build_library(source: Path, cflags: list[str] = DEFAULT_CFLAGS) -> Path:
     """Compile `source` unless a library for this source, compiler, flags and CPU is already cached."""
     cc = _compiler()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    # what `#include "x.h"` may pull in, and the sources a source includes whole (cpu_decode.c)
+    # what `#include "x.h"` may pull in, and the sources a source includes whole (cpu_forward.c)
     headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))] + _included_sources(source)
     key = hashlib.sha256("\0".join([source.read_text(), *headers, cc, version, " ".join(cflags), platform.machine(),
                                     _cpu_flags()]).encode()).hexdigest()[:16]

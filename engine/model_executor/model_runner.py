@@ -124,9 +124,7 @@ class ModelRunner:
         self.attn_backend = create_attention_backend(server_args.attention_backend, model_runner=self)
         phase("kv_pool")
         # Decode: its shapes change little (batch size, KV length), so one dynamic graph serves every
-        # step and removes most of the per-step Python/dispatch floor (on CPU, bfloat16 dense
-        # Llama-family models go further: the native decode step below, and their decode graphs are
-        # never compiled). On CPU with the torch backend
+        # step and removes most of the per-step Python/dispatch floor. On CPU with the torch backend
         # the extend compiles too (a second graph, dynamic in the token count): its attention loop is
         # one opaque op there, and Inductor fuses the norms, rotary and gated MLP around it.
         # The model's modules and weights never change once loaded, so the graphs skip Dynamo's
@@ -134,19 +132,22 @@ class ModelRunner:
         # guard check every call pays, ~0.1-0.2 ms of a CPU decode step. Guards on the batch stay.
         # Without those guards nothing would tell this model's graphs from another model's, so
         # they live on a code object of this runner's own (Dynamo keeps graphs per code object).
+        # CPU bfloat16 dense Llama-family models go further: every step is one native call
+        # (kernels/cpu_forward.py), and nothing is compiled.
+        self.native_forward = None
+        if self.device == "cpu" and self.dtype == torch.bfloat16 and not server_args.disable_native_forward:
+            from baton.engine.kernels.cpu_forward import NativeForward
+            self.native_forward = NativeForward.create(self.model, self.req_to_token_pool, self.token_to_kv_pool,
+                                                       self.tp.size, self.device)
+        if self.native_forward is not None and server_args.enable_torch_compile:
+            logger.info("--enable-torch-compile: nothing to compile, the native forward serves every step")
         skip_module_guards = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
         self.compiled_model = (torch.compile(_own_code_forward(self.model), dynamic=True, options=skip_module_guards)
-                               if server_args.enable_torch_compile else None)
+                               if server_args.enable_torch_compile and self.native_forward is None else None)
         self.compile_extend = (self.compiled_model is not None and self.device == "cpu"
                                and server_args.attention_backend == "torch")
         self.cuda_graph_runner = self._init_cuda_graph_runner()
         phase("cuda_graphs")
-        # CPU bfloat16 dense Llama-family models: a decode step is one native call (kernels/cpu_decode.py)
-        self.native_decode_step = None
-        if self.device == "cpu" and self.dtype == torch.bfloat16 and not server_args.disable_native_decode_step:
-            from baton.engine.kernels.cpu_decode import NativeDecodeStep
-            self.native_decode_step = NativeDecodeStep.create(self.model, self.req_to_token_pool,
-                                                              self.token_to_kv_pool, self.tp.size, self.device)
         self._warm_up_compiled()
         phase("compile")
         logger.info("model loaded: %s layers, dtype %s, KV cache %s, KV pool %d tokens, %d max running requests",
@@ -267,9 +268,13 @@ class ModelRunner:
         """Runs the model; returns hidden states [num_tokens, hidden]."""
         if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(fb):
             return self.cuda_graph_runner.replay(fb)  # plans its own (padded) attention metadata
-        if self.native_decode_step is not None and fb.forward_mode == ForwardMode.DECODE:
-            return self.native_decode_step(fb.input_ids, fb.positions, fb.req_pool_indices, fb.seq_lens,
-                                           fb.out_cache_loc)
+        if self.native_forward is not None and fb.forward_mode == ForwardMode.DECODE:
+            return self.native_forward.decode(fb.input_ids, fb.positions, fb.req_pool_indices, fb.seq_lens,
+                                              fb.out_cache_loc)
+        if self.native_forward is not None and fb.forward_mode == ForwardMode.EXTEND:
+            return self.native_forward.extend(fb.input_ids, fb.positions, fb.out_cache_loc, fb.req_pool_indices,
+                                              torch.tensor(fb.extend_prefix_lens_cpu, dtype=torch.int64),
+                                              torch.tensor(fb.extend_seq_lens_cpu, dtype=torch.int64))
         self.attn_backend.init_forward_metadata(fb)
         if self.compiled_model is not None and (
                 (fb.forward_mode == ForwardMode.DECODE and len(fb.seq_lens_cpu) <= self.server_args.torch_compile_max_bs)

@@ -327,7 +327,7 @@ def test_a_kernel_is_rebuilt_when_a_header_beside_it_changes(tmp_path, monkeypat
 
 
 def test_a_kernel_is_rebuilt_when_a_source_it_includes_changes(tmp_path, monkeypatch):
-    """cpu_decode.c includes cpu_linear.c and paged_attention.c whole: editing either rebuilds it."""
+    """cpu_forward.c includes cpu_linear.c and paged_attention.c whole: editing either rebuilds it."""
     from baton.engine.kernels.build import DEFAULT_CFLAGS, build_library
 
     monkeypatch.setenv("BATON_KERNEL_CACHE", str(tmp_path / "cache"))

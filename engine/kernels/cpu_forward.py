@@ -1,17 +1,18 @@
-"""A whole decode step of a dense Llama-family model in one native call (`cpu_decode.c`).
+"""The whole forward of a dense Llama-family model in one native call per step (`cpu_forward.c`).
 
-    step = NativeDecodeStep.create(model, req_to_token_pool, token_to_kv_pool)   # None: see reason()
-    hidden = step(input_ids, positions, req_pool_indices, seq_lens, out_cache_loc)  # [bs, hidden]
+    fwd = NativeForward.create(model, req_to_token_pool, token_to_kv_pool)   # None: the reason is logged
+    hidden = fwd.decode(input_ids, positions, req_pool_indices, seq_lens, out_cache_loc)        # [bs, hidden]
+    hidden = fwd.extend(input_ids, positions, out_cache_loc, req_pool_indices, prefix_lens, extend_lens)
 
 On CPU a small model's decode step is as much Python and dispatch as arithmetic, even compiled:
 at batch 16 of the bench model on one thread, 2.5 ms of which the GEMMs and the attention are
 1.4 ms and the compiled graph's guards, wrapper and op dispatch ~0.7 ms. This runs the same
-kernels (the packed bfloat16 GEMMs, the paged decode attention) from C, layer after layer, with the
-norms, RoPE and the KV store between them, so a step costs its kernels and one call. It serves the
-decode steps of bfloat16 Llama, Qwen2 and Qwen3 models (not MoE) on CPUs with AVX512_BF16, with the
-packed linears, a bfloat16 KV cache and one TP rank; anything else keeps the model's own forward
-(the reason is logged once). The results are the eager bfloat16 model's within bfloat16 rounding
-(the test compares logits and greedy tokens). `--disable-native-decode-step` or
+kernels (the packed bfloat16 GEMMs, the paged decode and extend attention) from C, layer after
+layer, with the norms, RoPE and the KV store between them, so a step costs its kernels and one
+call. It serves the decode and extend steps of bfloat16 Llama, Qwen2 and Qwen3 models (not MoE) on
+CPUs with AVX512_BF16, with the packed linears, a bfloat16 KV cache and one TP rank; anything else
+keeps the model's own forward (the reason is logged once). It rounds where the eager bfloat16 model
+rounds (the tests compare logits, greedy tokens and the stored K/V). `--disable-native-forward` or
 `BATON_DISABLE_CPU_KERNELS=1` turn it off.
 """
 from __future__ import annotations
@@ -33,19 +34,19 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_decode.c")
+SOURCE = Path(__file__).with_name("cpu_forward.c")
 _ERRORS = {1: "out of memory", 2: "a token id, position, slot or request row out of range",
-           3: "this build has no AVX512_BF16"}  # KERNEL_NO_MEMORY, KERNEL_BAD_INDEX, DECODE_UNSUPPORTED
+           3: "this build has no AVX512_BF16"}  # KERNEL_NO_MEMORY, KERNEL_BAD_INDEX, FORWARD_UNSUPPORTED
 
 _ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
 
 
-class _Layer(ctypes.Structure):  # DecodeLayer in cpu_decode.c, field for field
+class _Layer(ctypes.Structure):  # LayerWeights in cpu_forward.c, field for field
     _fields_ = [(name, _ptr) for name in ("input_norm", "post_norm", "q_norm", "k_norm", "qkv", "o", "gate_up",
                                           "down", "qkv_bias", "k_cache", "v_cache")]
 
 
-class _Model(ctypes.Structure):  # DecodeModel
+class _Model(ctypes.Structure):  # NativeModel
     _fields_ = ([(name, _i64) for name in ("layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate",
                                            "vocab", "max_positions", "num_slots", "r2t_rows", "r2t_stride")]
                 + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
@@ -59,6 +60,10 @@ def _library() -> ctypes.CDLL:
     # model, ids, positions, rows, lens, loc, bs, out, num_threads
     lib.decode_step.argtypes = [ctypes.POINTER(_Model), _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, ctypes.c_int]
     lib.decode_step.restype = ctypes.c_int
+    # model, ids, positions, loc, n, rows, prefix_lens, extend_lens, bs, out, num_threads
+    lib.extend_step.argtypes = [ctypes.POINTER(_Model), _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr,
+                                ctypes.c_int]
+    lib.extend_step.restype = ctypes.c_int
     return lib
 
 
@@ -68,7 +73,7 @@ def _ptr_of(t: Optional[torch.Tensor]) -> Optional[int]:
 
 def unavailable_reason(model: torch.nn.Module, kv_pool: "MHATokenToKVPool", tp_size: int = 1,
                        device: str = "cpu") -> Optional[str]:
-    """None when the native step can serve this model's decode; otherwise why not."""
+    """None when the native forward can serve this model; otherwise why not."""
     from baton.engine.layers.layernorm import RMSNorm
     from baton.engine.layers.rotary_embedding import RotaryEmbedding
     from baton.engine.mem_cache.memory_pool import MHATokenToKVPool
@@ -105,7 +110,7 @@ def unavailable_reason(model: torch.nn.Module, kv_pool: "MHATokenToKVPool", tp_s
             return "the gate|up halves are not whole blocks of 16"
         if type(attn.rotary_emb) is not RotaryEmbedding or attn.rotary_emb.head_dim != attn.head_dim:
             return "the rotary embedding is not the standard one over the whole head"
-        if attn.head_dim % 2 or attn.num_heads % attn.num_kv_heads:
+        if attn.head_dim % 2 or attn.head_dim > cpu_attention.EXTEND_MAX_HEAD_DIM or attn.num_heads % attn.num_kv_heads:
             return "unsupported head layout"
         norms += [layer.input_layernorm, layer.post_attention_layernorm]
         norms += [n for n in (attn.q_norm, attn.k_norm) if n is not None]
@@ -118,8 +123,8 @@ def unavailable_reason(model: torch.nn.Module, kv_pool: "MHATokenToKVPool", tp_s
     return None
 
 
-class NativeDecodeStep:
-    """The decode forward of one loaded model over its pools (held for the engine's lifetime)."""
+class NativeForward:
+    """The forward of one loaded model over its pools (held for the engine's lifetime)."""
 
     def __init__(self, model: torch.nn.Module, req_to_token_pool: "ReqToTokenPool",
                  kv_pool: "MHATokenToKVPool") -> None:
@@ -155,35 +160,63 @@ class NativeDecodeStep:
             cos=self._cos.data_ptr(), sin=self._sin.data_ptr(), r2t=r2t.data_ptr(),
             layer=ctypes.cast(self._layers, ctypes.POINTER(_Layer)))
         self._keep = (model, req_to_token_pool, kv_pool)  # what the pointers point into
-        self._fn = _library().decode_step
+        lib = _library()
+        self._decode, self._extend = lib.decode_step, lib.extend_step
         self._model_ref = ctypes.byref(self._model)
 
     @classmethod
     def create(cls, model: torch.nn.Module, req_to_token_pool: "ReqToTokenPool", kv_pool: "MHATokenToKVPool",
-               tp_size: int = 1, device: str = "cpu") -> Optional["NativeDecodeStep"]:
+               tp_size: int = 1, device: str = "cpu") -> Optional["NativeForward"]:
         """The step for this model, or None (with the reason logged) where it cannot serve it."""
         try:
             reason = unavailable_reason(model, kv_pool, tp_size, device)
             if reason is None:
                 step = cls(model, req_to_token_pool, kv_pool)
-                logger.info("decode steps run natively (cpu_decode.c): one call per step")
+                logger.info("decode and extend steps run natively (cpu_forward.c): one call per step")
                 return step
         except (KernelUnavailable, OSError) as e:
             reason = str(e)
-        logger.info("decode steps keep the model's forward: %s", reason)
+        logger.info("the model's own forward serves every step: %s", reason)
         return None
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, req_pool_indices: torch.Tensor,
-                 seq_lens: torch.Tensor, out_cache_loc: torch.Tensor) -> torch.Tensor:
+    def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, req_pool_indices: torch.Tensor,
+               seq_lens: torch.Tensor, out_cache_loc: torch.Tensor) -> torch.Tensor:
         """[bs] int64 CPU tensors each -> the final norm's output [bs, hidden] bfloat16; stores each
         layer's K and V of the step at out_cache_loc."""
-        ins = [t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
-               for t in (input_ids, positions, req_pool_indices, seq_lens, out_cache_loc)]
-        bs = ins[0].shape[0]
-        if any(t.shape != (bs,) for t in ins):
-            raise ValueError(f"native decode step: every input must be [{bs}], got {[tuple(t.shape) for t in ins]}")
+        ids, pos, rows, lens, loc = _as_int64(input_ids, positions, req_pool_indices, seq_lens, out_cache_loc)
+        bs = ids.shape[0]
+        _check_len("decode", bs, pos, rows, lens, loc)
         out = torch.empty((bs, self.hidden), dtype=torch.bfloat16)
-        err = self._fn(self._model_ref, *(t.data_ptr() for t in ins), bs, out.data_ptr(), torch.get_num_threads())
-        if err:
-            raise RuntimeError(f"native decode step: {_ERRORS.get(err, f'error {err}')}")
+        _raise_on(self._decode(self._model_ref, ids.data_ptr(), pos.data_ptr(), rows.data_ptr(), lens.data_ptr(),
+                               loc.data_ptr(), bs, out.data_ptr(), torch.get_num_threads()))
         return out
+
+    def extend(self, input_ids: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor,
+               req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions, out_cache_loc [n] (request after request); req_pool_indices,
+        prefix_lens, extend_lens [bs] -> the final norm's output [n, hidden] bfloat16; stores every
+        token's K and V at its slot."""
+        ids, pos, loc, rows, prefix, ext = _as_int64(input_ids, positions, out_cache_loc, req_pool_indices,
+                                                     prefix_lens, extend_lens)
+        n, bs = ids.shape[0], rows.shape[0]
+        _check_len("extend", n, pos, loc)
+        _check_len("extend", bs, prefix, ext)
+        out = torch.empty((n, self.hidden), dtype=torch.bfloat16)
+        _raise_on(self._extend(self._model_ref, ids.data_ptr(), pos.data_ptr(), loc.data_ptr(), n, rows.data_ptr(),
+                               prefix.data_ptr(), ext.data_ptr(), bs, out.data_ptr(), torch.get_num_threads()))
+        return out
+
+
+def _as_int64(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    return [t if t.dtype == torch.int64 and t.is_contiguous() and t.dim() == 1 else t.to(torch.int64).contiguous()
+            for t in tensors]
+
+
+def _check_len(step: str, n: int, *tensors: torch.Tensor) -> None:
+    if any(t.shape != (n,) for t in tensors):
+        raise ValueError(f"native {step} step: inputs must be [{n}], got {[tuple(t.shape) for t in tensors]}")
+
+
+def _raise_on(err: int) -> None:
+    if err:
+        raise RuntimeError(f"native forward: {_ERRORS.get(err, f'error {err}')}")

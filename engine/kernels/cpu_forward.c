@@ -1,0 +1,238 @@
+/* The forward of a dense Llama-family model (Llama, Qwen2, Qwen3) on CPU, one call per step:
+ * decode_step (one token per request) and extend_step (prefill chunks, after cached prefixes).
+ *
+ * A compiled decode step of a small model spends as long outside its kernels as inside them: the
+ * guards, Inductor's Python wrapper, the dispatch of every custom op and its Python body (~0.7 ms of
+ * a 2.5 ms step at batch 16 of the bench model, one thread). This file runs the whole forward from
+ * the token ids to the final norm in C, with the engine's own kernels: the packed bfloat16 GEMM
+ * (cpu_linear.c, the gate|up one with silu(gate) * up fused) and the paged decode and extend
+ * attention (paged_attention.c), both included here so the forward is one library. What lies
+ * between them (the norms, the bias, q/k norms, RoPE, the KV store, the residual adds) is a few
+ * thousand elements per token: a decode batch's run on the calling thread, an extend's (at least
+ * PARALLEL_ROWS tokens) over the OpenMP threads, as the GEMMs and the attention always do.
+ *
+ * Numerics follow the eager bfloat16 model op by op: every op's output is rounded to bfloat16
+ * where eager stores a bfloat16 tensor (RMSNorm: x in float32, x * rsqrt(mean(x^2) + eps) rounded,
+ * times the weight, rounded; the residual adds; the bias add; RoPE's four products and two sums, with
+ * cos/sin rounded to bfloat16 as `.to(q.dtype)` does). Only the order of the RMSNorm's sum of squares
+ * differs from torch's, so a rounding may land one unit apart.
+ *
+ * Layouts: every weight is the model's own tensor (bfloat16, contiguous) or its packed copy
+ * (pack_bf16_weight); the KV pools are [slots, kv_heads, head_dim] bfloat16; cos/sin are the rotary
+ * tables [max_positions, head_dim / 2] float32.
+ */
+#include "cpu_linear.c"
+#include "paged_attention.c"
+
+typedef struct {
+    const bf16_t *input_norm, *post_norm; /* [hidden] */
+    const bf16_t *q_norm, *k_norm;        /* [head_dim], or NULL (Qwen3 has them) */
+    const uint16_t *qkv, *o, *gate_up, *down; /* packed; gate_up laid out [gate | up] */
+    const bf16_t *qkv_bias;               /* [q + 2 kv], or NULL */
+    bf16_t *k_cache, *v_cache;            /* [num_slots, kv_heads, head_dim] */
+} LayerWeights;
+
+typedef struct {
+    int64_t layers, hidden, heads, kv_heads, head_dim, intermediate, vocab, max_positions, num_slots;
+    int64_t r2t_rows, r2t_stride;
+    float eps, scale;
+    const bf16_t *embed;      /* [vocab, hidden] */
+    const bf16_t *final_norm; /* [hidden] */
+    const float *cos, *sin;   /* [max_positions, head_dim / 2] */
+    const int64_t *r2t;       /* req_to_token [r2t_rows, r2t_stride] */
+    const LayerWeights *layer; /* [layers] */
+} NativeModel;
+
+/* float32 -> bfloat16, round to nearest even (NaN stays NaN), as torch's conversion. */
+static inline bf16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (bf16_t)((u >> 16) | 0x40u);
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (bf16_t)(u >> 16);
+}
+
+static inline float round_f32(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+
+/* Rows at least this many run their elementwise loops over the OpenMP threads (an extend's tokens;
+ * a decode batch stays on the calling thread). */
+#define PARALLEL_ROWS 64
+
+/* rows of n elements (row stride ld_x / ld_y): y = w * bf16(x * rsqrt(mean(x^2) + eps)). In place
+ * when y == x. */
+static void rms_norm(const bf16_t *x, int64_t ld_x, bf16_t *y, int64_t ld_y, int64_t rows, int64_t n,
+                     const bf16_t *w, float eps, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows >= PARALLEL_ROWS) schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+        const bf16_t *xr = x + r * ld_x;
+        bf16_t *yr = y + r * ld_y;
+        float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t i = 0; i < n; ++i) ss += bf16_to_f32(xr[i]) * bf16_to_f32(xr[i]);
+        const float inv = 1.f / sqrtf(ss / (float)n + eps);
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) yr[i] = f32_to_bf16(bf16_to_f32(w[i]) * round_f32(bf16_to_f32(xr[i]) * inv));
+    }
+}
+
+/* a += b, elementwise, rounded (a residual add; a bias add with b's stride 0 across rows). */
+static void add_rows(bf16_t *a, int64_t ld_a, const bf16_t *b, int64_t ld_b, int64_t rows, int64_t n,
+                     int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows >= PARALLEL_ROWS) schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+        bf16_t *ar = a + r * ld_a;
+        const bf16_t *br = b + r * ld_b;
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) ar[i] = f32_to_bf16(bf16_to_f32(ar[i]) + bf16_to_f32(br[i]));
+    }
+}
+
+/* RoPE on `heads` heads of one token, in place: the halves (x1, x2) -> (x1 c - x2 s, x2 c + x1 s). */
+static void rope_heads(bf16_t *x, int64_t heads, int64_t head_dim, const float *cos, const float *sin) {
+    const int64_t half = head_dim / 2;
+    for (int64_t h = 0; h < heads; ++h) {
+        bf16_t *xh = x + h * head_dim;
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) {
+            const float c = round_f32(cos[i]), s = round_f32(sin[i]);
+            const float x1 = bf16_to_f32(xh[i]), x2 = bf16_to_f32(xh[i + half]);
+            xh[i] = f32_to_bf16(round_f32(x1 * c) - round_f32(x2 * s));
+            xh[i + half] = f32_to_bf16(round_f32(x2 * c) + round_f32(x1 * s));
+        }
+    }
+}
+
+#define FORWARD_UNSUPPORTED 3
+
+/* The tokens' own checks: ids, positions and slots in range (before anything is written). */
+static int check_tokens(const NativeModel *m, const int64_t *ids, const int64_t *positions, const int64_t *loc,
+                        int64_t n) {
+    for (int64_t i = 0; i < n; ++i)
+        if (ids[i] < 0 || ids[i] >= m->vocab || positions[i] < 0 || positions[i] >= m->max_positions ||
+            loc[i] < 0 || loc[i] >= m->num_slots)
+            return KERNEL_BAD_INDEX;
+    return 0;
+}
+
+#if defined(__AVX512BF16__)
+/* The forward over n tokens: decode (one token per request, `lens` its KV length with it) when
+ * prefix_lens is NULL, else an extend (request b: extend_lens[b] tokens from q_starts[b], after a
+ * cached prefix of prefix_lens[b]). Inputs already checked. */
+static int forward(const NativeModel *m, const int64_t *ids, const int64_t *positions, const int64_t *loc, int64_t n,
+                   const int64_t *rows, const int64_t *lens, const int64_t *prefix_lens, const int64_t *extend_lens,
+                   const int64_t *q_starts, int64_t bs, bf16_t *out, int num_threads) {
+    const int64_t H = m->hidden, D = m->head_dim, Q = m->heads * D, KV = m->kv_heads * D, I = m->intermediate;
+    const int64_t QKV = Q + 2 * KV, half = D / 2;
+    /* h: the residual stream; x: a norm's output; qkv; q: the rotated queries, contiguous; kv: an
+     * extend's rotated keys and values, contiguous; att: the attention's float32 output, then as
+     * bfloat16 in a; t: a GEMM's output; act: silu(gate) * up */
+    const int extend = prefix_lens != NULL;
+    bf16_t *h = malloc(sizeof(bf16_t) * n * (2 * H + QKV + Q + (extend ? 2 * KV : 0) + Q + H + I));
+    float *att = malloc(sizeof(float) * n * Q);
+    if (!h || !att) {
+        free(h);
+        free(att);
+        return KERNEL_NO_MEMORY;
+    }
+    bf16_t *x = h + n * H, *qkv = x + n * H, *q = qkv + n * QKV, *kn = q + n * Q, *vn = kn + (extend ? n * KV : 0);
+    bf16_t *a = vn + (extend ? n * KV : 0), *t = a + n * Q, *act = t + n * H;
+    const int par = n >= PARALLEL_ROWS;
+    int err = 0;
+    for (int64_t i = 0; i < n; ++i) memcpy(h + i * H, m->embed + ids[i] * H, sizeof(bf16_t) * H);
+    for (int64_t l = 0; l < m->layers && !err; ++l) {
+        const LayerWeights *L = m->layer + l;
+        rms_norm(h, H, x, H, n, H, L->input_norm, m->eps, num_threads);
+        packed_gemm_bf16(x, n, H, L->qkv, QKV, qkv, num_threads);
+        if (L->qkv_bias) add_rows(qkv, QKV, L->qkv_bias, 0, n, QKV, num_threads);
+#pragma omp parallel for num_threads(num_threads) if (par) schedule(static)
+        for (int64_t i = 0; i < n; ++i) {
+            bf16_t *row = qkv + i * QKV, *kr = row + Q;
+            if (L->q_norm) {
+                rms_norm(row, D, row, D, m->heads, D, L->q_norm, m->eps, 1);
+                rms_norm(kr, D, kr, D, m->kv_heads, D, L->k_norm, m->eps, 1);
+            }
+            const float *c = m->cos + positions[i] * half, *s = m->sin + positions[i] * half;
+            rope_heads(row, m->heads, D, c, s);
+            rope_heads(kr, m->kv_heads, D, c, s);
+            memcpy(q + i * Q, row, sizeof(bf16_t) * Q);
+            memcpy(L->k_cache + loc[i] * KV, kr, sizeof(bf16_t) * KV);
+            memcpy(L->v_cache + loc[i] * KV, kr + KV, sizeof(bf16_t) * KV);
+            if (extend) {
+                memcpy(kn + i * KV, kr, sizeof(bf16_t) * KV);
+                memcpy(vn + i * KV, kr + KV, sizeof(bf16_t) * KV);
+            }
+        }
+        if (extend)
+            err = paged_extend_attention(q, DTYPE_BF16, kn, vn, L->k_cache, L->v_cache, DTYPE_BF16, m->num_slots, m->r2t,
+                                         m->r2t_rows, m->r2t_stride, rows, prefix_lens, extend_lens, q_starts, bs,
+                                         m->kv_heads, m->heads / m->kv_heads, D, m->scale, att, num_threads);
+        else
+            err = paged_decode_attention(q, DTYPE_BF16, L->k_cache, L->v_cache, DTYPE_BF16, m->num_slots, m->r2t,
+                                         m->r2t_rows, m->r2t_stride, rows, lens, bs, m->kv_heads, m->heads / m->kv_heads,
+                                         D, m->scale, att, num_threads);
+#pragma omp parallel for num_threads(num_threads) if (par) schedule(static)
+        for (int64_t i = 0; i < n; ++i)
+            for (int64_t j = 0; j < Q; ++j) a[i * Q + j] = f32_to_bf16(att[i * Q + j]);
+        packed_gemm_bf16(a, n, Q, L->o, H, t, num_threads);
+        add_rows(h, H, t, H, n, H, num_threads);
+        rms_norm(h, H, x, H, n, H, L->post_norm, m->eps, num_threads);
+        packed_gemm_silu_mul_bf16(x, n, H, L->gate_up, 2 * I, act, num_threads);
+        packed_gemm_bf16(act, n, I, L->down, H, t, num_threads);
+        add_rows(h, H, t, H, n, H, num_threads);
+    }
+    if (!err) rms_norm(h, H, out, H, n, H, m->final_norm, m->eps, num_threads);
+    free(h);
+    free(att);
+    return err;
+}
+#endif
+
+/* A decode step. ids, positions, rows (req_to_token rows), lens (KV length with this token), loc
+ * (this token's slot): [bs] int64. out: [bs, hidden] bfloat16, the final norm's output. Returns 0,
+ * or KERNEL_BAD_INDEX (an id, position, slot or row out of range; nothing written to the pools),
+ * KERNEL_NO_MEMORY, or FORWARD_UNSUPPORTED (this build has no AVX512_BF16). */
+int decode_step(const NativeModel *m, const int64_t *ids, const int64_t *positions, const int64_t *rows,
+                const int64_t *lens, const int64_t *loc, int64_t bs, bf16_t *out, int num_threads) {
+#if defined(__AVX512BF16__)
+    if (check_tokens(m, ids, positions, loc, bs)) return KERNEL_BAD_INDEX;
+    for (int64_t b = 0; b < bs; ++b)
+        if (lens[b] < 1 || check_indices(m->r2t, m->r2t_rows, m->r2t_stride, rows[b], lens[b], m->num_slots))
+            return KERNEL_BAD_INDEX;
+    if (bs == 0) return 0;
+    return forward(m, ids, positions, loc, bs, rows, lens, NULL, NULL, NULL, bs, out, num_threads);
+#else
+    (void)m; (void)ids; (void)positions; (void)rows; (void)lens; (void)loc; (void)bs; (void)out; (void)num_threads;
+    return FORWARD_UNSUPPORTED;
+#endif
+}
+
+/* An extend (prefill) pass over n tokens of bs requests, request after request: ids, positions,
+ * loc [n]; rows, prefix_lens (tokens already cached), extend_lens (this pass's tokens) [bs], the
+ * extend_lens summing to n. out: [n, hidden] bfloat16. Returns as decode_step does. */
+int extend_step(const NativeModel *m, const int64_t *ids, const int64_t *positions, const int64_t *loc, int64_t n,
+                const int64_t *rows, const int64_t *prefix_lens, const int64_t *extend_lens, int64_t bs, bf16_t *out,
+                int num_threads) {
+#if defined(__AVX512BF16__)
+    if (m->head_dim > 128) return FORWARD_UNSUPPORTED;  /* the extend attention kernel's limit */
+    if (check_tokens(m, ids, positions, loc, n)) return KERNEL_BAD_INDEX;
+    int64_t *q_starts = malloc(sizeof(int64_t) * (bs ? bs : 1)), total = 0;
+    if (!q_starts) return KERNEL_NO_MEMORY;
+    for (int64_t b = 0; b < bs; ++b) {
+        q_starts[b] = total;
+        total += extend_lens[b];
+        if (prefix_lens[b] < 0 || extend_lens[b] < 0 ||
+            check_indices(m->r2t, m->r2t_rows, m->r2t_stride, rows[b], prefix_lens[b] + extend_lens[b], m->num_slots)) {
+            free(q_starts);
+            return KERNEL_BAD_INDEX;
+        }
+    }
+    int err = total != n ? KERNEL_BAD_INDEX : n == 0 ? 0
+              : forward(m, ids, positions, loc, n, rows, NULL, prefix_lens, extend_lens, q_starts, bs, out, num_threads);
+    free(q_starts);
+    return err;
+#else
+    (void)m; (void)ids; (void)positions; (void)loc; (void)n; (void)rows; (void)prefix_lens; (void)extend_lens; (void)bs;
+    (void)out; (void)num_threads;
+    return FORWARD_UNSUPPORTED;
+#endif
+}

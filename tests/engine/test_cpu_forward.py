@@ -1,0 +1,189 @@
+"""The native forward (engine/kernels/cpu_forward.py) against the eager bfloat16 model it replaces:
+the same logits, greedy tokens and stored K/V at extend (a cached prefix included) and decode; where
+it cannot serve a model it says why; bad indices raise before anything is written; and a bfloat16
+engine runs every step through it."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from baton.engine.kernels import cpu_forward, cpu_linear
+from baton.engine.layers.linear import pack_linear_weights
+from baton.engine.model_executor.forward_batch import ForwardMode
+from baton.engine.model_executor.model_loader import load_model
+
+from test_models import PROMPTS, LLAMA3_ROPE, PagedRunner
+
+pytestmark = pytest.mark.skipif(cpu_linear.unavailable_reason() is not None,
+                                reason=f"no packed bfloat16 kernel here: {cpu_linear.unavailable_reason()}")
+
+CASES = {
+    "llama": ("llama", {"hidden_size": 128}),  # head_dim 32
+    "llama-tied-llama3rope": ("llama", {"tie_word_embeddings": True, "rope_parameters": LLAMA3_ROPE}),
+    "qwen2": ("qwen2", {}),  # q/k/v bias
+    "qwen3": ("qwen3", {}),  # per-head q/k norms
+}
+STEPS = 6
+
+
+def _load(factory, arch, **overrides):
+    model, config, dtype = load_model(factory(arch, **overrides), dtype="bfloat16")
+    assert dtype == torch.bfloat16 and pack_linear_weights(model, "cpu") > 0
+    return model, config
+
+
+class NativeRunner(PagedRunner):
+    """PagedRunner whose extend and decode passes go through the native forward."""
+
+    def __init__(self, model, config, **kw) -> None:
+        super().__init__(model, config, native_decode=True, dtype=torch.bfloat16, **kw)
+        self.fwd = cpu_forward.NativeForward.create(model, self.req_pool, self.kv_pool)
+        assert self.fwd is not None, cpu_forward.unavailable_reason(model, self.kv_pool)
+
+    def run(self, mode, rows, tokens, prefix_lens):
+        r2t = self.req_pool.req_to_token
+        if mode == ForwardMode.DECODE:
+            hidden = self.fwd.decode(torch.tensor([t[0] for t in tokens]), torch.tensor(prefix_lens), torch.tensor(rows),
+                                     torch.tensor([p + 1 for p in prefix_lens]),
+                                     torch.stack([r2t[r, p] for r, p in zip(rows, prefix_lens)]))
+        else:
+            positions = torch.cat([torch.arange(p, p + len(t)) for p, t in zip(prefix_lens, tokens)])
+            loc = torch.cat([r2t[r, p:p + len(t)] for r, p, t in zip(rows, prefix_lens, tokens)])
+            hidden = self.fwd.extend(torch.tensor(sum(tokens, [])), positions, loc, torch.tensor(rows),
+                                     torch.tensor(prefix_lens), torch.tensor([len(t) for t in tokens]))
+        with torch.no_grad():
+            return self.model.compute_logits(hidden)
+
+
+def _both(model, config, fn):
+    """fn(runner) on the eager model's runner, then on the native one (same slot layout)."""
+    return [(fn(runner), runner.kv_pool) for runner in (
+        PagedRunner(model, config, page_size=4, native_decode=True, dtype=torch.bfloat16),
+        NativeRunner(model, config, page_size=4))]
+
+
+def _assert_pools_match(config, eager_pool, native_pool):
+    for layer in range(config.num_hidden_layers):
+        for eager_buf, native_buf in zip(eager_pool.get_kv_buffer(layer), native_pool.get_kv_buffer(layer)):
+            torch.testing.assert_close(native_buf.float(), eager_buf.float(), atol=0.05, rtol=0.02)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_native_forward_matches_eager_model(tiny_model_factory, case):
+    arch, overrides = CASES[case]
+    model, config = _load(tiny_model_factory, arch, **overrides)
+    rows, prompts = [2, 0, 1], [PROMPTS[1], PROMPTS[0], PROMPTS[2]]
+    lens = [len(p) for p in prompts]
+
+    def prefill_and_decode(runner):
+        logits = runner.run(ForwardMode.EXTEND, rows, prompts, [0, 0, 0])
+        tokens, step_logits = runner.decode_greedy(rows, logits[torch.tensor(lens).cumsum(0) - 1], lens, STEPS)
+        return logits, tokens, step_logits
+
+    ((eager_prefill, eager_tokens, eager_steps), eager_pool), ((prefill, tokens, steps), pool) = _both(
+        model, config, prefill_and_decode)
+    assert tokens == eager_tokens
+    # eager rounds the same ops the same way (identical here); only the RMSNorm's sum of squares is
+    # added in another order, which may move a rounding by one unit
+    torch.testing.assert_close(prefill, eager_prefill, atol=0.05, rtol=0)
+    torch.testing.assert_close(steps, eager_steps, atol=0.05, rtol=0)
+    _assert_pools_match(config, eager_pool, pool)
+
+
+def test_native_extend_after_a_cached_prefix(tiny_model_factory):
+    """A chunked prefill: the second chunk's tokens attend to the first chunk's K/V in the pool."""
+    model, config = _load(tiny_model_factory, "qwen3")
+    prompt = PROMPTS[1] + PROMPTS[0]  # 19 tokens: chunks of 12 and 7, beside a one-pass request
+
+    def chunked(runner):
+        runner.run(ForwardMode.EXTEND, [0], [prompt[:12]], [0])
+        return runner.run(ForwardMode.EXTEND, [0, 1], [prompt[12:], PROMPTS[2]], [12, 0])
+
+    (eager, eager_pool), (native, pool) = _both(model, config, chunked)
+    torch.testing.assert_close(native, eager, atol=0.05, rtol=0)
+    assert native.argmax(-1).tolist() == eager.argmax(-1).tolist()
+    _assert_pools_match(config, eager_pool, pool)
+
+
+def test_unavailable_reasons(tiny_model_factory):
+    from baton.engine.mem_cache.memory_pool import MHATokenToKVPool
+
+    def pool(config, dtype=torch.bfloat16):
+        head_dim = config.hidden_size // config.num_attention_heads
+        return MHATokenToKVPool(64, 1, dtype, config.num_key_value_heads, head_dim, config.num_hidden_layers, "cpu")
+
+    model, config = _load(tiny_model_factory, "llama")
+    assert cpu_forward.unavailable_reason(model, pool(config)) is None
+    assert "KV cache" in cpu_forward.unavailable_reason(model, pool(config, torch.float8_e5m2))
+    assert "tensor parallelism" in cpu_forward.unavailable_reason(model, pool(config), tp_size=2)
+    moe, moe_config = _load(tiny_model_factory, "qwen3_moe")
+    assert "MoE" in cpu_forward.unavailable_reason(moe, pool(moe_config))
+    fp32, fp32_config, _ = load_model(tiny_model_factory("llama"))
+    assert "not bfloat16" in cpu_forward.unavailable_reason(fp32, pool(fp32_config, torch.float32))
+    unpacked, _, _ = load_model(tiny_model_factory("llama"), dtype="bfloat16")  # --disable-packed-linear
+    assert "packed" in cpu_forward.unavailable_reason(unpacked, pool(config))
+
+
+def test_bad_indices_raise_before_writing(tiny_model_factory):
+    model, config = _load(tiny_model_factory, "llama")
+    runner = NativeRunner(model, config, page_size=1)
+    runner.run(ForwardMode.EXTEND, [0], [PROMPTS[0]], [0])
+    snapshot = lambda: [t.clone() for layer in range(config.num_hidden_layers)  # noqa: E731
+                        for t in runner.kv_pool.get_kv_buffer(layer)]
+    before = snapshot()
+    n, slots = len(PROMPTS[0]), runner.kv_pool.get_kv_buffer(0)[0].shape[0]
+    loc = runner.req_pool.req_to_token[0, n:n + 1]
+    good = dict(input_ids=torch.tensor([5]), positions=torch.tensor([n]), req_pool_indices=torch.tensor([0]),
+                seq_lens=torch.tensor([n + 1]), out_cache_loc=loc)
+    for name, value in [("input_ids", [config.vocab_size]), ("positions", [-1]), ("req_pool_indices", [99]),
+                        ("seq_lens", [10_000]), ("out_cache_loc", [slots])]:
+        with pytest.raises(RuntimeError, match="out of range"):
+            runner.fwd.decode(**{**good, name: torch.tensor(value)})
+    with pytest.raises(ValueError, match="must be"):
+        runner.fwd.decode(**{**good, "positions": torch.tensor([n, n])})
+    ext = dict(input_ids=torch.tensor([5, 6]), positions=torch.tensor([n, n + 1]),
+               out_cache_loc=runner.req_pool.req_to_token[0, n:n + 2], req_pool_indices=torch.tensor([0]),
+               prefix_lens=torch.tensor([n]), extend_lens=torch.tensor([2]))
+    for name, value in [("extend_lens", [3]), ("prefix_lens", [10_000]), ("input_ids", [5, -1]),
+                        ("req_pool_indices", [-1])]:
+        with pytest.raises(RuntimeError, match="out of range"):
+            runner.fwd.extend(**{**ext, name: torch.tensor(value)})
+    assert all(torch.equal(a, b) for a, b in zip(before, snapshot()))
+    assert runner.fwd.decode(**good).shape == (1, config.hidden_size)  # and it still serves
+    assert runner.fwd.extend(**ext).shape == (2, config.hidden_size)
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["plain", "mixed-chunk"])
+def test_engine_runs_every_step_natively(tiny_model_factory, mixed):
+    """Through the scheduler (chunked prefill, prefix hits, batches that change; with
+    --enable-mixed-chunk, decode tokens ride in extend batches): every step takes the native
+    forward, nothing is compiled, and the greedy tokens are the model's own forward's."""
+    from scheduler_harness import SchedulerHarness
+
+    path = tiny_model_factory("qwen3")
+    shared = PROMPTS[1]
+    results = {}
+    for disable in (True, False):
+        h = SchedulerHarness(path, dtype="bfloat16", disable_native_forward=disable, max_total_tokens=2048,
+                             chunked_prefill_size=8, enable_mixed_chunk=mixed, enable_torch_compile=not disable)
+        runner = h.scheduler.worker.model_runner
+        assert (runner.native_forward is None) == disable
+        calls = {"decode": 0, "extend": 0}
+        if not disable:
+            assert runner.compiled_model is None  # nothing to compile, though asked to
+            fwd = runner.native_forward
+            for name in calls:
+                def counted(*a, name=name, fn=getattr(fwd, name)):
+                    calls[name] += 1
+                    return fn(*a)
+                setattr(fwd, name, counted)
+        for i, p in enumerate([shared, shared + PROMPTS[0], PROMPTS[2], shared + PROMPTS[2]]):
+            h.submit(str(i), p, max_new_tokens=6, ignore_eos=True)
+            h.step()  # arrivals between steps: chunks, prefix hits, mixed batches
+        results[disable] = {rid: c.ids for rid, c in h.run_until_idle().items()}
+        assert all(len(ids) == 6 for ids in results[disable].values())
+        assert (min(calls.values()) > 0) != disable
+        assert h.scheduler.check_memory_integrity()
+        if mixed:
+            assert h.scheduler.stats.mixed_decode_tokens > 0
+    assert results[False] == results[True]
