@@ -123,6 +123,8 @@ class ModelRunner:
         self.allocator = TokenToKVPoolAllocator(cfg.max_total_tokens, page, self.device)
         self.attn_backend = create_attention_backend(server_args.attention_backend, model_runner=self)
         phase("kv_pool")
+        self.cuda_graph_runner = self._init_cuda_graph_runner()
+        phase("cuda_graphs")
         # Decode: its shapes change little (batch size, KV length), so one dynamic graph serves every
         # step and removes most of the per-step Python/dispatch floor. On CPU with the torch backend
         # the extend compiles too (a second graph, dynamic in the token count): its attention loop is
@@ -146,8 +148,6 @@ class ModelRunner:
                                if server_args.enable_torch_compile and self.native_forward is None else None)
         self.compile_extend = (self.compiled_model is not None and self.device == "cpu"
                                and server_args.attention_backend == "torch")
-        self.cuda_graph_runner = self._init_cuda_graph_runner()
-        phase("cuda_graphs")
         self._warm_up_compiled()
         phase("compile")
         logger.info("model loaded: %s layers, dtype %s, KV cache %s, KV pool %d tokens, %d max running requests",
