@@ -105,6 +105,23 @@ def test_native_extend_after_a_cached_prefix(tiny_model_factory):
     _assert_pools_match(config, eager_pool, pool)
 
 
+def test_native_extend_of_many_tokens_runs_its_elementwise_loops_threaded(tiny_model_factory):
+    """From PARALLEL_ROWS (64) tokens the norms, RoPE and KV store run over the OpenMP threads."""
+    model, config = _load(tiny_model_factory, "qwen2")
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, config.vocab_size, (n,), generator=g).tolist() for n in (45, 40)]  # 85 tokens
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        (eager, eager_pool), (native, pool) = _both(
+            model, config, lambda runner: runner.run(ForwardMode.EXTEND, [0, 1], prompts, [0, 0]))
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(native, eager, atol=0.05, rtol=0)
+    assert native.argmax(-1).tolist() == eager.argmax(-1).tolist()
+    _assert_pools_match(config, eager_pool, pool)
+
+
 def test_unavailable_reasons(tiny_model_factory):
     from baton.engine.mem_cache.memory_pool import MHATokenToKVPool
 
