@@ -12,7 +12,8 @@ layer, with the norms, RoPE and the KV store between them, so a step costs its k
 call. It serves the decode and extend steps of bfloat16 Llama, Qwen2 and Qwen3 models (not MoE) on
 CPUs with AVX512_BF16, with the packed linears, a bfloat16 KV cache and one TP rank; anything else
 keeps the model's own forward (the reason is logged once). It rounds where the eager bfloat16 model
-rounds (the tests compare logits, greedy tokens and the stored K/V). `--disable-native-forward` or
+rounds and sums the RMSNorm's squares in torch's order, so its logits, greedy tokens and stored K/V
+are the eager model's bit for bit (the tests require it). `--disable-native-forward` or
 `BATON_DISABLE_CPU_KERNELS=1` turn it off.
 """
 from __future__ import annotations
@@ -64,7 +65,16 @@ def _library() -> ctypes.CDLL:
     lib.extend_step.argtypes = [ctypes.POINTER(_Model), _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr,
                                 ctypes.c_int]
     lib.extend_step.restype = ctypes.c_int
+    lib.rms_norm_bf16.argtypes = [_ptr, _i64, _i64, _ptr, ctypes.c_float, _ptr]  # x, rows, n, weight, eps, y
+    lib.rms_norm_bf16.restype = None
     return lib
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The native forward's RMSNorm alone, over the rows of a contiguous bfloat16 x (for the tests)."""
+    y = torch.empty_like(x)
+    _library().rms_norm_bf16(x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), eps, y.data_ptr())
+    return y
 
 
 def _ptr_of(t: Optional[torch.Tensor]) -> Optional[int]:
