@@ -74,7 +74,8 @@ static float sum_squares(const bf16_t *x, int64_t n) {
     for (int j = 0; j < LEVELS; ++j)
         for (int k = 0; k < ILP; ++k) acc[j][k] = _mm256_setzero_ps();
 #define SQ(i) _mm256_mul_ps(bf16x8((i) * W), bf16x8((i) * W))
-#define bf16x8(off) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(x + (off)))), 16))
+#define bf16x8(off) \
+    _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(x + (off)))), 16))
     int64_t i = 0;
     while (i + step <= m) {
         for (int64_t j = 0; j < step; ++j, ++i)
@@ -204,13 +205,13 @@ static int forward(const NativeModel *m, const int64_t *ids, const int64_t *posi
             }
         }
         if (extend)
-            err = paged_extend_attention(q, DTYPE_BF16, kn, vn, L->k_cache, L->v_cache, DTYPE_BF16, m->num_slots, m->r2t,
-                                         m->r2t_rows, m->r2t_stride, rows, prefix_lens, extend_lens, q_starts, bs,
-                                         m->kv_heads, m->heads / m->kv_heads, D, m->scale, att, num_threads);
+            err = paged_extend_attention(q, DTYPE_BF16, kn, vn, L->k_cache, L->v_cache, DTYPE_BF16, m->num_slots,
+                                         m->r2t, m->r2t_rows, m->r2t_stride, rows, prefix_lens, extend_lens, q_starts,
+                                         bs, m->kv_heads, m->heads / m->kv_heads, D, m->scale, att, num_threads);
         else
             err = paged_decode_attention(q, DTYPE_BF16, L->k_cache, L->v_cache, DTYPE_BF16, m->num_slots, m->r2t,
-                                         m->r2t_rows, m->r2t_stride, rows, lens, bs, m->kv_heads, m->heads / m->kv_heads,
-                                         D, m->scale, att, num_threads);
+                                         m->r2t_rows, m->r2t_stride, rows, lens, bs, m->kv_heads,
+                                         m->heads / m->kv_heads, D, m->scale, att, num_threads);
 #pragma omp parallel for num_threads(num_threads) if (par) schedule(static)
         for (int64_t i = 0; i < n; ++i)
             for (int64_t j = 0; j < Q; ++j) a[i * Q + j] = f32_to_bf16(att[i * Q + j]);
@@ -267,8 +268,10 @@ int extend_step(const NativeModel *m, const int64_t *ids, const int64_t *positio
             return KERNEL_BAD_INDEX;
         }
     }
-    int err = total != n ? KERNEL_BAD_INDEX : n == 0 ? 0
-              : forward(m, ids, positions, loc, n, rows, NULL, prefix_lens, extend_lens, q_starts, bs, out, num_threads);
+    int err = total != n ? KERNEL_BAD_INDEX
+              : n == 0   ? 0
+                         : forward(m, ids, positions, loc, n, rows, NULL, prefix_lens, extend_lens, q_starts, bs, out,
+                                   num_threads);
     free(q_starts);
     return err;
 #else

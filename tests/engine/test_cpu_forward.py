@@ -48,8 +48,8 @@ class NativeRunner(PagedRunner):
     def run(self, mode, rows, tokens, prefix_lens):
         r2t = self.req_pool.req_to_token
         if mode == ForwardMode.DECODE:
-            hidden = self.fwd.decode(torch.tensor([t[0] for t in tokens]), torch.tensor(prefix_lens), torch.tensor(rows),
-                                     torch.tensor([p + 1 for p in prefix_lens]),
+            hidden = self.fwd.decode(torch.tensor([t[0] for t in tokens]), torch.tensor(prefix_lens),
+                                     torch.tensor(rows), torch.tensor([p + 1 for p in prefix_lens]),
                                      torch.stack([r2t[r, p] for r, p in zip(rows, prefix_lens)]))
         else:
             positions = torch.cat([torch.arange(p, p + len(t)) for p, t in zip(prefix_lens, tokens)])
