@@ -12,6 +12,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -59,17 +60,18 @@ def _compiler() -> str:
     return cc
 
 
+_INCLUDED_SOURCE = re.compile(r'^\s*#include\s+"([^"]+\.c)"', re.MULTILINE)
+
+
 def _included_sources(source: Path, seen: Optional[set] = None) -> list[str]:
     """The text of every `.c` file `source` includes with `#include "name.c"`, recursively."""
     seen = set() if seen is None else seen
     texts = []
-    for line in source.read_text().splitlines():
-        name = line.strip().removeprefix("#include").strip()
-        if line.lstrip().startswith("#include") and name.startswith('"') and name.endswith('.c"'):
-            path = source.parent / name.strip('"')
-            if path not in seen:
-                seen.add(path)
-                texts += [path.read_text(), *_included_sources(path, seen)]
+    for name in _INCLUDED_SOURCE.findall(source.read_text()):
+        path = source.parent / name
+        if path not in seen:
+            seen.add(path)
+            texts += [path.read_text(), *_included_sources(path, seen)]
     return texts
 
 

@@ -204,14 +204,15 @@ static int forward(const NativeModel *m, const int64_t *ids, const int64_t *posi
                 memcpy(vn + i * KV, kr + KV, sizeof(bf16_t) * KV);
             }
         }
+        /* the requests' slots were checked once for the step (decode_step, extend_step) */
         if (extend)
-            err = paged_extend_attention(q, DTYPE_BF16, kn, vn, L->k_cache, L->v_cache, DTYPE_BF16, m->num_slots,
-                                         m->r2t, m->r2t_rows, m->r2t_stride, rows, prefix_lens, extend_lens, q_starts,
-                                         bs, m->kv_heads, m->heads / m->kv_heads, D, m->scale, att, num_threads);
+            err = extend_attention(q, DTYPE_BF16, kn, vn, L->k_cache, L->v_cache, DTYPE_BF16, m->num_slots, m->r2t,
+                                   m->r2t_rows, m->r2t_stride, rows, prefix_lens, extend_lens, q_starts, bs,
+                                   m->kv_heads, m->heads / m->kv_heads, D, m->scale, att, num_threads, 0);
         else
-            err = paged_decode_attention(q, DTYPE_BF16, L->k_cache, L->v_cache, DTYPE_BF16, m->num_slots, m->r2t,
-                                         m->r2t_rows, m->r2t_stride, rows, lens, bs, m->kv_heads,
-                                         m->heads / m->kv_heads, D, m->scale, att, num_threads);
+            err = decode_attention(q, DTYPE_BF16, L->k_cache, L->v_cache, DTYPE_BF16, m->num_slots, m->r2t, m->r2t_rows,
+                                   m->r2t_stride, rows, lens, bs, m->kv_heads, m->heads / m->kv_heads, D, m->scale,
+                                   att, num_threads, 0);
 #pragma omp parallel for num_threads(num_threads) if (par) schedule(static)
         for (int64_t i = 0; i < n; ++i)
             for (int64_t j = 0; j < Q; ++j) a[i * Q + j] = f32_to_bf16(att[i * Q + j]);

@@ -444,11 +444,12 @@ static void attend_dispatch(const void *qb, int q_dtype, const void *k, const vo
     ATTEND_DIMS(DTYPE_E5M2)
 }
 
-/* q_dtype: float32, bfloat16 or float16; kv_dtype: one of those or float8 e5m2. */
-int paged_decode_attention(const void *q, int q_dtype, const void *k, const void *v, int kv_dtype,
-                           int64_t num_slots, const int64_t *r2t, int64_t r2t_rows, int64_t r2t_stride,
-                           const int64_t *rows, const int64_t *lens, int64_t bs, int64_t kv_heads, int64_t group,
-                           int64_t head_dim, float scale, float *out, int num_threads) {
+/* paged_decode_attention below; `check` 0 skips the scan of every request's slots (a caller that
+ * checked them once for all its layers: cpu_forward.c). */
+static int decode_attention(const void *q, int q_dtype, const void *k, const void *v, int kv_dtype, int64_t num_slots,
+                            const int64_t *r2t, int64_t r2t_rows, int64_t r2t_stride, const int64_t *rows,
+                            const int64_t *lens, int64_t bs, int64_t kv_heads, int64_t group, int64_t head_dim,
+                            float scale, float *out, int num_threads, int check) {
     if (q_dtype != DTYPE_F32 && q_dtype != DTYPE_BF16 && q_dtype != DTYPE_F16) return KERNEL_BAD_INDEX;
     if (kv_dtype != DTYPE_F32 && kv_dtype != DTYPE_BF16 && kv_dtype != DTYPE_F16 && kv_dtype != DTYPE_E5M2)
         return KERNEL_BAD_INDEX;
@@ -463,7 +464,7 @@ int paged_decode_attention(const void *q, int q_dtype, const void *k, const void
 #pragma omp for schedule(dynamic, 1)
         for (int64_t b = 0; b < bs; ++b) {
             const int64_t len = lens[b];
-            int err = check_indices(r2t, r2t_rows, r2t_stride, rows[b], len, num_slots);
+            int err = check ? check_indices(r2t, r2t_rows, r2t_stride, rows[b], len, num_slots) : 0;
             /* the scores, then (as bfloat16, a row of len + 2 per query row of the group) the probabilities */
             if (!err && kv_heads * group * len + group * (len + 2) > capacity) {
                 free(scores);
@@ -484,6 +485,15 @@ int paged_decode_attention(const void *q, int q_dtype, const void *k, const void
         free(scores);
     }
     return failed;
+}
+
+/* q_dtype: float32, bfloat16 or float16; kv_dtype: one of those or float8 e5m2. */
+int paged_decode_attention(const void *q, int q_dtype, const void *k, const void *v, int kv_dtype,
+                           int64_t num_slots, const int64_t *r2t, int64_t r2t_rows, int64_t r2t_stride,
+                           const int64_t *rows, const int64_t *lens, int64_t bs, int64_t kv_heads, int64_t group,
+                           int64_t head_dim, float scale, float *out, int num_threads) {
+    return decode_attention(q, q_dtype, k, v, kv_dtype, num_slots, r2t, r2t_rows, r2t_stride, rows, lens, bs, kv_heads,
+                            group, head_dim, scale, out, num_threads, 1);
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -754,12 +764,12 @@ INLINE void ext_task(const void *q, int q_dtype, const void *kn, const void *vn,
     }
 }
 
-/* q_dtype: float32, bfloat16 or float16; kv_dtype: one of those or float8 e5m2; head_dim <= 128. */
-int paged_extend_attention(const void *q, int q_dtype, const void *kn, const void *vn, const void *k, const void *v,
-                           int kv_dtype, int64_t num_slots,
-                           const int64_t *r2t, int64_t r2t_rows, int64_t r2t_stride, const int64_t *rows,
-                           const int64_t *prefix_lens, const int64_t *extend_lens, const int64_t *q_starts, int64_t bs,
-                           int64_t kv_heads, int64_t group, int64_t head_dim, float scale, float *out, int num_threads) {
+/* paged_extend_attention below; `check` as decode_attention's. */
+static int extend_attention(const void *q, int q_dtype, const void *kn, const void *vn, const void *k, const void *v,
+                            int kv_dtype, int64_t num_slots, const int64_t *r2t, int64_t r2t_rows, int64_t r2t_stride,
+                            const int64_t *rows, const int64_t *prefix_lens, const int64_t *extend_lens,
+                            const int64_t *q_starts, int64_t bs, int64_t kv_heads, int64_t group, int64_t head_dim,
+                            float scale, float *out, int num_threads, int check) {
     if (q_dtype != DTYPE_F32 && q_dtype != DTYPE_BF16 && q_dtype != DTYPE_F16) return KERNEL_BAD_INDEX;
     if (kv_dtype != DTYPE_F32 && kv_dtype != DTYPE_BF16 && kv_dtype != DTYPE_F16 && kv_dtype != DTYPE_E5M2)
         return KERNEL_BAD_INDEX;
@@ -769,7 +779,7 @@ int paged_extend_attention(const void *q, int q_dtype, const void *kn, const voi
     for (int64_t b = 0; b < bs; ++b) {
         if (prefix_lens[b] < 0 || extend_lens[b] < 0) return KERNEL_BAD_INDEX;
         const int64_t len = prefix_lens[b] + extend_lens[b];
-        if (check_indices(r2t, r2t_rows, r2t_stride, rows[b], len, num_slots)) return KERNEL_BAD_INDEX;
+        if (check && check_indices(r2t, r2t_rows, r2t_stride, rows[b], len, num_slots)) return KERNEL_BAD_INDEX;
         ntasks += (extend_lens[b] + EXT_QCHUNK - 1) / EXT_QCHUNK;
         max_len = len > max_len ? len : max_len;
     }
@@ -815,4 +825,14 @@ int paged_extend_attention(const void *q, int q_dtype, const void *kn, const voi
     free(task_b);
     free(task_j);
     return failed;
+}
+
+/* q_dtype: float32, bfloat16 or float16; kv_dtype: one of those or float8 e5m2; head_dim <= 128. */
+int paged_extend_attention(const void *q, int q_dtype, const void *kn, const void *vn, const void *k, const void *v,
+                           int kv_dtype, int64_t num_slots,
+                           const int64_t *r2t, int64_t r2t_rows, int64_t r2t_stride, const int64_t *rows,
+                           const int64_t *prefix_lens, const int64_t *extend_lens, const int64_t *q_starts, int64_t bs,
+                           int64_t kv_heads, int64_t group, int64_t head_dim, float scale, float *out, int num_threads) {
+    return extend_attention(q, q_dtype, kn, vn, k, v, kv_dtype, num_slots, r2t, r2t_rows, r2t_stride, rows, prefix_lens,
+                            extend_lens, q_starts, bs, kv_heads, group, head_dim, scale, out, num_threads, 1);
 }

@@ -268,13 +268,13 @@ class ModelRunner:
         """Runs the model; returns hidden states [num_tokens, hidden]."""
         if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(fb):
             return self.cuda_graph_runner.replay(fb)  # plans its own (padded) attention metadata
-        if self.native_forward is not None and fb.forward_mode == ForwardMode.DECODE:
-            return self.native_forward.decode(fb.input_ids, fb.positions, fb.req_pool_indices, fb.seq_lens,
-                                              fb.out_cache_loc)
-        if self.native_forward is not None and fb.forward_mode == ForwardMode.EXTEND:
-            return self.native_forward.extend(fb.input_ids, fb.positions, fb.out_cache_loc, fb.req_pool_indices,
-                                              torch.tensor(fb.extend_prefix_lens_cpu, dtype=torch.int64),
-                                              torch.tensor(fb.extend_seq_lens_cpu, dtype=torch.int64))
+        native = self.native_forward
+        if native is not None and fb.forward_mode == ForwardMode.DECODE:
+            return native.decode(fb.input_ids, fb.positions, fb.req_pool_indices, fb.seq_lens, fb.out_cache_loc)
+        if native is not None and fb.forward_mode == ForwardMode.EXTEND:
+            return native.extend(fb.input_ids, fb.positions, fb.out_cache_loc, fb.req_pool_indices,
+                                 torch.tensor(fb.extend_prefix_lens_cpu, dtype=torch.int64),
+                                 torch.tensor(fb.extend_seq_lens_cpu, dtype=torch.int64))
         self.attn_backend.init_forward_metadata(fb)
         if self.compiled_model is not None and (
                 (fb.forward_mode == ForwardMode.DECODE and len(fb.seq_lens_cpu) <= self.server_args.torch_compile_max_bs)

@@ -32,8 +32,7 @@ def gc_paused() -> Iterator[None]:
     also holds torch, transformers and an HF model paid ~150 ms for one in the middle of a measured
     run, a stall charged to whichever engine it was timing. Everything alive is frozen for the
     section (the collector still runs on what the section creates) and unfrozen after."""
-    gc.collect()
-    gc.freeze()
+    freeze_gc("timed section")
     try:
         yield
     finally:
