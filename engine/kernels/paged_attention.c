@@ -680,6 +680,169 @@ static void ext_convert_avx512(int q_dtype, const void *kn, const void *vn, cons
 }
 #endif
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+/* The bfloat16 path of a task (bfloat16 queries over a bfloat16 cache, head_dim a multiple of 32),
+ * on AVX512_BF16's pair dot products as torch's CPU flash attention computes in bfloat16: scores
+ * q . k summed in float32 (the products are exact), times the scale; exp(s - max) in float32, its
+ * sum in float32, the exp values rounded to bfloat16 for the value product; the output divided by
+ * the sum at the end. Twice the float32 path's arithmetic per instruction and no conversion of K/V.
+ * Layouts (per task): Kp [L/16][head_dim/2][16] pairs of dimensions of 16 keys (one 16 x 16
+ * transpose of 32-bit lanes per 32 dimensions), Vp [L/2][head_dim] pairs of keys per dimension in
+ * unpack order (as attend_avx512_bf16; one permute per 16 outputs puts the lanes back). */
+static void ext_convert_bf16(const bf16_t *kn, const bf16_t *vn, const bf16_t *k, const bf16_t *v,
+                             const int64_t *slots, int64_t prefix, int64_t q_start, int64_t L, int64_t h,
+                             int64_t kv_heads, int64_t hd, uint32_t *restrict Kp, uint32_t *restrict Vp) {
+    const int64_t width = kv_heads * hd, half = hd / 2;
+    for (int64_t t0 = 0; t0 < L; t0 += 16) {
+        const bf16_t *kr[16], *vr[16];
+        for (int i = 0; i < 16; ++i) {
+            const int64_t t = t0 + i;
+            kr[i] = vr[i] = NULL;
+            if (t >= L) continue;
+            if (t < prefix) {
+                const int64_t off = slots[t] * width + h * hd;
+                kr[i] = k + off;
+                vr[i] = v + off;
+                if (t + 16 < prefix) {
+                    prefetch_head(k, DTYPE_BF16, slots[t + 16] * width + h * hd, hd);
+                    prefetch_head(v, DTYPE_BF16, slots[t + 16] * width + h * hd, hd);
+                }
+            } else {
+                const int64_t off = (q_start + t - prefix) * width + h * hd;
+                kr[i] = kn + off;
+                vr[i] = vn + off;
+            }
+        }
+        uint32_t *panel = Kp + t0 * half;
+        for (int64_t c = 0; c < hd; c += 32) {
+            __m512 r[16];
+            for (int i = 0; i < 16; ++i)
+                r[i] = kr[i] ? _mm512_castsi512_ps(_mm512_loadu_si512((const void *)(kr[i] + c))) : _mm512_setzero_ps();
+            transpose16(r);
+            for (int dd = 0; dd < 16; ++dd) _mm512_storeu_ps((float *)(panel + (c / 2 + dd) * 16), r[dd]);
+        }
+        for (int i = 0; i < 16; i += 2) {
+            uint32_t *dst = Vp + (t0 + i) / 2 * hd;
+            for (int64_t c = 0; c < hd; c += 32) {
+                const __m512i a = vr[i] ? _mm512_loadu_si512((const void *)(vr[i] + c)) : _mm512_setzero_si512();
+                const __m512i b = vr[i + 1] ? _mm512_loadu_si512((const void *)(vr[i + 1] + c)) : _mm512_setzero_si512();
+                _mm512_storeu_si512((void *)(dst + c), _mm512_unpacklo_epi16(a, b));
+                _mm512_storeu_si512((void *)(dst + c + 16), _mm512_unpackhi_epi16(a, b));
+            }
+        }
+    }
+}
+
+/* S[r][t] = (q_r . k_t) * scale for R query rows (qp[r]: the row as pairs of bfloat16) over `npanels`
+ * panels of Kp; four panels at a time, the 4R accumulators in registers. */
+INLINE void ext_qk_bf16(const uint32_t *const *qp, const uint32_t *restrict Kp, int64_t npanels, const int64_t half,
+                        const int R, float scale, float *restrict S, int64_t ld) {
+    const __m512 vs = _mm512_set1_ps(scale);
+    int64_t p = 0;
+    for (; p + 4 <= npanels; p += 4) {
+        __m512 acc[4][4];
+        for (int r = 0; r < R; ++r)
+            for (int i = 0; i < 4; ++i) acc[r][i] = _mm512_setzero_ps();
+        const uint32_t *restrict kp = Kp + p * half * 16;
+        for (int64_t d = 0; d < half; ++d) {
+            __m512bh kv[4];
+            for (int i = 0; i < 4; ++i) kv[i] = (__m512bh)_mm512_loadu_si512((const void *)(kp + (i * half + d) * 16));
+            for (int r = 0; r < R; ++r) {
+                const __m512bh qd = (__m512bh)_mm512_set1_epi32((int)qp[r][d]);
+                for (int i = 0; i < 4; ++i) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], kv[i], qd);
+            }
+        }
+        for (int r = 0; r < R; ++r)
+            for (int i = 0; i < 4; ++i) _mm512_storeu_ps(S + r * ld + (p + i) * 16, _mm512_mul_ps(acc[r][i], vs));
+    }
+    for (; p < npanels; ++p) {
+        __m512 acc[4];
+        for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+        const uint32_t *restrict kp = Kp + p * half * 16;
+        for (int64_t d = 0; d < half; ++d) {
+            const __m512bh kv = (__m512bh)_mm512_loadu_si512((const void *)(kp + d * 16));
+            for (int r = 0; r < R; ++r) acc[r] = _mm512_dpbf16_ps(acc[r], kv, (__m512bh)_mm512_set1_epi32((int)qp[r][d]));
+        }
+        for (int r = 0; r < R; ++r) _mm512_storeu_ps(S + r * ld + p * 16, _mm512_mul_ps(acc[r], vs));
+    }
+}
+
+/* o_r = (sum over key pairs t2 < npairs of P[r][2 t2] V[2 t2] + P[r][2 t2 + 1] V[2 t2 + 1]) * inv[r]
+ * for R rows, 64 dimensions at a time (the 4R accumulators in registers). */
+INLINE void ext_pv_bf16(const bf16_t *restrict P, int64_t ldp, const uint32_t *restrict Vp, int64_t npairs,
+                        const int64_t hd, const int R, const float *restrict inv, float *const *restrict o) {
+    const __m512i lo_idx = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i hi_idx = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int64_t c0 = 0; c0 < hd; c0 += 64) {
+        const int nv = hd - c0 >= 64 ? 4 : 2;
+        __m512 acc[4][4];
+        for (int r = 0; r < R; ++r)
+            for (int i = 0; i < 4; ++i) acc[r][i] = _mm512_setzero_ps();
+        for (int64_t t2 = 0; t2 < npairs; ++t2) {
+            __m512bh vv[4];
+            for (int i = 0; i < nv; ++i) vv[i] = (__m512bh)_mm512_loadu_si512((const void *)(Vp + t2 * hd + c0 + i * 16));
+            for (int r = 0; r < R; ++r) {
+                uint32_t pair;
+                memcpy(&pair, P + r * ldp + 2 * t2, sizeof pair);
+                const __m512bh w = (__m512bh)_mm512_set1_epi32((int)pair);
+                for (int i = 0; i < nv; ++i) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], vv[i], w);
+            }
+        }
+        for (int r = 0; r < R; ++r) {
+            const __m512 s = _mm512_set1_ps(inv[r]);
+            for (int i = 0; i < nv; i += 2) {
+                float *dst = o[r] + c0 + i * 16;
+                _mm512_storeu_ps(dst, _mm512_mul_ps(_mm512_permutex2var_ps(acc[r][i], lo_idx, acc[r][i + 1]), s));
+                _mm512_storeu_ps(dst + 16, _mm512_mul_ps(_mm512_permutex2var_ps(acc[r][i], hi_idx, acc[r][i + 1]), s));
+            }
+        }
+    }
+}
+
+/* ext_task for bfloat16 queries and cache, head_dim % 32 == 0 (buffers: Kp and Vp of ld * head_dim / 2
+ * words each, S [4][ld] float32, P [4][ld + 2] bfloat16). */
+static void ext_task_bf16(const bf16_t *q, const bf16_t *kn, const bf16_t *vn, const bf16_t *k, const bf16_t *v,
+                          const int64_t *slots, int64_t prefix, int64_t q_start, int64_t j0, int64_t j1, int64_t h,
+                          int64_t kv_heads, int64_t group, const int64_t head_dim, float scale, uint32_t *restrict Kp,
+                          uint32_t *restrict Vp, float *restrict S, bf16_t *restrict P, float *restrict out) {
+    enum { R = 4 };
+    const int64_t L = prefix + j1, ld = (L + EXT_KB - 1) / EXT_KB * EXT_KB, ldp = ld + 2, half = head_dim / 2;
+    const int64_t heads = kv_heads * group, nrows = (j1 - j0) * group;
+    ext_convert_bf16(kn, vn, k, v, slots, prefix, q_start, L, h, kv_heads, head_dim, Kp, Vp);
+    for (int64_t r0 = 0; r0 < nrows; r0 += R) {
+        const int nr = nrows - r0 < R ? (int)(nrows - r0) : R;
+        int64_t nk[R];
+        float *o[R], inv[R];
+        const uint32_t *qp[R];
+        for (int r = 0; r < nr; ++r) {
+            const int64_t j = j0 + (r0 + r) / group, g = (r0 + r) % group;
+            const int64_t off = ((q_start + j) * heads + h * group + g) * head_dim;
+            qp[r] = (const uint32_t *)(const void *)(q + off);
+            nk[r] = prefix + j + 1;
+            o[r] = out + off;
+        }
+        const int64_t nk_max = nk[nr - 1], npanels = (nk_max + EXT_KB - 1) / EXT_KB, npairs = (nk_max + 1) / 2;
+#define EXT_QK(NR) ext_qk_bf16(qp, Kp, npanels, half, NR, scale, S, ld)
+        switch (nr) { case 4: EXT_QK(4); break; case 3: EXT_QK(3); break; case 2: EXT_QK(2); break; default: EXT_QK(1); }
+#undef EXT_QK
+        for (int r = 0; r < nr; ++r) {  /* causal: row r sees nk[r] keys; the rest weigh 0 */
+            float *s = S + r * ld;
+            bf16_t *p = P + r * ldp;
+            inv[r] = 1.f / exp_minus_max(s, nk[r]);
+            int64_t t = 0;
+            for (; t + 16 <= nk[r]; t += 16)
+                _mm256_storeu_si256((__m256i *)(p + t), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + t)));
+            const __mmask16 tail = (__mmask16)((1u << (nk[r] - t)) - 1);
+            _mm256_mask_storeu_epi16(p + t, tail, (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(tail, s + t)));
+            for (t = nk[r]; t < 2 * npairs; ++t) p[t] = 0;
+        }
+#define EXT_PV(NR) ext_pv_bf16(P, ldp, Vp, npairs, head_dim, NR, inv, o)
+        switch (nr) { case 4: EXT_PV(4); break; case 3: EXT_PV(3); break; case 2: EXT_PV(2); break; default: EXT_PV(1); }
+#undef EXT_PV
+    }
+}
+#endif
+
 /* One task: query tokens [j0, j1) of request b (positions prefix + j), KV head h. Its keys
  * 0 .. prefix + j1 - 1 are converted once into float32 panels Kp ([L/16][hd][16], zero-padded) and
  * rows Vf ([L][hd]); its query rows (token, group member) go R at a time. */
@@ -793,20 +956,34 @@ static int extend_attention(const void *q, int q_dtype, const void *kn, const vo
     for (int64_t b = 0; b < bs; ++b)
         for (int64_t j = 0; j < extend_lens[b]; j += EXT_QCHUNK) task_b[n] = b, task_j[n++] = j;
     const int64_t ld_max = (max_len + EXT_KB - 1) / EXT_KB * EXT_KB;
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+    const int bf16_path = q_dtype == DTYPE_BF16 && kv_dtype == DTYPE_BF16 && head_dim % 32 == 0;
+#else
+    const int bf16_path = 0;
+#endif
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
         float *Kt = malloc(sizeof(float) * (head_dim * ld_max + 1));
-        float *Vf = malloc(sizeof(float) * (head_dim * max_len + 1));
+        float *Vf = malloc(sizeof(float) * (head_dim * ld_max + 1));
         float *s = malloc(sizeof(float) * (4 * ld_max + 1));
         float *qf = malloc(sizeof(float) * 5 * head_dim);
-        if (!Kt || !Vf || !s || !qf) failed |= KERNEL_NO_MEMORY;
+        bf16_t *pb = bf16_path ? malloc(sizeof(bf16_t) * (4 * (ld_max + 2))) : NULL;
+        if (!Kt || !Vf || !s || !qf || (bf16_path && !pb)) failed |= KERNEL_NO_MEMORY;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < ntasks * kv_heads; ++i) {
-            if (!Kt || !Vf || !s || !qf) continue;
+            if (!Kt || !Vf || !s || !qf || (bf16_path && !pb)) continue;
             const int64_t t = i / kv_heads, h = i % kv_heads, b = task_b[t], j0 = task_j[t];
             const int64_t j1 = j0 + EXT_QCHUNK < extend_lens[b] ? j0 + EXT_QCHUNK : extend_lens[b];
             const int64_t *slots = r2t + rows[b] * r2t_stride;
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+            if (bf16_path) {
+                ext_task_bf16((const bf16_t *)q, (const bf16_t *)kn, (const bf16_t *)vn, (const bf16_t *)k,
+                              (const bf16_t *)v, slots, prefix_lens[b], q_starts[b], j0, j1, h, kv_heads, group, head_dim,
+                              scale, (uint32_t *)Kt, (uint32_t *)Vf, s, pb, out);
+                continue;
+            }
+#endif
 #define EXT_TASK(DIM) ext_task(q, q_dtype, kn, vn, k, v, kv_dtype, slots, prefix_lens[b], q_starts[b], j0, j1, h, kv_heads, \
                                group, DIM, scale, Kt, Vf, s, qf, out)
             switch (head_dim) {
@@ -821,6 +998,7 @@ static int extend_attention(const void *q, int q_dtype, const void *kn, const vo
         free(Vf);
         free(s);
         free(qf);
+        free(pb);
     }
     free(task_b);
     free(task_j);
