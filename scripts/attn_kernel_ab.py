@@ -105,7 +105,9 @@ def main() -> None:
         print(f"{'dtype':9s} {'kv x group x dim':17s} {'layout':12s} {args.base:>10s} {'tree':>10s}  tree/base")
         for dtype, kv_heads, group, head_dim in [(torch.bfloat16, 4, 2, 32), (torch.float32, 4, 2, 32),
                                                  (torch.bfloat16, 2, 4, 64), (torch.bfloat16, 8, 2, 128),
-                                                 (torch.bfloat16, 8, 4, 128), (torch.bfloat16, 4, 7, 128)]:
+                                                 (torch.bfloat16, 8, 4, 128), (torch.bfloat16, 4, 7, 128),
+                                                 (torch.bfloat16, 3, 3, 64), (torch.bfloat16, 2, 7, 64),
+                                                 (torch.bfloat16, 8, 1, 64)]:
             k = torch.randn(num_slots, kv_heads, head_dim).to(dtype)
             v = torch.randn(num_slots, kv_heads, head_dim).to(dtype)
             q = torch.randn(bs, kv_heads, group, head_dim).to(dtype)

@@ -282,6 +282,31 @@ INLINE void attend_avx512(const void *q, const int q_dtype, const void *k, const
 }
 #endif
 
+#if defined(__AVX512F__)
+/* In place: the 16 x 16 block r (row i = r[i]) becomes its transpose. */
+INLINE void transpose16(__m512 r[16]) {
+    __m512 t[16], u[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {  /* u[i + m], lane l: column 4l + m of rows i .. i + 3 */
+        u[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+        u[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+        u[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+        u[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+    }
+    for (int m = 0; m < 4; ++m) {  /* gather lane l of u[m], u[4 + m], u[8 + m], u[12 + m] */
+        const __m512 v02 = _mm512_shuffle_f32x4(u[m], u[4 + m], 0x88), v13 = _mm512_shuffle_f32x4(u[m], u[4 + m], 0xDD);
+        const __m512 w02 = _mm512_shuffle_f32x4(u[8 + m], u[12 + m], 0x88), w13 = _mm512_shuffle_f32x4(u[8 + m], u[12 + m], 0xDD);
+        r[m] = _mm512_shuffle_f32x4(v02, w02, 0x88);
+        r[8 + m] = _mm512_shuffle_f32x4(v02, w02, 0xDD);
+        r[4 + m] = _mm512_shuffle_f32x4(v13, w13, 0x88);
+        r[12 + m] = _mm512_shuffle_f32x4(v13, w13, 0xDD);
+    }
+}
+#endif
+
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 /* Lane t of the result = the sum of v[t]'s 16 lanes: a transposing add tree (45 shuffles and adds
  * for 16 sums instead of 16 horizontal reductions). */
@@ -298,6 +323,89 @@ INLINE __m512 hsum16(const __m512 v[16]) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(c0, c1, 0x88), _mm512_shuffle_f32x4(c0, c1, 0xDD));
 }
 
+/* Keys t and t + 1 (if any) of KV head h into the value accumulators of GB query rows: the two value
+ * rows interleaved (unpack), times the pair of probabilities. */
+INLINE void pv_pair_bf16(const bf16_t *v, const int64_t *slots, int64_t t, int64_t len, int64_t width, int64_t h,
+                         const int64_t head_dim, const int64_t nq, const int64_t GB, const bf16_t *probs, int64_t plen,
+                         PrefetchPlan pf, __m512 *acc) {
+    if (t + pf.ahead < len) {
+        prefetch_head(v, DTYPE_BF16, slots[t + pf.ahead] * width + pf.first, pf.span);
+        if (t + 1 + pf.ahead < len) prefetch_head(v, DTYPE_BF16, slots[t + 1 + pf.ahead] * width + pf.first, pf.span);
+    }
+    const bf16_t *v0 = v + slots[t] * width + h * head_dim;
+    const bf16_t *v1 = t + 1 < len ? v + slots[t + 1] * width + h * head_dim : NULL;
+    for (int64_t j = 0; j < nq; ++j) {
+        const __m512i a = _mm512_loadu_si512((const void *)(v0 + j * 32));
+        const __m512i b = v1 ? _mm512_loadu_si512((const void *)(v1 + j * 32)) : _mm512_setzero_si512();
+        const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(a, b), hi = (__m512bh)_mm512_unpackhi_epi16(a, b);
+        for (int64_t g = 0; g < GB; ++g) {
+            uint32_t pair;
+            memcpy(&pair, probs + g * plen + t, sizeof pair);
+            const __m512bh w = (__m512bh)_mm512_set1_epi32((int)pair);
+            acc[(g * nq + j) * 2] = _mm512_dpbf16_ps(acc[(g * nq + j) * 2], lo, w);
+            acc[(g * nq + j) * 2 + 1] = _mm512_dpbf16_ps(acc[(g * nq + j) * 2 + 1], hi, w);
+        }
+    }
+}
+
+/* The scores of every query row of one request (bfloat16 queries and cache), for the shapes where
+ * the add trees cost more than transposes (small heads, larger groups; transposed_scores_pay):
+ * 16 keys at a time, every KV head of them while their rows are in L1, each head's 16 x 32 block
+ * transposed in registers into 16 vectors of one pair of dimensions across the 16 keys, then one
+ * pair dot product per query row and pair, against the query's pair broadcast: the scores come out
+ * 16 keys to a vector with no horizontal sums, and the rows are streamed once, whole, for all heads.
+ * G: the group (1-8); C independent accumulators per row keep the dot products' pipes busy. */
+INLINE void scores_transposed_bf16(const bf16_t *q, const bf16_t *k, const int64_t *slots, int64_t len,
+                                   int64_t kv_heads, const int64_t G, const int64_t head_dim, float scale,
+                                   float *restrict scores) {
+    const int C = G >= 5 ? 1 : G >= 3 ? 2 : G == 2 ? 4 : 8;
+    const int64_t width = kv_heads * head_dim, half = head_dim / 2, row_bytes = width * (int64_t)sizeof(bf16_t);
+    int64_t ahead = PREFETCH_BYTES / row_bytes;
+    ahead = ahead < PREFETCH_KEYS_MIN ? PREFETCH_KEYS_MIN : ahead > PREFETCH_KEYS_MAX ? PREFETCH_KEYS_MAX : ahead;
+    const __m512 vs = _mm512_set1_ps(scale);
+    for (int64_t t = 0; t < len && t < ahead; ++t) prefetch_head(k, DTYPE_BF16, slots[t] * width, width);
+    for (int64_t t0 = 0; t0 < len; t0 += 16) {
+        const int64_t n = len - t0 < 16 ? len - t0 : 16;
+        const bf16_t *kr[16];
+        for (int64_t i = 0; i < 16; ++i) {
+            kr[i] = i < n ? k + slots[t0 + i] * width : NULL;
+            if (i < n && t0 + i + ahead < len) prefetch_head(k, DTYPE_BF16, slots[t0 + i + ahead] * width, width);
+        }
+        const __mmask16 m = (__mmask16)((1u << n) - 1);
+        for (int64_t h = 0; h < kv_heads; ++h) {
+            const uint32_t *qp = (const uint32_t *)(const void *)(q + h * G * head_dim);
+            __m512 acc[8][8];
+            for (int64_t g = 0; g < G; ++g)
+                for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
+            for (int64_t c0 = 0; c0 < head_dim; c0 += 32) {
+                __m512 r[16];
+                for (int64_t i = 0; i < 16; ++i)
+                    r[i] = kr[i] ? _mm512_castsi512_ps(_mm512_loadu_si512((const void *)(kr[i] + h * head_dim + c0)))
+                                 : _mm512_setzero_ps();
+                transpose16(r);
+                for (int64_t d = 0; d < 16; ++d)
+                    for (int64_t g = 0; g < G; ++g)
+                        acc[g][d % C] = _mm512_dpbf16_ps(acc[g][d % C], (__m512bh)r[d],
+                                                         (__m512bh)_mm512_set1_epi32((int)qp[g * half + c0 / 2 + d]));
+            }
+            for (int64_t g = 0; g < G; ++g) {
+                __m512 sum = acc[g][0];
+                for (int c = 1; c < C; ++c) sum = _mm512_add_ps(sum, acc[g][c]);
+                _mm512_mask_storeu_ps(scores + (h * G + g) * len + t0, m, _mm512_mul_ps(sum, vs));
+            }
+        }
+    }
+}
+
+/* Whether scores_transposed_bf16 beats the add trees for this shape: per 16 keys and KV head it
+ * spends 48 shuffles per 32 dimensions where the add trees spend ~45 operations per query row, but
+ * the add trees' loads run ahead better. Measured on Zen 4 (scripts/attn_kernel_ab.py, batch 32 of
+ * 192 keys): 1.3-1.5x at head_dim 32 x group 2, 1.3-1.4x at 64 x 7, 1.2-1.3x at 128 x 7; even at
+ * 64 x 3, 64 x 4 (0.93-1.01x) and 128 x 4. */
+INLINE int transposed_scores_pay(int64_t group, int64_t head_dim) {
+    return group <= 8 && group >= (head_dim <= 32 ? 2 : head_dim <= 64 ? 5 : 6);
+}
+
 /* bfloat16 queries against a bfloat16 cache, on AVX512_BF16's dot products (pairs of bfloat16
  * products summed into float32; the products are exact, so the scores equal the float32 path's up
  * to the order of the additions). Scores: 16 keys of one query row at a time, each key's
@@ -307,7 +415,8 @@ INLINE __m512 hsum16(const __m512 v[16]) {
  * GEMM. The interleave permutes the output lanes; one permute per 16 outputs puts them back. */
 INLINE void attend_avx512_bf16(const bf16_t *q, const bf16_t *k, const bf16_t *v, const int64_t *slots, int64_t len,
                                int64_t kv_heads, int64_t group, const int64_t GB, const int64_t head_dim, float scale,
-                               float *restrict scores, bf16_t *restrict probs, float *restrict o) {
+                               const int scores_ready, float *restrict scores, bf16_t *restrict probs,
+                               float *restrict o) {
     enum { MAX_REGS = 16 };  /* GB * head_dim / 16 <= MAX_REGS */
     const int64_t nq = head_dim / 32, width = kv_heads * head_dim, plen = len + 2;  /* a row of probs, padded */
     const __m512 vscale = _mm512_set1_ps(scale);
@@ -318,8 +427,8 @@ INLINE void attend_avx512_bf16(const bf16_t *q, const bf16_t *k, const bf16_t *v
             const int64_t qh0 = h * group + g0;
             const PrefetchPlan pf = prefetch_plan(h, g0, len, width, head_dim, DTYPE_BF16);
             float *sg = scores + qh0 * len;
-            prefetch_start(k, DTYPE_BF16, slots, len, width, pf);
-            for (int64_t g = 0; g < GB; ++g) {
+            if (!scores_ready) prefetch_start(k, DTYPE_BF16, slots, len, width, pf);
+            for (int64_t g = 0; g < GB && !scores_ready; ++g) {
                 __m512bh qv[4];
                 for (int64_t j = 0; j < nq; ++j)
                     qv[j] = (__m512bh)_mm512_loadu_si512((const void *)(q + (qh0 + g) * head_dim + j * 32));
@@ -353,27 +462,7 @@ INLINE void attend_avx512_bf16(const bf16_t *q, const bf16_t *k, const bf16_t *v
             __m512 acc[MAX_REGS];
             for (int64_t i = 0; i < GB * 2 * nq; ++i) acc[i] = _mm512_setzero_ps();
             prefetch_start(v, DTYPE_BF16, slots, len, width, pf);
-            for (int64_t t = 0; t < len; t += 2) {
-                if (t + pf.ahead < len) {
-                    prefetch_head(v, DTYPE_BF16, slots[t + pf.ahead] * width + pf.first, pf.span);
-                    if (t + 1 + pf.ahead < len)
-                        prefetch_head(v, DTYPE_BF16, slots[t + 1 + pf.ahead] * width + pf.first, pf.span);
-                }
-                const bf16_t *v0 = v + slots[t] * width + h * head_dim;
-                const bf16_t *v1 = t + 1 < len ? v + slots[t + 1] * width + h * head_dim : NULL;
-                for (int64_t j = 0; j < nq; ++j) {
-                    const __m512i a = _mm512_loadu_si512((const void *)(v0 + j * 32));
-                    const __m512i b = v1 ? _mm512_loadu_si512((const void *)(v1 + j * 32)) : _mm512_setzero_si512();
-                    const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(a, b), hi = (__m512bh)_mm512_unpackhi_epi16(a, b);
-                    for (int64_t g = 0; g < GB; ++g) {
-                        uint32_t pair;
-                        memcpy(&pair, probs + g * plen + t, sizeof pair);
-                        const __m512bh w = (__m512bh)_mm512_set1_epi32((int)pair);
-                        acc[(g * nq + j) * 2] = _mm512_dpbf16_ps(acc[(g * nq + j) * 2], lo, w);
-                        acc[(g * nq + j) * 2 + 1] = _mm512_dpbf16_ps(acc[(g * nq + j) * 2 + 1], hi, w);
-                    }
-                }
-            }
+            for (int64_t t = 0; t < len; t += 2) pv_pair_bf16(v, slots, t, len, width, h, head_dim, nq, GB, probs, plen, pf, acc);
             for (int64_t g = 0; g < GB; ++g)
                 for (int64_t j = 0; j < nq; ++j) {
                     float *dst = o + (qh0 + g) * head_dim + j * 32;
@@ -396,13 +485,29 @@ static void attend_dispatch(const void *qb, int q_dtype, const void *k, const vo
                             float scale, float *qf, float *row, float *scores, bf16_t *probs, float *o) {
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define BF16_GB(DIM, GB) attend_avx512_bf16((const bf16_t *)qb, (const bf16_t *)k, (const bf16_t *)v, slots, len, \
-                                            kv_heads, group, GB, DIM, scale, scores, probs, o)
+                                            kv_heads, group, GB, DIM, scale, ready, scores, probs, o)
+#define SCORES_T(DIM, G) scores_transposed_bf16((const bf16_t *)qb, (const bf16_t *)k, slots, len, kv_heads, G, DIM, \
+                                                scale, scores)
+#define SCORES(DIM)                                                                                                 \
+    switch (group) {                                                                                                \
+    case 1: SCORES_T(DIM, 1); break; case 2: SCORES_T(DIM, 2); break; case 3: SCORES_T(DIM, 3); break;          \
+    case 4: SCORES_T(DIM, 4); break; case 5: SCORES_T(DIM, 5); break; case 6: SCORES_T(DIM, 6); break;          \
+    case 7: SCORES_T(DIM, 7); break; default: SCORES_T(DIM, 8); break;                                          \
+    }
 #define BF16(DIM)                                                                       \
     if (group % 8 == 0 && 8 * (DIM) <= 256) BF16_GB(DIM, 8);                            \
     else if (group % 4 == 0 && 4 * (DIM) <= 256) BF16_GB(DIM, 4);                       \
     else if (group % 2 == 0 && 2 * (DIM) <= 256) BF16_GB(DIM, 2);                       \
     else BF16_GB(DIM, 1)
-    if (len > 0 && q_dtype == DTYPE_BF16 && dtype == DTYPE_BF16) {
+    if (len > 0 && q_dtype == DTYPE_BF16 && dtype == DTYPE_BF16 && (head_dim == 32 || head_dim == 64 || head_dim == 128)) {
+        const int ready = transposed_scores_pay(group, head_dim);
+        if (ready) {
+            switch (head_dim) {
+            case 32: SCORES(32); break;
+            case 64: SCORES(64); break;
+            case 128: SCORES(128); break;
+            }
+        }
         switch (head_dim) {
         case 32: BF16(32); return;
         case 64: BF16(64); return;
@@ -625,28 +730,6 @@ INLINE void ext_pv_avx512(const float *restrict S, int64_t ld, const float *rest
 #endif
 
 #if defined(__AVX512F__)
-/* In place: the 16 x 16 block r (row i = r[i]) becomes its transpose. */
-INLINE void transpose16(__m512 r[16]) {
-    __m512 t[16], u[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) {  /* u[i + m], lane l: column 4l + m of rows i .. i + 3 */
-        u[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
-        u[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
-        u[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
-        u[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
-    }
-    for (int m = 0; m < 4; ++m) {  /* gather lane l of u[m], u[4 + m], u[8 + m], u[12 + m] */
-        const __m512 v02 = _mm512_shuffle_f32x4(u[m], u[4 + m], 0x88), v13 = _mm512_shuffle_f32x4(u[m], u[4 + m], 0xDD);
-        const __m512 w02 = _mm512_shuffle_f32x4(u[8 + m], u[12 + m], 0x88), w13 = _mm512_shuffle_f32x4(u[8 + m], u[12 + m], 0xDD);
-        r[m] = _mm512_shuffle_f32x4(v02, w02, 0x88);
-        r[8 + m] = _mm512_shuffle_f32x4(v02, w02, 0xDD);
-        r[4 + m] = _mm512_shuffle_f32x4(v13, w13, 0x88);
-        r[12 + m] = _mm512_shuffle_f32x4(v13, w13, 0xDD);
-    }
-}
 
 /* Keys 0 .. L - 1 of KV head h as float32: K into panels of 16 keys ([hd][16], zero past L) through
  * 16 x 16 register transposes, V into rows. The prefix comes from the pool, the rest from kn / vn. */
