@@ -100,7 +100,7 @@ class FinishReason:
 
 @dataclass
 class ReqMeta:
-    """Per-request counters that travel with every output."""
+    """Per-request counters that travel with every output (on the wire as a plain tuple)."""
 
     prompt_tokens: int
     completion_tokens: int
@@ -123,7 +123,9 @@ class BatchTokenIDOut:
     spaces_between_special_tokens: list[bool]
     stop_strs: list[list[str]]  # the detokenizer trims a matched stop string
     no_stop_trim: list[bool]
-    meta: list[ReqMeta]
+    # (prompt_tokens, completion_tokens, cached_tokens) per request: plain tuples, as a dataclass per
+    # request was two thirds of the message's pickling (10 of 15 us for 16 requests, each way)
+    meta: list[tuple[int, int, int]]
     # logprobs: None for a request that did not ask. Each entry: list of (logprob, token_id).
     output_token_logprobs: list[Optional[list[tuple[float, int]]]]
     output_top_logprobs: list[Optional[list[list[tuple[float, int]]]]]
@@ -139,7 +141,7 @@ class BatchStrOut:
     texts: list[str]
     finished_reasons: list[Optional[FinishReason]]
     new_token_ids: list[list[int]]
-    meta: list[ReqMeta]
+    meta: list[tuple[int, int, int]]  # as BatchTokenIDOut's
     output_token_logprobs: list[Optional[list[tuple[float, int]]]]
     output_top_logprobs: list[Optional[list[list[tuple[float, int]]]]]
     input_token_logprobs: list[Optional[list[tuple[Optional[float], int]]]]

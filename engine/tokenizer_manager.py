@@ -423,7 +423,7 @@ class TokenizerManager:
             state = self.states.get(rid)
             if state is None:  # the client went away; the abort is on its way
                 continue
-            finished, meta = msg.finished_reasons[i], msg.meta[i]
+            finished, meta = msg.finished_reasons[i], ReqMeta(*msg.meta[i])
             generated += len(msg.new_token_ids[i])
             self._observe(state, now, len(msg.new_token_ids[i]), finished, meta)  # on arrival, for TTFT/ITL
             state.queue.put_nowait(_Step(

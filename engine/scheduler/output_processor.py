@@ -4,7 +4,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from baton.engine.io_struct import BatchTokenIDOut, ReqMeta
+from baton.engine.io_struct import BatchTokenIDOut
 from baton.engine.scheduler.req import Req
 
 if TYPE_CHECKING:
@@ -136,7 +136,7 @@ class SchedulerOutputProcessorMixin:
         out.spaces_between_special_tokens.append(p.spaces_between_special_tokens)
         out.stop_strs.append(p.stop)
         out.no_stop_trim.append(p.no_stop_trim)
-        out.meta.append(ReqMeta(len(req.origin_input_ids), len(req.output_ids), req.cached_tokens))
+        out.meta.append((len(req.origin_input_ids), len(req.output_ids), req.cached_tokens))
         if req.return_logprob:
             out.output_token_logprobs.append(req.output_token_logprobs[start:])
             out.output_top_logprobs.append(req.output_top_logprobs[start:] if req.top_logprobs_num else None)

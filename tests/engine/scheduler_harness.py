@@ -64,7 +64,7 @@ class SchedulerHarness:
                 c.after_finish += c.finish is not None
                 c.ids.extend(msg.new_token_ids[i])
                 c.finish = msg.finished_reasons[i]
-                c.cached_tokens = msg.meta[i].cached_tokens
+                c.cached_tokens = msg.meta[i][2]
                 if msg.output_token_logprobs[i] is not None:
                     c.output_logprobs.extend(msg.output_token_logprobs[i])
                 if msg.output_top_logprobs[i] is not None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from baton.engine.detokenizer import Detokenizer
-from baton.engine.io_struct import BatchTokenIDOut, FinishReason, ReqMeta
+from baton.engine.io_struct import BatchTokenIDOut, FinishReason
 
 sys.path.insert(0, str(Path(__file__).parent))
 from tiny_models import save_tiny_tokenizer  # noqa: E402
@@ -39,7 +39,7 @@ def _out(items: list[tuple[str, list[int], FinishReason | None, bool, list[str]]
     return BatchTokenIDOut(
         rids=[i[0] for i in items], finished_reasons=[i[2] for i in items], new_token_ids=[i[1] for i in items],
         output_offsets=[0] * n, skip_special_tokens=[i[3] for i in items], spaces_between_special_tokens=[True] * n,
-        stop_strs=[i[4] for i in items], no_stop_trim=[False] * n, meta=[ReqMeta(1, len(i[1]), 0) for i in items],
+        stop_strs=[i[4] for i in items], no_stop_trim=[False] * n, meta=[(1, len(i[1]), 0) for i in items],
         output_token_logprobs=[None] * n, output_top_logprobs=[None] * n, input_token_logprobs=[None] * n,
         input_top_logprobs=[None] * n)
 

@@ -9,14 +9,14 @@ import pytest
 
 from prometheus_client import generate_latest
 
-from baton.engine.io_struct import BatchStrOut, FinishReason, ReqMeta
+from baton.engine.io_struct import BatchStrOut, FinishReason
 from baton.engine.metrics import EngineMetrics
 from baton.engine.tokenizer_manager import ReqOutput, StepQueue, TokenizerManager, _ReqState
 
 
 def _msg(rid: str, text: str, ids: list[int], done: bool, completion: int) -> BatchStrOut:
     finish = FinishReason("length") if done else None
-    return BatchStrOut([rid], [text], [finish], [ids], [ReqMeta(5, completion, 2)],
+    return BatchStrOut([rid], [text], [finish], [ids], [(5, completion, 2)],
                        [[(-0.5 * i, t) for i, t in enumerate(ids)]], [None], [None], [None])
 
 
