@@ -213,6 +213,13 @@ INLINE void prefetch_head(const void *base, int dtype, int64_t offset, int64_t h
 #define WHOLE_ROW_MAX_BYTES 512
 #define WHOLE_ROWS_MAX_BYTES (512 << 10)
 
+/* The bfloat16 value pass (attend_avx512_bf16) takes blocks of keys of up to PV_BLOCK_BYTES (within
+ * L1) when a row is at most PV_BLOCKED_ROW_MAX_BYTES and a pass does little work per row; measured
+ * (scripts/attn_kernel_ab.py): 0.85-0.96x the time at 4 x 2 x 32, 3 x 3 x 64, 2 x 7 x 64, 4 x 7 x 128;
+ * 1.04-1.27x with 2 KiB rows or 2 x 4 x 64, which keep a pass per head. */
+#define PV_BLOCK_BYTES (16 << 10)
+#define PV_BLOCKED_ROW_MAX_BYTES 1024
+
 /* What the pass over head h, query block g0 prefetches of each row: `span` elements from `first`
  * (the whole row in the first block of the first head when the rows are small and fit, above; else
  * the head's part), `ahead` keys ahead (about PREFETCH_BYTES in flight). */
@@ -417,8 +424,9 @@ INLINE void attend_avx512_bf16(const bf16_t *q, const bf16_t *k, const bf16_t *v
                                int64_t kv_heads, int64_t group, const int64_t GB, const int64_t head_dim, float scale,
                                const int scores_ready, float *restrict scores, bf16_t *restrict probs,
                                float *restrict o) {
-    enum { MAX_REGS = 16 };  /* GB * head_dim / 16 <= MAX_REGS */
+    enum { MAX_REGS = 16, PV_BLOCK_MAX = 64 };  /* GB * head_dim / 16 <= MAX_REGS */
     const int64_t nq = head_dim / 32, width = kv_heads * head_dim, plen = len + 2;  /* a row of probs, padded */
+    const int64_t rows = kv_heads * group;
     const __m512 vscale = _mm512_set1_ps(scale);
     const __m512i lo_idx = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
     const __m512i hi_idx = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
@@ -450,7 +458,7 @@ INLINE void attend_avx512_bf16(const bf16_t *q, const bf16_t *k, const bf16_t *v
             }
             for (int64_t g = 0; g < GB; ++g) {
                 float *s = sg + g * len;
-                bf16_t *p = probs + g * plen;
+                bf16_t *p = probs + (qh0 + g) * plen;
                 softmax_avx512(s, len);
                 int64_t t = 0;
                 for (; t + 16 <= len; t += 16)
@@ -459,19 +467,83 @@ INLINE void attend_avx512_bf16(const bf16_t *q, const bf16_t *k, const bf16_t *v
                 _mm256_mask_storeu_epi16(p + t, tail, (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(tail, s + t)));
                 p[len] = 0;  /* an odd last key pairs with a zero weight */
             }
-            __m512 acc[MAX_REGS];
-            for (int64_t i = 0; i < GB * 2 * nq; ++i) acc[i] = _mm512_setzero_ps();
-            prefetch_start(v, DTYPE_BF16, slots, len, width, pf);
-            for (int64_t t = 0; t < len; t += 2) pv_pair_bf16(v, slots, t, len, width, h, head_dim, nq, GB, probs, plen, pf, acc);
-            for (int64_t g = 0; g < GB; ++g)
-                for (int64_t j = 0; j < nq; ++j) {
-                    float *dst = o + (qh0 + g) * head_dim + j * 32;
-                    const __m512 lo = acc[(g * nq + j) * 2], hi = acc[(g * nq + j) * 2 + 1];
-                    _mm512_storeu_ps(dst, _mm512_permutex2var_ps(lo, lo_idx, hi));
-                    _mm512_storeu_ps(dst + 16, _mm512_permutex2var_ps(lo, hi_idx, hi));
-                }
         }
     }
+    const int64_t row_bytes = width * (int64_t)sizeof(bf16_t);
+    if (row_bytes > PV_BLOCKED_ROW_MAX_BYTES || GB * nq > 4) {
+        /* a pass per KV head (and block of query rows) over all keys, its part of each row */
+        for (int64_t h = 0; h < kv_heads; ++h)
+            for (int64_t g0 = 0; g0 < group; g0 += GB) {
+                const int64_t qh0 = h * group + g0;
+                const PrefetchPlan pf = prefetch_plan(h, g0, len, width, head_dim, DTYPE_BF16);
+                __m512 acc[MAX_REGS];
+                for (int64_t i = 0; i < GB * 2 * nq; ++i) acc[i] = _mm512_setzero_ps();
+                prefetch_start(v, DTYPE_BF16, slots, len, width, pf);
+                for (int64_t t = 0; t < len; t += 2)
+                    pv_pair_bf16(v, slots, t, len, width, h, head_dim, nq, GB, probs + qh0 * plen, plen, pf, acc);
+                for (int64_t g = 0; g < GB; ++g)
+                    for (int64_t j = 0; j < nq; ++j) {
+                        float *dst = o + (qh0 + g) * head_dim + j * 32;
+                        const __m512 lo = acc[(g * nq + j) * 2], hi = acc[(g * nq + j) * 2 + 1];
+                        _mm512_storeu_ps(dst, _mm512_permutex2var_ps(lo, lo_idx, hi));
+                        _mm512_storeu_ps(dst + 16, _mm512_permutex2var_ps(lo, hi_idx, hi));
+                    }
+            }
+        return;
+    }
+    /* Small rows and little work per row: the values a block of keys at a time (PV_BLOCK_BYTES of
+     * rows, up to 64 keys). The block's rows are located once and used by every KV head while they
+     * sit in L1 (a pass per head spent most of its instructions on slot arithmetic there); between
+     * blocks each query row's accumulators wait in o, in unpack order. */
+    int64_t ahead = PREFETCH_BYTES / row_bytes, block = PV_BLOCK_BYTES / row_bytes / 2 * 2;
+    ahead = ahead < PREFETCH_KEYS_MIN ? PREFETCH_KEYS_MIN : ahead > PREFETCH_KEYS_MAX ? PREFETCH_KEYS_MAX : ahead;
+    block = block > PV_BLOCK_MAX ? PV_BLOCK_MAX : block;
+    for (int64_t t = 0; t < len && t < ahead; ++t) prefetch_head(v, DTYPE_BF16, slots[t] * width, width);
+    for (int64_t t0 = 0; t0 < len; t0 += block) {
+        const int64_t n = len - t0 < block ? len - t0 : block;
+        const bf16_t *vr[PV_BLOCK_MAX];
+        for (int64_t i = 0; i < n; ++i) {
+            vr[i] = v + slots[t0 + i] * width;
+            if (t0 + i + ahead < len) prefetch_head(v, DTYPE_BF16, slots[t0 + i + ahead] * width, width);
+        }
+        for (int64_t h = 0; h < kv_heads; ++h) {
+            for (int64_t g0 = 0; g0 < group; g0 += GB) {
+                const int64_t qh0 = h * group + g0;
+                __m512 acc[MAX_REGS];
+                for (int64_t g = 0; g < GB; ++g)
+                    for (int64_t j = 0; j < nq; ++j)
+                        for (int64_t x = 0; x < 2; ++x)
+                            acc[(g * nq + j) * 2 + x] = t0 ? _mm512_loadu_ps(o + (qh0 + g) * head_dim + j * 32 + x * 16)
+                                                           : _mm512_setzero_ps();
+                for (int64_t i = 0; i < n; i += 2) {
+                    const bf16_t *v0 = vr[i] + h * head_dim, *v1 = i + 1 < n ? vr[i + 1] + h * head_dim : NULL;
+                    for (int64_t j = 0; j < nq; ++j) {
+                        const __m512i a = _mm512_loadu_si512((const void *)(v0 + j * 32));
+                        const __m512i b = v1 ? _mm512_loadu_si512((const void *)(v1 + j * 32)) : _mm512_setzero_si512();
+                        const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(a, b), hi = (__m512bh)_mm512_unpackhi_epi16(a, b);
+                        for (int64_t g = 0; g < GB; ++g) {
+                            uint32_t pair;
+                            memcpy(&pair, probs + (qh0 + g) * plen + t0 + i, sizeof pair);
+                            const __m512bh w = (__m512bh)_mm512_set1_epi32((int)pair);
+                            acc[(g * nq + j) * 2] = _mm512_dpbf16_ps(acc[(g * nq + j) * 2], lo, w);
+                            acc[(g * nq + j) * 2 + 1] = _mm512_dpbf16_ps(acc[(g * nq + j) * 2 + 1], hi, w);
+                        }
+                    }
+                }
+                for (int64_t g = 0; g < GB; ++g)
+                    for (int64_t j = 0; j < nq; ++j)
+                        for (int64_t x = 0; x < 2; ++x)
+                            _mm512_storeu_ps(o + (qh0 + g) * head_dim + j * 32 + x * 16, acc[(g * nq + j) * 2 + x]);
+            }
+        }
+    }
+    for (int64_t r = 0; r < rows; ++r)  /* the lanes back in order */
+        for (int64_t j = 0; j < nq; ++j) {
+            float *dst = o + r * head_dim + j * 32;
+            const __m512 lo = _mm512_loadu_ps(dst), hi = _mm512_loadu_ps(dst + 16);
+            _mm512_storeu_ps(dst, _mm512_permutex2var_ps(lo, lo_idx, hi));
+            _mm512_storeu_ps(dst + 16, _mm512_permutex2var_ps(lo, hi_idx, hi));
+        }
 }
 #endif
 
@@ -570,10 +642,10 @@ static int decode_attention(const void *q, int q_dtype, const void *k, const voi
         for (int64_t b = 0; b < bs; ++b) {
             const int64_t len = lens[b];
             int err = check ? check_indices(r2t, r2t_rows, r2t_stride, rows[b], len, num_slots) : 0;
-            /* the scores, then (as bfloat16, a row of len + 2 per query row of the group) the probabilities */
-            if (!err && kv_heads * group * len + group * (len + 2) > capacity) {
+            /* the scores, then (as bfloat16, a row of len + 2 per query row) the probabilities */
+            if (!err && kv_heads * group * (len + (len + 2) / 2 + 1) > capacity) {
                 free(scores);
-                capacity = kv_heads * group * len + group * (len + 2);
+                capacity = kv_heads * group * (len + (len + 2) / 2 + 1);
                 scores = malloc(sizeof(float) * capacity);
             }
             if (!err && (!qf || !row || (len && !scores))) err = KERNEL_NO_MEMORY;
