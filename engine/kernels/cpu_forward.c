@@ -282,6 +282,29 @@ int extend_step(const NativeModel *m, const int64_t *ids, const int64_t *positio
 #endif
 }
 
+/* The LM head over rows of the final norm's output: logits [rows, vocab] float32 = hidden [rows,
+ * hidden] bfloat16 times the packed head ([vocab, hidden], vocab a multiple of 16), rounded to
+ * bfloat16 as the eager head's GEMM stores them, then widened (its `.float()`). Returns 0,
+ * KERNEL_NO_MEMORY or FORWARD_UNSUPPORTED. */
+int logits_step(const NativeModel *m, const bf16_t *hidden, int64_t rows, const uint16_t *lm_head, float *out,
+                int num_threads) {
+#if defined(__AVX512BF16__)
+    const int64_t n = rows * m->vocab;
+    if (m->vocab % 16) return FORWARD_UNSUPPORTED;
+    if (n == 0) return 0;
+    bf16_t *y = malloc(sizeof(bf16_t) * n);
+    if (!y) return KERNEL_NO_MEMORY;
+    run_tiles(hidden, rows, m->hidden, lm_head, m->vocab / 16, 0, y, num_threads, 4, 0);
+#pragma omp parallel for num_threads(num_threads) if (n >= (1 << 16)) schedule(static)
+    for (int64_t i = 0; i < n; ++i) out[i] = bf16_to_f32(y[i]);
+    free(y);
+    return 0;
+#else
+    (void)m; (void)hidden; (void)rows; (void)lm_head; (void)out; (void)num_threads;
+    return FORWARD_UNSUPPORTED;
+#endif
+}
+
 /* The RMSNorm above on its own (for the tests): rows x n bfloat16, contiguous. */
 void rms_norm_bf16(const bf16_t *x, int64_t rows, int64_t n, const bf16_t *w, float eps, bf16_t *y) {
     rms_norm(x, n, y, n, rows, n, w, eps, 1);

@@ -65,6 +65,9 @@ def _library() -> ctypes.CDLL:
     lib.extend_step.argtypes = [ctypes.POINTER(_Model), _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr,
                                 ctypes.c_int]
     lib.extend_step.restype = ctypes.c_int
+    # model, hidden, rows, packed LM head, out, num_threads
+    lib.logits_step.argtypes = [ctypes.POINTER(_Model), _ptr, _i64, _ptr, _ptr, ctypes.c_int]
+    lib.logits_step.restype = ctypes.c_int
     lib.rms_norm_bf16.argtypes = [_ptr, _i64, _i64, _ptr, ctypes.c_float, _ptr]  # x, rows, n, weight, eps, y
     lib.rms_norm_bf16.restype = None
     return lib
@@ -169,9 +172,15 @@ class NativeForward:
             scale=first.attn.scaling, embed=embed.data_ptr(), final_norm=model.model.norm.weight.data_ptr(),
             cos=self._cos.data_ptr(), sin=self._sin.data_ptr(), r2t=r2t.data_ptr(),
             layer=ctypes.cast(self._layers, ctypes.POINTER(_Layer)))
+        # the LM head's packed copy (the embedding's when tied); None: the model's head scores
+        head = model.lm_head if model.lm_head is not None else model.model.embed_tokens
+        packed = getattr(head, "packed_weight", None)
+        self.vocab = embed.shape[0]
+        self._lm_head = packed if packed is not None and head.weight.shape[0] == self.vocab and self.vocab % 16 == 0 \
+            else None
         self._keep = (model, req_to_token_pool, kv_pool)  # what the pointers point into
         lib = _library()
-        self._decode, self._extend = lib.decode_step, lib.extend_step
+        self._decode, self._extend, self._logits = lib.decode_step, lib.extend_step, lib.logits_step
         self._model_ref = ctypes.byref(self._model)
 
     @classmethod
@@ -214,6 +223,24 @@ class NativeForward:
         out = torch.empty((n, self.hidden), dtype=torch.bfloat16)
         _raise_on(self._extend(self._model_ref, ids.data_ptr(), pos.data_ptr(), loc.data_ptr(), n, rows.data_ptr(),
                                prefix.data_ptr(), ext.data_ptr(), bs, out.data_ptr(), torch.get_num_threads()))
+        return out
+
+
+    @property
+    def has_logits(self) -> bool:
+        return self._lm_head is not None
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head: hidden [rows, hidden] bfloat16 (the final norm's output) -> [rows, vocab]
+        float32, the model's compute_logits bit for bit (has_logits only)."""
+        assert self._lm_head is not None, "no packed LM head"
+        if hidden.dtype != torch.bfloat16 or hidden.dim() != 2 or hidden.shape[1] != self.hidden:
+            raise ValueError(f"native logits: hidden must be [rows, {self.hidden}] bfloat16, got "
+                             f"{tuple(hidden.shape)} {hidden.dtype}")
+        hidden = hidden.contiguous()
+        out = torch.empty((hidden.shape[0], self.vocab), dtype=torch.float32)
+        _raise_on(self._logits(self._model_ref, hidden.data_ptr(), hidden.shape[0], self._lm_head.data_ptr(),
+                               out.data_ptr(), torch.get_num_threads()))
         return out
 
 

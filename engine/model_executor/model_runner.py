@@ -286,6 +286,14 @@ class ModelRunner:
             return self.compiled_model(fb.input_ids, fb.positions, fb)
         return self.model(fb.input_ids, fb.positions, fb)
 
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[rows, hidden] -> [rows, vocab] float32: the native LM head where the native forward
+        serves (one call instead of the head's op dispatch), else the model's; the same values."""
+        native = self.native_forward
+        if native is not None and native.has_logits and hidden.dtype == torch.bfloat16:
+            return native.logits(hidden)
+        return self.model.compute_logits(hidden)
+
     @staticmethod
     def last_token_rows(fb: ForwardBatch) -> Optional[torch.Tensor]:
         if fb.forward_mode == ForwardMode.DECODE:

@@ -60,6 +60,14 @@ class ReqSamplingState:
         # scheduler fills its bitmask before launching a batch, once the previous step's result is
         # processed (so the worker never reads a row while it is written).
         self.grammar: Optional["Grammar"] = None
+        self._plain = (params.is_greedy and not params.has_penalties and self.min_tokens_stop_ids is None
+                       and not params.logit_bias)
+
+    @property
+    def plain_greedy(self) -> bool:
+        """An argmax and nothing else: greedy, no penalties, min_new_tokens, logit bias or grammar
+        (the sampler would only take the argmax and bump num_sampled)."""
+        return self._plain and self.grammar is None
 
     @property
     def has_penalties(self) -> bool:

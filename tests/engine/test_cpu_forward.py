@@ -56,8 +56,8 @@ class NativeRunner(PagedRunner):
             loc = torch.cat([r2t[r, p:p + len(t)] for r, p, t in zip(rows, prefix_lens, tokens)])
             hidden = self.fwd.extend(torch.tensor(sum(tokens, [])), positions, loc, torch.tensor(rows),
                                      torch.tensor(prefix_lens), torch.tensor([len(t) for t in tokens]))
-        with torch.no_grad():
-            return self.model.compute_logits(hidden)
+        assert self.fwd.has_logits
+        return self.fwd.logits(hidden)
 
 
 def _both(model, config, fn):
@@ -90,6 +90,25 @@ def test_native_forward_matches_eager_model(tiny_model_factory, case):
     assert tokens == eager_tokens
     assert torch.equal(prefill, eager_prefill) and torch.equal(steps, eager_steps)
     _assert_pools_match(config, eager_pool, pool)
+
+
+@pytest.mark.parametrize("case", ["llama", "llama-tied-llama3rope"])
+def test_native_logits_are_the_models_head(tiny_model_factory, case):
+    """The native LM head (its own weight, or the tied embedding's) gives compute_logits' values, for
+    one row, a decode batch and a prefill's worth of rows (its widening runs threaded from 64k values)."""
+    arch, overrides = CASES[case]
+    model, config = _load(tiny_model_factory, arch, **overrides)
+    fwd = NativeRunner(model, config, page_size=4).fwd
+    assert fwd.has_logits and fwd.vocab == config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    for rows in (1, 16, 300):
+        hidden = torch.randn(rows, config.hidden_size, generator=g).to(torch.bfloat16)
+        with torch.no_grad():
+            expected = model.compute_logits(hidden)
+        native = fwd.logits(hidden)
+        assert native.dtype == torch.float32 and torch.equal(native, expected)
+    with pytest.raises(ValueError):
+        fwd.logits(torch.zeros(2, config.hidden_size + 2, dtype=torch.bfloat16))
 
 
 def test_native_extend_after_a_cached_prefix(tiny_model_factory):
