@@ -252,11 +252,13 @@ class ModelRunner:
                 torch.tensor(mwb.seq_lens_cpu, dtype=torch.int64), mwb.out_cache_loc]
         if extra is not None:
             host.append(extra)
-        sizes = [t.numel() for t in host]
-        packed = torch.cat([t.to("cpu", torch.int64).view(-1) for t in host])
-        if self.device != "cpu":
-            packed = packed.pin_memory().to(self.device, non_blocking=True)
-        parts = packed.split(sizes)
+        if self.device == "cpu":  # nothing to copy but the token ids, which the overlap loop resolves in place
+            parts = [t.to(torch.int64) for t in host]
+            parts[0] = parts[0].clone() if parts[0] is mwb.input_ids else parts[0]
+        else:
+            sizes = [t.numel() for t in host]
+            packed = torch.cat([t.to("cpu", torch.int64).view(-1) for t in host])
+            parts = packed.pin_memory().to(self.device, non_blocking=True).split(sizes)
         fb = self.make_forward_batch(
             mwb.forward_mode, input_ids=parts[0], positions=parts[1], req_pool_indices=parts[2], seq_lens=parts[3],
             out_cache_loc=parts[4], seq_lens_cpu=mwb.seq_lens_cpu,
