@@ -316,6 +316,13 @@ INLINE void transpose16(__m512 r[16]) {
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
+/* The pair of bfloat16 at p (p[0] low) in every 32-bit lane. */
+INLINE __m512bh bcast_pair(const bf16_t *p) {
+    uint32_t pair;
+    memcpy(&pair, p, sizeof pair);
+    return (__m512bh)_mm512_set1_epi32((int)pair);
+}
+
 /* Lane t of the result = the sum of v[t]'s 16 lanes: a transposing add tree (45 shuffles and adds
  * for 16 sums instead of 16 horizontal reductions). */
 INLINE __m512 hsum16(const __m512 v[16]) {
@@ -367,7 +374,7 @@ INLINE void scores_transposed_bf16(const bf16_t *q, const bf16_t *k, const int64
                                    int64_t kv_heads, const int64_t G, const int64_t head_dim, float scale,
                                    float *restrict scores) {
     const int C = G >= 5 ? 1 : G >= 3 ? 2 : G == 2 ? 4 : 8;
-    const int64_t width = kv_heads * head_dim, half = head_dim / 2, row_bytes = width * (int64_t)sizeof(bf16_t);
+    const int64_t width = kv_heads * head_dim, row_bytes = width * (int64_t)sizeof(bf16_t);
     int64_t ahead = PREFETCH_BYTES / row_bytes;
     ahead = ahead < PREFETCH_KEYS_MIN ? PREFETCH_KEYS_MIN : ahead > PREFETCH_KEYS_MAX ? PREFETCH_KEYS_MAX : ahead;
     const __m512 vs = _mm512_set1_ps(scale);
@@ -381,7 +388,7 @@ INLINE void scores_transposed_bf16(const bf16_t *q, const bf16_t *k, const int64
         }
         const __mmask16 m = (__mmask16)((1u << n) - 1);
         for (int64_t h = 0; h < kv_heads; ++h) {
-            const uint32_t *qp = (const uint32_t *)(const void *)(q + h * G * head_dim);
+            const bf16_t *qh = q + h * G * head_dim;
             __m512 acc[8][8];
             for (int64_t g = 0; g < G; ++g)
                 for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
@@ -394,7 +401,7 @@ INLINE void scores_transposed_bf16(const bf16_t *q, const bf16_t *k, const int64
                 for (int64_t d = 0; d < 16; ++d)
                     for (int64_t g = 0; g < G; ++g)
                         acc[g][d % C] = _mm512_dpbf16_ps(acc[g][d % C], (__m512bh)r[d],
-                                                         (__m512bh)_mm512_set1_epi32((int)qp[g * half + c0 / 2 + d]));
+                                                         bcast_pair(qh + g * head_dim + c0 + 2 * d));
             }
             for (int64_t g = 0; g < G; ++g) {
                 __m512 sum = acc[g][0];
@@ -891,9 +898,9 @@ static void ext_convert_bf16(const bf16_t *kn, const bf16_t *vn, const bf16_t *k
     }
 }
 
-/* S[r][t] = (q_r . k_t) * scale for R query rows (qp[r]: the row as pairs of bfloat16) over `npanels`
+/* S[r][t] = (q_r . k_t) * scale for R query rows (qp[r]: the row, read in pairs of bfloat16) over `npanels`
  * panels of Kp; four panels at a time, the 4R accumulators in registers. */
-INLINE void ext_qk_bf16(const uint32_t *const *qp, const uint32_t *restrict Kp, int64_t npanels, const int64_t half,
+INLINE void ext_qk_bf16(const bf16_t *const *qp, const uint32_t *restrict Kp, int64_t npanels, const int64_t half,
                         const int R, float scale, float *restrict S, int64_t ld) {
     const __m512 vs = _mm512_set1_ps(scale);
     int64_t p = 0;
@@ -906,7 +913,7 @@ INLINE void ext_qk_bf16(const uint32_t *const *qp, const uint32_t *restrict Kp, 
             __m512bh kv[4];
             for (int i = 0; i < 4; ++i) kv[i] = (__m512bh)_mm512_loadu_si512((const void *)(kp + (i * half + d) * 16));
             for (int r = 0; r < R; ++r) {
-                const __m512bh qd = (__m512bh)_mm512_set1_epi32((int)qp[r][d]);
+                const __m512bh qd = bcast_pair(qp[r] + 2 * d);
                 for (int i = 0; i < 4; ++i) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], kv[i], qd);
             }
         }
@@ -919,7 +926,7 @@ INLINE void ext_qk_bf16(const uint32_t *const *qp, const uint32_t *restrict Kp, 
         const uint32_t *restrict kp = Kp + p * half * 16;
         for (int64_t d = 0; d < half; ++d) {
             const __m512bh kv = (__m512bh)_mm512_loadu_si512((const void *)(kp + d * 16));
-            for (int r = 0; r < R; ++r) acc[r] = _mm512_dpbf16_ps(acc[r], kv, (__m512bh)_mm512_set1_epi32((int)qp[r][d]));
+            for (int r = 0; r < R; ++r) acc[r] = _mm512_dpbf16_ps(acc[r], kv, bcast_pair(qp[r] + 2 * d));
         }
         for (int r = 0; r < R; ++r) _mm512_storeu_ps(S + r * ld + p * 16, _mm512_mul_ps(acc[r], vs));
     }
@@ -969,13 +976,13 @@ static void ext_task_bf16(const bf16_t *q, const bf16_t *kn, const bf16_t *vn, c
     ext_convert_bf16(kn, vn, k, v, slots, prefix, q_start, L, h, kv_heads, head_dim, Kp, Vp);
     for (int64_t r0 = 0; r0 < nrows; r0 += R) {
         const int nr = nrows - r0 < R ? (int)(nrows - r0) : R;
-        int64_t nk[R];
+        int64_t nk[R] = {0};
         float *o[R], inv[R];
-        const uint32_t *qp[R];
+        const bf16_t *qp[R];
         for (int r = 0; r < nr; ++r) {
             const int64_t j = j0 + (r0 + r) / group, g = (r0 + r) % group;
             const int64_t off = ((q_start + j) * heads + h * group + g) * head_dim;
-            qp[r] = (const uint32_t *)(const void *)(q + off);
+            qp[r] = q + off;
             nk[r] = prefix + j + 1;
             o[r] = out + off;
         }
