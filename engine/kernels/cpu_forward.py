@@ -3,6 +3,7 @@
     fwd = NativeForward.create(model, req_to_token_pool, token_to_kv_pool)   # None: the reason is logged
     hidden = fwd.decode(input_ids, positions, req_pool_indices, seq_lens, out_cache_loc)        # [bs, hidden]
     hidden = fwd.extend(input_ids, positions, out_cache_loc, req_pool_indices, prefix_lens, extend_lens)
+    logits = fwd.logits(hidden[rows])      # [rows, vocab] float32, the model's LM head (fwd.has_logits)
 
 On CPU a small model's decode step is as much Python and dispatch as arithmetic, even compiled:
 at batch 16 of the bench model on one thread, 2.5 ms of which the GEMMs and the attention are

@@ -147,3 +147,31 @@ def test_a_matched_stop_token_is_not_part_of_the_text(tokenizer, skip):
         assert "".join(deltas) == tokenizer.decode(body, skip_special_tokens=skip)
         kept = _stream(Detokenizer(tokenizer), ids, [len(ids)], skip=skip, finish=FinishReason("length"))
         assert "".join(kept) == tokenizer.decode(ids, skip_special_tokens=skip)  # ended by length: kept
+
+
+def test_queued_messages_go_out_as_one(tokenizer):
+    """What the process loop found queued: consecutive token batches (two DP ranks' steps, or two steps
+    of one rank) leave as one BatchStrOut whose entries are those of handling each in turn, a request
+    twice in order; any other message goes out as it came, between them."""
+    from baton.engine.detokenizer import _outputs
+    from baton.engine.io_struct import BatchStrOut
+
+    ids = tokenizer.encode(TEXT)
+    steps = [_out([("a", ids[0:3], None, True, []), ("b", ids[5:7], None, True, [])]),
+             _out([("c", ids[2:4], None, True, [])]),
+             _out([("a", ids[3:5], None, True, []), ("b", ids[7:9], FinishReason("length"), True, [])]),
+             "abort-marker",
+             _out([("a", ids[5:6], FinishReason("length"), True, [])])]
+    reference = Detokenizer(tokenizer)
+    one_by_one = [reference.handle(m) if isinstance(m, BatchTokenIDOut) else m for m in steps]
+    merged = _outputs(Detokenizer(tokenizer), steps)
+    assert [type(m) for m in merged] == [BatchStrOut, str, BatchStrOut] and merged[1] == "abort-marker"
+    first = merged[0]
+    assert first.rids == ["a", "b", "c", "a", "b"]
+    assert first.texts == [t for m in one_by_one[:3] for t in m.texts]
+    assert first.new_token_ids == [t for m in one_by_one[:3] for t in m.new_token_ids]
+    assert first.finished_reasons[-1].kind == "length" and first.meta == [(1, 3, 0), (1, 2, 0), (1, 2, 0), (1, 2, 0),
+                                                                          (1, 2, 0)]
+    assert merged[2].texts == one_by_one[4].texts
+    assert "".join(t for m in (first, merged[2]) for r, t in zip(m.rids, m.texts) if r == "a") == \
+        tokenizer.decode(ids[0:6], skip_special_tokens=True)
