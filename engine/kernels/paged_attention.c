@@ -338,25 +338,17 @@ INLINE __m512 hsum16(const __m512 v[16]) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(c0, c1, 0x88), _mm512_shuffle_f32x4(c0, c1, 0xDD));
 }
 
-/* Keys t and t + 1 (if any) of KV head h into the value accumulators of GB query rows: the two value
- * rows interleaved (unpack), times the pair of probabilities. */
-INLINE void pv_pair_bf16(const bf16_t *v, const int64_t *slots, int64_t t, int64_t len, int64_t width, int64_t h,
-                         const int64_t head_dim, const int64_t nq, const int64_t GB, const bf16_t *probs, int64_t plen,
-                         PrefetchPlan pf, __m512 *acc) {
-    if (t + pf.ahead < len) {
-        prefetch_head(v, DTYPE_BF16, slots[t + pf.ahead] * width + pf.first, pf.span);
-        if (t + 1 + pf.ahead < len) prefetch_head(v, DTYPE_BF16, slots[t + 1 + pf.ahead] * width + pf.first, pf.span);
-    }
-    const bf16_t *v0 = v + slots[t] * width + h * head_dim;
-    const bf16_t *v1 = t + 1 < len ? v + slots[t + 1] * width + h * head_dim : NULL;
+/* Two value rows (v1 NULL: a zero row) of one KV head into the accumulators of GB query rows, whose
+ * probabilities for the pair are at p, p + plen, ...: the rows interleaved (unpack), times the pair
+ * of probabilities. The accumulators hold the outputs in unpack order. */
+INLINE void pv_rows_bf16(const bf16_t *v0, const bf16_t *v1, const int64_t nq, const int64_t GB, const bf16_t *p,
+                         int64_t plen, __m512 *acc) {
     for (int64_t j = 0; j < nq; ++j) {
         const __m512i a = _mm512_loadu_si512((const void *)(v0 + j * 32));
         const __m512i b = v1 ? _mm512_loadu_si512((const void *)(v1 + j * 32)) : _mm512_setzero_si512();
         const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(a, b), hi = (__m512bh)_mm512_unpackhi_epi16(a, b);
         for (int64_t g = 0; g < GB; ++g) {
-            uint32_t pair;
-            memcpy(&pair, probs + g * plen + t, sizeof pair);
-            const __m512bh w = (__m512bh)_mm512_set1_epi32((int)pair);
+            const __m512bh w = bcast_pair(p + g * plen);
             acc[(g * nq + j) * 2] = _mm512_dpbf16_ps(acc[(g * nq + j) * 2], lo, w);
             acc[(g * nq + j) * 2 + 1] = _mm512_dpbf16_ps(acc[(g * nq + j) * 2 + 1], hi, w);
         }
@@ -477,7 +469,8 @@ INLINE void attend_avx512_bf16(const bf16_t *q, const bf16_t *k, const bf16_t *v
             }
         }
     }
-    const int64_t row_bytes = width * (int64_t)sizeof(bf16_t);
+    /* The values, into o in unpack order. */
+    const int64_t row_bytes = width * (int64_t)sizeof(bf16_t), nacc = GB * 2 * nq;
     if (row_bytes > PV_BLOCKED_ROW_MAX_BYTES || GB * nq > 4) {
         /* a pass per KV head (and block of query rows) over all keys, its part of each row */
         for (int64_t h = 0; h < kv_heads; ++h)
@@ -485,64 +478,47 @@ INLINE void attend_avx512_bf16(const bf16_t *q, const bf16_t *k, const bf16_t *v
                 const int64_t qh0 = h * group + g0;
                 const PrefetchPlan pf = prefetch_plan(h, g0, len, width, head_dim, DTYPE_BF16);
                 __m512 acc[MAX_REGS];
-                for (int64_t i = 0; i < GB * 2 * nq; ++i) acc[i] = _mm512_setzero_ps();
+                for (int64_t i = 0; i < nacc; ++i) acc[i] = _mm512_setzero_ps();
                 prefetch_start(v, DTYPE_BF16, slots, len, width, pf);
-                for (int64_t t = 0; t < len; t += 2)
-                    pv_pair_bf16(v, slots, t, len, width, h, head_dim, nq, GB, probs + qh0 * plen, plen, pf, acc);
-                for (int64_t g = 0; g < GB; ++g)
-                    for (int64_t j = 0; j < nq; ++j) {
-                        float *dst = o + (qh0 + g) * head_dim + j * 32;
-                        const __m512 lo = acc[(g * nq + j) * 2], hi = acc[(g * nq + j) * 2 + 1];
-                        _mm512_storeu_ps(dst, _mm512_permutex2var_ps(lo, lo_idx, hi));
-                        _mm512_storeu_ps(dst + 16, _mm512_permutex2var_ps(lo, hi_idx, hi));
+                for (int64_t t = 0; t < len; t += 2) {
+                    if (t + pf.ahead < len) {
+                        prefetch_head(v, DTYPE_BF16, slots[t + pf.ahead] * width + pf.first, pf.span);
+                        if (t + 1 + pf.ahead < len)
+                            prefetch_head(v, DTYPE_BF16, slots[t + 1 + pf.ahead] * width + pf.first, pf.span);
                     }
-            }
-        return;
-    }
-    /* Small rows and little work per row: the values a block of keys at a time (PV_BLOCK_BYTES of
-     * rows, up to 64 keys). The block's rows are located once and used by every KV head while they
-     * sit in L1 (a pass per head spent most of its instructions on slot arithmetic there); between
-     * blocks each query row's accumulators wait in o, in unpack order. */
-    int64_t ahead = PREFETCH_BYTES / row_bytes, block = PV_BLOCK_BYTES / row_bytes / 2 * 2;
-    ahead = ahead < PREFETCH_KEYS_MIN ? PREFETCH_KEYS_MIN : ahead > PREFETCH_KEYS_MAX ? PREFETCH_KEYS_MAX : ahead;
-    block = block > PV_BLOCK_MAX ? PV_BLOCK_MAX : block;
-    for (int64_t t = 0; t < len && t < ahead; ++t) prefetch_head(v, DTYPE_BF16, slots[t] * width, width);
-    for (int64_t t0 = 0; t0 < len; t0 += block) {
-        const int64_t n = len - t0 < block ? len - t0 : block;
-        const bf16_t *vr[PV_BLOCK_MAX];
-        for (int64_t i = 0; i < n; ++i) {
-            vr[i] = v + slots[t0 + i] * width;
-            if (t0 + i + ahead < len) prefetch_head(v, DTYPE_BF16, slots[t0 + i + ahead] * width, width);
-        }
-        for (int64_t h = 0; h < kv_heads; ++h) {
-            for (int64_t g0 = 0; g0 < group; g0 += GB) {
-                const int64_t qh0 = h * group + g0;
-                __m512 acc[MAX_REGS];
-                for (int64_t g = 0; g < GB; ++g)
-                    for (int64_t j = 0; j < nq; ++j)
-                        for (int64_t x = 0; x < 2; ++x)
-                            acc[(g * nq + j) * 2 + x] = t0 ? _mm512_loadu_ps(o + (qh0 + g) * head_dim + j * 32 + x * 16)
-                                                           : _mm512_setzero_ps();
-                for (int64_t i = 0; i < n; i += 2) {
-                    const bf16_t *v0 = vr[i] + h * head_dim, *v1 = i + 1 < n ? vr[i + 1] + h * head_dim : NULL;
-                    for (int64_t j = 0; j < nq; ++j) {
-                        const __m512i a = _mm512_loadu_si512((const void *)(v0 + j * 32));
-                        const __m512i b = v1 ? _mm512_loadu_si512((const void *)(v1 + j * 32)) : _mm512_setzero_si512();
-                        const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(a, b), hi = (__m512bh)_mm512_unpackhi_epi16(a, b);
-                        for (int64_t g = 0; g < GB; ++g) {
-                            uint32_t pair;
-                            memcpy(&pair, probs + (qh0 + g) * plen + t0 + i, sizeof pair);
-                            const __m512bh w = (__m512bh)_mm512_set1_epi32((int)pair);
-                            acc[(g * nq + j) * 2] = _mm512_dpbf16_ps(acc[(g * nq + j) * 2], lo, w);
-                            acc[(g * nq + j) * 2 + 1] = _mm512_dpbf16_ps(acc[(g * nq + j) * 2 + 1], hi, w);
-                        }
-                    }
+                    pv_rows_bf16(v + slots[t] * width + h * head_dim,
+                                 t + 1 < len ? v + slots[t + 1] * width + h * head_dim : NULL, nq, GB,
+                                 probs + qh0 * plen + t, plen, acc);
                 }
-                for (int64_t g = 0; g < GB; ++g)
-                    for (int64_t j = 0; j < nq; ++j)
-                        for (int64_t x = 0; x < 2; ++x)
-                            _mm512_storeu_ps(o + (qh0 + g) * head_dim + j * 32 + x * 16, acc[(g * nq + j) * 2 + x]);
+                for (int64_t i = 0; i < nacc; ++i) _mm512_storeu_ps(o + qh0 * head_dim + i * 16, acc[i]);
             }
+    } else {
+        /* Small rows and little work per row: a block of keys at a time (PV_BLOCK_BYTES of rows, up
+         * to 64 keys), the block's rows located once and used by every KV head while they sit in L1
+         * (a pass per head spent most of its instructions on slot arithmetic there); each query
+         * row's accumulators wait in o between blocks. */
+        int64_t ahead = PREFETCH_BYTES / row_bytes, block = PV_BLOCK_BYTES / row_bytes / 2 * 2;
+        ahead = ahead < PREFETCH_KEYS_MIN ? PREFETCH_KEYS_MIN : ahead > PREFETCH_KEYS_MAX ? PREFETCH_KEYS_MAX : ahead;
+        block = block > PV_BLOCK_MAX ? PV_BLOCK_MAX : block;
+        for (int64_t t = 0; t < len && t < ahead; ++t) prefetch_head(v, DTYPE_BF16, slots[t] * width, width);
+        for (int64_t t0 = 0; t0 < len; t0 += block) {
+            const int64_t n = len - t0 < block ? len - t0 : block;
+            const bf16_t *vr[PV_BLOCK_MAX];
+            for (int64_t i = 0; i < n; ++i) {
+                vr[i] = v + slots[t0 + i] * width;
+                if (t0 + i + ahead < len) prefetch_head(v, DTYPE_BF16, slots[t0 + i + ahead] * width, width);
+            }
+            for (int64_t h = 0; h < kv_heads; ++h)
+                for (int64_t g0 = 0; g0 < group; g0 += GB) {
+                    const int64_t qh0 = h * group + g0;
+                    __m512 acc[MAX_REGS];
+                    for (int64_t i = 0; i < nacc; ++i)
+                        acc[i] = t0 ? _mm512_loadu_ps(o + qh0 * head_dim + i * 16) : _mm512_setzero_ps();
+                    for (int64_t i = 0; i < n; i += 2)
+                        pv_rows_bf16(vr[i] + h * head_dim, i + 1 < n ? vr[i + 1] + h * head_dim : NULL, nq, GB,
+                                     probs + qh0 * plen + t0 + i, plen, acc);
+                    for (int64_t i = 0; i < nacc; ++i) _mm512_storeu_ps(o + qh0 * head_dim + i * 16, acc[i]);
+                }
         }
     }
     for (int64_t r = 0; r < rows; ++r)  /* the lanes back in order */
@@ -947,9 +923,7 @@ INLINE void ext_pv_bf16(const bf16_t *restrict P, int64_t ldp, const uint32_t *r
             __m512bh vv[4];
             for (int i = 0; i < nv; ++i) vv[i] = (__m512bh)_mm512_loadu_si512((const void *)(Vp + t2 * hd + c0 + i * 16));
             for (int r = 0; r < R; ++r) {
-                uint32_t pair;
-                memcpy(&pair, P + r * ldp + 2 * t2, sizeof pair);
-                const __m512bh w = (__m512bh)_mm512_set1_epi32((int)pair);
+                const __m512bh w = bcast_pair(P + r * ldp + 2 * t2);
                 for (int i = 0; i < nv; ++i) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], vv[i], w);
             }
         }

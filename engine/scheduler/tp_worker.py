@@ -99,13 +99,12 @@ class TpModelWorker:
         logits = runner.compute_logits(last_hidden)  # [bs, vocab] float32
         bs = logits.shape[0]
         sample_rows = [i for i, s in enumerate(mwb.sampling_states) if s is not None]
-        next_ids = torch.zeros(bs, dtype=torch.int64, device=logits.device)  # [bs]
         result = GenerationBatchResult(next_token_ids=[])
-        if sample_rows and len(sample_rows) == bs and not mwb.return_logprob and all(
+        if len(sample_rows) == bs > 0 and not mwb.return_logprob and all(
                 s.plain_greedy for s in mwb.sampling_states):
             # the common decode step: an argmax, no SamplingBatchInfo to build (the sampler's own
             # all-greedy path, ~30 us of host work less per step at batch 16)
-            next_ids = torch.argmax(logits, dim=-1)
+            next_ids = torch.argmax(logits, dim=-1)  # [bs]
             for s in mwb.sampling_states:
                 s.num_sampled += 1
         elif sample_rows:
@@ -117,7 +116,8 @@ class TpModelWorker:
             out = self.sampler.forward(sub_logits, info, mwb.return_logprob, nums)
             if idx is None:
                 next_ids = out.next_token_ids
-            else:
+            else:  # the rows that sample nothing get token 0
+                next_ids = torch.zeros(bs, dtype=torch.int64, device=logits.device)
                 next_ids[idx] = out.next_token_ids
             if mwb.return_logprob:
                 lps = [0.0] * bs
@@ -127,6 +127,8 @@ class TpModelWorker:
                     if out.top_logprobs is not None:
                         tops[i] = out.top_logprobs[j]
                 result.next_token_logprobs, result.next_top_logprobs = lps, tops
+        else:  # no row samples
+            next_ids = torch.zeros(bs, dtype=torch.int64, device=logits.device)
         if mwb.input_logprob_reqs:
             result.input_logprobs = self._input_logprobs(mwb, fb, hidden)
         result.next_token_ids_device = next_ids
