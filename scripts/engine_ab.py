@@ -90,11 +90,15 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--overrides", default='{"dtype": "bfloat16", "enable_torch_compile": true}',
                     help="ServerArgs fields for both sides, as JSON")
+    ap.add_argument("--new-overrides", default="{}",
+                    help="ServerArgs fields for this checkout's side only, as JSON, over --overrides (a flag's "
+                         "effect: --old HEAD --new-overrides '{\"enable_overlap_schedule\": true}')")
     ap.add_argument("--allow-token-diff", action="store_true",
                     help="report requests whose greedy tokens differ instead of failing")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     overrides = {"device": "cpu", **json.loads(args.overrides)}
+    new_overrides = {**overrides, **json.loads(args.new_overrides)}
     vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
     if args.worker:
         worker(args.worker, args.model, overrides, args.num, args.input_len, args.output_len, vocab)
@@ -104,7 +108,7 @@ def main() -> None:
     subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(old_tree), args.old], check=True)
     procs = {}
     try:
-        procs = {"old": start_worker(old_tree, args, overrides), "new": start_worker(ROOT, args, overrides)}
+        procs = {"old": start_worker(old_tree, args, overrides), "new": start_worker(ROOT, args, new_overrides)}
         for name, proc in procs.items():
             print(f"{name}: {args.old if name == 'old' else 'this checkout'} -> {read(proc)['baton']}", flush=True)
         results = {"old": [], "new": []}
@@ -140,7 +144,8 @@ def main() -> None:
     total = (args.warmup_rounds + args.rounds) * args.num
     same = "greedy tokens identical in every round" if not diverged else \
         f"greedy tokens differ in {diverged} of {total} requests"
-    print(f"\n{args.rounds} rounds of {args.num} x {args.input_len} in / {args.output_len} out, {overrides}; {same}")
+    print(f"\n{args.rounds} rounds of {args.num} x {args.input_len} in / {args.output_len} out, {overrides}"
+          f"{'' if new_overrides == overrides else f', new side {new_overrides}'}; {same}")
     print(f"{'median':16s} {'old ms':>9s} {'new ms':>9s} {'old/new':>8s}")
     for key, label in (("round", "round"), ("extend", "extend step"), ("decode", "decode step")):
         old, new = med("old", key), med("new", key)

@@ -24,7 +24,7 @@ import functools
 import logging
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
@@ -38,7 +38,8 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_forward.c")
 _ERRORS = {1: "out of memory", 2: "a token id, position, slot or request row out of range",
-           3: "this build has no AVX512_BF16"}  # KERNEL_NO_MEMORY, KERNEL_BAD_INDEX, FORWARD_UNSUPPORTED
+           3: "this build has no AVX512_BF16",  # KERNEL_NO_MEMORY, KERNEL_BAD_INDEX, FORWARD_UNSUPPORTED
+           4: "a placeholder token id outside the future map"}  # GREEDY_BAD_FUTURE
 
 _ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
 
@@ -56,6 +57,17 @@ class _Model(ctypes.Structure):  # NativeModel
                 + [("layer", ctypes.POINTER(_Layer))])
 
 
+class _GreedyStep(ctypes.Structure):  # GreedyStep
+    _fields_ = ([("model", ctypes.POINTER(_Model)), ("lm_head", _ptr), ("n", _i64), ("bs", _i64)]
+                + [(name, _ptr) for name in ("ids", "positions", "loc", "rows", "lens", "prefix_lens", "extend_lens",
+                                             "future_map")]
+                + [("future_len", _i64), ("future_slots", _ptr), ("next_ids", _ptr), ("num_threads", ctypes.c_int),
+                   ("err", ctypes.c_int), ("done", ctypes.c_int), ("next", _ptr), ("call", _ptr)])
+
+
+_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int)
+
+
 @functools.lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(build_library(SOURCE, DEFAULT_CFLAGS)))
@@ -69,6 +81,13 @@ def _library() -> ctypes.CDLL:
     # model, hidden, rows, packed LM head, out, num_threads
     lib.logits_step.argtypes = [ctypes.POINTER(_Model), _ptr, _i64, _ptr, _ptr, ctypes.c_int]
     lib.logits_step.restype = ctypes.c_int
+    lib.greedy_step.argtypes = [ctypes.POINTER(_GreedyStep)]
+    lib.greedy_step.restype = ctypes.c_int
+    lib.stream_create.argtypes, lib.stream_create.restype = [ctypes.c_int], _ptr
+    lib.openmp_hand_over.argtypes, lib.openmp_hand_over.restype = [], ctypes.c_int
+    lib.stream_submit.argtypes, lib.stream_submit.restype = [_ptr, ctypes.POINTER(_GreedyStep)], None
+    lib.stream_wait.argtypes, lib.stream_wait.restype = [_ptr, ctypes.POINTER(_GreedyStep)], ctypes.c_int
+    lib.stream_destroy.argtypes, lib.stream_destroy.restype = [_ptr], None
     lib.rms_norm_bf16.argtypes = [_ptr, _i64, _i64, _ptr, ctypes.c_float, _ptr]  # x, rows, n, weight, eps, y
     lib.rms_norm_bf16.restype = None
     return lib
@@ -183,6 +202,7 @@ class NativeForward:
         lib = _library()
         self._decode, self._extend, self._logits = lib.decode_step, lib.extend_step, lib.logits_step
         self._model_ref = ctypes.byref(self._model)
+        self.num_threads = torch.get_num_threads()  # the greedy steps' threads (any thread may run them)
 
     @classmethod
     def create(cls, model: torch.nn.Module, req_to_token_pool: "ReqToTokenPool", kv_pool: "MHATokenToKVPool",
@@ -243,6 +263,116 @@ class NativeForward:
         _raise_on(self._logits(self._model_ref, hidden.data_ptr(), hidden.shape[0], self._lm_head.data_ptr(),
                                out.data_ptr(), torch.get_num_threads()))
         return out
+
+    def greedy(self, input_ids: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor,
+               req_pool_indices: torch.Tensor, seq_lens: Optional[torch.Tensor] = None,
+               prefix_lens: Optional[torch.Tensor] = None, extend_lens: Optional[torch.Tensor] = None,
+               future_map: Optional[torch.Tensor] = None, future_slots: Optional[torch.Tensor] = None) -> "GreedyStep":
+        """A whole step that ends in each request's argmax, ready to run (`.run()`, or a
+        ForwardStream): a decode (`seq_lens`) or an extend (`prefix_lens`, `extend_lens`, every
+        request at least one token), the inputs as decode() and extend() take them. With
+        `future_map` (the overlap loop's int64 ring), ids < 0 are -slots of it, resolved first, and
+        the sampled ids go to its `future_slots` [bs]. Needs has_logits."""
+        assert self._lm_head is not None, "no packed LM head"
+        decode = seq_lens is not None
+        ids = input_ids.to(torch.int64).clone()  # resolved in place
+        if decode:
+            pos, loc, rows, lens = _as_int64(positions, out_cache_loc, req_pool_indices, seq_lens)
+            prefix = ext = None
+            bs = ids.shape[0]
+            _check_len("decode", bs, pos, rows, lens, loc)
+        else:
+            pos, loc, rows, prefix, ext = _as_int64(positions, out_cache_loc, req_pool_indices, prefix_lens,
+                                                    extend_lens)
+            lens = None
+            bs = rows.shape[0]
+            _check_len("extend", ids.shape[0], pos, loc)
+            _check_len("extend", bs, prefix, ext)
+        slots = None
+        if future_map is not None:
+            assert future_map.dtype == torch.int64 and future_map.is_contiguous() and future_map.device.type == "cpu"
+            (slots,) = _as_int64(future_slots)
+            _check_len("greedy", bs, slots)
+        next_ids = torch.empty(bs, dtype=torch.int64)
+        struct = _GreedyStep(
+            model=ctypes.pointer(self._model), lm_head=self._lm_head.data_ptr(), n=ids.shape[0], bs=bs, ids=ids.data_ptr(),
+            positions=pos.data_ptr(), loc=loc.data_ptr(), rows=rows.data_ptr(), lens=_ptr_of(lens),
+            prefix_lens=_ptr_of(prefix), extend_lens=_ptr_of(ext), future_map=_ptr_of(future_map),
+            future_len=0 if future_map is None else future_map.shape[0], future_slots=_ptr_of(slots),
+            next_ids=next_ids.data_ptr(), num_threads=self.num_threads)
+        return GreedyStep(struct, next_ids, (ids, pos, loc, rows, lens, prefix, ext, future_map, slots, self))
+
+
+class GreedyStep:
+    """One prepared greedy step (NativeForward.greedy): the C struct and every tensor it points into."""
+
+    def __init__(self, struct: _GreedyStep, next_ids: torch.Tensor, keep: tuple) -> None:
+        self.struct = struct
+        self.next_ids = next_ids  # [bs] int64, once run
+        self._keep = keep
+
+    def run(self) -> torch.Tensor:
+        """Run it here, now; the sampled ids [bs]."""
+        _raise_on(_library().greedy_step(ctypes.byref(self.struct)))
+        return self.next_ids
+
+
+class ForwardStream:
+    """A native thread that runs steps in the order they are submitted: greedy steps without the
+    GIL, and Python calls (call(): any other batch's forward and sampling) with it. The overlap
+    loop's forward on CPU: the scheduler thread processes step N while step N+1 runs.
+
+    Its OpenMP regions run `num_threads` wide. A process that serves through it calls
+    hand_over_openmp() from the creating thread once, so that thread's idle OpenMP team does not
+    slow the stream's down (see openmp_hand_over in cpu_forward.c)."""
+
+    def __init__(self, num_threads: int) -> None:
+        self._lib = _library()
+        self.num_threads = num_threads
+        self._stream = self._lib.stream_create(num_threads)
+        if not self._stream:
+            raise OSError("native forward stream: could not start its thread")
+
+    def submit(self, step: GreedyStep) -> None:
+        """Queue a step; the caller keeps it alive until wait() returns for it."""
+        self._lib.stream_submit(self._stream, ctypes.byref(step.struct))
+
+    def wait(self, step: GreedyStep) -> torch.Tensor:
+        """Block (the GIL released) until a submitted step has run; its sampled ids [bs]."""
+        _raise_on(self._lib.stream_wait(self._stream, ctypes.byref(step.struct)))
+        return step.next_ids
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """fn() on the stream's thread, after what is queued; its result, or its exception raised here."""
+        out: list = []
+
+        def run() -> int:
+            try:
+                out.append((True, fn()))
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                out.append((False, e))
+            return 0
+
+        callback = _CALLBACK(run)
+        struct = _GreedyStep(call=ctypes.cast(callback, _ptr))
+        self._lib.stream_submit(self._stream, ctypes.byref(struct))
+        self._lib.stream_wait(self._stream, ctypes.byref(struct))
+        ok, value = out[0]
+        if not ok:
+            raise value
+        return value
+
+    def hand_over_openmp(self) -> None:
+        """From the thread that made the stream, once: free its idle OpenMP team, run its own regions
+        single-threaded from now on (that thread then computes nothing big: the stream does)."""
+        if self._lib.openmp_hand_over() != 0:
+            logger.warning("could not free the scheduler thread's OpenMP team; the forward stream's may spin less")
+
+    def close(self) -> None:
+        """Run what was submitted, then end the thread."""
+        if self._stream:
+            self._lib.stream_destroy(self._stream)
+            self._stream = None
 
 
 def _as_int64(*tensors: torch.Tensor) -> list[torch.Tensor]:

@@ -111,6 +111,8 @@ def run_scheduler_process(server_args: ServerArgs, recv_addr: str, send_addr: st
         tp = init_tp_group(0, server_args.tp_size, tp_init_addr, server_args.device,  # TpGroup() without TP
                            server_args.tp_cpu_allreduce)
         scheduler = Scheduler(server_args, tokenizer, dp_rank=dp_rank, tp=tp)
+        if scheduler.overlap is not None:  # the CPU forward stream takes this thread's OpenMP team
+            scheduler.overlap.hand_over_openmp()
         io = SchedulerIO(zmq.Context(2), recv_addr, send_addr)
         grammar_start = time.perf_counter()
         if scheduler.grammar_backend is not None:  # ready means full speed: not while it holds the GIL

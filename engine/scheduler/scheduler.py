@@ -416,6 +416,12 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin):
         self.tree_cache.reset()
         return FlushCacheOut(True, "", self.dp_rank)
 
+    def forward_threads(self) -> int:
+        """The threads a forward runs on: the CPU forward stream's where the overlap loop has one
+        (the scheduler thread itself then runs single-threaded), else torch's."""
+        stream = self.overlap.stream if self.overlap is not None else None
+        return stream.num_threads if stream is not None else torch.get_num_threads()
+
     def get_server_info(self) -> dict[str, Any]:
         pd_info = self.pd.server_info() if self.pd is not None else {}
         return {**pd_info,
@@ -435,7 +441,7 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin):
             "retractions": self.stats.retractions,
             "scheduler_pid": os.getpid(),
             "cpu_affinity": sorted(os.sched_getaffinity(0)),
-            "torch_threads": torch.get_num_threads(),
+            "torch_threads": self.forward_threads(),
             "tp_allreduce": all_reduce_backend(self.worker.tp),  # shm | gloo | nccl | none
             "preemptions": self.stats.preemptions,
             "mixed_decode_tokens": self.stats.mixed_decode_tokens,

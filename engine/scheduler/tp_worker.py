@@ -32,6 +32,7 @@ from baton.engine.server_args import ServerArgs
 
 if TYPE_CHECKING:
     from baton.engine.distributed.parallel_state import TpGroup
+    from baton.engine.kernels.cpu_forward import ForwardStream, GreedyStep
 
 
 @dataclass
@@ -79,8 +80,46 @@ class TpModelWorker:
                                  future_map: Optional["FutureMap"] = None) -> GenerationBatchResult:
         """`async_copy` (CUDA): copy the sampled ids to the host without waiting; call resolve().
         `future_map` (overlap): resolve the batch's placeholder inputs from it, store its samples in it."""
+        if not async_copy:
+            step = self.greedy_step(mwb, future_map)
+            if step is not None:
+                return self.greedy_result(mwb, step.run())
         with torch.inference_mode():
             return self._forward_and_sample(mwb, async_copy, future_map)
+
+    def greedy_step(self, mwb: ModelWorkerBatch, future_map: Optional["FutureMap"] = None) -> Optional["GreedyStep"]:
+        """The whole step as one native call, prepared (cpu_forward.c's greedy_step: the forward, the
+        LM head over each request's last token, the argmax, the future map's placeholders and
+        slots), for a batch whose every sampling row is plain greedy without logprobs, on the native
+        forward; None for any other. Counts the sample of each sampling row."""
+        native = self.model_runner.native_forward
+        if (native is None or not native.has_logits or self.step_sender is not None or mwb.return_logprob
+                or mwb.input_logprob_reqs or not all(s is None or s.plain_greedy for s in mwb.sampling_states)):
+            return None
+        fmap, slots = (None, None) if future_map is None else (future_map.token_ids, mwb.future_indices)
+        if mwb.forward_mode.is_decode():
+            step = native.greedy(mwb.input_ids, mwb.positions, mwb.out_cache_loc, mwb.req_pool_indices,
+                                 seq_lens=torch.tensor(mwb.seq_lens_cpu, dtype=torch.int64),
+                                 future_map=fmap, future_slots=slots)
+        elif mwb.forward_mode.is_extend() and min(mwb.extend_seq_lens_cpu, default=0) > 0:
+            step = native.greedy(mwb.input_ids, mwb.positions, mwb.out_cache_loc, mwb.req_pool_indices,
+                                 prefix_lens=torch.tensor(mwb.extend_prefix_lens_cpu, dtype=torch.int64),
+                                 extend_lens=torch.tensor(mwb.extend_seq_lens_cpu, dtype=torch.int64),
+                                 future_map=fmap, future_slots=slots)
+        else:
+            return None
+        for s in mwb.sampling_states:
+            if s is not None:
+                s.num_sampled += 1
+        return step
+
+    @staticmethod
+    def greedy_result(mwb: ModelWorkerBatch, next_ids: torch.Tensor) -> GenerationBatchResult:
+        """A greedy step's result, as _forward_and_sample makes it (rows that sample nothing: 0)."""
+        if any(s is None for s in mwb.sampling_states):
+            next_ids = next_ids.masked_fill(torch.tensor([s is None for s in mwb.sampling_states]), 0)
+        return GenerationBatchResult(next_token_ids=next_ids.tolist(), next_token_ids_tensor=next_ids,
+                                     next_token_ids_device=next_ids)
 
     def _forward_and_sample(self, mwb: ModelWorkerBatch, async_copy: bool,
                             future_map: Optional["FutureMap"]) -> GenerationBatchResult:
@@ -198,6 +237,19 @@ class PendingResult:
         return self._future.result().resolve()
 
 
+class StreamResult:
+    """A greedy step on the CPU's forward stream: result() waits for it (the GIL released)."""
+
+    def __init__(self, stream: "ForwardStream", step: "GreedyStep", mwb: ModelWorkerBatch) -> None:
+        self._stream, self._step, self._mwb = stream, step, mwb
+        self._result: Optional[GenerationBatchResult] = None
+
+    def result(self) -> GenerationBatchResult:
+        if self._result is None:
+            self._result = TpModelWorker.greedy_result(self._mwb, self._stream.wait(self._step))
+        return self._result
+
+
 class OverlapWorkerClient:
     """Launches batches in order and returns placeholders immediately.
 
@@ -206,7 +258,14 @@ class OverlapWorkerClient:
     scheduler thread, as SGLang's overlap loop does: the GPU computes batch N+1 while the same thread
     processes batch N's result. A worker thread there would buy nothing and cost a GIL hand-off per
     op: measured on an H100, overlap through a thread was 0.77-0.87x the plain loop (docs/benchmarks.md).
-    On CPU the forward is the work itself, so it goes to one worker thread (FIFO)."""
+
+    On CPU with the native forward, the same shape: a native forward stream (cpu_forward.c), a C
+    thread, computes while the scheduler thread works. A greedy batch (every sampling row an argmax,
+    the common decode step) is queued on it as one native step (placeholders, forward, LM head,
+    argmax, future map) that needs no GIL, so the scheduler processes batch N while N+1 runs. Any
+    other batch runs on the stream too, as a Python call the scheduler waits for (a Python forward
+    beside the scheduler's Python would only trade the GIL back and forth). Elsewhere on CPU (the
+    model's own forward) a Python worker thread runs the forward (FIFO)."""
 
     def __init__(self, worker: TpModelWorker, max_running_requests: int, inline: Optional[bool] = None) -> None:
         self.worker = worker
@@ -214,11 +273,23 @@ class OverlapWorkerClient:
         cuda = str(worker.device).startswith("cuda")
         self.forward_stream = torch.cuda.Stream() if cuda else None
         self.inline = cuda if inline is None else inline
-        self._executor = None if self.inline else ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
+        self.stream: Optional["ForwardStream"] = None
+        native = worker.model_runner.native_forward
+        if not cuda and not self.inline and native is not None and native.has_logits:
+            from baton.engine.kernels.cpu_forward import ForwardStream
 
-    def launch(self, mwb: ModelWorkerBatch) -> tuple[torch.Tensor, PendingResult]:
+            self.stream = ForwardStream(native.num_threads)
+        threaded = not self.inline and self.stream is None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward") if threaded else None
+
+    def launch(self, mwb: ModelWorkerBatch) -> tuple[torch.Tensor, Any]:
         bs = len(mwb.seq_lens_cpu)
         mwb.future_indices = self.future_map.reserve(bs)
+        if self.stream is not None:
+            step = self.worker.greedy_step(mwb, self.future_map)
+            if step is not None:
+                self.stream.submit(step)
+                return -mwb.future_indices, StreamResult(self.stream, step, mwb)
         inputs_ready = None
         if self.forward_stream is not None:  # behind the scheduler's req_to_token writes for this batch
             inputs_ready = torch.cuda.Event()
@@ -227,10 +298,19 @@ class OverlapWorkerClient:
             return -mwb.future_indices, PendingResult(self._executor.submit(self._run, mwb, inputs_ready))
         done: Future = Future()
         try:
-            done.set_result(self._run(mwb, inputs_ready))
+            if self.stream is not None:  # behind the steps queued, whose KV and tokens it reads
+                done.set_result(self.stream.call(lambda: self._run(mwb, None)))
+            else:
+                done.set_result(self._run(mwb, inputs_ready))
         except Exception as e:  # raised where the result is read, as from the worker thread
             done.set_exception(e)
         return -mwb.future_indices, PendingResult(done)
+
+    def hand_over_openmp(self) -> None:
+        """In a scheduler process whose forward runs on the CPU stream: the scheduler thread gives
+        its OpenMP team up to the stream's (ForwardStream.hand_over_openmp)."""
+        if self.stream is not None:
+            self.stream.hand_over_openmp()
 
     def _run(self, mwb: ModelWorkerBatch, inputs_ready: Optional[Any]) -> GenerationBatchResult:
         if self.forward_stream is None:
@@ -242,3 +322,6 @@ class OverlapWorkerClient:
     def shutdown(self) -> None:
         if self._executor is not None:
             self._executor.shutdown(wait=True, cancel_futures=True)
+        if self.stream is not None:
+            self.stream.close()  # runs what was queued first
+            self.stream = None

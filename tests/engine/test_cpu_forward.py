@@ -203,37 +203,212 @@ def test_bad_indices_raise_before_writing(tiny_model_factory):
     assert runner.fwd.extend(**ext).shape == (2, config.hidden_size)
 
 
-@pytest.mark.parametrize("mixed", [False, True], ids=["plain", "mixed-chunk"])
-def test_engine_runs_every_step_natively(tiny_model_factory, mixed):
+def _greedy_inputs(runner, rows, tokens, prefix_lens):
+    """NativeForward.greedy's inputs for new tokens of rows from their prefix lengths."""
+    r2t = runner.req_pool.req_to_token
+    return dict(input_ids=torch.tensor(sum(tokens, [])),
+                positions=torch.cat([torch.arange(p, p + len(t)) for p, t in zip(prefix_lens, tokens)]),
+                out_cache_loc=torch.cat([r2t[r, p:p + len(t)] for r, p, t in zip(rows, prefix_lens, tokens)]),
+                req_pool_indices=torch.tensor(rows))
+
+
+def test_greedy_step_is_forward_head_and_argmax(tiny_model_factory):
+    """One greedy step (extend or decode) gives the argmax of the logits of each request's last
+    token, as the forward, the LM head and torch.argmax give them; with a future map it reads the
+    placeholders from it and stores its tokens at the slots given."""
+    model, config = _load(tiny_model_factory, "llama")
+    runner = NativeRunner(model, config, page_size=4)
+    fwd, rows, prompts = runner.fwd, [0, 1, 2], [PROMPTS[0], PROMPTS[1], PROMPTS[2][:3]]
+    ext = _greedy_inputs(runner, rows, prompts, [0, 0, 0])
+    lens = torch.tensor([len(p) for p in prompts])
+    logits = fwd.logits(fwd.extend(ext["input_ids"], ext["positions"], ext["out_cache_loc"], ext["req_pool_indices"],
+                                   torch.zeros(3, dtype=torch.int64), lens))
+    expected = logits[lens.cumsum(0) - 1].argmax(-1)
+    got = fwd.greedy(**ext, prefix_lens=torch.zeros(3, dtype=torch.int64), extend_lens=lens).run()
+    assert torch.equal(got, expected)
+
+    # a decode step whose inputs are placeholders: -slot of the future map
+    future = torch.zeros(10, dtype=torch.int64)
+    future[[3, 5, 7]] = expected
+    dec = _greedy_inputs(runner, rows, [[t] for t in expected.tolist()], lens.tolist())
+    want = fwd.logits(fwd.decode(dec["input_ids"], dec["positions"], dec["req_pool_indices"], lens + 1,
+                                 dec["out_cache_loc"])).argmax(-1)
+    step = fwd.greedy(**{**dec, "input_ids": torch.tensor([-3, -5, -7])}, seq_lens=lens + 1,
+                      future_map=future, future_slots=torch.tensor([1, 2, 9]))
+    assert torch.equal(step.run(), want)
+    assert future[[1, 2, 9]].tolist() == want.tolist() and future[[3, 5, 7]].tolist() == expected.tolist()
+    # a placeholder or a slot outside the map: an error, and nothing stored
+    for bad in ({"input_ids": torch.tensor([-3, -10, -7])}, {"future_slots": torch.tensor([1, 2, 10])}):
+        before = future.clone()
+        args = {**dec, "input_ids": torch.tensor([-3, -5, -7]), "future_slots": torch.tensor([1, 2, 9]), **bad}
+        with pytest.raises(RuntimeError, match="future map"):
+            fwd.greedy(**args, seq_lens=lens + 1, future_map=future).run()
+        assert torch.equal(future, before)
+
+
+def test_forward_stream_runs_in_order_on_its_own_thread(tiny_model_factory):
+    """Steps run in submission order (the second reads the first's tokens from the future map);
+    call() runs Python there, after what is queued, and brings its result or exception back; a
+    step's error is raised where it is waited for, and the stream serves on; close() runs what is
+    queued."""
+    import threading
+
+    model, config = _load(tiny_model_factory, "llama")
+    runner = NativeRunner(model, config, page_size=4)
+    fwd, rows = runner.fwd, [0, 1]
+    prompts = [PROMPTS[0], PROMPTS[1]]
+    lens = torch.tensor([len(p) for p in prompts])
+    # the plain answer first: prefill, then two decode steps
+    ext = _greedy_inputs(runner, rows, prompts, [0, 0])
+    first = fwd.greedy(**ext, prefix_lens=torch.zeros(2, dtype=torch.int64), extend_lens=lens).run()
+    d1 = _greedy_inputs(runner, rows, [[t] for t in first.tolist()], lens.tolist())
+    second = fwd.greedy(**d1, seq_lens=lens + 1).run()
+    d2 = _greedy_inputs(runner, rows, [[t] for t in second.tolist()], (lens + 1).tolist())
+    third = fwd.greedy(**d2, seq_lens=lens + 2).run()
+
+    stream = cpu_forward.ForwardStream(fwd.num_threads)
+    try:
+        future = torch.zeros(8, dtype=torch.int64)
+        future[[1, 2]] = first
+        s1 = fwd.greedy(**{**d1, "input_ids": torch.tensor([-1, -2])}, seq_lens=lens + 1, future_map=future,
+                        future_slots=torch.tensor([3, 4]))
+        s2 = fwd.greedy(**{**d2, "input_ids": torch.tensor([-3, -4])}, seq_lens=lens + 2, future_map=future,
+                        future_slots=torch.tensor([5, 6]))
+        stream.submit(s1)
+        stream.submit(s2)  # placeholders that only s1 fills
+        assert torch.equal(stream.wait(s2), third) and torch.equal(stream.wait(s1), second)
+        assert stream.call(threading.get_ident) != threading.get_ident()
+        with pytest.raises(ZeroDivisionError):
+            stream.call(lambda: 1 // 0)
+        bad = fwd.greedy(**{**d2, "input_ids": torch.tensor([-3, -99])}, seq_lens=lens + 2, future_map=future,
+                         future_slots=torch.tensor([5, 6]))
+        stream.submit(bad)
+        with pytest.raises(RuntimeError, match="future map"):
+            stream.wait(bad)
+        again = fwd.greedy(**{**d2, "input_ids": torch.tensor([-3, -4])}, seq_lens=lens + 2, future_map=future,
+                           future_slots=torch.tensor([5, 6]))
+        stream.submit(again)
+        assert stream.call(lambda: "after") == "after"  # queued behind `again`
+        assert torch.equal(stream.wait(again), third)
+        last = fwd.greedy(**d2, seq_lens=lens + 2)
+        stream.submit(last)
+    finally:
+        stream.close()
+    assert torch.equal(last.next_ids, third)  # close() ran it
+
+
+@pytest.mark.parametrize("loop", ["plain", "overlap"])
+@pytest.mark.parametrize("mixed", [False, True], ids=["no-mix", "mixed-chunk"])
+def test_engine_runs_every_step_natively(tiny_model_factory, mixed, loop):
     """Through the scheduler (chunked prefill, prefix hits, batches that change; with
-    --enable-mixed-chunk, decode tokens ride in extend batches): every step takes the native
-    forward, nothing is compiled, and the greedy tokens are the model's own forward's."""
+    --enable-mixed-chunk, decode tokens ride in extend batches), plain loop or overlap loop (whose
+    steps run on the native forward stream): every step takes the native forward, whole greedy
+    steps in one call, nothing is compiled, and the tokens (greedy, seeded sampling, with logprobs)
+    are the model's own forward's under the plain loop."""
     from scheduler_harness import SchedulerHarness
 
     path = tiny_model_factory("qwen3")
     shared = PROMPTS[1]
+    prompts = [shared, shared + PROMPTS[0], PROMPTS[2], shared + PROMPTS[2]]
+    # request 1 samples at temperature 1 (seeded), request 2 asks for logprobs: their batches take the
+    # Python sampler over the native forward's logits; the others are greedy and run on after them
+    sampling = [{"max_new_tokens": 8}, {"temperature": 1.0, "seed": 7, "max_new_tokens": 3},
+                {"return_logprob": True, "top_logprobs_num": 2, "max_new_tokens": 3}, {"max_new_tokens": 8}]
     results = {}
     for disable in (True, False):
+        overlap = loop == "overlap" and not disable
         h = SchedulerHarness(path, dtype="bfloat16", disable_native_forward=disable, max_total_tokens=2048,
-                             chunked_prefill_size=8, enable_mixed_chunk=mixed, enable_torch_compile=not disable)
+                             chunked_prefill_size=8, enable_mixed_chunk=mixed, enable_torch_compile=not disable,
+                             enable_overlap_schedule=overlap, disable_overlap_schedule=not overlap)
         runner = h.scheduler.worker.model_runner
         assert (runner.native_forward is None) == disable
-        calls = {"decode": 0, "extend": 0}
+        calls = {"decode": 0, "extend": 0, "greedy decode": 0, "greedy extend": 0}
         if not disable:
             assert runner.compiled_model is None  # nothing to compile, though asked to
+            assert (h.scheduler.overlap is not None and h.scheduler.overlap.stream is not None) == overlap
             fwd = runner.native_forward
-            for name in calls:
+            for name in ("decode", "extend"):
                 def counted(*a, name=name, fn=getattr(fwd, name)):
                     calls[name] += 1
                     return fn(*a)
                 setattr(fwd, name, counted)
-        for i, p in enumerate([shared, shared + PROMPTS[0], PROMPTS[2], shared + PROMPTS[2]]):
-            h.submit(str(i), p, max_new_tokens=6, ignore_eos=True)
+
+            def greedy(*a, fn=fwd.greedy, **kw):
+                calls["greedy decode" if kw.get("seq_lens") is not None else "greedy extend"] += 1
+                return fn(*a, **kw)
+            fwd.greedy = greedy
+        for i, (p, params) in enumerate(zip(prompts, sampling)):
+            h.submit(str(i), p, ignore_eos=True, **params)
             h.step()  # arrivals between steps: chunks, prefix hits, mixed batches
-        results[disable] = {rid: c.ids for rid, c in h.run_until_idle().items()}
-        assert all(len(ids) == 6 for ids in results[disable].values())
-        assert (min(calls.values()) > 0) != disable
+        done = h.run_until_idle()
+        results[disable] = {rid: (c.ids, [t for _, t in c.output_logprobs]) for rid, c in done.items()}
+        assert [len(results[disable][str(i)][0]) for i in range(4)] == [8, 3, 3, 8]
+        assert len(done["2"].output_logprobs) == 3
+        assert (min(calls.values()) > 0) != disable, calls
         assert h.scheduler.check_memory_integrity()
         if mixed:
             assert h.scheduler.stats.mixed_decode_tokens > 0
+        h.scheduler.close()
     assert results[False] == results[True]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_overlap_stream_under_aborts_retraction_and_sampling(tiny_model_factory, seed):
+    """The overlap loop on the native forward stream with a pool small enough to retract, chunked
+    prefills, arrivals and aborts at random steps, seeded sampled and logprob requests beside
+    greedy ones: every request ends once; a greedy one that was not aborted gives the plain loop's
+    tokens (an aborted one a prefix of them); at idle nothing is held."""
+    import random
+
+    from baton.engine.io_struct import AbortReq
+    from scheduler_harness import SchedulerHarness
+
+    path = tiny_model_factory("llama")
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(6, 500) for _ in range(rng.randint(4, 60))] for _ in range(16)]
+    kinds = [rng.choice(["greedy", "greedy", "sampled", "logprobs"]) for _ in prompts]
+    common = dict(dtype="bfloat16", chunked_prefill_size=32, page_size=4)
+
+    def params(i):
+        extra = {"sampled": {"temperature": 0.8, "top_k": 20, "seed": i}, "logprobs": {"return_logprob": True},
+                 "greedy": {}}[kinds[i]]
+        return dict(max_new_tokens=24, ignore_eos=True, **extra)
+
+    ref = SchedulerHarness(path, **common, max_total_tokens=4096)
+    for i, p in enumerate(prompts):
+        ref.submit(str(i), p, **params(i))
+    want = {rid: c.ids for rid, c in ref.run_until_idle().items()}
+    ref.scheduler.close()
+
+    h = SchedulerHarness(path, **common, max_total_tokens=320, enable_overlap_schedule=True)
+    assert h.scheduler.overlap.stream is not None
+    aborted, pending = set(), list(range(len(prompts)))
+    for i in range(8):  # a first wave at once; the rest arrive at random steps
+        h.submit(str(i), prompts[i], **params(i))
+        pending.remove(i)
+    try:
+        for _ in range(400):
+            if pending and rng.random() < 0.4:
+                i = pending.pop(0)
+                h.submit(str(i), prompts[i], **params(i))
+            if rng.random() < 0.05 and h.results:
+                rid = rng.choice(list(h.results))
+                aborted.add(rid)
+                h.scheduler.process_input_requests([AbortReq(rid=rid)])
+            if not h.step() and not pending and h.scheduler.is_idle():
+                break
+        h.run_until_idle()
+        assert h.scheduler.stats.retractions > 0, "the pool is meant to be too small for every request at once"
+        assert aborted and len(aborted) < len(prompts)
+        for i in range(len(prompts)):
+            got = h.results[str(i)]
+            assert got.finish is not None and got.after_finish == 0, i
+            if str(i) in aborted:
+                assert kinds[i] == "sampled" or got.ids == want[str(i)][:len(got.ids)], i
+            elif kinds[i] != "sampled":
+                assert got.ids == want[str(i)], f"request {i} ({kinds[i]}) differs from the plain loop's"
+            else:
+                assert len(got.ids) == 24
+        assert h.scheduler.is_idle() and h.scheduler.check_memory_integrity()
+    finally:
+        h.scheduler.close()
