@@ -378,6 +378,9 @@ int greedy_step(GreedyStep *s) {
         for (int64_t b = 0; b < bs; ++b)
             if (s->future_slots[b] < 0 || s->future_slots[b] >= s->future_len) return GREEDY_BAD_FUTURE;
     }
+    if (!s->lens)
+        for (int64_t b = 0; b < bs; ++b)
+            if (s->extend_lens[b] < 1) return KERNEL_BAD_INDEX; /* every request needs a last token */
     bf16_t *hidden = malloc(sizeof(bf16_t) * n * H);
     float *logits = malloc(sizeof(float) * bs * m->vocab);
     int err = !hidden || !logits ? KERNEL_NO_MEMORY : 0;
@@ -388,9 +391,8 @@ int greedy_step(GreedyStep *s) {
                           s->num_threads);
         /* each request's last row, packed to the front (rows only move down: end - 1 >= b) */
         for (int64_t b = 0, end = 0; !err && b < bs; ++b) {
-            if (s->extend_lens[b] < 1) err = KERNEL_BAD_INDEX;
             end += s->extend_lens[b];
-            if (!err && end - 1 != b) memcpy(hidden + b * H, hidden + (end - 1) * H, sizeof(bf16_t) * H);
+            if (end - 1 != b) memcpy(hidden + b * H, hidden + (end - 1) * H, sizeof(bf16_t) * H);
         }
     }
     if (!err) err = logits_step(m, hidden, bs, s->lm_head, logits, s->num_threads);
