@@ -317,9 +317,27 @@ class GreedyStep:
         return self.next_ids
 
 
+class StreamCall:
+    """A Python call queued on a ForwardStream: the C struct, the callback and, once run, its outcome
+    ((True, result) or (False, exception))."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self.outcome: tuple = (False, RuntimeError("the stream was closed before this call ran"))
+
+        def run() -> int:
+            try:
+                self.outcome = (True, fn())
+            except BaseException as e:  # noqa: BLE001 - handed to whoever waits for it
+                self.outcome = (False, e)
+            return 0
+
+        self._callback = _CALLBACK(run)  # alive as long as the struct that points to it
+        self.struct = _GreedyStep(call=ctypes.cast(self._callback, _ptr))
+
+
 class ForwardStream:
     """A native thread that runs steps in the order they are submitted: greedy steps without the
-    GIL, and Python calls (call(): any other batch's forward and sampling) with it. The overlap
+    GIL, and Python calls (submit_call(): any other batch's forward and sampling) with it. The overlap
     loop's forward on CPU: the scheduler thread processes step N while step N+1 runs.
 
     Its OpenMP regions run `num_threads` wide. A process that serves through it calls
@@ -342,22 +360,16 @@ class ForwardStream:
         _raise_on(self._lib.stream_wait(self._stream, ctypes.byref(step.struct)))
         return step.next_ids
 
-    def call(self, fn: Callable[[], Any]) -> Any:
-        """fn() on the stream's thread, after what is queued; its result, or its exception raised here."""
-        out: list = []
+    def submit_call(self, fn: Callable[[], Any]) -> "StreamCall":
+        """Queue fn() behind what is queued (it runs with the GIL); wait_call() for its outcome."""
+        call = StreamCall(fn)
+        self._lib.stream_submit(self._stream, ctypes.byref(call.struct))
+        return call
 
-        def run() -> int:
-            try:
-                out.append((True, fn()))
-            except BaseException as e:  # noqa: BLE001 - handed to the caller
-                out.append((False, e))
-            return 0
-
-        callback = _CALLBACK(run)
-        struct = _GreedyStep(call=ctypes.cast(callback, _ptr))
-        self._lib.stream_submit(self._stream, ctypes.byref(struct))
-        self._lib.stream_wait(self._stream, ctypes.byref(struct))
-        ok, value = out[0]
+    def wait_call(self, call: "StreamCall") -> Any:
+        """Block (the GIL released) until a submitted call has run; its result, or its exception raised."""
+        self._lib.stream_wait(self._stream, ctypes.byref(call.struct))
+        ok, value = call.outcome
         if not ok:
             raise value
         return value

@@ -32,7 +32,7 @@ from baton.engine.server_args import ServerArgs
 
 if TYPE_CHECKING:
     from baton.engine.distributed.parallel_state import TpGroup
-    from baton.engine.kernels.cpu_forward import ForwardStream, GreedyStep
+    from baton.engine.kernels.cpu_forward import ForwardStream, GreedyStep, StreamCall
 
 
 @dataclass
@@ -238,15 +238,18 @@ class PendingResult:
 
 
 class StreamResult:
-    """A greedy step on the CPU's forward stream: result() waits for it (the GIL released)."""
+    """A batch queued on the CPU's forward stream, as a greedy step or as a Python call: result()
+    waits for it (the GIL released)."""
 
-    def __init__(self, stream: "ForwardStream", step: "GreedyStep", mwb: ModelWorkerBatch) -> None:
-        self._stream, self._step, self._mwb = stream, step, mwb
+    def __init__(self, stream: "ForwardStream", mwb: ModelWorkerBatch, step: Optional["GreedyStep"] = None,
+                 call: Optional["StreamCall"] = None) -> None:
+        self._stream, self._mwb, self._step, self._call = stream, mwb, step, call
         self._result: Optional[GenerationBatchResult] = None
 
     def result(self) -> GenerationBatchResult:
         if self._result is None:
-            self._result = TpModelWorker.greedy_result(self._mwb, self._stream.wait(self._step))
+            self._result = (self._stream.wait_call(self._call) if self._call is not None else
+                            TpModelWorker.greedy_result(self._mwb, self._stream.wait(self._step)))
         return self._result
 
 
@@ -263,9 +266,9 @@ class OverlapWorkerClient:
     thread, computes while the scheduler thread works. A greedy batch (every sampling row an argmax,
     the common decode step) is queued on it as one native step (placeholders, forward, LM head,
     argmax, future map) that needs no GIL, so the scheduler processes batch N while N+1 runs. Any
-    other batch runs on the stream too, as a Python call the scheduler waits for (a Python forward
-    beside the scheduler's Python would only trade the GIL back and forth). Elsewhere on CPU (the
-    model's own forward) a Python worker thread runs the forward (FIFO)."""
+    other batch (sampling, logprobs) is queued as a Python call (forward and sampler), which takes
+    the GIL between its native calls. Elsewhere on CPU (the model's own forward) a Python worker
+    thread runs the forward (FIFO)."""
 
     def __init__(self, worker: TpModelWorker, max_running_requests: int, inline: Optional[bool] = None) -> None:
         self.worker = worker
@@ -285,11 +288,13 @@ class OverlapWorkerClient:
     def launch(self, mwb: ModelWorkerBatch) -> tuple[torch.Tensor, Any]:
         bs = len(mwb.seq_lens_cpu)
         mwb.future_indices = self.future_map.reserve(bs)
-        if self.stream is not None:
+        if self.stream is not None:  # behind the steps queued, whose KV and tokens it reads
             step = self.worker.greedy_step(mwb, self.future_map)
             if step is not None:
                 self.stream.submit(step)
-                return -mwb.future_indices, StreamResult(self.stream, step, mwb)
+                return -mwb.future_indices, StreamResult(self.stream, mwb, step=step)
+            call = self.stream.submit_call(lambda: self._run(mwb, None))
+            return -mwb.future_indices, StreamResult(self.stream, mwb, call=call)
         inputs_ready = None
         if self.forward_stream is not None:  # behind the scheduler's req_to_token writes for this batch
             inputs_ready = torch.cuda.Event()
@@ -298,10 +303,7 @@ class OverlapWorkerClient:
             return -mwb.future_indices, PendingResult(self._executor.submit(self._run, mwb, inputs_ready))
         done: Future = Future()
         try:
-            if self.stream is not None:  # behind the steps queued, whose KV and tokens it reads
-                done.set_result(self.stream.call(lambda: self._run(mwb, None)))
-            else:
-                done.set_result(self._run(mwb, inputs_ready))
+            done.set_result(self._run(mwb, inputs_ready))
         except Exception as e:  # raised where the result is read, as from the worker thread
             done.set_exception(e)
         return -mwb.future_indices, PendingResult(done)

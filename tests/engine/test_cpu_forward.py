@@ -248,7 +248,7 @@ def test_greedy_step_is_forward_head_and_argmax(tiny_model_factory):
 
 def test_forward_stream_runs_in_order_on_its_own_thread(tiny_model_factory):
     """Steps run in submission order (the second reads the first's tokens from the future map);
-    call() runs Python there, after what is queued, and brings its result or exception back; a
+    a Python call runs there, after what is queued, and brings its result or exception back; a
     step's error is raised where it is waited for, and the stream serves on; close() runs what is
     queued."""
     import threading
@@ -277,9 +277,9 @@ def test_forward_stream_runs_in_order_on_its_own_thread(tiny_model_factory):
         stream.submit(s1)
         stream.submit(s2)  # placeholders that only s1 fills
         assert torch.equal(stream.wait(s2), third) and torch.equal(stream.wait(s1), second)
-        assert stream.call(threading.get_ident) != threading.get_ident()
+        assert stream.wait_call(stream.submit_call(threading.get_ident)) != threading.get_ident()
         with pytest.raises(ZeroDivisionError):
-            stream.call(lambda: 1 // 0)
+            stream.wait_call(stream.submit_call(lambda: 1 // 0))
         bad = fwd.greedy(**{**d2, "input_ids": torch.tensor([-3, -99])}, seq_lens=lens + 2, future_map=future,
                          future_slots=torch.tensor([5, 6]))
         stream.submit(bad)
@@ -288,7 +288,8 @@ def test_forward_stream_runs_in_order_on_its_own_thread(tiny_model_factory):
         again = fwd.greedy(**{**d2, "input_ids": torch.tensor([-3, -4])}, seq_lens=lens + 2, future_map=future,
                            future_slots=torch.tensor([5, 6]))
         stream.submit(again)
-        assert stream.call(lambda: "after") == "after"  # queued behind `again`
+        after = stream.submit_call(lambda: again.struct.done)  # queued behind `again`
+        assert stream.wait_call(after) == 1
         assert torch.equal(stream.wait(again), third)
         last = fwd.greedy(**d2, seq_lens=lens + 2)
         stream.submit(last)
