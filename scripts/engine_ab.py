@@ -30,7 +30,8 @@ ROOT = Path(__file__).resolve().parent.parent
 MARK = "ENGINE_AB "
 
 
-def worker(tree: str, model: str, overrides: dict, num: int, input_len: int, output_len: int, vocab: int) -> None:
+def worker(tree: str, model: str, overrides: dict, num: int, input_len: int, output_len: int, vocab: int,
+           threads: int, temperature: float) -> None:
     sys.path.insert(0, os.path.join(tree, "tests", "engine"))
     # only the tree under test is imported: the driver's scripts/ goes off the path
     sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "scripts"]
@@ -39,7 +40,12 @@ def worker(tree: str, model: str, overrides: dict, num: int, input_len: int, out
 
     import baton.engine
     print(f"{MARK}{json.dumps({'baton': baton.engine.__file__})}", flush=True)
+    if threads:
+        torch.set_num_threads(threads)
     h = SchedulerHarness(model, **overrides)
+    overlap = h.scheduler.overlap
+    if overlap is not None and hasattr(overlap, "hand_over_openmp"):
+        overlap.hand_over_openmp()  # as a scheduler process does (event_loop.py)
     with torch.inference_mode():
         for line in sys.stdin:
             seed = int(line)
@@ -47,7 +53,8 @@ def worker(tree: str, model: str, overrides: dict, num: int, input_len: int, out
             prompts = [[rng.randrange(10, vocab) for _ in range(input_len)] for _ in range(num)]
             h.results.clear()
             for i, p in enumerate(prompts):
-                h.submit(f"{seed}-{i}", p, max_new_tokens=output_len, ignore_eos=True)
+                sampling = {"temperature": temperature, "seed": seed * 1000 + i} if temperature else {}
+                h.submit(f"{seed}-{i}", p, max_new_tokens=output_len, ignore_eos=True, **sampling)
             steps = {"decode": [], "extend": []}
             start = time.perf_counter()
             while True:
@@ -68,7 +75,8 @@ def start_worker(tree: Path, args: argparse.Namespace, overrides: dict) -> subpr
     # puts the tree's root on the package's path (engine/, router/, operator/ are its subpackages)
     env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     cmd = [sys.executable, __file__, "--worker", str(tree), "--model", args.model, "--overrides", json.dumps(overrides),
-           "--num", str(args.num), "--input-len", str(args.input_len), "--output-len", str(args.output_len)]
+           "--num", str(args.num), "--input-len", str(args.input_len), "--output-len", str(args.output_len),
+           "--threads", str(args.threads), "--temperature", str(args.temperature)]
     return subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
 
@@ -93,6 +101,9 @@ def main() -> None:
     ap.add_argument("--new-overrides", default="{}",
                     help="ServerArgs fields for this checkout's side only, as JSON, over --overrides (a flag's "
                          "effect: --old HEAD --new-overrides '{\"enable_overlap_schedule\": true}')")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads per side (default: torch's)")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sample at this temperature (a seed per request, so both sides draw alike); 0: greedy")
     ap.add_argument("--allow-token-diff", action="store_true",
                     help="report requests whose greedy tokens differ instead of failing")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -101,7 +112,8 @@ def main() -> None:
     new_overrides = {**overrides, **json.loads(args.new_overrides)}
     vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
     if args.worker:
-        worker(args.worker, args.model, overrides, args.num, args.input_len, args.output_len, vocab)
+        worker(args.worker, args.model, overrides, args.num, args.input_len, args.output_len, vocab, args.threads,
+               args.temperature)
         return
 
     old_tree = Path(tempfile.mkdtemp(prefix="engine-ab-old-")) / "tree"
