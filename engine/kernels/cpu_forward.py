@@ -4,6 +4,8 @@
     hidden = fwd.decode(input_ids, positions, req_pool_indices, seq_lens, out_cache_loc)        # [bs, hidden]
     hidden = fwd.extend(input_ids, positions, out_cache_loc, req_pool_indices, prefix_lens, extend_lens)
     logits = fwd.logits(hidden[rows])      # [rows, vocab] float32, the model's LM head (fwd.has_logits)
+    next_ids = fwd.greedy(..., seq_lens=...).run()   # a whole greedy step: forward, head, argmax
+    stream = ForwardStream(fwd.num_threads); stream.submit(step); stream.wait(step)   # on a C thread
 
 On CPU a small model's decode step is as much Python and dispatch as arithmetic, even compiled:
 at batch 16 of the bench model on one thread, 2.5 ms of which the GEMMs and the attention are
@@ -16,6 +18,11 @@ keeps the model's own forward (the reason is logged once). It rounds where the e
 rounds and sums the RMSNorm's squares in torch's order, so its logits, greedy tokens and stored K/V
 are the eager model's bit for bit (the tests require it). `--disable-native-forward` or
 `BATON_DISABLE_CPU_KERNELS=1` turn it off.
+
+A batch whose every sampling row is greedy runs as one greedy step (the forward, the LM head over
+each request's last token, torch.argmax's choice, and for the overlap loop its future map), with no
+Python between; a ForwardStream runs such steps, and Python calls for the other batches, on a C
+thread in submission order: the overlap loop's forward on CPU (scheduler/tp_worker.py).
 """
 from __future__ import annotations
 

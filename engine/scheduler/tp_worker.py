@@ -10,7 +10,9 @@ On CUDA (as SGLang's overlap loop) the launch runs in the scheduler thread and o
 on a forward stream, which first waits on an event the scheduler recorded at launch (its
 req_to_token writes for the batch); the sampled ids come to the host through a non-blocking copy
 with an event behind it, and the scheduler waits on that event only when it processes the result.
-On CPU a worker thread runs the forward (see OverlapWorkerClient).
+On CPU the native forward's stream (a C thread, cpu_forward.c) runs the batches in launch order,
+a greedy one as a single native step that also resolves and fills the future map; with the
+model's own forward, a Python worker thread (see OverlapWorkerClient).
 
 Tensor parallelism: this worker is the driver of its TP group. Before each forward it sends the
 step to the other ranks (tp_step.py), in the thread that runs the forward, so the step and the
