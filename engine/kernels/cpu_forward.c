@@ -311,23 +311,23 @@ void rms_norm_bf16(const bf16_t *x, int64_t rows, int64_t n, const bf16_t *w, fl
 }
 
 /* ---------------------------------------------------------------------------------------------
- * Greedy steps and the forward stream.
+ * Model steps and the forward stream.
  *
- * A greedy step is a whole model step for a batch whose every sampling row takes the argmax: the
- * overlap loop's placeholder ids resolved from its future map, the forward (decode or extend), the
- * LM head over each request's last token, the argmax, and the sampled ids stored in the future map
- * for the next step's placeholders. It touches no Python object, so it can run on a thread of its
- * own while the scheduler's thread (holding the GIL) processes the previous step's result: the CPU's
- * counterpart of a CUDA stream. A stream is one such thread running its steps in submission order
- * (and, for the batches that sample otherwise, Python callbacks, which take the GIL there); the
- * overlap loop submits step N+1 before it waits for step N (engine/scheduler/tp_worker.py).
+ * A model step is a whole step of a batch up to its logits: the overlap loop's placeholder ids
+ * resolved from its future map, the forward (decode or extend), the LM head over each request's
+ * last token. A greedy one goes on to the argmax and stores the sampled ids in the future map for
+ * the next step's placeholders; another leaves its logits to a Python callback that samples. The
+ * C part touches no Python object, so it can run on a thread of its own while the scheduler's
+ * thread (holding the GIL) processes the previous step's result: the CPU's counterpart of a CUDA
+ * stream. A stream is one such thread running its steps (and bare Python calls) in submission
+ * order; the overlap loop submits step N+1 before it waits for step N (engine/scheduler/tp_worker.py).
  * ------------------------------------------------------------------------------------------- */
 #include <omp.h>
 #include <pthread.h>
 
-#define GREEDY_BAD_FUTURE 4 /* a placeholder id outside the future map */
+#define STEP_BAD_FUTURE 4 /* a placeholder id outside the future map */
 
-typedef struct GreedyStep {
+typedef struct ModelStep {
     const NativeModel *model;
     const uint16_t *lm_head;           /* packed [vocab, hidden] */
     int64_t n, bs;                     /* tokens, requests */
@@ -339,13 +339,15 @@ typedef struct GreedyStep {
     int64_t *future_map;               /* [future_len] token slots, or NULL */
     int64_t future_len;
     const int64_t *future_slots;       /* [bs]: where this step's tokens go (with future_map) */
-    int64_t *next_ids;                 /* [bs] out: the argmax of each request's last row */
+    int64_t *next_ids;                 /* [bs] out: the argmax of each request's last row (greedy) */
+    float *logits;                     /* not NULL: the logits [bs, vocab] go here, no argmax, no future store */
     int num_threads;
     int err;                           /* out */
     int done;                          /* set by the stream, under its lock */
-    struct GreedyStep *next;           /* the stream's queue */
-    int (*call)(void);                 /* not NULL: the stream calls this instead (a Python callback) */
-} GreedyStep;
+    struct ModelStep *next;           /* the stream's queue */
+    int (*call)(void);                 /* a Python callback the stream runs after the step (or alone, */
+                                       /* model NULL); it returns 0 */
+} ModelStep;
 
 /* The first index of the row's maximum, NaN counting as the maximum, as torch.argmax. */
 static int64_t argmax_row(const float *x, int64_t n) {
@@ -362,9 +364,9 @@ static int64_t argmax_row(const float *x, int64_t n) {
     return best;
 }
 
-/* Run one greedy step. Returns 0 (next_ids written, and the future map's slots), or an error before
- * anything is written: GREEDY_BAD_FUTURE, or decode_step's / extend_step's codes. */
-int greedy_step(GreedyStep *s) {
+/* Run one model step. Returns 0 (the logits, or next_ids and the future map's slots, written), or an
+ * error before anything is written: STEP_BAD_FUTURE, or decode_step's / extend_step's codes. */
+int model_step(ModelStep *s) {
     const NativeModel *m = s->model;
     const int64_t n = s->n, bs = s->bs, H = m->hidden;
     if (bs == 0) return 0;
@@ -372,17 +374,17 @@ int greedy_step(GreedyStep *s) {
         for (int64_t i = 0; i < n; ++i) {
             if (s->ids[i] >= 0) continue;
             const int64_t slot = -s->ids[i];
-            if (slot >= s->future_len) return GREEDY_BAD_FUTURE;
+            if (slot >= s->future_len) return STEP_BAD_FUTURE;
             s->ids[i] = s->future_map[slot];
         }
         for (int64_t b = 0; b < bs; ++b)
-            if (s->future_slots[b] < 0 || s->future_slots[b] >= s->future_len) return GREEDY_BAD_FUTURE;
+            if (s->future_slots[b] < 0 || s->future_slots[b] >= s->future_len) return STEP_BAD_FUTURE;
     }
     if (!s->lens)
         for (int64_t b = 0; b < bs; ++b)
             if (s->extend_lens[b] < 1) return KERNEL_BAD_INDEX; /* every request needs a last token */
     bf16_t *hidden = malloc(sizeof(bf16_t) * n * H);
-    float *logits = malloc(sizeof(float) * bs * m->vocab);
+    float *logits = s->logits ? s->logits : malloc(sizeof(float) * bs * m->vocab);
     int err = !hidden || !logits ? KERNEL_NO_MEMORY : 0;
     if (!err && s->lens)
         err = decode_step(m, s->ids, s->positions, s->rows, s->lens, s->loc, bs, hidden, s->num_threads);
@@ -396,13 +398,13 @@ int greedy_step(GreedyStep *s) {
         }
     }
     if (!err) err = logits_step(m, hidden, bs, s->lm_head, logits, s->num_threads);
-    if (!err) {
+    if (!err && !s->logits) {
         for (int64_t b = 0; b < bs; ++b) s->next_ids[b] = argmax_row(logits + b * m->vocab, m->vocab);
         if (s->future_map)
             for (int64_t b = 0; b < bs; ++b) s->future_map[s->future_slots[b]] = s->next_ids[b];
     }
     free(hidden);
-    free(logits);
+    if (logits != s->logits) free(logits);
     return err;
 }
 
@@ -410,7 +412,7 @@ typedef struct {
     pthread_t thread;
     pthread_mutex_t mu;
     pthread_cond_t work, done;
-    GreedyStep *head, *tail; /* submitted, not yet run */
+    ModelStep *head, *tail; /* submitted, not yet run */
     int stop, num_threads;
 } ForwardStream;
 
@@ -421,9 +423,10 @@ static void *stream_main(void *arg) {
     for (;;) {
         while (!st->head && !st->stop) pthread_cond_wait(&st->work, &st->mu);
         if (!st->head) break; /* stopped, and nothing left to run */
-        GreedyStep *s = st->head;
+        ModelStep *s = st->head;
         pthread_mutex_unlock(&st->mu);
-        const int err = s->call ? s->call() : greedy_step(s);
+        int err = s->model ? model_step(s) : 0;
+        if (!err && s->call) err = s->call();
         pthread_mutex_lock(&st->mu);
         s->err = err;
         s->done = 1;
@@ -462,7 +465,7 @@ int openmp_hand_over(void) {
 }
 
 /* Queue a step behind those already submitted; it must stay alive until stream_wait returns. */
-void stream_submit(ForwardStream *st, GreedyStep *s) {
+void stream_submit(ForwardStream *st, ModelStep *s) {
     s->done = 0;
     s->next = NULL;
     pthread_mutex_lock(&st->mu);
@@ -474,7 +477,7 @@ void stream_submit(ForwardStream *st, GreedyStep *s) {
 }
 
 /* Block until the step has run; its error code (0: its next_ids are there). */
-int stream_wait(ForwardStream *st, GreedyStep *s) {
+int stream_wait(ForwardStream *st, ModelStep *s) {
     pthread_mutex_lock(&st->mu);
     while (!s->done) pthread_cond_wait(&st->done, &st->mu);
     pthread_mutex_unlock(&st->mu);

@@ -4,7 +4,7 @@
     hidden = fwd.decode(input_ids, positions, req_pool_indices, seq_lens, out_cache_loc)        # [bs, hidden]
     hidden = fwd.extend(input_ids, positions, out_cache_loc, req_pool_indices, prefix_lens, extend_lens)
     logits = fwd.logits(hidden[rows])      # [rows, vocab] float32, the model's LM head (fwd.has_logits)
-    next_ids = fwd.greedy(..., seq_lens=...).run()   # a whole greedy step: forward, head, argmax
+    step = fwd.step(..., seq_lens=...); step.run()   # a whole step: forward, head, argmax -> step.next_ids
     stream = ForwardStream(fwd.num_threads); stream.submit(step); stream.wait(step)   # on a C thread
 
 On CPU a small model's decode step is as much Python and dispatch as arithmetic, even compiled:
@@ -19,10 +19,11 @@ rounds and sums the RMSNorm's squares in torch's order, so its logits, greedy to
 are the eager model's bit for bit (the tests require it). `--disable-native-forward` or
 `BATON_DISABLE_CPU_KERNELS=1` turn it off.
 
-A batch whose every sampling row is greedy runs as one greedy step (the forward, the LM head over
-each request's last token, torch.argmax's choice, and for the overlap loop its future map), with no
-Python between; a ForwardStream runs such steps, and Python calls for the other batches, on a C
-thread in submission order: the overlap loop's forward on CPU (scheduler/tp_worker.py).
+A batch runs as one model step (the forward and the LM head over each request's last token; for a
+batch whose every sampling row is greedy, torch.argmax's choice too, and for the overlap loop its
+future map), with no Python between; a ForwardStream runs such steps, each maybe followed by a
+Python sampler, on a C thread in submission order: the overlap loop's forward on CPU
+(scheduler/tp_worker.py).
 """
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_forward.c")
 _ERRORS = {1: "out of memory", 2: "a token id, position, slot or request row out of range",
            3: "this build has no AVX512_BF16",  # KERNEL_NO_MEMORY, KERNEL_BAD_INDEX, FORWARD_UNSUPPORTED
-           4: "a placeholder token id outside the future map"}  # GREEDY_BAD_FUTURE
+           4: "a placeholder token id or slot outside the future map"}  # STEP_BAD_FUTURE
 
 _ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
 
@@ -64,12 +65,13 @@ class _Model(ctypes.Structure):  # NativeModel
                 + [("layer", ctypes.POINTER(_Layer))])
 
 
-class _GreedyStep(ctypes.Structure):  # GreedyStep
+class _ModelStep(ctypes.Structure):  # ModelStep
     _fields_ = ([("model", ctypes.POINTER(_Model)), ("lm_head", _ptr), ("n", _i64), ("bs", _i64)]
                 + [(name, _ptr) for name in ("ids", "positions", "loc", "rows", "lens", "prefix_lens", "extend_lens",
                                              "future_map")]
-                + [("future_len", _i64), ("future_slots", _ptr), ("next_ids", _ptr), ("num_threads", ctypes.c_int),
-                   ("err", ctypes.c_int), ("done", ctypes.c_int), ("next", _ptr), ("call", _ptr)])
+                + [("future_len", _i64), ("future_slots", _ptr), ("next_ids", _ptr), ("logits", _ptr),
+                   ("num_threads", ctypes.c_int), ("err", ctypes.c_int), ("done", ctypes.c_int), ("next", _ptr),
+                   ("call", _ptr)])
 
 
 _CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int)
@@ -88,12 +90,12 @@ def _library() -> ctypes.CDLL:
     # model, hidden, rows, packed LM head, out, num_threads
     lib.logits_step.argtypes = [ctypes.POINTER(_Model), _ptr, _i64, _ptr, _ptr, ctypes.c_int]
     lib.logits_step.restype = ctypes.c_int
-    lib.greedy_step.argtypes = [ctypes.POINTER(_GreedyStep)]
-    lib.greedy_step.restype = ctypes.c_int
+    lib.model_step.argtypes = [ctypes.POINTER(_ModelStep)]
+    lib.model_step.restype = ctypes.c_int
     lib.stream_create.argtypes, lib.stream_create.restype = [ctypes.c_int], _ptr
     lib.openmp_hand_over.argtypes, lib.openmp_hand_over.restype = [], ctypes.c_int
-    lib.stream_submit.argtypes, lib.stream_submit.restype = [_ptr, ctypes.POINTER(_GreedyStep)], None
-    lib.stream_wait.argtypes, lib.stream_wait.restype = [_ptr, ctypes.POINTER(_GreedyStep)], ctypes.c_int
+    lib.stream_submit.argtypes, lib.stream_submit.restype = [_ptr, ctypes.POINTER(_ModelStep)], None
+    lib.stream_wait.argtypes, lib.stream_wait.restype = [_ptr, ctypes.POINTER(_ModelStep)], ctypes.c_int
     lib.stream_destroy.argtypes, lib.stream_destroy.restype = [_ptr], None
     lib.rms_norm_bf16.argtypes = [_ptr, _i64, _i64, _ptr, ctypes.c_float, _ptr]  # x, rows, n, weight, eps, y
     lib.rms_norm_bf16.restype = None
@@ -209,7 +211,7 @@ class NativeForward:
         lib = _library()
         self._decode, self._extend, self._logits = lib.decode_step, lib.extend_step, lib.logits_step
         self._model_ref = ctypes.byref(self._model)
-        self.num_threads = torch.get_num_threads()  # the greedy steps' threads (any thread may run them)
+        self.num_threads = torch.get_num_threads()  # the model steps' threads (any thread may run them)
 
     @classmethod
     def create(cls, model: torch.nn.Module, req_to_token_pool: "ReqToTokenPool", kv_pool: "MHATokenToKVPool",
@@ -271,15 +273,17 @@ class NativeForward:
                                out.data_ptr(), torch.get_num_threads()))
         return out
 
-    def greedy(self, input_ids: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor,
-               req_pool_indices: torch.Tensor, seq_lens: Optional[torch.Tensor] = None,
-               prefix_lens: Optional[torch.Tensor] = None, extend_lens: Optional[torch.Tensor] = None,
-               future_map: Optional[torch.Tensor] = None, future_slots: Optional[torch.Tensor] = None) -> "GreedyStep":
-        """A whole step that ends in each request's argmax, ready to run (`.run()`, or a
+    def step(self, input_ids: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor,
+             req_pool_indices: torch.Tensor, seq_lens: Optional[torch.Tensor] = None,
+             prefix_lens: Optional[torch.Tensor] = None, extend_lens: Optional[torch.Tensor] = None,
+             future_map: Optional[torch.Tensor] = None, future_slots: Optional[torch.Tensor] = None,
+             greedy: bool = True) -> "ModelStep":
+        """A whole step up to each request's last-token logits, ready to run (`.run()`, or a
         ForwardStream): a decode (`seq_lens`) or an extend (`prefix_lens`, `extend_lens`, every
-        request at least one token), the inputs as decode() and extend() take them. With
-        `future_map` (the overlap loop's int64 ring), ids < 0 are -slots of it, resolved first, and
-        the sampled ids go to its `future_slots` [bs]. Needs has_logits."""
+        request at least one token), the inputs as decode() and extend() take them. `greedy`: on to
+        the argmax (`.next_ids`), else the logits stay (`.logits` [bs, vocab] float32) for a sampler.
+        With `future_map` (the overlap loop's int64 ring), ids < 0 are -slots of it, resolved first,
+        and a greedy step stores its tokens at `future_slots` [bs]. Needs has_logits."""
         assert self._lm_head is not None, "no packed LM head"
         decode = seq_lens is not None
         ids = input_ids.to(torch.int64).clone()  # resolved in place
@@ -298,38 +302,28 @@ class NativeForward:
         slots = None
         if future_map is not None:
             assert future_map.dtype == torch.int64 and future_map.is_contiguous() and future_map.device.type == "cpu"
-            (slots,) = _as_int64(future_slots)
-            _check_len("greedy", bs, slots)
+            (slots,) = _as_int64(future_slots if future_slots is not None else torch.zeros(bs, dtype=torch.int64))
+            _check_len("model", bs, slots)
         next_ids = torch.empty(bs, dtype=torch.int64)
-        struct = _GreedyStep(
-            model=ctypes.pointer(self._model), lm_head=self._lm_head.data_ptr(), n=ids.shape[0], bs=bs, ids=ids.data_ptr(),
-            positions=pos.data_ptr(), loc=loc.data_ptr(), rows=rows.data_ptr(), lens=_ptr_of(lens),
-            prefix_lens=_ptr_of(prefix), extend_lens=_ptr_of(ext), future_map=_ptr_of(future_map),
+        logits = None if greedy else torch.empty((bs, self.vocab), dtype=torch.float32)
+        struct = _ModelStep(
+            model=ctypes.pointer(self._model), lm_head=self._lm_head.data_ptr(), n=ids.shape[0], bs=bs,
+            ids=ids.data_ptr(), positions=pos.data_ptr(), loc=loc.data_ptr(), rows=rows.data_ptr(),
+            lens=_ptr_of(lens), prefix_lens=_ptr_of(prefix), extend_lens=_ptr_of(ext), future_map=_ptr_of(future_map),
             future_len=0 if future_map is None else future_map.shape[0], future_slots=_ptr_of(slots),
-            next_ids=next_ids.data_ptr(), num_threads=self.num_threads)
-        return GreedyStep(struct, next_ids, (ids, pos, loc, rows, lens, prefix, ext, future_map, slots, self))
+            next_ids=next_ids.data_ptr(), logits=_ptr_of(logits), num_threads=self.num_threads)
+        return ModelStep(struct, next_ids, logits, (ids, pos, loc, rows, lens, prefix, ext, future_map, slots, self))
 
 
-class GreedyStep:
-    """One prepared greedy step (NativeForward.greedy): the C struct and every tensor it points into."""
+class _Queued:
+    """Something a ForwardStream runs: a C struct, and maybe a Python callback run after it on the
+    stream's thread (with the GIL), whose outcome wait() hands back."""
 
-    def __init__(self, struct: _GreedyStep, next_ids: torch.Tensor, keep: tuple) -> None:
-        self.struct = struct
-        self.next_ids = next_ids  # [bs] int64, once run
-        self._keep = keep
+    struct: _ModelStep
 
-    def run(self) -> torch.Tensor:
-        """Run it here, now; the sampled ids [bs]."""
-        _raise_on(_library().greedy_step(ctypes.byref(self.struct)))
-        return self.next_ids
-
-
-class StreamCall:
-    """A Python call queued on a ForwardStream: the C struct, the callback and, once run, its outcome
-    ((True, result) or (False, exception))."""
-
-    def __init__(self, fn: Callable[[], Any]) -> None:
-        self.outcome: tuple = (False, RuntimeError("the stream was closed before this call ran"))
+    def then(self, fn: Callable[[], Any]) -> None:
+        """Run fn() on the stream's thread once the rest of this item has run (before the next item)."""
+        self.outcome: tuple = (False, RuntimeError("the callback did not run"))
 
         def run() -> int:
             try:
@@ -339,13 +333,44 @@ class StreamCall:
             return 0
 
         self._callback = _CALLBACK(run)  # alive as long as the struct that points to it
-        self.struct = _GreedyStep(call=ctypes.cast(self._callback, _ptr))
+        self.struct.call = ctypes.cast(self._callback, _ptr)
+
+    @property
+    def result(self) -> Any:
+        """The callback's return value (its exception raised), once it ran."""
+        ok, value = self.outcome
+        if not ok:
+            raise value
+        return value
+
+
+class ModelStep(_Queued):
+    """One prepared model step (NativeForward.step): the C struct and every tensor it points into."""
+
+    def __init__(self, struct: _ModelStep, next_ids: torch.Tensor, logits: Optional[torch.Tensor],
+                 keep: tuple) -> None:
+        self.struct = struct
+        self.next_ids = next_ids  # [bs] int64, once a greedy step ran
+        self.logits = logits  # [bs, vocab] float32, once a step that is not greedy ran
+        self._keep = keep
+
+    def run(self) -> None:
+        """Run it here, now (without its callback)."""
+        _raise_on(_library().model_step(ctypes.byref(self.struct)))
+
+
+class StreamCall(_Queued):
+    """A bare Python call for a ForwardStream: fn() on the stream's thread, in its turn."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self.struct = _ModelStep()
+        self.then(fn)
 
 
 class ForwardStream:
-    """A native thread that runs steps in the order they are submitted: greedy steps without the
-    GIL, and Python calls (submit_call(): any other batch's forward and sampling) with it. The overlap
-    loop's forward on CPU: the scheduler thread processes step N while step N+1 runs.
+    """A native thread that runs what is submitted in order: model steps without the GIL (a
+    sampler's callback after its step, and bare Python calls, with it). The overlap loop's forward
+    on CPU: the scheduler thread processes step N while step N+1 runs.
 
     Its OpenMP regions run `num_threads` wide. A process that serves through it calls
     hand_over_openmp() from the creating thread once, so that thread's idle OpenMP team does not
@@ -358,28 +383,16 @@ class ForwardStream:
         if not self._stream:
             raise OSError("native forward stream: could not start its thread")
 
-    def submit(self, step: GreedyStep) -> None:
-        """Queue a step; the caller keeps it alive until wait() returns for it."""
-        self._lib.stream_submit(self._stream, ctypes.byref(step.struct))
+    def submit(self, item: _Queued) -> None:
+        """Queue a ModelStep or StreamCall; the caller keeps it alive until wait() returns for it."""
+        self._lib.stream_submit(self._stream, ctypes.byref(item.struct))
 
-    def wait(self, step: GreedyStep) -> torch.Tensor:
-        """Block (the GIL released) until a submitted step has run; its sampled ids [bs]."""
-        _raise_on(self._lib.stream_wait(self._stream, ctypes.byref(step.struct)))
-        return step.next_ids
-
-    def submit_call(self, fn: Callable[[], Any]) -> "StreamCall":
-        """Queue fn() behind what is queued (it runs with the GIL); wait_call() for its outcome."""
-        call = StreamCall(fn)
-        self._lib.stream_submit(self._stream, ctypes.byref(call.struct))
-        return call
-
-    def wait_call(self, call: "StreamCall") -> Any:
-        """Block (the GIL released) until a submitted call has run; its result, or its exception raised."""
-        self._lib.stream_wait(self._stream, ctypes.byref(call.struct))
-        ok, value = call.outcome
-        if not ok:
-            raise value
-        return value
+    def wait(self, item: _Queued) -> None:
+        """Block (the GIL released) until a submitted item has run; its error, or its callback's
+        exception, raised here."""
+        _raise_on(self._lib.stream_wait(self._stream, ctypes.byref(item.struct)))
+        if item.struct.call:
+            item.result  # noqa: B018 - raises the callback's exception
 
     def hand_over_openmp(self) -> None:
         """From the thread that made the stream, once: free its idle OpenMP team, run its own regions

@@ -34,7 +34,7 @@ from baton.engine.server_args import ServerArgs
 
 if TYPE_CHECKING:
     from baton.engine.distributed.parallel_state import TpGroup
-    from baton.engine.kernels.cpu_forward import ForwardStream, GreedyStep, StreamCall
+    from baton.engine.kernels.cpu_forward import ForwardStream, ModelStep
 
 
 @dataclass
@@ -83,49 +83,60 @@ class TpModelWorker:
         """`async_copy` (CUDA): copy the sampled ids to the host without waiting; call resolve().
         `future_map` (overlap): resolve the batch's placeholder inputs from it, store its samples in it."""
         if not async_copy:
-            step = self.greedy_step(mwb, future_map)
+            step = self.native_step(mwb, future_map)
             if step is not None:
-                return self.greedy_result(mwb, step.run())
+                step.run()
+                return self.step_result(mwb, step, future_map)
         with torch.inference_mode():
             return self._forward_and_sample(mwb, async_copy, future_map)
 
-    def greedy_step(self, mwb: ModelWorkerBatch, future_map: Optional["FutureMap"] = None) -> Optional["GreedyStep"]:
-        """The whole step as one native call, prepared (cpu_forward.c's greedy_step: the forward, the
-        LM head over each request's last token, the argmax, the future map's placeholders and
-        slots), for a batch whose every sampling row is plain greedy without logprobs, on the native
-        forward; None for any other. Counts the sample of each sampling row."""
+    def native_step(self, mwb: ModelWorkerBatch, future_map: Optional["FutureMap"] = None) -> Optional["ModelStep"]:
+        """The batch's forward as one native call, prepared (cpu_forward.c's model_step: the future
+        map's placeholders, the forward, the LM head over each request's last token; for a batch
+        whose every sampling row is plain greedy without logprobs, the argmax and the future map's
+        slots too), where the native forward serves it; None elsewhere (prompt logprobs need every
+        row's hidden state). A greedy step counts each sampling row's sample."""
         native = self.model_runner.native_forward
-        if (native is None or not native.has_logits or self.step_sender is not None or mwb.return_logprob
-                or mwb.input_logprob_reqs or not all(s is None or s.plain_greedy for s in mwb.sampling_states)):
+        if native is None or not native.has_logits or self.step_sender is not None or mwb.input_logprob_reqs:
             return None
+        greedy = not mwb.return_logprob and all(s is None or s.plain_greedy for s in mwb.sampling_states)
         fmap, slots = (None, None) if future_map is None else (future_map.token_ids, mwb.future_indices)
         if mwb.forward_mode.is_decode():
-            step = native.greedy(mwb.input_ids, mwb.positions, mwb.out_cache_loc, mwb.req_pool_indices,
-                                 seq_lens=torch.tensor(mwb.seq_lens_cpu, dtype=torch.int64),
-                                 future_map=fmap, future_slots=slots)
+            lens = dict(seq_lens=torch.tensor(mwb.seq_lens_cpu, dtype=torch.int64))
         elif mwb.forward_mode.is_extend() and min(mwb.extend_seq_lens_cpu, default=0) > 0:
-            step = native.greedy(mwb.input_ids, mwb.positions, mwb.out_cache_loc, mwb.req_pool_indices,
-                                 prefix_lens=torch.tensor(mwb.extend_prefix_lens_cpu, dtype=torch.int64),
-                                 extend_lens=torch.tensor(mwb.extend_seq_lens_cpu, dtype=torch.int64),
-                                 future_map=fmap, future_slots=slots)
+            lens = dict(prefix_lens=torch.tensor(mwb.extend_prefix_lens_cpu, dtype=torch.int64),
+                        extend_lens=torch.tensor(mwb.extend_seq_lens_cpu, dtype=torch.int64))
         else:
             return None
-        for s in mwb.sampling_states:
-            if s is not None:
-                s.num_sampled += 1
+        step = native.step(mwb.input_ids, mwb.positions, mwb.out_cache_loc, mwb.req_pool_indices, **lens,
+                           future_map=fmap, future_slots=slots, greedy=greedy)
+        if greedy:
+            for s in mwb.sampling_states:
+                if s is not None:
+                    s.num_sampled += 1
         return step
 
-    @staticmethod
-    def greedy_result(mwb: ModelWorkerBatch, next_ids: torch.Tensor) -> GenerationBatchResult:
-        """A greedy step's result, as _forward_and_sample makes it (rows that sample nothing: 0)."""
-        if any(s is None for s in mwb.sampling_states):
-            next_ids = next_ids.masked_fill(torch.tensor([s is None for s in mwb.sampling_states]), 0)
-        return GenerationBatchResult(next_token_ids=next_ids.tolist(), next_token_ids_tensor=next_ids,
-                                     next_token_ids_device=next_ids)
+    def step_result(self, mwb: ModelWorkerBatch, step: "ModelStep",
+                    future_map: Optional["FutureMap"] = None) -> GenerationBatchResult:
+        """A native step's result once it ran, as _forward_and_sample makes it: a greedy step's
+        argmax (rows that sample nothing: 0), or the sampler over its logits (then stored in the
+        future map)."""
+        if step.logits is None:
+            next_ids = step.next_ids
+            if any(s is None for s in mwb.sampling_states):
+                next_ids = next_ids.masked_fill(torch.tensor([s is None for s in mwb.sampling_states]), 0)
+            return GenerationBatchResult(next_token_ids=next_ids.tolist(), next_token_ids_tensor=next_ids,
+                                         next_token_ids_device=next_ids)
+        with torch.inference_mode():
+            result, next_ids = self._sample(mwb, step.logits)
+            result.next_token_ids_device = result.next_token_ids_tensor = next_ids
+            if future_map is not None:
+                future_map.token_ids[mwb.future_indices] = next_ids
+        result.next_token_ids = next_ids.tolist()
+        return result
 
     def _forward_and_sample(self, mwb: ModelWorkerBatch, async_copy: bool,
                             future_map: Optional["FutureMap"]) -> GenerationBatchResult:
-        from baton.engine.sampling.sampling_batch_info import SamplingBatchInfo
         from baton.engine.triton_ops.future_resolve import resolve_future_token_ids
 
         runner = self.model_runner
@@ -138,6 +149,28 @@ class TpModelWorker:
         rows = runner.last_token_rows(fb)
         last_hidden = hidden if rows is None else hidden[rows]
         logits = runner.compute_logits(last_hidden)  # [bs, vocab] float32
+        result, next_ids = self._sample(mwb, logits)
+        if mwb.input_logprob_reqs:
+            result.input_logprobs = self._input_logprobs(mwb, fb, hidden)
+        result.next_token_ids_device = next_ids
+        if future_map is not None:
+            future_map.token_ids[future_slots] = next_ids
+            if self.step_sender is not None:
+                self.step_sender.send_sampled(next_ids)
+        if async_copy:
+            result.next_token_ids_tensor = next_ids.to("cpu", non_blocking=True)  # into pinned memory
+            result.copy_done = torch.cuda.Event()
+            result.copy_done.record()
+        else:
+            result.next_token_ids_tensor = next_ids.to("cpu")
+            result.next_token_ids = result.next_token_ids_tensor.tolist()
+        return result
+
+    def _sample(self, mwb: ModelWorkerBatch, logits: torch.Tensor) -> tuple[GenerationBatchResult, torch.Tensor]:
+        """The batch's next ids [bs] from its last-token logits [bs, vocab] (rows that sample
+        nothing: 0), and a result with their logprobs where asked."""
+        from baton.engine.sampling.sampling_batch_info import SamplingBatchInfo
+
         bs = logits.shape[0]
         sample_rows = [i for i, s in enumerate(mwb.sampling_states) if s is not None]
         result = GenerationBatchResult(next_token_ids=[])
@@ -170,21 +203,7 @@ class TpModelWorker:
                 result.next_token_logprobs, result.next_top_logprobs = lps, tops
         else:  # no row samples
             next_ids = torch.zeros(bs, dtype=torch.int64, device=logits.device)
-        if mwb.input_logprob_reqs:
-            result.input_logprobs = self._input_logprobs(mwb, fb, hidden)
-        result.next_token_ids_device = next_ids
-        if future_map is not None:
-            future_map.token_ids[future_slots] = next_ids
-            if self.step_sender is not None:
-                self.step_sender.send_sampled(next_ids)
-        if async_copy:
-            result.next_token_ids_tensor = next_ids.to("cpu", non_blocking=True)  # into pinned memory
-            result.copy_done = torch.cuda.Event()
-            result.copy_done.record()
-        else:
-            result.next_token_ids_tensor = next_ids.to("cpu")
-            result.next_token_ids = result.next_token_ids_tensor.tolist()
-        return result
+        return result, next_ids
 
     def _input_logprobs(self, mwb: ModelWorkerBatch, fb, hidden: torch.Tensor) -> dict[int, tuple[list, list]]:
         """Logprobs of prompt tokens in this extend chunk. Row q of a request predicts token q+1.
@@ -240,18 +259,17 @@ class PendingResult:
 
 
 class StreamResult:
-    """A batch queued on the CPU's forward stream, as a greedy step or as a Python call: result()
-    waits for it (the GIL released)."""
+    """A batch queued on the CPU's forward stream: result() waits for it (the GIL released)."""
 
-    def __init__(self, stream: "ForwardStream", mwb: ModelWorkerBatch, step: Optional["GreedyStep"] = None,
-                 call: Optional["StreamCall"] = None) -> None:
-        self._stream, self._mwb, self._step, self._call = stream, mwb, step, call
+    def __init__(self, stream: "ForwardStream", item: Any, result: Any) -> None:
+        """`result`: the step's result once it ran (a callable), or None: the item's callback's."""
+        self._stream, self._item, self._make = stream, item, result
         self._result: Optional[GenerationBatchResult] = None
 
     def result(self) -> GenerationBatchResult:
         if self._result is None:
-            self._result = (self._stream.wait_call(self._call) if self._call is not None else
-                            TpModelWorker.greedy_result(self._mwb, self._stream.wait(self._step)))
+            self._stream.wait(self._item)
+            self._result = self._make() if self._make is not None else self._item.result
         return self._result
 
 
@@ -265,12 +283,13 @@ class OverlapWorkerClient:
     op: measured on an H100, overlap through a thread was 0.77-0.87x the plain loop (docs/benchmarks.md).
 
     On CPU with the native forward, the same shape: a native forward stream (cpu_forward.c), a C
-    thread, computes while the scheduler thread works. A greedy batch (every sampling row an argmax,
-    the common decode step) is queued on it as one native step (placeholders, forward, LM head,
-    argmax, future map) that needs no GIL, so the scheduler processes batch N while N+1 runs. Any
-    other batch (sampling, logprobs) is queued as a Python call (forward and sampler), which takes
-    the GIL between its native calls. Elsewhere on CPU (the model's own forward) a Python worker
-    thread runs the forward (FIFO)."""
+    thread, computes while the scheduler thread works. Each batch is queued on it as one native
+    step (placeholders, forward, LM head) that needs no GIL, so the scheduler processes batch N
+    while N+1 runs. A greedy batch (every sampling row an argmax, the common decode step) ends there
+    (argmax and future map in C too); any other is followed on the stream's thread by the Python
+    sampler over its logits, which stores its tokens in the future map before the next step reads
+    them. A batch the native step cannot serve (prompt logprobs) is a Python call on the stream.
+    Elsewhere on CPU (the model's own forward) a Python worker thread runs the forward (FIFO)."""
 
     def __init__(self, worker: TpModelWorker, max_running_requests: int, inline: Optional[bool] = None) -> None:
         self.worker = worker
@@ -291,12 +310,19 @@ class OverlapWorkerClient:
         bs = len(mwb.seq_lens_cpu)
         mwb.future_indices = self.future_map.reserve(bs)
         if self.stream is not None:  # behind the steps queued, whose KV and tokens it reads
-            step = self.worker.greedy_step(mwb, self.future_map)
-            if step is not None:
+            from baton.engine.kernels.cpu_forward import StreamCall
+
+            step = self.worker.native_step(mwb, self.future_map)
+            if step is not None and step.logits is None:  # greedy: nothing left for Python
                 self.stream.submit(step)
-                return -mwb.future_indices, StreamResult(self.stream, mwb, step=step)
-            call = self.stream.submit_call(lambda: self._run(mwb, None))
-            return -mwb.future_indices, StreamResult(self.stream, mwb, call=call)
+                return -mwb.future_indices, StreamResult(self.stream, step,
+                                                         lambda: self.worker.step_result(mwb, step))
+            if step is not None:  # the sampler, on the stream's thread, before the next step reads its tokens
+                step.then(lambda: self.worker.step_result(mwb, step, self.future_map))
+            else:
+                step = StreamCall(lambda: self._run(mwb, None))
+            self.stream.submit(step)
+            return -mwb.future_indices, StreamResult(self.stream, step, None)
         inputs_ready = None
         if self.forward_stream is not None:  # behind the scheduler's req_to_token writes for this batch
             inputs_ready = torch.cuda.Event()

@@ -212,45 +212,55 @@ def _greedy_inputs(runner, rows, tokens, prefix_lens):
                 req_pool_indices=torch.tensor(rows))
 
 
-def test_greedy_step_is_forward_head_and_argmax(tiny_model_factory):
-    """One greedy step (extend or decode) gives the argmax of the logits of each request's last
-    token, as the forward, the LM head and torch.argmax give them; with a future map it reads the
-    placeholders from it and stores its tokens at the slots given."""
+def test_model_step_is_forward_head_and_argmax(tiny_model_factory):
+    """One model step (extend or decode) gives the logits of each request's last token, as the
+    forward and the LM head give them, and a greedy one their torch.argmax; with a future map it
+    reads the placeholders from it, and a greedy step stores its tokens at the slots given."""
     model, config = _load(tiny_model_factory, "llama")
     runner = NativeRunner(model, config, page_size=4)
     fwd, rows, prompts = runner.fwd, [0, 1, 2], [PROMPTS[0], PROMPTS[1], PROMPTS[2][:3]]
     ext = _greedy_inputs(runner, rows, prompts, [0, 0, 0])
     lens = torch.tensor([len(p) for p in prompts])
     logits = fwd.logits(fwd.extend(ext["input_ids"], ext["positions"], ext["out_cache_loc"], ext["req_pool_indices"],
-                                   torch.zeros(3, dtype=torch.int64), lens))
-    expected = logits[lens.cumsum(0) - 1].argmax(-1)
-    got = fwd.greedy(**ext, prefix_lens=torch.zeros(3, dtype=torch.int64), extend_lens=lens).run()
-    assert torch.equal(got, expected)
+                                   torch.zeros(3, dtype=torch.int64), lens))[lens.cumsum(0) - 1]
+    expected = logits.argmax(-1)
+    prefill = dict(prefix_lens=torch.zeros(3, dtype=torch.int64), extend_lens=lens)
+    step = fwd.step(**ext, **prefill)
+    step.run()
+    assert step.logits is None and torch.equal(step.next_ids, expected)
+    step = fwd.step(**ext, **prefill, greedy=False)
+    step.run()
+    assert torch.equal(step.logits, logits)
 
     # a decode step whose inputs are placeholders: -slot of the future map
     future = torch.zeros(10, dtype=torch.int64)
     future[[3, 5, 7]] = expected
     dec = _greedy_inputs(runner, rows, [[t] for t in expected.tolist()], lens.tolist())
     want = fwd.logits(fwd.decode(dec["input_ids"], dec["positions"], dec["req_pool_indices"], lens + 1,
-                                 dec["out_cache_loc"])).argmax(-1)
-    step = fwd.greedy(**{**dec, "input_ids": torch.tensor([-3, -5, -7])}, seq_lens=lens + 1,
-                      future_map=future, future_slots=torch.tensor([1, 2, 9]))
-    assert torch.equal(step.run(), want)
-    assert future[[1, 2, 9]].tolist() == want.tolist() and future[[3, 5, 7]].tolist() == expected.tolist()
+                                 dec["out_cache_loc"]))
+    placeholders = {**dec, "input_ids": torch.tensor([-3, -5, -7])}
+    step = fwd.step(**placeholders, seq_lens=lens + 1, future_map=future, future_slots=torch.tensor([1, 2, 9]),
+                    greedy=False)
+    step.run()
+    assert torch.equal(step.logits, want) and future[[1, 2, 9]].tolist() == [0, 0, 0]  # the sampler stores them
+    step = fwd.step(**placeholders, seq_lens=lens + 1, future_map=future, future_slots=torch.tensor([1, 2, 9]))
+    step.run()
+    assert torch.equal(step.next_ids, want.argmax(-1))
+    assert future[[1, 2, 9]].tolist() == want.argmax(-1).tolist() and future[[3, 5, 7]].tolist() == expected.tolist()
     # a placeholder or a slot outside the map: an error, and nothing stored
     for bad in ({"input_ids": torch.tensor([-3, -10, -7])}, {"future_slots": torch.tensor([1, 2, 10])}):
         before = future.clone()
-        args = {**dec, "input_ids": torch.tensor([-3, -5, -7]), "future_slots": torch.tensor([1, 2, 9]), **bad}
+        args = {**placeholders, "future_slots": torch.tensor([1, 2, 9]), **bad}
         with pytest.raises(RuntimeError, match="future map"):
-            fwd.greedy(**args, seq_lens=lens + 1, future_map=future).run()
+            fwd.step(**args, seq_lens=lens + 1, future_map=future).run()
         assert torch.equal(future, before)
 
 
 def test_forward_stream_runs_in_order_on_its_own_thread(tiny_model_factory):
-    """Steps run in submission order (the second reads the first's tokens from the future map);
-    a Python call runs there, after what is queued, and brings its result or exception back; a
-    step's error is raised where it is waited for, and the stream serves on; close() runs what is
-    queued."""
+    """Steps run in submission order (the second reads the first's tokens from the future map); a
+    step's callback and a bare Python call run on the stream's thread in their turn and bring their
+    result or exception back; a step's error is raised where it is waited for, its callback
+    skipped, and the stream serves on; close() runs what is queued."""
     import threading
 
     model, config = _load(tiny_model_factory, "llama")
@@ -258,40 +268,54 @@ def test_forward_stream_runs_in_order_on_its_own_thread(tiny_model_factory):
     fwd, rows = runner.fwd, [0, 1]
     prompts = [PROMPTS[0], PROMPTS[1]]
     lens = torch.tensor([len(p) for p in prompts])
+
+    def run(step):
+        step.run()
+        return step.next_ids
+
     # the plain answer first: prefill, then two decode steps
     ext = _greedy_inputs(runner, rows, prompts, [0, 0])
-    first = fwd.greedy(**ext, prefix_lens=torch.zeros(2, dtype=torch.int64), extend_lens=lens).run()
+    first = run(fwd.step(**ext, prefix_lens=torch.zeros(2, dtype=torch.int64), extend_lens=lens))
     d1 = _greedy_inputs(runner, rows, [[t] for t in first.tolist()], lens.tolist())
-    second = fwd.greedy(**d1, seq_lens=lens + 1).run()
+    second = run(fwd.step(**d1, seq_lens=lens + 1))
     d2 = _greedy_inputs(runner, rows, [[t] for t in second.tolist()], (lens + 1).tolist())
-    third = fwd.greedy(**d2, seq_lens=lens + 2).run()
+    third = run(fwd.step(**d2, seq_lens=lens + 2))
 
     stream = cpu_forward.ForwardStream(fwd.num_threads)
     try:
         future = torch.zeros(8, dtype=torch.int64)
         future[[1, 2]] = first
-        s1 = fwd.greedy(**{**d1, "input_ids": torch.tensor([-1, -2])}, seq_lens=lens + 1, future_map=future,
-                        future_slots=torch.tensor([3, 4]))
-        s2 = fwd.greedy(**{**d2, "input_ids": torch.tensor([-3, -4])}, seq_lens=lens + 2, future_map=future,
-                        future_slots=torch.tensor([5, 6]))
+        placeholders1, placeholders2 = {**d1, "input_ids": torch.tensor([-1, -2])}, {**d2, "input_ids": torch.tensor([-3, -4])}
+        # step 1 leaves its logits to a callback that stores the argmax in the map, as the sampler does
+        s1 = fwd.step(**placeholders1, seq_lens=lens + 1, future_map=future, future_slots=torch.tensor([3, 4]),
+                      greedy=False)
+        s1.then(lambda: (future.__setitem__([3, 4], s1.logits.argmax(-1)), threading.get_ident())[1])
+        s2 = fwd.step(**placeholders2, seq_lens=lens + 2, future_map=future, future_slots=torch.tensor([5, 6]))
         stream.submit(s1)
-        stream.submit(s2)  # placeholders that only s1 fills
-        assert torch.equal(stream.wait(s2), third) and torch.equal(stream.wait(s1), second)
-        assert stream.wait_call(stream.submit_call(threading.get_ident)) != threading.get_ident()
+        stream.submit(s2)  # placeholders that only s1's callback fills
+        stream.wait(s2)
+        stream.wait(s1)
+        assert torch.equal(s2.next_ids, third) and torch.equal(s1.logits.argmax(-1), second)
+        assert s1.result != threading.get_ident()  # the callback ran on the stream's thread
+        call = cpu_forward.StreamCall(lambda: 1 // 0)
+        stream.submit(call)
         with pytest.raises(ZeroDivisionError):
-            stream.wait_call(stream.submit_call(lambda: 1 // 0))
-        bad = fwd.greedy(**{**d2, "input_ids": torch.tensor([-3, -99])}, seq_lens=lens + 2, future_map=future,
-                         future_slots=torch.tensor([5, 6]))
+            stream.wait(call)
+        bad = fwd.step(**{**d2, "input_ids": torch.tensor([-3, -99])}, seq_lens=lens + 2, future_map=future,
+                       future_slots=torch.tensor([5, 6]))
+        bad.then(lambda: pytest.fail("a failed step's callback ran"))
         stream.submit(bad)
         with pytest.raises(RuntimeError, match="future map"):
             stream.wait(bad)
-        again = fwd.greedy(**{**d2, "input_ids": torch.tensor([-3, -4])}, seq_lens=lens + 2, future_map=future,
-                           future_slots=torch.tensor([5, 6]))
+        again = fwd.step(**placeholders2, seq_lens=lens + 2, future_map=future, future_slots=torch.tensor([5, 6]))
         stream.submit(again)
-        after = stream.submit_call(lambda: again.struct.done)  # queued behind `again`
-        assert stream.wait_call(after) == 1
-        assert torch.equal(stream.wait(again), third)
-        last = fwd.greedy(**d2, seq_lens=lens + 2)
+        after = cpu_forward.StreamCall(lambda: again.struct.done)  # queued behind `again`
+        stream.submit(after)
+        stream.wait(after)
+        assert after.result == 1
+        stream.wait(again)
+        assert torch.equal(again.next_ids, third)
+        last = fwd.step(**d2, seq_lens=lens + 2)
         stream.submit(last)
     finally:
         stream.close()
@@ -303,16 +327,16 @@ def test_forward_stream_runs_in_order_on_its_own_thread(tiny_model_factory):
 def test_engine_runs_every_step_natively(tiny_model_factory, mixed, loop):
     """Through the scheduler (chunked prefill, prefix hits, batches that change; with
     --enable-mixed-chunk, decode tokens ride in extend batches), plain loop or overlap loop (whose
-    steps run on the native forward stream): every step takes the native forward, whole greedy
-    steps in one call, nothing is compiled, and the tokens (greedy, seeded sampling, with logprobs)
-    are the model's own forward's under the plain loop."""
+    steps run on the native forward stream): every step is one native call (greedy batches to the
+    argmax, the others to the logits, then the sampler), nothing is compiled, and the tokens
+    (greedy, seeded sampling, with logprobs) are the model's own forward's under the plain loop."""
     from scheduler_harness import SchedulerHarness
 
     path = tiny_model_factory("qwen3")
     shared = PROMPTS[1]
     prompts = [shared, shared + PROMPTS[0], PROMPTS[2], shared + PROMPTS[2]]
     # request 1 samples at temperature 1 (seeded), request 2 asks for logprobs: their batches take the
-    # Python sampler over the native forward's logits; the others are greedy and run on after them
+    # sampler over the native step's logits; the others are greedy and run on after them
     sampling = [{"max_new_tokens": 8}, {"temperature": 1.0, "seed": 7, "max_new_tokens": 3},
                 {"return_logprob": True, "top_logprobs_num": 2, "max_new_tokens": 3}, {"max_new_tokens": 8}]
     results = {}
@@ -323,21 +347,17 @@ def test_engine_runs_every_step_natively(tiny_model_factory, mixed, loop):
                              enable_overlap_schedule=overlap, disable_overlap_schedule=not overlap)
         runner = h.scheduler.worker.model_runner
         assert (runner.native_forward is None) == disable
-        calls = {"decode": 0, "extend": 0, "greedy decode": 0, "greedy extend": 0}
+        calls = {"greedy decode": 0, "greedy extend": 0, "sampled decode": 0, "sampled extend": 0}
         if not disable:
             assert runner.compiled_model is None  # nothing to compile, though asked to
             assert (h.scheduler.overlap is not None and h.scheduler.overlap.stream is not None) == overlap
             fwd = runner.native_forward
-            for name in ("decode", "extend"):
-                def counted(*a, name=name, fn=getattr(fwd, name)):
-                    calls[name] += 1
-                    return fn(*a)
-                setattr(fwd, name, counted)
 
-            def greedy(*a, fn=fwd.greedy, **kw):
-                calls["greedy decode" if kw.get("seq_lens") is not None else "greedy extend"] += 1
+            def step(*a, fn=fwd.step, **kw):
+                mode = "decode" if kw.get("seq_lens") is not None else "extend"
+                calls[f"{'greedy' if kw.get('greedy', True) else 'sampled'} {mode}"] += 1
                 return fn(*a, **kw)
-            fwd.greedy = greedy
+            fwd.step = step
         for i, (p, params) in enumerate(zip(prompts, sampling)):
             h.submit(str(i), p, ignore_eos=True, **params)
             h.step()  # arrivals between steps: chunks, prefix hits, mixed batches
@@ -356,9 +376,10 @@ def test_engine_runs_every_step_natively(tiny_model_factory, mixed, loop):
 @pytest.mark.parametrize("seed", range(3))
 def test_overlap_stream_under_aborts_retraction_and_sampling(tiny_model_factory, seed):
     """The overlap loop on the native forward stream with a pool small enough to retract, chunked
-    prefills, arrivals and aborts at random steps, seeded sampled and logprob requests beside
-    greedy ones: every request ends once; a greedy one that was not aborted gives the plain loop's
-    tokens (an aborted one a prefix of them); at idle nothing is held."""
+    prefills, arrivals and aborts at random steps, seeded sampled, logprob and prompt-logprob
+    requests beside greedy ones: every request ends once; a request that does not sample and was not
+    aborted gives the plain loop's tokens (an aborted one a prefix of them); at idle nothing is
+    held."""
     import random
 
     from baton.engine.io_struct import AbortReq
@@ -367,12 +388,14 @@ def test_overlap_stream_under_aborts_retraction_and_sampling(tiny_model_factory,
     path = tiny_model_factory("llama")
     rng = random.Random(seed)
     prompts = [[rng.randrange(6, 500) for _ in range(rng.randint(4, 60))] for _ in range(16)]
-    kinds = [rng.choice(["greedy", "greedy", "sampled", "logprobs"]) for _ in prompts]
+    kinds = [rng.choice(["greedy", "greedy", "sampled", "logprobs", "prompt logprobs"]) for _ in prompts]
+    assert len(set(kinds)) == 4, kinds
     common = dict(dtype="bfloat16", chunked_prefill_size=32, page_size=4)
 
     def params(i):
+        # prompt logprobs need every row's hidden state: those batches run as Python calls on the stream
         extra = {"sampled": {"temperature": 0.8, "top_k": 20, "seed": i}, "logprobs": {"return_logprob": True},
-                 "greedy": {}}[kinds[i]]
+                 "prompt logprobs": {"return_logprob": True, "logprob_start_len": 0}, "greedy": {}}[kinds[i]]
         return dict(max_new_tokens=24, ignore_eos=True, **extra)
 
     ref = SchedulerHarness(path, **common, max_total_tokens=4096)
