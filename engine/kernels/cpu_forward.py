@@ -320,10 +320,11 @@ class _Queued:
     stream's thread (with the GIL), whose outcome wait() hands back."""
 
     struct: _ModelStep
+    outcome: Optional[tuple] = None  # the callback's, once it ran: (True, value) or (False, exception)
 
     def then(self, fn: Callable[[], Any]) -> None:
         """Run fn() on the stream's thread once the rest of this item has run (before the next item)."""
-        self.outcome: tuple = (False, RuntimeError("the callback did not run"))
+        self.outcome = (False, RuntimeError("the callback did not run"))
 
         def run() -> int:
             try:
@@ -332,8 +333,12 @@ class _Queued:
                 self.outcome = (False, e)
             return 0
 
-        self._callback = _CALLBACK(run)  # alive as long as the struct that points to it
+        self._callback: Optional[Any] = _CALLBACK(run)  # alive as long as the struct that points to it
         self.struct.call = ctypes.cast(self._callback, _ptr)
+
+    def release(self) -> None:
+        """Once the stream is done with it: drop the callback (its closure usually refers back here)."""
+        self.struct.call, self._callback = None, None
 
     @property
     def result(self) -> Any:
@@ -390,8 +395,10 @@ class ForwardStream:
     def wait(self, item: _Queued) -> None:
         """Block (the GIL released) until a submitted item has run; its error, or its callback's
         exception, raised here."""
-        _raise_on(self._lib.stream_wait(self._stream, ctypes.byref(item.struct)))
-        if item.struct.call:
+        err = self._lib.stream_wait(self._stream, ctypes.byref(item.struct))
+        item.release()
+        _raise_on(err)
+        if item.outcome is not None:
             item.result  # noqa: B018 - raises the callback's exception
 
     def hand_over_openmp(self) -> None:
