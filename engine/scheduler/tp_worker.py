@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
@@ -261,9 +261,10 @@ class PendingResult:
 class StreamResult:
     """A batch queued on the CPU's forward stream: result() waits for it (the GIL released)."""
 
-    def __init__(self, stream: "ForwardStream", item: Any, result: Any) -> None:
-        """`result`: the step's result once it ran (a callable), or None: the item's callback's."""
-        self._stream, self._item, self._make = stream, item, result
+    def __init__(self, stream: "ForwardStream", item: Any,
+                 make: Optional[Callable[[], GenerationBatchResult]]) -> None:
+        """`make`: the result, once the item ran; None: the item's callback returned it."""
+        self._stream, self._item, self._make = stream, item, make
         self._result: Optional[GenerationBatchResult] = None
 
     def result(self) -> GenerationBatchResult:
@@ -313,16 +314,15 @@ class OverlapWorkerClient:
             from baton.engine.kernels.cpu_forward import StreamCall
 
             step = self.worker.native_step(mwb, self.future_map)
-            if step is not None and step.logits is None:  # greedy: nothing left for Python
-                self.stream.submit(step)
-                return -mwb.future_indices, StreamResult(self.stream, step,
-                                                         lambda: self.worker.step_result(mwb, step))
-            if step is not None:  # the sampler, on the stream's thread, before the next step reads its tokens
+            if step is None:  # prompt logprobs: the whole batch in Python, in its turn on the stream
+                item, make = StreamCall(lambda: self._run(mwb, None)), None
+            elif step.logits is None:  # greedy: nothing left for Python
+                item, make = step, (lambda: self.worker.step_result(mwb, step))
+            else:  # the sampler, on the stream's thread, before the next step reads its tokens
                 step.then(lambda: self.worker.step_result(mwb, step, self.future_map))
-            else:
-                step = StreamCall(lambda: self._run(mwb, None))
-            self.stream.submit(step)
-            return -mwb.future_indices, StreamResult(self.stream, step, None)
+                item, make = step, None
+            self.stream.submit(item)
+            return -mwb.future_indices, StreamResult(self.stream, item, make)
         inputs_ready = None
         if self.forward_stream is not None:  # behind the scheduler's req_to_token writes for this batch
             inputs_ready = torch.cuda.Event()
