@@ -31,7 +31,7 @@ MARK = "ENGINE_AB "
 
 
 def worker(tree: str, model: str, overrides: dict, num: int, input_len: int, output_len: int, vocab: int,
-           threads: int, temperature: float) -> None:
+           threads: int, temperature: float, top_p: float, top_k: int) -> None:
     sys.path.insert(0, os.path.join(tree, "tests", "engine"))
     # only the tree under test is imported: the driver's scripts/ goes off the path
     sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "scripts"]
@@ -53,7 +53,8 @@ def worker(tree: str, model: str, overrides: dict, num: int, input_len: int, out
             prompts = [[rng.randrange(10, vocab) for _ in range(input_len)] for _ in range(num)]
             h.results.clear()
             for i, p in enumerate(prompts):
-                sampling = {"temperature": temperature, "seed": seed * 1000 + i} if temperature else {}
+                sampling = ({"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed * 1000 + i}
+                            if temperature else {})
                 h.submit(f"{seed}-{i}", p, max_new_tokens=output_len, ignore_eos=True, **sampling)
             steps = {"decode": [], "extend": []}
             start = time.perf_counter()
@@ -76,7 +77,8 @@ def start_worker(tree: Path, args: argparse.Namespace, overrides: dict) -> subpr
     env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     cmd = [sys.executable, __file__, "--worker", str(tree), "--model", args.model, "--overrides", json.dumps(overrides),
            "--num", str(args.num), "--input-len", str(args.input_len), "--output-len", str(args.output_len),
-           "--threads", str(args.threads), "--temperature", str(args.temperature)]
+           "--threads", str(args.threads), "--temperature", str(args.temperature), "--top-p", str(args.top_p),
+           "--top-k", str(args.top_k)]
     return subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
 
@@ -104,8 +106,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch threads per side (default: torch's)")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="sample at this temperature (a seed per request, so both sides draw alike); 0: greedy")
+    ap.add_argument("--top-p", type=float, default=1.0, help="with --temperature")
+    ap.add_argument("--top-k", type=int, default=-1, help="with --temperature")
     ap.add_argument("--allow-token-diff", action="store_true",
-                    help="report requests whose greedy tokens differ instead of failing")
+                    help="report requests whose tokens differ instead of failing")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     overrides = {"device": "cpu", **json.loads(args.overrides)}
@@ -113,7 +117,7 @@ def main() -> None:
     vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
     if args.worker:
         worker(args.worker, args.model, overrides, args.num, args.input_len, args.output_len, vocab, args.threads,
-               args.temperature)
+               args.temperature, args.top_p, args.top_k)
         return
 
     old_tree = Path(tempfile.mkdtemp(prefix="engine-ab-old-")) / "tree"
@@ -134,7 +138,7 @@ def main() -> None:
                 got[name] = read(procs[name])
             differ = [i for i, (a, b) in enumerate(zip(got["old"]["tokens"], got["new"]["tokens"])) if a != b]
             if differ and not args.allow_token_diff:
-                raise SystemExit(f"round {r}: greedy tokens differ between the old and the new code "
+                raise SystemExit(f"round {r}: tokens differ between the old and the new code "
                                  f"(requests {differ}; --allow-token-diff to count them instead)")
             diverged += len(differ)
             if r >= args.warmup_rounds:
@@ -154,8 +158,8 @@ def main() -> None:
         return statistics.median(s for x in results[name] for s in x["steps"][key]) * 1e3
 
     total = (args.warmup_rounds + args.rounds) * args.num
-    same = "greedy tokens identical in every round" if not diverged else \
-        f"greedy tokens differ in {diverged} of {total} requests"
+    same = "tokens identical in every round" if not diverged else \
+        f"tokens differ in {diverged} of {total} requests"
     print(f"\n{args.rounds} rounds of {args.num} x {args.input_len} in / {args.output_len} out, {overrides}"
           f"{'' if new_overrides == overrides else f', new side {new_overrides}'}; {same}")
     print(f"{'median':16s} {'old ms':>9s} {'new ms':>9s} {'old/new':>8s}")

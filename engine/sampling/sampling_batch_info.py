@@ -41,7 +41,10 @@ class ReqSamplingState:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self.num_sampled = 0
-        self.generator: Optional[torch.Generator] = None
+        # the CPU sampler's draws come from (rng_seed, num_sampled) (kernels/cpu_sampling.py): the
+        # request's seed, else one drawn here from torch's generator
+        self.rng_seed = params.seed if params.seed is not None else int(torch.randint(0, 1 << 62, (1,)))
+        self.generator: Optional[torch.Generator] = None  # the torch sampler's (other devices)
         if params.seed is not None:
             self.generator = torch.Generator(device=self.device)
             self.generator.manual_seed(params.seed)
@@ -136,7 +139,7 @@ class SamplingBatchInfo:
     min_tokens_rows: list[int]  # rows whose request may block stop ids (min_new_tokens > 0)
     bias_rows: list[int]  # rows whose request has a logit_bias
     grammar_rows: list[int]  # rows whose request has a grammar (structured output)
-    seeded_rows: list[int]  # non-greedy rows sampled with the request's own generator
+    seeded_rows: list[int]  # non-greedy rows sampled with the request's own generator (torch's sampler)
     discard_rows: frozenset[int]  # rows sampled greedily and not recorded (see from_states)
 
     @property
