@@ -159,6 +159,7 @@ class DecodeDisaggregation:
             req.fill_ids = list(req.origin_input_ids)
             req.output_ids.append(meta.output_token_id)
             req.sampling_state.on_sampled(meta.output_token_id)
+            req.sampling_state.next_draw()  # the prefill's draw: this side's next is the colocated one's
             if req.grammar is not None:  # the prefill sampled it under the same grammar
                 req.accept_grammar_token(meta.output_token_id)
             if req.return_logprob:

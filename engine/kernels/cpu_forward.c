@@ -22,6 +22,7 @@
  * tables [max_positions, head_dim / 2] float32.
  */
 #include "cpu_linear.c"
+#include "cpu_sampling.c"
 #include "paged_attention.c"
 
 typedef struct {
@@ -315,8 +316,9 @@ void rms_norm_bf16(const bf16_t *x, int64_t rows, int64_t n, const bf16_t *w, fl
  *
  * A model step is a whole step of a batch up to its logits: the overlap loop's placeholder ids
  * resolved from its future map, the forward (decode or extend), the LM head over each request's
- * last token. A greedy one goes on to the argmax and stores the sampled ids in the future map for
- * the next step's placeholders; another leaves its logits to a Python callback that samples. The
+ * last token. A greedy one goes on to the argmax, a sampling one to cpu_sampling.c's draw, and
+ * either stores the sampled ids in the future map for the next step's placeholders; another
+ * (penalties, logprobs, grammars) leaves its logits to a Python callback that samples. The
  * C part touches no Python object, so it can run on a thread of its own while the scheduler's
  * thread (holding the GIL) processes the previous step's result: the CPU's counterpart of a CUDA
  * stream. A stream is one such thread running its steps (and bare Python calls) in submission
@@ -341,6 +343,10 @@ typedef struct ModelStep {
     const int64_t *future_slots;       /* [bs]: where this step's tokens go (with future_map) */
     int64_t *next_ids;                 /* [bs] out: the argmax of each request's last row (greedy) */
     float *logits;                     /* not NULL: the logits [bs, vocab] go here, no argmax, no future store */
+    /* not NULL: each row is sampled (cpu_sampling.c's sample_rows; temperature <= 0: the argmax) */
+    const float *temperatures, *top_ps, *min_ps;
+    const int64_t *top_ks;
+    const uint64_t *seeds, *counters;
     int num_threads;
     int err;                           /* out */
     int done;                          /* set by the stream, under its lock */
@@ -348,21 +354,6 @@ typedef struct ModelStep {
     int (*call)(void);                 /* a Python callback the stream runs after the step (or alone, */
                                        /* model NULL); it returns 0 */
 } ModelStep;
-
-/* The first index of the row's maximum, NaN counting as the maximum, as torch.argmax. */
-static int64_t argmax_row(const float *x, int64_t n) {
-    int64_t best = 0;
-    float v = x[0];
-    if (v != v) return 0;
-    for (int64_t i = 1; i < n; ++i) {
-        if (x[i] != x[i]) return i;
-        if (x[i] > v) {
-            v = x[i];
-            best = i;
-        }
-    }
-    return best;
-}
 
 /* Run one model step. Returns 0 (the logits, or next_ids and the future map's slots, written), or an
  * error before anything is written: STEP_BAD_FUTURE, or decode_step's / extend_step's codes. */
@@ -398,11 +389,13 @@ int model_step(ModelStep *s) {
         }
     }
     if (!err) err = logits_step(m, hidden, bs, s->lm_head, logits, s->num_threads);
-    if (!err && !s->logits) {
+    if (!err && !s->logits && s->temperatures)
+        err = sample_rows(logits, bs, m->vocab, s->temperatures, s->top_ks, s->top_ps, s->min_ps, s->seeds,
+                          s->counters, s->next_ids, s->num_threads);
+    else if (!err && !s->logits)
         for (int64_t b = 0; b < bs; ++b) s->next_ids[b] = argmax_row(logits + b * m->vocab, m->vocab);
-        if (s->future_map)
-            for (int64_t b = 0; b < bs; ++b) s->future_map[s->future_slots[b]] = s->next_ids[b];
-    }
+    if (!err && !s->logits && s->future_map)
+        for (int64_t b = 0; b < bs; ++b) s->future_map[s->future_slots[b]] = s->next_ids[b];
     free(hidden);
     if (logits != s->logits) free(logits);
     return err;

@@ -69,12 +69,16 @@ class _ModelStep(ctypes.Structure):  # ModelStep
     _fields_ = ([("model", ctypes.POINTER(_Model)), ("lm_head", _ptr), ("n", _i64), ("bs", _i64)]
                 + [(name, _ptr) for name in ("ids", "positions", "loc", "rows", "lens", "prefix_lens", "extend_lens",
                                              "future_map")]
-                + [("future_len", _i64), ("future_slots", _ptr), ("next_ids", _ptr), ("logits", _ptr),
-                   ("num_threads", ctypes.c_int), ("err", ctypes.c_int), ("done", ctypes.c_int), ("next", _ptr),
+                + [("future_len", _i64), ("future_slots", _ptr), ("next_ids", _ptr), ("logits", _ptr)]
+                + [(name, _ptr) for name in ("temperatures", "top_ps", "min_ps", "top_ks", "seeds", "counters")]
+                + [("num_threads", ctypes.c_int), ("err", ctypes.c_int), ("done", ctypes.c_int), ("next", _ptr),
                    ("call", _ptr)])
 
 
 _CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int)
+# a sampling step's per-row inputs and their dtypes (seeds and counters: uint64 in C, same bits)
+_SAMPLING_ROWS = {"temperatures": torch.float32, "top_ps": torch.float32, "min_ps": torch.float32,
+                  "top_ks": torch.int64, "seeds": torch.int64, "counters": torch.int64}
 
 
 @functools.lru_cache(maxsize=1)
@@ -277,13 +281,16 @@ class NativeForward:
              req_pool_indices: torch.Tensor, seq_lens: Optional[torch.Tensor] = None,
              prefix_lens: Optional[torch.Tensor] = None, extend_lens: Optional[torch.Tensor] = None,
              future_map: Optional[torch.Tensor] = None, future_slots: Optional[torch.Tensor] = None,
-             greedy: bool = True) -> "ModelStep":
+             greedy: bool = True, sampling: Optional[dict[str, torch.Tensor]] = None) -> "ModelStep":
         """A whole step up to each request's last-token logits, ready to run (`.run()`, or a
         ForwardStream): a decode (`seq_lens`) or an extend (`prefix_lens`, `extend_lens`, every
         request at least one token), the inputs as decode() and extend() take them. `greedy`: on to
         the argmax (`.next_ids`), else the logits stay (`.logits` [bs, vocab] float32) for a sampler.
-        With `future_map` (the overlap loop's int64 ring), ids < 0 are -slots of it, resolved first,
-        and a greedy step stores its tokens at `future_slots` [bs]. Needs has_logits."""
+        `sampling` (with greedy): each row drawn instead of the argmax (cpu_sampling.c): per-row
+        `temperatures`, `top_ks`, `top_ps`, `min_ps`, `seeds`, `counters` [bs] as cpu_sampling.sample
+        takes them (a temperature of 0: the argmax). With `future_map` (the overlap loop's int64
+        ring), ids < 0 are -slots of it, resolved first, and the tokens go to `future_slots` [bs]
+        (not for a step that leaves its logits). Needs has_logits."""
         assert self._lm_head is not None, "no packed LM head"
         decode = seq_lens is not None
         ids = input_ids.to(torch.int64).clone()  # resolved in place
@@ -306,13 +313,20 @@ class NativeForward:
             _check_len("model", bs, slots)
         next_ids = torch.empty(bs, dtype=torch.int64)
         logits = None if greedy else torch.empty((bs, self.vocab), dtype=torch.float32)
+        rows_in: dict[str, Optional[int]] = dict.fromkeys(_SAMPLING_ROWS)
+        if sampling is not None:
+            assert greedy, "a sampling step draws its tokens: it keeps no logits"
+            sampling = {name: sampling[name].to(dtype).contiguous() for name, dtype in _SAMPLING_ROWS.items()}
+            _check_len("sampling", bs, *sampling.values())
+            rows_in = {name: t.data_ptr() for name, t in sampling.items()}
         struct = _ModelStep(
             model=ctypes.pointer(self._model), lm_head=self._lm_head.data_ptr(), n=ids.shape[0], bs=bs,
             ids=ids.data_ptr(), positions=pos.data_ptr(), loc=loc.data_ptr(), rows=rows.data_ptr(),
             lens=_ptr_of(lens), prefix_lens=_ptr_of(prefix), extend_lens=_ptr_of(ext), future_map=_ptr_of(future_map),
             future_len=0 if future_map is None else future_map.shape[0], future_slots=_ptr_of(slots),
-            next_ids=next_ids.data_ptr(), logits=_ptr_of(logits), num_threads=self.num_threads)
-        return ModelStep(struct, next_ids, logits, (ids, pos, loc, rows, lens, prefix, ext, future_map, slots, self))
+            next_ids=next_ids.data_ptr(), logits=_ptr_of(logits), **rows_in, num_threads=self.num_threads)
+        return ModelStep(struct, next_ids, logits,
+                         (ids, pos, loc, rows, lens, prefix, ext, future_map, slots, sampling, self))
 
 
 class _Queued:

@@ -74,11 +74,11 @@ typedef struct {
 } Cand;
 
 /* a before b in the order top-k and top-p cut: more probable first, then the lower id */
-static inline int before(float wa, int32_t ia, float wb, int32_t ib) { return wa > wb || (wa == wb && ia < ib); }
+static inline int ranks_before(float wa, int32_t ia, float wb, int32_t ib) { return wa > wb || (wa == wb && ia < ib); }
 
 static int cmp_cand(const void *x, const void *y) {
     const Cand *a = x, *b = y;
-    return before(a->w, a->id, b->w, b->id) ? -1 : before(b->w, b->id, a->w, a->id) ? 1 : 0;
+    return ranks_before(a->w, a->id, b->w, b->id) ? -1 : ranks_before(b->w, b->id, a->w, a->id) ? 1 : 0;
 }
 
 /* Buckets of weights in (0, 1] by their float bits (monotonic for positive floats): 5 bits of
@@ -185,12 +185,12 @@ static int64_t sample_row(float *w, int64_t vocab, float temperature, int64_t to
     /* the draw: in token order over the kept tokens (no later than the cut, at least min-p) */
     double kept = 0.0;
     for (int64_t i = 0; i < vocab; ++i)
-        if (w[i] > 0.f && w[i] >= floor_w && (!cut || !before(cut_w, cut_id, w[i], (int32_t)i))) kept += w[i];
+        if (w[i] > 0.f && w[i] >= floor_w && (!cut || !ranks_before(cut_w, cut_id, w[i], (int32_t)i))) kept += w[i];
     const double target = u * kept;
     double acc = 0.0;
     int64_t last = 0;
     for (int64_t i = 0; i < vocab; ++i) {
-        if (!(w[i] > 0.f && w[i] >= floor_w && (!cut || !before(cut_w, cut_id, w[i], (int32_t)i)))) continue;
+        if (!(w[i] > 0.f && w[i] >= floor_w && (!cut || !ranks_before(cut_w, cut_id, w[i], (int32_t)i)))) continue;
         acc += w[i];
         last = i;
         if (acc > target) return i;
@@ -198,7 +198,22 @@ static int64_t sample_row(float *w, int64_t vocab, float temperature, int64_t to
     return last;
 }
 
-/* logits [bs, vocab] float32, overwritten; per row: temperature (> 0), top_k (<= 0 or >= vocab: all),
+/* The first index of the row's maximum, NaN counting as the maximum, as torch.argmax. */
+static int64_t argmax_row(const float *x, int64_t n) {
+    int64_t best = 0;
+    float v = x[0];
+    if (v != v) return 0;
+    for (int64_t i = 1; i < n; ++i) {
+        if (x[i] != x[i]) return i;
+        if (x[i] > v) {
+            v = x[i];
+            best = i;
+        }
+    }
+    return best;
+}
+
+/* logits [bs, vocab] float32, overwritten; per row: temperature (<= 0: the argmax), top_k (<= 0 or >= vocab: all),
  * top_p (>= 1: off), min_p (<= 0: off), and the draw's seed and counter. out [bs] int64. Returns 0
  * or SAMPLE_NO_MEMORY. */
 int sample_rows(float *logits, int64_t bs, int64_t vocab, const float *temperatures, const int64_t *top_ks,
@@ -210,6 +225,10 @@ int sample_rows(float *logits, int64_t bs, int64_t vocab, const float *temperatu
         Scratch *scratch = NULL;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t r = 0; r < bs; ++r) {
+            if (!(temperatures[r] > 0.f)) {
+                out[r] = argmax_row(logits + r * vocab, vocab);
+                continue;
+            }
             const int ordered = (top_ks[r] > 0 && top_ks[r] < vocab) || top_ps[r] < 1.f;
             if (ordered && !scratch) {
                 scratch = malloc(sizeof(Scratch));

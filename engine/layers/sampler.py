@@ -4,7 +4,7 @@ Order: penalties, logit_bias, grammar mask -> greedy rows: argmax -> temperature
 multinomial. top-p is taken over the top-k-restricted distribution (renormalised), as in HF
 `generate` and vLLM. An all-greedy batch without penalties is one `argmax` and nothing else. On
 CPU, from temperature on, the native sampler (kernels/cpu_sampling.py) does the same without
-sorting the vocabulary; its draws come from each request's rng_seed and sample count, where
+sorting the vocabulary; its draws come from each request's rng_seed and draw number, where
 torch's come from the request's generator (seeded) or the global one.
 """
 from __future__ import annotations
@@ -67,11 +67,11 @@ def top_logprobs(logprobs: torch.Tensor, nums: list[int]) -> list[list[tuple[flo
 
 def _sample(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
     """Mixed batch: greedy rows take argmax of the penalised logits, the rest are sampled (on CPU by
-    the native sampler, whose draws come from each request's rng_seed and sample count)."""
+    the native sampler, whose draws come from each request's rng_seed and draw number)."""
     greedy_ids = torch.argmax(logits, dim=-1) if info.greedy_mask is not None else None  # [bs]
     if logits.device.type == "cpu" and cpu_sampling.unavailable_reason() is None:
         next_ids = cpu_sampling.sample(logits, info.temperatures, info.top_ks, info.top_ps, info.min_ps,
-                                       [s.rng_seed for s in info.states], [s.num_sampled for s in info.states])
+                                       [s.rng_seed for s in info.states], info.counters)
         return next_ids if greedy_ids is None else torch.where(info.greedy_mask, greedy_ids, next_ids)
     logits.div_(info.temperatures)
     probs = torch.softmax(logits, dim=-1)  # [bs, vocab]

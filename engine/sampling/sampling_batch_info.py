@@ -41,9 +41,11 @@ class ReqSamplingState:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self.num_sampled = 0
-        # the CPU sampler's draws come from (rng_seed, num_sampled) (kernels/cpu_sampling.py): the
-        # request's seed, else one drawn here from torch's generator
-        self.rng_seed = params.seed if params.seed is not None else int(torch.randint(0, 1 << 62, (1,)))
+        # the CPU sampler's draw for a step comes from (rng_seed, that step's draw number)
+        # (kernels/cpu_sampling.py): the request's seed, else one drawn here from torch's generator;
+        # `draws` numbers the steps that sample this request, as they are launched (next_draw)
+        self.rng_seed = (params.seed if params.seed is not None else int(torch.randint(0, 1 << 62, (1,)))) % (1 << 63)
+        self.draws = 0
         self.generator: Optional[torch.Generator] = None  # the torch sampler's (other devices)
         if params.seed is not None:
             self.generator = torch.Generator(device=self.device)
@@ -63,14 +65,25 @@ class ReqSamplingState:
         # scheduler fills its bitmask before launching a batch, once the previous step's result is
         # processed (so the worker never reads a row while it is written).
         self.grammar: Optional["Grammar"] = None
-        self._plain = (params.is_greedy and not params.has_penalties and self.min_tokens_stop_ids is None
-                       and not params.logit_bias)
+        self._simple = not params.has_penalties and self.min_tokens_stop_ids is None and not params.logit_bias
+        self._plain = params.is_greedy and self._simple
 
     @property
     def plain_greedy(self) -> bool:
         """An argmax and nothing else: greedy, no penalties, min_new_tokens, logit bias or grammar
         (the sampler would only take the argmax and bump num_sampled)."""
         return self._plain and self.grammar is None
+
+    @property
+    def plain_sampling(self) -> bool:
+        """Temperature, top-k/p, min-p and a seed at most: the native CPU step can draw its token
+        (no penalties, min_new_tokens, logit bias or grammar; greedy or not)."""
+        return self._simple and self.grammar is None
+
+    def next_draw(self) -> int:
+        """The draw number of the step being launched for this request (then one more)."""
+        self.draws += 1
+        return self.draws - 1
 
     @property
     def has_penalties(self) -> bool:
@@ -141,6 +154,7 @@ class SamplingBatchInfo:
     grammar_rows: list[int]  # rows whose request has a grammar (structured output)
     seeded_rows: list[int]  # non-greedy rows sampled with the request's own generator (torch's sampler)
     discard_rows: frozenset[int]  # rows sampled greedily and not recorded (see from_states)
+    counters: list[int]  # each row's draw number for the CPU sampler (see from_states)
 
     @property
     def has_logit_bias(self) -> bool:
@@ -161,10 +175,12 @@ class SamplingBatchInfo:
         device: Union[str, torch.device],
         *,
         discard_rows: Collection[int] = (),
+        counters: Optional[list[int]] = None,
     ) -> "SamplingBatchInfo":
         """`discard_rows`: rows whose token the scheduler will throw away (a chunked prefill's
         non-final chunk). They are sampled greedily and leave their state untouched, so a seeded
-        request draws the same numbers however its prompt was chunked."""
+        request draws the same numbers however its prompt was chunked. `counters`: each row's draw
+        number for the CPU sampler (ModelWorkerBatch.draws; by default its count of samples)."""
         discard = frozenset(discard_rows)
         assert all(0 <= i < len(states) for i in discard)
         greedy = [i in discard or s.params.is_greedy for i, s in enumerate(states)]
@@ -200,6 +216,7 @@ class SamplingBatchInfo:
             grammar_rows=grammar_rows,
             seeded_rows=seeded_rows,
             discard_rows=discard,
+            counters=counters if counters is not None else [s.num_sampled for s in states],
         )
 
     def on_sampled(self, next_token_ids: torch.Tensor) -> None:

@@ -49,6 +49,9 @@ class ModelWorkerBatch:
     # --enable-mixed-chunk: the batch's last rows are one decode step of running requests, each an
     # extend of one token over its whole sequence
     num_decode_rows: int = 0
+    # each row's draw number for the CPU sampler, taken when the batch is launched
+    # (TpModelWorker.assign_draws): the same whichever path samples it, in either loop
+    draws: Optional[list[int]] = None
 
 
 class ScheduleBatch:

@@ -82,6 +82,7 @@ class TpModelWorker:
                                  future_map: Optional["FutureMap"] = None) -> GenerationBatchResult:
         """`async_copy` (CUDA): copy the sampled ids to the host without waiting; call resolve().
         `future_map` (overlap): resolve the batch's placeholder inputs from it, store its samples in it."""
+        self.assign_draws(mwb)
         if not async_copy:
             step = self.native_step(mwb, future_map)
             if step is not None:
@@ -90,16 +91,28 @@ class TpModelWorker:
         with torch.inference_mode():
             return self._forward_and_sample(mwb, async_copy, future_map)
 
+    @staticmethod
+    def assign_draws(mwb: ModelWorkerBatch) -> None:
+        """Number this batch's draw for each request that samples in it (once, at launch, in launch
+        order): the CPU sampler's random numbers come from (seed, draw number)."""
+        if mwb.draws is None:
+            mwb.draws = [0 if s is None else s.next_draw() for s in mwb.sampling_states]
+
     def native_step(self, mwb: ModelWorkerBatch, future_map: Optional["FutureMap"] = None) -> Optional["ModelStep"]:
         """The batch's forward as one native call, prepared (cpu_forward.c's model_step: the future
         map's placeholders, the forward, the LM head over each request's last token; for a batch
-        whose every sampling row is plain greedy without logprobs, the argmax and the future map's
-        slots too), where the native forward serves it; None elsewhere (prompt logprobs need every
-        row's hidden state). A greedy step counts each sampling row's sample."""
+        without logprobs whose every sampling row is plain (no penalties, min_new_tokens, logit bias
+        or grammar), the argmax or the draw and the future map's slots too), where the native
+        forward serves it; None elsewhere (prompt logprobs need every row's hidden state). A step
+        that draws its tokens counts each sampling row's sample."""
         native = self.model_runner.native_forward
         if native is None or not native.has_logits or self.step_sender is not None or mwb.input_logprob_reqs:
             return None
-        greedy = not mwb.return_logprob and all(s is None or s.plain_greedy for s in mwb.sampling_states)
+        states = mwb.sampling_states
+        greedy = not mwb.return_logprob and all(s is None or s.plain_sampling for s in states)
+        sampling = None
+        if greedy and not all(s is None or s.plain_greedy for s in states):
+            sampling = self._sampling_rows(mwb, native.vocab)
         fmap, slots = (None, None) if future_map is None else (future_map.token_ids, mwb.future_indices)
         if mwb.forward_mode.is_decode():
             lens = dict(seq_lens=torch.tensor(mwb.seq_lens_cpu, dtype=torch.int64))
@@ -109,12 +122,29 @@ class TpModelWorker:
         else:
             return None
         step = native.step(mwb.input_ids, mwb.positions, mwb.out_cache_loc, mwb.req_pool_indices, **lens,
-                           future_map=fmap, future_slots=slots, greedy=greedy)
+                           future_map=fmap, future_slots=slots, greedy=greedy, sampling=sampling)
         if greedy:
-            for s in mwb.sampling_states:
+            for s in states:
                 if s is not None:
                     s.num_sampled += 1
         return step
+
+    @staticmethod
+    def _sampling_rows(mwb: ModelWorkerBatch, vocab: int) -> dict[str, torch.Tensor]:
+        """A sampling step's per-row inputs (NativeForward.step): greedy rows and rows that sample
+        nothing at temperature 0 (the argmax)."""
+        temps, top_ks, top_ps, min_ps, seeds = [], [], [], [], []
+        for s in mwb.sampling_states:
+            greedy = s is None or s.params.is_greedy
+            p = None if greedy else s.params
+            temps.append(0.0 if greedy else p.temperature)
+            top_ks.append(vocab if greedy or p.top_k <= 0 else min(p.top_k, vocab))
+            top_ps.append(1.0 if greedy else p.top_p)
+            min_ps.append(0.0 if greedy else p.min_p)
+            seeds.append(0 if s is None else s.rng_seed)
+        return {"temperatures": torch.tensor(temps, dtype=torch.float32), "top_ks": torch.tensor(top_ks),
+                "top_ps": torch.tensor(top_ps, dtype=torch.float32), "min_ps": torch.tensor(min_ps, dtype=torch.float32),
+                "seeds": torch.tensor(seeds, dtype=torch.int64), "counters": torch.tensor(mwb.draws, dtype=torch.int64)}
 
     def step_result(self, mwb: ModelWorkerBatch, step: "ModelStep",
                     future_map: Optional["FutureMap"] = None) -> GenerationBatchResult:
@@ -185,7 +215,8 @@ class TpModelWorker:
             idx = torch.tensor(sample_rows, dtype=torch.int64, device=logits.device) if len(sample_rows) < bs else None
             sub_logits = logits if idx is None else logits[idx]
             states = [mwb.sampling_states[i] for i in sample_rows]
-            info = SamplingBatchInfo.from_states(states, logits.device)
+            counters = None if mwb.draws is None else [mwb.draws[i] for i in sample_rows]
+            info = SamplingBatchInfo.from_states(states, logits.device, counters=counters)
             nums = [mwb.top_logprobs_nums[i] for i in sample_rows]
             out = self.sampler.forward(sub_logits, info, mwb.return_logprob, nums)
             if idx is None:
@@ -310,6 +341,7 @@ class OverlapWorkerClient:
     def launch(self, mwb: ModelWorkerBatch) -> tuple[torch.Tensor, Any]:
         bs = len(mwb.seq_lens_cpu)
         mwb.future_indices = self.future_map.reserve(bs)
+        self.worker.assign_draws(mwb)
         if self.stream is not None:  # behind the steps queued, whose KV and tokens it reads
             from baton.engine.kernels.cpu_forward import StreamCall
 

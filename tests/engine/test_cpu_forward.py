@@ -328,16 +328,18 @@ def test_engine_runs_every_step_natively(tiny_model_factory, mixed, loop):
     """Through the scheduler (chunked prefill, prefix hits, batches that change; with
     --enable-mixed-chunk, decode tokens ride in extend batches), plain loop or overlap loop (whose
     steps run on the native forward stream): every step is one native call (greedy batches to the
-    argmax, the others to the logits, then the sampler), nothing is compiled, and the tokens
-    (greedy, seeded sampling, with logprobs) are the model's own forward's under the plain loop."""
+    argmax, sampling ones to the draw, batches with logprobs to the logits, then the sampler),
+    nothing is compiled, and the tokens (greedy, seeded sampling, with logprobs) are the model's own
+    forward's under the plain loop."""
     from scheduler_harness import SchedulerHarness
 
     path = tiny_model_factory("qwen3")
     shared = PROMPTS[1]
     prompts = [shared, shared + PROMPTS[0], PROMPTS[2], shared + PROMPTS[2]]
-    # request 1 samples at temperature 1 (seeded), request 2 asks for logprobs: their batches take the
-    # sampler over the native step's logits; the others are greedy and run on after them
-    sampling = [{"max_new_tokens": 8}, {"temperature": 1.0, "seed": 7, "max_new_tokens": 3},
+    # request 1 samples at temperature 1 (seeded): the native step draws for its batches (the
+    # reference, Python's sampler, the same numbers); request 2 asks for logprobs: its batches take
+    # the sampler over the native step's logits; the others are greedy and run on after them
+    sampling = [{"max_new_tokens": 8}, {"temperature": 1.0, "seed": 7, "top_p": 0.9, "max_new_tokens": 5},
                 {"return_logprob": True, "top_logprobs_num": 2, "max_new_tokens": 3}, {"max_new_tokens": 8}]
     results = {}
     for disable in (True, False):
@@ -347,7 +349,7 @@ def test_engine_runs_every_step_natively(tiny_model_factory, mixed, loop):
                              enable_overlap_schedule=overlap, disable_overlap_schedule=not overlap)
         runner = h.scheduler.worker.model_runner
         assert (runner.native_forward is None) == disable
-        calls = {"greedy decode": 0, "greedy extend": 0, "sampled decode": 0, "sampled extend": 0}
+        calls = {"argmax decode": 0, "argmax extend": 0, "draw decode": 0, "logits decode": 0}
         if not disable:
             assert runner.compiled_model is None  # nothing to compile, though asked to
             assert (h.scheduler.overlap is not None and h.scheduler.overlap.stream is not None) == overlap
@@ -355,7 +357,8 @@ def test_engine_runs_every_step_natively(tiny_model_factory, mixed, loop):
 
             def step(*a, fn=fwd.step, **kw):
                 mode = "decode" if kw.get("seq_lens") is not None else "extend"
-                calls[f"{'greedy' if kw.get('greedy', True) else 'sampled'} {mode}"] += 1
+                kind = "logits" if not kw.get("greedy", True) else "draw" if kw.get("sampling") else "argmax"
+                calls[f"{kind} {mode}"] = calls.get(f"{kind} {mode}", 0) + 1
                 return fn(*a, **kw)
             fwd.step = step
         for i, (p, params) in enumerate(zip(prompts, sampling)):
@@ -363,7 +366,7 @@ def test_engine_runs_every_step_natively(tiny_model_factory, mixed, loop):
             h.step()  # arrivals between steps: chunks, prefix hits, mixed batches
         done = h.run_until_idle()
         results[disable] = {rid: (c.ids, [t for _, t in c.output_logprobs]) for rid, c in done.items()}
-        assert [len(results[disable][str(i)][0]) for i in range(4)] == [8, 3, 3, 8]
+        assert [len(results[disable][str(i)][0]) for i in range(4)] == [8, 5, 3, 8]
         assert len(done["2"].output_logprobs) == 3
         assert (min(calls.values()) > 0) != disable, calls
         assert h.scheduler.check_memory_integrity()
@@ -377,9 +380,9 @@ def test_engine_runs_every_step_natively(tiny_model_factory, mixed, loop):
 def test_overlap_stream_under_aborts_retraction_and_sampling(tiny_model_factory, seed):
     """The overlap loop on the native forward stream with a pool small enough to retract, chunked
     prefills, arrivals and aborts at random steps, seeded sampled, logprob and prompt-logprob
-    requests beside greedy ones: every request ends once; a request that does not sample and was not
-    aborted gives the plain loop's tokens (an aborted one a prefix of them); at idle nothing is
-    held."""
+    requests beside greedy ones: every request ends once; one that was not aborted gives the plain
+    loop's tokens, sampled ones too (a seeded draw is a function of the seed and the draw number,
+    which retraction does not change); an aborted one a prefix of them; at idle nothing is held."""
     import random
 
     from baton.engine.io_struct import AbortReq
@@ -428,11 +431,9 @@ def test_overlap_stream_under_aborts_retraction_and_sampling(tiny_model_factory,
             got = h.results[str(i)]
             assert got.finish is not None and got.after_finish == 0, i
             if str(i) in aborted:
-                assert kinds[i] == "sampled" or got.ids == want[str(i)][:len(got.ids)], i
-            elif kinds[i] != "sampled":
-                assert got.ids == want[str(i)], f"request {i} ({kinds[i]}) differs from the plain loop's"
+                assert got.ids == want[str(i)][:len(got.ids)], i
             else:
-                assert len(got.ids) == 24
+                assert got.ids == want[str(i)], f"request {i} ({kinds[i]}) differs from the plain loop's"
         assert h.scheduler.is_idle() and h.scheduler.check_memory_integrity()
     finally:
         h.scheduler.close()

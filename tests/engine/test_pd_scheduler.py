@@ -377,3 +377,25 @@ def test_pd_decode_lone_request_makes_room_for_a_reserved_transfer(tiny_model_fa
     assert pair.decode.results["a"].ids == hf_greedy(path, long_out, 200, ignore_eos=True)
     assert pair.decode.results["b"].ids == hf_greedy(path, big, 1, ignore_eos=True)
     pair.assert_settled()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"], ids=["torch-forward", "native-step"])
+def test_pd_seeded_sampling_gives_the_colocated_tokens(tiny_model_factory, pair_factory, dtype):
+    """A seeded sampled request through a PD pair: the prefill draws token 1, the decode goes on
+    from the next draw number, so the text is the colocated engine's (the CPU sampler's draw is a
+    function of the seed and the draw number)."""
+    path = tiny_model_factory("llama")
+    prompts = workload()[:4]
+    sampling = dict(max_new_tokens=12, ignore_eos=True, temperature=0.9, top_p=0.95, seed=17)
+    alone = SchedulerHarness(path, dtype=dtype, max_total_tokens=4096)
+    for i, p in enumerate(prompts):
+        alone.submit(str(i), p, **{**sampling, "seed": 17 + i})
+    want = {rid: c.ids for rid, c in alone.run_until_idle().items()}
+    alone.scheduler.close()
+    pair = pair_factory(path, dtype=dtype, max_total_tokens=4096)
+    for i, p in enumerate(prompts):
+        pair.submit(str(i), p, decode_first=i % 2 == 1, **{**sampling, "seed": 17 + i})
+    pair.run_until_idle()
+    assert {rid: pair.decode.results[rid].ids for rid in want} == want
+    assert len({tuple(ids) for ids in want.values()}) == len(want)
+    pair.assert_settled()
