@@ -148,8 +148,7 @@ static int64_t sample_row(float *w, int64_t vocab, float temperature, int64_t to
                 above += s->mass[b];
             }
             if (kb >= 0) { /* fewer positive tokens than k: no cut */
-                const int64_t n = sorted_bucket(w, vocab, (uint32_t)kb, s);
-                (void)n;
+                sorted_bucket(w, vocab, (uint32_t)kb, s);
                 cut = 1;
                 cut_w = s->cand[k_rank - 1].w;
                 cut_id = s->cand[k_rank - 1].id;
