@@ -17,7 +17,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Optional
 
 logger = logging.getLogger(__name__)
 
@@ -98,3 +98,12 @@ def build_library(source: Path, cflags: list[str] = DEFAULT_CFLAGS) -> Path:
             os.unlink(tmp)
     logger.info("built %s", target)
     return target
+
+
+def load_failure(load: Callable[[], Any]) -> Optional[str]:
+    """None when `load()` (a kernel module's library loader) builds and loads; otherwise why not."""
+    try:
+        load()
+    except (KernelUnavailable, OSError) as e:
+        return str(e)
+    return None

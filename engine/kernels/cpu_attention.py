@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from baton.engine.kernels.build import DEFAULT_CFLAGS, KernelUnavailable, build_library
+from baton.engine.kernels.build import DEFAULT_CFLAGS, build_library, load_failure
 from baton.engine.kernels.torch_ops import define_op
 
 logger = logging.getLogger(__name__)
@@ -68,22 +68,25 @@ def _library() -> ctypes.CDLL:
     return lib
 
 
-def unavailable_reason(dtype: torch.dtype, device: str, kv_dtype: Optional[torch.dtype] = None) -> Optional[str]:
-    """None when the kernel can serve this model dtype, KV cache dtype (default: the model's) and
-    device; otherwise why not (for one log line)."""
+def switched_off(device: str) -> Optional[str]:
+    """Why no CPU kernel serves here, before any is built: BATON_DISABLE_CPU_KERNELS, or another device."""
     if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
         return f"{DISABLE_ENV} is set"
     if not str(device).startswith("cpu"):
         return f"device {device} is not the CPU"
+    return None
+
+
+def unavailable_reason(dtype: torch.dtype, device: str, kv_dtype: Optional[torch.dtype] = None) -> Optional[str]:
+    """None when the kernel can serve this model dtype, KV cache dtype (default: the model's) and
+    device; otherwise why not (for one log line)."""
+    if (off := switched_off(device)) is not None:
+        return off
     if dtype not in _SUPPORTED:
         return f"dtype {dtype} is not supported (float32, bfloat16, float16)"
     if (kv_dtype or dtype) not in _KV_SUPPORTED:
         return f"KV cache dtype {kv_dtype} is not supported (float32, bfloat16, float16, float8_e5m2)"
-    try:
-        _library()
-    except (KernelUnavailable, OSError) as e:
-        return str(e)
-    return None
+    return load_failure(_library)
 
 
 def paged_decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, req_to_token: torch.Tensor,

@@ -30,7 +30,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 

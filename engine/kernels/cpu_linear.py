@@ -18,15 +18,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from pathlib import Path
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from baton.engine.kernels.build import DEFAULT_CFLAGS, KernelUnavailable, build_library
-from baton.engine.kernels.cpu_attention import DISABLE_ENV  # one switch for every CPU kernel
+from baton.engine.kernels.build import DEFAULT_CFLAGS, build_library, load_failure
+from baton.engine.kernels.cpu_attention import switched_off  # one switch for every CPU kernel
 from baton.engine.kernels.torch_ops import define_op
 
 SOURCE = Path(__file__).with_name("cpu_linear.c")
@@ -47,16 +46,9 @@ def _library() -> ctypes.CDLL:
 
 def unavailable_reason(device: str = "cpu") -> Optional[str]:
     """None when packed bfloat16 linears can run here; otherwise why not (for one log line)."""
-    if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
-        return f"{DISABLE_ENV} is set"
-    if not str(device).startswith("cpu"):
-        return f"device {device} is not the CPU"
-    try:
-        if not _library().packed_gemm_available():
-            return "this CPU has no AVX512_BF16"
-    except (KernelUnavailable, OSError) as e:
-        return str(e)
-    return None
+    if (off := switched_off(device) or load_failure(_library)) is not None:
+        return off
+    return None if _library().packed_gemm_available() else "this CPU has no AVX512_BF16"
 
 
 def packable(weight: torch.Tensor) -> bool:

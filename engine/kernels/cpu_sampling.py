@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from pathlib import Path
 from typing import Optional
 
 import torch
 
-from baton.engine.kernels.build import DEFAULT_CFLAGS, KernelUnavailable, build_library
-from baton.engine.kernels.cpu_attention import DISABLE_ENV  # one switch for every CPU kernel
+from baton.engine.kernels.build import DEFAULT_CFLAGS, build_library, load_failure
+from baton.engine.kernels.cpu_attention import switched_off  # one switch for every CPU kernel
 
 SOURCE = Path(__file__).with_name("cpu_sampling.c")
 
@@ -39,15 +38,7 @@ def _library() -> ctypes.CDLL:
 @functools.lru_cache(maxsize=4)
 def unavailable_reason(device: str = "cpu") -> Optional[str]:
     """None when the native sampler can serve this device; otherwise why not."""
-    if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
-        return f"{DISABLE_ENV} is set"
-    if not str(device).startswith("cpu"):
-        return f"device {device} is not the CPU"
-    try:
-        _library()
-    except (KernelUnavailable, OSError) as e:
-        return str(e)
-    return None
+    return switched_off(device) or load_failure(_library)
 
 
 def sample(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor,

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from baton.engine.kernels import cpu_attention
+from baton.engine.kernels import build, cpu_attention
 
 
 def _reference(q, k_buf, v_buf, req_to_token, rows, lens, scale):
@@ -175,7 +175,7 @@ def test_disable_switch_and_unsupported_inputs_have_reasons(monkeypatch):
 def test_missing_compiler_is_a_clear_error(monkeypatch, tmp_path):
     monkeypatch.setenv("CC", "no-such-compiler-baton")
     monkeypatch.setenv("BATON_KERNEL_CACHE", str(tmp_path))
-    with pytest.raises(cpu_attention.KernelUnavailable, match="no C compiler"):
+    with pytest.raises(build.KernelUnavailable, match="no C compiler"):
         cpu_attention.build()
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from baton.engine.kernels import cpu_linear
+from baton.engine.kernels import cpu_attention, cpu_linear
 from baton.engine.layers.linear import MergedColumnLinear, RowParallelLinear, even_parts, pack_linear_weights
 from baton.engine.distributed.parallel_state import TpGroup
 
@@ -84,7 +84,7 @@ def test_other_devices_have_a_reason():
 
 
 def test_disable_switch_has_a_reason(monkeypatch):
-    monkeypatch.setenv(cpu_linear.DISABLE_ENV, "1")
+    monkeypatch.setenv(cpu_attention.DISABLE_ENV, "1")
     assert "BATON_DISABLE_CPU_KERNELS" in cpu_linear.unavailable_reason()
     layer = MergedColumnLinear(32, even_parts([16, 16], TpGroup()), bias=False).bfloat16()
     assert pack_linear_weights(layer, "cpu") == 0 and not hasattr(layer, "packed_weight")
