@@ -51,14 +51,18 @@ def left_pad(prompts: list[list[int]], pad_id: int, device: str) -> tuple[torch.
 
 
 @torch.inference_mode()
-def _generate(model, batch: list[list[int]], output_lens: list[int], pad_id: int) -> int:
-    """Greedy-generate a padded batch until its longest request is done; returns the tokens the
-    requests asked for (a static batch cannot stop a row early, so rows beyond their own length
-    are wasted work, as in any static-batching server)."""
+def _generate(model, batch: list[list[int]], output_lens: list[int], pad_id: int, temperature: float = 0.0,
+              top_p: float = 1.0) -> int:
+    """Generate a padded batch until its longest request is done (greedy, or sampled at
+    `temperature` and `top_p`); returns the tokens the requests asked for (a static batch cannot
+    stop a row early, so rows beyond their own length are wasted work, as in any static-batching
+    server)."""
     ids, mask = left_pad(batch, pad_id, str(model.device))
     longest = max(output_lens)
-    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=longest,
-                         min_new_tokens=longest, pad_token_id=pad_id)  # [batch, prompt + new]
+    sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else \
+        dict(do_sample=False)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
+                         pad_token_id=pad_id, **sampling)  # [batch, prompt + new]
     assert out.shape[1] - ids.shape[1] == longest
     return sum(output_lens)
 
@@ -72,11 +76,12 @@ def run_hf_baseline(model_path: str, prompts: list[BenchPrompt], mode: HFMode | 
     pad_id = pad_token_id(model, tokenizer)
     token_ids = [list(p.token_ids) for p in prompts]
     output_lens = [p.output_len for p in prompts]
-    _generate(model, token_ids[:1], [2], pad_id)  # warm-up: first-call allocations are not the baseline
+    sampling = dict(temperature=prompts[0].temperature, top_p=prompts[0].top_p)  # the workload's, every prompt's
+    _generate(model, token_ids[:1], [2], pad_id, **sampling)  # warm-up: first-call allocations are not the baseline
     size = 1 if mode is HFMode.SEQUENTIAL else (max_batch_size or len(token_ids))
     with gc_paused():  # as the engines' runs are timed (bench/client.py)
         start = time.perf_counter()
-        output_tokens = sum(_generate(model, token_ids[i:i + size], output_lens[i:i + size], pad_id)
+        output_tokens = sum(_generate(model, token_ids[i:i + size], output_lens[i:i + size], pad_id, **sampling)
                             for i in range(0, len(token_ids), size))
         seconds = time.perf_counter() - start
     return {

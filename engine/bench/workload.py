@@ -28,10 +28,14 @@ class WorkloadConfig:
     # from [max(1, ratio * len), len]; 1.0 makes every request the same length, 0.0 (SGLang's
     # default) draws from [1, len].
     random_range_ratio: float = 1.0
+    # how every request samples, engines and HF alike: 0 is greedy
+    temperature: float = 0.0
+    top_p: float = 1.0
 
     def __post_init__(self) -> None:
         assert self.num_prompts >= 1 and self.input_len >= 1 and self.output_len >= 1
         assert 0.0 <= self.random_range_ratio <= 1.0, "--random-range-ratio must be in [0, 1]"
+        assert self.temperature >= 0.0 and 0.0 < self.top_p <= 1.0, "--temperature >= 0, --top-p in (0, 1]"
         assert 0 <= self.shared_prefix_len < self.input_len, "--shared-prefix-len must be < --input-len"
 
 
@@ -40,6 +44,8 @@ class BenchPrompt:
     text: str
     token_ids: tuple[int, ...]  # the text encoded without special tokens
     output_len: int
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
 
 
 def add_workload_args(parser: argparse.ArgumentParser) -> None:
@@ -51,12 +57,14 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     a("--seed", type=int, default=0)
     a("--random-range-ratio", type=float, default=1.0,
       help="draw each prompt's input/output length uniformly from [ratio*len, len] (SGLang bench_serving)")
+    a("--temperature", type=float, default=0.0, help="sampling temperature of every request (0: greedy)")
+    a("--top-p", type=float, default=1.0, help="top-p of every request (with --temperature)")
 
 
 def workload_config_from_args(args: argparse.Namespace) -> WorkloadConfig:
     return WorkloadConfig(num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
                           shared_prefix_len=args.shared_prefix_len, seed=args.seed,
-                          random_range_ratio=args.random_range_ratio)
+                          random_range_ratio=args.random_range_ratio, temperature=args.temperature, top_p=args.top_p)
 
 
 def build_workload(tokenizer, config: WorkloadConfig) -> list[BenchPrompt]:
@@ -72,7 +80,8 @@ def build_workload(tokenizer, config: WorkloadConfig) -> list[BenchPrompt]:
         suffix = max(in_len - config.shared_prefix_len, 1)
         text = prefix + _settled_text(tokenizer, rng, candidates, suffix)
         ids = tuple(tokenizer.encode(text, add_special_tokens=False))
-        prompts.append(BenchPrompt(text=text, token_ids=ids, output_len=out_len))
+        prompts.append(BenchPrompt(text=text, token_ids=ids, output_len=out_len, temperature=config.temperature,
+                                   top_p=config.top_p))
     return prompts
 
 

@@ -208,6 +208,7 @@ def test_serving_counts_requests_tokens_and_holds_concurrency(tokenizer):
     assert fake.max_in_flight == 4
     assert len(fake.bodies) == 8
     assert all(b["ignore_eos"] and b["max_tokens"] == 5 and b["stream"] for b in fake.bodies)
+    assert all((b["temperature"], b["top_p"]) == (0.0, 1.0) for b in fake.bodies)  # greedy by default
     assert all(b["stream_options"] == {"include_usage": True} for b in fake.bodies)
     assert all(r.success and r.usage_reported and r.output_tokens == 5 for r in results)
     assert all(len(r.itl) == 4 and 0 < r.ttft <= r.e2e for r in results)
@@ -243,14 +244,39 @@ def test_bench_serving_cli_writes_json(tiny_llama, tmp_path):
     assert (results["model"], results["completed"], results["output_tokens"]) == ("fake-model", 6, 18)
 
 
-def test_hf_baseline_generates_exactly_output_len_per_prompt(tiny_llama, tokenizer):
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "top_p": 0.9}], ids=["greedy", "sampled"])
+def test_hf_baseline_generates_exactly_output_len_per_prompt(tiny_llama, tokenizer, sampling, monkeypatch):
+    from transformers import GenerationMixin
+
     from baton.engine.bench.hf_baseline import run_hf_baseline
 
-    prompts = build_workload(tokenizer, WorkloadConfig(num_prompts=3, input_len=10, output_len=4, seed=1))
+    seen = []
+    generate = GenerationMixin.generate
+
+    def spy(self, *a, **kw):
+        seen.append({k: kw.get(k) for k in ("do_sample", "temperature", "top_p")})
+        return generate(self, *a, **kw)
+
+    monkeypatch.setattr(GenerationMixin, "generate", spy)
+    config = WorkloadConfig(num_prompts=3, input_len=10, output_len=4, seed=1, **sampling)
+    prompts = build_workload(tokenizer, config)
     for mode, batch_size in (("batched", 3), ("sequential", 1)):
         result = run_hf_baseline(tiny_llama, prompts, mode)
         assert (result["mode"], result["batch_size"]) == (mode, batch_size)
         assert result["output_tokens"] == 12 and result["output_throughput"] > 0
+    want = {"do_sample": True, **sampling} if sampling else {"do_sample": False, "temperature": None, "top_p": None}
+    assert seen and all(s == want for s in seen), seen
+
+
+def test_sampled_workload_reaches_the_request_bodies(tokenizer):
+    prompts = build_workload(tokenizer, WorkloadConfig(num_prompts=2, input_len=16, output_len=3, temperature=0.7,
+                                                       top_p=0.9))
+    fake = FakeOpenAI()
+    with fake_server(fake) as url:
+        asyncio.run(run_requests(url, "fake-model", prompts, concurrency=2))
+    assert [(b["temperature"], b["top_p"]) for b in fake.bodies] == [(0.7, 0.9)] * 2
+    with pytest.raises(AssertionError):
+        WorkloadConfig(num_prompts=1, input_len=8, output_len=2, top_p=0.0)
 
 
 def test_compare_runs_each_variant_stops_it_and_prints_ratios(tiny_llama, capsys):
