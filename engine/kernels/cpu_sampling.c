@@ -248,3 +248,30 @@ int sample_rows(float *logits, int64_t bs, int64_t vocab, const float *temperatu
     }
     return failed ? SAMPLE_NO_MEMORY : 0;
 }
+
+/* Token penalties on rows of logits [*, vocab], in place: row rows[j] with its request's output
+ * counts[j] (int32 [vocab]) and seen[j] (bool [vocab]: prompt or output): a seen token's logit l
+ * becomes l / rep[j] if l > 0 else l * rep[j] (HF's repetition penalty), then
+ * l - freq[j] * count - pres[j] * (count > 0) (OpenAI's frequency and presence), rounded as the
+ * torch version in engine/sampling/penalties.py rounds them (no fused multiply-add). */
+__attribute__((optimize("fp-contract=off"))) void apply_penalty_rows(
+    float *logits, int64_t vocab, int64_t n, const int64_t *rows, const int32_t *const *counts,
+    const uint8_t *const *seen, const float *rep, const float *freq, const float *pres, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (n > 1 && vocab >= 4096) schedule(dynamic, 1)
+    for (int64_t j = 0; j < n; ++j) {
+        float *l = logits + rows[j] * vocab;
+        const int32_t *c = counts[j];
+        const uint8_t *s = seen[j];
+        const float r = rep[j], f = freq[j], p = pres[j];
+        for (int64_t i = 0; i < vocab; ++i) {
+            float x = l[i];
+            if (s[i]) x = x > 0.f ? x / r : x * r;
+            if (c[i]) {
+                const float by_count = f * (float)c[i];
+                x = x - by_count;
+                x = x - p;
+            }
+            l[i] = x;
+        }
+    }
+}

@@ -32,6 +32,9 @@ def _library() -> ctypes.CDLL:
     lib.sample_rows.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
     lib.sample_rows.restype = ctypes.c_int
     lib.uniform_draw.argtypes, lib.uniform_draw.restype = [ctypes.c_uint64, ctypes.c_uint64], ctypes.c_double
+    # logits, vocab, n, rows, counts, seen, rep, freq, pres, num_threads
+    lib.apply_penalty_rows.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
+    lib.apply_penalty_rows.restype = None
     return lib
 
 
@@ -61,3 +64,22 @@ def sample(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tenso
                               mins.data_ptr(), seed_buf, count_buf, out.data_ptr(), torch.get_num_threads()):
         raise MemoryError("native sampling: out of memory")
     return out
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[int], counts: list[torch.Tensor], seen: list[torch.Tensor],
+                    repetition: list[float], frequency: list[float], presence: list[float]) -> None:
+    """Token penalties on rows of logits [bs, vocab] float32, in place (engine/sampling/penalties.py's
+    semantics and roundings): rows[j] with its request's output counts[j] ([vocab] int32) and
+    seen[j] ([vocab] bool), without stacking them."""
+    assert logits.dim() == 2 and logits.dtype == torch.float32 and logits.is_contiguous()
+    bs, vocab = logits.shape
+    n = len(rows)
+    assert all(0 <= r < bs for r in rows) and len(counts) == len(seen) == n
+    for c, m in zip(counts, seen):
+        assert c.dtype == torch.int32 and m.dtype == torch.bool and c.shape == m.shape == (vocab,)
+        assert c.is_contiguous() and m.is_contiguous() and c.device.type == m.device.type == "cpu"
+    f32 = ctypes.c_float * n
+    _library().apply_penalty_rows(
+        logits.data_ptr(), vocab, n, (ctypes.c_int64 * n)(*rows), (ctypes.c_void_p * n)(*[c.data_ptr() for c in counts]),
+        (ctypes.c_void_p * n)(*[m.data_ptr() for m in seen]), f32(*repetition), f32(*frequency), f32(*presence),
+        torch.get_num_threads())

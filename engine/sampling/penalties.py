@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from baton.engine.kernels import cpu_sampling
 from baton.engine.sampling.sampling_batch_info import SamplingBatchInfo
 
 
@@ -38,6 +39,14 @@ def _apply_token_penalties(logits: torch.Tensor, info: SamplingBatchInfo) -> Non
     for s in states:
         s.ensure_penalty_tensors()
         assert s.output_counts.shape[0] == logits.shape[1], "state vocab != logits vocab"
+    if logits.device.type == "cpu" and logits.is_contiguous() and cpu_sampling.unavailable_reason() is None:
+        # one pass per row over its own count and mask (the stacked torch version below: ~10 full
+        # [rows, vocab] temporaries)
+        params = [s.params for s in states]
+        cpu_sampling.apply_penalties(logits, info.penalty_rows, [s.output_counts for s in states],
+                                     [s.seen_mask for s in states], [p.repetition_penalty for p in params],
+                                     [p.frequency_penalty for p in params], [p.presence_penalty for p in params])
+        return
     device = logits.device
     rows = torch.tensor(info.penalty_rows, dtype=torch.int64, device=device)  # [n]
     counts = torch.stack([s.output_counts for s in states]).to(device)  # [n, vocab] int32

@@ -129,3 +129,31 @@ def test_rows_that_cannot_draw_and_extremes():
     with pytest.raises(ValueError):
         cpu_sampling.sample(logits.clone(), torch.ones(3), torch.ones(4, dtype=torch.int64), torch.ones(4),
                             torch.zeros(4), [1] * 4, [0] * 4)
+
+
+def test_native_penalties_are_the_torch_versions_bit_for_bit(monkeypatch):
+    """Repetition, frequency and presence penalties on some rows of a batch: the native pass gives
+    the stacked torch version's logits exactly (the same roundings, no fused multiply-add)."""
+    from baton.engine.sampling import penalties
+    from baton.engine.sampling.sampling_batch_info import ReqSamplingState, SamplingBatchInfo
+    from baton.engine.sampling.sampling_params import SamplingParams
+
+    g = torch.Generator().manual_seed(11)
+    kwargs = [dict(temperature=0.7), dict(repetition_penalty=1.3), dict(frequency_penalty=0.6, presence_penalty=-0.2),
+              dict(temperature=0.7), dict(repetition_penalty=0.8, frequency_penalty=-0.4, presence_penalty=0.7)]
+    states = [ReqSamplingState(SamplingParams(max_new_tokens=64, **kw),
+                               torch.randint(0, VOCAB, (50,), generator=g).tolist(), VOCAB, set(), "cpu")
+              for kw in kwargs]
+    for s in states:
+        for t in torch.randint(0, VOCAB, (40,), generator=g).tolist():
+            s.on_sampled(t)
+    logits = torch.randn(len(states), VOCAB, generator=g) * 4
+    info = SamplingBatchInfo.from_states(states, "cpu")
+    assert info.penalty_rows == [1, 2, 4]
+    native = logits.clone()
+    penalties.apply_penalties(native, info)
+    monkeypatch.setattr(penalties.cpu_sampling, "unavailable_reason", lambda *a: "off")
+    reference = logits.clone()
+    penalties.apply_penalties(reference, info)
+    assert torch.equal(native, reference)
+    assert not torch.equal(native[[1, 2, 4]], logits[[1, 2, 4]]) and torch.equal(native[[0, 3]], logits[[0, 3]])
