@@ -214,6 +214,7 @@ class NativeForward:
         lib = _library()
         self._decode, self._extend, self._logits = lib.decode_step, lib.extend_step, lib.logits_step
         self._model_ref = ctypes.byref(self._model)
+        self._model_ptr = ctypes.pointer(self._model)  # a model step's
         self.num_threads = torch.get_num_threads()  # the model steps' threads (any thread may run them)
 
     @classmethod
@@ -319,7 +320,7 @@ class NativeForward:
             _check_len("sampling", bs, *sampling.values())
             rows_in = {name: t.data_ptr() for name, t in sampling.items()}
         struct = _ModelStep(
-            model=ctypes.pointer(self._model), lm_head=self._lm_head.data_ptr(), n=ids.shape[0], bs=bs,
+            model=self._model_ptr, lm_head=self._lm_head.data_ptr(), n=ids.shape[0], bs=bs,
             ids=ids.data_ptr(), positions=pos.data_ptr(), loc=loc.data_ptr(), rows=rows.data_ptr(),
             lens=_ptr_of(lens), prefix_lens=_ptr_of(prefix), extend_lens=_ptr_of(ext), future_map=_ptr_of(future_map),
             future_len=0 if future_map is None else future_map.shape[0], future_slots=_ptr_of(slots),

@@ -44,7 +44,10 @@ class ReqSamplingState:
         # the CPU sampler's draw for a step comes from (rng_seed, that step's draw number)
         # (kernels/cpu_sampling.py): the request's seed, else one drawn here from torch's generator;
         # `draws` numbers the steps that sample this request, as they are launched (next_draw)
-        self.rng_seed = (params.seed if params.seed is not None else int(torch.randint(0, 1 << 62, (1,)))) % (1 << 63)
+        if params.seed is not None:
+            self.rng_seed = params.seed % (1 << 63)
+        else:  # a greedy request never draws: no seed to take from the generator
+            self.rng_seed = 0 if params.is_greedy else int(torch.randint(0, 1 << 62, (1,)))
         self.draws = 0
         self.generator: Optional[torch.Generator] = None  # the torch sampler's (other devices)
         if params.seed is not None:
@@ -234,18 +237,26 @@ class SamplingBatchInfo:
                 state.num_sampled += 1
 
 
+def row_params(states: list[Optional[ReqSamplingState]], greedy: list[bool], vocab: int,
+               greedy_temperature: float = 1.0) -> tuple[list[float], list[float], list[int], list[float]]:
+    """Per-row temperature, top_p, top_k (vocab: off) and min_p; greedy rows (a None state must be
+    one) get neutral values and `greedy_temperature` (their token comes from the argmax)."""
+    temps, top_ps, top_ks, min_ps = [], [], [], []
+    for s, g in zip(states, greedy):
+        p = None if g else s.params
+        temps.append(greedy_temperature if g else p.temperature)
+        top_ps.append(1.0 if g else p.top_p)
+        top_ks.append(vocab if g or p.top_k == -1 else min(p.top_k, vocab))
+        min_ps.append(0.0 if g else p.min_p)
+    return temps, top_ps, top_ks, min_ps
+
+
 def _row_tensors(
     states: list[ReqSamplingState], greedy: list[bool], device: Union[str, torch.device]
 ) -> tuple[tuple[torch.Tensor, ...], tuple[bool, bool, bool]]:
     """Per-row sampling tensors; greedy rows get neutral values (their token comes from argmax)."""
     vocab = states[0].vocab_size
-    temps, top_ps, top_ks, min_ps = [], [], [], []
-    for s, g in zip(states, greedy):
-        p = s.params
-        temps.append(1.0 if g else p.temperature)
-        top_ps.append(1.0 if g else p.top_p)
-        top_ks.append(vocab if g or p.top_k == -1 else min(p.top_k, vocab))
-        min_ps.append(0.0 if g else p.min_p)
+    temps, top_ps, top_ks, min_ps = row_params(states, greedy, vocab)
     flags = (any(x < 1.0 for x in top_ps), any(k < vocab for k in top_ks), any(x > 0.0 for x in min_ps))
     tensors = (
         torch.tensor(temps, dtype=torch.float32).view(-1, 1).to(device),  # [bs, 1]

@@ -133,18 +133,15 @@ class TpModelWorker:
     def _sampling_rows(mwb: ModelWorkerBatch, vocab: int) -> dict[str, torch.Tensor]:
         """A sampling step's per-row inputs (NativeForward.step): greedy rows and rows that sample
         nothing at temperature 0 (the argmax)."""
-        temps, top_ks, top_ps, min_ps, seeds = [], [], [], [], []
-        for s in mwb.sampling_states:
-            greedy = s is None or s.params.is_greedy
-            p = None if greedy else s.params
-            temps.append(0.0 if greedy else p.temperature)
-            top_ks.append(vocab if greedy or p.top_k <= 0 else min(p.top_k, vocab))
-            top_ps.append(1.0 if greedy else p.top_p)
-            min_ps.append(0.0 if greedy else p.min_p)
-            seeds.append(0 if s is None else s.rng_seed)
+        from baton.engine.sampling.sampling_batch_info import row_params
+
+        states = mwb.sampling_states
+        greedy = [s is None or s.params.is_greedy for s in states]
+        temps, top_ps, top_ks, min_ps = row_params(states, greedy, vocab, greedy_temperature=0.0)
         return {"temperatures": torch.tensor(temps, dtype=torch.float32), "top_ks": torch.tensor(top_ks),
                 "top_ps": torch.tensor(top_ps, dtype=torch.float32), "min_ps": torch.tensor(min_ps, dtype=torch.float32),
-                "seeds": torch.tensor(seeds, dtype=torch.int64), "counters": torch.tensor(mwb.draws, dtype=torch.int64)}
+                "seeds": torch.tensor([0 if s is None else s.rng_seed for s in states], dtype=torch.int64),
+                "counters": torch.tensor(mwb.draws, dtype=torch.int64)}
 
     def step_result(self, mwb: ModelWorkerBatch, step: "ModelStep",
                     future_map: Optional["FutureMap"] = None) -> GenerationBatchResult:
@@ -332,9 +329,9 @@ class OverlapWorkerClient:
         self.stream: Optional["ForwardStream"] = None
         native = worker.model_runner.native_forward
         if not cuda and not self.inline and native is not None and native.has_logits:
-            from baton.engine.kernels.cpu_forward import ForwardStream
+            from baton.engine.kernels.cpu_forward import ForwardStream, StreamCall
 
-            self.stream = ForwardStream(native.num_threads)
+            self.stream, self._stream_call = ForwardStream(native.num_threads), StreamCall
         threaded = not self.inline and self.stream is None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward") if threaded else None
 
@@ -343,11 +340,9 @@ class OverlapWorkerClient:
         mwb.future_indices = self.future_map.reserve(bs)
         self.worker.assign_draws(mwb)
         if self.stream is not None:  # behind the steps queued, whose KV and tokens it reads
-            from baton.engine.kernels.cpu_forward import StreamCall
-
             step = self.worker.native_step(mwb, self.future_map)
             if step is None:  # prompt logprobs: the whole batch in Python, in its turn on the stream
-                item, make = StreamCall(lambda: self._run(mwb, None)), None
+                item, make = self._stream_call(lambda: self._run(mwb, None)), None
             elif step.logits is None:  # greedy: nothing left for Python
                 item, make = step, (lambda: self.worker.step_result(mwb, step))
             else:  # the sampler, on the stream's thread, before the next step reads its tokens

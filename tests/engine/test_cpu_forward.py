@@ -203,8 +203,8 @@ def test_bad_indices_raise_before_writing(tiny_model_factory):
     assert runner.fwd.extend(**ext).shape == (2, config.hidden_size)
 
 
-def _greedy_inputs(runner, rows, tokens, prefix_lens):
-    """NativeForward.greedy's inputs for new tokens of rows from their prefix lengths."""
+def _step_inputs(runner, rows, tokens, prefix_lens):
+    """NativeForward.step's inputs for new tokens of rows from their prefix lengths."""
     r2t = runner.req_pool.req_to_token
     return dict(input_ids=torch.tensor(sum(tokens, [])),
                 positions=torch.cat([torch.arange(p, p + len(t)) for p, t in zip(prefix_lens, tokens)]),
@@ -219,7 +219,7 @@ def test_model_step_is_forward_head_and_argmax(tiny_model_factory):
     model, config = _load(tiny_model_factory, "llama")
     runner = NativeRunner(model, config, page_size=4)
     fwd, rows, prompts = runner.fwd, [0, 1, 2], [PROMPTS[0], PROMPTS[1], PROMPTS[2][:3]]
-    ext = _greedy_inputs(runner, rows, prompts, [0, 0, 0])
+    ext = _step_inputs(runner, rows, prompts, [0, 0, 0])
     lens = torch.tensor([len(p) for p in prompts])
     logits = fwd.logits(fwd.extend(ext["input_ids"], ext["positions"], ext["out_cache_loc"], ext["req_pool_indices"],
                                    torch.zeros(3, dtype=torch.int64), lens))[lens.cumsum(0) - 1]
@@ -235,7 +235,7 @@ def test_model_step_is_forward_head_and_argmax(tiny_model_factory):
     # a decode step whose inputs are placeholders: -slot of the future map
     future = torch.zeros(10, dtype=torch.int64)
     future[[3, 5, 7]] = expected
-    dec = _greedy_inputs(runner, rows, [[t] for t in expected.tolist()], lens.tolist())
+    dec = _step_inputs(runner, rows, [[t] for t in expected.tolist()], lens.tolist())
     want = fwd.logits(fwd.decode(dec["input_ids"], dec["positions"], dec["req_pool_indices"], lens + 1,
                                  dec["out_cache_loc"]))
     placeholders = {**dec, "input_ids": torch.tensor([-3, -5, -7])}
@@ -274,11 +274,11 @@ def test_forward_stream_runs_in_order_on_its_own_thread(tiny_model_factory):
         return step.next_ids
 
     # the plain answer first: prefill, then two decode steps
-    ext = _greedy_inputs(runner, rows, prompts, [0, 0])
+    ext = _step_inputs(runner, rows, prompts, [0, 0])
     first = run(fwd.step(**ext, prefix_lens=torch.zeros(2, dtype=torch.int64), extend_lens=lens))
-    d1 = _greedy_inputs(runner, rows, [[t] for t in first.tolist()], lens.tolist())
+    d1 = _step_inputs(runner, rows, [[t] for t in first.tolist()], lens.tolist())
     second = run(fwd.step(**d1, seq_lens=lens + 1))
-    d2 = _greedy_inputs(runner, rows, [[t] for t in second.tolist()], (lens + 1).tolist())
+    d2 = _step_inputs(runner, rows, [[t] for t in second.tolist()], (lens + 1).tolist())
     third = run(fwd.step(**d2, seq_lens=lens + 2))
 
     stream = cpu_forward.ForwardStream(fwd.num_threads)
