@@ -9,7 +9,9 @@
  * attention (paged_attention.c), both included here so the forward is one library. What lies
  * between them (the norms, the bias, q/k norms, RoPE, the KV store, the residual adds) is a few
  * thousand elements per token: a decode batch's run on the calling thread, an extend's (at least
- * PARALLEL_ROWS tokens) over the OpenMP threads, as the GEMMs and the attention always do.
+ * PARALLEL_ROWS tokens) over the threads, as the GEMMs and the attention always do. The threads are
+ * parallel.h's crew, not OpenMP's (BATON_CREW): no barrier waits on a thread that is not running,
+ * and the overlap loop's waiting scheduler thread joins in (stream_wait).
  *
  * Numerics follow the eager bfloat16 model op by op: every op's output is rounded to bfloat16
  * where eager stores a bfloat16 tensor (RMSNorm: x in float32, x * rsqrt(mean(x^2) + eps) rounded,
@@ -21,6 +23,7 @@
  * (pack_bf16_weight); the KV pools are [slots, kv_heads, head_dim] bfloat16; cos/sin are the rotary
  * tables [max_positions, head_dim / 2] float32.
  */
+#define BATON_CREW /* parallel.h's own threads, not OpenMP's: see there */
 #include "cpu_linear.c"
 #include "cpu_sampling.c"
 #include "paged_attention.c"
@@ -55,9 +58,10 @@ static inline bf16_t f32_to_bf16(float f) {
 
 static inline float round_f32(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
-/* Rows at least this many run their elementwise loops over the OpenMP threads (an extend's tokens;
- * a decode batch stays on the calling thread). */
+/* Rows at least this many run their elementwise loops over the threads (an extend's tokens; a
+ * decode batch stays on the calling thread), PARALLEL_GRAIN rows a chunk. */
 #define PARALLEL_ROWS 64
+#define PARALLEL_GRAIN 16
 
 /* The sum of x[i]^2 over n bfloat16 values, added in the order torch's float32 sum of a contiguous
  * row takes (ATen's SumKernel, vectorized_inner_sum): 8-lane vectors into 4 interleaved accumulators,
@@ -104,30 +108,51 @@ static float sum_squares(const bf16_t *x, int64_t n) {
     return total;
 }
 
+typedef struct {
+    const bf16_t *x, *w, *b;
+    bf16_t *y;
+    int64_t ld_x, ld_y, ld_b, n;
+    float eps;
+} RowsJob;
+
+static void rms_norm_range(void *arg, int64_t begin, int64_t end, int slot) {
+    (void)slot;
+    const RowsJob *j = arg;
+    const int64_t n = j->n;
+    const bf16_t *w = j->w;
+    for (int64_t r = begin; r < end; ++r) {
+        const bf16_t *xr = j->x + r * j->ld_x;
+        bf16_t *yr = j->y + r * j->ld_y;
+        const float inv = 1.f / sqrtf(sum_squares(xr, n) / (float)n + j->eps);
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) yr[i] = f32_to_bf16(bf16_to_f32(w[i]) * round_f32(bf16_to_f32(xr[i]) * inv));
+    }
+}
+
 /* rows of n elements (row stride ld_x / ld_y): y = w * bf16(x * rsqrt(mean(x^2) + eps)). In place
  * when y == x. */
 static void rms_norm(const bf16_t *x, int64_t ld_x, bf16_t *y, int64_t ld_y, int64_t rows, int64_t n,
                      const bf16_t *w, float eps, int num_threads) {
-#pragma omp parallel for num_threads(num_threads) if (rows >= PARALLEL_ROWS) schedule(static)
-    for (int64_t r = 0; r < rows; ++r) {
-        const bf16_t *xr = x + r * ld_x;
-        bf16_t *yr = y + r * ld_y;
-        const float inv = 1.f / sqrtf(sum_squares(xr, n) / (float)n + eps);
+    RowsJob j = {.x = x, .w = w, .y = y, .ld_x = ld_x, .ld_y = ld_y, .n = n, .eps = eps};
+    par_for(rows >= PARALLEL_ROWS ? num_threads : 1, rows, PARALLEL_GRAIN, 0, rms_norm_range, &j);
+}
+
+static void add_rows_range(void *arg, int64_t begin, int64_t end, int slot) {
+    (void)slot;
+    const RowsJob *j = arg;
+    for (int64_t r = begin; r < end; ++r) {
+        bf16_t *ar = j->y + r * j->ld_y;
+        const bf16_t *br = j->b + r * j->ld_b;
 #pragma omp simd
-        for (int64_t i = 0; i < n; ++i) yr[i] = f32_to_bf16(bf16_to_f32(w[i]) * round_f32(bf16_to_f32(xr[i]) * inv));
+        for (int64_t i = 0; i < j->n; ++i) ar[i] = f32_to_bf16(bf16_to_f32(ar[i]) + bf16_to_f32(br[i]));
     }
 }
 
 /* a += b, elementwise, rounded (a residual add; a bias add with b's stride 0 across rows). */
 static void add_rows(bf16_t *a, int64_t ld_a, const bf16_t *b, int64_t ld_b, int64_t rows, int64_t n,
                      int num_threads) {
-#pragma omp parallel for num_threads(num_threads) if (rows >= PARALLEL_ROWS) schedule(static)
-    for (int64_t r = 0; r < rows; ++r) {
-        bf16_t *ar = a + r * ld_a;
-        const bf16_t *br = b + r * ld_b;
-#pragma omp simd
-        for (int64_t i = 0; i < n; ++i) ar[i] = f32_to_bf16(bf16_to_f32(ar[i]) + bf16_to_f32(br[i]));
-    }
+    RowsJob j = {.b = b, .y = a, .ld_y = ld_a, .ld_b = ld_b, .n = n};
+    par_for(rows >= PARALLEL_ROWS ? num_threads : 1, rows, PARALLEL_GRAIN, 0, add_rows_range, &j);
 }
 
 /* RoPE on `heads` heads of one token, in place: the halves (x1, x2) -> (x1 c - x2 s, x2 c + x1 s). */
@@ -157,6 +182,51 @@ static int check_tokens(const NativeModel *m, const int64_t *ids, const int64_t 
     return 0;
 }
 
+/* One layer's per-token work between the GEMMs, over a range of tokens. */
+typedef struct {
+    const NativeModel *m;
+    const LayerWeights *L;
+    const int64_t *positions, *loc;
+    bf16_t *qkv, *q, *kn, *vn; /* kn, vn: an extend's own keys and values */
+    int extend;
+    const float *att;
+    bf16_t *a;
+} LayerJob;
+
+/* Qwen3's q/k norms, RoPE, the queries out to q, the keys and values into the pool (and kn / vn). */
+static void rope_and_store(void *arg, int64_t begin, int64_t end, int slot) {
+    (void)slot;
+    const LayerJob *j = arg;
+    const NativeModel *m = j->m;
+    const LayerWeights *L = j->L;
+    const int64_t D = m->head_dim, Q = m->heads * D, KV = m->kv_heads * D, QKV = Q + 2 * KV, half = D / 2;
+    for (int64_t i = begin; i < end; ++i) {
+        bf16_t *row = j->qkv + i * QKV, *kr = row + Q;
+        if (L->q_norm) {
+            rms_norm(row, D, row, D, m->heads, D, L->q_norm, m->eps, 1);
+            rms_norm(kr, D, kr, D, m->kv_heads, D, L->k_norm, m->eps, 1);
+        }
+        const float *c = m->cos + j->positions[i] * half, *s = m->sin + j->positions[i] * half;
+        rope_heads(row, m->heads, D, c, s);
+        rope_heads(kr, m->kv_heads, D, c, s);
+        memcpy(j->q + i * Q, row, sizeof(bf16_t) * Q);
+        memcpy(L->k_cache + j->loc[i] * KV, kr, sizeof(bf16_t) * KV);
+        memcpy(L->v_cache + j->loc[i] * KV, kr + KV, sizeof(bf16_t) * KV);
+        if (j->extend) {
+            memcpy(j->kn + i * KV, kr, sizeof(bf16_t) * KV);
+            memcpy(j->vn + i * KV, kr + KV, sizeof(bf16_t) * KV);
+        }
+    }
+}
+
+/* The attention's float32 output, rounded to bfloat16 for the o projection. */
+static void attention_to_bf16(void *arg, int64_t begin, int64_t end, int slot) {
+    (void)slot;
+    const LayerJob *j = arg;
+    const int64_t Q = j->m->heads * j->m->head_dim;
+    for (int64_t i = begin * Q; i < end * Q; ++i) j->a[i] = f32_to_bf16(j->att[i]);
+}
+
 #if defined(__AVX512BF16__)
 /* The forward over n tokens: decode (one token per request, `lens` its KV length with it) when
  * prefix_lens is NULL, else an extend (request b: extend_lens[b] tokens from q_starts[b], after a
@@ -165,7 +235,7 @@ static int forward(const NativeModel *m, const int64_t *ids, const int64_t *posi
                    const int64_t *rows, const int64_t *lens, const int64_t *prefix_lens, const int64_t *extend_lens,
                    const int64_t *q_starts, int64_t bs, bf16_t *out, int num_threads) {
     const int64_t H = m->hidden, D = m->head_dim, Q = m->heads * D, KV = m->kv_heads * D, I = m->intermediate;
-    const int64_t QKV = Q + 2 * KV, half = D / 2;
+    const int64_t QKV = Q + 2 * KV;
     /* h: the residual stream; x: a norm's output; qkv; q: the rotated queries, contiguous; kv: an
      * extend's rotated keys and values, contiguous; att: the attention's float32 output, then as
      * bfloat16 in a; t: a GEMM's output; act: silu(gate) * up */
@@ -187,24 +257,8 @@ static int forward(const NativeModel *m, const int64_t *ids, const int64_t *posi
         rms_norm(h, H, x, H, n, H, L->input_norm, m->eps, num_threads);
         packed_gemm_bf16(x, n, H, L->qkv, QKV, qkv, num_threads);
         if (L->qkv_bias) add_rows(qkv, QKV, L->qkv_bias, 0, n, QKV, num_threads);
-#pragma omp parallel for num_threads(num_threads) if (par) schedule(static)
-        for (int64_t i = 0; i < n; ++i) {
-            bf16_t *row = qkv + i * QKV, *kr = row + Q;
-            if (L->q_norm) {
-                rms_norm(row, D, row, D, m->heads, D, L->q_norm, m->eps, 1);
-                rms_norm(kr, D, kr, D, m->kv_heads, D, L->k_norm, m->eps, 1);
-            }
-            const float *c = m->cos + positions[i] * half, *s = m->sin + positions[i] * half;
-            rope_heads(row, m->heads, D, c, s);
-            rope_heads(kr, m->kv_heads, D, c, s);
-            memcpy(q + i * Q, row, sizeof(bf16_t) * Q);
-            memcpy(L->k_cache + loc[i] * KV, kr, sizeof(bf16_t) * KV);
-            memcpy(L->v_cache + loc[i] * KV, kr + KV, sizeof(bf16_t) * KV);
-            if (extend) {
-                memcpy(kn + i * KV, kr, sizeof(bf16_t) * KV);
-                memcpy(vn + i * KV, kr + KV, sizeof(bf16_t) * KV);
-            }
-        }
+        LayerJob lj = {m, L, positions, loc, qkv, q, kn, vn, extend, att, a};
+        par_for(par ? num_threads : 1, n, PARALLEL_GRAIN, 0, rope_and_store, &lj);
         /* the requests' slots were checked once for the step (decode_step, extend_step) */
         if (extend)
             err = extend_attention(q, DTYPE_BF16, kn, vn, L->k_cache, L->v_cache, DTYPE_BF16, m->num_slots, m->r2t,
@@ -214,9 +268,7 @@ static int forward(const NativeModel *m, const int64_t *ids, const int64_t *posi
             err = decode_attention(q, DTYPE_BF16, L->k_cache, L->v_cache, DTYPE_BF16, m->num_slots, m->r2t, m->r2t_rows,
                                    m->r2t_stride, rows, lens, bs, m->kv_heads, m->heads / m->kv_heads, D, m->scale,
                                    att, num_threads, 0);
-#pragma omp parallel for num_threads(num_threads) if (par) schedule(static)
-        for (int64_t i = 0; i < n; ++i)
-            for (int64_t j = 0; j < Q; ++j) a[i * Q + j] = f32_to_bf16(att[i * Q + j]);
+        par_for(par ? num_threads : 1, n, PARALLEL_GRAIN, 0, attention_to_bf16, &lj);
         packed_gemm_bf16(a, n, Q, L->o, H, t, num_threads);
         add_rows(h, H, t, H, n, H, num_threads);
         rms_norm(h, H, x, H, n, H, L->post_norm, m->eps, num_threads);
@@ -283,6 +335,17 @@ int extend_step(const NativeModel *m, const int64_t *ids, const int64_t *positio
 #endif
 }
 
+typedef struct {
+    const bf16_t *y;
+    float *out;
+} Widen;
+
+static void widen_range(void *arg, int64_t begin, int64_t end, int slot) {
+    (void)slot;
+    const Widen *w = arg;
+    for (int64_t i = begin; i < end; ++i) w->out[i] = bf16_to_f32(w->y[i]);
+}
+
 /* The LM head over rows of the final norm's output: logits [rows, vocab] float32 = hidden [rows,
  * hidden] bfloat16 times the packed head ([vocab, hidden], vocab a multiple of 16), rounded to
  * bfloat16 as the eager head's GEMM stores them, then widened (its `.float()`). Returns 0,
@@ -296,8 +359,8 @@ int logits_step(const NativeModel *m, const bf16_t *hidden, int64_t rows, const 
     bf16_t *y = malloc(sizeof(bf16_t) * n);
     if (!y) return KERNEL_NO_MEMORY;
     run_tiles(hidden, rows, m->hidden, lm_head, m->vocab / 16, 0, y, num_threads, 4, 0);
-#pragma omp parallel for num_threads(num_threads) if (n >= (1 << 16)) schedule(static)
-    for (int64_t i = 0; i < n; ++i) out[i] = bf16_to_f32(y[i]);
+    Widen w = {y, out};
+    par_for(n >= (1 << 16) ? num_threads : 1, n, 1 << 14, 0, widen_range, &w);
     free(y);
     return 0;
 #else
@@ -412,6 +475,7 @@ typedef struct {
 static void *stream_main(void *arg) {
     ForwardStream *st = arg;
     omp_set_num_threads(st->num_threads); /* for the OpenMP regions of its Python callbacks (torch's ops) */
+    crew_on_stream = 1;                   /* its jobs take the stream's waiter in */
     pthread_mutex_lock(&st->mu);
     for (;;) {
         while (!st->head && !st->stop) pthread_cond_wait(&st->work, &st->mu);
@@ -422,10 +486,13 @@ static void *stream_main(void *arg) {
         if (!err && s->call) err = s->call();
         pthread_mutex_lock(&st->mu);
         s->err = err;
-        s->done = 1;
+        __atomic_store_n(&s->done, 1, __ATOMIC_SEQ_CST);
         st->head = s->next;
         if (!st->head) st->tail = NULL;
         pthread_cond_broadcast(&st->done);
+        pthread_mutex_unlock(&st->mu);
+        crew_wake_waiter(); /* a waiter helping the crew (crew_help_until) */
+        pthread_mutex_lock(&st->mu);
     }
     pthread_mutex_unlock(&st->mu);
     return NULL;
@@ -469,8 +536,10 @@ void stream_submit(ForwardStream *st, ModelStep *s) {
     pthread_mutex_unlock(&st->mu);
 }
 
-/* Block until the step has run; its error code (0: its next_ids are there). */
+/* Block until the step has run; its error code (0: its next_ids are there). Meanwhile the calling
+ * thread works on the step's parallel loops, in place of one of the crew's helpers (parallel.h). */
 int stream_wait(ForwardStream *st, ModelStep *s) {
+    crew_help_until(&s->done);
     pthread_mutex_lock(&st->mu);
     while (!s->done) pthread_cond_wait(&st->done, &st->mu);
     pthread_mutex_unlock(&st->mu);

@@ -10,7 +10,8 @@
  *   tile   MR rows x NB blocks of 16 outputs, MR * NB float32 accumulators in registers; per pair of
  *          inputs: NB weight loads, MR broadcasts of the row's input pair, MR * NB dot products
  *
- * Tiles are spread over the OpenMP threads torch uses. Accumulation is in float32 (each product
+ * Tiles are spread over threads by parallel.h (torch's OpenMP team when called from torch, the
+ * crew inside the native forward). Accumulation is in float32 (each product
  * exact, pairs summed, then added), and the result is rounded to bfloat16 once, as torch's bfloat16
  * GEMM rounds it. N must be a multiple of 16 and K even (the caller checks; other shapes keep
  * torch's GEMM). Without AVX512_BF16 the library builds but `packed_gemm_available` returns 0.
@@ -22,6 +23,7 @@
 
 #include "vec_math.h" /* exp16 */
 #endif
+#include "parallel.h"
 
 int packed_gemm_available(void) {
 #if defined(__AVX512BF16__)
@@ -90,33 +92,52 @@ INLINE void tile(const uint16_t *x, const uint16_t *packed, int64_t k, int64_t h
         }
 }
 
-/* Every tile of y [M, blocks * 16] over the OpenMP threads: MR = 4 rows by up to `nb_max` blocks
- * (GLU: the fused silu(gate) * up of tile(), `half` = blocks). */
-INLINE void run_tiles(const uint16_t *x, int64_t m, int64_t k, const uint16_t *packed, int64_t blocks, int64_t half,
-                      uint16_t *y, int num_threads, const int nb_max, const int GLU) {
-    enum { MR = 4 };
-    const int64_t ntiles = (blocks + nb_max - 1) / nb_max, mtiles = (m + MR - 1) / MR;
-#pragma omp parallel for num_threads(num_threads) schedule(static) collapse(2)
-    for (int64_t nt = 0; nt < ntiles; ++nt)
-        for (int64_t mt = 0; mt < mtiles; ++mt) {
-            const int64_t m0 = mt * MR, nb0 = nt * nb_max;
-            const int64_t mr = m - m0 < MR ? m - m0 : MR, nbs = blocks - nb0 < nb_max ? blocks - nb0 : nb_max;
-#define T(R, C) tile(x, packed, k, half, y, blocks * 16, m0, nb0, R, C, GLU)
-#define ROWS(C)           \
-    if (mr == 4) T(4, C); \
-    else if (mr == 3) T(3, C); \
-    else if (mr == 2) T(2, C); \
-    else T(1, C)
-            if (GLU) {  /* 2 x nbs weight blocks: at most 4 */
-                if (nbs == 2) { ROWS(2); }
-                else { ROWS(1); }
-            } else if (nbs == 4) { ROWS(4); }
-            else if (nbs == 3) { ROWS(3); }
-            else if (nbs == 2) { ROWS(2); }
-            else { ROWS(1); }
+/* A GEMM's tiles: MR = 4 rows by up to `nb_max` blocks of 16 outputs (GLU: the fused silu(gate) * up
+ * of tile(), `half` = blocks), numbered output block first, so that consecutive tiles share their
+ * weights. */
+typedef struct {
+    const uint16_t *x, *packed;
+    uint16_t *y;
+    int64_t m, k, blocks, half, mtiles;
+    int nb_max, glu;
+} Tiles;
+
+enum { TILE_MR = 4 };
+
+static void run_tile_range(void *arg, int64_t begin, int64_t end, int slot) {
+    (void)slot;
+    const Tiles *t = arg;
+    const uint16_t *x = t->x, *packed = t->packed;
+    uint16_t *y = t->y;
+    const int64_t m = t->m, k = t->k, blocks = t->blocks, half = t->half;
+    for (int64_t i = begin; i < end; ++i) {
+        const int64_t nt = i / t->mtiles, mt = i % t->mtiles;
+        const int64_t m0 = mt * TILE_MR, nb0 = nt * t->nb_max;
+        const int64_t mr = m - m0 < TILE_MR ? m - m0 : TILE_MR, nbs = blocks - nb0 < t->nb_max ? blocks - nb0 : t->nb_max;
+#define T(R, C, G) tile(x, packed, k, half, y, blocks * 16, m0, nb0, R, C, G)
+#define ROWS(C, G)                  \
+    if (mr == 4) T(4, C, G);        \
+    else if (mr == 3) T(3, C, G);   \
+    else if (mr == 2) T(2, C, G);   \
+    else T(1, C, G)
+        if (t->glu) {  /* 2 x nbs weight blocks: at most 4 */
+            if (nbs == 2) { ROWS(2, 1); }
+            else { ROWS(1, 1); }
+        } else if (nbs == 4) { ROWS(4, 0); }
+        else if (nbs == 3) { ROWS(3, 0); }
+        else if (nbs == 2) { ROWS(2, 0); }
+        else { ROWS(1, 0); }
 #undef ROWS
 #undef T
-        }
+    }
+}
+
+/* Every tile of y [M, blocks * 16] over the threads (parallel.h): OpenMP's threads a contiguous
+ * range each, the crew's in guided chunks of at least two tiles. */
+static void run_tiles(const uint16_t *x, int64_t m, int64_t k, const uint16_t *packed, int64_t blocks, int64_t half,
+                      uint16_t *y, int num_threads, const int nb_max, const int GLU) {
+    Tiles t = {x, packed, y, m, k, blocks, half, (m + TILE_MR - 1) / TILE_MR, nb_max, GLU};
+    par_for(num_threads, (blocks + nb_max - 1) / nb_max * t.mtiles, 2, 0, run_tile_range, &t);
 }
 #endif
 

@@ -21,6 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "parallel.h"
 #include "vec_math.h" /* exp16 */
 
 #define SAMPLE_NO_MEMORY 1
@@ -215,54 +216,79 @@ static int64_t argmax_row(const float *x, int64_t n) {
 /* logits [bs, vocab] float32, overwritten; per row: temperature (<= 0: the argmax), top_k (<= 0 or >= vocab: all),
  * top_p (>= 1: off), min_p (<= 0: off), and the draw's seed and counter. out [bs] int64. Returns 0
  * or SAMPLE_NO_MEMORY. */
+typedef struct {
+    float *logits;
+    int64_t vocab;
+    const float *temperatures, *top_ps, *min_ps;
+    const int64_t *top_ks;
+    const uint64_t *seeds, *counters;
+    int64_t *out;
+    Scratch **scratch; /* [num_threads], one per slot, made on first need */
+    int failed;
+} SampleJob;
+
+static void sample_range(void *arg, int64_t begin, int64_t end, int slot) {
+    SampleJob *j = arg;
+    const int64_t vocab = j->vocab;
+    for (int64_t r = begin; r < end; ++r) {
+        if (!(j->temperatures[r] > 0.f)) {
+            j->out[r] = argmax_row(j->logits + r * vocab, vocab);
+            continue;
+        }
+        const int ordered = (j->top_ks[r] > 0 && j->top_ks[r] < vocab) || j->top_ps[r] < 1.f;
+        Scratch *scratch = j->scratch[slot];
+        if (ordered && !scratch) {
+            scratch = malloc(sizeof(Scratch));
+            if (scratch && !(scratch->cand = malloc(sizeof(Cand) * vocab))) {
+                free(scratch);
+                scratch = NULL;
+            }
+            if (!scratch) {
+                __atomic_store_n(&j->failed, 1, __ATOMIC_RELAXED);
+                continue;
+            }
+            j->scratch[slot] = scratch;
+        }
+        j->out[r] = sample_row(j->logits + r * vocab, vocab, j->temperatures[r], j->top_ks[r], j->top_ps[r],
+                               j->min_ps[r], uniform_draw(j->seeds[r], j->counters[r]), scratch);
+    }
+}
+
 int sample_rows(float *logits, int64_t bs, int64_t vocab, const float *temperatures, const int64_t *top_ks,
                 const float *top_ps, const float *min_ps, const uint64_t *seeds, const uint64_t *counters,
                 int64_t *out, int num_threads) {
-    int failed = 0;
-#pragma omp parallel num_threads(num_threads) if (bs > 1 && vocab >= 4096) reduction(| : failed)
-    {
-        Scratch *scratch = NULL;
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t r = 0; r < bs; ++r) {
-            if (!(temperatures[r] > 0.f)) {
-                out[r] = argmax_row(logits + r * vocab, vocab);
-                continue;
-            }
-            const int ordered = (top_ks[r] > 0 && top_ks[r] < vocab) || top_ps[r] < 1.f;
-            if (ordered && !scratch) {
-                scratch = malloc(sizeof(Scratch));
-                if (scratch && !(scratch->cand = malloc(sizeof(Cand) * vocab))) {
-                    free(scratch);
-                    scratch = NULL;
-                }
-                if (!scratch) {
-                    failed = 1;
-                    continue;
-                }
-            }
-            out[r] = sample_row(logits + r * vocab, vocab, temperatures[r], top_ks[r], top_ps[r], min_ps[r],
-                                uniform_draw(seeds[r], counters[r]), scratch);
-        }
-        if (scratch) free(scratch->cand);
-        free(scratch);
+    if (num_threads < 1 || bs <= 1 || vocab < 4096) num_threads = 1;
+    SampleJob j = {logits, vocab, temperatures, top_ps, min_ps, top_ks, seeds, counters, out,
+                   calloc(num_threads, sizeof(Scratch *)), 0};
+    if (!j.scratch) return SAMPLE_NO_MEMORY;
+    par_for(num_threads, bs, 1, 1, sample_range, &j);
+    for (int t = 0; t < num_threads; ++t) {
+        if (j.scratch[t]) free(j.scratch[t]->cand);
+        free(j.scratch[t]);
     }
-    return failed ? SAMPLE_NO_MEMORY : 0;
+    free(j.scratch);
+    return j.failed ? SAMPLE_NO_MEMORY : 0;
 }
 
-/* Token penalties on rows of logits [*, vocab], in place: row rows[j] with its request's output
- * counts[j] (int32 [vocab]) and seen[j] (bool [vocab]: prompt or output): a seen token's logit l
- * becomes l / rep[j] if l > 0 else l * rep[j] (HF's repetition penalty), then
- * l - freq[j] * count - pres[j] * (count > 0) (OpenAI's frequency and presence), rounded as the
- * torch version in engine/sampling/penalties.py rounds them (no fused multiply-add). */
-__attribute__((optimize("fp-contract=off"))) void apply_penalty_rows(
-    float *logits, int64_t vocab, int64_t n, const int64_t *rows, const int32_t *const *counts,
-    const uint8_t *const *seen, const float *rep, const float *freq, const float *pres, int num_threads) {
-#pragma omp parallel for num_threads(num_threads) if (n > 1 && vocab >= 4096) schedule(dynamic, 1)
-    for (int64_t j = 0; j < n; ++j) {
-        float *l = logits + rows[j] * vocab;
-        const int32_t *c = counts[j];
-        const uint8_t *s = seen[j];
-        const float r = rep[j], f = freq[j], p = pres[j];
+typedef struct {
+    float *logits;
+    int64_t vocab;
+    const int64_t *rows;
+    const int32_t *const *counts;
+    const uint8_t *const *seen;
+    const float *rep, *freq, *pres;
+} PenaltyJob;
+
+__attribute__((optimize("fp-contract=off"))) static void penalty_range(void *arg, int64_t begin, int64_t end,
+                                                                       int slot) {
+    (void)slot;
+    const PenaltyJob *pj = arg;
+    const int64_t vocab = pj->vocab;
+    for (int64_t j = begin; j < end; ++j) {
+        float *l = pj->logits + pj->rows[j] * vocab;
+        const int32_t *c = pj->counts[j];
+        const uint8_t *s = pj->seen[j];
+        const float r = pj->rep[j], f = pj->freq[j], p = pj->pres[j];
         for (int64_t i = 0; i < vocab; ++i) {
             float x = l[i];
             if (s[i]) x = x > 0.f ? x / r : x * r;
@@ -274,4 +300,16 @@ __attribute__((optimize("fp-contract=off"))) void apply_penalty_rows(
             l[i] = x;
         }
     }
+}
+
+/* Token penalties on rows of logits [*, vocab], in place: row rows[j] with its request's output
+ * counts[j] (int32 [vocab]) and seen[j] (bool [vocab]: prompt or output): a seen token's logit l
+ * becomes l / rep[j] if l > 0 else l * rep[j] (HF's repetition penalty), then
+ * l - freq[j] * count - pres[j] * (count > 0) (OpenAI's frequency and presence), rounded as the
+ * torch version in engine/sampling/penalties.py rounds them (no fused multiply-add). */
+void apply_penalty_rows(
+    float *logits, int64_t vocab, int64_t n, const int64_t *rows, const int32_t *const *counts,
+    const uint8_t *const *seen, const float *rep, const float *freq, const float *pres, int num_threads) {
+    PenaltyJob j = {logits, vocab, rows, counts, seen, rep, freq, pres};
+    par_for(n > 1 && vocab >= 4096 ? num_threads : 1, n, 1, 1, penalty_range, &j);
 }

@@ -11,7 +11,7 @@
  *   r2t      [r2t_rows, r2t_stride] int64      req_to_token
  *   rows     [bs] int64, lens [bs] int64       each request's row and sequence length
  *   out      [bs, kv_heads, group, head_dim]   float32
- * One task per request, spread over the OpenMP threads torch itself uses (libgomp is loaded once):
+ * One task per request, spread over threads by parallel.h (torch's OpenMP team, or the native forward's crew):
  * scores for all keys, softmax in float32, then the weighted sum of values. Each slot's K (then V)
  * row of kv_heads * head_dim values is read once, contiguously, and later slots are prefetched.
  * Built with -march=native: on AVX-512 machines the common head sizes (32/64/128) take an
@@ -39,6 +39,8 @@
 #define DTYPE_E5M2 3 /* float8 e5m2: the high byte of a float16 */
 #define PREFETCH_AHEAD 4
 #define INLINE static inline __attribute__((always_inline))
+
+#include "parallel.h"
 
 typedef uint16_t bf16_t;
 typedef uint16_t f16_t;
@@ -605,8 +607,52 @@ static void attend_dispatch(const void *qb, int q_dtype, const void *k, const vo
     ATTEND_DIMS(DTYPE_E5M2)
 }
 
+typedef struct {
+    float *qf, *row, *scores;
+    int64_t capacity;
+} DecodeScratch;
+
+typedef struct {
+    const void *q, *k, *v;
+    int q_dtype, kv_dtype, check;
+    int64_t num_slots, r2t_rows, r2t_stride, kv_heads, group, head_dim, per_request, elem;
+    const int64_t *r2t, *rows, *lens;
+    float scale;
+    float *out;
+    DecodeScratch *scratch; /* [num_threads], one per slot */
+    int failed;             /* KERNEL_* bits, or'ed atomically */
+} DecodeJob;
+
+static void decode_requests(void *arg, int64_t begin, int64_t end, int slot) {
+    DecodeJob *j = arg;
+    DecodeScratch *sc = j->scratch + slot;
+    const int64_t kv_heads = j->kv_heads, group = j->group, head_dim = j->head_dim;
+    if (!sc->qf) sc->qf = malloc(sizeof(float) * j->per_request);
+    if (!sc->row) sc->row = malloc(sizeof(float) * kv_heads * head_dim);
+    for (int64_t b = begin; b < end; ++b) {
+        const int64_t len = j->lens[b];
+        int err = j->check ? check_indices(j->r2t, j->r2t_rows, j->r2t_stride, j->rows[b], len, j->num_slots) : 0;
+        /* the scores, then (as bfloat16, a row of len + 2 per query row) the probabilities */
+        if (!err && kv_heads * group * (len + (len + 2) / 2 + 1) > sc->capacity) {
+            free(sc->scores);
+            sc->capacity = kv_heads * group * (len + (len + 2) / 2 + 1);
+            sc->scores = malloc(sizeof(float) * sc->capacity);
+            if (!sc->scores) sc->capacity = 0;
+        }
+        if (!err && (!sc->qf || !sc->row || (len && !sc->scores))) err = KERNEL_NO_MEMORY;
+        if (err) {
+            __atomic_fetch_or(&j->failed, err, __ATOMIC_RELAXED);
+            continue;
+        }
+        attend_dispatch((const char *)j->q + b * j->per_request * j->elem, j->q_dtype, j->k, j->v, j->kv_dtype,
+                        j->r2t + j->rows[b] * j->r2t_stride, len, kv_heads, group, head_dim, j->scale, sc->qf, sc->row,
+                        sc->scores, sc->scores ? (bf16_t *)(sc->scores + kv_heads * group * len) : NULL,
+                        j->out + b * j->per_request);
+    }
+}
+
 /* paged_decode_attention below; `check` 0 skips the scan of every request's slots (a caller that
- * checked them once for all its layers: cpu_forward.c). */
+ * checked them once for all its layers: cpu_forward.c). One task per request (parallel.h). */
 static int decode_attention(const void *q, int q_dtype, const void *k, const void *v, int kv_dtype, int64_t num_slots,
                             const int64_t *r2t, int64_t r2t_rows, int64_t r2t_stride, const int64_t *rows,
                             const int64_t *lens, int64_t bs, int64_t kv_heads, int64_t group, int64_t head_dim,
@@ -614,38 +660,19 @@ static int decode_attention(const void *q, int q_dtype, const void *k, const voi
     if (q_dtype != DTYPE_F32 && q_dtype != DTYPE_BF16 && q_dtype != DTYPE_F16) return KERNEL_BAD_INDEX;
     if (kv_dtype != DTYPE_F32 && kv_dtype != DTYPE_BF16 && kv_dtype != DTYPE_F16 && kv_dtype != DTYPE_E5M2)
         return KERNEL_BAD_INDEX;
-    const int64_t per_request = kv_heads * group * head_dim, elem = elem_bytes(q_dtype);
-    int failed = 0;
-#pragma omp parallel num_threads(num_threads) reduction(| : failed)
-    {
-        float *qf = malloc(sizeof(float) * per_request);
-        float *row = malloc(sizeof(float) * kv_heads * head_dim);
-        float *scores = NULL;
-        int64_t capacity = 0;
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t b = 0; b < bs; ++b) {
-            const int64_t len = lens[b];
-            int err = check ? check_indices(r2t, r2t_rows, r2t_stride, rows[b], len, num_slots) : 0;
-            /* the scores, then (as bfloat16, a row of len + 2 per query row) the probabilities */
-            if (!err && kv_heads * group * (len + (len + 2) / 2 + 1) > capacity) {
-                free(scores);
-                capacity = kv_heads * group * (len + (len + 2) / 2 + 1);
-                scores = malloc(sizeof(float) * capacity);
-            }
-            if (!err && (!qf || !row || (len && !scores))) err = KERNEL_NO_MEMORY;
-            if (err) {
-                failed |= err;
-                continue;
-            }
-            attend_dispatch((const char *)q + b * per_request * elem, q_dtype, k, v, kv_dtype, r2t + rows[b] * r2t_stride,
-                            len, kv_heads, group, head_dim, scale, qf, row, scores,
-                            scores ? (bf16_t *)(scores + kv_heads * group * len) : NULL, out + b * per_request);
-        }
-        free(qf);
-        free(row);
-        free(scores);
+    if (num_threads < 1) num_threads = 1;
+    DecodeJob j = {q, k, v, q_dtype, kv_dtype, check, num_slots, r2t_rows, r2t_stride, kv_heads, group, head_dim,
+                   kv_heads * group * head_dim, elem_bytes(q_dtype), r2t, rows, lens, scale, out,
+                   calloc(num_threads, sizeof(DecodeScratch)), 0};
+    if (!j.scratch) return KERNEL_NO_MEMORY;
+    par_for(num_threads, bs, 1, 1, decode_requests, &j);
+    for (int t = 0; t < num_threads; ++t) {
+        free(j.scratch[t].qf);
+        free(j.scratch[t].row);
+        free(j.scratch[t].scores);
     }
-    return failed;
+    free(j.scratch);
+    return j.failed;
 }
 
 /* q_dtype: float32, bfloat16 or float16; kv_dtype: one of those or float8 e5m2. */
@@ -671,7 +698,7 @@ int paged_decode_attention(const void *q, int q_dtype, const void *k, const void
  *            prefix_lens[b] through its req_to_token row, the rest from kn / vn (as SDPA over the
  *            pass's own K/V would: unrounded when the KV cache has a narrower dtype)
  *   out      [n, kv_heads * group, head_dim]     float32
- * Tasks are (request, KV head, chunk of EXT_QCHUNK query tokens), spread over the OpenMP threads.
+ * Tasks are (request, KV head, chunk of EXT_QCHUNK query tokens), spread over threads (parallel.h).
  * A task converts its head's K (transposed, [head_dim][keys]) and V ([keys][head_dim]) into float32
  * once, then every query row of the chunk and group computes its scores 16 keys per vector
  * (no horizontal sums), a softmax in float32 and the weighted sum of the values. bfloat16 queries
@@ -1066,6 +1093,67 @@ INLINE void ext_task(const void *q, int q_dtype, const void *kn, const void *vn,
     }
 }
 
+typedef struct {
+    float *Kt, *Vf, *s, *qf;
+    bf16_t *pb;
+    int ready; /* 1: allocated; -1: an allocation failed */
+} ExtendScratch;
+
+typedef struct {
+    const void *q, *kn, *vn, *k, *v;
+    int q_dtype, kv_dtype, bf16_path;
+    const int64_t *r2t;
+    int64_t r2t_stride;
+    const int64_t *rows, *prefix_lens, *extend_lens, *q_starts, *task_b, *task_j;
+    int64_t kv_heads, group, head_dim, ld_max;
+    float scale;
+    float *out;
+    ExtendScratch *scratch; /* [num_threads], one per slot */
+    int failed;
+} ExtendJob;
+
+/* Tasks [begin, end) of extend_attention: (request, chunk of query tokens) x KV head. */
+static void extend_tasks(void *arg, int64_t begin, int64_t end, int slot) {
+    ExtendJob *j = arg;
+    ExtendScratch *sc = j->scratch + slot;
+    const int64_t head_dim = j->head_dim, ld_max = j->ld_max, kv_heads = j->kv_heads;
+    if (!sc->ready) {
+        sc->Kt = malloc(sizeof(float) * (head_dim * ld_max + 1));
+        sc->Vf = malloc(sizeof(float) * (head_dim * ld_max + 1));
+        sc->s = malloc(sizeof(float) * (4 * ld_max + 1));
+        sc->qf = malloc(sizeof(float) * 5 * head_dim);
+        sc->pb = j->bf16_path ? malloc(sizeof(bf16_t) * (4 * (ld_max + 2))) : NULL;
+        sc->ready = !sc->Kt || !sc->Vf || !sc->s || !sc->qf || (j->bf16_path && !sc->pb) ? -1 : 1;
+    }
+    if (sc->ready < 0) {
+        __atomic_fetch_or(&j->failed, KERNEL_NO_MEMORY, __ATOMIC_RELAXED);
+        return;
+    }
+    for (int64_t i = begin; i < end; ++i) {
+        const int64_t t = i / kv_heads, h = i % kv_heads, b = j->task_b[t], j0 = j->task_j[t];
+        const int64_t j1 = j0 + EXT_QCHUNK < j->extend_lens[b] ? j0 + EXT_QCHUNK : j->extend_lens[b];
+        const int64_t *slots = j->r2t + j->rows[b] * j->r2t_stride;
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+        if (j->bf16_path) {
+            ext_task_bf16((const bf16_t *)j->q, (const bf16_t *)j->kn, (const bf16_t *)j->vn, (const bf16_t *)j->k,
+                          (const bf16_t *)j->v, slots, j->prefix_lens[b], j->q_starts[b], j0, j1, h, kv_heads, j->group,
+                          head_dim, j->scale, (uint32_t *)sc->Kt, (uint32_t *)sc->Vf, sc->s, sc->pb, j->out);
+            continue;
+        }
+#endif
+#define EXT_TASK(DIM) ext_task(j->q, j->q_dtype, j->kn, j->vn, j->k, j->v, j->kv_dtype, slots, j->prefix_lens[b], \
+                               j->q_starts[b], j0, j1, h, kv_heads, j->group, DIM, j->scale, sc->Kt, sc->Vf, sc->s, \
+                               sc->qf, j->out)
+        switch (head_dim) {
+        case 32: EXT_TASK(32); break;
+        case 64: EXT_TASK(64); break;
+        case 128: EXT_TASK(128); break;
+        default: EXT_TASK(head_dim);
+        }
+#undef EXT_TASK
+    }
+}
+
 /* paged_extend_attention below; `check` as decode_attention's. */
 static int extend_attention(const void *q, int q_dtype, const void *kn, const void *vn, const void *k, const void *v,
                             int kv_dtype, int64_t num_slots, const int64_t *r2t, int64_t r2t_rows, int64_t r2t_stride,
@@ -1100,48 +1188,23 @@ static int extend_attention(const void *q, int q_dtype, const void *kn, const vo
 #else
     const int bf16_path = 0;
 #endif
-    int failed = 0;
-#pragma omp parallel num_threads(num_threads) reduction(| : failed)
-    {
-        float *Kt = malloc(sizeof(float) * (head_dim * ld_max + 1));
-        float *Vf = malloc(sizeof(float) * (head_dim * ld_max + 1));
-        float *s = malloc(sizeof(float) * (4 * ld_max + 1));
-        float *qf = malloc(sizeof(float) * 5 * head_dim);
-        bf16_t *pb = bf16_path ? malloc(sizeof(bf16_t) * (4 * (ld_max + 2))) : NULL;
-        if (!Kt || !Vf || !s || !qf || (bf16_path && !pb)) failed |= KERNEL_NO_MEMORY;
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t i = 0; i < ntasks * kv_heads; ++i) {
-            if (!Kt || !Vf || !s || !qf || (bf16_path && !pb)) continue;
-            const int64_t t = i / kv_heads, h = i % kv_heads, b = task_b[t], j0 = task_j[t];
-            const int64_t j1 = j0 + EXT_QCHUNK < extend_lens[b] ? j0 + EXT_QCHUNK : extend_lens[b];
-            const int64_t *slots = r2t + rows[b] * r2t_stride;
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-            if (bf16_path) {
-                ext_task_bf16((const bf16_t *)q, (const bf16_t *)kn, (const bf16_t *)vn, (const bf16_t *)k,
-                              (const bf16_t *)v, slots, prefix_lens[b], q_starts[b], j0, j1, h, kv_heads, group, head_dim,
-                              scale, (uint32_t *)Kt, (uint32_t *)Vf, s, pb, out);
-                continue;
-            }
-#endif
-#define EXT_TASK(DIM) ext_task(q, q_dtype, kn, vn, k, v, kv_dtype, slots, prefix_lens[b], q_starts[b], j0, j1, h, kv_heads, \
-                               group, DIM, scale, Kt, Vf, s, qf, out)
-            switch (head_dim) {
-            case 32: EXT_TASK(32); break;
-            case 64: EXT_TASK(64); break;
-            case 128: EXT_TASK(128); break;
-            default: EXT_TASK(head_dim);
-            }
-#undef EXT_TASK
-        }
-        free(Kt);
-        free(Vf);
-        free(s);
-        free(qf);
-        free(pb);
+    if (num_threads < 1) num_threads = 1;
+    ExtendJob j = {q, kn, vn, k, v, q_dtype, kv_dtype, bf16_path, r2t, r2t_stride, rows, prefix_lens, extend_lens,
+                   q_starts, task_b, task_j, kv_heads, group, head_dim, ld_max, scale, out,
+                   calloc(num_threads, sizeof(ExtendScratch)), 0};
+    if (j.scratch) par_for(num_threads, ntasks * kv_heads, 1, 1, extend_tasks, &j);
+    else j.failed = KERNEL_NO_MEMORY;
+    for (int t = 0; j.scratch && t < num_threads; ++t) {
+        free(j.scratch[t].Kt);
+        free(j.scratch[t].Vf);
+        free(j.scratch[t].s);
+        free(j.scratch[t].qf);
+        free(j.scratch[t].pb);
     }
+    free(j.scratch);
     free(task_b);
     free(task_j);
-    return failed;
+    return j.failed;
 }
 
 /* q_dtype: float32, bfloat16 or float16; kv_dtype: one of those or float8 e5m2; head_dim <= 128. */
