@@ -558,3 +558,45 @@ void stream_destroy(ForwardStream *st) {
     pthread_mutex_destroy(&st->mu);
     free(st);
 }
+
+/* ---------------------------------------------------------------------------------------------
+ * The crew's own check (tests/engine/test_cpu_forward.py): par_for over n items, each item's hits
+ * counted and the slot that ran it recorded; the first chunk calls par_for again (nested: inline on
+ * its thread). With wait_ms > 0 the first chunk waits (up to wait_ms) until another slot has run an
+ * item, so a test can show that another thread joined (a helper, or a stream's waiter). */
+typedef struct {
+    int32_t *hits, *slots;
+    int64_t n;
+    int wait_ms, num_threads;
+    int others; /* items run by a slot other than 0 */
+} SelfTest;
+
+static void selftest_nested(void *arg, int64_t begin, int64_t end, int slot) {
+    int32_t *seen = arg;
+    for (int64_t i = begin; i < end; ++i) __atomic_fetch_add(&seen[i], slot + 1, __ATOMIC_RELAXED);
+}
+
+static void selftest_body(void *arg, int64_t begin, int64_t end, int slot) {
+    SelfTest *t = arg;
+    if (begin == 0) {
+        int32_t nested[4] = {0, 0, 0, 0}; /* slot + 1 of whoever ran each: all inline, as slot 0 */
+        par_for(t->num_threads, 4, 1, 0, selftest_nested, nested);
+        for (int i = 0; i < 4; ++i)
+            if (nested[i] != 1) __atomic_fetch_add(&t->hits[0], 1000, __ATOMIC_RELAXED);
+        const int64_t deadline = crew_now_ns() + (int64_t)t->wait_ms * 1000000;
+        while (t->wait_ms > 0 && !__atomic_load_n(&t->others, __ATOMIC_ACQUIRE) && crew_now_ns() < deadline)
+            crew_pause();
+    }
+    for (int64_t i = begin; i < end; ++i) {
+        __atomic_fetch_add(&t->hits[i], 1, __ATOMIC_RELAXED);
+        t->slots[i] = slot;
+    }
+    if (slot != 0) __atomic_fetch_add(&t->others, (int)(end - begin), __ATOMIC_RELEASE);
+}
+
+/* Returns the number of items run by slots other than 0. */
+int par_selftest(int num_threads, int64_t n, int64_t grain, int wait_ms, int32_t *hits, int32_t *slots) {
+    SelfTest t = {hits, slots, n, wait_ms, num_threads, 0};
+    par_for(num_threads, n, grain, 0, selftest_body, &t);
+    return t.others;
+}

@@ -102,6 +102,9 @@ def _library() -> ctypes.CDLL:
     lib.stream_destroy.argtypes, lib.stream_destroy.restype = [_ptr], None
     lib.rms_norm_bf16.argtypes = [_ptr, _i64, _i64, _ptr, ctypes.c_float, _ptr]  # x, rows, n, weight, eps, y
     lib.rms_norm_bf16.restype = None
+    # num_threads, n, grain, wait_ms, hits, slots (int32 [n] each): parallel.h's crew, for the tests
+    lib.par_selftest.argtypes, lib.par_selftest.restype = [ctypes.c_int, _i64, _i64, ctypes.c_int, _ptr, _ptr], \
+        ctypes.c_int
     return lib
 
 

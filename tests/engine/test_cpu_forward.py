@@ -322,6 +322,55 @@ def test_forward_stream_runs_in_order_on_its_own_thread(tiny_model_factory):
     assert torch.equal(last.next_ids, third)  # close() ran it
 
 
+def _selftest(num_threads, n, grain, wait_ms=0):
+    """parallel.h's par_for in the native forward's library: (items run per index, slot per index,
+    items run by slots other than the caller's)."""
+    lib = cpu_forward._library()
+    hits, slots = torch.zeros(n, dtype=torch.int32), torch.full((n,), -1, dtype=torch.int32)
+    others = lib.par_selftest(num_threads, n, grain, wait_ms, hits.data_ptr(), slots.data_ptr())
+    return hits, slots, others
+
+
+@pytest.mark.parametrize("num_threads,n,grain", [(1, 100, 1), (2, 1, 1), (2, 1000, 1), (2, 5000, 16), (3, 37, 3),
+                                                 (4, 100000, 7)])
+def test_crew_runs_every_item_once(num_threads, n, grain):
+    """The crew's guided claims cover every item exactly once, on slots below num_threads; a nested
+    par_for (from inside a chunk) runs whole on its thread; the items others ran are counted."""
+    hits, slots, others = _selftest(num_threads, n, grain)
+    assert torch.equal(hits, torch.ones(n, dtype=torch.int32))  # (a failed nested check adds 1000 to item 0)
+    assert 0 <= int(slots.min()) and int(slots.max()) < num_threads
+    assert others == int((slots != 0).sum())
+
+
+def test_crew_helpers_join_and_a_stream_takes_its_waiter_instead():
+    """Called from a plain thread, two threads' worth of work is shared with a helper thread. On a
+    forward stream's thread the second thread is whoever waits on the stream: while nobody waits,
+    the stream's thread runs every chunk itself (no helper joins, though one is idle); once the
+    scheduler's thread waits, it runs chunks of the stream's loop before its wait returns."""
+    import time
+
+    n = 4000
+    _, slots, others = _selftest(2, n, 1, wait_ms=5000)  # the first chunk holds until another thread ran one
+    assert others > 0 and set(slots.unique().tolist()) == {0, 1}
+    stream = cpu_forward.ForwardStream(2)
+    try:
+        alone = cpu_forward.StreamCall(lambda: _selftest(2, n, 1, wait_ms=300))
+        stream.submit(alone)
+        deadline = time.monotonic() + 60
+        while not alone.struct.done and time.monotonic() < deadline:  # nobody waits on the stream meanwhile
+            time.sleep(0.01)
+        stream.wait(alone)
+        hits, slots, others = alone.result
+        assert others == 0 and torch.equal(hits, torch.ones(n, dtype=torch.int32))
+        joined = cpu_forward.StreamCall(lambda: _selftest(2, n, 1, wait_ms=5000))
+        stream.submit(joined)
+        stream.wait(joined)  # this thread joins the call's loop
+        hits, slots, others = joined.result
+        assert others > 0 and torch.equal(hits, torch.ones(n, dtype=torch.int32))
+    finally:
+        stream.close()
+
+
 @pytest.mark.parametrize("loop", ["plain", "overlap"])
 @pytest.mark.parametrize("mixed", [False, True], ids=["no-mix", "mixed-chunk"])
 def test_engine_runs_every_step_natively(tiny_model_factory, mixed, loop):
