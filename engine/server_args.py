@@ -75,9 +75,11 @@ class ServerArgs:
     grammar_backend: str = "xgrammar"
     constrained_json_disable_any_whitespace: bool = False
     disable_overlap_schedule: bool = False
-    # Overlap is on by default on CUDA only: on CPU the forward itself is Python holding the GIL
-    # between small ops, so a worker thread contends with the scheduler instead of overlapping it
-    # (measured slower on a 2-core CPU, docs/benchmarks.md). This forces it on (tests use it).
+    # Overlap is on by default on CUDA, and on CPU where the native forward serves the model (its
+    # steps run on a C thread, cpu_forward.c; measured faster than the plain loop, docs/benchmarks.md).
+    # A CPU model on its own Python forward keeps the plain loop: there a worker thread holds the GIL
+    # between small ops and contends with the scheduler instead of overlapping it. This forces the
+    # overlap loop on (tests use it).
     enable_overlap_schedule: bool = False
     stream_interval: int = 1
     # execution
@@ -198,9 +200,16 @@ class ServerArgs:
 
     @property
     def enable_overlap(self) -> bool:
+        """The overlap loop whatever serves the model (CUDA, or asked for)."""
         if self.disable_overlap_schedule:
             return False
         return self.device.startswith("cuda") or self.enable_overlap_schedule
+
+    @property
+    def overlap_if_native(self) -> bool:
+        """CPU without either flag: the overlap loop if the native forward stream can run its steps
+        (decided once the model is loaded: OverlapWorkerClient.native_stream_serves)."""
+        return not self.disable_overlap_schedule and not self.enable_overlap
 
     def replace(self, **changes) -> "ServerArgs":
         return dataclasses.replace(self, **changes)
@@ -243,7 +252,8 @@ class ServerArgs:
           help="run one decode step of the running requests inside each prefill batch (colocated only)")
         a("--disable-overlap-schedule", action="store_true")
         a("--enable-overlap-schedule", action="store_true",
-          help="use the overlap loop on CPU too (default: on for CUDA, off for CPU)")
+          help="use the overlap loop on CPU even where the native forward does not serve the model (default: on "
+               "for CUDA and for the native forward, off for a CPU model on its own Python forward)")
         a("--stream-interval", type=int, default=ServerArgs.stream_interval)
         a("--attention-backend", default=ServerArgs.attention_backend, choices=("auto",) + ATTENTION_BACKENDS,
           help="auto (default): flashinfer on CUDA for float16/bfloat16 when installed, else torch")

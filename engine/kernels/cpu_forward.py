@@ -394,9 +394,12 @@ class ForwardStream:
     sampler's callback after its step, and bare Python calls, with it). The overlap loop's forward
     on CPU: the scheduler thread processes step N while step N+1 runs.
 
-    Its OpenMP regions run `num_threads` wide. A process that serves through it calls
-    hand_over_openmp() from the creating thread once, so that thread's idle OpenMP team does not
-    slow the stream's down (see openmp_hand_over in cpu_forward.c)."""
+    A model step's loops run on parallel.h's crew, `num_threads` wide: the stream's thread and, in
+    place of one helper, the thread blocked in wait() (so the scheduler's thread computes once it
+    has nothing else to do, and no thread is ever waited for while it runs Python). The callbacks'
+    torch ops run on the stream thread's OpenMP team; a process that serves through the stream
+    calls hand_over_openmp() from the creating thread once, so that thread's idle OpenMP team does
+    not slow the stream's down (see openmp_hand_over in cpu_forward.c)."""
 
     def __init__(self, num_threads: int) -> None:
         self._lib = _library()

@@ -204,7 +204,7 @@ __attribute__((constructor)) static void crew_init(void) { pthread_atfork(NULL, 
 
 /* Start helpers up to `wanted`; returns how many there are (fewer if a thread could not start). */
 static int crew_start_helpers(int wanted) {
-    if (wanted <= crew.helpers) return wanted;
+    if (wanted <= __atomic_load_n(&crew.helpers, __ATOMIC_ACQUIRE)) return wanted;
     pthread_mutex_lock(&crew.lock);
     while (crew.helpers < wanted) {
         pthread_t thread;
@@ -214,7 +214,7 @@ static int crew_start_helpers(int wanted) {
         const int err = pthread_create(&thread, &attr, crew_helper, (void *)(intptr_t)crew.helpers);
         pthread_attr_destroy(&attr);
         if (err) break;
-        ++crew.helpers;
+        __atomic_store_n(&crew.helpers, crew.helpers + 1, __ATOMIC_RELEASE);
     }
     const int have = crew.helpers;
     pthread_mutex_unlock(&crew.lock);

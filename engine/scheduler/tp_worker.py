@@ -327,13 +327,19 @@ class OverlapWorkerClient:
         self.forward_stream = torch.cuda.Stream() if cuda else None
         self.inline = cuda if inline is None else inline
         self.stream: Optional["ForwardStream"] = None
-        native = worker.model_runner.native_forward
-        if not cuda and not self.inline and native is not None and native.has_logits:
+        if not self.inline and self.native_stream_serves(worker):
             from baton.engine.kernels.cpu_forward import ForwardStream, StreamCall
 
-            self.stream, self._stream_call = ForwardStream(native.num_threads), StreamCall
+            self.stream, self._stream_call = ForwardStream(worker.model_runner.native_forward.num_threads), StreamCall
         threaded = not self.inline and self.stream is None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward") if threaded else None
+
+    @staticmethod
+    def native_stream_serves(worker: TpModelWorker) -> bool:
+        """On CPU: the native forward serves this model whole (forward and LM head), so the overlap
+        loop's steps run on a native forward stream, with no GIL held while they compute."""
+        native = worker.model_runner.native_forward
+        return not str(worker.device).startswith("cuda") and native is not None and native.has_logits
 
     def launch(self, mwb: ModelWorkerBatch) -> tuple[torch.Tensor, Any]:
         bs = len(mwb.seq_lens_cpu)

@@ -371,6 +371,27 @@ def test_crew_helpers_join_and_a_stream_takes_its_waiter_instead():
         stream.close()
 
 
+def test_overlap_loop_is_the_default_where_the_native_forward_serves(tiny_model_factory):
+    """On CPU without either flag the scheduler takes the overlap loop on the native forward stream
+    when the native forward serves the model, and the plain loop when the model keeps its own
+    Python forward (float32 here) or --disable-overlap-schedule says so."""
+    from scheduler_harness import SchedulerHarness
+
+    path = tiny_model_factory("llama")
+    for overrides, stream in [({"dtype": "bfloat16"}, True), ({"dtype": "float32"}, False),
+                              ({"dtype": "bfloat16", "disable_overlap_schedule": True}, False),
+                              ({"dtype": "bfloat16", "disable_native_forward": True}, False)]:
+        h = SchedulerHarness(path, max_total_tokens=1024, **overrides)
+        try:
+            overlap = h.scheduler.overlap
+            assert (overlap is not None) == stream, overrides
+            assert overlap is None or overlap.stream is not None
+            h.submit("a", PROMPTS[0], max_new_tokens=4, ignore_eos=True)
+            assert len(h.run_until_idle()["a"].ids) == 4 and h.scheduler.check_memory_integrity()
+        finally:
+            h.scheduler.close()
+
+
 @pytest.mark.parametrize("loop", ["plain", "overlap"])
 @pytest.mark.parametrize("mixed", [False, True], ids=["no-mix", "mixed-chunk"])
 def test_engine_runs_every_step_natively(tiny_model_factory, mixed, loop):
@@ -450,7 +471,7 @@ def test_overlap_stream_under_aborts_retraction_and_sampling(tiny_model_factory,
                  "prompt logprobs": {"return_logprob": True, "logprob_start_len": 0}, "greedy": {}}[kinds[i]]
         return dict(max_new_tokens=24, ignore_eos=True, **extra)
 
-    ref = SchedulerHarness(path, **common, max_total_tokens=4096)
+    ref = SchedulerHarness(path, **common, max_total_tokens=4096, disable_overlap_schedule=True)
     for i, p in enumerate(prompts):
         ref.submit(str(i), p, **params(i))
     want = {rid: c.ids for rid, c in ref.run_until_idle().items()}

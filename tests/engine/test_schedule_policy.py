@@ -220,8 +220,11 @@ def test_overlap_default_depends_on_device():
     from baton.engine.server_args import ServerArgs
 
     assert ServerArgs(model_path="m", device="cuda", attention_backend="torch").enable_overlap
+    # CPU: only where the native forward serves the model (decided at load: test_cpu_forward.py)
     assert not ServerArgs(model_path="m", device="cpu").enable_overlap
+    assert ServerArgs(model_path="m", device="cpu").overlap_if_native
     assert ServerArgs(model_path="m", device="cpu", enable_overlap_schedule=True).enable_overlap
+    assert not ServerArgs(model_path="m", device="cpu", disable_overlap_schedule=True).overlap_if_native
     assert not ServerArgs(model_path="m", device="cuda", disable_overlap_schedule=True).enable_overlap
 
 
