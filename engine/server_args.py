@@ -75,8 +75,9 @@ class ServerArgs:
     grammar_backend: str = "xgrammar"
     constrained_json_disable_any_whitespace: bool = False
     disable_overlap_schedule: bool = False
-    # Overlap is on by default on CUDA, and on CPU where the native forward serves the model (its
-    # steps run on a C thread, cpu_forward.c; measured faster than the plain loop, docs/benchmarks.md).
+    # Overlap is on by default on CUDA, and on CPU where the native forward serves the model on two
+    # threads or more (its steps run on a C thread, cpu_forward.c, joined by the scheduler's thread
+    # while it waits; measured faster than the plain loop, docs/benchmarks.md).
     # A CPU model on its own Python forward keeps the plain loop: there a worker thread holds the GIL
     # between small ops and contends with the scheduler instead of overlapping it. This forces the
     # overlap loop on (tests use it).
@@ -207,8 +208,8 @@ class ServerArgs:
 
     @property
     def overlap_if_native(self) -> bool:
-        """CPU without either flag: the overlap loop if the native forward stream can run its steps
-        (decided once the model is loaded: OverlapWorkerClient.native_stream_serves)."""
+        """CPU without either flag: the overlap loop if the native forward stream runs its steps on
+        two threads or more (decided once the model is loaded: OverlapWorkerClient.pays_on_cpu)."""
         return not self.disable_overlap_schedule and not self.enable_overlap
 
     def replace(self, **changes) -> "ServerArgs":

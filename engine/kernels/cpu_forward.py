@@ -24,6 +24,10 @@ batch whose every sampling row is greedy, torch.argmax's choice too, and for the
 future map), with no Python between; a ForwardStream runs such steps, each maybe followed by a
 Python sampler, on a C thread in submission order: the overlap loop's forward on CPU
 (scheduler/tp_worker.py).
+
+Its parallel loops run on parallel.h's crew rather than OpenMP: chunks claimed by whoever is free,
+no barrier that waits for a thread the OS took off its core, and, on a stream, the thread waiting
+for the step working in place of a helper thread.
 """
 from __future__ import annotations
 

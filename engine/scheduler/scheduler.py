@@ -77,7 +77,7 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin):
                                               args.page_size)
         self.policy = SchedulePolicy(args.schedule_policy if not args.disable_radix_cache else "fcfs",
                                      self.tree_cache, args.enable_priority_scheduling, args.random_seed)
-        overlap = args.enable_overlap or (args.overlap_if_native and OverlapWorkerClient.native_stream_serves(self.worker))
+        overlap = args.enable_overlap or (args.overlap_if_native and OverlapWorkerClient.pays_on_cpu(self.worker))
         self.overlap = OverlapWorkerClient(self.worker, self.max_running_requests) if overlap else None
         self.eos_token_ids = self._eos_ids(runner.hf_config, tokenizer)
         self.grammar_backend = None

@@ -341,6 +341,15 @@ class OverlapWorkerClient:
         native = worker.model_runner.native_forward
         return not str(worker.device).startswith("cuda") and native is not None and native.has_logits
 
+    @classmethod
+    def pays_on_cpu(cls, worker: TpModelWorker) -> bool:
+        """Whether the overlap loop is the default on CPU: on the native stream with two threads or
+        more, where the scheduler's thread works beside the forward and, once it waits, computes
+        in place of one of the forward's threads (parallel.h). A forward sized to one thread (say,
+        one of two DP replicas on two cores) has no core to spare for the scheduler's work: there
+        the overlap loop only time-slices it with the forward (measured even, docs/benchmarks.md)."""
+        return cls.native_stream_serves(worker) and worker.model_runner.native_forward.num_threads >= 2
+
     def launch(self, mwb: ModelWorkerBatch) -> tuple[torch.Tensor, Any]:
         bs = len(mwb.seq_lens_cpu)
         mwb.future_indices = self.future_map.reserve(bs)

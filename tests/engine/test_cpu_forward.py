@@ -373,15 +373,22 @@ def test_crew_helpers_join_and_a_stream_takes_its_waiter_instead():
 
 def test_overlap_loop_is_the_default_where_the_native_forward_serves(tiny_model_factory):
     """On CPU without either flag the scheduler takes the overlap loop on the native forward stream
-    when the native forward serves the model, and the plain loop when the model keeps its own
-    Python forward (float32 here) or --disable-overlap-schedule says so."""
+    when the native forward serves the model on two threads or more, and the plain loop when the
+    model keeps its own Python forward (float32 here), when its forward has one thread (a DP
+    replica's share of two cores), or when --disable-overlap-schedule says so."""
     from scheduler_harness import SchedulerHarness
 
     path = tiny_model_factory("llama")
-    for overrides, stream in [({"dtype": "bfloat16"}, True), ({"dtype": "float32"}, False),
-                              ({"dtype": "bfloat16", "disable_overlap_schedule": True}, False),
-                              ({"dtype": "bfloat16", "disable_native_forward": True}, False)]:
-        h = SchedulerHarness(path, max_total_tokens=1024, **overrides)
+    threads = torch.get_num_threads()
+    for overrides, n, stream in [({"dtype": "bfloat16"}, 2, True), ({"dtype": "bfloat16"}, 1, False),
+                                 ({"dtype": "float32"}, 2, False),
+                                 ({"dtype": "bfloat16", "disable_overlap_schedule": True}, 2, False),
+                                 ({"dtype": "bfloat16", "disable_native_forward": True}, 2, False)]:
+        torch.set_num_threads(n)
+        try:
+            h = SchedulerHarness(path, max_total_tokens=1024, **overrides)
+        finally:
+            torch.set_num_threads(threads)
         try:
             overlap = h.scheduler.overlap
             assert (overlap is not None) == stream, overrides
