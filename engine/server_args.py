@@ -253,8 +253,9 @@ class ServerArgs:
           help="run one decode step of the running requests inside each prefill batch (colocated only)")
         a("--disable-overlap-schedule", action="store_true")
         a("--enable-overlap-schedule", action="store_true",
-          help="use the overlap loop on CPU even where the native forward does not serve the model (default: on "
-               "for CUDA and for the native forward, off for a CPU model on its own Python forward)")
+          help="use the overlap loop on CPU even where it is not the default (default: on for CUDA, and on CPU "
+               "where the native forward serves the model on two threads or more; /get_server_info's "
+               "event_loop says which loop runs)")
         a("--stream-interval", type=int, default=ServerArgs.stream_interval)
         a("--attention-backend", default=ServerArgs.attention_backend, choices=("auto",) + ATTENTION_BACKENDS,
           help="auto (default): flashinfer on CUDA for float16/bfloat16 when installed, else torch")

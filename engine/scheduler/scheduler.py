@@ -443,6 +443,7 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin):
             "scheduler_pid": os.getpid(),
             "cpu_affinity": sorted(os.sched_getaffinity(0)),
             "torch_threads": self.forward_threads(),
+            "event_loop": "plain" if self.overlap is None else "overlap",  # the default depends on the model (CPU)
             "tp_allreduce": all_reduce_backend(self.worker.tp),  # shm | gloo | nccl | none
             "preemptions": self.stats.preemptions,
             "mixed_decode_tokens": self.stats.mixed_decode_tokens,

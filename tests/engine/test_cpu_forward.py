@@ -393,6 +393,7 @@ def test_overlap_loop_is_the_default_where_the_native_forward_serves(tiny_model_
             overlap = h.scheduler.overlap
             assert (overlap is not None) == stream, overrides
             assert overlap is None or overlap.stream is not None
+            assert h.scheduler.get_server_info()["event_loop"] == ("overlap" if stream else "plain")
             h.submit("a", PROMPTS[0], max_new_tokens=4, ignore_eos=True)
             assert len(h.run_until_idle()["a"].ids) == 4 and h.scheduler.check_memory_integrity()
         finally:
