@@ -270,6 +270,10 @@ static void par_for(int num_threads, int64_t n, int64_t grain, int dynamic, par_
  * ended; crew_wake_waiter follows the flag's store). Returns at once when another thread is the
  * waiter already. */
 static void crew_help_until(const int *flag) {
+    /* The scheduler's thread has just sent a step's outputs and launched the next: let a runnable
+     * frontend process (the detokenizer, the HTTP server) on this core go first. Measured served
+     * (three A/B runs of 6-12 rounds): ITL p50 -1% to -19%, throughput +1% to +9%. */
+    sched_yield();
     if (atomic_exchange(&crew.waiter_busy, 1)) return;
     while (!__atomic_load_n(flag, __ATOMIC_ACQUIRE)) {
         const uint64_t last = crew_work(CREW_ROLE_WAITER);
