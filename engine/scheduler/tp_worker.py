@@ -109,9 +109,10 @@ class TpModelWorker:
         if native is None or not native.has_logits or self.step_sender is not None or mwb.input_logprob_reqs:
             return None
         states = mwb.sampling_states
-        greedy = not mwb.return_logprob and all(s is None or s.plain_sampling for s in states)
+        # the step ends in tokens (argmax, or a draw where a row samples), not in logits for the sampler
+        tokens = not mwb.return_logprob and all(s is None or s.plain_sampling for s in states)
         sampling = None
-        if greedy and not all(s is None or s.plain_greedy for s in states):
+        if tokens and not all(s is None or s.plain_greedy for s in states):
             sampling = self._sampling_rows(mwb, native.vocab)
         fmap, slots = (None, None) if future_map is None else (future_map.token_ids, mwb.future_indices)
         if mwb.forward_mode.is_decode():
@@ -122,8 +123,8 @@ class TpModelWorker:
         else:
             return None
         step = native.step(mwb.input_ids, mwb.positions, mwb.out_cache_loc, mwb.req_pool_indices, **lens,
-                           future_map=fmap, future_slots=slots, greedy=greedy, sampling=sampling)
-        if greedy:
+                           future_map=fmap, future_slots=slots, greedy=tokens, sampling=sampling)
+        if tokens:
             for s in states:
                 if s is not None:
                     s.num_sampled += 1
