@@ -3,7 +3,6 @@ scheduler, and hands each request's outputs (from the detokenizer) back to its H
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 import uuid
@@ -43,7 +42,7 @@ class ClientDisconnected(RequestError):
 
 @dataclass
 class GenerateInput:
-    """One request after HTTP parsing (a batch is several of these)."""
+    """One request after HTTP parsing (a batch, or n > 1, is several of these: entrypoints/expansion.py)."""
 
     sampling_params: SamplingParams
     text: Optional[str] = None
@@ -59,36 +58,6 @@ class GenerateInput:
     bootstrap_room: Optional[int] = None
     data_parallel_rank: Optional[int] = None
     require_reasoning: bool = False  # a grammar applies after the reasoning (--reasoning-parser)
-
-    def parallel(self, n: int) -> list["GenerateInput"]:
-        """The n requests of parallel sampling (OpenAI's and SGLang's `n`). They share the prompt, so
-        all but the first take it from the radix cache. A seed becomes seed + k for copy k:
-        reproducible, yet the choices differ.
-
-        Under PD each copy is a KV transfer of its own, so copy k uses bootstrap room + k (as SGLang's
-        servers fan a room out over a batch). The prefill and the decode engine get the same body and
-        derive the same rooms, so copy k of one meets copy k of the other."""
-        if not 1 <= n <= MAX_PARALLEL_SAMPLES:
-            raise RequestError(f"n must be between 1 and {MAX_PARALLEL_SAMPLES}", 400)
-        if n == 1:
-            return [self]
-        copies = []
-        for k in range(n):
-            params = dataclasses.replace(self.sampling_params, n=1)
-            if params.seed is not None:
-                params.seed += k
-            copies.append(dataclasses.replace(self, sampling_params=params, rid=f"{self.rid}-{k}",
-                                              bootstrap_room=fanned_room(self.bootstrap_room, k)))
-        return copies
-
-
-MAX_PARALLEL_SAMPLES = 128  # OpenAI's bound on n
-
-
-def fanned_room(room: Optional[int], j: int) -> Optional[int]:
-    """The bootstrap room of the j-th request one room was given for (a batch, n copies): room + j.
-    Both PD engines get the same body and derive the same rooms, so their j-th requests meet."""
-    return None if room is None else (room + j) % 2**63  # rooms are non-negative int64
 
 
 @dataclass

@@ -17,10 +17,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
 from baton.engine.disaggregation.no_peer import FAKE_BOOTSTRAP_HOST
+from baton.engine.entrypoints.expansion import expand, pd_fields
 from baton.engine.entrypoints.protocol import GenerateRequest
 from baton.engine.sampling.sampling_params import SamplingParams, SamplingParamsError
 from baton.engine.server_args import ServerArgs
-from baton.engine.tokenizer_manager import GenerateInput, ReqOutput, RequestError, TokenizerManager, fanned_room
+from baton.engine.tokenizer_manager import GenerateInput, ReqOutput, RequestError, TokenizerManager
 
 logger = logging.getLogger(__name__)
 
@@ -268,7 +269,7 @@ def _native_inputs(req: GenerateRequest) -> list[GenerateInput]:
     prompts = (req.text if req.text is not None else req.input_ids) if batch else [req.text if req.text is not None else req.input_ids]
     if batch and not prompts:
         raise RequestError("the batch is empty", 400)
-    objs = []
+    objs, ns = [], []
     for i, prompt in enumerate(prompts):
         sp = _pick(req.sampling_params, i, batch)
         obj = GenerateInput(sampling_params_from(sp if isinstance(sp, dict) else None),
@@ -277,21 +278,15 @@ def _native_inputs(req: GenerateRequest) -> list[GenerateInput]:
                             stream=req.stream, return_logprob=bool(_pick(req.return_logprob, i, batch)),
                             logprob_start_len=int(_pick(req.logprob_start_len, i, batch)),
                             top_logprobs_num=int(_pick(req.top_logprobs_num, i, batch)),
-                            priority=_pick(req.priority, i, batch),
-                            bootstrap_host=_pick(req.bootstrap_host, i, batch),
-                            bootstrap_port=_pick(req.bootstrap_port, i, batch),
-                            bootstrap_room=_pick(req.bootstrap_room, i, batch),
-                            data_parallel_rank=_pick(req.data_parallel_rank, i, batch),
-                            require_reasoning=req.require_reasoning)
+                            priority=_pick(req.priority, i, batch), require_reasoning=req.require_reasoning)
         if obj.return_logprob and obj.logprob_start_len < 0 and req.logprob_start_len == -1:
             obj.logprob_start_len = -1  # output logprobs only, as SGLang's default
         rid = _pick(req.rid, i, batch)
         if rid is not None:
             obj.rid = str(rid)
-        if batch and isinstance(req.bootstrap_room, int):  # one room per transfer (parallel adds the copy's k)
-            obj.bootstrap_room = fanned_room(req.bootstrap_room, len(objs))
-        objs += obj.parallel(_parallel_n(sp))  # SGLang's sampling_params.n: n outputs per prompt
-    return objs
+        objs.append(obj)
+        ns.append(_parallel_n(sp))  # SGLang's sampling_params.n: n outputs per prompt
+    return expand(objs, ns, pd_fields(req))
 
 
 def _parallel_n(sp: Any) -> int:

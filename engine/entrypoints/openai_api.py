@@ -15,7 +15,8 @@ from baton.engine.entrypoints.http_server import (SSE_DONE, ApiContext, _collect
 from baton.engine.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, SamplingExtras
 from baton.engine.parsers import make_tool_parser
 from baton.engine.sampling.sampling_params import GRAMMAR_KINDS, SamplingParams
-from baton.engine.tokenizer_manager import GenerateInput, ReqOutput, RequestError, fanned_room
+from baton.engine.entrypoints.expansion import expand, pd_fields
+from baton.engine.tokenizer_manager import GenerateInput, ReqOutput, RequestError
 
 
 def register_openai_routes(app: FastAPI, ctx: ApiContext) -> None:
@@ -31,8 +32,9 @@ def register_openai_routes(app: FastAPI, ctx: ApiContext) -> None:
         _check_model(ctx, req.model)
         reject_unsupported(req)
         prompts = _completion_prompts(req.prompt)
-        objs = [o for i, p in enumerate(prompts)  # the n choices of each prompt (parallel sampling)
-                for o in _input(ctx, req, p, req.max_tokens, req.logprobs, i, len(prompts)).parallel(req.n)]
+        # the n choices of each prompt (parallel sampling), prompt-major
+        objs = expand([_input(ctx, req, p, req.max_tokens, req.logprobs) for p in prompts], [req.n] * len(prompts),
+                      pd_fields(req))
         if req.stream:  # every choice of every prompt in one stream, by index
             return await _stream(ctx, objs, request, req, chat=False)
         outs = await _collect_all(ctx, objs, request)
@@ -65,7 +67,7 @@ def register_openai_routes(app: FastAPI, ctx: ApiContext) -> None:
             overrides["skip_special_tokens"] = False  # the format's marker is a special token
         obj = _input(ctx, req, ids, req.max_completion_tokens or req.max_tokens, top, overrides=overrides)
         obj.require_reasoning = chat_tools.reasons(args.reasoning_parser, kwargs)
-        objs = obj.parallel(req.n)
+        objs = expand([obj], [req.n], pd_fields(req))
         parser = chat_tools.choice_parser_factory(plan, req, args.tool_call_parser, args.reasoning_parser,
                                                   obj.require_reasoning)
         if req.stream:
@@ -84,9 +86,6 @@ def register_openai_routes(app: FastAPI, ctx: ApiContext) -> None:
         return JSONResponse({"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
                              "created": int(time.time()), "model": ctx.model_name, "choices": choices,
                              "usage": _usage(outs, req.n)})
-
-
-PD_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room", "data_parallel_rank")
 
 
 def _check_model(ctx: ApiContext, model: Optional[str]) -> None:
@@ -157,23 +156,9 @@ def _completion_prompts(prompt: Any) -> list:
     return list(prompt)
 
 
-def _per_prompt(req: SamplingExtras, name: str, i: int, n: int) -> Any:
-    """A PD field for prompt i: lists give one value per prompt; other scalars apply to every prompt,
-    but one room cannot name several transfers, so a scalar room fans out: prompt i, choice k uses
-    room + i * req.n + k (GenerateInput.parallel adds the k), as SGLang's servers fan a room out."""
-    value = getattr(req, name)
-    if name == "bootstrap_room" and isinstance(value, int) and n > 1:
-        return fanned_room(value, i * req.n)
-    if not isinstance(value, list):
-        return value
-    if len(value) != n:
-        raise RequestError(f"{name} has {len(value)} values for {n} prompt(s)", 400)
-    return value[i]
-
-
 def _input(ctx: ApiContext, req: SamplingExtras, prompt: Any, max_tokens: Optional[int],
-           top_logprobs: Optional[int], i: int = 0, n: int = 1,
-           overrides: Optional[dict[str, Any]] = None) -> GenerateInput:
+           top_logprobs: Optional[int], overrides: Optional[dict[str, Any]] = None) -> GenerateInput:
+    """One prompt's request, before expansion (n copies, PD fields: expansion.py)."""
     if max_tokens is not None and max_tokens <= 0:
         raise RequestError("max_tokens must be at least 1", 400)
     fields = dict(
@@ -188,7 +173,7 @@ def _input(ctx: ApiContext, req: SamplingExtras, prompt: Any, max_tokens: Option
     obj = GenerateInput(params, text=prompt if isinstance(prompt, str) else None,
                         input_ids=prompt if isinstance(prompt, list) else None, stream=req.stream,
                         return_logprob=top_logprobs is not None, top_logprobs_num=top_logprobs or 0,
-                        priority=req.priority, **{name: _per_prompt(req, name, i, n) for name in PD_FIELDS})
+                        priority=req.priority)
     if req.rid:
         obj.rid = req.rid
     return obj

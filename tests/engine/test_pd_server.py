@@ -203,6 +203,17 @@ def test_pd_parallel_sampling_one_room_per_choice(pd_pair):
     for p, copies in ((PROMPTS[2], native[:2]), (PROMPTS[3], native[2:])):
         one = via_pair(_body(p, bootstrap_port), "/generate")
         assert [c["output_ids"] for c in copies] == [one["output_ids"]] * 2
+    # one value per choice (sglang-router's shape for chat with n > 1): taken as given, on every route
+    per_choice = {"bootstrap_host": ["127.0.0.1"] * 3, "bootstrap_port": [bootstrap_port] * 3}
+    rooms = [random.randrange(1 << 62) for _ in range(3)]
+    out = via_pair({"prompt": prompt, "n": 3, **sampling, **per_choice, "bootstrap_room": rooms})
+    assert [c["text"] for c in out["choices"]] == singles
+    native = via_pair({"input_ids": PROMPTS[2], **per_choice, "bootstrap_room": rooms,
+                       "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0, "n": 3}}, "/generate")
+    assert [c["output_ids"] for c in native] == [via_pair(_body(PROMPTS[2], bootstrap_port), "/generate")["output_ids"]] * 3
+    chat = {"messages": [{"role": "user", "content": "pick one"}], "n": 3, **sampling, **per_choice}
+    out = via_pair({**chat, "bootstrap_room": rooms}, "/v1/chat/completions")
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2] and out["usage"]["completion_tokens"] == 3 * MAX_NEW
     _assert_idle_and_whole(prefill, decode)
 
 
@@ -298,7 +309,31 @@ def test_sglang_router_in_front_of_the_pair(pd_pair, model_path):
         assert r.status_code == 200, r.text
         out = r.json()
         assert [c["index"] for c in out["choices"]] == [0, 1] and out["usage"]["completion_tokens"] == 2 * MAX_NEW
+        # chat with n = 2: sglang-router sends one host, port and room per choice
+        chat = {"model": model, "messages": [{"role": "user", "content": "the pair chats twice"}],
+                "max_tokens": MAX_NEW, "temperature": 0, "n": 2, "ignore_eos": True}
+        r = httpx.post(f"{router.base_url}/v1/chat/completions", timeout=120, json=chat)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert [c["index"] for c in out["choices"]] == [0, 1] and out["usage"]["completion_tokens"] == 2 * MAX_NEW
+        assert out["choices"][0]["message"]["content"] == out["choices"][1]["message"]["content"]  # greedy
+        events = _sse_events(f"{router.base_url}/v1/chat/completions", {**chat, "stream": True})
+        assert events[-1] == "[DONE]" and not [e for e in events if "error" in e], events
+        text = {k: "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-1]
+                           if e["choices"][0]["index"] == k) for k in (0, 1)}
+        assert text == {0: out["choices"][0]["message"]["content"], 1: out["choices"][1]["message"]["content"]}
     _assert_idle_and_whole(prefill, decode)
+
+
+def _sse_events(url: str, body: dict) -> list:
+    """A stream's data events, parsed ("[DONE]" kept as is); comment lines skipped."""
+    events: list = []
+    with httpx.Client(timeout=120) as c, c.stream("POST", url, json=body) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append("[DONE]" if line == "data: [DONE]" else json.loads(line[len("data: "):]))
+    return events
 
 
 def test_baton_router_in_front_of_the_pair(pd_pair, model_path):
