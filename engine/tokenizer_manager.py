@@ -22,6 +22,9 @@ logger = logging.getLogger(__name__)
 
 # how often a waiting non-streaming handler checks whether its client went away (s)
 DISCONNECT_POLL_S = 1.0
+# a stream silent this long (s) gets an SSE comment, so proxies and clients see the connection live;
+# BATON_SSE_KEEPALIVE_S overrides it (0: none)
+SSE_KEEPALIVE_S = 15.0
 
 
 class RequestError(Exception):
@@ -122,13 +125,24 @@ class StepQueue:
     def get_nowait(self) -> Any:
         return self.items.popleft()
 
+    def wake(self) -> None:
+        """Ends a wait() with nothing queued (the keep-alive ticker)."""
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def wait(self) -> None:
+        """Until a step is put or the queue is woken; at once when a step is queued."""
+        if self.items:
+            return
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+
     async def wait_nonempty(self) -> None:
         while not self.items:
-            self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
+            await self.wait()
 
 
 @dataclass
@@ -137,6 +151,8 @@ class _ReqState:
     queue: StepQueue
     created: float = field(default_factory=time.time)
     last_token_time: Optional[float] = None
+    keepalive: bool = False  # the consumer takes a None after a silence (generate's keepalive)
+    last_step: float = field(default_factory=time.time)  # when a step last arrived (or a keep-alive was due)
 
 
 @dataclass
@@ -157,8 +173,10 @@ class TokenizerManager:
 
     def __init__(self, tokenizer: Any, scheduler_addrs: "str | list[str]", detokenizer_out_addr: str,
                  metrics: EngineMetrics, vocab_size: int, context_len: int,
-                 load_balance_method: str = "round_robin", disaggregation_mode: str = "null") -> None:
+                 load_balance_method: str = "round_robin", disaggregation_mode: str = "null",
+                 keepalive_s: float = SSE_KEEPALIVE_S) -> None:
         self.tokenizer, self.metrics = tokenizer, metrics
+        self.keepalive_s = keepalive_s
         self._scheduler_addrs = [scheduler_addrs] if isinstance(scheduler_addrs, str) else list(scheduler_addrs)
         self.vocab_size, self.context_len, self.dp_size = vocab_size, context_len, len(self._scheduler_addrs)
         self.load_balance_method, self.disaggregation_mode = load_balance_method, disaggregation_mode
@@ -169,6 +187,7 @@ class TokenizerManager:
         self._next_rank = 0
         self._control_waiters: dict[type, list[_Gather]] = {}
         self._loop_task: Optional[asyncio.Task] = None
+        self._keepalive_task: Optional[asyncio.Task] = None
         self.stopped: Optional[str] = None  # why the engine behind this front end is gone (fail_all)
 
     async def start(self) -> None:
@@ -181,6 +200,8 @@ class TokenizerManager:
         self.recv = ctx.socket(zmq.PULL)
         self.recv.bind(self._detok_addr)
         self._loop_task = asyncio.create_task(self._handle_loop())
+        if self.keepalive_s > 0:
+            self._keepalive_task = asyncio.create_task(self._keepalive_loop())
 
     def pick_rank(self, obj: "GenerateInput") -> int:
         """The DP rank a new request goes to."""
@@ -233,15 +254,26 @@ class TokenizerManager:
             bootstrap_port=obj.bootstrap_port, bootstrap_room=obj.bootstrap_room,
             data_parallel_rank=obj.data_parallel_rank, require_reasoning=obj.require_reasoning)
 
-    async def generate(self, obj: GenerateInput, is_disconnected=None) -> AsyncIterator[ReqOutput]:
-        """Yields a ReqOutput per step (streaming) or once at the end. Aborts the request in the
-        scheduler when the consumer stops early or the client disconnects."""
+    def generate(self, obj: GenerateInput, is_disconnected=None,
+                 keepalive: bool = False) -> AsyncIterator[Optional[ReqOutput]]:
+        """Checks the request now (a RequestError here comes before any response is sent), and
+        returns its outputs: a ReqOutput per step (streaming) or once at the end. The request goes to
+        the scheduler at the first read; it is aborted there when the consumer stops early or the
+        client disconnects. `keepalive` (a stream): a None after each silence of keepalive_s."""
         if self.stopped is not None:
             raise RequestError(self.stopped, 503, "server_error")
         tokenized = self._tokenized(obj)
-        if obj.rid in self.states:
-            raise RequestError(f"duplicate request id {obj.rid!r}", 400)
-        state = _ReqState(ReqOutput(rid=obj.rid), StepQueue())
+        self._check_new_rid(obj.rid)
+        return self._generate(obj, tokenized, is_disconnected, keepalive)
+
+    def _check_new_rid(self, rid: str) -> None:
+        if rid in self.states:
+            raise RequestError(f"duplicate request id {rid!r}", 400)
+
+    async def _generate(self, obj: GenerateInput, tokenized: TokenizedGenerateReqInput, is_disconnected,
+                        keepalive: bool) -> AsyncIterator[Optional[ReqOutput]]:
+        self._check_new_rid(obj.rid)  # again: another request may have taken the id since generate()
+        state = _ReqState(ReqOutput(rid=obj.rid), StepQueue(), keepalive=keepalive)
         self.states[obj.rid] = state
         rank = self.pick_rank(obj)
         self._rank_of[obj.rid] = rank
@@ -251,6 +283,9 @@ class TokenizerManager:
             await self.sends[rank].send_pyobj(tokenized)
             while True:
                 out = await self._next(state, is_disconnected)
+                if out is None:  # a silence (keepalive)
+                    yield None
+                    continue
                 finished = out.finished_reason is not None
                 if finished or obj.stream:
                     yield out
@@ -263,12 +298,15 @@ class TokenizerManager:
             self._rank_of.pop(obj.rid, None)
             self.in_flight[rank] -= 1
 
-    async def _next(self, state: _ReqState, is_disconnected) -> ReqOutput:
+    async def _next(self, state: _ReqState, is_disconnected) -> Optional[ReqOutput]:
         """Waits for the next step(s) of a request; steps that queued up meanwhile are merged, so a
-        slow consumer gets one larger delta instead of falling behind."""
+        slow consumer gets one larger delta instead of falling behind. None: the keep-alive ticker
+        woke a keepalive request that had nothing new."""
         while state.queue.empty():
             if is_disconnected is None:  # a stream: a disconnect ends its send instead (no timer per step)
-                await state.queue.wait_nonempty()
+                await state.queue.wait()
+                if state.queue.empty() and state.keepalive:
+                    return None
                 continue
             try:
                 # asyncio.timeout, not wait_for: wait_for wraps the get in a task of its own, once
@@ -375,6 +413,17 @@ class TokenizerManager:
         return merge_server_infos(await self.get_server_infos())
 
     # ------------------------------------------------------------------ outputs
+    async def _keepalive_loop(self) -> None:
+        """One timer for every stream (none per step): wakes the keepalive requests that have had no
+        step for keepalive_s, so their handlers send a keep-alive (between 1 and 1.5 x keepalive_s)."""
+        while True:
+            await asyncio.sleep(self.keepalive_s / 2)
+            now = time.time()
+            for state in self.states.values():
+                if state.keepalive and now - state.last_step >= self.keepalive_s:
+                    state.last_step = now
+                    state.queue.wake()
+
     async def _handle_loop(self) -> None:
         while True:
             msg = await self.recv.recv_pyobj()
@@ -393,6 +442,7 @@ class TokenizerManager:
             if state is None:  # the client went away; the abort is on its way
                 continue
             finished, meta = msg.finished_reasons[i], ReqMeta(*msg.meta[i])
+            state.last_step = now
             generated += len(msg.new_token_ids[i])
             self._observe(state, now, len(msg.new_token_ids[i]), finished, meta)  # on arrival, for TTFT/ITL
             state.queue.put_nowait(_Step(

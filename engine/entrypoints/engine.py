@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing as mp
+import os
 import shutil
 import signal
 import time
@@ -221,14 +222,15 @@ def run_server(server_args: ServerArgs) -> None:
 
         from baton.engine.entrypoints.http_server import ApiContext, create_app
         from baton.engine.metrics import EngineMetrics
-        from baton.engine.tokenizer_manager import TokenizerManager
+        from baton.engine.tokenizer_manager import SSE_KEEPALIVE_S, TokenizerManager
 
         info, tokenizer = procs.scheduler_info, procs.prepared
         role = "colocated" if server_args.disaggregation_mode == "null" else server_args.disaggregation_mode
         tm = TokenizerManager(tokenizer, procs.scheduler_addrs, procs.tokenizer_addr,
                               EngineMetrics(server_args.model_name, role), info["vocab_size"], info["context_length"],
                               load_balance_method=server_args.load_balance_method,
-                              disaggregation_mode=server_args.disaggregation_mode)
+                              disaggregation_mode=server_args.disaggregation_mode,
+                              keepalive_s=float(os.environ.get("BATON_SSE_KEEPALIVE_S", SSE_KEEPALIVE_S)))
         model_info = {"model_path": server_args.model_path, "tokenizer_path": server_args.tokenizer_path,
                       "served_model_name": server_args.model_name, "is_generation": True}
         ctx = ApiContext(server_args, tm, model_info, procs.alive,

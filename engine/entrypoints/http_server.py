@@ -89,7 +89,12 @@ def sse(data: Any) -> bytes:
     return b"data: " + orjson.dumps(data) + b"\n\n"
 
 
+def sse_error(err: RequestError) -> bytes:
+    return sse({"error": {"message": err.message, "type": err.err_type, "code": err.status}})
+
+
 SSE_DONE = b"data: [DONE]\n\n"
+SSE_KEEPALIVE = b": keep-alive\n\n"  # an SSE comment: clients skip it
 
 
 class GuardMiddleware:
@@ -326,28 +331,29 @@ def native_body(out: ReqOutput, return_logprob: bool, cumulative: bool = True) -
 
 
 async def _stream_native(ctx: ApiContext, obj: GenerateInput, request: Request) -> StreamingResponse:
-    stream = ctx.tm.generate(obj)
-    first = await anext(stream)  # errors before the first token become a status code, not a stream
+    """The headers go out at once (a PD router waits for both engines' headers; the prefill's first
+    output comes only after its KV has moved); a refusal found before the request reaches the
+    scheduler is a status code, a later one an error event."""
+    stream = ctx.tm.generate(obj, keepalive=True)
 
     async def body():
         try:
-            out = first
-            while True:
-                err = abort_error(out)
-                if err is not None:
-                    yield sse({"error": {"message": err.message, "code": err.status}})
+            async for out in stream:
+                if out is None:
+                    yield SSE_KEEPALIVE
+                    continue
+                if (err := abort_error(out)) is not None:
+                    yield sse_error(err)
                     break
                 yield sse(native_body(out, obj.return_logprob))
                 if out.finished_reason is not None:
                     break
-                out = await anext(stream)
             yield SSE_DONE
+        except RequestError as e:  # refused on the way in (the headers are out already)
+            yield sse_error(e)
         finally:
             await stream.aclose()
 
-    if (err := abort_error(first)) is not None:
-        await stream.aclose()
-        raise err
     return StreamingResponse(body(), media_type="text/event-stream")
 
 

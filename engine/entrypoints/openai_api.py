@@ -10,8 +10,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from baton.engine.entrypoints import chat_tools
-from baton.engine.entrypoints.http_server import (SSE_DONE, ApiContext, _collect, abort_error, parse, read_json,
-                                                  sse)
+from baton.engine.entrypoints.http_server import (SSE_DONE, SSE_KEEPALIVE, ApiContext, _collect, abort_error, parse,
+                                                  read_json, sse, sse_error)
 from baton.engine.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, SamplingExtras
 from baton.engine.parsers import make_tool_parser
 from baton.engine.sampling.sampling_params import GRAMMAR_KINDS, SamplingParams
@@ -234,32 +234,23 @@ def _chat_logprobs(ctx: ApiContext, out: ReqOutput, start: int) -> list[dict[str
     return items
 
 
-async def _start_streams(ctx: ApiContext, objs: list[GenerateInput]) -> tuple[list, list[ReqOutput]]:
-    """Submit every copy at once and wait for each one's first output. If any is refused, all are
-    closed (which aborts those already running) and its error is raised."""
-    streams = [ctx.tm.generate(o) for o in objs]
-    firsts = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
-    error = next((f if isinstance(f, BaseException) else abort_error(f) for f in firsts
-                  if isinstance(f, BaseException) or abort_error(f) is not None), None)
-    if error is not None:
-        for s in streams:
-            await s.aclose()
-        raise error
-    return streams, firsts
-
-
 async def _stream(ctx: ApiContext, objs: list[GenerateInput], request: Request, req: Any, chat: bool,
                   parser: Optional[Callable[[], chat_tools.ChoiceParser]] = None) -> StreamingResponse:
     """One SSE stream for all choices (n per prompt, prompt-major, as in the whole response); each
     chunk carries its choice's index. At most one read per choice is outstanding. With a chat
-    `parser`, each choice's text becomes reasoning / content / tool-call deltas."""
-    streams, firsts = await _start_streams(ctx, objs)
+    `parser`, each choice's text becomes reasoning / content / tool-call deltas. The headers go out
+    at once; a choice refused by the scheduler ends the stream with an error event (and aborts the
+    others); a silence gets a keep-alive comment."""
+    # every copy is checked here, before the response starts (a refusal is a status code); a stream
+    # holds nothing before its first read (a copy after a refused one is just dropped)
+    streams = [ctx.tm.generate(o, keepalive=True) for o in objs]
     parsers = [parser() for _ in objs] if parser else None
     cid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     created, obj_name = int(time.time()), "chat.completion.chunk" if chat else "text_completion"
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     want_logprobs = objs[0].return_logprob
     model = ctx.model_name
+    outs: list[Optional[ReqOutput]] = [None] * len(objs)  # each choice's output (the same object every step)
 
     def chunk(choice: dict[str, Any]) -> bytes:
         return sse({"id": cid, "object": obj_name, "created": created, "model": model, "choices": [choice]})
@@ -290,8 +281,9 @@ async def _stream(ctx: ApiContext, objs: list[GenerateInput], request: Request, 
 
     pending: dict[asyncio.Future, int] = {}  # the outstanding read of each unfinished choice
 
-    async def next_outputs(unfinished: list[int]) -> list[tuple[int, ReqOutput]]:
-        """The next output(s) of the choices still running: at least one, or none when all ended."""
+    async def next_outputs(unfinished: list[int]) -> list[tuple[int, Optional[ReqOutput]]]:
+        """The next output(s) of the choices still running: at least one, or none when all ended.
+        A None output: that choice was silent for the keep-alive time."""
         if len(streams) == 1:  # one choice: read it in place, no task per step
             return [(0, await anext(streams[0]))] if unfinished else []
         for k in unfinished:
@@ -299,31 +291,39 @@ async def _stream(ctx: ApiContext, objs: list[GenerateInput], request: Request, 
         if not pending:
             return []
         done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-        return sorted((pending.pop(f), f.result()) for f in done)
+        return sorted(((pending.pop(f), f.result()) for f in done), key=lambda ko: ko[0])
 
     async def body() -> AsyncIterator[bytes]:
-        ready = list(enumerate(firsts))
         try:
             if chat:
                 for k in range(len(streams)):
                     yield chunk({"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                  "finish_reason": None})
+            ready = await next_outputs(list(range(len(streams))))
             while ready:
-                unfinished = []
+                unfinished, silent = [], False
                 for k, out in ready:
-                    err = abort_error(out)
-                    if err is not None:
-                        yield sse({"error": {"message": err.message, "type": err.err_type, "code": err.status}})
+                    if out is None:
+                        silent = True
+                        unfinished.append(k)
+                        continue
+                    outs[k] = out
+                    if (err := abort_error(out)) is not None:
+                        yield sse_error(err)
                         return
                     if (data := step_chunk(k, out)) is not None:
                         yield data
                     if out.finished_reason is None:
                         unfinished.append(k)
+                if silent:
+                    yield SSE_KEEPALIVE
                 ready = await next_outputs(unfinished)
             if include_usage:
                 yield sse({"id": cid, "object": obj_name, "created": created, "model": ctx.model_name,
-                           "choices": [], "usage": _usage(firsts, req.n)})
+                           "choices": [], "usage": _usage(outs, req.n)})
             yield SSE_DONE
+        except RequestError as e:  # refused on the way in (the headers are out already)
+            yield sse_error(e)
         finally:
             for f in pending:  # a read in flight must end before its stream can be closed
                 f.cancel()

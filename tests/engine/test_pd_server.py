@@ -10,6 +10,7 @@ import os
 import random
 import re
 import sys
+import time
 
 import httpx
 import pytest
@@ -43,7 +44,8 @@ def _pair(model_path: str, extra: list[str]):
         "--chunked-prefill-size", "16", *COMMON, *extra]), prefill_port)
     decode = EngineProcess(engine_command(model_path, decode_port, ["--disaggregation-mode", "decode", *COMMON,
                                                                     *extra]), decode_port)
-    with _environ(SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT=str(BOOTSTRAP_TIMEOUT_S)), prefill, decode:
+    with _environ(SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT=str(BOOTSTRAP_TIMEOUT_S), BATON_SSE_KEEPALIVE_S="1"), \
+            prefill, decode:
         prefill.wait_healthy(STARTUP_TIMEOUT_S, "waiting for the prefill engine")
         decode.wait_healthy(STARTUP_TIMEOUT_S, "waiting for the decode engine")
         yield prefill, bootstrap_port, decode
@@ -243,6 +245,36 @@ def test_pd_streaming_through_decode(pd_pair, model_path):
     assert pre.status_code == 200, pre.text
     assert len(chunks) > 1, "tokens should arrive in several chunks"
     assert chunks[-1]["output_ids"] == hf_greedy(model_path, prompt, MAX_NEW)
+    _assert_idle_and_whole(prefill, decode)
+
+
+def test_pd_streams_send_headers_before_their_peer_comes(pd_pair):
+    """Either role streams its headers at once and keep-alive comments while the request waits for
+    a peer that never comes (sglang-router waits for both engines' headers before it relays the
+    decode's tokens); past the bootstrap timeout the stream ends with an error event."""
+    prefill, bootstrap_port, decode = pd_pair
+    alone = {prefill: (_body(PROMPTS[1], bootstrap_port), "num_bootstrap_reqs"),  # no decode takes the room
+             decode: (_body(PROMPTS[1], free_port()), "num_prealloc_reqs")}  # nobody serves that bootstrap port
+
+    async def one(c: httpx.AsyncClient, engine: EngineProcess) -> tuple[list[str], list[dict]]:
+        body, queue = alone[engine]
+        req = c.build_request("POST", f"{engine.base_url}/generate", json={**body, "stream": True})
+        async with contextlib.aclosing(await c.send(req, stream=True)) as r:
+            assert r.status_code == 200
+            deadline = time.monotonic() + BOOTSTRAP_TIMEOUT_S / 2  # well before the request can end
+            while (await c.get(f"{engine.base_url}/get_server_info")).json()[queue] < 1:
+                assert time.monotonic() < deadline, f"the headers came, but the request is not in {queue}"
+                await asyncio.sleep(0.05)
+            lines = [line async for line in r.aiter_lines() if line]
+        return lines, [json.loads(x[6:]) for x in lines if x.startswith("data: ") and x != "data: [DONE]"]
+
+    async def run():
+        async with httpx.AsyncClient(timeout=BOOTSTRAP_TIMEOUT_S + 60) as c:
+            return await asyncio.gather(one(c, prefill), one(c, decode))
+
+    for lines, events in asyncio.run(run()):
+        assert lines[0] == ": keep-alive", lines
+        assert "bootstrap timeout" in events[-1]["error"]["message"], lines
     _assert_idle_and_whole(prefill, decode)
 
 

@@ -1,6 +1,7 @@
 """The tokenizer manager's per-request outputs: a step that arrives changes a request's ReqOutput only
 when its consumer reads it (a streaming consumer sends a chunk between reads, and must not see a later
-step's finish or text on the step it is sending); steps that queued up are merged into one read."""
+step's finish or text on the step it is sending); steps that queued up are merged into one read; a
+silent stream is woken for a keep-alive."""
 from __future__ import annotations
 
 import asyncio
@@ -11,7 +12,8 @@ from prometheus_client import generate_latest
 
 from baton.engine.io_struct import BatchStrOut, FinishReason
 from baton.engine.metrics import EngineMetrics
-from baton.engine.tokenizer_manager import ReqOutput, StepQueue, TokenizerManager, _ReqState
+from baton.engine.sampling.sampling_params import SamplingParams
+from baton.engine.tokenizer_manager import GenerateInput, ReqOutput, RequestError, StepQueue, TokenizerManager, _ReqState
 
 
 def _msg(rid: str, text: str, ids: list[int], done: bool, completion: int) -> BatchStrOut:
@@ -101,3 +103,35 @@ def test_a_waiting_read_wakes_on_the_next_step_and_polls_for_a_disconnect(monkey
         assert state.queue._waiter is None  # nothing left waiting on the queue
 
     asyncio.run(run())
+
+
+def test_a_silent_keepalive_stream_reads_none_and_others_keep_waiting():
+    """One ticker for every stream: a keepalive request with no step for keepalive_s reads a None (its
+    handler sends an SSE comment); a request without keepalive is never woken by it."""
+    async def run():
+        tm = TokenizerManager(None, "", "", EngineMetrics("m", "colocated"), vocab_size=100, context_len=64,
+                              keepalive_s=0.05)
+        quiet = _ReqState(ReqOutput(rid="q"), StepQueue(), keepalive=True)
+        plain = _ReqState(ReqOutput(rid="p"), StepQueue())
+        tm.states.update(q=quiet, p=plain)
+        ticker = asyncio.create_task(tm._keepalive_loop())
+        plain_read = asyncio.ensure_future(tm._next(plain, None))
+        assert await asyncio.wait_for(tm._next(quiet, None), 5) is None
+        assert await asyncio.wait_for(tm._next(quiet, None), 5) is None  # and again after another silence
+        tm._handle_batch(_msg("q", "a", [1], False, 1))
+        assert (await tm._next(quiet, None)).delta == "a"
+        assert not plain_read.done()
+        tm._handle_batch(_msg("p", "b", [2], True, 1))
+        assert (await asyncio.wait_for(plain_read, 5)).delta == "b"
+        ticker.cancel()
+
+    asyncio.run(run())
+
+
+def test_generate_refuses_a_bad_request_when_called_not_when_read():
+    tm = TokenizerManager(None, "", "", EngineMetrics("m", "colocated"), vocab_size=100, context_len=64)
+    with pytest.raises(RequestError, match="context length"):
+        tm.generate(GenerateInput(SamplingParams(), input_ids=list(range(1, 80))))
+    tm.states["dup"] = _ReqState(ReqOutput(rid="dup"), StepQueue())
+    with pytest.raises(RequestError, match="duplicate request id"):
+        tm.generate(GenerateInput(SamplingParams(), input_ids=[1, 2], rid="dup"))
