@@ -12,16 +12,20 @@ request-pair, no event loop to share with the engine.
 from __future__ import annotations
 
 import json
+import logging
+import sys
 import threading
 import time
 import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Optional
+from typing import Any, Optional
 from urllib.parse import parse_qs, urlparse
 
 from baton.engine.disaggregation.base import KVTransferError
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_BOOTSTRAP_PORT = 8998
 
@@ -96,6 +100,16 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
     ranks: dict[tuple[int, int], PrefillRankInfo]  # (DP rank, TP rank) -> info
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client gone before its answer (a decode whose short timeout ran out while this process
+        was busy in a long step) is one log line; anything else keeps the standard traceback."""
+        error = sys.exc_info()[1]
+        if isinstance(error, ConnectionError):  # BrokenPipeError, ConnectionResetError, ...
+            logger.warning("bootstrap server: %s:%s left before its answer (%s)", client_address[0],
+                           client_address[1], type(error).__name__)
+            return
+        super().handle_error(request, client_address)
 
 
 class KVBootstrapServer:
