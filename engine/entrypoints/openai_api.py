@@ -133,8 +133,12 @@ def grammar_fields(req: SamplingExtras) -> dict[str, Any]:
 
 def text_message(message: dict[str, Any]) -> dict[str, Any]:
     """OpenAI content parts to the plain string a text-only chat template expects: text parts joined
-    by newlines (as vLLM does); any other part (image_url, input_audio, file, ...) is a 400."""
+    by newlines (as vLLM does); any other part (image_url, input_audio, file, ...) is a 400. No
+    content (an assistant turn that called tools: `null`, as the OpenAI SDK returns it) is the empty
+    string, which every template can concatenate."""
     content = message.get("content")
+    if content is None:
+        return {**message, "content": ""}
     if not isinstance(content, list):
         return message
     texts = []

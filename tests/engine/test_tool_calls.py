@@ -336,3 +336,33 @@ def test_tools_on_completions_get_400_and_nothing_leaks(engine):
     r = httpx.post(f"{engine.base_url}/v1/completions", timeout=30, json={"prompt": "hi", "tools": TOOLS})
     assert r.status_code == 400 and "chat" in r.json()["error"]["message"], r.text
     assert wait_idle_integrity(engine.base_url)["integrity_ok"] is True
+
+
+# SmolLM2's template style: content joined with +, so a turn without content must still be a string
+CONCAT_TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+                   "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def concat_engine(model_path, tmp_path_factory):
+    template = tmp_path_factory.mktemp("concat") / "concat.jinja"
+    template.write_text(CONCAT_TEMPLATE)
+    with running_engine(model_path, "--chat-template", str(template)) as eng:
+        yield eng
+
+
+def test_an_sdk_assistant_turn_with_null_content_is_empty_text(concat_engine, hf):
+    """The OpenAI SDK's own message of a tool-calling answer (content None) sent back in the next turn,
+    as an agent loop does: the template sees "" (OpenAI's null), not a missing field or None."""
+    from openai.types.chat import ChatCompletionMessage
+
+    called = ChatCompletionMessage.model_validate({"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 7}'}}]})
+    assert called.content is None
+    turns = [*MESSAGES, called, {"role": "tool", "tool_call_id": "call_1", "content": "7"}]
+    client = openai.OpenAI(base_url=f"{concat_engine.base_url}/v1", api_key="unused")
+    model = client.models.list().data[0].id
+    resp = client.chat.completions.create(model=model, messages=turns, max_tokens=2, temperature=0)
+    want = hf[1].apply_chat_template([*MESSAGES, {"role": "assistant", "content": ""}, turns[2]],
+                                     chat_template=CONCAT_TEMPLATE, add_generation_prompt=True, tokenize=False)
+    assert resp.usage.prompt_tokens == len(hf[1](want)["input_ids"])
