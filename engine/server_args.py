@@ -88,7 +88,13 @@ class ServerArgs:
     # kernels, and with them CUDA-graph decode), else the torch backend
     attention_backend: str = "auto"
     disable_cuda_graph: bool = False
-    cuda_graph_max_bs: int = 64
+    # None: sized to the GPU's memory at start-up (cuda_graph_max_bs_for, as SGLang sizes it)
+    cuda_graph_max_bs: Optional[int] = None
+    # FlashInfer decode on tensor cores (its prefill kernel, one query row per request): auto turns
+    # it on for GQA groups of 4 or more query heads per KV head, where it reads the KV faster
+    flashinfer_decode_tensor_cores: str = "auto"  # auto | on | off
+    # CUDA: every layer op (norms, activation, attention input) on its torch reference path
+    disable_fused_ops: bool = False
     enable_torch_compile: bool = False
     cpu_omp_threads_bind: str = "off"  # off | auto | CPU list (utils/cpu_affinity.py)
     disable_packed_linear: bool = False  # CPU bf16: keep torch's GEMM (engine/kernels/cpu_linear.py)
@@ -179,6 +185,10 @@ class ServerArgs:
             raise ValueError(f"--load-balance-method must be one of {LOAD_BALANCE_METHODS}")
         if self.base_gpu_id < 0:
             raise ValueError("--base-gpu-id must be >= 0")
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
+            raise ValueError("--cuda-graph-max-bs must be >= 1")
+        if self.flashinfer_decode_tensor_cores not in ("auto", "on", "off"):
+            raise ValueError("--flashinfer-decode-tensor-cores must be auto, on or off")
 
     def _auto_attention_backend(self) -> str:
         if not self.device.startswith("cuda") or importlib.util.find_spec("flashinfer") is None:
@@ -260,7 +270,15 @@ class ServerArgs:
         a("--attention-backend", default=ServerArgs.attention_backend, choices=("auto",) + ATTENTION_BACKENDS,
           help="auto (default): flashinfer on CUDA for float16/bfloat16 when installed, else torch")
         a("--disable-cuda-graph", action="store_true")
-        a("--cuda-graph-max-bs", type=int, default=ServerArgs.cuda_graph_max_bs)
+        a("--cuda-graph-max-bs", type=int, default=ServerArgs.cuda_graph_max_bs,
+          help="decode batches up to this size replay a CUDA graph (padded to the next captured size); "
+               "default: by GPU memory, 8 under 20 GiB up to 256 from 90 GiB (capped by --max-running-requests)")
+        a("--flashinfer-decode-tensor-cores", default=ServerArgs.flashinfer_decode_tensor_cores,
+          choices=("auto", "on", "off"),
+          help="FlashInfer decode attention on tensor cores; auto: for 4 or more query heads per KV head")
+        a("--disable-fused-ops", action="store_true",
+          help="CUDA: run RMSNorm, the gated activation and the attention input (q/k norm, RoPE, KV store) "
+               "on their torch reference paths instead of the Triton kernels")
         a("--enable-torch-compile", action="store_true",
           help="compile the decode forward (and on CPU the extend) with torch.compile at start-up")
         a("--torch-compile-max-bs", type=int, default=ServerArgs.torch_compile_max_bs,

@@ -5,33 +5,18 @@
 #
 #   bash scripts/gpu_serve_bench.sh     # on the GPU machine, from the repository root
 #
-# The GPU image has torch/transformers but not the HTTP stack: pyzmq (.whl/, see gpu_check.sh
-# fetch-wheels) and fastapi, uvicorn, pydantic & co. (.whl_http/, `bash scripts/gpu_serve_bench.sh
-# fetch-wheels` here) travel as wheels. The model is a random-weight Llama, float16: by default
+# The GPU image has torch/transformers but not the HTTP stack: it travels as wheels in .whl/ with
+# FlashInfer (`bash scripts/gpu_check.sh fetch-wheels` here). The model is a random-weight Llama, float16: by default
 # ~0.2B (hidden 1024, 16 layers, 16 heads / 8 KV heads); SHAPE sets another, ARCH=qwen3_moe (with MOE)
 # a sparse MoE model. Logs go to $OUT (or ./gpu_check_out); environment knobs: NUM, INPUT, OUTPUT,
-# REPEATS, HF_MODES, TORCH_BACKEND, SHAPE, ARCH, MOE, TAG.
+# REPEATS, HF_MODES, TORCH_BACKEND, SHAPE, ARCH, MOE, TAG. The 8B shape's served run is a stage of
+# scripts/gpu_check.sh.
 set -uo pipefail
-
-HTTP_WHEELS="fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.3 pydantic_core==2.50.4 annotated-types==0.8.0
-typing-inspection==0.4.5 typing_extensions==4.16.0 httptools==0.9.0 orjson==3.13.0 uvicorn==0.54.0
-opentelemetry-api==1.45.2 annotated-doc==0.0.7"
-
-if [ "${1:-}" = "fetch-wheels" ]; then
-    # shellcheck disable=SC2086
-    ${PYTHON:-.venv/bin/python} -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-        --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 \
-        --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 \
-        -d .whl_http $HTTP_WHEELS || exit 1
-    ls .whl_http
-    exit 0
-fi
 
 OUT=${OUT:-$PWD/gpu_check_out}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
-"$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    .whl/*.whl .whl_http/*.whl || exit 1
+"$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 
 # SHAPE="hidden intermediate layers heads kv_heads" (head_dim 64 throughout: one FlashInfer JIT build)

@@ -1,4 +1,4 @@
-"""`baton bench serving|hf|compare`.
+"""`baton bench serving|hf|compare|step|kv-transfer|pd-ttft`.
 
     baton bench serving --base-url http://127.0.0.1:30000 --tokenizer DIR --num-prompts 64 --concurrency 8
     baton bench hf --model-path DIR --mode batched --num-prompts 16
@@ -22,8 +22,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     _add_serving_args(sub.add_parser("serving", help="stream a random-token workload to an OpenAI endpoint"))
     _add_hf_args(sub.add_parser("hf", help="HF transformers generate() on the same workload"))
     _add_compare_args(sub.add_parser("compare", help="engine variants vs HF baselines, one run"))
-    from baton.engine.bench import kv_transfer, pd_ttft
+    from baton.engine.bench import kv_transfer, pd_ttft, step
 
+    step.add_cli_args(sub.add_parser("step", help="GPU decode step and prefill of a real model shape vs the "
+                                                  "memory-bandwidth and matmul limits measured in the same run"))
     kv_transfer.add_cli_args(sub.add_parser("kv-transfer", help="our per-request KV transfer vs Mooncake's raw write"))
     pd_ttft.add_cli_args(sub.add_parser("pd-ttft", help="TTFT through router + prefill + decode vs colocated"))
 
@@ -71,10 +73,10 @@ def _add_compare_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    if args.bench_command in ("kv-transfer", "pd-ttft"):
-        from baton.engine.bench import kv_transfer, pd_ttft
+    if args.bench_command in ("kv-transfer", "pd-ttft", "step"):
+        from baton.engine.bench import kv_transfer, pd_ttft, step
 
-        return {"kv-transfer": kv_transfer, "pd-ttft": pd_ttft}[args.bench_command].run_cli(args)
+        return {"kv-transfer": kv_transfer, "pd-ttft": pd_ttft, "step": step}[args.bench_command].run_cli(args)
     runners = {"serving": _run_serving, "hf": _run_hf, "compare": _run_compare}
     results = runners[args.bench_command](args)
     if args.json_out:

@@ -14,7 +14,7 @@ engine/kernels/cpu_linear.py instead of torch's GEMM.
 from __future__ import annotations
 
 import logging
-from typing import NamedTuple, Optional
+from typing import TYPE_CHECKING, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +22,9 @@ from torch import nn
 
 from baton.engine.distributed.parallel_state import TpGroup, all_reduce
 from baton.engine.kernels import cpu_linear
+
+if TYPE_CHECKING:
+    from baton.engine.layers.activation import GatedAct
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +67,14 @@ class MergedColumnLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear_forward(self, x, self.bias)
+
+    def gated(self, x: torch.Tensor, act: "GatedAct") -> torch.Tensor:
+        """act(gate) * up of this [gate | up] layer's output. A packed bfloat16 CPU layer gives
+        silu(gate) * up straight out of its GEMM tiles (no [rows, 2I] product)."""
+        packed = getattr(self, "packed_weight", None)
+        if act.is_silu and x.dtype == torch.bfloat16 and cpu_linear.silu_mul_fusable(self.weight, packed, self.bias):
+            return cpu_linear.packed_linear_silu_mul(x, self.weight, packed)
+        return act(self(x))
 
     @torch.no_grad()
     def load_shard(self, param_name: str, shard: int, tensor: torch.Tensor) -> None:

@@ -1,7 +1,7 @@
 """The attention layer a model holds: its head geometry plus a call into the pass's backend."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import nn
@@ -20,9 +20,11 @@ class RadixAttention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.layer_id = layer_id
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, forward_batch: "ForwardBatch") -> torch.Tensor:
-        """q [n, num_heads * head_dim], k/v [n, num_kv_heads * head_dim] -> [n, num_heads * head_dim]."""
-        return forward_batch.attn_backend.forward(q, k, v, self, forward_batch)
+    def forward(self, q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
+                forward_batch: "ForwardBatch", save_kv_cache: bool = True) -> torch.Tensor:
+        """q [n, num_heads * head_dim], k/v [n, num_kv_heads * head_dim] -> [n, num_heads * head_dim].
+        save_kv_cache=False: k and v are in the KV cache already (then they may be None)."""
+        return forward_batch.attn_backend.forward(q, k, v, self, forward_batch, save_kv_cache)
 
     def extra_repr(self) -> str:
         return f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, layer={self.layer_id}"

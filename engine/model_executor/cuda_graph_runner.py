@@ -35,11 +35,11 @@ GRAPH_HOOKS = ("init_cuda_graph_state", "init_forward_metadata_capture", "init_f
 
 
 def capture_batch_sizes(max_bs: int) -> list[int]:
-    """1, 2, 4, 8, then every 8 up to max_bs, and max_bs itself (SGLang's bucketing, coarser above 8
-    since a padded decode row costs little)."""
+    """1, 2, 4, 8, then every 8 up to 160, every 16 above, and max_bs itself (SGLang's bucketing,
+    coarser as batches grow since a padded decode row costs little)."""
     if max_bs < 1:
         raise ValueError(f"--cuda-graph-max-bs must be >= 1, got {max_bs}")
-    sizes = [b for b in (1, 2, 4) if b < max_bs] + list(range(8, max_bs, 8))
+    sizes = [b for b in (1, 2, 4) if b < max_bs] + list(range(8, min(max_bs, 161), 8)) + list(range(176, max_bs, 16))
     return sizes + [max_bs]
 
 

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
+from baton.engine.layers.custom_op import bind_layer_ops
 from baton.engine.layers.linear import pack_linear_weights
 from baton.engine.layers.rotary_embedding import RotaryEmbedding
 from baton.engine.model_executor.forward_batch import ForwardBatch, ForwardMode
@@ -69,6 +70,16 @@ def resolve_kv_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dty
     return _KV_DTYPES[kv_cache_dtype]
 
 
+def cuda_graph_max_bs_for(gpu_memory_bytes: int) -> int:
+    """The default --cuda-graph-max-bs by GPU memory (SGLang's steps): a card that holds more KV
+    runs larger decode batches, and every captured size costs start-up time and graph memory."""
+    gib = gpu_memory_bytes / (1 << 30)
+    for limit, max_bs in ((20, 8), (35, 24), (60, 80), (90, 160)):
+        if gib < limit:
+            return max_bs
+    return 256
+
+
 def _inference(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_inference() else t.clone()
 
@@ -100,6 +111,8 @@ class ModelRunner:
                                                             self.tp)
         phase("load_weights")
         self.model.eval()
+        # each layer op on its device's path (Triton on CUDA), or all on the torch reference
+        self.layer_ops = bind_layer_ops(self.model, self.device, fused=not server_args.disable_fused_ops)
         if not server_args.disable_packed_linear:  # CPU bfloat16 layers only; it checks
             pack_linear_weights(self.model, self.device)
         self.kv_dtype = resolve_kv_dtype(server_args.kv_cache_dtype, self.dtype)
@@ -207,7 +220,8 @@ class ModelRunner:
             logger.info("CUDA graphs off: --attention-backend %s has no static-shape decode metadata "
                         "(use --attention-backend flashinfer)", args.attention_backend)
             return None
-        return CudaGraphRunner(self, max_bs=min(args.cuda_graph_max_bs, self.pool_config.max_running_requests))
+        max_bs = args.cuda_graph_max_bs or cuda_graph_max_bs_for(torch.cuda.get_device_properties(self.device).total_memory)
+        return CudaGraphRunner(self, max_bs=min(max_bs, self.pool_config.max_running_requests))
 
     def _pool_config(self, text_cfg) -> PoolConfig:
         args, page = self.server_args, self.server_args.page_size

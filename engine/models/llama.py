@@ -16,16 +16,16 @@ into it.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable, Optional
 
 import torch
 from torch import nn
 
 from baton.engine.distributed.parallel_state import TpGroup
-from baton.engine.kernels import cpu_linear
 from baton.engine.layers.activation import GatedAct
 from baton.engine.layers.layernorm import RMSNorm
 from baton.engine.layers.linear import MergedColumnLinear, RowParallelLinear, even_parts, load_param, qkv_parts
+from baton.engine.layers.qkv_rope import QKVRope
 from baton.engine.layers.radix_attention import RadixAttention
 from baton.engine.layers.rotary_embedding import get_rope
 from baton.engine.layers.vocab_parallel import VocabParallelEmbedding
@@ -64,16 +64,14 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.rotary_emb = get_rope(config, self.head_dim)
+        # split, q/k norms, RoPE (and on CUDA the KV store): one op
+        self.qkv_rope = QKVRope(self.num_heads, self.num_kv_heads, self.head_dim, layer_id, self.rotary_emb,
+                                self.q_norm, self.k_norm)
         self.attn = RadixAttention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads, layer_id)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, forward_batch: "ForwardBatch") -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.q_norm is not None:
-            n = hidden.shape[0]
-            q = self.q_norm(q.reshape(n, self.num_heads, self.head_dim)).view(n, self.q_size)
-            k = self.k_norm(k.reshape(n, self.num_kv_heads, self.head_dim)).view(n, self.kv_size)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v.contiguous(), forward_batch))
+        q, k, v = self.qkv_rope(positions, self.qkv_proj(hidden), forward_batch)
+        return self.o_proj(self.attn(q, k, v, forward_batch, save_kv_cache=k is not None))
 
 
 class LlamaMLP(nn.Module):
@@ -85,13 +83,7 @@ class LlamaMLP(nn.Module):
         self.act = GatedAct(hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj
-        packed = getattr(gate_up, "packed_weight", None)
-        if self.act.is_silu and x.dtype == torch.bfloat16 and cpu_linear.silu_mul_fusable(gate_up.weight, packed,
-                                                                                          gate_up.bias):
-            # bfloat16 on AVX512_BF16: silu(gate) * up straight out of the GEMM, no [rows, 2I] product
-            return self.down_proj(cpu_linear.packed_linear_silu_mul(x, gate_up.weight, packed))
-        return self.down_proj(self.act(gate_up(x)))
+        return self.down_proj(self.gate_up_proj.gated(x, self.act))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -101,9 +93,17 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, forward_batch: "ForwardBatch") -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), forward_batch)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: Optional[torch.Tensor],
+                forward_batch: "ForwardBatch") -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-norm with the residual add deferred into the next norm (HF's sums, in its order):
+        the layer returns (its output, the residual stream before that output is added)."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, forward_batch)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -115,10 +115,10 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: "ForwardBatch") -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden]
+        hidden, residual = self.embed_tokens(input_ids), None  # [num_tokens, hidden]
         for layer in self.layers:
-            hidden = layer(positions, hidden, forward_batch)
-        return self.norm(hidden)
+            hidden, residual = layer(positions, hidden, residual, forward_batch)
+        return self.norm(hidden, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

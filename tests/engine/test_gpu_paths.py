@@ -27,8 +27,8 @@ from baton.engine.triton_ops.paged_kv_indices import build_paged_kv_metadata, pa
 # 18, 3, 21, 5, 16, 33 and 1 tokens: full, partial and single-token pages at page size 16
 PROMPTS = [[5, 17, 200, 33, 41, 90, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18], [300, 12, 8], [44] * 21,
            [7, 9, 11, 13, 15], list(range(101, 117)), list(range(200, 233)), [77]]
-GPU_MODEL = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2)  # head_dim 64: FlashInfer's smallest
-GPU_MOE_MODEL = dict(GPU_MODEL, head_dim=64, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128)
+GPU_MODEL = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64)  # FlashInfer's smallest
+GPU_MOE_MODEL = dict(GPU_MODEL, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128)
 
 
 # ---------------------------------------------------------------- paged metadata (CPU)
@@ -362,7 +362,9 @@ def hf_consistency(path: str, prompt: list[int], ids: list[int], tol: float) -> 
 GREEDY_CASES = [("llama", "flashinfer", graph, overlap, page) for graph in (True, False) for overlap in (True, False)
                 for page in (1, 16)] + [("llama", "torch", False, True, 1), ("llama", "torch", False, False, 16),
                                         # the MoE experts as Triton grouped GEMMs, captured in the decode graphs
-                                        ("qwen3_moe", "flashinfer", True, True, 16), ("qwen3_moe", "flashinfer", False, False, 1)]
+                                        ("qwen3_moe", "flashinfer", True, True, 16), ("qwen3_moe", "flashinfer", False, False, 1),
+                                        # q/k norms inside the fused attention-input kernel
+                                        ("qwen3", "flashinfer", True, True, 16)]
 
 
 @pytest.mark.gpu

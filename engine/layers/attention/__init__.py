@@ -12,6 +12,12 @@ _BACKENDS: dict[str, tuple[str, str]] = {
 }
 
 
+def use_tensor_core_decode(setting: str, group_size: int) -> bool:
+    """FlashInfer decode on tensor cores? --flashinfer-decode-tensor-cores auto|on|off for a GQA group
+    of `group_size` query heads per KV head (auto: 4 or more, SGLang's rule)."""
+    return setting == "on" or (setting == "auto" and group_size >= 4)
+
+
 def create_attention_backend(name: str, **kwargs) -> AttentionBackend:
     """Build the backend `name` (see server_args.ATTENTION_BACKENDS); kwargs go to its constructor."""
     if name not in _BACKENDS:
@@ -27,4 +33,4 @@ def create_attention_backend(name: str, **kwargs) -> AttentionBackend:
     return getattr(module, class_name)(**kwargs)
 
 
-__all__ = ["AttentionBackend", "create_attention_backend"]
+__all__ = ["AttentionBackend", "create_attention_backend", "use_tensor_core_decode"]

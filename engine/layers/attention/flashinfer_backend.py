@@ -10,6 +10,14 @@ once in init_forward_metadata, and every layer only calls run():
                                                   request with a cached prefix of p tokens sees
                                                   keys 0 .. p + j (prefix pages included)
 
+Decode runs on tensor cores (FlashInfer's prefill kernel with one query row per request) where
+--flashinfer-decode-tensor-cores says so; auto: for GQA groups of 4 or more query heads per KV head,
+where the group's rows fill an MMA tile and the KV is read at a higher rate than by the CUDA-core
+decode kernel (SGLang's rule; measured by `baton bench step`).
+
+A pass's new K/V may already be in the pool when a layer calls in (layers/qkv_rope.py stores them
+in its fused kernel: `reads_new_kv_from_pool`); every layer then attends from the pool alone.
+
 CUDA graphs (model_executor/cuda_graph_runner.py): one decode wrapper per captured batch size,
 created with use_cuda_graph=True over preallocated indptr / last_page_len buffers and one shared
 kv_indices buffer, and planned again (outside the graph) before every replay.
@@ -21,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+from baton.engine.layers.attention import use_tensor_core_decode
 from baton.engine.layers.attention.base import AttentionBackend
 from baton.engine.triton_ops.paged_kv_indices import build_paged_kv_metadata, qo_indptr_of
 
@@ -74,15 +83,18 @@ def attn_geometry(model: torch.nn.Module) -> AttnGeometry:
 
 class FlashInferAttnBackend(AttentionBackend):
     supports_cuda_graph = True
+    reads_new_kv_from_pool = True  # every run() reads the pass's K/V from the paged pool
 
     def __init__(self, model_runner: Any, **_unused: Any) -> None:
         pool = model_runner.token_to_kv_pool
         self._check_supported(str(model_runner.device), model_runner.dtype, pool.dtype, model_runner.head_dim)
         self.geometry = attn_geometry(model_runner.model)
         group = self.geometry.num_qo_heads // self.geometry.num_kv_heads
-        if group not in SUPPORTED_GROUP_SIZES:
+        setting = getattr(getattr(model_runner, "server_args", None), "flashinfer_decode_tensor_cores", "auto")
+        self.decode_tensor_cores = use_tensor_core_decode(setting, group)
+        if group not in SUPPORTED_GROUP_SIZES and not self.decode_tensor_cores:
             raise ValueError(f"--attention-backend flashinfer: GQA group size {group} is not one of "
-                             f"{SUPPORTED_GROUP_SIZES}; use --attention-backend torch")
+                             f"{SUPPORTED_GROUP_SIZES}; use --flashinfer-decode-tensor-cores on or --attention-backend torch")
         self.dtype, self.kv_dtype = model_runner.dtype, pool.dtype
         self.page_size = pool.page_size
         self.req_to_token = model_runner.req_to_token_pool.req_to_token
@@ -95,7 +107,7 @@ class FlashInferAttnBackend(AttentionBackend):
                          for k, v in zip(pool.k_buffer, pool.v_buffer)]
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", backend=KERNEL_BACKEND)
+            self.workspace, "NHD", use_tensor_cores=self.decode_tensor_cores, backend=KERNEL_BACKEND)
         self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             self.workspace, "NHD", backend=KERNEL_BACKEND)
         self._plan_fence: Optional[torch.cuda.Event] = None
@@ -157,7 +169,7 @@ class FlashInferAttnBackend(AttentionBackend):
         assert self._graph_kv_indices is not None, "init_cuda_graph_state first"
         bs = forward_batch.batch_size
         wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_cuda_graph=True,
+            self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.decode_tensor_cores,
             paged_kv_indptr_buffer=torch.zeros(bs + 1, dtype=torch.int32, device=self.device),
             paged_kv_indices_buffer=self._graph_kv_indices,
             paged_kv_last_page_len_buffer=torch.zeros(bs, dtype=torch.int32, device=self.device),
@@ -171,7 +183,7 @@ class FlashInferAttnBackend(AttentionBackend):
         self._plan_decode(wrapper, forward_batch, out=self._graph_kv_indices)
 
     # ------------------------------------------------------------------ attention
-    def _run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "RadixAttention",
+    def _run(self, q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor], layer: "RadixAttention",
              fb: "ForwardBatch", save_kv_cache: bool) -> torch.Tensor:
         if save_kv_cache:
             self._save_kv(k, v, layer, fb)
