@@ -24,6 +24,19 @@ DISAGGREGATION_MODES = ("null", "prefill", "decode")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
 
 
+# --chunked-prefill-size when not given: a step must stay short where prefill is slow, since nothing
+# else runs during it (decodes too, without --enable-mixed-chunk) and the watchdog ends a step past
+# --watchdog-timeout. Measured on the 2-core CI VM, an 8,000-token prompt on SmolLM2-135M (float32),
+# with a stream decoding beside it: chunk 8192, one 50 s step; 2048, longest step 11 s (33 s in all);
+# 1024, 5.5 s (31 s); 512, 3.1 s (31 s); 256, 3.6 s (43 s). GPUs keep SGLang's large-GPU default.
+CPU_CHUNKED_PREFILL_SIZE = 512
+GPU_CHUNKED_PREFILL_SIZE = 8192
+
+
+def default_chunked_prefill_size(device: str) -> int:
+    return CPU_CHUNKED_PREFILL_SIZE if device.startswith("cpu") else GPU_CHUNKED_PREFILL_SIZE
+
+
 def auto_dtype_name(checkpoint_dtype: Optional[str], device: str) -> str:
     """--dtype auto: the checkpoint's dtype, except float16 on CPU -> float32 (CPU float16 matmuls are
     slow) and float32 on CUDA -> float16 (as SGLang and vLLM do: half precision is what FlashInfer
@@ -56,7 +69,8 @@ class ServerArgs:
     max_running_requests: Optional[int] = None
     max_queued_requests: Optional[int] = None
     max_prefill_tokens: int = 16384
-    chunked_prefill_size: int = 8192
+    # prompt tokens one prefill step takes (-1: all at once); None: by device, default_chunked_prefill_size
+    chunked_prefill_size: Optional[int] = None
     disable_radix_cache: bool = False
     # scheduling
     schedule_policy: str = "fcfs"
@@ -138,6 +152,9 @@ class ServerArgs:
             object.__setattr__(self, "attention_backend", self._auto_attention_backend())  # frozen
         assert self.attention_backend in ATTENTION_BACKENDS, f"--attention-backend must be one of {ATTENTION_BACKENDS}"
         assert self.disaggregation_mode in DISAGGREGATION_MODES
+        if self.chunked_prefill_size is None:
+            object.__setattr__(self, "chunked_prefill_size",  # frozen
+                               max(default_chunked_prefill_size(self.device), self.page_size))
         assert self.chunked_prefill_size == -1 or self.chunked_prefill_size >= self.page_size
         assert self.stream_interval >= 1
         if self.decode_log_interval < 1:
@@ -244,7 +261,9 @@ class ServerArgs:
         a("--max-running-requests", type=int, default=None)
         a("--max-queued-requests", type=int, default=None, help="reject with 503 beyond this many waiting requests")
         a("--max-prefill-tokens", type=int, default=ServerArgs.max_prefill_tokens)
-        a("--chunked-prefill-size", type=int, default=ServerArgs.chunked_prefill_size, help="-1 disables chunking")
+        a("--chunked-prefill-size", type=int, default=ServerArgs.chunked_prefill_size,
+          help=f"prompt tokens per prefill step; -1 disables chunking; default by device: "
+               f"{CPU_CHUNKED_PREFILL_SIZE} on CPU, {GPU_CHUNKED_PREFILL_SIZE} on CUDA")
         a("--disable-radix-cache", action="store_true")
         a("--schedule-policy", default=ServerArgs.schedule_policy, choices=SCHEDULE_POLICIES)
         a("--enable-priority-scheduling", action="store_true")
