@@ -475,19 +475,21 @@ _SUMMED_INFO = ("num_running_reqs", "num_waiting_reqs", "num_grammar_queue_reqs"
 
 
 def merge_server_infos(infos: list[dict[str, Any]]) -> dict[str, Any]:
-    """One engine's view of its DP ranks: rank 0's fields, counts summed over the ranks, token usage
-    and cache hit rate averaged, integrity_ok true only when every rank checked and held, and each
-    rank's own info under `internal_states` (SGLang's name)."""
-    if len(infos) == 1:
-        return infos[0]
+    """One engine's view of its DP ranks (/get_server_info): rank 0's fields, counts summed over the
+    ranks, token usage and cache hit rate averaged, integrity_ok true only when every rank checked and
+    held, and each rank's own info under `internal_states` (SGLang's name; always there, one rank
+    too: sglang.bench_serving reads internal_states[0]). The `*_samples` lists (up to thousands of
+    numbers each) are for /metrics only and stay out."""
+    infos = [{k: v for k, v in info.items() if not k.endswith("_samples")} for info in infos]
     merged = dict(infos[0])
-    for key in _SUMMED_INFO:
-        if all(key in info for info in infos):
-            merged[key] = sum(info[key] for info in infos)
-    for key in ("token_usage", "cache_hit_rate"):
-        if all(key in info for info in infos):
-            merged[key] = sum(info[key] for info in infos) / len(infos)
-    checks = [info.get("integrity_ok") for info in infos]
-    merged["integrity_ok"] = None if None in checks else all(checks)
+    if len(infos) > 1:
+        for key in _SUMMED_INFO:
+            if all(key in info for info in infos):
+                merged[key] = sum(info[key] for info in infos)
+        for key in ("token_usage", "cache_hit_rate"):
+            if all(key in info for info in infos):
+                merged[key] = sum(info[key] for info in infos) / len(infos)
+        checks = [info.get("integrity_ok") for info in infos]
+        merged["integrity_ok"] = None if None in checks else all(checks)
     merged["internal_states"] = infos
     return merged

@@ -97,7 +97,17 @@ def test_merged_server_info():
     assert merged["internal_states"] == infos and merged["page_size"] == 1
     infos[1]["integrity_ok"] = False
     assert merge_server_infos(infos)["integrity_ok"] is False
-    assert merge_server_infos(infos[:1]) == infos[0]
+    assert merge_server_infos(infos[:1]) == {**infos[0], "internal_states": infos[:1]}  # one rank: there too
+
+
+def test_server_info_keeps_the_metrics_samples_out():
+    """The samples lists feed /metrics (each scrape reads the ranks' raw infos); /get_server_info
+    leaves them out, on every rank's entry too."""
+    info = {"dp_rank": 0, "num_running_reqs": 0, "queue_time_samples": [(i, 0.1) for i in range(4096)],
+            "transfer_samples": [(1, 4096, 0.01)]}
+    for merged in (merge_server_infos([info]), merge_server_infos([info, {**info, "dp_rank": 1}])):
+        assert not [k for k in (*merged, *(k for s in merged["internal_states"] for k in s)) if k.endswith("_samples")]
+        assert [s["dp_rank"] for s in merged["internal_states"]] == list(range(len(merged["internal_states"])))
 
 
 def test_rank_cpus():
