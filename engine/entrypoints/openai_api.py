@@ -39,8 +39,9 @@ def register_openai_routes(app: FastAPI, ctx: ApiContext) -> None:
             return await _stream(ctx, objs, request, req, chat=False)
         outs = await _collect_all(ctx, objs, request)
         # choice k is copy k % n of prompt k // n, as OpenAI orders them
-        choices = [{"index": k, "text": (_echo(ctx, prompts[k // req.n], req) + o.text),
-                    "logprobs": _completion_logprobs(ctx, o, 0) if req.logprobs is not None else None,
+        echoes = [_echo(ctx, prompts[k // req.n], req) for k in range(len(outs))]
+        choices = [{"index": k, "text": echoes[k] + o.text,
+                    "logprobs": _completion_logprobs(ctx, o, 0, len(echoes[k])) if req.logprobs is not None else None,
                     "finish_reason": _reason(o), "matched_stop": _matched(o)} for k, o in enumerate(outs)]
         return JSONResponse({"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
                              "created": int(time.time()), "model": ctx.model_name, "choices": choices,
@@ -218,12 +219,20 @@ def _token_text(ctx: ApiContext, tid: int) -> str:
     return ctx.tm.tokenizer.decode([tid])
 
 
-def _completion_logprobs(ctx: ApiContext, out: ReqOutput, start: int) -> dict[str, Any]:
+def _completion_logprobs(ctx: ApiContext, out: ReqOutput, start: int, offset: int) -> dict[str, Any]:
+    """OpenAI's legacy logprobs of the output tokens from `start`; `offset`: where the first of them
+    begins in the choice's text. Each text_offset is that plus the lengths of the tokens before it
+    (as vLLM and SGLang count)."""
     entries = out.output_token_logprobs[start:]
     tops = out.output_top_logprobs[start:] if out.output_top_logprobs else [None] * len(entries)
-    return {"tokens": [_token_text(ctx, t) for _, t in entries], "token_logprobs": [lp for lp, _ in entries],
+    tokens = [_token_text(ctx, t) for _, t in entries]
+    offsets = []
+    for token in tokens:
+        offsets.append(offset)
+        offset += len(token)
+    return {"tokens": tokens, "token_logprobs": [lp for lp, _ in entries],
             "top_logprobs": [None if not top else {_token_text(ctx, t): lp for lp, t in top} for top in tops],
-            "text_offset": []}
+            "text_offset": offsets}
 
 
 def _chat_logprobs(ctx: ApiContext, out: ReqOutput, start: int) -> list[dict[str, Any]]:
@@ -255,6 +264,7 @@ async def _stream(ctx: ApiContext, objs: list[GenerateInput], request: Request, 
     want_logprobs = objs[0].return_logprob
     model = ctx.model_name
     outs: list[Optional[ReqOutput]] = [None] * len(objs)  # each choice's output (the same object every step)
+    text_offsets = [0] * len(objs)  # completions' logprobs: where each choice's next token starts
 
     def chunk(choice: dict[str, Any]) -> bytes:
         return sse({"id": cid, "object": obj_name, "created": created, "model": model, "choices": [choice]})
@@ -265,7 +275,9 @@ async def _stream(ctx: ApiContext, objs: list[GenerateInput], request: Request, 
         lp = None
         if want_logprobs:
             lp = ({"content": _chat_logprobs(ctx, out, out.new_logprobs_from)} if chat
-                  else _completion_logprobs(ctx, out, out.new_logprobs_from))
+                  else _completion_logprobs(ctx, out, out.new_logprobs_from, text_offsets[k]))
+            if not chat:
+                text_offsets[k] += sum(len(t) for t in lp["tokens"])
         choice = {"index": k, "logprobs": lp, "finish_reason": _reason(out)}
         if parsers is not None:
             p = parsers[k]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 
 class _Body(BaseModel):
@@ -57,7 +57,7 @@ class CompletionRequest(SamplingExtras):
     temperature: float = 1.0
     top_p: float = 1.0
     n: int = 1
-    stream: bool = False
+    stream: StrictBool = False  # "yes" is a 400, as the router answers, not a stream
     stream_options: Optional[StreamOptions] = None
     logprobs: Optional[int] = None
     echo: bool = False
@@ -69,7 +69,7 @@ class CompletionRequest(SamplingExtras):
 
 
 class ChatMessage(_Body):
-    role: str
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]  # OpenAI's roles
     content: Optional[Union[str, list[dict[str, Any]]]] = None
     name: Optional[str] = None
     tool_calls: Optional[list[dict[str, Any]]] = None  # an assistant turn that called tools
@@ -106,7 +106,7 @@ class ChatCompletionRequest(SamplingExtras):
     temperature: float = 1.0
     top_p: float = 1.0
     n: int = 1
-    stream: bool = False
+    stream: StrictBool = False  # "yes" is a 400, as the router answers, not a stream
     stream_options: Optional[StreamOptions] = None
     logprobs: bool = False
     top_logprobs: Optional[int] = None
@@ -129,7 +129,7 @@ class GenerateRequest(_Body):
     text: Optional[Union[str, list[str]]] = None
     input_ids: Optional[Union[list[int], list[list[int]]]] = None
     sampling_params: Optional[Union[dict[str, Any], list[dict[str, Any]]]] = None
-    stream: bool = False
+    stream: StrictBool = False  # "yes" is a 400, as the router answers, not a stream
     return_logprob: Union[bool, list[bool]] = False
     logprob_start_len: Union[int, list[int]] = -1
     top_logprobs_num: Union[int, list[int]] = 0

@@ -95,6 +95,25 @@ def test_openai_client_chat_and_completion(engine, model_path, hf):
     assert all(len(t) <= 2 for t in comp.choices[0].logprobs.top_logprobs)
 
 
+def test_completion_text_offsets(engine):
+    """text_offset: where each token starts in the choice's text (after an echoed prompt), continued
+    across a stream's chunks."""
+    client = openai.OpenAI(base_url=f"{engine.base_url}/v1", api_key="unused")
+    model = client.models.list().data[0].id
+    body = dict(model=model, prompt="the quick brown fox", max_tokens=6, temperature=0, logprobs=1,
+                extra_body={"ignore_eos": True})
+
+    def starts(tokens: list[str], base: int) -> list[int]:
+        return [base + len("".join(tokens[:i])) for i in range(len(tokens))]
+
+    for echo in (False, True):
+        lp = client.completions.create(echo=echo, **body).choices[0].logprobs
+        assert len(lp.tokens) == 6 and lp.text_offset == starts(lp.tokens, len(body["prompt"]) if echo else 0)
+    chunks = [c.choices[0].logprobs for c in client.completions.create(stream=True, **body) if c.choices]
+    tokens = [t for c in chunks if c for t in c.tokens]
+    assert [o for c in chunks if c for o in c.text_offset] == starts(tokens, 0) and len(tokens) == 6
+
+
 def test_chat_text_parts_and_logit_bias_through_the_openai_client(engine, model_path, hf):
     client = openai.OpenAI(base_url=f"{engine.base_url}/v1", api_key="unused")
     model = client.models.list().data[0].id
@@ -199,6 +218,10 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": "hello"}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"content": "no role"}]}, 400, "role"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, 400, "stream"),
+    ("/v1/completions", {"prompt": "hi", "stream": "yes"}, 400, "stream"),
+    ("/generate", {"text": "hi", "stream": 1}, 400, "stream"),
     ("/generate", {"sampling_params": {"max_new_tokens": 3}}, 400, "text or input_ids"),
     ("/generate", {"input_ids": [1, 2, 10**9]}, 400, "vocabulary"),
     ("/generate", {"text": "hi", "sampling_params": {"no_such_param": 1}}, 400, "sampling_params"),
