@@ -29,21 +29,25 @@ from baton.engine.disaggregation.no_peer import NoPeerReceiver, is_no_peer
 from baton.engine.disaggregation.stats import PDStats
 from baton.engine.disaggregation.prefill import (TRANSFER_FAILED_STATUS, create_kv_manager, missing_bootstrap_error,
                                                  transfer_config_from)
+from baton.engine.disaggregation.strategy import Colocated, DisaggregationMode
 from baton.engine.io_struct import AbortReq, TokenizedGenerateReqInput
-from baton.engine.scheduler.schedule_policy import CLIP_MAX_NEW_TOKENS
 
 if TYPE_CHECKING:
+    from baton.engine.disaggregation.strategy import SchedulerView
     from baton.engine.scheduler.req import Req
-    from baton.engine.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
 
-class DecodeDisaggregation:
+class DecodeDisaggregation(Colocated):
     """Prealloc queue, transfer queue and the prebuilt batch of a decode Scheduler."""
 
-    def __init__(self, scheduler: "Scheduler", config: Optional[TransferConfig] = None) -> None:
-        self.scheduler = s = scheduler
+    mode = DisaggregationMode.DECODE
+    polls_in_background = True
+
+    def __init__(self, view: "SchedulerView", config: Optional[TransferConfig] = None) -> None:
+        super().__init__(view)
+        s = view
         self.config = config or transfer_config_from(s.server_args)
         self.metadata = MetadataBuffers(s.max_running_requests + 1)
         self.mgr = create_kv_manager(s, "decode", self.config, self.metadata)
@@ -53,14 +57,13 @@ class DecodeDisaggregation:
         self.stats = PDStats()
 
     # ------------------------------------------------------------------ intake
-    def add_request(self, req: "Req", recv: TokenizedGenerateReqInput) -> Optional[tuple[str, int]]:
-        error = missing_bootstrap_error(recv, "decode")
+    def admit(self, req: "Req", recv: TokenizedGenerateReqInput) -> Optional[tuple[str, int]]:
+        error = missing_bootstrap_error(req, "decode")
         if error is not None:
             return error
-        port = recv.bootstrap_port if recv.bootstrap_port is not None else DEFAULT_BOOTSTRAP_PORT
-        req.bootstrap_host, req.bootstrap_port, req.bootstrap_room = recv.bootstrap_host, port, recv.bootstrap_room
-        req.kv_transfer = (NoPeerReceiver(recv.bootstrap_room) if is_no_peer(recv.bootstrap_host)
-                           else self.mgr.create_receiver(f"{recv.bootstrap_host}:{port}", recv.bootstrap_room))
+        port = req.bootstrap_port if req.bootstrap_port is not None else DEFAULT_BOOTSTRAP_PORT
+        req.kv_transfer = (NoPeerReceiver(req.bootstrap_room) if is_no_peer(req.bootstrap_host)
+                           else self.mgr.create_receiver(f"{req.bootstrap_host}:{port}", req.bootstrap_room))
         self.prealloc_queue.append(req)
         return None
 
@@ -83,7 +86,7 @@ class DecodeDisaggregation:
                 blocked |= status >= KVPoll.WaitingForInput
                 keep.append(req)
             else:
-                s, prefix = self.scheduler, len(req.prefix_indices)
+                s, prefix = self.view, len(req.prefix_indices)
                 slots = s.req_to_token_pool.req_to_token[req.req_pool_idx, prefix:len(req.origin_input_ids)]
                 req.kv_transfer.init(pages_from_slots(slots, s.page_size), req.kv_meta_slot, prefix // s.page_size)
                 req.kv_transfer_started = time.monotonic()
@@ -93,9 +96,9 @@ class DecodeDisaggregation:
     def _reserve(self, req: "Req") -> bool:
         """A request row, a metadata slot and KV slots for the prompt after its cached prefix, if the
         running requests' expected growth still fits afterwards (the budget PrefillAdder keeps)."""
-        s, n = self.scheduler, len(req.origin_input_ids)
-        holders = s.running_batch.reqs + self.transfer_queue
-        if len(holders) + len(s.waiting_queue) >= s.max_running_requests:
+        s, n = self.view, len(req.origin_input_ids)
+        holders = s.queues.running_batch.reqs + self.transfer_queue
+        if len(holders) + len(s.queues.waiting) >= s.max_running_requests:
             return False
         match = s.tree_cache.match_prefix(req.origin_input_ids[:n - 1])  # the prefill sends >= 1 page
         s.tree_cache.inc_lock_ref(match.last_node)  # before evicting: our own prefix must stay
@@ -119,9 +122,8 @@ class DecodeDisaggregation:
         return True
 
     def _alloc_suffix(self, req: "Req", prefix_indices: torch.Tensor, holders: list["Req"]) -> Optional[torch.Tensor]:
-        s, n, prefix = self.scheduler, len(req.origin_input_ids), len(prefix_indices)
-        growth = sum(min(r.sampling_params.max_new_tokens - len(r.output_ids), CLIP_MAX_NEW_TOKENS)
-                     for r in holders + [req]) * s.new_token_ratio
+        s, n, prefix = self.view, len(req.origin_input_ids), len(prefix_indices)
+        growth = sum(r.remaining_token_budget() for r in holders + [req]) * s.new_token_ratio()
         need = -(-(n - prefix) // s.page_size) * s.page_size
         if holders and need + growth > s.allocator.available_size() + s.tree_cache.evictable_size():
             return None
@@ -137,9 +139,9 @@ class DecodeDisaggregation:
                 done.append(req)
                 if is_no_peer(req.bootstrap_host):
                     continue  # nothing moved: keep it out of the transfer statistics
-                pool = self.scheduler.worker.model_runner.token_to_kv_pool
+                pool = self.view.kv_pool
                 # K and V of every layer, on every TP rank (each moves its shard)
-                nbytes = len(req.origin_input_ids) * pool.bytes_per_token * 2 * pool.layer_num * self.scheduler.worker.tp.size
+                nbytes = len(req.origin_input_ids) * pool.bytes_per_token * 2 * pool.layer_num * self.view.tp.size
                 self.stats.transfer_done(nbytes, time.monotonic() - req.kv_transfer_started)
             elif status == KVPoll.Failed:
                 self.stats.transfer_failures += 1
@@ -152,10 +154,10 @@ class DecodeDisaggregation:
 
     def _merge_prebuilt(self, reqs: list["Req"]) -> None:
         """The transferred requests join running_batch with their first token, without a forward."""
-        s = self.scheduler
+        s = self.view
         for req in reqs:
             meta = req.kv_transfer.metadata()
-            self.release_transfer(req)
+            self.release(req)
             req.fill_ids = list(req.origin_input_ids)
             req.output_ids.append(meta.output_token_id)
             req.sampling_state.on_sampled(meta.output_token_id)
@@ -168,19 +170,19 @@ class DecodeDisaggregation:
                     req.output_top_logprobs.append([])  # the prefill sends only the chosen token's logprob
             req.first_token_time = req.first_token_time or time.time()
             req.check_finished(s.tokenizer)
-            s.stats.generated_tokens += 1
+            s.count_generated(1)
         live = [r for r in reqs if not r.finished()]
         for req in reqs:
             if req.finished():
                 s.finish_request(req)  # the prompt's KV is real now: it goes to the prefix cache
         if live:
-            batch = s._new_batch(live)
+            batch = s.new_batch(live)
             batch.output_ids = torch.tensor([r.output_ids[-1] for r in live], dtype=torch.int64)
-            s.running_batch.merge_batch(batch)
+            s.queues.running_batch.merge_batch(batch)
         s.stream_output(reqs)
 
     # ------------------------------------------------------------------ endings
-    def abort_request(self, recv: AbortReq) -> None:
+    def abort(self, recv: AbortReq) -> None:
         for queue in (self.prealloc_queue, self.transfer_queue):
             for req in [r for r in queue if recv.abort_all or r.rid == recv.rid]:
                 queue.remove(req)
@@ -190,8 +192,8 @@ class DecodeDisaggregation:
         """End a request whose KV never arrived: the prefill is told, reserved memory goes back."""
         req.abort(message, status_code)
         destination_sent = req.kv_transfer is not None and req.kv_transfer_started > 0.0
-        self.release_transfer(req)
-        s = self.scheduler
+        self.release(req)
+        s = self.view
         if req.req_pool_idx is not None:
             own = s.req_to_token_pool.req_to_token[req.req_pool_idx, len(req.prefix_indices):req.kv_allocated_len]
             if destination_sent and self.mgr.abort_grace_s > 0:
@@ -208,7 +210,7 @@ class DecodeDisaggregation:
     def _reason(req: "Req") -> str:
         return f"KV transfer failed: {req.kv_transfer.failure_reason() or 'unknown reason'}"
 
-    def release_transfer(self, req: "Req") -> None:
+    def release(self, req: "Req") -> None:
         receiver = req.kv_transfer
         if receiver is None:
             return
@@ -224,7 +226,7 @@ class DecodeDisaggregation:
     def _release_quarantine(self) -> None:
         now = time.monotonic()
         while self.quarantine and self.quarantine[0][0] <= now:
-            self.scheduler.allocator.free(self.quarantine.pop(0)[1])
+            self.view.allocator.free(self.quarantine.pop(0)[1])
 
     # ------------------------------------------------------------------ introspection
     def num_reqs_holding_rows(self) -> int:
@@ -236,6 +238,9 @@ class DecodeDisaggregation:
 
     def check_integrity(self) -> bool:
         return self.metadata.available_size() == self.metadata.size and self.mgr.num_rooms() == 0
+
+    def log_fields(self) -> str:
+        return f", #prealloc-req: {len(self.prealloc_queue)}, #transfer-req: {len(self.transfer_queue)}"
 
     def server_info(self) -> dict:
         return {"disaggregation_mode": "decode", "num_prealloc_reqs": len(self.prealloc_queue),

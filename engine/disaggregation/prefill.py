@@ -22,11 +22,13 @@ from baton.engine.disaggregation.base import (KVArgs, KVManagerBase, KVMetadata,
                                               TransferConfig, pages_from_slots)
 from baton.engine.disaggregation.no_peer import NoPeerSender, is_no_peer
 from baton.engine.disaggregation.stats import PDStats
+from baton.engine.disaggregation.strategy import Colocated, DisaggregationMode
 from baton.engine.io_struct import AbortReq, FinishReason, TokenizedGenerateReqInput
 
 if TYPE_CHECKING:
+    from baton.engine.disaggregation.strategy import SchedulerView
     from baton.engine.scheduler.req import Req
-    from baton.engine.scheduler.scheduler import LaunchedBatch, Scheduler
+    from baton.engine.scheduler.scheduler import LaunchedBatch
     from baton.engine.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -63,15 +65,15 @@ def advertised_host(bind_host: str) -> str:
             return "127.0.0.1"
 
 
-def create_kv_manager(scheduler: "Scheduler", mode: str, config: TransferConfig, metadata: MetadataBuffers,
+def create_kv_manager(view: "SchedulerView", mode: str, config: TransferConfig, metadata: MetadataBuffers,
                       bootstrap_addr: Optional[str] = None) -> KVManagerBase:
     """This rank's transfer backend; with TP, one that drives the other ranks' too (tp_fanout.py)."""
     from dataclasses import asdict
 
     from baton.engine.disaggregation.tp_fanout import FollowerSetup, driver_manager
 
-    pool, tp, server_args = scheduler.worker.model_runner.token_to_kv_pool, scheduler.worker.tp, scheduler.server_args
-    args = KVArgs.from_pool(pool, metadata, engine_rank=scheduler.dp_rank, dp_size=server_args.dp_size,
+    pool, tp, server_args = view.kv_pool, view.tp, view.server_args
+    args = KVArgs.from_pool(pool, metadata, engine_rank=view.dp_rank, dp_size=server_args.dp_size,
                             tp_size=tp.size)
     backend = server_args.disaggregation_transfer_backend
 
@@ -80,25 +82,30 @@ def create_kv_manager(scheduler: "Scheduler", mode: str, config: TransferConfig,
 
     if tp.size == 1:
         return local()
-    setup = FollowerSetup(mode, backend, asdict(config), metadata.size, bootstrap_addr, scheduler.dp_rank,
+    setup = FollowerSetup(mode, backend, asdict(config), metadata.size, bootstrap_addr, view.dp_rank,
                           server_args.dp_size)
     return driver_manager(local, tp, setup)
 
 
-def missing_bootstrap_error(recv: TokenizedGenerateReqInput, mode: str) -> Optional[tuple[str, int]]:
-    if recv.bootstrap_room is None:
+def missing_bootstrap_error(req: "Req", mode: str) -> Optional[tuple[str, int]]:
+    if req.bootstrap_room is None:
         return (f"this engine runs in {mode} mode (PD disaggregation): the request needs bootstrap_room "
                 "(and bootstrap_host/bootstrap_port), as a PD router adds them", 400)
     return None
 
 
-class PrefillDisaggregation:
+class PrefillDisaggregation(Colocated):
     """Bootstrap queue, per-chunk KV sending and the inflight queue of a prefill Scheduler."""
 
-    def __init__(self, scheduler: "Scheduler", config: Optional[TransferConfig] = None) -> None:
+    mode = DisaggregationMode.PREFILL
+    keeps_prefilled_requests = False  # they wait in the inflight queue until their KV is sent
+    polls_in_background = True
+
+    def __init__(self, view: "SchedulerView", config: Optional[TransferConfig] = None) -> None:
         from baton.engine.disaggregation.bootstrap_server import KVBootstrapServer
 
-        self.scheduler = s = scheduler
+        super().__init__(view)
+        s = view
         args = s.server_args
         self.config = config or transfer_config_from(args)
         self.metadata = MetadataBuffers(2 * s.max_running_requests + 2)
@@ -117,17 +124,15 @@ class PrefillDisaggregation:
         self.stats = PDStats()
 
     # ------------------------------------------------------------------ intake
-    def add_request(self, req: "Req", recv: TokenizedGenerateReqInput) -> Optional[tuple[str, int]]:
+    def admit(self, req: "Req", recv: TokenizedGenerateReqInput) -> Optional[tuple[str, int]]:
         """Returns an error (message, status) or None when the request joined the bootstrap queue."""
-        error = missing_bootstrap_error(recv, "prefill")
+        error = missing_bootstrap_error(req, "prefill")
         if error is not None:
             return error
-        req.bootstrap_host, req.bootstrap_port, req.bootstrap_room = (recv.bootstrap_host, recv.bootstrap_port,
-                                                                      recv.bootstrap_room)
         req.sampling_params.max_new_tokens = 1  # the decode engine generates the rest
         req.sampling_params.min_new_tokens = min(req.sampling_params.min_new_tokens, 1)
-        room = recv.bootstrap_room
-        req.kv_transfer = NoPeerSender(room) if is_no_peer(recv.bootstrap_host) else self.mgr.create_sender(room)
+        room = req.bootstrap_room
+        req.kv_transfer = NoPeerSender(room) if is_no_peer(req.bootstrap_host) else self.mgr.create_sender(room)
         self.bootstrap_queue.append(req)
         return None
 
@@ -139,7 +144,7 @@ class PrefillDisaggregation:
 
     def _pop_bootstrapped(self) -> None:
         """Requests whose decode sent its destination move on to the waiting queue."""
-        ps, keep = self.scheduler.page_size, []
+        ps, keep = self.view.page_size, []
         for req in self.bootstrap_queue:
             status = req.kv_transfer.poll()
             if status == KVPoll.Failed:
@@ -148,24 +153,24 @@ class PrefillDisaggregation:
                 req.kv_meta_slot = slot
                 req.kv_transfer.init(-(-len(req.origin_input_ids) // ps), slot)
                 req.queue_start_time = time.time()  # queue time: from here, not from the bootstrap wait
-                self.scheduler.waiting_queue.append(req)
+                self.view.queues.waiting.append(req)
             else:
                 keep.append(req)
         self.bootstrap_queue = keep
 
     def _fail_waiting(self) -> None:
         """The decode may give up (abort, timeout) while the request still waits here for a prefill."""
-        s = self.scheduler
-        failed = [r for r in s.waiting_queue if r.kv_transfer is not None and r.kv_transfer.poll() == KVPoll.Failed]
+        queues = self.view.queues
+        failed = [r for r in queues.waiting if r.kv_transfer is not None and r.kv_transfer.poll() == KVPoll.Failed]
         for req in failed:
-            s.waiting_queue.remove(req)
+            queues.waiting.remove(req)
             self._end_failed(req)
-        chunked = s.chunked_req
+        chunked = queues.chunked_req
         if chunked is not None and chunked.kv_transfer is not None and chunked.kv_transfer.poll() == KVPoll.Failed:
             chunked.abort(self._reason(chunked), TRANSFER_FAILED_STATUS)  # reaped between chunks
 
     def _pop_transferred(self) -> None:
-        s, keep = self.scheduler, []
+        s, keep = self.view, []
         for req in self.inflight_queue:
             status = req.kv_transfer.poll()
             if status not in (KVPoll.Success, KVPoll.Failed):
@@ -187,8 +192,8 @@ class PrefillDisaggregation:
         self.inflight_queue = keep
 
     # ------------------------------------------------------------------ results of a prefill forward
-    def process_extend_result(self, launched: "LaunchedBatch", result) -> None:
-        s = self.scheduler
+    def on_extend_result(self, launched: "LaunchedBatch", result) -> bool:
+        s = self.view
         for i, req in enumerate(launched.reqs):
             if not s.extend_result_prologue(req, i, result):
                 continue
@@ -201,25 +206,26 @@ class PrefillDisaggregation:
             s.record_token(req, i, result)
             self._send(req, -(-len(req.origin_input_ids) // s.page_size), KVMetadata(tok, logprob, req.bootstrap_room))
             self.inflight_queue.append(req)
+        return True
 
     def _send(self, req: "Req", end_page: int, metadata: Optional[KVMetadata] = None) -> None:
         """Pages [kv_pages_sent, end_page) of the request's row; the last call carries the metadata."""
-        ps = self.scheduler.page_size
+        ps = self.view.page_size
         if end_page <= req.kv_pages_sent and metadata is None:
             return
-        row = self.scheduler.req_to_token_pool.req_to_token[req.req_pool_idx]
+        row = self.view.req_to_token_pool.req_to_token[req.req_pool_idx]
         slots = row[req.kv_pages_sent * ps:end_page * ps]
         req.kv_pages_sent = end_page
         req.kv_transfer.send(pages_from_slots(slots, ps), is_last=metadata is not None, metadata=metadata)
 
     # ------------------------------------------------------------------ endings
-    def abort_request(self, recv: AbortReq) -> None:
+    def abort(self, recv: AbortReq) -> None:
         """Queued here means no KV yet; inflight requests end at their next poll (the sender fails)."""
         for req in [r for r in self.bootstrap_queue if recv.abort_all or r.rid == recv.rid]:
             self.bootstrap_queue.remove(req)
             req.abort(recv.message, recv.status_code)
-            self.release_transfer(req)
-            self.scheduler.stream_output([req])
+            self.release(req)
+            self.view.stream_output([req])
         for req in self.inflight_queue:
             if recv.abort_all or req.rid == recv.rid:
                 req.abort(recv.message, recv.status_code)
@@ -229,14 +235,14 @@ class PrefillDisaggregation:
         """A request that failed before its KV was sent (no decode peer, or the peer gave up)."""
         self.stats.bootstrap_failures += 1
         req.abort(self._reason(req), TRANSFER_FAILED_STATUS)
-        self.release_transfer(req)
-        self.scheduler.stream_output([req])
+        self.release(req)
+        self.view.stream_output([req])
 
     @staticmethod
     def _reason(req: "Req") -> str:
         return f"KV transfer failed: {req.kv_transfer.failure_reason() or 'unknown reason'}"
 
-    def release_transfer(self, req: "Req") -> None:
+    def release(self, req: "Req") -> None:
         """Forget the request's sender (telling the decode when it ends early) and its metadata slot."""
         sender = req.kv_transfer
         if sender is None:
@@ -259,6 +265,9 @@ class PrefillDisaggregation:
 
     def check_integrity(self) -> bool:
         return self.metadata.available_size() == self.metadata.size and self.mgr.num_rooms() == 0
+
+    def log_fields(self) -> str:
+        return f", #bootstrap-req: {len(self.bootstrap_queue)}, #inflight-req: {len(self.inflight_queue)}"
 
     def server_info(self) -> dict:
         return {"disaggregation_mode": "prefill", "bootstrap_port": self.bootstrap_port,

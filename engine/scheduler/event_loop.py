@@ -62,7 +62,7 @@ def event_loop(scheduler: Scheduler, io: SchedulerIO, watchdog: Optional[Watchdo
     while True:
         if watchdog is not None:
             watchdog.tick()
-        waits_in_background = scheduler.disaggregation_mode != "null" or scheduler.grammar_queue
+        waits_in_background = scheduler.pd.polls_in_background or scheduler.grammar_queue
         if waits_in_background and scheduler.last_batch is None and not scheduler.is_idle():
             # only background work (KV transfers, grammar compiles) to wait for: block briefly
             msgs = io.recv_requests(block=True, timeout_ms=BACKGROUND_POLL_MS)
@@ -148,8 +148,10 @@ def run_tp_follower_process(server_args: ServerArgs, dp_rank: int, tp_rank: int,
         tp = init_tp_group(tp_rank, server_args.tp_size, tp_init_addr, server_args.device, server_args.tp_cpu_allreduce)
         runner = ModelRunner(server_args, tp)
         kv = None
-        if server_args.disaggregation_mode != "null":  # this rank moves its own KV shard (tp_fanout.py)
-            from baton.engine.disaggregation.tp_fanout import FollowerKVService
+        from baton.engine.disaggregation.strategy import DisaggregationMode
+
+        if DisaggregationMode(server_args.disaggregation_mode) is not DisaggregationMode.NULL:
+            from baton.engine.disaggregation.tp_fanout import FollowerKVService  # each rank moves its KV shard
 
             kv = FollowerKVService.join(runner, tp)
     except Exception:

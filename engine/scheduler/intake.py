@@ -57,7 +57,9 @@ class SchedulerIntakeMixin:
                   eos_token_ids=self.eos_token_ids, origin_input_text=recv.input_text, stream=recv.stream,
                   return_logprob=recv.return_logprob, logprob_start_len=recv.logprob_start_len,
                   top_logprobs_num=recv.top_logprobs_num, priority=recv.priority or 0,
-                  arrival_time=recv.received_time, require_reasoning=recv.require_reasoning)
+                  arrival_time=recv.received_time, require_reasoning=recv.require_reasoning,
+                  bootstrap_host=recv.bootstrap_host, bootstrap_port=recv.bootstrap_port,
+                  bootstrap_room=recv.bootstrap_room)
         error = self._validate(req)
         if error is None:
             stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
@@ -76,17 +78,13 @@ class SchedulerIntakeMixin:
         self._admit(req, recv, error)
 
     def _admit(self: "Scheduler", req: Req, recv: TokenizedGenerateReqInput, error: Optional[tuple[str, int]]) -> None:
-        """A request ready to be scheduled joins waiting_queue (PD: its mode's first queue); one
-        with an error ends here."""
-        if error is None and self.disaggregation_mode != "null":
-            error = self.pd.add_request(req, recv)  # joins a PD queue; it reaches waiting_queue later
-            if error is None:
-                return
+        """A request ready to be scheduled joins the PD strategy's first queue (colocated: the
+        waiting queue); one with an error ends here."""
+        if error is None:
+            error = self.pd.admit(req, recv)
         if error is not None:
             req.abort(*error)
             self.stream_output([req])
-            return
-        self.waiting_queue.append(req)
 
     def _start_grammar(self: "Scheduler", req: Req) -> tuple[Optional[tuple[str, int]], Any]:
         """(error, future of the compiled grammar); both None for a request without a grammar."""
@@ -140,8 +138,7 @@ class SchedulerIntakeMixin:
             if recv.abort_all or req.rid == recv.rid:
                 self.waiting_queue.remove(req)  # queued requests hold no memory
                 req.abort(recv.message, recv.status_code)
-                if self.disaggregation_mode != "null":
-                    self.pd.release_transfer(req)  # and tell the peer engine
+                self.pd.release(req)  # PD: and tell the peer engine
                 self.stream_output([req])
         live = list(self.running_batch.reqs) + ([self.chunked_req] if self.chunked_req else [])
         live += [r for launched in self.result_queue for r in launched.reqs]
@@ -150,5 +147,4 @@ class SchedulerIntakeMixin:
         for req in live:  # ends at the next result processing, which also frees its memory
             if recv.abort_all or req.rid == recv.rid:
                 req.abort(recv.message, recv.status_code)
-        if self.disaggregation_mode != "null":
-            self.pd.abort_request(recv)
+        self.pd.abort(recv)

@@ -18,9 +18,7 @@ class SchedulerOutputProcessorMixin:
         ready, self.deferred_release = self.deferred_release, []
         result = launched.wait()
         if launched.mwb.forward_mode.is_extend():
-            if self.disaggregation_mode == "prefill":
-                self.pd.process_extend_result(launched, result)
-            else:
+            if not self.pd.on_extend_result(launched, result):  # a PD prefill sends the tokens on
                 self._process_extend(launched, result)
         else:
             self._process_decode(launched, result)
@@ -99,8 +97,7 @@ class SchedulerOutputProcessorMixin:
         if getattr(req, "_finish_handled", False):
             return
         req._finish_handled = True
-        if self.disaggregation_mode != "null":
-            self.pd.release_transfer(req)
+        self.pd.release(req)
         if req.req_pool_idx is not None:
             self.release(req)
 

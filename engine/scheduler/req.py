@@ -17,6 +17,9 @@ if TYPE_CHECKING:
 _EMPTY = torch.empty((0,), dtype=torch.int64)
 # stop strings are searched in the decoded tail of this many tokens
 _STOP_STR_TAIL_TOKENS = 32
+# Reserve at most this many future decode tokens per request when budgeting (SGLang's
+# CLIP_MAX_NEW_TOKENS): a request asking for 32k tokens should not block admission by itself.
+CLIP_MAX_NEW_TOKENS = 4096
 
 
 @dataclass(eq=False)  # identity comparison: requests live in sets and lists
@@ -76,6 +79,11 @@ class Req:
 
     def finished(self) -> bool:
         return self.finished_reason is not None
+
+    def remaining_token_budget(self) -> int:
+        """The decode tokens to reserve for this request: what it may still generate, clipped. The
+        one budget rule of admission, preemption and the PD decode's preallocation."""
+        return min(self.sampling_params.max_new_tokens - len(self.output_ids), CLIP_MAX_NEW_TOKENS)
 
     @property
     def seqlen(self) -> int:

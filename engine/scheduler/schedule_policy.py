@@ -13,15 +13,12 @@ from collections import defaultdict
 from enum import Enum, auto
 from typing import TYPE_CHECKING, Optional
 
-from baton.engine.scheduler.req import Req
+from baton.engine.scheduler.req import CLIP_MAX_NEW_TOKENS, Req  # noqa: F401 (re-exported)
 
 if TYPE_CHECKING:
     from baton.engine.mem_cache.allocator import TokenToKVPoolAllocator
     from baton.engine.mem_cache.base import BasePrefixCache
 
-# Reserve at most this many future decode tokens per request when budgeting (SGLang's
-# CLIP_MAX_NEW_TOKENS): a request asking for 32k tokens should not block admission by itself.
-CLIP_MAX_NEW_TOKENS = 4096
 # Prefix matching the whole queue every step is O(queue); beyond this size lpm/dfs-weight fall back
 # to fcfs, as SGLang does.
 PREFIX_POLICY_MAX_QUEUE = 128
@@ -138,9 +135,7 @@ class PrefillAdder:
         self.rem_input_tokens = less_mixed(max_prefill_tokens)
         # None: chunking disabled
         self.rem_chunk_tokens = None if chunked_prefill_size is None else less_mixed(chunked_prefill_size)
-        self.rem_total_token_offset = sum(
-            min(r.sampling_params.max_new_tokens - len(r.output_ids), CLIP_MAX_NEW_TOKENS) * new_token_ratio
-            for r in running_reqs)
+        self.rem_total_token_offset = sum(r.remaining_token_budget() * new_token_ratio for r in running_reqs)
         self.can_run_list: list[Req] = []
         self.new_chunked_req: Optional[Req] = None
         self.log_hit_tokens = self.log_input_tokens = 0
@@ -183,13 +178,12 @@ class PrefillAdder:
         truncated = room < req.extend_input_len
         if truncated and self._truncate(req, room) == 0:
             return req  # no room for even one page this round; try next round
-        self._take(req, req.extend_input_len, 0 if truncated else
-                   min(req.sampling_params.max_new_tokens, CLIP_MAX_NEW_TOKENS))
+        self._take(req, req.extend_input_len, 0 if truncated else req.remaining_token_budget())
         return req if truncated else None
 
     def add_one_req(self, req: Req, has_chunked_req: bool) -> AddReqResult:
         extend = req.extend_input_len
-        reserve = min(req.sampling_params.max_new_tokens - len(req.output_ids), CLIP_MAX_NEW_TOKENS)
+        reserve = req.remaining_token_budget()
         if extend > self.rem_input_tokens and self.can_run_list:
             return AddReqResult.OTHER
         # Lock first: the request's own cached prefix must not count as space it can evict.

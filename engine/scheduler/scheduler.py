@@ -20,11 +20,13 @@ from typing import Any, Optional
 
 import torch
 
+from baton.engine.disaggregation.strategy import Colocated, DisaggregationMode, SchedulerView, create_strategy
 from baton.engine.distributed.parallel_state import all_reduce_backend
 from baton.engine.io_struct import (FlushCacheOut)
 from baton.engine.scheduler.grammar_queue import GrammarQueue
 from baton.engine.scheduler.intake import SchedulerIntakeMixin
 from baton.engine.scheduler.output_processor import SchedulerOutputProcessorMixin
+from baton.engine.scheduler.queues import SchedulerQueues
 from baton.engine.scheduler.req import Req
 from baton.engine.scheduler.schedule_batch import ModelWorkerBatch, ScheduleBatch
 from baton.engine.scheduler.schedule_policy import AddReqResult, InBatchPrefixIndex, PrefillAdder, SchedulePolicy
@@ -92,10 +94,8 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin):
         self.min_new_token_ratio = self.init_new_token_ratio * MIN_NEW_TOKEN_RATIO_FACTOR
         self.new_token_ratio_decay = (self.init_new_token_ratio - self.min_new_token_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS
         self.new_token_ratio = self.init_new_token_ratio
-        self.waiting_queue: list[Req] = []
+        self.queues = SchedulerQueues(self._new_batch([]))  # waiting, running_batch, chunked_req
         self.grammar_queue = GrammarQueue()  # structured requests whose grammar is compiling
-        self.running_batch = self._new_batch([])
-        self.chunked_req: Optional[Req] = None
         self.last_batch: Optional[ScheduleBatch] = None
         self.result_queue: deque[LaunchedBatch] = deque()
         self.deferred_release: list[Req] = []
@@ -103,8 +103,32 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin):
         self.stats = SchedulerStats()
         self.forward_ct = 0
         self.decode_ct = 0  # decode batches run, for the periodic decode log line
-        self.disaggregation_mode = args.disaggregation_mode
-        self.pd = self._init_disaggregation(transfer_config)
+        self.pd = self._init_disaggregation(transfer_config)  # PD strategy; Colocated does nothing extra
+
+    # the queues, shared with the PD strategy (queues.py)
+    @property
+    def waiting_queue(self) -> list[Req]:
+        return self.queues.waiting
+
+    @waiting_queue.setter
+    def waiting_queue(self, reqs: list[Req]) -> None:
+        self.queues.waiting = reqs
+
+    @property
+    def running_batch(self) -> ScheduleBatch:
+        return self.queues.running_batch
+
+    @running_batch.setter
+    def running_batch(self, batch: ScheduleBatch) -> None:
+        self.queues.running_batch = batch
+
+    @property
+    def chunked_req(self) -> Optional[Req]:
+        return self.queues.chunked_req
+
+    @chunked_req.setter
+    def chunked_req(self, req: Optional[Req]) -> None:
+        self.queues.chunked_req = req
 
     # ------------------------------------------------------------------ setup helpers
     @staticmethod
@@ -115,21 +139,26 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin):
             ids.add(tokenizer.eos_token_id)
         return frozenset(ids)
 
-    def _init_disaggregation(self, transfer_config: Any) -> Any:
-        """PD queues and KV transfer (prefill.py / decode.py); None when colocated."""
-        if self.disaggregation_mode == "prefill":
-            from baton.engine.disaggregation.prefill import PrefillDisaggregation
-            return PrefillDisaggregation(self, transfer_config)
-        if self.disaggregation_mode == "decode":
-            from baton.engine.disaggregation.decode import DecodeDisaggregation
-            return DecodeDisaggregation(self, transfer_config)
-        return None
+    def _init_disaggregation(self, transfer_config: Any) -> Colocated:
+        """The PD strategy of --disaggregation-mode (disaggregation/strategy.py), over a view of this
+        scheduler's queues and pools."""
+        view = SchedulerView(
+            server_args=self.server_args, tokenizer=self.tokenizer, dp_rank=self.dp_rank, page_size=self.page_size,
+            max_running_requests=self.max_running_requests, req_to_token_pool=self.req_to_token_pool,
+            allocator=self.allocator, tree_cache=self.tree_cache, kv_pool=self.worker.model_runner.token_to_kv_pool,
+            tp=self.worker.tp, queues=self.queues, new_token_ratio=lambda: self.new_token_ratio,
+            new_batch=self._new_batch, finish_request=self.finish_request, stream_output=self.stream_output,
+            record_token=self.record_token, extend_result_prologue=self.extend_result_prologue,
+            count_generated=self._count_generated)
+        return create_strategy(DisaggregationMode(self.server_args.disaggregation_mode), view, transfer_config)
+
+    def _count_generated(self, n: int) -> None:
+        self.stats.generated_tokens += n
 
     def close(self) -> None:
         """Stop the KV transfer threads (PD), the grammar compiler's thread, the overlap worker
         thread, and the other TP ranks' step loops."""
-        if self.pd is not None:
-            self.pd.close()
+        self.pd.close()
         if self.grammar_backend is not None:
             self.grammar_backend.close()
         if self.overlap is not None:
@@ -142,8 +171,9 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin):
     # ------------------------------------------------------------------ batch selection
     def get_next_batch_to_run(self) -> Optional[ScheduleBatch]:
         last = self.last_batch
+        keeps = self.pd.keeps_prefilled_requests  # False on a PD prefill: they wait for their transfer
         if last is not None and last.forward_mode.is_extend():
-            if self.disaggregation_mode != "prefill":
+            if keeps:
                 # Aborted after this prefill's result was processed (the plain loop processes it
                 # in the same step): the filters below would drop it with its memory still held
                 # and its client never told. (PD prefill: the transfer queue owns it and its abort.)
@@ -153,12 +183,12 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin):
                 if self.chunked_req.finished():  # aborted between chunks
                     self.reap_finished([self.chunked_req])
                     self.chunked_req = None
-                elif self.disaggregation_mode != "prefill":
+                elif keeps:
                     # PD prefill skips this: deduplication would free pages whose KV may still be on the
                     # wire; the whole prompt goes to the cache once its transfer has ended.
                     self.tree_cache.cache_unfinished_req(self.chunked_req)
             last.filter_batch()
-            if self.disaggregation_mode != "prefill":  # prefilled requests wait in the inflight queue
+            if keeps:
                 self.running_batch.merge_batch(last)
         # aborted while waiting for a decode step: free them before admitting new prefills
         self.reap_finished(self.running_batch.reqs)
@@ -177,9 +207,7 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin):
         self.policy.calc_priority(self.waiting_queue)
         if self.server_args.enable_priority_scheduling and self.waiting_queue:
             self.preempt_for(self.waiting_queue[0])
-        running = len(self.running_batch.reqs)
-        if self.disaggregation_mode != "null":
-            running += self.pd.num_reqs_holding_rows()
+        running = len(self.running_batch.reqs) + self.pd.num_reqs_holding_rows()
         if running >= self.max_running_requests and self.chunked_req is None:
             return None
         mixing = self.server_args.enable_mixed_chunk and not self.running_batch.is_empty()
@@ -232,7 +260,7 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin):
             logger.info("Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
                         "#running-req: %d, #queue-req: %d%s%s", len(adder.can_run_list), adder.log_input_tokens,
                         adder.log_hit_tokens, self.token_usage(), running, len(self.waiting_queue),
-                        f", #mixed-decode: {running}" if mixed else "", self._pd_log_fields())
+                        f", #mixed-decode: {running}" if mixed else "", self.pd.log_fields())
         return batch
 
     def _mix_running_into(self, batch: ScheduleBatch) -> bool:
@@ -274,7 +302,7 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin):
         logger.info("preempted %d lower-priority requests for %s (priority %d)", len(chosen), req.rid, req.priority)
 
     def _fits(self, req: Req, running: int) -> bool:
-        need = len(req.origin_input_ids) + len(req.output_ids) + min(req.sampling_params.max_new_tokens, 4096)
+        need = len(req.origin_input_ids) + len(req.output_ids) + req.remaining_token_budget()
         room = self.allocator.available_size() + self.tree_cache.evictable_size()
         return running < self.max_running_requests and need <= room
 
@@ -284,8 +312,8 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin):
             self.flush_deferred()  # nothing is in flight now
             self.reap_finished(batch.reqs)
             batch.filter_batch()
-            held_elsewhere = self.chunked_req is not None or (
-                self.disaggregation_mode == "decode" and bool(self.pd.transfer_queue))
+            # rows held outside this batch: it may retract all of its own
+            held_elsewhere = self.chunked_req is not None or self.pd.num_reqs_holding_rows() > 0
             retracted, ratio = batch.retract_decode(self.release_now, may_empty=held_elsewhere)
             self.new_token_ratio = max(ratio, self.new_token_ratio)
             self.waiting_queue.extend(retracted)
@@ -306,8 +334,7 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin):
         overlap:  schedule N+1 -> launch N+1 -> process N (N's CPU work overlaps N+1's forward)
         """
         self.admit_compiled()
-        if self.disaggregation_mode != "null":
-            self.pd.step()
+        self.pd.step()
         batch = self.get_next_batch_to_run()
         if batch is not None and batch.forward_mode.is_decode():
             self.decode_ct += 1
@@ -332,16 +359,7 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin):
         used = self.used_tokens()
         logger.info("Decode batch. #running-req: %d, #token: %d, token usage: %.2f, gen throughput (token/s): %.2f, "
                     "#queue-req: %d%s", len(batch.reqs), used, used / self.max_total_tokens,
-                    self.stats.interval_throughput(), len(self.waiting_queue), self._pd_log_fields())
-
-    def _pd_log_fields(self) -> str:
-        """The PD queues, as SGLang's prefill and decode servers add them to their batch lines."""
-        if self.pd is None:
-            return ""
-        pd = self.pd
-        if self.disaggregation_mode == "prefill":
-            return f", #bootstrap-req: {len(pd.bootstrap_queue)}, #inflight-req: {len(pd.inflight_queue)}"
-        return f", #prealloc-req: {len(pd.prealloc_queue)}, #transfer-req: {len(pd.transfer_queue)}"
+                    self.stats.interval_throughput(), len(self.waiting_queue), self.pd.log_fields())
 
     def fill_grammar_masks(self, batch: ScheduleBatch) -> None:
         """Before a launch: each grammar's bitmask from its matcher. The overlap loop first processes
@@ -408,7 +426,7 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin):
         pending_merge = last is not None and last.forward_mode.is_extend() and any(not r.finished() for r in last.reqs)
         return (not self.waiting_queue and not self.grammar_queue and self.running_batch.is_empty()
                 and self.chunked_req is None
-                and not self.result_queue and not pending_merge and (self.pd is None or self.pd.is_idle()))
+                and not self.result_queue and not pending_merge and self.pd.is_idle())
 
     def flush_cache(self) -> FlushCacheOut:
         if not self.is_idle():
@@ -424,8 +442,7 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin):
         return stream.num_threads if stream is not None else torch.get_num_threads()
 
     def get_server_info(self) -> dict[str, Any]:
-        pd_info = self.pd.server_info() if self.pd is not None else {}
-        return {**pd_info,
+        return {**self.pd.server_info(),
             "dp_rank": self.dp_rank,
             "max_total_num_tokens": self.max_total_tokens,
             "max_running_requests": self.max_running_requests,
@@ -466,7 +483,7 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin):
         free, cached = self.allocator.available_size(), self.tree_cache.total_size()
         rows_free = self.req_to_token_pool.available_size() == self.req_to_token_pool.size
         ok = free + cached == self.max_total_tokens and rows_free and self.tree_cache.protected_size() == 0
-        if self.pd is not None and not self.pd.check_integrity():
+        if not self.pd.check_integrity():
             logger.error("PD integrity check failed: metadata slots or transfer rooms leaked")
             ok = False
         if not ok:
