@@ -6,11 +6,13 @@
 #   bash e2e/cluster.sh --keep     # keep logs and certificates after Ctrl-C
 #
 # The tests (tests/e2e) start their own; this is for poking at one. Everything lives in
-# baton.operator.testing.controlplane; arguments after the script name go to it.
+# tests/support/baton_testing/kube/controlplane.py (test support, not in the package); arguments after
+# the script name go to it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-.venv/bin/python}"
 BIN="$(bash e2e/build.sh)"
 KUBECTL="$(dirname "$PY")/kubectl"
 [[ -x "$KUBECTL" ]] || KUBECTL="$(command -v kubectl)"
-exec "$PY" -m baton.operator.testing.controlplane --bin-dir "$BIN" --kubectl "$KUBECTL" "$@"
+export PYTHONPATH="$PWD/tests/support${PYTHONPATH:+:$PYTHONPATH}"
+exec "$PY" -m baton_testing.kube.controlplane --bin-dir "$BIN" --kubectl "$KUBECTL" "$@"

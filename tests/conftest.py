@@ -1,5 +1,6 @@
 """Fixtures shared by several test folders. Heavy imports (torch, transformers) stay inside the
-fixtures, so router and operator tests run where only their extras are installed."""
+fixtures, so router and operator tests run where only their extras are installed. Test doubles and
+harnesses (`baton_testing`) live in tests/support, put on sys.path here: the package does not ship them."""
 from __future__ import annotations
 
 import os
@@ -9,6 +10,9 @@ from typing import Any, Callable
 import pytest
 
 ENGINE_TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "engine")
+SUPPORT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "support")
+if SUPPORT not in sys.path:
+    sys.path.insert(0, SUPPORT)
 
 
 @pytest.fixture(scope="session")

@@ -19,10 +19,10 @@ import time
 
 import numpy as np
 
+from baton.engine.bench.loopback_peer import PeerProcess, PeerSpec, make_pool, wait_final, wait_until
 from baton.engine.disaggregation import create_transfer_backend
 from baton.engine.disaggregation.base import KVArgs, KVGeometry, KVMetadata, KVPoll, MetadataBuffers, TransferConfig
 from baton.engine.disaggregation.bootstrap_server import KVBootstrapServer
-from baton.engine.disaggregation.loopback_peer import PeerProcess, PeerSpec, make_pool, wait_final, wait_until
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from e2e_support import REPO, background, baton_command, tail  # noqa: E402
 
-from baton.operator.testing.controlplane import ControlPlane, start_control_plane  # noqa: E402
+from baton_testing.kube.controlplane import ControlPlane, start_control_plane  # noqa: E402
 
 OPERATOR_NAMESPACES = ("default", "e2e-*")
 BUILD_TIMEOUT = 3600  # a cold build of kube-apiserver & co. on two cores; a warm cache takes a second

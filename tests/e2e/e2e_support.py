@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 import yaml
 
-from baton.operator.testing.controlplane import ControlPlane
+from baton_testing.kube.controlplane import ControlPlane
 
 T = TypeVar("T")
 REPO = Path(__file__).resolve().parents[2]

@@ -9,7 +9,7 @@ import pytest
 import yaml
 from e2e_support import REPO, can_i, create_namespace, get_json, pod_ready, wait_for
 
-from baton.operator.testing.controlplane import ControlPlane
+from baton_testing.kube.controlplane import ControlPlane
 
 CHART = REPO / "charts" / "baton"
 RELEASE, NS = "e2e", "e2e-helm"

@@ -9,7 +9,7 @@ from e2e_support import can_i, get_json
 from kubernetes.config import kube_config
 
 from baton.operator.kube import KubeClient, login
-from baton.operator.testing.controlplane import ControlPlane
+from baton_testing.kube.controlplane import ControlPlane
 
 OPERATOR_SA = "system:serviceaccount:baton-system:baton-operator"
 

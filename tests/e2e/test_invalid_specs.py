@@ -9,7 +9,7 @@ import pytest
 import yaml
 from e2e_support import create_namespace, get_or_none
 
-from baton.operator.testing.controlplane import ControlPlane
+from baton_testing.kube.controlplane import ControlPlane
 from baton.operator.validation import RULES, Scope, rules_for
 
 NS = "e2e-invalid"

@@ -9,7 +9,7 @@ import pytest
 from e2e_support import (children, create_namespace, get_json, isvc_condition, pod_ready, printer_row,
                          sample, wait_for)
 
-from baton.operator.testing.controlplane import ControlPlane
+from baton_testing.kube.controlplane import ControlPlane
 
 NS = "e2e-lifecycle"
 NAME = "smollm2"

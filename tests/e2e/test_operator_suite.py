@@ -10,7 +10,7 @@ import sys
 
 from e2e_support import REPO
 
-from baton.operator.testing.controlplane import ControlPlane
+from baton_testing.kube.controlplane import ControlPlane
 
 SUITE = REPO / "tests" / "operator" / "test_operator.py"
 

@@ -14,7 +14,7 @@ from e2e_support import (background, baton_command, can_i, create_namespace, get
                          sample, tail, wait_for)
 from prometheus_client.parser import text_string_to_metric_families
 
-from baton.operator.testing.controlplane import ControlPlane, free_port
+from baton_testing.kube.controlplane import ControlPlane, free_port
 
 NS = "e2e-discovery"
 OTHER_NS = "e2e-discovery-other"

@@ -9,8 +9,8 @@ import yaml
 from e2e_support import (SAMPLES, children, conditions, controller_of, get_json, isvc_condition, pod_ready,
                          printer_row, wait_for)
 
-from baton.operator.testing.controlplane import ControlPlane
-from baton.operator.testing.fake_nodes import FAKE_NODES
+from baton_testing.kube.controlplane import ControlPlane
+from baton_testing.kube.fake_nodes import FAKE_NODES
 
 SAMPLE_FILES = sorted(p.name for p in SAMPLES.glob("*.yaml"))
 OPERATOR_KINDS = {"Deployment", "Service", "ServiceAccount", "Role", "RoleBinding", "ConfigMap"}

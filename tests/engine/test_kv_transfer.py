@@ -17,7 +17,7 @@ from baton.engine.disaggregation import create_transfer_backend
 from baton.engine.disaggregation.base import (KVArgs, KVGeometry, KVMetadata, KVPoll, MetadataBuffers,
                                               TransferConfig, contiguous_runs, pages_from_slots)
 from baton.engine.disaggregation.bootstrap_server import KVBootstrapServer
-from baton.engine.disaggregation.loopback_peer import (PeerProcess, PeerSpec, fill_pool, make_pool, wait_final,
+from baton.engine.bench.loopback_peer import (PeerProcess, PeerSpec, fill_pool, make_pool, wait_final,
                                                        wait_until)
 from baton.engine.disaggregation.mooncake import messages
 from baton.engine.utils.process import free_port

@@ -21,7 +21,7 @@ from baton.engine.bench.launcher import EngineProcess, engine_command, free_port
 from baton.engine.disaggregation import create_transfer_backend
 from baton.engine.disaggregation.base import KVArgs, KVGeometry, KVMetadata, KVPoll, MetadataBuffers, TransferConfig
 from baton.engine.disaggregation.bootstrap_server import KVBootstrapServer, check_health, fetch_prefill_rank
-from baton.engine.disaggregation.loopback_peer import fill_pool, make_pool, wait_final, wait_until
+from baton.engine.bench.loopback_peer import fill_pool, make_pool, wait_final, wait_until
 from baton.engine.disaggregation.tp_fanout import DriverLink, FollowerKVService, TpKVManager
 from engine_server import STARTUP_TIMEOUT_S, wait_idle_integrity
 from test_scheduler_vs_hf import hf_greedy

@@ -20,9 +20,9 @@ import pytest
 
 from baton.operator import naming
 from baton.operator.config import OperatorConfig
-from baton.operator.testing.cluster import Cluster, emulated_cluster
-from baton.operator.testing.objects import for_create, isvc_body
-from baton.operator.testing.runner import run_operator
+from baton_testing.kube.cluster import Cluster, emulated_cluster
+from baton_testing.kube.objects import for_create, isvc_body
+from baton_testing.kube.runner import run_operator
 from prometheus import running_prometheus
 from queries import RULES, Query, alert_rules, dashboards, panel_queries, substitute, variable_queries
 from scrape_targets import pod_monitor_job, pod_target, static_job

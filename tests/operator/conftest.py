@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
-from baton.operator.testing.cluster import Cluster, emulated_cluster, real_cluster
+from baton_testing.kube.cluster import Cluster, emulated_cluster, real_cluster
 
 REPO = Path(__file__).resolve().parents[2]
 SAMPLES = REPO / "manifests" / "samples"

@@ -5,7 +5,7 @@ from baton.operator.apply import merge_patch
 from baton.operator.naming import Role
 from baton.operator.spec import parse
 from baton.operator.status import compute_status, invalid_status
-from baton.operator.testing.objects import isvc_body
+from baton_testing.kube.objects import isvc_body
 
 NOW = "2026-01-01T00:00:00Z"
 

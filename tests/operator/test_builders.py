@@ -13,7 +13,7 @@ from baton.operator.builders.router import (router_args, router_deployment, rout
                                             router_role_binding, router_service)
 from baton.operator.naming import Role
 from baton.operator.spec import parse
-from baton.operator.testing.objects import isvc_body
+from baton_testing.kube.objects import isvc_body
 
 
 def container(dep: dict) -> dict:

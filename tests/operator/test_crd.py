@@ -19,7 +19,7 @@ import yaml
 from baton.operator.crd import build_crd, openapi_schema
 from baton.operator.defaults import apply_defaults
 from baton.operator.install import generated_files
-from baton.operator.testing.objects import for_create, isvc_body
+from baton_testing.kube.objects import for_create, isvc_body
 from baton.operator.validation import RULES, Scope, rules_for, validate
 
 _ENV = celpy.Environment()

@@ -15,7 +15,7 @@ from baton.operator.builders import build_children
 from baton.operator.crd import build_crd
 from baton.operator.install import CLUSTER_ROLE_RULES
 from baton.operator.spec import parse
-from baton.operator.testing.objects import isvc_body
+from baton_testing.kube.objects import isvc_body
 
 K8S_VERSIONS = ["1.29.0", "1.33.0"]  # oldest with CEL validation GA, and a recent one
 NO_UPSTREAM_SCHEMA = {"PodMonitor", "ServiceMonitor", "InferenceService"}  # CRDs: checked elsewhere

@@ -9,9 +9,9 @@ import pytest
 
 from baton.operator.config import OperatorConfig
 from baton.operator.kube import ApiError
-from baton.operator.testing.cluster import Cluster
-from baton.operator.testing.objects import for_create, isvc_body, written_version
-from baton.operator.testing.runner import run_operator
+from baton_testing.kube.cluster import Cluster
+from baton_testing.kube.objects import for_create, isvc_body, written_version
+from baton_testing.kube.runner import run_operator
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 from baton.operator.naming import Role
 from baton.operator.spec import InvalidSpec, Mode, parse
-from baton.operator.testing.objects import isvc_body
+from baton_testing.kube.objects import isvc_body
 from baton.operator.validation import Scope, rules_for
 
 

@@ -1,4 +1,7 @@
-"""An in-process transfer backend for scheduler tests on machines without Mooncake.
+"""An in-process transfer backend for scheduler tests on machines without Mooncake (a test double).
+
+`--disaggregation-transfer-backend fake` loads it by name (engine/disaggregation/__init__.py), which works
+where tests/support is on sys.path (tests/conftest.py puts it there); the package does not ship it.
 
 Same states, checks, fault injection and timeouts as the real one; a chunk is copied synchronously
 (memmove between the registered CPU buffers) inside send(). Prefill managers are found by

@@ -109,7 +109,7 @@ async def emulated_cluster(monitoring: bool = False) -> AsyncIterator[Cluster]:
     """A fresh emulated API server on 127.0.0.1 with the core resources and Baton's CRD."""
     import kmock
 
-    from baton.operator.testing.apiserver import ApiServer
+    from baton_testing.kube.apiserver import ApiServer
 
     with tempfile.TemporaryDirectory() as tmp:
         async with ApiServer() as api, kmock.Server(api) as server:

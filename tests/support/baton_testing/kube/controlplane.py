@@ -11,7 +11,8 @@ Running and Ready without a kubelet or container runtime), built by e2e/build.sh
 Certificates and the service-account keys are made at start (`pki.py`); every component listens on
 127.0.0.1 on free ports; the API server authorizes with RBAC. Each component runs in a process group of
 its own (and dies with this process), and everything is stopped and its directory removed on exit,
-also when starting fails. `python -m baton.operator.testing.controlplane` runs one until Ctrl-C.
+also when starting fails. `PYTHONPATH=tests/support python -m baton_testing.kube.controlplane` (what
+e2e/cluster.sh runs) runs one until Ctrl-C.
 """
 from __future__ import annotations
 
@@ -34,8 +35,8 @@ from typing import Any
 
 import yaml
 
-from baton.operator.testing.fake_nodes import FAKE_NODES, KWOK_ANNOTATION
-from baton.operator.testing.pki import Pki, make_pki
+from baton_testing.kube.fake_nodes import FAKE_NODES, KWOK_ANNOTATION
+from baton_testing.kube.pki import Pki, make_pki
 
 START_TIMEOUT = 180.0  # seconds per component; two busy cores can be slow to start a cold apiserver
 SERVICE_CIDR = "10.96.0.0/16"

@@ -17,7 +17,7 @@ import kopf
 
 import baton.operator.handlers  # noqa: F401  (registers the handlers)
 from baton.operator.config import OperatorConfig
-from baton.operator.testing.cluster import Cluster
+from baton_testing.kube.cluster import Cluster
 
 
 @contextlib.asynccontextmanager
