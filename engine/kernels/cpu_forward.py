@@ -14,16 +14,17 @@ kernels (the packed bfloat16 GEMMs, the paged decode and extend attention) from 
 layer, with the norms, RoPE and the KV store between them, so a step costs its kernels and one
 call. It serves the decode and extend steps of bfloat16 Llama, Qwen2 and Qwen3 models (not MoE) on
 CPUs with AVX512_BF16, with the packed linears, a bfloat16 KV cache and one TP rank; anything else
-keeps the model's own forward (the reason is logged once). It rounds where the eager bfloat16 model
-rounds and sums the RMSNorm's squares in torch's order, so its logits, greedy tokens and stored K/V
-are the eager model's bit for bit (the tests require it). `--disable-native-forward` or
-`BATON_DISABLE_CPU_KERNELS=1` turn it off.
+keeps the model's own forward (the reason is logged once). It knows a model only through the plain
+description the model gives of itself (`decoder_structure()`, engine/model_structure.py). It rounds
+where the eager bfloat16 model rounds and sums the RMSNorm's squares in torch's order, so its
+logits, greedy tokens and stored K/V are the eager model's bit for bit (the tests require it).
+`--disable-native-forward` or `BATON_DISABLE_CPU_KERNELS=1` turn it off.
 
 A batch runs as one model step (the forward and the LM head over each request's last token; for a
 batch whose every sampling row is greedy, torch.argmax's choice too, and for the overlap loop its
 future map), with no Python between; a ForwardStream runs such steps, each maybe followed by a
 Python sampler, on a C thread in submission order: the overlap loop's forward on CPU
-(scheduler/tp_worker.py).
+(scheduler/executors/native_stream.py).
 
 Its parallel loops run on parallel.h's crew rather than OpenMP: chunks claimed by whoever is free,
 no barrier that waits for a thread the OS took off its core, and, on a stream, the thread waiting
@@ -44,6 +45,7 @@ from baton.engine.kernels.build import DEFAULT_CFLAGS, KernelUnavailable, build_
 
 if TYPE_CHECKING:
     from baton.engine.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+    from baton.engine.model_structure import DecoderStructure
 
 logger = logging.getLogger(__name__)
 
@@ -126,51 +128,52 @@ def _ptr_of(t: Optional[torch.Tensor]) -> Optional[int]:
 def unavailable_reason(model: torch.nn.Module, kv_pool: "MHATokenToKVPool", tp_size: int = 1,
                        device: str = "cpu") -> Optional[str]:
     """None when the native forward can serve this model; otherwise why not."""
-    from baton.engine.layers.layernorm import RMSNorm
-    from baton.engine.layers.rotary_embedding import RotaryEmbedding
     from baton.engine.mem_cache.memory_pool import MHATokenToKVPool
-    from baton.engine.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 
     reason = cpu_linear.unavailable_reason(device) or cpu_attention.unavailable_reason(torch.bfloat16, device)
     if reason is not None:
         return reason
     if tp_size != 1:
         return "tensor parallelism (one rank only)"
-    if not isinstance(model, LlamaForCausalLM):
-        return f"{type(model).__name__} is not a Llama-family model"
-    embed = model.model.embed_tokens.weight
-    if embed.dtype != torch.bfloat16 or cpu_linear.is_released(embed) or not embed.is_contiguous():
-        return f"the model is {embed.dtype}, not bfloat16"
+    describe = getattr(model, "decoder_structure", None)
+    if describe is None:
+        return f"{type(model).__name__} is not a Llama-family model (it describes no decoder structure)"
+    s = describe()
+    if s.embed.dtype != torch.bfloat16 or cpu_linear.is_released(s.embed) or not s.embed.is_contiguous():
+        return f"the model is {s.embed.dtype}, not bfloat16"
     if type(kv_pool) is not MHATokenToKVPool or kv_pool.dtype != torch.bfloat16:
         return f"the KV cache is {kv_pool.dtype} (bfloat16 only)"
-    norms, shapes = [model.model.norm], set()
-    for layer in model.model.layers:
-        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        if type(layer) is not LlamaDecoderLayer or type(attn) is not LlamaAttention or type(mlp) is not LlamaMLP:
-            return f"{type(model).__name__} has layers other than dense Llama ones (MoE)"
-        shapes.add((attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.attn.scaling, id(attn.rotary_emb),
-                    mlp.down_proj.in_local))
-        if not mlp.act.is_silu:
+    return _layers_reason(s, type(model).__name__)
+
+
+def _layers_reason(s: "DecoderStructure", name: str) -> Optional[str]:
+    norms, shapes = [s.final_norm], set()
+    for layer in s.layers:
+        attn, mlp = layer.attn, layer.mlp
+        if mlp.kind != "gated":
+            return f"{name} has layers other than dense Llama ones (MoE)"
+        shapes.add((attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale, id(attn.rope), mlp.intermediate))
+        if mlp.act != "silu":
             return "the MLP's activation is not SiLU"
-        for name, lin in (("qkv_proj", attn.qkv_proj), ("o_proj", attn.o_proj), ("gate_up_proj", mlp.gate_up_proj),
-                          ("down_proj", mlp.down_proj)):
-            if getattr(lin, "packed_weight", None) is None:
-                return f"{name} has no packed weight (--disable-packed-linear, or a shape the kernel does not take)"
-            if lin.bias is not None and (name != "qkv_proj" or lin.bias.dtype != torch.bfloat16):
-                return f"{name} has a bias" + (f" in {lin.bias.dtype}" if name == "qkv_proj" else "")
-        if not cpu_linear.silu_mul_fusable(mlp.gate_up_proj.weight, mlp.gate_up_proj.packed_weight, None):
+        for proj, lin in (("qkv_proj", attn.qkv), ("o_proj", attn.o), ("gate_up_proj", mlp.gate_up),
+                          ("down_proj", mlp.down)):
+            if lin.packed is None:
+                return f"{proj} has no packed weight (--disable-packed-linear, or a shape the kernel does not take)"
+            if lin.bias is not None and (proj != "qkv_proj" or lin.bias.dtype != torch.bfloat16):
+                return f"{proj} has a bias" + (f" in {lin.bias.dtype}" if proj == "qkv_proj" else "")
+        if not cpu_linear.silu_mul_fusable(mlp.gate_up.weight, mlp.gate_up.packed, None):
             return "the gate|up halves are not whole blocks of 16"
-        if type(attn.rotary_emb) is not RotaryEmbedding or attn.rotary_emb.head_dim != attn.head_dim:
+        if attn.rope.kind != "neox" or attn.rope.dim != attn.head_dim:
             return "the rotary embedding is not the standard one over the whole head"
         if attn.head_dim % 2 or attn.head_dim > cpu_attention.EXTEND_MAX_HEAD_DIM or attn.num_heads % attn.num_kv_heads:
             return "unsupported head layout"
-        norms += [layer.input_layernorm, layer.post_attention_layernorm]
+        norms += [layer.input_norm, layer.post_norm]
         norms += [n for n in (attn.q_norm, attn.k_norm) if n is not None]
     if len(shapes) > 1:
         return "the layers differ in heads, RoPE or MLP width"
-    if any(type(n) is not RMSNorm or n.weight.dtype != torch.bfloat16 or not n.weight.is_contiguous() for n in norms):
+    if any(n.kind != "rms" or n.weight.dtype != torch.bfloat16 or not n.weight.is_contiguous() for n in norms):
         return "a norm is not a bfloat16 RMSNorm"
-    if len({n.variance_epsilon for n in norms}) != 1:
+    if len({n.eps for n in norms}) != 1:
         return "the norms' epsilons differ"
     return None
 
@@ -180,43 +183,38 @@ class NativeForward:
 
     def __init__(self, model: torch.nn.Module, req_to_token_pool: "ReqToTokenPool",
                  kv_pool: "MHATokenToKVPool") -> None:
-        first = model.model.layers[0].self_attn
-        rope = first.rotary_emb
-        if rope.cos_table is None or rope.cos_table.device.type != "cpu":
-            rope.reserve(rope.max_positions, "cpu")
+        s = model.decoder_structure()
+        first = s.layers[0].attn
         # the tables as of now: a later reserve() makes new ones, these stay valid for their positions
-        self._cos, self._sin = rope.cos_table.contiguous(), rope.sin_table.contiguous()
+        cos, sin = first.rope.tables("cpu")
+        self._cos, self._sin = cos.contiguous(), sin.contiguous()
         r2t = req_to_token_pool.req_to_token
         assert r2t.dtype == torch.int64 and r2t.is_contiguous()
-        layers = model.model.layers
-        self._layers = (_Layer * len(layers))()
-        for i, layer in enumerate(layers):
-            attn, mlp = layer.self_attn, layer.mlp
+        self._layers = (_Layer * len(s.layers))()
+        for i, layer in enumerate(s.layers):
+            attn, mlp = layer.attn, layer.mlp
             k_cache, v_cache = kv_pool.get_kv_buffer(i)
             assert k_cache.is_contiguous() and v_cache.is_contiguous()
             self._layers[i] = _Layer(
-                layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
+                layer.input_norm.weight.data_ptr(), layer.post_norm.weight.data_ptr(),
                 _ptr_of(attn.q_norm.weight if attn.q_norm is not None else None),
                 _ptr_of(attn.k_norm.weight if attn.k_norm is not None else None),
-                attn.qkv_proj.packed_weight.data_ptr(), attn.o_proj.packed_weight.data_ptr(),
-                mlp.gate_up_proj.packed_weight.data_ptr(), mlp.down_proj.packed_weight.data_ptr(),
-                _ptr_of(attn.qkv_proj.bias), k_cache.data_ptr(), v_cache.data_ptr())
-        embed = model.model.embed_tokens.weight
-        self.hidden = embed.shape[1]
+                attn.qkv.packed.data_ptr(), attn.o.packed.data_ptr(), mlp.gate_up.packed.data_ptr(),
+                mlp.down.packed.data_ptr(), _ptr_of(attn.qkv.bias), k_cache.data_ptr(), v_cache.data_ptr())
+        self.hidden = s.embed.shape[1]
         self._model = _Model(
-            layers=len(layers), hidden=self.hidden, heads=first.num_heads, kv_heads=first.num_kv_heads,
-            head_dim=first.head_dim, intermediate=layers[0].mlp.down_proj.in_local, vocab=embed.shape[0],
+            layers=len(s.layers), hidden=self.hidden, heads=first.num_heads, kv_heads=first.num_kv_heads,
+            head_dim=first.head_dim, intermediate=s.layers[0].mlp.intermediate, vocab=s.embed.shape[0],
             max_positions=self._cos.shape[0], num_slots=kv_pool.get_kv_buffer(0)[0].shape[0],
-            r2t_rows=r2t.shape[0], r2t_stride=r2t.shape[1], eps=model.model.norm.variance_epsilon,
-            scale=first.attn.scaling, embed=embed.data_ptr(), final_norm=model.model.norm.weight.data_ptr(),
+            r2t_rows=r2t.shape[0], r2t_stride=r2t.shape[1], eps=s.final_norm.eps,
+            scale=first.scale, embed=s.embed.data_ptr(), final_norm=s.final_norm.weight.data_ptr(),
             cos=self._cos.data_ptr(), sin=self._sin.data_ptr(), r2t=r2t.data_ptr(),
             layer=ctypes.cast(self._layers, ctypes.POINTER(_Layer)))
         # the LM head's packed copy (the embedding's when tied); None: the model's head scores
-        head = model.lm_head if model.lm_head is not None else model.model.embed_tokens
-        packed = getattr(head, "packed_weight", None)
-        self.vocab = embed.shape[0]
-        self._lm_head = packed if packed is not None and head.weight.shape[0] == self.vocab and self.vocab % 16 == 0 \
-            else None
+        packed = s.lm_head.packed
+        self.vocab = s.embed.shape[0]
+        fits = packed is not None and s.lm_head.weight.shape[0] == self.vocab and self.vocab % 16 == 0
+        self._lm_head = packed if fits else None
         self._keep = (model, req_to_token_pool, kv_pool)  # what the pointers point into
         lib = _library()
         self._decode, self._extend, self._logits = lib.decode_step, lib.extend_step, lib.logits_step

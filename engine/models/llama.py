@@ -2,7 +2,9 @@
 
 Subclasses change one piece each by overriding a builder on LlamaForCausalLM:
 `build_attention` (bias, per-head q/k norm) and `build_mlp` (dense or sparse MoE), plus
-`load_special_weight` for checkpoint names the generic loader does not know (MoE experts).
+`load_special_weight` for checkpoint names the generic loader does not know (MoE experts), and
+`describe_mlp` for the MLPs they build in `decoder_structure()`, the model as plain data
+(model_structure.py) for the native CPU forward.
 
 q/k/v and gate/up are fused into one linear each; the loader copies every HF checkpoint shard
 (`q_proj`, `k_proj`, `v_proj`, `gate_proj`, `up_proj`) into its slice of the fused weight.
@@ -27,8 +29,9 @@ from baton.engine.layers.layernorm import RMSNorm
 from baton.engine.layers.linear import MergedColumnLinear, RowParallelLinear, even_parts, load_param, qkv_parts
 from baton.engine.layers.qkv_rope import QKVRope
 from baton.engine.layers.radix_attention import RadixAttention
-from baton.engine.layers.rotary_embedding import get_rope
+from baton.engine.layers.rotary_embedding import RotaryEmbedding, get_rope
 from baton.engine.layers.vocab_parallel import VocabParallelEmbedding
+from baton.engine.model_structure import Attention, DecoderLayer, DecoderStructure, Linear, Mlp, Norm, Rope
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -81,6 +84,7 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = MergedColumnLinear(hidden_size, even_parts([intermediate_size] * 2, tp), bias=bias)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, tp=tp)
         self.act = GatedAct(hidden_act)
+        self.hidden_act = hidden_act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj.gated(x, self.act))
@@ -145,6 +149,11 @@ class LlamaForCausalLM(nn.Module):
         parameter it filled, or None when the name is not special."""
         return None
 
+    def describe_mlp(self, mlp: nn.Module) -> Mlp:
+        """A layer's MLP in decoder_structure(); a subclass that builds other MLPs describes them."""
+        return Mlp("gated", act="silu" if mlp.act.is_silu else mlp.hidden_act, intermediate=mlp.down_proj.in_local,
+                   gate_up=_linear(mlp.gate_up_proj), down=_linear(mlp.down_proj))
+
     def _make_layer(self, layer_id: int) -> LlamaDecoderLayer:
         return LlamaDecoderLayer(self.config, self.build_attention(self.config, layer_id),
                                  self.build_mlp(self.config, layer_id))
@@ -159,6 +168,19 @@ class LlamaForCausalLM(nn.Module):
         """hidden [m, hidden] -> logits [m, vocab] float32. With TP a collective: every rank calls
         it on the same rows."""
         return (self.model.embed_tokens if self.lm_head is None else self.lm_head).logits(hidden)
+
+    # ---- structure ----
+
+    def decoder_structure(self) -> DecoderStructure:
+        """This model as plain data (model_structure.py), for a forward other than its own (the
+        native CPU forward); taken once the weights are loaded (and packed)."""
+        ropes: dict[int, Rope] = {}  # one per RoPE module, as the layers share them
+        layers = tuple(DecoderLayer(_norm(layer.input_layernorm), _attention(layer.self_attn, ropes),
+                                    _norm(layer.post_attention_layernorm), self.describe_mlp(layer.mlp))
+                       for layer in self.model.layers)
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        return DecoderStructure(embed=self.model.embed_tokens.weight, layers=layers, final_norm=_norm(self.model.norm),
+                                lm_head=_linear(head))
 
     # ---- weights ----
 
@@ -201,3 +223,30 @@ class LlamaForCausalLM(nn.Module):
         missing = [n for n in params if n not in loaded]
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} parameters, e.g. {missing[:5]}")
+
+
+def _norm(norm: nn.Module) -> Norm:
+    return Norm("rms" if type(norm) is RMSNorm else type(norm).__name__, norm.weight,
+                getattr(norm, "variance_epsilon", 0.0))
+
+
+def _linear(layer: nn.Module) -> Linear:
+    return Linear(layer.weight, getattr(layer, "packed_weight", None), getattr(layer, "bias", None))
+
+
+def _rope(rotary: nn.Module) -> Rope:
+    def tables(device: str) -> tuple[torch.Tensor, torch.Tensor]:
+        if rotary.cos_table is None or rotary.cos_table.device.type != torch.device(device).type:
+            rotary.reserve(rotary.max_positions, device)
+        return rotary.cos_table, rotary.sin_table
+
+    return Rope("neox" if type(rotary) is RotaryEmbedding else type(rotary).__name__, rotary.head_dim, tables)
+
+
+def _attention(attn: LlamaAttention, ropes: dict[int, Rope]) -> Attention:
+    key = id(attn.rotary_emb)
+    if key not in ropes:
+        ropes[key] = _rope(attn.rotary_emb)
+    return Attention(attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.attn.scaling, _linear(attn.qkv_proj),
+                     _linear(attn.o_proj), ropes[key], None if attn.q_norm is None else _norm(attn.q_norm),
+                     None if attn.k_norm is None else _norm(attn.k_norm))

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from baton.engine.layers.moe import SparseMoeBlock
+from baton.engine.model_structure import Mlp
 from baton.engine.models.qwen3 import Qwen3ForCausalLM
 
 if TYPE_CHECKING:
@@ -29,6 +30,9 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
             return super().build_mlp(config, layer_id)
         return SparseMoeBlock(config.hidden_size, config.moe_intermediate_size, config.num_experts,
                               config.num_experts_per_tok, bool(config.norm_topk_prob), config.hidden_act, tp=self.tp)
+
+    def describe_mlp(self, mlp: nn.Module) -> Mlp:
+        return Mlp("moe") if isinstance(mlp, SparseMoeBlock) else super().describe_mlp(mlp)
 
     def load_special_weight(self, name: str, tensor: torch.Tensor) -> str | None:
         m = _MOE_NAME.match(name)
