@@ -38,6 +38,7 @@ import torch
 
 from baton.engine.distributed.parallel_state import TpGroup, resolve_group, shm_group_of
 from baton.engine.model_executor.forward_batch import ForwardMode
+from baton.engine.scheduler.future_map import FutureMap
 
 if TYPE_CHECKING:
     from baton.engine.model_executor.model_runner import ModelRunner
@@ -201,7 +202,5 @@ class StepReceiver:
 
     def _future_map(self) -> torch.Tensor:
         if self.future_ids is None:
-            from baton.engine.scheduler.tp_worker import FutureMap  # tp_worker imports this module
-
             self.future_ids = FutureMap(self.runner.pool_config.max_running_requests, self.runner.device).token_ids
         return self.future_ids

@@ -29,7 +29,9 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 
 from baton.engine.model_executor.model_runner import ModelRunner
+from baton.engine.scheduler.future_map import FutureMap
 from baton.engine.scheduler.schedule_batch import ModelWorkerBatch
+from baton.engine.scheduler.tp_step import StepSender
 from baton.engine.server_args import ServerArgs
 
 if TYPE_CHECKING:
@@ -63,7 +65,6 @@ class TpModelWorker:
     def __init__(self, server_args: ServerArgs, tp: Optional["TpGroup"] = None) -> None:
         """`tp`: the TP group this worker drives (joined by the caller; one rank by default)."""
         from baton.engine.layers.sampler import Sampler
-        from baton.engine.scheduler.tp_step import StepSender
 
         self.model_runner = ModelRunner(server_args, tp)
         self.tp = self.model_runner.tp
@@ -79,7 +80,7 @@ class TpModelWorker:
             self.step_sender = None
 
     def forward_batch_generation(self, mwb: ModelWorkerBatch, async_copy: bool = False,
-                                 future_map: Optional["FutureMap"] = None) -> GenerationBatchResult:
+                                 future_map: Optional[FutureMap] = None) -> GenerationBatchResult:
         """`async_copy` (CUDA): copy the sampled ids to the host without waiting; call resolve().
         `future_map` (overlap): resolve the batch's placeholder inputs from it, store its samples in it."""
         self.assign_draws(mwb)
@@ -98,7 +99,7 @@ class TpModelWorker:
         if mwb.draws is None:
             mwb.draws = [0 if s is None else s.next_draw() for s in mwb.sampling_states]
 
-    def native_step(self, mwb: ModelWorkerBatch, future_map: Optional["FutureMap"] = None) -> Optional["ModelStep"]:
+    def native_step(self, mwb: ModelWorkerBatch, future_map: Optional[FutureMap] = None) -> Optional["ModelStep"]:
         """The batch's forward as one native call, prepared (cpu_forward.c's model_step: the future
         map's placeholders, the forward, the LM head over each request's last token; for a batch
         without logprobs whose every sampling row is plain (no penalties, min_new_tokens, logit bias
@@ -145,7 +146,7 @@ class TpModelWorker:
                 "counters": torch.tensor(mwb.draws, dtype=torch.int64)}
 
     def step_result(self, mwb: ModelWorkerBatch, step: "ModelStep",
-                    future_map: Optional["FutureMap"] = None) -> GenerationBatchResult:
+                    future_map: Optional[FutureMap] = None) -> GenerationBatchResult:
         """A native step's result once it ran, as _forward_and_sample makes it: a greedy step's
         argmax (rows that sample nothing: 0), or the sampler over its logits (then stored in the
         future map)."""
@@ -164,7 +165,7 @@ class TpModelWorker:
         return result
 
     def _forward_and_sample(self, mwb: ModelWorkerBatch, async_copy: bool,
-                            future_map: Optional["FutureMap"]) -> GenerationBatchResult:
+                            future_map: Optional[FutureMap]) -> GenerationBatchResult:
         from baton.engine.triton_ops.future_resolve import resolve_future_token_ids
 
         runner = self.model_runner
@@ -260,20 +261,6 @@ class TpModelWorker:
                 tops += top if k > 0 else [None] * len(targets)
             out[i] = (lps, tops)
         return out
-
-
-class FutureMap:
-    """A ring of token slots on the device; index 0 is never used so -index is always negative."""
-
-    def __init__(self, max_running_requests: int, device: str) -> None:
-        self.size = 5 * (max_running_requests + 1)  # room for several batches in flight
-        self.token_ids = torch.zeros(self.size + 1, dtype=torch.int64, device=device)
-        self.ct = 0
-
-    def reserve(self, bs: int) -> torch.Tensor:
-        start = self.ct
-        self.ct = (self.ct + bs) % self.size
-        return torch.arange(start, start + bs, dtype=torch.int64) % self.size + 1
 
 
 class PendingResult:

@@ -12,7 +12,7 @@ from baton.engine.scheduler.req import Req
 from baton.engine.scheduler.schedule_batch import RETRACT_DECODE_STEPS, ScheduleBatch
 from baton.engine.scheduler.schedule_policy import (CLIP_MAX_NEW_TOKENS, AddReqResult, PrefillAdder,
                                                     SchedulePolicy)
-from baton.engine.scheduler.tp_worker import FutureMap
+from baton.engine.scheduler.future_map import FutureMap
 from baton.engine.triton_ops.future_resolve import resolve_future_token_ids
 
 
