@@ -21,5 +21,6 @@ def _packages() -> tuple[list[str], dict[str, str]]:
 
 
 packages, package_dir = _packages()
-# The native CPU kernels are compiled from source on first use (engine/kernels/cpu_attention.py).
-setup(packages=packages, package_dir=package_dir, package_data={"baton.engine.kernels": ["*.c"]})
+# The native CPU kernels are compiled from source on first use (engine/kernels/build.py): the .c files
+# and the headers they include (tests/test_packaging.py builds them from an installed wheel).
+setup(packages=packages, package_dir=package_dir, package_data={"baton.engine.kernels": ["*.c", "*.h"]})
