@@ -236,7 +236,7 @@ class ServerArgs:
     @property
     def overlap_if_native(self) -> bool:
         """CPU without either flag: the overlap loop if the native forward stream runs its steps on
-        two threads or more (decided once the model is loaded: OverlapWorkerClient.pays_on_cpu)."""
+        two threads or more (decided once the model is loaded: executors.native_stream_threads)."""
         return not self.disable_overlap_schedule and not self.enable_overlap
 
     def replace(self, **changes) -> "ServerArgs":

@@ -4,7 +4,7 @@ seen them.
 Batch N reserves one slot per request at launch; batch N+1 is built with -slot placeholders as the
 decode inputs of those requests, resolved on the device just before its forward
 (triton_ops/future_resolve.py). Batches run strictly in launch order, so N's tokens are always in
-the map when N+1 resolves them. The driver's overlap client (tp_worker.py) and each TP follower
+the map when N+1 resolves them. The driver's executor (scheduler/executors/) and each TP follower
 (tp_step.py) keep one.
 """
 from __future__ import annotations

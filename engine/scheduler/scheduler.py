@@ -18,11 +18,10 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Optional
 
-import torch
-
 from baton.engine.disaggregation.strategy import Colocated, DisaggregationMode, SchedulerView, create_strategy
 from baton.engine.distributed.parallel_state import all_reduce_backend
 from baton.engine.io_struct import (FlushCacheOut)
+from baton.engine.scheduler.executors import ForwardExecutor, create_executor, native_stream_threads
 from baton.engine.scheduler.grammar_queue import GrammarQueue
 from baton.engine.scheduler.intake import SchedulerIntakeMixin
 from baton.engine.scheduler.output_processor import SchedulerOutputProcessorMixin
@@ -30,7 +29,7 @@ from baton.engine.scheduler.queues import SchedulerQueues
 from baton.engine.scheduler.req import Req
 from baton.engine.scheduler.schedule_batch import ModelWorkerBatch, ScheduleBatch
 from baton.engine.scheduler.schedule_policy import AddReqResult, InBatchPrefixIndex, PrefillAdder, SchedulePolicy
-from baton.engine.scheduler.tp_worker import GenerationBatchResult, OverlapWorkerClient, TpModelWorker
+from baton.engine.scheduler.tp_worker import GenerationBatchResult, TpModelWorker
 from baton.engine.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -79,8 +78,9 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin):
                                               args.page_size)
         self.policy = SchedulePolicy(args.schedule_policy if not args.disable_radix_cache else "fcfs",
                                      self.tree_cache, args.enable_priority_scheduling, args.random_seed)
-        overlap = args.enable_overlap or (args.overlap_if_native and OverlapWorkerClient.pays_on_cpu(self.worker))
-        self.overlap = OverlapWorkerClient(self.worker, self.max_running_requests) if overlap else None
+        # CPU: the overlap loop pays where the native forward stream has a thread to share with the scheduler
+        overlap = args.enable_overlap or (args.overlap_if_native and (native_stream_threads(self.worker) or 0) >= 2)
+        self.executor = create_executor(overlap, self.worker, self.max_running_requests)
         self.eos_token_ids = self._eos_ids(runner.hf_config, tokenizer)
         self.grammar_backend = None
         if args.grammar_backend == "xgrammar" and tokenizer is not None:
@@ -378,12 +378,8 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin):
             self.fill_grammar_masks(batch)
         mwb = batch.model_worker_batch
         self.forward_ct += 1
-        if self.overlap is not None:
-            placeholders, future = self.overlap.launch(mwb)
-            batch.output_ids = placeholders
-            return LaunchedBatch(list(batch.reqs), mwb, future)
-        result = self.worker.forward_batch_generation(mwb)
-        batch.output_ids = result.next_token_ids_tensor
+        # the overlap loop's placeholders, or the plain loop's sampled ids
+        batch.output_ids, result = self.executor.launch(mwb)
         return LaunchedBatch(list(batch.reqs), mwb, result)
 
     def reap_finished(self, reqs: list[Req]) -> None:
@@ -435,11 +431,15 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin):
         self.tree_cache.reset()
         return FlushCacheOut(True, "", self.dp_rank)
 
+    @property
+    def overlap(self) -> Optional[ForwardExecutor]:
+        """The overlap loop's executor; None in the plain loop."""
+        return self.executor if self.executor.overlap else None
+
     def forward_threads(self) -> int:
         """The threads a forward runs on: the CPU forward stream's where the overlap loop has one
         (the scheduler thread itself then runs single-threaded), else torch's."""
-        stream = self.overlap.stream if self.overlap is not None else None
-        return stream.num_threads if stream is not None else torch.get_num_threads()
+        return self.executor.num_threads
 
     def get_server_info(self) -> dict[str, Any]:
         return {**self.pd.server_info(),

@@ -12,6 +12,7 @@ from baton.engine.kernels import cpu_forward, cpu_linear
 from baton.engine.layers.linear import pack_linear_weights
 from baton.engine.model_executor.forward_batch import ForwardMode
 from baton.engine.model_executor.model_loader import load_model
+from baton.engine.scheduler.executors.native_stream import NativeStreamExecutor
 
 from test_models import PROMPTS, LLAMA3_ROPE, PagedRunner
 
@@ -392,7 +393,7 @@ def test_overlap_loop_is_the_default_where_the_native_forward_serves(tiny_model_
         try:
             overlap = h.scheduler.overlap
             assert (overlap is not None) == stream, overrides
-            assert overlap is None or overlap.stream is not None
+            assert overlap is None or isinstance(overlap, NativeStreamExecutor)
             assert h.scheduler.get_server_info()["event_loop"] == ("overlap" if stream else "plain")
             h.submit("a", PROMPTS[0], max_new_tokens=4, ignore_eos=True)
             assert len(h.run_until_idle()["a"].ids) == 4 and h.scheduler.check_memory_integrity()
@@ -430,7 +431,7 @@ def test_engine_runs_every_step_natively(tiny_model_factory, mixed, loop):
         calls = {"argmax decode": 0, "argmax extend": 0, "draw decode": 0, "logits decode": 0}
         if not disable:
             assert runner.compiled_model is None  # nothing to compile, though asked to
-            assert (h.scheduler.overlap is not None and h.scheduler.overlap.stream is not None) == overlap
+            assert isinstance(h.scheduler.overlap, NativeStreamExecutor) == overlap
             fwd = runner.native_forward
 
             def step(*a, fn=fwd.step, **kw):
@@ -486,7 +487,7 @@ def test_overlap_stream_under_aborts_retraction_and_sampling(tiny_model_factory,
     ref.scheduler.close()
 
     h = SchedulerHarness(path, **common, max_total_tokens=320, enable_overlap_schedule=True)
-    assert h.scheduler.overlap.stream is not None
+    assert isinstance(h.scheduler.overlap, NativeStreamExecutor)
     aborted, pending = set(), list(range(len(prompts)))
     for i in range(8):  # a first wave at once; the rest arrive at random steps
         h.submit(str(i), prompts[i], **params(i))

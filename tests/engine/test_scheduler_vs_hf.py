@@ -12,6 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from baton.engine.io_struct import AbortReq
+from baton.engine.scheduler.executors.cuda_stream import CudaStreamExecutor
 from scheduler_harness import SchedulerHarness
 
 ARCHS = ["llama", "qwen2", "qwen3", "qwen3_moe"]
@@ -75,13 +76,11 @@ def harness_for(path: str, loop: str, **overrides) -> SchedulerHarness:
     overlap = loop != "plain"
     h = SchedulerHarness(path, enable_overlap_schedule=overlap, disable_overlap_schedule=not overlap, **overrides)
     if loop == "inline":
-        from baton.engine.scheduler.tp_worker import OverlapWorkerClient
-
         s = h.scheduler
-        s.overlap.shutdown()
-        s.overlap = OverlapWorkerClient(s.worker, s.max_running_requests, inline=True)
+        s.executor.shutdown()
+        s.executor = CudaStreamExecutor(s.worker, s.max_running_requests)
     assert (h.scheduler.overlap is not None) == overlap
-    assert overlap is False or h.scheduler.overlap.inline == (loop == "inline")
+    assert overlap is False or isinstance(h.scheduler.overlap, CudaStreamExecutor) == (loop == "inline")
     return h
 
 
