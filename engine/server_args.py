@@ -10,7 +10,8 @@ import importlib.util
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Optional
+from enum import Enum
+from typing import NamedTuple, Optional
 
 from baton.engine.parsers import REASONING_PARSERS, TOOL_PARSERS
 
@@ -31,6 +32,22 @@ LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
 # 1024, 5.5 s (31 s); 512, 3.1 s (31 s); 256, 3.6 s (43 s). GPUs keep SGLang's large-GPU default.
 CPU_CHUNKED_PREFILL_SIZE = 512
 GPU_CHUNKED_PREFILL_SIZE = 8192
+
+
+class EventLoop(Enum):
+    PLAIN = "plain"  # schedule N -> run N -> process N
+    OVERLAP = "overlap"  # schedule N+1 -> launch N+1 -> process N (while N+1 computes)
+
+
+class EventLoopChoice(NamedTuple):
+    """Which loop the scheduler runs, and why (ServerArgs.event_loop; /get_server_info)."""
+
+    loop: EventLoop
+    reason: str
+
+    @property
+    def overlap(self) -> bool:
+        return self.loop is EventLoop.OVERLAP
 
 
 def default_chunked_prefill_size(device: str) -> int:
@@ -94,7 +111,7 @@ class ServerArgs:
     # while it waits; measured faster than the plain loop, docs/benchmarks.md).
     # A CPU model on its own Python forward keeps the plain loop: there a worker thread holds the GIL
     # between small ops and contends with the scheduler instead of overlapping it. This forces the
-    # overlap loop on (tests use it).
+    # overlap loop on (tests use it). The whole rule: event_loop() below.
     enable_overlap_schedule: bool = False
     stream_interval: int = 1
     # execution
@@ -226,18 +243,26 @@ class ServerArgs:
     def model_name(self) -> str:
         return self.served_model_name or os.path.basename(os.path.normpath(self.model_path))
 
-    @property
-    def enable_overlap(self) -> bool:
-        """The overlap loop whatever serves the model (CUDA, or asked for)."""
+    def event_loop(self, native_stream_threads: Optional[int]) -> EventLoopChoice:
+        """The scheduler's loop and why: the flags first, then the device, then (CPU without either
+        flag) whether the native forward stream serves the model on threads to spare.
+        `native_stream_threads`: the threads the native CPU forward's steps run on where it serves
+        the model whole (forward and LM head; executors.native_stream_threads), None elsewhere."""
         if self.disable_overlap_schedule:
-            return False
-        return self.device.startswith("cuda") or self.enable_overlap_schedule
-
-    @property
-    def overlap_if_native(self) -> bool:
-        """CPU without either flag: the overlap loop if the native forward stream runs its steps on
-        two threads or more (decided once the model is loaded: executors.native_stream_threads)."""
-        return not self.disable_overlap_schedule and not self.enable_overlap
+            return EventLoopChoice(EventLoop.PLAIN, "--disable-overlap-schedule")
+        if self.device.startswith("cuda"):
+            return EventLoopChoice(EventLoop.OVERLAP, "CUDA: a launch only enqueues work on the forward stream")
+        if self.enable_overlap_schedule:
+            return EventLoopChoice(EventLoop.OVERLAP, "--enable-overlap-schedule")
+        if native_stream_threads is None:
+            return EventLoopChoice(EventLoop.PLAIN, "CPU, the model's own forward: a worker thread would contend "
+                                                    "with the scheduler for the GIL")
+        if native_stream_threads < 2:
+            # measured even with the plain loop there: the scheduler can only time-slice the forward
+            return EventLoopChoice(EventLoop.PLAIN, "CPU, the native forward on one thread: no core to spare "
+                                                    "for the scheduler's work")
+        return EventLoopChoice(EventLoop.OVERLAP, f"CPU, the native forward stream on {native_stream_threads} "
+                                                  "threads: the scheduler's thread works beside it, then joins it")
 
     def replace(self, **changes) -> "ServerArgs":
         return dataclasses.replace(self, **changes)
@@ -284,7 +309,7 @@ class ServerArgs:
         a("--enable-overlap-schedule", action="store_true",
           help="use the overlap loop on CPU even where it is not the default (default: on for CUDA, and on CPU "
                "where the native forward serves the model on two threads or more; /get_server_info's "
-               "event_loop says which loop runs)")
+               "event_loop says which loop runs, event_loop_reason why)")
         a("--stream-interval", type=int, default=ServerArgs.stream_interval)
         a("--attention-backend", default=ServerArgs.attention_backend, choices=("auto",) + ATTENTION_BACKENDS,
           help="auto (default): flashinfer on CUDA for float16/bfloat16 when installed, else torch")

@@ -78,9 +78,9 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin):
                                               args.page_size)
         self.policy = SchedulePolicy(args.schedule_policy if not args.disable_radix_cache else "fcfs",
                                      self.tree_cache, args.enable_priority_scheduling, args.random_seed)
-        # CPU: the overlap loop pays where the native forward stream has a thread to share with the scheduler
-        overlap = args.enable_overlap or (args.overlap_if_native and (native_stream_threads(self.worker) or 0) >= 2)
-        self.executor = create_executor(overlap, self.worker, self.max_running_requests)
+        self.loop_choice = args.event_loop(native_stream_threads(self.worker))  # plain or overlap, and why
+        logger.info("event loop: %s (%s)", self.loop_choice.loop.value, self.loop_choice.reason)
+        self.executor = create_executor(self.loop_choice.overlap, self.worker, self.max_running_requests)
         self.eos_token_ids = self._eos_ids(runner.hf_config, tokenizer)
         self.grammar_backend = None
         if args.grammar_backend == "xgrammar" and tokenizer is not None:
@@ -460,7 +460,8 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin):
             "scheduler_pid": os.getpid(),
             "cpu_affinity": sorted(os.sched_getaffinity(0)),
             "torch_threads": self.forward_threads(),
-            "event_loop": "plain" if self.overlap is None else "overlap",  # the default depends on the model (CPU)
+            "event_loop": self.loop_choice.loop.value,  # the default depends on the model (CPU)
+            "event_loop_reason": self.loop_choice.reason,
             "tp_allreduce": all_reduce_backend(self.worker.tp),  # shm | gloo | nccl | none
             "preemptions": self.stats.preemptions,
             "mixed_decode_tokens": self.stats.mixed_decode_tokens,

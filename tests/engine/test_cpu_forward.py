@@ -394,7 +394,9 @@ def test_overlap_loop_is_the_default_where_the_native_forward_serves(tiny_model_
             overlap = h.scheduler.overlap
             assert (overlap is not None) == stream, overrides
             assert overlap is None or isinstance(overlap, NativeStreamExecutor)
-            assert h.scheduler.get_server_info()["event_loop"] == ("overlap" if stream else "plain")
+            info = h.scheduler.get_server_info()
+            assert info["event_loop"] == ("overlap" if stream else "plain")
+            assert info["event_loop_reason"] == h.scheduler.loop_choice.reason
             h.submit("a", PROMPTS[0], max_new_tokens=4, ignore_eos=True)
             assert len(h.run_until_idle()["a"].ids) == 4 and h.scheduler.check_memory_integrity()
         finally:

@@ -219,13 +219,20 @@ def test_shared_prefix_requests_wait_for_the_cache(tiny_model_factory):
 def test_overlap_default_depends_on_device():
     from baton.engine.server_args import ServerArgs
 
-    assert ServerArgs(model_path="m", device="cuda", attention_backend="torch").enable_overlap
-    # CPU: only where the native forward serves the model (decided at load: test_cpu_forward.py)
-    assert not ServerArgs(model_path="m", device="cpu").enable_overlap
-    assert ServerArgs(model_path="m", device="cpu").overlap_if_native
-    assert ServerArgs(model_path="m", device="cpu", enable_overlap_schedule=True).enable_overlap
-    assert not ServerArgs(model_path="m", device="cpu", disable_overlap_schedule=True).overlap_if_native
-    assert not ServerArgs(model_path="m", device="cuda", disable_overlap_schedule=True).enable_overlap
+    def overlap(native_stream_threads, **kw):
+        return ServerArgs(model_path="m", **kw).event_loop(native_stream_threads).overlap
+
+    for threads in (None, 1, 2):  # whatever serves the model
+        assert overlap(threads, device="cuda", attention_backend="torch")
+        assert overlap(threads, device="cpu", enable_overlap_schedule=True)
+        assert not overlap(threads, device="cpu", disable_overlap_schedule=True)
+        assert not overlap(threads, device="cuda", disable_overlap_schedule=True)
+    # CPU without a flag: only where the native forward stream serves the model on two threads or
+    # more (known once the model is loaded: test_cpu_forward.py)
+    assert not overlap(None, device="cpu") and not overlap(1, device="cpu")
+    assert overlap(2, device="cpu")
+    choice = ServerArgs(model_path="m", device="cpu", disable_overlap_schedule=True).event_loop(2)
+    assert choice.loop.value == "plain" and "--disable-overlap-schedule" in choice.reason
 
 
 def test_pd_with_tp_needs_a_backend_that_crosses_processes():

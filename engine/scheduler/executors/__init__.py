@@ -7,7 +7,7 @@ and device, chosen once at start-up (create_executor; the contract in base.py).
     worker_thread.py  the overlap loop on CPU with the model's own forward: a Python worker thread
 
 native_step.py turns a batch into one native CPU step (sync.py and native_stream.py use it). Which
-loop runs: the overlap flags (ServerArgs) and, on CPU without either, native_stream_threads().
+loop runs is ServerArgs.event_loop's rule, given native_stream_threads().
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 def native_stream_threads(worker: "TpModelWorker") -> Optional[int]:
     """The threads the native CPU forward's steps run on, where it serves the worker's model whole
-    (forward and LM head); None elsewhere. A fact the CPU's overlap default decides on."""
+    (forward and LM head); None elsewhere. A fact ServerArgs.event_loop decides on."""
     from baton.engine.scheduler.executors.native_step import NativeSteps
 
     steps = NativeSteps.serving(worker)
