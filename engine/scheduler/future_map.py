@@ -1,5 +1,4 @@
-"""The overlap loop's future map: where a launched batch's sampled tokens go before the scheduler has
-seen them.
+"""The overlap loop's future map: where a launched batch's tokens wait for the next batch.
 
 Batch N reserves one slot per request at launch; batch N+1 is built with -slot placeholders as the
 decode inputs of those requests, resolved on the device just before its forward

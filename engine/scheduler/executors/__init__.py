@@ -1,5 +1,6 @@
-"""Forward executors: how the scheduler's batches reach the worker's forward + sample, one per loop
-and device, chosen once at start-up (create_executor; the contract in base.py).
+"""Forward executors: how the scheduler's batches reach the worker's forward + sample.
+
+One per loop and device, chosen once at start-up (create_executor; the contract in base.py):
 
     sync.py           the plain loop: each batch runs at launch, in the scheduler's thread
     cuda_stream.py    the overlap loop on CUDA: the launch enqueues on a forward stream, inline

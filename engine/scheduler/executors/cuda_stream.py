@@ -1,11 +1,12 @@
-"""The overlap loop on CUDA: a launch only enqueues work on a forward stream (the inputs' copy, the
-forward, the sampling, a non-blocking copy of the sampled ids behind an event), so it runs inline
-in the scheduler's thread, as SGLang's overlap loop does: the GPU computes batch N+1 while the same
-thread processes batch N's result. The forward stream first waits on an event the scheduler
-recorded at launch (its req_to_token writes for the batch); the scheduler waits on the copy's event
-only when it processes the result. A worker thread here would buy nothing and cost a GIL hand-off
-per op: measured on an H100, overlap through a thread was 0.77-0.87x the plain loop
-(docs/benchmarks.md).
+"""The overlap loop on CUDA: each launch enqueues its batch on a forward stream, inline.
+
+A launch only enqueues work on the forward stream (the inputs' copy, the forward, the sampling, a
+non-blocking copy of the sampled ids behind an event), so it runs in the scheduler's thread, as
+SGLang's overlap loop does: the GPU computes batch N+1 while the same thread processes batch N's
+result. The forward stream first waits on an event the scheduler recorded at launch (its
+req_to_token writes for the batch); the scheduler waits on the copy's event only when it processes
+the result. A worker thread here would buy nothing and cost a GIL hand-off per op: measured on an
+H100, overlap through a thread was 0.77-0.87x the plain loop (docs/benchmarks.md).
 
 Off CUDA (tests) the same launch runs the batch inline and synchronously, the overlap loop's
 bookkeeping without its concurrency.

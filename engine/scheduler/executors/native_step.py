@@ -1,9 +1,9 @@
-"""A batch as one native model step (kernels/cpu_forward.py), where the native CPU forward serves the
-model whole (its forward and its LM head): the placeholders of the future map, the forward, the
-LM head over each request's last token and, for a batch without logprobs whose every sampling row
-is plain (no penalties, min_new_tokens, logit bias or grammar), the argmax or the draw and the
-future map's slots too; what the worker's Python sampler would have made of its logits, the same
-tokens. The plain loop runs such steps in the scheduler's thread (sync.py), the overlap loop on
+"""A batch as one native CPU step, where the native forward serves the model whole.
+
+One call of kernels/cpu_forward.py: the placeholders of the future map, the forward, the LM head
+over each request's last token and, for a batch without logprobs whose every sampling row is plain
+(no penalties, min_new_tokens, logit bias or grammar), the argmax or the draw and the future map's
+slots too; the same tokens the worker's Python sampler would have made of its logits. The plain loop runs such steps in the scheduler's thread (sync.py), the overlap loop on
 the native forward stream (native_stream.py).
 """
 from __future__ import annotations

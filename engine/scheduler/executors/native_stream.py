@@ -1,6 +1,7 @@
-"""The overlap loop on CPU where the native forward serves the model: a native forward stream
-(kernels/cpu_forward.py ForwardStream), a C thread, runs the batches in launch order while the
-scheduler's thread works, the shape of the CUDA stream's overlap.
+"""The overlap loop on CPU where the native forward serves: its steps on a native forward stream.
+
+The stream (kernels/cpu_forward.py ForwardStream), a C thread, runs the batches in launch order
+while the scheduler's thread works, the shape of the CUDA stream's overlap.
 
 Each batch is queued as one native step (native_step.py: placeholders, forward, LM head) that
 needs no GIL, so the scheduler processes batch N while N+1 runs. A batch whose step ends in tokens

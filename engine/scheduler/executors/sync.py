@@ -1,7 +1,8 @@
-"""The plain loop's executor: a batch runs at launch, in the scheduler's thread, and its tokens are
-the ids its requests decode from next (schedule N -> run N -> process N). Where the native CPU
-forward serves the model, each batch it can take is one native step (native_step.py); the rest go
-through the worker's forward + sample.
+"""The plain loop's executor: each batch runs at launch, in the scheduler's thread.
+
+Its tokens are the ids its requests decode from next (schedule N -> run N -> process N). Where the
+native CPU forward serves the model, each batch it can take is one native step (native_step.py);
+the rest go through the worker's forward + sample.
 """
 from __future__ import annotations
 

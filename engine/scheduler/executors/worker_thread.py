@@ -1,7 +1,9 @@
-"""The overlap loop on CPU with the model's own (Python) forward: one worker thread runs the
-batches in launch order while the scheduler's thread processes the previous result. It only pays
-where the forward releases the GIL for long stretches; between small ops the two threads contend
-for it, which is why the CPU's default is the plain loop there (ServerArgs.event_loop).
+"""The overlap loop on CPU with the model's own (Python) forward: a worker thread runs it.
+
+One thread runs the batches in launch order while the scheduler's thread processes the previous
+result. It only pays where the forward releases the GIL for long stretches; between small ops the
+two threads contend for it, which is why the CPU's default is the plain loop there
+(ServerArgs.event_loop).
 """
 from __future__ import annotations
 
