@@ -22,9 +22,11 @@ logger = logging.getLogger(__name__)
 
 # how often a waiting non-streaming handler checks whether its client went away (s)
 DISCONNECT_POLL_S = 1.0
-# a stream silent this long (s) gets an SSE comment, so proxies and clients see the connection live;
-# BATON_SSE_KEEPALIVE_S overrides it (0: none)
-SSE_KEEPALIVE_S = 15.0
+# A stream silent this long (s) gets an SSE comment (": keep-alive"), so that proxies with an idle
+# timeout keep the connection; set with BATON_SSE_KEEPALIVE_S (e.g. 15). Off (0) by default: SGLang's
+# own client, sglang.bench_serving (0.4.6.post5), json-parses every non-blank line of a stream and
+# fails on a comment (JSONDecodeError, on every route), and SGLang's engines send none.
+SSE_KEEPALIVE_S = 0.0
 
 
 class RequestError(Exception):

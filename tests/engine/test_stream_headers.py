@@ -1,7 +1,7 @@
-"""A stream's HTTP headers go out at once, before its first output, and a silent stream gets SSE
-keep-alive comments (as SGLang's engines do; sglang-router waits for both PD engines' headers
-before it relays anything). Here the first output waits behind another request: the engine runs one
-request at a time (--max-running-requests 1) and a long one holds the slot until it is aborted."""
+"""A stream's HTTP headers go out at once, before its first output (sglang-router waits for both PD
+engines' headers before it relays anything), and with BATON_SSE_KEEPALIVE_S a silent stream gets SSE
+keep-alive comments. Here the first output waits behind another request: the engine runs one request
+at a time (--max-running-requests 1) and a long one holds the slot until it is aborted."""
 from __future__ import annotations
 
 import asyncio
