@@ -9,19 +9,20 @@ whole tensor and the layers compute exactly what nn.Linear does.
 
 On a CPU with AVX512_BF16, `pack_linear_weights` gives each bfloat16 layer (and the LM head) a packed
 copy of its weight (a buffer, `packed_weight`), and its calls go through the kernel of
-engine/kernels/cpu_linear.py instead of torch's GEMM.
+engine/kernels/cpu_linear.py instead of torch's GEMM (layers/gemm.py).
 """
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, NamedTuple, Optional
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from baton.engine.distributed.parallel_state import TpGroup, all_reduce
 from baton.engine.kernels import cpu_linear
+from baton.engine.layers.gemm import linear_forward
+from baton.engine.layers.vocab_parallel import VocabParallelEmbedding
 
 if TYPE_CHECKING:
     from baton.engine.layers.activation import GatedAct
@@ -47,14 +48,6 @@ def qkv_parts(num_heads: int, num_kv_heads: int, head_dim: int, tp: TpGroup) -> 
     q = OutputPart(num_heads * head_dim, tp.rank * q_heads * head_dim, q_heads * head_dim)
     kv = OutputPart(num_kv_heads * head_dim, kv_start * head_dim, kv_heads * head_dim)
     return [q, kv, kv]
-
-
-def linear_forward(layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """F.linear(x, layer.weight, bias), through the packed copy when the layer has one."""
-    packed = getattr(layer, "packed_weight", None)
-    if packed is None:
-        return F.linear(x, layer.weight, bias)
-    return cpu_linear.packed_linear(x, layer.weight, packed, bias)
 
 
 class MergedColumnLinear(nn.Linear):
@@ -125,8 +118,6 @@ def pack_linear_weights(model: nn.Module, device: str) -> int:
     so the model takes no more memory than before; only a tied LM head keeps its table, which is
     also the embedding. Returns how many layers were packed; 0, with the reason logged, where the
     kernel cannot run."""
-    from baton.engine.layers.vocab_parallel import VocabParallelEmbedding  # it imports this module
-
     head = getattr(model, "lm_head", None)
     tied = head is None
     if tied:  # the input embedding is the LM head

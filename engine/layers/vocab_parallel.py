@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from baton.engine.distributed.parallel_state import TpGroup, all_gather_last_dim, all_reduce
-from baton.engine.layers.linear import linear_forward
+from baton.engine.layers.gemm import linear_forward
 
 
 class VocabShard(NamedTuple):

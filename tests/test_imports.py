@@ -1,0 +1,220 @@
+"""The import rules of docs/structure.md (scripts/gen_structure.py's HEADER), read from the source with
+`ast`: no import cycles among the engine's modules, no import from a lower layer of the engine into a
+higher one, and the router and the operator never import the engine.
+
+An import under `if TYPE_CHECKING:` names a type and runs nothing: it is exempt. An import inside a
+function runs when the function does: it is a dependency all the same (a cycle that only works because
+one side imports late is still a cycle), checked separately from the module-level ones, where Python
+itself would fail."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from typing import Iterator, NamedTuple
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = {"engine": "baton.engine", "router": "baton.router", "operator": "baton.operator"}
+
+# The engine's layers, bottom to top: a module imports from its own layer and the layers below it.
+# A name is a subpackage or a module directly under engine/.
+LAYERS = [
+    ("kernels", "triton_ops", "utils"),
+    ("distributed", "mem_cache", "sampling", "constrained", "parsers", "io_struct", "server_args", "metrics",
+     "model_structure"),
+    ("layers",),
+    ("models",),
+    ("model_executor",),
+    ("disaggregation",),
+    ("scheduler",),
+    ("tokenizer_manager", "detokenizer"),
+    ("entrypoints", "bench"),
+]
+
+# Known violations (issue 32), each with the change that ends it. These tests fail on any other
+# violation, and on an entry here that no longer is one: delete it then.
+KNOWN_CYCLES = {
+    # create_strategy() imports the PD strategies it builds, which subclass strategy.Colocated: the
+    # factory belongs in the package's registry (disaggregation/__init__.py), away from the base class.
+    ("baton.engine.disaggregation.strategy", "baton.engine.disaggregation.prefill"),
+    ("baton.engine.disaggregation.strategy", "baton.engine.disaggregation.decode"),
+    # create_app imports register_openai_routes late, openai_api takes http_server's helpers (SSE,
+    # parse, _collect): issue 32 item 4, the shared HTTP helpers in a module of their own.
+    ("baton.engine.entrypoints.http_server", "baton.engine.entrypoints.openai_api"),
+}
+KNOWN_UPWARD = {
+    # unavailable_reason() checks the KV pool's class: issue 32 item 3, the native forward reads what it
+    # needs through an interface, so kernels/ imports nothing above it.
+    ("baton.engine.kernels.cpu_forward", "baton.engine.mem_cache.memory_pool"),
+}
+
+
+class Import(NamedTuple):
+    target: str  # the module imported (the closest module that exists, for `from package import name`)
+    line: int
+    deferred: bool  # inside a function
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = [PACKAGES[rel.parts[0]], *rel.parts[1:]]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for folder in PACKAGES for p in sorted((ROOT / folder).rglob("*.py"))
+           if "__pycache__" not in p.parts}
+
+
+def _type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
+        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _resolve(name: str) -> str:
+    """The module `name` runs: itself, or for `from package import function` the package."""
+    while name and name not in MODULES and name.startswith("baton."):
+        name = name.rpartition(".")[0]
+    return name
+
+
+def imports_of(module: str) -> Iterator[Import]:
+    """Every import the module runs, with its line; none under `if TYPE_CHECKING:`."""
+    path = MODULES[module]
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+
+    def walk(nodes: list[ast.AST], deferred: bool) -> Iterator[Import]:
+        for node in nodes:
+            if isinstance(node, ast.If) and _type_checking(node):
+                yield from walk(node.orelse, deferred)
+                continue
+            if isinstance(node, ast.Import):
+                yield from (Import(alias.name, node.lineno, deferred) for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from the package, up level - 1
+                    up = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = ".".join(up + ([node.module] if node.module else []))
+                for alias in node.names:
+                    sub = f"{base}.{alias.name}"
+                    yield Import(sub if sub in MODULES else base, node.lineno, deferred)
+            inner = deferred or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            yield from walk(list(ast.iter_child_nodes(node)), inner)
+
+    yield from walk(ast.parse(path.read_text()).body, False)
+
+
+def graph(prefix: str, deferred: bool, parents: bool = True) -> dict[str, dict[str, int]]:
+    """module -> {module it imports: line} among modules under `prefix`; with `deferred`, the imports
+    inside functions too. Importing a.b.c also runs a.b's __init__ (unless the importer is inside a.b):
+    with `parents`, an edge to it too."""
+    edges: dict[str, dict[str, int]] = {}
+    for module in MODULES:
+        if not module.startswith(prefix):
+            continue
+        out = edges.setdefault(module, {})
+        for imp in imports_of(module):
+            if imp.deferred and not deferred:
+                continue
+            target = _resolve(imp.target)
+            while target.startswith(prefix) and target != module and not module.startswith(target + "."):
+                out.setdefault(target, imp.line)
+                target = target.rpartition(".")[0] if parents else ""
+    return edges
+
+
+def cycles(edges: dict[str, dict[str, int]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in edges.get(v, {}):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def describe(component: list[str], edges: dict[str, dict[str, int]]) -> str:
+    return "\n".join(f"  {a} -> {b} ({MODULES[a].relative_to(ROOT)}:{line})"
+                     for a in component for b, line in sorted(edges[a].items()) if b in component)
+
+
+def without(edges: dict[str, dict[str, int]], known: set[tuple[str, str]]) -> dict[str, dict[str, int]]:
+    return {a: {b: line for b, line in out.items() if (a, b) not in known} for a, out in edges.items()}
+
+
+def layer_of(module: str) -> int:
+    if module == "baton.engine":
+        return len(LAYERS)  # the package's __init__, above everything
+    name = module.split(".")[2]
+    for i, names in enumerate(LAYERS):
+        if name in names:
+            return i
+    raise AssertionError(f"{module}: engine/{name} is in no layer of LAYERS (tests/test_imports.py); add it")
+
+
+def upward_imports() -> dict[tuple[str, str], int]:
+    found = {}
+    for a, out in graph("baton.engine.", deferred=True, parents=False).items():
+        for b, line in out.items():
+            if layer_of(b) > layer_of(a):
+                found[(a, b)] = line
+    return found
+
+
+def test_no_import_cycles_at_module_level():
+    edges = graph("baton.engine.", deferred=False)
+    found = cycles(edges)
+    assert not found, "import cycles among the engine's modules:\n" + "\n".join(describe(c, edges) for c in found)
+
+
+def test_no_new_import_cycles_through_deferred_imports():
+    edges = graph("baton.engine.", deferred=True)
+    found = cycles(without(edges, KNOWN_CYCLES))
+    assert not found, ("import cycles among the engine's modules (counting imports inside functions):\n"
+                       + "\n".join(describe(c, edges) for c in found))
+    still = {(a, b) for a, b in KNOWN_CYCLES if b in edges.get(a, {})
+             and any(a in c and b in c for c in cycles(edges))}
+    assert still == KNOWN_CYCLES, f"no longer a cycle, delete from KNOWN_CYCLES: {sorted(KNOWN_CYCLES - still)}"
+
+
+def test_engine_layers_import_downward_only():
+    found = upward_imports()
+    new = {edge: line for edge, line in found.items() if edge not in KNOWN_UPWARD}
+    assert not new, "imports into a higher layer of the engine:\n" + "\n".join(
+        f"  {a} -> {b} ({MODULES[a].relative_to(ROOT)}:{line})" for (a, b), line in sorted(new.items()))
+    assert KNOWN_UPWARD <= set(found), f"fixed, delete from KNOWN_UPWARD: {sorted(KNOWN_UPWARD - set(found))}"
+
+
+def test_router_and_operator_never_import_the_engine():
+    found = [f"  {m} -> {imp.target} ({MODULES[m].relative_to(ROOT)}:{imp.line})"
+             for m in MODULES if m.startswith(("baton.router", "baton.operator"))
+             for imp in imports_of(m) if imp.target == "baton.engine" or imp.target.startswith("baton.engine.")]
+    assert not found, "the router and the operator run without the engine installed:\n" + "\n".join(found)
+
+
+def test_the_checks_see_a_cycle_and_an_upward_import():
+    edges = {"a": {"b": 1}, "b": {"c": 2}, "c": {"a": 3}, "d": {"a": 4}}
+    assert cycles(edges) == [["a", "b", "c"]]
+    assert cycles(without(edges, {("c", "a")})) == []
+    assert layer_of("baton.engine.kernels.cpu_forward") < layer_of("baton.engine.models.llama")
