@@ -1,7 +1,7 @@
-"""A layer's matmul: torch's GEMM, or the packed bfloat16 CPU kernel where the layer carries a packed
-copy of its weight (`packed_weight`, made by layers/linear.py's pack_linear_weights).
+"""A layer's matmul: torch's GEMM, or the packed bfloat16 CPU kernel where the layer has a packed copy.
 
-The linear layers and the LM head (layers/vocab_parallel.py) both multiply through it.
+The copy is the buffer `packed_weight`, made by layers/linear.py's pack_linear_weights after loading.
+The linear layers and the LM head (layers/vocab_parallel.py) both multiply through here.
 """
 from __future__ import annotations
 
