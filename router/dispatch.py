@@ -11,7 +11,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import aiohttp
 from aiohttp import web
@@ -22,6 +22,8 @@ from baton.router.forward import (
     TRANSPORT_ERRORS,
     ClientGone,
     Failure,
+    as_error_object,
+    end_stream_with,
     end_stream_with_error,
     error_body,
     forward_headers,
@@ -52,12 +54,47 @@ class RequestContext:
     rid_fields: dict[str, Any]  # {"rid": ...} to send when the router chose the rid or renewed it, else {}
     own_rids: bool  # the router chose the rids (the client sent none)
     text: str | None = None  # routing text, extracted once, on first need
-    response: web.StreamResponse | None = None  # set when a stream to the client has started
+    response: web.StreamResponse | None = None  # set when a stream to the client has started (its headers)
+    committed: bool = False  # an event went to the client: no retry any more (a retry may reuse `response`)
     failed: set[Worker] = field(default_factory=set)  # avoided by the next attempt if possible
 
 
 class NoWorkers(Exception):
     pass
+
+
+class AttemptGuard:
+    """Runs one side of an attempt in the current task and turns an interrupt from outside (in
+    PD, the prefill failed before the decode took over) into that side's Failure.
+    The task is cancelled wherever it waits, so the side's own cleanup runs (abort the worker,
+    release the connection); a cancel from anyone else (client gone, deadline) passes through."""
+
+    __slots__ = ("failure", "_task", "_armed")
+
+    def __init__(self) -> None:
+        self.failure: Failure | None = None
+        self._task = asyncio.current_task()
+        self._armed = False
+
+    async def run(self, coro: Awaitable[Any]) -> Any:
+        self._armed = True
+        try:
+            return await coro
+        except asyncio.CancelledError:
+            if self.failure is None or not self._own_cancel():
+                raise
+            return self.failure
+        finally:
+            self._armed = False
+
+    def interrupt(self, failure: Failure) -> None:
+        if self._armed and self.failure is None:
+            self.failure = failure
+            self._task.cancel()
+
+    def _own_cancel(self) -> bool:
+        uncancel = getattr(self._task, "uncancel", None)  # Python 3.11+: keep timeout bookkeeping right
+        return uncancel is None or uncancel() == 0
 
 
 class Dispatcher:
@@ -101,7 +138,7 @@ class Dispatcher:
             result = await self._attempt(self, ctx)
             if not isinstance(result, Failure):
                 return result
-            if not result.retryable or attempt == retry.max_retries or ctx.response is not None:
+            if not result.retryable or attempt == retry.max_retries or ctx.committed:
                 break
             self.metrics.child(self.metrics.retries, ctx.req.path).inc()
             logger.warning("%s: attempt %d failed (%s): %s; retrying", ctx.req.path, attempt, result.reason,
@@ -125,17 +162,32 @@ class Dispatcher:
         return target
 
     async def deliver(self, ctx: RequestContext, worker: Worker, resp: UpstreamResponse,
-                      transform: Callable[[bytes], bytes] | None = None) -> web.StreamResponse:
+                      transform: Callable[[bytes], bytes] | None = None,
+                      on_first_event: Callable[[], None] | None = None) -> web.StreamResponse | Failure:
         """Send a worker's 2xx response on to the client: whole, or streamed as it comes. A stream the
-        worker breaks off ends with an error event (its status is already out)."""
-        if not resp.is_stream:
+        worker breaks off before its first event is a Failure (a retry may still serve the client, on
+        the stream whose headers went out); after that it ends with an error event."""
+        if not resp.is_stream and ctx.response is None:
+            if on_first_event is not None:
+                on_first_event()
             return await respond_whole(resp, transform)
-        ctx.response = await start_stream(ctx.request, resp)
+        if ctx.response is None:
+            ctx.response = await start_stream(ctx.request, resp)
         ttft = self.metrics.child(self.metrics.ttft, ctx.req.path)
+
+        def first_event() -> None:
+            ctx.committed = True
+            ttft.observe(time.perf_counter() - ctx.started)
+            if on_first_event is not None:
+                on_first_event()
+
         try:
-            await pump(ctx.response, resp, lambda: ttft.observe(time.perf_counter() - ctx.started), transform)
+            await pump(ctx.response, resp, first_event, transform)
         except TRANSPORT_ERRORS as exc:
-            self.record(ctx, worker, transport_failure(worker.url, exc))
+            failure = transport_failure(worker.url, exc)
+            self.record(ctx, worker, failure)
+            if not ctx.committed:
+                return failure
             await end_stream_with_error(ctx.response, f"worker {worker.url} broke off the stream: {exc}", 502)
         return ctx.response
 
@@ -196,7 +248,7 @@ class Dispatcher:
     async def _fail(self, ctx: RequestContext, failure: Failure) -> web.StreamResponse:
         self._count_error(ctx.req, failure.reason)
         if ctx.response is not None:  # a stream had started: its status cannot change any more
-            await end_stream_with_error(ctx.response, failure.body.decode(errors="replace"), failure.status)
+            await end_stream_with(ctx.response, as_error_object(failure))
             return ctx.response
         return web.Response(status=failure.status, body=failure.body, headers={"Content-Type": failure.content_type})
 

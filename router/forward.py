@@ -88,11 +88,13 @@ async def start_stream(request: web.BaseRequest, resp: UpstreamResponse) -> web.
     return out
 
 
-async def pump(out: web.StreamResponse, resp: UpstreamResponse, on_first_byte: Callable[[], None],
+async def pump(out: web.StreamResponse, resp: UpstreamResponse, on_first_event: Callable[[], None],
                transform: Callable[[bytes], bytes] | None = None) -> None:
-    """Pass the worker's SSE stream through as it arrives. With `transform`, events are cut at the
-    blank line that ends each one and rewritten one by one (used for the logprob merge)."""
-    first, pending = True, b""
+    """Pass the worker's SSE stream through as it arrives. `on_first_event` runs before the first
+    event (not an SSE comment such as a keep-alive) is written. With `transform`, events are cut at
+    the blank line that ends each one and rewritten one by one (used for the logprob merge)."""
+    waiting: FirstEvent | None = FirstEvent()
+    pending = b""
     async for chunk in resp.chunks():
         if transform is not None:
             pending += chunk
@@ -101,13 +103,39 @@ async def pump(out: web.StreamResponse, resp: UpstreamResponse, on_first_byte: C
                 continue
             events = pending[:cut].split(b"\n\n")[:-1]
             chunk, pending = b"".join(transform(e + b"\n\n") for e in events), pending[cut:]
-        if first:
-            first = False
-            on_first_byte()
+        if waiting is not None and waiting.found_in(chunk):
+            waiting = None
+            on_first_event()
         await _write(out, chunk)
     if pending:
         await _write(out, pending)
     await out.write_eof()
+
+
+class FirstEvent:
+    """Finds the first line of an SSE stream that is not a comment (`:` first), in chunks cut anywhere."""
+
+    __slots__ = ("_line_start",)
+
+    def __init__(self) -> None:
+        self._line_start = True
+
+    def found_in(self, chunk: bytes) -> bool:
+        i, n = 0, len(chunk)
+        while i < n:
+            if self._line_start:
+                c = chunk[i]
+                if c == 10 or c == 13:  # an empty line
+                    i += 1
+                    continue
+                if c != 58:  # not ':'
+                    return True
+                self._line_start = False
+            end = chunk.find(b"\n", i)
+            if end < 0:
+                return False
+            self._line_start, i = True, end + 1
+        return False
 
 
 async def _write(out: web.StreamResponse, data: bytes) -> None:
@@ -119,8 +147,25 @@ async def _write(out: web.StreamResponse, data: bytes) -> None:
 
 async def end_stream_with_error(out: web.StreamResponse, message: str, status: int) -> None:
     """A stream already started cannot change its status: end it with an SSE error event."""
+    await end_stream_with(out, error_body(message, status))
+
+
+async def end_stream_with(out: web.StreamResponse, error: bytes) -> None:
+    """End a started stream with `data: <error>` (a JSON error object) and `data: [DONE]`."""
     try:
-        await out.write(b"data: " + error_body(message, status) + b"\n\ndata: [DONE]\n\n")
+        await out.write(b"data: " + error + b"\n\ndata: [DONE]\n\n")
         await out.write_eof()
     except (ConnectionError, RuntimeError):
         pass
+
+
+def as_error_object(failure: Failure) -> bytes:
+    """The failure as one JSON error object: the body itself when it is one (ours, or an engine's
+    {"error": ...}), else the body wrapped as the message."""
+    try:
+        obj = orjson.loads(failure.body)
+    except orjson.JSONDecodeError:
+        obj = None
+    if isinstance(obj, dict) and "error" in obj:
+        return orjson.dumps(obj)  # one line: an SSE data field must not span lines
+    return error_body(failure.body.decode(errors="replace"), failure.status)

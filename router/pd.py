@@ -17,7 +17,7 @@ import orjson
 from aiohttp import web
 
 from baton.router.config import WorkerRole
-from baton.router.dispatch import Dispatcher, NoWorkers, RequestContext
+from baton.router.dispatch import AttemptGuard, Dispatcher, NoWorkers, RequestContext
 from baton.router.forward import TRANSPORT_ERRORS, Failure, inject, status_failure, transport_failure
 from baton.router.worker import Target, Worker
 
@@ -44,10 +44,11 @@ async def attempt_pd(d: Dispatcher, ctx: RequestContext) -> web.StreamResponse |
     rids = ctx.rids  # this attempt's: a retry sends others (an abort may come after it started)
     p_task = asyncio.ensure_future(_prefill(d, ctx, prefill.worker, p_payload, rids))
     p_task.add_done_callback(functools.partial(_give_back, prefill))  # even if cancelled before it ran
-    guard = _PrefillGuard(p_task)
+    handover = _Handover(p_task)
     result: web.StreamResponse | Failure | None = None
     try:
-        result = await guard.run(_decode(d, ctx, decode.worker, d_payload, p_task, rids))
+        call = _decode(d, ctx, decode.worker, d_payload, p_task, rids, handover.take_over)
+        result = await handover.guard.run(call)
         return result
     finally:
         decode.in_flight -= 1
@@ -58,35 +59,24 @@ async def attempt_pd(d: Dispatcher, ctx: RequestContext) -> web.StreamResponse |
                 d.linger(p_task, PREFILL_GRACE_SECS)
 
 
-class _PrefillGuard:
-    """Runs the decode side in the request's own task (no second task per request) and interrupts it
-    when the prefill fails first: the decode would only wait for KV that never comes."""
+class _Handover:
+    """The decode side runs in the request's own task (no second task per request). Until the decode
+    takes the request over (its first event, or its whole answer), a prefill that fails interrupts
+    it: the decode would only wait for KV that never comes, and the attempt is retried with another
+    pair. After that, the prefill's fate no longer touches the client's stream (issue 37: a prefill
+    that died with its response still open ended a stream that was decoding fine)."""
 
     def __init__(self, p_task: asyncio.Future) -> None:
-        self.p_task = p_task
-        self.failure: Failure | None = None
-        self._task = asyncio.current_task()
-        self._armed = True
+        self.guard = AttemptGuard()
+        self.took_over = False
         p_task.add_done_callback(self._on_prefill_done)
 
-    async def run(self, decode: Any) -> web.StreamResponse | Failure:
-        try:
-            return await decode
-        except asyncio.CancelledError:
-            if self.failure is None or not self._swallow_own_cancel():
-                raise
-            return self.failure  # the decode's own task code has aborted the decode worker
-        finally:
-            self._armed = False
+    def take_over(self) -> None:
+        self.took_over = True
 
     def _on_prefill_done(self, task: asyncio.Future) -> None:
-        if self._armed and not task.cancelled() and task.result().failure is not None:
-            self.failure = task.result().failure
-            self._task.cancel()
-
-    def _swallow_own_cancel(self) -> bool:
-        uncancel = getattr(self._task, "uncancel", None)  # Python 3.11+: keep timeout bookkeeping right
-        return uncancel is None or uncancel() == 0
+        if not self.took_over and not task.cancelled() and task.result().failure is not None:
+            self.guard.interrupt(task.result().failure)
 
 
 def bootstrap_payloads(ctx: RequestContext, prefill: Target, decode: Target) -> tuple[bytes, bytes]:
@@ -154,7 +144,8 @@ async def _prefill(d: Dispatcher, ctx: RequestContext, worker: Worker, payload: 
 
 
 async def _decode(d: Dispatcher, ctx: RequestContext, worker: Worker, payload: bytes,
-                  p_task: asyncio.Future, rids: list[str]) -> web.StreamResponse | Failure:
+                  p_task: asyncio.Future, rids: list[str], take_over: Callable[[], None]
+                  ) -> web.StreamResponse | Failure:
     settled = False
     try:
         try:
@@ -173,7 +164,7 @@ async def _decode(d: Dispatcher, ctx: RequestContext, worker: Worker, payload: b
                     return prefilled.failure  # not settled: the decode gets aborted
                 transform = logprob_merger(prefilled.body or b"", resp.is_stream)
             d.record(ctx, worker, None)
-            out = await d.deliver(ctx, worker, resp, transform)
+            out = await d.deliver(ctx, worker, resp, transform, take_over)
             settled = True
             return out
         except TRANSPORT_ERRORS as exc:

@@ -25,6 +25,7 @@ class Behavior:
     delay: float = 0.0  # seconds before the response starts
     hang: bool = False  # never answer; the request ends when aborted or disconnected
     stream_chunks: int = 3
+    headers_at_once: bool = False  # a stream's headers and a keep-alive comment go out before any wait
     chunk_interval: float = 0.0
     break_stream_after: int | None = None  # drop the connection after this many chunks
     input_logprobs: list[Any] = field(default_factory=list)  # meta_info.input_token_logprobs of /generate
@@ -40,6 +41,7 @@ class FakeWorker:
         self.health_checks = 0
         self._runner: web.AppRunner | None = None
         self._aborted: dict[str, asyncio.Event] = {}
+        self._open: set[asyncio.BaseTransport] = set()  # connections of inference requests in progress
 
     @property
     def url(self) -> str:
@@ -70,6 +72,11 @@ class FakeWorker:
     def bodies(self, path: str | None = None) -> list[dict[str, Any]]:
         return [body for p, body in self.requests if path is None or p == path]
 
+    def drop_connections(self) -> None:
+        """Close the connections of the inference requests in progress, as a dying process would."""
+        for transport in list(self._open):
+            transport.close()
+
     # -- handlers --------------------------------------------------------------------------
     async def _health(self, request: web.Request) -> web.Response:
         self.health_checks += 1
@@ -94,13 +101,25 @@ class FakeWorker:
         return _json({"aborted": rid})
 
     async def _inference(self, request: web.Request) -> web.StreamResponse:
+        self._open.add(request.transport)
+        try:
+            return await self._answer_inference(request)
+        finally:
+            self._open.discard(request.transport)
+
+    async def _answer_inference(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.requests.append((request.path, body))
         b = self.behavior
+        out = None
         try:
+            if body.get("stream") and b.headers_at_once:
+                out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+                await out.prepare(request)
+                await out.write(b": keep-alive\n\n")
             if b.hang:
                 await self._aborted.setdefault(str(body.get("rid")), asyncio.Event()).wait()
-                return _json({"error": "aborted"}, status=499)
+                return out or _json({"error": "aborted"}, status=499)
             if b.delay:
                 await asyncio.sleep(b.delay)
         except asyncio.CancelledError:
@@ -111,12 +130,14 @@ class FakeWorker:
         if b.status >= 400:
             return _json({"error": {"message": f"{self.name} says {b.status}"}}, status=b.status)
         if body.get("stream"):
-            return await self._stream(request, body)
+            return await self._stream(request, body, out)
         return _json(self._answer(request.path, body))
 
-    async def _stream(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
-        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await out.prepare(request)
+    async def _stream(self, request: web.Request, body: dict[str, Any],
+                      out: web.StreamResponse | None) -> web.StreamResponse:
+        if out is None:
+            out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await out.prepare(request)
         b = self.behavior
         try:
             for i in range(b.stream_chunks):
@@ -170,3 +191,4 @@ class FakeWorker:
 
 def _json(value: Any, status: int = 200) -> web.Response:
     return web.Response(status=status, body=orjson.dumps(value), content_type="application/json")
+

@@ -186,3 +186,16 @@ async def test_in_flight_counts_return_to_zero_after_success_failure_and_disconn
     targets = [t for w in router.workers.workers() for t in w.targets]
     await wait_until(lambda: all(t.in_flight == 0 for t in targets), what="in-flight back to zero")
     assert router.admission.in_flight == 0
+
+
+async def test_a_prefill_that_dies_after_the_decode_took_over_leaves_the_stream_alone(fake_workers, routers, http):
+    """Issue 37: the prefill's response was still open when it died; the decode was already streaming."""
+    prefill, decode, router = await pd_pair(fake_workers, routers)
+    prefill.behavior.hang = True  # its response stays open while the decode streams
+    decode.behavior.stream_chunks, decode.behavior.chunk_interval = 6, 0.05
+    async with http.post(url_of(router, "/generate"), json={"text": "x", "stream": True}) as resp:
+        first = await resp.content.readuntil(b"\n\n")
+        prefill.drop_connections()
+        text = (first + await resp.read()).decode()
+    assert "error" not in text and text.count("tok") == 6 and text.endswith("data: [DONE]\n\n")
+    assert decode.bodies()[0]["rid"] not in decode.aborts

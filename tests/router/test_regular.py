@@ -220,6 +220,21 @@ async def test_worker_breaking_off_a_stream_ends_it_with_an_error_event(fake_wor
     assert text.count("tok") == 2 and '"error"' in text and text.endswith("data: [DONE]\n\n")
 
 
+async def test_a_stream_broken_off_before_its_first_event_is_retried_on_the_started_stream(fake_workers, routers,
+                                                                                          http):
+    """Engines send a stream's headers (and keep-alives) at once; until the first event the client
+    has seen nothing a retry could contradict."""
+    broken = await fake_workers("broken", headers_at_once=True, break_stream_after=0)
+    good = await fake_workers("good", headers_at_once=True)
+    router = await routers(regular=[broken.url, good.url], policy=PolicyName.ROUND_ROBIN)
+    await wait_until(lambda: len(router.workers.routable(router.config.roles[0])) == 2)
+    async with http.post(url_of(router, "/generate"), json={"text": "x", "stream": True}) as resp:
+        assert resp.status == 200
+        text = (await resp.read()).decode()
+    assert "error" not in text and text.count("tok") == 3 and text.endswith("data: [DONE]\n\n")
+    assert len(broken.requests) == 1 and len(good.requests) == 1
+
+
 async def test_bad_input_is_400_and_never_reaches_workers(fake_workers, routers, http):
     worker = await fake_workers()
     router = await routers(regular=[worker.url])

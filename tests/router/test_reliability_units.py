@@ -6,6 +6,7 @@ import pytest
 from baton.router.admission import Admission, QueueFull, QueueTimeout
 from baton.router.circuit_breaker import BreakerState, CircuitBreaker
 from baton.router.config import CircuitBreakerConfig, RetryConfig
+from baton.router.forward import FirstEvent
 from baton.router.retry import backoff_secs, is_retryable_status
 
 
@@ -37,6 +38,19 @@ def test_breaker_half_open_failure_reopens():
     clock.now = 5.0
     assert breaker.state is BreakerState.HALF_OPEN
     assert breaker.record_failure() and breaker.state is BreakerState.OPEN
+
+
+@pytest.mark.parametrize("stream,found_at", [
+    ([b"data: {}\n\n"], 0),
+    ([b": keep-alive\n\n", b"data: {}\n\n"], 1),
+    ([b": keep", b"-alive\n", b"\n: ping\r\n\r\n", b"da", b"ta: {}\n\n"], 3),  # cut anywhere
+    ([b": a\n\n: b\n\nevent: x\n"], 0),
+    ([b": only comments\n\n", b":\n\n"], None),
+])
+def test_first_event_skips_sse_comments_in_chunks_cut_anywhere(stream, found_at):
+    finder = FirstEvent()
+    found = [i for i, chunk in enumerate(stream) if finder.found_in(chunk)]
+    assert (found[0] if found else None) == found_at
 
 
 def test_disabled_breaker_never_opens():
