@@ -1,7 +1,10 @@
 """One circuit breaker per worker and side: stop sending to a worker that keeps failing.
 
-CLOSED --failure_threshold consecutive failures--> OPEN --timeout--> HALF_OPEN
+CLOSED --failure_threshold consecutive failures--> OPEN --timeout (or half_open())--> HALF_OPEN
 HALF_OPEN --success_threshold successes--> CLOSED;  HALF_OPEN --one failure--> OPEN
+
+`half_open()` is the health checker's shortcut for a worker that was down and answers again (a
+restart): waiting out the timeout would only keep a working worker idle.
 """
 from __future__ import annotations
 
@@ -35,6 +38,19 @@ class CircuitBreaker:
         if self._state is BreakerState.OPEN and self._clock() - self._opened_at >= self.config.timeout_secs:
             self._state, self._successes = BreakerState.HALF_OPEN, 0
         return self._state
+
+    def opens_for(self) -> float:
+        """Seconds until an open breaker turns half-open by itself (0 when it is not open)."""
+        if self.state is not BreakerState.OPEN:
+            return 0.0
+        return max(0.0, self._opened_at + self.config.timeout_secs - self._clock())
+
+    def half_open(self) -> bool:
+        """OPEN -> HALF_OPEN now. Returns True when the state changed."""
+        if self.state is not BreakerState.OPEN:
+            return False
+        self._state, self._successes = BreakerState.HALF_OPEN, 0
+        return True
 
     def allows(self) -> bool:
         return not self.config.enabled or self.state is not BreakerState.OPEN

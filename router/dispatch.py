@@ -151,7 +151,7 @@ class Dispatcher:
         if ctx.failed and len(targets) > 1:
             targets = [t for t in targets if t.worker not in ctx.failed] or targets
         if not targets:
-            raise NoWorkers(f"no healthy {role.value} workers")
+            raise NoWorkers(self.workers.why_none_routable(role))
         policy = self.policies[role]
         if policy.needs_text and ctx.text is None:
             ctx.text = routing_text(ctx.req)
@@ -203,7 +203,7 @@ class Dispatcher:
         if failure.retryable:
             ctx.failed.add(worker)
         if failure.status >= 500 or failure.reason == "transport":
-            self.workers.record_outcome(worker, ok=False)
+            self.workers.record_outcome(worker, ok=False, unreachable=failure.reason == "transport")
 
     # -- aborts ----------------------------------------------------------------------------
     def abort(self, rids: list[str], worker: Worker) -> None:

@@ -1,6 +1,12 @@
 """Health checking: a new worker is probed at the startup interval until it first answers (then it
 is routable at once); after that every `interval_secs`, with failure/success thresholds.
 
+A worker whose circuit breaker opened is probed at the startup interval too: once it has been seen
+down (the breaker opened on a transport error, or a probe failed) and answers again, the breaker
+turns half-open at once instead of after `--cb-timeout-duration-secs` (a restarted worker comes
+back in about a second). A worker that passes its probes while its requests fail keeps the timeout:
+its /health tells nothing about why they fail.
+
 In DP-aware mode the first answer must also include the DP size (`/get_server_info`, "dp_size";
 missing means 1), because a worker's targets are its ranks.
 """
@@ -12,6 +18,7 @@ import logging
 import aiohttp
 import orjson
 
+from baton.router.circuit_breaker import BreakerState
 from baton.router.config import RouterConfig
 from baton.router.registry import WorkerRegistry
 from baton.router.worker import Worker
@@ -27,7 +34,9 @@ class HealthChecker:
         self.client = client
         self._tasks: set[asyncio.Task] = set()
         self._timeout = aiohttp.ClientTimeout(total=self.health.timeout_secs)
+        self._watched_breakers: set[Worker] = set()
         workers.on_added.append(self._on_added)
+        workers.on_breaker_opened.append(self._on_breaker_opened)
 
     def start(self) -> None:
         for worker in self.workers.workers():
@@ -89,6 +98,22 @@ class HealthChecker:
                 return False
             self.workers.set_dp_size(worker, size)
         return True
+
+    def _on_breaker_opened(self, worker: Worker, unreachable: bool) -> None:
+        if self.health.enabled and worker not in self._watched_breakers:
+            self._watched_breakers.add(worker)
+            self._spawn(self._until_back(worker, seen_down=unreachable))
+
+    async def _until_back(self, worker: Worker, seen_down: bool) -> None:
+        try:
+            while self.workers.get(worker.url, worker.role) is worker and worker.breaker.state is BreakerState.OPEN:
+                await asyncio.sleep(self.health.startup_check_interval_secs)
+                if not await self.is_healthy(worker):
+                    seen_down = True
+                elif seen_down:
+                    self.workers.half_open(worker)
+        finally:
+            self._watched_breakers.discard(worker)
 
     async def _periodic(self) -> None:
         while True:

@@ -27,6 +27,8 @@ class WorkerRegistry:
         self._routable: dict[WorkerRole, list[Target]] = {role: [] for role in WorkerRole}
         self.on_added: list[Callable[[Worker], None]] = []  # e.g. the health checker's first probe
         self.on_removed: list[Callable[[Worker, list[Target]], None]] = []  # e.g. drop cache trees
+        # (worker, unreachable): its breaker opened; unreachable when the last failure was a transport error
+        self.on_breaker_opened: list[Callable[[Worker, bool], None]] = []
 
     # -- membership ------------------------------------------------------------------------
     def add(self, spec: WorkerSpec, source: str = "static") -> Worker:
@@ -88,6 +90,24 @@ class WorkerRegistry:
                            "healthy" if healthy else "unhealthy")
             self.rebuild()
 
+    def half_open(self, worker: Worker) -> None:
+        if worker.breaker.half_open():
+            logger.warning("circuit breaker of %s worker %s is HALF_OPEN: it answers health probes again",
+                           worker.role.value, worker.url)
+            self.rebuild()
+
+    def why_none_routable(self, role: WorkerRole) -> str:
+        """The 503 message when `routable(role)` is empty: what keeps each worker out."""
+        reasons = {w.url: w.unroutable_reason() or "routable" for w in self.workers(role)}
+        if not reasons:
+            return f"no {role.value} workers registered"
+        listed = "; ".join(f"{url}: {why}" for url, why in reasons.items())
+        if all(why.startswith("circuit breaker open") for why in reasons.values()):
+            return f"all {role.value} workers have open circuit breakers ({listed})"
+        if all(why in ("unhealthy", "not answering yet") for why in reasons.values()):
+            return f"no healthy {role.value} workers ({listed})"
+        return f"no routable {role.value} workers ({listed})"
+
     def set_dp_size(self, worker: Worker, dp_size: int) -> None:
         if self.config.dp_aware and (dp_size != worker.dp_size or worker.targets[0].dp_rank is None):
             old = worker.targets
@@ -96,8 +116,8 @@ class WorkerRegistry:
                 hook(worker, old)
             self.rebuild()
 
-    def record_outcome(self, worker: Worker, ok: bool) -> None:
-        """A real request's outcome, for the circuit breaker."""
+    def record_outcome(self, worker: Worker, ok: bool, unreachable: bool = False) -> None:
+        """A real request's outcome, for the circuit breaker; `unreachable`: a transport error."""
         changed = worker.breaker.record_success() if ok else worker.breaker.record_failure()
         if changed:
             logger.warning("circuit breaker of %s worker %s is %s", worker.role.value, worker.url,
@@ -105,6 +125,8 @@ class WorkerRegistry:
             self.rebuild()
             if not ok:  # re-read after the open period, when the breaker turns half-open
                 self._call_later(self.config.circuit_breaker.timeout_secs, self.rebuild)
+                for hook in self.on_breaker_opened:
+                    hook(worker, unreachable)
 
     def rebuild(self) -> None:
         routable: dict[WorkerRole, list[Target]] = {role: [] for role in WorkerRole}

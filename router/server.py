@@ -137,9 +137,10 @@ class Router:
 
     # -- everything else -------------------------------------------------------------------
     def routable(self) -> tuple[bool, str]:
-        missing = [role.value for role in self.config.roles if not self.workers.routable(role)]
+        missing = [self.workers.why_none_routable(role) for role in self.config.roles
+                   if not self.workers.routable(role)]
         if missing:
-            return False, f"no healthy {' or '.join(missing)} workers"
+            return False, "; ".join(missing)
         return True, "ok"
 
     async def liveness(self, request: web.Request) -> web.Response:

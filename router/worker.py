@@ -56,6 +56,17 @@ class Worker:
     def routable(self) -> bool:
         return self.healthy and self.breaker.allows()
 
+    def unroutable_reason(self) -> str | None:
+        """Why no request may go to this worker now (None: it may), in words for error messages."""
+        if not self.ready:
+            return "not answering yet"
+        if not self.healthy:
+            return "unhealthy"
+        if not self.breaker.allows():
+            return (f"circuit breaker open for {self.breaker.opens_for():.0f}s more, "
+                    "or until it answers a health probe after being down")
+        return None
+
     def set_dp(self, dp_size: int, dp_aware: bool) -> None:
         assert dp_size >= 1, dp_size
         self.dp_size = dp_size

@@ -40,6 +40,17 @@ def test_breaker_half_open_failure_reopens():
     assert breaker.record_failure() and breaker.state is BreakerState.OPEN
 
 
+def test_breaker_half_opens_on_demand_and_says_when_it_would_by_itself():
+    clock = Clock()
+    breaker = CircuitBreaker(CircuitBreakerConfig(failure_threshold=1, timeout_secs=60), clock)
+    assert not breaker.half_open() and breaker.opens_for() == 0.0  # closed: nothing to do
+    breaker.record_failure()
+    clock.now = 20.0
+    assert breaker.opens_for() == 40.0
+    assert breaker.half_open() and breaker.state is BreakerState.HALF_OPEN and breaker.allows()
+    assert breaker.record_failure() and breaker.state is BreakerState.OPEN  # one failed trial reopens it
+
+
 @pytest.mark.parametrize("stream,found_at", [
     ([b"data: {}\n\n"], 0),
     ([b": keep-alive\n\n", b"data: {}\n\n"], 1),
