@@ -84,6 +84,9 @@ def _reliability_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--health-check-endpoint", default="/health")
     g.add_argument("--disable-health-check", action="store_true")
     g.add_argument("--worker-startup-check-interval", type=float, default=1.0)
+    g.add_argument("--worker-stall-timeout", type=float, default=15.0,
+                   help="seconds a worker holding requests may leave health probes unanswered before its "
+                        "requests are ended (and retried where nothing was sent yet); 0: off")
 
 
 def _discovery_flags(g: argparse._ArgumentGroup) -> None:
@@ -124,7 +127,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
                                   parse_selector(args.prefill_selector), parse_selector(args.decode_selector),
                                   args.service_discovery_namespace, args.service_discovery_port,
                                   args.service_discovery_resync_secs, api_server=args.service_discovery_api_server),
-        upstream_client=UpstreamClient(args.upstream_client), log_level=args.log_level, **_reliability(args),
+        upstream_client=UpstreamClient(args.upstream_client), log_level=args.log_level,
+        worker_stall_timeout_secs=args.worker_stall_timeout, **_reliability(args),
     )
 
 

@@ -134,6 +134,7 @@ class RouterConfig:
     cache_aware: CacheAwareConfig = field(default_factory=CacheAwareConfig)
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
     abort_timeout_secs: float = 5.0
+    worker_stall_timeout_secs: float = 15.0  # a worker holding requests that answers no probe this long; 0: off
     upstream_client: UpstreamClient = UpstreamClient.LEAN
     log_level: str = "info"
 
@@ -144,6 +145,7 @@ class RouterConfig:
         else:
             assert roles <= {WorkerRole.REGULAR}, "--prefill/--decode need --pd-disaggregation"
         assert self.request_timeout_secs > 0 and self.max_payload_size > 0 and self.queue_size >= 0
+        assert self.worker_stall_timeout_secs >= 0
 
     def policy_for(self, role: WorkerRole) -> PolicyName:
         if role is WorkerRole.PREFILL and self.prefill_policy is not None:

@@ -37,6 +37,7 @@ from baton.router.policies import Policy, create_policy
 from baton.router.registry import WorkerRegistry
 from baton.router.request import ParsedRequest, routing_text
 from baton.router.retry import backoff_secs
+from baton.router.stall import StallWatch
 from baton.router.timeouts import Deadline
 from baton.router.upstream import Upstream, UpstreamResponse, create_upstream
 from baton.router.worker import Target, Worker
@@ -64,8 +65,8 @@ class NoWorkers(Exception):
 
 
 class AttemptGuard:
-    """Runs one side of an attempt in the current task and turns an interrupt from outside (in
-    PD, the prefill failed before the decode took over) into that side's Failure.
+    """Runs one side of an attempt in the current task and turns an interrupt from outside (its
+    worker stalled; in PD, the prefill failed before the decode took over) into that side's Failure.
     The task is cancelled wherever it waits, so the side's own cleanup runs (abort the worker,
     release the connection); a cancel from anyone else (client gone, deadline) passes through."""
 
@@ -76,7 +77,8 @@ class AttemptGuard:
         self._task = asyncio.current_task()
         self._armed = False
 
-    async def run(self, coro: Awaitable[Any]) -> Any:
+    async def run(self, coro: Awaitable[Any], release: Callable[[], None] | None = None) -> Any:
+        """Await `coro`; `release` runs when it is done, however it ends."""
         self._armed = True
         try:
             return await coro
@@ -86,6 +88,8 @@ class AttemptGuard:
             return self.failure
         finally:
             self._armed = False
+            if release is not None:
+                release()
 
     def interrupt(self, failure: Failure) -> None:
         if self._armed and self.failure is None:
@@ -108,6 +112,8 @@ class Dispatcher:
         self.policies: dict[WorkerRole, Policy] = {
             role: create_policy(config.policy_for(role), config.cache_aware) for role in config.roles}
         self._background: set[asyncio.Task] = set()
+        self.stalls = StallWatch(config.worker_stall_timeout_secs, config.health.endpoint,
+                                 config.health.startup_check_interval_secs, workers, client)
         workers.on_removed.append(lambda worker, targets: self.policies[worker.role].forget(targets))
         from baton.router import pd, regular  # the flows import this module's types
         self._attempt = pd.attempt_pd if config.pd_disaggregation else regular.attempt_regular
@@ -191,6 +197,19 @@ class Dispatcher:
             await end_stream_with_error(ctx.response, f"worker {worker.url} broke off the stream: {exc}", 502)
         return ctx.response
 
+    def watched(self, ctx: RequestContext, worker: Worker, guard: AttemptGuard, call: Awaitable[Any]
+                ) -> Awaitable[Any]:
+        """`call` (one side's request to `worker`) run under `guard`: it ends in a "stalled" Failure
+        if the worker stops answering while it holds the request."""
+        return guard.run(call, self.stalls.hold(worker, lambda: guard.interrupt(self._stalled(ctx, worker))))
+
+    def _stalled(self, ctx: RequestContext, worker: Worker) -> Failure:
+        message = (f"{worker.side} worker {worker.url} stopped answering (no answer to health probes for "
+                   f"{self.config.worker_stall_timeout_secs:g}s); the request was aborted")
+        failure = Failure(504, error_body(message, 504), JSON, True, "stalled")
+        self.record(ctx, worker, failure)
+        return failure
+
     def no_workers(self, exc: NoWorkers) -> Failure:
         return Failure(503, error_body(str(exc), 503), JSON, True, "no_workers")
 
@@ -202,6 +221,8 @@ class Dispatcher:
         self.metrics.child(self.metrics.worker_errors, worker.url, worker.side, failure.reason).inc()
         if failure.retryable:
             ctx.failed.add(worker)
+        if failure.reason == "stalled":  # the stall watch keeps it out until it answers, not the breaker
+            return
         if failure.status >= 500 or failure.reason == "transport":
             self.workers.record_outcome(worker, ok=False, unreachable=failure.reason == "transport")
 
@@ -230,6 +251,7 @@ class Dispatcher:
             logger.debug("abort of %s on %s failed: %s", rid, worker.url, exc)
 
     async def drain(self) -> None:
+        await self.stalls.stop()
         if self._background:
             await asyncio.wait(self._background, timeout=self.config.abort_timeout_secs)
         await self.upstream.close()

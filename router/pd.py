@@ -48,7 +48,7 @@ async def attempt_pd(d: Dispatcher, ctx: RequestContext) -> web.StreamResponse |
     result: web.StreamResponse | Failure | None = None
     try:
         call = _decode(d, ctx, decode.worker, d_payload, p_task, rids, handover.take_over)
-        result = await handover.guard.run(call)
+        result = await d.watched(ctx, decode.worker, handover.guard, call)
         return result
     finally:
         decode.in_flight -= 1
@@ -61,10 +61,10 @@ async def attempt_pd(d: Dispatcher, ctx: RequestContext) -> web.StreamResponse |
 
 class _Handover:
     """The decode side runs in the request's own task (no second task per request). Until the decode
-    takes the request over (its first event, or its whole answer), a prefill that fails interrupts
-    it: the decode would only wait for KV that never comes, and the attempt is retried with another
-    pair. After that, the prefill's fate no longer touches the client's stream (issue 37: a prefill
-    that died with its response still open ended a stream that was decoding fine)."""
+    takes the request over (its first event, or its whole answer), a prefill that fails or stalls
+    interrupts it: the decode would only wait for KV that never comes, and the attempt is retried
+    with another pair. After that, the prefill's fate no longer touches the client's stream (issue
+    37: a prefill that died with its response still open ended a stream that was decoding fine)."""
 
     def __init__(self, p_task: asyncio.Future) -> None:
         self.guard = AttemptGuard()
@@ -118,6 +118,12 @@ def _give_back(target: Target, _: asyncio.Future) -> None:
 
 async def _prefill(d: Dispatcher, ctx: RequestContext, worker: Worker, payload: bytes,
                    rids: list[str]) -> PrefillResult:
+    result = await d.watched(ctx, worker, AttemptGuard(), _call_prefill(d, ctx, worker, payload, rids))
+    return PrefillResult(result, None) if isinstance(result, Failure) else result
+
+
+async def _call_prefill(d: Dispatcher, ctx: RequestContext, worker: Worker, payload: bytes,
+                        rids: list[str]) -> PrefillResult:
     settled = False
     try:
         try:

@@ -90,6 +90,13 @@ class WorkerRegistry:
                            "healthy" if healthy else "unhealthy")
             self.rebuild()
 
+    def set_stalled(self, worker: Worker, stalled: bool) -> None:
+        if worker.stalled != stalled:
+            worker.stalled = stalled
+            logger.warning("%s worker %s %s", worker.role.value, worker.url,
+                           "stalled: no new requests until it answers again" if stalled else "answers again")
+            self.rebuild()
+
     def half_open(self, worker: Worker) -> None:
         if worker.breaker.half_open():
             logger.warning("circuit breaker of %s worker %s is HALF_OPEN: it answers health probes again",

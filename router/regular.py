@@ -4,8 +4,9 @@ from __future__ import annotations
 from aiohttp import web
 
 from baton.router.config import WorkerRole
-from baton.router.dispatch import Dispatcher, NoWorkers, RequestContext
+from baton.router.dispatch import AttemptGuard, Dispatcher, NoWorkers, RequestContext
 from baton.router.forward import TRANSPORT_ERRORS, Failure, inject, status_failure, transport_failure
+from baton.router.worker import Worker
 
 
 async def attempt_regular(d: Dispatcher, ctx: RequestContext) -> web.StreamResponse | Failure:
@@ -13,14 +14,21 @@ async def attempt_regular(d: Dispatcher, ctx: RequestContext) -> web.StreamRespo
         target = d.pick(ctx, WorkerRole.REGULAR)
     except NoWorkers as exc:
         return d.no_workers(exc)
-    worker, req, rids = target.worker, ctx.req, ctx.rids
     fields = ctx.rid_fields if target.dp_rank is None else {**ctx.rid_fields, "data_parallel_rank": target.dp_rank}
-    payload = inject(req.raw, req.body, fields) if fields else req.raw
+    payload = inject(ctx.req.raw, ctx.req.body, fields) if fields else ctx.req.raw
     target.in_flight += 1
+    try:
+        return await d.watched(ctx, target.worker, AttemptGuard(), _call(d, ctx, target.worker, payload))
+    finally:
+        target.in_flight -= 1
+
+
+async def _call(d: Dispatcher, ctx: RequestContext, worker: Worker, payload: bytes) -> web.StreamResponse | Failure:
+    rids = ctx.rids
     settled = False  # True once the worker no longer holds the request: nothing to abort
     try:
         try:
-            resp = await d.upstream.post(worker.url + req.path, payload, ctx.headers)
+            resp = await d.upstream.post(worker.url + ctx.req.path, payload, ctx.headers)
         except TRANSPORT_ERRORS as exc:
             settled = True
             return _failed(d, ctx, worker, transport_failure(worker.url, exc))
@@ -38,11 +46,10 @@ async def attempt_regular(d: Dispatcher, ctx: RequestContext) -> web.StreamRespo
         finally:
             resp.release()
     finally:
-        target.in_flight -= 1
         if not settled:
             d.abort(rids, worker)
 
 
-def _failed(d: Dispatcher, ctx: RequestContext, worker, failure: Failure) -> Failure:
+def _failed(d: Dispatcher, ctx: RequestContext, worker: Worker, failure: Failure) -> Failure:
     d.record(ctx, worker, failure)
     return failure

@@ -26,6 +26,7 @@ class Worker:
     source: str = "static"  # static | api | kubernetes: who may remove it
     healthy: bool = False  # set by the health checker (or at once when checks are disabled)
     ready: bool = False  # answered at least once; until then it is probed at the startup interval
+    stalled: bool = False  # set by the stall watch: open requests, no answer for --worker-stall-timeout
     dp_size: int = 1  # set from /get_server_info in DP-aware mode
     health_successes: int = 0  # consecutive, kept by the health checker
     health_failures: int = 0
@@ -54,7 +55,7 @@ class Worker:
         return sum(t.in_flight for t in self.targets)
 
     def routable(self) -> bool:
-        return self.healthy and self.breaker.allows()
+        return self.healthy and not self.stalled and self.breaker.allows()
 
     def unroutable_reason(self) -> str | None:
         """Why no request may go to this worker now (None: it may), in words for error messages."""
@@ -62,6 +63,8 @@ class Worker:
             return "not answering yet"
         if not self.healthy:
             return "unhealthy"
+        if self.stalled:
+            return "stalled (stopped answering while holding requests)"
         if not self.breaker.allows():
             return (f"circuit breaker open for {self.breaker.opens_for():.0f}s more, "
                     "or until it answers a health probe after being down")
@@ -82,6 +85,7 @@ class Worker:
             "bootstrap_port": self.spec.bootstrap_port,
             "source": self.source,
             "healthy": self.healthy,
+            "stalled": self.stalled,
             "circuit_breaker": self.breaker.state.name.lower(),
             "dp_size": self.dp_size,
             "in_flight": self.in_flight,

@@ -24,6 +24,7 @@ class Behavior:
     fail_status: int = 503
     delay: float = 0.0  # seconds before the response starts
     hang: bool = False  # never answer; the request ends when aborted or disconnected
+    hang_first: int = 0  # the first N inference requests hang like `hang` (a decode waiting for KV that never comes)
     stream_chunks: int = 3
     headers_at_once: bool = False  # a stream's headers and a keep-alive comment go out before any wait
     chunk_interval: float = 0.0
@@ -41,6 +42,8 @@ class FakeWorker:
         self.health_checks = 0
         self._runner: web.AppRunner | None = None
         self._aborted: dict[str, asyncio.Event] = {}
+        self._running = asyncio.Event()  # cleared by freeze(): every route waits, as in a SIGSTOPped process
+        self._running.set()
         self._open: set[asyncio.BaseTransport] = set()  # connections of inference requests in progress
 
     @property
@@ -65,12 +68,20 @@ class FakeWorker:
         return self
 
     async def stop(self) -> None:
+        self.thaw()
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
 
     def bodies(self, path: str | None = None) -> list[dict[str, Any]]:
         return [body for p, body in self.requests if path is None or p == path]
+
+    def freeze(self) -> None:
+        """Stop answering anything (health included) until `thaw()`; connections stay open."""
+        self._running.clear()
+
+    def thaw(self) -> None:
+        self._running.set()
 
     def drop_connections(self) -> None:
         """Close the connections of the inference requests in progress, as a dying process would."""
@@ -79,6 +90,7 @@ class FakeWorker:
 
     # -- handlers --------------------------------------------------------------------------
     async def _health(self, request: web.Request) -> web.Response:
+        await self._running.wait()
         self.health_checks += 1
         return web.Response(status=200 if self.behavior.healthy else 503, text=self.name)
 
@@ -95,6 +107,7 @@ class FakeWorker:
         return _json({"object": "list", "data": [{"id": "fake-model", "object": "model", "owned_by": "baton"}]})
 
     async def _abort(self, request: web.Request) -> web.Response:
+        await self._running.wait()
         rid = (await request.json()).get("rid")
         self.aborts.append(rid)
         self._aborted.setdefault(str(rid), asyncio.Event()).set()
@@ -113,11 +126,12 @@ class FakeWorker:
         b = self.behavior
         out = None
         try:
+            await self._running.wait()
             if body.get("stream") and b.headers_at_once:
                 out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
                 await out.prepare(request)
                 await out.write(b": keep-alive\n\n")
-            if b.hang:
+            if b.hang or len(self.requests) <= b.hang_first:
                 await self._aborted.setdefault(str(body.get("rid")), asyncio.Event()).wait()
                 return out or _json({"error": "aborted"}, status=499)
             if b.delay:
@@ -144,6 +158,7 @@ class FakeWorker:
                 if b.break_stream_after is not None and i == b.break_stream_after:
                     request.transport.close()
                     return out
+                await self._running.wait()
                 await out.write(b"data: " + orjson.dumps(self._chunk(request.path, body, i)) + b"\n\n")
                 if b.chunk_interval:
                     await asyncio.sleep(b.chunk_interval)
@@ -192,3 +207,19 @@ class FakeWorker:
 def _json(value: Any, status: int = 200) -> web.Response:
     return web.Response(status=status, body=orjson.dumps(value), content_type="application/json")
 
+
+async def _serve(argv: list[str]) -> None:
+    """Run as a process (a real one can be SIGSTOPped): prints its URL, serves until killed."""
+    import argparse
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--stream-chunks", type=int, default=3)
+    parser.add_argument("--chunk-interval", type=float, default=0.0)
+    args = parser.parse_args(argv)
+    worker = await FakeWorker("process", stream_chunks=args.stream_chunks, chunk_interval=args.chunk_interval).start()
+    print(worker.url, flush=True)
+    await asyncio.Event().wait()
+
+
+if __name__ == "__main__":
+    import sys
+    asyncio.run(_serve(sys.argv[1:]))

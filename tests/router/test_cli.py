@@ -41,6 +41,11 @@ def test_reliability_and_discovery_flags():
     assert config.discovery.namespace == "ns" and config.discovery.port == 8000
 
 
+def test_worker_stall_timeout_flag():
+    assert parse("--worker-urls", "http://a:1").worker_stall_timeout_secs == 15.0
+    assert parse("--worker-urls", "http://a:1", "--worker-stall-timeout", "0").worker_stall_timeout_secs == 0.0
+
+
 def test_api_key_from_environment(monkeypatch):
     """The operator passes the key through a Secret-backed env var, never in argv."""
     monkeypatch.setenv("BATON_API_KEY", "from-env")
