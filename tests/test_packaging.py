@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -51,6 +52,11 @@ def test_an_installed_wheel_builds_every_cpu_kernel(tmp_path):
     _run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path / "dist"),
          str(src))
     wheel, = (tmp_path / "dist").glob("baton-*.whl")
+    shipped = set(zipfile.ZipFile(wheel).namelist())
+    kernels = {f"baton/engine/kernels/{p.name}" for p in (ROOT / "engine" / "kernels").iterdir()
+               if p.suffix in (".py", ".c", ".h")}
+    assert kernels <= shipped, f"missing from the wheel: {sorted(kernels - shipped)}"
+    assert not [n for n in shipped if n.startswith(("baton_testing/", "tests/"))], "test support in the wheel"
 
     # the kernels' build needs only the standard library, so the venv needs nothing but the wheel
     venv = tmp_path / "venv"
