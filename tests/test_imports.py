@@ -33,10 +33,6 @@ LAYERS = [
 # Known violations (issue 32), each with the change that ends it. These tests fail on any other
 # violation, and on an entry here that no longer is one: delete it then.
 KNOWN_CYCLES = {
-    # create_strategy() imports the PD strategies it builds, which subclass strategy.Colocated: the
-    # factory belongs in the package's registry (disaggregation/__init__.py), away from the base class.
-    ("baton.engine.disaggregation.strategy", "baton.engine.disaggregation.prefill"),
-    ("baton.engine.disaggregation.strategy", "baton.engine.disaggregation.decode"),
     # create_app imports register_openai_routes late, openai_api takes http_server's helpers (SSE,
     # parse, _collect): issue 32 item 4, the shared HTTP helpers in a module of their own.
     ("baton.engine.entrypoints.http_server", "baton.engine.entrypoints.openai_api"),

@@ -153,10 +153,8 @@ def _cuda_ms(fn: Callable[[], Any], reps: int, warmup: int = 3) -> float:
 
 def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     """Bytes/s of a device-to-device copy, counting what it reads and what it writes."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = _cuda_ms(lambda: dst.copy_(src), reps=20)
-    del src, dst
+    buffers = torch.empty(2, nbytes, dtype=torch.uint8, device="cuda")
+    ms = _cuda_ms(lambda: buffers[1].copy_(buffers[0]), reps=20)
     return 2 * nbytes / (ms / 1e3)
 
 

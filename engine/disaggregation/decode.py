@@ -29,11 +29,11 @@ from baton.engine.disaggregation.no_peer import NoPeerReceiver, is_no_peer
 from baton.engine.disaggregation.stats import PDStats
 from baton.engine.disaggregation.prefill import (TRANSFER_FAILED_STATUS, create_kv_manager, missing_bootstrap_error,
                                                  transfer_config_from)
-from baton.engine.disaggregation.strategy import Colocated, DisaggregationMode
+from baton.engine.disaggregation.colocated import Colocated, DisaggregationMode
 from baton.engine.io_struct import AbortReq, TokenizedGenerateReqInput
 
 if TYPE_CHECKING:
-    from baton.engine.disaggregation.strategy import SchedulerView
+    from baton.engine.disaggregation.colocated import SchedulerView
     from baton.engine.scheduler.req import Req
 
 logger = logging.getLogger(__name__)

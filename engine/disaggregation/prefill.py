@@ -22,11 +22,11 @@ from baton.engine.disaggregation.base import (KVArgs, KVManagerBase, KVMetadata,
                                               TransferConfig, pages_from_slots)
 from baton.engine.disaggregation.no_peer import NoPeerSender, is_no_peer
 from baton.engine.disaggregation.stats import PDStats
-from baton.engine.disaggregation.strategy import Colocated, DisaggregationMode
+from baton.engine.disaggregation.colocated import Colocated, DisaggregationMode
 from baton.engine.io_struct import AbortReq, FinishReason, TokenizedGenerateReqInput
 
 if TYPE_CHECKING:
-    from baton.engine.disaggregation.strategy import SchedulerView
+    from baton.engine.disaggregation.colocated import SchedulerView
     from baton.engine.scheduler.req import Req
     from baton.engine.scheduler.scheduler import LaunchedBatch
     from baton.engine.server_args import ServerArgs

@@ -15,6 +15,7 @@ inside forward_cuda, so binding never changes what a model can run.
 """
 from __future__ import annotations
 
+import importlib.util
 import logging
 from collections import Counter
 from typing import Any, Callable
@@ -25,11 +26,7 @@ logger = logging.getLogger(__name__)
 
 
 def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return importlib.util.find_spec("triton") is not None
 
 
 class CustomOp(nn.Module):

@@ -148,7 +148,7 @@ def run_tp_follower_process(server_args: ServerArgs, dp_rank: int, tp_rank: int,
         tp = init_tp_group(tp_rank, server_args.tp_size, tp_init_addr, server_args.device, server_args.tp_cpu_allreduce)
         runner = ModelRunner(server_args, tp)
         kv = None
-        from baton.engine.disaggregation.strategy import DisaggregationMode
+        from baton.engine.disaggregation.colocated import DisaggregationMode
 
         if DisaggregationMode(server_args.disaggregation_mode) is not DisaggregationMode.NULL:
             from baton.engine.disaggregation.tp_fanout import FollowerKVService  # each rank moves its KV shard

@@ -1,24 +1,51 @@
-"""Request intake of the scheduler: messages from the tokenizer dispatched by type, a generate
-request validated and admitted (to waiting_queue, a PD queue, or the grammar queue while its grammar
-compiles), aborts found wherever the request is."""
+"""Request intake of the scheduler: a generate request validated and admitted (to the waiting queue,
+a PD queue, or the grammar queue while its grammar compiles); an abort found by its rid."""
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
-from baton.engine.io_struct import (AbortReq, FlushCacheReq, FreezeGCReq, GetServerInfoOut, GetServerInfoReq,
-                                    TokenizedGenerateReqInput)
+from baton.engine.io_struct import AbortReq, TokenizedGenerateReqInput
 from baton.engine.scheduler.req import Req
-from baton.engine.utils.gc_freeze import freeze_gc
 
 if TYPE_CHECKING:
-    from baton.engine.scheduler.scheduler import Scheduler
+    from baton.engine.disaggregation.colocated import Colocated
+    from baton.engine.scheduler.grammar_queue import GrammarQueue
+    from baton.engine.scheduler.output_processor import OutputProcessor
+    from baton.engine.scheduler.queues import SchedulerQueues
+    from baton.engine.scheduler.request_table import RequestTable
     from baton.engine.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
 
-class SchedulerIntakeMixin:
+@dataclass(frozen=True)
+class ModelLimits:
+    """What a request is checked against at intake."""
+
+    vocab_size: int
+    context_len: int
+    max_total_tokens: int
+    page_size: int
+    eos_token_ids: frozenset[int]
+
+
+class RequestIntake:
+    def __init__(self, server_args: "ServerArgs", limits: ModelLimits, queues: "SchedulerQueues",
+                 grammar_queue: "GrammarQueue", table: "RequestTable", output: "OutputProcessor",
+                 tokenizer: Any) -> None:
+        self.server_args, self.limits, self.queues = server_args, limits, queues
+        self.grammar_queue, self.table, self.output = grammar_queue, table, output
+        self.grammar_backend: Any = None  # constrained.grammar.GrammarBackend when structured output is on
+        if server_args.grammar_backend == "xgrammar" and tokenizer is not None:
+            from baton.engine.constrained.grammar import GrammarBackend
+
+            self.grammar_backend = GrammarBackend(tokenizer, limits.vocab_size, list(limits.eos_token_ids),
+                                                  any_whitespace=not server_args.constrained_json_disable_any_whitespace)
+        self.think_end_id = self._think_end_id(server_args, tokenizer)
+        self.pd: "Colocated" = None  # the PD strategy, set by the Scheduler once built
+
     @staticmethod
     def _think_end_id(args: "ServerArgs", tokenizer: Any) -> Optional[int]:
         """With --reasoning-parser: the one token that ends the reasoning, after which a grammar of a
@@ -34,39 +61,25 @@ class SchedulerIntakeMixin:
             return None
         return ids[0]
 
-    def process_input_requests(self: "Scheduler", msgs: list[Any]) -> None:
-        for msg in msgs:
-            if isinstance(msg, TokenizedGenerateReqInput):
-                self.handle_generate_request(msg)
-            elif isinstance(msg, AbortReq):
-                self.abort_request(msg)
-            elif isinstance(msg, FlushCacheReq):
-                self.outbox.append(self.flush_cache())
-            elif isinstance(msg, GetServerInfoReq):
-                self.outbox.append(GetServerInfoOut(self.get_server_info(), self.dp_rank))
-            elif isinstance(msg, FreezeGCReq):
-                freeze_gc("scheduler")
-            else:
-                logger.error("unknown message type %s dropped", type(msg).__name__)
-
-    def handle_generate_request(self: "Scheduler", recv: TokenizedGenerateReqInput) -> None:
+    def handle_generate_request(self, recv: TokenizedGenerateReqInput) -> None:
         from baton.engine.sampling.sampling_batch_info import ReqSamplingState
 
         params = recv.sampling_params
         req = Req(rid=recv.rid, origin_input_ids=list(recv.input_ids), sampling_params=params,
-                  eos_token_ids=self.eos_token_ids, origin_input_text=recv.input_text, stream=recv.stream,
+                  eos_token_ids=self.limits.eos_token_ids, origin_input_text=recv.input_text, stream=recv.stream,
                   return_logprob=recv.return_logprob, logprob_start_len=recv.logprob_start_len,
                   top_logprobs_num=recv.top_logprobs_num, priority=recv.priority or 0,
                   arrival_time=recv.received_time, require_reasoning=recv.require_reasoning,
                   bootstrap_host=recv.bootstrap_host, bootstrap_port=recv.bootstrap_port,
                   bootstrap_room=recv.bootstrap_room)
+        self.table.add(req)
         error = self._validate(req)
         if error is None:
-            stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
-            req.sampling_state = ReqSamplingState(params, req.origin_input_ids, self.vocab_size, stop_ids,
+            stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.limits.eos_token_ids))
+            req.sampling_state = ReqSamplingState(params, req.origin_input_ids, self.limits.vocab_size, stop_ids,
                                                   self.server_args.device)
             max_queued = self.server_args.max_queued_requests
-            if max_queued is not None and len(self.waiting_queue) + len(self.grammar_queue) >= max_queued:
+            if max_queued is not None and len(self.queues.waiting) + len(self.grammar_queue) >= max_queued:
                 error = ("the server is overloaded: the waiting queue is full", 503)
             else:
                 error, future = self._start_grammar(req)
@@ -77,16 +90,16 @@ class SchedulerIntakeMixin:
                     error = self._attach_grammar(req, future)
         self._admit(req, recv, error)
 
-    def _admit(self: "Scheduler", req: Req, recv: TokenizedGenerateReqInput, error: Optional[tuple[str, int]]) -> None:
+    def _admit(self, req: Req, recv: TokenizedGenerateReqInput, error: Optional[tuple[str, int]]) -> None:
         """A request ready to be scheduled joins the PD strategy's first queue (colocated: the
         waiting queue); one with an error ends here."""
         if error is None:
             error = self.pd.admit(req, recv)
         if error is not None:
             req.abort(*error)
-            self.stream_output([req])
+            self.output.stream_output([req])
 
-    def _start_grammar(self: "Scheduler", req: Req) -> tuple[Optional[tuple[str, int]], Any]:
+    def _start_grammar(self, req: Req) -> tuple[Optional[tuple[str, int]], Any]:
         """(error, future of the compiled grammar); both None for a request without a grammar."""
         from baton.engine.constrained.grammar import grammar_spec
 
@@ -97,7 +110,7 @@ class SchedulerIntakeMixin:
             return ("structured output is off on this server (--grammar-backend none)", 400), None
         return None, self.grammar_backend.submit(*spec)
 
-    def _attach_grammar(self: "Scheduler", req: Req, future: Any) -> Optional[tuple[str, int]]:
+    def _attach_grammar(self, req: Req, future: Any) -> Optional[tuple[str, int]]:
         from baton.engine.constrained.grammar import GrammarError
 
         try:
@@ -109,42 +122,41 @@ class SchedulerIntakeMixin:
             return f"structured output needs the xgrammar package: {e}", 400
         return None
 
-    def admit_compiled(self: "Scheduler") -> None:
+    def admit_compiled(self) -> None:
         """Requests whose grammar has compiled since the last step join the queues."""
         for wait in self.grammar_queue.pop_ready():
             self._admit(wait.req, wait.recv, self._attach_grammar(wait.req, wait.future))
 
-    def _validate(self: "Scheduler", req: Req) -> Optional[tuple[str, int]]:
-        n = len(req.origin_input_ids)
+    def _validate(self, req: Req) -> Optional[tuple[str, int]]:
+        n, lim = len(req.origin_input_ids), self.limits
         if n == 0:
             return "the prompt is empty", 400
-        if n + 1 > self.context_len:
-            return f"the prompt has {n} tokens; this model's context length is {self.context_len}", 400
-        if n + req.sampling_params.max_new_tokens + self.page_size > min(self.max_total_tokens, self.context_len + self.page_size):
-            room = min(self.max_total_tokens, self.context_len) - n
+        if n + 1 > lim.context_len:
+            return f"the prompt has {n} tokens; this model's context length is {lim.context_len}", 400
+        if n + req.sampling_params.max_new_tokens + lim.page_size > min(lim.max_total_tokens, lim.context_len + lim.page_size):
+            room = min(lim.max_total_tokens, lim.context_len) - n
             if room < 1:
-                return f"the prompt has {n} tokens; at most {min(self.max_total_tokens, self.context_len) - 1} fit", 400
+                return f"the prompt has {n} tokens; at most {min(lim.max_total_tokens, lim.context_len) - 1} fit", 400
             req.sampling_params.max_new_tokens = room  # cap, as OpenAI servers do
             req.sampling_params.min_new_tokens = min(req.sampling_params.min_new_tokens, room)
-        if any(not 0 <= t < self.vocab_size for t in req.origin_input_ids):
+        if any(not 0 <= t < lim.vocab_size for t in req.origin_input_ids):
             return "input_ids contain ids outside the vocabulary", 400
         return None
 
-    def abort_request(self: "Scheduler", recv: AbortReq) -> None:
+    def abort_request(self, recv: AbortReq) -> None:
+        """Wherever the request is: compiling its grammar or waiting (ended here, they hold no
+        memory), in a PD queue (the strategy ends it), or running (it ends at its next result
+        processing, which frees its memory)."""
         for req in self.grammar_queue.remove(None if recv.abort_all else recv.rid):
             req.abort(recv.message, recv.status_code)  # never admitted: no memory, no PD entry
-            self.stream_output([req])
-        for req in list(self.waiting_queue):
-            if recv.abort_all or req.rid == recv.rid:
-                self.waiting_queue.remove(req)  # queued requests hold no memory
-                req.abort(recv.message, recv.status_code)
+            self.output.stream_output([req])
+        found = self.table.get(recv.rid) if not recv.abort_all else None
+        targets = list(self.table) if recv.abort_all else [found] if found is not None else []
+        waiting = self.queues.waiting
+        for req in targets:
+            req.abort(recv.message, recv.status_code)
+            if any(r is req for r in waiting):
+                waiting.remove(req)  # queued requests hold no memory
                 self.pd.release(req)  # PD: and tell the peer engine
-                self.stream_output([req])
-        live = list(self.running_batch.reqs) + ([self.chunked_req] if self.chunked_req else [])
-        live += [r for launched in self.result_queue for r in launched.reqs]
-        if self.last_batch is not None:
-            live += self.last_batch.reqs
-        for req in live:  # ends at the next result processing, which also frees its memory
-            if recv.abort_all or req.rid == recv.rid:
-                req.abort(recv.message, recv.status_code)
+                self.output.stream_output([req])
         self.pd.abort(recv)

@@ -2,20 +2,34 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from baton.engine.io_struct import BatchTokenIDOut
 from baton.engine.scheduler.req import Req
 
 if TYPE_CHECKING:
-    from baton.engine.scheduler.scheduler import LaunchedBatch, Scheduler
+    from baton.engine.disaggregation.colocated import Colocated
+    from baton.engine.mem_cache.base import BasePrefixCache
+    from baton.engine.scheduler.release import ReqReleaser
+    from baton.engine.scheduler.request_table import RequestTable
+    from baton.engine.scheduler.scheduler import LaunchedBatch, SchedulerStats
+    from baton.engine.server_args import ServerArgs
 
 
-class SchedulerOutputProcessorMixin:
-    def process_batch_result(self: "Scheduler", launched: "LaunchedBatch") -> None:
+class OutputProcessor:
+    """Results of launched batches into their requests; finished requests end (memory, PD transfer)
+    and every output goes to the detokenizer through `outbox`."""
+
+    def __init__(self, server_args: "ServerArgs", tokenizer: Any, tree_cache: "BasePrefixCache",
+                 releaser: "ReqReleaser", table: "RequestTable", stats: "SchedulerStats", outbox: list) -> None:
+        self.server_args, self.tokenizer, self.tree_cache = server_args, tokenizer, tree_cache
+        self.releaser, self.table, self.stats, self.outbox = releaser, table, stats, outbox
+        self.pd: "Colocated" = None  # the PD strategy, set by the Scheduler once built (it needs this processor)
+
+    def process_batch_result(self, launched: "LaunchedBatch") -> None:
         # Requests finished by the previous result were still in the batch we now hold the result
         # of (overlap mode); only now is their memory no longer read.
-        ready, self.deferred_release = self.deferred_release, []
+        ready = self.releaser.take_waiting()
         result = launched.wait()
         if launched.mwb.forward_mode.is_extend():
             if not self.pd.on_extend_result(launched, result):  # a PD prefill sends the tokens on
@@ -23,10 +37,10 @@ class SchedulerOutputProcessorMixin:
         else:
             self._process_decode(launched, result)
         for req in ready:
-            self.release_now(req)
+            self.releaser.release_now(req)
         self.stream_output(launched.reqs)
 
-    def extend_result_prologue(self: "Scheduler", req: Req, i: int, result) -> bool:
+    def extend_result_prologue(self, req: Req, i: int, result) -> bool:
         """What every extend result does first: keep the chunk's input logprobs; end a request that
         was aborted while in flight. Returns False when the request needs nothing more."""
         if i in result.input_logprobs:
@@ -38,7 +52,7 @@ class SchedulerOutputProcessorMixin:
             return False
         return True
 
-    def _process_extend(self: "Scheduler", launched: "LaunchedBatch", result) -> None:
+    def _process_extend(self, launched: "LaunchedBatch", result) -> None:
         # --enable-mixed-chunk: rows from here on were decode steps of running requests
         first_decode = len(launched.reqs) - launched.mwb.num_decode_rows
         for i, req in enumerate(launched.reqs):
@@ -55,7 +69,7 @@ class SchedulerOutputProcessorMixin:
                 req.sync_fill_ids()
                 self.tree_cache.cache_unfinished_req(req)
 
-    def _process_decode(self: "Scheduler", launched: "LaunchedBatch", result) -> None:
+    def _process_decode(self, launched: "LaunchedBatch", result) -> None:
         # The per-token loop of every decode step: record_token's work inlined for the common case
         # (no logprobs, first token long sent), the token counter bumped once per batch.
         ids, tokenizer, plain = result.next_token_ids, self.tokenizer, result.next_token_logprobs is None
@@ -75,11 +89,11 @@ class SchedulerOutputProcessorMixin:
                 self.finish_request(req)
         self.stats.generated_tokens += appended
 
-    def _append_token(self: "Scheduler", req: Req, i: int, result) -> None:
+    def _append_token(self, req: Req, i: int, result) -> None:
         self.record_token(req, i, result)
         req.check_finished(self.tokenizer)
 
-    def record_token(self: "Scheduler", req: Req, i: int, result) -> None:
+    def record_token(self, req: Req, i: int, result) -> None:
         """Append row i's sampled token (and logprobs) without the finish checks."""
         req.output_ids.append(result.next_token_ids[i])
         if req.grammar is not None:
@@ -92,16 +106,23 @@ class SchedulerOutputProcessorMixin:
             if req.top_logprobs_num > 0:
                 req.output_top_logprobs.append(result.next_top_logprobs[i])
 
-    def finish_request(self: "Scheduler", req: Req) -> None:
+    def finish_request(self, req: Req) -> None:
         """Release a finished request's memory once (deferred in overlap mode)."""
         if getattr(req, "_finish_handled", False):
             return
         req._finish_handled = True
         self.pd.release(req)
         if req.req_pool_idx is not None:
-            self.release(req)
+            self.releaser.release(req)
 
-    def stream_output(self: "Scheduler", reqs: list[Req]) -> None:
+    def reap_finished(self, reqs: list[Req]) -> None:
+        """End the finished requests among `reqs` and send their last outputs."""
+        finished = [r for r in reqs if r.finished()]
+        for req in finished:
+            self.finish_request(req)
+        self.stream_output(finished)
+
+    def stream_output(self, reqs: list[Req]) -> None:
         interval = self.server_args.stream_interval
         out = None
         for req in reqs:
@@ -118,6 +139,7 @@ class SchedulerOutputProcessorMixin:
             req.sent_offset = len(req.output_ids)
             if finished:
                 req._final_sent = True
+                self.table.remove(req)
         if out is not None:
             self.outbox.append(out)
 

@@ -4,9 +4,19 @@ One loop iteration (plain loop; the overlap loop differs only in when results ar
 
     recv_requests -> process_input_requests -> get_next_batch_to_run -> run_batch -> process_batch_result
 
-Batch choice is prefill first: a new prefill batch (under PrefillAdder's budgets) runs if one can be
-formed; otherwise the running decode batch advances one token, retracting requests when the KV pool
-cannot hold the step.
+The Scheduler composes plain parts, each with its own narrow inputs:
+
+    RequestIntake (intake.py)           validate, admit (through the PD strategy), grammar queue, abort
+    RequestTable (request_table.py)     rid -> Req of every request held, until its final output
+    PrefillManager (prefill_manager.py) the next prefill batch under PrefillAdder's budgets; preemption
+    DecodeManager (decode_manager.py)   the running batch's next step; retraction; new_token_ratio
+    OutputProcessor (output_processor)  results into requests, finishing, streaming to the detokenizer
+    ReqReleaser (release.py)            memory back to the cache and pool (one result later in overlap)
+    forward executor (executors/)       how a batch is launched: plain, overlap (CUDA / thread / native)
+    PD strategy (disaggregation/)       Colocated does nothing; prefill / decode add their queues
+
+Batch choice is prefill first: a new prefill batch runs if one can be formed; otherwise the running
+decode batch advances one token, retracting requests when the KV pool cannot hold the step.
 """
 from __future__ import annotations
 
@@ -18,27 +28,29 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from baton.engine.disaggregation.strategy import Colocated, DisaggregationMode, SchedulerView, create_strategy
+from baton.engine.disaggregation.colocated import Colocated, DisaggregationMode, SchedulerView
+from baton.engine.disaggregation.strategy import create_strategy
 from baton.engine.distributed.parallel_state import all_reduce_backend
-from baton.engine.io_struct import (FlushCacheOut)
+from baton.engine.io_struct import FlushCacheOut
+from baton.engine.utils.gc_freeze import freeze_gc
 from baton.engine.scheduler.executors import ForwardExecutor, create_executor, native_stream_threads
 from baton.engine.scheduler.grammar_queue import GrammarQueue
-from baton.engine.scheduler.intake import SchedulerIntakeMixin
-from baton.engine.scheduler.output_processor import SchedulerOutputProcessorMixin
+from baton.engine.io_struct import (AbortReq, FlushCacheReq, FreezeGCReq, GetServerInfoOut, GetServerInfoReq,
+                                    TokenizedGenerateReqInput)
+from baton.engine.scheduler.intake import ModelLimits, RequestIntake
+from baton.engine.scheduler.output_processor import OutputProcessor
 from baton.engine.scheduler.queues import SchedulerQueues
+from baton.engine.scheduler.release import ReqReleaser
+from baton.engine.scheduler.request_table import RequestTable
 from baton.engine.scheduler.req import Req
 from baton.engine.scheduler.schedule_batch import ModelWorkerBatch, ScheduleBatch
-from baton.engine.scheduler.schedule_policy import AddReqResult, InBatchPrefixIndex, PrefillAdder, SchedulePolicy
+from baton.engine.scheduler.decode_manager import DecodeManager, NewTokenRatio
+from baton.engine.scheduler.prefill_manager import PrefillBatch, PrefillManager
+from baton.engine.scheduler.schedule_policy import SchedulePolicy
 from baton.engine.scheduler.tp_worker import GenerationBatchResult, TpModelWorker
 from baton.engine.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
-
-# new_token_ratio schedule (SGLang's defaults): start conservative, decay per decode step to a floor,
-# jump back up after a retraction.
-INIT_NEW_TOKEN_RATIO = 0.7
-MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
-NEW_TOKEN_RATIO_DECAY_STEPS = 600
 
 
 @dataclass
@@ -54,7 +66,7 @@ class LaunchedBatch:
         return self.result.result() if hasattr(self.result, "result") else self.result
 
 
-class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin):
+class Scheduler:
     def __init__(self, server_args: ServerArgs, tokenizer: Any = None, transfer_config: Any = None,
                  dp_rank: int = 0, tp: Any = None) -> None:
         """`transfer_config`: a disaggregation.base.TransferConfig overriding the one derived from the
@@ -82,28 +94,51 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin):
         logger.info("event loop: %s (%s)", self.loop_choice.loop.value, self.loop_choice.reason)
         self.executor = create_executor(self.loop_choice.overlap, self.worker, self.max_running_requests)
         self.eos_token_ids = self._eos_ids(runner.hf_config, tokenizer)
-        self.grammar_backend = None
-        if args.grammar_backend == "xgrammar" and tokenizer is not None:
-            from baton.engine.constrained.grammar import GrammarBackend
-
-            self.grammar_backend = GrammarBackend(tokenizer, self.vocab_size, list(self.eos_token_ids),
-                                                  any_whitespace=not args.constrained_json_disable_any_whitespace)
-        self.think_end_id = self._think_end_id(args, tokenizer)
-        self.chunked_prefill_size = None if args.chunked_prefill_size in (-1, 0) else args.chunked_prefill_size
-        self.init_new_token_ratio = min(INIT_NEW_TOKEN_RATIO * args.schedule_conservativeness, 1.0)
-        self.min_new_token_ratio = self.init_new_token_ratio * MIN_NEW_TOKEN_RATIO_FACTOR
-        self.new_token_ratio_decay = (self.init_new_token_ratio - self.min_new_token_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS
-        self.new_token_ratio = self.init_new_token_ratio
+        self.ratio = NewTokenRatio(args.schedule_conservativeness)
         self.queues = SchedulerQueues(self._new_batch([]))  # waiting, running_batch, chunked_req
         self.grammar_queue = GrammarQueue()  # structured requests whose grammar is compiling
         self.last_batch: Optional[ScheduleBatch] = None
         self.result_queue: deque[LaunchedBatch] = deque()
-        self.deferred_release: list[Req] = []
         self.outbox: list[Any] = []  # messages for the detokenizer, flushed once per iteration
         self.stats = SchedulerStats()
         self.forward_ct = 0
         self.decode_ct = 0  # decode batches run, for the periodic decode log line
+        # the parts: who holds which request, how results come back, how requests come in, PD
+        self.table = RequestTable()
+        self.releaser = ReqReleaser(self.tree_cache, deferred=self.overlap is not None)
+        self.output = OutputProcessor(args, tokenizer, self.tree_cache, self.releaser, self.table, self.stats,
+                                      self.outbox)
+        limits = ModelLimits(self.vocab_size, self.context_len, self.max_total_tokens, self.page_size,
+                             self.eos_token_ids)
+        self.intake = RequestIntake(args, limits, self.queues, self.grammar_queue, self.table, self.output, tokenizer)
         self.pd = self._init_disaggregation(transfer_config)  # PD strategy; Colocated does nothing extra
+        self.output.pd = self.intake.pd = self.pd
+        held = self.pd.num_reqs_holding_rows
+        self.prefill = PrefillManager(args, self.max_running_requests, self.queues, self.policy, self.tree_cache,
+                                      self.allocator, self.req_to_token_pool, self.ratio, self.releaser, self.output,
+                                      self.stats, self._new_batch, self.drain_results, held)
+        self.decode = DecodeManager(self.queues, self.ratio, self.releaser, self.output, self.stats,
+                                    self.drain_results, held)
+
+    # ------------------------------------------------------------------ messages from the tokenizer
+    def process_input_requests(self, msgs: list[Any]) -> None:
+        for msg in msgs:
+            if isinstance(msg, TokenizedGenerateReqInput):
+                self.intake.handle_generate_request(msg)
+            elif isinstance(msg, AbortReq):
+                self.intake.abort_request(msg)
+            elif isinstance(msg, FlushCacheReq):
+                self.outbox.append(self.flush_cache())
+            elif isinstance(msg, GetServerInfoReq):
+                self.outbox.append(GetServerInfoOut(self.get_server_info(), self.dp_rank))
+            elif isinstance(msg, FreezeGCReq):
+                freeze_gc("scheduler")
+            else:
+                logger.error("unknown message type %s dropped", type(msg).__name__)
+
+    @property
+    def grammar_backend(self) -> Any:
+        return self.intake.grammar_backend
 
     # the queues, shared with the PD strategy (queues.py)
     @property
@@ -146,10 +181,10 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin):
             server_args=self.server_args, tokenizer=self.tokenizer, dp_rank=self.dp_rank, page_size=self.page_size,
             max_running_requests=self.max_running_requests, req_to_token_pool=self.req_to_token_pool,
             allocator=self.allocator, tree_cache=self.tree_cache, kv_pool=self.worker.model_runner.token_to_kv_pool,
-            tp=self.worker.tp, queues=self.queues, new_token_ratio=lambda: self.new_token_ratio,
-            new_batch=self._new_batch, finish_request=self.finish_request, stream_output=self.stream_output,
-            record_token=self.record_token, extend_result_prologue=self.extend_result_prologue,
-            count_generated=self._count_generated)
+            tp=self.worker.tp, queues=self.queues, new_token_ratio=lambda: self.ratio.value,
+            new_batch=self._new_batch, finish_request=self.output.finish_request,
+            stream_output=self.output.stream_output, record_token=self.output.record_token,
+            extend_result_prologue=self.output.extend_result_prologue, count_generated=self._count_generated)
         return create_strategy(DisaggregationMode(self.server_args.disaggregation_mode), view, transfer_config)
 
     def _count_generated(self, n: int) -> None:
@@ -159,8 +194,8 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin):
         """Stop the KV transfer threads (PD), the grammar compiler's thread, the overlap worker
         thread, and the other TP ranks' step loops."""
         self.pd.close()
-        if self.grammar_backend is not None:
-            self.grammar_backend.close()
+        if self.intake.grammar_backend is not None:
+            self.intake.grammar_backend.close()
         if self.overlap is not None:
             self.overlap.shutdown()
         self.worker.close()
@@ -170,161 +205,45 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin):
 
     # ------------------------------------------------------------------ batch selection
     def get_next_batch_to_run(self) -> Optional[ScheduleBatch]:
-        last = self.last_batch
-        keeps = self.pd.keeps_prefilled_requests  # False on a PD prefill: they wait for their transfer
-        if last is not None and last.forward_mode.is_extend():
-            if keeps:
-                # Aborted after this prefill's result was processed (the plain loop processes it
-                # in the same step): the filters below would drop it with its memory still held
-                # and its client never told. (PD prefill: the transfer queue owns it and its abort.)
-                self.reap_finished([r for r in last.reqs if r is not self.chunked_req])
-            if self.chunked_req is not None:
-                last.filter_batch(exclude=self.chunked_req)
-                if self.chunked_req.finished():  # aborted between chunks
-                    self.reap_finished([self.chunked_req])
-                    self.chunked_req = None
-                elif keeps:
-                    # PD prefill skips this: deduplication would free pages whose KV may still be on the
-                    # wire; the whole prompt goes to the cache once its transfer has ended.
-                    self.tree_cache.cache_unfinished_req(self.chunked_req)
-            last.filter_batch()
-            if keeps:
-                self.running_batch.merge_batch(last)
+        """The last prefill's requests join the running batch; then a new prefill batch if one can
+        be formed, else the running batch's next decode step."""
+        if self.last_batch is not None and self.last_batch.forward_mode.is_extend():
+            self._merge_last_prefill(self.last_batch)
         # aborted while waiting for a decode step: free them before admitting new prefills
-        self.reap_finished(self.running_batch.reqs)
+        self.output.reap_finished(self.running_batch.reqs)
         self.running_batch.filter_batch()
-        new_batch = self.get_new_batch_prefill()
-        if new_batch is not None:
-            return new_batch
-        if self.running_batch.is_empty():
-            return None
-        self.update_running_batch(self.running_batch)
-        return self.running_batch if not self.running_batch.is_empty() else None
+        prefill = self.prefill.schedule()
+        if prefill is not None:
+            self._log_prefill(prefill)
+            return prefill.batch
+        return self.decode.prepare()
 
-    def get_new_batch_prefill(self) -> Optional[ScheduleBatch]:
-        if not self.waiting_queue and self.chunked_req is None:
-            return None
-        self.policy.calc_priority(self.waiting_queue)
-        if self.server_args.enable_priority_scheduling and self.waiting_queue:
-            self.preempt_for(self.waiting_queue[0])
-        running = len(self.running_batch.reqs) + self.pd.num_reqs_holding_rows()
-        if running >= self.max_running_requests and self.chunked_req is None:
-            return None
-        mixing = self.server_args.enable_mixed_chunk and not self.running_batch.is_empty()
-        adder = PrefillAdder(self.page_size, self.tree_cache, self.allocator, self.running_batch.reqs,
-                             self.new_token_ratio, self.server_args.max_prefill_tokens, self.chunked_prefill_size,
-                             mixed_with_decode_tokens=len(self.running_batch.reqs) if mixing else 0)
-        continued = self.chunked_req  # its next chunk is no new departure from the waiting queue
+    def _merge_last_prefill(self, last: ScheduleBatch) -> None:
+        keeps = self.pd.keeps_prefilled_requests  # False on a PD prefill: they wait for their transfer
+        if keeps:
+            # Aborted after this prefill's result was processed (the plain loop processes it in the
+            # same step): the filters below would drop it with its memory still held and its client
+            # never told. (PD prefill: the transfer queue owns it and its abort.)
+            self.output.reap_finished([r for r in last.reqs if r is not self.chunked_req])
         if self.chunked_req is not None:
-            self.chunked_req.init_next_round_input(None)
-            self.chunked_req = adder.add_chunked_req(self.chunked_req)
-        in_batch = InBatchPrefixIndex() if not self.server_args.disable_radix_cache else None
-        # rows actually free: in overlap mode a request that just ended keeps its row one more result
-        free_rows, new_rows = self.req_to_token_pool.available_size(), 0
-        for req in self.waiting_queue:
-            if running + len(adder.can_run_list) >= self.max_running_requests or new_rows >= free_rows:
-                break
-            req.init_next_round_input(self.tree_cache)
-            if in_batch is not None:
-                if in_batch.shared_len(req.origin_input_ids) > len(req.prefix_indices):
-                    continue  # its prefix is being computed right now: take the cache hit next round
-                in_batch.add(req.origin_input_ids)
-            taken = len(adder.can_run_list)
-            result = adder.add_one_req(req, has_chunked_req=self.chunked_req is not None)
-            new_rows += sum(r.req_pool_idx is None for r in adder.can_run_list[taken:])
-            if result != AddReqResult.CONTINUE:
-                if result == AddReqResult.NO_TOKEN:
-                    self.running_batch.batch_is_full = True
-                break
-        if not adder.can_run_list:
-            return None
-        chosen = set(map(id, adder.can_run_list))
-        self.waiting_queue = [r for r in self.waiting_queue if id(r) not in chosen]
-        if adder.new_chunked_req is not None:
-            assert self.chunked_req is None
-            self.chunked_req = adder.new_chunked_req
-        if self.chunked_req is not None:
-            self.chunked_req.is_chunked += 1
-        now = time.time()
-        for req in adder.can_run_list:
-            if req.cached_tokens == 0 and not req.is_retracted:
-                req.cached_tokens = len(req.prefix_indices)
-            if req is not continued:
-                self.stats.on_dequeue(now - req.queue_start_time)
-        self.stats.on_prefill(adder.log_input_tokens, adder.log_hit_tokens)
-        batch = self._new_batch(adder.can_run_list)
-        batch.prepare_for_extend(self.chunked_req)
-        running = len(self.running_batch.reqs)
-        mixed = mixing and self._mix_running_into(batch)
+            last.filter_batch(exclude=self.chunked_req)
+            if self.chunked_req.finished():  # aborted between chunks
+                self.output.reap_finished([self.chunked_req])
+                self.chunked_req = None
+            elif keeps:
+                # PD prefill skips this: deduplication would free pages whose KV may still be on the
+                # wire; the whole prompt goes to the cache once its transfer has ended.
+                self.tree_cache.cache_unfinished_req(self.chunked_req)
+        last.filter_batch()
+        if keeps:
+            self.running_batch.merge_batch(last)
+
+    def _log_prefill(self, p: PrefillBatch) -> None:
         if logger.isEnabledFor(logging.INFO):  # after the batch took its KV slots: usage includes them
             logger.info("Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
-                        "#running-req: %d, #queue-req: %d%s%s", len(adder.can_run_list), adder.log_input_tokens,
-                        adder.log_hit_tokens, self.token_usage(), running, len(self.waiting_queue),
-                        f", #mixed-decode: {running}" if mixed else "", self.pd.log_fields())
-        return batch
-
-    def _mix_running_into(self, batch: ScheduleBatch) -> bool:
-        """--enable-mixed-chunk: the running requests' next decode step rides in this prefill batch,
-        unless it does not fit in the KV pool now (then they decode, or are retracted, next step)."""
-        if not self.running_batch.check_decode_mem():
-            return False
-        self.new_token_ratio = max(self.new_token_ratio - self.new_token_ratio_decay, self.min_new_token_ratio)
-        self.stats.mixed_decode_tokens += len(self.running_batch.reqs)
-        batch.mix_with_running(self.running_batch)
-        return True
-
-    def preempt_for(self, req: Req) -> None:
-        """Priority preemption: retract running requests whose priority is lower than `req`'s by at
-        least --priority-preemption-threshold until `req` fits (memory and running slots)."""
-        threshold = self.server_args.priority_preemption_threshold
-        batch = self.running_batch
-        victims = sorted((r for r in batch.reqs if req.priority - r.priority >= threshold),
-                         key=lambda r: (r.priority, -r.arrival_time))
-        if not victims or self._fits(req, len(batch.reqs)):
-            return
-        self.drain_results()  # every in-flight token known before a request leaves the batch
-        self.flush_deferred()
-        self.reap_finished(batch.reqs)  # the drain may have ended some: they leave the batch too
-        batch.filter_batch()
-        chosen: list[Req] = []
-        for victim in victims:
-            if victim.finished():
-                continue
-            self.release_now(victim)
-            victim.reset_for_retract()
-            chosen.append(victim)
-            if self._fits(req, len(batch.reqs) - len(chosen)):
-                break
-        gone = set(map(id, chosen))
-        batch.filter_batch(keep=[i for i, r in enumerate(batch.reqs) if id(r) not in gone])
-        self.waiting_queue.extend(chosen)
-        self.stats.preemptions += len(chosen)
-        logger.info("preempted %d lower-priority requests for %s (priority %d)", len(chosen), req.rid, req.priority)
-
-    def _fits(self, req: Req, running: int) -> bool:
-        need = len(req.origin_input_ids) + len(req.output_ids) + req.remaining_token_budget()
-        room = self.allocator.available_size() + self.tree_cache.evictable_size()
-        return running < self.max_running_requests and need <= room
-
-    def update_running_batch(self, batch: ScheduleBatch) -> None:
-        if not batch.check_decode_mem():
-            self.drain_results()  # know every in-flight token before choosing what to retract
-            self.flush_deferred()  # nothing is in flight now
-            self.reap_finished(batch.reqs)
-            batch.filter_batch()
-            # rows held outside this batch: it may retract all of its own
-            held_elsewhere = self.chunked_req is not None or self.pd.num_reqs_holding_rows() > 0
-            retracted, ratio = batch.retract_decode(self.release_now, may_empty=held_elsewhere)
-            self.new_token_ratio = max(ratio, self.new_token_ratio)
-            self.waiting_queue.extend(retracted)
-            self.stats.retractions += len(retracted)
-            logger.warning("KV pool full: retracted %d requests; new_token_ratio=%.3f", len(retracted), self.new_token_ratio)
-            if batch.is_empty():
-                return
-        else:
-            self.new_token_ratio = max(self.new_token_ratio - self.new_token_ratio_decay, self.min_new_token_ratio)
-        batch.batch_is_full = False
-        batch.prepare_for_decode()
+                        "#running-req: %d, #queue-req: %d%s%s", p.new_seqs, p.new_tokens, p.cached_tokens,
+                        self.token_usage(), p.running, len(self.waiting_queue),
+                        f", #mixed-decode: {p.running}" if p.mixed else "", self.pd.log_fields())
 
     # ------------------------------------------------------------------ execution
     def run_step(self) -> bool:
@@ -333,7 +252,7 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin):
         plain:    schedule N -> run N -> process N
         overlap:  schedule N+1 -> launch N+1 -> process N (N's CPU work overlaps N+1's forward)
         """
-        self.admit_compiled()
+        self.intake.admit_compiled()
         self.pd.step()
         batch = self.get_next_batch_to_run()
         if batch is not None and batch.forward_mode.is_decode():
@@ -342,14 +261,14 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin):
                 self._log_decode(batch)  # before the step's results can finish and free requests
         if self.overlap is None:
             if batch is not None:
-                self.process_batch_result(self.run_batch(batch))
+                self.output.process_batch_result(self.run_batch(batch))
         else:
             if batch is not None:
                 self.result_queue.append(self.run_batch(batch))
             if self.result_queue and (batch is None or len(self.result_queue) > 1):
-                self.process_batch_result(self.result_queue.popleft())
+                self.output.process_batch_result(self.result_queue.popleft())
             if not self.result_queue:
-                self.flush_deferred()
+                self.releaser.flush()
         self.last_batch = batch
         self.stats.tick(idle=batch is None and self.is_idle())
         return batch is not None
@@ -382,37 +301,9 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin):
         batch.output_ids, result = self.executor.launch(mwb)
         return LaunchedBatch(list(batch.reqs), mwb, result)
 
-    def reap_finished(self, reqs: list[Req]) -> None:
-        finished = [r for r in reqs if r.finished()]
-        for req in finished:
-            self.finish_request(req)
-        self.stream_output(finished)
-
     def drain_results(self) -> None:
         while self.result_queue:
-            self.process_batch_result(self.result_queue.popleft())
-
-    # ------------------------------------------------------------------ memory release
-    def release(self, req: Req) -> None:
-        """Give a finished request's memory back; in overlap mode one result later, because the
-        batch launched after the one that finished it still reads its KV and row."""
-        if self.overlap is not None:
-            self.deferred_release.append(req)
-        else:
-            self.release_now(req)
-
-    def release_now(self, req: Req) -> None:
-        if req.req_pool_idx is None:
-            return
-        req.sync_fill_ids()
-        self.tree_cache.cache_finished_req(req)
-        req.req_pool_idx = None
-
-    def flush_deferred(self) -> None:
-        """Release every deferred request (nothing is in flight any more)."""
-        ready, self.deferred_release = self.deferred_release, []
-        for req in ready:
-            self.release_now(req)
+            self.output.process_batch_result(self.result_queue.popleft())
 
     # ------------------------------------------------------------------ control requests
     def is_idle(self) -> bool:
@@ -427,7 +318,7 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin):
     def flush_cache(self) -> FlushCacheOut:
         if not self.is_idle():
             return FlushCacheOut(False, "requests are running; retry when idle", self.dp_rank)
-        self.flush_deferred()
+        self.releaser.flush()
         self.tree_cache.reset()
         return FlushCacheOut(True, "", self.dp_rank)
 
@@ -454,7 +345,7 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin):
             "num_waiting_reqs": len(self.waiting_queue),
             "num_grammar_queue_reqs": len(self.grammar_queue),
             "token_usage": self.token_usage(),
-            "new_token_ratio": self.new_token_ratio,
+            "new_token_ratio": self.ratio.value,
             "cache_hit_rate": self.stats.cache_hit_rate(),
             "retractions": self.stats.retractions,
             "scheduler_pid": os.getpid(),
@@ -480,10 +371,15 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin):
         return self.used_tokens() / self.max_total_tokens
 
     def check_memory_integrity(self) -> bool:
-        """At idle every KV slot is free or cached, and every request row is free."""
+        """At idle every KV slot is free or cached, every request row is free, and every request
+        was answered (none is left in the request table)."""
         free, cached = self.allocator.available_size(), self.tree_cache.total_size()
         rows_free = self.req_to_token_pool.available_size() == self.req_to_token_pool.size
         ok = free + cached == self.max_total_tokens and rows_free and self.tree_cache.protected_size() == 0
+        if len(self.table):
+            logger.error("integrity check failed: %d requests never answered, e.g. %s", len(self.table),
+                         [r.rid for r in list(self.table)[:5]])
+            ok = False
         if not self.pd.check_integrity():
             logger.error("PD integrity check failed: metadata slots or transfer rooms leaked")
             ok = False

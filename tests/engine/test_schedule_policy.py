@@ -10,7 +10,8 @@ from baton.engine.mem_cache.radix_cache import RadixCache
 from baton.engine.sampling.sampling_params import SamplingParams
 from baton.engine.scheduler.req import Req
 from baton.engine.scheduler.schedule_batch import RETRACT_DECODE_STEPS, ScheduleBatch
-from baton.engine.scheduler.schedule_policy import (CLIP_MAX_NEW_TOKENS, AddReqResult, PrefillAdder,
+from baton.engine.scheduler.req import CLIP_MAX_NEW_TOKENS
+from baton.engine.scheduler.schedule_policy import (AddReqResult, PrefillAdder,
                                                     SchedulePolicy)
 from baton.engine.scheduler.future_map import FutureMap
 from baton.engine.triton_ops.future_resolve import resolve_future_token_ids

@@ -533,7 +533,7 @@ def test_a_grammar_waits_for_the_end_of_the_reasoning(tiny_model_factory, loop):
     h = harness_for(path, loop, reasoning_parser="qwen3")
     s = h.scheduler
     think_end = h.tokenizer.convert_tokens_to_ids("</think>")
-    assert s.think_end_id == think_end
+    assert s.intake.think_end_id == think_end
     compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(
         h.tokenizer, vocab_size=s.vocab_size, stop_token_ids=sorted(s.eos_token_ids)))
     regex = GRAMMARS["regex"]
