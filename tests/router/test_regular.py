@@ -316,5 +316,8 @@ async def test_metrics_cover_requests_latency_and_workers(fake_workers, routers,
                    f'baton_router_worker_requests_total{{route="/generate",side="regular",worker="{worker.url}"}} 1.0',
                    f'baton_router_worker_in_flight{{side="regular",worker="{worker.url}"}} 0.0',
                    'baton_router_policy_decisions_total{policy="cache_aware",reason="cache_hit",side="regular"} 1.0',
-                   "baton_router_in_flight_requests 0.0", "baton_router_queue_depth 0.0"]:
+                   "baton_router_in_flight_requests 0.0", "baton_router_queue_depth 0.0",
+                   # reasons known in advance start at 0, so an alert on increase() sees the first one
+                   'baton_router_errors_total{reason="stalled",route="/generate"} 0.0',
+                   f'baton_router_worker_errors_total{{reason="stalled",side="regular",worker="{worker.url}"}} 0.0']:
         assert needle in text, needle
