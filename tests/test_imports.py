@@ -37,11 +37,7 @@ KNOWN_CYCLES = {
     # parse, _collect): issue 32 item 4, the shared HTTP helpers in a module of their own.
     ("baton.engine.entrypoints.http_server", "baton.engine.entrypoints.openai_api"),
 }
-KNOWN_UPWARD = {
-    # unavailable_reason() checks the KV pool's class: issue 32 item 3, the native forward reads what it
-    # needs through an interface, so kernels/ imports nothing above it.
-    ("baton.engine.kernels.cpu_forward", "baton.engine.mem_cache.memory_pool"),
-}
+KNOWN_UPWARD: set[tuple[str, str]] = set()
 
 
 class Import(NamedTuple):

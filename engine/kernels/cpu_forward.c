@@ -561,12 +561,14 @@ void stream_destroy(ForwardStream *st) {
 
 /* ---------------------------------------------------------------------------------------------
  * The crew's own check (tests/engine/test_cpu_forward.py): par_for over n items, each item's hits
- * counted and the slot that ran it recorded; the first chunk calls par_for again (nested: inline on
- * its thread). With wait_ms > 0 the first chunk waits (up to wait_ms) until another slot has run an
- * item, so a test can show that another thread joined (a helper, or a stream's waiter). */
+ * counted and the slot that ran it recorded. When the loop is split (n > grain), its first chunk
+ * calls par_for again (nested in a crew job: inline on its thread; a loop of one chunk runs inline
+ * outside the crew, so a par_for inside it may use the crew) and, with wait_ms > 0, waits (up to
+ * wait_ms) until another slot has run an item, so a test can show that another thread joined (a
+ * helper, or a stream's waiter). */
 typedef struct {
     int32_t *hits, *slots;
-    int64_t n;
+    int64_t n, grain;
     int wait_ms, num_threads;
     int others; /* items run by a slot other than 0 */
 } SelfTest;
@@ -578,7 +580,7 @@ static void selftest_nested(void *arg, int64_t begin, int64_t end, int slot) {
 
 static void selftest_body(void *arg, int64_t begin, int64_t end, int slot) {
     SelfTest *t = arg;
-    if (begin == 0) {
+    if (begin == 0 && t->n > t->grain) {
         int32_t nested[4] = {0, 0, 0, 0}; /* slot + 1 of whoever ran each: all inline, as slot 0 */
         par_for(t->num_threads, 4, 1, 0, selftest_nested, nested);
         for (int i = 0; i < 4; ++i)
@@ -596,7 +598,7 @@ static void selftest_body(void *arg, int64_t begin, int64_t end, int slot) {
 
 /* Returns the number of items run by slots other than 0. */
 int par_selftest(int num_threads, int64_t n, int64_t grain, int wait_ms, int32_t *hits, int32_t *slots) {
-    SelfTest t = {hits, slots, n, wait_ms, num_threads, 0};
+    SelfTest t = {hits, slots, n, grain, wait_ms, num_threads, 0};
     par_for(num_threads, n, grain, 0, selftest_body, &t);
     return t.others;
 }

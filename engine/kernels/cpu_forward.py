@@ -128,8 +128,6 @@ def _ptr_of(t: Optional[torch.Tensor]) -> Optional[int]:
 def unavailable_reason(model: torch.nn.Module, kv_pool: "MHATokenToKVPool", tp_size: int = 1,
                        device: str = "cpu") -> Optional[str]:
     """None when the native forward can serve this model; otherwise why not."""
-    from baton.engine.mem_cache.memory_pool import MHATokenToKVPool
-
     reason = cpu_linear.unavailable_reason(device) or cpu_attention.unavailable_reason(torch.bfloat16, device)
     if reason is not None:
         return reason
@@ -141,7 +139,8 @@ def unavailable_reason(model: torch.nn.Module, kv_pool: "MHATokenToKVPool", tp_s
     s = describe()
     if s.embed.dtype != torch.bfloat16 or cpu_linear.is_released(s.embed) or not s.embed.is_contiguous():
         return f"the model is {s.embed.dtype}, not bfloat16"
-    if type(kv_pool) is not MHATokenToKVPool or kv_pool.dtype != torch.bfloat16:
+    # the kernels read per-layer [slots, kv_heads, head_dim] K and V tensors (mem_cache/memory_pool.py)
+    if getattr(kv_pool, "layout", None) != "mha" or kv_pool.dtype != torch.bfloat16:
         return f"the KV cache is {kv_pool.dtype} (bfloat16 only)"
     return _layers_reason(s, type(model).__name__)
 

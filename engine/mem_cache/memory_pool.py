@@ -54,6 +54,8 @@ class ReqToTokenPool:
 class MHATokenToKVPool:
     """Per-layer K and V tensors of shape [size + page_size, head_num, head_dim] (see module docstring)."""
 
+    layout = "mha"  # what kernels that read the tensors directly check (kernels/cpu_forward.py)
+
     def __init__(self, size: int, page_size: int, dtype: torch.dtype, head_num: int, head_dim: int,
                  layer_num: int, device: str) -> None:
         assert size > 0 and page_size >= 1 and layer_num > 0
