@@ -220,7 +220,8 @@ def run_server(server_args: ServerArgs) -> None:
     try:
         import uvicorn
 
-        from baton.engine.entrypoints.http_server import ApiContext, create_app
+        from baton.engine.entrypoints.http_common import ApiContext
+        from baton.engine.entrypoints.http_server import create_app
         from baton.engine.metrics import EngineMetrics
         from baton.engine.tokenizer_manager import SSE_KEEPALIVE_S, TokenizerManager
 

@@ -6,95 +6,27 @@ import contextlib
 import hmac
 import secrets
 import logging
-from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.datastructures import Headers
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import ValidationError
 
 from baton.engine.disaggregation.no_peer import FAKE_BOOTSTRAP_HOST
 from baton.engine.entrypoints.expansion import expand, pd_fields
+from baton.engine.entrypoints.http_common import (SSE_DONE, SSE_KEEPALIVE, ApiContext, abort_error, collect,
+                                                  error_response, parse, read_json, sampling_params_from, sse,
+                                                  sse_error)
+from baton.engine.entrypoints.openai_api import register_openai_routes
 from baton.engine.entrypoints.protocol import GenerateRequest
 from baton.engine.sampling.sampling_params import SamplingParams, SamplingParamsError
 from baton.engine.server_args import ServerArgs
-from baton.engine.tokenizer_manager import GenerateInput, ReqOutput, RequestError, TokenizerManager
+from baton.engine.tokenizer_manager import GenerateInput, ReqOutput, RequestError
 
 logger = logging.getLogger(__name__)
 
 _OPEN_PATHS = frozenset({"/health", "/metrics"})  # reachable without the API key (probes, scrapers)
-
-
-@dataclass
-class ApiContext:
-    server_args: ServerArgs
-    tm: TokenizerManager
-    model_info: dict[str, Any]
-    scheduler_alive: Callable[[], bool] = lambda: True
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def model_name(self) -> str:
-        return self.server_args.model_name
-
-
-def error_response(message: str, status: int, err_type: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": err_type, "code": status}}, status_code=status)
-
-
-async def read_json(request: Request, limit: int) -> dict[str, Any]:
-    body = await request.body()
-    if len(body) > limit:
-        raise RequestError(f"request body is {len(body)} bytes; the limit is {limit}", 413)
-    try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError as e:
-        raise RequestError(f"malformed JSON: {e}", 400) from e
-    if not isinstance(data, dict):
-        raise RequestError("the request body must be a JSON object", 400)
-    return data
-
-
-def parse(model_cls, data: dict[str, Any]):
-    try:
-        return model_cls.model_validate(data)
-    except ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(str(x) for x in first.get("loc", ())) or "body"
-        raise RequestError(f"invalid field {where}: {first.get('msg')}", 400) from e
-
-
-def sampling_params_from(d: Optional[dict[str, Any]]) -> SamplingParams:
-    d = dict(d or {})
-    if "sampling_seed" in d:  # SGLang's name
-        d["seed"] = d.pop("sampling_seed")
-    try:
-        return SamplingParams(**d)
-    except TypeError as e:
-        raise RequestError(f"invalid sampling_params: {e}", 400) from e
-
-
-def abort_error(out: ReqOutput) -> Optional[RequestError]:
-    r = out.finished_reason
-    if r is not None and r.kind == "abort":
-        status = r.status_code if r.status_code >= 400 else 500
-        return RequestError(r.message, status, "server_error" if status >= 500 else "invalid_request_error")
-    return None
-
-
-def sse(data: Any) -> bytes:
-    return b"data: " + orjson.dumps(data) + b"\n\n"
-
-
-def sse_error(err: RequestError) -> bytes:
-    return sse({"error": {"message": err.message, "type": err.err_type, "code": err.status}})
-
-
-SSE_DONE = b"data: [DONE]\n\n"
-SSE_KEEPALIVE = b": keep-alive\n\n"  # an SSE comment: clients skip it
 
 
 class GuardMiddleware:
@@ -141,7 +73,6 @@ class GuardMiddleware:
 
 
 def create_app(ctx: ApiContext) -> FastAPI:
-    from baton.engine.entrypoints.openai_api import register_openai_routes
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -183,7 +114,7 @@ def _register_native_routes(app: FastAPI, ctx: ApiContext) -> None:
         pd = ctx.server_args.disaggregation_mode != "null"
         obj = local_request(ctx.server_args, [0], max_new_tokens=2 if pd else 1)
         try:
-            await asyncio.wait_for(_collect(ctx.tm, obj), 20.0)
+            await asyncio.wait_for(collect(ctx.tm, obj), 20.0)
         except (asyncio.TimeoutError, RequestError) as e:
             return error_response(f"generation health check failed: {e!r}", 503, "server_error")
         return Response(status_code=200)
@@ -232,7 +163,7 @@ def _register_native_routes(app: FastAPI, ctx: ApiContext) -> None:
                 raise RequestError("streaming a batch (or n > 1) is not supported; send one request per prompt",
                                    400)
             return await _stream_native(ctx, objs[0], request)
-        outs = await asyncio.gather(*[_collect(ctx.tm, o, request.is_disconnected) for o in objs])
+        outs = await asyncio.gather(*[collect(ctx.tm, o, request.is_disconnected) for o in objs])
         for out in outs:
             if (err := abort_error(out)) is not None:
                 raise err
@@ -248,14 +179,6 @@ def local_request(args: ServerArgs, input_ids: list[int], max_new_tokens: int) -
     if args.disaggregation_mode != "null":
         obj.bootstrap_host, obj.bootstrap_room = FAKE_BOOTSTRAP_HOST, secrets.randbits(63)
     return obj
-
-
-async def _collect(tm: TokenizerManager, obj: GenerateInput, is_disconnected=None) -> ReqOutput:
-    last = None
-    async for out in tm.generate(obj, is_disconnected):
-        last = out
-    assert last is not None
-    return last
 
 
 def _is_batch(req: GenerateRequest) -> bool:

@@ -10,7 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from baton.engine.entrypoints import chat_tools
-from baton.engine.entrypoints.http_server import (SSE_DONE, SSE_KEEPALIVE, ApiContext, _collect, abort_error, parse,
+from baton.engine.entrypoints.http_common import (SSE_DONE, SSE_KEEPALIVE, ApiContext, abort_error, collect, parse,
                                                   read_json, sse, sse_error)
 from baton.engine.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, SamplingExtras
 from baton.engine.parsers import make_tool_parser
@@ -185,7 +185,7 @@ def _input(ctx: ApiContext, req: SamplingExtras, prompt: Any, max_tokens: Option
 
 
 async def _collect_all(ctx: ApiContext, objs: list[GenerateInput], request: Request) -> list[ReqOutput]:
-    outs = await asyncio.gather(*[_collect(ctx.tm, o, request.is_disconnected) for o in objs])
+    outs = await asyncio.gather(*[collect(ctx.tm, o, request.is_disconnected) for o in objs])
     for out in outs:
         if (err := abort_error(out)) is not None:
             raise err

@@ -1,0 +1,92 @@
+"""What the native routes (http_server.py) and the OpenAI routes (openai_api.py) share: the app's
+context, reading and validating a request body, error bodies, SSE framing, collecting a whole output."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import orjson
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+
+from baton.engine.sampling.sampling_params import SamplingParams
+from baton.engine.server_args import ServerArgs
+from baton.engine.tokenizer_manager import GenerateInput, ReqOutput, RequestError, TokenizerManager
+
+
+@dataclass
+class ApiContext:
+    server_args: ServerArgs
+    tm: TokenizerManager
+    model_info: dict[str, Any]
+    scheduler_alive: Callable[[], bool] = lambda: True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def model_name(self) -> str:
+        return self.server_args.model_name
+
+
+def error_response(message: str, status: int, err_type: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": err_type, "code": status}}, status_code=status)
+
+
+async def read_json(request: Request, limit: int) -> dict[str, Any]:
+    body = await request.body()
+    if len(body) > limit:
+        raise RequestError(f"request body is {len(body)} bytes; the limit is {limit}", 413)
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as e:
+        raise RequestError(f"malformed JSON: {e}", 400) from e
+    if not isinstance(data, dict):
+        raise RequestError("the request body must be a JSON object", 400)
+    return data
+
+
+def parse(model_cls, data: dict[str, Any]):
+    try:
+        return model_cls.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(x) for x in first.get("loc", ())) or "body"
+        raise RequestError(f"invalid field {where}: {first.get('msg')}", 400) from e
+
+
+def sampling_params_from(d: Optional[dict[str, Any]]) -> SamplingParams:
+    d = dict(d or {})
+    if "sampling_seed" in d:  # SGLang's name
+        d["seed"] = d.pop("sampling_seed")
+    try:
+        return SamplingParams(**d)
+    except TypeError as e:
+        raise RequestError(f"invalid sampling_params: {e}", 400) from e
+
+
+def abort_error(out: ReqOutput) -> Optional[RequestError]:
+    r = out.finished_reason
+    if r is not None and r.kind == "abort":
+        status = r.status_code if r.status_code >= 400 else 500
+        return RequestError(r.message, status, "server_error" if status >= 500 else "invalid_request_error")
+    return None
+
+
+def sse(data: Any) -> bytes:
+    return b"data: " + orjson.dumps(data) + b"\n\n"
+
+
+def sse_error(err: RequestError) -> bytes:
+    return sse({"error": {"message": err.message, "type": err.err_type, "code": err.status}})
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+SSE_KEEPALIVE = b": keep-alive\n\n"  # an SSE comment: clients skip it
+
+
+async def collect(tm: TokenizerManager, obj: GenerateInput, is_disconnected=None) -> ReqOutput:
+    last = None
+    async for out in tm.generate(obj, is_disconnected):
+        last = out
+    assert last is not None
+    return last
