@@ -21,10 +21,8 @@ from baton.operator.apply import NotOwned, Outcome
 from baton.operator.config import OperatorConfig
 from baton.operator.kube import KINDS, ApiError, KubeClient, login
 from baton.operator.metrics import OperatorMetrics
-from baton.operator.reconciler import (now, publish, publish_invalid, publish_not_owned, reconcile,
-                                       refresh_status)
+from baton.operator.reconciler import api_refused_message, publish_invalid, reconcile, refresh_status
 from baton.operator.spec import InvalidSpec
-from baton.operator.status import condition
 
 RESOURCE = (naming.GROUP, naming.VERSION, naming.PLURAL)
 CHILD_LABELS = {naming.MANAGED_BY_LABEL: naming.OPERATOR_NAME}
@@ -56,18 +54,6 @@ def _lock(memo: kopf.Memo, key: tuple[str, str]) -> asyncio.Lock:
     return memo.locks.setdefault(key, asyncio.Lock())
 
 
-async def _api_refused(client: KubeClient, body: Mapping[str, Any], e: ApiError) -> None:
-    previous = dict(body.get("status") or {})
-    gen = body["metadata"].get("generation", 1)
-    msg = (f"the API server refused a child object ({e.status} {e.reason}: {e.message}); "
-           "fix the fields copied from the spec (resources, env, tolerations, affinity, nodeSelector)")
-    keep = [c for c in previous.get("conditions", []) if c.get("type") not in ("Degraded", "Ready")]
-    old = previous.get("conditions", [])
-    conds = [condition("Ready", False, "ApiRefused", msg, gen, old, now()), *keep,
-             condition("Degraded", True, "ApiRefused", msg, gen, old, now())]
-    await publish(client, body, {**previous, "conditions": conds})
-
-
 async def run_reconcile(body: Mapping[str, Any], memo: kopf.Memo, logger: logging.Logger, trigger: str) -> None:
     """Reconcile + status, with kopf errors and metrics. Serialised per InferenceService."""
     client, metrics, config = memo.client, memo.metrics, memo.config
@@ -86,13 +72,13 @@ async def run_reconcile(body: Mapping[str, Any], memo: kopf.Memo, logger: loggin
         except NotOwned as e:
             metrics.errors.labels(kind="name_taken").inc()
             metrics.reconciles.labels(trigger=trigger, result="error").inc()
-            await publish_not_owned(client, body, e)
+            await refresh_status(client, body, failed=("NameTaken", str(e)))
             raise kopf.TemporaryError(str(e), delay=config.retry_seconds * 6) from e
         except ApiError as e:
             metrics.reconciles.labels(trigger=trigger, result="error").inc()
             if e.status in (400, 422):
                 metrics.errors.labels(kind="permanent").inc()
-                await _api_refused(client, body, e)
+                await refresh_status(client, body, failed=("ApiRefused", api_refused_message(e)))
                 raise kopf.PermanentError(f"API server refused a child: {e}") from e
             metrics.errors.labels(kind="temporary").inc()
             delay = config.retry_seconds * (6 if e.status == 403 else 1)

@@ -11,16 +11,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from baton.operator import naming
-from baton.operator.apply import NotOwned, Outcome, apply, prune
+from baton.operator.apply import Outcome, apply, prune
 from baton.operator.builders import build_children
 from baton.operator.kube import KINDS, ApiError, KubeClient
 from baton.operator.naming import Role
 from baton.operator.spec import InferenceService, InvalidSpec, parse
-from baton.operator.status import STATUS_KEYS, compute_status, condition, invalid_status
+from baton.operator.status import RECONCILED, STATUS_KEYS, compute_status, invalid_status
 
 MONITORING_KINDS = ("PodMonitor", "ServiceMonitor")
-# Degraded reasons found while applying (not visible in Deployments): kept by status-only refreshes.
-RECONCILE_REASONS = ("MonitoringUnavailable", "NameTaken")
 
 
 @dataclass
@@ -81,9 +79,10 @@ async def fetch_deployments(client: KubeClient, isvc: InferenceService) -> dict[
 
 
 def _kept_problem(status: Mapping[str, Any]) -> tuple[str, str] | None:
+    """The problem the last reconcile found (its `Reconciled` condition), for status-only refreshes."""
     for c in status.get("conditions", []):
-        if c.get("type") == "Degraded" and c.get("reason") in RECONCILE_REASONS:
-            return c["reason"], c.get("message", "")
+        if c.get("type") == RECONCILED and c.get("status") == "False":
+            return c.get("reason", ""), c.get("message", "")
     return None
 
 
@@ -98,10 +97,13 @@ async def publish(client: KubeClient, body: Mapping[str, Any], new: dict[str, An
     return True
 
 
-async def refresh_status(client: KubeClient, body: Mapping[str, Any],
-                         result: ReconcileResult | None = None) -> dict[str, Any] | None:
+async def refresh_status(client: KubeClient, body: Mapping[str, Any], result: ReconcileResult | None = None,
+                         failed: tuple[str, str] | None = None) -> dict[str, Any] | None:
     """Recompute the status from the child Deployments and publish it. None for an invalid spec
-    (its InvalidSpec status stays until the spec is fixed)."""
+    (its InvalidSpec status stays until the spec is fixed).
+
+    After a reconcile: its `result`, or the (reason, message) that made it `failed` (ApiRefused,
+    NameTaken). Neither: a refresh on a Deployment event, which keeps the last reconcile's problem."""
     previous = body.get("status") or {}
     try:
         isvc = result.isvc if result else parse(body)
@@ -110,7 +112,8 @@ async def refresh_status(client: KubeClient, body: Mapping[str, Any],
     if result is not None:  # the children of this generation were just applied
         observed, problem = isvc.generation, result.problem
     else:
-        observed, problem = previous.get("observedGeneration", 0), _kept_problem(previous)
+        observed = previous.get("observedGeneration", 0)
+        problem = failed or _kept_problem(previous)
     status = compute_status(isvc, await fetch_deployments(client, isvc), previous, now(), observed, problem)
     await publish(client, body, status)
     return status
@@ -122,10 +125,6 @@ async def publish_invalid(client: KubeClient, body: Mapping[str, Any], errors: l
     return status
 
 
-async def publish_not_owned(client: KubeClient, body: Mapping[str, Any], error: NotOwned) -> None:
-    """A name conflict blocks the reconcile: say so in Degraded and keep the rest of the status."""
-    previous = dict(body.get("status") or {})
-    gen = body["metadata"].get("generation", 1)
-    conds = [c for c in previous.get("conditions", []) if c.get("type") != "Degraded"]
-    conds.append(condition("Degraded", True, "NameTaken", str(error), gen, previous.get("conditions", []), now()))
-    await publish(client, body, {**previous, "conditions": conds})
+def api_refused_message(e: ApiError) -> str:
+    return (f"the API server refused a child object ({e.status} {e.reason}: {e.message}); "
+            "fix the fields copied from the spec (resources, env, tolerations, affinity, nodeSelector)")

@@ -16,6 +16,10 @@ from baton.operator.spec import InferenceService
 CONDITION_TYPES = {Role.PREFILL: "PrefillReady", Role.DECODE: "DecodeReady",
                    Role.COLOCATED: "EngineReady", Role.ROUTER: "RouterReady"}
 STATUS_KEYS = {Role.PREFILL: "prefill", Role.DECODE: "decode", Role.COLOCATED: "engine", Role.ROUTER: "router"}
+# Problems the reconciler finds while applying (Deployments do not show them). The `Reconciled`
+# condition carries them, so a status refresh from Deployment events keeps them.
+BLOCKING_PROBLEMS = ("ApiRefused", "NameTaken")  # the latest spec is not applied
+RECONCILED = "Reconciled"
 
 
 @dataclass(frozen=True)
@@ -85,7 +89,10 @@ def condition(ctype: str, ok: bool, reason: str, message: str, generation: int,
             "lastTransitionTime": since, "observedGeneration": generation}
 
 
-def _ready(isvc: InferenceService, states: list[RoleState], endpoint: str) -> tuple[bool, str, str]:
+def _ready(isvc: InferenceService, states: list[RoleState], endpoint: str,
+           problem: tuple[str, str] | None) -> tuple[bool, str, str]:
+    if problem is not None and problem[0] == "ApiRefused":
+        return False, *problem
     missing = [s for s in states if s.ready == 0]
     if missing:
         roles = ", ".join(s.role.suffix for s in missing)
@@ -96,11 +103,14 @@ def _ready(isvc: InferenceService, states: list[RoleState], endpoint: str) -> tu
     return True, "Serving", f"serving model {isvc.spec.model.name!r} at {endpoint}{extra}."
 
 
-def _progressing(states: list[RoleState], spec_applied: bool) -> tuple[bool, str, str]:
+def _progressing(states: list[RoleState], spec_applied: bool,
+                 problem: tuple[str, str] | None) -> tuple[bool, str, str]:
     stuck = [s for s in states if s.failure and s.failure[0] == "ProgressDeadlineExceeded"]
     if stuck:
         return False, "ProgressDeadlineExceeded", (f"{', '.join(s.role.suffix for s in stuck)} did not "
                                                    "finish rolling out in time; see the role conditions.")
+    if problem is not None and problem[0] in BLOCKING_PROBLEMS:
+        return False, problem[0], "the latest spec cannot be applied; see the Degraded condition."
     if not spec_applied:
         return True, "Reconciling", "the operator is applying the latest spec."
     rolling = [f"{s.role.suffix} ({s.updated}/{s.desired} updated, {s.ready} ready)"
@@ -112,13 +122,21 @@ def _progressing(states: list[RoleState], spec_applied: bool) -> tuple[bool, str
 
 def _degraded(isvc: InferenceService, states: list[RoleState],
               problem: tuple[str, str] | None) -> tuple[bool, str, str]:
+    """Every problem in the message; the reason of the first: a spec that cannot be applied, then
+    failing pods, then what only a part of the service misses (monitoring)."""
+    found = [(s.failure[0], f"{s.role.suffix}: {s.failure[1]} Check {_pods_hint(isvc, s.role)}.")
+             for s in states if s.failure]
     if problem is not None:
-        return True, problem[0], problem[1]
-    failed = [s for s in states if s.failure]
-    if failed:
-        s = failed[0]
-        return True, s.failure[0], f"{s.role.suffix}: {s.failure[1]} Check {_pods_hint(isvc, s.role)}."
-    return False, "AsExpected", "nothing is degraded."
+        found.insert(0 if problem[0] in BLOCKING_PROBLEMS else len(found), problem)
+    if not found:
+        return False, "AsExpected", "nothing is degraded."
+    return True, found[0][0], " Also: ".join(msg for _, msg in found)
+
+
+def _reconciled(isvc: InferenceService, problem: tuple[str, str] | None) -> tuple[bool, str, str]:
+    if problem is not None:
+        return False, *problem
+    return True, "Applied", "every child object of the spec is applied."
 
 
 def compute_status(isvc: InferenceService, deployments: Mapping[Role, Mapping[str, Any] | None],
@@ -126,8 +144,9 @@ def compute_status(isvc: InferenceService, deployments: Mapping[Role, Mapping[st
                    problem: tuple[str, str] | None = None) -> dict[str, Any]:
     """The whole `.status` (minus nothing): roles, conditions, endpoint.
 
-    `problem` is a (reason, message) the reconciler found besides the Deployments (e.g. missing
-    Prometheus Operator CRDs); it makes the resource Degraded but not un-Ready.
+    `problem` is a (reason, message) the reconciler found besides the Deployments, kept in the
+    `Reconciled` condition: missing Prometheus Operator CRDs (Degraded, still Ready), a child name taken
+    (Degraded, not Progressing), a child the API server refused (Degraded, not Progressing, not Ready).
     """
     from baton.operator.builders import endpoint_url  # builders import spec; keep status light
 
@@ -138,10 +157,11 @@ def compute_status(isvc: InferenceService, deployments: Mapping[Role, Mapping[st
     prev = previous.get("conditions", [])
     gen = observed_generation
     conds = [condition(CONDITION_TYPES[s.role], *_role_condition(isvc, s), gen, prev, now) for s in states]
-    conds.insert(0, condition("Ready", *_ready(isvc, states, endpoint), gen, prev, now))
-    conds.append(condition("Progressing", *_progressing(states, observed_generation >= isvc.generation),
-                           gen, prev, now))
+    conds.insert(0, condition("Ready", *_ready(isvc, states, endpoint, problem), gen, prev, now))
+    conds.append(condition("Progressing", *_progressing(states, observed_generation >= isvc.generation,
+                                                        problem), gen, prev, now))
     conds.append(condition("Degraded", *_degraded(isvc, states, problem), gen, prev, now))
+    conds.append(condition(RECONCILED, *_reconciled(isvc, problem), gen, prev, now))
     status: dict[str, Any] = {"observedGeneration": observed_generation, "mode": isvc.spec.mode.value,
                               "endpoint": endpoint, "conditions": conds}
     for s in states:
@@ -153,9 +173,10 @@ def invalid_status(previous: Mapping[str, Any], errors: list[str], generation: i
     """Status of a spec the operator refuses: Ready=False and Degraded=True, reason InvalidSpec."""
     message = "the spec is invalid, fix it and apply again: " + "; ".join(errors)
     prev = previous.get("conditions", [])
-    keep = [c for c in prev if c.get("type") not in ("Ready", "Degraded", "Progressing")]
+    keep = [c for c in prev if c.get("type") not in ("Ready", "Degraded", "Progressing", RECONCILED)]
     return {"observedGeneration": generation, "conditions": [
         condition("Ready", False, "InvalidSpec", message, generation, prev, now), *keep,
         condition("Progressing", False, "InvalidSpec", "nothing is rolled out until the spec is fixed.",
                   generation, prev, now),
-        condition("Degraded", True, "InvalidSpec", message, generation, prev, now)]}
+        condition("Degraded", True, "InvalidSpec", message, generation, prev, now),
+        condition(RECONCILED, False, "InvalidSpec", message, generation, prev, now)]}

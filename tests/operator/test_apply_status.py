@@ -47,7 +47,8 @@ def test_all_roles_ready_means_ready_and_rolled_out():
     st = compute_status(isvc, deps, {}, NOW, observed_generation=1)
     c = conds(st)
     assert {t: c[t]["status"] for t in c} == {"Ready": "True", "PrefillReady": "True", "DecodeReady": "True",
-                                             "RouterReady": "True", "Progressing": "False", "Degraded": "False"}
+                                             "RouterReady": "True", "Progressing": "False", "Degraded": "False",
+                                             "Reconciled": "True"}
     assert st["decode"] == {"desiredReplicas": 2, "readyReplicas": 2, "updatedReplicas": 2,
                             "availableReplicas": 2, "summary": "2/2"}
     assert st["endpoint"] == "http://demo-router.default.svc:8000" and st["observedGeneration"] == 1
@@ -133,3 +134,17 @@ def test_invalid_status_tells_what_to_fix():
     assert c["Ready"]["reason"] == "InvalidSpec" and c["Degraded"]["status"] == "True"
     assert "fix it and apply again: spec.prefill: gpus must be 0" in c["Degraded"]["message"]
     assert st["observedGeneration"] == 3
+
+
+def test_a_replica_failure_is_not_masked_by_missing_monitoring_crds():
+    forbidden = [{"type": "ReplicaFailure", "status": "True", "reason": "FailedCreate",
+                  "message": 'pods "demo-decode-x" is forbidden: violates PodSecurity "restricted:latest"'}]
+    isvc = parse(isvc_body(monitoring={"podMonitor": True}))
+    deps = {Role.PREFILL: deployment(1, 1), Role.DECODE: deployment(1, 0, conditions=forbidden),
+            Role.ROUTER: deployment(1, 1)}
+    problem = ("MonitoringUnavailable", "PodMonitor cannot be created: install the Prometheus Operator CRDs")
+    c = conds(compute_status(isvc, deps, {}, NOW, 1, problem))
+    assert (c["Degraded"]["status"], c["Degraded"]["reason"]) == ("True", "ReplicaFailure")
+    assert "violates PodSecurity" in c["Degraded"]["message"]
+    assert "PodMonitor cannot be created" in c["Degraded"]["message"]  # both said
+    assert c["Reconciled"]["reason"] == "MonitoringUnavailable"  # kept apart for later refreshes

@@ -1,0 +1,52 @@
+"""kopf handlers called directly on an in-memory client: what the status says after scripted API answers."""
+from __future__ import annotations
+
+import kopf
+import pytest
+
+from baton.operator import handlers
+from baton.operator.builders import build_children
+from baton.operator.kube import ApiError
+from baton.operator.spec import parse
+from baton_testing.kube.fake_client import LOGGER, FakeClient, memo_for
+from baton_testing.kube.objects import isvc_body
+
+
+def conditions(obj: dict) -> dict[str, dict]:
+    return {c["type"]: c for c in (obj.get("status") or {}).get("conditions", [])}
+
+
+def refuse_deployments(obj: dict) -> ApiError | None:
+    if obj["kind"] == "Deployment" and obj["metadata"]["name"] == "demo-decode":
+        return ApiError(422, "Invalid", 'Deployment.apps "demo-decode" is invalid: spec.template.spec.'
+                                        'tolerations[0].operator: Unsupported value: "Equal2"')
+    return None
+
+
+async def child_event(client: FakeClient, memo: kopf.Memo, name: str, event_type: str = "MODIFIED") -> None:
+    dep = client.find("Deployment", "default", name)
+    await handlers.child_deployment_event(event={"type": event_type, "object": dep}, body=dep, memo=memo,
+                                          logger=LOGGER)
+
+
+async def test_api_refused_survives_the_status_refresh_of_a_deployment_event():
+    client = FakeClient(refuse=refuse_deployments)
+    memo = memo_for(client)
+    client.put(isvc_body())
+    with pytest.raises(kopf.PermanentError):
+        await handlers.run_reconcile(client.find("InferenceService", "default", "demo"), memo, LOGGER, "create")
+    c = conditions(client.find("InferenceService", "default", "demo"))
+    assert (c["Degraded"]["reason"], c["Ready"]["reason"]) == ("ApiRefused", "ApiRefused")
+    # the prefill Deployment was created before the decode's was refused: its events refresh the status
+    await child_event(client, memo, "demo-prefill")
+    c = conditions(client.find("InferenceService", "default", "demo"))
+    assert (c["Degraded"]["status"], c["Degraded"]["reason"]) == ("True", "ApiRefused")
+    assert "Unsupported value" in c["Degraded"]["message"]
+    assert (c["Ready"]["status"], c["Ready"]["reason"]) == ("False", "ApiRefused")
+    assert c["Progressing"]["reason"] == "ApiRefused"
+    # a fixed spec clears it
+    client.refuse = lambda obj: None
+    await handlers.run_reconcile(client.find("InferenceService", "default", "demo"), memo, LOGGER, "update")
+    await child_event(client, memo, "demo-prefill")
+    c = conditions(client.find("InferenceService", "default", "demo"))
+    assert c["Degraded"]["reason"] != "ApiRefused" and c["Ready"]["reason"] != "ApiRefused"
