@@ -269,6 +269,7 @@ class ServerArgs:
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        parser.allow_abbrev = False  # `--kv-cache-dtyp` would pass the operator's managed-flags rule
         a = parser.add_argument
         a("--model-path", required=True, help="local Hugging Face directory (config.json, *.safetensors, tokenizer)")
         a("--tokenizer-path", default=None)

@@ -25,6 +25,7 @@ POLICIES = [p.value for p in PolicyName]
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    parser.allow_abbrev = False  # `--prefill-pol` would pass the operator's managed-flags rule
     _worker_flags(parser.add_argument_group("workers"))
     _routing_flags(parser.add_argument_group("routing"))
     _request_flags(parser.add_argument_group("requests"))
