@@ -54,13 +54,20 @@ def kopf_kwargs(args: argparse.Namespace) -> dict:
     }
 
 
+def configure_logging(verbose: bool) -> None:
+    """kopf's log format, each line about an object prefixed with `[namespace/name]`."""
+    import kopf
+
+    kopf.configure(verbose=verbose, log_prefix=True)
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+
+
 def run_cli(args: argparse.Namespace) -> int:
     import kopf
 
     import baton.operator.handlers  # noqa: F401  (registers the handlers with kopf)
 
     kwargs = kopf_kwargs(args)
-    kopf.configure(verbose=args.verbose)
-    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    configure_logging(args.verbose)
     asyncio.run(kopf.operator(memo=kopf.Memo(config=config_from_args(args)), **kwargs))
     return 0

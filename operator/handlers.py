@@ -36,6 +36,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logg
         prefix=naming.KOPF_PREFIX, key="last-handled-configuration")
     settings.persistence.finalizer = f"{naming.GROUP}/finalizer"
     settings.posting.enabled = config.post_events
+    settings.posting.loggers = config.post_events  # kopf >= 1.45 posts no handler log line by default
     settings.watching.server_timeout = 300
     memo.setdefault("client", KubeClient())
     memo.setdefault("metrics", OperatorMetrics())

@@ -45,6 +45,7 @@ KINDS = {k.kind: k for k in (
     Kind("v1", "ConfigMap", "configmaps"),
     Kind("v1", "Secret", "secrets"),
     Kind("v1", "Pod", "pods"),
+    Kind("v1", "Event", "events"),
     Kind("apps/v1", "Deployment", "deployments"),
     Kind("rbac.authorization.k8s.io/v1", "Role", "roles"),
     Kind("rbac.authorization.k8s.io/v1", "RoleBinding", "rolebindings"),

@@ -58,3 +58,21 @@ def test_the_operator_imports_neither_torch_nor_the_engine_nor_the_router():
             "and '/lib/python' in operator.__file__, operator.__file__")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
+
+
+def test_log_lines_name_the_object_they_are_about():
+    import logging
+
+    from baton.operator.cli import configure_logging
+
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    try:
+        configure_logging(verbose=False)
+        [handler] = [h for h in root.handlers if h not in handlers]
+        record = logging.LogRecord("kopf.objects", logging.INFO, __file__, 1, "applied nothing", None, None)
+        record.k8s_ref = {"kind": "InferenceService", "namespace": "team-a", "name": "demo"}
+        assert "[team-a/demo] applied nothing" in handler.format(record)
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)

@@ -5,9 +5,7 @@ import kopf
 import pytest
 
 from baton.operator import handlers
-from baton.operator.builders import build_children
 from baton.operator.kube import ApiError
-from baton.operator.spec import parse
 from baton_testing.kube.fake_client import LOGGER, FakeClient, memo_for
 from baton_testing.kube.objects import isvc_body
 

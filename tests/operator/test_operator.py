@@ -234,3 +234,16 @@ async def test_metrics_are_served(cluster: Cluster, namespace: str):
                      "baton_operator_managed_objects", "baton_operator_reconcile_duration_seconds",
                      "baton_operator_inference_services"):
             assert name in text
+
+
+async def test_events_are_posted_on_the_inference_service(cluster: Cluster, namespace: str):
+    async with run_operator(cluster):
+        await create_ready(cluster, namespace)
+
+        async def events():
+            found = [e for e in await cluster.list("Event", namespace)
+                     if e.get("involvedObject", {}).get("kind") == "InferenceService"
+                     and e["involvedObject"].get("name") == "demo"]
+            return found if any("applied" in e.get("message", "") for e in found) else None
+        found = await cluster.wait_for(events, "an Event on InferenceService demo saying what was applied")
+        assert any("Deployment/demo-decode" in e["message"] for e in found)

@@ -70,6 +70,9 @@ class Cluster:
                     sub: str | None = None) -> dict[str, Any]:
         return await self.client.patch(KINDS[kind], namespace, name, patch, sub)
 
+    async def list(self, kind: str, namespace: str | None) -> list[dict[str, Any]]:
+        return (await self.client.request("GET", KINDS[kind].path(namespace))).get("items") or []
+
     async def delete(self, kind: str, namespace: str | None, name: str) -> None:
         await self.client.delete(KINDS[kind], namespace, name)
 

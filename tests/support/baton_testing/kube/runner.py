@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import threading
 import time
@@ -41,6 +42,9 @@ async def run_operator(cluster: Cluster, config: OperatorConfig | None = None,
         except BaseException as e:  # reported to the test on exit
             failure.append(e)
 
+    objects_log = logging.getLogger("kopf.objects")  # what kopf posts as Events: INFO, as `baton operator` logs
+    old_level = objects_log.level
+    objects_log.setLevel(logging.INFO)
     old = os.environ.get("KUBECONFIG")
     # the operator logs in like it would outside a pod, with its own identity where the cluster has one
     os.environ["KUBECONFIG"] = cluster.operator_kubeconfig or cluster.kubeconfig
@@ -56,6 +60,7 @@ async def run_operator(cluster: Cluster, config: OperatorConfig | None = None,
     finally:
         stop.set()
         await asyncio.get_running_loop().run_in_executor(None, thread.join, 30)
+        objects_log.setLevel(old_level)
         if old is None:
             os.environ.pop("KUBECONFIG", None)
         else:
