@@ -2,7 +2,9 @@
 workers left behind, and turning the last failure into one clear error.
 
 The flows themselves (one worker, or a prefill/decode pair) live in `regular.py` and `pd.py`; both
-return either a finished response or a `Failure` that has sent nothing to the client yet.
+return either a finished response or a `Failure` that has sent nothing to the client yet. Each request
+they send to a worker goes through `Dispatcher.call`: post, record the outcome, and abort the worker's
+request on any exit that left it holding the request.
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, TypeVar
 
 import aiohttp
 from aiohttp import web
@@ -30,6 +32,7 @@ from baton.router.forward import (
     pump,
     respond_whole,
     start_stream,
+    status_failure,
     transport_failure,
 )
 from baton.router.metrics import RouterMetrics
@@ -43,6 +46,8 @@ from baton.router.upstream import Upstream, UpstreamResponse, create_upstream
 from baton.router.worker import Target, Worker
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass(eq=False, slots=True)
@@ -60,8 +65,21 @@ class RequestContext:
     failed: set[Worker] = field(default_factory=set)  # avoided by the next attempt if possible
 
 
+# A flow's one try at a request (regular.attempt_regular, pd.attempt_pd), chosen by the Router
+Attempt = Callable[["Dispatcher", RequestContext], Awaitable[web.StreamResponse | Failure]]
+
+
 class NoWorkers(Exception):
     pass
+
+
+class Abandon(Exception):
+    """Raised by a `Dispatcher.call` receiver that gives up on a 2xx response the worker is still
+    producing: the call returns `failure`, and the worker is told to drop the request."""
+
+    def __init__(self, failure: Failure) -> None:
+        super().__init__(failure.reason)
+        self.failure = failure
 
 
 class AttemptGuard:
@@ -103,7 +121,7 @@ class AttemptGuard:
 
 class Dispatcher:
     def __init__(self, config: RouterConfig, workers: WorkerRegistry, metrics: RouterMetrics,
-                 client: aiohttp.ClientSession) -> None:
+                 client: aiohttp.ClientSession, attempt: Attempt) -> None:
         self.config = config
         self.workers = workers
         self.metrics = metrics
@@ -115,8 +133,7 @@ class Dispatcher:
         self.stalls = StallWatch(config.worker_stall_timeout_secs, config.health.endpoint,
                                  config.health.startup_check_interval_secs, workers, client)
         workers.on_removed.append(lambda worker, targets: self.policies[worker.role].forget(targets))
-        from baton.router import pd, regular  # the flows import this module's types
-        self._attempt = pd.attempt_pd if config.pd_disaggregation else regular.attempt_regular
+        self._attempt = attempt  # the flow: regular.attempt_regular or pd.attempt_pd
 
     async def handle(self, request: web.BaseRequest, req: ParsedRequest) -> web.StreamResponse:
         ctx = self._context(request, req)
@@ -167,12 +184,53 @@ class Dispatcher:
         self.metrics.child(self.metrics.worker_requests, worker.url, worker.side, ctx.req.path).inc()
         return target
 
+    def call(self, ctx: RequestContext, worker: Worker, payload: bytes, rids: list[str],
+             receive: Callable[[UpstreamResponse], Awaitable[T]], guard: AttemptGuard | None = None
+             ) -> Awaitable[T | Failure]:
+        """One side's request to `worker`, run under `guard` (a new one if None): POST `payload`;
+        an error status or a transport error is that worker's recorded Failure; a 2xx response goes
+        to `receive`, which records the success itself when it counts as one. On any other exit
+        (cancelled, the worker stalled, `receive` raised or gave up with `Abandon`), the worker is
+        told to drop `rids`, the ids this attempt sent."""
+        guard = AttemptGuard() if guard is None else guard
+        release = self.stalls.hold(worker, lambda: guard.interrupt(self._stalled(ctx, worker)))
+        return guard.run(self._post(ctx, worker, payload, rids, receive), release)
+
+    async def _post(self, ctx: RequestContext, worker: Worker, payload: bytes, rids: list[str],
+                    receive: Callable[[UpstreamResponse], Awaitable[T]]) -> T | Failure:
+        settled = False  # True once the worker no longer holds the request: nothing to abort
+        try:
+            try:
+                resp = await self.upstream.post(worker.url + ctx.req.path, payload, ctx.headers)
+            except TRANSPORT_ERRORS as exc:
+                settled = True
+                return self._failed(ctx, worker, transport_failure(worker.url, exc))
+            try:
+                if resp.status >= 400:
+                    settled = True
+                    return self._failed(ctx, worker, await status_failure(resp))
+                out = await receive(resp)
+                settled = True
+                return out
+            except TRANSPORT_ERRORS as exc:  # broke off while we read a whole (non-streamed) body
+                settled = True
+                return self._failed(ctx, worker, transport_failure(worker.url, exc))
+            except Abandon as exc:
+                return exc.failure
+            finally:
+                resp.release()
+        finally:
+            if not settled:
+                self.abort(rids, worker)
+
     async def deliver(self, ctx: RequestContext, worker: Worker, resp: UpstreamResponse,
                       transform: Callable[[bytes], bytes] | None = None,
                       on_first_event: Callable[[], None] | None = None) -> web.StreamResponse | Failure:
-        """Send a worker's 2xx response on to the client: whole, or streamed as it comes. A stream the
-        worker breaks off before its first event is a Failure (a retry may still serve the client, on
-        the stream whose headers went out); after that it ends with an error event."""
+        """Send a worker's 2xx response on to the client (a success for the worker so far): whole, or
+        streamed as it comes. A stream the worker breaks off before its first event is a Failure (a
+        retry may still serve the client, on the stream whose headers went out); after that it ends
+        with an error event."""
+        self.record(ctx, worker, None)
         if not resp.is_stream and ctx.response is None:
             if on_first_event is not None:
                 on_first_event()
@@ -197,16 +255,14 @@ class Dispatcher:
             await end_stream_with_error(ctx.response, f"worker {worker.url} broke off the stream: {exc}", 502)
         return ctx.response
 
-    def watched(self, ctx: RequestContext, worker: Worker, guard: AttemptGuard, call: Awaitable[Any]
-                ) -> Awaitable[Any]:
-        """`call` (one side's request to `worker`) run under `guard`: it ends in a "stalled" Failure
-        if the worker stops answering while it holds the request."""
-        return guard.run(call, self.stalls.hold(worker, lambda: guard.interrupt(self._stalled(ctx, worker))))
-
     def _stalled(self, ctx: RequestContext, worker: Worker) -> Failure:
         message = (f"{worker.side} worker {worker.url} stopped answering (no answer to health probes for "
                    f"{self.config.worker_stall_timeout_secs:g}s); the request was aborted")
         failure = Failure(504, error_body(message, 504), JSON, True, "stalled")
+        self.record(ctx, worker, failure)
+        return failure
+
+    def _failed(self, ctx: RequestContext, worker: Worker, failure: Failure) -> Failure:
         self.record(ctx, worker, failure)
         return failure
 

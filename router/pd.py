@@ -17,8 +17,9 @@ import orjson
 from aiohttp import web
 
 from baton.router.config import WorkerRole
-from baton.router.dispatch import AttemptGuard, Dispatcher, NoWorkers, RequestContext
-from baton.router.forward import TRANSPORT_ERRORS, Failure, inject, status_failure, transport_failure
+from baton.router.dispatch import Abandon, AttemptGuard, Dispatcher, NoWorkers, RequestContext
+from baton.router.forward import Failure, inject
+from baton.router.upstream import UpstreamResponse
 from baton.router.worker import Target, Worker
 
 logger = logging.getLogger(__name__)
@@ -47,8 +48,8 @@ async def attempt_pd(d: Dispatcher, ctx: RequestContext) -> web.StreamResponse |
     handover = _Handover(p_task)
     result: web.StreamResponse | Failure | None = None
     try:
-        call = _decode(d, ctx, decode.worker, d_payload, p_task, rids, handover.take_over)
-        result = await d.watched(ctx, decode.worker, handover.guard, call)
+        receive = functools.partial(_receive_decode, d, ctx, decode.worker, p_task, handover.take_over)
+        result = await d.call(ctx, decode.worker, d_payload, rids, receive, handover.guard)
         return result
     finally:
         decode.in_flight -= 1
@@ -118,74 +119,26 @@ def _give_back(target: Target, _: asyncio.Future) -> None:
 
 async def _prefill(d: Dispatcher, ctx: RequestContext, worker: Worker, payload: bytes,
                    rids: list[str]) -> PrefillResult:
-    result = await d.watched(ctx, worker, AttemptGuard(), _call_prefill(d, ctx, worker, payload, rids))
-    return PrefillResult(result, None) if isinstance(result, Failure) else result
+    result = await d.call(ctx, worker, payload, rids, functools.partial(_receive_prefill, d, ctx, worker))
+    return PrefillResult(result, None) if isinstance(result, Failure) else PrefillResult(None, result)
 
 
-async def _call_prefill(d: Dispatcher, ctx: RequestContext, worker: Worker, payload: bytes,
-                        rids: list[str]) -> PrefillResult:
-    settled = False
-    try:
-        try:
-            resp = await d.upstream.post(worker.url + ctx.req.path, payload, ctx.headers)
-        except TRANSPORT_ERRORS as exc:
-            settled = True
-            return PrefillResult(_failed(d, ctx, worker, transport_failure(worker.url, exc)), None)
-        try:
-            if resp.status >= 400:
-                settled = True
-                return PrefillResult(_failed(d, ctx, worker, await status_failure(resp)), None)
-            body = await resp.read()  # drained either way; kept for the logprob merge
-            settled = True
-            d.record(ctx, worker, None)
-            return PrefillResult(None, body if ctx.req.return_logprob else None)
-        except TRANSPORT_ERRORS as exc:
-            settled = True
-            return PrefillResult(_failed(d, ctx, worker, transport_failure(worker.url, exc)), None)
-        finally:
-            resp.release()
-    finally:
-        if not settled:
-            d.abort(rids, worker)
+async def _receive_prefill(d: Dispatcher, ctx: RequestContext, worker: Worker, resp: UpstreamResponse
+                           ) -> bytes | None:
+    body = await resp.read()  # drained either way; kept for the logprob merge
+    d.record(ctx, worker, None)
+    return body if ctx.req.return_logprob else None
 
 
-async def _decode(d: Dispatcher, ctx: RequestContext, worker: Worker, payload: bytes,
-                  p_task: asyncio.Future, rids: list[str], take_over: Callable[[], None]
-                  ) -> web.StreamResponse | Failure:
-    settled = False
-    try:
-        try:
-            resp = await d.upstream.post(worker.url + ctx.req.path, payload, ctx.headers)
-        except TRANSPORT_ERRORS as exc:
-            settled = True
-            return _failed(d, ctx, worker, transport_failure(worker.url, exc))
-        try:
-            if resp.status >= 400:
-                settled = True
-                return _failed(d, ctx, worker, await status_failure(resp))
-            transform = None
-            if ctx.req.return_logprob:
-                prefilled: PrefillResult = await asyncio.shield(p_task)
-                if prefilled.failure is not None:
-                    return prefilled.failure  # not settled: the decode gets aborted
-                transform = logprob_merger(prefilled.body or b"", resp.is_stream)
-            d.record(ctx, worker, None)
-            out = await d.deliver(ctx, worker, resp, transform, take_over)
-            settled = True
-            return out
-        except TRANSPORT_ERRORS as exc:
-            settled = True
-            return _failed(d, ctx, worker, transport_failure(worker.url, exc))
-        finally:
-            resp.release()
-    finally:
-        if not settled:
-            d.abort(rids, worker)
-
-
-def _failed(d: Dispatcher, ctx: RequestContext, worker: Worker, failure: Failure) -> Failure:
-    d.record(ctx, worker, failure)
-    return failure
+async def _receive_decode(d: Dispatcher, ctx: RequestContext, worker: Worker, p_task: asyncio.Future,
+                          take_over: Callable[[], None], resp: UpstreamResponse) -> web.StreamResponse | Failure:
+    transform = None
+    if ctx.req.return_logprob:
+        prefilled: PrefillResult = await asyncio.shield(p_task)
+        if prefilled.failure is not None:
+            raise Abandon(prefilled.failure)  # the decode still holds the request: it gets aborted
+        transform = logprob_merger(prefilled.body or b"", resp.is_stream)
+    return await d.deliver(ctx, worker, resp, transform, take_over)
 
 
 # -- logprob merge (sglang-router's: prefill input_token_logprobs go in front of the decode's) -----

@@ -14,6 +14,7 @@ import time
 import aiohttp
 from aiohttp import web
 
+from baton.router import pd, regular
 from baton.router.admission import Admission, QueueFull, QueueTimeout
 from baton.router.config import RouterConfig, WorkerRole
 from baton.router.dispatch import Dispatcher
@@ -42,7 +43,8 @@ class Router:
 
     async def start(self) -> None:
         self.client = new_client()
-        self.dispatcher = Dispatcher(self.config, self.workers, self.metrics, self.client)
+        attempt = pd.attempt_pd if self.config.pd_disaggregation else regular.attempt_regular
+        self.dispatcher = Dispatcher(self.config, self.workers, self.metrics, self.client, attempt)
         self.health = HealthChecker(self.config, self.workers, self.client)
         self.health.start()
         if self.config.discovery.enabled:

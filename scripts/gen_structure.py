@@ -43,6 +43,8 @@ exempt; an import inside a function is a dependency like any other):
   (one known exception, listed in the test), and PD reaches the scheduler through type hints only.
 - **The router and the operator never import the engine**, not even inside a function: they run
   where the engine is not installed.
+- **No import cycles in the router** either, deferred imports included, and no exceptions: the flows
+  (`regular.py`, `pd.py`) import `dispatch.py`, and the `Router` hands the `Dispatcher` its flow.
 """
 
 

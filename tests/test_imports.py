@@ -1,6 +1,7 @@
 """The import rules of docs/structure.md (scripts/gen_structure.py's HEADER), read from the source with
 `ast`: no import cycles among the engine's modules, no import from a lower layer of the engine into a
-higher one, and the router and the operator never import the engine.
+higher one, no import cycles among the router's modules, and the router and the operator never import
+the engine.
 
 An import under `if TYPE_CHECKING:` names a type and runs nothing: it is exempt. An import inside a
 function runs when the function does: it is a dependency all the same (a cycle that only works because
@@ -192,6 +193,13 @@ def test_engine_layers_import_downward_only():
     assert not new, "imports into a higher layer of the engine:\n" + "\n".join(
         f"  {a} -> {b} ({MODULES[a].relative_to(ROOT)}:{line})" for (a, b), line in sorted(new.items()))
     assert KNOWN_UPWARD <= set(found), f"fixed, delete from KNOWN_UPWARD: {sorted(KNOWN_UPWARD - set(found))}"
+
+
+def test_no_import_cycles_in_the_router():
+    edges = graph("baton.router.", deferred=True)  # the module-level imports and the deferred ones
+    found = cycles(edges)
+    assert not found, ("import cycles among the router's modules (counting imports inside functions):\n"
+                       + "\n".join(describe(c, edges) for c in found))
 
 
 def test_router_and_operator_never_import_the_engine():
