@@ -45,6 +45,22 @@ async def status_failure(resp: UpstreamResponse) -> Failure:
     return Failure(resp.status, body, resp.content_type, is_retryable_status(resp.status), f"status_{resp.status}")
 
 
+def stream_refusal(body: bytes) -> Failure | None:
+    """The failure inside a whole streamed answer: an engine sends a stream's headers at once, so a
+    refusal by its scheduler (a full queue, a failed KV handshake) comes as an error event in a 200
+    stream. None when the stream holds no error event."""
+    for line in body.split(b"\n"):
+        if line.startswith(b'data: {"error"'):
+            try:
+                error = orjson.loads(line[len(b"data: "):])["error"]
+                status = int(error.get("code") or 500) if isinstance(error, dict) else 500
+            except (orjson.JSONDecodeError, TypeError, ValueError):
+                error, status = {"message": line.decode(errors="replace")}, 500
+            status = status if 400 <= status <= 599 else 500
+            return Failure(status, orjson.dumps({"error": error}), JSON, is_retryable_status(status), f"status_{status}")
+    return None
+
+
 def inject(raw: bytes, body: dict[str, Any], fields: dict[str, Any]) -> bytes:
     """`raw` with `fields` added. Splices the bytes (no re-serialization of a long prompt) unless a
     field is already in the body, in which case ours replace the client's."""

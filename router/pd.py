@@ -18,7 +18,7 @@ from aiohttp import web
 
 from baton.router.config import WorkerRole
 from baton.router.dispatch import Abandon, AttemptGuard, Dispatcher, NoWorkers, RequestContext
-from baton.router.forward import Failure, inject
+from baton.router.forward import Failure, inject, stream_refusal
 from baton.router.upstream import UpstreamResponse
 from baton.router.worker import Target, Worker
 
@@ -124,9 +124,14 @@ async def _prefill(d: Dispatcher, ctx: RequestContext, worker: Worker, payload: 
 
 
 async def _receive_prefill(d: Dispatcher, ctx: RequestContext, worker: Worker, resp: UpstreamResponse
-                           ) -> bytes | None:
+                           ) -> bytes | Failure | None:
     body = await resp.read()  # drained either way; kept for the logprob merge
-    d.record(ctx, worker, None)
+    # a stream refused after its headers (the prefill's queue was full): its decode waits for KV that
+    # never comes, so this is the prefill's failure, as a refusal by status is
+    failure = stream_refusal(body) if resp.is_stream else None
+    d.record(ctx, worker, failure)
+    if failure is not None:
+        return failure
     return body if ctx.req.return_logprob else None
 
 

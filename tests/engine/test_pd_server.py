@@ -448,3 +448,18 @@ def test_pd_pair_moves_a_float8_cache_byte_for_byte(pd_pair_fp8, model_path):
     assert sum(want[str(i)].ids != hf_greedy(model_path, p, MAX_NEW) for i, p in enumerate(prompts)) >= 1, \
         "the float8 cache should change some greedy continuation of this model"
     _assert_idle_and_whole(prefill, decode)
+
+
+def test_sglang_bench_serving_through_the_baton_router_in_front_of_the_pair(pd_pair, model_path, tmp_path):
+    """The field's benchmark (sglang.bench_serving) runs to its end against a PD pair through our
+    router and every request completes; it reads internal_states from /get_server_info, which the
+    router passes through from a worker. (Through sglang-router it cannot: that router answers
+    /get_server_info with its own counters, and bench_serving fails at its end on any engines.)"""
+    from test_sglang_bench import NUM_PROMPTS, run_bench_serving
+
+    prefill, bootstrap_port, decode = pd_pair
+    with pd_router(sys.executable, "-m", "baton", "router", prefill=prefill.base_url,
+                   bootstrap_port=bootstrap_port, decode=decode.base_url) as router:
+        result = run_bench_serving(router.base_url, model_path, str(tmp_path / "bench.jsonl"))
+    assert result["completed"] == NUM_PROMPTS and result["total_output_tokens"] == NUM_PROMPTS * 8, result
+    _assert_idle_and_whole(prefill, decode)

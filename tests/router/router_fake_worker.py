@@ -29,6 +29,7 @@ class Behavior:
     headers_at_once: bool = False  # a stream's headers and a keep-alive comment go out before any wait
     chunk_interval: float = 0.0
     break_stream_after: int | None = None  # drop the connection after this many chunks
+    stream_error: int | None = None  # a stream answers 200 with one error event of this code (an engine's scheduler refused)
     input_logprobs: list[Any] = field(default_factory=list)  # meta_info.input_token_logprobs of /generate
 
 
@@ -143,6 +144,14 @@ class FakeWorker:
             return _json({"error": {"message": f"{self.name} failing on purpose"}}, status=b.fail_status)
         if b.status >= 400:
             return _json({"error": {"message": f"{self.name} says {b.status}"}}, status=b.status)
+        if body.get("stream") and b.stream_error is not None:
+            if out is None:
+                out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+                await out.prepare(request)
+            error = {"error": {"message": f"{self.name} refused it", "type": "server_error", "code": b.stream_error}}
+            await out.write(b"data: " + orjson.dumps(error) + b"\n\ndata: [DONE]\n\n")
+            await out.write_eof()
+            return out
         if body.get("stream"):
             return await self._stream(request, body, out)
         return _json(self._answer(request.path, body))

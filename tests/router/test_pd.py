@@ -94,6 +94,21 @@ async def test_prefill_failure_gives_one_error_and_aborts_decode(fake_workers, r
     assert prefill.aborts == []
 
 
+async def test_a_streamed_prefill_refused_after_its_headers_is_a_prefill_failure(fake_workers, routers, http):
+    """An engine sends a stream's headers at once; a refusal by its scheduler (queue full) then comes
+    as an error event in a 200 stream. On the prefill that must count as the prefill's failure: the
+    decode waiting for the KV is aborted at once, not left to its bootstrap timeout."""
+    prefill, decode, router = await pd_pair(fake_workers, routers, retry=RetryConfig(max_retries=1))
+    prefill.behavior.stream_error = 503
+    decode.behavior.hang = True  # a real decode waits for KV that never comes
+    async with http.post(url_of(router, "/generate"), json={"text": "x", "stream": True}) as resp:
+        text = await resp.text()
+    assert resp.status == 503 or '"code":503' in text.replace(" ", ""), (resp.status, text)
+    assert "prefill refused it" in text
+    rid = decode.bodies()[0]["rid"]
+    await wait_until(lambda: rid in decode.aborts, what="decode aborted")
+
+
 async def test_decode_failure_aborts_prefill(fake_workers, routers, http):
     prefill, decode, router = await pd_pair(fake_workers, routers, retry=RetryConfig(max_retries=1))
     prefill.behavior.hang = True
