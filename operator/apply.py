@@ -1,14 +1,17 @@
-"""Create-or-patch of one desired child, by spec hash; and the JSON merge patch it sends.
+"""Create-or-patch of one desired child, by spec hash and by drift; and the JSON merge patch it sends.
 
-A child is patched only when its spec-hash annotation differs from the desired one, so a reconcile of an
-unchanged spec writes nothing (restarts are no-ops) and a change touches exactly the children whose
-desired object changed. The patch makes the child's owned fields equal to the desired object: keys the
-desired object drops are removed; labels/annotations added by others are kept.
+A child is patched when its spec-hash annotation differs from the desired one (the spec changed), or
+when it no longer holds what the desired object says (drift: someone changed its image, widened a Role,
+pointed a Service elsewhere). A reconcile of an unchanged spec on untouched children writes nothing
+(restarts are no-ops) and a change touches exactly the children whose desired object changed. The patch
+makes the child's owned fields equal to the desired object: keys the desired object drops are removed;
+labels/annotations added by others are kept.
 """
 from __future__ import annotations
 
 import copy
 import enum
+import re
 from typing import Any
 
 from baton.operator import naming
@@ -21,6 +24,7 @@ _METADATA_MAPS = ("labels", "annotations")
 class Outcome(str, enum.Enum):
     CREATED = "created"
     PATCHED = "patched"
+    CORRECTED = "corrected"  # same spec, but the live object had drifted from it
     UNCHANGED = "unchanged"
 
 
@@ -61,6 +65,62 @@ def merge_patch(live: dict[str, Any], desired: dict[str, Any]) -> dict[str, Any]
     return patch
 
 
+_QUANTITY = re.compile(r"^([+-]?[0-9.]+)(e[+-]?[0-9]+|[numkMGTPE]|[KMGTPE]i)?$")
+_SUFFIX = {"n": 1e-9, "u": 1e-6, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18,
+           "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
+EXACT_KEYS = ("selector", "rules")  # an extra key or rule here widens or moves what it means
+
+
+def _quantity(value: Any) -> float | None:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    m = _QUANTITY.match(value) if isinstance(value, str) else None
+    if m is None:
+        return None
+    number, suffix = m.groups()
+    try:
+        base = float(number)
+    except ValueError:
+        return None
+    if suffix and suffix.startswith("e"):
+        return base * 10 ** int(suffix[1:])
+    return base * _SUFFIX.get(suffix or "", 1)
+
+
+def holds(live: Any, desired: Any) -> bool:
+    """Whether `live` (as the API server returns it) still says what `desired` says: every desired
+    key is there with an equal value. Fields the API server adds (defaults, status, others' labels) do
+    not count; a desired empty or false value matches a missing key (the API server drops those);
+    quantities compare by value (`0.5` is stored as `500m`); lists must match element by element."""
+    if isinstance(desired, dict):
+        if not isinstance(live, dict):
+            return False
+        for k, v in desired.items():
+            if k not in live:
+                if v not in (None, False, 0, "", [], {}):
+                    return False
+            elif k in EXACT_KEYS and isinstance(v, (dict, list)):
+                if not (holds(live[k], v) and holds(v, live[k])):
+                    return False
+            elif not holds(live[k], v):
+                return False
+        return True
+    if isinstance(desired, list):
+        return isinstance(live, list) and len(live) == len(desired) and all(map(holds, live, desired))
+    if live == desired:
+        return True
+    q_live, q_desired = _quantity(live), _quantity(desired)
+    return q_live is not None and q_live == q_desired
+
+
+def drift(live: dict[str, Any], desired: dict[str, Any]) -> bool:
+    """The owned parts of `live` differ from `desired` (metadata: only its labels and annotations)."""
+    meta, want = live.get("metadata", {}), desired.get("metadata", {})
+    body = {k: v for k, v in desired.items() if k not in ("apiVersion", "kind", "metadata")}
+    return not (holds(meta, {k: want[k] for k in ("labels", "annotations") if k in want}) and
+                holds({k: v for k, v in live.items() if k in body}, body))
+
+
 def controlled_by(obj: dict[str, Any], uid: str) -> bool:
     refs = obj.get("metadata", {}).get("ownerReferences") or []
     return any(r.get("uid") == uid and r.get("controller") for r in refs)
@@ -87,7 +147,10 @@ async def apply(client: KubeClient, desired: dict[str, Any], owner_uid: str) -> 
         raise NotOwned(f"{desired['kind']} {meta['name']} already exists and is not controlled by this "
                        "InferenceService: delete or rename it, or rename the InferenceService")
     if _hash(live) == _hash(desired):
-        return Outcome.UNCHANGED
+        if not drift(live, desired):
+            return Outcome.UNCHANGED
+        await client.patch(kind, meta["namespace"], meta["name"], merge_patch(live, desired))
+        return Outcome.CORRECTED
     await client.patch(kind, meta["namespace"], meta["name"], merge_patch(live, desired))
     return Outcome.PATCHED
 

@@ -17,12 +17,13 @@ import aiohttp
 import kopf
 
 from baton.operator import naming
-from baton.operator.apply import NotOwned, Outcome
+from baton.operator.apply import NotOwned, Outcome, drift
+from baton.operator.builders import build_children
 from baton.operator.config import OperatorConfig
 from baton.operator.kube import KINDS, ApiError, KubeClient, login
 from baton.operator.metrics import OperatorMetrics
 from baton.operator.reconciler import api_refused_message, publish_invalid, reconcile, refresh_status
-from baton.operator.spec import InvalidSpec
+from baton.operator.spec import InvalidSpec, parse
 
 RESOURCE = (naming.GROUP, naming.VERSION, naming.PLURAL)
 CHILD_LABELS = {naming.MANAGED_BY_LABEL: naming.OPERATOR_NAME}
@@ -93,7 +94,11 @@ async def run_reconcile(body: Mapping[str, Any], memo: kopf.Memo, logger: loggin
     if status is not None:
         ready = next((c["status"] for c in status["conditions"] if c["type"] == "Ready"), "Unknown")
         metrics.set_ready(key, ready)
-    changed = {k: o.value for k, o in result.outcomes.items() if o is not Outcome.UNCHANGED}
+    corrected = [k for k, o in result.outcomes.items() if o is Outcome.CORRECTED]
+    if corrected:
+        logger.warning(f"put back {', '.join(corrected)}: changed by someone else, no longer what the spec "
+                       "says (edit the InferenceService instead)")
+    changed = {k: o.value for k, o in result.outcomes.items() if o not in (Outcome.UNCHANGED, Outcome.CORRECTED)}
     if changed or result.pruned:
         logger.info(f"applied {changed or 'nothing'}, pruned {result.pruned or 'nothing'}")
 
@@ -120,10 +125,21 @@ async def resync(stopped: kopf.DaemonStopped, name: str, namespace: str, memo: k
             logger.warning(f"resync: {e}")
 
 
+def _drifted(isvc: Mapping[str, Any], deployment: Mapping[str, Any]) -> bool:
+    """The live child Deployment no longer holds what the spec says (someone edited it)."""
+    try:
+        desired = build_children(parse(isvc))
+    except InvalidSpec:
+        return False
+    name = deployment.get("metadata", {}).get("name")
+    want = next((o for o in desired if o["kind"] == "Deployment" and o["metadata"]["name"] == name), None)
+    return want is not None and isinstance(deployment, dict) and drift(deployment, want)
+
+
 @kopf.on.event("apps", "v1", "deployments", labels=CHILD_LABELS)
 async def child_deployment_event(event: Mapping[str, Any], body: kopf.Body, memo: kopf.Memo,
                                  logger: logging.Logger, **_: Any) -> None:
-    """A child Deployment changed: follow its status; if it was deleted, put it back."""
+    """A child Deployment changed: follow its status; if it was deleted or edited, put it back."""
     owner = body.get("metadata", {}).get("labels", {}).get(naming.SERVICE_LABEL)
     namespace = body.get("metadata", {}).get("namespace")
     if not owner or not namespace:
@@ -139,8 +155,11 @@ async def child_deployment_event(event: Mapping[str, Any], body: kopf.Body, memo
             isvc = await client.get(KINDS[naming.KIND], namespace, owner)
             if isvc is None or isvc["metadata"].get("deletionTimestamp"):
                 return
-            status = await refresh_status(client, isvc)
-        if status is not None:
+            drifted = _drifted(isvc, event.get("object") or {})
+            status = None if drifted else await refresh_status(client, isvc)
+        if drifted:
+            await run_reconcile(isvc, memo, logger, trigger="child-drifted")
+        elif status is not None:
             ready = next((c["status"] for c in status["conditions"] if c["type"] == "Ready"), "Unknown")
             memo.metrics.set_ready((namespace, owner), ready)
     except (ApiError, aiohttp.ClientError, asyncio.TimeoutError, kopf.TemporaryError) as e:

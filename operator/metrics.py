@@ -11,7 +11,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-TRIGGERS = ("create", "update", "resume", "resync", "child-deleted")  # kopf's reasons and our own
+TRIGGERS = ("create", "update", "resume", "resync", "child-deleted", "child-drifted")  # kopf's reasons and our own
 RESULTS = ("ok", "error", "invalid")
 ERROR_KINDS = ("invalid_spec", "name_taken", "permanent", "temporary", "status")
 

@@ -148,3 +148,69 @@ def test_a_replica_failure_is_not_masked_by_missing_monitoring_crds():
     assert "violates PodSecurity" in c["Degraded"]["message"]
     assert "PodMonitor cannot be created" in c["Degraded"]["message"]  # both said
     assert c["Reconciled"]["reason"] == "MonitoringUnavailable"  # kept apart for later refreshes
+
+
+def as_stored(obj):
+    """`obj` roughly as a real API server returns it: empty and false fields dropped, defaults added,
+    quantities in canonical form, a status."""
+    if isinstance(obj, dict):
+        out = {k: as_stored(v) for k, v in obj.items() if v not in (None, False, 0, "", [], {})}
+        if "containerPort" in out:
+            out.setdefault("protocol", "TCP")
+        if "image" in out:
+            out.update(terminationMessagePath="/dev/termination-log", imagePullPolicy="IfNotPresent")
+        if "httpGet" in out:
+            out = {"timeoutSeconds": 1, "periodSeconds": 10, "successThreshold": 1, **out}
+            out["httpGet"] = {**out["httpGet"], "scheme": "HTTP"}
+        if "fieldPath" in out:
+            out.setdefault("apiVersion", "v1")
+        return out
+    if isinstance(obj, list):
+        return [as_stored(v) for v in obj]
+    return obj
+
+
+def test_a_child_as_the_api_server_stores_it_has_not_drifted_and_edits_by_others_have():
+    from baton.operator.apply import drift
+    from baton.operator.builders import build_children
+
+    isvc = parse(isvc_body(decode={"resources": {"requests": {"cpu": 0.5, "memory": "1024Mi"}}}))
+    for want in build_children(isvc):
+        live = as_stored(want)
+        live["metadata"].update(uid="u", resourceVersion="7", labels={**live["metadata"]["labels"], "x": "y"})
+        if want["kind"] == "Deployment":
+            for key, value in (("revisionHistoryLimit", 10), ("progressDeadlineSeconds", 600),
+                               ("strategy", {"type": "RollingUpdate"})):
+                live["spec"].setdefault(key, value)
+            live["spec"]["template"]["spec"].update(dnsPolicy="ClusterFirst", schedulerName="default-scheduler")
+            live["status"] = {"replicas": 1, "readyReplicas": 1}
+            for c in live["spec"]["template"]["spec"]["containers"]:
+                for kind in c.get("resources", {}).values():
+                    if kind.get("cpu") == 0.5:
+                        kind["cpu"] = "500m"
+        assert not drift(live, want), want["metadata"]["name"]
+
+    def edited(kind: str, name: str, change) -> bool:
+        want = next(o for o in build_children(isvc) if (o["kind"], o["metadata"]["name"]) == (kind, name))
+        live = as_stored(want)
+        change(live)
+        return drift(live, want)
+
+    def image(d):
+        d["spec"]["template"]["spec"]["containers"][0]["image"] = "evil:latest"
+
+    def widen(r):
+        r["rules"][0]["verbs"].append("create")
+
+    def more_rules(r):
+        r["rules"].append({"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]})
+
+    def elsewhere(s):
+        s["spec"]["selector"] = {"app": "other"}
+
+    def narrower(s):
+        s["spec"]["selector"]["extra"] = "x"
+
+    assert edited("Deployment", "demo-decode", image)
+    assert edited("Role", "demo-router", widen) and edited("Role", "demo-router", more_rules)
+    assert edited("Service", "demo-router", elsewhere) and edited("Service", "demo-router", narrower)

@@ -48,3 +48,26 @@ async def test_api_refused_survives_the_status_refresh_of_a_deployment_event():
     await child_event(client, memo, "demo-prefill")
     c = conditions(client.find("InferenceService", "default", "demo"))
     assert c["Degraded"]["reason"] != "ApiRefused" and c["Ready"]["reason"] != "ApiRefused"
+
+
+async def test_edits_of_children_by_others_are_put_back_and_said():
+    client = FakeClient()
+    memo = memo_for(client)
+    client.put(isvc_body())
+    await handlers.run_reconcile(client.find("InferenceService", "default", "demo"), memo, LOGGER, "create")
+    want = {key: client.find(*key) for key in [("Deployment", "default", "demo-decode"),
+                                               ("Role", "default", "demo-router"),
+                                               ("Service", "default", "demo-router")]}
+    # an image changed by hand: the Deployment's own event puts it back
+    client.objects[("Deployment", "default", "demo-decode")]["spec"]["template"]["spec"]["containers"][0][
+        "image"] = "someone/else:latest"
+    await child_event(client, memo, "demo-decode")
+    assert client.find("Deployment", "default", "demo-decode")["spec"] == want[("Deployment", "default", "demo-decode")]["spec"]
+    # a widened Role and a Service pointed elsewhere: the next reconcile (the resync) puts them back
+    client.objects[("Role", "default", "demo-router")]["rules"][0]["verbs"].append("create")
+    client.objects[("Service", "default", "demo-router")]["spec"]["selector"] = {"app": "elsewhere"}
+    await handlers.run_reconcile(client.find("InferenceService", "default", "demo"), memo, LOGGER, "resync")
+    assert client.find("Role", "default", "demo-router")["rules"] == want[("Role", "default", "demo-router")]["rules"]
+    assert client.find("Service", "default", "demo-router")["spec"]["selector"] == \
+        want[("Service", "default", "demo-router")]["spec"]["selector"]
+    assert memo.metrics.value("baton_operator_reconciles_total", trigger="child-drifted", result="ok") == 1
