@@ -32,6 +32,10 @@ class NotOwned(Exception):
     """A child's name is taken by an object this InferenceService does not control."""
 
 
+class PredecessorLeft(Exception):
+    """A child of a deleted InferenceService of the same name is still being deleted: try again soon."""
+
+
 def _diff(live: Any, desired: Any) -> Any:
     if isinstance(live, dict) and isinstance(desired, dict):
         out = {k: None for k in live if k not in desired}
@@ -126,6 +130,18 @@ def controlled_by(obj: dict[str, Any], uid: str) -> bool:
     return any(r.get("uid") == uid and r.get("controller") for r in refs)
 
 
+def left_by_predecessor(live: dict[str, Any], desired: dict[str, Any]) -> bool:
+    """`live` is controlled by an InferenceService of the desired owner's name but another uid: one
+    that was deleted (names are unique in a namespace), whose children garbage collection has not
+    removed yet."""
+    want = next((r for r in desired["metadata"].get("ownerReferences") or [] if r.get("controller")), None)
+    refs = live.get("metadata", {}).get("ownerReferences") or []
+    have = next((r for r in refs if r.get("controller")), None)
+    return (want is not None and have is not None and have.get("uid") != want["uid"]
+            and (have.get("apiVersion"), have.get("kind"), have.get("name")) ==
+            (naming.API_VERSION, naming.KIND, want["name"]))
+
+
 def _hash(obj: dict[str, Any]) -> str | None:
     return (obj.get("metadata", {}).get("annotations") or {}).get(naming.SPEC_HASH_ANNOTATION)
 
@@ -143,6 +159,18 @@ async def apply(client: KubeClient, desired: dict[str, Any], owner_uid: str) -> 
             live = await client.get(kind, meta["namespace"], meta["name"])
             if live is None:
                 raise
+    if not controlled_by(live, owner_uid) and left_by_predecessor(live, desired):
+        # delete it now rather than wait for garbage collection (a NameTaken meanwhile)
+        if not live["metadata"].get("deletionTimestamp"):
+            await client.delete(kind, meta["namespace"], meta["name"])
+        try:
+            await client.create(desired)
+        except ApiError as e:
+            if e.status != 409:
+                raise
+            raise PredecessorLeft(f"{desired['kind']} {meta['name']} of the deleted InferenceService of the "
+                                  "same name is still being deleted") from e
+        return Outcome.CREATED
     if not controlled_by(live, owner_uid):
         raise NotOwned(f"{desired['kind']} {meta['name']} already exists and is not controlled by this "
                        "InferenceService: delete or rename it, or rename the InferenceService")

@@ -17,7 +17,7 @@ import aiohttp
 import kopf
 
 from baton.operator import naming
-from baton.operator.apply import NotOwned, Outcome, drift
+from baton.operator.apply import NotOwned, Outcome, PredecessorLeft, drift
 from baton.operator.builders import build_children
 from baton.operator.config import OperatorConfig
 from baton.operator.kube import KINDS, ApiError, KubeClient, login
@@ -76,6 +76,10 @@ async def run_reconcile(body: Mapping[str, Any], memo: kopf.Memo, logger: loggin
             metrics.reconciles.labels(trigger=trigger, result="error").inc()
             await refresh_status(client, body, failed=("NameTaken", str(e)))
             raise kopf.TemporaryError(str(e), delay=config.retry_seconds * 6) from e
+        except PredecessorLeft as e:
+            metrics.errors.labels(kind="temporary").inc()
+            metrics.reconciles.labels(trigger=trigger, result="error").inc()
+            raise kopf.TemporaryError(str(e), delay=min(config.retry_seconds, 2.0)) from e
         except ApiError as e:
             metrics.reconciles.labels(trigger=trigger, result="error").inc()
             if e.status in (400, 422):

@@ -5,7 +5,9 @@ import kopf
 import pytest
 
 from baton.operator import handlers
+from baton.operator.builders import build_children
 from baton.operator.kube import ApiError
+from baton.operator.spec import parse
 from baton_testing.kube.fake_client import LOGGER, FakeClient, memo_for
 from baton_testing.kube.objects import isvc_body
 
@@ -71,3 +73,35 @@ async def test_edits_of_children_by_others_are_put_back_and_said():
     assert client.find("Service", "default", "demo-router")["spec"]["selector"] == \
         want[("Service", "default", "demo-router")]["spec"]["selector"]
     assert memo.metrics.value("baton_operator_reconciles_total", trigger="child-drifted", result="ok") == 1
+
+
+async def test_children_left_by_a_deleted_service_of_the_same_name_are_replaced_not_name_taken():
+    client = FakeClient()
+    memo = memo_for(client)
+    old = isvc_body()
+    old["metadata"]["uid"] = "uid-of-the-deleted-one"
+    for child in build_children(parse(old)):  # garbage collection has not reached them yet
+        client.put(child)
+    client.put(isvc_body())  # re-created: a new uid
+    await handlers.run_reconcile(client.find("InferenceService", "default", "demo"), memo, LOGGER, "create")
+    for key, obj in client.objects.items():
+        if key[0] != "InferenceService":
+            assert obj["metadata"]["ownerReferences"][0]["uid"] == "uid-demo", key
+    c = conditions(client.find("InferenceService", "default", "demo"))
+    assert c["Degraded"]["reason"] != "NameTaken"
+
+
+async def test_a_child_name_taken_by_a_foreign_object_stays_name_taken():
+    client = FakeClient()
+    memo = memo_for(client)
+    client.put({"apiVersion": "v1", "kind": "Service", "metadata": {"name": "demo-router", "namespace": "default"}})
+    other = isvc_body(name="other")
+    client.put({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {
+        "name": "demo-topology", "namespace": "default",
+        "ownerReferences": build_children(parse(other))[0]["metadata"]["ownerReferences"]}})
+    client.put(isvc_body())
+    with pytest.raises(kopf.TemporaryError):
+        await handlers.run_reconcile(client.find("InferenceService", "default", "demo"), memo, LOGGER, "create")
+    assert conditions(client.find("InferenceService", "default", "demo"))["Degraded"]["reason"] == "NameTaken"
+    assert client.find("Service", "default", "demo-router")["metadata"].get("ownerReferences") is None
+    assert client.find("ConfigMap", "default", "demo-topology")["metadata"]["ownerReferences"][0]["name"] == "other"
