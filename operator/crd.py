@@ -75,8 +75,12 @@ def _resources() -> dict[str, Any]:
 
 
 def _env() -> dict[str, Any]:
+    free = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+    value_from = {**free, "properties": {"secretKeyRef": free}}  # declared: CEL sees declared fields only
     item = {"type": "object", "required": ["name"], "x-kubernetes-preserve-unknown-fields": True,
-            "properties": {"name": {"type": "string", "maxLength": 256}, "value": {"type": "string"}}}
+            "properties": {"name": {"type": "string", "maxLength": 256}, "value": {"type": "string"},
+                           "valueFrom": value_from},
+            "x-kubernetes-validations": _validations(Scope.ENV_VAR)}
     return _list("Extra environment variables (Kubernetes EnvVar objects).", item, 64)
 
 

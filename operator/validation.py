@@ -26,6 +26,7 @@ class Scope(str, enum.Enum):
     ENGINE_ARGS = "spec.<role>.extraArgs"
     ROUTER_ARGS = "spec.router.extraArgs"
     KV_TRANSFER = "spec.kvTransfer"
+    ENV_VAR = "spec.<role>.env[*]"  # each env item of every engine role and of the router
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,14 @@ ENGINE_FLAGS_RE = _flags_regex(ENGINE_MANAGED_FLAGS)
 ROUTER_FLAGS_RE = _flags_regex(ROUTER_MANAGED_FLAGS)
 
 
+# Node folders a model hostPath may not be, be inside or contain: the node's root, its configuration,
+# kernel interfaces, and the kubelet's and container runtimes' state (other pods' secrets and volumes).
+NODE_SYSTEM_DIRS = ("etc", "proc", "sys", "dev", "run", "boot", "root", "var/run", "var/lib/kubelet",
+                    "var/lib/containerd", "var/lib/docker", "var/lib/etcd")
+HOST_PATH_SYSTEM_RE = "^/((" + "|".join(NODE_SYSTEM_DIRS) + ")(/.*)?|var(/lib)?/?)?$"
+HOST_PATH_UNCLEAN_RE = "//|(^|/)[.][.]?(/|$)"  # `//`, `.` or `..` segments: a path says where it is
+
+
 def _no_managed_flag(pattern: str) -> Callable[[Any], bool]:
     return lambda args: not any(re.search(pattern, a) for a in args)
 
@@ -75,6 +84,19 @@ RULES: tuple[Rule, ...] = (
          "set at most one of spec.model.pvc and spec.model.hostPath (set neither when the weights "
          "are inside the image at spec.model.path)",
          lambda m: not ("pvc" in m and "hostPath" in m)),
+    Rule(Scope.MODEL,
+         f"!has(self.hostPath) || (!self.hostPath.path.matches('{HOST_PATH_SYSTEM_RE}') && "
+         f"!self.hostPath.path.matches('{HOST_PATH_UNCLEAN_RE}'))",
+         "spec.model.hostPath.path must be a model folder on the node: not /, nor a system folder "
+         f"({', '.join('/' + d for d in NODE_SYSTEM_DIRS)}) or one holding them, and without //, . or "
+         ".. segments",
+         lambda m: "hostPath" not in m or not (re.search(HOST_PATH_SYSTEM_RE, m["hostPath"].get("path", ""))
+                                               or re.search(HOST_PATH_UNCLEAN_RE, m["hostPath"].get("path", "")))),
+    Rule(Scope.ENV_VAR, "!has(self.valueFrom) || !has(self.valueFrom.secretKeyRef)",
+         "env must not read Secrets (valueFrom.secretKeyRef): the operator would hand any Secret of the "
+         "namespace to the pods of whoever may create an InferenceService; the router's API key goes in "
+         "spec.router.apiKeySecretRef",
+         lambda e: "secretKeyRef" not in (e.get("valueFrom") or {})),
     Rule(Scope.ROLE, "self.gpus == 0 || self.gpus == self.tp * self.dp",
          "gpus must be 0 (run on CPU) or equal tp * dp (one GPU per rank); "
          "fix gpus, tp or dp in this role",
@@ -138,8 +160,10 @@ def _targets(obj: Mapping[str, Any]) -> list[tuple[str, Scope, Any]]:
         if key in spec:
             out.append((f"spec.{key}", Scope.ROLE, spec[key]))
             out.append((f"spec.{key}.extraArgs", Scope.ENGINE_ARGS, spec[key].get("extraArgs", [])))
+            out += [(f"spec.{key}.env", Scope.ENV_VAR, e) for e in spec[key].get("env", [])]
     router = spec.get("router", {})
     out.append(("spec.router.extraArgs", Scope.ROUTER_ARGS, router.get("extraArgs", [])))
+    out += [("spec.router.env", Scope.ENV_VAR, e) for e in router.get("env", [])]
     if "kvTransfer" in spec:
         out.append(("spec.kvTransfer", Scope.KV_TRANSFER, spec["kvTransfer"]))
     return out

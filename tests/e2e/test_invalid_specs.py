@@ -31,6 +31,8 @@ CEL_CASES = [
     body(name="9lives"),
     body(mode="colocated", prefill={"replicas": 1}),
     body(model={"name": "m", "path": "/m", "pvc": {"claimName": "c"}, "hostPath": {"path": "/data"}}),
+    body(model={"name": "m", "path": "/m", "hostPath": {"path": "/"}}),
+    body(decode={"env": [{"name": "T", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}]}),
     body(prefill={"dp": 2, "gpus": 1}),
     body(decode={"tp": 2, "gpus": 2}),
     body(decode={"extraArgs": ["--enable-mixed-chunk"]}),

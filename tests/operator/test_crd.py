@@ -137,6 +137,14 @@ BAD_RULES = [  # refused by CEL rules (and by the operator's Python twins)
     {"kvTransfer": {"ibDevices": ["mlx5_0"]}},
     {"kvTransfer": {"rdmaResourceName": "rdma/x"}},
     {"model": {"name": "m", "path": "/m", "pvc": {"claimName": "c"}, "hostPath": {"path": "/h"}}},
+    {"model": {"name": "m", "path": "/m", "hostPath": {"path": "/"}}},  # the node's root
+    {"model": {"name": "m", "path": "/m", "hostPath": {"path": "/etc/kubernetes"}}},
+    {"model": {"name": "m", "path": "/m", "hostPath": {"path": "/var/lib/kubelet/pods"}}},
+    {"model": {"name": "m", "path": "/m", "hostPath": {"path": "/var"}}},  # holds /var/lib/kubelet
+    {"model": {"name": "m", "path": "/m", "hostPath": {"path": "/models/../etc"}}},
+    {"model": {"name": "m", "path": "/m", "hostPath": {"path": "//etc"}}},
+    {"decode": {"env": [{"name": "T", "valueFrom": {"secretKeyRef": {"name": "any", "key": "k"}}}]}},
+    {"router": {"env": [{"name": "T", "valueFrom": {"secretKeyRef": {"name": "any", "key": "k"}}}]}},
 ]
 
 
@@ -191,6 +199,14 @@ def test_dtype_enums_are_the_engines_choices():
     assert model["reasoningParser"]["enum"] == list(REASONING_PARSERS)
     defaulted = apply_defaults(openapi_schema(), for_create(isvc_body()))["spec"]["model"]
     assert (defaulted["dtype"], defaulted["kvCacheDtype"]) == ("auto", "auto")
+
+
+def test_model_folders_and_env_from_the_downward_api_pass():
+    for path in ("/models", "/mnt/models/llama", "/var/models", "/etcetera", "/data/run"):
+        obj = apply_defaults(openapi_schema(), for_create(isvc_body(
+            model={"name": "m", "path": "/m", "hostPath": {"path": path}},
+            decode={"env": [{"name": "N", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}]})))
+        assert cel_violations(openapi_schema(), obj) == set() and validate(obj) == [], path
 
 
 def test_every_rule_is_exercised():
