@@ -129,3 +129,15 @@ def test_every_dashboard_is_valid_json(repo: Path):
     for path in boards:
         board = json.loads(path.read_text())
         assert {"title", "uid", "panels"} <= set(board), path
+
+
+def test_sample_comments_say_what_their_spec_does(repo: Path, samples):
+    import re
+
+    for name, body in samples.items():
+        text = (repo / "manifests" / "samples" / name).read_text()
+        comments = " ".join(line.lstrip("# ") for line in text.splitlines() if line.lstrip().startswith("#"))
+        assert "does not implement tensor" not in comments, name  # it does: docs/operator.md
+        for count, role, tp in re.findall(r"(\d+) (prefill|decode) pods \(TP (\d+)\)", comments):
+            spec = body["spec"][role]
+            assert (int(count), int(tp)) == (spec.get("replicas", 1), spec.get("tp", 1)), (name, role)
