@@ -49,3 +49,38 @@ class RMSNorm(CustomOp):
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+
+
+class ZeroCenteredRMSNorm(RMSNorm):
+    """The (1 + w) RMSNorm of Qwen3-Next / Qwen3.5 (weights stored around zero), as HF computes it:
+    normalise and scale in float32, then cast back to the input dtype ((x * w).to(dtype), not
+    x.to(dtype) * w as RMSNorm). With `residual`, the pre-norm add first, as RMSNorm."""
+
+    def forward_native(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        if residual is not None:
+            x = x + residual
+            residual = x
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        out = (h * (1.0 + self.weight.float())).type_as(x)
+        return out if residual is None else (out, residual)
+
+    def forward_cuda(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        return self.forward_native(x, residual)  # the Triton kernel scales by w, not 1 + w
+
+
+class GatedRMSNorm(CustomOp):
+    """RMSNorm of the Gated DeltaNet output, then times silu(gate) (HF's Qwen3NextRMSNormGated):
+    x, gate [n, dim] -> [n, dim] in x's dtype."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward_native(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        input_dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        h = self.weight * h.to(input_dtype)
+        return (h * torch.nn.functional.silu(gate.float())).to(input_dtype)

@@ -1,4 +1,4 @@
-"""Sparse mixture-of-experts block (Qwen3-MoE / Qwen2-MoE style, without shared experts).
+"""Sparse mixture-of-experts blocks: Qwen3-MoE's, and Qwen3-Next's / Qwen3.5's with a shared expert.
 
 Router: softmax over all experts in float32, top-k, optionally renormalised (`norm_topk_prob`).
 Experts are stacked weights, `w13` [E, 2 * I, H] laid out [gate | up] (HF's fused `gate_up_proj`)
@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from baton.engine.distributed.parallel_state import TpGroup, all_reduce
-from baton.engine.layers.activation import get_act_fn
+from baton.engine.layers.activation import GatedAct, get_act_fn
+from baton.engine.layers.linear import MergedColumnLinear, RowParallelLinear, even_parts
 from baton.engine.triton_ops.fused_moe import fused_experts
 
 _PER_EXPERT = re.compile(r"^experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -76,3 +77,37 @@ class SparseMoeBlock(nn.Module):
         else:
             return False
         return True
+
+
+class SharedExpertMoeBlock(SparseMoeBlock):
+    """The sparse block plus a dense shared expert whose output is scaled by a sigmoid gate
+    (Qwen3-Next, Qwen3.5-MoE): experts(x) + sigmoid(shared_expert_gate(x)) * shared_expert(x).
+    Checkpoint names: `shared_expert.{gate,up,down}_proj.weight`, `shared_expert_gate.weight`."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
+                 norm_topk_prob: bool, shared_intermediate_size: int, hidden_act: str = "silu",
+                 tp: TpGroup = TpGroup()) -> None:
+        super().__init__(hidden_size, intermediate_size, num_experts, top_k, norm_topk_prob, hidden_act, tp)
+        if tp.size != 1:
+            raise NotImplementedError("tensor parallelism over a shared expert is not supported yet")
+        self.shared_expert = SharedExpert(hidden_size, shared_intermediate_size, hidden_act, tp)
+        self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [n, H] -> [n, H]."""
+        weights, ids = self.route(x)
+        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return self._experts(x, weights, ids) + shared
+
+
+class SharedExpert(nn.Module):
+    """A dense gated MLP (gate|up fused, as the models' own MLPs), loaded from gate_proj/up_proj."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, tp: TpGroup) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnLinear(hidden_size, even_parts([intermediate_size] * 2, tp), bias=False)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=False, tp=tp)
+        self.act = GatedAct(hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.gate_up_proj.gated(x, self.act))

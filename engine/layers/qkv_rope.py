@@ -58,7 +58,7 @@ class QKVRope(CustomOp):
         pool = forward_batch.token_to_kv_pool
         k_buffer, v_buffer = pool.k_buffer[self.layer_id], pool.v_buffer[self.layer_id]
         if (not getattr(forward_batch.attn_backend, "reads_new_kv_from_pool", False) or k_buffer.dtype != qkv.dtype
-                or qkv.stride(-1) != 1 or rotary_emb.cos_table is None or rotary_emb.head_dim != self.head_dim
+                or qkv.stride(-1) != 1 or rotary_emb.cos_table is None or rotary_emb.rotary_dim != self.head_dim
                 or rotary_emb.cos_table.device != qkv.device
                 or (q_norm is not None and q_norm.weight.dtype != qkv.dtype)):
             return self.forward_native(positions, qkv, forward_batch)

@@ -4,7 +4,9 @@ RoPE parameters: transformers 5.x exposes one dict `config.rope_parameters` hold
 `rope_theta` and the scaling fields; 4.x configs had `config.rope_theta` plus an optional
 `config.rope_scaling` dict. `rope_parameters_of` reads either.
 
-Supported rope_type: default, linear, llama3, dynamic, yarn.
+Supported rope_type: default, linear, llama3, dynamic, yarn. A `partial_rotary_factor` below 1 (Qwen3-Next,
+Qwen3.5: 0.25) rotates only the first head_dim * factor dims of each head and passes the rest through,
+as HF's apply_rotary_pos_emb does; the frequencies are those of a head of that width.
 - dynamic (NTK): HF recomputes frequencies only once a sequence grows past max_position_embeddings
   (and then per batch, which makes results batch-dependent); inside that length it equals default,
   which is what we implement. Requests longer than max_position_embeddings are refused upstream.
@@ -64,9 +66,10 @@ def compute_inv_freq(config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
     """Returns (inv_freq [head_dim // 2] float32, attention_scaling applied to cos/sin)."""
     params = rope_parameters_of(config)
     rope_type = params["rope_type"]
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise NotImplementedError("partial_rotary_factor != 1 is not supported")
-    inv_freq = _default_inv_freq(params["rope_theta"], head_dim)
+    rotary_dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+    if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+        raise NotImplementedError(f"partial_rotary_factor {params['partial_rotary_factor']} of head_dim {head_dim}")
+    inv_freq = _default_inv_freq(params["rope_theta"], rotary_dim)
     if rope_type in ("default", "dynamic"):
         return inv_freq, 1.0
     if rope_type == "linear":
@@ -94,11 +97,13 @@ class RotaryEmbedding(nn.Module):
                  max_positions: int = 4096) -> None:
         super().__init__()
         self.head_dim = head_dim
+        self.rotary_dim = 2 * inv_freq.shape[0]  # < head_dim with a partial_rotary_factor
+        assert self.rotary_dim <= head_dim
         # A plain attribute, not a buffer: model.to(bfloat16) must not round the frequencies.
         self.inv_freq = inv_freq.to(torch.float32)  # [head_dim // 2]
         self.attention_scaling = attention_scaling
         self.max_positions = max_positions
-        self.cos_table: Optional[torch.Tensor] = None  # [max_positions, head_dim // 2] float32
+        self.cos_table: Optional[torch.Tensor] = None  # [max_positions, rotary_dim // 2] float32
         self.sin_table: Optional[torch.Tensor] = None
         self._memo: tuple = (None, None, None, None)  # (positions, dtype, cos, sin) of the last call
 
@@ -113,7 +118,7 @@ class RotaryEmbedding(nn.Module):
         self._memo = (None, None, None, None)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [n, head_dim // 2] in `dtype` for positions [n] (< max_positions)."""
+        """cos and sin [n, rotary_dim // 2] in `dtype` for positions [n] (< max_positions)."""
         if torch.compiler.is_compiling():  # keep state out of the graph's guards; reserve() ran at load
             return self._gather(positions, dtype)
         table = self.cos_table
@@ -134,10 +139,16 @@ class RotaryEmbedding(nn.Module):
         """positions [n]; q [n, num_heads * head_dim]; k [n, num_kv_heads * head_dim]; returns the same shapes."""
         n = positions.shape[0]
         cos, sin = self.cos_sin(positions, q.dtype)
-        cos, sin = cos[:, None, :], sin[:, None, :]  # [n, 1, head_dim // 2]
-        q_out = _rotate(q.view(n, -1, self.head_dim), cos, sin)
-        k_out = _rotate(k.view(n, -1, self.head_dim), cos, sin)
+        cos, sin = cos[:, None, :], sin[:, None, :]  # [n, 1, rotary_dim // 2]
+        q_out = self._rotate_head(q.reshape(n, -1, self.head_dim), cos, sin)
+        k_out = self._rotate_head(k.reshape(n, -1, self.head_dim), cos, sin)
         return q_out.reshape(n, -1), k_out.reshape(n, -1)
+
+    def _rotate_head(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.rotary_dim == self.head_dim:
+            return _rotate(x, cos, sin)
+        d = self.rotary_dim  # partial: rotate the first d dims of each head, pass the rest
+        return torch.cat((_rotate(x[..., :d], cos, sin), x[..., d:]), dim=-1)
 
 
 _SHARED: dict[tuple, RotaryEmbedding] = {}

@@ -1,0 +1,220 @@
+"""Gated DeltaNet, the linear-attention layer of Qwen3-Next and Qwen3.5 (arXiv:2412.06464), HF's math.
+
+    hidden -> projections -> mixed qkv [n, 2 * key_dim + value_dim], z [n, Hv, Dv], b, a [n, Hv]
+           -> short causal conv1d over qkv (+ silu), carried across passes by its conv state
+           -> q, k (l2-normed), v; beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias)
+           -> gated delta rule, carried across passes by its state S [Hv, Dk, Dv]:
+                  S_t = exp(g_t) S_{t-1} + k_t (beta_t (v_t - exp(g_t) S_{t-1}^T k_t))^T,  o_t = S_t^T q_t
+           -> RMSNorm(o) * silu(z) -> out_proj
+
+The conv and the rule are one layer op (`GatedDeltaCore`): its torch reference runs the chunked form
+of the rule for a request's extend (transformers' torch_chunk_gated_delta_rule, from the request's
+state) and the recurrent form for one token (decode; torch_recurrent_gated_delta_rule). Both read
+and write the request's slot of the recurrent-state pool (mem_cache/state_pool.py), which the
+forward batch carries. The CUDA path (fla-core's Triton kernels, a causal conv1d kernel) is to come.
+
+Checkpoint layouts: Qwen3-Next fuses the projections per key-head group (`in_proj_qkvz`,
+`in_proj_ba`, interleaved); Qwen3.5 keeps them apart (`in_proj_qkv`, `in_proj_z`, `in_proj_b`,
+`in_proj_a`).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from baton.engine.distributed.parallel_state import TpGroup
+from baton.engine.layers.custom_op import CustomOp
+from baton.engine.layers.layernorm import GatedRMSNorm
+from baton.engine.layers.linear import MergedColumnLinear, OutputPart, RowParallelLinear
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from baton.engine.model_executor.forward_batch import ForwardBatch
+
+
+def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def _prepare(q, k, v, g, beta):
+    """[b, t, h, d] inputs -> float32 [b, h, t, d] with k heads repeated to v heads, q/k l2-normed, q scaled."""
+    hk, hv = k.shape[2], v.shape[2]
+    if hk != hv:
+        q, k = q.repeat_interleave(hv // hk, dim=2), k.repeat_interleave(hv // hk, dim=2)
+    q, k, v, beta, g = [x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
+                        for x in (q, k, v, beta, g)]
+    q, k = _l2norm(q), _l2norm(k)
+    return q * q.shape[-1] ** -0.5, k, v, g, beta
+
+
+def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                           state: torch.Tensor, chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """q, k [b, t, Hk, Dk], v [b, t, Hv, Dv], g, beta [b, t, Hv], state [b, Hv, Dk, Dv] ->
+    (out [b, t, Hv, Dv] in q's dtype, final state float32): transformers' chunked form."""
+    dtype, t = q.dtype, q.shape[1]
+    q, k, v, g, beta = _prepare(q, k, v, g, beta)
+    pad = (chunk_size - t % chunk_size) % chunk_size
+    q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+    beta, g = (F.pad(x, (0, pad)) for x in (beta, g))
+    v_beta, k_beta = v * beta.unsqueeze(-1), k * beta.unsqueeze(-1)
+    q, k, k_beta, v_beta = [x.reshape(x.shape[0], x.shape[1], -1, chunk_size, x.shape[-1])
+                            for x in (q, k, k_beta, v_beta)]
+    g = g.reshape(g.shape[0], g.shape[1], -1, chunk_size)
+    upper = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).triu(1)
+    cum = g.cumsum(dim=3)
+    pairwise = (cum.unsqueeze(4) - cum.unsqueeze(3)).masked_fill(upper, float("-inf")).exp()
+    ut = (k_beta @ k.transpose(-1, -2)) * pairwise
+    intra = (q @ k.transpose(-1, -2)) * pairwise
+    new_values = torch.linalg.solve_triangular(ut, v_beta, upper=False, unitriangular=True)
+    k_cumdecay = torch.linalg.solve_triangular(ut, k_beta * cum.exp().unsqueeze(-1), upper=False, unitriangular=True)
+    s = state.to(new_values)
+    out = torch.zeros_like(new_values)
+    q = q * cum.exp().unsqueeze(-1)
+    k = k * (cum[..., -1:] - cum).exp().unsqueeze(-1)
+    chunk_decay = cum[..., -1].exp()[..., None, None]
+    for i in range(q.shape[2]):
+        v_new = new_values[:, :, i] - k_cumdecay[:, :, i] @ s
+        out[:, :, i] = q[:, :, i] @ s + intra[:, :, i] @ v_new
+        s = s * chunk_decay[:, :, i] + k[:, :, i].transpose(-1, -2) @ v_new
+    out = out.reshape(out.shape[0], out.shape[1], -1, out.shape[-1])[:, :, :t]
+    return out.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format), s
+
+
+def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                               beta: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same, token by token (transformers' recurrent form; what decode runs)."""
+    dtype = q.dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta)
+    s = state.to(v)
+    out = torch.zeros_like(v)
+    for i in range(q.shape[2]):
+        s = s * g[:, :, i].exp()[..., None, None]
+        kv_mem = (s * k[:, :, i].unsqueeze(-1)).sum(dim=-2)
+        delta = (v[:, :, i] - kv_mem) * beta[:, :, i].unsqueeze(-1)
+        s = s + k[:, :, i].unsqueeze(-1) * delta.unsqueeze(-2)
+        out[:, :, i] = (s * q[:, :, i].unsqueeze(-1)).sum(dim=-2)
+    return out.transpose(1, 2).contiguous().to(dtype), s
+
+
+class GatedDeltaCore(CustomOp):
+    """Conv1d + gated delta rule of one layer over a batch, through the request rows' state slots."""
+
+    def __init__(self, conv: nn.Conv1d, key_dim: int, value_dim: int, head_k_dim: int, head_v_dim: int,
+                 state_layer_id: int) -> None:
+        super().__init__()
+        self._conv = (conv,)  # held, not registered: the layer owns it (and its checkpoint name)
+        self.key_dim, self.value_dim, self.head_k_dim, self.head_v_dim = key_dim, value_dim, head_k_dim, head_v_dim
+        self.state_layer_id = state_layer_id
+
+    def forward_native(self, mixed_qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                       forward_batch: "ForwardBatch") -> torch.Tensor:
+        """mixed_qkv [n, conv_dim], g, beta [n, Hv] -> core output [n, Hv, Dv]."""
+        fb, pool = forward_batch, forward_batch.state_pool
+        rows = fb.req_pool_indices
+        if fb.forward_mode.is_decode():
+            lens, fresh = [1] * fb.batch_size, [False] * fb.batch_size
+        else:
+            lens, fresh = fb.extend_seq_lens_cpu, [p == 0 for p in fb.extend_prefix_lens_cpu]
+        conv_state, ssm_state = pool.read(self.state_layer_id, rows, torch.tensor(fresh, device=rows.device))
+        if all(n == 1 for n in lens):  # one token per request (decode, or mixed-in decode steps): batched
+            out, conv_state, ssm_state = self._run(mixed_qkv[:, None], g[:, None], beta[:, None], conv_state,
+                                                   ssm_state)
+            out = out[:, 0]
+        else:
+            outs, convs, ssms, start = [], [], [], 0
+            for i, n in enumerate(lens):
+                o, c, s = self._run(mixed_qkv[None, start:start + n], g[None, start:start + n],
+                                    beta[None, start:start + n], conv_state[i:i + 1], ssm_state[i:i + 1])
+                outs.append(o[0]), convs.append(c), ssms.append(s)
+                start += n
+            out, conv_state, ssm_state = torch.cat(outs), torch.cat(convs), torch.cat(ssms)
+        pool.write(self.state_layer_id, rows, conv_state, ssm_state)
+        return out
+
+    def _run(self, x: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_state: torch.Tensor,
+             ssm_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """b requests of t tokens each: x [b, t, conv_dim], g, beta [b, t, Hv], states [b, ...] ->
+        (out [b, t, Hv, Dv], conv state, delta-rule state)."""
+        conv = self._conv[0]
+        b, t, _ = x.shape
+        # the conv over [state | new inputs], no padding: HF's causal_conv1d_fn / _update
+        seq = torch.cat([conv_state.to(x.dtype), x.transpose(1, 2)], dim=-1).to(conv.weight.dtype)
+        new_conv_state = seq[:, :, seq.shape[-1] - conv_state.shape[-1]:]
+        y = F.silu(F.conv1d(seq, conv.weight, None, groups=conv.weight.shape[0])[:, :, -t:]).to(x.dtype)
+        q, k, v = y.transpose(1, 2).split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q, k = q.reshape(b, t, -1, self.head_k_dim), k.reshape(b, t, -1, self.head_k_dim)
+        v = v.reshape(b, t, -1, self.head_v_dim)
+        rule = recurrent_gated_delta_rule if t == 1 else chunk_gated_delta_rule
+        out, new_ssm_state = rule(q, k, v, g, beta, ssm_state)
+        return out, new_conv_state, new_ssm_state
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, config: "PretrainedConfig", state_layer_id: int, split_projections: bool,
+                 tp: TpGroup = TpGroup()) -> None:
+        """`state_layer_id`: this layer's index among the linear-attention layers (its state in the
+        pool); `split_projections`: Qwen3.5's separate in_proj_qkv/z/b/a, else Qwen3-Next's fused
+        in_proj_qkvz/ba."""
+        super().__init__()
+        if tp.size != 1:
+            raise NotImplementedError("tensor parallelism over linear-attention heads is not supported yet")
+        hidden = config.hidden_size
+        self.num_k_heads, self.num_v_heads = config.linear_num_key_heads, config.linear_num_value_heads
+        self.head_k_dim, self.head_v_dim = config.linear_key_head_dim, config.linear_value_head_dim
+        assert self.num_v_heads % self.num_k_heads == 0
+        self.key_dim, self.value_dim = self.num_k_heads * self.head_k_dim, self.num_v_heads * self.head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.conv_kernel = config.linear_conv_kernel_dim
+        self.split_projections = split_projections
+
+        def proj(n: int) -> MergedColumnLinear:
+            return MergedColumnLinear(hidden, [OutputPart(n, 0, n)], bias=False)
+
+        if split_projections:
+            self.in_proj_qkv, self.in_proj_z = proj(self.conv_dim), proj(self.value_dim)
+            self.in_proj_b, self.in_proj_a = proj(self.num_v_heads), proj(self.num_v_heads)
+        else:
+            self.in_proj_qkvz = proj(2 * self.key_dim + 2 * self.value_dim)
+            self.in_proj_ba = proj(2 * self.num_v_heads)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.conv_kernel, groups=self.conv_dim, bias=False,
+                                padding=self.conv_kernel - 1)
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
+        self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)
+        self.out_proj = RowParallelLinear(self.value_dim, hidden, bias=False, tp=tp)
+        self.core = GatedDeltaCore(self.conv1d, self.key_dim, self.value_dim, self.head_k_dim, self.head_v_dim,
+                                   state_layer_id)
+
+    def state_shapes(self) -> tuple[tuple[int, int], tuple[int, int, int]]:
+        """(conv state, delta-rule state) of one request row."""
+        return (self.conv_dim, self.conv_kernel - 1), (self.num_v_heads, self.head_k_dim, self.head_v_dim)
+
+    def forward(self, hidden: torch.Tensor, forward_batch: "ForwardBatch") -> torch.Tensor:
+        """hidden [n, hidden] -> [n, hidden]."""
+        n = hidden.shape[0]
+        mixed_qkv, z, b, a = self._project(hidden)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        core = self.core(mixed_qkv, g, beta, forward_batch)  # [n, Hv, Dv]
+        out = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+        return self.out_proj(out.reshape(n, self.value_dim))
+
+    def _project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> mixed qkv [n, conv_dim], z [n, Hv, Dv], b, a [n, Hv]."""
+        n = hidden.shape[0]
+        if self.split_projections:
+            z = self.in_proj_z(hidden).reshape(n, self.num_v_heads, self.head_v_dim)
+            return self.in_proj_qkv(hidden), z, self.in_proj_b(hidden), self.in_proj_a(hidden)
+        # Qwen3-Next: per key head, [q | k | v of its value heads | z of its value heads], then [b | a]
+        r, hk = self.num_v_heads // self.num_k_heads, self.num_k_heads
+        qkvz = self.in_proj_qkvz(hidden).view(n, hk, 2 * self.head_k_dim + 2 * r * self.head_v_dim)
+        q, k, v, z = qkvz.split([self.head_k_dim, self.head_k_dim, r * self.head_v_dim, r * self.head_v_dim], dim=2)
+        b, a = self.in_proj_ba(hidden).view(n, hk, 2 * r).split([r, r], dim=2)
+        mixed_qkv = torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], dim=-1)
+        return (mixed_qkv, z.reshape(n, self.num_v_heads, self.head_v_dim), b.reshape(n, self.num_v_heads),
+                a.reshape(n, self.num_v_heads))
+
