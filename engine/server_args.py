@@ -19,6 +19,7 @@ SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 ATTENTION_BACKENDS = ("torch", "flashinfer")
 MODEL_DTYPES = ("auto", "float32", "float16", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e5m2")
+MAMBA_SSM_DTYPES = ("float32", "bfloat16", "float16")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 # How the front end picks a DP rank for a request that names none (data_parallel_rank) and has no
 # bootstrap room (PD: room % dp_size, the convention the router pins ranks by).
@@ -89,6 +90,9 @@ class ServerArgs:
     # prompt tokens one prefill step takes (-1: all at once); None: by device, default_chunked_prefill_size
     chunked_prefill_size: Optional[int] = None
     disable_radix_cache: bool = False
+    # hybrid models (Qwen3-Next, Qwen3.5): the dtype of the linear-attention layers' delta-rule state
+    # (SGLang's --mamba-ssm-dtype); the conv state keeps the model's dtype
+    mamba_ssm_dtype: str = "float32"
     # scheduling
     schedule_policy: str = "fcfs"
     enable_priority_scheduling: bool = False
@@ -179,6 +183,8 @@ class ServerArgs:
         if self.watchdog_timeout < 0:
             raise ValueError("--watchdog-timeout must be >= 0 (0 turns the watchdog off)")
         assert 0.0 <= self.disaggregation_fault_probability <= 1.0, "--disaggregation-fault-probability in [0, 1]"
+        if self.mamba_ssm_dtype not in MAMBA_SSM_DTYPES:
+            raise ValueError(f"--mamba-ssm-dtype must be one of {MAMBA_SSM_DTYPES}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"--kv-cache-dtype must be one of {KV_CACHE_DTYPES}")
         if self.kv_cache_dtype not in ("auto", self.dtype) and self.attention_backend != "torch":
@@ -291,6 +297,8 @@ class ServerArgs:
           help=f"prompt tokens per prefill step; -1 disables chunking; default by device: "
                f"{CPU_CHUNKED_PREFILL_SIZE} on CPU, {GPU_CHUNKED_PREFILL_SIZE} on CUDA")
         a("--disable-radix-cache", action="store_true")
+        a("--mamba-ssm-dtype", default=ServerArgs.mamba_ssm_dtype, choices=MAMBA_SSM_DTYPES,
+          help="hybrid models: dtype of the linear-attention layers' recurrent (delta-rule) state")
         a("--schedule-policy", default=ServerArgs.schedule_policy, choices=SCHEDULE_POLICIES)
         a("--enable-priority-scheduling", action="store_true")
         a("--priority-preemption-threshold", type=int, default=ServerArgs.priority_preemption_threshold)

@@ -133,6 +133,8 @@ def unavailable_reason(model: torch.nn.Module, kv_pool: "MHATokenToKVPool", tp_s
         return reason
     if tp_size != 1:
         return "tensor parallelism (one rank only)"
+    if getattr(model, "linear_state_shapes", lambda: None)() is not None:
+        return f"{type(model).__name__} is a hybrid model (linear-attention layers keep a recurrent state)"
     describe = getattr(model, "decoder_structure", None)
     if describe is None:
         return f"{type(model).__name__} is not a Llama-family model (it describes no decoder structure)"

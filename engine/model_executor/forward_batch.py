@@ -23,6 +23,7 @@ import torch
 if TYPE_CHECKING:
     from baton.engine.layers.attention.base import AttentionBackend
     from baton.engine.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+    from baton.engine.mem_cache.state_pool import RecurrentStatePool
 
 
 class ForwardMode(IntEnum):
@@ -54,6 +55,8 @@ class ForwardBatch:
     attn_backend: "AttentionBackend"
     # per-pass data an attention backend precomputes once in init_forward_metadata()
     attn_metadata: Any = None
+    # hybrid models: the linear-attention layers' states, one slot per request row (req_pool_indices)
+    state_pool: Optional["RecurrentStatePool"] = None
 
     @property
     def num_tokens(self) -> int:

@@ -19,6 +19,7 @@ from baton.engine.server_args import ServerArgs
 
 if TYPE_CHECKING:
     from baton.engine.distributed.parallel_state import TpGroup
+    from baton.engine.mem_cache.state_pool import LinearStateShapes, RecurrentStatePool
     from baton.engine.model_executor.cuda_graph_runner import CudaGraphRunner
 
 logger = logging.getLogger(__name__)
@@ -119,6 +120,9 @@ class ModelRunner:
         text_cfg = getattr(self.hf_config, "text_config", None) or self.hf_config
         self.vocab_size = text_cfg.vocab_size
         self.num_layers = text_cfg.num_hidden_layers
+        # layers with a KV cache: all of them, except in a hybrid model (its full-attention layers only)
+        self.num_kv_layers = getattr(self.model, "num_kv_layers", self.num_layers)
+        state_shapes = getattr(self.model, "linear_state_shapes", lambda: None)()
         # this rank's KV heads: the pool holds only those
         self.num_kv_heads = self.tp.kv_head_range(
             getattr(text_cfg, "num_key_value_heads", None) or text_cfg.num_attention_heads)[1]
@@ -132,7 +136,8 @@ class ModelRunner:
                 rope.reserve(cfg.context_len + page, self.device)
         self.req_to_token_pool = ReqToTokenPool(cfg.max_running_requests + 1, cfg.context_len + page, self.device)
         self.token_to_kv_pool = MHATokenToKVPool(cfg.max_total_tokens, page, self.kv_dtype, self.num_kv_heads,
-                                                 self.head_dim, self.num_layers, self.device)
+                                                 self.head_dim, self.num_kv_layers, self.device)
+        self.state_pool = self._init_state_pool(state_shapes)
         self.allocator = TokenToKVPoolAllocator(cfg.max_total_tokens, page, self.device)
         self.attn_backend = create_attention_backend(server_args.attention_backend, model_runner=self)
         phase("kv_pool")
@@ -157,8 +162,12 @@ class ModelRunner:
         if self.native_forward is not None and server_args.enable_torch_compile:
             logger.info("--enable-torch-compile: nothing to compile, the native forward serves every step")
         skip_module_guards = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+        compile_ = server_args.enable_torch_compile and self.native_forward is None
+        if compile_ and self.state_pool is not None:
+            logger.info("--enable-torch-compile: not for a hybrid model yet, its own forward serves uncompiled")
+            compile_ = False
         self.compiled_model = (torch.compile(_own_code_forward(self.model), dynamic=True, options=skip_module_guards)
-                               if server_args.enable_torch_compile and self.native_forward is None else None)
+                               if compile_ else None)
         self.compile_extend = (self.compiled_model is not None and self.device == "cpu"
                                and server_args.attention_backend == "torch")
         self._warm_up_compiled()
@@ -216,6 +225,9 @@ class ModelRunner:
         args = self.server_args
         if not self.device.startswith("cuda") or args.disable_cuda_graph:
             return None
+        if self.state_pool is not None:
+            logger.info("CUDA graphs off: a hybrid model's decode has no graph over its state slots yet")
+            return None
         if not supports_cuda_graph(self.attn_backend):
             logger.info("CUDA graphs off: --attention-backend %s has no static-shape decode metadata "
                         "(use --attention-backend flashinfer)", args.attention_backend)
@@ -226,7 +238,7 @@ class ModelRunner:
     def _pool_config(self, text_cfg) -> PoolConfig:
         args, page = self.server_args, self.server_args.page_size
         context_len = args.context_length or getattr(text_cfg, "max_position_embeddings", 4096)
-        cell = self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.kv_dtype.itemsize
+        cell = self.num_kv_layers * 2 * self.num_kv_heads * self.head_dim * self.kv_dtype.itemsize
         if args.max_total_tokens is not None:
             total = args.max_total_tokens
         else:
@@ -242,6 +254,17 @@ class ModelRunner:
         running = args.max_running_requests or max(1, min(256, total // 2))
         return PoolConfig(max_total_tokens=total, max_running_requests=running, context_len=context_len)
 
+    def _init_state_pool(self, shapes: Optional["LinearStateShapes"]) -> Optional["RecurrentStatePool"]:
+        """A hybrid model's recurrent states: one slot per request row (slot index = req_pool_idx)."""
+        if shapes is None:
+            return None
+        from baton.engine.mem_cache.state_pool import RecurrentStatePool
+
+        pool = RecurrentStatePool(shapes, self.req_to_token_pool.size, self.dtype,
+                                  MODEL_DTYPES[self.server_args.mamba_ssm_dtype], self.device)
+        logger.info("recurrent-state pool: %s, %.1f MB", pool, pool.size_bytes() / 1e6)
+        return pool
+
     def make_forward_batch(self, mode: ForwardMode, *, input_ids: torch.Tensor, positions: torch.Tensor,
                            req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, out_cache_loc: torch.Tensor,
                            seq_lens_cpu: list[int], extend_prefix_lens_cpu: Optional[list[int]] = None,
@@ -252,7 +275,7 @@ class ModelRunner:
             req_pool_indices=req_pool_indices, seq_lens=seq_lens, out_cache_loc=out_cache_loc,
             seq_lens_cpu=seq_lens_cpu, extend_prefix_lens_cpu=extend_prefix_lens_cpu,
             extend_seq_lens_cpu=extend_seq_lens_cpu, req_to_token_pool=self.req_to_token_pool,
-            token_to_kv_pool=self.token_to_kv_pool, attn_backend=self.attn_backend)
+            token_to_kv_pool=self.token_to_kv_pool, attn_backend=self.attn_backend, state_pool=self.state_pool)
 
     def forward_batch_from(self, mwb, extra: Optional[torch.Tensor] = None) -> tuple[ForwardBatch, Optional[torch.Tensor]]:
         """The device-side batch of a ModelWorkerBatch (host tensors), and `extra` (an int64 host

@@ -36,6 +36,7 @@ from baton.engine.model_structure import Attention, DecoderLayer, DecoderStructu
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
+    from baton.engine.mem_cache.state_pool import LinearStateShapes
     from baton.engine.model_executor.forward_batch import ForwardBatch
 
 # HF checkpoint module name -> (our fused module name, shard index)
@@ -133,6 +134,17 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = (None if self.tie_word_embeddings
                         else VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp))
+
+    # ---- what the model runner asks (hybrid models answer otherwise) ----
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers that keep a KV cache; their RadixAttention layer_ids are 0 .. num_kv_layers - 1."""
+        return self.config.num_hidden_layers
+
+    def linear_state_shapes(self) -> Optional["LinearStateShapes"]:
+        """The recurrent state of linear-attention layers per request row; None: no such layers."""
+        return None
 
     # ---- pieces subclasses override ----
 
@@ -240,7 +252,7 @@ def _rope(rotary: nn.Module) -> Rope:
             rotary.reserve(rotary.max_positions, device)
         return rotary.cos_table, rotary.sin_table
 
-    return Rope("neox" if type(rotary) is RotaryEmbedding else type(rotary).__name__, rotary.head_dim, tables)
+    return Rope("neox" if type(rotary) is RotaryEmbedding else type(rotary).__name__, rotary.rotary_dim, tables)
 
 
 def _attention(attn: LlamaAttention, ropes: dict[int, Rope]) -> Attention:

@@ -79,6 +79,11 @@ class Scheduler:
         self.dp_rank = dp_rank
         self.worker = TpModelWorker(args, tp)
         runner = self.worker.model_runner
+        if runner.state_pool is not None and not args.disable_radix_cache:
+            # A prefix is reusable only with the recurrent state at its end, which the radix cache
+            # does not keep yet (state checkpoints on radix nodes: issue 33's next step).
+            logger.info("radix cache off: a hybrid model cannot reuse a prefix without its recurrent state")
+            self.server_args = args = args.replace(disable_radix_cache=True)
         self.startup_s: dict[str, float] = dict(runner.startup_s)  # the process adds spawn, tokenizer, total
         self.req_to_token_pool, self.allocator = runner.req_to_token_pool, runner.allocator
         self.max_total_tokens = runner.pool_config.max_total_tokens
@@ -347,6 +352,9 @@ class Scheduler:
             "token_usage": self.token_usage(),
             "new_token_ratio": self.ratio.value,
             "cache_hit_rate": self.stats.cache_hit_rate(),
+            "radix_cache": not self.server_args.disable_radix_cache,  # off for hybrid models (issue 33)
+            "recurrent_state_bytes": (0 if self.worker.model_runner.state_pool is None
+                                      else self.worker.model_runner.state_pool.size_bytes()),
             "retractions": self.stats.retractions,
             "scheduler_pid": os.getpid(),
             "cpu_affinity": sorted(os.sched_getaffinity(0)),

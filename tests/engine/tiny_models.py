@@ -1,6 +1,6 @@
 """Tiny random-weight HF checkpoints (+ an offline tokenizer) for engine tests.
 
-    path = make_tiny_model("qwen3", tmp_path / "qwen3")      # llama | qwen2 | qwen3 | qwen3_moe
+    path = make_tiny_model("qwen3", tmp_path / "qwen3")      # llama | qwen2 | qwen3 | qwen3_moe | HYBRID_ARCHS
     AutoModelForCausalLM.from_pretrained(path)  /  load_model(str(path))  /  AutoTokenizer.from_pretrained(path)
 
 Weights use initializer_range 0.15 instead of the usual 0.02. With 0.02 a 64-wide random model is
@@ -45,6 +45,20 @@ ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3_moe": {"head_dim": 16, "moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2,
                   "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []},
 }
+# Hybrids (Gated DeltaNet + gated attention): four layers, linear and full attention alternating (so
+# full-attention layer 3 is KV layer 1 and linear layer 2 is state layer 1), partial RoPE 0.25.
+_HYBRID = {"head_dim": 16, "num_hidden_layers": 4,
+           "layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"],
+           "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+           "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4}
+_HYBRID_MOE = {"moe_intermediate_size": 32, "shared_expert_intermediate_size": 48, "num_experts": 4,
+               "num_experts_per_tok": 2}
+ARCH_DEFAULTS.update({
+    "qwen3_next": {**_HYBRID, **_HYBRID_MOE, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [1]},
+    "qwen3_5": dict(_HYBRID),
+    "qwen3_5_moe": {**_HYBRID, **_HYBRID_MOE},
+})
+HYBRID_ARCHS = ["qwen3_next", "qwen3_5", "qwen3_5_moe"]
 
 
 def _config_and_model_classes(arch: str):
@@ -55,6 +69,9 @@ def _config_and_model_classes(arch: str):
         "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
         "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
         "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
+        "qwen3_next": (tf.Qwen3NextConfig, tf.Qwen3NextForCausalLM),
+        "qwen3_5": (tf.Qwen3_5TextConfig, tf.Qwen3_5ForCausalLM),
+        "qwen3_5_moe": (tf.Qwen3_5MoeTextConfig, tf.Qwen3_5MoeForCausalLM),
     }[arch]
 
 
@@ -77,10 +94,13 @@ def make_tiny_model(arch: str, path: Union[str, os.PathLike], seed: int = 0, ext
 @torch.no_grad()
 def _randomize_zero_params(model: torch.nn.Module, std: float) -> None:
     # Some modules start at zero (e.g. the MoE router): every expert would tie and top-k picks would
-    # depend on tie-breaking rather than on the math under test.
+    # depend on tie-breaking rather than on the math under test. The hybrids' (1 + w) norms start at
+    # w = 0: a small random w makes each norm's weight (and which norm is which) matter.
     for name, p in model.named_parameters():
         if p.ndim >= 2 and not p.any():
             p.normal_(0.0, std)
+        elif p.ndim == 1 and name.endswith("norm.weight") and not p.any():
+            p.normal_(0.0, 0.3)
 
 
 def save_tiny_tokenizer(path: Union[str, os.PathLike], vocab_size: int = VOCAB_SIZE,

@@ -1,0 +1,158 @@
+"""Qwen3-Next and Qwen3.5 (dense and MoE): hybrids of Gated DeltaNet and gated full attention.
+
+`config.layer_types` says which layer is which (three linear, then one full, in the published models):
+
+    linear_attention  layers/gated_delta_net.py; no KV, a recurrent state per request row
+                      (mem_cache/state_pool.py): its index among the linear layers is its state slot
+    full_attention    q_proj gives [q | gate] per head; (1 + w) RMSNorm on q and k; RoPE over the
+                      first partial_rotary_factor of each head; attention; times sigmoid(gate);
+                      o_proj. Its index among the full layers is its KV-pool layer.
+    MLP               Qwen3-Next: Qwen3-MoE's sparse/dense rule, sparse blocks with a shared expert;
+                      Qwen3.5: dense; Qwen3.5-MoE: every layer sparse with a shared expert
+    norms             the zero-centred (1 + w) RMSNorm, decoder and final
+
+Qwen3-Next fuses the linear layers' input projections per key-head group, Qwen3.5 keeps them apart;
+otherwise the architectures are one. Multi-token-prediction weights (`mtp.*`) are skipped.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterable, Optional
+
+import torch
+from torch import nn
+
+from baton.engine.distributed.parallel_state import TpGroup
+from baton.engine.layers.gated_delta_net import GatedDeltaNet
+from baton.engine.layers.layernorm import ZeroCenteredRMSNorm
+from baton.engine.layers.linear import MergedColumnLinear, OutputPart, RowParallelLinear
+from baton.engine.layers.moe import SharedExpertMoeBlock
+from baton.engine.layers.radix_attention import RadixAttention
+from baton.engine.layers.rotary_embedding import get_rope
+from baton.engine.mem_cache.state_pool import LinearStateShapes
+from baton.engine.model_structure import DecoderStructure
+from baton.engine.models.llama import LlamaMLP, head_dim_of
+from baton.engine.models.qwen3_moe import Qwen3MoeForCausalLM, is_sparse_layer
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from baton.engine.model_executor.forward_batch import ForwardBatch
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, config: "PretrainedConfig", kv_layer_id: int) -> None:
+        super().__init__()
+        self.head_dim = hd = head_dim_of(config)
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.q_size, self.kv_size = self.num_heads * hd, self.num_kv_heads * hd
+        bias = bool(getattr(config, "attention_bias", False))
+        q, kv = OutputPart(2 * self.q_size, 0, 2 * self.q_size), OutputPart(self.kv_size, 0, self.kv_size)
+        self.qkv_proj = MergedColumnLinear(config.hidden_size, [q, kv, kv], bias=bias)  # q_proj is [q | gate]
+        self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, bias=bias, tp=TpGroup())
+        self.q_norm = ZeroCenteredRMSNorm(hd, config.rms_norm_eps)
+        self.k_norm = ZeroCenteredRMSNorm(hd, config.rms_norm_eps)
+        self.rotary_emb = get_rope(config, hd)
+        self.attn = RadixAttention(self.num_heads, hd, hd ** -0.5, self.num_kv_heads, kv_layer_id)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, forward_batch: "ForwardBatch") -> torch.Tensor:
+        n, hd = hidden.shape[0], self.head_dim
+        q_gate, k, v = self.qkv_proj(hidden).split([2 * self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, gate = q_gate.view(n, self.num_heads, 2 * hd).chunk(2, dim=-1)  # per head: [q | gate]
+        q = self.q_norm(q).reshape(n, self.q_size)
+        k = self.k_norm(k.reshape(n, self.num_kv_heads, hd)).reshape(n, self.kv_size)
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn(q, k, v.contiguous(), forward_batch)
+        return self.o_proj(out * torch.sigmoid(gate.reshape(n, self.q_size)))
+
+
+class HybridDecoderLayer(nn.Module):
+    def __init__(self, config: "PretrainedConfig", mixer: nn.Module, mlp: nn.Module) -> None:
+        super().__init__()
+        self.is_linear = isinstance(mixer, GatedDeltaNet)
+        if self.is_linear:  # the checkpoint's names
+            self.linear_attn = mixer
+        else:
+            self.self_attn = mixer
+        self.mlp = mlp
+        self.input_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: Optional[torch.Tensor],
+                forward_batch: "ForwardBatch") -> tuple[torch.Tensor, torch.Tensor]:
+        """As LlamaDecoderLayer: returns (output, residual stream before it)."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        if self.is_linear:
+            hidden = self.linear_attn(hidden, forward_batch)
+        else:
+            hidden = self.self_attn(positions, hidden, forward_batch)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class Qwen3NextForCausalLM(Qwen3MoeForCausalLM):
+    split_linear_projections = False  # Qwen3.5: True
+    all_layers_sparse = False  # Qwen3.5-MoE: True
+
+    def __init__(self, config: "PretrainedConfig", tp: TpGroup = TpGroup()) -> None:
+        if tp.size != 1:
+            raise NotImplementedError(f"{type(self).__name__}: tensor parallelism is not supported yet")
+        types = list(config.layer_types)
+        assert set(types) <= {"linear_attention", "full_attention"}, set(types)
+        # layer index -> its index among the layers of its kind (KV-pool layer, or state slot layer)
+        self.kind_index = [types[:i].count(t) for i, t in enumerate(types)]
+        super().__init__(config, tp)
+        self.model.norm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    # ---- what the model runner asks ----
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers with a KV cache: only the full-attention ones."""
+        return list(self.config.layer_types).count("full_attention")
+
+    def linear_state_shapes(self) -> Optional[LinearStateShapes]:
+        """The recurrent state per request row (None for a model without linear attention)."""
+        linear = [layer.linear_attn for layer in self.model.layers if layer.is_linear]
+        if not linear:
+            return None
+        conv, ssm = linear[0].state_shapes()
+        return LinearStateShapes(len(linear), conv, ssm)
+
+    # ---- builders ----
+
+    def _make_layer(self, layer_id: int) -> HybridDecoderLayer:
+        config, index = self.config, self.kind_index[layer_id]
+        if config.layer_types[layer_id] == "linear_attention":
+            mixer: nn.Module = GatedDeltaNet(config, index, self.split_linear_projections)
+        else:
+            mixer = GatedAttention(config, index)
+        return HybridDecoderLayer(config, mixer, self.build_mlp(config, layer_id))
+
+    def build_mlp(self, config: "PretrainedConfig", layer_id: int) -> nn.Module:
+        if not (self.all_layers_sparse or (getattr(config, "num_experts", 0) and is_sparse_layer(config, layer_id))):
+            return LlamaMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+        return SharedExpertMoeBlock(config.hidden_size, config.moe_intermediate_size, config.num_experts,
+                                    config.num_experts_per_tok, bool(getattr(config, "norm_topk_prob", True)),
+                                    config.shared_expert_intermediate_size, config.hidden_act)
+
+    def decoder_structure(self) -> DecoderStructure:
+        raise NotImplementedError("a hybrid model has no dense decoder structure (linear-attention layers)")
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights((name, t) for name, t in weights if not name.startswith("mtp."))
+
+
+class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
+    split_linear_projections = True
+
+    def build_mlp(self, config: "PretrainedConfig", layer_id: int) -> nn.Module:
+        return LlamaMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+
+
+class Qwen3_5MoeForCausalLM(Qwen3NextForCausalLM):
+    split_linear_projections = True
+    all_layers_sparse = True

@@ -1,0 +1,141 @@
+"""Hybrid models (Qwen3-Next, Qwen3.5, Qwen3.5-MoE: Gated DeltaNet + gated attention, issue 33)
+through the real scheduler: greedy tokens equal HF transformers' under concurrency, chunked prefill
+(the recurrent state carried across chunks), retraction, mixed chunks, aborts, overlap on and off,
+page sizes 1 and 16; and the recurrent-state pool on its own."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from baton.engine.io_struct import AbortReq
+from baton.engine.mem_cache.state_pool import LinearStateShapes, RecurrentStatePool
+from test_scheduler_vs_hf import harness_for, hf_greedy, run_workload, workload
+from tiny_models import ARCH_DEFAULTS, HYBRID_ARCHS
+
+
+def _assert_hybrid_serving(h) -> None:
+    """Prefix matching is off (no state at a prefix's end), the pool sizes follow the layer kinds,
+    and nothing is held at idle."""
+    s, runner = h.scheduler, h.scheduler.worker.model_runner
+    layer_types = ARCH_DEFAULTS["qwen3_next"]["layer_types"]
+    assert s.stats.cache_hit_rate() == 0 and s.get_server_info()["radix_cache"] is False
+    assert runner.token_to_kv_pool.layer_num == layer_types.count("full_attention")
+    assert runner.state_pool.shapes.num_layers == layer_types.count("linear_attention")
+    assert runner.state_pool.rows == runner.req_to_token_pool.size  # one slot per request row
+    assert runner.native_forward is None
+    assert s.check_memory_integrity()
+
+
+@pytest.mark.parametrize("arch,loop,page_size", [("qwen3_next", "overlap", 1), ("qwen3_next", "plain", 16),
+                                                 ("qwen3_5", "inline", 16), ("qwen3_5_moe", "overlap", 1)])
+def test_hybrid_matches_hf_concurrent_chunked(tiny_model_factory, arch, loop, page_size):
+    """Requests of 3..50 tokens, arriving in two waves, prompts longer than the 32-token chunk."""
+    path = tiny_model_factory(arch)
+    h = harness_for(path, loop, page_size=page_size, chunked_prefill_size=32, max_total_tokens=4096)
+    prompts = workload()
+    results = run_workload(h, prompts)
+    for i, p in enumerate(prompts):
+        assert results[str(i)].ids == hf_greedy(path, p), f"request {i} (len {len(p)}) differs from HF"
+    _assert_hybrid_serving(h)
+
+
+@pytest.mark.parametrize("arch,loop,page_size,mixed", [("qwen3_next", "overlap", 16, False),
+                                                       ("qwen3_5", "plain", 1, False),
+                                                       ("qwen3_5_moe", "overlap", 1, True)])
+def test_hybrid_matches_hf_under_retraction(tiny_model_factory, arch, loop, page_size, mixed):
+    """A KV pool too small for every request: decode retracts some, which restart from a zero state
+    when readmitted; with --enable-mixed-chunk, decode steps ride in prefill batches instead (extends
+    of one token, continuing the state; the mixed schedule need not retract here)."""
+    path = tiny_model_factory(arch)
+    prompts, max_new = workload(seed=1), 40
+    pool = int(0.6 * (sum(map(len, prompts)) + max_new * len(prompts))) // page_size * page_size
+    h = harness_for(path, loop, page_size=page_size, chunked_prefill_size=32, max_total_tokens=pool,
+                    enable_mixed_chunk=mixed)
+    results = run_workload(h, prompts, staggered=True, max_new=max_new, ignore_eos=True)
+    stats = h.scheduler.stats
+    assert (stats.mixed_decode_tokens > 0) == mixed
+    assert mixed or stats.retractions > 0, "the pool is meant to be too small for all requests at once"
+    for i, p in enumerate(prompts):
+        assert results[str(i)].ids == hf_greedy(path, p, max_new, ignore_eos=True), f"request {i} differs from HF"
+    _assert_hybrid_serving(h)
+
+
+@pytest.mark.parametrize("loop", ["overlap", "plain"])
+def test_aborts_free_state_rows_and_reused_rows_start_from_zero(tiny_model_factory, loop):
+    """Requests aborted mid-prefill (between chunks) and mid-decode leave nothing held; requests that
+    run next in the same rows (and state slots) still produce HF's tokens."""
+    path = tiny_model_factory("qwen3_next")
+    prompts = workload(seed=7)
+    h = harness_for(path, loop, chunked_prefill_size=16, max_total_tokens=4096, max_running_requests=4)
+    for i, p in enumerate(prompts[:4]):
+        h.submit(f"gone{i}", p, max_new_tokens=30, ignore_eos=True)
+    for _ in range(4):
+        h.step()
+    for i in range(4):
+        h.scheduler.process_input_requests([AbortReq(rid=f"gone{i}")])
+    h.run_until_idle()
+    assert all(h.results[f"gone{i}"].finish.kind == "abort" for i in range(4))
+    assert h.scheduler.check_memory_integrity()
+    for i, p in enumerate(prompts[4:8]):
+        h.submit(str(i), p, max_new_tokens=12)
+    res = h.run_until_idle()
+    for i, p in enumerate(prompts[4:8]):
+        assert res[str(i)].ids == hf_greedy(path, p), f"request {i} in a reused row differs from HF"
+    _assert_hybrid_serving(h)
+
+
+def _pool() -> RecurrentStatePool:
+    return RecurrentStatePool(LinearStateShapes(2, (6, 3), (2, 4, 4)), 5, torch.float32, torch.float32, "cpu")
+
+
+def test_state_pool_read_zeroes_fresh_rows_only():
+    pool = _pool()
+    rows = torch.tensor([3, 1])
+    conv, ssm = torch.randn(2, 6, 3), torch.randn(2, 2, 4, 4)
+    pool.write(1, rows, conv, ssm)
+    got_conv, got_ssm = pool.read(1, rows, torch.tensor([False, False]))
+    assert torch.equal(got_conv, conv) and torch.equal(got_ssm, ssm)
+    got_conv, got_ssm = pool.read(1, torch.tensor([1, 3]), torch.tensor([True, False]))  # row 1 starts anew
+    assert not got_conv[0].any() and not got_ssm[0].any()
+    assert torch.equal(got_conv[1], conv[0]) and torch.equal(got_ssm[1], ssm[0])
+    assert torch.equal(pool.read(1, torch.tensor([1]), torch.tensor([False]))[0][0], conv[1]), \
+        "a read never changes the pool"
+    assert not pool.conv[0].any() and not pool.ssm[0].any(), "layers are independent"
+
+
+def test_state_pool_sizes_and_dtypes():
+    shapes = LinearStateShapes(3, (10, 3), (4, 8, 8))
+    pool = RecurrentStatePool(shapes, 7, torch.bfloat16, torch.float32, "cpu")
+    assert pool.size_bytes() == 7 * shapes.bytes_per_row(torch.bfloat16, torch.float32)
+    assert [t.shape for t in pool.ssm] == [torch.Size([7, 4, 8, 8])] * 3
+    assert pool.conv[0].dtype == torch.bfloat16 and pool.ssm[0].dtype == torch.float32
+    with pytest.raises(AssertionError):
+        LinearStateShapes(0, (10, 3), (4, 8, 8))
+
+
+def test_hybrid_archs_cover_the_registry():
+    from baton.engine.models import supported_architectures
+
+    assert {"Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"} <= set(supported_architectures())
+    assert set(HYBRID_ARCHS) <= set(ARCH_DEFAULTS)
+
+
+def test_partial_rotary_equals_hf():
+    """partial_rotary_factor 0.25: the first quarter of each head rotated, the rest passed through,
+    exactly HF's Qwen3-Next rotary embedding and apply_rotary_pos_emb."""
+    from transformers import Qwen3NextConfig
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRotaryEmbedding, apply_rotary_pos_emb
+
+    from baton.engine.layers.rotary_embedding import RotaryEmbedding, compute_inv_freq
+
+    config = Qwen3NextConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    rope = RotaryEmbedding(32, *compute_inv_freq(config, 32))
+    assert rope.rotary_dim == 8
+    positions = torch.arange(5, 42)
+    q, k = torch.randn(37, 4 * 32), torch.randn(37, 2 * 32)
+    cos, sin = Qwen3NextRotaryEmbedding(config)(q, positions[None])
+    want_q, want_k = apply_rotary_pos_emb(q.view(1, 37, 4, 32), k.view(1, 37, 2, 32), cos, sin, unsqueeze_dim=2)
+    got_q, got_k = rope(positions, q, k)
+    torch.testing.assert_close(got_q, want_q.reshape(37, -1), rtol=0, atol=1e-6)
+    torch.testing.assert_close(got_k, want_k.reshape(37, -1), rtol=0, atol=1e-6)
+    assert torch.equal(got_q.view(37, 4, 32)[..., 8:], q.view(37, 4, 32)[..., 8:])
