@@ -15,10 +15,10 @@ CHART = REPO / "charts" / "baton"
 RELEASE, NS = "e2e", "e2e-helm"
 
 
-def render(values: dict[str, Any]) -> list[dict[str, Any]]:
+def render(values: dict[str, Any], release: str = RELEASE) -> list[dict[str, Any]]:
     with helm.Chart.load(str(CHART)) as chart:
         chart.validate_schema(values)
-        rendered = chart.render(values, name=RELEASE, namespace=NS)
+        rendered = chart.render(values, name=release, namespace=NS)
     return [d for name, text in sorted(rendered.items()) if name.endswith(".yaml")
             for d in yaml.safe_load_all(text) if d]
 
@@ -59,6 +59,32 @@ def test_rendered_chart_applies_cleanly(control_plane: ControlPlane, namespace: 
                                     ("create", "deployments.apps", "yes"), ("get", "secrets", "no")):
         got = can_i(control_plane, verb, resource, "default", sa)
         assert got.stdout.strip() == allowed, (verb, resource, got.stdout)
+
+
+def test_chart_with_watch_namespaces_grants_only_those(control_plane: ControlPlane, namespace: str):
+    """operator.watchNamespaces: Deployments, pods and RBAC in the watched namespace only; cluster-wide
+    nothing but what kopf reads there (namespaces, CRDs)."""
+    watched = create_namespace(control_plane, "e2e-helm-watched")
+    for path in sorted((CHART / "crds").glob("*.yaml")):  # can-i resolves baton.dev's resources
+        control_plane.kubectl("apply", "-f", str(path))
+    objs = [o for o in render({"operator": {"watchNamespaces": [watched]}}, release="e2e-scoped")
+            if o["kind"] in ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding")]
+    assert {o["kind"] for o in objs} == {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"}
+    for obj in objs:  # as `helm install -n NS` does: the Roles name their own namespaces
+        if not obj["kind"].startswith("Cluster"):
+            obj["metadata"].setdefault("namespace", NS)
+    result = control_plane.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(objs))
+    assert "Warning" not in result.stderr, result.stderr
+    [sa] = [o["metadata"]["name"] for o in objs if o["kind"] == "ServiceAccount"]
+    user = f"system:serviceaccount:{NS}:{sa}"
+    for verb, resource, ns, allowed in (
+            ("create", "deployments.apps", watched, "yes"), ("create", "roles.rbac.authorization.k8s.io", watched, "yes"),
+            ("watch", "pods", watched, "yes"), ("patch", "inferenceservices.baton.dev/status", watched, "yes"),
+            ("create", "deployments.apps", "default", "no"), ("watch", "pods", "default", "no"),
+            ("list", "inferenceservices.baton.dev", None, "no"),
+            ("watch", "namespaces", None, "yes"), ("watch", "customresourcedefinitions.apiextensions.k8s.io", None, "yes")):
+        got = can_i(control_plane, verb, resource, ns, user)
+        assert got.stdout.strip() == allowed, (verb, resource, ns, got.stdout)
 
 
 def _resource(obj: dict[str, Any]) -> str:

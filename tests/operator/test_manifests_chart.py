@@ -13,7 +13,7 @@ import yaml
 
 from baton.operator.builders import build_children
 from baton.operator.crd import build_crd
-from baton.operator.install import CLUSTER_ROLE_RULES
+from baton.operator.install import CLUSTER_ROLE_RULES, CLUSTER_SCOPED_RULES, NAMESPACED_RULES
 from baton.operator.spec import parse
 from baton_testing.kube.objects import isvc_body
 
@@ -109,6 +109,28 @@ def test_chart_options_monitoring_namespaces_dashboards(chart: str):
     assert board["title"] and board["panels"]
     objs = render(chart, {"dashboards": {"enabled": False}})
     assert "ConfigMap" not in {o["kind"] for o in objs}
+
+
+def test_chart_with_watch_namespaces_grants_namespaced_rules_only_there(chart: str):
+    objs = render(chart, {"operator": {"watchNamespaces": ["team-a", "team-b"]}})
+    for obj in objs:
+        k8s_validate(obj)
+    [cluster_role] = [o for o in objs if o["kind"] == "ClusterRole"]
+    assert cluster_role["rules"] == CLUSTER_SCOPED_RULES  # only what kopf reads cluster-wide
+    [binding] = [o for o in objs if o["kind"] == "ClusterRoleBinding"]
+    assert binding["roleRef"]["name"] == cluster_role["metadata"]["name"]
+    roles = {o["metadata"]["namespace"]: o for o in objs if o["kind"] == "Role"}
+    bindings = {o["metadata"]["namespace"]: o for o in objs if o["kind"] == "RoleBinding"}
+    assert set(roles) == set(bindings) == {"team-a", "team-b"}
+    [sa] = [o for o in objs if o["kind"] == "ServiceAccount"]
+    for ns, role in roles.items():
+        assert role["rules"] == NAMESPACED_RULES, ns
+        assert bindings[ns]["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                           "name": role["metadata"]["name"]}
+        assert bindings[ns]["subjects"] == [{"kind": "ServiceAccount", "name": sa["metadata"]["name"],
+                                             "namespace": "baton-system"}]
+    assert not [o for o in render(chart, {"operator": {"watchNamespaces": ["team-a"]}, "rbac": {"create": False}})
+                if o["kind"] in ("Role", "RoleBinding", "ClusterRole", "ClusterRoleBinding")]
 
 
 def test_chart_values_schema_refuses_wrong_values(chart: str):

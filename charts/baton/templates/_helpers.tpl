@@ -26,3 +26,42 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- default "default" .Values.serviceAccount.name -}}
 {{- end -}}
 {{- end -}}
+
+{{/* The operator's RBAC rules: baton.operator.install.NAMESPACED_RULES and CLUSTER_SCOPED_RULES (a test
+checks). With operator.watchNamespaces the namespaced ones go into a Role in each watched namespace. */}}
+{{- define "baton.namespacedRules" -}}
+- apiGroups: [baton.dev]
+  resources: [inferenceservices]
+  verbs: [get, list, watch, patch]
+- apiGroups: [baton.dev]
+  resources: [inferenceservices/status]
+  verbs: [get, patch]
+- apiGroups: [apps]
+  resources: [deployments]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [""]
+  resources: [services, serviceaccounts, configmaps]
+  verbs: [get, create, patch, delete]
+- apiGroups: [rbac.authorization.k8s.io]
+  resources: [roles, rolebindings]
+  verbs: [get, create, patch, delete]
+- apiGroups: [monitoring.coreos.com]
+  resources: [podmonitors, servicemonitors]
+  verbs: [get, create, patch, delete]
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [get, list, watch]
+- apiGroups: [""]
+  resources: [events]
+  verbs: [create, patch]
+{{- end -}}
+
+{{/* What kopf reads cluster-wide even when it watches a few namespaces: CRDs and namespaces. */}}
+{{- define "baton.clusterRules" -}}
+- apiGroups: [apiextensions.k8s.io]
+  resources: [customresourcedefinitions]
+  verbs: [get, list, watch]
+- apiGroups: [""]
+  resources: [namespaces]
+  verbs: [get, list, watch]
+{{- end -}}
