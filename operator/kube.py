@@ -2,13 +2,15 @@
 
 Plain REST over aiohttp: GET/POST/JSON-merge-PATCH/DELETE by kind and name, credentials from kopf's
 login helpers (service account in a pod, else kubeconfig). Names, not label selectors, find children,
-so it behaves the same against a real API server and an emulated one.
+so it behaves the same against a real API server and an emulated one; the one list (pods, for the
+status) is filtered again by its caller.
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
+import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -175,6 +177,12 @@ class KubeClient:
             if e.status == 404:
                 return None
             raise
+
+    async def list(self, kind: Kind, namespace: str, labels: dict[str, str]) -> list[dict[str, Any]]:
+        """Objects of `kind` in `namespace` with these labels (an emulated server may ignore them)."""
+        selector = ",".join(f"{k}={v}" for k, v in labels.items())
+        query = urllib.parse.urlencode({"labelSelector": selector})
+        return (await self.request("GET", f"{kind.path(namespace)}?{query}")).get("items") or []
 
     async def create(self, obj: dict[str, Any]) -> dict[str, Any]:
         kind = kind_of(obj)

@@ -78,6 +78,15 @@ async def fetch_deployments(client: KubeClient, isvc: InferenceService) -> dict[
     return {r: await client.get(kind, isvc.namespace, naming.child_name(isvc.name, r)) for r in roles}
 
 
+async def fetch_pods(client: KubeClient, isvc: InferenceService) -> list[dict[str, Any]]:
+    """The service's pods (for the scheduler's verdicts); none when they cannot be read: the status
+    then says only what the Deployments say."""
+    try:
+        return await client.list(KINDS["Pod"], isvc.namespace, {naming.SERVICE_LABEL: isvc.name})
+    except ApiError:
+        return []
+
+
 def _kept_problem(status: Mapping[str, Any]) -> tuple[str, str] | None:
     """The problem the last reconcile found (its `Reconciled` condition), for status-only refreshes."""
     for c in status.get("conditions", []):
@@ -99,8 +108,8 @@ async def publish(client: KubeClient, body: Mapping[str, Any], new: dict[str, An
 
 async def refresh_status(client: KubeClient, body: Mapping[str, Any], result: ReconcileResult | None = None,
                          failed: tuple[str, str] | None = None) -> dict[str, Any] | None:
-    """Recompute the status from the child Deployments and publish it. None for an invalid spec
-    (its InvalidSpec status stays until the spec is fixed).
+    """Recompute the status from the child Deployments and their pods and publish it. None for an
+    invalid spec (its InvalidSpec status stays until the spec is fixed).
 
     After a reconcile: its `result`, or the (reason, message) that made it `failed` (ApiRefused,
     NameTaken). Neither: a refresh on a Deployment event, which keeps the last reconcile's problem."""
@@ -114,7 +123,8 @@ async def refresh_status(client: KubeClient, body: Mapping[str, Any], result: Re
     else:
         observed = previous.get("observedGeneration", 0)
         problem = failed or _kept_problem(previous)
-    status = compute_status(isvc, await fetch_deployments(client, isvc), previous, now(), observed, problem)
+    status = compute_status(isvc, await fetch_deployments(client, isvc), previous, now(), observed, problem,
+                            pods=await fetch_pods(client, isvc))
     await publish(client, body, status)
     return status
 

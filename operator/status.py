@@ -1,7 +1,9 @@
-"""InferenceService status from its child Deployments (pure: the caller fetches and publishes).
+"""InferenceService status from its child Deployments and their pods (pure: the caller fetches).
 
 Ready means a request can be served: at least one ready router pod (its readiness is `/health`) and at
 least one ready pod of every engine role. Every condition that is not as it should be says what to do.
+Pods the scheduler cannot place (`PodScheduled=False`, e.g. `Insufficient nvidia.com/gpu`) say so: a
+Deployment only notices them when its progress deadline (30 min for engines) runs out.
 """
 from __future__ import annotations
 
@@ -32,6 +34,8 @@ class RoleState:
     rolled_out: bool  # the Deployment's controller has caught up and no old pods remain
     failure: tuple[str, str] | None  # (reason, message) from the Deployment's conditions
     exists: bool
+    unscheduled: int = 0  # pods the scheduler cannot place
+    unscheduled_reason: tuple[str, str] | None = None  # (reason, message) of the first of them
 
     def as_status(self) -> dict[str, Any]:
         return {"desiredReplicas": self.desired, "readyReplicas": self.ready,
@@ -39,9 +43,13 @@ class RoleState:
                 "summary": f"{self.ready}/{self.desired}"}
 
 
-def role_state(role: Role, desired: int, deployment: Mapping[str, Any] | None) -> RoleState:
+def role_state(role: Role, desired: int, deployment: Mapping[str, Any] | None,
+               pods: Sequence[Mapping[str, Any]] = ()) -> RoleState:
+    """`pods`: this role's pods (any of them; others are ignored by the caller's selector)."""
+    unscheduled = [c for c in map(_unscheduled, pods) if c is not None]
+    first = unscheduled[0] if unscheduled else None
     if deployment is None:
-        return RoleState(role, desired, 0, 0, 0, False, None, exists=False)
+        return RoleState(role, desired, 0, 0, 0, False, None, False, len(unscheduled), first)
     st = deployment.get("status") or {}
     generation = deployment.get("metadata", {}).get("generation", 0)
     desired = deployment.get("spec", {}).get("replicas", desired)
@@ -54,11 +62,33 @@ def role_state(role: Role, desired: int, deployment: Mapping[str, Any] | None) -
             failure = ("ReplicaFailure", c.get("message", ""))
         elif c.get("type") == "Progressing" and c.get("reason") == "ProgressDeadlineExceeded":
             failure = ("ProgressDeadlineExceeded", c.get("message", ""))
-    return RoleState(role, desired, ready, updated, st.get("availableReplicas", 0), rolled_out, failure, True)
+    return RoleState(role, desired, ready, updated, st.get("availableReplicas", 0), rolled_out, failure, True,
+                     len(unscheduled), first)
+
+
+def _unscheduled(pod: Mapping[str, Any]) -> tuple[str, str] | None:
+    """(reason, message) of a live pod's `PodScheduled=False` condition, e.g. ("Unschedulable",
+    "0/3 nodes are available: 3 Insufficient nvidia.com/gpu.")."""
+    if pod.get("metadata", {}).get("deletionTimestamp"):
+        return None
+    for c in (pod.get("status") or {}).get("conditions", []):
+        if c.get("type") == "PodScheduled" and c.get("status") == "False":
+            return c.get("reason") or "Unschedulable", c.get("message", "").strip()
+    return None
+
+
+def _unscheduled_message(s: RoleState) -> str:
+    assert s.unscheduled_reason is not None
+    pods = f"{s.unscheduled} {s.role.suffix} pod{'s' if s.unscheduled > 1 else ''}"
+    return f"{pods} cannot be scheduled: {s.unscheduled_reason[1].rstrip('.')}"
+
+
+def _selector(isvc: InferenceService, role: Role) -> str:
+    return ",".join(f"{k}={v}" for k, v in naming.selector_labels(isvc.name, role).items())
 
 
 def _pods_hint(isvc: InferenceService, role: Role) -> str:
-    sel = ",".join(f"{k}={v}" for k, v in naming.selector_labels(isvc.name, role).items())
+    sel = _selector(isvc, role)
     return f"`kubectl -n {isvc.namespace} describe pods -l {sel}` and `kubectl logs -l {sel}`"
 
 
@@ -69,6 +99,12 @@ def _role_condition(isvc: InferenceService, s: RoleState) -> tuple[bool, str, st
                                             "not exist yet; the operator creates it on its next reconcile.")
     if s.desired == 0:
         return False, "ScaledToZero", f"replicas is 0 for {what}: set it to at least 1 to serve."
+    if s.unscheduled_reason is not None and s.ready < s.desired:
+        return False, s.unscheduled_reason[0], (
+            f"{s.ready}/{s.desired} {what} ready; {_unscheduled_message(s)}. Free or add nodes with what the "
+            f"pods request, or lower gpus/replicas or fix nodeSelector/tolerations/affinity in "
+            f"spec.{s.role.spec_key}; the scheduler's events: `kubectl -n {isvc.namespace} describe pods -l "
+            f"{_selector(isvc, s.role)}`.")
     if s.failure is not None:
         reason, msg = s.failure
         return False, reason, (f"{s.ready}/{s.desired} {what} ready: {msg} Check {_pods_hint(isvc, s.role)}"
@@ -96,8 +132,13 @@ def _ready(isvc: InferenceService, states: list[RoleState], endpoint: str,
     missing = [s for s in states if s.ready == 0]
     if missing:
         roles = ", ".join(s.role.suffix for s in missing)
-        return False, "NotServing", (f"no ready {roles} pod, so the router cannot serve yet; see the "
-                                     f"{', '.join(CONDITION_TYPES[s.role] for s in missing)} condition.")
+        see = f"see the {', '.join(CONDITION_TYPES[s.role] for s in missing)} condition."
+        stuck = [s for s in missing if s.unscheduled_reason is not None]
+        if stuck:
+            return False, stuck[0].unscheduled_reason[0], (
+                f"no ready {roles} pod, so the router cannot serve yet: "
+                f"{'; '.join(_unscheduled_message(s) for s in stuck)}; {see}")
+        return False, "NotServing", f"no ready {roles} pod, so the router cannot serve yet; {see}"
     partial = [f"{s.ready}/{s.desired} {s.role.suffix}" for s in states if s.ready < s.desired]
     extra = f" with reduced capacity ({', '.join(partial)} pods ready)" if partial else ""
     return True, "Serving", f"serving model {isvc.spec.model.name!r} at {endpoint}{extra}."
@@ -111,6 +152,11 @@ def _progressing(states: list[RoleState], spec_applied: bool,
                                                    "finish rolling out in time; see the role conditions.")
     if problem is not None and problem[0] in BLOCKING_PROBLEMS:
         return False, problem[0], "the latest spec cannot be applied; see the Degraded condition."
+    unplaced = [s for s in states if s.unscheduled_reason is not None and s.ready < s.desired]
+    if unplaced:
+        return False, unplaced[0].unscheduled_reason[0], (
+            f"waiting for the scheduler: {'; '.join(_unscheduled_message(s) for s in unplaced)}; "
+            "see the role conditions.")
     if not spec_applied:
         return True, "Reconciling", "the operator is applying the latest spec."
     rolling = [f"{s.role.suffix} ({s.updated}/{s.desired} updated, {s.ready} ready)"
@@ -123,9 +169,14 @@ def _progressing(states: list[RoleState], spec_applied: bool,
 def _degraded(isvc: InferenceService, states: list[RoleState],
               problem: tuple[str, str] | None) -> tuple[bool, str, str]:
     """Every problem in the message; the reason of the first: a spec that cannot be applied, then
-    failing pods, then what only a part of the service misses (monitoring)."""
+    failing pods (not created, not scheduled, a rollout past its deadline), then what only a part of
+    the service misses (monitoring)."""
     found = [(s.failure[0], f"{s.role.suffix}: {s.failure[1]} Check {_pods_hint(isvc, s.role)}.")
-             for s in states if s.failure]
+             for s in states if s.failure and s.failure[0] == "ReplicaFailure"]
+    found += [(s.unscheduled_reason[0], f"{_unscheduled_message(s)}. See the {CONDITION_TYPES[s.role]} condition.")
+              for s in states if s.unscheduled_reason is not None and s.ready < s.desired]
+    found += [(s.failure[0], f"{s.role.suffix}: {s.failure[1]} Check {_pods_hint(isvc, s.role)}.")
+              for s in states if s.failure and s.failure[0] != "ReplicaFailure"]
     if problem is not None:
         found.insert(0 if problem[0] in BLOCKING_PROBLEMS else len(found), problem)
     if not found:
@@ -139,10 +190,19 @@ def _reconciled(isvc: InferenceService, problem: tuple[str, str] | None) -> tupl
     return True, "Applied", "every child object of the spec is applied."
 
 
+def _pods_of(isvc: InferenceService, role: Role, pods: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    want = naming.selector_labels(isvc.name, role).items()
+    return [p for p in pods if want <= (p.get("metadata", {}).get("labels") or {}).items()]
+
+
 def compute_status(isvc: InferenceService, deployments: Mapping[Role, Mapping[str, Any] | None],
                    previous: Mapping[str, Any], now: str, observed_generation: int,
-                   problem: tuple[str, str] | None = None) -> dict[str, Any]:
+                   problem: tuple[str, str] | None = None,
+                   pods: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any]:
     """The whole `.status` (minus nothing): roles, conditions, endpoint.
+
+    `pods`: the service's pods (others are ignored), for what the Deployments do not say: pods
+    the scheduler cannot place.
 
     `problem` is a (reason, message) the reconciler found besides the Deployments, kept in the
     `Reconciled` condition: missing Prometheus Operator CRDs (Degraded, still Ready), a child name taken
@@ -152,7 +212,7 @@ def compute_status(isvc: InferenceService, deployments: Mapping[Role, Mapping[st
 
     roles = [*isvc.spec.roles, Role.ROUTER]
     desired = {**{r: s.replicas for r, s in isvc.spec.roles.items()}, Role.ROUTER: isvc.spec.router.replicas}
-    states = [role_state(r, desired[r], deployments.get(r)) for r in roles]
+    states = [role_state(r, desired[r], deployments.get(r), _pods_of(isvc, r, pods)) for r in roles]
     endpoint = endpoint_url(isvc)
     prev = previous.get("conditions", [])
     gen = observed_generation

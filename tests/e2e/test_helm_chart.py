@@ -78,11 +78,13 @@ def test_chart_with_watch_namespaces_grants_only_those(control_plane: ControlPla
     [sa] = [o["metadata"]["name"] for o in objs if o["kind"] == "ServiceAccount"]
     user = f"system:serviceaccount:{NS}:{sa}"
     for verb, resource, ns, allowed in (
-            ("create", "deployments.apps", watched, "yes"), ("create", "roles.rbac.authorization.k8s.io", watched, "yes"),
+            ("create", "deployments.apps", watched, "yes"),
+            ("create", "roles.rbac.authorization.k8s.io", watched, "yes"),
             ("watch", "pods", watched, "yes"), ("patch", "inferenceservices.baton.dev/status", watched, "yes"),
             ("create", "deployments.apps", "default", "no"), ("watch", "pods", "default", "no"),
             ("list", "inferenceservices.baton.dev", None, "no"),
-            ("watch", "namespaces", None, "yes"), ("watch", "customresourcedefinitions.apiextensions.k8s.io", None, "yes")):
+            ("watch", "namespaces", None, "yes"),
+            ("watch", "customresourcedefinitions.apiextensions.k8s.io", None, "yes")):
         got = can_i(control_plane, verb, resource, ns, user)
         assert got.stdout.strip() == allowed, (verb, resource, ns, got.stdout)
 

@@ -6,8 +6,8 @@ import json
 from typing import Any
 
 import pytest
-from e2e_support import (children, create_namespace, get_json, isvc_condition, pod_ready, printer_row,
-                         sample, wait_for)
+from e2e_support import (children, conditions, create_namespace, get_json, get_or_none, isvc_condition,
+                         pod_ready, printer_row, sample, wait_for)
 
 from baton_testing.kube.controlplane import ControlPlane
 
@@ -96,3 +96,16 @@ def test_scaling_changes_only_replicas(control_plane: ControlPlane, running):
     wait_for(lambda: printer_row(control_plane, NS, NAME)["PREFILL"] == "2/2", "printer column PREFILL 2/2")
     dep = get_json(control_plane, "deployment", f"{NAME}-prefill", "-n", NS)
     assert dep["spec"]["replicas"] == 2
+
+
+def test_pods_the_scheduler_cannot_place_are_said_in_the_status(control_plane: ControlPlane, operator):
+    """kwok's nodes have no GPUs: the real scheduler's verdict reaches the conditions within a resync."""
+    ns = create_namespace(control_plane, "e2e-unschedulable")
+    control_plane.apply([sample("cpu-smollm2.yaml", ns, decode={"gpus": 8, "dp": 8})])
+    decode = wait_for(lambda: (c := conditions(get_or_none(control_plane, "inferenceservice", NAME, "-n", ns))
+                               .get("DecodeReady")) and c["reason"] == "Unschedulable" and c,
+                      "DecodeReady=False, reason Unschedulable", timeout=60)
+    assert "Insufficient nvidia.com/gpu" in decode["message"] and "spec.decode" in decode["message"]
+    ready = conditions(get_or_none(control_plane, "inferenceservice", NAME, "-n", ns))["Ready"]
+    assert ready["reason"] == "Unschedulable" and "Insufficient nvidia.com/gpu" in ready["message"]
+    control_plane.kubectl("delete", "inferenceservice", NAME, "-n", ns, "--wait=false")

@@ -1,6 +1,7 @@
 """Pure parts of reconciling: the merge patch sent to children, and the status computed from them."""
 from __future__ import annotations
 
+from baton.operator import naming
 from baton.operator.apply import merge_patch
 from baton.operator.naming import Role
 from baton.operator.spec import parse
@@ -214,3 +215,44 @@ def test_a_child_as_the_api_server_stores_it_has_not_drifted_and_edits_by_others
     assert edited("Deployment", "demo-decode", image)
     assert edited("Role", "demo-router", widen) and edited("Role", "demo-router", more_rules)
     assert edited("Service", "demo-router", elsewhere) and edited("Service", "demo-router", narrower)
+
+
+GPU_SHORTAGE = "0/3 nodes are available: 3 Insufficient nvidia.com/gpu. preemption: 0/3 nodes are available"
+
+
+def pod(role: Role, name: str, unschedulable: str | None = None, service: str = "demo") -> dict:
+    scheduled = ({"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": unschedulable}
+                 if unschedulable else {"type": "PodScheduled", "status": "True"})
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": "default",
+                         "labels": {**naming.selector_labels(service, role), "pod-template-hash": "abc"}},
+            "status": {"phase": "Pending" if unschedulable else "Running", "conditions": [scheduled]}}
+
+
+def test_unschedulable_pods_say_why_instead_of_loading_the_model():
+    isvc = parse(isvc_body(decode={"replicas": 2}))
+    deps = {Role.PREFILL: deployment(1, 1), Role.DECODE: deployment(2, 0), Role.ROUTER: deployment(1, 1)}
+    pods = [pod(Role.PREFILL, "demo-prefill-a"),
+            pod(Role.DECODE, "demo-decode-a", GPU_SHORTAGE + "."), pod(Role.DECODE, "demo-decode-b", GPU_SHORTAGE),
+            pod(Role.PREFILL, "other-prefill-a", "0/3 nodes: something else", service="other")]
+    c = conds(compute_status(isvc, deps, {}, NOW, 1, pods=pods))
+    decode = c["DecodeReady"]
+    assert (decode["status"], decode["reason"]) == ("False", "Unschedulable")
+    assert "2 decode pods cannot be scheduled: " + GPU_SHORTAGE in decode["message"]
+    assert "spec.decode" in decode["message"] and "loading the model" not in decode["message"]
+    assert (c["Ready"]["status"], c["Ready"]["reason"]) == ("False", "Unschedulable")
+    assert GPU_SHORTAGE in c["Ready"]["message"]
+    assert (c["Progressing"]["status"], c["Progressing"]["reason"]) == ("False", "Unschedulable")
+    assert GPU_SHORTAGE in c["Progressing"]["message"]
+    assert (c["Degraded"]["status"], c["Degraded"]["reason"]) == ("True", "Unschedulable")
+    assert c["PrefillReady"]["reason"] == "AllReady"  # another service's pods do not count
+
+
+def test_one_unschedulable_pod_of_a_serving_role_is_reduced_capacity():
+    isvc = parse(isvc_body(decode={"replicas": 2}))
+    deps = {Role.PREFILL: deployment(1, 1), Role.DECODE: deployment(2, 1), Role.ROUTER: deployment(1, 1)}
+    pods = [pod(Role.DECODE, "demo-decode-a"), pod(Role.DECODE, "demo-decode-b", GPU_SHORTAGE)]
+    c = conds(compute_status(isvc, deps, {}, NOW, 1, pods=pods))
+    assert (c["Ready"]["status"], c["Ready"]["reason"]) == ("True", "Serving")
+    assert "1 decode pod cannot be scheduled: " + GPU_SHORTAGE in c["DecodeReady"]["message"]
+    assert c["Degraded"]["reason"] == "Unschedulable"

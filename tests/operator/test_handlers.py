@@ -105,3 +105,22 @@ async def test_a_child_name_taken_by_a_foreign_object_stays_name_taken():
     assert conditions(client.find("InferenceService", "default", "demo"))["Degraded"]["reason"] == "NameTaken"
     assert client.find("Service", "default", "demo-router")["metadata"].get("ownerReferences") is None
     assert client.find("ConfigMap", "default", "demo-topology")["metadata"]["ownerReferences"][0]["name"] == "other"
+
+
+async def test_the_status_refresh_reads_the_scheduler_verdict_from_the_pods():
+    client = FakeClient()
+    memo = memo_for(client)
+    client.put(isvc_body(decode={"gpus": 8, "dp": 8, "replicas": 1024}))
+    await handlers.run_reconcile(client.find("InferenceService", "default", "demo"), memo, LOGGER, "create")
+    before = conditions(client.find("InferenceService", "default", "demo"))["DecodeReady"]
+    assert "loading the model" in before["message"]  # no pod yet: nothing says otherwise
+    shortage = "0/3 nodes are available: 3 Insufficient nvidia.com/gpu."
+    client.put({"apiVersion": "v1", "kind": "Pod", "metadata": {
+        "name": "demo-decode-x", "namespace": "default",
+        "labels": {"baton.dev/inference-service": "demo", "baton.dev/role": "decode"}},
+        "status": {"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "False",
+                                                       "reason": "Unschedulable", "message": shortage}]}})
+    await child_event(client, memo, "demo-decode")
+    c = conditions(client.find("InferenceService", "default", "demo"))
+    assert (c["DecodeReady"]["reason"], c["Ready"]["reason"]) == ("Unschedulable", "Unschedulable")
+    assert shortage.rstrip(".") in c["Ready"]["message"] and "loading the model" not in c["DecodeReady"]["message"]

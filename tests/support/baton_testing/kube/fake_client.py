@@ -51,6 +51,10 @@ class FakeClient:
     async def get(self, kind: Kind, namespace: str | None, name: str) -> dict[str, Any] | None:
         return self.find(kind.kind, namespace, name)
 
+    async def list(self, kind: Kind, namespace: str, labels: dict[str, str]) -> list[dict[str, Any]]:
+        return [copy.deepcopy(o) for (k, ns, _), o in self.objects.items() if (k, ns) == (kind.kind, namespace)
+                and labels.items() <= (o["metadata"].get("labels") or {}).items()]
+
     async def create(self, obj: dict[str, Any]) -> dict[str, Any]:
         kind_of(obj)
         key = (obj["kind"], obj["metadata"].get("namespace"), obj["metadata"]["name"])
