@@ -226,7 +226,9 @@ def status_schema() -> dict[str, Any]:
         "observedGeneration": {"type": "integer"}}}
     return {"type": "object", "properties": {
         "observedGeneration": {"type": "integer"}, "mode": {"type": "string"},
-        "endpoint": {"type": "string", "description": "URL of the router inside the cluster."},
+        "endpoint": {"type": "string", "description": "URL clients use: a LoadBalancer router Service's address "
+                                                   "(<pending> until it has one), else the router inside the cluster."},
+        "clusterEndpoint": {"type": "string", "description": "URL of the router inside the cluster."},
         "prefill": _role_status(), "decode": _role_status(), "engine": _role_status(),
         "router": _role_status(),
         "conditions": {"type": "array", "items": condition, "x-kubernetes-list-type": "map",

@@ -78,6 +78,13 @@ async def fetch_deployments(client: KubeClient, isvc: InferenceService) -> dict[
     return {r: await client.get(kind, isvc.namespace, naming.child_name(isvc.name, r)) for r in roles}
 
 
+async def fetch_router_service(client: KubeClient, isvc: InferenceService) -> dict[str, Any] | None:
+    """The live router Service when it is a LoadBalancer (its address is in its status), else None."""
+    if isvc.spec.router.service_type != "LoadBalancer":
+        return None
+    return await client.get(KINDS["Service"], isvc.namespace, naming.child_name(isvc.name, Role.ROUTER))
+
+
 async def fetch_pods(client: KubeClient, isvc: InferenceService) -> list[dict[str, Any]]:
     """The service's pods (for the scheduler's verdicts); none when they cannot be read: the status
     then says only what the Deployments say."""
@@ -124,7 +131,8 @@ async def refresh_status(client: KubeClient, body: Mapping[str, Any], result: Re
         observed = previous.get("observedGeneration", 0)
         problem = failed or _kept_problem(previous)
     status = compute_status(isvc, await fetch_deployments(client, isvc), previous, now(), observed, problem,
-                            pods=await fetch_pods(client, isvc))
+                            pods=await fetch_pods(client, isvc),
+                            router_service=await fetch_router_service(client, isvc))
     await publish(client, body, status)
     return status
 

@@ -22,6 +22,7 @@ STATUS_KEYS = {Role.PREFILL: "prefill", Role.DECODE: "decode", Role.COLOCATED: "
 # condition carries them, so a status refresh from Deployment events keeps them.
 BLOCKING_PROBLEMS = ("ApiRefused", "NameTaken")  # the latest spec is not applied
 RECONCILED = "Reconciled"
+PENDING = "<pending>"  # a LoadBalancer without an address yet, as `kubectl get services` says it
 
 
 @dataclass(frozen=True)
@@ -125,6 +126,18 @@ def condition(ctype: str, ok: bool, reason: str, message: str, generation: int,
             "lastTransitionTime": since, "observedGeneration": generation}
 
 
+def client_endpoint(isvc: InferenceService, router_service: Mapping[str, Any] | None, in_cluster: str) -> str:
+    """Where clients reach the router: a LoadBalancer Service's address (status.loadBalancer.ingress)
+    once it has one, else PENDING; the in-cluster URL for ClusterIP and NodePort."""
+    if isvc.spec.router.service_type != "LoadBalancer":
+        return in_cluster
+    for entry in ((router_service or {}).get("status") or {}).get("loadBalancer", {}).get("ingress") or []:
+        host = entry.get("ip") or entry.get("hostname")
+        if host:
+            return f"http://{f'[{host}]' if ':' in host else host}:{isvc.spec.router.service_port}"
+    return PENDING
+
+
 def _ready(isvc: InferenceService, states: list[RoleState], endpoint: str,
            problem: tuple[str, str] | None) -> tuple[bool, str, str]:
     if problem is not None and problem[0] == "ApiRefused":
@@ -142,6 +155,11 @@ def _ready(isvc: InferenceService, states: list[RoleState], endpoint: str,
     partial = [f"{s.ready}/{s.desired} {s.role.suffix}" for s in states if s.ready < s.desired]
     extra = f" with reduced capacity ({', '.join(partial)} pods ready)" if partial else ""
     return True, "Serving", f"serving model {isvc.spec.model.name!r} at {endpoint}{extra}."
+
+
+def _where(endpoint: str, in_cluster: str) -> str:
+    """The Ready message's address: the pending load balancer said, the in-cluster URL given."""
+    return f"{in_cluster} (the load balancer has no address yet)" if endpoint == PENDING else endpoint
 
 
 def _progressing(states: list[RoleState], spec_applied: bool,
@@ -198,11 +216,12 @@ def _pods_of(isvc: InferenceService, role: Role, pods: Sequence[Mapping[str, Any
 def compute_status(isvc: InferenceService, deployments: Mapping[Role, Mapping[str, Any] | None],
                    previous: Mapping[str, Any], now: str, observed_generation: int,
                    problem: tuple[str, str] | None = None,
-                   pods: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any]:
-    """The whole `.status` (minus nothing): roles, conditions, endpoint.
+                   pods: Sequence[Mapping[str, Any]] = (),
+                   router_service: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The whole `.status` (minus nothing): roles, conditions, endpoints.
 
     `pods`: the service's pods (others are ignored), for what the Deployments do not say: pods
-    the scheduler cannot place.
+    the scheduler cannot place. `router_service`: the live router Service, for a LoadBalancer's address.
 
     `problem` is a (reason, message) the reconciler found besides the Deployments, kept in the
     `Reconciled` condition: missing Prometheus Operator CRDs (Degraded, still Ready), a child name taken
@@ -213,17 +232,18 @@ def compute_status(isvc: InferenceService, deployments: Mapping[Role, Mapping[st
     roles = [*isvc.spec.roles, Role.ROUTER]
     desired = {**{r: s.replicas for r, s in isvc.spec.roles.items()}, Role.ROUTER: isvc.spec.router.replicas}
     states = [role_state(r, desired[r], deployments.get(r), _pods_of(isvc, r, pods)) for r in roles]
-    endpoint = endpoint_url(isvc)
+    in_cluster = endpoint_url(isvc)
+    endpoint = client_endpoint(isvc, router_service, in_cluster)
     prev = previous.get("conditions", [])
     gen = observed_generation
     conds = [condition(CONDITION_TYPES[s.role], *_role_condition(isvc, s), gen, prev, now) for s in states]
-    conds.insert(0, condition("Ready", *_ready(isvc, states, endpoint, problem), gen, prev, now))
+    conds.insert(0, condition("Ready", *_ready(isvc, states, _where(endpoint, in_cluster), problem), gen, prev, now))
     conds.append(condition("Progressing", *_progressing(states, observed_generation >= isvc.generation,
                                                         problem), gen, prev, now))
     conds.append(condition("Degraded", *_degraded(isvc, states, problem), gen, prev, now))
     conds.append(condition(RECONCILED, *_reconciled(isvc, problem), gen, prev, now))
     status: dict[str, Any] = {"observedGeneration": observed_generation, "mode": isvc.spec.mode.value,
-                              "endpoint": endpoint, "conditions": conds}
+                              "endpoint": endpoint, "clusterEndpoint": in_cluster, "conditions": conds}
     for s in states:
         status[STATUS_KEYS[s.role]] = s.as_status()
     return status

@@ -256,3 +256,33 @@ def test_one_unschedulable_pod_of_a_serving_role_is_reduced_capacity():
     assert (c["Ready"]["status"], c["Ready"]["reason"]) == ("True", "Serving")
     assert "1 decode pod cannot be scheduled: " + GPU_SHORTAGE in c["DecodeReady"]["message"]
     assert c["Degraded"]["reason"] == "Unschedulable"
+
+
+def router_service(ingress: list | None = None) -> dict:
+    return {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "demo-router", "namespace": "default"},
+            "spec": {"type": "LoadBalancer", "ports": [{"port": 80}]},
+            "status": {"loadBalancer": {"ingress": ingress} if ingress is not None else {}}}
+
+
+def test_a_load_balancer_endpoint_is_its_address_once_it_has_one():
+    isvc = parse(isvc_body(router={"service": {"type": "LoadBalancer", "port": 80}}))
+    ready = {Role.PREFILL: deployment(1, 1), Role.DECODE: deployment(1, 1), Role.ROUTER: deployment(1, 1)}
+    in_cluster = "http://demo-router.default.svc:80"
+    for service in (None, router_service(), router_service([])):
+        st = compute_status(isvc, ready, {}, NOW, 1, router_service=service)
+        assert st["endpoint"] == "<pending>" and st["clusterEndpoint"] == in_cluster
+        ready_msg = conds(st)["Ready"]["message"]
+        assert in_cluster in ready_msg and "load balancer has no address yet" in ready_msg
+    for ingress, url in (([{"ip": "203.0.113.7"}], "http://203.0.113.7:80"),
+                         ([{"hostname": "a1b2.elb.example.com"}], "http://a1b2.elb.example.com:80"),
+                         ([{"ip": "2001:db8::7"}], "http://[2001:db8::7]:80")):
+        st = compute_status(isvc, ready, {}, NOW, 1, router_service=router_service(ingress))
+        assert (st["endpoint"], st["clusterEndpoint"]) == (url, in_cluster)
+        assert f"serving model 'tiny' at {url}" in conds(st)["Ready"]["message"]
+
+
+def test_a_cluster_ip_endpoint_is_the_in_cluster_url():
+    isvc = parse(isvc_body())
+    ready = {Role.PREFILL: deployment(1, 1), Role.DECODE: deployment(1, 1), Role.ROUTER: deployment(1, 1)}
+    st = compute_status(isvc, ready, {}, NOW, 1, router_service=router_service([{"ip": "203.0.113.7"}]))
+    assert st["endpoint"] == st["clusterEndpoint"] == "http://demo-router.default.svc:8000"

@@ -124,3 +124,16 @@ async def test_the_status_refresh_reads_the_scheduler_verdict_from_the_pods():
     c = conditions(client.find("InferenceService", "default", "demo"))
     assert (c["DecodeReady"]["reason"], c["Ready"]["reason"]) == ("Unschedulable", "Unschedulable")
     assert shortage.rstrip(".") in c["Ready"]["message"] and "loading the model" not in c["DecodeReady"]["message"]
+
+
+async def test_the_status_refresh_reads_the_load_balancer_address():
+    client = FakeClient()
+    memo = memo_for(client)
+    client.put(isvc_body(router={"service": {"type": "LoadBalancer"}}))
+    await handlers.run_reconcile(client.find("InferenceService", "default", "demo"), memo, LOGGER, "create")
+    assert client.find("InferenceService", "default", "demo")["status"]["endpoint"] == "<pending>"
+    client.objects[("Service", "default", "demo-router")]["status"] = {
+        "loadBalancer": {"ingress": [{"ip": "203.0.113.7"}]}}
+    await handlers.run_reconcile(client.find("InferenceService", "default", "demo"), memo, LOGGER, "resync")
+    st = client.find("InferenceService", "default", "demo")["status"]
+    assert (st["endpoint"], st["clusterEndpoint"]) == ("http://203.0.113.7:8000", "http://demo-router.default.svc:8000")
