@@ -28,7 +28,9 @@ def register_openai_routes(app: FastAPI, ctx: ApiContext) -> None:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req = parse(CompletionRequest, await read_json(request, ctx.server_args.max_request_bytes))
+        body = await read_json(request, ctx.server_args.max_request_bytes)
+        _reject_prompt_parts(body.get("prompt"))
+        req = parse(CompletionRequest, body)
         _check_model(ctx, req.model)
         reject_unsupported(req)
         prompts = _completion_prompts(req.prompt)
@@ -146,9 +148,28 @@ def text_message(message: dict[str, Any]) -> dict[str, Any]:
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind != "text" or not isinstance(part.get("text"), str):
-            raise RequestError(f"content part of type {kind!r} is not supported: this model takes text only", 400)
+            raise _unsupported_part(kind)
         texts.append(part["text"])
     return {**message, "content": "\n".join(texts)}
+
+
+# OpenAI's (and SGLang's) content parts that carry media
+_MEDIA_PARTS = frozenset({"image_url", "input_image", "video_url", "input_audio", "audio_url", "file"})
+
+
+def _unsupported_part(kind: Any) -> RequestError:
+    if kind in _MEDIA_PARTS:
+        return RequestError(f"content part of type {kind!r}: multimodal input is not supported yet "
+                            "(this server takes text only)", 400)
+    return RequestError(f"content part of type {kind!r} is not supported: this model takes text only", 400)
+
+
+def _reject_prompt_parts(prompt: Any) -> None:
+    """A completion prompt of content parts (as a chat message's) is refused by name, not as a bad field."""
+    if isinstance(prompt, list):
+        for part in prompt:
+            if isinstance(part, dict):
+                raise _unsupported_part(part.get("type"))
 
 
 def _completion_prompts(prompt: Any) -> list:

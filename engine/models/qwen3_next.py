@@ -13,9 +13,17 @@
 
 Qwen3-Next fuses the linear layers' input projections per key-head group, Qwen3.5 keeps them apart;
 otherwise the architectures are one. Multi-token-prediction weights (`mtp.*`) are skipped.
+
+The published Qwen3.5 checkpoints are vision-language models (`Qwen3_5ForConditionalGeneration`,
+`Qwen3_5MoeForConditionalGeneration`): a `text_config` and a `vision_config`, the text model's weights
+under `model.language_model.*` beside `lm_head.*`, the vision tower's under `model.visual.*`. They are
+served as their text model: vision weights are skipped (one log line), and a request with an image part
+is refused upstream (entrypoints/openai_api.py) until multimodal input exists.
 """
 from __future__ import annotations
 
+import copy
+import logging
 from typing import TYPE_CHECKING, Iterable, Optional
 
 import torch
@@ -38,6 +46,7 @@ if TYPE_CHECKING:
 
     from baton.engine.model_executor.forward_batch import ForwardBatch
 
+logger = logging.getLogger(__name__)
 
 class GatedAttention(nn.Module):
     def __init__(self, config: "PretrainedConfig", kv_layer_id: int) -> None:
@@ -156,3 +165,45 @@ class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
 class Qwen3_5MoeForCausalLM(Qwen3NextForCausalLM):
     split_linear_projections = True
     all_layers_sparse = True
+
+
+# ---- the published vision-language layout, served as text ----
+
+_TEXT_PREFIX, _VISION_PREFIX = "model.language_model.", "model.visual."
+
+
+def text_config_of(config: "PretrainedConfig") -> "PretrainedConfig":
+    """The text model's config. Whether lm_head is tied is the outer config's to say (HF ties by it)."""
+    text = copy.copy(config.text_config)
+    text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+    return text
+
+
+def text_weights(weights: Iterable[tuple[str, torch.Tensor]], owner: str) -> Iterable[tuple[str, torch.Tensor]]:
+    """The text model's tensors under the names Qwen3_5ForCausalLM has; the vision tower's skipped."""
+    skipped = 0
+    for name, tensor in weights:
+        if name.startswith(_VISION_PREFIX):
+            skipped += 1
+        elif name.startswith(_TEXT_PREFIX):
+            yield "model." + name[len(_TEXT_PREFIX):], tensor
+        else:  # lm_head.*, mtp.*
+            yield name, tensor
+    logger.info("%s: %d vision tensors skipped (served as a text model; multimodal input is not supported yet)",
+                owner, skipped)
+
+
+class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
+    def __init__(self, config: "PretrainedConfig", tp: TpGroup = TpGroup()) -> None:
+        super().__init__(text_config_of(config), tp)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(text_weights(weights, type(self).__name__))
+
+
+class Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeForCausalLM):
+    def __init__(self, config: "PretrainedConfig", tp: TpGroup = TpGroup()) -> None:
+        super().__init__(text_config_of(config), tp)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(text_weights(weights, type(self).__name__))

@@ -1,7 +1,8 @@
 """Hybrid models (Qwen3-Next, Qwen3.5, Qwen3.5-MoE: Gated DeltaNet + gated attention, issue 33)
 through the real scheduler: greedy tokens equal HF transformers' under concurrency, chunked prefill
 (the recurrent state carried across chunks), retraction, mixed chunks, aborts, overlap on and off,
-page sizes 1 and 16; and the recurrent-state pool on its own."""
+page sizes 1 and 16; the published Qwen3.5 layout (vision-language, served as text); and the
+recurrent-state pool on its own."""
 from __future__ import annotations
 
 import pytest
@@ -9,8 +10,8 @@ import torch
 
 from baton.engine.io_struct import AbortReq
 from baton.engine.mem_cache.state_pool import LinearStateShapes, RecurrentStatePool
-from test_scheduler_vs_hf import harness_for, hf_greedy, run_workload, workload
-from tiny_models import ARCH_DEFAULTS, HYBRID_ARCHS
+from test_scheduler_vs_hf import MAX_NEW, harness_for, hf_greedy, run_workload, workload
+from tiny_models import _BASE, ARCH_DEFAULTS, HYBRID_ARCHS, save_tiny_tokenizer
 
 
 def _assert_hybrid_serving(h) -> None:
@@ -139,3 +140,59 @@ def test_partial_rotary_equals_hf():
     torch.testing.assert_close(got_q, want_q.reshape(37, -1), rtol=0, atol=1e-6)
     torch.testing.assert_close(got_k, want_k.reshape(37, -1), rtol=0, atol=1e-6)
     assert torch.equal(got_q.view(37, 4, 32)[..., 8:], q.view(37, 4, 32)[..., 8:])
+
+
+# ---- the published checkpoints' layout: Qwen3_5(Moe)ForConditionalGeneration, served as text ----
+
+_TINY_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+                    num_position_embeddings=16)
+
+
+def _make_vl_checkpoint(path, arch: str, tie: bool) -> str:
+    """A tiny Qwen3_5(Moe)ForConditionalGeneration saved as HF saves it (model.language_model.*,
+    model.visual.*, lm_head.* unless tied)."""
+    import transformers as tf
+
+    from tiny_models import _randomize_zero_params
+
+    config_cls, model_cls = {"qwen3_5": (tf.Qwen3_5Config, tf.Qwen3_5ForConditionalGeneration),
+                             "qwen3_5_moe": (tf.Qwen3_5MoeConfig, tf.Qwen3_5MoeForConditionalGeneration)}[arch]
+    config = config_cls(text_config={**_BASE, **ARCH_DEFAULTS[arch]}, vision_config=_TINY_VISION,
+                        tie_word_embeddings=tie)
+    torch.manual_seed(0)
+    model = model_cls(config).to(torch.float32).eval()
+    _randomize_zero_params(model, 0.15)
+    model.save_pretrained(str(path))
+    save_tiny_tokenizer(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("arch,tie", [("qwen3_5", False), ("qwen3_5_moe", True)])
+def test_conditional_generation_checkpoint_served_as_text(tmp_path, caplog, arch, tie):
+    """Greedy tokens equal HF's vision-language model on text-only input; the vision tower's tensors
+    are skipped with one log line that counts them."""
+    import logging
+
+    import transformers as tf
+    from safetensors import safe_open
+
+    path = _make_vl_checkpoint(tmp_path / arch, arch, tie)
+    with safe_open(f"{path}/model.safetensors", "pt") as f:
+        names = list(f.keys())
+    vision = sum(n.startswith("model.visual.") for n in names)
+    assert vision and all(n.startswith(("model.language_model.", "model.visual.", "lm_head.")) for n in names)
+    assert any(n.startswith("lm_head.") for n in names) != tie
+
+    with caplog.at_level(logging.INFO, logger="baton.engine.models.qwen3_next"):
+        h = harness_for(path, "plain", chunked_prefill_size=32, max_total_tokens=4096)
+    skips = [r.getMessage() for r in caplog.records if "vision tensors skipped" in r.getMessage()]
+    assert skips == [f"{type(h.scheduler.worker.model_runner.model).__name__}: {vision} vision tensors skipped "
+                     "(served as a text model; multimodal input is not supported yet)"]
+    prompts = workload(seed=3)[:6]
+    results = run_workload(h, prompts)
+    hf_cls = tf.Qwen3_5ForConditionalGeneration if arch == "qwen3_5" else tf.Qwen3_5MoeForConditionalGeneration
+    hf = hf_cls.from_pretrained(path, dtype=torch.float32).eval()
+    for i, p in enumerate(prompts):
+        want = hf.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0)[0, len(p):]
+        assert results[str(i)].ids == want.tolist(), f"request {i} (len {len(p)}) differs from HF"
+    assert h.scheduler.check_memory_integrity()

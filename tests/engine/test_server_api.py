@@ -246,7 +246,9 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "best_of": 3}, 400, "best_of"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
         {"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
-     400, "text only"),
+     400, "multimodal input is not supported yet"),
+    ("/v1/completions", {"prompt": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]},
+     400, "multimodal input is not supported yet"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"text": "no type"}]}]}, 400, "text only"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"999999": 5}}, 400, "out of vocabulary"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"7": 101}}, 400, "[-100, 100]"),
