@@ -93,6 +93,10 @@ class ServerArgs:
     # hybrid models (Qwen3-Next, Qwen3.5): the dtype of the linear-attention layers' delta-rule state
     # (SGLang's --mamba-ssm-dtype); the conv state keeps the model's dtype
     mamba_ssm_dtype: str = "float32"
+    # hybrid models: recurrent-state slots (each running request holds one; None: from the ratio below)
+    max_mamba_cache_size: Optional[int] = None
+    # hybrid models, KV sized from free memory: state-pool bytes : KV-pool bytes (SGLang's default)
+    mamba_full_memory_ratio: float = 0.9
     # scheduling
     schedule_policy: str = "fcfs"
     enable_priority_scheduling: bool = False
@@ -185,6 +189,10 @@ class ServerArgs:
         assert 0.0 <= self.disaggregation_fault_probability <= 1.0, "--disaggregation-fault-probability in [0, 1]"
         if self.mamba_ssm_dtype not in MAMBA_SSM_DTYPES:
             raise ValueError(f"--mamba-ssm-dtype must be one of {MAMBA_SSM_DTYPES}")
+        if self.max_mamba_cache_size is not None and self.max_mamba_cache_size < 1:
+            raise ValueError("--max-mamba-cache-size must be >= 1")
+        if not self.mamba_full_memory_ratio > 0:
+            raise ValueError("--mamba-full-memory-ratio must be > 0")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"--kv-cache-dtype must be one of {KV_CACHE_DTYPES}")
         if self.kv_cache_dtype not in ("auto", self.dtype) and self.attention_backend != "torch":
@@ -299,6 +307,11 @@ class ServerArgs:
         a("--disable-radix-cache", action="store_true")
         a("--mamba-ssm-dtype", default=ServerArgs.mamba_ssm_dtype, choices=MAMBA_SSM_DTYPES,
           help="hybrid models: dtype of the linear-attention layers' recurrent (delta-rule) state")
+        a("--max-mamba-cache-size", type=int, default=ServerArgs.max_mamba_cache_size,
+          help="hybrid models: recurrent-state slots; running requests are capped by it (default: from "
+               "--max-running-requests, else --mamba-full-memory-ratio)")
+        a("--mamba-full-memory-ratio", type=float, default=ServerArgs.mamba_full_memory_ratio,
+          help="hybrid models, KV pool sized from free memory: state-pool bytes to KV-pool bytes")
         a("--schedule-policy", default=ServerArgs.schedule_policy, choices=SCHEDULE_POLICIES)
         a("--enable-priority-scheduling", action="store_true")
         a("--priority-preemption-threshold", type=int, default=ServerArgs.priority_preemption_threshold)

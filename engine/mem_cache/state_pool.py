@@ -12,10 +12,18 @@ the row (finish, abort, retraction, preemption) frees the slot, and nothing can 
 A slot's content is meaningful only while a request runs in it: an extend that starts at position 0
 starts from zeros (`read(..., fresh)`), whatever the row held before; a later chunk or decode step
 of the same request continues from what the last pass wrote.
+
+Sizing (split_state_memory), with SGLang's flags: where the KV pool is sized from free memory, the
+state pool's bytes come out of the same budget first. Its slots (the max running requests it allows)
+are --max-mamba-cache-size, else --max-running-requests, else what --mamba-full-memory-ratio gives it:
+state bytes : KV bytes = ratio : 1, i.e. ratio / (1 + ratio) of the budget (SGLang's
+_handle_max_mamba_cache). Slots beyond the most requests that may ever run would sit idle while a slot
+is a request row (until the radix cache keeps states on its nodes), so those bytes go to the KV pool.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -36,6 +44,27 @@ class LinearStateShapes:
         conv = self.conv[0] * self.conv[1] * conv_dtype.itemsize
         ssm = self.ssm[0] * self.ssm[1] * self.ssm[2] * ssm_dtype.itemsize
         return self.num_layers * (conv + ssm)
+
+
+class StateBudget(NamedTuple):
+    slots: int  # the most requests that may run: each holds a state slot
+    state_bytes: int  # the state pool's: slots + 1 rows (ReqToTokenPool's spare row, see ModelRunner)
+    kv_bytes: int  # what is left for the KV pool
+
+
+def split_state_memory(budget_bytes: int, slot_bytes: int, ratio: float, slots: Optional[int],
+                       max_slots: int) -> StateBudget:
+    """Splits `budget_bytes` between the state pool and the KV pool (module docstring). `slots`: fixed
+    by a flag, or None for the ratio's share, capped at `max_slots`."""
+    assert slot_bytes > 0 and ratio > 0 and max_slots > 0
+    if slots is None:
+        slots = min(max_slots, int(budget_bytes * ratio / (1 + ratio)) // slot_bytes - 1)
+    state_bytes = (slots + 1) * slot_bytes
+    if slots < 1 or state_bytes >= budget_bytes:
+        raise ValueError(f"not enough memory for the recurrent-state pool: {budget_bytes / 2**20:.1f} MiB to share, "
+                         f"{slot_bytes / 2**20:.2f} MiB per slot, {slots} slot(s); raise --mem-fraction-static or "
+                         "--mamba-full-memory-ratio, or set --max-mamba-cache-size / --max-total-tokens")
+    return StateBudget(slots, state_bytes, budget_bytes - state_bytes)
 
 
 class RecurrentStatePool:

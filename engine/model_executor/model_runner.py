@@ -27,6 +27,7 @@ logger = logging.getLogger(__name__)
 # KV pool default on CPU when --max-total-tokens is not given: a share of RAM, capped, since the
 # pool tensors are allocated eagerly.
 _CPU_DEFAULT_MAX_TOKENS = 1 << 17
+_MAX_RUNNING_DEFAULT = 256  # --max-running-requests unset: at most this many, and total tokens / 2
 
 
 def _own_code_forward(model: torch.nn.Module) -> Callable:
@@ -127,7 +128,7 @@ class ModelRunner:
         self.num_kv_heads = self.tp.kv_head_range(
             getattr(text_cfg, "num_key_value_heads", None) or text_cfg.num_attention_heads)[1]
         self.head_dim = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // text_cfg.num_attention_heads
-        self.pool_config = self._pool_config(text_cfg)
+        self.pool_config = self._pool_config(text_cfg, state_shapes)
         page = server_args.page_size
         cfg = self.pool_config
         # RoPE's cos/sin tables cover every position a request can reach, before compile or capture
@@ -235,15 +236,25 @@ class ModelRunner:
         max_bs = args.cuda_graph_max_bs or cuda_graph_max_bs_for(torch.cuda.get_device_properties(self.device).total_memory)
         return CudaGraphRunner(self, max_bs=min(max_bs, self.pool_config.max_running_requests))
 
-    def _pool_config(self, text_cfg) -> PoolConfig:
+    def _pool_config(self, text_cfg, state_shapes: Optional["LinearStateShapes"]) -> PoolConfig:
         args, page = self.server_args, self.server_args.page_size
         context_len = args.context_length or getattr(text_cfg, "max_position_embeddings", 4096)
         cell = self.num_kv_layers * 2 * self.num_kv_heads * self.head_dim * self.kv_dtype.itemsize
+        # a hybrid model's state slots cap its running requests (mem_cache/state_pool.py)
+        slots = (args.max_mamba_cache_size or args.max_running_requests) if state_shapes is not None else None
         if args.max_total_tokens is not None:
             total = args.max_total_tokens
         else:
-            total = int(_total_memory_bytes(self.device) * (1 - args.mem_fraction_static if self.device == "cpu"
-                                                             else args.mem_fraction_static) // cell)
+            budget = self._pool_budget_bytes()
+            if state_shapes is not None:
+                from baton.engine.mem_cache.state_pool import split_state_memory
+
+                split = split_state_memory(budget, state_shapes.bytes_per_row(*self._state_dtypes()),
+                                           args.mamba_full_memory_ratio, slots, _MAX_RUNNING_DEFAULT)
+                logger.info("memory for the pools: %.1f MB to the recurrent-state pool (%d slots), %.1f MB to KV",
+                            split.state_bytes / 1e6, split.slots, split.kv_bytes / 1e6)
+                slots, budget = split.slots, split.kv_bytes
+            total = budget // cell
             if self.device == "cpu":
                 total = min(total, _CPU_DEFAULT_MAX_TOKENS)
             # every shard maps the same slots: the pool is as large as the rank with the least room
@@ -251,17 +262,29 @@ class ModelRunner:
 
             total = all_reduce_min(total, self.tp)
         total = max(total // page * page, page)
-        running = args.max_running_requests or max(1, min(256, total // 2))
+        running = args.max_running_requests or max(1, min(_MAX_RUNNING_DEFAULT, total // 2))
+        if slots is not None:
+            running = min(running, slots)
         return PoolConfig(max_total_tokens=total, max_running_requests=running, context_len=context_len)
 
+    def _pool_budget_bytes(self) -> int:
+        """What the pools may take when sized from memory: --mem-fraction-static of the free GPU memory
+        (the weights are loaded); on CPU, the free RAM that fraction leaves."""
+        fraction = self.server_args.mem_fraction_static
+        return int(_total_memory_bytes(self.device) * (1 - fraction if self.device == "cpu" else fraction))
+
+    def _state_dtypes(self) -> tuple[torch.dtype, torch.dtype]:
+        """A hybrid model's conv-state and delta-rule-state dtypes."""
+        return self.dtype, MODEL_DTYPES[self.server_args.mamba_ssm_dtype]
+
     def _init_state_pool(self, shapes: Optional["LinearStateShapes"]) -> Optional["RecurrentStatePool"]:
-        """A hybrid model's recurrent states: one slot per request row (slot index = req_pool_idx)."""
+        """A hybrid model's recurrent states: one slot per request row (slot index = req_pool_idx), so
+        max running requests + 1 (the spare row a request that just ended holds in the overlap loop)."""
         if shapes is None:
             return None
         from baton.engine.mem_cache.state_pool import RecurrentStatePool
 
-        pool = RecurrentStatePool(shapes, self.req_to_token_pool.size, self.dtype,
-                                  MODEL_DTYPES[self.server_args.mamba_ssm_dtype], self.device)
+        pool = RecurrentStatePool(shapes, self.req_to_token_pool.size, *self._state_dtypes(), self.device)
         logger.info("recurrent-state pool: %s, %.1f MB", pool, pool.size_bytes() / 1e6)
         return pool
 

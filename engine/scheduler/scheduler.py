@@ -355,6 +355,7 @@ class Scheduler:
             "radix_cache": not self.server_args.disable_radix_cache,  # off for hybrid models (issue 33)
             "recurrent_state_bytes": (0 if self.worker.model_runner.state_pool is None
                                       else self.worker.model_runner.state_pool.size_bytes()),
+            **self._state_slots_info(),
             "retractions": self.stats.retractions,
             "scheduler_pid": os.getpid(),
             "cpu_affinity": sorted(os.sched_getaffinity(0)),
@@ -370,6 +371,15 @@ class Scheduler:
             "gc_frozen_objects": gc.get_freeze_count(),  # > 0 once start-up is over (utils/gc_freeze.py)
             "startup_s": self.startup_s,
         }
+
+    def _state_slots_info(self) -> dict[str, int]:
+        """A hybrid model's recurrent-state slots: a request row holds its slot (slot = row), so the
+        rows in use are the slots in use; the total is max running requests + the spare row."""
+        pool = self.worker.model_runner.state_pool
+        if pool is None:
+            return {"recurrent_state_slots_used": 0, "recurrent_state_slots_total": 0}
+        used = self.req_to_token_pool.size - self.req_to_token_pool.available_size()
+        return {"recurrent_state_slots_used": used, "recurrent_state_slots_total": pool.rows}
 
     def used_tokens(self) -> int:
         """KV slots neither free nor evictable."""

@@ -1,15 +1,15 @@
 """Hybrid models (Qwen3-Next, Qwen3.5, Qwen3.5-MoE: Gated DeltaNet + gated attention, issue 33)
 through the real scheduler: greedy tokens equal HF transformers' under concurrency, chunked prefill
 (the recurrent state carried across chunks), retraction, mixed chunks, aborts, overlap on and off,
-page sizes 1 and 16; the published Qwen3.5 layout (vision-language, served as text); and the
-recurrent-state pool on its own."""
+page sizes 1 and 16; the published Qwen3.5 layout (vision-language, served as text); the
+recurrent-state pool on its own and its sizing (--max-mamba-cache-size, --mamba-full-memory-ratio)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from baton.engine.io_struct import AbortReq
-from baton.engine.mem_cache.state_pool import LinearStateShapes, RecurrentStatePool
+from baton.engine.mem_cache.state_pool import LinearStateShapes, RecurrentStatePool, split_state_memory
 from test_scheduler_vs_hf import MAX_NEW, harness_for, hf_greedy, run_workload, workload
 from tiny_models import _BASE, ARCH_DEFAULTS, HYBRID_ARCHS, save_tiny_tokenizer
 
@@ -112,6 +112,71 @@ def test_state_pool_sizes_and_dtypes():
     assert pool.conv[0].dtype == torch.bfloat16 and pool.ssm[0].dtype == torch.float32
     with pytest.raises(AssertionError):
         LinearStateShapes(0, (10, 3), (4, 8, 8))
+
+
+def test_split_state_memory_follows_sglangs_rule():
+    """state : KV = ratio : 1 of the budget; a fixed slot count overrides the ratio; the ratio's slots
+    are capped at the most requests that may run; each count takes one spare row more."""
+    b = split_state_memory(1_900_000, 1000, 0.9, None, 10_000)
+    assert b == (899, 900_000, 1_000_000)  # 900 rows: 899 slots and the spare row
+    assert split_state_memory(1_000_000, 1000, 1.0, None, 10_000) == (499, 500_000, 500_000)
+    assert split_state_memory(1_900_000, 1000, 0.9, None, 100) == (100, 101_000, 1_799_000), "capped: KV gets the rest"
+    assert split_state_memory(1_900_000, 1000, 0.9, 7, 100) == (7, 8_000, 1_892_000), "fixed slots ignore the ratio"
+    assert split_state_memory(1_900_000, 1000, 0.9, 500, 100).slots == 500, "a fixed count is not capped"
+    for budget, slots in ((1_500, None), (10_000, 10)):
+        with pytest.raises(ValueError, match="not enough memory for the recurrent-state pool"):
+            split_state_memory(budget, 1000, 0.9, slots, 100)
+
+
+def _runner_sizes(h) -> tuple[int, int, int]:
+    runner = h.scheduler.worker.model_runner
+    cell = runner.token_to_kv_pool.layer_num * 2 * runner.num_kv_heads * runner.head_dim * runner.kv_dtype.itemsize
+    return runner.state_pool.shapes.bytes_per_row(torch.float32, torch.float32), cell, runner.state_pool.size_bytes()
+
+
+@pytest.mark.parametrize("flags", [{}, {"max_mamba_cache_size": 5}, {"max_running_requests": 9},
+                                   {"mamba_full_memory_ratio": 0.3}])
+def test_kv_pool_sized_from_memory_leaves_room_for_the_state_pool(tiny_model_factory, monkeypatch, flags):
+    """With the KV pool sized from free memory, the state pool's bytes come out of the same budget:
+    by the ratio (state : KV = 0.9 : 1 by default), or for the slots a flag fixes."""
+    from baton.engine.model_executor import model_runner
+
+    memory = 20_000_000  # on CPU the pools get (1 - mem_fraction_static) of it: 3 MB, under the 256-slot cap
+    monkeypatch.setattr(model_runner, "_total_memory_bytes", lambda device: memory)
+    h = harness_for(tiny_model_factory("qwen3_5"), "plain", max_total_tokens=None, **flags)
+    slot, cell, state_bytes = _runner_sizes(h)
+    budget = int(memory * (1 - h.scheduler.server_args.mem_fraction_static))
+    ratio = flags.get("mamba_full_memory_ratio", 0.9)
+    slots = flags.get("max_mamba_cache_size") or flags.get("max_running_requests") \
+        or int(budget * ratio / (1 + ratio)) // slot - 1
+    info = h.scheduler.get_server_info()
+    assert info["max_running_requests"] == slots and state_bytes == (slots + 1) * slot
+    assert info["max_total_num_tokens"] == (budget - state_bytes) // cell
+    assert info["recurrent_state_bytes"] == state_bytes
+    assert (info["recurrent_state_slots_used"], info["recurrent_state_slots_total"]) == (0, slots + 1)
+
+
+def test_max_mamba_cache_size_caps_running_requests(tiny_model_factory):
+    """Three state slots: the fourth request waits until one finishes, and HF's tokens still come out."""
+    path = tiny_model_factory("qwen3_5")
+    h = harness_for(path, "overlap", max_total_tokens=4096, max_mamba_cache_size=3)
+    s = h.scheduler
+    assert s.max_running_requests == 3 and s.worker.model_runner.state_pool.rows == 4
+    prompts = workload(seed=5)[:8]
+    for i, p in enumerate(prompts):
+        h.submit(str(i), p, max_new_tokens=MAX_NEW)
+    peak_running, waited = 0, False
+    while not (not h.step() and s.is_idle()):
+        info = s.get_server_info()
+        peak_running = max(peak_running, info["num_running_reqs"])
+        waited |= info["num_waiting_reqs"] > 0 and info["num_running_reqs"] == 3
+        assert info["recurrent_state_slots_used"] <= info["recurrent_state_slots_total"] == 4
+    assert peak_running == 3 and waited
+    for i, p in enumerate(prompts):
+        assert h.results[str(i)].ids == hf_greedy(path, p), f"request {i} differs from HF"
+    assert s.get_server_info()["recurrent_state_slots_used"] == 0
+    assert harness_for(path, "plain", max_total_tokens=4096, max_mamba_cache_size=3,
+                       max_running_requests=2).scheduler.max_running_requests == 2
 
 
 def test_hybrid_archs_cover_the_registry():
