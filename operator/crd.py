@@ -84,6 +84,16 @@ def _env() -> dict[str, Any]:
     return _list("Extra environment variables (Kubernetes EnvVar objects).", item, 64)
 
 
+def _disruption_budget(what: str) -> dict[str, Any]:
+    # minimum applies to a number, pattern to a string (inside anyOf the API server allows only types)
+    count = {"anyOf": [{"type": "integer"}, {"type": "string"}], "x-kubernetes-int-or-string": True,
+             "minimum": 0, "pattern": r"^[0-9]+%$", "default": 1,
+             "description": f"{what} pods a voluntary eviction (kubectl drain, a node upgrade) may take at "
+                            "once: a count or a percentage; 0 blocks drains."}
+    return _obj(f"The PodDisruptionBudget of the {what} pods (pods that are not Ready never block a drain).",
+                {"maxUnavailable": count}, default={})
+
+
 def _placement() -> dict[str, Any]:
     return {
         "nodeSelector": _string_map("Node labels the pods must run on."),
@@ -111,6 +121,7 @@ def role_schema(what: str) -> dict[str, Any]:
             "Seconds a stopping pod gets to finish the requests it runs (it accepts no new ones) before it "
             "is killed; raise it for long generations.", 0, 86400, 60),
         "resources": _resources(), "extraArgs": args, "env": _env(), **_placement(),
+        "disruptionBudget": _disruption_budget(what),
     }, scope=Scope.ROLE)
 
 
@@ -166,6 +177,7 @@ def _router() -> dict[str, Any]:
         "extraArgs": _list("Extra `baton router` arguments.", _str("", maxLength=256), 64,
                            scope=Scope.ROUTER_ARGS, default=[]),
         "resources": _resources(), "env": _env(), **_placement(),
+        "disruptionBudget": _disruption_budget("router"),
     }, default={})
 
 

@@ -35,6 +35,7 @@ NAMESPACED_RULES: list[dict[str, Any]] = [
      "verbs": ["get", "create", "patch", "delete"]},
     {"apiGroups": ["monitoring.coreos.com"], "resources": ["podmonitors", "servicemonitors"],
      "verbs": ["get", "create", "patch", "delete"]},
+    {"apiGroups": ["policy"], "resources": ["poddisruptionbudgets"], "verbs": ["get", "create", "patch", "delete"]},
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create", "patch"]},
 ]

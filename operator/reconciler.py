@@ -41,6 +41,7 @@ def _all_children(name: str) -> list[tuple[str, str]]:
     """Every (kind, name) any spec of this InferenceService may create, to prune the unwanted."""
     out = [("Deployment", naming.child_name(name, r)) for r in Role]
     out += [("Service", naming.child_name(name, r)) for r in Role]
+    out += [("PodDisruptionBudget", naming.child_name(name, r)) for r in Role]
     out += [(k, name) for k in MONITORING_KINDS]
     return out
 

@@ -65,6 +65,7 @@ class RoleSpec:
     placement: Placement = field(default_factory=Placement)
     # SIGTERM -> SIGKILL: how long a stopping pod's running requests have to finish
     termination_grace_seconds: int = 60
+    max_unavailable: int | str = 1  # of the role's PodDisruptionBudget: a count or "N%"
 
     def __post_init__(self) -> None:
         assert self.gpus == 0 or self.gpus == self.ranks, "validated before parsing"
@@ -99,6 +100,7 @@ class RouterSpec:
     resources: dict[str, Any] = field(default_factory=dict)
     env: list[dict[str, Any]] = field(default_factory=list)
     placement: Placement = field(default_factory=Placement)
+    max_unavailable: int | str = 1  # of the router's PodDisruptionBudget
 
 
 @dataclass(frozen=True)
@@ -177,7 +179,8 @@ def _role(d: Mapping[str, Any]) -> RoleSpec:
         gpu_resource_name=d["gpuResourceName"], shm_size=d.get("shmSize"),
         resources=dict(d.get("resources", {})), extra_args=tuple(d["extraArgs"]),
         env=list(d.get("env", [])), placement=_placement(d),
-        termination_grace_seconds=d["terminationGracePeriodSeconds"])
+        termination_grace_seconds=d["terminationGracePeriodSeconds"],
+        max_unavailable=d["disruptionBudget"]["maxUnavailable"])
 
 
 def _router(d: Mapping[str, Any]) -> RouterSpec:
@@ -188,7 +191,8 @@ def _router(d: Mapping[str, Any]) -> RouterSpec:
         service_port=d["service"]["port"],
         api_key=SecretKeyRef(ref["name"], ref["key"]) if ref else None,
         extra_args=tuple(d["extraArgs"]), resources=dict(d.get("resources", {})),
-        env=list(d.get("env", [])), placement=_placement(d))
+        env=list(d.get("env", [])), placement=_placement(d),
+        max_unavailable=d["disruptionBudget"]["maxUnavailable"])
 
 
 def _model(d: Mapping[str, Any]) -> ModelSpec:

@@ -7,11 +7,13 @@ from __future__ import annotations
 from typing import Any
 
 from baton.operator.builders.common import stamp
+from baton.operator.builders.disruption import disruption_budget
 from baton.operator.builders.engine import engine_deployment, engine_service
 from baton.operator.builders.monitoring import pod_monitor, service_monitor
 from baton.operator.builders.router import (router_deployment, router_role, router_role_binding,
                                             router_service, router_service_account)
 from baton.operator.builders.topology import endpoint_url, topology_config_map
+from baton.operator.naming import Role
 from baton.operator.spec import InferenceService
 
 __all__ = ["build_children", "endpoint_url"]
@@ -27,6 +29,7 @@ def build_children(isvc: InferenceService) -> list[dict[str, Any]]:
     for role in isvc.spec.roles:
         objs.append(engine_deployment(isvc, role))
     objs.append(router_deployment(isvc))
+    objs += [disruption_budget(isvc, role) for role in [*isvc.spec.roles, Role.ROUTER]]
     if isvc.spec.monitoring.pod_monitor:
         objs.append(pod_monitor(isvc))
     if isvc.spec.monitoring.service_monitor:

@@ -99,7 +99,8 @@ def test_scaling_changes_only_replicas(control_plane: ControlPlane, running):
 
 
 def test_pods_the_scheduler_cannot_place_are_said_in_the_status(control_plane: ControlPlane, operator):
-    """kwok's nodes have no GPUs: the real scheduler's verdict reaches the conditions within a resync."""
+    """The CPU node has no GPUs and the spec does not tolerate the GPU node's taint: the real scheduler's
+    verdict reaches the conditions within a resync."""
     ns = create_namespace(control_plane, "e2e-unschedulable")
     control_plane.apply([sample("cpu-smollm2.yaml", ns, decode={"gpus": 8, "dp": 8})])
     decode = wait_for(lambda: (c := conditions(get_or_none(control_plane, "inferenceservice", NAME, "-n", ns))
@@ -109,3 +110,12 @@ def test_pods_the_scheduler_cannot_place_are_said_in_the_status(control_plane: C
     ready = conditions(get_or_none(control_plane, "inferenceservice", NAME, "-n", ns))["Ready"]
     assert ready["reason"] == "Unschedulable" and "Insufficient nvidia.com/gpu" in ready["message"]
     control_plane.kubectl("delete", "inferenceservice", NAME, "-n", ns, "--wait=false")
+
+
+def test_each_role_has_a_disruption_budget_the_cluster_counts(control_plane: ControlPlane, running):
+    for role in ROLES:
+        pdb = wait_for(lambda role=role: (p := get_or_none(control_plane, "poddisruptionbudget", f"{NAME}-{role}",
+                                                           "-n", NS)) and (p.get("status") or {}).get(
+                           "disruptionsAllowed") == 1 and p, f"PodDisruptionBudget {NAME}-{role} allows 1")
+        assert pdb["spec"]["maxUnavailable"] == 1
+        assert pdb["spec"]["selector"]["matchLabels"] == {"baton.dev/inference-service": NAME, "baton.dev/role": role}

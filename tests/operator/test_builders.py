@@ -318,3 +318,20 @@ def test_engine_args_follow_the_cli_contract_for_colocated():
     assert engine_args(isvc, Role.COLOCATED) == [
         "--model-path", "/models/tiny", "--host", "0.0.0.0", "--port", "30000", "--served-model-name", "tiny",
         "--device", "cpu", "--tp-size", "1", "--dp-size", "1"]
+
+
+def test_one_disruption_budget_per_role_with_a_default_the_spec_overrides():
+    pdbs = {o["metadata"]["name"]: o for o in build_children(parse(isvc_body(decode={"disruptionBudget": {
+        "maxUnavailable": "25%"}}))) if o["kind"] == "PodDisruptionBudget"}
+    assert set(pdbs) == {"demo-prefill", "demo-decode", "demo-router"}
+    for role in (Role.PREFILL, Role.DECODE, Role.ROUTER):
+        pdb = pdbs[naming.child_name("demo", role)]
+        assert pdb["apiVersion"] == "policy/v1"
+        assert pdb["spec"]["selector"] == {"matchLabels": naming.selector_labels("demo", role)}
+        assert pdb["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"  # a pod that is not Ready never blocks a drain
+        assert pdb["metadata"]["ownerReferences"][0]["uid"] == "uid-demo"
+    assert pdbs["demo-prefill"]["spec"]["maxUnavailable"] == 1 and pdbs["demo-router"]["spec"]["maxUnavailable"] == 1
+    assert pdbs["demo-decode"]["spec"]["maxUnavailable"] == "25%"
+    colocated = build_children(parse(isvc_body(mode="colocated", router={"disruptionBudget": {"maxUnavailable": 0}})))
+    budgets = {o["metadata"]["name"]: o["spec"]["maxUnavailable"] for o in colocated if o["kind"] == "PodDisruptionBudget"}
+    assert budgets == {"demo-engine": 1, "demo-router": 0}

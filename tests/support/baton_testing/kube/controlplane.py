@@ -48,7 +48,8 @@ ISSUER = "https://kubernetes.default.svc.cluster.local"
 # the API server puts on every new node once kwok reports it Ready.
 CONTROLLERS = ("deployment-controller", "replicaset-controller", "garbage-collector-controller",
                "serviceaccount-controller", "serviceaccount-token-controller", "endpointslice-controller",
-               "namespace-controller", "persistentvolume-binder-controller", "node-lifecycle-controller")
+               "namespace-controller", "persistentvolume-binder-controller", "node-lifecycle-controller",
+               "disruption-controller")
 NOT_READY_TAINT = "node.kubernetes.io/not-ready"
 
 
