@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from baton.engine.distributed.parallel_state import TpGroup, all_reduce
-from baton.engine.layers.activation import GatedAct, get_act_fn
-from baton.engine.layers.linear import MergedColumnLinear, RowParallelLinear, even_parts
+from baton.engine.layers.activation import get_act_fn
+from baton.engine.layers.mlp import GatedMLP
 from baton.engine.triton_ops.fused_moe import fused_experts
 
 _PER_EXPERT = re.compile(r"^experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -90,7 +90,7 @@ class SharedExpertMoeBlock(SparseMoeBlock):
         super().__init__(hidden_size, intermediate_size, num_experts, top_k, norm_topk_prob, hidden_act, tp)
         if tp.size != 1:
             raise NotImplementedError("tensor parallelism over a shared expert is not supported yet")
-        self.shared_expert = SharedExpert(hidden_size, shared_intermediate_size, hidden_act, tp)
+        self.shared_expert = GatedMLP(hidden_size, shared_intermediate_size, hidden_act, tp=tp)
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -99,15 +99,3 @@ class SharedExpertMoeBlock(SparseMoeBlock):
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return self._experts(x, weights, ids) + shared
 
-
-class SharedExpert(nn.Module):
-    """A dense gated MLP (gate|up fused, as the models' own MLPs), loaded from gate_proj/up_proj."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, tp: TpGroup) -> None:
-        super().__init__()
-        self.gate_up_proj = MergedColumnLinear(hidden_size, even_parts([intermediate_size] * 2, tp), bias=False)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=False, tp=tp)
-        self.act = GatedAct(hidden_act)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gate_up_proj.gated(x, self.act))

@@ -24,9 +24,9 @@ import torch
 from torch import nn
 
 from baton.engine.distributed.parallel_state import TpGroup
-from baton.engine.layers.activation import GatedAct
 from baton.engine.layers.layernorm import RMSNorm
-from baton.engine.layers.linear import MergedColumnLinear, RowParallelLinear, even_parts, load_param, qkv_parts
+from baton.engine.layers.linear import MergedColumnLinear, RowParallelLinear, load_param, qkv_parts
+from baton.engine.layers.mlp import GatedMLP
 from baton.engine.layers.qkv_rope import QKVRope
 from baton.engine.layers.radix_attention import RadixAttention
 from baton.engine.layers.rotary_embedding import RotaryEmbedding, get_rope
@@ -78,17 +78,7 @@ class LlamaAttention(nn.Module):
         return self.o_proj(self.attn(q, k, v, forward_batch, save_kv_cache=k is not None))
 
 
-class LlamaMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool = False,
-                 tp: TpGroup = TpGroup()) -> None:
-        super().__init__()
-        self.gate_up_proj = MergedColumnLinear(hidden_size, even_parts([intermediate_size] * 2, tp), bias=bias)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, tp=tp)
-        self.act = GatedAct(hidden_act)
-        self.hidden_act = hidden_act
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gate_up_proj.gated(x, self.act))
+LlamaMLP = GatedMLP  # the name the Llama-family models and their tests use
 
 
 class LlamaDecoderLayer(nn.Module):

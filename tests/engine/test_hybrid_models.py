@@ -10,7 +10,7 @@ import torch
 
 from baton.engine.io_struct import AbortReq
 from baton.engine.mem_cache.state_pool import LinearStateShapes, RecurrentStatePool, split_state_memory
-from test_scheduler_vs_hf import MAX_NEW, harness_for, hf_greedy, run_workload, workload
+from test_scheduler_vs_hf import MAX_NEW, assert_greedy_equals_hf, harness_for, hf_greedy, run_workload, workload
 from tiny_models import _BASE, ARCH_DEFAULTS, HYBRID_ARCHS, save_tiny_tokenizer
 
 
@@ -34,9 +34,7 @@ def test_hybrid_matches_hf_concurrent_chunked(tiny_model_factory, arch, loop, pa
     path = tiny_model_factory(arch)
     h = harness_for(path, loop, page_size=page_size, chunked_prefill_size=32, max_total_tokens=4096)
     prompts = workload()
-    results = run_workload(h, prompts)
-    for i, p in enumerate(prompts):
-        assert results[str(i)].ids == hf_greedy(path, p), f"request {i} (len {len(p)}) differs from HF"
+    assert_greedy_equals_hf(path, prompts, run_workload(h, prompts))
     _assert_hybrid_serving(h)
 
 

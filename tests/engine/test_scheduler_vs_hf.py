@@ -70,6 +70,12 @@ def run_workload(harness: SchedulerHarness, prompts: list[list[int]], staggered:
 LOOPS = ["overlap", "inline", "plain"]
 
 
+def assert_greedy_equals_hf(path: str, prompts: list[list[int]], results: dict) -> None:
+    """Every request of a workload run got HF's greedy tokens."""
+    for i, p in enumerate(prompts):
+        assert results[str(i)].ids == hf_greedy(path, p), f"request {i} (len {len(p)}) differs from HF"
+
+
 def harness_for(path: str, loop: str, **overrides) -> SchedulerHarness:
     """`loop`: plain, overlap (CPU: the forward on a worker thread), or inline (the overlap loop's
     CUDA form, the launch in the scheduler thread, run here on the CPU)."""
@@ -92,9 +98,8 @@ def test_matches_hf_concurrent_chunked_radix(tiny_model_factory, arch, loop, pag
     h = harness_for(path, loop, page_size=page_size, chunked_prefill_size=32, max_total_tokens=4096)
     prompts = workload()
     results = run_workload(h, prompts)
-    for i, p in enumerate(prompts):
-        assert results[str(i)].ids == hf_greedy(path, p), f"request {i} (len {len(p)}) differs from HF"
-        assert results[str(i)].finish is not None
+    assert_greedy_equals_hf(path, prompts, results)
+    assert all(r.finish is not None for r in results.values())
     assert h.scheduler.stats.cache_hit_rate() > 0, "shared prefixes should hit the radix cache"
     assert h.scheduler.check_memory_integrity()
 

@@ -20,7 +20,7 @@ from baton.engine.distributed.parallel_state import TpGroup, all_reduce_backend,
 from baton.engine.layers.linear import MergedColumnLinear, RowParallelLinear, even_parts, qkv_parts
 from baton.engine.server_args import ServerArgs
 from scheduler_harness import SchedulerHarness
-from test_scheduler_vs_hf import MAX_NEW, assert_same_logprobs, hf_greedy, run_workload, workload
+from test_scheduler_vs_hf import MAX_NEW, assert_greedy_equals_hf, assert_same_logprobs, hf_greedy, run_workload, workload
 from tp_group import tp_followers
 
 
@@ -187,8 +187,7 @@ def test_tp2_matches_hf_concurrent_chunked_radix(tiny_model_factory, arch, overr
     prompts = workload()
     scheduler, results = _run_tp(path, prompts, page_size=16 if loop == "plain" else 1, chunked_prefill_size=32,
                                  max_total_tokens=4096, **_loop(loop))
-    for i, p in enumerate(prompts):
-        assert results[str(i)].ids == hf_greedy(path, p), f"request {i} (len {len(p)}) differs from HF"
+    assert_greedy_equals_hf(path, prompts, results)
     assert scheduler.stats.cache_hit_rate() > 0
     # 2 KV heads split over 2 ranks, or the one KV head replicated: each rank's pool holds one
     assert scheduler.worker.model_runner.token_to_kv_pool.head_num == 1
