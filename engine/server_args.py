@@ -97,6 +97,9 @@ class ServerArgs:
     max_mamba_cache_size: Optional[int] = None
     # hybrid models, KV sized from free memory: state-pool bytes : KV-pool bytes (SGLang's default)
     mamba_full_memory_ratio: float = 0.9
+    # hybrid models with the radix cache: a recurrent-state checkpoint every this many tokens (a
+    # multiple of the page size), besides chunk ends, prompt ends and request ends
+    mamba_track_interval: int = 256
     # scheduling
     schedule_policy: str = "fcfs"
     enable_priority_scheduling: bool = False
@@ -193,6 +196,8 @@ class ServerArgs:
             raise ValueError("--max-mamba-cache-size must be >= 1")
         if not self.mamba_full_memory_ratio > 0:
             raise ValueError("--mamba-full-memory-ratio must be > 0")
+        if self.mamba_track_interval < 1 or self.mamba_track_interval % self.page_size:
+            raise ValueError(f"--mamba-track-interval must be a positive multiple of --page-size ({self.page_size})")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"--kv-cache-dtype must be one of {KV_CACHE_DTYPES}")
         if self.kv_cache_dtype not in ("auto", self.dtype) and self.attention_backend != "torch":
@@ -312,6 +317,9 @@ class ServerArgs:
                "--max-running-requests, else --mamba-full-memory-ratio)")
         a("--mamba-full-memory-ratio", type=float, default=ServerArgs.mamba_full_memory_ratio,
           help="hybrid models, KV pool sized from free memory: state-pool bytes to KV-pool bytes")
+        a("--mamba-track-interval", type=int, default=ServerArgs.mamba_track_interval,
+          help="hybrid models with the radix cache: keep a recurrent-state checkpoint every this many tokens "
+               "(a multiple of --page-size)")
         a("--schedule-policy", default=ServerArgs.schedule_policy, choices=SCHEDULE_POLICIES)
         a("--enable-priority-scheduling", action="store_true")
         a("--priority-preemption-threshold", type=int, default=ServerArgs.priority_preemption_threshold)

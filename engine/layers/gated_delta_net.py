@@ -11,7 +11,9 @@ The conv and the rule are one layer op (`GatedDeltaCore`): its torch reference r
 of the rule for a request's extend (transformers' torch_chunk_gated_delta_rule, from the request's
 state) and the recurrent form for one token (decode; torch_recurrent_gated_delta_rule). Both read
 and write the request's slot of the recurrent-state pool (mem_cache/state_pool.py), which the
-forward batch carries. The CUDA path (fla-core's Triton kernels, a causal conv1d kernel) is to come.
+forward batch carries. With the radix cache, an extend is cut at each tracked position and the
+state there goes to a checkpoint slot as well (mem_cache/hybrid_radix_cache.py). The CUDA path (fla-core's Triton kernels,
+a causal conv1d kernel) is to come.
 
 Checkpoint layouts: Qwen3-Next fuses the projections per key-head group (`in_proj_qkvz`,
 `in_proj_ba`, interleaved); Qwen3.5 keeps them apart (`in_proj_qkv`, `in_proj_z`, `in_proj_b`,
@@ -120,19 +122,35 @@ class GatedDeltaCore(CustomOp):
         else:
             lens, fresh = fb.extend_seq_lens_cpu, [p == 0 for p in fb.extend_prefix_lens_cpu]
         conv_state, ssm_state = pool.read(self.state_layer_id, rows, torch.tensor(fresh, device=rows.device))
+        tracks = fb.state_ops.tracks if fb.state_ops is not None else {}
+        ends: list[tuple[int, int]] = []  # (row, checkpoint slot) that take the row's final state
         if all(n == 1 for n in lens):  # one token per request (decode, or mixed-in decode steps): batched
             out, conv_state, ssm_state = self._run(mixed_qkv[:, None], g[:, None], beta[:, None], conv_state,
                                                    ssm_state)
             out = out[:, 0]
+            ends = [(i, slot) for i, t in tracks.items() for _, slot in t]
         else:
             outs, convs, ssms, start = [], [], [], 0
             for i, n in enumerate(lens):
-                o, c, s = self._run(mixed_qkv[None, start:start + n], g[None, start:start + n],
-                                    beta[None, start:start + n], conv_state[i:i + 1], ssm_state[i:i + 1])
-                outs.append(o[0]), convs.append(c), ssms.append(s)
+                # a tracked position inside the extend cuts it there: the state at the cut is a checkpoint
+                cuts = [(off, slot) for off, slot in tracks.get(i, ()) if off < n]
+                ends += [(i, slot) for off, slot in tracks.get(i, ()) if off == n]
+                c, s, pieces, at = conv_state[i:i + 1], ssm_state[i:i + 1], [], 0
+                for stop, slot in cuts + [(n, None)]:
+                    o, c, s = self._run(mixed_qkv[None, start + at:start + stop], g[None, start + at:start + stop],
+                                        beta[None, start + at:start + stop], c, s)
+                    pieces.append(o[0])
+                    if slot is not None:
+                        pool.write(self.state_layer_id, torch.tensor([slot], device=rows.device), c, s)
+                    at = stop
+                outs.append(torch.cat(pieces) if len(pieces) > 1 else pieces[0]), convs.append(c), ssms.append(s)
                 start += n
             out, conv_state, ssm_state = torch.cat(outs), torch.cat(convs), torch.cat(ssms)
         pool.write(self.state_layer_id, rows, conv_state, ssm_state)
+        if ends:
+            which = torch.tensor([i for i, _ in ends], device=rows.device)
+            pool.write(self.state_layer_id, torch.tensor([slot for _, slot in ends], device=rows.device),
+                       conv_state[which], ssm_state[which])
         return out
 
     def _run(self, x: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_state: torch.Tensor,

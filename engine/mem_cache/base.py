@@ -19,9 +19,12 @@ whole pages move between owners. Indices returned by match_prefix stay valid onl
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from baton.engine.mem_cache.state_pool import StateOps
 
 
 class MatchResult(NamedTuple):
@@ -38,10 +41,34 @@ class CacheReq(Protocol):
     last_node: Any
     kv_committed_len: int
     kv_allocated_len: int
+    origin_input_ids: list[int]
+    output_ids: list[int]
+    # hybrid models: (position, checkpoint slot) of states tracked for this request, not yet on a node
+    state_checkpoints: list[tuple[int, int]]
 
 
 class BasePrefixCache(ABC):
     page_size: int
+    # hybrid models' cache (hybrid_radix_cache.py) keeps recurrent-state checkpoints and plans the
+    # state work of each pass; every other cache has none, and these hooks do nothing
+    tracks_state = False
+
+    def restore_state(self, req: CacheReq) -> None:
+        """`req` matched a prefix and just got its row: start it from the prefix's state."""
+
+    def plan_extend_tracks(self, req: CacheReq, start: int, end: int, more_chunks: bool) -> list[tuple[int, int]]:
+        """State checkpoints an extend of tokens [start, end) takes: (offset into it, slot)."""
+        return []
+
+    def plan_decode_track(self, req: CacheReq, new_len: int) -> list[tuple[int, int]]:
+        return []
+
+    def take_state_ops(self, tracks: Optional[dict[int, list[tuple[int, int]]]] = None) -> Optional["StateOps"]:
+        """The state work the next pass does (copies queued since the last pass, and `tracks`)."""
+        return None
+
+    def check_state_slots(self) -> bool:
+        return True
 
     @abstractmethod
     def reset(self) -> None:

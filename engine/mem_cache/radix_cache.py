@@ -64,7 +64,7 @@ class RadixCache(BasePrefixCache):
 
     def reset_tree(self) -> None:
         """Forget every node without freeing slots (the allocator is being cleared too)."""
-        self.root = TreeNode(next(self._ids), [], self._empty(), None)
+        self.root = self._new_node([], self._empty(), None)
         self.root.lock_ref = 1
         self._evict_heap: list[tuple[int, int, TreeNode]] = []
         self.evictable_size_ = 0
@@ -73,6 +73,12 @@ class RadixCache(BasePrefixCache):
     def reset(self) -> None:
         self.allocator.free(self.all_values_flat())
         self.reset_tree()
+
+    def _new_node(self, key: list[int], value: torch.Tensor, parent: Optional[TreeNode]) -> TreeNode:
+        return TreeNode(next(self._ids), key, value, parent)
+
+    def _on_evicted(self, node: TreeNode) -> None:
+        """`node` just left the tree (eviction); subclasses free what else it held."""
 
     def _empty(self) -> torch.Tensor:
         return torch.empty(0, dtype=torch.int64, device=self.device)
@@ -94,7 +100,7 @@ class RadixCache(BasePrefixCache):
     def _split(self, child: TreeNode, split_len: int) -> TreeNode:
         """Cut child's edge at split_len (page-aligned); returns the new upper node."""
         parent = child.parent
-        upper = TreeNode(next(self._ids), child.key[:split_len], child.value[:split_len], parent)
+        upper = self._new_node(child.key[:split_len], child.value[:split_len], parent)
         upper.lock_ref = child.lock_ref
         upper.last_access_time = child.last_access_time
         child.key = child.key[split_len:]
@@ -138,6 +144,10 @@ class RadixCache(BasePrefixCache):
         return node, path
 
     def match_prefix(self, key: list[int]) -> MatchResult:
+        return self._match_kv(key)
+
+    def _match_kv(self, key: list[int]) -> MatchResult:
+        """The longest cached page-aligned prefix of `key`, by KV alone."""
         key = list(key[: len(key) - len(key) % self.page_size])
         node, path = self._descend(key, next(self._clock))
         indices = torch.cat([n.value for n in path]) if path else self._empty()
@@ -152,7 +162,7 @@ class RadixCache(BasePrefixCache):
         rest = list(key[cached:])
         if rest:
             # clone: value is usually a view of a req_to_token row, which gets reused
-            leaf = TreeNode(next(self._ids), rest, value[cached:].clone(), node)
+            leaf = self._new_node(rest, value[cached:].clone(), node)
             leaf.last_access_time = now
             node.children[self._child_key(rest)] = leaf
             self.evictable_size_ += len(rest)
@@ -180,7 +190,7 @@ class RadixCache(BasePrefixCache):
     def cache_unfinished_req(self, req: CacheReq) -> None:
         row = req.req_pool_idx
         _, num_prefix, aligned = self._insert_committed(req)
-        new_indices, new_node = self.match_prefix(req.fill_ids[:aligned])
+        new_indices, new_node = self._match_kv(req.fill_ids[:aligned])
         assert len(new_indices) == aligned, f"re-match found {len(new_indices)} of {aligned} tokens"
         self.req_to_token_pool.req_to_token[row, num_prefix:aligned] = new_indices[num_prefix:]
         self.inc_lock_ref(new_node)
@@ -208,6 +218,7 @@ class RadixCache(BasePrefixCache):
             parent = leaf.parent
             del parent.children[self._child_key(leaf.key)]
             freed.append(leaf.value)
+            self._on_evicted(leaf)
             num_freed += len(leaf.key)
             self.evictable_size_ -= len(leaf.key)
             if not parent.children and parent.lock_ref == 0:  # the root is always locked

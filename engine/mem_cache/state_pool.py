@@ -18,11 +18,22 @@ state pool's bytes come out of the same budget first. Its slots (the max running
 are --max-mamba-cache-size, else --max-running-requests, else what --mamba-full-memory-ratio gives it:
 state bytes : KV bytes = ratio : 1, i.e. ratio / (1 + ratio) of the budget (SGLang's
 _handle_max_mamba_cache). Slots beyond the most requests that may ever run would sit idle while a slot
-is a request row (until the radix cache keeps states on its nodes), so those bytes go to the KV pool.
+is a request row, so those bytes go to the KV pool.
+
+Checkpoint slots (the radix cache's, mem_cache/hybrid_radix_cache.py): with the radix cache on, the
+pool holds `checkpoints` more slots after the request rows, one per request slot by default. A
+checkpoint is a copy of a request's state at a page-aligned position, kept on the radix node that
+ends there, so a later request matching that prefix starts from it instead of from zero.
+
+Every state operation runs inside a forward pass, in launch order (StateOps): the copies first
+(a hit's checkpoint into its row; a finished request's row into a checkpoint), then the layers,
+which also write the tracked positions (a checkpoint of the state part-way through an extend or
+after a decode step). The scheduler only decides which slot goes where, so nothing it does can race
+a pass still in flight (the overlap loop), exactly as with KV slots.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
 
 import torch
@@ -46,6 +57,29 @@ class LinearStateShapes:
         return self.num_layers * (conv + ssm)
 
 
+@dataclass
+class StateOps:
+    """The state work of one forward pass, decided by the scheduler (module docstring).
+
+    copies: (source slot, destination slot), run in order before the layers.
+    tracks: per batch row, (offset, destination slot): after the row's first `offset` new tokens,
+            its state also goes to that checkpoint slot (offset == the row's token count: the end)."""
+
+    copies: list[tuple[int, int]] = field(default_factory=list)
+    tracks: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.copies or self.tracks)
+
+    def merged(self, other: Optional["StateOps"], row_offset: int) -> "StateOps":
+        """This batch's ops followed by `other`'s, whose rows come `row_offset` rows later."""
+        if not other:
+            return self
+        tracks = dict(self.tracks)
+        tracks.update({row + row_offset: t for row, t in other.tracks.items()})
+        return StateOps(self.copies + other.copies, tracks)
+
+
 class StateBudget(NamedTuple):
     slots: int  # the most requests that may run: each holds a state slot
     state_bytes: int  # the state pool's: slots + 1 rows (ReqToTokenPool's spare row, see ModelRunner)
@@ -53,13 +87,15 @@ class StateBudget(NamedTuple):
 
 
 def split_state_memory(budget_bytes: int, slot_bytes: int, ratio: float, slots: Optional[int],
-                       max_slots: int) -> StateBudget:
+                       max_slots: int, rows_per_slot: int = 1) -> StateBudget:
     """Splits `budget_bytes` between the state pool and the KV pool (module docstring). `slots`: fixed
-    by a flag, or None for the ratio's share, capped at `max_slots`."""
-    assert slot_bytes > 0 and ratio > 0 and max_slots > 0
+    by a flag, or None for the ratio's share, capped at `max_slots`. `rows_per_slot`: 2 with the
+    radix cache (each request slot has a checkpoint slot beside it), else 1."""
+    assert slot_bytes > 0 and ratio > 0 and max_slots > 0 and rows_per_slot >= 1
     if slots is None:
-        slots = min(max_slots, int(budget_bytes * ratio / (1 + ratio)) // slot_bytes - 1)
-    state_bytes = (slots + 1) * slot_bytes
+        share = int(budget_bytes * ratio / (1 + ratio)) // slot_bytes - 1
+        slots = min(max_slots, share // rows_per_slot)
+    state_bytes = (slots * rows_per_slot + 1) * slot_bytes
     if slots < 1 or state_bytes >= budget_bytes:
         raise ValueError(f"not enough memory for the recurrent-state pool: {budget_bytes / 2**20:.1f} MiB to share, "
                          f"{slot_bytes / 2**20:.2f} MiB per slot, {slots} slot(s); raise --mem-fraction-static or "
@@ -69,14 +105,33 @@ def split_state_memory(budget_bytes: int, slot_bytes: int, ratio: float, slots: 
 
 class RecurrentStatePool:
     def __init__(self, shapes: LinearStateShapes, rows: int, conv_dtype: torch.dtype, ssm_dtype: torch.dtype,
-                 device: str) -> None:
-        """`rows`: as many as ReqToTokenPool has (slot index = request row)."""
-        assert rows > 0
-        self.shapes, self.rows, self.device = shapes, rows, device
-        self.conv = [torch.zeros((rows, *shapes.conv), dtype=conv_dtype, device=device)
+                 device: str, checkpoints: int = 0) -> None:
+        """`rows`: as many as ReqToTokenPool has (slot index = request row); `checkpoints`: the radix
+        cache's slots, indices rows .. rows + checkpoints - 1."""
+        assert rows > 0 and checkpoints >= 0
+        self.shapes, self.rows, self.checkpoints, self.device = shapes, rows, checkpoints, device
+        total = rows + checkpoints
+        self.conv = [torch.zeros((total, *shapes.conv), dtype=conv_dtype, device=device)
                      for _ in range(shapes.num_layers)]
-        self.ssm = [torch.zeros((rows, *shapes.ssm), dtype=ssm_dtype, device=device)
+        self.ssm = [torch.zeros((total, *shapes.ssm), dtype=ssm_dtype, device=device)
                     for _ in range(shapes.num_layers)]
+
+    def checkpoint_slots(self) -> list[int]:
+        return list(range(self.rows, self.rows + self.checkpoints))
+
+    def copy_slots(self, copies: list[tuple[int, int]]) -> None:
+        """(source, destination) slot pairs, in order, every layer (a pass's StateOps.copies)."""
+        if not copies:
+            return
+        if len({d for _, d in copies}) == len(copies) and not {s for s, _ in copies} & {d for _, d in copies}:
+            src = torch.tensor([s for s, _ in copies], device=self.device)
+            dst = torch.tensor([d for _, d in copies], device=self.device)
+            for t in (*self.conv, *self.ssm):
+                t[dst] = t[src]
+            return
+        for s, d in copies:  # a chain (a slot copied out, then over): one at a time
+            for t in (*self.conv, *self.ssm):
+                t[d] = t[s]
 
     def read(self, layer: int, rows: torch.Tensor, fresh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of the conv and delta-rule states of `rows` [bs] in `layer`, zeros where `fresh`
@@ -96,5 +151,5 @@ class RecurrentStatePool:
         return sum(t.nbytes for t in self.conv) + sum(t.nbytes for t in self.ssm)
 
     def __repr__(self) -> str:
-        return (f"RecurrentStatePool(rows={self.rows}, layers={self.shapes.num_layers}, conv={self.shapes.conv} "
+        return (f"RecurrentStatePool(rows={self.rows}, checkpoints={self.checkpoints}, layers={self.shapes.num_layers}, conv={self.shapes.conv} "
                 f"{self.conv[0].dtype}, ssm={self.shapes.ssm} {self.ssm[0].dtype})")

@@ -23,7 +23,7 @@ import torch
 if TYPE_CHECKING:
     from baton.engine.layers.attention.base import AttentionBackend
     from baton.engine.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
-    from baton.engine.mem_cache.state_pool import RecurrentStatePool
+    from baton.engine.mem_cache.state_pool import RecurrentStatePool, StateOps
 
 
 class ForwardMode(IntEnum):
@@ -57,6 +57,8 @@ class ForwardBatch:
     attn_metadata: Any = None
     # hybrid models: the linear-attention layers' states, one slot per request row (req_pool_indices)
     state_pool: Optional["RecurrentStatePool"] = None
+    # and, with the radix cache, the checkpoint copies (run before the layers) and tracked positions
+    state_ops: Optional["StateOps"] = None
 
     @property
     def num_tokens(self) -> int:

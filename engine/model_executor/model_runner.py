@@ -250,7 +250,8 @@ class ModelRunner:
                 from baton.engine.mem_cache.state_pool import split_state_memory
 
                 split = split_state_memory(budget, state_shapes.bytes_per_row(*self._state_dtypes()),
-                                           args.mamba_full_memory_ratio, slots, _MAX_RUNNING_DEFAULT)
+                                           args.mamba_full_memory_ratio, slots, _MAX_RUNNING_DEFAULT,
+                                           rows_per_slot=1 + self._state_checkpoints_per_slot())
                 logger.info("memory for the pools: %.1f MB to the recurrent-state pool (%d slots), %.1f MB to KV",
                             split.state_bytes / 1e6, split.slots, split.kv_bytes / 1e6)
                 slots, budget = split.slots, split.kv_bytes
@@ -277,14 +278,22 @@ class ModelRunner:
         """A hybrid model's conv-state and delta-rule-state dtypes."""
         return self.dtype, MODEL_DTYPES[self.server_args.mamba_ssm_dtype]
 
+    def _state_checkpoints_per_slot(self) -> int:
+        """The radix cache's checkpoint slots per request slot (hybrid_radix_cache.py): one, or none
+        without the radix cache."""
+        return 0 if self.server_args.disable_radix_cache else 1
+
     def _init_state_pool(self, shapes: Optional["LinearStateShapes"]) -> Optional["RecurrentStatePool"]:
         """A hybrid model's recurrent states: one slot per request row (slot index = req_pool_idx), so
-        max running requests + 1 (the spare row a request that just ended holds in the overlap loop)."""
+        max running requests + 1 (the spare row a request that just ended holds in the overlap loop),
+        then the radix cache's checkpoint slots, one per running request."""
         if shapes is None:
             return None
         from baton.engine.mem_cache.state_pool import RecurrentStatePool
 
-        pool = RecurrentStatePool(shapes, self.req_to_token_pool.size, *self._state_dtypes(), self.device)
+        checkpoints = self._state_checkpoints_per_slot() * self.pool_config.max_running_requests
+        pool = RecurrentStatePool(shapes, self.req_to_token_pool.size, *self._state_dtypes(), self.device,
+                                  checkpoints=checkpoints)
         logger.info("recurrent-state pool: %s, %.1f MB", pool, pool.size_bytes() / 1e6)
         return pool
 
@@ -323,11 +332,14 @@ class ModelRunner:
             mwb.forward_mode, input_ids=parts[0], positions=parts[1], req_pool_indices=parts[2], seq_lens=parts[3],
             out_cache_loc=parts[4], seq_lens_cpu=mwb.seq_lens_cpu,
             extend_prefix_lens_cpu=mwb.extend_prefix_lens_cpu, extend_seq_lens_cpu=mwb.extend_seq_lens_cpu)
+        fb.state_ops = getattr(mwb, "state_ops", None)
         return fb, (parts[5] if extra is not None else None)
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """Runs the model; returns hidden states [num_tokens, hidden]."""
+        if fb.state_ops is not None:  # a hybrid model's checkpoint copies come before its layers
+            self.state_pool.copy_slots(fb.state_ops.copies)
         if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(fb):
             return self.cuda_graph_runner.replay(fb)  # plans its own (padded) attention metadata
         native = self.native_forward

@@ -47,6 +47,9 @@ class Req:
     req_pool_idx: Optional[int] = None
     kv_committed_len: int = 0
     kv_allocated_len: int = 0
+    # hybrid models: recurrent-state checkpoints tracked for this request and not yet on a radix node,
+    # as (position, slot) (mem_cache/hybrid_radix_cache.py)
+    state_checkpoints: list[tuple[int, int]] = field(default_factory=list)
 
     finished_reason: Optional[FinishReason] = None
     is_chunked: int = 0  # > 0 while a chunk of this request is in flight and more chunks follow

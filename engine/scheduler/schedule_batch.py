@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from baton.engine.mem_cache.state_pool import StateOps
 from baton.engine.model_executor.forward_batch import ForwardMode
 from baton.engine.scheduler.req import Req
 
@@ -52,6 +53,8 @@ class ModelWorkerBatch:
     # each row's draw number for the CPU sampler, taken when the batch is launched
     # (TpModelWorker.assign_draws): the same whichever path samples it, in either loop
     draws: Optional[list[int]] = None
+    # hybrid models with the radix cache: recurrent-state copies and checkpoints this pass makes
+    state_ops: Optional[StateOps] = None
 
 
 class ScheduleBatch:
@@ -141,6 +144,7 @@ class ScheduleBatch:
         self._write_table(rows, prefix_lens, extend_lens, out_cache_loc)
         for req, s in zip(self.reqs, seq_lens):
             req.kv_committed_len = req.kv_allocated_len = s
+        state_ops = self._extend_state_ops(new, prefix_lens, seq_lens, chunked_req)
         input_ids = [t for r, p in zip(self.reqs, prefix_lens) for t in r.fill_ids[p:]]
         positions = torch.cat([torch.arange(p, s, dtype=torch.int64) for p, s in zip(prefix_lens, seq_lens)])
         self.model_worker_batch = ModelWorkerBatch(
@@ -159,7 +163,26 @@ class ScheduleBatch:
                                  r.origin_input_ids[s] if s < len(r.origin_input_ids) else -1)
                                 for i, (r, s) in enumerate(zip(self.reqs, seq_lens))
                                 if r.return_logprob and r.logprob_start_len >= 0 and not r.input_logprobs_sent],
+            state_ops=state_ops,
         )
+
+    def _extend_state_ops(self, new: list[Req], prefix_lens: list[int], seq_lens: list[int],
+                          chunked_req: Optional[Req]) -> Optional[StateOps]:
+        """A hybrid model's state work in this extend (hybrid_radix_cache.py): the new requests that
+        hit a cached prefix start from its checkpoint (queued first: nothing may take that slot
+        before), then every request's tracked positions."""
+        cache = self.tree_cache
+        if not cache.tracks_state:
+            return None
+        for req in new:
+            if len(req.prefix_indices):
+                cache.restore_state(req)
+        tracks = {}
+        for i, (req, p, s) in enumerate(zip(self.reqs, prefix_lens, seq_lens)):
+            planned = cache.plan_extend_tracks(req, p, s, more_chunks=req is chunked_req)
+            if planned:
+                tracks[i] = planned
+        return cache.take_state_ops(tracks)
 
     # ------------------------------------------------------------------ decode
     def new_page_tokens_needed(self) -> int:
@@ -189,6 +212,11 @@ class ScheduleBatch:
         positions = torch.tensor(prefix_lens, dtype=torch.int64)
         table = self.req_to_token_pool.req_to_token  # .to() is a no-op on a CPU table
         table[rows_t.to(table.device), positions.to(table.device)] = out_cache_loc.to(table.device)
+        state_ops = None
+        if self.tree_cache.tracks_state:
+            tracks = {i: t for i, r in enumerate(self.reqs)
+                      if (t := self.tree_cache.plan_decode_track(r, r.kv_committed_len + 1))}
+            state_ops = self.tree_cache.take_state_ops(tracks)
         for req in self.reqs:
             req.kv_committed_len += 1
             req.kv_allocated_len += 1
@@ -205,6 +233,7 @@ class ScheduleBatch:
             return_logprob=any(r.return_logprob for r in self.reqs),
             top_logprobs_nums=[r.top_logprobs_num for r in self.reqs],
             input_logprob_reqs=[],
+            state_ops=state_ops,
         )
 
     def mix_with_running(self, running: "ScheduleBatch") -> None:
@@ -229,6 +258,7 @@ class ScheduleBatch:
             top_logprobs_nums=a.top_logprobs_nums + b.top_logprobs_nums,
             input_logprob_reqs=a.input_logprob_reqs,  # rows of the prefills, which come first
             num_decode_rows=len(running.reqs),
+            state_ops=(a.state_ops or StateOps()).merged(b.state_ops, len(a.seq_lens_cpu)) or None,
         )
         self.reqs = self.reqs + running.reqs
         running.reqs, running.output_ids = [], None

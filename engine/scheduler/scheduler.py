@@ -79,11 +79,6 @@ class Scheduler:
         self.dp_rank = dp_rank
         self.worker = TpModelWorker(args, tp)
         runner = self.worker.model_runner
-        if runner.state_pool is not None and not args.disable_radix_cache:
-            # A prefix is reusable only with the recurrent state at its end, which the radix cache
-            # does not keep yet (state checkpoints on radix nodes: issue 33's next step).
-            logger.info("radix cache off: a hybrid model cannot reuse a prefix without its recurrent state")
-            self.server_args = args = args.replace(disable_radix_cache=True)
         self.startup_s: dict[str, float] = dict(runner.startup_s)  # the process adds spawn, tokenizer, total
         self.req_to_token_pool, self.allocator = runner.req_to_token_pool, runner.allocator
         self.max_total_tokens = runner.pool_config.max_total_tokens
@@ -92,7 +87,7 @@ class Scheduler:
         self.vocab_size = runner.vocab_size
         self.page_size = args.page_size
         self.tree_cache = create_prefix_cache(args.disable_radix_cache, self.req_to_token_pool, self.allocator,
-                                              args.page_size)
+                                              args.page_size, runner.state_pool, args.mamba_track_interval)
         self.policy = SchedulePolicy(args.schedule_policy if not args.disable_radix_cache else "fcfs",
                                      self.tree_cache, args.enable_priority_scheduling, args.random_seed)
         self.loop_choice = args.event_loop(native_stream_threads(self.worker))  # plain or overlap, and why
@@ -182,6 +177,12 @@ class Scheduler:
     def _init_disaggregation(self, transfer_config: Any) -> Colocated:
         """The PD strategy of --disaggregation-mode (disaggregation/strategy.py), over a view of this
         scheduler's queues and pools."""
+        mode = DisaggregationMode(self.server_args.disaggregation_mode)
+        if mode is not DisaggregationMode.NULL and self.worker.model_runner.state_pool is not None:
+            # the decode would start from a zero recurrent state: wrong tokens, not an error
+            raise ValueError(f"--disaggregation-mode {mode.value}: hybrid models (linear-attention layers) cannot run "
+                             "in PD yet: their recurrent state is not transferred with the KV (issue 34); serve them "
+                             "colocated")
         view = SchedulerView(
             server_args=self.server_args, tokenizer=self.tokenizer, dp_rank=self.dp_rank, page_size=self.page_size,
             max_running_requests=self.max_running_requests, req_to_token_pool=self.req_to_token_pool,
@@ -190,7 +191,7 @@ class Scheduler:
             new_batch=self._new_batch, finish_request=self.output.finish_request,
             stream_output=self.output.stream_output, record_token=self.output.record_token,
             extend_result_prologue=self.output.extend_result_prologue, count_generated=self._count_generated)
-        return create_strategy(DisaggregationMode(self.server_args.disaggregation_mode), view, transfer_config)
+        return create_strategy(mode, view, transfer_config)
 
     def _count_generated(self, n: int) -> None:
         self.stats.generated_tokens += n
@@ -352,7 +353,7 @@ class Scheduler:
             "token_usage": self.token_usage(),
             "new_token_ratio": self.ratio.value,
             "cache_hit_rate": self.stats.cache_hit_rate(),
-            "radix_cache": not self.server_args.disable_radix_cache,  # off for hybrid models (issue 33)
+            "radix_cache": not self.server_args.disable_radix_cache,
             "recurrent_state_bytes": (0 if self.worker.model_runner.state_pool is None
                                       else self.worker.model_runner.state_pool.size_bytes()),
             **self._state_slots_info(),
@@ -379,7 +380,11 @@ class Scheduler:
         if pool is None:
             return {"recurrent_state_slots_used": 0, "recurrent_state_slots_total": 0}
         used = self.req_to_token_pool.size - self.req_to_token_pool.available_size()
-        return {"recurrent_state_slots_used": used, "recurrent_state_slots_total": pool.rows}
+        cache = self.tree_cache
+        return {"recurrent_state_slots_used": used, "recurrent_state_slots_total": pool.rows,
+                # the radix cache's checkpoints (hybrid_radix_cache.py): on nodes, and in all
+                "recurrent_state_checkpoints_cached": getattr(cache, "checkpoints_cached", lambda: 0)(),
+                "recurrent_state_checkpoints_total": pool.checkpoints}
 
     def used_tokens(self) -> int:
         """KV slots neither free nor evictable."""
@@ -394,6 +399,9 @@ class Scheduler:
         free, cached = self.allocator.available_size(), self.tree_cache.total_size()
         rows_free = self.req_to_token_pool.available_size() == self.req_to_token_pool.size
         ok = free + cached == self.max_total_tokens and rows_free and self.tree_cache.protected_size() == 0
+        if not self.tree_cache.check_state_slots():
+            logger.error("integrity check failed: recurrent-state checkpoint slots leaked or held twice")
+            ok = False
         if len(self.table):
             logger.error("integrity check failed: %d requests never answered, e.g. %s", len(self.table),
                          [r.rid for r in list(self.table)[:5]])

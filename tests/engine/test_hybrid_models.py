@@ -15,16 +15,18 @@ from tiny_models import _BASE, ARCH_DEFAULTS, HYBRID_ARCHS, save_tiny_tokenizer
 
 
 def _assert_hybrid_serving(h) -> None:
-    """Prefix matching is off (no state at a prefix's end), the pool sizes follow the layer kinds,
-    and nothing is held at idle."""
+    """The radix cache is on, with one checkpoint slot per request slot; the pool sizes follow the
+    layer kinds, and nothing is held at idle (KV, rows, checkpoint slots)."""
     s, runner = h.scheduler, h.scheduler.worker.model_runner
     layer_types = ARCH_DEFAULTS["qwen3_next"]["layer_types"]
-    assert s.stats.cache_hit_rate() == 0 and s.get_server_info()["radix_cache"] is False
+    info = s.get_server_info()
+    assert info["radix_cache"] is True and type(s.tree_cache).__name__ == "HybridRadixCache"
     assert runner.token_to_kv_pool.layer_num == layer_types.count("full_attention")
     assert runner.state_pool.shapes.num_layers == layer_types.count("linear_attention")
     assert runner.state_pool.rows == runner.req_to_token_pool.size  # one slot per request row
+    assert runner.state_pool.checkpoints == info["recurrent_state_checkpoints_total"] == s.max_running_requests
     assert runner.native_forward is None
-    assert s.check_memory_integrity()
+    assert s.check_memory_integrity() and info["integrity_ok"]
 
 
 @pytest.mark.parametrize("arch,loop,page_size", [("qwen3_next", "overlap", 1), ("qwen3_next", "plain", 16),
@@ -121,6 +123,9 @@ def test_split_state_memory_follows_sglangs_rule():
     assert split_state_memory(1_900_000, 1000, 0.9, None, 100) == (100, 101_000, 1_799_000), "capped: KV gets the rest"
     assert split_state_memory(1_900_000, 1000, 0.9, 7, 100) == (7, 8_000, 1_892_000), "fixed slots ignore the ratio"
     assert split_state_memory(1_900_000, 1000, 0.9, 500, 100).slots == 500, "a fixed count is not capped"
+    assert split_state_memory(1_900_000, 1000, 0.9, None, 10_000, rows_per_slot=2) == (449, 899_000, 1_001_000), \
+        "with the radix cache a request slot comes with a checkpoint slot"
+    assert split_state_memory(1_900_000, 1000, 0.9, 7, 100, rows_per_slot=2) == (7, 15_000, 1_885_000)
     for budget, slots in ((1_500, None), (10_000, 10)):
         with pytest.raises(ValueError, match="not enough memory for the recurrent-state pool"):
             split_state_memory(budget, 1000, 0.9, slots, 100)
@@ -133,10 +138,11 @@ def _runner_sizes(h) -> tuple[int, int, int]:
 
 
 @pytest.mark.parametrize("flags", [{}, {"max_mamba_cache_size": 5}, {"max_running_requests": 9},
-                                   {"mamba_full_memory_ratio": 0.3}])
+                                   {"mamba_full_memory_ratio": 0.3}, {"disable_radix_cache": True}])
 def test_kv_pool_sized_from_memory_leaves_room_for_the_state_pool(tiny_model_factory, monkeypatch, flags):
     """With the KV pool sized from free memory, the state pool's bytes come out of the same budget:
-    by the ratio (state : KV = 0.9 : 1 by default), or for the slots a flag fixes."""
+    by the ratio (state : KV = 0.9 : 1 by default), or for the slots a flag fixes. With the radix
+    cache each request slot has a checkpoint slot beside it, so the ratio's share buys half the slots."""
     from baton.engine.model_executor import model_runner
 
     memory = 20_000_000  # on CPU the pools get (1 - mem_fraction_static) of it: 3 MB, under the 256-slot cap
@@ -145,13 +151,15 @@ def test_kv_pool_sized_from_memory_leaves_room_for_the_state_pool(tiny_model_fac
     slot, cell, state_bytes = _runner_sizes(h)
     budget = int(memory * (1 - h.scheduler.server_args.mem_fraction_static))
     ratio = flags.get("mamba_full_memory_ratio", 0.9)
+    per_slot = 1 if flags.get("disable_radix_cache") else 2
     slots = flags.get("max_mamba_cache_size") or flags.get("max_running_requests") \
-        or int(budget * ratio / (1 + ratio)) // slot - 1
+        or (int(budget * ratio / (1 + ratio)) // slot - 1) // per_slot
     info = h.scheduler.get_server_info()
-    assert info["max_running_requests"] == slots and state_bytes == (slots + 1) * slot
+    assert info["max_running_requests"] == slots and state_bytes == (per_slot * slots + 1) * slot
     assert info["max_total_num_tokens"] == (budget - state_bytes) // cell
     assert info["recurrent_state_bytes"] == state_bytes
     assert (info["recurrent_state_slots_used"], info["recurrent_state_slots_total"]) == (0, slots + 1)
+    assert info["recurrent_state_checkpoints_total"] == (per_slot - 1) * slots
 
 
 def test_max_mamba_cache_size_caps_running_requests(tiny_model_factory):
@@ -259,3 +267,11 @@ def test_conditional_generation_checkpoint_served_as_text(tmp_path, caplog, arch
         want = hf.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0)[0, len(p):]
         assert results[str(i)].ids == want.tolist(), f"request {i} (len {len(p)}) differs from HF"
     assert h.scheduler.check_memory_integrity()
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_pd_refuses_hybrid_models_until_their_state_moves(tiny_model_factory, mode):
+    """PD moves KV only (the recurrent state is issue 34): a hybrid's decode would start from a zero
+    state and answer wrong tokens, so either side refuses at start-up, saying why."""
+    with pytest.raises(ValueError, match="cannot run in PD yet: their recurrent state is not transferred"):
+        harness_for(tiny_model_factory("qwen3_5"), "plain", disaggregation_mode=mode, max_total_tokens=1024)

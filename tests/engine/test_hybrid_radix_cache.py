@@ -1,0 +1,202 @@
+"""The radix cache of hybrid models (mem_cache/hybrid_radix_cache.py), on its own and through the
+scheduler: a match stops at the deepest node with a state checkpoint, a node whose checkpoint was
+evicted keeps its KV but ends no match (tombstone), checkpoints have their own LRU, a hit becomes a
+copy of the checkpoint into the request's row, KV eviction frees a node's checkpoint; served, a
+shared prefix and a conversation's next turn come from cached state with HF's tokens."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from baton.engine.mem_cache.allocator import TokenToKVPoolAllocator
+from baton.engine.mem_cache.hybrid_radix_cache import HybridRadixCache
+from baton.engine.mem_cache.memory_pool import ReqToTokenPool
+from baton.engine.mem_cache.state_pool import LinearStateShapes, RecurrentStatePool, StateOps
+from test_scheduler_vs_hf import hf_greedy, harness_for
+
+
+@dataclass(eq=False)
+class _Req:
+    """What the cache reads of a request (mem_cache/base.py CacheReq)."""
+
+    origin_input_ids: list[int]
+    output_ids: list[int] = field(default_factory=list)
+    fill_ids: list[int] = field(default_factory=list)
+    prefix_indices: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    last_node: object = None
+    req_pool_idx: int = None
+    kv_committed_len: int = 0
+    kv_allocated_len: int = 0
+    state_checkpoints: list = field(default_factory=list)
+
+
+def _cache(page: int = 1, checkpoints: int = 4, interval: int = 8) -> HybridRadixCache:
+    rows = ReqToTokenPool(4, 256, "cpu")
+    alloc = TokenToKVPoolAllocator(512, page, "cpu")
+    return HybridRadixCache(rows, alloc, page, list(range(100, 100 + checkpoints)), interval)
+
+
+def _serve(cache: HybridRadixCache, tokens: list[int], finish: bool = True) -> tuple[_Req, StateOps]:
+    """A request through the cache as the scheduler drives it: match, row, restore, one extend over
+    the rest (tracks planned), then finish (end checkpoint, KV and states into the tree)."""
+    req = _Req(list(tokens))
+    m = cache.match_prefix(tokens[:-1])
+    req.prefix_indices, req.last_node = m.device_indices, m.last_node
+    cache.inc_lock_ref(req.last_node)
+    req.req_pool_idx = cache.req_to_token_pool.alloc(1)[0]
+    n = len(req.prefix_indices)
+    table = cache.req_to_token_pool.req_to_token
+    table[req.req_pool_idx, :n] = req.prefix_indices
+    if n:
+        cache.restore_state(req)
+    page = cache.page_size
+    new = cache.allocator.alloc_extend([n], [len(tokens)], [table[req.req_pool_idx, n - 1].item() if n and page > 1 else -1])
+    table[req.req_pool_idx, n:len(tokens)] = new
+    req.fill_ids = list(tokens)
+    req.kv_committed_len = req.kv_allocated_len = len(tokens)
+    tracks = cache.plan_extend_tracks(req, n, len(tokens), more_chunks=False)
+    ops = cache.take_state_ops({0: tracks} if tracks else None) or StateOps()
+    if finish:
+        cache.cache_finished_req(req)
+        ops = ops.merged(cache.take_state_ops(), 0)
+    return req, ops
+
+
+def test_match_stops_at_the_deepest_checkpoint_and_a_hit_restores_it():
+    cache = _cache(interval=8)
+    a = list(range(10, 30))  # 20 tokens: checkpoints at 8, 16 (interval), 19 (prompt end), 20 (request end)
+    req, ops = _serve(cache, a)
+    assert sorted(p for p, _ in ops.tracks[0]) == [8 - 0, 16, 19]  # offsets into the extend from 0
+    assert len(ops.copies) == 1 and ops.copies[0][0] == req.req_pool_idx, "the end state leaves the row"
+    assert cache.checkpoints_cached() == 4 and cache.checkpoints_free() == 0
+    # a prompt sharing 13 tokens: the KV matches 13, the state only up to 8
+    m = cache.match_prefix(a[:13] + [999, 998])
+    assert len(m.device_indices) == 8 and m.last_node.state is not None
+    # the same prompt again: up to its last page before the final token (19), from that checkpoint
+    b, ops_b = _serve(cache, a, finish=False)
+    assert len(b.prefix_indices) == 19
+    assert ops_b.copies == [(b.last_node.state, b.req_pool_idx)], "the hit's state is copied into its row"
+    assert not ops_b.tracks, "nothing left to track past the prompt end"
+    assert cache.check_state_slots()
+
+
+def test_tombstone_keeps_kv_and_checkpoints_evict_least_recently_matched_first():
+    cache = _cache(checkpoints=2, interval=64)  # only prompt-end and request-end checkpoints
+    x = [1] * 4 + list(range(100, 110))
+    y = [2] * 4 + list(range(200, 210))
+    _serve(cache, x)  # checkpoints at 13 and 14
+    kv_before = cache.total_size()
+    assert cache.checkpoints_cached() == 2
+    cache.match_prefix(x)  # x's checkpoints are now recently used...
+    _serve(cache, y)  # ...and still the only ones to evict: y takes both slots
+    assert cache.checkpoints_cached() == 2 and cache.total_size() == kv_before + 14
+    m = cache.match_prefix(x)
+    assert len(m.device_indices) == 0 and m.last_node is cache.root, "x's nodes are tombstones: KV, no state"
+    assert len(cache._match_kv(x).device_indices) == 14, "the tombstones keep their KV"
+    assert len(cache.match_prefix(y).device_indices) == 14
+    # both of y's checkpoints matched, then only the one at 13: the one at 14 is now the older
+    cache.match_prefix(y)
+    cache.match_prefix(y[:13])
+    slot = cache._alloc_state()
+    assert slot is not None and len(cache.match_prefix(y).device_indices) == 13, "y's end checkpoint went first"
+    cache._free_states.append(slot)
+    assert cache.check_state_slots()
+
+
+def test_kv_eviction_frees_the_nodes_checkpoints_and_reset_frees_all():
+    cache = _cache(checkpoints=4, interval=8)
+    _serve(cache, list(range(40, 60)))
+    assert cache.checkpoints_free() == 0
+    assert cache.evict(1000) == 20
+    assert cache.checkpoints_cached() == 0 and cache.checkpoints_free() == 4 and cache.check_state_slots()
+    _serve(cache, list(range(40, 60)))
+    cache.reset()
+    assert cache.checkpoints_free() == 4 and cache.total_size() == 0 and cache.check_state_slots()
+
+
+def test_page_aligned_positions_only():
+    cache = _cache(page=4, checkpoints=8, interval=8)
+    req, ops = _serve(cache, list(range(300, 319)))  # 19 tokens: 8, 16 and the prompt end 16 (18 -> 16)
+    assert sorted(p for p, _ in ops.tracks[0]) == [8, 16] and not ops.copies, "19 is no page end: no end state"
+    assert all(n.state is None or sum(len(a.key) for a in _path(n)) % 4 == 0 for n in cache._iter_nodes())
+    assert len(cache.match_prefix(list(range(300, 319))).device_indices) == 16
+    with pytest.raises(AssertionError, match="page-aligned"):
+        _cache(page=4, interval=6)
+
+
+def _path(node):
+    while node.parent is not None:
+        yield node
+        node = node.parent
+
+
+def test_state_pool_copies_run_in_order_and_checkpoint_slots_follow_the_rows():
+    pool = RecurrentStatePool(LinearStateShapes(1, (2, 2), (1, 2, 2)), 3, torch.float32, torch.float32, "cpu",
+                              checkpoints=2)
+    assert pool.checkpoint_slots() == [3, 4] and pool.ssm[0].shape[0] == 5
+    pool.ssm[0][0] = 1.0
+    pool.ssm[0][3] = 3.0
+    pool.copy_slots([(0, 4), (3, 0)])  # a row's state out to a checkpoint, then a checkpoint over the row
+    assert (pool.ssm[0][4] == 1.0).all() and (pool.ssm[0][0] == 3.0).all()
+    pool.copy_slots([(0, 1), (1, 2)])  # a chain: one at a time
+    assert (pool.ssm[0][2] == 3.0).all()
+
+
+# ---------------------------------------------------------------- served through the scheduler
+
+@pytest.mark.parametrize("arch,loop,page_size", [("qwen3_next", "overlap", 1), ("qwen3_5", "plain", 16)])
+def test_shared_prefix_and_next_turn_come_from_cached_state(tiny_model_factory, arch, loop, page_size):
+    """A prompt served twice, a prompt sharing a long prefix, and a conversation's next turn (prompt +
+    answer + new tokens): each starts from a cached state (cached_tokens) and equals HF's tokens."""
+    path = tiny_model_factory(arch)
+    h = harness_for(path, loop, page_size=page_size, chunked_prefill_size=32, max_total_tokens=4096,
+                    mamba_track_interval=16)
+    base = [(i * 37) % 400 + 6 for i in range(70)]
+    h.submit("first", base, max_new_tokens=8, ignore_eos=True)
+    first = h.run_until_idle()["first"]
+    assert first.ids == hf_greedy(path, base, 8, ignore_eos=True)
+    turn2 = base + first.ids + [11, 12, 13]
+    h.submit("again", base, max_new_tokens=8, ignore_eos=True)
+    h.submit("shared", base[:50] + [7, 8, 9], max_new_tokens=8, ignore_eos=True)
+    h.submit("turn2", turn2, max_new_tokens=8, ignore_eos=True)
+    res = h.run_until_idle()
+    for rid, prompt in (("again", base), ("shared", base[:50] + [7, 8, 9]), ("turn2", turn2)):
+        assert res[rid].ids == hf_greedy(path, prompt, 8, ignore_eos=True), f"{rid} differs from HF"
+    if page_size == 1:
+        assert res["again"].cached_tokens == len(base) - 1, "the same prompt again: all but its last token"
+        # the answer's last token was never fed in the plain loop; the overlap loop's extra step fed it
+        assert res["turn2"].cached_tokens >= len(base) + len(first.ids) - 1, "the next turn: only its new tokens"
+    else:  # checkpoints at page ends only: the last one before the end
+        assert res["again"].cached_tokens == (len(base) - 1) // 16 * 16
+        assert res["turn2"].cached_tokens >= (len(base) + len(first.ids) - 1) // 16 * 16
+    assert res["shared"].cached_tokens == 48, "the shared 50 tokens: up to the checkpoint at 48 (interval 16)"
+    s = h.scheduler
+    assert s.check_memory_integrity() and s.get_server_info()["recurrent_state_checkpoints_cached"] > 0
+
+
+def test_aborted_and_retracted_requests_leave_no_checkpoint_slot_behind(tiny_model_factory):
+    """Aborts mid-prefill and mid-decode and retractions under a small KV pool, with checkpoints
+    tracked every page: at idle every checkpoint slot is free or on one node, and reruns are exact."""
+    from baton.engine.io_struct import AbortReq
+    from test_scheduler_vs_hf import workload
+
+    path = tiny_model_factory("qwen3_next")
+    prompts = workload(seed=3)
+    pool = int(0.6 * (sum(map(len, prompts)) + 30 * len(prompts)))
+    h = harness_for(path, "overlap", page_size=1, chunked_prefill_size=16, max_total_tokens=pool,
+                    mamba_track_interval=4)
+    for i, p in enumerate(prompts):
+        h.submit(str(i), p, max_new_tokens=30, ignore_eos=True)
+    for _ in range(3):
+        h.step()
+    h.scheduler.process_input_requests([AbortReq(rid="0"), AbortReq(rid="5")])
+    res = h.run_until_idle()
+    s = h.scheduler
+    assert res["0"].finish.kind == "abort" and res["5"].finish.kind == "abort"
+    assert s.stats.retractions > 0, "the pool is meant to be too small for all requests at once"
+    assert s.check_memory_integrity() and s.tree_cache.check_state_slots()
+    for i, p in enumerate(prompts):
+        if str(i) not in ("0", "5"):
+            assert res[str(i)].ids == hf_greedy(path, p, 30, ignore_eos=True), f"request {i} differs from HF"
