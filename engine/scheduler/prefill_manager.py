@@ -79,10 +79,11 @@ class PrefillManager:
             q.chunked_req.is_chunked += 1
         now = time.time()
         for req in adder.can_run_list:
+            if req is continued:  # its prefix now includes its own earlier chunks: none of that was cached
+                continue
             if req.cached_tokens == 0 and not req.is_retracted:
                 req.cached_tokens = len(req.prefix_indices)
-            if req is not continued:
-                self.stats.on_dequeue(now - req.queue_start_time)
+            self.stats.on_dequeue(now - req.queue_start_time)
         self.stats.on_prefill(adder.log_input_tokens, adder.log_hit_tokens)
         batch = self.new_batch(adder.can_run_list)
         batch.prepare_for_extend(q.chunked_req)
