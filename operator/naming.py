@@ -37,6 +37,12 @@ DEFAULT_BOOTSTRAP_PORT = 8998
 # Names the operator reserves in a namespace for one InferenceService: NAME + longest suffix <= 63.
 MAX_NAME_LENGTH = 45
 NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"  # Secret and PersistentVolumeClaim names
+# Where engine pods see the model cache an hf:// or s3:// source is fetched into (the model in a folder
+# under it named by the source), and where a pvc:// source's claim is mounted unless spec.model.path says.
+MODEL_CACHE_MOUNT = "/model-cache"
+PVC_MODEL_MOUNT = "/models/model"
+FETCH_CONTAINER = "fetch-model"  # the init container's name (the status reads its state)
 
 
 class Role(str, enum.Enum):
