@@ -14,6 +14,7 @@ from baton.operator import naming
 from baton.operator.validation import Scope, rules_for
 
 ROUTER_POLICIES = ["random", "round_robin", "cache_aware", "power_of_two"]
+AUTOSCALING_MODES = ("static", "external")
 _QUANTITY = {"anyOf": [{"type": "integer"}, {"type": "string"}], "x-kubernetes-int-or-string": True,
              "pattern": r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"}
 _FREE_OBJECT = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
@@ -243,6 +244,14 @@ def spec_schema() -> dict[str, Any]:
         "model": _model(),
         "prefill": role_schema("prefill"), "decode": role_schema("decode"), "engine": role_schema("colocated"),
         "router": _router(), "kvTransfer": _kv_transfer(), "monitoring": _monitoring(),
+        "autoscaling": _obj("Who sets the engine Deployments' replicas.", {
+            "mode": {"type": "string", "enum": list(AUTOSCALING_MODES), "default": "static",
+                     "description": "static: the operator keeps each engine Deployment at spec.<role>.replicas. "
+                                    "external: an HPA or KEDA scales the engine Deployments (<name>-prefill, "
+                                    "-decode or -engine, through their scale subresource); the operator sets "
+                                    "replicas only when it creates one (spec.<role>.replicas is the initial "
+                                    "count) and never resets them. The router keeps router.replicas."},
+        }, default={}),
         "podSecurity": _obj("Pod security of engines and router.", {
             "runAsNonRoot": _bool("Run as a non-root user (set false if the image needs root).", True),
             "runAsUser": _int("User id.", 0, 2147483647, 1000),

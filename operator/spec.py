@@ -160,6 +160,7 @@ class InferenceServiceSpec:
     kv_transfer: KvTransferSpec = field(default_factory=KvTransferSpec)
     monitoring: MonitoringSpec = field(default_factory=MonitoringSpec)
     pod_security: PodSecuritySpec = field(default_factory=PodSecuritySpec)
+    external_replicas: bool = False  # spec.autoscaling.mode external: an HPA/KEDA owns engine replicas
 
     def __post_init__(self) -> None:
         assert set(self.roles) == set(engine_roles(self.mode)), "one RoleSpec per engine role of the mode"
@@ -273,6 +274,7 @@ def parse(body: Mapping[str, Any]) -> InferenceService:
         monitoring=MonitoringSpec(mon["podMonitor"], mon["serviceMonitor"], mon["interval"],
                                   dict(mon.get("labels", {}))),
         pod_security=PodSecuritySpec(sec["runAsNonRoot"], sec["runAsUser"], sec["fsGroup"]),
+        external_replicas=s["autoscaling"]["mode"] == "external",
     )
     return InferenceService(name=meta["name"], namespace=meta.get("namespace", "default"),
                             uid=meta.get("uid", ""), spec=spec, generation=meta.get("generation", 1))

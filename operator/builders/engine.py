@@ -163,9 +163,11 @@ def engine_deployment(isvc: InferenceService, role: Role) -> dict[str, Any]:
     assert role in isvc.spec.roles, f"{role} is not an engine role of mode {isvc.spec.mode}"
     r = isvc.spec.roles[role]
     name = naming.child_name(isvc.name, role)
+    # external autoscaling: replicas is the count it is created with; apply() keeps the live one after
+    annotations = {naming.REPLICAS_ANNOTATION: naming.EXTERNAL_REPLICAS} if isvc.spec.external_replicas else None
     return {
         "apiVersion": "apps/v1", "kind": "Deployment",
-        "metadata": metadata(isvc, name, role),
+        "metadata": metadata(isvc, name, role, annotations),
         "spec": {
             "replicas": r.replicas,
             "selector": {"matchLabels": naming.selector_labels(isvc.name, role)},

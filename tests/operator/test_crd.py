@@ -110,6 +110,8 @@ BAD_SCHEMA = [  # refused by the OpenAPI schema: (spec override, expected words 
     ({"model": {"name": "m", "path": "/m", "kvCacheDtype": "fp8_e4m3"}}, "'fp8_e4m3' is not one of"),
     ({"model": {"name": "m", "path": "/m", "dtype": "float64"}}, "'float64' is not one of"),
     ({"model": {"name": "m", "path": "/m", "toolCallParser": "gpt"}}, "'gpt' is not one of"),
+    ({"autoscaling": {"mode": "hpa"}}, "'hpa' is not one of ['static', 'external']"),
+    ({"model": {"name": "m", "source": "ftp://x/y"}}, "does not match"),
 ]
 
 
