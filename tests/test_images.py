@@ -287,3 +287,14 @@ def test_hadolint_finds_nothing():
     r = subprocess.run([_hadolint(), "--no-color", "--config", str(ROOT / "images" / "hadolint.yaml"),
                         *map(str, DOCKERFILES)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_the_init_container_command_runs_from_the_engine_install(installed, tmp_path):
+    """The operator runs `baton fetch-model` from spec.image (an engine image) as the engine pods' init
+    container: it is in the install and needs no torch."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    block = ("import sys\nfor m in ('torch', 'transformers', 'safetensors'): sys.modules[m] = None\n"
+             "from baton.cli import main\nsys.exit(main(['fetch-model', '--help']))")
+    r = subprocess.run([str(installed / "bin" / "python"), "-I", "-c", block], capture_output=True, text=True,
+                       cwd=tmp_path, env=env, timeout=120)
+    assert r.returncode == 0 and "usage: baton fetch-model" in r.stdout, r.stderr[-3000:]
