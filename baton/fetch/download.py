@@ -163,16 +163,16 @@ def fetch_files(client: httpx.Client, folder: Path, files: list[RemoteFile], hea
     if len(set(names)) != len(names):
         raise FetchError("the source lists a file twice")
     total = sum(f.size or 0 for f in files)
-    done, start = 0, time.monotonic()
+    done, moved, start = 0, 0, time.monotonic()
     for i, file in enumerate(files, 1):
         target = folder / file.name
         if target.is_file() and file.size is not None and target.stat().st_size == file.size:
             done += file.size
             continue  # finished by an earlier try (renamed into place only once verified)
         got = download(client, file, folder, headers)
-        done += file.size or got
-        rate = got / max(time.monotonic() - start, 1e-6) / 1e6
-        logger.info("[%d/%d] %s (%d/%d MB, %.1f MB/s)", i, len(files), file.name, done >> 20, total >> 20, rate)
+        done, moved = done + (file.size or got), moved + got
+        rate = moved / max(time.monotonic() - start, 1e-6) / 1e6
+        logger.info("[%d/%d] %s (%.1f/%.1f MB, %.1f MB/s)", i, len(files), file.name, done / 1e6, total / 1e6, rate)
     marker = {"source": uri, "revision": revision, "files": {f.name: (folder / f.name).stat().st_size for f in files}}
     tmp = folder / (MARKER + ".tmp")
     tmp.write_text(json.dumps(marker, indent=1, sort_keys=True))
