@@ -53,7 +53,7 @@ digest_of() {
     elif [[ "$TOOL" == docker ]]; then
         docker buildx imagetools inspect --format '{{.Manifest.Digest}}' "$1"
     else
-        podman manifest inspect "$1" >/dev/null && podman image inspect --format '{{.Digest}}' "$1"
+        podman pull -q "$1" >/dev/null && podman image inspect --format '{{.Digest}}' "$1"
     fi
 }
 pin_bases() {  # appends --build-arg X_IMAGE=ref@digest to `args` for each base-image ARG of $1
