@@ -224,7 +224,7 @@ def _fetch_state(pod: Mapping[str, Any]) -> tuple[str, str]:
         failed = ended if ended is not None else last
         why = failed and ((failed.get("message") or "").strip() or f"exit code {failed.get('exitCode')}"
                           f" ({failed.get('reason', 'Error')})")
-        if ended is not None or "waiting" in state and failed:  # failed, or waiting to retry (CrashLoopBackOff)
+        if ended is not None or ("waiting" in state and failed):  # failed, or waiting to retry (CrashLoopBackOff)
             return "failed", why or ""
         if "running" in state:
             return "fetching", f"the last try failed: {why}" if why else ""
