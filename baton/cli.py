@@ -12,6 +12,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "router": ("baton.router.cli", "start the OpenAI-compatible router"),
     "operator": ("baton.operator.cli", "run the Kubernetes operator (kopf)"),
     "bench": ("baton.engine.bench.cli", "benchmark an OpenAI endpoint, the HF baseline or KV transfer"),
+    "fetch-model": ("baton.fetch.cli", "fetch an hf:// or s3:// model into a cache folder (init container)"),
 }
 
 

@@ -15,6 +15,7 @@ import re
 from typing import Any
 
 from baton.operator import naming
+from baton.operator.builders.common import external_replicas
 from baton.operator.kube import KINDS, ApiError, KubeClient, kind_of
 
 _SAME = object()
@@ -56,6 +57,8 @@ def merge_patch(live: dict[str, Any], desired: dict[str, Any]) -> dict[str, Any]
         sub = {k: v for k, v in want_meta.get(key, {}).items() if live_meta.get(key, {}).get(k) != v}
         if sub:
             meta[key] = sub
+    if external_replicas(live) and not external_replicas(desired):  # back to static replicas: say so
+        meta.setdefault("annotations", {})[naming.REPLICAS_ANNOTATION] = None
     if want_meta.get("ownerReferences") != live_meta.get("ownerReferences"):
         meta["ownerReferences"] = copy.deepcopy(want_meta.get("ownerReferences"))
     if meta:
@@ -142,6 +145,16 @@ def left_by_predecessor(live: dict[str, Any], desired: dict[str, Any]) -> bool:
             (naming.API_VERSION, naming.KIND, want["name"]))
 
 
+def keep_live_replicas(live: dict[str, Any], desired: dict[str, Any]) -> dict[str, Any]:
+    """`desired` with the live replicas where an HPA or KEDA owns them, so neither a patch nor the drift
+    check ever resets what the autoscaler set (the count in the spec applies at creation only)."""
+    if not external_replicas(desired) or "replicas" not in (live.get("spec") or {}):
+        return desired
+    out = copy.deepcopy(desired)
+    out["spec"]["replicas"] = live["spec"]["replicas"]
+    return out
+
+
 def _hash(obj: dict[str, Any]) -> str | None:
     return (obj.get("metadata", {}).get("annotations") or {}).get(naming.SPEC_HASH_ANNOTATION)
 
@@ -174,6 +187,7 @@ async def apply(client: KubeClient, desired: dict[str, Any], owner_uid: str) -> 
     if not controlled_by(live, owner_uid):
         raise NotOwned(f"{desired['kind']} {meta['name']} already exists and is not controlled by this "
                        "InferenceService: delete or rename it, or rename the InferenceService")
+    desired = keep_live_replicas(live, desired)
     if _hash(live) == _hash(desired):
         if not drift(live, desired):
             return Outcome.UNCHANGED

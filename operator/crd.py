@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from baton.fetch.source import SOURCE_PATTERN
 from baton.operator import naming
 from baton.operator.validation import Scope, rules_for
 
 ROUTER_POLICIES = ["random", "round_robin", "cache_aware", "power_of_two"]
+AUTOSCALING_MODES = ("static", "external")
 _QUANTITY = {"anyOf": [{"type": "integer"}, {"type": "string"}], "x-kubernetes-int-or-string": True,
              "pattern": r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"}
 _FREE_OBJECT = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
@@ -133,12 +135,39 @@ def _model() -> dict[str, Any]:
     host = _obj("Mount this node folder (read-only) at `path`.", {
         "path": _str("Absolute folder on the node.", pattern="^/", maxLength=1024),
     }, required=("path",))
+    fetch = _obj("How the init container fetches an hf:// or s3:// source.", {
+        "endpoint": _str("The Hub (HF_ENDPOINT, default https://huggingface.co) or S3 endpoint "
+                         "(AWS_ENDPOINT_URL, default https://s3.<region>.amazonaws.com).",
+                         pattern="^https?://[^\\s]+$", maxLength=512),
+        "region": _str("S3 region (AWS_REGION, default us-east-1).", pattern="^[a-z0-9-]+$", maxLength=64),
+        "secretName": _str("Secret whose keys become the fetch container's environment (only it sees them): "
+                           "HF_TOKEN for hf://; AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY (and "
+                           "AWS_SESSION_TOKEN) for s3://.", minLength=1, maxLength=253,
+                           pattern=naming.DNS_SUBDOMAIN_PATTERN),
+        "include": _list("Glob patterns of the files to fetch, e.g. ['*.json', '*.safetensors'] (default: all).",
+                         _str("", minLength=1, maxLength=256), 32),
+    })
+    cache = _obj("The volume an hf:// or s3:// source is fetched into (read-only for the engines); exactly one "
+                 "of claimName and emptyDir.", {
+        "claimName": _str("A PersistentVolumeClaim the service's pods share (ReadWriteMany when they run on "
+                          "several nodes): fetched once, kept across restarts and rollouts.",
+                          minLength=1, maxLength=253, pattern=naming.DNS_SUBDOMAIN_PATTERN),
+        "emptyDir": _obj("Each pod fetches its own copy into an emptyDir (node-local, gone with the pod).",
+                         {"sizeLimit": {**_QUANTITY, "description": "Most the copy may take on the node."}}),
+    })
     return _obj("Where the weights are and the name clients use.", {
         "name": _str("Served model name (--served-model-name): the `model` clients send.",
                      minLength=1, maxLength=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$"),
+        "source": _str("Where the weights come from: hf://org/name[@revision] (the Hugging Face Hub; revision "
+                       "default main, pin a commit to be reproducible), s3://bucket/prefix, pvc://claim/path, or "
+                       "an absolute path in the image. hf:// and s3:// are fetched once by an init container "
+                       "into spec.model.cache, and the engines start from there.", minLength=1, maxLength=1100,
+                       pattern=SOURCE_PATTERN),
         "path": _str("Model folder inside the container (--model-path); with neither pvc nor "
-                     "hostPath the weights are expected in the image at this path.",
+                     "hostPath the weights are expected in the image at this path. With a pvc:// source: "
+                     f"where the claim is mounted (default {naming.PVC_MODEL_MOUNT}).",
                      pattern="^/", maxLength=1024),
+        "fetch": fetch, "cache": cache,
         "pvc": pvc, "hostPath": host,
         # Set once for every engine role: a prefill and a decode pod whose KV pages differ in dtype
         # cannot pair, so these are not per-role extraArgs.
@@ -155,7 +184,7 @@ def _model() -> dict[str, Any]:
         "reasoningParser": {"type": "string", "enum": list(REASONING_PARSERS),
                             "description": "Split the model's <think> block into reasoning_content "
                                            "(--reasoning-parser of every engine)."},
-    }, required=("name", "path"), scope=Scope.MODEL)
+    }, required=("name",), scope=Scope.MODEL)
 
 
 def _router() -> dict[str, Any]:
@@ -215,6 +244,14 @@ def spec_schema() -> dict[str, Any]:
         "model": _model(),
         "prefill": role_schema("prefill"), "decode": role_schema("decode"), "engine": role_schema("colocated"),
         "router": _router(), "kvTransfer": _kv_transfer(), "monitoring": _monitoring(),
+        "autoscaling": _obj("Who sets the engine Deployments' replicas.", {
+            "mode": {"type": "string", "enum": list(AUTOSCALING_MODES), "default": "static",
+                     "description": "static: the operator keeps each engine Deployment at spec.<role>.replicas. "
+                                    "external: an HPA or KEDA scales the engine Deployments (<name>-prefill, "
+                                    "-decode or -engine, through their scale subresource); the operator sets "
+                                    "replicas only when it creates one (spec.<role>.replicas is the initial "
+                                    "count) and never resets them. The router keeps router.replicas."},
+        }, default={}),
         "podSecurity": _obj("Pod security of engines and router.", {
             "runAsNonRoot": _bool("Run as a non-root user (set false if the image needs root).", True),
             "runAsUser": _int("User id.", 0, 2147483647, 1000),

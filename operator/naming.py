@@ -27,6 +27,10 @@ MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
 # Annotations.
 BOOTSTRAP_PORT_ANNOTATION = "sglang.ai/bootstrap-port"  # read by sglang-router and our router
 SPEC_HASH_ANNOTATION = f"{GROUP}/spec-hash"  # hash of the desired child; a change means "patch it"
+# On a Deployment whose replicas an HPA or KEDA sets (spec.autoscaling.mode external): the operator
+# sets replicas when it creates it, and never again.
+REPLICAS_ANNOTATION = f"{GROUP}/replicas"
+EXTERNAL_REPLICAS = "external"
 KOPF_PREFIX = GROUP  # kopf's progress/diff-base annotations live under this prefix
 
 # Ports (fixed inside the pod; the router Service port is configurable).
@@ -37,6 +41,12 @@ DEFAULT_BOOTSTRAP_PORT = 8998
 # Names the operator reserves in a namespace for one InferenceService: NAME + longest suffix <= 63.
 MAX_NAME_LENGTH = 45
 NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"  # Secret and PersistentVolumeClaim names
+# Where engine pods see the model cache an hf:// or s3:// source is fetched into (the model in a folder
+# under it named by the source), and where a pvc:// source's claim is mounted unless spec.model.path says.
+MODEL_CACHE_MOUNT = "/model-cache"
+PVC_MODEL_MOUNT = "/models/model"
+FETCH_CONTAINER = "fetch-model"  # the init container's name (the status reads its state)
 
 
 class Role(str, enum.Enum):

@@ -8,10 +8,13 @@ stay plain dicts: the builders copy them into pod specs as they are.
 from __future__ import annotations
 
 import enum
+import posixpath
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from baton.fetch.source import ModelSource, Scheme, parse_source
+from baton.operator import naming
 from baton.operator.crd import openapi_schema
 from baton.operator.defaults import apply_defaults
 from baton.operator.naming import Role
@@ -34,7 +37,7 @@ class Mode(str, enum.Enum):
 @dataclass(frozen=True)
 class ModelSpec:
     name: str
-    path: str
+    path: str  # --model-path: the image path, a pvc:// mount, or the source's folder in the cache
     pvc_claim: str | None = None
     pvc_sub_path: str | None = None
     host_path: str | None = None
@@ -42,6 +45,18 @@ class ModelSpec:
     kv_cache_dtype: str = "auto"  # --kv-cache-dtype of every engine role
     tool_call_parser: str | None = None  # --tool-call-parser of every engine role
     reasoning_parser: str | None = None  # --reasoning-parser of every engine role
+    source: ModelSource | None = None  # spec.model.source as given (None: path/pvc/hostPath as before)
+    fetch_endpoint: str | None = None
+    fetch_region: str | None = None
+    fetch_secret: str | None = None  # Secret name: its keys are the fetch container's env
+    fetch_include: tuple[str, ...] = ()
+    cache_claim: str | None = None  # the cache: a shared PVC, or (None) an emptyDir per pod
+    cache_size_limit: str | int | None = None  # of the emptyDir
+
+    @property
+    def fetched(self) -> bool:
+        """An init container fetches the model into the cache volume before the engine starts."""
+        return self.source is not None and self.source.scheme.fetched
 
 
 @dataclass(frozen=True)
@@ -145,6 +160,7 @@ class InferenceServiceSpec:
     kv_transfer: KvTransferSpec = field(default_factory=KvTransferSpec)
     monitoring: MonitoringSpec = field(default_factory=MonitoringSpec)
     pod_security: PodSecuritySpec = field(default_factory=PodSecuritySpec)
+    external_replicas: bool = False  # spec.autoscaling.mode external: an HPA/KEDA owns engine replicas
 
     def __post_init__(self) -> None:
         assert set(self.roles) == set(engine_roles(self.mode)), "one RoleSpec per engine role of the mode"
@@ -197,10 +213,22 @@ def _router(d: Mapping[str, Any]) -> RouterSpec:
 
 def _model(d: Mapping[str, Any]) -> ModelSpec:
     pvc = d.get("pvc") or {}
-    return ModelSpec(name=d["name"], path=d["path"], pvc_claim=pvc.get("claimName"),
-                     pvc_sub_path=pvc.get("subPath"), host_path=(d.get("hostPath") or {}).get("path"),
+    claim, sub_path, path = pvc.get("claimName"), pvc.get("subPath"), d.get("path")
+    src = parse_source(d["source"]) if "source" in d else None
+    if src is not None and src.scheme is Scheme.PVC:
+        claim, sub_path, path = src.location, src.path or None, path or naming.PVC_MODEL_MOUNT
+    elif src is not None and src.scheme is Scheme.IMAGE:
+        path = src.location
+    elif src is not None:  # fetched: the engines read the source's folder in the cache
+        path = posixpath.join(naming.MODEL_CACHE_MOUNT, src.cache_key)
+    fetch, cache = d.get("fetch") or {}, d.get("cache") or {}
+    return ModelSpec(name=d["name"], path=path, pvc_claim=claim,
+                     pvc_sub_path=sub_path, host_path=(d.get("hostPath") or {}).get("path"),
                      dtype=d["dtype"], kv_cache_dtype=d["kvCacheDtype"],
-                     tool_call_parser=d.get("toolCallParser"), reasoning_parser=d.get("reasoningParser"))
+                     tool_call_parser=d.get("toolCallParser"), reasoning_parser=d.get("reasoningParser"),
+                     source=src, fetch_endpoint=fetch.get("endpoint"), fetch_region=fetch.get("region"),
+                     fetch_secret=fetch.get("secretName"), fetch_include=tuple(fetch.get("include", [])),
+                     cache_claim=cache.get("claimName"), cache_size_limit=(cache.get("emptyDir") or {}).get("sizeLimit"))
 
 
 def defaulted(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -219,7 +247,7 @@ def defaulted(body: Mapping[str, Any]) -> dict[str, Any]:
 def _missing(obj: Mapping[str, Any]) -> list[str]:
     spec = obj.get("spec", {})
     out = [f"spec.{k}: required" for k in ("image", "model") if k not in spec]
-    out += [f"spec.model.{k}: required" for k in ("name", "path") if k not in spec.get("model", {"name": 1, "path": 1})]
+    out += [f"spec.model.{k}: required" for k in ("name",) if k not in spec.get("model", {"name": 1})]
     return out
 
 
@@ -246,6 +274,7 @@ def parse(body: Mapping[str, Any]) -> InferenceService:
         monitoring=MonitoringSpec(mon["podMonitor"], mon["serviceMonitor"], mon["interval"],
                                   dict(mon.get("labels", {}))),
         pod_security=PodSecuritySpec(sec["runAsNonRoot"], sec["runAsUser"], sec["fsGroup"]),
+        external_replicas=s["autoscaling"]["mode"] == "external",
     )
     return InferenceService(name=meta["name"], namespace=meta.get("namespace", "default"),
                             uid=meta.get("uid", ""), spec=spec, generation=meta.get("generation", 1))

@@ -184,13 +184,14 @@ def _progressing(states: list[RoleState], spec_applied: bool,
     return False, "RolloutComplete", "all pods run the current spec."
 
 
-def _degraded(isvc: InferenceService, states: list[RoleState],
-              problem: tuple[str, str] | None) -> tuple[bool, str, str]:
+def _degraded(isvc: InferenceService, states: list[RoleState], problem: tuple[str, str] | None,
+              model: tuple[bool, str, str] | None = None) -> tuple[bool, str, str]:
     """Every problem in the message; the reason of the first: a spec that cannot be applied, then
     failing pods (not created, not scheduled, a rollout past its deadline), then what only a part of
     the service misses (monitoring)."""
-    found = [(s.failure[0], f"{s.role.suffix}: {s.failure[1]} Check {_pods_hint(isvc, s.role)}.")
-             for s in states if s.failure and s.failure[0] == "ReplicaFailure"]
+    found = [(model[1], f"{model[2]} (see the {MODEL_READY} condition)")] if model and model[1] == "FetchFailed" else []
+    found += [(s.failure[0], f"{s.role.suffix}: {s.failure[1]} Check {_pods_hint(isvc, s.role)}.")
+              for s in states if s.failure and s.failure[0] == "ReplicaFailure"]
     found += [(s.unscheduled_reason[0], f"{_unscheduled_message(s)}. See the {CONDITION_TYPES[s.role]} condition.")
               for s in states if s.unscheduled_reason is not None and s.ready < s.desired]
     found += [(s.failure[0], f"{s.role.suffix}: {s.failure[1]} Check {_pods_hint(isvc, s.role)}.")
@@ -206,6 +207,55 @@ def _reconciled(isvc: InferenceService, problem: tuple[str, str] | None) -> tupl
     if problem is not None:
         return False, *problem
     return True, "Applied", "every child object of the spec is applied."
+
+
+MODEL_READY = "ModelReady"
+
+
+def _fetch_state(pod: Mapping[str, Any]) -> tuple[str, str]:
+    """(state, detail) of a pod's fetch-model init container: done, failed, fetching or waiting."""
+    for s in (pod.get("status") or {}).get("initContainerStatuses") or []:
+        if s.get("name") != naming.FETCH_CONTAINER:
+            continue
+        state, last = s.get("state") or {}, (s.get("lastState") or {}).get("terminated")
+        ended = state.get("terminated")
+        if ended is not None and ended.get("exitCode") == 0:
+            return "done", ""
+        failed = ended if ended is not None else last
+        why = failed and ((failed.get("message") or "").strip() or f"exit code {failed.get('exitCode')}"
+                          f" ({failed.get('reason', 'Error')})")
+        if ended is not None or ("waiting" in state and failed):  # failed, or waiting to retry (CrashLoopBackOff)
+            return "failed", why or ""
+        if "running" in state:
+            return "fetching", f"the last try failed: {why}" if why else ""
+        return "waiting", (state.get("waiting") or {}).get("reason", "")
+    return "waiting", ""
+
+
+def _model_condition(isvc: InferenceService, pods: Sequence[Mapping[str, Any]]) -> tuple[bool, str, str]:
+    """Whether the engine pods' init containers fetched the model: the first failure's reason (what
+    `baton fetch-model` wrote to its termination message), else how many pods still fetch."""
+    m = isvc.spec.model
+    assert m.source is not None
+    where = f"the cache (PVC {m.cache_claim})" if m.cache_claim else "each pod's cache (emptyDir)"
+    live = [p for r in isvc.spec.roles for p in _pods_of(isvc, r, pods)
+            if not p.get("metadata", {}).get("deletionTimestamp")]
+    states = [(p.get("metadata", {}).get("name", "?"), *_fetch_state(p)) for p in live]
+    logs = f"`kubectl -n {isvc.namespace} logs POD -c {naming.FETCH_CONTAINER}`"
+    failed = [(name, why) for name, state, why in states if state == "failed"]
+    if failed:
+        name, why = failed[0]
+        return False, "FetchFailed", (f"fetching {m.source.uri} failed in {len(failed)} pod(s), e.g. {name}: "
+                                      f"{why} Fix spec.model.source/fetch (or the Secret, the endpoint) and the pods "
+                                      f"retry; see {logs.replace('POD', name)}.")
+    fetching = [(name, why) for name, state, why in states if state == "fetching"]
+    if fetching:
+        note = next((f" ({why})" for _, why in fetching if why), "")
+        return False, "Fetching", (f"{len(fetching)} pod(s) fetching {m.source.uri} into {where}{note}; "
+                                   f"progress: {logs.replace('POD', fetching[0][0])}.")
+    if not states or any(state == "waiting" for _, state, _ in states):
+        return False, "Pending", f"waiting for engine pods to start fetching {m.source.uri} into {where}."
+    return True, "Fetched", f"{m.source.uri} is in {where}; engines start from {m.path}."
 
 
 def _pods_of(isvc: InferenceService, role: Role, pods: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
@@ -240,8 +290,11 @@ def compute_status(isvc: InferenceService, deployments: Mapping[Role, Mapping[st
     conds.insert(0, condition("Ready", *_ready(isvc, states, _where(endpoint, in_cluster), problem), gen, prev, now))
     conds.append(condition("Progressing", *_progressing(states, observed_generation >= isvc.generation,
                                                         problem), gen, prev, now))
-    conds.append(condition("Degraded", *_degraded(isvc, states, problem), gen, prev, now))
+    model = _model_condition(isvc, pods) if isvc.spec.model.fetched else None
+    conds.append(condition("Degraded", *_degraded(isvc, states, problem, model), gen, prev, now))
     conds.append(condition(RECONCILED, *_reconciled(isvc, problem), gen, prev, now))
+    if model is not None:
+        conds.append(condition(MODEL_READY, *model, gen, prev, now))
     status: dict[str, Any] = {"observedGeneration": observed_generation, "mode": isvc.spec.mode.value,
                               "endpoint": endpoint, "clusterEndpoint": in_cluster, "conditions": conds}
     for s in states:

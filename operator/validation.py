@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from baton.fetch import source as model_source
 from baton.operator.naming import MAX_NAME_LENGTH, NAME_PATTERN
 
 
@@ -61,6 +62,15 @@ HOST_PATH_SYSTEM_RE = "^/((" + "|".join(NODE_SYSTEM_DIRS) + ")(/.*)?|var(/lib)?/
 HOST_PATH_UNCLEAN_RE = "//|(^|/)[.][.]?(/|$)"  # `//`, `.` or `..` segments: a path says where it is
 
 
+_FETCHED_CEL = "(self.source.startsWith('hf://') || self.source.startsWith('s3://'))"
+_SOURCE_CEL = " || ".join(f"self.source.matches('{p}')" for p in (
+    model_source.HF_PATTERN, model_source.S3_PATTERN, model_source.PVC_PATTERN, model_source.IMAGE_PATTERN))
+
+
+def _fetched(m: Mapping[str, Any]) -> bool:
+    return str(m.get("source", "")).startswith(("hf://", "s3://"))
+
+
 def _no_managed_flag(pattern: str) -> Callable[[Any], bool]:
     return lambda args: not any(re.search(pattern, a) for a in args)
 
@@ -92,6 +102,35 @@ RULES: tuple[Rule, ...] = (
          ".. segments",
          lambda m: "hostPath" not in m or not (re.search(HOST_PATH_SYSTEM_RE, m["hostPath"].get("path", ""))
                                                or re.search(HOST_PATH_UNCLEAN_RE, m["hostPath"].get("path", "")))),
+    Rule(Scope.MODEL, "has(self.path) || has(self.source)",
+         "set spec.model.source (hf://org/name@revision, s3://bucket/prefix, pvc://claim/path) or "
+         "spec.model.path (the model folder in the image)",
+         lambda m: "path" in m or "source" in m),
+    Rule(Scope.MODEL,
+         f"!has(self.source) || (({_SOURCE_CEL}) && !self.source.matches('{model_source.UNCLEAN_PATTERN}'))",
+         "spec.model.source must be hf://org/name[@revision], s3://bucket/prefix, pvc://claim/path or an "
+         "absolute path in the image, without '.', '..' or empty path segments",
+         lambda m: "source" not in m or model_source.is_valid(m["source"])),
+    Rule(Scope.MODEL, "!has(self.source) || (!has(self.pvc) && !has(self.hostPath))",
+         "spec.model.source replaces spec.model.pvc and spec.model.hostPath: set one of them "
+         "(pvc://claim/path is pvc as a source)",
+         lambda m: "source" not in m or not ("pvc" in m or "hostPath" in m)),
+    Rule(Scope.MODEL, "!has(self.source) || !has(self.path) || self.source.startsWith('pvc://')",
+         "spec.model.path is where a pvc:// source is mounted; with an hf:// or s3:// source the engines read "
+         "the model from the cache, and a path source is the path: remove spec.model.path",
+         lambda m: "source" not in m or "path" not in m or m["source"].startswith("pvc://")),
+    Rule(Scope.MODEL, f"!has(self.source) || !{_FETCHED_CEL} || has(self.cache)",
+         "an hf:// or s3:// source is fetched into spec.model.cache: set cache.claimName (a "
+         "PersistentVolumeClaim the service's pods share, fetched once) or cache.emptyDir: {} (each pod "
+         "fetches its own copy)",
+         lambda m: not _fetched(m) or "cache" in m),
+    Rule(Scope.MODEL, f"(!has(self.cache) && !has(self.fetch)) || (has(self.source) && {_FETCHED_CEL})",
+         "spec.model.cache and spec.model.fetch are for hf:// and s3:// sources only: remove them or set "
+         "such a source",
+         lambda m: ("cache" not in m and "fetch" not in m) or _fetched(m)),
+    Rule(Scope.MODEL, "!has(self.cache) || (has(self.cache.claimName) != has(self.cache.emptyDir))",
+         "spec.model.cache: set exactly one of claimName and emptyDir",
+         lambda m: "cache" not in m or (("claimName" in m["cache"]) != ("emptyDir" in m["cache"]))),
     Rule(Scope.ENV_VAR, "!has(self.valueFrom) || !has(self.valueFrom.secretKeyRef)",
          "env must not read Secrets (valueFrom.secretKeyRef): the operator would hand any Secret of the "
          "namespace to the pods of whoever may create an InferenceService; the router's API key goes in "

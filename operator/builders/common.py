@@ -27,10 +27,18 @@ def metadata(isvc: InferenceService, name: str, role: Role | None = None,
     return meta
 
 
+def external_replicas(obj: dict[str, Any]) -> bool:
+    """Someone else (an HPA, KEDA) sets this Deployment's replicas (spec.autoscaling.mode external)."""
+    annotations = obj.get("metadata", {}).get("annotations") or {}
+    return annotations.get(naming.REPLICAS_ANNOTATION) == naming.EXTERNAL_REPLICAS
+
+
 def spec_hash(obj: dict[str, Any]) -> str:
     """Hash of a desired object, without its own hash annotation. Equal hashes: nothing to patch."""
     body = copy.deepcopy(obj)
     body.get("metadata", {}).get("annotations", {}).pop(naming.SPEC_HASH_ANNOTATION, None)
+    if external_replicas(body):  # a new initial count is no change to apply
+        body["spec"].pop("replicas", None)
     canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 

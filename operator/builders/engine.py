@@ -8,6 +8,7 @@ from baton.operator import naming
 from baton.operator.builders.common import (container_security_context, http_probe, metadata,
                                             placement_fields, pod_security_context, resources,
                                             tcp_probe)
+from baton.operator.builders.model_cache import cache_volume, engine_cache_mount, fetch_container
 from baton.operator.naming import Role
 from baton.operator.spec import InferenceService, RoleSpec
 
@@ -84,6 +85,9 @@ def _volumes(isvc: InferenceService, r: RoleSpec) -> tuple[list[dict[str, Any]],
     elif model.host_path:
         volumes.append({"name": MODEL_VOLUME, "hostPath": {"path": model.host_path, "type": "Directory"}})
         mounts.append({"name": MODEL_VOLUME, "mountPath": model.path, "readOnly": True})
+    elif model.fetched:
+        volumes.append(cache_volume(isvc))
+        mounts.append(engine_cache_mount())
     return volumes, mounts
 
 
@@ -146,6 +150,8 @@ def engine_pod_spec(isvc: InferenceService, role: Role) -> dict[str, Any]:
     }
     if volumes:
         pod["volumes"] = volumes
+    if spec.model.fetched:
+        pod["initContainers"] = [fetch_container(isvc, r)]
     if spec.image_pull_secrets:
         pod["imagePullSecrets"] = [{"name": n} for n in spec.image_pull_secrets]
     if role is not Role.COLOCATED and spec.kv_transfer.host_network:
@@ -157,9 +163,11 @@ def engine_deployment(isvc: InferenceService, role: Role) -> dict[str, Any]:
     assert role in isvc.spec.roles, f"{role} is not an engine role of mode {isvc.spec.mode}"
     r = isvc.spec.roles[role]
     name = naming.child_name(isvc.name, role)
+    # external autoscaling: replicas is the count it is created with; apply() keeps the live one after
+    annotations = {naming.REPLICAS_ANNOTATION: naming.EXTERNAL_REPLICAS} if isvc.spec.external_replicas else None
     return {
         "apiVersion": "apps/v1", "kind": "Deployment",
-        "metadata": metadata(isvc, name, role),
+        "metadata": metadata(isvc, name, role, annotations),
         "spec": {
             "replicas": r.replicas,
             "selector": {"matchLabels": naming.selector_labels(isvc.name, role)},

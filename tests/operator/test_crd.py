@@ -110,6 +110,8 @@ BAD_SCHEMA = [  # refused by the OpenAPI schema: (spec override, expected words 
     ({"model": {"name": "m", "path": "/m", "kvCacheDtype": "fp8_e4m3"}}, "'fp8_e4m3' is not one of"),
     ({"model": {"name": "m", "path": "/m", "dtype": "float64"}}, "'float64' is not one of"),
     ({"model": {"name": "m", "path": "/m", "toolCallParser": "gpt"}}, "'gpt' is not one of"),
+    ({"autoscaling": {"mode": "hpa"}}, "'hpa' is not one of ['static', 'external']"),
+    ({"model": {"name": "m", "source": "ftp://x/y"}}, "does not match"),
 ]
 
 
@@ -145,6 +147,21 @@ BAD_RULES = [  # refused by CEL rules (and by the operator's Python twins)
     {"model": {"name": "m", "path": "/m", "hostPath": {"path": "//etc"}}},
     {"decode": {"env": [{"name": "T", "valueFrom": {"secretKeyRef": {"name": "any", "key": "k"}}}]}},
     {"router": {"env": [{"name": "T", "valueFrom": {"secretKeyRef": {"name": "any", "key": "k"}}}]}},
+    # spec.model.source
+    {"model": {"name": "m"}},  # neither source nor path
+    {"model": {"name": "m", "source": "hf://just-a-name", "cache": {"claimName": "c"}}},
+    {"model": {"name": "m", "source": "hf://org/name@../x", "cache": {"claimName": "c"}}},
+    {"model": {"name": "m", "source": "s3://Bad_Bucket/x", "cache": {"claimName": "c"}}},
+    {"model": {"name": "m", "source": "pvc://claim//x"}},
+    {"model": {"name": "m", "source": "/models/../etc"}},
+    {"model": {"name": "m", "source": "pvc://claim/x", "pvc": {"claimName": "c"}}},
+    {"model": {"name": "m", "source": "/models/x", "hostPath": {"path": "/data"}}},
+    {"model": {"name": "m", "source": "hf://org/name", "path": "/m", "cache": {"claimName": "c"}}},
+    {"model": {"name": "m", "source": "s3://bucket/prefix"}},  # no cache
+    {"model": {"name": "m", "path": "/m", "cache": {"claimName": "c"}}},  # a cache without a fetched source
+    {"model": {"name": "m", "source": "pvc://claim/x", "fetch": {"secretName": "s"}}},
+    {"model": {"name": "m", "source": "hf://org/name", "cache": {"claimName": "c", "emptyDir": {}}}},
+    {"model": {"name": "m", "source": "hf://org/name", "cache": {}}},
 ]
 
 
@@ -167,7 +184,13 @@ def test_name_rules(name, ok):
 def test_good_variants_pass_both(samples):
     good = [{"prefill": {"dp": 4, "gpus": 4}}, {"kvTransfer": {"protocol": "rdma", "ibDevices": ["mlx5_0"]}},
             {"mode": "colocated"}, {"decode": {"extraArgs": ["--port-offset", "1", "--mem-fraction-static=0.8"]}},
-            {"mode": "colocated", "engine": {"tp": 2, "gpus": 2}}, {"mode": "colocated", "engine": {"tp": 4, "dp": 2}}]
+            {"mode": "colocated", "engine": {"tp": 2, "gpus": 2}}, {"mode": "colocated", "engine": {"tp": 4, "dp": 2}},
+            {"model": {"name": "m", "source": "hf://Qwen/Qwen3-0.6B@main", "cache": {"claimName": "models"},
+                       "fetch": {"secretName": "hf-token", "endpoint": "http://hub-mirror:8080", "include": ["*.json"]}}},
+            {"model": {"name": "m", "source": "s3://models/qwen3", "cache": {"emptyDir": {"sizeLimit": "20Gi"}},
+                       "fetch": {"region": "eu-west-1"}}},
+            {"model": {"name": "m", "source": "pvc://models/qwen3"}}, {"model": {"name": "m", "source": "/models/x"}},
+            {"model": {"name": "m", "source": "pvc://models/qwen3", "path": "/weights"}}]
     for spec in good:
         obj = for_create(isvc_body(**spec))
         assert api_server_refusals(obj) == [], spec
@@ -239,3 +262,26 @@ def test_mixed_chunk_is_taken_by_the_colocated_engine_only():
         obj = apply_defaults(openapi_schema(), for_create(isvc_body(**bad)))
         assert cel_violations(openapi_schema(), obj) == {("spec", rule.message)}, bad
         assert validate(obj) == [f"spec: {rule.message}"], bad
+
+
+SOURCES = ["hf://Qwen/Qwen3-0.6B", "hf://Qwen/Qwen3-0.6B@main", "hf://a/b@refs/pr/1", "hf://a/b@0123abc",
+           "hf://org/name@v1.0", "hf://a", "hf://a/b/c", "hf://-a/b", "hf://a/b@", "hf://a/b@x..y", "hf://a/b@./x",
+           "hf://a/b@x//y", "s3://bucket", "s3://bucket/", "s3://bucket/a/b", "s3://my.bucket-1/p=1/x+y",
+           "s3://B/x", "s3://ab", "s3://bucket/a/../b", "s3://bucket//a", "s3://bucket/a b", "pvc://c",
+           "pvc://cache/models/x", "pvc://Cache/x", "pvc://c/./x", "/models/x", "/", "/a//b", "/a/..", "/a b",
+           "http://x/y", "hf:/a/b", "models/x", "/m@v1"]
+
+
+@pytest.mark.parametrize("uri", SOURCES)
+def test_model_source_rule_agrees_with_the_fetcher_parser(uri):
+    """The CRD's CEL rule and `baton.fetch.source.parse_source` (the operator and `baton fetch-model`) accept
+    the same sources."""
+    from baton.fetch.source import is_valid
+
+    model = {"name": "m", "source": uri}
+    if uri.startswith(("hf://", "s3://")):
+        model["cache"] = {"emptyDir": {}}
+    obj = apply_defaults(openapi_schema(), for_create(isvc_body(model=model)))
+    refused = [m for p, m in cel_violations(openapi_schema(), obj) if p == "spec.model"]
+    assert (not refused) is is_valid(uri), refused
+    assert bool(validate(obj)) is bool(refused)

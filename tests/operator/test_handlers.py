@@ -137,3 +137,42 @@ async def test_the_status_refresh_reads_the_load_balancer_address():
     await handlers.run_reconcile(client.find("InferenceService", "default", "demo"), memo, LOGGER, "resync")
     st = client.find("InferenceService", "default", "demo")["status"]
     assert (st["endpoint"], st["clusterEndpoint"]) == ("http://203.0.113.7:8000", "http://demo-router.default.svc:8000")
+
+
+async def test_external_autoscaling_leaves_engine_replicas_to_the_autoscaler():
+    """spec.autoscaling.mode external: what an HPA or KEDA sets through the scale subresource stays, through
+    the Deployment's own event, a spec change and a resync; static mode puts spec.<role>.replicas back."""
+    from baton.operator import naming
+
+    client = FakeClient()
+    memo = memo_for(client)
+    client.put(isvc_body(autoscaling={"mode": "external"}, decode={"replicas": 2}))
+    await handlers.run_reconcile(client.find("InferenceService", "default", "demo"), memo, LOGGER, "create")
+    key = ("Deployment", "default", "demo-decode")
+    assert client.find(*key)["spec"]["replicas"] == 2  # created with spec.decode.replicas
+    assert client.find(*key)["metadata"]["annotations"][naming.REPLICAS_ANNOTATION] == "external"
+
+    client.objects[key]["spec"]["replicas"] = 5  # the HPA scales decode out
+    await child_event(client, memo, "demo-decode")
+    assert client.find(*key)["spec"]["replicas"] == 5
+    spec = client.objects[("InferenceService", "default", "demo")]["spec"]
+    spec["decode"] = {"replicas": 1, "extraArgs": ["--max-running-requests", "8"]}
+    await handlers.run_reconcile(client.find("InferenceService", "default", "demo"), memo, LOGGER, "update")
+    dep = client.find(*key)
+    assert dep["spec"]["template"]["spec"]["containers"][0]["args"][-2:] == ["--max-running-requests", "8"]
+    assert dep["spec"]["replicas"] == 5, "a spec change does not reset what the autoscaler set"
+    await handlers.run_reconcile(client.find("InferenceService", "default", "demo"), memo, LOGGER, "resync")
+    assert client.find(*key)["spec"]["replicas"] == 5
+    c = conditions(client.find("InferenceService", "default", "demo"))
+    assert "/5" in c["DecodeReady"]["message"], "the status counts the autoscaler's replicas"
+    assert client.find("Deployment", "default", "demo-router")["spec"]["replicas"] == 1  # router: its own count
+
+    # back to static: spec.decode.replicas rules again, and the annotation goes
+    spec["autoscaling"] = {"mode": "static"}
+    await handlers.run_reconcile(client.find("InferenceService", "default", "demo"), memo, LOGGER, "update")
+    dep = client.find(*key)
+    assert dep["spec"]["replicas"] == 1
+    assert naming.REPLICAS_ANNOTATION not in (dep["metadata"].get("annotations") or {})
+    client.objects[key]["spec"]["replicas"] = 4  # now a hand-made scale is drift
+    await child_event(client, memo, "demo-decode")
+    assert client.find(*key)["spec"]["replicas"] == 1
