@@ -81,7 +81,8 @@ def validate_tp(config: Any, tp_size: int) -> None:
         problems.append(f"num_attention_heads ({heads})")
     if (kv >= tp_size and kv % tp_size) or (kv < tp_size and tp_size % kv):
         problems.append(f"num_key_value_heads ({kv})")
-    for name in ("intermediate_size", "moe_intermediate_size"):
+    for name in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size",
+                 "linear_num_key_heads", "linear_num_value_heads"):  # the last three: hybrid models
         value = getattr(text, name, None)
         if value and value % tp_size:
             problems.append(f"{name} ({value})")

@@ -102,6 +102,19 @@ def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return out.transpose(1, 2).contiguous().to(dtype), s
 
 
+def _pick_rows(param: nn.Parameter, rows: list[tuple[int, int]]) -> None:
+    """Load `param` from these (start, count) row ranges of its checkpoint tensor, concatenated:
+    this rank's heads (every row with one rank)."""
+
+    @torch.no_grad()
+    def load(p: nn.Parameter, tensor: torch.Tensor) -> None:
+        part = torch.cat([tensor[start:start + n] for start, n in rows])
+        assert part.shape == p.shape, f"{tuple(tensor.shape)} in checkpoint, rows {rows} for {tuple(p.shape)}"
+        p.copy_(part)
+
+    param.weight_loader = load
+
+
 class GatedDeltaCore(CustomOp):
     """Conv1d + gated delta rule of one layer over a batch, through the request rows' state slots."""
 
@@ -172,38 +185,57 @@ class GatedDeltaCore(CustomOp):
 
 
 class GatedDeltaNet(nn.Module):
+    """With tensor parallelism each rank holds whole heads: num_k_heads / tp key heads and the
+    num_v_heads / tp value heads that read them (value head j reads key head j // (Hv / Hk)), so the
+    conv channels, the rule and the state of a head never leave its rank; out_proj is row-parallel
+    (one all-reduce). A checkpoint tensor's rows are picked per head range (`_pick_rows`)."""
+
     def __init__(self, config: "PretrainedConfig", state_layer_id: int, split_projections: bool,
                  tp: TpGroup = TpGroup()) -> None:
         """`state_layer_id`: this layer's index among the linear-attention layers (its state in the
         pool); `split_projections`: Qwen3.5's separate in_proj_qkv/z/b/a, else Qwen3-Next's fused
         in_proj_qkvz/ba."""
         super().__init__()
-        if tp.size != 1:
-            raise NotImplementedError("tensor parallelism over linear-attention heads is not supported yet")
         hidden = config.hidden_size
-        self.num_k_heads, self.num_v_heads = config.linear_num_key_heads, config.linear_num_value_heads
+        full_k, full_v = config.linear_num_key_heads, config.linear_num_value_heads
+        assert full_v % full_k == 0
+        self.num_k_heads = tp.shard(full_k, "linear_num_key_heads")  # on this rank
+        self.num_v_heads = tp.shard(full_v, "linear_num_value_heads")
         self.head_k_dim, self.head_v_dim = config.linear_key_head_dim, config.linear_value_head_dim
-        assert self.num_v_heads % self.num_k_heads == 0
         self.key_dim, self.value_dim = self.num_k_heads * self.head_k_dim, self.num_v_heads * self.head_v_dim
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.conv_kernel = config.linear_conv_kernel_dim
         self.split_projections = split_projections
+        r, dk, dv = full_v // full_k, self.head_k_dim, self.head_v_dim
+        k0, v0 = tp.rank * self.num_k_heads, tp.rank * self.num_v_heads  # this rank's first heads
+        full_key_dim = full_k * dk
+        # checkpoint rows of [q | k | v] (in_proj_qkv, conv1d): this rank's heads of each
+        qkv_rows = [(k0 * dk, self.key_dim), (full_key_dim + k0 * dk, self.key_dim),
+                    (2 * full_key_dim + v0 * dv, self.value_dim)]
 
-        def proj(n: int) -> MergedColumnLinear:
-            return MergedColumnLinear(hidden, [OutputPart(n, 0, n)], bias=False)
+        def proj(n: int, rows: list[tuple[int, int]]) -> MergedColumnLinear:
+            layer = MergedColumnLinear(hidden, [OutputPart(n, 0, n)], bias=False)
+            _pick_rows(layer.weight, rows)
+            return layer
 
         if split_projections:
-            self.in_proj_qkv, self.in_proj_z = proj(self.conv_dim), proj(self.value_dim)
-            self.in_proj_b, self.in_proj_a = proj(self.num_v_heads), proj(self.num_v_heads)
-        else:
-            self.in_proj_qkvz = proj(2 * self.key_dim + 2 * self.value_dim)
-            self.in_proj_ba = proj(2 * self.num_v_heads)
+            self.in_proj_qkv = proj(self.conv_dim, qkv_rows)
+            self.in_proj_z = proj(self.value_dim, [(v0 * dv, self.value_dim)])
+            self.in_proj_b = proj(self.num_v_heads, [(v0, self.num_v_heads)])
+            self.in_proj_a = proj(self.num_v_heads, [(v0, self.num_v_heads)])
+        else:  # fused per key-head group: whole groups per rank
+            group = 2 * dk + 2 * r * dv
+            self.in_proj_qkvz = proj(self.num_k_heads * group, [(k0 * group, self.num_k_heads * group)])
+            self.in_proj_ba = proj(self.num_k_heads * 2 * r, [(k0 * 2 * r, self.num_k_heads * 2 * r)])
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.conv_kernel, groups=self.conv_dim, bias=False,
                                 padding=self.conv_kernel - 1)
+        _pick_rows(self.conv1d.weight, qkv_rows)
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
+        _pick_rows(self.dt_bias, [(v0, self.num_v_heads)])
+        _pick_rows(self.A_log, [(v0, self.num_v_heads)])
         self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)
-        self.out_proj = RowParallelLinear(self.value_dim, hidden, bias=False, tp=tp)
+        self.out_proj = RowParallelLinear(full_v * dv, hidden, bias=False, tp=tp)
         self.core = GatedDeltaCore(self.conv1d, self.key_dim, self.value_dim, self.head_k_dim, self.head_v_dim,
                                    state_layer_id)
 

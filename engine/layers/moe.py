@@ -88,14 +88,12 @@ class SharedExpertMoeBlock(SparseMoeBlock):
                  norm_topk_prob: bool, shared_intermediate_size: int, hidden_act: str = "silu",
                  tp: TpGroup = TpGroup()) -> None:
         super().__init__(hidden_size, intermediate_size, num_experts, top_k, norm_topk_prob, hidden_act, tp)
-        if tp.size != 1:
-            raise NotImplementedError("tensor parallelism over a shared expert is not supported yet")
         self.shared_expert = GatedMLP(hidden_size, shared_intermediate_size, hidden_act, tp=tp)
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [n, H] -> [n, H]."""
         weights, ids = self.route(x)
-        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return self._experts(x, weights, ids) + shared
+        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)  # reduced in its down_proj
+        return all_reduce(self._experts(x, weights, ids), self.tp) + shared
 

@@ -49,15 +49,20 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 class GatedAttention(nn.Module):
-    def __init__(self, config: "PretrainedConfig", kv_layer_id: int) -> None:
+    """With tensor parallelism: whole heads per rank (q_proj's rows are [q | gate] per head, so a
+    head's pair moves together), KV heads as Llama's (replicated when fewer than ranks)."""
+
+    def __init__(self, config: "PretrainedConfig", kv_layer_id: int, tp: TpGroup = TpGroup()) -> None:
         super().__init__()
         self.head_dim = hd = head_dim_of(config)
-        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.num_heads = tp.shard(config.num_attention_heads, "num_attention_heads")  # on this rank
+        kv_start, self.num_kv_heads = tp.kv_head_range(config.num_key_value_heads)
         self.q_size, self.kv_size = self.num_heads * hd, self.num_kv_heads * hd
         bias = bool(getattr(config, "attention_bias", False))
-        q, kv = OutputPart(2 * self.q_size, 0, 2 * self.q_size), OutputPart(self.kv_size, 0, self.kv_size)
+        q = OutputPart(2 * config.num_attention_heads * hd, tp.rank * 2 * self.q_size, 2 * self.q_size)
+        kv = OutputPart(config.num_key_value_heads * hd, kv_start * hd, self.kv_size)
         self.qkv_proj = MergedColumnLinear(config.hidden_size, [q, kv, kv], bias=bias)  # q_proj is [q | gate]
-        self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, bias=bias, tp=TpGroup())
+        self.o_proj = RowParallelLinear(config.num_attention_heads * hd, config.hidden_size, bias=bias, tp=tp)
         self.q_norm = ZeroCenteredRMSNorm(hd, config.rms_norm_eps)
         self.k_norm = ZeroCenteredRMSNorm(hd, config.rms_norm_eps)
         self.rotary_emb = get_rope(config, hd)
@@ -106,8 +111,6 @@ class Qwen3NextForCausalLM(Qwen3MoeForCausalLM):
     all_layers_sparse = False  # Qwen3.5-MoE: True
 
     def __init__(self, config: "PretrainedConfig", tp: TpGroup = TpGroup()) -> None:
-        if tp.size != 1:
-            raise NotImplementedError(f"{type(self).__name__}: tensor parallelism is not supported yet")
         types = list(config.layer_types)
         assert set(types) <= {"linear_attention", "full_attention"}, set(types)
         # layer index -> its index among the layers of its kind (KV-pool layer, or state slot layer)
@@ -135,17 +138,17 @@ class Qwen3NextForCausalLM(Qwen3MoeForCausalLM):
     def _make_layer(self, layer_id: int) -> HybridDecoderLayer:
         config, index = self.config, self.kind_index[layer_id]
         if config.layer_types[layer_id] == "linear_attention":
-            mixer: nn.Module = GatedDeltaNet(config, index, self.split_linear_projections)
+            mixer: nn.Module = GatedDeltaNet(config, index, self.split_linear_projections, self.tp)
         else:
-            mixer = GatedAttention(config, index)
+            mixer = GatedAttention(config, index, self.tp)
         return HybridDecoderLayer(config, mixer, self.build_mlp(config, layer_id))
 
     def build_mlp(self, config: "PretrainedConfig", layer_id: int) -> nn.Module:
         if not (self.all_layers_sparse or (getattr(config, "num_experts", 0) and is_sparse_layer(config, layer_id))):
-            return LlamaMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+            return LlamaMLP(config.hidden_size, config.intermediate_size, config.hidden_act, tp=self.tp)
         return SharedExpertMoeBlock(config.hidden_size, config.moe_intermediate_size, config.num_experts,
                                     config.num_experts_per_tok, bool(getattr(config, "norm_topk_prob", True)),
-                                    config.shared_expert_intermediate_size, config.hidden_act)
+                                    config.shared_expert_intermediate_size, config.hidden_act, tp=self.tp)
 
     def decoder_structure(self) -> DecoderStructure:
         raise NotImplementedError("a hybrid model has no dense decoder structure (linear-attention layers)")
@@ -159,7 +162,7 @@ class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
     split_linear_projections = True
 
     def build_mlp(self, config: "PretrainedConfig", layer_id: int) -> nn.Module:
-        return LlamaMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+        return LlamaMLP(config.hidden_size, config.intermediate_size, config.hidden_act, tp=self.tp)
 
 
 class Qwen3_5MoeForCausalLM(Qwen3NextForCausalLM):

@@ -5,13 +5,16 @@ Only the driver runs a scheduler, samples and talks to the rest of the engine. E
 (a follower) loops: receive a step, run the model on its shard (the layers' all-reduces meet the
 driver's), repeat. A follower thus needs nothing of the scheduler but what the forward reads:
 
-    header  int64[8]   command, forward mode, batch size, tokens, table updates, has future slots,
-                       prompt-logprob spans (the payload's layout follows from these)
+    header  int64[10]  command, forward mode, batch size, tokens, table updates, has future slots,
+                       prompt-logprob spans, -, state copies, state tracks (the payload's layout
+                       follows from these)
     payload int64[..]  input_ids | positions | req_pool_indices | seq_lens | out_cache_loc
                        [| extend_prefix_lens | extend_seq_lens]     (EXTEND)
                        [| future slots]                             (overlap loop)
                        | rows | cols | slots                        (req_to_token updates)
                        | span first rows | span row counts          (prompt logprobs)
+                       | copy sources | copy destinations        (hybrid models' state work,
+                       | track rows | offsets | slots               mem_cache/state_pool.StateOps)
 
 The LM head is split by vocabulary rows, and each of its calls all-gathers the logits: after the
 forward a follower makes the driver's calls, on the same rows, in the same order. One on each
@@ -37,6 +40,7 @@ from typing import TYPE_CHECKING, NamedTuple, Optional
 import torch
 
 from baton.engine.distributed.parallel_state import TpGroup, resolve_group, shm_group_of
+from baton.engine.mem_cache.state_pool import StateOps
 from baton.engine.model_executor.forward_batch import ForwardMode
 from baton.engine.scheduler.future_map import FutureMap
 
@@ -44,7 +48,7 @@ if TYPE_CHECKING:
     from baton.engine.model_executor.model_runner import ModelRunner
     from baton.engine.scheduler.schedule_batch import ModelWorkerBatch
 
-_HEADER = 8
+_HEADER = 10
 _STOP, _FORWARD = 0, 1
 
 
@@ -71,6 +75,7 @@ class Step(NamedTuple):
     extend_seq_lens: Optional[list[int]]
     future_slots: Optional[torch.Tensor]  # [bs] where this batch's sampled ids go (overlap loop)
     logit_spans: list[tuple[int, int]]  # (first hidden row, rows) of each prompt-logprob LM head call
+    state_ops: Optional[StateOps] = None  # a hybrid model's state copies and checkpoints this pass
 
 
 def _logit_spans(mwb: "ModelWorkerBatch") -> list[tuple[int, int]]:
@@ -104,9 +109,14 @@ class StepSender:
         spans = _logit_spans(mwb)
         parts += [rows, cols, slots, torch.tensor([s[0] for s in spans], dtype=torch.int64),
                   torch.tensor([s[1] for s in spans], dtype=torch.int64)]
+        ops = mwb.state_ops or StateOps()
+        tracks = [(row, off, slot) for row, t in ops.tracks.items() for off, slot in t]
+        parts += [torch.tensor(ops.copies, dtype=torch.int64).reshape(-1, 2).T.reshape(-1),
+                  torch.tensor(tracks, dtype=torch.int64).reshape(-1, 3).T.reshape(-1)]
         payload = torch.cat([t.to("cpu", torch.int64).reshape(-1) for t in parts])
         header = torch.tensor([_FORWARD, int(mwb.forward_mode), len(mwb.seq_lens_cpu), mwb.input_ids.numel(),
-                               rows.numel(), mwb.future_indices is not None, len(spans), 0], dtype=torch.int64)
+                               rows.numel(), mwb.future_indices is not None, len(spans), 0, len(ops.copies),
+                               len(tracks)], dtype=torch.int64)
         _broadcast(header, self.tp.cpu_group)
         _broadcast(payload, self.tp.cpu_group)
 
@@ -146,7 +156,7 @@ class StepReceiver:
     def recv(self) -> Optional[Step]:
         header = torch.empty(_HEADER, dtype=torch.int64)
         _broadcast(header, self.tp.cpu_group)
-        cmd, mode, bs, num_tokens, n_updates, has_future, n_spans, _ = header.tolist()
+        cmd, mode, bs, num_tokens, n_updates, has_future, n_spans, _, n_copies, n_tracks = header.tolist()
         if cmd == _STOP:
             return None
         mode = ForwardMode(mode)
@@ -155,18 +165,24 @@ class StepReceiver:
             sizes += [bs, bs]
         if has_future:
             sizes.append(bs)
-        sizes += [n_updates] * 3 + [n_spans] * 2
+        sizes += [n_updates] * 3 + [n_spans] * 2 + [2 * n_copies, 3 * n_tracks]
         payload = torch.empty(sum(sizes), dtype=torch.int64)
         _broadcast(payload, self.tp.cpu_group)
         fields = list(payload.split(sizes))
-        rows, cols, slots, span_rows, span_counts = fields[-5:]
+        rows, cols, slots, span_rows, span_counts, copies, tracks = fields[-7:]
+        state_ops = None
+        if n_copies or n_tracks:
+            src, dst = copies.view(2, -1).tolist()
+            state_ops = StateOps(list(zip(src, dst)))
+            for row, off, slot in zip(*tracks.view(3, -1).tolist()):
+                state_ops.tracks.setdefault(row, []).append((off, slot))
         table = self.runner.req_to_token_pool.req_to_token
         table[rows.to(table.device), cols.to(table.device)] = slots.to(table.device)
         extend = mode == ForwardMode.EXTEND
         return Step(mode, fields[0], fields[1], fields[2], fields[3].tolist(), fields[4],
                     fields[5].tolist() if extend else None, fields[6].tolist() if extend else None,
                     fields[7 if extend else 5] if has_future else None,
-                    list(zip(span_rows.tolist(), span_counts.tolist())))
+                    list(zip(span_rows.tolist(), span_counts.tolist())), state_ops)
 
     @torch.inference_mode()  # every tensor it makes is an inference tensor, as the driver's batches
     def run(self) -> int:
@@ -187,6 +203,7 @@ class StepReceiver:
             req_pool_indices=step.req_pool_indices.to(dev), seq_lens=torch.tensor(step.seq_lens, device=dev),
             out_cache_loc=step.out_cache_loc.to(dev), seq_lens_cpu=step.seq_lens,
             extend_prefix_lens_cpu=step.extend_prefix_lens, extend_seq_lens_cpu=step.extend_seq_lens)
+        fb.state_ops = step.state_ops
         if step.future_slots is not None:  # the overlap loop: decode inputs may be placeholders
             resolve_future_token_ids(fb.input_ids, self._future_map())
         hidden = runner.forward(fb)

@@ -275,11 +275,12 @@ def test_stop_conditions(tiny_model_factory):
     assert h.scheduler.check_memory_integrity()
 
 
-@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "plain"])
-def test_priority_preemption(tiny_model_factory, overlap):
+@pytest.mark.parametrize("arch,overlap", [("llama", True), ("llama", False), ("qwen3_5", True)],
+                         ids=["overlap", "plain", "hybrid-overlap"])
+def test_priority_preemption(tiny_model_factory, arch, overlap):
     """A high-priority arrival preempts low-priority running requests when the pool is full; the
-    preempted ones resume later and still produce HF's tokens."""
-    path = tiny_model_factory("llama")
+    preempted ones resume later (a hybrid from a cached state checkpoint) and still produce HF's tokens."""
+    path = tiny_model_factory(arch)
     prompts = workload(seed=3)[:6]
     h = SchedulerHarness(path, enable_priority_scheduling=True, priority_preemption_threshold=5,
                          max_running_requests=4, enable_overlap_schedule=overlap, disable_overlap_schedule=not overlap, max_total_tokens=2048)

@@ -44,6 +44,9 @@ def test_validate_tp_names_what_does_not_divide():
         validate_tp(cfg, 4)
     with pytest.raises(ValueError, match=r"intermediate_size \(100\)"):
         validate_tp(SimpleNamespace(num_attention_heads=8, num_key_value_heads=8, intermediate_size=100), 8)
+    with pytest.raises(ValueError, match=r"linear_num_key_heads \(2\)"):  # a hybrid's linear-attention heads
+        validate_tp(SimpleNamespace(num_attention_heads=8, num_key_value_heads=8, linear_num_key_heads=2,
+                                    linear_num_value_heads=8), 4)
 
 
 def test_server_args():
@@ -331,3 +334,20 @@ def test_served_dp2_tp2_runs_two_sharded_replicas_equal_to_hf(tiny_model_factory
         ranks = info["internal_states"]
         assert [(s["dp_rank"], s["tp_allreduce"]) for s in ranks] == [(0, "shm"), (1, "shm")], eng.log_tail(60)
         assert all(s["integrity_ok"] is True and s["num_running_reqs"] == 0 for s in ranks)
+
+
+@pytest.mark.parametrize("arch, loop", [("qwen3_next", "overlap"), ("qwen3_5", "plain")])
+def test_tp2_hybrid_matches_hf_with_state_checkpoints(tiny_model_factory, arch, loop):
+    """Hybrids split over two ranks: each holds whole linear-attention heads (their conv channels and
+    recurrent state), whole gated-attention heads, its MLP / expert / shared-expert rows; the radix
+    cache's state copies and tracked checkpoints reach the follower with the step, so prefix hits
+    start from the same state on both ranks. Greedy tokens equal HF's."""
+    path = tiny_model_factory(arch)
+    prompts = workload()
+    scheduler, results = _run_tp(path, prompts, page_size=1, chunked_prefill_size=32, max_total_tokens=4096,
+                                 mamba_track_interval=8, **_loop(loop))
+    assert_greedy_equals_hf(path, prompts, results)
+    assert scheduler.stats.cache_hit_rate() > 0, "the shared prefixes come from cached states"
+    runner = scheduler.worker.model_runner
+    assert runner.state_pool.shapes.ssm[0] == 2, "this rank's 2 of the 4 value heads"
+    assert runner.token_to_kv_pool.head_num == 1
