@@ -134,7 +134,7 @@ class GatedDeltaCore(CustomOp):
             lens, fresh = [1] * fb.batch_size, [False] * fb.batch_size
         else:
             lens, fresh = fb.extend_seq_lens_cpu, [p == 0 for p in fb.extend_prefix_lens_cpu]
-        conv_state, ssm_state = pool.read(self.state_layer_id, rows, torch.tensor(fresh, device=rows.device))
+        conv_state, ssm_state = pool.read(self.state_layer_id, rows, fresh)
         tracks = fb.state_ops.tracks if fb.state_ops is not None else {}
         ends: list[tuple[int, int]] = []  # (row, checkpoint slot) that take the row's final state
         if all(n == 1 for n in lens):  # one token per request (decode, or mixed-in decode steps): batched

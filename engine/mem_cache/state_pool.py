@@ -133,13 +133,15 @@ class RecurrentStatePool:
             for t in (*self.conv, *self.ssm):
                 t[d] = t[s]
 
-    def read(self, layer: int, rows: torch.Tensor, fresh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(self, layer: int, rows: torch.Tensor, fresh: list[bool]) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of the conv and delta-rule states of `rows` [bs] in `layer`, zeros where `fresh`
-        [bs] bool (a request whose extend starts at position 0)."""
+        (a host list: a request whose extend starts at position 0; deciding on the host keeps a
+        decode step free of device-to-host syncs)."""
         conv, ssm = self.conv[layer][rows], self.ssm[layer][rows]
-        if bool(fresh.any()):
-            conv[fresh] = 0
-            ssm[fresh] = 0
+        if any(fresh):
+            which = torch.tensor(fresh, device=rows.device)
+            conv[which] = 0
+            ssm[which] = 0
         return conv, ssm
 
     def write(self, layer: int, rows: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor) -> None:

@@ -94,12 +94,12 @@ def test_state_pool_read_zeroes_fresh_rows_only():
     rows = torch.tensor([3, 1])
     conv, ssm = torch.randn(2, 6, 3), torch.randn(2, 2, 4, 4)
     pool.write(1, rows, conv, ssm)
-    got_conv, got_ssm = pool.read(1, rows, torch.tensor([False, False]))
+    got_conv, got_ssm = pool.read(1, rows, [False, False])
     assert torch.equal(got_conv, conv) and torch.equal(got_ssm, ssm)
-    got_conv, got_ssm = pool.read(1, torch.tensor([1, 3]), torch.tensor([True, False]))  # row 1 starts anew
+    got_conv, got_ssm = pool.read(1, torch.tensor([1, 3]), [True, False])  # row 1 starts anew
     assert not got_conv[0].any() and not got_ssm[0].any()
     assert torch.equal(got_conv[1], conv[0]) and torch.equal(got_ssm[1], ssm[0])
-    assert torch.equal(pool.read(1, torch.tensor([1]), torch.tensor([False]))[0][0], conv[1]), \
+    assert torch.equal(pool.read(1, torch.tensor([1]), [False])[0][0], conv[1]), \
         "a read never changes the pool"
     assert not pool.conv[0].any() and not pool.ssm[0].any(), "layers are independent"
 
