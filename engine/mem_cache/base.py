@@ -63,9 +63,23 @@ class BasePrefixCache(ABC):
     def plan_decode_track(self, req: CacheReq, new_len: int) -> list[tuple[int, int]]:
         return []
 
+    # recurrent-state copies queued for the next pass (hybrid models: a hit's checkpoint into its row, a
+    # request's end state into a checkpoint, a speculative step's rollback); None while there are none
+    _state_copies: Optional[list[tuple[int, int]]] = None
+
+    def queue_state_copy(self, src: int, dst: int) -> None:
+        """Copy state slot `src` into `dst` at the start of the next pass (before its layers)."""
+        if self._state_copies is None:
+            self._state_copies = []
+        self._state_copies.append((src, dst))
+
     def take_state_ops(self, tracks: Optional[dict[int, list[tuple[int, int]]]] = None) -> Optional["StateOps"]:
-        """The state work the next pass does (copies queued since the last pass, and `tracks`)."""
-        return None
+        """The state work the next pass does: the copies queued since the last pass, and `tracks`."""
+        from baton.engine.mem_cache.state_pool import StateOps
+
+        copies, self._state_copies = self._state_copies or [], None
+        ops = StateOps(copies, tracks or {})
+        return ops or None
 
     def check_state_slots(self) -> bool:
         return True

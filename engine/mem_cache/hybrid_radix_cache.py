@@ -40,7 +40,6 @@ import torch
 
 from baton.engine.mem_cache.base import CacheReq, MatchResult
 from baton.engine.mem_cache.radix_cache import RadixCache, TreeNode
-from baton.engine.mem_cache.state_pool import StateOps
 
 
 class StateTreeNode(TreeNode):
@@ -61,7 +60,6 @@ class HybridRadixCache(RadixCache):
         self.track_interval = track_interval
         self._free_states: list[int] = list(checkpoint_slots)
         self._state_nodes: dict[int, StateTreeNode] = {}  # node id -> node holding a checkpoint
-        self._copies: list[tuple[int, int]] = []  # for the next pass
         super().__init__(req_to_token_pool, token_to_kv_pool_allocator, page_size)
 
     # ---- tree bookkeeping ----
@@ -73,7 +71,7 @@ class HybridRadixCache(RadixCache):
         for node in getattr(self, "_state_nodes", {}).values():
             self._free_states.append(node.state)
         self._state_nodes = {}
-        self._copies = []
+        self._state_copies = None
         super().reset_tree()
 
     def _on_evicted(self, node: StateTreeNode) -> None:
@@ -115,7 +113,7 @@ class HybridRadixCache(RadixCache):
         checkpoint (a copy into the row, before the layers)."""
         state = req.last_node.state
         assert state is not None, "a matched node lost its checkpoint before the request's first pass"
-        self._copies.append((state, req.req_pool_idx))
+        self.queue_state_copy(state, req.req_pool_idx)
 
     def plan_extend_tracks(self, req: CacheReq, start: int, end: int, more_chunks: bool) -> list[tuple[int, int]]:
         """Checkpoints this extend of tokens [start, end) takes, as (offset into the extend, slot)."""
@@ -142,11 +140,6 @@ class HybridRadixCache(RadixCache):
             tracks.append((pos - start, slot))
         return tracks
 
-    def take_state_ops(self, tracks: Optional[dict[int, list[tuple[int, int]]]] = None) -> Optional[StateOps]:
-        ops = StateOps(self._copies, tracks or {})
-        self._copies = []
-        return ops or None
-
     # ---- requests' KV (and their tracked states) into the tree ----
 
     def cache_finished_req(self, req: CacheReq) -> None:
@@ -154,7 +147,7 @@ class HybridRadixCache(RadixCache):
         if committed and committed % self.page_size == 0 and all(p != committed for p, _ in req.state_checkpoints):
             slot = self._alloc_state()  # the state at the request's end: the row, before it is reused
             if slot is not None:
-                self._copies.append((row, slot))
+                self.queue_state_copy(row, slot)
                 req.state_checkpoints.append((committed, slot))
         super().cache_finished_req(req)
         self._hang_states(req, committed // self.page_size * self.page_size)

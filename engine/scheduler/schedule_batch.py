@@ -173,7 +173,7 @@ class ScheduleBatch:
         before), then every request's tracked positions."""
         cache = self.tree_cache
         if not cache.tracks_state:
-            return None
+            return cache.take_state_ops()  # a speculative step's rollback, if any (hybrid models)
         for req in new:
             if len(req.prefix_indices):
                 cache.restore_state(req)
@@ -212,11 +212,11 @@ class ScheduleBatch:
         positions = torch.tensor(prefix_lens, dtype=torch.int64)
         table = self.req_to_token_pool.req_to_token  # .to() is a no-op on a CPU table
         table[rows_t.to(table.device), positions.to(table.device)] = out_cache_loc.to(table.device)
-        state_ops = None
+        tracks = {}
         if self.tree_cache.tracks_state:
             tracks = {i: t for i, r in enumerate(self.reqs)
                       if (t := self.tree_cache.plan_decode_track(r, r.kv_committed_len + 1))}
-            state_ops = self.tree_cache.take_state_ops(tracks)
+        state_ops = self.tree_cache.take_state_ops(tracks)
         for req in self.reqs:
             req.kv_committed_len += 1
             req.kv_allocated_len += 1
