@@ -69,14 +69,15 @@ class NgramSpeculator(NoSpeculation):
         return True
 
     def draft(self, req: "Req") -> list[int]:
-        """The request's draft: at most num_draft_tokens - 1 tokens, and never more than it may still
-        emit after the target's own token (max_new_tokens)."""
-        room = min(self.num_draft_tokens - 1, req.sampling_params.max_new_tokens - len(req.output_ids) - 1)
-        if room <= 0:
-            return []
+        """The request's draft: at most num_draft_tokens - 1 tokens, as far as its acceptance so far
+        suggests (NgramIndex.draft_len), and never more than it may still emit after the target's own
+        token (max_new_tokens)."""
         index = req.spec_index
         if index is None:
-            index = req.spec_index = NgramIndex(self.min_window, self.max_window)
+            index = req.spec_index = NgramIndex(self.min_window, self.max_window, self.num_draft_tokens - 1)
+        room = min(index.draft_len, req.sampling_params.max_new_tokens - len(req.output_ids) - 1)
+        if room <= 0:
+            return []
         prompt, seen = req.origin_input_ids, len(index)
         if seen < len(prompt):
             index.extend(prompt[seen:])
@@ -115,6 +116,7 @@ class NgramSpeculator(NoSpeculation):
                 if req.finished():
                     break
             self.stats.on_request(len(spec.drafts[i]), len(tokens) - 1)
+            req.spec_index.on_verified(len(spec.drafts[i]), len(tokens) - 1)
             # KV is computed for [last, emitted[:-1]]: the newest token's comes with the next step
             self.keep_kv(req, start + emitted)
             if req.finished():

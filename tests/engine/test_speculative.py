@@ -46,7 +46,7 @@ def spec_info(h: SchedulerHarness) -> dict:
 
 # ---------------------------------------------------------------------------- units
 def test_ngram_index_proposes_what_followed_the_longest_match():
-    index = NgramIndex(min_window=1, max_window=3)
+    index = NgramIndex(min_window=1, max_window=3, max_draft=3)
     index.extend([1, 2, 3, 4, 9, 2, 3, 5, 7, 1, 2, 3])
     # suffix "1 2 3" matched (window 3) at 0..2: what followed it there
     assert index.propose(3) == [4, 9, 2]
@@ -54,7 +54,7 @@ def test_ngram_index_proposes_what_followed_the_longest_match():
     # "8 2 3" and "2 3"... the longest earlier match is "2 3" (latest: after "1 2 3" at 9..11 came 8)
     assert index.propose(2) == [8, 2]
     assert index.propose(0) == []
-    lonely = NgramIndex(min_window=2, max_window=4)
+    lonely = NgramIndex(min_window=2, max_window=4, max_draft=4)
     lonely.extend([1, 2, 3, 4, 5, 3])
     assert lonely.propose(4) == [], "a one-token match is below the minimum window"
 
@@ -274,3 +274,45 @@ def test_speculative_flags_use_sglangs_names_and_refuse_what_is_not_there_yet():
     with pytest.raises(ValueError, match="min-match-window-size"):
         ServerArgs(model_path="m", speculative_algorithm="NGRAM", speculative_ngram_min_match_window_size=5,
                    speculative_ngram_max_match_window_size=4)
+
+
+# ---------------------------------------------------------------------------- metrics, served
+def test_metrics_turn_the_schedulers_totals_into_a_histogram_once():
+    from baton.engine.metrics import EngineMetrics
+
+    m = EngineMetrics("m", "null")
+    info = {"speculative_algorithm": "NGRAM", "spec_accept_rate": 0.5, "spec_draft_tokens": 8,
+            "spec_accepted_tokens": 4, "spec_accept_length_counts": [0, 2, 1, 0, 1]}
+    m.update_from_server_info(info)
+    m.update_from_server_info(info)  # a second scrape of the same totals adds nothing
+    m.update_from_server_info({**info, "spec_accept_length_counts": [0, 3, 1, 0, 1], "spec_draft_tokens": 9})
+
+    def sample(name: str, **labels) -> float:
+        return m.registry.get_sample_value(name, {"model_name": "m", "role": "null", **labels})
+
+    assert sample("baton_spec_accept_length_tokens_count") == 5
+    assert sample("baton_spec_accept_length_tokens_sum") == 3 * 1 + 2 + 4
+    assert sample("baton_spec_draft_tokens_total") == 9 and sample("baton_spec_accepted_tokens_total") == 4
+    assert sample("baton_spec_accept_rate", dp_rank="0") == 0.5
+
+
+@pytest.mark.slow
+def test_served_engine_speculates_and_reports_it(tiny_model_factory):
+    """`baton serve --speculative-algorithm NGRAM`: the flags reach the scheduler process, greedy tokens
+    stay HF's, /get_server_info and /metrics report the accept length, nothing leaks."""
+    import httpx
+    from engine_server import greedy_concurrently, running_engine, wait_idle_integrity
+
+    path = tiny_model_factory("llama", **LOOPING)
+    prompts = repetitive_prompts()
+    with running_engine(path, "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "6") as engine:
+        outputs = greedy_concurrently(engine.base_url, prompts, MAX_NEW)
+        info = wait_idle_integrity(engine.base_url)
+        metrics = httpx.get(f"{engine.base_url}/metrics", timeout=10).text
+    for p, out in zip(prompts, outputs):
+        assert out == hf_greedy(path, p, MAX_NEW)
+    assert info["integrity_ok"] and info["speculative_algorithm"] == "NGRAM"
+    assert info["speculative_num_draft_tokens"] == 6 and info["spec_accept_length"] > 1.0
+    count = next(float(line.split()[-1]) for line in metrics.splitlines()
+                 if line.startswith("baton_spec_accept_length_tokens_count"))
+    assert count == sum(info["spec_accept_length_counts"]) > 0
