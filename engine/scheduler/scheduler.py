@@ -321,6 +321,13 @@ class Scheduler:
             self.fill_grammar_masks(batch)
         mwb = batch.model_worker_batch
         self.forward_ct += 1
+        if mwb.spec_info is not None:
+            # A verify step runs now, in this thread, in either loop: nothing is in flight (the decode
+            # manager drained it to draft), and an overlap executor's forward thread would only wait
+            # beside it (on a 2-core CPU the waiting thread took a core from the verify's kernels).
+            result = self.executor.worker.forward_batch_generation(mwb)
+            batch.output_ids = result.next_token_ids_tensor
+            return LaunchedBatch(list(batch.reqs), mwb, result)
         # the overlap loop's placeholders, or the plain loop's sampled ids
         batch.output_ids, result = self.executor.launch(mwb)
         return LaunchedBatch(list(batch.reqs), mwb, result)
