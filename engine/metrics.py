@@ -11,6 +11,8 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 _BYTES_BUCKETS = tuple(2.0 ** k for k in range(16, 36, 2))
 _SPEED_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64)
+# tokens one request emits per verify step: 1 .. --speculative-num-draft-tokens (SGLang's default 12)
+_ACCEPT_LENGTH_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32)
 
 FINISH_REASONS = ("length", "stop", "abort")
 ERROR_STATUSES = ("400", "401", "500", "503")  # what the engine answers with; others appear when used
@@ -30,9 +32,11 @@ class EngineMetrics:
         self._define_request_metrics()
         self._define_scheduler_metrics()
         self._define_pd_metrics()
+        self._define_spec_metrics()
         # per DP rank: each scheduler numbers its samples and keeps its totals on its own
         self._seen: dict[tuple[str, int], int] = {}  # (kind, rank) -> highest sample sequence number observed
         self._totals_seen: dict[tuple[str, int], int] = {}  # scheduler totals already turned into increments
+        self._counts_seen: dict[tuple[str, int], list[int]] = {}  # per-bucket totals already observed
 
     # -- definitions -----------------------------------------------------------------------
     def _hist(self, name: str, doc: str, buckets: tuple) -> Any:
@@ -93,6 +97,17 @@ class EngineMetrics:
             for stage in PD_STAGES:
                 self.pd_failures.labels(*self._lv, stage)
 
+    def _define_spec_metrics(self) -> None:
+        self.spec_accept_length = self._hist(
+            "baton_spec_accept_length_tokens", "Tokens a request emitted per speculative verify step (accepted drafts + 1)",
+            _ACCEPT_LENGTH_BUCKETS)
+        self.spec_accept_rate = self._gauge("baton_spec_accept_rate",
+                                            "Share of speculative draft tokens accepted since start")
+        self.spec_draft_tokens = self._counter("baton_spec_draft_tokens",
+                                               "Speculative draft tokens verified").labels(*self._lv)
+        self.spec_accepted_tokens = self._counter("baton_spec_accepted_tokens",
+                                                  "Speculative draft tokens accepted").labels(*self._lv)
+
     # -- updates ---------------------------------------------------------------------------
     def finished(self, reason: str) -> None:
         self.requests.labels(*self._lv, reason).inc()
@@ -123,6 +138,21 @@ class EngineMetrics:
             self.queue_time.observe(seconds)
         if info.get("disaggregation_mode") in PD_QUEUES:
             self._update_pd(info, rank)
+        if info.get("speculative_algorithm"):
+            self._update_spec(info, rank)
+
+    def _update_spec(self, info: dict[str, Any], rank: tuple[str, ...]) -> None:
+        self.spec_accept_rate.labels(*rank).set(info.get("spec_accept_rate", 0.0))
+        self._add_total("spec_draft_tokens", info, self.spec_draft_tokens)
+        self._add_total("spec_accepted_tokens", info, self.spec_accepted_tokens)
+        # the scheduler keeps a running count per accept length: each new one is one observation
+        mark = ("spec_accept_length_counts", info.get("dp_rank", 0))
+        seen = self._counts_seen.get(mark, [])
+        counts = info.get("spec_accept_length_counts", [])
+        for length, total in enumerate(counts):
+            for _ in range(total - (seen[length] if length < len(seen) else 0)):
+                self.spec_accept_length.observe(length)
+        self._counts_seen[mark] = list(counts)
 
     def _update_pd(self, info: dict[str, Any], rank: tuple[str, ...]) -> None:
         for queue in ("bootstrap", "inflight", "prealloc", "transfer"):

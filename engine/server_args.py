@@ -21,6 +21,9 @@ MODEL_DTYPES = ("auto", "float32", "float16", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e5m2")
 MAMBA_SSM_DTYPES = ("float32", "bfloat16", "float16")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
+# --speculative-algorithm: SGLang's names; NGRAM runs, the others are refused at start-up for now
+SPECULATIVE_ALGORITHMS = ("NGRAM", "EAGLE", "EAGLE3", "NEXTN")
+SUPPORTED_SPECULATIVE_ALGORITHMS = ("NGRAM",)
 # How the front end picks a DP rank for a request that names none (data_parallel_rank) and has no
 # bootstrap room (PD: room % dp_size, the convention the router pins ranks by).
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
@@ -150,6 +153,16 @@ class ServerArgs:
     decode_log_interval: int = 40  # log a "Decode batch." line every this many decode steps
     watchdog_timeout: float = 300.0  # a scheduler step longer than this stops the engine (0: off)
     enable_metrics: bool = True
+    # speculative decoding (issue 35, engine/speculative): SGLang's flags. NGRAM drafts from each
+    # request's own tokens (the longest suffix match between the two window sizes); a verify step
+    # runs num_draft_tokens tokens per request (its last token and up to num_draft_tokens - 1 drafts)
+    speculative_algorithm: Optional[str] = None
+    speculative_num_draft_tokens: Optional[int] = None  # None: NGRAM's max match window, as SGLang
+    speculative_ngram_min_match_window_size: int = 1
+    speculative_ngram_max_match_window_size: int = 12
+    # speculation backs off under load: decode steps of this many running requests or more are plain
+    # ones (at large batches a step is compute-bound and verifying drafts only costs)
+    speculative_disable_by_batch_size: int = 4
     # PD disaggregation (issue 3)
     disaggregation_mode: str = "null"
     disaggregation_bootstrap_port: int = 8998
@@ -222,6 +235,7 @@ class ServerArgs:
         if self.enable_mixed_chunk and self.disaggregation_mode != "null":
             raise ValueError("--enable-mixed-chunk mixes prefills with decode steps of one engine; a "
                              f"--disaggregation-mode {self.disaggregation_mode} engine runs only one of the two")
+        self._check_speculative()
         if self.tp_size < 1:
             raise ValueError("--tp-size must be >= 1")
         if self.tp_size > 1 and self.disaggregation_mode != "null" and self.disaggregation_transfer_backend == "fake":
@@ -242,6 +256,32 @@ class ServerArgs:
             raise ValueError("--cuda-graph-max-bs must be >= 1")
         if self.flashinfer_decode_tensor_cores not in ("auto", "on", "off"):
             raise ValueError("--flashinfer-decode-tensor-cores must be auto, on or off")
+
+    def _check_speculative(self) -> None:
+        """--speculative-*: what runs in this phase of issue 35, refused clearly otherwise."""
+        algo = self.speculative_algorithm
+        if algo is None:
+            return
+        if algo not in SPECULATIVE_ALGORITHMS:
+            raise ValueError(f"--speculative-algorithm must be one of {SPECULATIVE_ALGORITHMS}")
+        if algo not in SUPPORTED_SPECULATIVE_ALGORITHMS:
+            raise ValueError(f"--speculative-algorithm {algo} is not supported yet (NGRAM is: issue 35)")
+        if not 1 <= self.speculative_ngram_min_match_window_size <= self.speculative_ngram_max_match_window_size:
+            raise ValueError("--speculative-ngram-min-match-window-size must be >= 1 and <= "
+                             "--speculative-ngram-max-match-window-size")
+        if self.speculative_num_draft_tokens is None:
+            object.__setattr__(self, "speculative_num_draft_tokens",  # frozen
+                               self.speculative_ngram_max_match_window_size)
+        if self.speculative_num_draft_tokens < 2:
+            raise ValueError("--speculative-num-draft-tokens must be >= 2 (the last token and at least one draft)")
+        if self.speculative_disable_by_batch_size < 1:
+            raise ValueError("--speculative-disable-by-batch-size must be >= 1")
+        if self.disaggregation_mode != "null":
+            raise ValueError(f"--speculative-algorithm with --disaggregation-mode {self.disaggregation_mode} is not "
+                             "supported yet: run speculation on colocated engines")
+        if self.tp_size > 1:
+            raise ValueError("--speculative-algorithm with --tp-size > 1 is not supported yet (the verify step's "
+                             "LM head over every draft position is not in the TP step protocol)")
 
     def _auto_attention_backend(self) -> str:
         if not self.device.startswith("cuda") or importlib.util.find_spec("flashinfer") is None:
@@ -376,6 +416,21 @@ class ServerArgs:
           help="seconds one scheduler step (a forward pass, a hung GPU or transfer) may take before the "
                "engine dumps its threads' stacks and exits non-zero, so its pod is restarted (0: off)")
         a("--disable-metrics", action="store_true")
+        a("--speculative-algorithm", default=None, choices=SPECULATIVE_ALGORITHMS,
+          help="speculative decoding: NGRAM drafts from each request's own prompt and output (no draft model); "
+               "EAGLE, EAGLE3 and NEXTN are not supported yet")
+        a("--speculative-num-draft-tokens", type=int, default=None,
+          help="tokens a verify step runs per request: its last token and up to this many - 1 drafts "
+               "(default: --speculative-ngram-max-match-window-size)")
+        a("--speculative-ngram-min-match-window-size", type=int,
+          default=ServerArgs.speculative_ngram_min_match_window_size,
+          help="NGRAM: the shortest suffix of a request's tokens looked up in its earlier tokens")
+        a("--speculative-ngram-max-match-window-size", type=int,
+          default=ServerArgs.speculative_ngram_max_match_window_size,
+          help="NGRAM: the longest suffix looked up (the longest match found wins)")
+        a("--speculative-disable-by-batch-size", type=int, default=ServerArgs.speculative_disable_by_batch_size,
+          help="decode steps of this many running requests or more do not speculate (under load a step is "
+               "compute-bound and drafts only cost)")
         a("--disaggregation-mode", default="null", choices=DISAGGREGATION_MODES)
         a("--disaggregation-bootstrap-port", type=int, default=ServerArgs.disaggregation_bootstrap_port)
         a("--disaggregation-transfer-backend", default="mooncake", choices=("mooncake", "fake"))

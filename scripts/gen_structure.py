@@ -34,13 +34,14 @@ exempt; an import inside a function is a dependency like any other):
   3. `layers/`
   4. `models/`
   5. `model_executor/`
-  6. `disaggregation/`
+  6. `disaggregation/`, `speculative/`
   7. `scheduler/`
   8. `tokenizer_manager.py`, `detokenizer.py`
   9. `entrypoints/`, `bench/`
 
   So models never import the model runner or the scheduler, the kernels import nothing above them
-  (one known exception, listed in the test), and PD reaches the scheduler through type hints only.
+  (one known exception, listed in the test), and PD and speculation reach the scheduler through type
+  hints only.
 - **The router and the operator never import the engine**, not even inside a function: they run
   where the engine is not installed.
 - **No import cycles in the router** either, deferred imports included, and no exceptions: the flows

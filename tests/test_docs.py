@@ -79,4 +79,4 @@ def test_metric_names_follow_prometheus_conventions():
         assert name.startswith("baton_"), name
         assert name.endswith("_total") == (kind == "counter"), f"{name}: only counters end in _total"
         if kind == "histogram":
-            assert name.endswith(("_seconds", "_bytes", "_per_second")), f"{name}: histogram without a unit"
+            assert name.endswith(("_seconds", "_bytes", "_per_second", "_tokens")), f"{name}: histogram without a unit"

@@ -25,7 +25,7 @@ LAYERS = [
     ("layers",),
     ("models",),
     ("model_executor",),
-    ("disaggregation",),
+    ("disaggregation", "speculative"),
     ("scheduler",),
     ("tokenizer_manager", "detokenizer"),
     ("entrypoints", "bench"),

@@ -15,6 +15,7 @@ import random
 from dataclasses import dataclass
 
 _SETTLE_ROUNDS = 8
+DATASETS = ("random", "code-edit")
 
 
 @dataclass(frozen=True)
@@ -31,8 +32,12 @@ class WorkloadConfig:
     # how every request samples, engines and HF alike: 0 is greedy
     temperature: float = 0.0
     top_p: float = 1.0
+    # random: random-token text (below); code-edit: "rename a function in this module" prompts whose
+    # answers copy the prompt (edit_workload.py; what speculative NGRAM decoding is for)
+    dataset: str = "random"
 
     def __post_init__(self) -> None:
+        assert self.dataset in DATASETS, f"--dataset must be one of {DATASETS}"
         assert self.num_prompts >= 1 and self.input_len >= 1 and self.output_len >= 1
         assert 0.0 <= self.random_range_ratio <= 1.0, "--random-range-ratio must be in [0, 1]"
         assert self.temperature >= 0.0 and 0.0 < self.top_p <= 1.0, "--temperature >= 0, --top-p in (0, 1]"
@@ -59,16 +64,26 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
       help="draw each prompt's input/output length uniformly from [ratio*len, len] (SGLang bench_serving)")
     a("--temperature", type=float, default=0.0, help="sampling temperature of every request (0: greedy)")
     a("--top-p", type=float, default=1.0, help="top-p of every request (with --temperature)")
+    a("--dataset", default="random", choices=DATASETS,
+      help="random: random-token prompts; code-edit: 'rename a function in this module' prompts, answered by "
+           "copying the prompt (rewards speculative NGRAM decoding)")
 
 
 def workload_config_from_args(args: argparse.Namespace) -> WorkloadConfig:
     return WorkloadConfig(num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
                           shared_prefix_len=args.shared_prefix_len, seed=args.seed,
-                          random_range_ratio=args.random_range_ratio, temperature=args.temperature, top_p=args.top_p)
+                          random_range_ratio=args.random_range_ratio, temperature=args.temperature, top_p=args.top_p,
+                          dataset=args.dataset)
 
 
 def build_workload(tokenizer, config: WorkloadConfig) -> list[BenchPrompt]:
     """`config.num_prompts` prompts; the same seed and tokenizer give the same prompts."""
+    if config.dataset == "code-edit":
+        from baton.engine.bench.edit_workload import build_edit_prompts
+
+        return [BenchPrompt(text=text, token_ids=tuple(ids), output_len=config.output_len,
+                            temperature=config.temperature, top_p=config.top_p)
+                for text, ids in build_edit_prompts(tokenizer, config.num_prompts, config.input_len, config.seed)]
     rng = random.Random(config.seed)
     candidates = _plain_token_ids(tokenizer)
     prefix = _settled_text(tokenizer, rng, candidates, config.shared_prefix_len)

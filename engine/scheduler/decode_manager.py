@@ -1,5 +1,6 @@
 """The running batch's next decode step: the KV-pool check, retraction when the pool cannot hold the
-step, and the new_token_ratio that admission reserves future decode tokens with."""
+step, the new_token_ratio that admission reserves future decode tokens with, and (speculative decoding)
+whether the step verifies drafts instead."""
 from __future__ import annotations
 
 import logging
@@ -11,6 +12,7 @@ if TYPE_CHECKING:
     from baton.engine.scheduler.release import ReqReleaser
     from baton.engine.scheduler.schedule_batch import ScheduleBatch
     from baton.engine.scheduler.scheduler import SchedulerStats
+    from baton.engine.speculative.base import NoSpeculation
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +44,9 @@ class NewTokenRatio:
 class DecodeManager:
     def __init__(self, queues: "SchedulerQueues", ratio: NewTokenRatio, releaser: "ReqReleaser",
                  output: "OutputProcessor", stats: "SchedulerStats", drain_results: Callable[[], None],
-                 rows_held_elsewhere: Callable[[], int]) -> None:
+                 rows_held_elsewhere: Callable[[], int], spec: "NoSpeculation") -> None:
         self.queues, self.ratio, self.releaser, self.output, self.stats = queues, ratio, releaser, output, stats
+        self.spec = spec  # the speculation strategy (speculative/; NoSpeculation: plain steps only)
         self.drain_results = drain_results  # process every launched batch's result (the overlap loop's)
         self.rows_held_elsewhere = rows_held_elsewhere  # PD requests holding rows outside the batch
 
@@ -53,6 +56,16 @@ class DecodeManager:
         batch = self.queues.running_batch
         if batch.is_empty():
             return None
+        speculate = self.spec.wants_verify(batch)
+        if speculate:
+            # drafts continue each request's last token: the overlap loop's step in flight first
+            # (a verify step itself is processed before the next batch: Scheduler.run_step)
+            self.drain_results()
+            self.releaser.flush()  # nothing is in flight now
+            self.output.reap_finished(batch.reqs)
+            batch.filter_batch()
+            if batch.is_empty():
+                return None
         if not batch.check_decode_mem():
             self._retract(batch)
             if batch.is_empty():
@@ -60,7 +73,8 @@ class DecodeManager:
         else:
             self.ratio.decay()
         batch.batch_is_full = False
-        batch.prepare_for_decode()
+        if not (speculate and self.spec.prepare_verify(batch)):
+            batch.prepare_for_decode()
         return batch
 
     def _retract(self, batch: "ScheduleBatch") -> None:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 from baton.engine.io_struct import BatchTokenIDOut
 from baton.engine.scheduler.req import Req
@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from baton.engine.scheduler.release import ReqReleaser
     from baton.engine.scheduler.request_table import RequestTable
     from baton.engine.scheduler.scheduler import LaunchedBatch, SchedulerStats
+    from baton.engine.speculative.base import NoSpeculation
     from baton.engine.server_args import ServerArgs
 
 
@@ -25,13 +26,16 @@ class OutputProcessor:
         self.server_args, self.tokenizer, self.tree_cache = server_args, tokenizer, tree_cache
         self.releaser, self.table, self.stats, self.outbox = releaser, table, stats, outbox
         self.pd: "Colocated" = None  # the PD strategy, set by the Scheduler once built (it needs this processor)
+        self.spec: "NoSpeculation" = None  # the speculation strategy, set by the Scheduler once built
 
     def process_batch_result(self, launched: "LaunchedBatch") -> None:
         # Requests finished by the previous result were still in the batch we now hold the result
         # of (overlap mode); only now is their memory no longer read.
         ready = self.releaser.take_waiting()
         result = launched.wait()
-        if launched.mwb.forward_mode.is_extend():
+        if launched.mwb.spec_info is not None:  # a verify step: a decode step of 1 + accepted tokens each
+            self.spec.process_verify_result(launched, result)
+        elif launched.mwb.forward_mode.is_extend():
             if not self.pd.on_extend_result(launched, result):  # a PD prefill sends the tokens on
                 self._process_extend(launched, result)
         else:
@@ -95,16 +99,24 @@ class OutputProcessor:
 
     def record_token(self, req: Req, i: int, result) -> None:
         """Append row i's sampled token (and logprobs) without the finish checks."""
-        req.output_ids.append(result.next_token_ids[i])
+        logprobs = req.return_logprob and result.next_token_logprobs is not None
+        self.append_token(req, result.next_token_ids[i], result.next_token_logprobs[i] if logprobs else None,
+                          result.next_top_logprobs[i] if logprobs else None)
+
+    def append_token(self, req: Req, token_id: int, logprob: Optional[float] = None,
+                     top_logprobs: Optional[list] = None) -> None:
+        """Append one token (and its logprobs, where the request asked for them and the step made
+        them) without the finish checks."""
+        req.output_ids.append(token_id)
         if req.grammar is not None:
-            req.accept_grammar_token(result.next_token_ids[i])
+            req.accept_grammar_token(token_id)
         self.stats.generated_tokens += 1
         if req.first_token_time is None:
             req.first_token_time = time.time()
-        if req.return_logprob and result.next_token_logprobs is not None:
-            req.output_token_logprobs.append((result.next_token_logprobs[i], result.next_token_ids[i]))
+        if req.return_logprob and logprob is not None:
+            req.output_token_logprobs.append((logprob, token_id))
             if req.top_logprobs_num > 0:
-                req.output_top_logprobs.append(result.next_top_logprobs[i])
+                req.output_top_logprobs.append(top_logprobs)
 
     def finish_request(self, req: Req) -> None:
         """Release a finished request's memory once (deferred in overlap mode)."""

@@ -74,6 +74,9 @@ class Req:
     kv_transfer_started: float = 0.0  # decode: when the destination was sent (transfer latency)
     kv_meta_slot: Optional[int] = None  # metadata buffer slot of the transfer, while kv_transfer lives
     kv_pages_sent: int = 0  # prefill: pages handed to the sender so far
+    # speculative decoding (NGRAM): the index of this request's tokens its drafts come from
+    # (speculative/ngram.py), built by the speculator on the request's first draft
+    spec_index: Any = None
 
     @property
     def grammar(self) -> Any:

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from baton.engine.mem_cache.allocator import TokenToKVPoolAllocator
     from baton.engine.mem_cache.base import BasePrefixCache
     from baton.engine.mem_cache.memory_pool import ReqToTokenPool
+    from baton.engine.speculative.spec_info import VerifyInput
 
 # Tokens of decode headroom each running request is assumed to need after a retraction
 # (SGLang's SGLANG_RETRACT_DECODE_STEPS).
@@ -53,8 +54,11 @@ class ModelWorkerBatch:
     # each row's draw number for the CPU sampler, taken when the batch is launched
     # (TpModelWorker.assign_draws): the same whichever path samples it, in either loop
     draws: Optional[list[int]] = None
-    # hybrid models with the radix cache: recurrent-state copies and checkpoints this pass makes
+    # hybrid models: recurrent-state copies and checkpoints this pass makes (mem_cache/state_pool.py)
     state_ops: Optional[StateOps] = None
+    # a verify step of speculative decoding (speculative/spec_info.py VerifyInput): each row extends
+    # over its last token and its draft; the worker checks the drafts instead of sampling once
+    spec_info: Optional["VerifyInput"] = None
 
 
 class ScheduleBatch:
@@ -234,6 +238,40 @@ class ScheduleBatch:
             top_logprobs_nums=[r.top_logprobs_num for r in self.reqs],
             input_logprob_reqs=[],
             state_ops=state_ops,
+        )
+
+    def prepare_for_verify(self, spec: "VerifyInput") -> None:
+        """A decode step that verifies drafts (speculative/): request i runs as an extend of
+        [its last token, *spec.drafts[i]] over the KV it holds. KV slots are allocated for all of them
+        and counted as committed; the speculator cuts each request back to what it accepted once the
+        result is known (NgramSpeculator.keep_kv). For the scheduler it stays a decode step."""
+        self.forward_mode = ForwardMode.DECODE
+        rows = [r.req_pool_idx for r in self.reqs]
+        prefix_lens = [r.kv_committed_len for r in self.reqs]
+        assert all(len(r.origin_input_ids) + len(r.output_ids) == p + 1 for r, p in zip(self.reqs, prefix_lens)), \
+            "a verify step starts from every request's last token (the overlap loop's results processed)"
+        extend_lens = [1 + len(d) for d in spec.drafts]
+        seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+        self._tokens_needed_hint = sum(extend_lens) + len(self.reqs) * self.allocator.page_size
+        out_cache_loc = self._alloc(self.allocator.alloc_extend, prefix_lens, seq_lens, self._last_locs(rows, prefix_lens))
+        self._write_table(rows, prefix_lens, extend_lens, out_cache_loc)
+        for req, s in zip(self.reqs, seq_lens):
+            req.kv_committed_len = req.kv_allocated_len = s
+        input_ids = [t for r, d in zip(self.reqs, spec.drafts) for t in (r.output_ids[-1], *d)]
+        self.model_worker_batch = ModelWorkerBatch(
+            forward_mode=ForwardMode.EXTEND,
+            input_ids=torch.tensor(input_ids, dtype=torch.int64),
+            positions=torch.cat([torch.arange(p, s, dtype=torch.int64) for p, s in zip(prefix_lens, seq_lens)]),
+            req_pool_indices=torch.tensor(rows, dtype=torch.int64),
+            seq_lens_cpu=seq_lens,
+            out_cache_loc=out_cache_loc,
+            extend_prefix_lens_cpu=prefix_lens,
+            extend_seq_lens_cpu=extend_lens,
+            sampling_states=[r.sampling_state for r in self.reqs],
+            return_logprob=any(r.return_logprob for r in self.reqs),
+            top_logprobs_nums=[r.top_logprobs_num for r in self.reqs],
+            input_logprob_reqs=[],
+            spec_info=spec,
         )
 
     def mix_with_running(self, running: "ScheduleBatch") -> None:

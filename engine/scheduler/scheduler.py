@@ -49,6 +49,7 @@ from baton.engine.scheduler.prefill_manager import PrefillBatch, PrefillManager
 from baton.engine.scheduler.schedule_policy import SchedulePolicy
 from baton.engine.scheduler.tp_worker import GenerationBatchResult, TpModelWorker
 from baton.engine.server_args import ServerArgs
+from baton.engine.speculative import NoSpeculation, SpecView, create_speculator
 
 logger = logging.getLogger(__name__)
 
@@ -117,8 +118,10 @@ class Scheduler:
         self.prefill = PrefillManager(args, self.max_running_requests, self.queues, self.policy, self.tree_cache,
                                       self.allocator, self.req_to_token_pool, self.ratio, self.releaser, self.output,
                                       self.stats, self._new_batch, self.drain_results, held)
+        self.spec = self._init_speculation()  # NoSpeculation unless --speculative-algorithm
+        self.output.spec = self.spec
         self.decode = DecodeManager(self.queues, self.ratio, self.releaser, self.output, self.stats,
-                                    self.drain_results, held)
+                                    self.drain_results, held, self.spec)
 
     # ------------------------------------------------------------------ messages from the tokenizer
     def process_input_requests(self, msgs: list[Any]) -> None:
@@ -192,6 +195,18 @@ class Scheduler:
             stream_output=self.output.stream_output, record_token=self.output.record_token,
             extend_result_prologue=self.output.extend_result_prologue, count_generated=self._count_generated)
         return create_strategy(mode, view, transfer_config)
+
+    def _init_speculation(self) -> NoSpeculation:
+        """The speculation strategy of --speculative-algorithm (speculative/), over a view of this
+        scheduler's pools. A hybrid model would need its recurrent state rolled back to the last
+        accepted token (issue 35's MTP step): refused here, at start-up."""
+        if self.server_args.speculative_algorithm is not None and self.worker.model_runner.state_pool is not None:
+            raise ValueError("--speculative-algorithm is not supported yet for hybrid models (their recurrent "
+                             "state would have to roll back to the last accepted token)")
+        view = SpecView(server_args=self.server_args, tokenizer=self.tokenizer,
+                        req_to_token_pool=self.req_to_token_pool, allocator=self.allocator, tree_cache=self.tree_cache,
+                        append_token=self.output.append_token, finish_request=self.output.finish_request)
+        return create_speculator(view)
 
     def _count_generated(self, n: int) -> None:
         self.stats.generated_tokens += n
@@ -271,6 +286,10 @@ class Scheduler:
         else:
             if batch is not None:
                 self.result_queue.append(self.run_batch(batch))
+                if batch.model_worker_batch.spec_info is not None:
+                    # a verify step's accepted lengths set its requests' KV lengths: known before the
+                    # next batch is built (speculation runs its steps one at a time)
+                    self.drain_results()
             if self.result_queue and (batch is None or len(self.result_queue) > 1):
                 self.output.process_batch_result(self.result_queue.popleft())
             if not self.result_queue:
@@ -303,6 +322,13 @@ class Scheduler:
             self.fill_grammar_masks(batch)
         mwb = batch.model_worker_batch
         self.forward_ct += 1
+        if mwb.spec_info is not None:
+            # A verify step runs now, in this thread, in either loop: nothing is in flight (the decode
+            # manager drained it to draft), and an overlap executor's forward thread would only wait
+            # beside it (on a 2-core CPU the waiting thread took a core from the verify's kernels).
+            result = self.executor.worker.forward_batch_generation(mwb)
+            batch.output_ids = result.next_token_ids_tensor
+            return LaunchedBatch(list(batch.reqs), mwb, result)
         # the overlap loop's placeholders, or the plain loop's sampled ids
         batch.output_ids, result = self.executor.launch(mwb)
         return LaunchedBatch(list(batch.reqs), mwb, result)
@@ -363,6 +389,7 @@ class Scheduler:
             "torch_threads": self.forward_threads(),
             "event_loop": self.loop_choice.loop.value,  # the default depends on the model (CPU)
             "event_loop_reason": self.loop_choice.reason,
+            **self.spec.server_info(),  # speculative_algorithm, accept rate and lengths
             "tp_allreduce": all_reduce_backend(self.worker.tp),  # shm | gloo | nccl | none
             "preemptions": self.stats.preemptions,
             "mixed_decode_tokens": self.stats.mixed_decode_tokens,

@@ -28,6 +28,7 @@ from baton.engine.server_args import ServerArgs
 
 if TYPE_CHECKING:
     from baton.engine.distributed.parallel_state import TpGroup
+    from baton.engine.speculative.spec_info import VerifyOutput
 
 
 @dataclass
@@ -42,6 +43,9 @@ class GenerationBatchResult:
     # CUDA overlap only: recorded behind the non-blocking copy into next_token_ids_tensor, whose
     # values (and so next_token_ids) are only there once resolve() waited on it
     copy_done: Optional[Any] = None
+    # a verify step (speculative decoding): each request's accepted tokens; next_token_ids then hold
+    # each request's last one
+    verify: Optional["VerifyOutput"] = None
 
     def resolve(self) -> "GenerationBatchResult":
         """Wait for the sampled ids to reach the host (no-op when they already did)."""
@@ -100,6 +104,8 @@ class TpModelWorker:
         if future_map is not None:
             resolve_future_token_ids(fb.input_ids, future_map.token_ids)
         hidden = runner.forward(fb)  # [num_tokens, hidden]
+        if mwb.spec_info is not None:
+            return self._verify(mwb, hidden, future_map, future_slots)
         rows = runner.last_token_rows(fb)
         last_hidden = hidden if rows is None else hidden[rows]
         logits = runner.compute_logits(last_hidden)  # [bs, vocab] float32
@@ -119,6 +125,21 @@ class TpModelWorker:
             result.next_token_ids_tensor = next_ids.to("cpu")
             result.next_token_ids = result.next_token_ids_tensor.tolist()
         return result
+
+    def _verify(self, mwb: ModelWorkerBatch, hidden: torch.Tensor, future_map: Optional[FutureMap],
+                future_slots: Optional[torch.Tensor]) -> GenerationBatchResult:
+        """A verify step's result: the logits of every token row, checked against the drafts
+        (speculative/verify.py); each request's last emitted token goes to the future map (overlap)."""
+        from baton.engine.speculative.verify import verify_drafts
+
+        logits = self.model_runner.compute_logits(hidden)  # [num_tokens, vocab] float32
+        out = verify_drafts(logits, mwb.spec_info, mwb.sampling_states, mwb.draws, mwb.return_logprob,
+                            mwb.top_logprobs_nums)
+        last = torch.tensor(out.last_tokens, dtype=torch.int64)
+        if future_map is not None:
+            future_map.token_ids[future_slots] = last.to(future_map.token_ids.device)
+        return GenerationBatchResult(next_token_ids=out.last_tokens, next_token_ids_tensor=last,
+                                     next_token_ids_device=last, verify=out)
 
     def sample(self, mwb: ModelWorkerBatch, logits: torch.Tensor) -> tuple[GenerationBatchResult, torch.Tensor]:
         """The batch's next ids [bs] from its last-token logits [bs, vocab] (rows that sample

@@ -198,6 +198,18 @@ def engine() -> dict:
               "reqps", w=8),
         panel("HTTP errors by status", [(rate("baton_request_errors_total", s, "pod, status"), "{{pod}} {{status}}")],
               "reqps", w=8),
+        row("Speculative decoding"),
+        # denominators clamped: an engine that does not speculate shows 0, not NaN
+        panel("Accept length (tokens per request per verify step)",
+              [("sum by (pod) (rate(baton_spec_accept_length_tokens_sum{%s}[%s])) / clamp_min(sum by (pod) "
+                "(rate(baton_spec_accept_length_tokens_count{%s}[%s])), 1e-12)" % (s, RI, s, RI), "{{pod}}")], w=8,
+              desc="Accepted draft tokens + 1 per request and verify step (--speculative-algorithm); 1: none passed"),
+        panel("Draft accept rate", [("sum by (pod) (rate(baton_spec_accepted_tokens_total{%s}[%s])) / clamp_min("
+                                     "sum by (pod) (rate(baton_spec_draft_tokens_total{%s}[%s])), 1e-12)"
+                                     % (s, RI, s, RI), "{{pod}}")],
+              "percentunit", w=8, desc="Share of the draft tokens verified that the target model accepted"),
+        panel("Draft tokens", [(rate("baton_spec_draft_tokens_total", s, "pod"), "{{pod}} drafted"),
+                               (rate("baton_spec_accepted_tokens_total", s, "pod"), "{{pod}} accepted")], w=8),
     ]
     return dashboard("baton-engine", "Baton / Engine", items, variables("baton_max_total_tokens", True),
                      "One InferenceService's engines, per pod and DP rank.")

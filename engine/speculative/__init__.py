@@ -1,0 +1,29 @@
+"""Speculative decoding (issue 35): draft tokens cheaply, verify them in one target forward, keep the
+longest accepted run plus the target's own next token.
+
+    base.py              the strategy interface as its no-op (NoSpeculation) and the SpecView it works through
+    ngram.py             NgramIndex: prompt/output lookup in one request's own tokens
+    ngram_speculator.py  NGRAM: drafts from the index, verify steps, accepted tokens into the requests
+    spec_info.py         VerifyInput / VerifyOutput: what a verify step carries to the worker and back
+    verify.py            acceptance against the target's logits: greedy (exact) and rejection sampling
+    stats.py             accept length histogram and accept rate (/get_server_info, /metrics)
+
+create_speculator picks the strategy once, from --speculative-algorithm (SGLang's flag names).
+"""
+from __future__ import annotations
+
+from baton.engine.speculative.base import NoSpeculation, SpecView
+
+
+def create_speculator(view: SpecView) -> NoSpeculation:
+    algorithm = view.server_args.speculative_algorithm
+    if algorithm is None:
+        return NoSpeculation()
+    if algorithm == "NGRAM":
+        from baton.engine.speculative.ngram_speculator import NgramSpeculator
+
+        return NgramSpeculator(view)
+    raise ValueError(f"--speculative-algorithm {algorithm} is not supported yet (NGRAM is)")
+
+
+__all__ = ["NoSpeculation", "SpecView", "create_speculator"]

@@ -1,0 +1,38 @@
+"""Speculation counters the scheduler reports (/get_server_info, then /metrics: engine/metrics.py)."""
+from __future__ import annotations
+
+
+class SpecStats:
+    """Accept length = tokens one request emitted in one verify step: its accepted draft tokens plus the
+    target's own (1 .. num_draft_tokens). Kept as running totals, so no sample is lost between scrapes."""
+
+    def __init__(self, num_draft_tokens: int) -> None:
+        self.verify_steps = 0  # verify forwards run
+        self.draft_tokens = 0  # draft tokens proposed (and verified)
+        self.accepted_tokens = 0  # of those, accepted
+        # accept_length_counts[n]: request-steps that emitted n tokens (index 0 unused)
+        self.accept_length_counts = [0] * (num_draft_tokens + 1)
+
+    def on_verify_step(self) -> None:
+        self.verify_steps += 1
+
+    def on_request(self, drafted: int, accepted: int) -> None:
+        """One request of a verify step (with or without a draft): `accepted` of its `drafted` tokens
+        passed, so the step gave it accepted + 1 tokens (before a stop or max_tokens cut the run)."""
+        self.draft_tokens += drafted
+        self.accepted_tokens += accepted
+        n = min(accepted + 1, len(self.accept_length_counts) - 1)
+        self.accept_length_counts[n] += 1
+
+    def accept_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    def mean_accept_length(self) -> float:
+        steps = sum(self.accept_length_counts)
+        return sum(n * c for n, c in enumerate(self.accept_length_counts)) / steps if steps else 0.0
+
+    def server_info(self) -> dict:
+        return {"spec_verify_steps": self.verify_steps, "spec_draft_tokens": self.draft_tokens,
+                "spec_accepted_tokens": self.accepted_tokens, "spec_accept_rate": self.accept_rate(),
+                "spec_accept_length": self.mean_accept_length(),
+                "spec_accept_length_counts": list(self.accept_length_counts)}

@@ -1,0 +1,106 @@
+"""Accepting draft tokens against the target model's logits (the worker's half of a verify step).
+
+Greedy requests accept the longest prefix of the draft that equals the target's argmax at each
+position, then take the argmax after it: the tokens are exactly what step-by-step greedy decoding would
+give. Sampled requests use the rejection rule for a deterministic draft (a draft token has proposal
+probability 1): accept d with probability p(d), where p is the target's distribution after temperature,
+top-k, top-p and min-p as the sampler applies them; on a rejection, draw from p with d's mass removed
+(renormalised) and stop; after a fully accepted draft, draw the bonus token from p. Each emitted token
+is then distributed as the target's (Leviathan et al. 2023, "Fast Inference from Transformers via
+Speculative Decoding", the special case q = one-hot).
+
+Logprobs are those the sampler reports: log_softmax of the raw logits at the token's position.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from baton.engine.speculative.spec_info import VerifyInput, VerifyOutput
+
+if TYPE_CHECKING:
+    from baton.engine.sampling.sampling_batch_info import ReqSamplingState
+    from baton.engine.sampling.sampling_params import SamplingParams
+
+_SEED_MIX = 0x9E3779B97F4A7C15  # a step's draws: (request seed, draw number) mixed into one seed
+
+
+def verify_drafts(logits: torch.Tensor, spec: VerifyInput, states: list["ReqSamplingState"],
+                  draws: Optional[list[int]], return_logprob: bool, top_logprobs_nums: list[int]) -> VerifyOutput:
+    """`logits`: [num_tokens, vocab] float32, one row per token of the verify batch (spec_info.py)."""
+    from baton.engine.layers.sampler import top_logprobs
+
+    greedy_ids = None
+    if any(s.params.is_greedy for s in states):
+        greedy_ids = torch.argmax(logits, dim=-1).tolist()  # [num_tokens]
+    tokens = []
+    for i, (draft, off, state) in enumerate(zip(spec.drafts, spec.offsets, states)):
+        if state.params.is_greedy:
+            tokens.append(accept_greedy(draft, greedy_ids[off:off + len(draft) + 1]))
+        else:
+            probs = target_probs(logits[off:off + len(draft) + 1], state.params).cpu()
+            draw = draws[i] if draws is not None else state.num_sampled
+            gen = torch.Generator().manual_seed((state.rng_seed * _SEED_MIX + draw) % (1 << 63))
+            tokens.append(accept_rejection(probs, draft, gen))
+        state.num_sampled += len(tokens[-1])
+    out = VerifyOutput(tokens)
+    if return_logprob:
+        rows = torch.tensor([off + j for off, t in zip(spec.offsets, tokens) for j in range(len(t))],
+                            device=logits.device)
+        flat = torch.tensor([x for t in tokens for x in t], device=logits.device)
+        lps = torch.log_softmax(logits[rows], dim=-1)  # [emitted, vocab]
+        values = lps.gather(1, flat.view(-1, 1)).view(-1).tolist()
+        nums = [n for n, t in zip(top_logprobs_nums, tokens) for _ in t]
+        tops = top_logprobs(lps, nums)
+        out.logprobs, out.top_logprobs, start = [], [], 0
+        for t in tokens:
+            out.logprobs.append(values[start:start + len(t)])
+            out.top_logprobs.append(tops[start:start + len(t)])
+            start += len(t)
+    return out
+
+
+def accept_greedy(draft: list[int], target: list[int]) -> list[int]:
+    """`target`: the argmax at each of the len(draft) + 1 positions."""
+    n = 0
+    while n < len(draft) and draft[n] == target[n]:
+        n += 1
+    return draft[:n] + [target[n]]
+
+
+def accept_rejection(probs: torch.Tensor, draft: list[int], gen: torch.Generator) -> list[int]:
+    """`probs`: [len(draft) + 1, vocab] the target's distribution at each position (CPU)."""
+    u = torch.rand(len(draft), generator=gen).tolist()
+    out = []
+    for j, d in enumerate(draft):
+        if u[j] < float(probs[j, d]):
+            out.append(d)
+            continue
+        residual = probs[j].clone()
+        residual[d] = 0.0
+        if float(residual.sum()) <= 0.0:  # p(d) is 1 up to rounding: u fell on the rounding
+            out.append(d)
+            continue
+        out.append(int(torch.multinomial(residual, 1, generator=gen)))
+        return out
+    out.append(int(torch.multinomial(probs[len(draft)], 1, generator=gen)))
+    return out
+
+
+def target_probs(logits: torch.Tensor, params: "SamplingParams") -> torch.Tensor:
+    """[rows, vocab] logits -> the distribution the sampler draws from (layers/sampler.py): softmax at
+    the temperature, then top-k, top-p over the top-k-renormalised mass, min-p; renormalised."""
+    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    vocab = probs.shape[-1]
+    top_k = vocab if params.top_k == -1 else min(params.top_k, vocab)
+    if top_k < vocab or params.top_p < 1.0 or params.min_p > 0.0:
+        sorted_p, idx = probs.sort(dim=-1, descending=True)
+        sorted_p[:, top_k:] = 0.0
+        if params.top_p < 1.0:
+            cumsum = sorted_p.cumsum(dim=-1)
+            sorted_p.masked_fill_(cumsum - sorted_p > params.top_p * cumsum[:, -1:], 0.0)
+        if params.min_p > 0.0:
+            sorted_p.masked_fill_(sorted_p < sorted_p[:, :1] * params.min_p, 0.0)
+        probs = torch.zeros_like(probs).scatter_(1, idx, sorted_p)
+    return probs / probs.sum(dim=-1, keepdim=True)

@@ -1,0 +1,318 @@
+"""NGRAM speculative decoding (issue 35): greedy tokens equal HF's (and so the engine's without
+speculation) on a random model that rarely repeats itself (low acceptance) and on one whose greedy
+text falls into loops (real acceptance); stops, max_tokens, min_tokens and logprobs inside accepted
+runs equal the plain engine's; aborts and retractions leak nothing; the radix cache holds only accepted
+tokens; sampled verification keeps the target distribution (statistically, on a tiny vocabulary)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from baton.engine.io_struct import AbortReq
+from baton.engine.sampling.sampling_batch_info import ReqSamplingState
+from baton.engine.sampling.sampling_params import SamplingParams
+from baton.engine.server_args import ServerArgs
+from baton.engine.speculative.ngram import NgramIndex
+from baton.engine.speculative.spec_info import VerifyInput
+from baton.engine.speculative.verify import accept_greedy, target_probs, verify_drafts
+from scheduler_harness import SchedulerHarness
+from test_scheduler_vs_hf import LOOPS, harness_for, hf_greedy, run_workload, workload
+
+# speculation on every decode step of these small batches
+SPEC = dict(speculative_algorithm="NGRAM", speculative_disable_by_batch_size=64)
+# initializer_range 0.08: a random model whose greedy text falls into loops within tens of tokens, so
+# n-gram drafts are accepted (tiny_models.py explains why the default 0.15 keeps greedy ties away;
+# at 0.08 the top-1/top-2 gaps are still far above float32 rounding: HF equality checks that)
+LOOPING = dict(initializer_range=0.08)
+MAX_NEW = 40
+
+
+def repetitive_prompts(seed: int = 0) -> list[list[int]]:
+    """Prompts that repeat a random segment (what a copy or edit request looks like to the index)."""
+    rng = random.Random(seed)
+    out = []
+    for n, times in ((6, 4), (11, 3), (23, 2)):
+        seg = [rng.randrange(6, 500) for _ in range(n)]
+        out.append([rng.randrange(6, 500) for _ in range(3)] + seg * times)
+    return out
+
+
+def spec_info(h: SchedulerHarness) -> dict:
+    return h.scheduler.get_server_info()
+
+
+# ---------------------------------------------------------------------------- units
+def test_ngram_index_proposes_what_followed_the_longest_match():
+    index = NgramIndex(min_window=1, max_window=3, max_draft=3)
+    index.extend([1, 2, 3, 4, 9, 2, 3, 5, 7, 1, 2, 3])
+    # suffix "1 2 3" matched (window 3) at 0..2: what followed it there
+    assert index.propose(3) == [4, 9, 2]
+    index.extend([8, 2, 3])
+    # "8 2 3" and "2 3"... the longest earlier match is "2 3" (latest: after "1 2 3" at 9..11 came 8)
+    assert index.propose(2) == [8, 2]
+    assert index.propose(0) == []
+    lonely = NgramIndex(min_window=2, max_window=4, max_draft=4)
+    lonely.extend([1, 2, 3, 4, 5, 3])
+    assert lonely.propose(4) == [], "a one-token match is below the minimum window"
+
+
+def test_greedy_acceptance_keeps_the_longest_agreeing_prefix_and_the_targets_token():
+    assert accept_greedy([5, 6, 7], [5, 6, 1, 9]) == [5, 6, 1]
+    assert accept_greedy([5, 6, 7], [5, 6, 7, 9]) == [5, 6, 7, 9]
+    assert accept_greedy([5], [4, 9]) == [4]
+    assert accept_greedy([], [3]) == [3]
+
+
+def _sampling_state(**params) -> ReqSamplingState:
+    p = SamplingParams(**params)
+    p.verify(6)
+    return ReqSamplingState(p, [1, 2], vocab_size=6, stop_ids_for_min_tokens=set(), device="cpu")
+
+
+@pytest.mark.parametrize("params", [dict(temperature=1.0), dict(temperature=0.7, top_k=3),
+                                    dict(temperature=1.0, top_p=0.8)], ids=["t1", "topk", "topp"])
+def test_rejection_sampling_keeps_the_target_distribution(params):
+    """A deterministic draft [d1, d2] on a 6-token vocabulary: the first emitted token is distributed as
+    p0, the second (present when d1 was accepted) as p1, the third (both accepted) as p2, where p is the
+    sampler's filtered distribution; a chi-square test on 4,000 verified rows each."""
+    torch.manual_seed(0)
+    logits = torch.randn(3, 6)  # positions 0, 1, 2
+    rows = 4000
+    states = [_sampling_state(**params, seed=7) for _ in range(rows)]
+    p = target_probs(logits, states[0].params)
+    # d1: the second most likely token (accepted about as often as not), d2: the most likely one
+    draft = [int(p[0].argsort(descending=True)[1]), int(p[1].argmax())]
+    assert 0.1 < float(p[0, draft[0]]) < 0.6, "the test needs a draft that is accepted and rejected"
+    out = verify_drafts(logits.repeat(rows, 1), VerifyInput([draft] * rows), states, list(range(rows)),
+                        return_logprob=False, top_logprobs_nums=[0] * rows)
+
+    def check(position: int, samples: list[int]) -> None:
+        assert len(samples) > 300, f"position {position}: too few samples"
+        counts = torch.bincount(torch.tensor(samples, dtype=torch.int64), minlength=6).double()
+        expected = p[position].double() * len(samples)
+        assert counts[expected == 0].sum() == 0, f"position {position}: a token the target never draws"
+        live = expected > 0
+        chi2 = float(((counts[live] - expected[live]) ** 2 / expected[live]).sum())
+        assert chi2 < 30.0, f"position {position}: chi2 {chi2:.1f} over {int(live.sum()) - 1} dof"  # p < 1e-5
+
+    check(0, [t[0] for t in out.tokens])
+    check(1, [t[1] for t in out.tokens if t[0] == draft[0]])
+    check(2, [t[2] for t in out.tokens if t[:2] == draft])
+    assert all(t[-1] != draft[len(t) - 1] for t in out.tokens if len(t) < 3), "a rejection never emits the draft"
+
+
+# ---------------------------------------------------------------------------- the engine, greedy
+@pytest.mark.parametrize("loop", LOOPS)
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_ngram_greedy_equals_hf(tiny_model_factory, loop, page_size):
+    """Concurrent, chunked, with radix hits; the usual random model (few drafts pass) and the looping
+    one (accept length > 1 on average)."""
+    prompts = workload()[:8] + repetitive_prompts()
+    for overrides, acceptance in (({}, False), (LOOPING, True)):
+        path = tiny_model_factory("llama", **overrides)
+        h = harness_for(path, loop, page_size=page_size, chunked_prefill_size=32, max_total_tokens=4096, **SPEC)
+        results = run_workload(h, prompts, max_new=MAX_NEW, ignore_eos=True)
+        for i, p in enumerate(prompts):
+            assert results[str(i)].ids == hf_greedy(path, p, MAX_NEW, ignore_eos=True), f"request {i} differs from HF"
+        info = spec_info(h)
+        assert info["speculative_algorithm"] == "NGRAM" and info["spec_verify_steps"] > 0
+        if acceptance:
+            assert info["spec_accept_length"] > 1.2 and info["spec_accept_rate"] > 0, info
+        assert info["integrity_ok"] is True
+
+
+def _run(path: str, requests: dict[str, tuple[list[int], dict]], **overrides) -> tuple[dict, SchedulerHarness]:
+    h = SchedulerHarness(path, max_total_tokens=4096, disable_overlap_schedule=True, **overrides)
+    for rid, (prompt, params) in requests.items():
+        h.submit(rid, prompt, **params)
+    return h.run_until_idle(), h
+
+
+def test_stops_max_tokens_min_tokens_and_logprobs_inside_accepted_runs(tiny_model_factory):
+    """Every way a request ends, placed where the looping model's drafts are accepted in runs: the
+    speculating engine emits exactly the plain engine's tokens, finish reasons and logprobs (one per
+    token)."""
+    path = tiny_model_factory("llama", **LOOPING)
+    prompt = repetitive_prompts()[1]
+    ref = hf_greedy(path, prompt, 60, ignore_eos=True)
+    late = next(t for t in ref[20:] if ref.index(t) >= 12)  # first seen deep in the looping part
+    first = ref.index(late)
+    base = dict(ignore_eos=True, return_logprob=True, top_logprobs_num=2)
+    requests = {f"len{n}": (prompt, dict(base, max_new_tokens=n)) for n in (5, 17, 26, 41)}
+    requests["stop_id"] = (prompt, dict(base, max_new_tokens=60, stop_token_ids=[late]))
+    requests["min_tokens"] = (prompt, dict(base, max_new_tokens=60, stop_token_ids=[late], min_new_tokens=first + 2))
+    stop_text = AutoTokenizer.from_pretrained(path).decode(ref[first - 1:first + 1])
+    requests["stop_str"] = (prompt, dict(base, max_new_tokens=60, stop=[stop_text]))
+    plain, _ = _run(path, requests)
+    spec, h = _run(path, requests, **SPEC)
+    assert spec_info(h)["spec_accept_length"] > 1.2
+    assert plain["stop_id"].ids == ref[:first + 1] and plain["stop_id"].finish.matched == late
+    assert len(plain["min_tokens"].ids) > first + 1 and plain["stop_str"].finish.matched == stop_text
+    for rid, want in plain.items():
+        got = spec[rid]
+        assert got.ids == want.ids, rid
+        assert (got.finish.kind, got.finish.matched) == (want.finish.kind, want.finish.matched), rid
+        assert [t for _, t in got.output_logprobs] == got.ids, rid
+        torch.testing.assert_close([lp for lp, _ in got.output_logprobs], [lp for lp, _ in want.output_logprobs],
+                                   rtol=1e-4, atol=1e-4)
+        assert [[t for _, t in top] for top in got.output_top_logprobs] == \
+            [[t for _, t in top] for top in want.output_top_logprobs], rid
+    assert h.scheduler.check_memory_integrity()
+
+
+def test_the_radix_cache_holds_only_accepted_tokens(tiny_model_factory):
+    """After every request ended, the cache holds each one's prompt and output but its newest token
+    (page size 1, prompts sharing nothing): exactly the plain engine's tokens, no rejected draft."""
+    path = tiny_model_factory("llama", **LOOPING)
+    prompts = repetitive_prompts(seed=4)
+    requests = {str(i): (p, dict(max_new_tokens=MAX_NEW, ignore_eos=True)) for i, p in enumerate(prompts)}
+    spec, h = _run(path, requests, **SPEC)
+    assert spec_info(h)["spec_draft_tokens"] > spec_info(h)["spec_accepted_tokens"] > 0, "some drafts rejected"
+    cache = h.scheduler.tree_cache
+    assert cache.total_size() == sum(len(p) + MAX_NEW - 1 for p in prompts)
+    for i, p in enumerate(prompts):
+        accepted = p + spec[str(i)].ids[:-1]
+        assert len(cache.match_prefix(accepted + [0]).device_indices) == len(accepted)
+
+
+@pytest.mark.parametrize("loop", ["plain", "overlap"])
+def test_abort_while_speculating_leaks_nothing(tiny_model_factory, loop):
+    path = tiny_model_factory("llama", **LOOPING)
+    prompts = repetitive_prompts()
+    h = harness_for(path, loop, max_total_tokens=4096, **SPEC)
+    for i, p in enumerate(prompts):
+        h.submit(str(i), p, max_new_tokens=200, ignore_eos=True)
+    def output_len(rid: str) -> int:
+        return next((len(r.output_ids) for r in h.scheduler.running_batch.reqs if r.rid == rid), 0)
+
+    for _ in range(200):  # until request 1 is well into its output, drafts being accepted
+        h.step()
+        if spec_info(h)["spec_accepted_tokens"] > 0 and output_len("1") > 8:
+            break
+    assert 8 < output_len("1") < 150
+    h.scheduler.process_input_requests([AbortReq(rid="1")])
+    res = h.run_until_idle()
+    assert res["1"].finish.kind == "abort" and res["1"].after_finish == 0
+    for i in (0, 2):
+        assert res[str(i)].ids == hf_greedy(path, prompts[i], 200, ignore_eos=True)
+    assert h.scheduler.check_memory_integrity()
+
+
+@pytest.mark.parametrize("loop", ["plain", "overlap"])
+def test_retraction_under_speculation(tiny_model_factory, loop):
+    """A pool too small for every request's tokens: decode retracts, speculation goes on where drafts
+    fit, and the tokens stay HF's."""
+    path = tiny_model_factory("llama", **LOOPING)
+    prompts = repetitive_prompts() + workload(seed=1)[:5]
+    max_new = 40
+    pool = int(0.6 * (sum(map(len, prompts)) + max_new * len(prompts)))
+    h = harness_for(path, loop, chunked_prefill_size=32, max_total_tokens=pool, **SPEC)
+    results = run_workload(h, prompts, staggered=True, max_new=max_new, ignore_eos=True)
+    assert h.scheduler.stats.retractions > 0, "the pool is meant to be too small for all requests at once"
+    assert spec_info(h)["spec_verify_steps"] > 0
+    for i, p in enumerate(prompts):
+        assert results[str(i)].ids == hf_greedy(path, p, max_new, ignore_eos=True), f"request {i}"
+    assert h.scheduler.check_memory_integrity()
+
+
+def test_speculation_backs_off_at_the_batch_size_threshold(tiny_model_factory):
+    path = tiny_model_factory("llama", **LOOPING)
+    prompts = repetitive_prompts()
+    requests = {str(i): (p, dict(max_new_tokens=20, ignore_eos=True)) for i, p in enumerate(prompts)}
+    _, full = _run(path, requests, speculative_algorithm="NGRAM", speculative_disable_by_batch_size=len(prompts))
+    assert spec_info(full)["spec_verify_steps"] == 0, "three running requests reach the threshold of 3"
+    _, under = _run(path, requests, speculative_algorithm="NGRAM", speculative_disable_by_batch_size=len(prompts) + 1)
+    assert spec_info(under)["spec_verify_steps"] > 0
+
+
+def test_requests_the_verifier_cannot_take_decode_plainly(tiny_model_factory):
+    """A request with penalties needs the sampler's own processing of each position: while it runs,
+    its batch takes plain decode steps; every request keeps the plain engine's tokens."""
+    path = tiny_model_factory("llama", **LOOPING)
+    prompts = repetitive_prompts()
+    requests = {str(i): (p, dict(max_new_tokens=20, ignore_eos=True)) for i, p in enumerate(prompts)}
+    requests["penalised"] = (prompts[0], dict(max_new_tokens=30, ignore_eos=True, frequency_penalty=0.5))
+    plain, _ = _run(path, requests)
+    spec, h = _run(path, requests, **SPEC)
+    assert {rid: c.ids for rid, c in spec.items()} == {rid: c.ids for rid, c in plain.items()}
+    assert spec_info(h)["spec_verify_steps"] == 0
+    assert h.scheduler.check_memory_integrity()
+
+
+def test_seeded_sampling_under_speculation_is_reproducible(tiny_model_factory):
+    path = tiny_model_factory("llama", **LOOPING)
+    prompts = repetitive_prompts()
+    requests = {str(i): (p, dict(max_new_tokens=30, ignore_eos=True, temperature=0.3, seed=11 + i, top_k=20))
+                for i, p in enumerate(prompts)}
+    first, h = _run(path, requests, **SPEC)
+    again, _ = _run(path, requests, **SPEC)
+    assert spec_info(h)["spec_accepted_tokens"] > 0
+    assert {r: c.ids for r, c in first.items()} == {r: c.ids for r, c in again.items()}
+    assert all(len(c.ids) == 30 for c in first.values())
+    assert h.scheduler.check_memory_integrity()
+
+
+# ---------------------------------------------------------------------------- flags
+def test_speculative_flags_use_sglangs_names_and_refuse_what_is_not_there_yet():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    args = ServerArgs.from_cli_args(parser.parse_args(
+        ["--model-path", "m", "--speculative-algorithm", "NGRAM", "--speculative-ngram-max-match-window-size", "6",
+         "--speculative-ngram-min-match-window-size", "2", "--speculative-disable-by-batch-size", "8"]))
+    assert (args.speculative_algorithm, args.speculative_num_draft_tokens) == ("NGRAM", 6)
+    assert args.speculative_ngram_min_match_window_size == 2 and args.speculative_disable_by_batch_size == 8
+    for algo in ("EAGLE", "EAGLE3", "NEXTN"):
+        with pytest.raises(ValueError, match="not supported yet"):
+            ServerArgs(model_path="m", speculative_algorithm=algo)
+    with pytest.raises(ValueError, match="disaggregation-mode decode is not supported yet"):
+        ServerArgs(model_path="m", speculative_algorithm="NGRAM", disaggregation_mode="decode")
+    with pytest.raises(ValueError, match="min-match-window-size"):
+        ServerArgs(model_path="m", speculative_algorithm="NGRAM", speculative_ngram_min_match_window_size=5,
+                   speculative_ngram_max_match_window_size=4)
+
+
+# ---------------------------------------------------------------------------- metrics, served
+def test_metrics_turn_the_schedulers_totals_into_a_histogram_once():
+    from baton.engine.metrics import EngineMetrics
+
+    m = EngineMetrics("m", "null")
+    info = {"speculative_algorithm": "NGRAM", "spec_accept_rate": 0.5, "spec_draft_tokens": 8,
+            "spec_accepted_tokens": 4, "spec_accept_length_counts": [0, 2, 1, 0, 1]}
+    m.update_from_server_info(info)
+    m.update_from_server_info(info)  # a second scrape of the same totals adds nothing
+    m.update_from_server_info({**info, "spec_accept_length_counts": [0, 3, 1, 0, 1], "spec_draft_tokens": 9})
+
+    def sample(name: str, **labels) -> float:
+        return m.registry.get_sample_value(name, {"model_name": "m", "role": "null", **labels})
+
+    assert sample("baton_spec_accept_length_tokens_count") == 5
+    assert sample("baton_spec_accept_length_tokens_sum") == 3 * 1 + 2 + 4
+    assert sample("baton_spec_draft_tokens_total") == 9 and sample("baton_spec_accepted_tokens_total") == 4
+    assert sample("baton_spec_accept_rate", dp_rank="0") == 0.5
+
+
+@pytest.mark.slow
+def test_served_engine_speculates_and_reports_it(tiny_model_factory):
+    """`baton serve --speculative-algorithm NGRAM`: the flags reach the scheduler process, greedy tokens
+    stay HF's, /get_server_info and /metrics report the accept length, nothing leaks."""
+    import httpx
+    from engine_server import greedy_concurrently, running_engine, wait_idle_integrity
+
+    path = tiny_model_factory("llama", **LOOPING)
+    prompts = repetitive_prompts()
+    with running_engine(path, "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "6") as engine:
+        outputs = greedy_concurrently(engine.base_url, prompts, MAX_NEW)
+        info = wait_idle_integrity(engine.base_url)
+        metrics = httpx.get(f"{engine.base_url}/metrics", timeout=10).text
+    for p, out in zip(prompts, outputs):
+        assert out == hf_greedy(path, p, MAX_NEW)
+    assert info["integrity_ok"] and info["speculative_algorithm"] == "NGRAM"
+    assert info["speculative_num_draft_tokens"] == 6 and info["spec_accept_length"] > 1.0
+    count = next(float(line.split()[-1]) for line in metrics.splitlines()
+                 if line.startswith("baton_spec_accept_length_tokens_count"))
+    assert count == sum(info["spec_accept_length_counts"]) > 0
