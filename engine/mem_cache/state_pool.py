@@ -105,12 +105,14 @@ def split_state_memory(budget_bytes: int, slot_bytes: int, ratio: float, slots: 
 
 class RecurrentStatePool:
     def __init__(self, shapes: LinearStateShapes, rows: int, conv_dtype: torch.dtype, ssm_dtype: torch.dtype,
-                 device: str, checkpoints: int = 0) -> None:
+                 device: str, checkpoints: int = 0, scratch: tuple[int, int] = (0, 0)) -> None:
         """`rows`: as many as ReqToTokenPool has (slot index = request row); `checkpoints`: the radix
-        cache's slots, indices rows .. rows + checkpoints - 1."""
-        assert rows > 0 and checkpoints >= 0
+        cache's slots, indices rows .. rows + checkpoints - 1; `scratch`: (batch rows, slots per row)
+        for speculative decoding's verify steps (`scratch_slot`), after the checkpoints."""
+        assert rows > 0 and checkpoints >= 0 and min(scratch) >= 0
         self.shapes, self.rows, self.checkpoints, self.device = shapes, rows, checkpoints, device
-        total = rows + checkpoints
+        self.scratch_rows, self.scratch_per_row = scratch
+        total = rows + checkpoints + self.scratch_rows * self.scratch_per_row
         self.conv = [torch.zeros((total, *shapes.conv), dtype=conv_dtype, device=device)
                      for _ in range(shapes.num_layers)]
         self.ssm = [torch.zeros((total, *shapes.ssm), dtype=ssm_dtype, device=device)
@@ -118,6 +120,14 @@ class RecurrentStatePool:
 
     def checkpoint_slots(self) -> list[int]:
         return list(range(self.rows, self.rows + self.checkpoints))
+
+    def scratch_slot(self, batch_index: int, offset: int) -> int:
+        """Where a verify step keeps the state of its `batch_index`-th request after `offset` of its
+        tokens (1 .. slots per row): the state to roll back to when the drafts after it are rejected.
+        Verify steps run one at a time (never overlapped), and a rollback copy runs at the start of
+        the next pass, before any other verify step writes these slots."""
+        assert 0 <= batch_index < self.scratch_rows and 1 <= offset <= self.scratch_per_row, (batch_index, offset)
+        return self.rows + self.checkpoints + batch_index * self.scratch_per_row + offset - 1
 
     def copy_slots(self, copies: list[tuple[int, int]]) -> None:
         """(source, destination) slot pairs, in order, every layer (a pass's StateOps.copies)."""

@@ -291,9 +291,13 @@ class ModelRunner:
             return None
         from baton.engine.mem_cache.state_pool import RecurrentStatePool
 
+        args = self.server_args
         checkpoints = self._state_checkpoints_per_slot() * self.pool_config.max_running_requests
+        scratch = (0, 0)
+        if args.speculative_algorithm is not None:  # a verify step's per-token states (rollback)
+            scratch = (max(1, args.speculative_disable_by_batch_size - 1), args.speculative_num_draft_tokens - 1)
         pool = RecurrentStatePool(shapes, self.req_to_token_pool.size, *self._state_dtypes(), self.device,
-                                  checkpoints=checkpoints)
+                                  checkpoints=checkpoints, scratch=scratch)
         logger.info("recurrent-state pool: %s, %.1f MB", pool, pool.size_bytes() / 1e6)
         return pool
 

@@ -258,6 +258,8 @@ class ScheduleBatch:
         for req, s in zip(self.reqs, seq_lens):
             req.kv_committed_len = req.kv_allocated_len = s
         input_ids = [t for r, d in zip(self.reqs, spec.drafts) for t in (r.output_ids[-1], *d)]
+        tracks = {} if spec.state_slots is None else \
+            {i: [(j + 1, slot) for j, slot in enumerate(slots)] for i, slots in enumerate(spec.state_slots) if slots}
         self.model_worker_batch = ModelWorkerBatch(
             forward_mode=ForwardMode.EXTEND,
             input_ids=torch.tensor(input_ids, dtype=torch.int64),
@@ -271,6 +273,7 @@ class ScheduleBatch:
             return_logprob=any(r.return_logprob for r in self.reqs),
             top_logprobs_nums=[r.top_logprobs_num for r in self.reqs],
             input_logprob_reqs=[],
+            state_ops=self.tree_cache.take_state_ops(tracks),
             spec_info=spec,
         )
 

@@ -198,14 +198,13 @@ class Scheduler:
 
     def _init_speculation(self) -> NoSpeculation:
         """The speculation strategy of --speculative-algorithm (speculative/), over a view of this
-        scheduler's pools. A hybrid model would need its recurrent state rolled back to the last
-        accepted token (issue 35's MTP step): refused here, at start-up."""
-        if self.server_args.speculative_algorithm is not None and self.worker.model_runner.state_pool is not None:
-            raise ValueError("--speculative-algorithm is not supported yet for hybrid models (their recurrent "
-                             "state would have to roll back to the last accepted token)")
+        scheduler's pools. A hybrid model's verify steps keep each token's recurrent state in scratch
+        slots, so its state can roll back to the last accepted token (state_pool.scratch_slot)."""
+        pool = self.worker.model_runner.state_pool
         view = SpecView(server_args=self.server_args, tokenizer=self.tokenizer,
                         req_to_token_pool=self.req_to_token_pool, allocator=self.allocator, tree_cache=self.tree_cache,
-                        append_token=self.output.append_token, finish_request=self.output.finish_request)
+                        append_token=self.output.append_token, finish_request=self.output.finish_request,
+                        state_scratch=None if pool is None else pool.scratch_slot)
         return create_speculator(view)
 
     def _count_generated(self, n: int) -> None:

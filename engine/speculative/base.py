@@ -33,6 +33,9 @@ class SpecView:
     # append one token (its logprob and top logprobs, with return_logprob) to a request's output
     append_token: Callable[["Req", int, Optional[float], Optional[list]], None]
     finish_request: Callable[["Req"], None]  # release its memory (once)
+    # hybrid models: the recurrent-state pool's scratch slot of (batch index, token offset) in a verify
+    # step (mem_cache/state_pool.py scratch_slot); None for a model without recurrent state
+    state_scratch: Optional[Callable[[int, int], int]] = None
 
 
 class NoSpeculation:

@@ -65,7 +65,10 @@ class NgramSpeculator(NoSpeculation):
         drafts = [self.draft(req) for req in batch.reqs]
         if not any(drafts) or not self._reserve(drafts, len(batch.reqs)):
             return False
-        batch.prepare_for_verify(VerifyInput(drafts))
+        scratch = self.view.state_scratch
+        state_slots = None if scratch is None else [[scratch(i, j + 1) for j in range(len(d))]
+                                                    for i, d in enumerate(drafts)]
+        batch.prepare_for_verify(VerifyInput(drafts, state_slots))
         return True
 
     def draft(self, req: "Req") -> list[int]:
@@ -103,6 +106,7 @@ class NgramSpeculator(NoSpeculation):
         for i, req in enumerate(launched.reqs):
             start = launched.mwb.extend_prefix_lens_cpu[i]  # the KV it held: its last token sits there
             if req.finished():  # aborted while the step ran: its tokens so far stay, the step's go
+                self.roll_back_state(spec, i, req, 1)
                 self.keep_kv(req, start + 1)
                 self.view.finish_request(req)
                 continue
@@ -118,9 +122,18 @@ class NgramSpeculator(NoSpeculation):
             self.stats.on_request(len(spec.drafts[i]), len(tokens) - 1)
             req.spec_index.on_verified(len(spec.drafts[i]), len(tokens) - 1)
             # KV is computed for [last, emitted[:-1]]: the newest token's comes with the next step
+            self.roll_back_state(spec, i, req, emitted)
             self.keep_kv(req, start + emitted)
             if req.finished():
                 self.view.finish_request(req)
+
+    def roll_back_state(self, spec: VerifyInput, i: int, req: "Req", kept: int) -> None:
+        """A hybrid model: the row's recurrent state went through all 1 + k tokens of the step; when
+        only the first `kept` stay, the next pass starts by copying the state after them (kept in a
+        scratch slot by the layers) into the row. Queued before anything else this request queues
+        (its end state into the radix cache, if it finished), so those copies see the rolled-back one."""
+        if spec.state_slots is not None and kept <= len(spec.drafts[i]):
+            self.view.tree_cache.queue_state_copy(spec.state_slots[i][kept - 1], req.req_pool_idx)
 
     def keep_kv(self, req: "Req", length: int) -> None:
         """Keep the request's first `length` KV positions; free the pages wholly past them (the slots

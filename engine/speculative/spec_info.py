@@ -20,6 +20,9 @@ from typing import Optional
 @dataclass
 class VerifyInput:
     drafts: list[list[int]]  # per request, its draft tokens (may be empty)
+    # hybrid models: per request, the scratch slots that take its recurrent state after each of its
+    # first len(draft) tokens (offsets 1 .. k), to roll back to where the drafts stop being accepted
+    state_slots: Optional[list[list[int]]] = None
     # the first token row of each request in the batch's packed tokens (filled in __post_init__)
     offsets: list[int] = field(init=False)
 

@@ -316,3 +316,38 @@ def test_served_engine_speculates_and_reports_it(tiny_model_factory):
     count = next(float(line.split()[-1]) for line in metrics.splitlines()
                  if line.startswith("baton_spec_accept_length_tokens_count"))
     assert count == sum(info["spec_accept_length_counts"]) > 0
+
+
+# ---------------------------------------------------------------------------- hybrid models
+@pytest.mark.parametrize("arch,loop,page_size", [("qwen3_5", "plain", 1), ("qwen3_next", "overlap", 16)])
+def test_hybrid_rolls_its_recurrent_state_back_to_the_last_accepted_token(tiny_model_factory, arch, loop,
+                                                                           page_size):
+    """Qwen3.5 / Qwen3-Next under NGRAM: a verify step runs every draft token through the linear-
+    attention layers, so where drafts are rejected the row's recurrent state is one of the scratch
+    states the layers kept per token, copied back before the next pass. Greedy tokens equal HF's with
+    real acceptance (the looping model), a request aborted mid-speculation leaks nothing, and the
+    radix cache's end-of-request checkpoints hold the rolled-back state (the repeat hits it, exactly)."""
+    path = tiny_model_factory(arch, initializer_range=0.02)  # the hybrids' looping range (0.08 is Llama's)
+    prompts = repetitive_prompts() + workload()[:3]
+    h = harness_for(path, loop, page_size=page_size, chunked_prefill_size=32, max_total_tokens=4096, **SPEC)
+    results = run_workload(h, prompts, max_new=MAX_NEW, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        assert results[str(i)].ids == hf_greedy(path, p, MAX_NEW, ignore_eos=True), f"request {i} differs from HF"
+    info = spec_info(h)
+    assert info["spec_verify_steps"] > 0 and info["spec_accepted_tokens"] > 10, info
+    assert info["spec_accept_rate"] < 1, "some drafts must be rejected for a rollback to matter"
+    # a follow-up turn starts from a checkpoint taken after speculation rolled the state back
+    turn2 = prompts[0] + results["0"].ids + [7, 8, 9]
+    h.submit("turn2", turn2, max_new_tokens=MAX_NEW, ignore_eos=True)
+    h.submit("gone", prompts[1], max_new_tokens=200, ignore_eos=True)
+    for _ in range(12):
+        h.step()
+    h.scheduler.process_input_requests([AbortReq(rid="gone")])
+    res = h.run_until_idle()
+    if page_size == 1:  # the end state is a checkpoint (with pages, only page-aligned ends are)
+        assert res["turn2"].cached_tokens >= len(prompts[0]) + MAX_NEW - 1
+    else:  # the prompt's last page end before its final token
+        assert res["turn2"].cached_tokens == (len(prompts[0]) - 1) // page_size * page_size
+    assert res["turn2"].ids == hf_greedy(path, turn2, MAX_NEW, ignore_eos=True)
+    assert res["gone"].finish.kind == "abort"
+    assert h.scheduler.check_memory_integrity()
