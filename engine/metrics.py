@@ -76,6 +76,15 @@ class EngineMetrics:
         self.cache_hit_rate = self._gauge("baton_cache_hit_rate", "Prefix cache hit rate over prompt tokens since start")
         self.max_total_tokens = self._gauge("baton_max_total_tokens", "KV pool size in tokens")
         self.gen_throughput = self._gauge("baton_gen_throughput", "Output tokens per second over the last ~1 s of work")
+        # hybrid models (linear-attention layers): the recurrent-state pool
+        self.state_slots_used = self._gauge("baton_recurrent_state_slots_used",
+                                            "Recurrent-state slots held by requests (hybrid models)")
+        self.state_slots_total = self._gauge("baton_recurrent_state_slots_total",
+                                             "Recurrent-state slots, one per request row (hybrid models)")
+        self.state_checkpoints_cached = self._gauge(
+            "baton_recurrent_state_checkpoints_cached", "State checkpoints on radix-cache nodes (hybrid models)")
+        self.state_checkpoints_total = self._gauge(
+            "baton_recurrent_state_checkpoints_total", "State checkpoint slots of the radix cache (hybrid models)")
         self.retractions = self._counter("baton_retracted_requests",
                                          "Requests retracted for lack of KV memory").labels(*self._lv)
         self.preemptions = self._counter("baton_preempted_requests",
@@ -131,6 +140,11 @@ class EngineMetrics:
         self.cache_hit_rate.labels(*rank).set(info.get("cache_hit_rate", 0.0))
         self.max_total_tokens.labels(*rank).set(info.get("max_total_num_tokens", 0))
         self.gen_throughput.labels(*rank).set(info.get("gen_throughput", 0.0))
+        if info.get("recurrent_state_slots_total"):  # a hybrid model
+            self.state_slots_used.labels(*rank).set(info["recurrent_state_slots_used"])
+            self.state_slots_total.labels(*rank).set(info["recurrent_state_slots_total"])
+            self.state_checkpoints_cached.labels(*rank).set(info.get("recurrent_state_checkpoints_cached", 0))
+            self.state_checkpoints_total.labels(*rank).set(info.get("recurrent_state_checkpoints_total", 0))
         self._add_total("retractions", info, self.retractions)
         self._add_total("preemptions", info, self.preemptions)
         self._add_total("mixed_decode_tokens", info, self.mixed_decode_tokens)

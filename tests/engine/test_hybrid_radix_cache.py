@@ -200,3 +200,35 @@ def test_aborted_and_retracted_requests_leave_no_checkpoint_slot_behind(tiny_mod
     for i, p in enumerate(prompts):
         if str(i) not in ("0", "5"):
             assert res[str(i)].ids == hf_greedy(path, p, 30, ignore_eos=True), f"request {i} differs from HF"
+
+
+def test_metrics_report_the_state_pool_and_its_checkpoints(tiny_model_factory):
+    """/metrics of a hybrid engine: state slots and radix-cache checkpoints, from the scheduler's info."""
+    from prometheus_client import generate_latest
+
+    from baton.engine.metrics import EngineMetrics
+
+    h = harness_for(tiny_model_factory("qwen3_5"), "plain", max_total_tokens=2048, max_running_requests=3)
+    h.submit("a", [(i * 7) % 400 + 6 for i in range(40)], max_new_tokens=4, ignore_eos=True)
+    h.run_until_idle()
+    info = h.scheduler.get_server_info()
+    metrics = EngineMetrics("m", "colocated")
+    metrics.update_from_server_info(info)
+    text = generate_latest(metrics.registry).decode()
+
+    def value(name: str) -> float:
+        line = next(ln for ln in text.splitlines() if ln.startswith(name + "{"))
+        return float(line.rsplit(" ", 1)[1])
+
+    assert value("baton_recurrent_state_slots_total") == 4 and value("baton_recurrent_state_slots_used") == 0
+    assert value("baton_recurrent_state_checkpoints_total") == 3
+    assert value("baton_recurrent_state_checkpoints_cached") == info["recurrent_state_checkpoints_cached"] > 0
+
+
+def test_track_interval_must_be_a_positive_multiple_of_the_page_size():
+    from baton.engine.server_args import ServerArgs
+
+    assert ServerArgs(model_path="m", page_size=16, mamba_track_interval=64).mamba_track_interval == 64
+    for page, interval in ((16, 24), (1, 0)):
+        with pytest.raises(ValueError, match="--mamba-track-interval must be a positive multiple of --page-size"):
+            ServerArgs(model_path="m", page_size=page, mamba_track_interval=interval)
