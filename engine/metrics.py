@@ -79,12 +79,12 @@ class EngineMetrics:
         # hybrid models (linear-attention layers): the recurrent-state pool
         self.state_slots_used = self._gauge("baton_recurrent_state_slots_used",
                                             "Recurrent-state slots held by requests (hybrid models)")
-        self.state_slots_total = self._gauge("baton_recurrent_state_slots_total",
+        self.state_slots_total = self._gauge("baton_recurrent_state_slots_capacity",
                                              "Recurrent-state slots, one per request row (hybrid models)")
         self.state_checkpoints_cached = self._gauge(
             "baton_recurrent_state_checkpoints_cached", "State checkpoints on radix-cache nodes (hybrid models)")
         self.state_checkpoints_total = self._gauge(
-            "baton_recurrent_state_checkpoints_total", "State checkpoint slots of the radix cache (hybrid models)")
+            "baton_recurrent_state_checkpoints_capacity", "State checkpoint slots of the radix cache (hybrid models)")
         self.retractions = self._counter("baton_retracted_requests",
                                          "Requests retracted for lack of KV memory").labels(*self._lv)
         self.preemptions = self._counter("baton_preempted_requests",

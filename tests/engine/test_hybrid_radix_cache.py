@@ -220,8 +220,8 @@ def test_metrics_report_the_state_pool_and_its_checkpoints(tiny_model_factory):
         line = next(ln for ln in text.splitlines() if ln.startswith(name + "{"))
         return float(line.rsplit(" ", 1)[1])
 
-    assert value("baton_recurrent_state_slots_total") == 4 and value("baton_recurrent_state_slots_used") == 0
-    assert value("baton_recurrent_state_checkpoints_total") == 3
+    assert value("baton_recurrent_state_slots_capacity") == 4 and value("baton_recurrent_state_slots_used") == 0
+    assert value("baton_recurrent_state_checkpoints_capacity") == 3
     assert value("baton_recurrent_state_checkpoints_cached") == info["recurrent_state_checkpoints_cached"] > 0
 
 
