@@ -22,7 +22,8 @@ from baton.operator.builders import build_children
 from baton.operator.config import OperatorConfig
 from baton.operator.kube import KINDS, ApiError, KubeClient, login
 from baton.operator.metrics import OperatorMetrics
-from baton.operator.reconciler import api_refused_message, publish_invalid, reconcile, refresh_status
+from baton.operator.reconciler import (api_refused_message, publish_invalid, reconcile, refresh_status,
+                                       switch_pending)
 from baton.operator.spec import InvalidSpec, parse
 
 RESOURCE = (naming.GROUP, naming.VERSION, naming.PLURAL)
@@ -102,6 +103,8 @@ async def run_reconcile(body: Mapping[str, Any], memo: kopf.Memo, logger: loggin
     if corrected:
         logger.warning(f"put back {', '.join(corrected)}: changed by someone else, no longer what the spec "
                        "says (edit the InferenceService instead)")
+    if result.switching:
+        logger.info(f"switching mode: the old engine roles and the router stay until {result.switching}")
     changed = {k: o.value for k, o in result.outcomes.items() if o not in (Outcome.UNCHANGED, Outcome.CORRECTED)}
     if changed or result.pruned:
         logger.info(f"applied {changed or 'nothing'}, pruned {result.pruned or 'nothing'}")
@@ -160,9 +163,12 @@ async def child_deployment_event(event: Mapping[str, Any], body: kopf.Body, memo
             if isvc is None or isvc["metadata"].get("deletionTimestamp"):
                 return
             drifted = _drifted(isvc, event.get("object") or {})
-            status = None if drifted else await refresh_status(client, isvc)
+            switching = not drifted and await switch_pending(client, isvc)
+            status = None if drifted or switching else await refresh_status(client, isvc)
         if drifted:
             await run_reconcile(isvc, memo, logger, trigger="child-drifted")
+        elif switching:
+            await run_reconcile(isvc, memo, logger, trigger="mode-switch")
         elif status is not None:
             ready = next((c["status"] for c in status["conditions"] if c["type"] == "Ready"), "Unknown")
             memo.metrics.set_ready((namespace, owner), ready)

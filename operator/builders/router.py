@@ -7,7 +7,7 @@ from typing import Any
 from baton.operator import naming
 from baton.operator.builders.common import (container_security_context, http_probe, metadata,
                                             placement_fields, pod_security_context, resources,
-                                            tcp_probe)
+                                            spread_over_nodes, tcp_probe)
 from baton.operator.naming import Role
 from baton.operator.spec import InferenceService
 
@@ -64,7 +64,9 @@ def router_deployment(isvc: InferenceService) -> dict[str, Any]:
         "serviceAccountName": name, "automountServiceAccountToken": True, "enableServiceLinks": False,
         "containers": [container], "volumes": [{"name": "tmp", "emptyDir": {}}],
         "securityContext": pod_security_context(spec.pod_security),
-        **placement_fields(r.placement.node_selector, r.placement.tolerations, r.placement.affinity),
+        **placement_fields(r.placement.node_selector, r.placement.tolerations, r.placement.affinity,
+                           spread_over_nodes(isvc, Role.ROUTER) if r.placement.topology_spread is None
+                           else r.placement.topology_spread),
     }
     if spec.image_pull_secrets:
         pod["imagePullSecrets"] = [{"name": n} for n in spec.image_pull_secrets]

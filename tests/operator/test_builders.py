@@ -142,14 +142,42 @@ def test_root_is_allowed_when_the_image_needs_it():
     assert "runAsNonRoot" not in pod["securityContext"]
 
 
-def test_host_network_mode_for_engines_only_and_in_place_rollouts():
+def test_host_network_mode_for_engines_only():
     isvc = parse(isvc_body(kvTransfer={"hostNetwork": True}))
     for role in (Role.PREFILL, Role.DECODE):
         dep = engine_deployment(isvc, role)
         assert dep["spec"]["template"]["spec"]["hostNetwork"] is True
         assert dep["spec"]["template"]["spec"]["dnsPolicy"] == "ClusterFirstWithHostNet"
-        assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
     assert "hostNetwork" not in router_deployment(isvc)["spec"]["template"]["spec"]
+
+
+def test_rollouts_surge_by_default_and_in_place_when_asked():
+    """New pods Ready before old ones go, on every role (GPU ones too: a rollout then waits for a spare GPU
+    rather than leave a role without a serving pod), unless the role asks to be replaced in place."""
+    isvc = parse(isvc_body(prefill={"gpus": 1}, decode={"gpus": 1, "rollingUpdate": {"maxSurge": 0,
+                                                                                    "maxUnavailable": "25%"}}))
+    assert engine_deployment(isvc, Role.PREFILL)["spec"]["strategy"] == {
+        "type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+    assert engine_deployment(isvc, Role.DECODE)["spec"]["strategy"]["rollingUpdate"] == {
+        "maxSurge": 0, "maxUnavailable": "25%"}
+
+
+def test_pods_drain_and_spread_over_nodes_unless_told_otherwise():
+    isvc = parse(isvc_body(decode={"terminationGracePeriodSeconds": 120,
+                                   "topologySpreadConstraints": [{"maxSkew": 2, "topologyKey": "zone",
+                                                                  "whenUnsatisfiable": "DoNotSchedule"}]},
+                           prefill={"terminationGracePeriodSeconds": 8}, router={"topologySpreadConstraints": []}))
+    prefill = engine_deployment(isvc, Role.PREFILL)["spec"]["template"]["spec"]
+    assert prefill["topologySpreadConstraints"] == [{
+        "maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "ScheduleAnyway",
+        "labelSelector": {"matchLabels": {"baton.dev/inference-service": "demo", "baton.dev/role": "prefill"}}}]
+    # the preStop wait (while the pod leaves the endpoints) fits in the grace period, then SIGTERM drains
+    assert prefill["containers"][0]["lifecycle"] == {"preStop": {"exec": {"command": ["sleep", "2"]}}}
+    decode = engine_deployment(isvc, Role.DECODE)["spec"]["template"]["spec"]
+    assert decode["topologySpreadConstraints"][0]["topologyKey"] == "zone"
+    assert decode["containers"][0]["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "5"]
+    assert decode["terminationGracePeriodSeconds"] == 120
+    assert "topologySpreadConstraints" not in router_deployment(isvc)["spec"]["template"]["spec"]
 
 
 def test_colocated_engine_has_no_disaggregation_flags():
