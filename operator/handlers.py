@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -18,6 +19,7 @@ import kopf
 
 from baton.operator import naming
 from baton.operator.apply import NotOwned, Outcome, PredecessorLeft, drift
+from baton.operator.autoscaler import PlannerState, planner_step
 from baton.operator.builders import build_children
 from baton.operator.config import OperatorConfig
 from baton.operator.kube import KINDS, ApiError, KubeClient, login
@@ -130,6 +132,41 @@ async def resync(stopped: kopf.DaemonStopped, name: str, namespace: str, memo: k
             await run_reconcile(body, memo, logger, trigger="resync")
         except (kopf.PermanentError, kopf.TemporaryError) as e:
             logger.warning(f"resync: {e}")
+
+
+IDLE_PLANNER_SECONDS = 15.0  # how often a service without the planner is looked at again
+
+
+@kopf.daemon(*RESOURCE, cancellation_timeout=5.0)
+async def planner(stopped: kopf.DaemonStopped, name: str, namespace: str, memo: kopf.Memo,
+                  logger: logging.Logger, **_: Any) -> None:
+    """spec.autoscaling.mode planner: every intervalSeconds, scrape the engines, plan, scale, say why
+    (baton.operator.autoscaler). Its state starts over when the mode or the planner's config changes."""
+    state, config, interval = PlannerState(), None, IDLE_PLANNER_SECONDS
+    async with aiohttp.ClientSession() as session:
+        while not await stopped.wait(interval):
+            body = await memo.client.get(KINDS[naming.KIND], namespace, name)
+            if body is None or body["metadata"].get("deletionTimestamp"):
+                return
+            try:
+                isvc = parse(body)
+            except InvalidSpec:
+                continue
+            if isvc.spec.planner != config:
+                state, config = PlannerState(), isvc.spec.planner
+            interval = config.interval_seconds if config is not None else IDLE_PLANNER_SECONDS
+            try:
+                if config is None:
+                    if (body.get("status") or {}).get("autoscaling") is not None:
+                        await memo.client.patch(KINDS[naming.KIND], namespace, name,
+                                                {"status": {"autoscaling": None}}, sub="status")
+                    continue
+                await planner_step(memo.client, session, isvc, state, time.time(),
+                                   lambda reason, message: kopf.event(body, type="Normal", reason=reason,
+                                                                      message=message),
+                                   memo.config.metrics_url)
+            except (ApiError, aiohttp.ClientError, asyncio.TimeoutError) as e:
+                logger.warning(f"planner: no decision this time: {e}")
 
 
 def _drifted(isvc: Mapping[str, Any], deployment: Mapping[str, Any]) -> bool:

@@ -128,3 +128,21 @@ def test_pods_without_metrics_and_restarted_counters():
                Sample(15, Role.PREFILL, (PodSample("p", ttft_sum=6.0, ttft_count=2),))]
     result = plan(cfg, samples, {Role.PREFILL: 1, Role.DECODE: 1}, (), 15.0)
     assert result.roles[Role.PREFILL].observed[TTFT.key] == 3.0 and result.roles[Role.PREFILL].replicas == 3
+
+
+def test_the_engines_metrics_parse_into_a_sample():
+    """What the planner reads is what an engine serves: EngineMetrics' own exposition (two DP ranks)."""
+    from prometheus_client import generate_latest
+
+    from baton.engine.metrics import EngineMetrics
+    from baton.operator.scrape import parse_metrics
+
+    metrics = EngineMetrics("m", "decode")
+    metrics.update_from_server_infos([{"dp_rank": 0, "token_usage": 0.5, "num_waiting_tokens": 30},
+                                      {"dp_rank": 1, "token_usage": 0.25, "num_waiting_tokens": 12}])
+    for seconds in (0.5, 1.5):
+        metrics.ttft.observe(seconds)
+    metrics.itl.observe(0.02)
+    sample = parse_metrics("pod-a", generate_latest(metrics.registry).decode())
+    assert sample == PodSample("pod-a", kv_usage=0.375, queued_tokens=42.0, ttft_sum=2.0, ttft_count=2.0,
+                               itl_sum=0.02, itl_count=1.0)
