@@ -6,7 +6,9 @@ import json
 import pytest
 
 from baton.operator import naming
+from baton.operator.apply import keep_live_replicas
 from baton.operator.builders import build_children
+from baton.operator.builders.common import spec_hash
 from baton.operator.builders.engine import engine_args, engine_deployment, engine_service
 from baton.operator.builders.monitoring import pod_monitor, service_monitor
 from baton.operator.builders.router import (router_args, router_deployment, router_role,
@@ -363,3 +365,13 @@ def test_one_disruption_budget_per_role_with_a_default_the_spec_overrides():
     colocated = build_children(parse(isvc_body(mode="colocated", router={"disruptionBudget": {"maxUnavailable": 0}})))
     budgets = {o["metadata"]["name"]: o["spec"]["maxUnavailable"] for o in colocated if o["kind"] == "PodDisruptionBudget"}
     assert budgets == {"demo-engine": 1, "demo-router": 0}
+
+
+def test_planned_roles_are_created_within_their_bounds_and_keep_what_the_planner_sets():
+    isvc = parse(isvc_body(decode={"replicas": 9}, prefill={"replicas": 2}, autoscaling={
+        "mode": "planner", "decode": {"minReplicas": 2, "maxReplicas": 4, "targetKVUsage": 0.7}}))
+    decode, prefill = engine_deployment(isvc, Role.DECODE), engine_deployment(isvc, Role.PREFILL)
+    assert decode["spec"]["replicas"] == 4 and decode["metadata"]["annotations"] == {"baton.dev/replicas": "planner"}
+    assert prefill["spec"]["replicas"] == 2 and "annotations" not in prefill["metadata"]  # not planned: the spec's
+    live = {**decode, "spec": {**decode["spec"], "replicas": 3}}  # what the planner set
+    assert keep_live_replicas(live, decode)["spec"]["replicas"] == 3 and spec_hash(live) == spec_hash(decode)
