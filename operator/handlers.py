@@ -18,7 +18,7 @@ import aiohttp
 import kopf
 
 from baton.operator import naming
-from baton.operator.apply import NotOwned, Outcome, PredecessorLeft, drift
+from baton.operator.apply import NotOwned, Outcome, PredecessorLeft, drift, keep_live_replicas
 from baton.operator.autoscaler import PlannerState, planner_step
 from baton.operator.builders import build_children
 from baton.operator.config import OperatorConfig
@@ -177,7 +177,8 @@ def _drifted(isvc: Mapping[str, Any], deployment: Mapping[str, Any]) -> bool:
         return False
     name = deployment.get("metadata", {}).get("name")
     want = next((o for o in desired if o["kind"] == "Deployment" and o["metadata"]["name"] == name), None)
-    return want is not None and isinstance(deployment, dict) and drift(deployment, want)
+    # replicas an HPA or the planner set are not drift (apply() keeps them too)
+    return want is not None and isinstance(deployment, dict) and drift(deployment, keep_live_replicas(deployment, want))
 
 
 @kopf.on.event("apps", "v1", "deployments", labels=CHILD_LABELS)
