@@ -79,6 +79,8 @@ class DrainingServer(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         if sig == signal.SIGTERM and self.drain.begin("SIGTERM"):
-            self._captured_signals.append(sig)
+            captured = getattr(self, "_captured_signals", None)  # uvicorn >= 0.29 re-raises these at exit
+            if captured is not None:
+                captured.append(sig)
             return
         super().handle_exit(sig, frame)
