@@ -62,7 +62,10 @@ class Drain:
 async def stop_when_idle(drain: Drain, tm: Any, server: uvicorn.Server) -> None:
     """Once draining and no request is left in the tokenizer manager (a prefill's request stays until
     its KV transfer is done), stop the HTTP server; the caller then stops the other processes."""
-    while not (drain.active and not tm.states):
+    while not drain.active:
+        await asyncio.sleep(IDLE_POLL_S)
+    logger.info("draining: %d request(s) still running", len(tm.states))
+    while tm.states:
         await asyncio.sleep(IDLE_POLL_S)
     logger.info("drained in %.1fs: stopping", time.monotonic() - (drain.since or time.monotonic()))
     server.should_exit = True
