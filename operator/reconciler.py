@@ -91,14 +91,14 @@ async def reconcile(client: KubeClient, body: Mapping[str, Any]) -> ReconcileRes
     switching, hold = await _mode_switch(client, isvc)
     router_name = naming.child_name(isvc.name, Role.ROUTER)
     if hold:
-        result.switching = f"the new {' and '.join(r.suffix for r in isvc.spec.roles)} pods to be Ready"
+        result.switching = f"the new {' and '.join(r.suffix for r in isvc.spec.roles)} pods are Ready"
         desired = [o for o in desired if not (o["kind"] == "Deployment" and o["metadata"]["name"] == router_name)]
     elif switching:
         router = await client.get(KINDS["Deployment"], isvc.namespace, router_name)
         if not rolled_out(router) or (router is not None and
                                       _hash(router) != _hash(next(o for o in desired if o["kind"] == "Deployment"
                                                                   and o["metadata"]["name"] == router_name))):
-            result.switching = "the router to roll out to the new roles"
+            result.switching = "the router has rolled out to the new roles"
     missing_monitoring = []
     for obj in desired:
         key = f"{obj['kind']}/{obj['metadata']['name']}"
@@ -187,7 +187,8 @@ async def refresh_status(client: KubeClient, body: Mapping[str, Any], result: Re
         problem = failed or _kept_problem(previous)
     status = compute_status(isvc, await fetch_deployments(client, isvc), previous, now(), observed, problem,
                             pods=await fetch_pods(client, isvc),
-                            router_service=await fetch_router_service(client, isvc))
+                            router_service=await fetch_router_service(client, isvc),
+                            switching=result.switching if result else None)
     await publish(client, body, status)
     return status
 

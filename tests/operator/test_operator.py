@@ -199,6 +199,8 @@ async def test_mode_switch_keeps_the_old_roles_until_the_new_ones_serve(cluster:
             for name in ("demo-prefill", "demo-decode"):
                 assert await cluster.get("Deployment", namespace, name) is not None
             assert "--pd-disaggregation" in args(await cluster.get("Deployment", namespace, "demo-router"))
+            obj = await condition_is(cluster, namespace, "Progressing", "True", "SwitchingMode")
+            assert "until the new engine pods are Ready" in conditions(obj)["Progressing"]["message"]
         await cluster.settle(namespace, "demo-engine")
 
         async def router_switched():
