@@ -179,7 +179,11 @@ def test_pods_drain_and_spread_over_nodes_unless_told_otherwise():
     assert decode["topologySpreadConstraints"][0]["topologyKey"] == "zone"
     assert decode["containers"][0]["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "5"]
     assert decode["terminationGracePeriodSeconds"] == 120
-    assert "topologySpreadConstraints" not in router_deployment(isvc)["spec"]["template"]["spec"]
+    router = router_deployment(isvc)["spec"]["template"]["spec"]
+    assert "topologySpreadConstraints" not in router
+    # a router pod relays the longest generation an engine may finish, after its own preStop wait
+    assert router["terminationGracePeriodSeconds"] == 5 + 120
+    assert router["containers"][0]["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "5"]
 
 
 def test_colocated_engine_has_no_disaggregation_flags():
