@@ -129,8 +129,9 @@ def _gauge_mean(window: Sequence[Sample], attr: str) -> float | None:
 
 def _latency_mean(window: Sequence[Sample], name: str) -> float | None:
     """Mean latency of what happened between the window's first and last scrape (per pod: the counters'
-    increase; a pod that restarted counts from 0). 0 when nothing happened; None with < 2 scrapes."""
-    if len(window) < 2:
+    increase; a pod that restarted counts from 0). 0 when nothing happened; None with < 2 scrapes or
+    when no pod answered (that is not idleness)."""
+    if len(window) < 2 or not window[-1].pods:
         return None
     first = {p.pod: p for p in window[0].pods}
     total = count = 0.0

@@ -128,6 +128,10 @@ def test_pods_without_metrics_and_restarted_counters():
                Sample(15, Role.PREFILL, (PodSample("p", ttft_sum=6.0, ttft_count=2),))]
     result = plan(cfg, samples, {Role.PREFILL: 1, Role.DECODE: 1}, (), 15.0)
     assert result.roles[Role.PREFILL].observed[TTFT.key] == 3.0 and result.roles[Role.PREFILL].replicas == 3
+    # no pod answered the last scrapes (the operator's network, pods restarting): no decision, not "idle"
+    silent = [Sample(t, Role.PREFILL, ()) for t in (30.0, 45.0)]
+    result = plan(cfg, samples + silent, {Role.PREFILL: 3, Role.DECODE: 1}, result.memory, 45.0)
+    assert result.roles[Role.PREFILL].replicas == 3 and "no metrics yet" in result.roles[Role.PREFILL].reason
 
 
 def test_the_engines_metrics_parse_into_a_sample():
