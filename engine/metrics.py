@@ -66,8 +66,8 @@ class EngineMetrics:
                                      "Time in the waiting queue before the prefill forward", _LATENCY_BUCKETS)
         self.num_running = self._gauge("baton_num_running_requests", "Requests in the running (decode) batch")
         self.num_queued = self._gauge("baton_num_queued_requests", "Requests in the waiting queue")
-        self.num_queued_tokens = self._gauge("baton_num_queued_tokens",
-                                             "Prompt tokens of the requests in the waiting queue (prefill work queued)")
+        self.num_queued_tokens = self._gauge(
+            "baton_num_queued_tokens", "Prompt tokens of the requests in the waiting queue (prefill work queued)")
         self.num_grammar_queued = self._gauge("baton_num_grammar_queue_requests",
                                               "Structured-output requests waiting for their grammar to compile")
         self.token_usage = self._gauge("baton_token_usage", "Fraction of KV pool slots in use (not free or evictable)")

@@ -250,9 +250,10 @@ def _reason(role: Role, current: int, stable: int, rec: int, why: str, targets: 
         return f"{role.value} {current} -> {stable}: {why}"
     if stable < current:
         return f"{role.value} {current} -> {stable}: {why} for {config.scale_down_seconds:g}s"
+    stays = f"{role.value} stays at {current}: {why}"
     if rec < current and current > targets.min_replicas:
-        return f"{role.value} stays at {current}: {why}, waiting out the {config.scale_down_seconds:g}s scale-down window"
+        return f"{stays}, waiting out the {config.scale_down_seconds:g}s scale-down window"
     if rec > current and current < targets.max_replicas:
-        return f"{role.value} stays at {current}: {why}, waiting out the {config.scale_up_seconds:g}s scale-up window"
+        return f"{stays}, waiting out the {config.scale_up_seconds:g}s scale-up window"
     bound = " (its minReplicas)" if rec < current else " (its maxReplicas)" if rec > current else ""
     return f"{role.value} stays at {current}{bound}: {why}"

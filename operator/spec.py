@@ -221,7 +221,8 @@ def _role(d: Mapping[str, Any]) -> RoleSpec:
         env=list(d.get("env", [])), placement=_placement(d),
         termination_grace_seconds=d["terminationGracePeriodSeconds"],
         max_unavailable=d["disruptionBudget"]["maxUnavailable"],
-        rollout_max_surge=d["rollingUpdate"]["maxSurge"], rollout_max_unavailable=d["rollingUpdate"]["maxUnavailable"])
+        rollout_max_surge=d["rollingUpdate"]["maxSurge"],
+        rollout_max_unavailable=d["rollingUpdate"]["maxUnavailable"])
 
 
 def _router(d: Mapping[str, Any]) -> RouterSpec:

@@ -205,7 +205,8 @@ RULES: tuple[Rule, ...] = (
          "spec.autoscaling.prefillDecodeRatio: min must not exceed max",
          lambda a: not ("min" in a.get("prefillDecodeRatio", {}) and "max" in a.get("prefillDecodeRatio", {}))
          or a["prefillDecodeRatio"]["min"] <= a["prefillDecodeRatio"]["max"]),
-    Rule(Scope.AUTOSCALING_ROLE, "!has(self.minReplicas) || !has(self.maxReplicas) || self.minReplicas <= self.maxReplicas",
+    Rule(Scope.AUTOSCALING_ROLE,
+         "!has(self.minReplicas) || !has(self.maxReplicas) || self.minReplicas <= self.maxReplicas",
          "minReplicas must not exceed maxReplicas",
          lambda r: r.get("minReplicas", 1) <= r.get("maxReplicas", 4)),
     Rule(Scope.AUTOSCALING_ROLE,
