@@ -94,10 +94,9 @@ async def reconcile(client: KubeClient, body: Mapping[str, Any]) -> ReconcileRes
         result.switching = f"the new {' and '.join(r.suffix for r in isvc.spec.roles)} pods are Ready"
         desired = [o for o in desired if not (o["kind"] == "Deployment" and o["metadata"]["name"] == router_name)]
     elif switching:
-        router = await client.get(KINDS["Deployment"], isvc.namespace, router_name)
-        if not rolled_out(router) or (router is not None and
-                                      _hash(router) != _hash(next(o for o in desired if o["kind"] == "Deployment"
-                                                                  and o["metadata"]["name"] == router_name))):
+        live = await client.get(KINDS["Deployment"], isvc.namespace, router_name)
+        [want] = [o for o in desired if o["kind"] == "Deployment" and o["metadata"]["name"] == router_name]
+        if live is None or _hash(live) != _hash(want) or not rolled_out(live):  # patched now, or rolling
             result.switching = "the router has rolled out to the new roles"
     missing_monitoring = []
     for obj in desired:
