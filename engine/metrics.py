@@ -70,6 +70,8 @@ class EngineMetrics:
                                      "Time in the waiting queue before the prefill forward", _LATENCY_BUCKETS)
         self.num_running = self._gauge("baton_num_running_requests", "Requests in the running (decode) batch")
         self.num_queued = self._gauge("baton_num_queued_requests", "Requests in the waiting queue")
+        self.num_queued_tokens = self._gauge(
+            "baton_num_queued_tokens", "Prompt tokens of the requests in the waiting queue (prefill work queued)")
         self.num_grammar_queued = self._gauge("baton_num_grammar_queue_requests",
                                               "Structured-output requests waiting for their grammar to compile")
         self.token_usage = self._gauge("baton_token_usage", "Fraction of KV pool slots in use (not free or evictable)")
@@ -135,6 +137,7 @@ class EngineMetrics:
         rank = (*self._lv, str(info.get("dp_rank", 0)))
         self.num_running.labels(*rank).set(info.get("num_running_reqs", 0))
         self.num_queued.labels(*rank).set(info.get("num_waiting_reqs", 0))
+        self.num_queued_tokens.labels(*rank).set(info.get("num_waiting_tokens", 0))
         self.num_grammar_queued.labels(*rank).set(info.get("num_grammar_queue_reqs", 0))
         self.token_usage.labels(*rank).set(info.get("token_usage", 0.0))
         self.cache_hit_rate.labels(*rank).set(info.get("cache_hit_rate", 0.0))

@@ -1,7 +1,11 @@
 """Configuration of one running operator (from the CLI; handed to handlers through kopf's memo)."""
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
+
+from baton.operator.scrape import pod_metrics_url
 
 
 @dataclass(frozen=True)
@@ -11,6 +15,9 @@ class OperatorConfig:
     metrics_port: int | None = 9090  # None: no metrics server; 0: any free port
     metrics_addr: str = "0.0.0.0"
     post_events: bool = True  # Kubernetes Events for handler results (kopf's posting)
+    # where the planner reads a pod's /metrics: its IP and the engine port (tests running engines on
+    # loopback next to fake nodes give their own)
+    metrics_url: Callable[[Mapping[str, Any]], str | None] = pod_metrics_url
 
     def __post_init__(self) -> None:
         assert self.resync_seconds > 0 and self.retry_seconds > 0

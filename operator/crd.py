@@ -14,7 +14,7 @@ from baton.operator import naming
 from baton.operator.validation import Scope, rules_for
 
 ROUTER_POLICIES = ["random", "round_robin", "cache_aware", "power_of_two"]
-AUTOSCALING_MODES = ("static", "external")
+AUTOSCALING_MODES = ("static", "external", "planner")
 _QUANTITY = {"anyOf": [{"type": "integer"}, {"type": "string"}], "x-kubernetes-int-or-string": True,
              "pattern": r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"}
 _FREE_OBJECT = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
@@ -101,7 +101,22 @@ def _placement() -> dict[str, Any]:
         "nodeSelector": _string_map("Node labels the pods must run on."),
         "tolerations": _list("Kubernetes tolerations of the pods.", _FREE_OBJECT, 32),
         "affinity": {**_FREE_OBJECT, "description": "Kubernetes affinity of the pods."},
+        "topologySpreadConstraints": _list(
+            "Kubernetes topology spread constraints of the pods. Unset: spread over nodes (maxSkew 1 on "
+            "kubernetes.io/hostname, ScheduleAnyway), so a node drain takes few pods of the role; [] for none.",
+            _FREE_OBJECT, 8),
     }
+
+
+def _rolling_update(what: str) -> dict[str, Any]:
+    count = {"anyOf": [{"type": "integer"}, {"type": "string"}], "x-kubernetes-int-or-string": True,
+             "minimum": 0, "pattern": r"^[0-9]+%$"}
+    return _obj(f"How a spec change replaces the {what} pods. The default starts a new pod and waits until "
+                "it is Ready before an old one goes (the service keeps answering); where no spare GPU is free "
+                "for that pod, set maxSurge 0 and maxUnavailable 1 (one pod at a time is replaced in place).", {
+        "maxSurge": {**count, "default": 1, "description": "Pods over replicas during a rollout."},
+        "maxUnavailable": {**count, "default": 0, "description": "Pods below replicas during a rollout."},
+    }, default={})
 
 
 def role_schema(what: str) -> dict[str, Any]:
@@ -123,8 +138,57 @@ def role_schema(what: str) -> dict[str, Any]:
             "Seconds a stopping pod gets to finish the requests it runs (it accepts no new ones) before it "
             "is killed; raise it for long generations.", 0, 86400, 60),
         "resources": _resources(), "extraArgs": args, "env": _env(), **_placement(),
-        "disruptionBudget": _disruption_budget(what),
+        "disruptionBudget": _disruption_budget(what), "rollingUpdate": _rolling_update(what),
     }, scope=Scope.ROLE)
+
+
+def _number(desc: str, minimum: float, maximum: float, default: float | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {"type": "number", "description": desc, "minimum": minimum, "maximum": maximum}
+    if default is not None:
+        out["default"] = default
+    return out
+
+
+def _planner_role(what: str) -> dict[str, Any]:
+    return _obj(f"How the planner scales the {what} pods (a role left out keeps spec.<role>.replicas). "
+                "Set at least one target; the role gets as many pods as the target that needs most asks for.", {
+        "minReplicas": _int("Fewest pods.", 1, 1024, 1),
+        "maxReplicas": _int("Most pods.", 1, 1024, 4),
+        "targetQueuedTokens": _number("Prompt tokens waiting per pod (baton_num_queued_tokens): prefill work "
+                                      "queued. A prefill signal.", 1, 1e9),
+        "targetTTFTSeconds": _number("Mean time to first token of the window's requests. A prefill signal.",
+                                     0.001, 3600),
+        "targetKVUsage": _number("Mean fraction of the KV pool in use (baton_token_usage), 0-1. A decode signal.",
+                                 0.01, 1),
+        "targetITLSeconds": _number("Mean inter-token latency of the window's tokens. A decode signal.",
+                                    0.0001, 60),
+    }, scope=Scope.AUTOSCALING_ROLE)
+
+
+def _autoscaling() -> dict[str, Any]:
+    return _obj("Who sets the engine Deployments' replicas.", {
+        "mode": {"type": "string", "enum": list(AUTOSCALING_MODES), "default": "static",
+                 "description": "static: the operator keeps each engine Deployment at spec.<role>.replicas. "
+                                "external: an HPA or KEDA scales the engine Deployments (<name>-prefill, "
+                                "-decode or -engine, through their scale subresource); the operator sets "
+                                "replicas only when it creates one (spec.<role>.replicas is the initial "
+                                "count) and never resets them. planner: the operator's planner scales the "
+                                "roles listed here from the engines' own metrics (it scrapes the pods' "
+                                "/metrics), keeping prefillDecodeRatio. The router keeps router.replicas."},
+        "intervalSeconds": _int("planner: seconds between two scrapes and decisions.", 1, 600, 15),
+        "windowSeconds": _int("planner: the metrics are averaged over this much of the recent past.", 1, 3600, 60),
+        "scaleUpStabilizationSeconds": _int(
+            "planner: a role grows to the lowest recommendation of this window (0: at once).", 0, 3600, 0),
+        "scaleDownStabilizationSeconds": _int(
+            "planner: a role shrinks to the highest recommendation of this window, so a burst that passes "
+            "does not cost a pod that took minutes to load.", 0, 86400, 300),
+        "prefillDecodeRatio": _obj("planner: bounds of prefill pods / decode pods; the short side is raised.", {
+            "min": _number("Fewest prefill pods per decode pod.", 0, 1024),
+            "max": _number("Most prefill pods per decode pod.", 0.001, 1024),
+        }),
+        "prefill": _planner_role("prefill"), "decode": _planner_role("decode"),
+        "engine": _planner_role("colocated engine"),
+    }, scope=Scope.AUTOSCALING, default={})
 
 
 def _model() -> dict[str, Any]:
@@ -244,14 +308,10 @@ def spec_schema() -> dict[str, Any]:
         "model": _model(),
         "prefill": role_schema("prefill"), "decode": role_schema("decode"), "engine": role_schema("colocated"),
         "router": _router(), "kvTransfer": _kv_transfer(), "monitoring": _monitoring(),
-        "autoscaling": _obj("Who sets the engine Deployments' replicas.", {
-            "mode": {"type": "string", "enum": list(AUTOSCALING_MODES), "default": "static",
-                     "description": "static: the operator keeps each engine Deployment at spec.<role>.replicas. "
-                                    "external: an HPA or KEDA scales the engine Deployments (<name>-prefill, "
-                                    "-decode or -engine, through their scale subresource); the operator sets "
-                                    "replicas only when it creates one (spec.<role>.replicas is the initial "
-                                    "count) and never resets them. The router keeps router.replicas."},
-        }, default={}),
+        "autoscaling": _autoscaling(),
+        "replicas": {"type": "integer", "description": "Not used: each role has its own (spec.prefill.replicas, "
+                     "spec.decode.replicas, spec.engine.replicas, spec.router.replicas). `kubectl scale` writes "
+                     "here and is refused with that advice."},
         "podSecurity": _obj("Pod security of engines and router.", {
             "runAsNonRoot": _bool("Run as a non-root user (set false if the image needs root).", True),
             "runAsUser": _int("User id.", 0, 2147483647, 1000),
@@ -267,6 +327,17 @@ def _role_status() -> dict[str, Any]:
         "availableReplicas": count, "summary": {"type": "string", "description": "ready/desired"}}}
 
 
+def _autoscaling_status() -> dict[str, Any]:
+    role = {"type": "object", "properties": {
+        "replicas": {"type": "integer", "minimum": 0}, "reason": {"type": "string"},
+        "observed": {"type": "object", "additionalProperties": {"type": "number"},
+                     "description": "The signals over the window (targetX without the prefix)."},
+        "lastScaleTime": {"type": "string", "format": "date-time"}}}
+    return {"type": "object", "description": "The planner's last decision per role and why.", "properties": {
+        "lastDecisionTime": {"type": "string", "format": "date-time"},
+        "prefill": role, "decode": role, "engine": role}}
+
+
 def status_schema() -> dict[str, Any]:
     condition = {"type": "object", "required": ["type", "status"], "properties": {
         "type": {"type": "string"}, "status": {"type": "string", "enum": ["True", "False", "Unknown"]},
@@ -280,6 +351,8 @@ def status_schema() -> dict[str, Any]:
         "clusterEndpoint": {"type": "string", "description": "URL of the router inside the cluster."},
         "prefill": _role_status(), "decode": _role_status(), "engine": _role_status(),
         "router": _role_status(),
+        "replicas": {"type": "integer", "description": "Not used (the scale subresource's; see spec.replicas)."},
+        "autoscaling": _autoscaling_status(),
         "conditions": {"type": "array", "items": condition, "x-kubernetes-list-type": "map",
                        "x-kubernetes-list-map-keys": ["type"]},
     }}
@@ -325,7 +398,10 @@ def build_crd() -> dict[str, Any]:
                       "shortNames": list(naming.SHORT_NAMES), "categories": ["baton"]},
             "versions": [{
                 "name": naming.VERSION, "served": True, "storage": True,
-                "subresources": {"status": {}},
+                # scale: `kubectl scale bisvc` (or an HPA aimed at it) writes spec.replicas, which a CEL
+                # rule refuses saying which per-role field to change, instead of a 404 NotFound
+                "subresources": {"status": {}, "scale": {"specReplicasPath": ".spec.replicas",
+                                                         "statusReplicasPath": ".status.replicas"}},
                 "additionalPrinterColumns": PRINTER_COLUMNS,
                 "schema": {"openAPIV3Schema": openapi_schema()},
             }],

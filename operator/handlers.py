@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -17,12 +18,14 @@ import aiohttp
 import kopf
 
 from baton.operator import naming
-from baton.operator.apply import NotOwned, Outcome, PredecessorLeft, drift
+from baton.operator.apply import NotOwned, Outcome, PredecessorLeft, drift, keep_live_replicas
+from baton.operator.autoscaler import PlannerState, planner_step
 from baton.operator.builders import build_children
 from baton.operator.config import OperatorConfig
 from baton.operator.kube import KINDS, ApiError, KubeClient, login
 from baton.operator.metrics import OperatorMetrics
-from baton.operator.reconciler import api_refused_message, publish_invalid, reconcile, refresh_status
+from baton.operator.reconciler import (api_refused_message, publish_invalid, reconcile, refresh_status,
+                                       switch_pending)
 from baton.operator.spec import InvalidSpec, parse
 
 RESOURCE = (naming.GROUP, naming.VERSION, naming.PLURAL)
@@ -102,6 +105,8 @@ async def run_reconcile(body: Mapping[str, Any], memo: kopf.Memo, logger: loggin
     if corrected:
         logger.warning(f"put back {', '.join(corrected)}: changed by someone else, no longer what the spec "
                        "says (edit the InferenceService instead)")
+    if result.switching:
+        logger.info(f"switching mode: the old engine roles and the router stay until {result.switching}")
     changed = {k: o.value for k, o in result.outcomes.items() if o not in (Outcome.UNCHANGED, Outcome.CORRECTED)}
     if changed or result.pruned:
         logger.info(f"applied {changed or 'nothing'}, pruned {result.pruned or 'nothing'}")
@@ -129,6 +134,41 @@ async def resync(stopped: kopf.DaemonStopped, name: str, namespace: str, memo: k
             logger.warning(f"resync: {e}")
 
 
+IDLE_PLANNER_SECONDS = 15.0  # how often a service without the planner is looked at again
+
+
+@kopf.daemon(*RESOURCE, cancellation_timeout=5.0)
+async def planner(stopped: kopf.DaemonStopped, name: str, namespace: str, memo: kopf.Memo,
+                  logger: logging.Logger, **_: Any) -> None:
+    """spec.autoscaling.mode planner: every intervalSeconds, scrape the engines, plan, scale, say why
+    (baton.operator.autoscaler). Its state starts over when the mode or the planner's config changes."""
+    state, config, interval = PlannerState(), None, IDLE_PLANNER_SECONDS
+    async with aiohttp.ClientSession() as session:
+        while not await stopped.wait(interval):
+            body = await memo.client.get(KINDS[naming.KIND], namespace, name)
+            if body is None or body["metadata"].get("deletionTimestamp"):
+                return
+            try:
+                isvc = parse(body)
+            except InvalidSpec:
+                continue
+            if isvc.spec.planner != config:
+                state, config = PlannerState(), isvc.spec.planner
+            interval = config.interval_seconds if config is not None else IDLE_PLANNER_SECONDS
+            try:
+                if config is None:
+                    if (body.get("status") or {}).get("autoscaling") is not None:
+                        await memo.client.patch(KINDS[naming.KIND], namespace, name,
+                                                {"status": {"autoscaling": None}}, sub="status")
+                    continue
+                await planner_step(memo.client, session, isvc, state, time.time(),
+                                   lambda reason, message: kopf.event(body, type="Normal", reason=reason,
+                                                                      message=message),
+                                   memo.config.metrics_url)
+            except (ApiError, aiohttp.ClientError, asyncio.TimeoutError) as e:
+                logger.warning(f"planner: no decision this time: {e}")
+
+
 def _drifted(isvc: Mapping[str, Any], deployment: Mapping[str, Any]) -> bool:
     """The live child Deployment no longer holds what the spec says (someone edited it)."""
     try:
@@ -137,7 +177,8 @@ def _drifted(isvc: Mapping[str, Any], deployment: Mapping[str, Any]) -> bool:
         return False
     name = deployment.get("metadata", {}).get("name")
     want = next((o for o in desired if o["kind"] == "Deployment" and o["metadata"]["name"] == name), None)
-    return want is not None and isinstance(deployment, dict) and drift(deployment, want)
+    # replicas an HPA or the planner set are not drift (apply() keeps them too)
+    return want is not None and isinstance(deployment, dict) and drift(deployment, keep_live_replicas(deployment, want))
 
 
 @kopf.on.event("apps", "v1", "deployments", labels=CHILD_LABELS)
@@ -160,9 +201,12 @@ async def child_deployment_event(event: Mapping[str, Any], body: kopf.Body, memo
             if isvc is None or isvc["metadata"].get("deletionTimestamp"):
                 return
             drifted = _drifted(isvc, event.get("object") or {})
-            status = None if drifted else await refresh_status(client, isvc)
+            switching = not drifted and await switch_pending(client, isvc)
+            status = None if drifted or switching else await refresh_status(client, isvc)
         if drifted:
             await run_reconcile(isvc, memo, logger, trigger="child-drifted")
+        elif switching:
+            await run_reconcile(isvc, memo, logger, trigger="mode-switch")
         elif status is not None:
             ready = next((c["status"] for c in status["conditions"] if c["type"] == "Ready"), "Unknown")
             memo.metrics.set_ready((namespace, owner), ready)

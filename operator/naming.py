@@ -27,10 +27,11 @@ MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
 # Annotations.
 BOOTSTRAP_PORT_ANNOTATION = "sglang.ai/bootstrap-port"  # read by sglang-router and our router
 SPEC_HASH_ANNOTATION = f"{GROUP}/spec-hash"  # hash of the desired child; a change means "patch it"
-# On a Deployment whose replicas an HPA or KEDA sets (spec.autoscaling.mode external): the operator
-# sets replicas when it creates it, and never again.
+# On a Deployment whose replicas an HPA or KEDA sets (spec.autoscaling.mode external), or the planner
+# (mode planner): reconciles set replicas when they create it, and never again.
 REPLICAS_ANNOTATION = f"{GROUP}/replicas"
 EXTERNAL_REPLICAS = "external"
+PLANNER_REPLICAS = "planner"  # spec.autoscaling.mode planner: the operator's planner sets them
 KOPF_PREFIX = GROUP  # kopf's progress/diff-base annotations live under this prefix
 
 # Ports (fixed inside the pod; the router Service port is configurable).

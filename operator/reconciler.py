@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from baton.operator import naming
-from baton.operator.apply import Outcome, apply, prune
+from baton.operator.apply import Outcome, apply, controlled_by, prune
 from baton.operator.builders import build_children
 from baton.operator.kube import KINDS, ApiError, KubeClient
 from baton.operator.naming import Role
@@ -27,6 +27,7 @@ class ReconcileResult:
     outcomes: dict[str, Outcome] = field(default_factory=dict)  # "Kind/name" -> outcome
     pruned: list[str] = field(default_factory=list)
     problem: tuple[str, str] | None = None
+    switching: str | None = None  # a mode switch waiting for its new engine pods (what it waits for)
 
     @property
     def kinds(self) -> list[str]:
@@ -46,11 +47,57 @@ def _all_children(name: str) -> list[tuple[str, str]]:
     return out
 
 
+def rolled_out(dep: Mapping[str, Any] | None) -> bool:
+    """A Deployment whose pods all run its current template and are Ready."""
+    if dep is None:
+        return False
+    want, st = dep.get("spec", {}).get("replicas", 1), dep.get("status") or {}
+    return (st.get("observedGeneration", 0) >= dep["metadata"].get("generation", 1)
+            and st.get("updatedReplicas", 0) >= want and st.get("readyReplicas", 0) >= want)
+
+
+async def _mode_switch(client: KubeClient, isvc: InferenceService) -> tuple[bool, bool]:
+    """(switching, hold): engine Deployments of the other mode are still there; `hold` while the new
+    mode's engine Deployments are not all Ready: the router keeps its old args (and pods) and the old
+    roles stay, so the service answers through the switch."""
+    kind = KINDS["Deployment"]
+    old = [r for r in naming.ENGINE_ROLES if r not in isvc.spec.roles]
+    live = [await client.get(kind, isvc.namespace, naming.child_name(isvc.name, r)) for r in old]
+    if not any(d is not None and controlled_by(d, isvc.uid) for d in live):
+        return False, False
+    new = [await client.get(kind, isvc.namespace, naming.child_name(isvc.name, r)) for r in isvc.spec.roles]
+    return True, not all(rolled_out(d) for d in new)
+
+
+async def switch_pending(client: KubeClient, body: Mapping[str, Any]) -> bool:
+    """A mode switch is under way (engine Deployments of the other mode are left): each child Deployment
+    event re-runs the reconcile, which takes its next step."""
+    try:
+        isvc = parse(body)
+    except InvalidSpec:
+        return False
+    return (await _mode_switch(client, isvc))[0]
+
+
 async def reconcile(client: KubeClient, body: Mapping[str, Any]) -> ReconcileResult:
-    """Apply the children of `body`'s spec. Raises InvalidSpec, ApiError, NotOwned."""
+    """Apply the children of `body`'s spec. Raises InvalidSpec, ApiError, NotOwned.
+
+    A `mode` switch goes in three steps, one per reconcile (child Deployment events re-run it): the new
+    engine roles are created while the router and the old roles stay; once they are Ready the router gets
+    its new args; once the router has rolled out the old roles are pruned."""
     isvc = parse(body)
     result = ReconcileResult(isvc)
     desired = build_children(isvc)
+    switching, hold = await _mode_switch(client, isvc)
+    router_name = naming.child_name(isvc.name, Role.ROUTER)
+    if hold:
+        result.switching = f"the new {' and '.join(r.suffix for r in isvc.spec.roles)} pods are Ready"
+        desired = [o for o in desired if not (o["kind"] == "Deployment" and o["metadata"]["name"] == router_name)]
+    elif switching:
+        live = await client.get(KINDS["Deployment"], isvc.namespace, router_name)
+        [want] = [o for o in desired if o["kind"] == "Deployment" and o["metadata"]["name"] == router_name]
+        if live is None or _hash(live) != _hash(want) or not rolled_out(live):  # patched now, or rolling
+            result.switching = "the router has rolled out to the new roles"
     missing_monitoring = []
     for obj in desired:
         key = f"{obj['kind']}/{obj['metadata']['name']}"
@@ -66,11 +113,17 @@ async def reconcile(client: KubeClient, body: Mapping[str, Any]) -> ReconcileRes
         result.problem = ("MonitoringUnavailable",
                           f"{kinds} cannot be created: the Prometheus Operator CRDs (monitoring.coreos.com) "
                           "are not installed. Install them, or turn off spec.monitoring.podMonitor/serviceMonitor.")
-    wanted = {(o["kind"], o["metadata"]["name"]) for o in desired}
+    wanted = {(o["kind"], o["metadata"]["name"]) for o in build_children(isvc)}
     for kind, name in _all_children(isvc.name):
+        if result.switching and kind != "PodMonitor" and kind != "ServiceMonitor":
+            continue  # the old roles serve until the switch is done
         if (kind, name) not in wanted and await prune(client, kind, isvc.namespace, name, isvc.uid):
             result.pruned.append(f"{kind}/{name}")
     return result
+
+
+def _hash(obj: Mapping[str, Any]) -> str | None:
+    return (obj.get("metadata", {}).get("annotations") or {}).get(naming.SPEC_HASH_ANNOTATION)
 
 
 async def fetch_deployments(client: KubeClient, isvc: InferenceService) -> dict[Role, dict[str, Any] | None]:
@@ -133,7 +186,8 @@ async def refresh_status(client: KubeClient, body: Mapping[str, Any], result: Re
         problem = failed or _kept_problem(previous)
     status = compute_status(isvc, await fetch_deployments(client, isvc), previous, now(), observed, problem,
                             pods=await fetch_pods(client, isvc),
-                            router_service=await fetch_router_service(client, isvc))
+                            router_service=await fetch_router_service(client, isvc),
+                            switching=result.switching if result else None)
     await publish(client, body, status)
     return status
 

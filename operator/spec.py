@@ -18,6 +18,7 @@ from baton.operator import naming
 from baton.operator.crd import openapi_schema
 from baton.operator.defaults import apply_defaults
 from baton.operator.naming import Role
+from baton.operator.planner import ITL, KV_USAGE, QUEUED_TOKENS, TTFT, PlannerConfig, RoleTargets
 from baton.operator.validation import validate
 
 
@@ -64,6 +65,7 @@ class Placement:
     node_selector: dict[str, str] = field(default_factory=dict)
     tolerations: list[dict[str, Any]] = field(default_factory=list)
     affinity: dict[str, Any] | None = None
+    topology_spread: list[dict[str, Any]] | None = None  # None: the builders' default (spread over nodes)
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,8 @@ class RoleSpec:
     # SIGTERM -> SIGKILL: how long a stopping pod's running requests have to finish
     termination_grace_seconds: int = 60
     max_unavailable: int | str = 1  # of the role's PodDisruptionBudget: a count or "N%"
+    rollout_max_surge: int | str = 1  # of the Deployment's RollingUpdate strategy
+    rollout_max_unavailable: int | str = 0
 
     def __post_init__(self) -> None:
         assert self.gpus == 0 or self.gpus == self.ranks, "validated before parsing"
@@ -161,6 +165,7 @@ class InferenceServiceSpec:
     monitoring: MonitoringSpec = field(default_factory=MonitoringSpec)
     pod_security: PodSecuritySpec = field(default_factory=PodSecuritySpec)
     external_replicas: bool = False  # spec.autoscaling.mode external: an HPA/KEDA owns engine replicas
+    planner: PlannerConfig | None = None  # spec.autoscaling.mode planner: it owns the replicas of its roles
 
     def __post_init__(self) -> None:
         assert set(self.roles) == set(engine_roles(self.mode)), "one RoleSpec per engine role of the mode"
@@ -168,6 +173,23 @@ class InferenceServiceSpec:
     @property
     def disaggregated(self) -> bool:
         return self.mode is Mode.DISAGGREGATED
+
+    def replicas_owner(self, role: Role) -> str | None:
+        """Who sets this engine role's replicas after creation: naming.EXTERNAL_REPLICAS (an HPA, KEDA),
+        naming.PLANNER_REPLICAS (the operator's planner), or None (spec.<role>.replicas)."""
+        if self.external_replicas:
+            return naming.EXTERNAL_REPLICAS
+        if self.planner is not None and role in self.planner.roles:
+            return naming.PLANNER_REPLICAS
+        return None
+
+    def initial_replicas(self, role: Role) -> int:
+        """The replicas an engine Deployment is created with (a planned role: within its bounds)."""
+        n = self.roles[role].replicas
+        if self.planner is not None and role in self.planner.roles:
+            bounds = self.planner.roles[role]
+            n = min(max(n, bounds.min_replicas), bounds.max_replicas)
+        return n
 
 
 @dataclass(frozen=True)
@@ -186,7 +208,9 @@ def engine_roles(mode: Mode) -> tuple[Role, ...]:
 
 
 def _placement(d: Mapping[str, Any]) -> Placement:
-    return Placement(dict(d.get("nodeSelector", {})), list(d.get("tolerations", [])), d.get("affinity"))
+    spread = d.get("topologySpreadConstraints")
+    return Placement(dict(d.get("nodeSelector", {})), list(d.get("tolerations", [])), d.get("affinity"),
+                     None if spread is None else list(spread))
 
 
 def _role(d: Mapping[str, Any]) -> RoleSpec:
@@ -196,7 +220,9 @@ def _role(d: Mapping[str, Any]) -> RoleSpec:
         resources=dict(d.get("resources", {})), extra_args=tuple(d["extraArgs"]),
         env=list(d.get("env", [])), placement=_placement(d),
         termination_grace_seconds=d["terminationGracePeriodSeconds"],
-        max_unavailable=d["disruptionBudget"]["maxUnavailable"])
+        max_unavailable=d["disruptionBudget"]["maxUnavailable"],
+        rollout_max_surge=d["rollingUpdate"]["maxSurge"],
+        rollout_max_unavailable=d["rollingUpdate"]["maxUnavailable"])
 
 
 def _router(d: Mapping[str, Any]) -> RouterSpec:
@@ -229,6 +255,26 @@ def _model(d: Mapping[str, Any]) -> ModelSpec:
                      source=src, fetch_endpoint=fetch.get("endpoint"), fetch_region=fetch.get("region"),
                      fetch_secret=fetch.get("secretName"), fetch_include=tuple(fetch.get("include", [])),
                      cache_claim=cache.get("claimName"), cache_size_limit=(cache.get("emptyDir") or {}).get("sizeLimit"))
+
+
+_TARGET_FIELDS = {"targetQueuedTokens": QUEUED_TOKENS.key, "targetTTFTSeconds": TTFT.key,
+                  "targetKVUsage": KV_USAGE.key, "targetITLSeconds": ITL.key}
+
+
+def _planner(a: Mapping[str, Any], mode: Mode) -> PlannerConfig | None:
+    if a["mode"] != "planner":
+        return None
+    roles = {}
+    for role in engine_roles(mode):
+        r = a.get(role.spec_key)
+        if r is not None:
+            roles[role] = RoleTargets(r["minReplicas"], r["maxReplicas"],
+                                      {key: float(r[f]) for f, key in _TARGET_FIELDS.items() if f in r})
+    ratio = a.get("prefillDecodeRatio") or {}
+    return PlannerConfig(roles=roles, min_ratio=ratio.get("min"), max_ratio=ratio.get("max"),
+                         interval_seconds=a["intervalSeconds"], window_seconds=a["windowSeconds"],
+                         scale_up_seconds=a["scaleUpStabilizationSeconds"],
+                         scale_down_seconds=a["scaleDownStabilizationSeconds"])
 
 
 def defaulted(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -275,6 +321,7 @@ def parse(body: Mapping[str, Any]) -> InferenceService:
                                   dict(mon.get("labels", {}))),
         pod_security=PodSecuritySpec(sec["runAsNonRoot"], sec["runAsUser"], sec["fsGroup"]),
         external_replicas=s["autoscaling"]["mode"] == "external",
+        planner=_planner(s["autoscaling"], mode),
     )
     return InferenceService(name=meta["name"], namespace=meta.get("namespace", "default"),
                             uid=meta.get("uid", ""), spec=spec, generation=meta.get("generation", 1))

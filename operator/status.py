@@ -267,12 +267,14 @@ def compute_status(isvc: InferenceService, deployments: Mapping[Role, Mapping[st
                    previous: Mapping[str, Any], now: str, observed_generation: int,
                    problem: tuple[str, str] | None = None,
                    pods: Sequence[Mapping[str, Any]] = (),
-                   router_service: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                   router_service: Mapping[str, Any] | None = None,
+                   switching: str | None = None) -> dict[str, Any]:
     """The whole `.status` (minus nothing): roles, conditions, endpoints.
 
     `pods`: the service's pods (others are ignored), for what the Deployments do not say: pods
     the scheduler cannot place. `router_service`: the live router Service, for a LoadBalancer's address.
 
+    `switching`: a mode switch under way waits for this (the reconciler says; Progressing says it).
     `problem` is a (reason, message) the reconciler found besides the Deployments, kept in the
     `Reconciled` condition: missing Prometheus Operator CRDs (Degraded, still Ready), a child name taken
     (Degraded, not Progressing), a child the API server refused (Degraded, not Progressing, not Ready).
@@ -288,8 +290,11 @@ def compute_status(isvc: InferenceService, deployments: Mapping[Role, Mapping[st
     gen = observed_generation
     conds = [condition(CONDITION_TYPES[s.role], *_role_condition(isvc, s), gen, prev, now) for s in states]
     conds.insert(0, condition("Ready", *_ready(isvc, states, _where(endpoint, in_cluster), problem), gen, prev, now))
-    conds.append(condition("Progressing", *_progressing(states, observed_generation >= isvc.generation,
-                                                        problem), gen, prev, now))
+    progressing = _progressing(states, observed_generation >= isvc.generation, problem)
+    if switching and progressing[1] in ("Reconciling", "RollingOut", "RolloutComplete"):
+        progressing = (True, "SwitchingMode", f"switching to mode {isvc.spec.mode.value}: the old engine roles "
+                                              f"and the router serve until {switching}.")
+    conds.append(condition("Progressing", *progressing, gen, prev, now))
     model = _model_condition(isvc, pods) if isvc.spec.model.fetched else None
     conds.append(condition("Degraded", *_degraded(isvc, states, problem, model), gen, prev, now))
     conds.append(condition(RECONCILED, *_reconciled(isvc, problem), gen, prev, now))

@@ -28,6 +28,8 @@ class Scope(str, enum.Enum):
     ROUTER_ARGS = "spec.router.extraArgs"
     KV_TRANSFER = "spec.kvTransfer"
     ENV_VAR = "spec.<role>.env[*]"  # each env item of every engine role and of the router
+    AUTOSCALING = "spec.autoscaling"
+    AUTOSCALING_ROLE = "spec.autoscaling.<role>"  # each of its prefill, decode, engine
 
 
 @dataclass(frozen=True)
@@ -160,6 +162,21 @@ RULES: tuple[Rule, ...] = (
          "spec.engine.extraArgs (mode colocated), not in spec.prefill or spec.decode",
          lambda s: all("--enable-mixed-chunk" not in s.get(role, {}).get("extraArgs", [])
                        for role in ("prefill", "decode"))),
+    # the CRD's scale subresource writes spec.replicas (kubectl scale bisvc NAME --replicas=N)
+    Rule(Scope.SPEC, "!has(self.replicas)",
+         "an InferenceService has no single replica count (kubectl scale does not apply): set "
+         "spec.prefill.replicas, spec.decode.replicas (spec.engine.replicas in mode colocated) or "
+         "spec.router.replicas, e.g. kubectl patch bisvc NAME --type merge -p "
+         "'{\"spec\":{\"decode\":{\"replicas\":2}}}'; or let spec.autoscaling (planner, or external with "
+         "kubectl scale deployment NAME-decode) scale them",
+         lambda s: "replicas" not in s),
+    Rule(Scope.SPEC,
+         "!has(self.autoscaling) || (self.mode == 'colocated' ? "
+         "(!has(self.autoscaling.prefill) && !has(self.autoscaling.decode)) : !has(self.autoscaling.engine))",
+         "spec.autoscaling.engine is for mode colocated, spec.autoscaling.prefill and .decode for mode "
+         "disaggregated: scale the roles the mode runs",
+         lambda s: (("prefill" not in s.get("autoscaling", {}) and "decode" not in s.get("autoscaling", {}))
+                    if s.get("mode") == "colocated" else "engine" not in s.get("autoscaling", {}))),
     Rule(Scope.ENGINE_ARGS, f"self.all(a, !a.matches('{ENGINE_FLAGS_RE}'))",
          "extraArgs must not set flags the operator manages (--host, --port, --model-path, "
          "--served-model-name, --device, --tp-size, --dp-size, --disaggregation-*, --api-key, --dtype, "
@@ -182,6 +199,23 @@ RULES: tuple[Rule, ...] = (
          "kvTransfer.rdmaResourceName is only used with protocol: rdma; "
          "set protocol: rdma or remove it",
          lambda k: k.get("protocol") == "rdma" or "rdmaResourceName" not in k),
+    Rule(Scope.AUTOSCALING,
+         "!has(self.prefillDecodeRatio) || !has(self.prefillDecodeRatio.min) || "
+         "!has(self.prefillDecodeRatio.max) || self.prefillDecodeRatio.min <= self.prefillDecodeRatio.max",
+         "spec.autoscaling.prefillDecodeRatio: min must not exceed max",
+         lambda a: not ("min" in a.get("prefillDecodeRatio", {}) and "max" in a.get("prefillDecodeRatio", {}))
+         or a["prefillDecodeRatio"]["min"] <= a["prefillDecodeRatio"]["max"]),
+    Rule(Scope.AUTOSCALING_ROLE,
+         "!has(self.minReplicas) || !has(self.maxReplicas) || self.minReplicas <= self.maxReplicas",
+         "minReplicas must not exceed maxReplicas",
+         lambda r: r.get("minReplicas", 1) <= r.get("maxReplicas", 4)),
+    Rule(Scope.AUTOSCALING_ROLE,
+         "has(self.targetQueuedTokens) || has(self.targetTTFTSeconds) || has(self.targetKVUsage) || "
+         "has(self.targetITLSeconds)",
+         "set at least one target the planner scales this role by: targetQueuedTokens or targetTTFTSeconds "
+         "(prefill), targetKVUsage or targetITLSeconds (decode)",
+         lambda r: any(k in r for k in ("targetQueuedTokens", "targetTTFTSeconds", "targetKVUsage",
+                                        "targetITLSeconds"))),
 )
 
 
@@ -205,6 +239,10 @@ def _targets(obj: Mapping[str, Any]) -> list[tuple[str, Scope, Any]]:
     out += [("spec.router.env", Scope.ENV_VAR, e) for e in router.get("env", [])]
     if "kvTransfer" in spec:
         out.append(("spec.kvTransfer", Scope.KV_TRANSFER, spec["kvTransfer"]))
+    if "autoscaling" in spec:
+        out.append(("spec.autoscaling", Scope.AUTOSCALING, spec["autoscaling"]))
+        out += [(f"spec.autoscaling.{k}", Scope.AUTOSCALING_ROLE, spec["autoscaling"][k])
+                for k in ("prefill", "decode", "engine") if k in spec["autoscaling"]]
     return out
 
 

@@ -20,6 +20,7 @@ from aiohttp import web
 
 from baton.router.config import RouterConfig, WorkerRole
 from baton.router.forward import (
+    DRAINING,
     JSON,
     TRANSPORT_ERRORS,
     ClientGone,
@@ -278,6 +279,9 @@ class Dispatcher:
         if failure.retryable:
             ctx.failed.add(worker)
         if failure.reason == "stalled":  # the stall watch keeps it out until it answers, not the breaker
+            return
+        if failure.reason == DRAINING:  # leaving service on purpose: out at once, not a fault to count
+            self.workers.set_draining(worker, True)
             return
         if failure.status >= 500 or failure.reason == "transport":
             self.workers.record_outcome(worker, ok=False, unreachable=failure.reason == "transport")

@@ -40,9 +40,21 @@ def transport_failure(url: str, exc: BaseException) -> Failure:
     return Failure(502, error_body(message, 502), JSON, True, "transport")
 
 
+DRAINING = "draining"  # an engine's error type when it refuses work because it is leaving service
+
+
 async def status_failure(resp: UpstreamResponse) -> Failure:
     body = await resp.read()
-    return Failure(resp.status, body, resp.content_type, is_retryable_status(resp.status), f"status_{resp.status}")
+    reason = DRAINING if resp.status == 503 and _error_type(body) == DRAINING else f"status_{resp.status}"
+    return Failure(resp.status, body, resp.content_type, is_retryable_status(resp.status), reason)
+
+
+def _error_type(body: bytes) -> str | None:
+    try:
+        error = orjson.loads(body).get("error")
+    except (orjson.JSONDecodeError, AttributeError):
+        return None
+    return error.get("type") if isinstance(error, dict) else None
 
 
 def stream_refusal(body: bytes) -> Failure | None:

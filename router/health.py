@@ -37,6 +37,7 @@ class HealthChecker:
         self._watched_breakers: set[Worker] = set()
         workers.on_added.append(self._on_added)
         workers.on_breaker_opened.append(self._on_breaker_opened)
+        workers.on_draining.append(lambda worker: self._spawn(self._until_undrained(worker)))
 
     def start(self) -> None:
         for worker in self.workers.workers():
@@ -114,6 +115,14 @@ class HealthChecker:
                     self.workers.half_open(worker)
         finally:
             self._watched_breakers.discard(worker)
+
+    async def _until_undrained(self, worker: Worker) -> None:
+        """A draining engine fails /health until it stops; a new one on the same URL (a static worker
+        restarted) answers 200 and is routable again."""
+        while self.workers.get(worker.url, worker.role) is worker and worker.draining:
+            await asyncio.sleep(self.health.startup_check_interval_secs)
+            if await self.is_healthy(worker):
+                self.workers.set_draining(worker, False)
 
     async def _periodic(self) -> None:
         while True:

@@ -29,6 +29,7 @@ class WorkerRegistry:
         self.on_removed: list[Callable[[Worker, list[Target]], None]] = []  # e.g. drop cache trees
         # (worker, unreachable): its breaker opened; unreachable when the last failure was a transport error
         self.on_breaker_opened: list[Callable[[Worker, bool], None]] = []
+        self.on_draining: list[Callable[[Worker], None]] = []  # e.g. probe until it is ready again
 
     # -- membership ------------------------------------------------------------------------
     def add(self, spec: WorkerSpec, source: str = "static") -> Worker:
@@ -96,6 +97,17 @@ class WorkerRegistry:
             logger.warning("%s worker %s %s", worker.role.value, worker.url,
                            "stalled: no new requests until it answers again" if stalled else "answers again")
             self.rebuild()
+
+    def set_draining(self, worker: Worker, draining: bool) -> None:
+        """A draining worker gets no new request from this moment (it said so in a refusal)."""
+        if worker.draining != draining:
+            worker.draining = draining
+            logger.warning("%s worker %s %s", worker.role.value, worker.url,
+                           "is draining: no new requests" if draining else "is ready again")
+            self.rebuild()
+            if draining:
+                for hook in self.on_draining:
+                    hook(worker)
 
     def half_open(self, worker: Worker) -> None:
         if worker.breaker.half_open():

@@ -27,6 +27,7 @@ class Worker:
     healthy: bool = False  # set by the health checker (or at once when checks are disabled)
     ready: bool = False  # answered at least once; until then it is probed at the startup interval
     stalled: bool = False  # set by the stall watch: open requests, no answer for --worker-stall-timeout
+    draining: bool = False  # it refused a request as draining (SIGTERM, /drain); cleared when /health is 200
     dp_size: int = 1  # set from /get_server_info in DP-aware mode
     health_successes: int = 0  # consecutive, kept by the health checker
     health_failures: int = 0
@@ -55,7 +56,7 @@ class Worker:
         return sum(t.in_flight for t in self.targets)
 
     def routable(self) -> bool:
-        return self.healthy and not self.stalled and self.breaker.allows()
+        return self.healthy and not self.stalled and not self.draining and self.breaker.allows()
 
     def unroutable_reason(self) -> str | None:
         """Why no request may go to this worker now (None: it may), in words for error messages."""
@@ -65,6 +66,8 @@ class Worker:
             return "unhealthy"
         if self.stalled:
             return "stalled (stopped answering while holding requests)"
+        if self.draining:
+            return "draining (finishing its requests before it stops)"
         if not self.breaker.allows():
             return (f"circuit breaker open for {self.breaker.opens_for():.0f}s more, "
                     "or until it answers a health probe after being down")
@@ -86,6 +89,7 @@ class Worker:
             "source": self.source,
             "healthy": self.healthy,
             "stalled": self.stalled,
+            "draining": self.draining,
             "circuit_breaker": self.breaker.state.name.lower(),
             "dp_size": self.dp_size,
             "in_flight": self.in_flight,

@@ -211,15 +211,17 @@ def run_server(server_args: ServerArgs) -> None:
                 tokenizer.chat_template = f.read()
         return tokenizer
 
-    # uvicorn answers SIGTERM (what Kubernetes sends) by closing the listener and letting running
-    # requests finish, then raises the signal again once it has drained. Turning that into SystemExit
-    # stops the scheduler and detokenizer below and exits 0, instead of dying by the signal midway.
+    # SIGTERM (what Kubernetes sends) drains (drain.py): not ready, new generations refused with a
+    # retriable 503, running requests finish; then the server stops and uvicorn raises the signal
+    # again. Turning that into SystemExit stops the scheduler and detokenizer below and exits 0,
+    # instead of dying by the signal midway.
     signal.signal(signal.SIGTERM, _exit_after_drain)
     procs = launch_subprocesses(server_args, while_starting=front_end_start_up)
     bind_frontend(procs.cpu_plan)  # after the spawns: the scheduler must not inherit the frontend's CPUs
     try:
         import uvicorn
 
+        from baton.engine.entrypoints.drain import DrainingServer, stop_when_idle
         from baton.engine.entrypoints.http_common import ApiContext
         from baton.engine.entrypoints.http_server import create_app
         from baton.engine.metrics import EngineMetrics
@@ -241,18 +243,20 @@ def run_server(server_args: ServerArgs) -> None:
         config = uvicorn.Config(app, host=server_args.host, port=server_args.port,
                                 log_level=server_args.log_level if server_args.log_level != "info" else "warning",
                                 timeout_keep_alive=30)
-        server = uvicorn.Server(config)
+        server = DrainingServer(config, ctx.drain)
         logger.info("serving %s on http://%s:%d", server_args.model_name, server_args.host, server_args.port)
         died: list[str] = []
 
         async def serve() -> None:
             watch = asyncio.create_task(supervise(procs, tm, server))
+            drained = asyncio.create_task(stop_when_idle(ctx.drain, tm, server))
             try:
                 await server.serve()
             finally:
                 if watch.done() and not watch.cancelled():
                     died.append(watch.result())
                 watch.cancel()
+                drained.cancel()
 
         _run_event_loop(serve())
         if died:

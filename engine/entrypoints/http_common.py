@@ -10,6 +10,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
+from baton.engine.entrypoints.drain import Drain
 from baton.engine.sampling.sampling_params import SamplingParams
 from baton.engine.server_args import ServerArgs
 from baton.engine.tokenizer_manager import GenerateInput, ReqOutput, RequestError, TokenizerManager
@@ -22,6 +23,7 @@ class ApiContext:
     model_info: dict[str, Any]
     scheduler_alive: Callable[[], bool] = lambda: True
     extra: dict[str, Any] = field(default_factory=dict)
+    drain: Drain = field(default_factory=Drain)  # SIGTERM or POST /drain (drain.py)
 
     @property
     def model_name(self) -> str:

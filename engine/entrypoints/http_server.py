@@ -14,6 +14,7 @@ from starlette.datastructures import Headers
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from baton.engine.disaggregation.no_peer import FAKE_BOOTSTRAP_HOST
+from baton.engine.entrypoints.drain import GENERATION_PATHS
 from baton.engine.entrypoints.expansion import expand, pd_fields
 from baton.engine.entrypoints.http_common import (SSE_DONE, SSE_KEEPALIVE, ApiContext, abort_error, collect,
                                                   error_response, parse, read_json, sampling_params_from, sse,
@@ -69,6 +70,9 @@ class GuardMiddleware:
         length = headers.get("content-length")
         if length and length.isdigit() and int(length) > args.max_request_bytes:
             return error_response(f"request body too large (limit {args.max_request_bytes} bytes)", 413)
+        if self.ctx.drain.active and path in GENERATION_PATHS:
+            self.ctx.tm.metrics.error(503)
+            return self.ctx.drain.refusal()
         return None
 
 
@@ -105,7 +109,16 @@ def _register_native_routes(app: FastAPI, ctx: ApiContext) -> None:
     async def health():
         if not ctx.scheduler_alive():
             return error_response("the scheduler process is not running", 503, "server_error")
+        if ctx.drain.active:  # readiness fails: the pod leaves its Service and the router's list
+            return ctx.drain.refusal()
         return Response(status_code=200)
+
+    @app.post("/drain")
+    async def drain():
+        """Leave service without losing a request (drain.py): what SIGTERM does, on request. An admin
+        route: behind the API key like the others."""
+        ctx.drain.begin("POST /drain")
+        return {"draining": True, "running_requests": len(ctx.tm.states)}
 
     @app.get("/health_generate")
     async def health_generate():

@@ -374,6 +374,7 @@ class Scheduler:
             "kv_cache_dtype": str(self.worker.model_runner.kv_dtype).removeprefix("torch."),
             "num_running_reqs": len(self.running_batch.reqs),
             "num_waiting_reqs": len(self.waiting_queue),
+            "num_waiting_tokens": sum(len(r.origin_input_ids) for r in self.waiting_queue),  # the planner's signal
             "num_grammar_queue_reqs": len(self.grammar_queue),
             "token_usage": self.token_usage(),
             "new_token_ratio": self.ratio.value,

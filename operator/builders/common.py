@@ -28,9 +28,10 @@ def metadata(isvc: InferenceService, name: str, role: Role | None = None,
 
 
 def external_replicas(obj: dict[str, Any]) -> bool:
-    """Someone else (an HPA, KEDA) sets this Deployment's replicas (spec.autoscaling.mode external)."""
+    """Not the spec's count: an HPA or KEDA (spec.autoscaling.mode external) or the planner (mode planner)
+    sets this Deployment's replicas, so a reconcile never resets them."""
     annotations = obj.get("metadata", {}).get("annotations") or {}
-    return annotations.get(naming.REPLICAS_ANNOTATION) == naming.EXTERNAL_REPLICAS
+    return annotations.get(naming.REPLICAS_ANNOTATION) in (naming.EXTERNAL_REPLICAS, naming.PLANNER_REPLICAS)
 
 
 def spec_hash(obj: dict[str, Any]) -> str:
@@ -77,9 +78,18 @@ def tcp_probe(port: str, period: int, failures: int) -> dict[str, Any]:
             "failureThreshold": failures}
 
 
+def spread_over_nodes(isvc: InferenceService, role: Role) -> list[dict[str, Any]]:
+    """The default topology spread: a role's pods on as many nodes as may be (a preference, never a reason
+    to stay Pending), so one node's drain or loss takes few of them."""
+    return [{"maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "ScheduleAnyway",
+             "labelSelector": {"matchLabels": naming.selector_labels(isvc.name, role)}}]
+
+
 def placement_fields(node_selector: dict[str, str], tolerations: list[dict[str, Any]],
-                     affinity: dict[str, Any] | None) -> dict[str, Any]:
+                     affinity: dict[str, Any] | None, spread: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {}
+    if spread:
+        out["topologySpreadConstraints"] = copy.deepcopy(spread)
     if node_selector:
         out["nodeSelector"] = dict(node_selector)
     if tolerations:

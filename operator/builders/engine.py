@@ -7,7 +7,7 @@ from typing import Any
 from baton.operator import naming
 from baton.operator.builders.common import (container_security_context, http_probe, metadata,
                                             placement_fields, pod_security_context, resources,
-                                            tcp_probe)
+                                            spread_over_nodes, tcp_probe)
 from baton.operator.builders.model_cache import cache_volume, engine_cache_mount, fetch_container
 from baton.operator.naming import Role
 from baton.operator.spec import InferenceService, RoleSpec
@@ -16,6 +16,9 @@ MODEL_VOLUME = "model"
 SHM_VOLUME = "dshm"
 # Loading weights can take long; the startup probe allows this before liveness applies.
 STARTUP_SECONDS = 1800
+# preStop: the kubelet waits this long before SIGTERM, while the endpoints controller and the routers'
+# discovery take the terminating pod out; the engine's own drain (SIGTERM) then finishes what it runs.
+PRESTOP_SECONDS = 5
 STARTUP_PERIOD = 10
 
 
@@ -118,6 +121,9 @@ def engine_container(isvc: InferenceService, role: Role) -> dict[str, Any]:
         "livenessProbe": tcp_probe("http", 10, 6),
         "securityContext": container_security_context(caps),
     }
+    prestop = min(PRESTOP_SECONDS, r.termination_grace_seconds // 4)  # counts against the grace period
+    if prestop > 0:
+        container["lifecycle"] = {"preStop": {"exec": {"command": ["sleep", str(prestop)]}}}
     if mounts:
         container["volumeMounts"] = mounts
     return container
@@ -131,11 +137,15 @@ def _pod_annotations(isvc: InferenceService, role: Role) -> dict[str, str]:
     return ann
 
 
-def _strategy(isvc: InferenceService, r: RoleSpec, role: Role) -> dict[str, Any]:
-    # A surge pod needs spare GPUs (or a free host port with hostNetwork): replace in place instead.
-    in_place = r.gpus > 0 or (role is not Role.COLOCATED and isvc.spec.kv_transfer.host_network)
-    surge, unavailable = (0, 1) if in_place else (1, 0)
-    return {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": surge, "maxUnavailable": unavailable}}
+def _strategy(r: RoleSpec) -> dict[str, Any]:
+    # Default: a new pod is Ready before an old one goes (maxSurge 1, maxUnavailable 0), so a rollout never
+    # leaves a role without a serving pod; a surge pod needs a spare GPU (or host port): spec.<role>.rollingUpdate.
+    return {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": r.rollout_max_surge,
+                                                       "maxUnavailable": r.rollout_max_unavailable}}
+
+
+def _spread(isvc: InferenceService, r: RoleSpec, role: Role) -> list[dict[str, Any]]:
+    return spread_over_nodes(isvc, role) if r.placement.topology_spread is None else r.placement.topology_spread
 
 
 def engine_pod_spec(isvc: InferenceService, role: Role) -> dict[str, Any]:
@@ -146,7 +156,8 @@ def engine_pod_spec(isvc: InferenceService, role: Role) -> dict[str, Any]:
         "automountServiceAccountToken": False, "enableServiceLinks": False,
         "terminationGracePeriodSeconds": r.termination_grace_seconds,
         "securityContext": pod_security_context(spec.pod_security),
-        **placement_fields(r.placement.node_selector, r.placement.tolerations, r.placement.affinity),
+        **placement_fields(r.placement.node_selector, r.placement.tolerations, r.placement.affinity,
+                           _spread(isvc, r, role)),
     }
     if volumes:
         pod["volumes"] = volumes
@@ -163,15 +174,17 @@ def engine_deployment(isvc: InferenceService, role: Role) -> dict[str, Any]:
     assert role in isvc.spec.roles, f"{role} is not an engine role of mode {isvc.spec.mode}"
     r = isvc.spec.roles[role]
     name = naming.child_name(isvc.name, role)
-    # external autoscaling: replicas is the count it is created with; apply() keeps the live one after
-    annotations = {naming.REPLICAS_ANNOTATION: naming.EXTERNAL_REPLICAS} if isvc.spec.external_replicas else None
+    # external autoscaling or the planner: replicas is the count it is created with; apply() keeps the live
+    # one after
+    owner = isvc.spec.replicas_owner(role)
+    annotations = {naming.REPLICAS_ANNOTATION: owner} if owner else None
     return {
         "apiVersion": "apps/v1", "kind": "Deployment",
         "metadata": metadata(isvc, name, role, annotations),
         "spec": {
-            "replicas": r.replicas,
+            "replicas": isvc.spec.initial_replicas(role),
             "selector": {"matchLabels": naming.selector_labels(isvc.name, role)},
-            "strategy": _strategy(isvc, r, role),
+            "strategy": _strategy(r),
             "progressDeadlineSeconds": STARTUP_SECONDS,
             "revisionHistoryLimit": 5,
             "template": {

@@ -7,7 +7,8 @@ from typing import Any
 from baton.operator import naming
 from baton.operator.builders.common import (container_security_context, http_probe, metadata,
                                             placement_fields, pod_security_context, resources,
-                                            tcp_probe)
+                                            spread_over_nodes, tcp_probe)
+from baton.operator.builders.engine import PRESTOP_SECONDS
 from baton.operator.naming import Role
 from baton.operator.spec import InferenceService
 
@@ -58,13 +59,20 @@ def router_deployment(isvc: InferenceService) -> dict[str, Any]:
         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
         "readinessProbe": http_probe("http", "/health", 5, 3),
         "livenessProbe": tcp_probe("http", 10, 6),
+        # out of the Service before SIGTERM; then `baton router` stops listening and lets the requests it
+        # relays finish (within the grace period: as long as an engine gives its own)
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SECONDS)]}}},
         "securityContext": container_security_context(read_only_root=True),
     }
     pod: dict[str, Any] = {
         "serviceAccountName": name, "automountServiceAccountToken": True, "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": PRESTOP_SECONDS + max(x.termination_grace_seconds
+                                                               for x in spec.roles.values()),
         "containers": [container], "volumes": [{"name": "tmp", "emptyDir": {}}],
         "securityContext": pod_security_context(spec.pod_security),
-        **placement_fields(r.placement.node_selector, r.placement.tolerations, r.placement.affinity),
+        **placement_fields(r.placement.node_selector, r.placement.tolerations, r.placement.affinity,
+                           spread_over_nodes(isvc, Role.ROUTER) if r.placement.topology_spread is None
+                           else r.placement.topology_spread),
     }
     if spec.image_pull_secrets:
         pod["imagePullSecrets"] = [{"name": n} for n in spec.image_pull_secrets]

@@ -43,10 +43,15 @@ CEL_CASES = [
     body(prefill={"dp": 2, "gpus": 1}),
     body(decode={"tp": 2, "gpus": 2}),
     body(decode={"extraArgs": ["--enable-mixed-chunk"]}),
+    body(replicas=2),
+    body(autoscaling={"mode": "planner", "engine": {"targetKVUsage": 0.7}}),
     body(decode={"extraArgs": ["--port=1"]}),
     body(router={"extraArgs": ["--policy", "random"]}),
     body(kvTransfer={"protocol": "tcp", "ibDevices": ["mlx5_0"]}),
     body(kvTransfer={"protocol": "tcp", "rdmaResourceName": "rdma/hca"}),
+    body(autoscaling={"mode": "planner", "prefillDecodeRatio": {"min": 2, "max": 1}}),
+    body(autoscaling={"mode": "planner", "decode": {"minReplicas": 5, "targetKVUsage": 0.7}}),
+    body(autoscaling={"mode": "planner", "decode": {"maxReplicas": 2}}),
 ]
 SCHEMA_CASES = [
     (body(mode="both"), 'spec.mode: Unsupported value: "both"'),

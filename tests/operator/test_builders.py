@@ -6,7 +6,9 @@ import json
 import pytest
 
 from baton.operator import naming
+from baton.operator.apply import keep_live_replicas
 from baton.operator.builders import build_children
+from baton.operator.builders.common import spec_hash
 from baton.operator.builders.engine import engine_args, engine_deployment, engine_service
 from baton.operator.builders.monitoring import pod_monitor, service_monitor
 from baton.operator.builders.router import (router_args, router_deployment, router_role,
@@ -142,14 +144,46 @@ def test_root_is_allowed_when_the_image_needs_it():
     assert "runAsNonRoot" not in pod["securityContext"]
 
 
-def test_host_network_mode_for_engines_only_and_in_place_rollouts():
+def test_host_network_mode_for_engines_only():
     isvc = parse(isvc_body(kvTransfer={"hostNetwork": True}))
     for role in (Role.PREFILL, Role.DECODE):
         dep = engine_deployment(isvc, role)
         assert dep["spec"]["template"]["spec"]["hostNetwork"] is True
         assert dep["spec"]["template"]["spec"]["dnsPolicy"] == "ClusterFirstWithHostNet"
-        assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
     assert "hostNetwork" not in router_deployment(isvc)["spec"]["template"]["spec"]
+
+
+def test_rollouts_surge_by_default_and_in_place_when_asked():
+    """New pods Ready before old ones go, on every role (GPU ones too: a rollout then waits for a spare GPU
+    rather than leave a role without a serving pod), unless the role asks to be replaced in place."""
+    isvc = parse(isvc_body(prefill={"gpus": 1}, decode={"gpus": 1, "rollingUpdate": {"maxSurge": 0,
+                                                                                    "maxUnavailable": "25%"}}))
+    assert engine_deployment(isvc, Role.PREFILL)["spec"]["strategy"] == {
+        "type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+    assert engine_deployment(isvc, Role.DECODE)["spec"]["strategy"]["rollingUpdate"] == {
+        "maxSurge": 0, "maxUnavailable": "25%"}
+
+
+def test_pods_drain_and_spread_over_nodes_unless_told_otherwise():
+    isvc = parse(isvc_body(decode={"terminationGracePeriodSeconds": 120,
+                                   "topologySpreadConstraints": [{"maxSkew": 2, "topologyKey": "zone",
+                                                                  "whenUnsatisfiable": "DoNotSchedule"}]},
+                           prefill={"terminationGracePeriodSeconds": 8}, router={"topologySpreadConstraints": []}))
+    prefill = engine_deployment(isvc, Role.PREFILL)["spec"]["template"]["spec"]
+    assert prefill["topologySpreadConstraints"] == [{
+        "maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "ScheduleAnyway",
+        "labelSelector": {"matchLabels": {"baton.dev/inference-service": "demo", "baton.dev/role": "prefill"}}}]
+    # the preStop wait (while the pod leaves the endpoints) fits in the grace period, then SIGTERM drains
+    assert prefill["containers"][0]["lifecycle"] == {"preStop": {"exec": {"command": ["sleep", "2"]}}}
+    decode = engine_deployment(isvc, Role.DECODE)["spec"]["template"]["spec"]
+    assert decode["topologySpreadConstraints"][0]["topologyKey"] == "zone"
+    assert decode["containers"][0]["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "5"]
+    assert decode["terminationGracePeriodSeconds"] == 120
+    router = router_deployment(isvc)["spec"]["template"]["spec"]
+    assert "topologySpreadConstraints" not in router
+    # a router pod relays the longest generation an engine may finish, after its own preStop wait
+    assert router["terminationGracePeriodSeconds"] == 5 + 120
+    assert router["containers"][0]["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "5"]
 
 
 def test_colocated_engine_has_no_disaggregation_flags():
@@ -335,3 +369,13 @@ def test_one_disruption_budget_per_role_with_a_default_the_spec_overrides():
     colocated = build_children(parse(isvc_body(mode="colocated", router={"disruptionBudget": {"maxUnavailable": 0}})))
     budgets = {o["metadata"]["name"]: o["spec"]["maxUnavailable"] for o in colocated if o["kind"] == "PodDisruptionBudget"}
     assert budgets == {"demo-engine": 1, "demo-router": 0}
+
+
+def test_planned_roles_are_created_within_their_bounds_and_keep_what_the_planner_sets():
+    isvc = parse(isvc_body(decode={"replicas": 9}, prefill={"replicas": 2}, autoscaling={
+        "mode": "planner", "decode": {"minReplicas": 2, "maxReplicas": 4, "targetKVUsage": 0.7}}))
+    decode, prefill = engine_deployment(isvc, Role.DECODE), engine_deployment(isvc, Role.PREFILL)
+    assert decode["spec"]["replicas"] == 4 and decode["metadata"]["annotations"] == {"baton.dev/replicas": "planner"}
+    assert prefill["spec"]["replicas"] == 2 and "annotations" not in prefill["metadata"]  # not planned: the spec's
+    live = {**decode, "spec": {**decode["spec"], "replicas": 3}}  # what the planner set
+    assert keep_live_replicas(live, decode)["spec"]["replicas"] == 3 and spec_hash(live) == spec_hash(decode)

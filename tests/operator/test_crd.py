@@ -85,7 +85,9 @@ def test_schema_is_structural_and_cel_costs_are_bounded():
 
 def test_crd_has_status_subresource_and_printer_columns():
     version = build_crd()["spec"]["versions"][0]
-    assert version["subresources"] == {"status": {}}
+    # scale: kubectl scale bisvc gets the CEL rule's advice (spec.replicas is refused) instead of a NotFound
+    assert version["subresources"] == {"status": {}, "scale": {"specReplicasPath": ".spec.replicas",
+                                                               "statusReplicasPath": ".status.replicas"}}
     columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
     assert columns["Ready"] == '.status.conditions[?(@.type=="Ready")].status'
     assert {"Prefill", "Decode", "Router", "Endpoint", "Age"} <= set(columns)
@@ -110,7 +112,7 @@ BAD_SCHEMA = [  # refused by the OpenAPI schema: (spec override, expected words 
     ({"model": {"name": "m", "path": "/m", "kvCacheDtype": "fp8_e4m3"}}, "'fp8_e4m3' is not one of"),
     ({"model": {"name": "m", "path": "/m", "dtype": "float64"}}, "'float64' is not one of"),
     ({"model": {"name": "m", "path": "/m", "toolCallParser": "gpt"}}, "'gpt' is not one of"),
-    ({"autoscaling": {"mode": "hpa"}}, "'hpa' is not one of ['static', 'external']"),
+    ({"autoscaling": {"mode": "hpa"}}, "'hpa' is not one of ['static', 'external', 'planner']"),
     ({"model": {"name": "m", "source": "ftp://x/y"}}, "does not match"),
 ]
 
@@ -162,6 +164,14 @@ BAD_RULES = [  # refused by CEL rules (and by the operator's Python twins)
     {"model": {"name": "m", "source": "pvc://claim/x", "fetch": {"secretName": "s"}}},
     {"model": {"name": "m", "source": "hf://org/name", "cache": {"claimName": "c", "emptyDir": {}}}},
     {"model": {"name": "m", "source": "hf://org/name", "cache": {}}},
+    # kubectl scale bisvc writes spec.replicas through the scale subresource
+    {"replicas": 2},
+    # spec.autoscaling
+    {"mode": "colocated", "autoscaling": {"mode": "planner", "decode": {"targetKVUsage": 0.7}}},
+    {"autoscaling": {"mode": "planner", "engine": {"targetKVUsage": 0.7}}},
+    {"autoscaling": {"mode": "planner", "prefillDecodeRatio": {"min": 2, "max": 1}}},
+    {"autoscaling": {"mode": "planner", "decode": {"minReplicas": 5, "targetKVUsage": 0.7}}},
+    {"autoscaling": {"mode": "planner", "prefill": {"maxReplicas": 2}}},
 ]
 
 
@@ -190,7 +200,11 @@ def test_good_variants_pass_both(samples):
             {"model": {"name": "m", "source": "s3://models/qwen3", "cache": {"emptyDir": {"sizeLimit": "20Gi"}},
                        "fetch": {"region": "eu-west-1"}}},
             {"model": {"name": "m", "source": "pvc://models/qwen3"}}, {"model": {"name": "m", "source": "/models/x"}},
-            {"model": {"name": "m", "source": "pvc://models/qwen3", "path": "/weights"}}]
+            {"model": {"name": "m", "source": "pvc://models/qwen3", "path": "/weights"}},
+            {"autoscaling": {"mode": "planner", "prefillDecodeRatio": {"min": 0.25, "max": 1},
+                             "prefill": {"targetTTFTSeconds": 0.5, "targetQueuedTokens": 8192, "maxReplicas": 2},
+                             "decode": {"targetKVUsage": 0.7, "targetITLSeconds": 0.04, "maxReplicas": 8}}},
+            {"mode": "colocated", "autoscaling": {"mode": "planner", "engine": {"targetKVUsage": 0.7}}}]
     for spec in good:
         obj = for_create(isvc_body(**spec))
         assert api_server_refusals(obj) == [], spec

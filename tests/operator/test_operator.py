@@ -183,19 +183,36 @@ async def _positive(value: float) -> bool:
     return value > 0
 
 
-async def test_mode_switch_prunes_the_other_roles(cluster: Cluster, namespace: str):
+async def test_mode_switch_keeps_the_old_roles_until_the_new_ones_serve(cluster: Cluster, namespace: str):
+    """The new engine comes up beside the old roles; the router gets its new args once it is Ready; the
+    old roles go once the router has rolled out: the service answers throughout."""
+    def args(dep):
+        return dep["spec"]["template"]["spec"]["containers"][0]["args"]
+
     async with run_operator(cluster):
         await cluster.create(for_create(isvc_body(namespace=namespace)))
         await all_children(cluster, namespace)
         await cluster.patch("InferenceService", namespace, "demo",
                             {"spec": {"mode": "colocated", "prefill": None, "decode": None}})
         await all_children(cluster, namespace, [("Deployment", "demo-engine"), ("Service", "demo-engine")])
+        if cluster.emulated:  # (real controllers may make the engine Ready at once)
+            for name in ("demo-prefill", "demo-decode"):
+                assert await cluster.get("Deployment", namespace, name) is not None
+            assert "--pd-disaggregation" in args(await cluster.get("Deployment", namespace, "demo-router"))
+            obj = await condition_is(cluster, namespace, "Progressing", "True", "SwitchingMode")
+            assert "until the new engine pods are Ready" in conditions(obj)["Progressing"]["message"]
+        await cluster.settle(namespace, "demo-engine")
+
+        async def router_switched():
+            return "--selector" in args(await cluster.get("Deployment", namespace, "demo-router"))
+        await cluster.wait_for(router_switched, "the router's new args once the engine is Ready")
+        if cluster.emulated:
+            assert await cluster.get("Deployment", namespace, "demo-prefill") is not None
+        await cluster.settle(namespace, "demo-router")
 
         async def pruned():
             return all([await cluster.get("Deployment", namespace, n) is None for n in ("demo-prefill", "demo-decode")])
-        await cluster.wait_for(pruned, "prefill/decode Deployments pruned")
-        await cluster.settle(namespace, "demo-engine")
-        await cluster.settle(namespace, "demo-router")
+        await cluster.wait_for(pruned, "prefill/decode Deployments pruned once the router rolled out")
         obj = await condition_is(cluster, namespace, "Ready", "True")
         assert obj["status"]["engine"]["summary"] == "1/1" and "prefill" not in obj["status"]
 

@@ -31,6 +31,7 @@ class Behavior:
     break_stream_after: int | None = None  # drop the connection after this many chunks
     stream_error: int | None = None  # a stream answers 200 with one error event of this code (an engine's scheduler refused)
     input_logprobs: list[Any] = field(default_factory=list)  # meta_info.input_token_logprobs of /generate
+    draining: bool = False  # as an engine after SIGTERM: /health and new requests get the draining 503
 
 
 class FakeWorker:
@@ -93,7 +94,8 @@ class FakeWorker:
     async def _health(self, request: web.Request) -> web.Response:
         await self._running.wait()
         self.health_checks += 1
-        return web.Response(status=200 if self.behavior.healthy else 503, text=self.name)
+        ok = self.behavior.healthy and not self.behavior.draining
+        return web.Response(status=200 if ok else 503, text=self.name)
 
     async def _server_info(self, request: web.Request) -> web.Response:
         info: dict[str, Any] = {"model_path": "fake-model", "worker": self.name}
@@ -140,6 +142,11 @@ class FakeWorker:
         except asyncio.CancelledError:
             self.disconnects += 1
             raise
+        if b.draining:  # the engine's refusal (engine/entrypoints/drain.py)
+            refusal = _json({"error": {"message": f"{self.name} is draining", "type": "draining", "code": 503}},
+                            status=503)
+            refusal.headers["Retry-After"] = "1"
+            return refusal
         if len(self.requests) <= b.fail_first:
             return _json({"error": {"message": f"{self.name} failing on purpose"}}, status=b.fail_status)
         if b.status >= 400:

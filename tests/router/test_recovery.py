@@ -45,3 +45,26 @@ async def test_a_restarted_worker_is_served_again_at_its_first_answered_probe(fa
     async with http.post(url_of(router, "/generate"), json={"text": "x"}) as resp:
         assert resp.status == 200 and (await resp.json())["text"] == "hello from w1-restarted"
     assert registered.breaker.state is BreakerState.CLOSED
+
+
+async def test_a_draining_worker_is_out_at_its_first_refusal_and_back_when_ready(fake_workers, routers, http):
+    """An engine that drains (SIGTERM, /drain) refuses with 503 + error type draining: the request goes to
+    another worker, the draining one gets no other (its breaker does not count it), and it is routable
+    again once its /health answers 200 (a restarted static worker)."""
+    draining, other = await fake_workers("w1"), await fake_workers("w2")
+    router = await routers(regular=[draining.url, other.url], policy="round_robin")
+    draining.behavior.draining = True  # SIGTERM, between two health probes
+    for _ in range(4):
+        async with http.post(url_of(router, "/generate"), json={"text": "x"}) as resp:
+            assert resp.status == 200 and (await resp.json())["text"] == "hello from w2"
+    assert len(draining.requests) == 1 and len(other.requests) == 4
+    async with http.get(url_of(router, "/workers")) as resp:
+        listed = {w["url"]: w for w in (await resp.json())["workers"]}
+    assert listed[draining.url]["draining"] is True and listed[draining.url]["circuit_breaker"] == "closed"
+    draining.behavior.draining = False
+    worker = router.workers.get(draining.url, WorkerRole.REGULAR)
+    await wait_until(lambda: not worker.draining, what="the worker back once /health answers 200")
+    async with http.post(url_of(router, "/generate"), json={"text": "x"}) as resp:
+        async with http.post(url_of(router, "/generate"), json={"text": "x"}) as resp2:
+            texts = {(await resp.json())["text"], (await resp2.json())["text"]}
+    assert texts == {"hello from w1", "hello from w2"}
