@@ -22,7 +22,8 @@ COPY router ./router
 COPY operator ./operator
 RUN /opt/baton/bin/pip install --extra-index-url "${TORCH_INDEX_URL}" ".[engine,pd,router]" \
     && /opt/baton/bin/pip install --extra-index-url "${FLASHINFER_INDEX_URL}" \
-       "flashinfer-python==0.7.2.post1" "flashinfer-jit-cache==0.7.2.post1"
+       "flashinfer-python==0.7.2.post1" "flashinfer-jit-cache==0.7.2.post1" \
+    && /opt/baton/bin/pip install "fla-core==0.6.0" einops
 
 FROM ${CUDA_IMAGE}
 ENV DEBIAN_FRONTEND=noninteractive

@@ -23,6 +23,7 @@ set -uo pipefail
 
 FLASHINFER_VERSION=0.7.2.post1
 TVM_FFI_VERSION=0.1.15.post2
+FLA_VERSION=0.6.0
 # what `baton serve`, its scheduler and `baton bench` import beyond the GPU image's torch/transformers
 SERVE_REQS="fastapi>=0.110 uvicorn>=0.29 uvloop>=0.19 httptools>=0.6 httpx>=0.27 orjson>=3.9 prometheus-client>=0.20
 pydantic>=2.5 pyzmq>=25 aiohttp>=3.9"
@@ -36,6 +37,8 @@ fetch_wheels() {
     # shellcheck disable=SC2086
     "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $platforms \
         -d .whl "flashinfer-python==$FLASHINFER_VERSION" "apache-tvm-ffi==$TVM_FFI_VERSION" || exit 1
+    # fla-core (pure Python + Triton): the hybrid models' gated delta rule kernels, with einops
+    "$py" -m pip download -q --no-deps -d .whl "fla-core==$FLA_VERSION" einops || exit 1
     # shellcheck disable=SC2086
     "$py" -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp $platforms \
         -d .whl $SERVE_REQS || exit 1
@@ -150,6 +153,7 @@ if [[ $STAGES == *tests* ]]; then
     stamp "== GPU tests"
     timeout "${TESTS_TIMEOUT:-200}" "$PY" -m pytest -p no:cacheprovider -q -rs -x --timeout 120 -m gpu \
         tests/engine/test_fused_ops.py tests/engine/test_gpu_paths.py tests/engine/test_triton_ops.py tests/engine/test_sampling.py \
+        tests/engine/test_hybrid_radix_cache.py \
         2>&1 | tee "$OUT/tests.txt" | tail -25 || status=1
     grep -h "max |logprob diff|\|exact argmax" "$OUT/tests.txt" | head -20
 fi

@@ -12,8 +12,10 @@ of the rule for a request's extend (transformers' torch_chunk_gated_delta_rule, 
 state) and the recurrent form for one token (decode; torch_recurrent_gated_delta_rule). Both read
 and write the request's slot of the recurrent-state pool (mem_cache/state_pool.py), which the
 forward batch carries. With the radix cache, an extend is cut at each tracked position and the
-state there goes to a checkpoint slot as well (mem_cache/hybrid_radix_cache.py). The CUDA path (fla-core's Triton kernels,
-a causal conv1d kernel) is to come.
+state there goes to a checkpoint slot as well (mem_cache/hybrid_radix_cache.py). The CUDA path packs the batch (no per-request loop): the conv
+as K gathers over one buffer of [state | tokens] per request (`varlen_causal_conv1d`), the rule on
+fla-core's Triton kernels (`fla_rule`: chunked over the varlen batch, fused recurrent for decode),
+tracked positions as waves of pieces; the same packing runs on CPU with the reference rule in tests.
 
 Checkpoint layouts: Qwen3-Next fuses the projections per key-head group (`in_proj_qkvz`,
 `in_proj_ba`, interleaved); Qwen3.5 keeps them apart (`in_proj_qkv`, `in_proj_z`, `in_proj_b`,
@@ -21,7 +23,11 @@ Checkpoint layouts: Qwen3-Next fuses the projections per key-head group (`in_pro
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import functools
+import itertools
+import logging
+from functools import partial
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +42,8 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
     from baton.engine.model_executor.forward_batch import ForwardBatch
+
+logger = logging.getLogger(__name__)
 
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -115,6 +123,78 @@ def _pick_rows(param: nn.Parameter, rows: list[tuple[int, int]]) -> None:
     param.weight_loader = load
 
 
+def varlen_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, lens: list[int],
+                         conv_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The short causal conv1d (+ silu) of packed requests, each continuing from its conv state:
+    x [n, C], weight [C, K] (depthwise), conv_state [bs, C, K - 1] -> (y [n, C], new conv state).
+    Each request's [state | tokens] sits in one buffer (request i's token l at its start + (i + 1)
+    (K - 1) + l), and output token g sums the K rows from g + i (K - 1) on: K gathers, accumulated in
+    float32 as a conv does, whatever the batch."""
+    n, channels = x.shape
+    bs, k1 = conv_state.shape[0], conv_state.shape[-1]
+    dev = x.device
+    lens_t = torch.tensor(lens, dtype=torch.int64, device=dev)
+    req = torch.repeat_interleave(torch.arange(bs, device=dev), lens_t, output_size=n)
+    tok = torch.arange(n, device=dev)
+    starts = torch.cumsum(lens_t, 0) - lens_t
+    ext = torch.empty(n + bs * k1, channels, dtype=x.dtype, device=dev)
+    ext[tok + (req + 1) * k1] = x
+    state_rows = (starts + torch.arange(bs, device=dev) * k1)[:, None] + torch.arange(k1, device=dev)
+    ext[state_rows.reshape(-1)] = conv_state.transpose(1, 2).reshape(-1, channels).to(x.dtype)
+    first = tok + req * k1
+    w = weight.float()
+    y = torch.zeros(n, channels, dtype=torch.float32, device=dev)
+    for j in range(k1 + 1):
+        y += ext[first + j].float() * w[:, j]
+    last = (starts + lens_t + torch.arange(1, bs + 1, device=dev) * k1 - k1)[:, None] + torch.arange(k1, device=dev)
+    new_state = ext[last.reshape(-1)].reshape(bs, k1, channels).transpose(1, 2)
+    return F.silu(y).to(x.dtype), new_state
+
+
+def torch_varlen_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                      lens: list[int], state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The delta rule over packed requests with the reference functions, one request at a time:
+    q, k [n, Hk, Dk], v [n, Hv, Dv], g, beta [n, Hv], state [bs, Hv, Dk, Dv] -> (out [n, Hv, Dv], state)."""
+    outs, states, start = [], [], 0
+    for i, n in enumerate(lens):
+        sl = slice(start, start + n)
+        fn = recurrent_gated_delta_rule if n == 1 else chunk_gated_delta_rule
+        o, s = fn(q[None, sl], k[None, sl], v[None, sl], g[None, sl], beta[None, sl], state[i:i + 1])
+        outs.append(o[0]), states.append(s)
+        start += n
+    return torch.cat(outs), torch.cat(states)
+
+
+@functools.lru_cache(maxsize=None)
+def fla_kernels() -> Optional[tuple[Callable, Callable]]:
+    """fla-core's (chunk, fused recurrent) gated delta rule, or None where it is not installed."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as chunk
+        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as recurrent
+    except Exception as exc:  # not installed, or no usable Triton backend
+        logger.info("fla-core unavailable (%s): linear-attention layers run the torch reference on CUDA", exc)
+        return None
+    return chunk, recurrent
+
+
+def fla_rule(chunk: Callable, recurrent: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+             beta: torch.Tensor, lens: list[int], state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch_varlen_rule's contract on fla's kernels: value heads grouped over key heads in the kernel
+    (GVA), q/k l2-normed in it, scale 1/sqrt(Dk); the fused recurrent kernel when every request has
+    one token (decode), else the chunked one over the varlen batch (cu_seqlens)."""
+    beta = beta.to(q.dtype)
+    h0 = state.float()
+    if all(n == 1 for n in lens):
+        o, s = recurrent(q[:, None].contiguous(), k[:, None].contiguous(), v[:, None].contiguous(), g[:, None],
+                         beta=beta[:, None], initial_state=h0, output_final_state=True,
+                         use_qk_l2norm_in_kernel=True)
+        return o[:, 0], s
+    cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int64, device=q.device)
+    o, s = chunk(q[None].contiguous(), k[None].contiguous(), v[None].contiguous(), g[None], beta[None],
+                 initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
+    return o[0], s
+
+
 class GatedDeltaCore(CustomOp):
     """Conv1d + gated delta rule of one layer over a batch, through the request rows' state slots."""
 
@@ -165,6 +245,74 @@ class GatedDeltaCore(CustomOp):
             pool.write(self.state_layer_id, torch.tensor([slot for _, slot in ends], device=rows.device),
                        conv_state[which], ssm_state[which])
         return out
+
+    def forward_cuda(self, mixed_qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     forward_batch: "ForwardBatch") -> torch.Tensor:
+        """fla-core's Triton kernels for the rule (chunked for extends, fused recurrent for decode),
+        the conv as one gather per tap over the packed batch; the reference where fla is missing."""
+        kernels = fla_kernels()
+        if kernels is None or mixed_qkv.device.type != "cuda":
+            return self.forward_native(mixed_qkv, g, beta, forward_batch)
+        return self.forward_varlen(mixed_qkv, g, beta, forward_batch, partial(fla_rule, *kernels))
+
+    def forward_varlen(self, mixed_qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, fb: "ForwardBatch",
+                       rule: Callable) -> torch.Tensor:
+        """The batch packed, no per-request loop: what forward_native computes, with `rule` for the
+        delta rule over a packed varlen batch (`fla_rule`, or `torch_varlen_rule` to test the rest on
+        CPU). A tracked position inside an extend cuts it there: the batch runs in waves, wave w
+        being every request's w-th piece, each starting from the state the last one left."""
+        pool, rows = fb.state_pool, fb.req_pool_indices
+        bs, dev = fb.batch_size, mixed_qkv.device
+        if fb.forward_mode.is_decode():
+            lens, fresh = [1] * bs, [False] * bs
+        else:
+            lens, fresh = list(fb.extend_seq_lens_cpu), [p == 0 for p in fb.extend_prefix_lens_cpu]
+        conv_state, ssm_state = pool.read(self.state_layer_id, rows, fresh)
+        tracks = fb.state_ops.tracks if fb.state_ops is not None else {}
+        cuts = [sorted(off for off, _ in tracks.get(i, ()) if off < n) for i, n in enumerate(lens)]
+        slot_at = {(i, off): slot for i, t in tracks.items() for off, slot in t}
+        starts = [0]
+        for n in lens[:-1]:
+            starts.append(starts[-1] + n)
+        if not any(cuts):
+            out, conv_state, ssm_state = self._wave(mixed_qkv, g, beta, lens, conv_state, ssm_state, rule)
+        else:
+            out = torch.empty(mixed_qkv.shape[0], self.value_dim // self.head_v_dim, self.head_v_dim,
+                              dtype=mixed_qkv.dtype, device=dev)
+            for w in range(max(map(len, cuts)) + 1):
+                active = [i for i in range(bs) if len(cuts[i]) >= w]
+                bounds = [(0 if w == 0 else cuts[i][w - 1], cuts[i][w] if w < len(cuts[i]) else lens[i])
+                          for i in active]
+                idx = torch.tensor([starts[i] + t for i, (a, b) in zip(active, bounds) for t in range(a, b)],
+                                   device=dev)
+                which = torch.tensor(active, device=dev)
+                o, c, s = self._wave(mixed_qkv[idx], g[idx], beta[idx], [b - a for a, b in bounds],
+                                     conv_state[which], ssm_state[which], rule)
+                out[idx] = o
+                conv_state, ssm_state = conv_state.index_copy(0, which, c), ssm_state.index_copy(0, which, s)
+                kept = [(j, slot_at[(i, b)]) for j, (i, (_, b)) in enumerate(zip(active, bounds)) if b < lens[i]]
+                if kept:  # the state at a tracked cut: a checkpoint
+                    pick = torch.tensor([j for j, _ in kept], device=dev)
+                    pool.write(self.state_layer_id, torch.tensor([slot for _, slot in kept], device=dev),
+                               c[pick], s[pick])
+        pool.write(self.state_layer_id, rows, conv_state, ssm_state)
+        ends = [(i, slot) for i, t in tracks.items() for off, slot in t if off == lens[i]]
+        if ends:
+            pick = torch.tensor([i for i, _ in ends], device=dev)
+            pool.write(self.state_layer_id, torch.tensor([slot for _, slot in ends], device=dev),
+                       conv_state[pick], ssm_state[pick])
+        return out
+
+    def _wave(self, x: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, lens: list[int], conv_state: torch.Tensor,
+              ssm_state: torch.Tensor, rule: Callable) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Packed requests of `lens` tokens from their states -> (out [n, Hv, Dv], conv, delta-rule state)."""
+        weight = self._conv[0].weight
+        y, conv_state = varlen_causal_conv1d(x, weight.view(weight.shape[0], -1), lens, conv_state)
+        n = x.shape[0]
+        q, k, v = y.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q, k = q.reshape(n, -1, self.head_k_dim), k.reshape(n, -1, self.head_k_dim)
+        out, ssm_state = rule(q, k, v.reshape(n, -1, self.head_v_dim), g, beta, lens, ssm_state)
+        return out, conv_state, ssm_state
 
     def _run(self, x: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_state: torch.Tensor,
              ssm_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

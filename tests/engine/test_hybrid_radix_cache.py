@@ -232,3 +232,75 @@ def test_track_interval_must_be_a_positive_multiple_of_the_page_size():
     for page, interval in ((16, 24), (1, 0)):
         with pytest.raises(ValueError, match="--mamba-track-interval must be a positive multiple of --page-size"):
             ServerArgs(model_path="m", page_size=page, mamba_track_interval=interval)
+
+
+# ---------------------------------------------------------------- the packed (CUDA) path of the layer
+
+def _core_and_batches(device: str, dtype: torch.dtype):
+    """A Gated DeltaNet core with random weights, a pool with random states, and an extend batch
+    (fresh and continuing requests, tracked cuts inside extends and at their ends) and a decode batch."""
+    from types import SimpleNamespace
+
+    from baton.engine.layers.gated_delta_net import GatedDeltaNet
+    from baton.engine.model_executor.forward_batch import ForwardMode
+
+    torch.manual_seed(0)
+    cfg = SimpleNamespace(hidden_size=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                          linear_value_head_dim=8, linear_conv_kernel_dim=4, rms_norm_eps=1e-6)
+    layer = GatedDeltaNet(cfg, 0, split_projections=True).to(device, dtype)
+    torch.nn.init.normal_(layer.conv1d.weight, std=0.5)
+    conv, ssm = layer.state_shapes()
+    pool = RecurrentStatePool(LinearStateShapes(1, conv, ssm), 6, dtype, torch.float32, device, checkpoints=6)
+    pool.conv[0].normal_()
+    pool.ssm[0].normal_(std=0.1)
+    lens, prefix = [5, 70, 1, 33], [0, 0, 3, 10]
+    extend = SimpleNamespace(
+        forward_mode=ForwardMode.EXTEND, batch_size=4, req_pool_indices=torch.tensor([4, 0, 2, 1], device=device),
+        extend_seq_lens_cpu=lens, extend_prefix_lens_cpu=prefix, state_pool=pool,
+        state_ops=StateOps([], {1: [(16, 6), (64, 7), (70, 8)], 3: [(8, 9)], 0: [(5, 10)]}))
+    decode = SimpleNamespace(forward_mode=ForwardMode.DECODE, batch_size=3,
+                             req_pool_indices=torch.tensor([1, 3, 5], device=device), state_pool=pool,
+                             state_ops=StateOps([], {2: [(1, 11)]}))
+    n = sum(lens)
+    inputs = [(torch.randn(n, layer.conv_dim, device=device, dtype=dtype), -torch.rand(n, 4, device=device),
+               torch.rand(n, 4, device=device, dtype=dtype)) for _ in range(1)]
+    inputs.append((torch.randn(3, layer.conv_dim, device=device, dtype=dtype), -torch.rand(3, 4, device=device),
+                   torch.rand(3, 4, device=device, dtype=dtype)))
+    return layer.core, pool, [extend, decode], inputs
+
+
+@torch.no_grad()
+def _compare_packed_with_reference(core, pool, batches, inputs, packed, atol: float, rtol: float) -> None:
+    import copy
+
+    for fb, (x, g, beta) in zip(batches, inputs):
+        ref_pool = copy.deepcopy(pool)
+        want = core.forward_native(x, g, beta, copy.copy(fb).__class__(**{**vars(fb), "state_pool": ref_pool}))
+        got = packed(x, g, beta, fb)
+        torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=rtol)
+        for mine, theirs in ((pool.conv[0], ref_pool.conv[0]), (pool.ssm[0], ref_pool.ssm[0])):
+            torch.testing.assert_close(mine.float(), theirs.float(), atol=atol, rtol=rtol)  # rows and tracked slots
+
+
+def test_packed_path_equals_the_reference_on_cpu():
+    """The CUDA path's packing (conv by gathers over one buffer, waves at tracked cuts, states and
+    checkpoints written back) with the reference rule: the same outputs and states as forward_native."""
+    from baton.engine.layers.gated_delta_net import torch_varlen_rule
+
+    core, pool, batches, inputs = _core_and_batches("cpu", torch.float32)
+    _compare_packed_with_reference(core, pool, batches, inputs,
+                                   lambda x, g, b, fb: core.forward_varlen(x, g, b, fb, torch_varlen_rule), 1e-5, 1e-5)
+
+
+@pytest.mark.gpu
+def test_fla_path_matches_the_reference_on_cuda():
+    """fla-core's kernels in the packed path against the torch reference, bfloat16 on CUDA (tolerances
+    of bf16 rounding: the kernels accumulate in another order)."""
+    from baton.engine.layers.gated_delta_net import fla_kernels
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    if fla_kernels() is None:
+        pytest.skip("needs fla-core (scripts/gpu_check.sh installs the carried wheel)")
+    core, pool, batches, inputs = _core_and_batches("cuda", torch.bfloat16)
+    _compare_packed_with_reference(core, pool, batches, inputs, core.forward_cuda, 3e-2, 3e-2)
