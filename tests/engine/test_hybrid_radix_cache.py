@@ -2,7 +2,8 @@
 scheduler: a match stops at the deepest node with a state checkpoint, a node whose checkpoint was
 evicted keeps its KV but ends no match (tombstone), checkpoints have their own LRU, a hit becomes a
 copy of the checkpoint into the request's row, KV eviction frees a node's checkpoint; served, a
-shared prefix and a conversation's next turn come from cached state with HF's tokens."""
+shared prefix and a conversation's next turn come from cached state with HF's tokens; the layer's
+packed (CUDA) path against its reference: on CPU with the torch rule, on CUDA with fla-core's kernels."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
