@@ -24,13 +24,14 @@ import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, fields
 from enum import Enum, IntEnum
-from typing import TYPE_CHECKING, NamedTuple, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 import torch
 
 if TYPE_CHECKING:
     from baton.engine.mem_cache.memory_pool import MHATokenToKVPool
+    from baton.engine.mem_cache.state_pool import RecurrentStatePool
 
 PageList = Union[Sequence[int], np.ndarray, torch.Tensor]
 
@@ -57,10 +58,15 @@ class KVGeometry:
     """What must be identical on both sides for page i of one pool to mean page i of the other."""
 
     page_size: int
-    dtype: str
-    layer_num: int
+    dtype: str  # the KV cache's
+    layer_num: int  # KV layers (a hybrid model's full-attention layers)
     head_num: int
     head_dim: int
+    # what else must agree for the state and the KV to mean the same on both sides (empty: not told)
+    model: str = ""  # architecture and sizes (model_identity)
+    layer_layout: str = ""  # one letter per layer: F full attention, L linear attention
+    state_dtype: str = ""  # a hybrid's recurrent state: "conv <dtype>, ssm <dtype>"; "" without one
+    state_shape: str = ""  # its per-slot shapes and linear layers
 
     def mismatch(self, other: "KVGeometry") -> Optional[str]:
         """None when equal, else 'page_size 16 != 1, dtype ...' naming every differing field."""
@@ -69,11 +75,26 @@ class KVGeometry:
         return ", ".join(diffs) or None
 
 
+def model_identity(hf_config: Any) -> tuple[str, str]:
+    """(model, layer_layout) of a KVGeometry: the architecture with the sizes that shape its KV and
+    state, and one letter per layer (F full attention, L linear attention)."""
+    if hf_config is None:
+        return "", ""
+    cfg = getattr(hf_config, "text_config", None) or hf_config
+    arch = (getattr(hf_config, "architectures", None) or [type(hf_config).__name__])[0]
+    model = f"{arch} hidden {cfg.hidden_size} vocab {cfg.vocab_size}"
+    types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
+    return model, "".join("L" if t == "linear_attention" else "F" for t in types)
+
+
 @dataclass(frozen=True)
 class KVArgs:
-    """The memory one engine registers: KV buffers (all K layers, then all V layers) and metadata buffers.
+    """The memory one engine registers: KV buffers (all K layers, then all V layers), metadata
+    buffers and, for a hybrid model, its recurrent-state buffers (every linear layer's conv state,
+    then every linear layer's delta-rule state; one contiguous tensor each, slot-major).
 
-    Item lengths are bytes per page for the KV buffers and bytes per slot for the metadata buffers.
+    Item lengths are bytes per page for the KV buffers, bytes per slot for the metadata and state
+    buffers. A state slot is a request row (mem_cache/state_pool.py).
     """
 
     geometry: KVGeometry
@@ -87,20 +108,48 @@ class KVArgs:
     dp_size: int = 1  # its engine's DP ranks
     tp_rank: int = 0  # the TP rank whose KV shard this is (disaggregation/tp_fanout.py)
     tp_size: int = 1
+    state_data_ptrs: tuple[int, ...] = ()  # hybrid models only (see above)
+    state_data_lens: tuple[int, ...] = ()
+    state_item_lens: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         assert len(self.kv_data_ptrs) == len(self.kv_data_lens) == len(self.kv_item_lens) == 2 * self.geometry.layer_num
         assert len(self.aux_data_ptrs) == len(self.aux_data_lens) == len(self.aux_item_lens) >= 1
+        assert len(self.state_data_ptrs) == len(self.state_data_lens) == len(self.state_item_lens)
+        assert bool(self.state_data_ptrs) == bool(self.geometry.state_dtype), "state buffers and state geometry go together"
+
+    @property
+    def has_state(self) -> bool:
+        return bool(self.state_data_ptrs)
+
+    def state_slots(self) -> int:
+        """Slots each state buffer holds (0 without state)."""
+        return self.state_data_lens[0] // self.state_item_lens[0] if self.has_state else 0
 
     @classmethod
     def from_pool(cls, pool: "MHATokenToKVPool", metadata: "MetadataBuffers", engine_rank: int = 0,
-                  dp_size: int = 1, tp_rank: int = 0, tp_size: int = 1) -> "KVArgs":
+                  dp_size: int = 1, tp_rank: int = 0, tp_size: int = 1, state_pool: Optional["RecurrentStatePool"] = None,
+                  hf_config: Any = None) -> "KVArgs":
         ptrs, lens, per_token = pool.get_contiguous_buf_infos()
+        model, layout = model_identity(hf_config)
+        state_dtype = state_shape = ""
+        state_ptrs: list[int] = []
+        state_lens: list[int] = []
+        state_items: list[int] = []
+        if state_pool is not None:
+            bufs = [*state_pool.conv, *state_pool.ssm]
+            assert all(t.is_contiguous() for t in bufs)
+            state_ptrs, state_lens = [t.data_ptr() for t in bufs], [t.nbytes for t in bufs]
+            state_items = [t[0].nbytes for t in bufs]
+            shapes = state_pool.shapes
+            state_dtype = ", ".join(f"{name} {str(t.dtype).removeprefix('torch.')}"
+                                    for name, t in (("conv", state_pool.conv[0]), ("ssm", state_pool.ssm[0])))
+            state_shape = f"{shapes.num_layers} linear layers, conv {list(shapes.conv)}, ssm {list(shapes.ssm)}"
         geometry = KVGeometry(pool.page_size, str(pool.dtype).removeprefix("torch."), pool.layer_num,
-                              pool.head_num, pool.head_dim)
+                              pool.head_num, pool.head_dim, model, layout, state_dtype, state_shape)
         return cls(geometry, tuple(ptrs), tuple(lens), tuple(b * pool.page_size for b in per_token),
                    (metadata.data_ptr,), (metadata.nbytes,), (metadata.item_bytes,), engine_rank, dp_size,
-                   tp_rank, tp_size)
+                   tp_rank, tp_size, tuple(state_ptrs), tuple(state_lens), tuple(state_items))
 
 
 @dataclass(frozen=True)
@@ -261,8 +310,12 @@ class KVSenderBase(ABC):
     - wait until poll() >= WaitingForInput (the decode's destination arrived) before send();
     - init(num_pages, meta_slot) once: num_pages must equal the pages the decode reserved;
     - send(pages) per computed chunk in token order; a non-last chunk sends whole pages only;
-      the last one passes is_last=True and the metadata (written to meta_slot, then transferred);
-    - source pages must stay allocated until poll() returns Success or Failed; then clear().
+      the last one passes is_last=True and the metadata (written to meta_slot, then transferred),
+      and with a hybrid model `state_slot`: the request's row, whose recurrent state the forward
+      that computed the last chunk has finished writing (it goes after the pages, before the
+      metadata);
+    - source pages (and the state slot) must stay allocated until poll() returns Success or
+      Failed; then clear().
     """
 
     room: int
@@ -271,7 +324,8 @@ class KVSenderBase(ABC):
     def init(self, num_pages: int, meta_slot: int) -> None: ...
 
     @abstractmethod
-    def send(self, page_indices: PageList, is_last: bool = False, metadata: Optional[KVMetadata] = None) -> None: ...
+    def send(self, page_indices: PageList, is_last: bool = False, metadata: Optional[KVMetadata] = None,
+             state_slot: Optional[int] = None) -> None: ...
 
     @abstractmethod
     def poll(self) -> KVPoll: ...
@@ -296,9 +350,11 @@ class KVReceiverBase(ABC):
 
     Contract for the caller:
     - poll() reaches WaitingForInput once the prefill rank is known and registered with;
-    - init(page_indices, meta_slot, prefix_pages) once with the pages reserved for the prompt (token
-      order), after the first `prefix_pages` pages the decode already holds (its prefix cache);
-    - on Success the pages hold the prompt's KV and metadata() the first token; on Failed,
+    - init(page_indices, meta_slot, prefix_pages, state_slot) once with the pages reserved for the
+      prompt (token order), after the first `prefix_pages` pages the decode already holds (its prefix
+      cache), and with a hybrid model the state slot (the request's row) the prefill's final
+      recurrent state goes to: state always comes from the prefill, even after a prefix hit;
+    - on Success the pages hold the prompt's KV (and the slot its state), metadata() the first token; on Failed,
       failure_reason() says why (timeout, prefill gone, geometry mismatch, corruption ...);
     - destination pages stay allocated until poll() is final; then clear().
     """
@@ -307,7 +363,8 @@ class KVReceiverBase(ABC):
     bootstrap_addr: str
 
     @abstractmethod
-    def init(self, page_indices: PageList, meta_slot: int, prefix_pages: int = 0) -> None: ...
+    def init(self, page_indices: PageList, meta_slot: int, prefix_pages: int = 0,
+             state_slot: Optional[int] = None) -> None: ...
 
     @abstractmethod
     def poll(self) -> KVPoll: ...

@@ -28,14 +28,20 @@ class Destination:
     pages: np.ndarray  # [num_pages - prefix_pages] decode page indices, token order
     meta_slot: int
     prefix_pages: int = 0  # leading prompt pages the decode already holds: not sent
+    state_slot: Optional[int] = None  # hybrid models: the decode row the recurrent state goes to
 
 
 def check_destination(room: int, local: KVArgs, remote_geometry: KVGeometry, remote_kv_len: int,
-                      remote_aux_len: int, pages: np.ndarray, meta_slot: int) -> Optional[str]:
+                      remote_aux_len: int, pages: np.ndarray, meta_slot: int, state_slot: Optional[int] = None,
+                      remote_state_slots: int = 0) -> Optional[str]:
     """Why the prefill (`local`) must refuse a decode's destination, or None when it fits."""
     mismatch = local.geometry.mismatch(remote_geometry)
     if mismatch:
-        return f"room {room}: KV page geometry differs between prefill and decode (prefill != decode): {mismatch}"
+        return (f"room {room}: KV page geometry differs between prefill and decode (prefill != decode): {mismatch}; "
+                "both engines must serve the same model with the same --page-size, --kv-cache-dtype and "
+                "--mamba-ssm-dtype")
+    if local.has_state and (state_slot is None or not 0 <= state_slot < remote_state_slots):
+        return f"room {room}: recurrent-state slot {state_slot} out of the decode's range ({remote_state_slots} slots)"
     page_bytes = local.kv_item_lens[0]
     if len(pages) and (pages.min() < 0 or (int(pages.max()) + 1) * page_bytes > remote_kv_len):
         return f"room {room}: destination page out of the decode pool's range"
@@ -67,6 +73,7 @@ class CommonKVSender(_RoomStatusMixin, KVSenderBase):
         self.dest: Optional[Destination] = None  # filled by attach() when the decode's message arrives
         self.num_pages: Optional[int] = None
         self.meta_slot: Optional[int] = None
+        self.state_slot: Optional[int] = None  # the prefill's row with the final state, set by the last send()
         self._sent = 0  # prompt pages handed to send() so far (prefix pages the decode holds included)
         self._bytes, self._seconds = 0, 0.0
 
@@ -97,7 +104,8 @@ class CommonKVSender(_RoomStatusMixin, KVSenderBase):
         assert num_pages >= 0 and 0 <= meta_slot < self._metadata.size
         self.num_pages, self.meta_slot = num_pages, meta_slot
 
-    def send(self, page_indices: PageList, is_last: bool = False, metadata: Optional[KVMetadata] = None) -> None:
+    def send(self, page_indices: PageList, is_last: bool = False, metadata: Optional[KVMetadata] = None,
+             state_slot: Optional[int] = None) -> None:
         if self._status.done:
             return
         if self.dest is None:
@@ -115,6 +123,7 @@ class CommonKVSender(_RoomStatusMixin, KVSenderBase):
         src, dst = pages[first - start:], self.dest.pages[first - skip:self._sent - skip]
         if is_last:
             self._metadata.set(self.meta_slot, metadata)
+            self.state_slot = state_slot
         elif len(src) == 0:
             return
         self._status.advance(KVPoll.Transferring)
@@ -161,6 +170,7 @@ class CommonKVReceiver(_RoomStatusMixin, KVReceiverBase):
         self.pages: Optional[np.ndarray] = None
         self.meta_slot: Optional[int] = None
         self.prefix_pages = 0
+        self.state_slot: Optional[int] = None
         self._init_time: Optional[float] = None
         self._dest_sent = False
 
@@ -201,11 +211,13 @@ class CommonKVReceiver(_RoomStatusMixin, KVReceiverBase):
 
     # ---- scheduler side ----
 
-    def init(self, page_indices: PageList, meta_slot: int, prefix_pages: int = 0) -> None:
+    def init(self, page_indices: PageList, meta_slot: int, prefix_pages: int = 0,
+             state_slot: Optional[int] = None) -> None:
         assert 0 <= meta_slot < self._metadata.size and prefix_pages >= 0
         with self._lock:
             assert self.pages is None, f"init() twice for room {self.room}"
             self.pages, self.meta_slot, self.prefix_pages = as_pages(page_indices), meta_slot, prefix_pages
+            self.state_slot = state_slot
             self._init_time = time.monotonic()
             send_now = self.peer is not None and not self._dest_sent
             self._dest_sent |= send_now

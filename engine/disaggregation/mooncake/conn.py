@@ -70,7 +70,8 @@ class MooncakeKVManager(KVManagerBase):
         self.abort_grace_s = config.abort_grace_s
         self.mode = DisaggregationMode(mode)
         self.engine = MooncakeTransferEngine(config.host, config.protocol, config.ib_device)
-        self.engine.register(args.kv_data_ptrs + args.aux_data_ptrs, args.kv_data_lens + args.aux_data_lens)
+        self.engine.register(args.kv_data_ptrs + args.aux_data_ptrs + args.state_data_ptrs,
+                             args.kv_data_lens + args.aux_data_lens + args.state_data_lens)
         self.channel = SideChannel(config.host)
         self.stopping = threading.Event()
         self.rooms: Union[PrefillRooms, DecodeRooms]

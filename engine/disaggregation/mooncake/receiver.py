@@ -42,7 +42,8 @@ class MooncakeKVReceiver(CommonKVReceiver):
     def _send_destination(self) -> None:
         mgr = self._rooms.mgr
         mgr.channel.send(self.peer.endpoint, messages.Room(self.room, mgr.session_id, mgr.channel.endpoint,
-                                                           self.meta_slot, self.pages, self.prefix_pages))
+                                                           self.meta_slot, self.pages, self.prefix_pages,
+                                                           self.state_slot))
 
     def _notify_abort(self, reason: str) -> None:
         try:
@@ -156,7 +157,8 @@ class DecodeRooms:
         mgr, args = self.mgr, self.mgr.args
         mgr.channel.send(route.endpoint, messages.Register(
             mgr.session_id, mgr.channel.endpoint, list(args.kv_data_ptrs), list(args.kv_data_lens),
-            list(args.aux_data_ptrs), list(args.aux_data_lens), asdict(args.geometry)))
+            list(args.aux_data_ptrs), list(args.aux_data_lens), asdict(args.geometry), list(args.state_data_ptrs),
+            list(args.state_data_lens)))
         self._registered.add(route.session_id)
 
     def _heartbeat(self) -> None:

@@ -37,11 +37,14 @@ class DecodePeer:
     aux_ptr: int
     aux_len: int
     geometry: KVGeometry
+    state_ptrs: np.ndarray  # [2 * linear layers] int64 (conv layers, then ssm layers); empty without state
+    state_lens: tuple[int, ...]
 
     @classmethod
     def from_message(cls, msg: messages.Register) -> "DecodePeer":
         return cls(msg.session_id, msg.endpoint, np.asarray(msg.kv_ptrs, dtype=np.int64), tuple(msg.kv_lens),
-                   msg.aux_ptrs[0], msg.aux_lens[0], KVGeometry(**msg.geometry))
+                   msg.aux_ptrs[0], msg.aux_lens[0], KVGeometry(**msg.geometry),
+                   np.asarray(msg.state_ptrs, dtype=np.int64), tuple(msg.state_lens))
 
 
 class MooncakeKVSender(CommonKVSender):
@@ -51,7 +54,7 @@ class MooncakeKVSender(CommonKVSender):
         rooms.add(self)
 
     def _submit(self, src_pages: np.ndarray, dst_pages: np.ndarray, is_last: bool) -> None:
-        self._rooms.submit(self, src_pages, dst_pages, is_last)
+        self._rooms.submit(self, src_pages, dst_pages, is_last)  # the state slot rides on self
 
     def _notify_abort(self, reason: str) -> None:
         self._rooms.reply(self.dest.peer.endpoint, messages.Status(self.room, int(KVPoll.Failed), reason))
@@ -69,6 +72,8 @@ class PrefillRooms:
         args = mgr.args
         self._kv_ptrs = np.asarray(args.kv_data_ptrs, dtype=np.int64)  # [2 * layer_num]
         self._item_lens = np.asarray(args.kv_item_lens, dtype=np.int64)  # [2 * layer_num] bytes per page
+        self._state_ptrs = np.asarray(args.state_data_ptrs, dtype=np.int64)  # [2 * linear layers], maybe empty
+        self._state_items = np.asarray(args.state_item_lens, dtype=np.int64)  # bytes per slot
         self._lock = threading.Lock()
         self._peers: dict[str, DecodePeer] = {}
         self._senders: dict[int, MooncakeKVSender] = {}
@@ -144,7 +149,7 @@ class PrefillRooms:
             peer = self._peers.get(msg.session_id)
         reason = self._check_destination(peer, msg)
         if reason is None:
-            self._deliver(msg.room, Destination(peer, msg.pages, msg.meta_slot, msg.prefix_pages))
+            self._deliver(msg.room, Destination(peer, msg.pages, msg.meta_slot, msg.prefix_pages, msg.state_slot))
             return
         self.reply(msg.endpoint, messages.Status(msg.room, int(KVPoll.Failed), reason))
         self._deliver(msg.room, reason)
@@ -152,8 +157,9 @@ class PrefillRooms:
     def _check_destination(self, peer: Optional[DecodePeer], msg: messages.Room) -> Optional[str]:
         if peer is None:
             return f"room {msg.room}: decode session {msg.session_id} never registered with this prefill"
+        slots = peer.state_lens[0] // int(self._state_items[0]) if peer.state_lens and len(self._state_items) else 0
         return check_destination(msg.room, self._mgr.args, peer.geometry, peer.kv_lens[0], peer.aux_len,
-                                 msg.pages, msg.meta_slot)
+                                 msg.pages, msg.meta_slot, msg.state_slot, slots)
 
     def reply(self, endpoint: str, msg: messages.Status) -> None:
         try:
@@ -186,7 +192,7 @@ class PrefillRooms:
             start = time.perf_counter()
             nbytes = self._write_pages(dest.peer, src, dst)
             if is_last:
-                nbytes += self._write_metadata(dest, sender.meta_slot)
+                nbytes += self._write_tail(dest, sender.state_slot, sender.meta_slot)
             sender.record(nbytes, time.perf_counter() - start)
         if not is_last:
             return
@@ -207,11 +213,20 @@ class PrefillRooms:
                                          lens[i:i + step].tolist())
         return int(lens.sum())
 
-    def _write_metadata(self, dest: Destination, meta_slot: int) -> int:
+    def _write_tail(self, dest: Destination, state_slot: Optional[int], meta_slot: int) -> int:
+        """After the last chunk's pages, one batched write: a hybrid model's recurrent state (slot
+        `state_slot` of every state buffer into the decode's slot; each buffer is contiguous and
+        slot-major, so a slot is one entry per buffer), then the metadata slot."""
         size = self.metadata.item_bytes
-        self._mgr.engine.batch_write(dest.peer.session_id, [self.metadata.data_ptr + meta_slot * size],
-                                     [dest.peer.aux_ptr + dest.meta_slot * size], [size])
-        return size
+        srcs, dsts, lens = [self.metadata.data_ptr + meta_slot * size], [dest.peer.aux_ptr + dest.meta_slot * size], [size]
+        if len(self._state_ptrs):
+            if state_slot is None:
+                raise KVTransferError("the last chunk of a hybrid model's request came without its state slot")
+            srcs = (self._state_ptrs + state_slot * self._state_items).tolist() + srcs
+            dsts = (dest.peer.state_ptrs + dest.state_slot * self._state_items).tolist() + dsts
+            lens = self._state_items.tolist() + lens
+        self._mgr.engine.batch_write(dest.peer.session_id, srcs, dsts, lens)
+        return int(sum(lens))
 
     def close(self) -> None:
         for q in self._queues:
