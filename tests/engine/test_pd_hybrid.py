@@ -94,6 +94,37 @@ def test_hybrid_pd_decode_retracts_and_reprefills_locally(tiny_model_factory, pa
     pair.assert_settled()
 
 
+def test_hybrid_pd_decode_reserves_no_row_whose_checkpoint_copy_is_pending(tiny_model_factory, pair_factory):
+    """A finished request's row is copied into a radix checkpoint by the next forward pass; until
+    then the prefill's state write must not land in it. Two requests finish in one step on an idle
+    decode (no pass follows): the next reservation takes the third row, the one after that waits
+    until a pass has run, and every output is still HF's."""
+    path = tiny_model_factory(ARCH)
+    prompts = workload()
+    pair = pair_factory(path, page_size=1, max_total_tokens=2048, max_running_requests=2)
+    decode = pair.decode.scheduler
+    for rid in ("a", "b"):
+        pair.submit(rid, prompts[1], max_new_tokens=4, ignore_eos=True)
+    pair.run_until_idle()
+    pending = decode.tree_cache.pending_state_sources()
+    assert len(pending) == 2, "both finished rows wait for their checkpoint copy"
+    rooms = {}
+    for rid, p in (("c", prompts[2]), ("d", prompts[3])):
+        rooms[rid] = next(pair.rooms)
+        pair.decode.submit_pd(rid, p, rooms[rid], pair.port)
+    pair.decode.step()
+    (c,) = decode.pd.transfer_queue
+    assert c.rid == "c" and c.req_pool_idx not in pending
+    assert [r.rid for r in decode.pd.prealloc_queue] == ["d"], "every other free row is a pending copy's source"
+    for rid, p in (("c", prompts[2]), ("d", prompts[3])):
+        pair.prefill.submit_pd(rid, p, rooms[rid], pair.port)
+    pair.run_until_idle()
+    for rid, p in (("a", prompts[1]), ("c", prompts[2]), ("d", prompts[3])):
+        want = hf_greedy(path, p, 4, ignore_eos=True) if rid == "a" else hf_greedy(path, p)
+        assert pair.decode.results[rid].ids == want, rid
+    pair.assert_settled()
+
+
 def _step_until(pair: PDPair, done, limit: int = 200) -> None:
     for _ in range(limit):
         if done():
