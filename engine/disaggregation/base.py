@@ -60,8 +60,9 @@ class KVGeometry:
     page_size: int
     dtype: str  # the KV cache's
     layer_num: int  # KV layers (a hybrid model's full-attention layers)
-    head_num: int
+    head_num: int  # this rank's KV heads (a TP shard)
     head_dim: int
+    kv_heads_total: int = 0  # the model's KV heads (0: not told; then head_num must match)
     # what else must agree for the state and the KV to mean the same on both sides (empty: not told)
     model: str = ""  # architecture and sizes (model_identity)
     layer_layout: str = ""  # one letter per layer: F full attention, L linear attention
@@ -69,9 +70,11 @@ class KVGeometry:
     state_shape: str = ""  # its per-slot shapes and linear layers
 
     def mismatch(self, other: "KVGeometry") -> Optional[str]:
-        """None when equal, else 'page_size 16 != 1, dtype ...' naming every differing field."""
+        """None when equal, else 'page_size 16 != 1, dtype ...' naming every differing field. A
+        rank's own head count may differ where both tell the model's (different TP sizes)."""
+        skip = {"head_num"} if self.kv_heads_total and other.kv_heads_total else set()
         diffs = [f"{f.name} {getattr(self, f.name)} != {getattr(other, f.name)}"
-                 for f in fields(self) if getattr(self, f.name) != getattr(other, f.name)]
+                 for f in fields(self) if f.name not in skip and getattr(self, f.name) != getattr(other, f.name)]
         return ", ".join(diffs) or None
 
 
@@ -85,6 +88,14 @@ def model_identity(hf_config: Any) -> tuple[str, str]:
     model = f"{arch} hidden {cfg.hidden_size} vocab {cfg.vocab_size}"
     types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
     return model, "".join("L" if t == "linear_attention" else "F" for t in types)
+
+
+def model_kv_heads(hf_config: Any) -> Optional[int]:
+    """The model's KV heads (all TP ranks together), or None without a config."""
+    if hf_config is None:
+        return None
+    cfg = getattr(hf_config, "text_config", None) or hf_config
+    return getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
 
 
 @dataclass(frozen=True)
@@ -111,6 +122,7 @@ class KVArgs:
     state_data_ptrs: tuple[int, ...] = ()  # hybrid models only (see above)
     state_data_lens: tuple[int, ...] = ()
     state_item_lens: tuple[int, ...] = ()
+    head_start: int = 0  # the first of the model's KV heads this rank holds (head_slices.py)
 
     def __post_init__(self) -> None:
         assert len(self.kv_data_ptrs) == len(self.kv_data_lens) == len(self.kv_item_lens) == 2 * self.geometry.layer_num
@@ -129,7 +141,13 @@ class KVArgs:
     @classmethod
     def from_pool(cls, pool: "MHATokenToKVPool", metadata: "MetadataBuffers", engine_rank: int = 0,
                   dp_size: int = 1, tp_rank: int = 0, tp_size: int = 1, state_pool: Optional["RecurrentStatePool"] = None,
-                  hf_config: Any = None) -> "KVArgs":
+                  hf_config: Any = None, kv_heads_total: Optional[int] = None) -> "KVArgs":
+        """`kv_heads_total`: the model's KV heads (default: the pool's times tp_size, no replication)."""
+        from baton.engine.disaggregation.head_slices import kv_head_range
+
+        total = kv_heads_total or pool.head_num * tp_size
+        head_start, head_num = kv_head_range(total, tp_size, tp_rank)
+        assert head_num == pool.head_num, f"TP rank {tp_rank} of {tp_size} holds {head_num} of {total} KV heads"
         ptrs, lens, per_token = pool.get_contiguous_buf_infos()
         model, layout = model_identity(hf_config)
         state_dtype = state_shape = ""
@@ -146,10 +164,10 @@ class KVArgs:
                                     for name, t in (("conv", state_pool.conv[0]), ("ssm", state_pool.ssm[0])))
             state_shape = f"{shapes.num_layers} linear layers, conv {list(shapes.conv)}, ssm {list(shapes.ssm)}"
         geometry = KVGeometry(pool.page_size, str(pool.dtype).removeprefix("torch."), pool.layer_num,
-                              pool.head_num, pool.head_dim, model, layout, state_dtype, state_shape)
+                              pool.head_num, pool.head_dim, total, model, layout, state_dtype, state_shape)
         return cls(geometry, tuple(ptrs), tuple(lens), tuple(b * pool.page_size for b in per_token),
                    (metadata.data_ptr,), (metadata.nbytes,), (metadata.item_bytes,), engine_rank, dp_size,
-                   tp_rank, tp_size, tuple(state_ptrs), tuple(state_lens), tuple(state_items))
+                   tp_rank, tp_size, tuple(state_ptrs), tuple(state_lens), tuple(state_items), head_start)
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Optional
 
 from baton.engine.disaggregation import create_transfer_backend
 from baton.engine.disaggregation.base import (KVArgs, KVManagerBase, KVMetadata, KVPoll, MetadataBuffers,
-                                              TransferConfig, pages_from_slots)
+                                              TransferConfig, model_kv_heads, pages_from_slots)
 from baton.engine.disaggregation.no_peer import NoPeerSender, is_no_peer
 from baton.engine.disaggregation.stats import PDStats
 from baton.engine.disaggregation.colocated import Colocated, DisaggregationMode
@@ -74,7 +74,8 @@ def create_kv_manager(view: "SchedulerView", mode: str, config: TransferConfig, 
 
     pool, tp, server_args = view.kv_pool, view.tp, view.server_args
     args = KVArgs.from_pool(pool, metadata, engine_rank=view.dp_rank, dp_size=server_args.dp_size,
-                            tp_size=tp.size, state_pool=view.state_pool, hf_config=view.hf_config)
+                            tp_size=tp.size, state_pool=view.state_pool, hf_config=view.hf_config,
+                            kv_heads_total=model_kv_heads(view.hf_config))
     backend = server_args.disaggregation_transfer_backend
 
     def local() -> KVManagerBase:

@@ -84,7 +84,7 @@ class MooncakeKVManager(KVManagerBase):
         self._listener.start()
         if self.mode == DisaggregationMode.PREFILL:
             info = PrefillRankInfo(args.engine_rank, self.channel.endpoint, self.engine.session_id,
-                                   asdict(args.geometry), args.dp_size, args.tp_rank, args.tp_size)
+                                   asdict(args.geometry), args.dp_size, args.tp_rank, args.tp_size, args.head_start)
             register_prefill_rank(bootstrap_addr, info, config.bootstrap_timeout_s)
 
     @property

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Optional, Union
 import numpy as np
 
 from baton.engine.disaggregation.base import KVGeometry, KVPoll, KVTransferError, contiguous_runs
+from baton.engine.disaggregation.bootstrap_server import rank_key
 from baton.engine.disaggregation.common import CommonKVSender, Destination, check_destination
 from baton.engine.disaggregation.mooncake import messages
 
@@ -57,7 +58,8 @@ class MooncakeKVSender(CommonKVSender):
         self._rooms.submit(self, src_pages, dst_pages, is_last)  # the state slot rides on self
 
     def _notify_abort(self, reason: str) -> None:
-        self._rooms.reply(self.dest.peer.endpoint, messages.Status(self.room, int(KVPoll.Failed), reason))
+        for dest in list(self.dests):
+            self._rooms.reply(dest.peer.endpoint, self._rooms.status(self.room, KVPoll.Failed, reason))
 
     def clear(self) -> None:
         self._rooms.remove(self.room)
@@ -149,9 +151,11 @@ class PrefillRooms:
             peer = self._peers.get(msg.session_id)
         reason = self._check_destination(peer, msg)
         if reason is None:
-            self._deliver(msg.room, Destination(peer, msg.pages, msg.meta_slot, msg.prefix_pages, msg.state_slot))
+            heads = tuple(msg.heads) if msg.heads is not None else None
+            self._deliver(msg.room, Destination(peer, msg.pages, msg.meta_slot, msg.prefix_pages, msg.state_slot,
+                                                heads, msg.num_dests))
             return
-        self.reply(msg.endpoint, messages.Status(msg.room, int(KVPoll.Failed), reason))
+        self.reply(msg.endpoint, self.status(msg.room, KVPoll.Failed, reason))
         self._deliver(msg.room, reason)
 
     def _check_destination(self, peer: Optional[DecodePeer], msg: messages.Room) -> Optional[str]:
@@ -159,7 +163,12 @@ class PrefillRooms:
             return f"room {msg.room}: decode session {msg.session_id} never registered with this prefill"
         slots = peer.state_lens[0] // int(self._state_items[0]) if peer.state_lens and len(self._state_items) else 0
         return check_destination(msg.room, self._mgr.args, peer.geometry, peer.kv_lens[0], peer.aux_len,
-                                 msg.pages, msg.meta_slot, msg.state_slot, slots)
+                                 msg.pages, msg.meta_slot, msg.state_slot, slots,
+                                 tuple(msg.heads) if msg.heads is not None else None)
+
+    def status(self, room: int, status: KVPoll, reason: Optional[str] = None) -> messages.Status:
+        args = self._mgr.args
+        return messages.Status(room, int(status), reason, rank_key(args.engine_rank, args.tp_rank))
 
     def reply(self, endpoint: str, msg: messages.Status) -> None:
         try:
@@ -175,22 +184,24 @@ class PrefillRooms:
     def _work(self, q: queue.Queue) -> None:
         while (job := q.get()) is not None:
             sender, src, dst, is_last = job
-            if sender.done:
-                continue  # aborted, or an earlier chunk failed
-            try:
-                self._transfer(sender, src, dst, is_last)
-            except Exception as e:  # noqa: BLE001 - a failed transfer ends this request only
-                reason = f"room {sender.room}: KV transfer to decode {sender.dest.peer.session_id} failed: {e}"
-                if sender.fail(reason):
-                    self.reply(sender.dest.peer.endpoint, messages.Status(sender.room, int(KVPoll.Failed), reason))
+            for i, dest in enumerate(sender.dests):
+                if sender.done:
+                    break  # aborted, or an earlier chunk failed
+                try:
+                    self._transfer(sender, i, dest, src, dst, is_last)
+                except Exception as e:  # noqa: BLE001 - a failed transfer ends this request only
+                    reason = f"room {sender.room}: KV transfer to decode {dest.peer.session_id} failed: {e}"
+                    if sender.fail(reason):
+                        for d in sender.dests:
+                            self.reply(d.peer.endpoint, self.status(sender.room, KVPoll.Failed, reason))
 
-    def _transfer(self, sender: MooncakeKVSender, src: np.ndarray, dst: np.ndarray, is_last: bool) -> None:
-        dest = sender.dest
+    def _transfer(self, sender: MooncakeKVSender, index: int, dest: Destination, src: np.ndarray, dst: np.ndarray,
+                  is_last: bool) -> None:
         with self._lock:
             peer_lock = self._peer_locks.setdefault(dest.peer.session_id, threading.Lock())
         with peer_lock:
             start = time.perf_counter()
-            nbytes = self._write_pages(dest.peer, src, dst)
+            nbytes = self._write_pages(dest.peer, src, dst, dest.heads)
             if is_last:
                 nbytes += self._write_tail(dest, sender.state_slot, sender.meta_slot)
             sender.record(nbytes, time.perf_counter() - start)
@@ -198,15 +209,34 @@ class PrefillRooms:
             return
         if self._rng.random() < self.config.fault_probability:
             raise KVTransferError(f"injected fault (fault_probability={self.config.fault_probability})")
-        self._mgr.channel.send(dest.peer.endpoint, messages.Status(sender.room, int(KVPoll.Success)))
-        sender.finish()
+        self._mgr.channel.send(dest.peer.endpoint, self.status(sender.room, KVPoll.Success))
+        sender.finish(index)
 
-    def _write_pages(self, peer: DecodePeer, src: np.ndarray, dst: np.ndarray) -> int:
-        runs = contiguous_runs(src, dst)
-        item = self._item_lens[:, None]  # [num_bufs, 1]
-        srcs = (self._kv_ptrs[:, None] + runs.src_starts[None, :] * item).ravel()  # [num_bufs * num_runs]
-        dsts = (peer.kv_ptrs[:, None] + runs.dst_starts[None, :] * item).ravel()
-        lens = (runs.lengths[None, :] * item).ravel()
+    def _write_pages(self, peer: DecodePeer, src: np.ndarray, dst: np.ndarray,
+                     heads: Optional[tuple[int, int, int]] = None) -> int:
+        """Whole pages per contiguous run (the decode rank holds this rank's heads), else the head
+        slice of every token: one entry per token and buffer (head_slices.py)."""
+        geo, remote = self._mgr.args.geometry, peer.geometry
+        if heads is not None and heads[2] == geo.head_num == remote.head_num:
+            heads = None
+        if heads is None:
+            runs = contiguous_runs(src, dst)
+            item = self._item_lens[:, None]  # [num_bufs, 1]
+            srcs = (self._kv_ptrs[:, None] + runs.src_starts[None, :] * item).ravel()  # [num_bufs * num_runs]
+            dsts = (peer.kv_ptrs[:, None] + runs.dst_starts[None, :] * item).ravel()
+            lens = (runs.lengths[None, :] * item).ravel()
+        else:
+            src_head, dst_head, n = heads
+            if n == 0 or len(src) == 0:
+                return 0
+            ps = geo.page_size
+            head_bytes = int(self._item_lens[0]) // (ps * geo.head_num)
+            offsets = np.arange(ps, dtype=np.int64)
+            src_slots = (src[:, None] * ps + offsets).ravel()  # [num_tokens]
+            dst_slots = (dst[:, None] * ps + offsets).ravel()
+            srcs = (self._kv_ptrs[:, None] + (src_slots * geo.head_num + src_head)[None, :] * head_bytes).ravel()
+            dsts = (peer.kv_ptrs[:, None] + (dst_slots * remote.head_num + dst_head)[None, :] * head_bytes).ravel()
+            lens = np.full(len(srcs), n * head_bytes, dtype=np.int64)
         step = self.config.max_batch_entries
         for i in range(0, len(lens), step):
             self._mgr.engine.batch_write(peer.session_id, srcs[i:i + step].tolist(), dsts[i:i + step].tolist(),
