@@ -214,6 +214,30 @@ def test_each_decode_rank_receives_exactly_its_heads_from_a_prefill_of_another_t
         _finish(prefill, decode, sender, receiver)
 
 
+def test_a_fault_on_one_of_two_senders_into_one_receiver_fails_both_sides():
+    """TP 2 -> TP 1: the decode's one receiver hears from two prefill ranks; rank 1 fails its write."""
+    faulty = TransferConfig(bootstrap_timeout_s=15, heartbeat_interval_s=0.2, fault_probability=1.0)
+    with engines(decode_tp=1, prefill_configs={1: faulty}) as (addr, prefill, decode):
+        sender, receiver = _transfer(addr, prefill, decode, 7005, [1, 2], [5, 6])
+        assert wait_final(sender, 15) == KVPoll.Failed and sender.failure_reason().startswith("TP rank 1: ")
+        assert wait_final(receiver, 15) == KVPoll.Failed and "injected fault" in receiver.failure_reason()
+        _finish(prefill, decode, sender, receiver)
+
+
+def test_an_abort_on_either_receiver_of_one_sender_fails_the_sender():
+    """TP 1 -> TP 2: one prefill rank waits for both decode ranks' destinations; an abort (from the
+    decode driver, fanned out to its follower) fails the prefill's request."""
+    with engines(decode_tp=2, prefill_tp=1) as (addr, prefill, decode):
+        receiver = decode.mgr.create_receiver(addr, 7006)
+        receiver.init(np.array([1]), decode.metas[0].alloc())
+        sender = prefill.mgr.create_sender(7006)
+        assert wait_until(lambda: sender.poll() == KVPoll.WaitingForInput, 15), sender.failure_reason()
+        assert len(sender.dests) == 2, "both decode ranks sent their destination"
+        receiver.abort("client disconnected")
+        assert wait_final(sender, 15) == KVPoll.Failed and "client disconnected" in sender.failure_reason()
+        _finish(prefill, decode, sender, receiver)
+
+
 def test_head_slice_plans_cover_every_decode_head_once():
     for total, prefill_tp, decode_tp in [(4, 1, 2), (4, 2, 1), (4, 2, 4), (2, 4, 1), (8, 4, 2), (2, 1, 4), (4, 4, 4)]:
         senders = {p: 0 for p in range(prefill_tp)}
