@@ -22,7 +22,7 @@ from __future__ import annotations
 import threading
 import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from enum import Enum, IntEnum
 from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Sequence, Union
 
@@ -123,6 +123,9 @@ class KVArgs:
     state_data_lens: tuple[int, ...] = ()
     state_item_lens: tuple[int, ...] = ()
     head_start: int = 0  # the first of the model's KV heads this rank holds (head_slices.py)
+    # the KV buffers themselves ([slots, head_num, head_dim] each, same order as kv_data_ptrs): a
+    # prefill gathers head slices from them when the decode rank holds fewer heads (head_slices.py)
+    kv_tensors: tuple = field(default=(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
         assert len(self.kv_data_ptrs) == len(self.kv_data_lens) == len(self.kv_item_lens) == 2 * self.geometry.layer_num
@@ -167,7 +170,8 @@ class KVArgs:
                               pool.head_num, pool.head_dim, total, model, layout, state_dtype, state_shape)
         return cls(geometry, tuple(ptrs), tuple(lens), tuple(b * pool.page_size for b in per_token),
                    (metadata.data_ptr,), (metadata.nbytes,), (metadata.item_bytes,), engine_rank, dp_size,
-                   tp_rank, tp_size, tuple(state_ptrs), tuple(state_lens), tuple(state_items), head_start)
+                   tp_rank, tp_size, tuple(state_ptrs), tuple(state_lens), tuple(state_items), head_start,
+                   tuple(pool.k_buffer + pool.v_buffer))
 
 
 @dataclass(frozen=True)
@@ -187,6 +191,8 @@ class TransferConfig:
     # the prefill already issued may still land in them
     abort_grace_s: float = 10.0
     max_batch_entries: int = 512  # runs per batched write; below Mooncake TCP's per-peer queue (1024)
+    # prefill: per transfer thread, registered memory to gather head slices in (TP sizes that differ)
+    staging_bytes: int = 64 << 20
     num_transfer_threads: int = 2
 
     def __post_init__(self) -> None:

@@ -191,9 +191,12 @@ def test_each_decode_rank_receives_exactly_its_heads_from_a_prefill_of_another_t
                                                                                         kv_heads):
     """Every rank's pool filled differently (replicas of a head too): each decode rank's heads of
     every page are the bytes of the first prefill rank holding that head (head_slices.py), whether
-    one sender feeds several receivers or several senders one receiver; a prefill rank nobody
-    needs (a replica) still ends the request."""
-    with engines(decode_tp=decode_tp, prefill_tp=prefill_tp, kv_heads=kv_heads) as (addr, prefill, decode):
+    one sender feeds several receivers (gathering the slices in a staging buffer that holds 3 tokens
+    here, so in several pieces) or several senders one receiver; a prefill rank nobody needs (a
+    replica) still ends the request."""
+    small = replace(CONFIG, staging_bytes=3 * 4 * 2 * 8 * 2)  # 3 tokens x 4 buffers x 2 heads x 8 x fp16
+    with engines(decode_tp=decode_tp, prefill_tp=prefill_tp, kv_heads=kv_heads,
+                 prefill_configs={r: small for r in range(prefill_tp)}) as (addr, prefill, decode):
         src, dst = [3, 4, 5, 9], [9, 10, 2, 3]
         sender, receiver = _transfer(addr, prefill, decode, 7004, src, dst)
         assert wait_final(sender, 15) == KVPoll.Success, sender.failure_reason()

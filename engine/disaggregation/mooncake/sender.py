@@ -83,6 +83,9 @@ class PrefillRooms:
         self._last_sweep = time.monotonic()
         self._peer_locks: dict[str, threading.Lock] = {}  # decode session -> one batched write at a time
         self._rng = random.Random(self.config.fault_seed)
+        self._local = threading.local()  # a transfer thread's queue, and its staging buffer once needed
+        self._staging_lock = threading.Lock()
+        self._stagings: list = []
         self._queues: list[queue.Queue] = [queue.Queue() for _ in range(self.config.num_transfer_threads)]
         self._threads = [threading.Thread(target=self._work, args=(q,), name=f"kv-transfer-{i}", daemon=True)
                          for i, q in enumerate(self._queues)]
@@ -219,6 +222,9 @@ class PrefillRooms:
         geo, remote = self._mgr.args.geometry, peer.geometry
         if heads is not None and heads[2] == geo.head_num == remote.head_num:
             heads = None
+        if heads is not None and heads[2] == remote.head_num and self._mgr.args.kv_tensors \
+                and self.config.staging_bytes:
+            return self._write_gathered(peer, src, dst, heads)
         if heads is None:
             runs = contiguous_runs(src, dst)
             item = self._item_lens[:, None]  # [num_bufs, 1]
@@ -242,6 +248,57 @@ class PrefillRooms:
             self._mgr.engine.batch_write(peer.session_id, srcs[i:i + step].tolist(), dsts[i:i + step].tolist(),
                                          lens[i:i + step].tolist())
         return int(lens.sum())
+
+    def _write_gathered(self, peer: DecodePeer, src: np.ndarray, dst: np.ndarray, heads: tuple[int, int, int]) -> int:
+        """The decode rank holds exactly this slice's heads (it is wider than this rank's TP size):
+        gather the slice of every token into this thread's staging buffer, then write it as whole
+        token runs of the decode's pages, as many tokens at a time as the buffer holds."""
+        import torch
+
+        src_head, _, n = heads
+        geo, bufs = self._mgr.args.geometry, self._mgr.args.kv_tensors
+        ps, nb = geo.page_size, len(bufs)
+        token_bytes = n * bufs[0].shape[-1] * bufs[0].element_size()  # one token of one buffer, on both sides
+        staging = self._staging()
+        per_piece = staging.numel() // (nb * token_bytes)
+        offsets = np.arange(ps, dtype=np.int64)
+        src_slots, dst_slots = (src[:, None] * ps + offsets).ravel(), (dst[:, None] * ps + offsets).ravel()
+        nbytes = 0
+        for i in range(0, len(src_slots), per_piece):
+            s_sl, d_sl = src_slots[i:i + per_piece], dst_slots[i:i + per_piece]
+            t = len(s_sl)
+            view = staging[:nb * t * token_bytes].view(bufs[0].dtype).view(nb, t, n, bufs[0].shape[-1])
+            index = torch.from_numpy(s_sl).to(staging.device)
+            for b, buf in enumerate(bufs):  # [t, n, head_dim] of every buffer
+                torch.index_select(buf[:, src_head:src_head + n], 0, index, out=view[b])
+            if staging.is_cuda:
+                torch.cuda.current_stream(staging.device).synchronize()
+            starts = np.concatenate(([0], np.flatnonzero(np.diff(d_sl) != 1) + 1))
+            lengths = np.diff(np.concatenate((starts, [t])))
+            base = np.arange(nb, dtype=np.int64)[:, None] * t  # [nb, 1] first token of each buffer's part
+            srcs = (staging.data_ptr() + (base + starts[None, :]) * token_bytes).ravel()
+            dsts = (peer.kv_ptrs[:, None] + d_sl[starts][None, :] * token_bytes).ravel()
+            lens = np.broadcast_to(lengths[None, :] * token_bytes, (nb, len(starts))).ravel()
+            step = self.config.max_batch_entries
+            for j in range(0, len(lens), step):
+                self._mgr.engine.batch_write(peer.session_id, srcs[j:j + step].tolist(), dsts[j:j + step].tolist(),
+                                             lens[j:j + step].tolist())
+            nbytes += int(lens.sum())
+        return nbytes
+
+    def _staging(self):
+        """This transfer thread's staging buffer, registered with Mooncake on first use."""
+        import torch
+
+        staging = getattr(self._local, "staging", None)
+        if staging is None:
+            device = self._mgr.args.kv_tensors[0].device
+            staging = torch.empty(self.config.staging_bytes, dtype=torch.uint8, device=device)
+            with self._staging_lock:
+                self._mgr.engine.register([staging.data_ptr()], [staging.nbytes])
+                self._stagings.append(staging)  # kept alive until the manager deregisters everything
+            self._local.staging = staging
+        return staging
 
     def _write_tail(self, dest: Destination, state_slot: Optional[int], meta_slot: int) -> int:
         """After the last chunk's pages, one batched write: a hybrid model's recurrent state (slot
