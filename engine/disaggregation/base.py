@@ -14,7 +14,9 @@ One manager per engine (per rank) owns the registered memory and the side channe
       poll() Success | Failed  <------------  (status notification)
 
 Page p covers pool slots [p * page_size, (p + 1) * page_size); page 0 is the dummy page. Both
-sides list the request's pages in token order; the prefill's i-th page lands on the decode's i-th.
+sides list the request's pages in token order; the prefill's i-th page lands on the decode's i-th
+(with different TP sizes, each decode rank's KV heads of it: head_slices.py). A hybrid model's
+recurrent state goes with the last chunk, from the prefill's request row into the decode's.
 The poll states are ordered so that ranks agree by taking the minimum.
 """
 from __future__ import annotations

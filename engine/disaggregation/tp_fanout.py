@@ -1,11 +1,11 @@
 """PD disaggregation with tensor parallelism: every TP rank moves its own KV shard.
 
-TP rank r of an engine holds the KV heads of shard r. A prefill's rank r therefore writes to the
-decode's rank r, which holds the same heads: both engines must run the same --tp-size (a decode
-refuses a prefill of another size with a clear reason; the page geometry, whose head count is per
-shard, would differ too). Every rank runs its own transfer backend (its Mooncake engine, side
-channel and registered shard), and a prefill rank registers at its engine's bootstrap server under
-(DP rank, TP rank), as SGLang's per-rank KV managers do.
+TP rank r of an engine holds the KV heads of shard r. With equal --tp-size a prefill's rank r writes
+to the decode's rank r, which holds the same heads; with different sizes each decode rank takes its
+heads' slices from the prefill ranks that hold them (head_slices.py; the backends do the pairing).
+Every rank runs its own transfer backend (its Mooncake engine, side channel and registered shard),
+and a prefill rank registers at its engine's bootstrap server under (DP rank, TP rank), with the
+first KV head it holds, as SGLang's per-rank KV managers do.
 
 Only the TP driver (rank 0) runs a scheduler. Its manager is a `TpKVManager`: each call on a sender
 or receiver (create, init, send, abort, clear) runs on the driver's backend and is forwarded, in

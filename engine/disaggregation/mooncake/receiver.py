@@ -4,8 +4,11 @@ bootstrap servers, registers this engine with each new prefill session, and hear
 A prefill engine with DP ranks holds room R's KV on rank R % dp_size (its front end sends the request
 there; the router pins a prefill rank by drawing such a room). Rank 0's route tells its dp_size; the
 receiver of room R then binds to rank R % dp_size's route. With tensor parallelism this manager
-holds TP rank T's shard and binds to the prefill's TP rank T of that DP rank; rank 0's route also
-tells the prefill's tp_size, and a different one than ours fails the request at once.
+holds TP rank T's shard of the KV heads; rank 0's route also tells the prefill's tp_size. Equal
+sizes: the receiver binds to the prefill's TP rank T and takes whole pages. Different sizes: it
+binds to every prefill TP rank that holds some of its heads (head_slices.py), sends each its
+destination with the head slice and how many decode ranks will write to it, and succeeds once
+every one of them has reported Success.
 
 Heartbeat window: a prefill whose /health fails `heartbeat_max_failures` times in a row, or whose
 session changed (a restart), fails every unfinished receiver bound to it; the cached route is
