@@ -241,6 +241,24 @@ def test_an_abort_on_either_receiver_of_one_sender_fails_the_sender():
         _finish(prefill, decode, sender, receiver)
 
 
+def test_destinations_of_several_decode_ranks_that_come_before_the_sender_all_count():
+    """TP 1 -> TP 2 with both decode ranks' destinations in before the prefill has the request
+    (the usual order: the decode reserves while the prefill still queues it): the sender must get
+    both, not the last one only (it would wait for the other until its bootstrap timeout)."""
+    with engines(decode_tp=2, prefill_tp=1) as (addr, prefill, decode):
+        receiver = decode.mgr.create_receiver(addr, 7007)
+        receiver.init(np.array([2, 3]), decode.metas[0].alloc())
+        rooms = prefill.mgr.rooms  # the backend's table of rooms without a sender yet
+        assert wait_until(lambda: len(rooms._pending.get(7007, (0, []))[1]) == 2, 15), "destinations never came"
+        sender = prefill.mgr.create_sender(7007)
+        assert sender.poll() == KVPoll.WaitingForInput and len(sender.dests) == 2
+        sender.init(2, prefill.metas[0].alloc())
+        sender.send([5, 6], is_last=True, metadata=KVMetadata(42, -0.5, 7007))
+        assert wait_final(sender, 15) == KVPoll.Success, sender.failure_reason()
+        assert wait_final(receiver, 15) == KVPoll.Success, receiver.failure_reason()
+        _finish(prefill, decode, sender, receiver)
+
+
 def test_head_slice_plans_cover_every_decode_head_once():
     for total, prefill_tp, decode_tp in [(4, 1, 2), (4, 2, 1), (4, 2, 4), (2, 4, 1), (8, 4, 2), (2, 1, 4), (4, 4, 4)]:
         senders = {p: 0 for p in range(prefill_tp)}

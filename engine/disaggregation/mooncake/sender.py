@@ -79,7 +79,9 @@ class PrefillRooms:
         self._lock = threading.Lock()
         self._peers: dict[str, DecodePeer] = {}
         self._senders: dict[int, MooncakeKVSender] = {}
-        self._pending: dict[int, tuple[float, _Pending]] = {}
+        # rooms whose sender does not exist yet: (first arrival, what arrived: one destination per
+        # decode rank, or a failure)
+        self._pending: dict[int, tuple[float, list[_Pending]]] = {}
         self._last_sweep = time.monotonic()
         self._peer_locks: dict[str, threading.Lock] = {}  # decode session -> one batched write at a time
         self._rng = random.Random(self.config.fault_seed)
@@ -99,8 +101,8 @@ class PrefillRooms:
             assert sender.room not in self._senders, f"two senders for room {sender.room}"
             self._senders[sender.room] = sender
             pending = self._pending.pop(sender.room, None)
-        if pending is not None:
-            self._apply(sender, pending[1])
+        for item in pending[1] if pending is not None else ():
+            self._apply(sender, item)
 
     def remove(self, room: int) -> None:
         with self._lock:
@@ -114,7 +116,7 @@ class PrefillRooms:
         with self._lock:
             sender = self._senders.get(room)
             if sender is None:
-                self._pending[room] = (time.monotonic(), item)
+                self._pending.setdefault(room, (time.monotonic(), []))[1].append(item)
                 return
         self._apply(sender, item)
 
