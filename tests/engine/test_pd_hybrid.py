@@ -133,7 +133,7 @@ def _step_until(pair: PDPair, done, limit: int = 200) -> None:
     raise AssertionError("the pair never reached the stage")
 
 
-@pytest.mark.parametrize("when", ["prealloc", "transfer", "prefill_queued", "prefill_inflight", "decoding"])
+@pytest.mark.parametrize("when", ["prealloc", "transfer", "prefill_queued", "prefill_mid_chunks", "decoding"])
 def test_hybrid_pd_aborts_at_every_stage_free_rows_slots_and_pages(tiny_model_factory, pair_factory, when):
     """A client abort at each stage of a request's way through the pair (on the decode, which tells
     the prefill; on the prefill while it waits or sends); a request beside it is unaffected, and
@@ -159,9 +159,8 @@ def test_hybrid_pd_aborts_at_every_stage_free_rows_slots_and_pages(tiny_model_fa
         pair.prefill.submit_pd("gone", gone, room, pair.port)
         if when == "prefill_queued":
             pair.prefill.abort("gone")
-        elif when == "prefill_inflight":  # its sender exists; abort before the transfer ends
-            pair.prefill.scheduler.pd.mgr.create_sender  # noqa: B018 - the fake transfers synchronously
-            pair.prefill.step()
+        elif when == "prefill_mid_chunks":  # 70 tokens in 16-token chunks: some KV is sent already
+            _step_until(pair, lambda: getattr(prefill.queues.chunked_req, "rid", None) == "gone")
             pair.prefill.abort("gone")
         elif when == "decoding":
             _step_until(pair, lambda: any(r.rid == "gone" for r in decode.running_batch.reqs))
