@@ -53,9 +53,9 @@ def check_destination(room: int, local: KVArgs, remote_geometry: KVGeometry, rem
         if local.has_state and n != local.geometry.head_num:
             return (f"room {room}: a hybrid model's prefill and decode must run the same --tp-size (its "
                     "linear-attention state does not move between different TP sizes yet)")
-    g = remote_geometry
-    page_bytes = g.page_size * g.head_num * g.head_dim * (local.kv_item_lens[0] // (local.geometry.page_size *
-                                                                                  local.geometry.head_num * g.head_dim))
+    g, here = remote_geometry, local.geometry
+    elem_bytes = local.kv_item_lens[0] // (here.page_size * here.head_num * here.head_dim)
+    page_bytes = g.page_size * g.head_num * g.head_dim * elem_bytes  # a page of the decode rank (its heads)
     if len(pages) and (pages.min() < 0 or (int(pages.max()) + 1) * page_bytes > remote_kv_len):
         return f"room {room}: destination page out of the decode pool's range"
     if meta_slot < 0 or (meta_slot + 1) * local.aux_item_lens[0] > remote_aux_len:
