@@ -23,8 +23,7 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, NamedTuple, Optional
 
 from baton.engine.disaggregation.base import KVPoll, KVTransferError
-from baton.engine.disaggregation.bootstrap_server import (PrefillRankInfo, check_health, fetch_prefill_rank,
-                                                         rank_key)
+from baton.engine.disaggregation.bootstrap_server import PrefillRankInfo, check_health, fetch_prefill_rank
 from baton.engine.disaggregation.common import CommonKVReceiver
 from baton.engine.disaggregation.head_slices import decode_rank_plan, receivers_of
 from baton.engine.disaggregation.mooncake import messages
