@@ -126,7 +126,8 @@ def role_schema(what: str) -> dict[str, Any]:
     return _obj(f"{what.capitalize()} engine pods: one pod runs one `baton serve` with tp*dp ranks.", {
         "replicas": _int("Number of engine pods.", 0, 1024, 1),
         "tp": _int("Tensor-parallel size (--tp-size): GPUs one model replica is sharded over. Prefill and "
-                   "decode must use the same tp (each TP rank sends its KV shard to the same decode TP rank).",
+                   "decode may differ when one divides the other (each decode TP rank receives its KV heads "
+                   "from the prefill TP ranks that hold them).",
                    1, 64, 1),
         "dp": _int("Data-parallel size (--dp-size): model replicas in the pod, tp GPUs each.", 1, 64, 1),
         "gpus": _int("GPUs per pod: 0 runs on CPU, otherwise tp*dp.", 0, 64, 0),

@@ -48,6 +48,10 @@ ROUTER_MANAGED_FLAGS = ("host", "port", "pd-disaggregation", "service-discovery[
                         "decode-policy", "policy", "api-key")
 
 
+def _tp_pair_ok(prefill_tp: int, decode_tp: int) -> bool:
+    return max(prefill_tp, decode_tp) % min(prefill_tp, decode_tp) == 0
+
+
 def _flags_regex(flags: tuple[str, ...]) -> str:
     return "^--(" + "|".join(flags) + ")(=.*)?$"
 
@@ -142,15 +146,22 @@ RULES: tuple[Rule, ...] = (
          "gpus must be 0 (run on CPU) or equal tp * dp (one GPU per rank); "
          "fix gpus, tp or dp in this role",
          lambda r: r.get("gpus", 0) == 0 or r.get("gpus") == r.get("tp", 1) * r.get("dp", 1)),
-    # With TP each rank holds a shard of the KV heads, and a decode's TP rank r receives the KV of
-    # the prefill's TP rank r: the engines refuse a pair of different TP sizes per request; the spec
-    # refuses it up front. A role left out runs with tp 1. (has(): see the kvTransfer rules below.)
+    # With TP each rank holds a shard of the KV heads; a decode TP rank takes its heads' slices from
+    # whichever prefill TP ranks hold them (engine/disaggregation/head_slices.py), so the sizes may
+    # differ. Each engine checks at start that its own tp splits the model's heads (the model is not
+    # known here); one size dividing the other keeps every KV head on whole ranks of both sides, as
+    # the head counts of the models served (powers of two) need anyway. A role left out runs with
+    # tp 1. (has(): see the kvTransfer rules below.)
     Rule(Scope.SPEC,
-         "(has(self.prefill) && has(self.prefill.tp) ? self.prefill.tp : 1) == "
-         "(has(self.decode) && has(self.decode.tp) ? self.decode.tp : 1)",
-         "spec.prefill.tp and spec.decode.tp must be equal: each decode TP rank receives the KV cache "
-         "shard of the same prefill TP rank",
-         lambda s: s.get("prefill", {}).get("tp", 1) == s.get("decode", {}).get("tp", 1)),
+         "(has(self.prefill) && has(self.prefill.tp) ? self.prefill.tp : 1) >= "
+         "(has(self.decode) && has(self.decode.tp) ? self.decode.tp : 1) ? "
+         "(has(self.prefill) && has(self.prefill.tp) ? self.prefill.tp : 1) % "
+         "(has(self.decode) && has(self.decode.tp) ? self.decode.tp : 1) == 0 : "
+         "(has(self.decode) && has(self.decode.tp) ? self.decode.tp : 1) % "
+         "(has(self.prefill) && has(self.prefill.tp) ? self.prefill.tp : 1) == 0",
+         "spec.prefill.tp and spec.decode.tp must divide one another (e.g. 1 and 2, 4 and 2, 2 and 2): "
+         "each decode TP rank receives its KV heads from the prefill TP ranks that hold them",
+         lambda s: _tp_pair_ok(s.get("prefill", {}).get("tp", 1), s.get("decode", {}).get("tp", 1))),
     # A PD engine refuses --enable-mixed-chunk at start-up (it runs prefills or decodes, not both):
     # refused here, before a pod crash-loops on it.
     Rule(Scope.SPEC,

@@ -35,6 +35,9 @@ class PeerSpec:
     bootstrap_port: int = 0  # prefill: its bootstrap server's port; 0 picks a free one
     fill_seed: Optional[int] = None  # prefill: fill the pool with fill_pool(seed)
     meta_slots: int = 64
+    tp_rank: int = 0  # the TP rank whose shard of kv_heads_total this peer holds (geometry.head_num of them)
+    tp_size: int = 1
+    kv_heads_total: Optional[int] = None
 
 
 def make_pool(geometry: KVGeometry, num_pages: int):
@@ -80,7 +83,8 @@ class _Peer:
         if spec.role == "prefill":
             self.server = KVBootstrapServer(spec.config.host, spec.bootstrap_port)
             addr = f"{spec.config.host}:{self.server.port}"
-        self.args = KVArgs.from_pool(self.pool, self.metadata)
+        self.args = KVArgs.from_pool(self.pool, self.metadata, tp_rank=spec.tp_rank, tp_size=spec.tp_size,
+                                     kv_heads_total=spec.kv_heads_total)
         self.mgr: KVManagerBase = create_transfer_backend(spec.backend, self.args, self.metadata, spec.role,
                                                           spec.config, addr)
         self.held: list = []

@@ -14,7 +14,9 @@ One manager per engine (per rank) owns the registered memory and the side channe
       poll() Success | Failed  <------------  (status notification)
 
 Page p covers pool slots [p * page_size, (p + 1) * page_size); page 0 is the dummy page. Both
-sides list the request's pages in token order; the prefill's i-th page lands on the decode's i-th.
+sides list the request's pages in token order; the prefill's i-th page lands on the decode's i-th
+(with different TP sizes, each decode rank's KV heads of it: head_slices.py). A hybrid model's
+recurrent state goes with the last chunk, from the prefill's request row into the decode's.
 The poll states are ordered so that ranks agree by taking the minimum.
 """
 from __future__ import annotations
@@ -22,15 +24,16 @@ from __future__ import annotations
 import threading
 import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from enum import Enum, IntEnum
-from typing import TYPE_CHECKING, NamedTuple, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 import torch
 
 if TYPE_CHECKING:
     from baton.engine.mem_cache.memory_pool import MHATokenToKVPool
+    from baton.engine.mem_cache.state_pool import RecurrentStatePool
 
 PageList = Union[Sequence[int], np.ndarray, torch.Tensor]
 
@@ -57,23 +60,54 @@ class KVGeometry:
     """What must be identical on both sides for page i of one pool to mean page i of the other."""
 
     page_size: int
-    dtype: str
-    layer_num: int
-    head_num: int
+    dtype: str  # the KV cache's
+    layer_num: int  # KV layers (a hybrid model's full-attention layers)
+    head_num: int  # this rank's KV heads (a TP shard)
     head_dim: int
+    kv_heads_total: int = 0  # the model's KV heads (0: not told; then head_num must match)
+    # what else must agree for the state and the KV to mean the same on both sides (empty: not told)
+    model: str = ""  # architecture and sizes (model_identity)
+    layer_layout: str = ""  # one letter per layer: F full attention, L linear attention
+    state_dtype: str = ""  # a hybrid's recurrent state: "conv <dtype>, ssm <dtype>"; "" without one
+    state_shape: str = ""  # its per-slot shapes and linear layers
 
     def mismatch(self, other: "KVGeometry") -> Optional[str]:
-        """None when equal, else 'page_size 16 != 1, dtype ...' naming every differing field."""
+        """None when equal, else 'page_size 16 != 1, dtype ...' naming every differing field. A
+        rank's own head count may differ where both tell the model's (different TP sizes)."""
+        skip = {"head_num"} if self.kv_heads_total and other.kv_heads_total else set()
         diffs = [f"{f.name} {getattr(self, f.name)} != {getattr(other, f.name)}"
-                 for f in fields(self) if getattr(self, f.name) != getattr(other, f.name)]
+                 for f in fields(self) if f.name not in skip and getattr(self, f.name) != getattr(other, f.name)]
         return ", ".join(diffs) or None
+
+
+def model_identity(hf_config: Any) -> tuple[str, str]:
+    """(model, layer_layout) of a KVGeometry: the architecture with the sizes that shape its KV and
+    state, and one letter per layer (F full attention, L linear attention)."""
+    if hf_config is None:
+        return "", ""
+    cfg = getattr(hf_config, "text_config", None) or hf_config
+    arch = (getattr(hf_config, "architectures", None) or [type(hf_config).__name__])[0]
+    model = f"{arch} hidden {cfg.hidden_size} vocab {cfg.vocab_size}"
+    types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
+    return model, "".join("L" if t == "linear_attention" else "F" for t in types)
+
+
+def model_kv_heads(hf_config: Any) -> Optional[int]:
+    """The model's KV heads (all TP ranks together), or None without a config."""
+    if hf_config is None:
+        return None
+    cfg = getattr(hf_config, "text_config", None) or hf_config
+    return getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
 
 
 @dataclass(frozen=True)
 class KVArgs:
-    """The memory one engine registers: KV buffers (all K layers, then all V layers) and metadata buffers.
+    """The memory one engine registers: KV buffers (all K layers, then all V layers), metadata
+    buffers and, for a hybrid model, its recurrent-state buffers (every linear layer's conv state,
+    then every linear layer's delta-rule state; one contiguous tensor each, slot-major).
 
-    Item lengths are bytes per page for the KV buffers and bytes per slot for the metadata buffers.
+    Item lengths are bytes per page for the KV buffers, bytes per slot for the metadata and state
+    buffers. A state slot is a request row (mem_cache/state_pool.py).
     """
 
     geometry: KVGeometry
@@ -87,20 +121,59 @@ class KVArgs:
     dp_size: int = 1  # its engine's DP ranks
     tp_rank: int = 0  # the TP rank whose KV shard this is (disaggregation/tp_fanout.py)
     tp_size: int = 1
+    state_data_ptrs: tuple[int, ...] = ()  # hybrid models only (see above)
+    state_data_lens: tuple[int, ...] = ()
+    state_item_lens: tuple[int, ...] = ()
+    head_start: int = 0  # the first of the model's KV heads this rank holds (head_slices.py)
+    # the KV buffers themselves ([slots, head_num, head_dim] each, same order as kv_data_ptrs): a
+    # prefill gathers head slices from them when the decode rank holds fewer heads (head_slices.py)
+    kv_tensors: tuple = field(default=(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
         assert len(self.kv_data_ptrs) == len(self.kv_data_lens) == len(self.kv_item_lens) == 2 * self.geometry.layer_num
         assert len(self.aux_data_ptrs) == len(self.aux_data_lens) == len(self.aux_item_lens) >= 1
+        assert len(self.state_data_ptrs) == len(self.state_data_lens) == len(self.state_item_lens)
+        assert bool(self.state_data_ptrs) == bool(self.geometry.state_dtype), "state buffers and state geometry go together"
+
+    @property
+    def has_state(self) -> bool:
+        return bool(self.state_data_ptrs)
+
+    def state_slots(self) -> int:
+        """Slots each state buffer holds (0 without state)."""
+        return self.state_data_lens[0] // self.state_item_lens[0] if self.has_state else 0
 
     @classmethod
     def from_pool(cls, pool: "MHATokenToKVPool", metadata: "MetadataBuffers", engine_rank: int = 0,
-                  dp_size: int = 1, tp_rank: int = 0, tp_size: int = 1) -> "KVArgs":
+                  dp_size: int = 1, tp_rank: int = 0, tp_size: int = 1, state_pool: Optional["RecurrentStatePool"] = None,
+                  hf_config: Any = None, kv_heads_total: Optional[int] = None) -> "KVArgs":
+        """`kv_heads_total`: the model's KV heads (default: the pool's times tp_size, no replication)."""
+        from baton.engine.disaggregation.head_slices import kv_head_range
+
+        total = kv_heads_total or pool.head_num * tp_size
+        head_start, head_num = kv_head_range(total, tp_size, tp_rank)
+        assert head_num == pool.head_num, f"TP rank {tp_rank} of {tp_size} holds {head_num} of {total} KV heads"
         ptrs, lens, per_token = pool.get_contiguous_buf_infos()
+        model, layout = model_identity(hf_config)
+        state_dtype = state_shape = ""
+        state_ptrs: list[int] = []
+        state_lens: list[int] = []
+        state_items: list[int] = []
+        if state_pool is not None:
+            bufs = [*state_pool.conv, *state_pool.ssm]
+            assert all(t.is_contiguous() for t in bufs)
+            state_ptrs, state_lens = [t.data_ptr() for t in bufs], [t.nbytes for t in bufs]
+            state_items = [t[0].nbytes for t in bufs]
+            shapes = state_pool.shapes
+            state_dtype = ", ".join(f"{name} {str(t.dtype).removeprefix('torch.')}"
+                                    for name, t in (("conv", state_pool.conv[0]), ("ssm", state_pool.ssm[0])))
+            state_shape = f"{shapes.num_layers} linear layers, conv {list(shapes.conv)}, ssm {list(shapes.ssm)}"
         geometry = KVGeometry(pool.page_size, str(pool.dtype).removeprefix("torch."), pool.layer_num,
-                              pool.head_num, pool.head_dim)
+                              pool.head_num, pool.head_dim, total, model, layout, state_dtype, state_shape)
         return cls(geometry, tuple(ptrs), tuple(lens), tuple(b * pool.page_size for b in per_token),
                    (metadata.data_ptr,), (metadata.nbytes,), (metadata.item_bytes,), engine_rank, dp_size,
-                   tp_rank, tp_size)
+                   tp_rank, tp_size, tuple(state_ptrs), tuple(state_lens), tuple(state_items), head_start,
+                   tuple(pool.k_buffer + pool.v_buffer))
 
 
 @dataclass(frozen=True)
@@ -120,6 +193,8 @@ class TransferConfig:
     # the prefill already issued may still land in them
     abort_grace_s: float = 10.0
     max_batch_entries: int = 512  # runs per batched write; below Mooncake TCP's per-peer queue (1024)
+    # prefill: per transfer thread, registered memory to gather head slices in (TP sizes that differ)
+    staging_bytes: int = 64 << 20
     num_transfer_threads: int = 2
 
     def __post_init__(self) -> None:
@@ -261,8 +336,12 @@ class KVSenderBase(ABC):
     - wait until poll() >= WaitingForInput (the decode's destination arrived) before send();
     - init(num_pages, meta_slot) once: num_pages must equal the pages the decode reserved;
     - send(pages) per computed chunk in token order; a non-last chunk sends whole pages only;
-      the last one passes is_last=True and the metadata (written to meta_slot, then transferred);
-    - source pages must stay allocated until poll() returns Success or Failed; then clear().
+      the last one passes is_last=True and the metadata (written to meta_slot, then transferred),
+      and with a hybrid model `state_slot`: the request's row, whose recurrent state the forward
+      that computed the last chunk has finished writing (it goes after the pages, before the
+      metadata);
+    - source pages (and the state slot) must stay allocated until poll() returns Success or
+      Failed; then clear().
     """
 
     room: int
@@ -271,7 +350,8 @@ class KVSenderBase(ABC):
     def init(self, num_pages: int, meta_slot: int) -> None: ...
 
     @abstractmethod
-    def send(self, page_indices: PageList, is_last: bool = False, metadata: Optional[KVMetadata] = None) -> None: ...
+    def send(self, page_indices: PageList, is_last: bool = False, metadata: Optional[KVMetadata] = None,
+             state_slot: Optional[int] = None) -> None: ...
 
     @abstractmethod
     def poll(self) -> KVPoll: ...
@@ -296,9 +376,11 @@ class KVReceiverBase(ABC):
 
     Contract for the caller:
     - poll() reaches WaitingForInput once the prefill rank is known and registered with;
-    - init(page_indices, meta_slot, prefix_pages) once with the pages reserved for the prompt (token
-      order), after the first `prefix_pages` pages the decode already holds (its prefix cache);
-    - on Success the pages hold the prompt's KV and metadata() the first token; on Failed,
+    - init(page_indices, meta_slot, prefix_pages, state_slot) once with the pages reserved for the
+      prompt (token order), after the first `prefix_pages` pages the decode already holds (its prefix
+      cache), and with a hybrid model the state slot (the request's row) the prefill's final
+      recurrent state goes to: state always comes from the prefill, even after a prefix hit;
+    - on Success the pages hold the prompt's KV (and the slot its state), metadata() the first token; on Failed,
       failure_reason() says why (timeout, prefill gone, geometry mismatch, corruption ...);
     - destination pages stay allocated until poll() is final; then clear().
     """
@@ -307,7 +389,8 @@ class KVReceiverBase(ABC):
     bootstrap_addr: str
 
     @abstractmethod
-    def init(self, page_indices: PageList, meta_slot: int, prefix_pages: int = 0) -> None: ...
+    def init(self, page_indices: PageList, meta_slot: int, prefix_pages: int = 0,
+             state_slot: Optional[int] = None) -> None: ...
 
     @abstractmethod
     def poll(self) -> KVPoll: ...

@@ -1,6 +1,7 @@
 """The prefill engine's bootstrap HTTP server (default port 8998) and its clients.
 
-    PUT /route   {"engine_rank", "endpoint", "session_id", "geometry", "dp_size", "tp_rank", "tp_size"}
+    PUT /route   {"engine_rank", "endpoint", "session_id", "geometry", "dp_size", "tp_rank", "tp_size",
+                  "head_start"}
                  a prefill rank registers (one per DP rank and TP rank)
     GET /route?engine_rank=0[&tp_rank=0]  -> that JSON, or 404 until the rank has registered
     GET /health  -> {"status": "ok", "sessions": {"0": session_id, "0.1": ...}}
@@ -43,6 +44,7 @@ class PrefillRankInfo:
     # the prefill's TP rank T, so both engines must run the same tp_size
     tp_rank: int = 0
     tp_size: int = 1
+    head_start: int = 0  # the first of the model's KV heads the rank holds (geometry: how many)
 
     @property
     def key(self) -> str:

@@ -47,6 +47,8 @@ class SchedulerView:
     record_token: Callable[["Req", int, Any], None]  # append row i's sampled token of a result
     extend_result_prologue: Callable[["Req", int, Any], bool]
     count_generated: Callable[[int], None]
+    state_pool: Any = None  # a hybrid model's mem_cache.state_pool.RecurrentStatePool (slot = request row)
+    hf_config: Any = None  # the model's, for the pair's handshake (base.model_identity)
 
 
 class Colocated:

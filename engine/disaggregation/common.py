@@ -28,19 +28,40 @@ class Destination:
     pages: np.ndarray  # [num_pages - prefix_pages] decode page indices, token order
     meta_slot: int
     prefix_pages: int = 0  # leading prompt pages the decode already holds: not sent
+    state_slot: Optional[int] = None  # hybrid models: the decode row the recurrent state goes to
+    heads: Optional[tuple[int, int, int]] = None  # (src, dst, count) head slice; None: the whole shard
+    num_dests: int = 1  # decode ranks that send this prefill rank a destination for the room
 
 
 def check_destination(room: int, local: KVArgs, remote_geometry: KVGeometry, remote_kv_len: int,
-                      remote_aux_len: int, pages: np.ndarray, meta_slot: int) -> Optional[str]:
+                      remote_aux_len: int, pages: np.ndarray, meta_slot: int, state_slot: Optional[int] = None,
+                      remote_state_slots: int = 0, heads: Optional[tuple[int, int, int]] = None) -> Optional[str]:
     """Why the prefill (`local`) must refuse a decode's destination, or None when it fits."""
     mismatch = local.geometry.mismatch(remote_geometry)
     if mismatch:
-        return f"room {room}: KV page geometry differs between prefill and decode (prefill != decode): {mismatch}"
-    page_bytes = local.kv_item_lens[0]
+        return (f"room {room}: KV page geometry differs between prefill and decode (prefill != decode): {mismatch}; "
+                "both engines must serve the same model with the same --page-size, --kv-cache-dtype and "
+                "--mamba-ssm-dtype")
+    if heads is None and local.geometry.head_num != remote_geometry.head_num:
+        return f"room {room}: the decode rank holds {remote_geometry.head_num} KV heads and this rank " \
+               f"{local.geometry.head_num}, but the decode asked for whole pages"
+    if heads is not None:
+        src, dst, n = heads
+        if min(src, dst, n) < 0 or src + n > local.geometry.head_num or dst + n > remote_geometry.head_num:
+            return f"room {room}: KV head slice {list(heads)} out of range ({local.geometry.head_num} heads here, " \
+                   f"{remote_geometry.head_num} on the decode rank)"
+        if local.has_state and n != local.geometry.head_num:
+            return (f"room {room}: a hybrid model's prefill and decode must run the same --tp-size (its "
+                    "linear-attention state does not move between different TP sizes yet)")
+    g, here = remote_geometry, local.geometry
+    elem_bytes = local.kv_item_lens[0] // (here.page_size * here.head_num * here.head_dim)
+    page_bytes = g.page_size * g.head_num * g.head_dim * elem_bytes  # a page of the decode rank (its heads)
     if len(pages) and (pages.min() < 0 or (int(pages.max()) + 1) * page_bytes > remote_kv_len):
         return f"room {room}: destination page out of the decode pool's range"
     if meta_slot < 0 or (meta_slot + 1) * local.aux_item_lens[0] > remote_aux_len:
         return f"room {room}: metadata slot {meta_slot} out of the decode's range"
+    if local.has_state and (state_slot is None or not 0 <= state_slot < remote_state_slots):
+        return f"room {room}: recurrent-state slot {state_slot} out of the decode's range ({remote_state_slots} slots)"
     return None
 
 
@@ -64,24 +85,39 @@ class CommonKVSender(_RoomStatusMixin, KVSenderBase):
         self._metadata = metadata
         self._status = RoomStatus()
         self._created = time.monotonic()
-        self.dest: Optional[Destination] = None  # filled by attach() when the decode's message arrives
+        self.dest: Optional[Destination] = None  # the first of `dests`, once all arrived (attach())
+        self.dests: list[Destination] = []  # one per decode TP rank that takes heads from this rank
         self.num_pages: Optional[int] = None
         self.meta_slot: Optional[int] = None
+        self.state_slot: Optional[int] = None  # the prefill's row with the final state, set by the last send()
         self._sent = 0  # prompt pages handed to send() so far (prefix pages the decode holds included)
         self._bytes, self._seconds = 0, 0.0
+        self._attach_lock = threading.Lock()
+        self._finished: set[int] = set()  # indices into dests written to the end
 
     # ---- backend side ----
 
     def attach(self, dest: Destination) -> None:
-        self.dest = dest
-        self._status.advance(KVPoll.WaitingForInput)
+        """A decode rank's destination. Every decode rank reserved the same pages (its driver's), so
+        they differ only in where the heads go; the sender waits for all `num_dests` of them."""
+        with self._attach_lock:
+            self.dests.append(dest)
+            ready = len(self.dests) == dest.num_dests
+        if ready:
+            self.dest = self.dests[0]
+            self._status.advance(KVPoll.WaitingForInput)
 
     def record(self, nbytes: int, seconds: float) -> None:
         self._bytes += nbytes
         self._seconds += seconds
 
-    def finish(self) -> None:
-        self._status.advance(KVPoll.Success)
+    def finish(self, dest_index: int = 0) -> None:
+        """Destination `dest_index` has every page and the metadata: Success once all have."""
+        with self._attach_lock:
+            self._finished.add(dest_index)
+            done = len(self._finished) == len(self.dests)
+        if done:
+            self._status.advance(KVPoll.Success)
 
     @abstractmethod
     def _submit(self, src_pages: np.ndarray, dst_pages: np.ndarray, is_last: bool) -> None:
@@ -97,7 +133,8 @@ class CommonKVSender(_RoomStatusMixin, KVSenderBase):
         assert num_pages >= 0 and 0 <= meta_slot < self._metadata.size
         self.num_pages, self.meta_slot = num_pages, meta_slot
 
-    def send(self, page_indices: PageList, is_last: bool = False, metadata: Optional[KVMetadata] = None) -> None:
+    def send(self, page_indices: PageList, is_last: bool = False, metadata: Optional[KVMetadata] = None,
+             state_slot: Optional[int] = None) -> None:
         if self._status.done:
             return
         if self.dest is None:
@@ -115,6 +152,7 @@ class CommonKVSender(_RoomStatusMixin, KVSenderBase):
         src, dst = pages[first - start:], self.dest.pages[first - skip:self._sent - skip]
         if is_last:
             self._metadata.set(self.meta_slot, metadata)
+            self.state_slot = state_slot
         elif len(src) == 0:
             return
         self._status.advance(KVPoll.Transferring)
@@ -144,7 +182,7 @@ class CommonKVSender(_RoomStatusMixin, KVSenderBase):
         return TransferStats(self._bytes, self._seconds)
 
     def abort(self, reason: str) -> None:
-        if self._status.fail(reason) and self.dest is not None:
+        if self._status.fail(reason) and self.dests:
             self._notify_abort(reason)
 
 
@@ -161,6 +199,7 @@ class CommonKVReceiver(_RoomStatusMixin, KVReceiverBase):
         self.pages: Optional[np.ndarray] = None
         self.meta_slot: Optional[int] = None
         self.prefix_pages = 0
+        self.state_slot: Optional[int] = None
         self._init_time: Optional[float] = None
         self._dest_sent = False
 
@@ -201,11 +240,13 @@ class CommonKVReceiver(_RoomStatusMixin, KVReceiverBase):
 
     # ---- scheduler side ----
 
-    def init(self, page_indices: PageList, meta_slot: int, prefix_pages: int = 0) -> None:
+    def init(self, page_indices: PageList, meta_slot: int, prefix_pages: int = 0,
+             state_slot: Optional[int] = None) -> None:
         assert 0 <= meta_slot < self._metadata.size and prefix_pages >= 0
         with self._lock:
             assert self.pages is None, f"init() twice for room {self.room}"
             self.pages, self.meta_slot, self.prefix_pages = as_pages(page_indices), meta_slot, prefix_pages
+            self.state_slot = state_slot
             self._init_time = time.monotonic()
             send_now = self.peer is not None and not self._dest_sent
             self._dest_sent |= send_now

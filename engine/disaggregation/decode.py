@@ -88,7 +88,9 @@ class DecodeDisaggregation(Colocated):
             else:
                 s, prefix = self.view, len(req.prefix_indices)
                 slots = s.req_to_token_pool.req_to_token[req.req_pool_idx, prefix:len(req.origin_input_ids)]
-                req.kv_transfer.init(pages_from_slots(slots, s.page_size), req.kv_meta_slot, prefix // s.page_size)
+                state_slot = req.req_pool_idx if s.state_pool is not None else None  # slot == row
+                req.kv_transfer.init(pages_from_slots(slots, s.page_size), req.kv_meta_slot, prefix // s.page_size,
+                                     state_slot)
                 req.kv_transfer_started = time.monotonic()
                 self.transfer_queue.append(req)
         self.prealloc_queue = keep
@@ -100,13 +102,14 @@ class DecodeDisaggregation(Colocated):
         holders = s.queues.running_batch.reqs + self.transfer_queue
         if len(holders) + len(s.queues.waiting) >= s.max_running_requests:
             return False
-        match = s.tree_cache.match_prefix(req.origin_input_ids[:n - 1])  # the prefill sends >= 1 page
+        # KV only: a hybrid model's state comes from the prefill, never from this engine's checkpoints
+        match = s.tree_cache.match_kv_prefix(req.origin_input_ids[:n - 1])  # the prefill sends >= 1 page
         s.tree_cache.inc_lock_ref(match.last_node)  # before evicting: our own prefix must stay
         slots = self._alloc_suffix(req, match.device_indices, holders)
         if slots is None:
             s.tree_cache.dec_lock_ref(match.last_node)
             return False
-        rows, meta_slot = s.req_to_token_pool.alloc(1), self.metadata.alloc()
+        rows, meta_slot = self._alloc_row(), self.metadata.alloc()
         if rows is None or meta_slot is None:
             s.tree_cache.dec_lock_ref(match.last_node)
             s.allocator.free(slots)
@@ -120,6 +123,19 @@ class DecodeDisaggregation(Colocated):
         s.req_to_token_pool.req_to_token[req.req_pool_idx, :n] = torch.cat([match.device_indices, slots.to(match.device_indices.device)])
         req.kv_committed_len = req.kv_allocated_len = n
         return True
+
+    def _alloc_row(self) -> Optional[list[int]]:
+        """A free request row whose state slot no queued checkpoint copy still reads. A hybrid
+        model's radix cache copies a finished request's row into a checkpoint during the next pass
+        (hybrid_radix_cache.py); the prefill's state write into the row must not land before it."""
+        pool, pending = self.view.req_to_token_pool, self.view.tree_cache.pending_state_sources()
+        busy, rows = [], pool.alloc(1)
+        while rows is not None and rows[0] in pending:
+            busy.append(rows[0])
+            rows = pool.alloc(1)
+        if busy:
+            pool.free(busy)  # after the next pass
+        return rows
 
     def _alloc_suffix(self, req: "Req", prefix_indices: torch.Tensor, holders: list["Req"]) -> Optional[torch.Tensor]:
         s, n, prefix = self.view, len(req.origin_input_ids), len(prefix_indices)
@@ -140,8 +156,9 @@ class DecodeDisaggregation(Colocated):
                 if is_no_peer(req.bootstrap_host):
                     continue  # nothing moved: keep it out of the transfer statistics
                 pool = self.view.kv_pool
-                # K and V of every layer, on every TP rank (each moves its shard)
-                nbytes = len(req.origin_input_ids) * pool.bytes_per_token * 2 * pool.layer_num * self.view.tp.size
+                # K and V of every layer (and a hybrid's state), on every TP rank (each moves its shard)
+                nbytes = (len(req.origin_input_ids) * pool.bytes_per_token * 2 * pool.layer_num
+                          + sum(self.mgr.args.state_item_lens)) * self.view.tp.size
                 self.stats.transfer_done(nbytes, time.monotonic() - req.kv_transfer_started)
             elif status == KVPoll.Failed:
                 self.stats.transfer_failures += 1

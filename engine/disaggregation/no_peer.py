@@ -30,7 +30,8 @@ class NoPeerSender(_RoomStatusMixin, KVSenderBase):
     def init(self, num_pages: int, meta_slot: int) -> None:
         pass
 
-    def send(self, page_indices: PageList, is_last: bool = False, metadata: Optional[KVMetadata] = None) -> None:
+    def send(self, page_indices: PageList, is_last: bool = False, metadata: Optional[KVMetadata] = None,
+             state_slot: Optional[int] = None) -> None:
         if is_last:
             self._status.advance(KVPoll.Success)
 
@@ -56,7 +57,8 @@ class NoPeerReceiver(_RoomStatusMixin, KVReceiverBase):
         self._status = RoomStatus()
         self._status.advance(KVPoll.WaitingForInput)
 
-    def init(self, page_indices: PageList, meta_slot: int, prefix_pages: int = 0) -> None:
+    def init(self, page_indices: PageList, meta_slot: int, prefix_pages: int = 0,
+             state_slot: Optional[int] = None) -> None:
         self._status.advance(KVPoll.Success)
 
     def poll(self) -> KVPoll:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Optional
 
 from baton.engine.disaggregation import create_transfer_backend
 from baton.engine.disaggregation.base import (KVArgs, KVManagerBase, KVMetadata, KVPoll, MetadataBuffers,
-                                              TransferConfig, pages_from_slots)
+                                              TransferConfig, model_kv_heads, pages_from_slots)
 from baton.engine.disaggregation.no_peer import NoPeerSender, is_no_peer
 from baton.engine.disaggregation.stats import PDStats
 from baton.engine.disaggregation.colocated import Colocated, DisaggregationMode
@@ -74,7 +74,8 @@ def create_kv_manager(view: "SchedulerView", mode: str, config: TransferConfig, 
 
     pool, tp, server_args = view.kv_pool, view.tp, view.server_args
     args = KVArgs.from_pool(pool, metadata, engine_rank=view.dp_rank, dp_size=server_args.dp_size,
-                            tp_size=tp.size)
+                            tp_size=tp.size, state_pool=view.state_pool, hf_config=view.hf_config,
+                            kv_heads_total=model_kv_heads(view.hf_config))
     backend = server_args.disaggregation_transfer_backend
 
     def local() -> KVManagerBase:
@@ -209,14 +210,20 @@ class PrefillDisaggregation(Colocated):
         return True
 
     def _send(self, req: "Req", end_page: int, metadata: Optional[KVMetadata] = None) -> None:
-        """Pages [kv_pages_sent, end_page) of the request's row; the last call carries the metadata."""
+        """Pages [kv_pages_sent, end_page) of the request's row; the last call carries the metadata
+        and, for a hybrid model, the row's recurrent state. Called with a chunk's result, so the
+        forward that wrote that KV and state has ended; the overlap loop's next pass may run
+        already, but never with this request after its last chunk, and its row stays held (and
+        unwritten) until the transfer has ended."""
         ps = self.view.page_size
         if end_page <= req.kv_pages_sent and metadata is None:
             return
         row = self.view.req_to_token_pool.req_to_token[req.req_pool_idx]
         slots = row[req.kv_pages_sent * ps:end_page * ps]
         req.kv_pages_sent = end_page
-        req.kv_transfer.send(pages_from_slots(slots, ps), is_last=metadata is not None, metadata=metadata)
+        state_slot = req.req_pool_idx if self.view.state_pool is not None else None
+        req.kv_transfer.send(pages_from_slots(slots, ps), is_last=metadata is not None, metadata=metadata,
+                             state_slot=state_slot)
 
     # ------------------------------------------------------------------ endings
     def abort(self, recv: AbortReq) -> None:

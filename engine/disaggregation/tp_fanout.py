@@ -1,11 +1,11 @@
 """PD disaggregation with tensor parallelism: every TP rank moves its own KV shard.
 
-TP rank r of an engine holds the KV heads of shard r. A prefill's rank r therefore writes to the
-decode's rank r, which holds the same heads: both engines must run the same --tp-size (a decode
-refuses a prefill of another size with a clear reason; the page geometry, whose head count is per
-shard, would differ too). Every rank runs its own transfer backend (its Mooncake engine, side
-channel and registered shard), and a prefill rank registers at its engine's bootstrap server under
-(DP rank, TP rank), as SGLang's per-rank KV managers do.
+TP rank r of an engine holds the KV heads of shard r. With equal --tp-size a prefill's rank r writes
+to the decode's rank r, which holds the same heads; with different sizes each decode rank takes its
+heads' slices from the prefill ranks that hold them (head_slices.py; the backends do the pairing).
+Every rank runs its own transfer backend (its Mooncake engine, side channel and registered shard),
+and a prefill rank registers at its engine's bootstrap server under (DP rank, TP rank), with the
+first KV head it holds, as SGLang's per-rank KV managers do.
 
 Only the TP driver (rank 0) runs a scheduler. Its manager is a `TpKVManager`: each call on a sender
 or receiver (create, init, send, abort, clear) runs on the driver's backend and is forwarded, in
@@ -40,7 +40,7 @@ import zmq
 
 from baton.engine.disaggregation.base import (KVArgs, KVManagerBase, KVMetadata, KVPoll, KVReceiverBase,
                                               KVSenderBase, MetadataBuffers, PageList, TransferConfig,
-                                              TransferStats, as_pages)
+                                              TransferStats, as_pages, model_kv_heads)
 
 logger = logging.getLogger(__name__)
 
@@ -219,10 +219,11 @@ class TpKVSender(_FanOut, KVSenderBase):
         self.local.init(num_pages, meta_slot)
         self.link.op({"op": "sinit", "room": self.room, "num_pages": num_pages, "meta_slot": meta_slot})
 
-    def send(self, page_indices: PageList, is_last: bool = False, metadata: Optional[KVMetadata] = None) -> None:
+    def send(self, page_indices: PageList, is_last: bool = False, metadata: Optional[KVMetadata] = None,
+             state_slot: Optional[int] = None) -> None:
         pages = as_pages(page_indices)
-        self.local.send(pages, is_last, metadata)
-        self.link.op({"op": "send", "room": self.room, "is_last": is_last,
+        self.local.send(pages, is_last, metadata, state_slot)
+        self.link.op({"op": "send", "room": self.room, "is_last": is_last, "state_slot": state_slot,
                       "metadata": list(metadata) if metadata is not None else None}, pages)
 
     def stats(self) -> TransferStats:
@@ -236,10 +237,12 @@ class TpKVReceiver(_FanOut, KVReceiverBase):
         self.local, self.link = local, link
         self.room, self.bootstrap_addr = local.room, local.bootstrap_addr
 
-    def init(self, page_indices: PageList, meta_slot: int, prefix_pages: int = 0) -> None:
+    def init(self, page_indices: PageList, meta_slot: int, prefix_pages: int = 0,
+             state_slot: Optional[int] = None) -> None:
         pages = as_pages(page_indices)
-        self.local.init(pages, meta_slot, prefix_pages)
-        self.link.op({"op": "rinit", "room": self.room, "meta_slot": meta_slot, "prefix_pages": prefix_pages}, pages)
+        self.local.init(pages, meta_slot, prefix_pages, state_slot)
+        self.link.op({"op": "rinit", "room": self.room, "meta_slot": meta_slot, "prefix_pages": prefix_pages,
+                      "state_slot": state_slot}, pages)
 
     def metadata(self) -> KVMetadata:
         return self.local.metadata()
@@ -324,7 +327,9 @@ class FollowerKVService:
             setup = probe.setup
             metadata = MetadataBuffers(setup.metadata_size)
             args = KVArgs.from_pool(runner.token_to_kv_pool, metadata, engine_rank=setup.engine_rank,
-                                    dp_size=setup.dp_size, tp_rank=tp.rank, tp_size=tp.size)
+                                    dp_size=setup.dp_size, tp_rank=tp.rank, tp_size=tp.size,
+                                    state_pool=runner.state_pool, hf_config=runner.hf_config,
+                                    kv_heads_total=model_kv_heads(runner.hf_config))
             mgr = create_transfer_backend(setup.backend, args, metadata, setup.mode, TransferConfig(**setup.config),
                                           setup.bootstrap_addr)
         except Exception:
@@ -367,10 +372,11 @@ class FollowerKVService:
                 item.init(op["num_pages"], op["meta_slot"])
             elif kind == "send":
                 meta = op["metadata"]
-                item.send(pages, op["is_last"], KVMetadata(int(meta[0]), float(meta[1]), int(meta[2])) if meta else None)
+                item.send(pages, op["is_last"], KVMetadata(int(meta[0]), float(meta[1]), int(meta[2])) if meta else None,
+                          op.get("state_slot"))
             elif kind == "rinit":
                 self._meta_slots[room] = op["meta_slot"]
-                item.init(pages, op["meta_slot"], op["prefix_pages"])
+                item.init(pages, op["meta_slot"], op["prefix_pages"], op.get("state_slot"))
             elif kind == "abort":
                 item.abort(op["reason"])
             elif kind == "clear":

@@ -84,6 +84,11 @@ class BasePrefixCache(ABC):
     def check_state_slots(self) -> bool:
         return True
 
+    def pending_state_sources(self) -> set[int]:
+        """State slots that a copy queued for the next pass still reads (take_state_ops has not
+        taken it): nothing may write them from outside a pass (a PD decode's incoming state)."""
+        return {src for src, _ in self._state_copies or ()}
+
     @abstractmethod
     def reset(self) -> None:
         """Drop every node and free its slots (used by /flush_cache when nothing is running)."""
@@ -91,6 +96,11 @@ class BasePrefixCache(ABC):
     @abstractmethod
     def match_prefix(self, key: list[int]) -> MatchResult:
         """Longest cached page-aligned prefix of `key`; refreshes LRU time along the path."""
+
+    def match_kv_prefix(self, key: list[int]) -> MatchResult:
+        """match_prefix by KV alone: a hybrid model's cache would back off to the deepest node with a
+        state checkpoint, which a PD decode does not need (its state always comes from the prefill)."""
+        return self.match_prefix(key)
 
     @abstractmethod
     def insert(self, key: list[int], value: torch.Tensor) -> int:

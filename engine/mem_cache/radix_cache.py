@@ -146,6 +146,9 @@ class RadixCache(BasePrefixCache):
     def match_prefix(self, key: list[int]) -> MatchResult:
         return self._match_kv(key)
 
+    def match_kv_prefix(self, key: list[int]) -> MatchResult:
+        return self._match_kv(key)
+
     def _match_kv(self, key: list[int]) -> MatchResult:
         """The longest cached page-aligned prefix of `key`, by KV alone."""
         key = list(key[: len(key) - len(key) % self.page_size])

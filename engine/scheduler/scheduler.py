@@ -181,19 +181,16 @@ class Scheduler:
         """The PD strategy of --disaggregation-mode (disaggregation/strategy.py), over a view of this
         scheduler's queues and pools."""
         mode = DisaggregationMode(self.server_args.disaggregation_mode)
-        if mode is not DisaggregationMode.NULL and self.worker.model_runner.state_pool is not None:
-            # the decode would start from a zero recurrent state: wrong tokens, not an error
-            raise ValueError(f"--disaggregation-mode {mode.value}: hybrid models (linear-attention layers) cannot run "
-                             "in PD yet: their recurrent state is not transferred with the KV (issue 34); serve them "
-                             "colocated")
+        runner = self.worker.model_runner
         view = SchedulerView(
             server_args=self.server_args, tokenizer=self.tokenizer, dp_rank=self.dp_rank, page_size=self.page_size,
             max_running_requests=self.max_running_requests, req_to_token_pool=self.req_to_token_pool,
-            allocator=self.allocator, tree_cache=self.tree_cache, kv_pool=self.worker.model_runner.token_to_kv_pool,
+            allocator=self.allocator, tree_cache=self.tree_cache, kv_pool=runner.token_to_kv_pool,
             tp=self.worker.tp, queues=self.queues, new_token_ratio=lambda: self.ratio.value,
             new_batch=self._new_batch, finish_request=self.output.finish_request,
             stream_output=self.output.stream_output, record_token=self.output.record_token,
-            extend_result_prologue=self.output.extend_result_prologue, count_generated=self._count_generated)
+            extend_result_prologue=self.output.extend_result_prologue, count_generated=self._count_generated,
+            state_pool=runner.state_pool, hf_config=runner.hf_config)
         return create_strategy(mode, view, transfer_config)
 
     def _init_speculation(self) -> NoSpeculation:

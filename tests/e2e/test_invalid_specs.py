@@ -41,7 +41,7 @@ CEL_CASES = [
     body(model={"name": "m", "source": "hf://a/b", "cache": {"claimName": "c", "emptyDir": {}}}),
     body(decode={"env": [{"name": "T", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}]}),
     body(prefill={"dp": 2, "gpus": 1}),
-    body(decode={"tp": 2, "gpus": 2}),
+    body(prefill={"tp": 2, "gpus": 2}, decode={"tp": 3, "gpus": 3}),
     body(decode={"extraArgs": ["--enable-mixed-chunk"]}),
     body(replicas=2),
     body(autoscaling={"mode": "planner", "engine": {"targetKVUsage": 0.7}}),
@@ -107,13 +107,15 @@ def test_a_valid_spec_is_accepted(control_plane: ControlPlane, namespace: str):
     assert "inferenceservice.baton.dev/bad created (server dry run)" in result.stdout
 
 
-def test_tensor_parallelism_is_accepted_with_equal_prefill_and_decode_sizes(control_plane: ControlPlane,
-                                                                            namespace: str):
-    """A decode TP rank receives the KV shard of the same prefill TP rank: the CRD refuses unequal sizes."""
+def test_tensor_parallelism_is_accepted_when_one_size_divides_the_other(control_plane: ControlPlane,
+                                                                        namespace: str):
+    """A decode TP rank takes its KV heads from whichever prefill TP ranks hold them: equal sizes and
+    sizes that divide one another apply; others are refused with the rule's message."""
     for ok in (body(mode="colocated", engine={"tp": 2, "gpus": 2}),
-               body(prefill={"tp": 2, "gpus": 2}, decode={"tp": 2, "gpus": 2})):
+               body(prefill={"tp": 2, "gpus": 2}, decode={"tp": 2, "gpus": 2}),
+               body(prefill={"tp": 2, "gpus": 2}), body(prefill={"tp": 2, "gpus": 2}, decode={"tp": 4, "gpus": 4})):
         result = control_plane.kubectl("apply", "--dry-run=server", "-f", "-", input=yaml.safe_dump(ok))
         assert "inferenceservice.baton.dev/bad created (server dry run)" in result.stdout
-    [tp_rule] = [r for r in rules_for(Scope.SPEC) if "tp must be equal" in r.message]
-    stderr = refused(control_plane, body(prefill={"tp": 2, "gpus": 2}))
+    [tp_rule] = [r for r in rules_for(Scope.SPEC) if "tp must divide one another" in r.message]
+    stderr = refused(control_plane, body(prefill={"tp": 2, "gpus": 2}, decode={"tp": 3, "gpus": 3}))
     assert tp_rule.message in stderr, stderr

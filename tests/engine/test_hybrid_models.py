@@ -270,8 +270,20 @@ def test_conditional_generation_checkpoint_served_as_text(tmp_path, caplog, arch
 
 
 @pytest.mark.parametrize("mode", ["prefill", "decode"])
-def test_pd_refuses_hybrid_models_until_their_state_moves(tiny_model_factory, mode):
-    """PD moves KV only (the recurrent state is issue 34): a hybrid's decode would start from a zero
-    state and answer wrong tokens, so either side refuses at start-up, saying why."""
-    with pytest.raises(ValueError, match="cannot run in PD yet: their recurrent state is not transferred"):
-        harness_for(tiny_model_factory("qwen3_5"), "plain", disaggregation_mode=mode, max_total_tokens=1024)
+def test_pd_registers_hybrid_state_buffers(tiny_model_factory, mode):
+    """PD serves hybrids (issue 34; tests/engine/test_pd_hybrid.py): either side registers every
+    linear layer's conv and delta-rule buffer for transfer, one slot per request row, and tells its
+    peer the layer layout and state dtypes, which the handshake compares."""
+    h = harness_for(tiny_model_factory("qwen3_5"), "plain", disaggregation_mode=mode,
+                    disaggregation_transfer_backend="fake", disaggregation_bootstrap_port=42999, max_total_tokens=1024)
+    try:
+        pool, args = h.scheduler.worker.model_runner.state_pool, h.scheduler.pd.mgr.args
+        bufs = [*pool.conv, *pool.ssm]
+        assert args.state_data_ptrs == tuple(t.data_ptr() for t in bufs)
+        assert args.state_item_lens == tuple(t.nbytes // (pool.rows + pool.checkpoints) for t in bufs)
+        assert args.state_slots() == pool.rows + pool.checkpoints
+        geo = args.geometry
+        assert (geo.layer_layout, geo.state_dtype) == ("LFLF", "conv float32, ssm float32")
+        assert geo.model.startswith("Qwen3_5ForCausalLM") and geo.layer_num == 2
+    finally:
+        h.scheduler.close()

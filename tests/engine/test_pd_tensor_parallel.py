@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from dataclasses import replace
 
 import httpx
 import numpy as np
@@ -22,6 +23,7 @@ from baton.engine.disaggregation import create_transfer_backend
 from baton.engine.disaggregation.base import KVArgs, KVGeometry, KVMetadata, KVPoll, MetadataBuffers, TransferConfig
 from baton.engine.disaggregation.bootstrap_server import KVBootstrapServer, check_health, fetch_prefill_rank
 from baton.engine.bench.loopback_peer import fill_pool, make_pool, wait_final, wait_until
+from baton.engine.disaggregation.head_slices import HeadSlice, decode_rank_plan, kv_head_range, receivers_of
 from baton.engine.disaggregation.tp_fanout import DriverLink, FollowerKVService, TpKVManager
 from engine_server import STARTUP_TIMEOUT_S, wait_idle_integrity
 from test_scheduler_vs_hf import hf_greedy
@@ -37,16 +39,18 @@ NUM_PAGES = 32
 class Side:
     """One engine's transfer state over `tp_size` ranks: rank 0's manager drives the others."""
 
-    def __init__(self, mode: str, tp_size: int, addr=None, seed: int = 0, configs=None) -> None:
+    def __init__(self, mode: str, tp_size: int, addr=None, seed: int = 0, configs=None, kv_heads: int = 4) -> None:
         self.pools, self.metas, self.services, self.link = [], [], [], None
+        self.kv_heads = kv_heads
         local = None
         for rank in range(tp_size):
-            pool, meta = make_pool(GEO, NUM_PAGES), MetadataBuffers(8)
+            geo = replace(GEO, head_num=kv_head_range(kv_heads, tp_size, rank)[1])
+            pool, meta = make_pool(geo, NUM_PAGES), MetadataBuffers(8)
             if mode == "prefill":
                 fill_pool(pool, seed + rank)
             config = (configs or {}).get(rank, CONFIG)
-            mgr = create_transfer_backend("mooncake", KVArgs.from_pool(pool, meta, tp_rank=rank, tp_size=tp_size),
-                                          meta, mode, config, addr)
+            args = KVArgs.from_pool(pool, meta, tp_rank=rank, tp_size=tp_size, kv_heads_total=kv_heads)
+            mgr = create_transfer_backend("mooncake", args, meta, mode, config, addr)
             self.pools.append(pool)
             self.metas.append(meta)
             if rank == 0:
@@ -73,14 +77,14 @@ class Side:
 
 
 @contextlib.contextmanager
-def engines(decode_tp: int = 2, prefill_configs=None):
+def engines(decode_tp: int = 2, prefill_configs=None, prefill_tp: int = 2, kv_heads: int = 4):
     server = KVBootstrapServer("127.0.0.1", 0)
     addr = f"127.0.0.1:{server.port}"
     made = []
     try:
-        prefill = Side("prefill", 2, addr, seed=11, configs=prefill_configs)
+        prefill = Side("prefill", prefill_tp, addr, seed=11, configs=prefill_configs, kv_heads=kv_heads)
         made.append(prefill)
-        decode = Side("decode", decode_tp)
+        decode = Side("decode", decode_tp, kv_heads=kv_heads)
         made.append(decode)
         yield addr, prefill, decode
     finally:
@@ -102,10 +106,10 @@ def _transfer(addr: str, prefill: Side, decode: Side, room: int, src: list[int],
 
 
 def _finish(prefill: Side, decode: Side, sender, receiver) -> None:
-    if sender.local.meta_slot is not None:
-        prefill.metas[0].free(sender.local.meta_slot)
+    if getattr(sender, "local", sender).meta_slot is not None:
+        prefill.metas[0].free(getattr(sender, "local", sender).meta_slot)
     sender.clear()
-    decode.metas[0].free(receiver.local.meta_slot)
+    decode.metas[0].free(getattr(receiver, "local", receiver).meta_slot)
     receiver.clear()
 
 
@@ -181,14 +185,96 @@ def test_an_abort_on_the_decode_reaches_every_prefill_rank():
         _finish(prefill, decode, sender, receiver)
 
 
-def test_a_decode_of_another_tp_size_is_refused_with_the_reason():
-    with engines(decode_tp=1) as (addr, prefill, decode):
-        receiver = decode.mgr.create_receiver(addr, 7004)
+@pytest.mark.parametrize("prefill_tp,decode_tp,kv_heads", [(1, 2, 4), (2, 1, 4), (2, 4, 2), (4, 1, 2)],
+                         ids=["tp1-to-tp2", "tp2-to-tp1", "tp2-to-tp4-replicated", "tp4-replicated-to-tp1"])
+def test_each_decode_rank_receives_exactly_its_heads_from_a_prefill_of_another_tp_size(prefill_tp, decode_tp,
+                                                                                        kv_heads):
+    """Every rank's pool filled differently (replicas of a head too): each decode rank's heads of
+    every page are the bytes of the first prefill rank holding that head (head_slices.py), whether
+    one sender feeds several receivers (gathering the slices in a staging buffer that holds 3 tokens
+    here, so in several pieces) or several senders one receiver; a prefill rank nobody needs (a
+    replica) still ends the request."""
+    small = replace(CONFIG, staging_bytes=3 * 4 * 2 * 8 * 2)  # 3 tokens x 4 buffers x 2 heads x 8 x fp16
+    with engines(decode_tp=decode_tp, prefill_tp=prefill_tp, kv_heads=kv_heads,
+                 prefill_configs={r: small for r in range(prefill_tp)}) as (addr, prefill, decode):
+        src, dst = [3, 4, 5, 9], [9, 10, 2, 3]
+        sender, receiver = _transfer(addr, prefill, decode, 7004, src, dst)
+        assert wait_final(sender, 15) == KVPoll.Success, sender.failure_reason()
+        assert wait_final(receiver, 15) == KVPoll.Success, receiver.failure_reason()
+        assert receiver.metadata() == KVMetadata(42, -0.5, 7004)
+        ps = GEO.page_size
+        for r in range(decode_tp):
+            d_start, d_num = kv_head_range(kv_heads, decode_tp, r)
+            for h in range(d_start, d_start + d_num):
+                p = next(p for p in range(prefill_tp) if kv_head_range(kv_heads, prefill_tp, p)[0] <= h
+                         < sum(kv_head_range(kv_heads, prefill_tp, p)))
+                p_start = kv_head_range(kv_heads, prefill_tp, p)[0]
+                src_pool, dst_pool = prefill.pools[p], decode.pools[r]
+                for s_buf, d_buf in zip(src_pool.k_buffer + src_pool.v_buffer, dst_pool.k_buffer + dst_pool.v_buffer):
+                    for s_page, d_page in zip(src, dst):
+                        assert torch.equal(d_buf[d_page * ps:(d_page + 1) * ps, h - d_start],
+                                           s_buf[s_page * ps:(s_page + 1) * ps, h - p_start]), (r, h, p)
+        _finish(prefill, decode, sender, receiver)
+
+
+def test_a_fault_on_one_of_two_senders_into_one_receiver_fails_both_sides():
+    """TP 2 -> TP 1: the decode's one receiver hears from two prefill ranks; rank 1 fails its write."""
+    faulty = TransferConfig(bootstrap_timeout_s=15, heartbeat_interval_s=0.2, fault_probability=1.0)
+    with engines(decode_tp=1, prefill_configs={1: faulty}) as (addr, prefill, decode):
+        sender, receiver = _transfer(addr, prefill, decode, 7005, [1, 2], [5, 6])
+        assert wait_final(sender, 15) == KVPoll.Failed and sender.failure_reason().startswith("TP rank 1: ")
+        assert wait_final(receiver, 15) == KVPoll.Failed and "injected fault" in receiver.failure_reason()
+        _finish(prefill, decode, sender, receiver)
+
+
+def test_an_abort_on_either_receiver_of_one_sender_fails_the_sender():
+    """TP 1 -> TP 2: one prefill rank waits for both decode ranks' destinations; an abort (from the
+    decode driver, fanned out to its follower) fails the prefill's request."""
+    with engines(decode_tp=2, prefill_tp=1) as (addr, prefill, decode):
+        receiver = decode.mgr.create_receiver(addr, 7006)
         receiver.init(np.array([1]), decode.metas[0].alloc())
-        assert wait_final(receiver, 15) == KVPoll.Failed
-        assert "--tp-size 2 and this decode --tp-size 1" in receiver.failure_reason()
-        decode.metas[0].free(receiver.meta_slot)
-        receiver.clear()
+        sender = prefill.mgr.create_sender(7006)
+        assert wait_until(lambda: sender.poll() == KVPoll.WaitingForInput, 15), sender.failure_reason()
+        assert len(sender.dests) == 2, "both decode ranks sent their destination"
+        receiver.abort("client disconnected")
+        assert wait_final(sender, 15) == KVPoll.Failed and "client disconnected" in sender.failure_reason()
+        _finish(prefill, decode, sender, receiver)
+
+
+def test_destinations_of_several_decode_ranks_that_come_before_the_sender_all_count():
+    """TP 1 -> TP 2 with both decode ranks' destinations in before the prefill has the request
+    (the usual order: the decode reserves while the prefill still queues it): the sender must get
+    both, not the last one only (it would wait for the other until its bootstrap timeout)."""
+    with engines(decode_tp=2, prefill_tp=1) as (addr, prefill, decode):
+        receiver = decode.mgr.create_receiver(addr, 7007)
+        receiver.init(np.array([2, 3]), decode.metas[0].alloc())
+        rooms = prefill.mgr.rooms  # the backend's table of rooms without a sender yet
+        assert wait_until(lambda: len(rooms._pending.get(7007, (0, []))[1]) == 2, 15), "destinations never came"
+        sender = prefill.mgr.create_sender(7007)
+        assert sender.poll() == KVPoll.WaitingForInput and len(sender.dests) == 2
+        sender.init(2, prefill.metas[0].alloc())
+        sender.send([5, 6], is_last=True, metadata=KVMetadata(42, -0.5, 7007))
+        assert wait_final(sender, 15) == KVPoll.Success, sender.failure_reason()
+        assert wait_final(receiver, 15) == KVPoll.Success, receiver.failure_reason()
+        _finish(prefill, decode, sender, receiver)
+
+
+def test_head_slice_plans_cover_every_decode_head_once():
+    for total, prefill_tp, decode_tp in [(4, 1, 2), (4, 2, 1), (4, 2, 4), (2, 4, 1), (8, 4, 2), (2, 1, 4), (4, 4, 4)]:
+        senders = {p: 0 for p in range(prefill_tp)}
+        for r in range(decode_tp):
+            start, n = kv_head_range(total, decode_tp, r)
+            got = []
+            for s in decode_rank_plan(total, prefill_tp, decode_tp, r):
+                senders[s.prefill_rank] += 1
+                p_start, p_num = kv_head_range(total, prefill_tp, s.prefill_rank)
+                assert s.src_head + s.num_heads <= p_num
+                got += [p_start + s.src_head + i for i in range(s.num_heads)]
+                assert [start + s.dst_head + i for i in range(s.num_heads)] == got[len(got) - s.num_heads:]
+            assert sorted(got) == list(range(start, start + n)), (total, prefill_tp, decode_tp, r)
+        assert all(senders[p] == receivers_of(total, prefill_tp, decode_tp, p) >= 1 for p in senders), \
+            "every prefill rank hears from the decode ranks it counts on, at least one"
+    assert decode_rank_plan(4, 2, 2, 1) == [HeadSlice(1, 0, 0, 2)], "equal sizes: the whole shard of the same rank"
 
 
 def test_the_bootstrap_server_keeps_each_tp_ranks_route():
@@ -214,20 +300,22 @@ def model_path(tiny_model_factory) -> str:
     return tiny_model_factory("llama")  # 4 heads / 2 KV heads: one KV head per TP rank
 
 
-def test_prefill_and_decode_with_tp2_serve_hf_greedy_tokens(model_path):
-    common = ["--disaggregation-transfer-backend", "mooncake", "--page-size", "4", "--max-total-tokens", "1024",
-              "--tp-size", "2"]
+@pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 2), (1, 2), (2, 1)], ids=["tp2-tp2", "tp1-tp2", "tp2-tp1"])
+def test_prefill_and_decode_tp_sizes_serve_hf_greedy_tokens(model_path, prefill_tp, decode_tp):
+    """Equal sizes: each rank moves its own shard. Different sizes: the decode rank takes its KV heads'
+    slices from whichever prefill ranks hold them (head_slices.py)."""
+    common = ["--disaggregation-transfer-backend", "mooncake", "--page-size", "4", "--max-total-tokens", "1024"]
     bootstrap_port, prefill_port, decode_port = free_port(), free_port(), free_port()
     prefill = EngineProcess(engine_command(model_path, prefill_port, [
         "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(bootstrap_port),
-        "--chunked-prefill-size", "16", *common]), prefill_port)
-    decode = EngineProcess(engine_command(model_path, decode_port, ["--disaggregation-mode", "decode", *common]),
-                           decode_port)
+        "--chunked-prefill-size", "16", "--tp-size", str(prefill_tp), *common]), prefill_port)
+    decode = EngineProcess(engine_command(model_path, decode_port, ["--disaggregation-mode", "decode", "--tp-size",
+                                                                    str(decode_tp), *common]), decode_port)
     with prefill, decode:
         prefill.wait_healthy(STARTUP_TIMEOUT_S, "waiting for the prefill engine")
         decode.wait_healthy(STARTUP_TIMEOUT_S, "waiting for the decode engine")
         sessions = httpx.get(f"http://127.0.0.1:{bootstrap_port}/health", timeout=10).json()["sessions"]
-        assert sorted(sessions) == ["0", "0.1"], sessions
+        assert sorted(sessions) == ["0", "0.1"][:prefill_tp], sessions
 
         async def run(prompts):
             async with httpx.AsyncClient(timeout=120) as c:
@@ -246,8 +334,8 @@ def test_prefill_and_decode_with_tp2_serve_hf_greedy_tokens(model_path):
             assert dec.json()["output_ids"] == want, p
             assert pre.json()["output_ids"] == want[:1]
         assert results[-1][1].json()["meta_info"]["cached_tokens"] > 0, "the decode's radix cache was not hit"
-        for engine in (prefill, decode):
+        for engine, tp in ((prefill, prefill_tp), (decode, decode_tp)):
             info = wait_idle_integrity(engine.base_url, timeout_s=60)
-            assert info["integrity_ok"] is True and info["tp_size"] == 2, info
+            assert info["integrity_ok"] is True and info["tp_size"] == tp, info
         info = httpx.get(f"{prefill.base_url}/get_server_info", timeout=10).json()
         assert info["kv_transfer_bytes"] > 0

@@ -128,9 +128,9 @@ BAD_RULES = [  # refused by CEL rules (and by the operator's Python twins)
     {"engine": {}},
     {"prefill": {"tp": 2, "gpus": 1}},
     {"decode": {"dp": 2, "tp": 2, "gpus": 2}},
-    {"decode": {"tp": 2, "gpus": 2}},  # unequal prefill and decode TP sizes
+    {"prefill": {"tp": 2, "gpus": 2}, "decode": {"tp": 3, "gpus": 3}},  # neither TP size divides the other
     {"decode": {"extraArgs": ["--enable-mixed-chunk"]}},  # mixed chunk: colocated only
-    {"prefill": {"tp": 2}},
+    {"prefill": {"tp": 4}, "decode": {"tp": 6}},
     {"mode": "colocated", "engine": {"tp": 2, "gpus": 1}},  # gpus == tp * dp applies to TP too
     {"prefill": {"extraArgs": ["--tp-size=4"]}},
     {"decode": {"extraArgs": ["--disaggregation-mode", "prefill"]}},
@@ -211,15 +211,18 @@ def test_good_variants_pass_both(samples):
         assert validate(apply_defaults(openapi_schema(), obj)) == [], spec
 
 
-def test_pd_roles_take_tp_when_prefill_and_decode_agree():
-    [tp_rule] = [r for r in rules_for(Scope.SPEC) if "tp must be equal" in r.message]
+def test_pd_roles_take_their_own_tp_when_one_divides_the_other():
+    [tp_rule] = [r for r in rules_for(Scope.SPEC) if "tp must divide one another" in r.message]
     spec = openapi_schema()["properties"]["spec"]
     assert tp_rule.cel in [r["rule"] for r in spec["x-kubernetes-validations"]]
     for good in ({"prefill": {"tp": 2, "gpus": 2}, "decode": {"tp": 2, "gpus": 2}},
-                 {"prefill": {"tp": 2, "dp": 2, "gpus": 4}, "decode": {"tp": 2}}):
+                 {"prefill": {"tp": 2, "dp": 2, "gpus": 4}, "decode": {"tp": 2}},
+                 {"decode": {"tp": 2, "gpus": 2}}, {"prefill": {"tp": 4}, "decode": {"tp": 2}},
+                 {"prefill": {"tp": 2}, "decode": {"tp": 8}}, {"decode": {"tp": 3, "gpus": 3}}):
         obj = apply_defaults(openapi_schema(), for_create(isvc_body(**good)))
         assert cel_violations(openapi_schema(), obj) == set() and validate(obj) == [], good
-    for bad in ({"decode": {"tp": 2, "gpus": 2}}, {"prefill": {"tp": 4}, "decode": {"tp": 2}}):
+    for bad in ({"prefill": {"tp": 2}, "decode": {"tp": 3, "gpus": 3}}, {"prefill": {"tp": 4}, "decode": {"tp": 6}},
+                {"prefill": {"tp": 3}, "decode": {"tp": 2}}):
         obj = apply_defaults(openapi_schema(), for_create(isvc_body(**bad)))
         assert cel_violations(openapi_schema(), obj) == {("spec", tp_rule.message)}, bad
         assert validate(obj) == [f"spec: {tp_rule.message}"], bad

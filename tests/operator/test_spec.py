@@ -25,7 +25,7 @@ def test_colocated_mode_has_one_engine_role():
     assert isvc.spec.roles[Role.COLOCATED].replicas == 3
 
 
-def test_tensor_parallelism_on_every_role_with_equal_prefill_and_decode_sizes():
+def test_tensor_parallelism_on_every_role_with_prefill_and_decode_sizes_that_divide_one_another():
     r = parse(isvc_body(mode="colocated", engine={"tp": 4, "dp": 2, "gpus": 8})).spec.roles[Role.COLOCATED]
     assert (r.tp, r.dp, r.ranks, r.device) == (4, 2, 8, "cuda")
     with pytest.raises(InvalidSpec) as info:  # gpus == tp * dp still holds
@@ -33,9 +33,11 @@ def test_tensor_parallelism_on_every_role_with_equal_prefill_and_decode_sizes():
     assert [e.split(":")[0] for e in info.value.errors] == ["spec.engine"]
     roles = parse(isvc_body(prefill={"tp": 2, "gpus": 2}, decode={"tp": 2, "dp": 2, "gpus": 4})).spec.roles
     assert [(roles[role].tp, roles[role].ranks) for role in (Role.PREFILL, Role.DECODE)] == [(2, 2), (2, 4)]
-    [tp_rule] = [r for r in rules_for(Scope.SPEC) if "tp must be equal" in r.message]
+    roles = parse(isvc_body(prefill={"tp": 1}, decode={"tp": 4, "gpus": 4})).spec.roles
+    assert [roles[role].tp for role in (Role.PREFILL, Role.DECODE)] == [1, 4]
+    [tp_rule] = [r for r in rules_for(Scope.SPEC) if "tp must divide one another" in r.message]
     with pytest.raises(InvalidSpec) as info:
-        parse(isvc_body(decode={"tp": 2, "gpus": 2}))
+        parse(isvc_body(prefill={"tp": 2, "gpus": 2}, decode={"tp": 3, "gpus": 3}))
     assert info.value.errors == [f"spec: {tp_rule.message}"]
 
 
@@ -43,8 +45,8 @@ def test_tensor_parallelism_on_every_role_with_equal_prefill_and_decode_sizes():
     ({"mode": "colocated", "prefill": {}}, "mode colocated runs spec.engine only"),
     ({"engine": {}}, "remove spec.engine"),
     ({"prefill": {"dp": 2, "gpus": 1}}, "gpus must be 0 (run on CPU) or equal tp * dp"),
-    ({"decode": {"tp": 2, "gpus": 2}}, "spec.prefill.tp and spec.decode.tp must be equal"),
-    ({"prefill": {"tp": 2}, "decode": {"tp": 4}}, "KV cache shard of the same prefill TP rank"),
+    ({"prefill": {"tp": 2}, "decode": {"tp": 3}}, "spec.prefill.tp and spec.decode.tp must divide one another"),
+    ({"prefill": {"tp": 6}, "decode": {"tp": 4}}, "from the prefill TP ranks that hold them"),
     ({"decode": {"extraArgs": ["--port", "1"]}}, "extraArgs must not set flags the operator manages"),
     ({"prefill": {"extraArgs": ["--enable-mixed-chunk"]}}, "not in spec.prefill or spec.decode"),
     ({"router": {"extraArgs": ["--prefill-policy=random"]}}, "router.extraArgs must not set flags"),

@@ -70,7 +70,8 @@ class MooncakeKVManager(KVManagerBase):
         self.abort_grace_s = config.abort_grace_s
         self.mode = DisaggregationMode(mode)
         self.engine = MooncakeTransferEngine(config.host, config.protocol, config.ib_device)
-        self.engine.register(args.kv_data_ptrs + args.aux_data_ptrs, args.kv_data_lens + args.aux_data_lens)
+        self.engine.register(args.kv_data_ptrs + args.aux_data_ptrs + args.state_data_ptrs,
+                             args.kv_data_lens + args.aux_data_lens + args.state_data_lens)
         self.channel = SideChannel(config.host)
         self.stopping = threading.Event()
         self.rooms: Union[PrefillRooms, DecodeRooms]
@@ -83,7 +84,7 @@ class MooncakeKVManager(KVManagerBase):
         self._listener.start()
         if self.mode == DisaggregationMode.PREFILL:
             info = PrefillRankInfo(args.engine_rank, self.channel.endpoint, self.engine.session_id,
-                                   asdict(args.geometry), args.dp_size, args.tp_rank, args.tp_size)
+                                   asdict(args.geometry), args.dp_size, args.tp_rank, args.tp_size, args.head_start)
             register_prefill_rank(bootstrap_addr, info, config.bootstrap_timeout_s)
 
     @property

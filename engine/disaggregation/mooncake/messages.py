@@ -2,7 +2,7 @@
 routes they are the whole contract between a prefill rank and a decode engine.
 
     decode  -> prefill  Register  once per (decode engine, prefill session): where to write
-    decode  -> prefill  Room      per request: destination pages and metadata slot
+    decode  -> prefill  Room      per request: destination pages, metadata slot (and state slot)
     decode  -> prefill  Abort     per request, when the decode gives up
     prefill -> decode   Status    per request: Success, or Failed with the reason
 
@@ -11,7 +11,7 @@ Frames: [kind, JSON header] plus, for Room, the raw int64 page array.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Optional, Union
 
 import numpy as np
@@ -26,6 +26,8 @@ class Register:
     aux_ptrs: list[int]
     aux_lens: list[int]
     geometry: dict
+    state_ptrs: list[int] = field(default_factory=list)  # hybrid models: conv layers, then ssm layers
+    state_lens: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,12 @@ class Room:
     meta_slot: int
     pages: np.ndarray  # [num_pages - prefix_pages] int64
     prefix_pages: int = 0  # leading prompt pages the decode already holds (prefix cache)
+    state_slot: Optional[int] = None  # hybrid models: the decode's request row for the recurrent state
+    # different TP sizes (head_slices.py): [src_head, dst_head, num_heads] of each page this decode
+    # rank takes from this prefill rank (None: the whole shard, equal TP sizes), and how many
+    # decode ranks send this prefill rank a destination for the room
+    heads: Optional[list[int]] = None
+    num_dests: int = 1
 
 
 @dataclass(frozen=True)
@@ -49,6 +57,7 @@ class Status:
     room: int
     status: int  # KVPoll value
     reason: Optional[str] = None
+    rank: str = ""  # the prefill rank's key (rank_key): a decode rank may hear from several
 
 
 Message = Union[Register, Room, Abort, Status]
@@ -59,7 +68,8 @@ _KIND_OF = {cls: kind for kind, cls in _KINDS.items()}
 def encode(msg: Message) -> list[bytes]:
     if isinstance(msg, Room):
         header = {"room": msg.room, "session_id": msg.session_id, "endpoint": msg.endpoint, "meta_slot": msg.meta_slot,
-                  "prefix_pages": msg.prefix_pages}
+                  "prefix_pages": msg.prefix_pages, "state_slot": msg.state_slot, "heads": msg.heads,
+                  "num_dests": msg.num_dests}
         return [b"room", json.dumps(header).encode(), np.ascontiguousarray(msg.pages, dtype=np.int64).tobytes()]
     return [_KIND_OF[type(msg)], json.dumps(asdict(msg)).encode()]
 

@@ -4,8 +4,11 @@ bootstrap servers, registers this engine with each new prefill session, and hear
 A prefill engine with DP ranks holds room R's KV on rank R % dp_size (its front end sends the request
 there; the router pins a prefill rank by drawing such a room). Rank 0's route tells its dp_size; the
 receiver of room R then binds to rank R % dp_size's route. With tensor parallelism this manager
-holds TP rank T's shard and binds to the prefill's TP rank T of that DP rank; rank 0's route also
-tells the prefill's tp_size, and a different one than ours fails the request at once.
+holds TP rank T's shard of the KV heads; rank 0's route also tells the prefill's tp_size. Equal
+sizes: the receiver binds to the prefill's TP rank T and takes whole pages. Different sizes: it
+binds to every prefill TP rank that holds some of its heads (head_slices.py), sends each its
+destination with the head slice and how many decode ranks will write to it, and succeeds once
+every one of them has reported Success.
 
 Heartbeat window: a prefill whose /health fails `heartbeat_max_failures` times in a row, or whose
 session changed (a restart), fails every unfinished receiver bound to it; the cached route is
@@ -17,12 +20,12 @@ import threading
 import time
 from collections import defaultdict
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, NamedTuple, Optional
 
 from baton.engine.disaggregation.base import KVPoll, KVTransferError
-from baton.engine.disaggregation.bootstrap_server import (PrefillRankInfo, check_health, fetch_prefill_rank,
-                                                         rank_key)
+from baton.engine.disaggregation.bootstrap_server import PrefillRankInfo, check_health, fetch_prefill_rank
 from baton.engine.disaggregation.common import CommonKVReceiver
+from baton.engine.disaggregation.head_slices import decode_rank_plan, receivers_of
 from baton.engine.disaggregation.mooncake import messages
 
 if TYPE_CHECKING:
@@ -32,23 +35,47 @@ _RETRY_S = 0.2  # pause between route lookups of a bootstrap server that did not
 _TICK_S = 0.05
 
 
+class PeerRank(NamedTuple):
+    """One prefill rank this decode rank takes KV heads from (head_slices.py)."""
+
+    route: PrefillRankInfo
+    heads: Optional[list[int]]  # [src_head, dst_head, num_heads]; None: the whole shard (equal TP sizes)
+    num_dests: int  # decode ranks that send this prefill rank a destination for a room
+
+
 class MooncakeKVReceiver(CommonKVReceiver):
     def __init__(self, rooms: "DecodeRooms", bootstrap_addr: str, room: int) -> None:
         super().__init__(bootstrap_addr, room, rooms.config, rooms.metadata)
         self._rooms = rooms
-        self.peer: Optional[PrefillRankInfo]
+        self.peer: Optional[list[PeerRank]]
+        self._succeeded: set[str] = set()  # prefill ranks that reported Success
         rooms.add(self)
 
     def _send_destination(self) -> None:
         mgr = self._rooms.mgr
-        mgr.channel.send(self.peer.endpoint, messages.Room(self.room, mgr.session_id, mgr.channel.endpoint,
-                                                           self.meta_slot, self.pages, self.prefix_pages))
+        for p in self.peer:
+            mgr.channel.send(p.route.endpoint, messages.Room(
+                self.room, mgr.session_id, mgr.channel.endpoint, self.meta_slot, self.pages, self.prefix_pages,
+                self.state_slot, p.heads, p.num_dests))
+
+    def on_status(self, status: KVPoll, reason: Optional[str], rank: str = "") -> None:
+        """Success once every prefill rank of the plan reported it; any failure fails the room."""
+        if status == KVPoll.Success and self.peer is not None and len(self.peer) > 1:
+            with self._lock:
+                self._succeeded.add(rank)
+                if len(self._succeeded) < len(self.peer):
+                    return
+        super().on_status(status, reason)
+
+    def bound_to(self, route: PrefillRankInfo) -> bool:
+        return self.peer is not None and any(p.route is route for p in self.peer)
 
     def _notify_abort(self, reason: str) -> None:
-        try:
-            self._rooms.mgr.channel.send(self.peer.endpoint, messages.Abort(self.room, reason))
-        except KVTransferError:
-            pass  # the prefill is gone; nothing to tell
+        for p in self.peer:
+            try:
+                self._rooms.mgr.channel.send(p.route.endpoint, messages.Abort(self.room, reason))
+            except KVTransferError:
+                pass  # that prefill rank is gone; nothing to tell
 
     def clear(self) -> None:
         self._rooms.remove(self.room)
@@ -91,7 +118,7 @@ class DecodeRooms:
         with self._lock:
             receiver = self._receivers.get(msg.room)
         if receiver is not None:
-            receiver.on_status(KVPoll(msg.status), msg.reason)
+            receiver.on_status(KVPoll(msg.status), msg.reason, msg.rank)
 
     # ---- background thread ----
 
@@ -108,31 +135,39 @@ class DecodeRooms:
     def _bootstrap_pending(self) -> None:
         with self._lock:
             pending = [r for r in self._receivers.values() if r.peer is None and not r.done]
-        by_route: dict[tuple[str, int], list[MooncakeKVReceiver]] = defaultdict(list)
-        tp_rank, tp_size = self.mgr.args.tp_rank, self.mgr.args.tp_size
         for r in pending:
             first = self._route(r.bootstrap_addr, 0, 0)
             if first is None:
                 continue  # retried next tick; receivers time out in poll()
-            if first.tp_size != tp_size:
-                r.fail(f"room {r.room}: the prefill at {r.bootstrap_addr} runs --tp-size {first.tp_size} and this "
-                       f"decode --tp-size {tp_size}: each decode TP rank receives the KV heads of the same prefill "
-                       "TP rank, so both engines need the same TP size")
-                continue
-            by_route[(r.bootstrap_addr, r.room % first.dp_size)].append(r)
-        for (addr, rank), receivers in by_route.items():
-            route = self._route(addr, rank, tp_rank)
-            if route is None:
+            plan = self._plan(first)
+            rank = r.room % first.dp_size
+            peers = []
+            for prefill_tp_rank, heads, num_dests in plan:
+                route = self._route(r.bootstrap_addr, rank, prefill_tp_rank)
+                if route is None:
+                    break
+                peers.append(PeerRank(route, heads, num_dests))
+            if len(peers) < len(plan):
                 continue
             try:
-                self._ensure_registered(route)
+                for p in peers:
+                    self._ensure_registered(p.route)
             except KVTransferError as e:
-                for r in receivers:
-                    r.fail(f"room {r.room}: could not register with prefill rank {rank_key(rank, tp_rank)} at "
-                           f"{addr}: {e}")
+                r.fail(f"room {r.room}: could not register with prefill rank {p.route.key} at {r.bootstrap_addr}: {e}")
                 continue
-            for r in receivers:
-                r.attach(route)
+            r.attach(peers)
+
+    def _plan(self, first: PrefillRankInfo) -> list[tuple[int, Optional[list[int]], int]]:
+        """(prefill TP rank, head slice, decode ranks it hears from) for each prefill rank this decode
+        rank talks to. Equal TP sizes: its own TP rank, whole pages. A prefill that tells another
+        model's KV heads gets whole pages too: its handshake refuses the pair, naming what differs."""
+        args = self.mgr.args
+        ours, theirs = args.geometry.kv_heads_total, first.geometry.get("kv_heads_total", 0)
+        if first.tp_size == args.tp_size or not ours or ours != theirs:
+            return [(args.tp_rank % first.tp_size, None, 1)]
+        plan = decode_rank_plan(ours, first.tp_size, args.tp_size, args.tp_rank)
+        return [(s.prefill_rank, [s.src_head, s.dst_head, s.num_heads],
+                 receivers_of(ours, first.tp_size, args.tp_size, s.prefill_rank)) for s in plan]
 
     def _route(self, addr: str, rank: int, tp_rank: int) -> Optional[PrefillRankInfo]:
         key = (addr, rank, tp_rank)
@@ -156,7 +191,8 @@ class DecodeRooms:
         mgr, args = self.mgr, self.mgr.args
         mgr.channel.send(route.endpoint, messages.Register(
             mgr.session_id, mgr.channel.endpoint, list(args.kv_data_ptrs), list(args.kv_data_lens),
-            list(args.aux_data_ptrs), list(args.aux_data_lens), asdict(args.geometry)))
+            list(args.aux_data_ptrs), list(args.aux_data_lens), asdict(args.geometry), list(args.state_data_ptrs),
+            list(args.state_data_lens)))
         self._registered.add(route.session_id)
 
     def _heartbeat(self) -> None:
@@ -185,7 +221,7 @@ class DecodeRooms:
         self._registered.discard(route.session_id)
         self.mgr.channel.forget(route.endpoint)
         with self._lock:
-            bound = [r for r in self._receivers.values() if r.peer is route]
+            bound = [r for r in self._receivers.values() if r.bound_to(route)]
         for r in bound:
             r.fail(f"room {r.room}: {reason}")
 

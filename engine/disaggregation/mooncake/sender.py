@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Optional, Union
 import numpy as np
 
 from baton.engine.disaggregation.base import KVGeometry, KVPoll, KVTransferError, contiguous_runs
+from baton.engine.disaggregation.bootstrap_server import rank_key
 from baton.engine.disaggregation.common import CommonKVSender, Destination, check_destination
 from baton.engine.disaggregation.mooncake import messages
 
@@ -37,11 +38,14 @@ class DecodePeer:
     aux_ptr: int
     aux_len: int
     geometry: KVGeometry
+    state_ptrs: np.ndarray  # [2 * linear layers] int64 (conv layers, then ssm layers); empty without state
+    state_lens: tuple[int, ...]
 
     @classmethod
     def from_message(cls, msg: messages.Register) -> "DecodePeer":
         return cls(msg.session_id, msg.endpoint, np.asarray(msg.kv_ptrs, dtype=np.int64), tuple(msg.kv_lens),
-                   msg.aux_ptrs[0], msg.aux_lens[0], KVGeometry(**msg.geometry))
+                   msg.aux_ptrs[0], msg.aux_lens[0], KVGeometry(**msg.geometry),
+                   np.asarray(msg.state_ptrs, dtype=np.int64), tuple(msg.state_lens))
 
 
 class MooncakeKVSender(CommonKVSender):
@@ -51,10 +55,11 @@ class MooncakeKVSender(CommonKVSender):
         rooms.add(self)
 
     def _submit(self, src_pages: np.ndarray, dst_pages: np.ndarray, is_last: bool) -> None:
-        self._rooms.submit(self, src_pages, dst_pages, is_last)
+        self._rooms.submit(self, src_pages, dst_pages, is_last)  # the state slot rides on self
 
     def _notify_abort(self, reason: str) -> None:
-        self._rooms.reply(self.dest.peer.endpoint, messages.Status(self.room, int(KVPoll.Failed), reason))
+        for dest in list(self.dests):
+            self._rooms.reply(dest.peer.endpoint, self._rooms.status(self.room, KVPoll.Failed, reason))
 
     def clear(self) -> None:
         self._rooms.remove(self.room)
@@ -69,13 +74,20 @@ class PrefillRooms:
         args = mgr.args
         self._kv_ptrs = np.asarray(args.kv_data_ptrs, dtype=np.int64)  # [2 * layer_num]
         self._item_lens = np.asarray(args.kv_item_lens, dtype=np.int64)  # [2 * layer_num] bytes per page
+        self._state_ptrs = np.asarray(args.state_data_ptrs, dtype=np.int64)  # [2 * linear layers], maybe empty
+        self._state_items = np.asarray(args.state_item_lens, dtype=np.int64)  # bytes per slot
         self._lock = threading.Lock()
         self._peers: dict[str, DecodePeer] = {}
         self._senders: dict[int, MooncakeKVSender] = {}
-        self._pending: dict[int, tuple[float, _Pending]] = {}
+        # rooms whose sender does not exist yet: (first arrival, what arrived: one destination per
+        # decode rank, or a failure)
+        self._pending: dict[int, tuple[float, list[_Pending]]] = {}
         self._last_sweep = time.monotonic()
         self._peer_locks: dict[str, threading.Lock] = {}  # decode session -> one batched write at a time
         self._rng = random.Random(self.config.fault_seed)
+        self._local = threading.local()  # a transfer thread's queue, and its staging buffer once needed
+        self._staging_lock = threading.Lock()
+        self._stagings: list = []
         self._queues: list[queue.Queue] = [queue.Queue() for _ in range(self.config.num_transfer_threads)]
         self._threads = [threading.Thread(target=self._work, args=(q,), name=f"kv-transfer-{i}", daemon=True)
                          for i, q in enumerate(self._queues)]
@@ -89,8 +101,8 @@ class PrefillRooms:
             assert sender.room not in self._senders, f"two senders for room {sender.room}"
             self._senders[sender.room] = sender
             pending = self._pending.pop(sender.room, None)
-        if pending is not None:
-            self._apply(sender, pending[1])
+        for item in pending[1] if pending is not None else ():
+            self._apply(sender, item)
 
     def remove(self, room: int) -> None:
         with self._lock:
@@ -104,7 +116,7 @@ class PrefillRooms:
         with self._lock:
             sender = self._senders.get(room)
             if sender is None:
-                self._pending[room] = (time.monotonic(), item)
+                self._pending.setdefault(room, (time.monotonic(), []))[1].append(item)
                 return
         self._apply(sender, item)
 
@@ -144,16 +156,24 @@ class PrefillRooms:
             peer = self._peers.get(msg.session_id)
         reason = self._check_destination(peer, msg)
         if reason is None:
-            self._deliver(msg.room, Destination(peer, msg.pages, msg.meta_slot, msg.prefix_pages))
+            heads = tuple(msg.heads) if msg.heads is not None else None
+            self._deliver(msg.room, Destination(peer, msg.pages, msg.meta_slot, msg.prefix_pages, msg.state_slot,
+                                                heads, msg.num_dests))
             return
-        self.reply(msg.endpoint, messages.Status(msg.room, int(KVPoll.Failed), reason))
+        self.reply(msg.endpoint, self.status(msg.room, KVPoll.Failed, reason))
         self._deliver(msg.room, reason)
 
     def _check_destination(self, peer: Optional[DecodePeer], msg: messages.Room) -> Optional[str]:
         if peer is None:
             return f"room {msg.room}: decode session {msg.session_id} never registered with this prefill"
+        slots = peer.state_lens[0] // int(self._state_items[0]) if peer.state_lens and len(self._state_items) else 0
         return check_destination(msg.room, self._mgr.args, peer.geometry, peer.kv_lens[0], peer.aux_len,
-                                 msg.pages, msg.meta_slot)
+                                 msg.pages, msg.meta_slot, msg.state_slot, slots,
+                                 tuple(msg.heads) if msg.heads is not None else None)
+
+    def status(self, room: int, status: KVPoll, reason: Optional[str] = None) -> messages.Status:
+        args = self._mgr.args
+        return messages.Status(room, int(status), reason, rank_key(args.engine_rank, args.tp_rank))
 
     def reply(self, endpoint: str, msg: messages.Status) -> None:
         try:
@@ -169,49 +189,133 @@ class PrefillRooms:
     def _work(self, q: queue.Queue) -> None:
         while (job := q.get()) is not None:
             sender, src, dst, is_last = job
-            if sender.done:
-                continue  # aborted, or an earlier chunk failed
-            try:
-                self._transfer(sender, src, dst, is_last)
-            except Exception as e:  # noqa: BLE001 - a failed transfer ends this request only
-                reason = f"room {sender.room}: KV transfer to decode {sender.dest.peer.session_id} failed: {e}"
-                if sender.fail(reason):
-                    self.reply(sender.dest.peer.endpoint, messages.Status(sender.room, int(KVPoll.Failed), reason))
+            for i, dest in enumerate(sender.dests):
+                if sender.done:
+                    break  # aborted, or an earlier chunk failed
+                try:
+                    self._transfer(sender, i, dest, src, dst, is_last)
+                except Exception as e:  # noqa: BLE001 - a failed transfer ends this request only
+                    reason = f"room {sender.room}: KV transfer to decode {dest.peer.session_id} failed: {e}"
+                    if sender.fail(reason):
+                        for d in sender.dests:
+                            self.reply(d.peer.endpoint, self.status(sender.room, KVPoll.Failed, reason))
 
-    def _transfer(self, sender: MooncakeKVSender, src: np.ndarray, dst: np.ndarray, is_last: bool) -> None:
-        dest = sender.dest
+    def _transfer(self, sender: MooncakeKVSender, index: int, dest: Destination, src: np.ndarray, dst: np.ndarray,
+                  is_last: bool) -> None:
         with self._lock:
             peer_lock = self._peer_locks.setdefault(dest.peer.session_id, threading.Lock())
         with peer_lock:
             start = time.perf_counter()
-            nbytes = self._write_pages(dest.peer, src, dst)
+            nbytes = self._write_pages(dest.peer, src, dst, dest.heads)
             if is_last:
-                nbytes += self._write_metadata(dest, sender.meta_slot)
+                nbytes += self._write_tail(dest, sender.state_slot, sender.meta_slot)
             sender.record(nbytes, time.perf_counter() - start)
         if not is_last:
             return
         if self._rng.random() < self.config.fault_probability:
             raise KVTransferError(f"injected fault (fault_probability={self.config.fault_probability})")
-        self._mgr.channel.send(dest.peer.endpoint, messages.Status(sender.room, int(KVPoll.Success)))
-        sender.finish()
+        self._mgr.channel.send(dest.peer.endpoint, self.status(sender.room, KVPoll.Success))
+        sender.finish(index)
 
-    def _write_pages(self, peer: DecodePeer, src: np.ndarray, dst: np.ndarray) -> int:
-        runs = contiguous_runs(src, dst)
-        item = self._item_lens[:, None]  # [num_bufs, 1]
-        srcs = (self._kv_ptrs[:, None] + runs.src_starts[None, :] * item).ravel()  # [num_bufs * num_runs]
-        dsts = (peer.kv_ptrs[:, None] + runs.dst_starts[None, :] * item).ravel()
-        lens = (runs.lengths[None, :] * item).ravel()
+    def _write_pages(self, peer: DecodePeer, src: np.ndarray, dst: np.ndarray,
+                     heads: Optional[tuple[int, int, int]] = None) -> int:
+        """Whole pages per contiguous run (the decode rank holds this rank's heads), else the head
+        slice of every token: one entry per token and buffer (head_slices.py)."""
+        geo, remote = self._mgr.args.geometry, peer.geometry
+        if heads is not None and heads[2] == geo.head_num == remote.head_num:
+            heads = None
+        if heads is not None and heads[2] == remote.head_num and self._mgr.args.kv_tensors \
+                and self.config.staging_bytes:
+            return self._write_gathered(peer, src, dst, heads)
+        if heads is None:
+            runs = contiguous_runs(src, dst)
+            item = self._item_lens[:, None]  # [num_bufs, 1]
+            srcs = (self._kv_ptrs[:, None] + runs.src_starts[None, :] * item).ravel()  # [num_bufs * num_runs]
+            dsts = (peer.kv_ptrs[:, None] + runs.dst_starts[None, :] * item).ravel()
+            lens = (runs.lengths[None, :] * item).ravel()
+        else:
+            src_head, dst_head, n = heads
+            if n == 0 or len(src) == 0:
+                return 0
+            ps = geo.page_size
+            head_bytes = int(self._item_lens[0]) // (ps * geo.head_num)
+            offsets = np.arange(ps, dtype=np.int64)
+            src_slots = (src[:, None] * ps + offsets).ravel()  # [num_tokens]
+            dst_slots = (dst[:, None] * ps + offsets).ravel()
+            srcs = (self._kv_ptrs[:, None] + (src_slots * geo.head_num + src_head)[None, :] * head_bytes).ravel()
+            dsts = (peer.kv_ptrs[:, None] + (dst_slots * remote.head_num + dst_head)[None, :] * head_bytes).ravel()
+            lens = np.full(len(srcs), n * head_bytes, dtype=np.int64)
         step = self.config.max_batch_entries
         for i in range(0, len(lens), step):
             self._mgr.engine.batch_write(peer.session_id, srcs[i:i + step].tolist(), dsts[i:i + step].tolist(),
                                          lens[i:i + step].tolist())
         return int(lens.sum())
 
-    def _write_metadata(self, dest: Destination, meta_slot: int) -> int:
+    def _write_gathered(self, peer: DecodePeer, src: np.ndarray, dst: np.ndarray, heads: tuple[int, int, int]) -> int:
+        """The decode rank holds exactly this slice's heads (it is wider than this rank's TP size):
+        gather the slice of every token into this thread's staging buffer, then write it as whole
+        token runs of the decode's pages, as many tokens at a time as the buffer holds."""
+        import torch
+
+        src_head, _, n = heads
+        geo, bufs = self._mgr.args.geometry, self._mgr.args.kv_tensors
+        ps, nb = geo.page_size, len(bufs)
+        token_bytes = n * bufs[0].shape[-1] * bufs[0].element_size()  # one token of one buffer, on both sides
+        staging = self._staging()
+        per_piece = staging.numel() // (nb * token_bytes)
+        offsets = np.arange(ps, dtype=np.int64)
+        src_slots, dst_slots = (src[:, None] * ps + offsets).ravel(), (dst[:, None] * ps + offsets).ravel()
+        nbytes = 0
+        for i in range(0, len(src_slots), per_piece):
+            s_sl, d_sl = src_slots[i:i + per_piece], dst_slots[i:i + per_piece]
+            t = len(s_sl)
+            view = staging[:nb * t * token_bytes].view(bufs[0].dtype).view(nb, t, n, bufs[0].shape[-1])
+            index = torch.from_numpy(s_sl).to(staging.device)
+            for b, buf in enumerate(bufs):  # [t, n, head_dim] of every buffer
+                torch.index_select(buf[:, src_head:src_head + n], 0, index, out=view[b])
+            if staging.is_cuda:
+                torch.cuda.current_stream(staging.device).synchronize()
+            starts = np.concatenate(([0], np.flatnonzero(np.diff(d_sl) != 1) + 1))
+            lengths = np.diff(np.concatenate((starts, [t])))
+            base = np.arange(nb, dtype=np.int64)[:, None] * t  # [nb, 1] first token of each buffer's part
+            srcs = (staging.data_ptr() + (base + starts[None, :]) * token_bytes).ravel()
+            dsts = (peer.kv_ptrs[:, None] + d_sl[starts][None, :] * token_bytes).ravel()
+            lens = np.broadcast_to(lengths[None, :] * token_bytes, (nb, len(starts))).ravel()
+            step = self.config.max_batch_entries
+            for j in range(0, len(lens), step):
+                self._mgr.engine.batch_write(peer.session_id, srcs[j:j + step].tolist(), dsts[j:j + step].tolist(),
+                                             lens[j:j + step].tolist())
+            nbytes += int(lens.sum())
+        return nbytes
+
+    def _staging(self):
+        """This transfer thread's staging buffer, registered with Mooncake on first use."""
+        import torch
+
+        staging = getattr(self._local, "staging", None)
+        if staging is None:
+            device = self._mgr.args.kv_tensors[0].device
+            staging = torch.empty(self.config.staging_bytes, dtype=torch.uint8, device=device)
+            with self._staging_lock:
+                self._mgr.engine.register([staging.data_ptr()], [staging.nbytes])
+                self._stagings.append(staging)  # kept alive until the manager deregisters everything
+            self._local.staging = staging
+        return staging
+
+    def _write_tail(self, dest: Destination, state_slot: Optional[int], meta_slot: int) -> int:
+        """After the last chunk's pages, one batched write: a hybrid model's recurrent state (slot
+        `state_slot` of every state buffer into the decode's slot; each buffer is contiguous and
+        slot-major, so a slot is one entry per buffer), then the metadata slot."""
         size = self.metadata.item_bytes
-        self._mgr.engine.batch_write(dest.peer.session_id, [self.metadata.data_ptr + meta_slot * size],
-                                     [dest.peer.aux_ptr + dest.meta_slot * size], [size])
-        return size
+        srcs, dsts, lens = [self.metadata.data_ptr + meta_slot * size], [dest.peer.aux_ptr + dest.meta_slot * size], [size]
+        if len(self._state_ptrs):
+            if state_slot is None:
+                raise KVTransferError("the last chunk of a hybrid model's request came without its state slot")
+            srcs = (self._state_ptrs + state_slot * self._state_items).tolist() + srcs
+            dsts = (dest.peer.state_ptrs + dest.state_slot * self._state_items).tolist() + dsts
+            lens = self._state_items.tolist() + lens
+        self._mgr.engine.batch_write(dest.peer.session_id, srcs, dsts, lens)
+        return int(sum(lens))
 
     def close(self) -> None:
         for q in self._queues:

@@ -55,6 +55,7 @@ class FakeKVSender(CommonKVSender):
         try:
             self.record(self._mgr.copy_pages(decode, src_pages, dst_pages), 0.0)
             if is_last:
+                self.record(self._mgr.copy_state(decode, self.state_slot, self.dest.state_slot), 0.0)
                 self.record(self._mgr.copy_metadata(decode, self.meta_slot, self.dest.meta_slot), 0.0)
                 if self._mgr.rng.random() < self.config.fault_probability:
                     raise KVTransferError(f"injected fault (fault_probability={self.config.fault_probability})")
@@ -94,7 +95,7 @@ class FakeKVReceiver(CommonKVReceiver):
         return super().poll()
 
     def _send_destination(self) -> None:
-        self.peer.on_room(self.room, self._mgr, self.pages, self.meta_slot, self.prefix_pages)
+        self.peer.on_room(self.room, self._mgr, self.pages, self.meta_slot, self.prefix_pages, self.state_slot)
 
     def _notify_abort(self, reason: str) -> None:
         self.peer.on_abort(self.room, reason)
@@ -155,12 +156,12 @@ class FakeKVManager(KVManagerBase):
     # ---- called by the peer manager ----
 
     def on_room(self, room: int, decode: "FakeKVManager", pages: np.ndarray, meta_slot: int,
-                prefix_pages: int = 0) -> None:
+                prefix_pages: int = 0, state_slot: Optional[int] = None) -> None:
         reason = check_destination(room, self.args, decode.args.geometry, decode.args.kv_data_lens[0],
-                                   decode.args.aux_data_lens[0], pages, meta_slot)
+                                   decode.args.aux_data_lens[0], pages, meta_slot, state_slot, decode.args.state_slots())
         if reason is not None:
             decode.on_status(room, KVPoll.Failed, reason)
-        self._deliver(room, reason or Destination(decode, pages, meta_slot, prefix_pages))
+        self._deliver(room, reason or Destination(decode, pages, meta_slot, prefix_pages, state_slot))
 
     def on_abort(self, room: int, reason: str) -> None:
         self._deliver(room, f"aborted by the decode engine: {reason}")
@@ -188,6 +189,16 @@ class FakeKVManager(KVManagerBase):
                 ctypes.memmove(dp + d * item, sp + s * item, n * item)
                 nbytes += n * item
         return nbytes
+
+    def copy_state(self, decode: "FakeKVManager", src_slot: Optional[int], dst_slot: Optional[int]) -> int:
+        """A hybrid model's recurrent state: one slot of every state buffer."""
+        if not self.args.has_state:
+            return 0
+        if src_slot is None:
+            raise KVTransferError("the last chunk of a hybrid model's request came without its state slot")
+        for sp, dp, item in zip(self.args.state_data_ptrs, decode.args.state_data_ptrs, self.args.state_item_lens):
+            ctypes.memmove(dp + dst_slot * item, sp + src_slot * item, item)
+        return sum(self.args.state_item_lens)
 
     def copy_metadata(self, decode: "FakeKVManager", src_slot: int, dst_slot: int) -> int:
         size = self.metadata.item_bytes
