@@ -21,7 +21,7 @@ from baton.operator import naming
 from baton.operator.kube import KINDS, KubeClient
 from baton.operator.naming import Role
 from baton.operator.planner import Plan, PlannerConfig, Recommendation, Sample, plan
-from baton.operator.scrape import MetricsUrl, is_ready, pod_metrics_url, scrape
+from baton.operator.scrape import MetricsUrl, is_ready, pod_metrics_url, query_prometheus, scrape
 from baton.operator.spec import InferenceService
 
 Emit = Callable[[str, str], None]  # (reason, message) -> an Event on the InferenceService
@@ -45,19 +45,24 @@ def iso(ts: float) -> str:
 
 
 async def _scrape_role(session: aiohttp.ClientSession, pods: list[Mapping[str, Any]], role: Role,
-                       metrics_url: MetricsUrl, now: float) -> Sample:
+                       metrics_url: MetricsUrl, now: float, prometheus: tuple[str, str] | None = None) -> Sample:
+    """`prometheus`: (its URL, the namespace) to read the pods' series from, instead of scraping them."""
     mine = [p for p in pods if (p["metadata"].get("labels") or {}).get(naming.ROLE_LABEL) == role.value
             and is_ready(p)]
+    if prometheus is not None:
+        got = await query_prometheus(session, *prometheus, [p["metadata"]["name"] for p in mine])
+        return Sample(now, role, tuple(got[p["metadata"]["name"]] for p in mine if p["metadata"]["name"] in got))
     targets = [(p["metadata"]["name"], metrics_url(p)) for p in mine]
-    got = await asyncio.gather(*(scrape(session, name, url) for name, url in targets if url))
-    return Sample(now, role, tuple(s for s in got if s is not None))
+    scraped = await asyncio.gather(*(scrape(session, name, url) for name, url in targets if url))
+    return Sample(now, role, tuple(s for s in scraped if s is not None))
 
 
 async def planner_step(client: KubeClient, session: aiohttp.ClientSession, isvc: InferenceService,
                        state: PlannerState, now: float, emit: Emit,
-                       metrics_url: MetricsUrl = pod_metrics_url) -> Plan | None:
+                       metrics_url: MetricsUrl = pod_metrics_url, prometheus_url: str | None = None) -> Plan | None:
     """One scrape-plan-apply step; None when the service has no planned role (or its Deployments are not
-    there yet: the reconcile creates them)."""
+    there yet: the reconcile creates them). With `prometheus_url`, a service whose `monitoring` has
+    Prometheus scrape it is read from there (docs/operator.md), others are scraped directly."""
     config = isvc.spec.planner
     if config is None or not config.roles:
         return None
@@ -66,10 +71,12 @@ async def planner_step(client: KubeClient, session: aiohttp.ClientSession, isvc:
     if any(d is None for d in deployments.values()):
         return None
     replicas = {r: d["spec"].get("replicas", 1) for r, d in deployments.items()}
+    monitored = isvc.spec.monitoring.pod_monitor or isvc.spec.monitoring.service_monitor
+    prometheus = (prometheus_url, isvc.namespace) if prometheus_url and monitored else None
     pods = await client.list(KINDS["Pod"], isvc.namespace, {naming.SERVICE_LABEL: isvc.name})
     pods = [p for p in pods if (p["metadata"].get("labels") or {}).get(naming.SERVICE_LABEL) == isvc.name]
     for role in config.roles:
-        state.samples.append(await _scrape_role(session, pods, role, metrics_url, now))
+        state.samples.append(await _scrape_role(session, pods, role, metrics_url, now, prometheus))
     state.keep(config, now)
     result = plan(config, state.samples, replicas, state.memory, now)
     state.memory = result.memory

@@ -32,12 +32,16 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="period of the full reconcile + status refresh of every InferenceService")
     parser.add_argument("--retry-seconds", type=float, default=10.0, help="back-off after temporary errors")
     parser.add_argument("--no-events", action="store_true", help="do not post Kubernetes Events")
+    parser.add_argument("--prometheus-url", metavar="URL", default=None,
+                        help="the planner (spec.autoscaling.mode planner) reads the engines' metrics of services "
+                             "with monitoring on from this Prometheus instead of scraping their pods")
     parser.add_argument("--verbose", action="store_true", help="debug logging")
 
 
 def config_from_args(args: argparse.Namespace) -> OperatorConfig:
     return OperatorConfig(resync_seconds=args.resync_seconds, retry_seconds=args.retry_seconds,
-                          metrics_port=args.metrics_port or None, post_events=not args.no_events)
+                          metrics_port=args.metrics_port or None, post_events=not args.no_events,
+                          prometheus_url=args.prometheus_url or None)
 
 
 def kopf_kwargs(args: argparse.Namespace) -> dict:

@@ -18,6 +18,8 @@ class OperatorConfig:
     # where the planner reads a pod's /metrics: its IP and the engine port (tests running engines on
     # loopback next to fake nodes give their own)
     metrics_url: Callable[[Mapping[str, Any]], str | None] = pod_metrics_url
+    # the planner reads services with `monitoring` on from this Prometheus (None: it scrapes every pod)
+    prometheus_url: str | None = None
 
     def __post_init__(self) -> None:
         assert self.resync_seconds > 0 and self.retry_seconds > 0

@@ -164,7 +164,7 @@ async def planner(stopped: kopf.DaemonStopped, name: str, namespace: str, memo: 
                 await planner_step(memo.client, session, isvc, state, time.time(),
                                    lambda reason, message: kopf.event(body, type="Normal", reason=reason,
                                                                       message=message),
-                                   memo.config.metrics_url)
+                                   memo.config.metrics_url, memo.config.prometheus_url)
             except (ApiError, aiohttp.ClientError, asyncio.TimeoutError) as e:
                 logger.warning(f"planner: no decision this time: {e}")
 

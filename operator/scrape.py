@@ -1,9 +1,14 @@
-"""Reading an engine pod's own `/metrics` for the planner (no Prometheus needed): what `planner.PodSample`
-holds, from the metric names of docs/metrics.md. The operator reaches the pods on their IP and the engine
-port, as Prometheus would (a NetworkPolicy must let it)."""
+"""Reading the engines' metrics for the planner: what `planner.PodSample` holds, from the metric names of
+docs/metrics.md. Two sources give the same samples:
+
+- a pod's own `/metrics` (no Prometheus needed): the operator reaches the pods on their IP and the engine
+  port, as Prometheus would (a NetworkPolicy must let it);
+- Prometheus (`--prometheus-url`, for services with `monitoring` on): one instant query for the series
+  of the Ready pods, by the `namespace` and `pod` labels its PodMonitor / ServiceMonitor give them."""
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -25,20 +30,49 @@ def pod_metrics_url(pod: Mapping[str, Any]) -> str | None:
 def parse_metrics(pod: str, text: str) -> PodSample:
     """One engine's exposition: gauges per DP rank (KV usage averaged, queued tokens summed), the TTFT
     and ITL histograms' running sum and count."""
-    usage: list[float] = []
-    values = {"queued_tokens": 0.0, "ttft_sum": 0.0, "ttft_count": 0.0, "itl_sum": 0.0, "itl_count": 0.0}
-    wanted = {"baton_num_queued_tokens": "queued_tokens",
-              "baton_time_to_first_token_seconds_sum": "ttft_sum",
-              "baton_time_to_first_token_seconds_count": "ttft_count",
-              "baton_inter_token_latency_seconds_sum": "itl_sum",
-              "baton_inter_token_latency_seconds_count": "itl_count"}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name == "baton_token_usage":
-                usage.append(s.value)
-            elif s.name in wanted:
-                values[wanted[s.name]] += s.value
+    return _sample(pod, [(s.name, s.value) for family in text_string_to_metric_families(text)
+                         for s in family.samples])
+
+
+_WANTED = {"baton_num_queued_tokens": "queued_tokens",
+           "baton_time_to_first_token_seconds_sum": "ttft_sum",
+           "baton_time_to_first_token_seconds_count": "ttft_count",
+           "baton_inter_token_latency_seconds_sum": "itl_sum",
+           "baton_inter_token_latency_seconds_count": "itl_count"}
+
+
+def _sample(pod: str, series: list[tuple[str, float]]) -> PodSample:
+    """(metric name, value) pairs of one pod -> its sample: KV usage averaged over DP ranks, the rest summed."""
+    usage = [v for name, v in series if name == "baton_token_usage"]
+    values = dict.fromkeys(_WANTED.values(), 0.0)
+    for name, v in series:
+        if name in _WANTED:
+            values[_WANTED[name]] += v
     return PodSample(pod, kv_usage=sum(usage) / len(usage) if usage else 0.0, **values)
+
+
+async def query_prometheus(session: aiohttp.ClientSession, base_url: str, namespace: str,
+                           pods: list[str]) -> dict[str, PodSample]:
+    """The pods' samples from Prometheus' latest values (a pod it has no series of yet is left out, as a
+    pod that does not answer a scrape is); {} when Prometheus does not answer."""
+    if not pods:
+        return {}
+    names = "|".join(["baton_token_usage", *_WANTED])
+    pod_re = "|".join(re.escape(p) for p in pods).replace("\\", "\\\\")  # a regex inside a PromQL string
+    query = f'{{__name__=~"{names}",namespace="{namespace}",pod=~"{pod_re}"}}'
+    try:
+        async with session.get(f"{base_url.rstrip('/')}/api/v1/query", params={"query": query},
+                               timeout=aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT_S)) as resp:
+            body = await resp.json(content_type=None)
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
+        return {}
+    if resp.status != 200 or body.get("status") != "success":
+        return {}
+    by_pod: dict[str, list[tuple[str, float]]] = {}
+    for series in body["data"]["result"]:
+        labels = series["metric"]
+        by_pod.setdefault(labels["pod"], []).append((labels["__name__"], float(series["value"][1])))
+    return {pod: _sample(pod, series) for pod, series in by_pod.items()}
 
 
 async def scrape(session: aiohttp.ClientSession, pod: str, url: str) -> PodSample | None:

@@ -88,7 +88,7 @@ def test_chart_renders_operator_objects_that_validate(chart: str):
         k8s_validate(obj)
     [dep] = [o for o in objs if o["kind"] == "Deployment"]
     args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert "--all-namespaces" in args and "--standalone" in args
+    assert "--all-namespaces" in args and "--standalone" in args and "--prometheus-url" not in args
     [role] = [o for o in objs if o["kind"] == "ClusterRole"]
     assert role["rules"] == CLUSTER_ROLE_RULES  # same least privilege as manifests/02-rbac.yaml
 
@@ -163,3 +163,12 @@ def test_sample_comments_say_what_their_spec_does(repo: Path, samples):
         for count, role, tp in re.findall(r"(\d+) (prefill|decode) pods \(TP (\d+)\)", comments):
             spec = body["spec"][role]
             assert (int(count), int(tp)) == (spec.get("replicas", 1), spec.get("tp", 1)), (name, role)
+
+
+def test_chart_points_the_planner_at_prometheus(chart: str):
+    url = "http://prometheus-operated.monitoring:9090"
+    [dep] = [o for o in render(chart, {"operator": {"prometheusUrl": url}}) if o["kind"] == "Deployment"]
+    args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--prometheus-url") + 1] == url
+    with pytest.raises(Exception, match="prometheusUrl"):
+        render(chart, {"operator": {"prometheusUrl": "prometheus:9090"}})  # no scheme
