@@ -22,7 +22,9 @@ def test_all_namespaces_standalone_by_default():
     assert kw["clusterwide"] is True and kw["namespaces"] == [] and kw["standalone"] is True
     assert kw["liveness_endpoint"] == "http://0.0.0.0:8080/healthz"
     config = config_from_args(args)
-    assert config.metrics_port == 9090 and config.resync_seconds == 60
+    assert config.metrics_port == 9090 and config.resync_seconds == 60 and config.prometheus_url is None
+    url = "http://prometheus-operated.monitoring:9090"
+    assert config_from_args(parse(["-A", "--prometheus-url", url])).prometheus_url == url
 
 
 def test_namespaces_peering_and_switches():
