@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from baton.fetch import source as model_source
+from baton.operator import known_flags
 from baton.operator.naming import MAX_NAME_LENGTH, NAME_PATTERN
 
 
@@ -79,6 +80,14 @@ def _fetched(m: Mapping[str, Any]) -> bool:
 
 def _no_managed_flag(pattern: str) -> Callable[[Any], bool]:
     return lambda args: not any(re.search(pattern, a) for a in args)
+
+
+def _only_known(pattern: str) -> Callable[[Any], bool]:
+    return lambda args: all(not a.startswith("--") or re.search(pattern, a) for a in args)
+
+
+ENGINE_KNOWN_RE = _flags_regex(known_flags.ENGINE_FLAGS)
+ROUTER_KNOWN_RE = _flags_regex(known_flags.ROUTER_FLAGS)
 
 
 RULES: tuple[Rule, ...] = (
@@ -200,6 +209,16 @@ RULES: tuple[Rule, ...] = (
          "--service-discovery*, --*selector, --*policy, --pd-disaggregation, --api-key): "
          "use spec.router.prefillPolicy/decodePolicy/policy and router.apiKeySecretRef",
          _no_managed_flag(ROUTER_FLAGS_RE)),
+    # the real parsers' flags (known_flags.py, generated from them): an unknown or abbreviated flag would
+    # otherwise only show as a crash-looping pod
+    Rule(Scope.ENGINE_ARGS, f"self.all(a, !a.startsWith('--') || a.matches('{ENGINE_KNOWN_RE}'))",
+         "extraArgs has a flag `baton serve` does not have: write each flag in full, as `baton serve --help` "
+         "lists it (abbreviations are refused)",
+         _only_known(ENGINE_KNOWN_RE)),
+    Rule(Scope.ROUTER_ARGS, f"self.all(a, !a.startsWith('--') || a.matches('{ROUTER_KNOWN_RE}'))",
+         "router.extraArgs has a flag `baton router` does not have: write each flag in full, as "
+         "`baton router --help` lists it (abbreviations are refused)",
+         _only_known(ROUTER_KNOWN_RE)),
     # has(): the API server also checks the CRD's `default: {}` of kvTransfer against these rules,
     # before (without) the nested defaults, so a field may be missing there.
     Rule(Scope.KV_TRANSFER,

@@ -47,6 +47,8 @@ CEL_CASES = [
     body(autoscaling={"mode": "planner", "engine": {"targetKVUsage": 0.7}}),
     body(decode={"extraArgs": ["--port=1"]}),
     body(router={"extraArgs": ["--policy", "random"]}),
+    body(decode={"extraArgs": ["--kv-cache-dtyp", "fp8_e5m2"]}),  # an abbreviation argparse would have taken
+    body(router={"extraArgs": ["--no-such-flag=1"]}),
     body(kvTransfer={"protocol": "tcp", "ibDevices": ["mlx5_0"]}),
     body(kvTransfer={"protocol": "tcp", "rdmaResourceName": "rdma/hca"}),
     body(autoscaling={"mode": "planner", "prefillDecodeRatio": {"min": 2, "max": 1}}),

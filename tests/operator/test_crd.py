@@ -138,6 +138,8 @@ BAD_RULES = [  # refused by CEL rules (and by the operator's Python twins)
     {"decode": {"extraArgs": ["--kv-cache-dtype", "fp8_e5m2"]}},  # spec.model.kvCacheDtype: both roles
     {"prefill": {"extraArgs": ["--tool-call-parser=qwen25"]}},  # spec.model.toolCallParser: both roles
     {"prefill": {"extraArgs": ["--dtype=bfloat16"]}},
+    {"decode": {"extraArgs": ["--kv-cache-dtyp", "fp8_e5m2"]}},  # an abbreviation: not a flag of baton serve
+    {"router": {"extraArgs": ["--request-timeout", "30"]}},  # nor of baton router
     {"kvTransfer": {"ibDevices": ["mlx5_0"]}},
     {"kvTransfer": {"rdmaResourceName": "rdma/x"}},
     {"model": {"name": "m", "path": "/m", "pvc": {"claimName": "c"}, "hostPath": {"path": "/h"}}},
@@ -193,7 +195,7 @@ def test_name_rules(name, ok):
 
 def test_good_variants_pass_both(samples):
     good = [{"prefill": {"dp": 4, "gpus": 4}}, {"kvTransfer": {"protocol": "rdma", "ibDevices": ["mlx5_0"]}},
-            {"mode": "colocated"}, {"decode": {"extraArgs": ["--port-offset", "1", "--mem-fraction-static=0.8"]}},
+            {"mode": "colocated"}, {"decode": {"extraArgs": ["--max-running-requests", "1", "--mem-fraction-static=0.8"]}},
             {"mode": "colocated", "engine": {"tp": 2, "gpus": 2}}, {"mode": "colocated", "engine": {"tp": 4, "dp": 2}},
             {"model": {"name": "m", "source": "hf://Qwen/Qwen3-0.6B@main", "cache": {"claimName": "models"},
                        "fetch": {"secretName": "hf-token", "endpoint": "http://hub-mirror:8080", "include": ["*.json"]}}},
