@@ -158,7 +158,8 @@ class ServerArgs:
     speculative_ngram_min_match_window_size: int = 1
     speculative_ngram_max_match_window_size: int = 12
     # speculation backs off under load: decode steps of this many running requests or more are plain
-    # ones (at large batches a step is compute-bound and verifying drafts only costs)
+    # ones (at large batches a step is compute-bound and verifying drafts only costs). PD: the decode
+    # engine speculates once the KV has arrived; a prefill engine, which never decodes, ignores it
     speculative_disable_by_batch_size: int = 4
     # PD disaggregation (issue 3)
     disaggregation_mode: str = "null"
@@ -271,9 +272,6 @@ class ServerArgs:
             raise ValueError("--speculative-num-draft-tokens must be >= 2 (the last token and at least one draft)")
         if self.speculative_disable_by_batch_size < 1:
             raise ValueError("--speculative-disable-by-batch-size must be >= 1")
-        if self.disaggregation_mode != "null":
-            raise ValueError(f"--speculative-algorithm with --disaggregation-mode {self.disaggregation_mode} is not "
-                             "supported yet: run speculation on colocated engines")
         if self.tp_size > 1:
             raise ValueError("--speculative-algorithm with --tp-size > 1 is not supported yet (the verify step's "
                              "LM head over every draft position is not in the TP step protocol)")

@@ -269,8 +269,8 @@ def test_speculative_flags_use_sglangs_names_and_refuse_what_is_not_there_yet():
     for algo in ("EAGLE", "EAGLE3", "NEXTN"):
         with pytest.raises(ValueError, match="not supported yet"):
             ServerArgs(model_path="m", speculative_algorithm=algo)
-    with pytest.raises(ValueError, match="disaggregation-mode decode is not supported yet"):
-        ServerArgs(model_path="m", speculative_algorithm="NGRAM", disaggregation_mode="decode")
+    with pytest.raises(ValueError, match="tp-size > 1 is not supported yet"):
+        ServerArgs(model_path="m", speculative_algorithm="NGRAM", tp_size=2)
     with pytest.raises(ValueError, match="min-match-window-size"):
         ServerArgs(model_path="m", speculative_algorithm="NGRAM", speculative_ngram_min_match_window_size=5,
                    speculative_ngram_max_match_window_size=4)
@@ -316,3 +316,25 @@ def test_served_engine_speculates_and_reports_it(tiny_model_factory):
     count = next(float(line.split()[-1]) for line in metrics.splitlines()
                  if line.startswith("baton_spec_accept_length_tokens_count"))
     assert count == sum(info["spec_accept_length_counts"]) > 0
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "plain"])
+def test_pd_decode_speculates_after_the_transfer(tiny_model_factory, overlap):
+    """PD: the decode engine drafts from the transferred request's prompt and first token on; its
+    tokens are HF's and both sides end with nothing leaked (the prefill, which never decodes, takes the
+    same flags and ignores them)."""
+    from test_pd_scheduler import PDPair, _run
+
+    path = tiny_model_factory("llama", **LOOPING)
+    prompts = repetitive_prompts()
+    pair = PDPair(path, page_size=1, max_total_tokens=4096, enable_overlap_schedule=overlap,
+                  disable_overlap_schedule=not overlap, **SPEC)
+    try:
+        _run(pair, prompts, max_new_tokens=MAX_NEW, ignore_eos=True)
+        for i, p in enumerate(prompts):
+            assert pair.decode.results[str(i)].ids == hf_greedy(path, p, MAX_NEW, ignore_eos=True), f"request {i}"
+        info = spec_info(pair.decode)
+        assert info["spec_accept_length"] > 1.2 and spec_info(pair.prefill)["spec_verify_steps"] == 0
+        pair.assert_settled()
+    finally:
+        pair.close()
