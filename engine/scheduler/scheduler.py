@@ -80,6 +80,11 @@ class Scheduler:
         self.dp_rank = dp_rank
         self.worker = TpModelWorker(args, tp)
         runner = self.worker.model_runner
+        if runner.state_pool is not None and args.speculative_algorithm is not None:
+            # its recurrent state would have to roll back to the last accepted token (issue 35's MTP step)
+            self.worker.close()
+            raise ValueError("--speculative-algorithm is not supported yet for hybrid models (their recurrent "
+                             "state would have to roll back to the last accepted token)")
         if runner.state_pool is not None and not args.disable_radix_cache:
             # A prefix is reusable only with the recurrent state at its end, which the radix cache
             # does not keep yet (state checkpoints on radix nodes: issue 33's next step).
@@ -197,11 +202,7 @@ class Scheduler:
 
     def _init_speculation(self) -> NoSpeculation:
         """The speculation strategy of --speculative-algorithm (speculative/), over a view of this
-        scheduler's pools. A hybrid model would need its recurrent state rolled back to the last
-        accepted token (issue 35's MTP step): refused here, at start-up."""
-        if self.server_args.speculative_algorithm is not None and self.worker.model_runner.state_pool is not None:
-            raise ValueError("--speculative-algorithm is not supported yet for hybrid models (their recurrent "
-                             "state would have to roll back to the last accepted token)")
+        scheduler's pools."""
         view = SpecView(server_args=self.server_args, tokenizer=self.tokenizer,
                         req_to_token_pool=self.req_to_token_pool, allocator=self.allocator, tree_cache=self.tree_cache,
                         append_token=self.output.append_token, finish_request=self.output.finish_request)
@@ -325,7 +326,7 @@ class Scheduler:
             # A verify step runs now, in this thread, in either loop: nothing is in flight (the decode
             # manager drained it to draft), and an overlap executor's forward thread would only wait
             # beside it (on a 2-core CPU the waiting thread took a core from the verify's kernels).
-            result = self.executor.worker.forward_batch_generation(mwb)
+            result = self.worker.forward_batch_generation(mwb)
             batch.output_ids = result.next_token_ids_tensor
             return LaunchedBatch(list(batch.reqs), mwb, result)
         # the overlap loop's placeholders, or the plain loop's sampled ids

@@ -256,6 +256,12 @@ def test_seeded_sampling_under_speculation_is_reproducible(tiny_model_factory):
 
 
 # ---------------------------------------------------------------------------- flags
+def test_a_hybrid_model_refuses_speculation_at_start_up(tiny_model_factory):
+    """Its recurrent state would have to roll back to the last accepted token (issue 35's MTP step)."""
+    with pytest.raises(ValueError, match="not supported yet for hybrid models"):
+        SchedulerHarness(tiny_model_factory("qwen3_next"), **SPEC)
+
+
 def test_speculative_flags_use_sglangs_names_and_refuse_what_is_not_there_yet():
     import argparse
 
