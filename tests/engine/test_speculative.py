@@ -21,8 +21,10 @@ from baton.engine.speculative.verify import accept_greedy, target_probs, verify_
 from scheduler_harness import SchedulerHarness
 from test_scheduler_vs_hf import LOOPS, harness_for, hf_greedy, run_workload, workload
 
-# speculation on every decode step of these small batches
-SPEC = dict(speculative_algorithm="NGRAM", speculative_disable_by_batch_size=64)
+# speculation on every decode step of these small batches, drafting after any one-token match (many
+# drafts, most of them partly rejected: the paths under test)
+SPEC = dict(speculative_algorithm="NGRAM", speculative_disable_by_batch_size=64,
+            speculative_ngram_min_match_window_size=1)
 # initializer_range 0.08: a random model whose greedy text falls into loops within tens of tokens, so
 # n-gram drafts are accepted (tiny_models.py explains why the default 0.15 keeps greedy ties away;
 # at 0.08 the top-1/top-2 gaps are still far above float32 rounding: HF equality checks that)
