@@ -346,3 +346,16 @@ def test_pd_decode_speculates_after_the_transfer(tiny_model_factory, overlap):
         pair.assert_settled()
     finally:
         pair.close()
+
+
+def test_a_request_without_drafts_looks_less_and_less_often():
+    index = NgramIndex(min_window=2, max_window=4, max_draft=4)
+    index.extend([1, 2, 3, 4, 5])
+    waits = []
+    for _ in range(5):
+        index.on_lookup(bool(index.propose(3)))
+        waits.append(index.backoff)
+    assert waits == [1, 3, 7, 15, 15]
+    index.extend([1, 2])  # "1 2" was seen: a draft, and the next lookup comes at once
+    index.on_lookup(bool(index.propose(3)))
+    assert index.backoff == 0
