@@ -94,7 +94,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 print(f"round {round_ + 1} concurrency {c}: " + ", ".join(
                     f"{k} {v['tok_s']:.1f} tok/s" for k, v in cell.items())
                     + f", ratio {cell['ngram']['tok_s'] / cell['off']['tok_s']:.2f}x, accept length "
-                      f"{cell['ngram']['accept_length']:.2f}", flush=True)
+                      f"{cell['ngram']['accept_length']:.2f} over {cell['ngram']['request_steps']} request-steps", flush=True)
     print("\n| concurrency | off tok/s | ngram tok/s | ngram / off [rounds] | accept length | accept rate |")
     print("|---|---|---|---|---|---|")
     for c, cells in table.items():

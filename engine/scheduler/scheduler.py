@@ -322,7 +322,7 @@ class Scheduler:
             # A verify step runs now, in this thread, in either loop: nothing is in flight (the decode
             # manager drained it to draft), and an overlap executor's forward thread would only wait
             # beside it (on a 2-core CPU the waiting thread took a core from the verify's kernels).
-            result = self.executor.worker.forward_batch_generation(mwb)
+            result = self.worker.forward_batch_generation(mwb)
             batch.output_ids = result.next_token_ids_tensor
             return LaunchedBatch(list(batch.reqs), mwb, result)
         # the overlap loop's placeholders, or the plain loop's sampled ids

@@ -28,6 +28,10 @@ class NgramIndex:
         self.min_window, self.max_window = min_window, max_window
         self.max_draft = max_draft
         self.draft_len = max_draft  # how far the next draft may go (on_verified adapts it)
+        # decode steps to let pass before looking for a draft again, after lookups that found none
+        # (on_lookup; the speculator counts them down)
+        self.backoff = 0
+        self._misses = 0
         self.tokens: list[int] = []
         # tables[w]: w-gram -> position of the token that followed its latest occurrence
         self.tables: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_window + 1)]
@@ -52,6 +56,13 @@ class NgramIndex:
             self.draft_len = min(self.max_draft, 2 * self.draft_len)
         else:
             self.draft_len = accepted + 1
+
+    def on_lookup(self, found: bool) -> None:
+        """After a lookup: one that found nothing makes the request wait 1, 3, 7, 15 steps before the
+        next (in the overlap loop every look costs the step its overlap: a request writing new text
+        should not pay that every step); a hit looks again at once."""
+        self._misses = 0 if found else min(self._misses + 1, 4)
+        self.backoff = (1 << self._misses) - 1
 
     def propose(self, num_tokens: int) -> list[int]:
         """Up to `num_tokens` draft tokens continuing the longest matching suffix ([] without a match)."""

@@ -56,11 +56,25 @@ class NgramSpeculator(NoSpeculation):
         return (s is not None and s.grammar is None and not s.has_penalties and not s.params.logit_bias
                 and not s.min_tokens_active)
 
+    def eligible(self, batch: "ScheduleBatch") -> bool:
+        return 0 < len(batch.reqs) < self.disable_by_batch_size and all(self.can_verify(r) for r in batch.reqs)
+
     def wants_verify(self, batch: "ScheduleBatch") -> bool:
-        return len(batch.reqs) < self.disable_by_batch_size and all(self.can_verify(r) for r in batch.reqs)
+        """Once per decode step: an eligible batch with a request due to look for a draft (a request
+        whose lookups found nothing waits some steps: NgramIndex.on_lookup; this counts them down)."""
+        if not self.eligible(batch):
+            return False
+        due = False
+        for req in batch.reqs:
+            index = req.spec_index
+            if index is None or index.backoff == 0:
+                due = True
+            else:
+                index.backoff -= 1
+        return due
 
     def prepare_verify(self, batch: "ScheduleBatch") -> bool:
-        if not batch.reqs or not self.wants_verify(batch):
+        if not self.eligible(batch):
             return False
         drafts = [self.draft(req) for req in batch.reqs]
         if not any(drafts) or not self._reserve(drafts, len(batch.reqs)):
@@ -86,7 +100,9 @@ class NgramSpeculator(NoSpeculation):
             index.extend(prompt[seen:])
             seen = len(prompt)
         index.extend(req.output_ids[seen - len(prompt):])
-        return index.propose(room)
+        draft = index.propose(room)
+        index.on_lookup(bool(draft))
+        return draft
 
     def _reserve(self, drafts: list[list[int]], bs: int) -> bool:
         """Room in the KV pool for the whole verify step (evicting cached prefixes if needed)."""

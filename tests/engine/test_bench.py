@@ -375,3 +375,15 @@ def test_demo_serves_and_asks_with_a_converted_model(tmp_path, capsys, monkeypat
 
 if __name__ == "__main__":  # the subprocess stand-in for `baton serve`
     web.run_app(FakeOpenAI().app(), host="127.0.0.1", port=int(sys.argv[1]), print=None)
+
+
+def test_code_edit_workload_copies_a_module_and_is_reproducible(tokenizer):
+    """--dataset code-edit: each prompt holds its own module of whole functions, at least input_len
+    tokens, and ends where the answer's code starts; the same seed gives the same prompts."""
+    config = WorkloadConfig(num_prompts=3, input_len=120, output_len=16, dataset="code-edit", seed=3)
+    prompts = build_workload(tokenizer, config)
+    assert prompts == build_workload(tokenizer, config)
+    assert len({p.text for p in prompts}) == 3 and all(len(p.token_ids) >= 120 for p in prompts)
+    for p in prompts:
+        assert p.text.endswith("```python\n") and ("def " in p.text or "class " in p.text)
+        assert p.token_ids == tuple(tokenizer.encode(p.text, add_special_tokens=False)) and p.output_len == 16

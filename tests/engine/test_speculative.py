@@ -21,8 +21,10 @@ from baton.engine.speculative.verify import accept_greedy, target_probs, verify_
 from scheduler_harness import SchedulerHarness
 from test_scheduler_vs_hf import LOOPS, harness_for, hf_greedy, run_workload, workload
 
-# speculation on every decode step of these small batches
-SPEC = dict(speculative_algorithm="NGRAM", speculative_disable_by_batch_size=64)
+# speculation on every decode step of these small batches, drafting after any one-token match (many
+# drafts, most of them partly rejected: the paths under test)
+SPEC = dict(speculative_algorithm="NGRAM", speculative_disable_by_batch_size=64,
+            speculative_ngram_min_match_window_size=1)
 # initializer_range 0.08: a random model whose greedy text falls into loops within tens of tokens, so
 # n-gram drafts are accepted (tiny_models.py explains why the default 0.15 keeps greedy ties away;
 # at 0.08 the top-1/top-2 gaps are still far above float32 rounding: HF equality checks that)
@@ -269,8 +271,8 @@ def test_speculative_flags_use_sglangs_names_and_refuse_what_is_not_there_yet():
     for algo in ("EAGLE", "EAGLE3", "NEXTN"):
         with pytest.raises(ValueError, match="not supported yet"):
             ServerArgs(model_path="m", speculative_algorithm=algo)
-    with pytest.raises(ValueError, match="disaggregation-mode decode is not supported yet"):
-        ServerArgs(model_path="m", speculative_algorithm="NGRAM", disaggregation_mode="decode")
+    with pytest.raises(ValueError, match="tp-size > 1 is not supported yet"):
+        ServerArgs(model_path="m", speculative_algorithm="NGRAM", tp_size=2)
     with pytest.raises(ValueError, match="min-match-window-size"):
         ServerArgs(model_path="m", speculative_algorithm="NGRAM", speculative_ngram_min_match_window_size=5,
                    speculative_ngram_max_match_window_size=4)
@@ -351,3 +353,38 @@ def test_hybrid_rolls_its_recurrent_state_back_to_the_last_accepted_token(tiny_m
     assert res["turn2"].ids == hf_greedy(path, turn2, MAX_NEW, ignore_eos=True)
     assert res["gone"].finish.kind == "abort"
     assert h.scheduler.check_memory_integrity()
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "plain"])
+def test_pd_decode_speculates_after_the_transfer(tiny_model_factory, overlap):
+    """PD: the decode engine drafts from the transferred request's prompt and first token on; its
+    tokens are HF's and both sides end with nothing leaked (the prefill, which never decodes, takes the
+    same flags and ignores them)."""
+    from test_pd_scheduler import PDPair, _run
+
+    path = tiny_model_factory("llama", **LOOPING)
+    prompts = repetitive_prompts()
+    pair = PDPair(path, page_size=1, max_total_tokens=4096, enable_overlap_schedule=overlap,
+                  disable_overlap_schedule=not overlap, **SPEC)
+    try:
+        _run(pair, prompts, max_new_tokens=MAX_NEW, ignore_eos=True)
+        for i, p in enumerate(prompts):
+            assert pair.decode.results[str(i)].ids == hf_greedy(path, p, MAX_NEW, ignore_eos=True), f"request {i}"
+        info = spec_info(pair.decode)
+        assert info["spec_accept_length"] > 1.2 and spec_info(pair.prefill)["spec_verify_steps"] == 0
+        pair.assert_settled()
+    finally:
+        pair.close()
+
+
+def test_a_request_without_drafts_looks_less_and_less_often():
+    index = NgramIndex(min_window=2, max_window=4, max_draft=4)
+    index.extend([1, 2, 3, 4, 5])
+    waits = []
+    for _ in range(5):
+        index.on_lookup(bool(index.propose(3)))
+        waits.append(index.backoff)
+    assert waits == [1, 3, 7, 15, 15]
+    index.extend([1, 2])  # "1 2" was seen: a draft, and the next lookup comes at once
+    index.on_lookup(bool(index.propose(3)))
+    assert index.backoff == 0

@@ -55,7 +55,7 @@ class NativeSteps:
         need every row's hidden state). A step that ends in tokens counts each sampling row's
         sample."""
         self.worker.assign_draws(mwb)
-        if mwb.input_logprob_reqs or mwb.spec_info is not None:  # every row's hidden state, or a verify step
+        if mwb.input_logprob_reqs:
             return None
         states = mwb.sampling_states
         # the step ends in tokens (argmax, or a draw where a row samples), not in logits for the sampler
