@@ -101,8 +101,9 @@ class ServerArgs:
     # hybrid models, KV sized from free memory: state-pool bytes : KV-pool bytes (SGLang's default)
     mamba_full_memory_ratio: float = 0.9
     # hybrid models with the radix cache: a recurrent-state checkpoint every this many tokens (a
-    # multiple of the page size), besides chunk ends, prompt ends and request ends
-    mamba_track_interval: int = 256
+    # multiple of the page size), besides chunk ends, prompt ends and request ends; None: the smallest
+    # multiple of the page size from 256 tokens on
+    mamba_track_interval: Optional[int] = None
     # scheduling
     schedule_policy: str = "fcfs"
     enable_priority_scheduling: bool = False
@@ -213,6 +214,8 @@ class ServerArgs:
             raise ValueError("--max-mamba-cache-size must be >= 1")
         if not self.mamba_full_memory_ratio > 0:
             raise ValueError("--mamba-full-memory-ratio must be > 0")
+        if self.mamba_track_interval is None:
+            object.__setattr__(self, "mamba_track_interval", -(-256 // self.page_size) * self.page_size)  # frozen
         if self.mamba_track_interval < 1 or self.mamba_track_interval % self.page_size:
             raise ValueError(f"--mamba-track-interval must be a positive multiple of --page-size ({self.page_size})")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -360,7 +363,7 @@ class ServerArgs:
           help="hybrid models, KV pool sized from free memory: state-pool bytes to KV-pool bytes")
         a("--mamba-track-interval", type=int, default=ServerArgs.mamba_track_interval,
           help="hybrid models with the radix cache: keep a recurrent-state checkpoint every this many tokens "
-               "(a multiple of --page-size)")
+               "(a multiple of --page-size; default: 256, rounded up to one)")
         a("--schedule-policy", default=ServerArgs.schedule_policy, choices=SCHEDULE_POLICIES)
         a("--enable-priority-scheduling", action="store_true")
         a("--priority-preemption-threshold", type=int, default=ServerArgs.priority_preemption_threshold)

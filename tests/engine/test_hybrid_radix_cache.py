@@ -230,6 +230,8 @@ def test_track_interval_must_be_a_positive_multiple_of_the_page_size():
     from baton.engine.server_args import ServerArgs
 
     assert ServerArgs(model_path="m", page_size=16, mamba_track_interval=64).mamba_track_interval == 64
+    assert ServerArgs(model_path="m").mamba_track_interval == 256
+    assert ServerArgs(model_path="m", page_size=1024).mamba_track_interval == 1024, "the default rounds up to a page"
     for page, interval in ((16, 24), (1, 0)):
         with pytest.raises(ValueError, match="--mamba-track-interval must be a positive multiple of --page-size"):
             ServerArgs(model_path="m", page_size=page, mamba_track_interval=interval)
