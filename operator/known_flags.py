@@ -33,6 +33,6 @@ ROUTER_FLAGS = (
     "queue-size", "queue-timeout-secs", "request-timeout-secs", "retry-backoff-multiplier",
     "retry-initial-backoff-ms", "retry-jitter-factor", "retry-max-backoff-ms", "retry-max-retries",
     "selector", "service-discovery", "service-discovery-api-server", "service-discovery-namespace",
-    "service-discovery-port", "service-discovery-resync-secs", "upstream-client", "worker-stall-timeout",
-    "worker-startup-check-interval", "worker-urls",
+    "service-discovery-port", "service-discovery-resync-secs", "shutdown-timeout-secs", "upstream-client",
+    "worker-stall-timeout", "worker-startup-check-interval", "worker-urls",
 )

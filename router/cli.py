@@ -59,6 +59,8 @@ def _request_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' (default: $BATON_API_KEY, so the key stays out of argv)")
     g.add_argument("--request-timeout-secs", type=float, default=1800.0)
+    g.add_argument("--shutdown-timeout-secs", type=float, default=60.0,
+                   help="on SIGTERM: how long the requests in flight may run on once the listener closed")
     g.add_argument("--max-payload-size", type=int, default=512 * 1024 * 1024)
     g.add_argument("--max-concurrent-requests", type=int, default=-1, help="-1: unlimited")
     g.add_argument("--queue-size", type=int, default=100)
@@ -120,6 +122,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         prefill_policy=PolicyName(args.prefill_policy) if args.prefill_policy else None,
         decode_policy=PolicyName(args.decode_policy) if args.decode_policy else None,
         dp_aware=args.dp_aware, api_key=args.api_key or os.environ.get("BATON_API_KEY") or None, request_timeout_secs=args.request_timeout_secs,
+        shutdown_timeout_secs=args.shutdown_timeout_secs,
         max_payload_size=args.max_payload_size, max_concurrent_requests=args.max_concurrent_requests,
         queue_size=args.queue_size, queue_timeout_secs=args.queue_timeout_secs,
         cache_aware=CacheAwareConfig(args.cache_threshold, args.balance_abs_threshold, args.balance_rel_threshold,

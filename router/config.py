@@ -124,6 +124,8 @@ class RouterConfig:
     dp_aware: bool = False
     api_key: str | None = None
     request_timeout_secs: float = 1800.0
+    # on SIGTERM the listener closes and the requests in flight may run on this long (aiohttp's default)
+    shutdown_timeout_secs: float = 60.0
     max_payload_size: int = 512 * 1024 * 1024
     max_concurrent_requests: int = -1  # -1: unlimited, no queue
     queue_size: int = 100
@@ -145,6 +147,7 @@ class RouterConfig:
         else:
             assert roles <= {WorkerRole.REGULAR}, "--prefill/--decode need --pd-disaggregation"
         assert self.request_timeout_secs > 0 and self.max_payload_size > 0 and self.queue_size >= 0
+        assert self.shutdown_timeout_secs >= 0, "--shutdown-timeout-secs must be >= 0"
         assert self.worker_stall_timeout_secs >= 0
 
     def policy_for(self, role: WorkerRole) -> PolicyName:

@@ -51,7 +51,8 @@ class Router:
             from baton.router.discovery.kubernetes import KubernetesDiscovery  # needs `kubernetes`
             self._discovery = KubernetesDiscovery(self.config, self.workers, self.metrics)
             self._discovery.start()
-        self._runner = web.AppRunner(self.build_app(), handler_cancellation=True, access_log=None)
+        self._runner = web.AppRunner(self.build_app(), handler_cancellation=True, access_log=None,
+                                     shutdown_timeout=self.config.shutdown_timeout_secs)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.host, self.config.port, backlog=1024)
         await site.start()

@@ -36,6 +36,9 @@ def router_args(isvc: InferenceService) -> list[str]:
         args += ["--prefill-policy", r.prefill_policy, "--decode-policy", r.decode_policy]
     else:
         args += ["--policy", r.policy]
+    # the relays in flight at SIGTERM finish as long as the engines may take for theirs (the pod's grace
+    # period is that plus the preStop sleep)
+    args += ["--shutdown-timeout-secs", str(max(x.termination_grace_seconds for x in spec.roles.values()))]
     return args + list(r.extra_args)
 
 

@@ -285,6 +285,14 @@ def test_router_pd_args_select_the_engine_roles():
     assert flag(args, "--service-discovery-namespace") == "team-a"
     assert flag(args, "--service-discovery-port") == "30000"
     assert flag(args, "--prefill-policy") == "random" and flag(args, "--decode-policy") == "power_of_two"
+    assert flag(args, "--shutdown-timeout-secs") == "60"  # the engines' default grace period
+
+
+def test_router_lets_relays_run_as_long_as_the_slowest_engine_role_may():
+    isvc = parse(isvc_body(decode={"terminationGracePeriodSeconds": 300}))
+    assert flag(router_args(isvc), "--shutdown-timeout-secs") == "300"
+    grace = router_deployment(isvc)["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert grace > 300, "the router's pod outlives the relays: preStop sleep + the longest engine grace"
 
 
 def test_router_colocated_args():

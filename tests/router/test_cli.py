@@ -126,3 +126,45 @@ async def test_bench_runs_end_to_end_on_a_tiny_load():
     rows = {line.split("|")[1].strip(): line for line in report.splitlines() if line.startswith("| ")}
     assert set(rows) >= {"direct", "baton router"}
     assert rows["baton router"].rstrip(" |").endswith("| 0")  # no errors
+
+
+@pytest.mark.parametrize("timeout_s, finishes", [(20, True), (0.5, False)])
+async def test_sigterm_lets_a_relay_in_flight_finish_within_the_shutdown_timeout(fake_workers, http, timeout_s,
+                                                                                 finishes):
+    """--shutdown-timeout-secs: the listener closes at SIGTERM; a slow answer still in flight completes
+    within the timeout and is cut beyond it."""
+    worker = await fake_workers("w", delay=3.0)
+    port = _free_port()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "baton.router", "--host", "127.0.0.1", "--port", str(port),
+        "--worker-urls", worker.url, "--log-level", "warning", "--shutdown-timeout-secs", str(timeout_s),
+        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        url = f"http://127.0.0.1:{port}"
+
+        async def ready() -> bool:
+            try:
+                async with http.get(url + "/health") as resp:
+                    return resp.status == 200
+            except aiohttp.ClientError:
+                return False
+
+        await _poll(ready)
+
+        async def ask() -> str:
+            async with http.post(url + "/v1/completions", json={"prompt": "x"}) as resp:
+                return (await resp.json())["choices"][0]["text"]
+
+        pending = asyncio.ensure_future(ask())
+        await asyncio.sleep(0.5)  # the request is with the worker now
+        proc.send_signal(signal.SIGTERM)
+        if finishes:
+            assert await asyncio.wait_for(pending, 15) == "hello from w"
+        else:
+            with pytest.raises((aiohttp.ClientError, ValueError)):
+                await asyncio.wait_for(pending, 15)
+        assert await asyncio.wait_for(proc.wait(), 15) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
