@@ -75,11 +75,12 @@ class BasePrefixCache(ABC):
 
     def take_state_ops(self, tracks: Optional[dict[int, list[tuple[int, int]]]] = None) -> Optional["StateOps"]:
         """The state work the next pass does: the copies queued since the last pass, and `tracks`."""
+        if not self._state_copies and not tracks:  # every step of a model without recurrent state
+            return None
         from baton.engine.mem_cache.state_pool import StateOps
 
         copies, self._state_copies = self._state_copies or [], None
-        ops = StateOps(copies, tracks or {})
-        return ops or None
+        return StateOps(copies, tracks or {})
 
     def check_state_slots(self) -> bool:
         return True

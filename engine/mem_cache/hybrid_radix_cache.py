@@ -99,12 +99,10 @@ class HybridRadixCache(RadixCache):
     # ---- matching ----
 
     def match_prefix(self, key: list[int]) -> MatchResult:
-        key = list(key[: len(key) - len(key) % self.page_size])
-        _, path = self._descend(key, next(self._clock))
+        path = self._matched_path(key)
         while path and path[-1].state is None:
             path.pop()
-        indices = torch.cat([n.value for n in path]) if path else self._empty()
-        return MatchResult(device_indices=indices, last_node=path[-1] if path else self.root)
+        return self._result(path)
 
     # ---- state operations, planned by the scheduler and run by the next pass ----
 

@@ -151,10 +151,15 @@ class RadixCache(BasePrefixCache):
 
     def _match_kv(self, key: list[int]) -> MatchResult:
         """The longest cached page-aligned prefix of `key`, by KV alone."""
-        key = list(key[: len(key) - len(key) % self.page_size])
-        node, path = self._descend(key, next(self._clock))
+        return self._result(self._matched_path(key))
+
+    def _matched_path(self, key: list[int]) -> list[TreeNode]:
+        """The nodes along the longest cached page-aligned prefix of `key` (access times refreshed)."""
+        return self._descend(list(key[: len(key) - len(key) % self.page_size]), next(self._clock))[1]
+
+    def _result(self, path: list[TreeNode]) -> MatchResult:
         indices = torch.cat([n.value for n in path]) if path else self._empty()
-        return MatchResult(device_indices=indices, last_node=node)
+        return MatchResult(device_indices=indices, last_node=path[-1] if path else self.root)
 
     def insert(self, key: list[int], value: torch.Tensor) -> int:
         assert len(key) % self.page_size == 0, f"key length {len(key)} is not page-aligned"

@@ -122,6 +122,17 @@ class ScheduleBatch:
         index = torch.stack([torch.tensor(rows, dtype=torch.int64)[req], cols, slots]).to(table.device)
         table[index[0], index[1]] = index[2]
 
+    def _alloc_extend_rows(self, rows: list[int], prefix_lens: list[int], seq_lens: list[int],
+                           extend_lens: list[int]) -> torch.Tensor:
+        """KV slots for each request's positions prefix_lens[i] .. seq_lens[i], written into its row and
+        counted as computed (an extend, or a verify step). Returns them, packed."""
+        self._tokens_needed_hint = sum(extend_lens) + len(self.reqs) * self.allocator.page_size
+        out_cache_loc = self._alloc(self.allocator.alloc_extend, prefix_lens, seq_lens, self._last_locs(rows, prefix_lens))
+        self._write_table(rows, prefix_lens, extend_lens, out_cache_loc)
+        for req, s in zip(self.reqs, seq_lens):
+            req.kv_committed_len = req.kv_allocated_len = s
+        return out_cache_loc
+
     # ------------------------------------------------------------------ extend
     def prepare_for_extend(self, chunked_req: Optional[Req] = None) -> None:
         """`chunked_req`: the request whose chunk in this batch is not its last (it must not sample)."""
@@ -143,11 +154,7 @@ class ScheduleBatch:
         seq_lens = [len(r.fill_ids) for r in self.reqs]
         extend_lens = [s - p for s, p in zip(seq_lens, prefix_lens)]
         assert all(e > 0 for e in extend_lens), "an extend must compute at least one token"
-        self._tokens_needed_hint = sum(extend_lens) + len(self.reqs) * self.allocator.page_size
-        out_cache_loc = self._alloc(self.allocator.alloc_extend, prefix_lens, seq_lens, self._last_locs(rows, prefix_lens))
-        self._write_table(rows, prefix_lens, extend_lens, out_cache_loc)
-        for req, s in zip(self.reqs, seq_lens):
-            req.kv_committed_len = req.kv_allocated_len = s
+        out_cache_loc = self._alloc_extend_rows(rows, prefix_lens, seq_lens, extend_lens)
         state_ops = self._extend_state_ops(new, prefix_lens, seq_lens, chunked_req)
         input_ids = [t for r, p in zip(self.reqs, prefix_lens) for t in r.fill_ids[p:]]
         positions = torch.cat([torch.arange(p, s, dtype=torch.int64) for p, s in zip(prefix_lens, seq_lens)])
@@ -252,11 +259,7 @@ class ScheduleBatch:
             "a verify step starts from every request's last token (the overlap loop's results processed)"
         extend_lens = [1 + len(d) for d in spec.drafts]
         seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
-        self._tokens_needed_hint = sum(extend_lens) + len(self.reqs) * self.allocator.page_size
-        out_cache_loc = self._alloc(self.allocator.alloc_extend, prefix_lens, seq_lens, self._last_locs(rows, prefix_lens))
-        self._write_table(rows, prefix_lens, extend_lens, out_cache_loc)
-        for req, s in zip(self.reqs, seq_lens):
-            req.kv_committed_len = req.kv_allocated_len = s
+        out_cache_loc = self._alloc_extend_rows(rows, prefix_lens, seq_lens, extend_lens)
         input_ids = [t for r, d in zip(self.reqs, spec.drafts) for t in (r.output_ids[-1], *d)]
         tracks = {} if spec.state_slots is None else \
             {i: [(j + 1, slot) for j, slot in enumerate(slots)] for i, slots in enumerate(spec.state_slots) if slots}

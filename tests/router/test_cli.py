@@ -1,6 +1,7 @@
 """Flags -> config, and `baton router` as a real process (no torch, no engine imported)."""
 import argparse
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -9,6 +10,7 @@ import sys
 import aiohttp
 import pytest
 
+from baton.router.bench.__main__ import free_port as _free_port
 from baton.router.cli import add_cli_args, config_from_args
 from baton.router.config import PolicyName, WorkerRole, WorkerSpec
 
@@ -73,71 +75,13 @@ def test_router_modules_do_not_import_torch_or_the_engine():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
-async def test_baton_router_process_serves_and_stops_on_sigterm(fake_workers, http):
-    worker = await fake_workers("w")
-    sock_port = _free_port()
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "baton.router", "--host", "127.0.0.1", "--port", str(sock_port),
-        "--worker-urls", worker.url, "--log-level", "warning",
-        env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        url = f"http://127.0.0.1:{sock_port}"
-
-        async def ready() -> bool:
-            try:
-                async with http.get(url + "/health") as resp:
-                    return resp.status == 200
-            except aiohttp.ClientError:
-                return False
-
-        await _poll(ready)
-        async with http.post(url + "/v1/completions", json={"prompt": "x"}) as resp:
-            assert (await resp.json())["choices"][0]["text"] == "hello from w"
-        proc.send_signal(signal.SIGTERM)
-        assert await asyncio.wait_for(proc.wait(), 15) == 0
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
-
-
-async def _poll(check, timeout: float = 20.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not await check():
-        assert loop.time() < deadline, "router process did not become ready"
-        await asyncio.sleep(0.05)
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-
-
-async def test_bench_runs_end_to_end_on_a_tiny_load():
-    from baton.router.bench.__main__ import main_async, parse_args
-    args = parse_args(["--mode", "pd", "--no-sglang", "--concurrency", "4", "--requests", "40",
-                       "--serial-requests", "20", "--warmup", "10", "--rounds", "1"])
-    report = await main_async(args)
-    rows = {line.split("|")[1].strip(): line for line in report.splitlines() if line.startswith("| ")}
-    assert set(rows) >= {"direct", "baton router"}
-    assert rows["baton router"].rstrip(" |").endswith("| 0")  # no errors
-
-
-@pytest.mark.parametrize("timeout_s, finishes", [(20, True), (0.5, False)])
-async def test_sigterm_lets_a_relay_in_flight_finish_within_the_shutdown_timeout(fake_workers, http, timeout_s,
-                                                                                 finishes):
-    """--shutdown-timeout-secs: the listener closes at SIGTERM; a slow answer still in flight completes
-    within the timeout and is cut beyond it."""
-    worker = await fake_workers("w", delay=3.0)
+@contextlib.asynccontextmanager
+async def _router_process(http, worker_url: str, *extra: str):
+    """A `baton router` process in front of `worker_url`, ready; killed on the way out if still running."""
     port = _free_port()
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "baton.router", "--host", "127.0.0.1", "--port", str(port),
-        "--worker-urls", worker.url, "--log-level", "warning", "--shutdown-timeout-secs", str(timeout_s),
+        "--worker-urls", worker_url, "--log-level", "warning", *extra,
         env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         url = f"http://127.0.0.1:{port}"
@@ -150,6 +94,37 @@ async def test_sigterm_lets_a_relay_in_flight_finish_within_the_shutdown_timeout
                 return False
 
         await _poll(ready)
+        yield proc, url
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+async def test_baton_router_process_serves_and_stops_on_sigterm(fake_workers, http):
+    worker = await fake_workers("w")
+    async with _router_process(http, worker.url) as (proc, url):
+        async with http.post(url + "/v1/completions", json={"prompt": "x"}) as resp:
+            assert (await resp.json())["choices"][0]["text"] == "hello from w"
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 15) == 0
+
+
+async def _poll(check, timeout: float = 20.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not await check():
+        assert loop.time() < deadline, "router process did not become ready"
+        await asyncio.sleep(0.05)
+
+
+@pytest.mark.parametrize("timeout_s, finishes", [(20, True), (0.5, False)])
+async def test_sigterm_lets_a_relay_in_flight_finish_within_the_shutdown_timeout(fake_workers, http, timeout_s,
+                                                                                 finishes):
+    """--shutdown-timeout-secs: the listener closes at SIGTERM; a slow answer still in flight completes
+    within the timeout and is cut beyond it."""
+    worker = await fake_workers("w", delay=3.0)
+    async with _router_process(http, worker.url, "--shutdown-timeout-secs", str(timeout_s)) as (proc, url):
 
         async def ask() -> str:
             async with http.post(url + "/v1/completions", json={"prompt": "x"}) as resp:
@@ -164,7 +139,3 @@ async def test_sigterm_lets_a_relay_in_flight_finish_within_the_shutdown_timeout
             with pytest.raises((aiohttp.ClientError, ValueError)):
                 await asyncio.wait_for(pending, 15)
         assert await asyncio.wait_for(proc.wait(), 15) == 0
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
