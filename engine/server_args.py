@@ -21,9 +21,9 @@ MODEL_DTYPES = ("auto", "float32", "float16", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e5m2")
 MAMBA_SSM_DTYPES = ("float32", "bfloat16", "float16")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
-# --speculative-algorithm: SGLang's names; NGRAM runs, the others are refused at start-up for now
+# --speculative-algorithm: SGLang's names; NGRAM and NEXTN run, EAGLE and EAGLE3 are refused at start-up for now
 SPECULATIVE_ALGORITHMS = ("NGRAM", "EAGLE", "EAGLE3", "NEXTN")
-SUPPORTED_SPECULATIVE_ALGORITHMS = ("NGRAM",)
+SUPPORTED_SPECULATIVE_ALGORITHMS = ("NGRAM", "NEXTN")
 # How the front end picks a DP rank for a request that names none (data_parallel_rank) and has no
 # bootstrap room (PD: room % dp_size, the convention the router pins ranks by).
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
@@ -159,6 +159,10 @@ class ServerArgs:
     # runs num_draft_tokens tokens per request (its last token and up to num_draft_tokens - 1 drafts)
     speculative_algorithm: Optional[str] = None
     speculative_num_draft_tokens: Optional[int] = None  # None: NGRAM's max match window, as SGLang
+    # NEXTN (the checkpoint's MTP head drafts, speculative/nextn_drafter.py): draft steps per verify, and
+    # candidates per step (1: a chain; trees are not there yet). num_draft_tokens is then num_steps + 1
+    speculative_num_steps: Optional[int] = None  # None: 3 (SGLang's recommended chain for Qwen3-Next)
+    speculative_eagle_topk: Optional[int] = None  # None: 1
     # 3, not SGLang's 1: SGLang's drafter weighs matches by frequency in a trie of recent requests, ours
     # takes the latest occurrence in one request, and after a one- or two-token match that was mostly
     # wrong (code-edit workload, SmolLM2, one request: 1.29x with 1, 1.53x with 2, 2.16x with 3)
@@ -272,11 +276,13 @@ class ServerArgs:
         if algo not in SPECULATIVE_ALGORITHMS:
             raise ValueError(f"--speculative-algorithm must be one of {SPECULATIVE_ALGORITHMS}")
         if algo not in SUPPORTED_SPECULATIVE_ALGORITHMS:
-            raise ValueError(f"--speculative-algorithm {algo} is not supported yet (NGRAM is: issue 35)")
+            raise ValueError(f"--speculative-algorithm {algo} is not supported yet (NGRAM and NEXTN are: issue 35)")
+        if algo == "NEXTN":
+            self._check_nextn()
         if not 1 <= self.speculative_ngram_min_match_window_size <= self.speculative_ngram_max_match_window_size:
             raise ValueError("--speculative-ngram-min-match-window-size must be >= 1 and <= "
                              "--speculative-ngram-max-match-window-size")
-        if self.speculative_num_draft_tokens is None:
+        if self.speculative_num_draft_tokens is None:  # NGRAM (NEXTN's is set by then)
             object.__setattr__(self, "speculative_num_draft_tokens",  # frozen
                                self.speculative_ngram_max_match_window_size)
         if self.speculative_num_draft_tokens < 2:
@@ -286,6 +292,22 @@ class ServerArgs:
         if self.tp_size > 1:
             raise ValueError("--speculative-algorithm with --tp-size > 1 is not supported yet (the verify step's "
                              "LM head over every draft position is not in the TP step protocol)")
+
+    def _check_nextn(self) -> None:
+        """NEXTN: a chain of num_steps drafts, so num_draft_tokens is num_steps + 1 (SGLang's rule for topk 1)."""
+        steps = 3 if self.speculative_num_steps is None else self.speculative_num_steps
+        topk = 1 if self.speculative_eagle_topk is None else self.speculative_eagle_topk
+        if steps < 1:
+            raise ValueError("--speculative-num-steps must be >= 1")
+        if topk != 1:
+            raise ValueError("--speculative-eagle-topk > 1 (tree drafts) is not supported yet; NEXTN drafts a chain "
+                             "(topk 1)")
+        if self.speculative_num_draft_tokens not in (None, steps + 1):
+            raise ValueError(f"--speculative-num-draft-tokens must be --speculative-num-steps + 1 ({steps + 1}) with "
+                             f"--speculative-eagle-topk 1")
+        for name, value in (("speculative_num_steps", steps), ("speculative_eagle_topk", topk),
+                            ("speculative_num_draft_tokens", steps + 1)):
+            object.__setattr__(self, name, value)  # frozen
 
     def _auto_attention_backend(self) -> str:
         if not self.device.startswith("cuda") or importlib.util.find_spec("flashinfer") is None:
@@ -422,10 +444,15 @@ class ServerArgs:
         a("--disable-metrics", action="store_true")
         a("--speculative-algorithm", default=None, choices=SPECULATIVE_ALGORITHMS,
           help="speculative decoding: NGRAM drafts from each request's own prompt and output (no draft model); "
-               "EAGLE, EAGLE3 and NEXTN are not supported yet")
+               "NEXTN drafts with the checkpoint's multi-token-prediction head (Qwen3-Next, Qwen3.5); "
+               "EAGLE and EAGLE3 are not supported yet")
         a("--speculative-num-draft-tokens", type=int, default=None,
           help="tokens a verify step runs per request: its last token and up to this many - 1 drafts "
-               "(default: --speculative-ngram-max-match-window-size)")
+               "(default: NGRAM --speculative-ngram-max-match-window-size, NEXTN --speculative-num-steps + 1)")
+        a("--speculative-num-steps", type=int, default=None,
+          help="NEXTN: draft steps per verify step, the chain's length (default 3)")
+        a("--speculative-eagle-topk", type=int, default=None,
+          help="NEXTN: candidates per draft step; only 1 (a chain) for now (default 1)")
         a("--speculative-ngram-min-match-window-size", type=int,
           default=ServerArgs.speculative_ngram_min_match_window_size,
           help="NGRAM: the shortest suffix of a request's tokens looked up in its earlier tokens")

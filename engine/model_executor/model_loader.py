@@ -99,10 +99,11 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def load_model(model_path: str, dtype: str = "auto", device: str = "cpu",
-               tp: TpGroup = TpGroup()) -> tuple[nn.Module, "PretrainedConfig", torch.dtype]:
+def load_model(model_path: str, dtype: str = "auto", device: str = "cpu", tp: TpGroup = TpGroup(),
+               mtp: bool = False) -> tuple[nn.Module, "PretrainedConfig", torch.dtype]:
     """Returns (model in eval mode on `device`, its HF config, the dtype it was built in). With a
-    TP group of several ranks the model is this rank's shard."""
+    TP group of several ranks the model is this rank's shard. `mtp`: with the checkpoint's
+    multi-token-prediction head (--speculative-algorithm NEXTN; models/qwen3_next.py)."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_path)
@@ -114,6 +115,11 @@ def load_model(model_path: str, dtype: str = "auto", device: str = "cpu",
     validate_tp(config, tp.size)
     with _default_dtype(torch_dtype), torch.device(device):
         model = model_cls(config, tp=tp)
+        if mtp:
+            if not hasattr(model, "add_mtp_head"):
+                raise ValueError(f"--speculative-algorithm NEXTN drafts with the checkpoint's own multi-token-prediction "
+                                 f"weights; {architectures[0]} has none here (Qwen3-Next and Qwen3.5 models do)")
+            model.add_mtp_head()
     model.load_weights(iterate_safetensors(safetensors_files(model_path)))
     model.eval().requires_grad_(False)
     return model, config, torch_dtype

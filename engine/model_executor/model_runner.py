@@ -110,7 +110,7 @@ class ModelRunner:
 
         torch.manual_seed(server_args.random_seed)
         self.model, self.hf_config, self.dtype = load_model(server_args.model_path, server_args.dtype, self.device,
-                                                            self.tp)
+                                                            self.tp, mtp=server_args.speculative_algorithm == "NEXTN")
         phase("load_weights")
         self.model.eval()
         # each layer op on its device's path (Triton on CUDA), or all on the torch reference

@@ -12,7 +12,17 @@
     norms             the zero-centred (1 + w) RMSNorm, decoder and final
 
 Qwen3-Next fuses the linear layers' input projections per key-head group, Qwen3.5 keeps them apart;
-otherwise the architectures are one. Multi-token-prediction weights (`mtp.*`) are skipped.
+otherwise the architectures are one.
+
+Multi-token prediction (`mtp.*`, one layer in the published checkpoints: `num_nextn_predict_layers` in
+Qwen3-Next's config, `mtp_num_hidden_layers` in Qwen3.5's): loaded only for --speculative-algorithm
+NEXTN (add_mtp_head), as the draft of speculative decoding (speculative/nextn_drafter.py); skipped
+otherwise. MtpHead predicts the token after next from the target's final hidden state at a position
+and the embedding of the token that follows it:
+
+    x = fc([pre_fc_norm_embedding(embed(t[p+1])) ; pre_fc_norm_hidden(h[p])])
+    g = norm(full-attention decoder layer(x))        its attention: a KV-pool layer of its own
+    logits = the target's LM head (g)                the embedding and LM head are the target's
 
 The published Qwen3.5 checkpoints are vision-language models (`Qwen3_5ForConditionalGeneration`,
 `Qwen3_5MoeForConditionalGeneration`): a `text_config` and a `vision_config`, the text model's weights
@@ -47,6 +57,7 @@ if TYPE_CHECKING:
     from baton.engine.model_executor.forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
+
 
 class GatedAttention(nn.Module):
     """With tensor parallelism: whole heads per rank (q_proj's rows are [q | gate] per head, so a
@@ -106,6 +117,34 @@ class HybridDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
+class MtpHead(nn.Module):
+    """The checkpoint's `mtp.*` (module docstring): fc, its two pre-norms, one gated-attention decoder
+    layer over KV-pool layer `kv_layer_id`, the final norm. Its MLP is the model's kind for a layer
+    after the last one (sparse in the MoE models)."""
+
+    def __init__(self, config: "PretrainedConfig", layer: HybridDecoderLayer) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.fc = MergedColumnLinear(2 * hidden, [OutputPart(hidden, 0, hidden)], bias=False)
+        self.pre_fc_norm_embedding = ZeroCenteredRMSNorm(hidden, config.rms_norm_eps)
+        self.pre_fc_norm_hidden = ZeroCenteredRMSNorm(hidden, config.rms_norm_eps)
+        self.layers = nn.ModuleList([layer])
+        self.norm = ZeroCenteredRMSNorm(hidden, config.rms_norm_eps)
+
+    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
+                forward_batch: "ForwardBatch") -> torch.Tensor:
+        """embeds: the next tokens' embeddings, hidden: the target's final hidden states, both
+        [num_tokens, hidden] -> the head's own final hidden states (the next draft step's `hidden`)."""
+        x = self.fc(torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], dim=-1))
+        x, residual = self.layers[0](positions, x, None, forward_batch)
+        return self.norm(x, residual)[0]
+
+
+def num_mtp_layers(config: "PretrainedConfig") -> int:
+    """The checkpoint's multi-token-prediction layers, by either model family's config key."""
+    return int(getattr(config, "num_nextn_predict_layers", None) or getattr(config, "mtp_num_hidden_layers", None) or 0)
+
+
 class Qwen3NextForCausalLM(Qwen3MoeForCausalLM):
     split_linear_projections = False  # Qwen3.5: True
     all_layers_sparse = False  # Qwen3.5-MoE: True
@@ -117,13 +156,29 @@ class Qwen3NextForCausalLM(Qwen3MoeForCausalLM):
         self.kind_index = [types[:i].count(t) for i, t in enumerate(types)]
         super().__init__(config, tp)
         self.model.norm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mtp: Optional[MtpHead] = None
+
+    def add_mtp_head(self) -> MtpHead:
+        """Build the `mtp.*` head (before load_weights, which then fills it instead of skipping it).
+        Its attention takes the KV-pool layer after the model's own."""
+        n = num_mtp_layers(self.config)
+        if n != 1:
+            raise ValueError(f"NEXTN needs a checkpoint with one multi-token-prediction layer; this config has {n} "
+                             "(num_nextn_predict_layers / mtp_num_hidden_layers)")
+        if self.tp.size > 1:
+            raise ValueError("NEXTN with tensor parallelism is not supported yet")
+        config = self.config
+        layer = HybridDecoderLayer(config, GatedAttention(config, self.num_kv_layers, self.tp),
+                                   self.build_mlp(config, config.num_hidden_layers))
+        self.mtp = MtpHead(config, layer)
+        return self.mtp
 
     # ---- what the model runner asks ----
 
     @property
     def num_kv_layers(self) -> int:
-        """Layers with a KV cache: only the full-attention ones."""
-        return list(self.config.layer_types).count("full_attention")
+        """Layers with a KV cache: the full-attention ones, and the MTP head's when it is loaded."""
+        return list(self.config.layer_types).count("full_attention") + (self.mtp is not None)
 
     def linear_state_shapes(self) -> Optional[LinearStateShapes]:
         """The recurrent state per request row (None for a model without linear attention)."""
@@ -155,7 +210,21 @@ class Qwen3NextForCausalLM(Qwen3MoeForCausalLM):
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().load_weights((name, t) for name, t in weights if not name.startswith("mtp."))
+        if self.mtp is None:
+            weights = ((name, t) for name, t in weights if not name.startswith("mtp."))
+        super().load_weights(weights)
+
+    def load_special_weight(self, name: str, tensor: torch.Tensor) -> str | None:
+        """The MTP layer's experts: the MoE loader's names, under `mtp.layers.0.` (its mlp is the
+        same block type as the model's sparse layers)."""
+        if name.startswith("mtp.layers.") and ".mlp." in name:
+            head, _, rest = name.partition(".mlp.")
+            block = self.get_submodule(head).mlp
+            if (rest.startswith("experts.") or rest == "gate.weight") and block.load_weight(rest, tensor):
+                param = "gate.weight" if rest == "gate.weight" else ("w2" if "down_proj" in rest else "w13")
+                return f"{head}.mlp.{param}"
+            return None
+        return super().load_special_weight(name, tensor)
 
 
 class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):

@@ -26,6 +26,15 @@ if TYPE_CHECKING:
 RETRACT_DECODE_STEPS = 20
 
 
+def _token_at(req: Req, position: int) -> int:
+    """The request's token at `position` of its prompt and output so far, -1 past them."""
+    prompt = req.origin_input_ids
+    if position < len(prompt):
+        return prompt[position]
+    position -= len(prompt)
+    return req.output_ids[position] if position < len(req.output_ids) else -1
+
+
 class OutOfMemoryError(RuntimeError):
     """The KV pool cannot hold what the admission budget promised; a scheduler bug."""
 
@@ -59,6 +68,9 @@ class ModelWorkerBatch:
     # a verify step of speculative decoding (speculative/spec_info.py VerifyInput): each row extends
     # over its last token and its draft; the worker checks the drafts instead of sampling once
     spec_info: Optional["VerifyInput"] = None
+    # EXTEND: per row, the token after its chunk where the request's tokens go on (a chunk that is not
+    # the prompt's last), else -1 (the sampled token follows); NEXTN's head reads it (nextn_drafter.py)
+    next_prompt_ids: Optional[list[int]] = None
 
 
 class ScheduleBatch:
@@ -175,6 +187,7 @@ class ScheduleBatch:
                                 for i, (r, s) in enumerate(zip(self.reqs, seq_lens))
                                 if r.return_logprob and r.logprob_start_len >= 0 and not r.input_logprobs_sent],
             state_ops=state_ops,
+            next_prompt_ids=[_token_at(r, s) for r, s in zip(self.reqs, seq_lens)],
         )
 
     def _extend_state_ops(self, new: list[Req], prefix_lens: list[int], seq_lens: list[int],
@@ -303,6 +316,7 @@ class ScheduleBatch:
             input_logprob_reqs=a.input_logprob_reqs,  # rows of the prefills, which come first
             num_decode_rows=len(running.reqs),
             state_ops=(a.state_ops or StateOps()).merged(b.state_ops, len(a.seq_lens_cpu)) or None,
+            next_prompt_ids=(a.next_prompt_ids or [-1] * len(a.seq_lens_cpu)) + [-1] * len(b.seq_lens_cpu),
         )
         self.reqs = self.reqs + running.reqs
         running.reqs, running.output_ids = [], None

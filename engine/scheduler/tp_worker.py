@@ -71,6 +71,11 @@ class TpModelWorker:
         self.device = server_args.device
         self.step_sender = (StepSender(self.tp, self.model_runner.req_to_token_pool.req_to_token)
                             if self.tp.size > 1 else None)
+        self.drafter = None  # NEXTN: the MTP head's passes beside the model's (speculative/nextn_drafter.py)
+        if server_args.speculative_algorithm == "NEXTN":
+            from baton.engine.speculative.nextn_drafter import NextnDrafter
+
+            self.drafter = NextnDrafter(self.model_runner, server_args.speculative_num_steps)
 
     def close(self) -> None:
         """Release the other TP ranks from their step loop (after the last forward)."""
@@ -103,13 +108,17 @@ class TpModelWorker:
         fb, future_slots = runner.forward_batch_from(mwb, None if future_map is None else mwb.future_indices)
         if future_map is not None:
             resolve_future_token_ids(fb.input_ids, future_map.token_ids)
+        if mwb.spec_info is not None and self.drafter is not None:
+            self.drafter.draft(fb, mwb.spec_info)
         hidden = runner.forward(fb)  # [num_tokens, hidden]
         if mwb.spec_info is not None:
-            return self._verify(mwb, hidden, future_map, future_slots)
+            return self._verify(mwb, fb, hidden, future_map, future_slots)
         rows = runner.last_token_rows(fb)
         last_hidden = hidden if rows is None else hidden[rows]
         logits = runner.compute_logits(last_hidden)  # [bs, vocab] float32
         result, next_ids = self.sample(mwb, logits)
+        if self.drafter is not None:
+            self.drafter.after_pass(fb, hidden, next_ids, mwb.next_prompt_ids)
         if mwb.input_logprob_reqs:
             result.input_logprobs = self._input_logprobs(mwb, fb, hidden)
         result.next_token_ids_device = next_ids
@@ -126,7 +135,7 @@ class TpModelWorker:
             result.next_token_ids = result.next_token_ids_tensor.tolist()
         return result
 
-    def _verify(self, mwb: ModelWorkerBatch, hidden: torch.Tensor, future_map: Optional[FutureMap],
+    def _verify(self, mwb: ModelWorkerBatch, fb, hidden: torch.Tensor, future_map: Optional[FutureMap],
                 future_slots: Optional[torch.Tensor]) -> GenerationBatchResult:
         """A verify step's result: the logits of every token row, checked against the drafts
         (speculative/verify.py); each request's last emitted token goes to the future map (overlap)."""
@@ -135,6 +144,8 @@ class TpModelWorker:
         logits = self.model_runner.compute_logits(hidden)  # [num_tokens, vocab] float32
         out = verify_drafts(logits, mwb.spec_info, mwb.sampling_states, mwb.draws, mwb.return_logprob,
                             mwb.top_logprobs_nums)
+        if self.drafter is not None:
+            self.drafter.after_verify(fb, hidden, mwb.spec_info, out)
         last = torch.tensor(out.last_tokens, dtype=torch.int64)
         if future_map is not None:
             future_map.token_ids[future_slots] = last.to(future_map.token_ids.device)

@@ -3,7 +3,10 @@ longest accepted run plus the target's own next token.
 
     base.py              the strategy interface as its no-op (NoSpeculation) and the SpecView it works through
     ngram.py             NgramIndex: prompt/output lookup in one request's own tokens
-    ngram_speculator.py  NGRAM: drafts from the index, verify steps, accepted tokens into the requests
+    verifying.py         what every drafting strategy shares: when a step verifies, its slots, its result
+    ngram_speculator.py  NGRAM: drafts from the index
+    nextn.py             NEXTN: the checkpoint's MTP head drafts (the scheduler's half: placeholders)
+    nextn_drafter.py     NEXTN: the worker's half, the head's passes beside the target's
     spec_info.py         VerifyInput / VerifyOutput: what a verify step carries to the worker and back
     verify.py            acceptance against the target's logits: greedy (exact) and rejection sampling
     stats.py             accept length histogram and accept rate (/get_server_info, /metrics)
@@ -23,7 +26,11 @@ def create_speculator(view: SpecView) -> NoSpeculation:
         from baton.engine.speculative.ngram_speculator import NgramSpeculator
 
         return NgramSpeculator(view)
-    raise ValueError(f"--speculative-algorithm {algorithm} is not supported yet (NGRAM is)")
+    if algorithm == "NEXTN":
+        from baton.engine.speculative.nextn import NextnSpeculator
+
+        return NextnSpeculator(view)
+    raise ValueError(f"--speculative-algorithm {algorithm} is not supported yet (NGRAM and NEXTN are)")
 
 
 __all__ = ["NoSpeculation", "SpecView", "create_speculator"]

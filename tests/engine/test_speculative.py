@@ -268,7 +268,7 @@ def test_speculative_flags_use_sglangs_names_and_refuse_what_is_not_there_yet():
          "--speculative-ngram-min-match-window-size", "2", "--speculative-disable-by-batch-size", "8"]))
     assert (args.speculative_algorithm, args.speculative_num_draft_tokens) == ("NGRAM", 6)
     assert args.speculative_ngram_min_match_window_size == 2 and args.speculative_disable_by_batch_size == 8
-    for algo in ("EAGLE", "EAGLE3", "NEXTN"):
+    for algo in ("EAGLE", "EAGLE3"):  # NEXTN: test_speculative_nextn.py
         with pytest.raises(ValueError, match="not supported yet"):
             ServerArgs(model_path="m", speculative_algorithm=algo)
     with pytest.raises(ValueError, match="tp-size > 1 is not supported yet"):

@@ -76,11 +76,15 @@ def _config_and_model_classes(arch: str):
 
 
 def make_tiny_model(arch: str, path: Union[str, os.PathLike], seed: int = 0, extra_tokens: tuple[str, ...] = (),
-                    **overrides: Any) -> str:
-    """Build, save (safetensors, float32) and return the directory of a tiny random `arch` model."""
+                    mtp: bool = False, **overrides: Any) -> str:
+    """Build, save (safetensors, float32) and return the directory of a tiny random `arch` model.
+    `mtp` (hybrids): with a random multi-token-prediction head (`mtp.*`, MtpReference), as the
+    published Qwen3-Next / Qwen3.5 checkpoints carry one."""
     if arch not in ARCH_DEFAULTS:
         raise ValueError(f"unknown tiny arch {arch!r}; choose from {sorted(ARCH_DEFAULTS)}")
     config_cls, model_cls = _config_and_model_classes(arch)
+    if mtp:  # each family's config key (models/qwen3_next.py num_mtp_layers)
+        overrides = {**overrides, ("num_nextn_predict_layers" if arch == "qwen3_next" else "mtp_num_hidden_layers"): 1}
     config = config_cls(**{**_BASE, **ARCH_DEFAULTS[arch], **overrides})
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
@@ -88,7 +92,82 @@ def make_tiny_model(arch: str, path: Union[str, os.PathLike], seed: int = 0, ext
     path = os.fspath(path)
     model.save_pretrained(path)
     save_tiny_tokenizer(path, config.vocab_size, extra_tokens)
+    if mtp:
+        from safetensors.torch import load_file, save_file
+
+        head = MtpReference(model)
+        with torch.no_grad():  # every weight drawn here (a module built outside from_pretrained starts empty)
+            for name, p in head.named_parameters():
+                p.normal_(0.0, config.initializer_range if p.ndim >= 2 else 0.3)
+        file = os.path.join(path, "model.safetensors")
+        tensors = load_file(file)
+        tensors.update({f"mtp.{k}": v.contiguous() for k, v in head.state_dict().items()})
+        save_file(tensors, file, metadata={"format": "pt"})
     return path
+
+
+class MtpReference(torch.nn.Module):
+    """A hybrid checkpoint's `mtp.*` head built from transformers' own modules (transformers skips
+    these weights; vLLM's and SGLang's Qwen3-Next MTP compute the same): fc over [pre-normed
+    embedding ; pre-normed hidden], one full-attention decoder layer of the model's classes (its MLP
+    the kind of a layer after the last), the final norm; the model's embedding and LM head."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        import copy
+
+        super().__init__()
+        config = copy.deepcopy(model.config)
+        n, hidden = config.num_hidden_layers, config.hidden_size
+        config.layer_types = list(config.layer_types) + ["full_attention"]
+        config.num_hidden_layers = n + 1
+        norm = type(model.model.norm)
+        self.fc = torch.nn.Linear(2 * hidden, hidden, bias=False)
+        self.pre_fc_norm_embedding = norm(hidden, eps=config.rms_norm_eps)
+        self.pre_fc_norm_hidden = norm(hidden, eps=config.rms_norm_eps)
+        self.layers = torch.nn.ModuleList([type(model.model.layers[0])(config, n)])
+        self.norm = norm(hidden, eps=config.rms_norm_eps)
+        self._model = [model]  # not a submodule: its weights are not the head's
+        self.to(torch.float32).eval()
+
+    @classmethod
+    def load(cls, path: str) -> "MtpReference":
+        """The head saved in a make_tiny_model(..., mtp=True) checkpoint, on its HF model."""
+        from safetensors.torch import load_file
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        head = cls(model)
+        tensors = load_file(os.path.join(path, "model.safetensors"))
+        head.load_state_dict({k[4:]: v for k, v in tensors.items() if k.startswith("mtp.")})
+        return head
+
+    @torch.no_grad()
+    def chain(self, tokens: list[int], steps: int) -> list[int]:
+        """The greedy chain NEXTN drafts after `tokens` (a prompt and the token sampled after it): the
+        head over every position p of (token p + 1, the model's final hidden state at p), causally,
+        then step by step over (its draft, its own output at the previous position)."""
+        model = self._model[0]
+        ids = torch.tensor([tokens])
+        hidden = model.model(input_ids=ids[:, :-1]).last_hidden_state[0]  # [n - 1, hidden]: positions 0 .. n - 2
+        inputs, states, drafts = list(tokens[1:]), list(hidden), []
+        for _ in range(steps):
+            out = self._run(torch.tensor([inputs]), torch.stack(states)[None])
+            drafts.append(int(torch.argmax(model.lm_head(out[-1]))))
+            inputs.append(drafts[-1])
+            states.append(out[-1])
+        return drafts
+
+    def _run(self, ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        model = self._model[0]
+        t = ids.shape[1]
+        x = self.fc(torch.cat([self.pre_fc_norm_embedding(model.model.embed_tokens(ids)),
+                               self.pre_fc_norm_hidden(hidden)], dim=-1))
+        positions = torch.arange(t)[None]
+        mask = torch.full((t, t), float("-inf")).triu(1)[None, None]
+        x = self.layers[0](x, position_embeddings=model.model.rotary_emb(x, positions), attention_mask=mask,
+                           position_ids=positions)
+        x = x[0] if isinstance(x, tuple) else x
+        return self.norm(x)[0]
 
 
 @torch.no_grad()

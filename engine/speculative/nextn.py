@@ -1,0 +1,35 @@
+"""NEXTN speculation (SGLang's --speculative-algorithm NEXTN): the checkpoint's own multi-token-
+prediction head drafts a chain of --speculative-num-steps tokens per request and step
+(models/qwen3_next.py MtpHead). The drafting runs in the worker, next to the target's passes
+(nextn_drafter.py); the scheduler's half only reserves each verify step's slots, as NGRAM's does
+(verifying.py), with placeholder drafts the worker overwrites before the verify pass runs.
+"""
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from baton.engine.speculative.base import SpecView
+from baton.engine.speculative.verifying import VerifyingSpeculator
+
+if TYPE_CHECKING:
+    from baton.engine.scheduler.req import Req
+
+logger = logging.getLogger(__name__)
+
+
+class NextnSpeculator(VerifyingSpeculator):
+    algorithm = "NEXTN"
+
+    def __init__(self, view: SpecView) -> None:
+        super().__init__(view)
+        self.num_steps = view.server_args.speculative_num_steps
+        logger.info("speculative decoding: NEXTN (the checkpoint's MTP head), chains of %d drafts, while fewer than "
+                    "%d requests run", self.num_steps, self.disable_by_batch_size)
+
+    def draft(self, req: "Req") -> list[int]:
+        """As many placeholders as the request may take: the worker's drafter writes the head's tokens."""
+        return [0] * max(0, self.room(req))
+
+    def server_info(self) -> dict:
+        return {**super().server_info(), "speculative_num_steps": self.num_steps, "speculative_eagle_topk": 1}

@@ -1,0 +1,129 @@
+"""NEXTN's worker half: the MTP head's passes beside the target's (models/qwen3_next.py MtpHead).
+
+The head at position p reads the embedding of token t[p+1] and the target's final hidden state h[p],
+and predicts t[p+2]; its attention has a KV-pool layer of its own (the layer after the target's), in
+the same slots as the target's KV, so prefix sharing, retraction, PD transfer and freeing treat it as
+any layer. Its KV at p needs t[p+1], so it lags the target by one position, filled after each target
+pass once the next token is known:
+
+    after a plain pass (extend, decode, mixed)   the head over the pass's positions, ids shifted by one;
+                                                 a row's last input is the token sampled there, or for a
+                                                 chunk that is not the prompt's last, the next prompt
+                                                 token (ModelWorkerBatch.next_prompt_ids). Same batch
+                                                 geometry, so the pass's attention metadata serves.
+    after a verify pass                          the same over [last, d1 .. dk]: the row after the last
+                                                 accepted draft takes the target's token; rows past it
+                                                 are rejected positions (their KV is freed or rewritten)
+
+Either leaves, per request row, the head's prediction at the row's last kept position (the first draft
+of the next step) and its hidden output (`tokens`, `hidden`). A verify step of a request with k drafts
+(position L = its last token's) then runs k - 1 decode passes of the head: step j at position L + j - 2
+over (d[j-1], its previous hidden output), into the verify step's own slots; the verify pass runs
+[last, d1 .. dk]. The head's KV those steps wrote is rewritten by the after-verify pass.
+
+Drafts are greedy (the head's argmax): a deterministic proposal, so verify.py's acceptance rules hold as
+for NGRAM. A request whose row holds no prediction of its own yet (a PD decode's first step: the
+prefill computed the head's KV over the prompt, not this row's buffers) drafts from a stale one, which
+verification rejects: a wasted step, never a wrong token.
+
+Runs on the model's plain forward only (hybrid models: no native CPU forward, CUDA graphs or
+torch.compile yet), tensor parallelism 1.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from baton.engine.model_executor.forward_batch import ForwardMode
+
+if TYPE_CHECKING:
+    from baton.engine.model_executor.forward_batch import ForwardBatch
+    from baton.engine.model_executor.model_runner import ModelRunner
+    from baton.engine.speculative.spec_info import VerifyInput, VerifyOutput
+
+
+class NextnDrafter:
+    def __init__(self, runner: "ModelRunner", num_steps: int) -> None:
+        model = runner.model
+        assert getattr(model, "mtp", None) is not None, "NEXTN: the model was loaded without its MTP head"
+        assert runner.native_forward is None and runner.cuda_graph_runner is None and runner.compiled_model is None, \
+            "NEXTN runs beside the model's plain forward only"
+        self.runner, self.head, self.embed = runner, model.mtp, model.model.embed_tokens
+        self.num_steps = num_steps
+        rows, dev = runner.req_to_token_pool.size, runner.device
+        self.tokens = torch.zeros(rows, dtype=torch.int64, device=dev)  # each row's first draft
+        # each row's head output at that draft's position (the next step's input), for chains past 1
+        self.hidden: Optional[torch.Tensor] = (
+            torch.zeros(rows, model.config.hidden_size, dtype=runner.dtype, device=dev) if num_steps > 1 else None)
+
+    # ------------------------------------------------------------------ the head's passes
+    def _head(self, fb: "ForwardBatch", ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(ids), fb.positions, hidden, fb)
+
+    def _predict(self, out: torch.Tensor) -> torch.Tensor:
+        """The head's hidden outputs [m, hidden] -> its greedy tokens [m]."""
+        return torch.argmax(self.runner.compute_logits(out), dim=-1)
+
+    def _keep(self, rows: torch.Tensor, out: torch.Tensor) -> None:
+        """Each row's prediction and hidden output at its last kept position."""
+        self.tokens[rows] = self._predict(out)
+        if self.hidden is not None:
+            self.hidden[rows] = out
+
+    @torch.inference_mode()
+    def after_pass(self, fb: "ForwardBatch", hidden: torch.Tensor, next_ids: torch.Tensor,
+                   next_prompt_ids: Optional[list[int]]) -> None:
+        """After a plain target pass: `hidden` its final hidden states [num_tokens, hidden], `next_ids`
+        the tokens it sampled [bs] (0 where a row samples nothing), `next_prompt_ids` per row the prompt
+        token after an extend row's chunk, or -1 where the sampled one follows."""
+        if fb.forward_mode == ForwardMode.DECODE:
+            self._keep(fb.req_pool_indices, self._head(fb, next_ids, hidden))
+            return
+        following = next_ids
+        if next_prompt_ids is not None and any(t >= 0 for t in next_prompt_ids):
+            prompt = torch.tensor(next_prompt_ids, dtype=torch.int64, device=next_ids.device)
+            following = torch.where(prompt >= 0, prompt, next_ids)
+        ends = torch.tensor(fb.extend_seq_lens_cpu, dtype=torch.int64).cumsum(0).sub_(1).to(fb.input_ids.device)
+        ids = fb.input_ids.roll(-1)  # each row's next token, but at each request's last row
+        ids[ends] = following
+        self._keep(fb.req_pool_indices, self._head(fb, ids, hidden)[ends])
+
+    @torch.inference_mode()
+    def draft(self, fb: "ForwardBatch", spec: "VerifyInput") -> None:
+        """Before a verify pass (`fb`, its input ids holding placeholder drafts): each request's chain,
+        into spec.drafts and the pass's input ids."""
+        runner, lens = self.runner, [len(d) for d in spec.drafts]
+        rows, prefix = fb.req_pool_indices, fb.extend_prefix_lens_cpu
+        chain = torch.zeros(len(lens), max(lens), dtype=torch.int64, device=rows.device)
+        chain[:, 0] = self.tokens[rows]
+        if max(lens) > 1:
+            out = self.hidden[rows]
+        for j in range(1, max(lens)):  # draft j + 1 from (draft j, the head's output there) at position L + j - 1
+            sel = [i for i, n in enumerate(lens) if n > j]
+            idx = torch.tensor(sel, dtype=torch.int64, device=rows.device)
+            seq_lens = [prefix[i] + j for i in sel]
+            step = runner.make_forward_batch(
+                ForwardMode.DECODE, input_ids=chain[idx, j - 1], positions=torch.tensor(seq_lens, device=rows.device) - 1,
+                req_pool_indices=rows[idx], seq_lens=torch.tensor(seq_lens, device=rows.device),
+                out_cache_loc=fb.out_cache_loc[torch.tensor([spec.offsets[i] + j - 1 for i in sel], device=rows.device)],
+                seq_lens_cpu=seq_lens)
+            runner.attn_backend.init_forward_metadata(step)
+            step_out = self._head(step, step.input_ids, out[idx])
+            chain[idx, j] = self._predict(step_out)
+            out[idx] = step_out
+        drafts = chain.tolist()
+        for i, n in enumerate(lens):
+            spec.drafts[i][:] = drafts[i][:n]
+        at = [spec.offsets[i] + 1 + t for i, n in enumerate(lens) for t in range(n)]
+        fb.input_ids[torch.tensor(at, dtype=torch.int64, device=rows.device)] = torch.tensor(
+            [t for d in spec.drafts for t in d], dtype=torch.int64, device=rows.device)
+
+    @torch.inference_mode()
+    def after_verify(self, fb: "ForwardBatch", hidden: torch.Tensor, spec: "VerifyInput", out: "VerifyOutput") -> None:
+        """After a verify pass and its acceptance (`out`): the head over the pass's positions, each
+        request's row after its last accepted draft taking the target's token."""
+        ids = fb.input_ids.roll(-1)  # rows past a request's kept one: any valid id (rejected positions)
+        kept = torch.tensor([off + len(t) - 1 for off, t in zip(spec.offsets, out.tokens)], device=ids.device)
+        ids[kept] = torch.tensor(out.last_tokens, dtype=torch.int64, device=ids.device)
+        self._keep(fb.req_pool_indices, self._head(fb, ids, hidden)[kept])

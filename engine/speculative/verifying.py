@@ -1,0 +1,139 @@
+"""What every drafting strategy shares (NGRAM, NEXTN): when a decode step verifies, the verify step's
+KV and state slots, and what happens to its result. A strategy says only how it drafts (`draft`) and
+what it learns from a verified draft (`on_verified`).
+
+A decode step verifies drafts when the running batch is small (fewer requests than
+--speculative-disable-by-batch-size: at large batches a step is compute-bound and drafts only cost)
+and every request in it can be served by verify.py's acceptance. A request with a grammar, penalties,
+a logit bias or min_new_tokens still ahead needs the sampler's own processing of each position: a batch
+holding one runs plain decode steps (those requests never draft, never get wrong tokens).
+
+Memory: the verify step allocates KV for [last, *draft] of every request (ScheduleBatch.prepare_for_verify,
+which sets its committed length to all of them); once the result is known the request keeps the
+positions it emitted and the rest go back to the pool at once (whole pages beyond the last one it keeps;
+mem_cache/base.py's ownership table: committed == allocated again). So the radix cache, which takes a
+request's committed KV, only ever sees accepted tokens. Without room for the drafts the step is a plain
+one (retraction is the plain step's business).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from baton.engine.speculative.base import NoSpeculation, SpecView
+from baton.engine.speculative.spec_info import VerifyInput
+from baton.engine.speculative.stats import SpecStats
+
+if TYPE_CHECKING:
+    from baton.engine.scheduler.req import Req
+    from baton.engine.scheduler.schedule_batch import ScheduleBatch
+
+
+class VerifyingSpeculator(NoSpeculation):
+    def __init__(self, view: SpecView) -> None:
+        args = view.server_args
+        self.view = view
+        # tokens a verify step runs per request: its last token and up to num_draft_tokens - 1 drafts
+        self.num_draft_tokens = args.speculative_num_draft_tokens
+        self.disable_by_batch_size = args.speculative_disable_by_batch_size
+        self.stats = SpecStats(self.num_draft_tokens)
+
+    # ------------------------------------------------------------------ what a strategy says
+    def draft(self, req: "Req") -> list[int]:
+        """The request's draft for this step (at most num_draft_tokens - 1 tokens; may be empty)."""
+        raise NotImplementedError
+
+    def on_verified(self, req: "Req", drafted: int, accepted: int) -> None:
+        """A verify step kept `accepted` of the request's `drafted` tokens."""
+
+    # ------------------------------------------------------------------ when
+    @staticmethod
+    def can_verify(req: "Req") -> bool:
+        """Whether verify.py can take this request's tokens: plain sampling (temperature, top-k/p,
+        min-p, a seed) with no min_new_tokens still ahead."""
+        s = req.sampling_state
+        return (s is not None and s.grammar is None and not s.has_penalties and not s.params.logit_bias
+                and not s.min_tokens_active)
+
+    def eligible(self, batch: "ScheduleBatch") -> bool:
+        return 0 < len(batch.reqs) < self.disable_by_batch_size and all(self.can_verify(r) for r in batch.reqs)
+
+    def wants_verify(self, batch: "ScheduleBatch") -> bool:
+        return self.eligible(batch)
+
+    def room(self, req: "Req") -> int:
+        """Drafts the request may take this step: never more than it may still emit after the
+        target's own token (max_new_tokens)."""
+        return min(self.num_draft_tokens - 1, req.sampling_params.max_new_tokens - len(req.output_ids) - 1)
+
+    def prepare_verify(self, batch: "ScheduleBatch") -> bool:
+        if not self.eligible(batch):
+            return False
+        drafts = [self.draft(req) for req in batch.reqs]
+        if not any(drafts) or not self._reserve(drafts, len(batch.reqs)):
+            return False
+        scratch = self.view.state_scratch
+        state_slots = None if scratch is None else [[scratch(i, j + 1) for j in range(len(d))]
+                                                    for i, d in enumerate(drafts)]
+        batch.prepare_for_verify(VerifyInput(drafts, state_slots))
+        return True
+
+    def _reserve(self, drafts: list[list[int]], bs: int) -> bool:
+        """Room in the KV pool for the whole verify step (evicting cached prefixes if needed)."""
+        allocator = self.view.allocator
+        page = allocator.page_size
+        need = sum(1 + len(d) for d in drafts) + (bs * page if page > 1 else 0)
+        free = allocator.available_size()
+        if free < need:
+            self.view.tree_cache.evict(need - free)
+        return allocator.available_size() >= need
+
+    # ------------------------------------------------------------------ results
+    def process_verify_result(self, launched: Any, result: Any) -> None:
+        spec: VerifyInput = launched.mwb.spec_info
+        out = result.verify
+        self.stats.on_verify_step()
+        for i, req in enumerate(launched.reqs):
+            start = launched.mwb.extend_prefix_lens_cpu[i]  # the KV it held: its last token sits there
+            if req.finished():  # aborted while the step ran: its tokens so far stay, the step's go
+                self.roll_back_state(spec, i, req, 1)
+                self.keep_kv(req, start + 1)
+                self.view.finish_request(req)
+                continue
+            tokens = out.tokens[i]
+            emitted = 0
+            for j, token in enumerate(tokens):
+                self.view.append_token(req, token, out.logprobs[i][j] if out.logprobs is not None else None,
+                                       out.top_logprobs[i][j] if out.top_logprobs is not None else None)
+                emitted += 1
+                req.check_finished(self.view.tokenizer)  # a stop, EOS or max_tokens inside the run ends it there
+                if req.finished():
+                    break
+            self.stats.on_request(len(spec.drafts[i]), len(tokens) - 1)
+            self.on_verified(req, len(spec.drafts[i]), len(tokens) - 1)
+            # KV is computed for [last, emitted[:-1]]: the newest token's comes with the next step
+            self.roll_back_state(spec, i, req, emitted)
+            self.keep_kv(req, start + emitted)
+            if req.finished():
+                self.view.finish_request(req)
+
+    def roll_back_state(self, spec: VerifyInput, i: int, req: "Req", kept: int) -> None:
+        """A hybrid model: the row's recurrent state went through all 1 + k tokens of the step; when
+        only the first `kept` stay, the next pass starts by copying the state after them (kept in a
+        scratch slot by the layers) into the row. Queued before anything else this request queues
+        (its end state into the radix cache, if it finished), so those copies see the rolled-back one."""
+        if spec.state_slots is not None and kept <= len(spec.drafts[i]):
+            self.view.tree_cache.queue_state_copy(spec.state_slots[i][kept - 1], req.req_pool_idx)
+
+    def keep_kv(self, req: "Req", length: int) -> None:
+        """Keep the request's first `length` KV positions; free the pages wholly past them (the slots
+        left in the last kept page stay with it, as a decode step's page does)."""
+        page = self.view.allocator.page_size
+        keep = -(-length // page) * page
+        if req.kv_allocated_len > keep:
+            row = self.view.req_to_token_pool.req_to_token[req.req_pool_idx]
+            self.view.allocator.free(row[keep:req.kv_allocated_len])
+        req.kv_committed_len = req.kv_allocated_len = length
+
+    def server_info(self) -> dict:
+        return {"speculative_algorithm": self.algorithm, "speculative_num_draft_tokens": self.num_draft_tokens,
+                "speculative_disable_by_batch_size": self.disable_by_batch_size, **self.stats.server_info()}

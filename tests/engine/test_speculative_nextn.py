@@ -1,0 +1,144 @@
+"""NEXTN speculative decoding (issue 35): the checkpoint's own MTP head drafts for Qwen3-Next / Qwen3.5.
+
+Two criteria, both on CPU in float32:
+- the head computes what it should: the chain the engine drafts equals transformers' own modules run as
+  the head (tiny_models.MtpReference), token for token;
+- speculation changes no token: greedy output equals HF's, with the random head's low acceptance (most
+  drafts rejected, the recurrent state rolled back) through chunked prefill, radix hits, both loops,
+  pages, aborts and PD; nothing leaks.
+"""
+from __future__ import annotations
+
+import pytest
+
+from baton.engine.io_struct import AbortReq
+from baton.engine.server_args import ServerArgs
+from test_scheduler_vs_hf import hf_greedy, harness_for, run_workload, workload
+from test_speculative import MAX_NEW, repetitive_prompts, spec_info
+from tiny_models import MtpReference
+
+NEXTN = dict(speculative_algorithm="NEXTN", speculative_num_steps=3, speculative_disable_by_batch_size=64)
+
+
+@pytest.fixture(scope="module")
+def mtp_model(tmp_path_factory):
+    """One tiny model with an MTP head per hybrid family, built once for the module."""
+    from tiny_models import make_tiny_model
+
+    made: dict[str, str] = {}
+
+    def get(arch: str) -> str:
+        if arch not in made:
+            made[arch] = make_tiny_model(arch, tmp_path_factory.mktemp(arch), mtp=True, initializer_range=0.02)
+        return made[arch]
+
+    return get
+
+
+@pytest.mark.parametrize("arch,steps", [("qwen3_5", 3), ("qwen3_next", 2), ("qwen3_5_moe", 1)])
+def test_the_drafted_chain_is_the_mtp_heads_own(mtp_model, arch, steps):
+    """The first verify step of a request drafts, after its prompt and first token, the chain the
+    head gives run as transformers' modules over the model's hidden states (and, from the second
+    draft on, over its own outputs)."""
+    path = mtp_model(arch)
+    h = harness_for(path, "plain", max_total_tokens=2048, **{**NEXTN, "speculative_num_steps": steps})
+    seen: list[list[int]] = []
+    process = h.scheduler.spec.process_verify_result
+
+    def record(launched, result):
+        seen.append(list(launched.mwb.spec_info.drafts[0]))
+        process(launched, result)
+
+    h.scheduler.spec.process_verify_result = record
+    prompt = workload()[2]  # 17 tokens
+    h.submit("a", prompt, max_new_tokens=8, ignore_eos=True)
+    out = h.run_until_idle()["a"].ids
+    assert out == hf_greedy(path, prompt, 8, ignore_eos=True)
+    assert seen and len(seen[0]) == steps
+    assert seen[0] == MtpReference.load(path).chain(prompt + out[:1], steps)
+    assert h.scheduler.check_memory_integrity()
+
+
+@pytest.mark.parametrize("arch,loop,page_size", [("qwen3_5", "plain", 1), ("qwen3_next", "overlap", 16),
+                                                 ("qwen3_5_moe", "inline", 4)])
+def test_nextn_greedy_equals_hf(mtp_model, arch, loop, page_size):
+    """Concurrent requests, prompts past the 32-token chunk, shared prefixes (radix hits with state
+    checkpoints), a follow-up turn, an abort mid-speculation: HF's tokens, nothing leaked."""
+    path = mtp_model(arch)
+    prompts = workload()[:6] + repetitive_prompts()[:2]
+    h = harness_for(path, loop, page_size=page_size, chunked_prefill_size=32, max_total_tokens=4096, **NEXTN)
+    results = run_workload(h, prompts, max_new=MAX_NEW, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        assert results[str(i)].ids == hf_greedy(path, p, MAX_NEW, ignore_eos=True), f"request {i} differs from HF"
+    info = spec_info(h)
+    assert info["speculative_algorithm"] == "NEXTN" and info["speculative_num_steps"] == 3
+    assert info["spec_verify_steps"] > 0 and info["spec_accept_rate"] < 1, info
+    turn2 = prompts[3] + results["3"].ids + [7, 8, 9]
+    h.submit("turn2", turn2, max_new_tokens=MAX_NEW, ignore_eos=True)
+    h.submit("gone", prompts[1], max_new_tokens=200, ignore_eos=True)
+    for _ in range(10):
+        h.step()
+    h.scheduler.process_input_requests([AbortReq(rid="gone")])
+    res = h.run_until_idle()
+    assert res["turn2"].cached_tokens >= (len(prompts[3]) - 1) // page_size * page_size > 0  # a state checkpoint
+    assert res["turn2"].ids == hf_greedy(path, turn2, MAX_NEW, ignore_eos=True)
+    assert res["gone"].finish.kind == "abort"
+    assert h.scheduler.check_memory_integrity()
+
+
+def test_stops_and_logprobs_inside_accepted_runs_equal_the_plain_engine(mtp_model):
+    """max_tokens that cut a chain, a stop token, logprobs: what the engine without speculation gives."""
+    path = mtp_model("qwen3_5")
+    prompt = workload()[3]
+    plain = harness_for(path, "plain", max_total_tokens=2048)
+    spec = harness_for(path, "plain", max_total_tokens=2048, **NEXTN)
+    for h in (plain, spec):
+        h.submit("cut", prompt, max_new_tokens=6, ignore_eos=True)
+        h.submit("lp", prompt, max_new_tokens=12, ignore_eos=True, return_logprob=True, top_logprobs_num=2)
+    a, b = plain.run_until_idle(), spec.run_until_idle()
+    stop = a["lp"].ids[7]
+    for h in (plain, spec):
+        h.submit("stop", prompt, max_new_tokens=20, ignore_eos=True, stop_token_ids=[stop])
+    a, b = plain.run_until_idle(), spec.run_until_idle()
+    for rid in ("cut", "lp", "stop"):
+        assert b[rid].ids == a[rid].ids, rid
+    assert b["stop"].ids[-1] == stop and len(b["stop"].ids) <= 8
+    (lp_a, ids_a), (lp_b, ids_b) = zip(*a["lp"].output_logprobs), zip(*b["lp"].output_logprobs)
+    assert ids_b == ids_a and lp_b == pytest.approx(lp_a, abs=1e-5)
+    assert [[t for _, t in top] for top in b["lp"].output_top_logprobs] == \
+        [[t for _, t in top] for top in a["lp"].output_top_logprobs]
+    assert spec_info(spec)["spec_verify_steps"] > 0
+    assert spec.scheduler.check_memory_integrity()
+
+
+def test_nextn_flags_and_what_is_refused(mtp_model, tiny_model_factory):
+    args = ServerArgs(model_path=mtp_model("qwen3_5"), speculative_algorithm="NEXTN")
+    assert (args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens) == (3, 1, 4)
+    with pytest.raises(ValueError, match="tree drafts"):
+        ServerArgs(model_path="x", speculative_algorithm="NEXTN", speculative_eagle_topk=4)
+    with pytest.raises(ValueError, match="num-steps \\+ 1"):
+        ServerArgs(model_path="x", speculative_algorithm="NEXTN", speculative_num_steps=2,
+                   speculative_num_draft_tokens=5)
+    with pytest.raises(ValueError, match="has none here"):  # a model without an MTP head
+        harness_for(tiny_model_factory("llama"), "plain", max_total_tokens=1024, **NEXTN)
+    with pytest.raises(ValueError, match="one multi-token-prediction layer"):  # a hybrid whose config has none
+        harness_for(tiny_model_factory("qwen3_5", initializer_range=0.02), "plain", max_total_tokens=1024, **NEXTN)
+
+
+def test_pd_decode_drafts_with_the_prefills_head_kv(mtp_model):
+    """PD, both sides NEXTN: the prefill's head fills its KV layer over the prompt, which travels with
+    the target's layers; the decode drafts from the first step on (its first chain from a stale row:
+    rejected, never a wrong token). HF's tokens; both sides settle with nothing leaked."""
+    from test_pd_scheduler import PDPair, _run
+
+    path = mtp_model("qwen3_next")
+    prompts = repetitive_prompts()
+    pair = PDPair(path, page_size=1, max_total_tokens=4096, disable_overlap_schedule=True, **NEXTN)
+    try:
+        _run(pair, prompts, max_new_tokens=MAX_NEW, ignore_eos=True)
+        for i, p in enumerate(prompts):
+            assert pair.decode.results[str(i)].ids == hf_greedy(path, p, MAX_NEW, ignore_eos=True), f"request {i}"
+        assert spec_info(pair.decode)["spec_verify_steps"] > 0
+        pair.assert_settled()
+    finally:
+        pair.close()
