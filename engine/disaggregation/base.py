@@ -69,7 +69,7 @@ class KVGeometry:
     model: str = ""  # architecture and sizes (model_identity)
     layer_layout: str = ""  # one letter per layer: F full attention, L linear attention
     state_dtype: str = ""  # a hybrid's recurrent state: "conv <dtype>, ssm <dtype>"; "" without one
-    state_shape: str = ""  # its per-slot shapes and linear layers
+    state_shape: str = ""  # its linear layers and heads (the model's, whatever the TP size)
 
     def mismatch(self, other: "KVGeometry") -> Optional[str]:
         """None when equal, else 'page_size 16 != 1, dtype ...' naming every differing field. A
@@ -100,6 +100,15 @@ def model_kv_heads(hf_config: Any) -> Optional[int]:
     return getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
 
 
+def model_linear_heads(hf_config: Any) -> tuple[int, ...]:
+    """A hybrid model's (key heads, value heads, key head dim, value head dim) of its linear-attention
+    layers, all TP ranks together; () without a config."""
+    cfg = getattr(hf_config, "text_config", None) or hf_config
+    if cfg is None or not getattr(cfg, "linear_num_key_heads", None):
+        return ()
+    return (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+
+
 @dataclass(frozen=True)
 class KVArgs:
     """The memory one engine registers: KV buffers (all K layers, then all V layers), metadata
@@ -125,6 +134,11 @@ class KVArgs:
     state_data_lens: tuple[int, ...] = ()
     state_item_lens: tuple[int, ...] = ()
     head_start: int = 0  # the first of the model's KV heads this rank holds (head_slices.py)
+    # hybrid models: bytes per row of each state buffer's slot (a conv channel, a delta-rule value head)
+    # and the model's linear heads (key heads, value heads, key dim, value dim): what a decode of
+    # another TP size takes from this rank is rows of a slot (head_slices.state_row_slices)
+    state_row_lens: tuple[int, ...] = ()
+    linear_heads: tuple[int, ...] = ()
     # the KV buffers themselves ([slots, head_num, head_dim] each, same order as kv_data_ptrs): a
     # prefill gathers head slices from them when the decode rank holds fewer heads (head_slices.py)
     kv_tensors: tuple = field(default=(), compare=False, repr=False)
@@ -159,21 +173,29 @@ class KVArgs:
         state_ptrs: list[int] = []
         state_lens: list[int] = []
         state_items: list[int] = []
+        row_lens: list[int] = []
+        linear_heads: tuple[int, ...] = ()
         if state_pool is not None:
             bufs = [*state_pool.conv, *state_pool.ssm]
             assert all(t.is_contiguous() for t in bufs)
             state_ptrs, state_lens = [t.data_ptr() for t in bufs], [t.nbytes for t in bufs]
             state_items = [t[0].nbytes for t in bufs]
+            row_lens = [t[0][0].nbytes for t in bufs]
             shapes = state_pool.shapes
             state_dtype = ", ".join(f"{name} {str(t.dtype).removeprefix('torch.')}"
                                     for name, t in (("conv", state_pool.conv[0]), ("ssm", state_pool.ssm[0])))
             state_shape = f"{shapes.num_layers} linear layers, conv {list(shapes.conv)}, ssm {list(shapes.ssm)}"
+            linear_heads = model_linear_heads(hf_config)
+            if linear_heads:  # the model's heads: the same on both sides whatever their TP sizes
+                hk, hv, dk, dv = linear_heads
+                state_shape = (f"{shapes.num_layers} linear layers, key heads {hk} x {dk}, value heads {hv} x {dv}, "
+                               f"conv kernel {shapes.conv[1] + 1}")
         geometry = KVGeometry(pool.page_size, str(pool.dtype).removeprefix("torch."), pool.layer_num,
                               pool.head_num, pool.head_dim, total, model, layout, state_dtype, state_shape)
         return cls(geometry, tuple(ptrs), tuple(lens), tuple(b * pool.page_size for b in per_token),
                    (metadata.data_ptr,), (metadata.nbytes,), (metadata.item_bytes,), engine_rank, dp_size,
                    tp_rank, tp_size, tuple(state_ptrs), tuple(state_lens), tuple(state_items), head_start,
-                   tuple(pool.k_buffer + pool.v_buffer))
+                   tuple(row_lens), linear_heads, tuple(pool.k_buffer + pool.v_buffer))
 
 
 @dataclass(frozen=True)

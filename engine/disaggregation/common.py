@@ -31,12 +31,18 @@ class Destination:
     state_slot: Optional[int] = None  # hybrid models: the decode row the recurrent state goes to
     heads: Optional[tuple[int, int, int]] = None  # (src, dst, count) head slice; None: the whole shard
     num_dests: int = 1  # decode ranks that send this prefill rank a destination for the room
+    # a hybrid between different TP sizes: (buffers, src row, dst row, rows) of the state slot to move
+    # (head_slices.state_row_slices); None: the whole slot
+    state_rows: Optional[tuple[tuple[int, int, int, int], ...]] = None
 
 
 def check_destination(room: int, local: KVArgs, remote_geometry: KVGeometry, remote_kv_len: int,
                       remote_aux_len: int, pages: np.ndarray, meta_slot: int, state_slot: Optional[int] = None,
-                      remote_state_slots: int = 0, heads: Optional[tuple[int, int, int]] = None) -> Optional[str]:
-    """Why the prefill (`local`) must refuse a decode's destination, or None when it fits."""
+                      remote_state_slots: int = 0, heads: Optional[tuple[int, int, int]] = None,
+                      state_rows: Optional[tuple] = None,
+                      remote_state_items: Optional[tuple[int, ...]] = None) -> Optional[str]:
+    """Why the prefill (`local`) must refuse a decode's destination, or None when it fits.
+    `remote_state_items`: bytes per state slot of each of the decode rank's state buffers."""
     mismatch = local.geometry.mismatch(remote_geometry)
     if mismatch:
         return (f"room {room}: KV page geometry differs between prefill and decode (prefill != decode): {mismatch}; "
@@ -50,9 +56,11 @@ def check_destination(room: int, local: KVArgs, remote_geometry: KVGeometry, rem
         if min(src, dst, n) < 0 or src + n > local.geometry.head_num or dst + n > remote_geometry.head_num:
             return f"room {room}: KV head slice {list(heads)} out of range ({local.geometry.head_num} heads here, " \
                    f"{remote_geometry.head_num} on the decode rank)"
-        if local.has_state and n != local.geometry.head_num:
-            return (f"room {room}: a hybrid model's prefill and decode must run the same --tp-size (its "
-                    "linear-attention state does not move between different TP sizes yet)")
+        if local.has_state and state_rows is None:
+            return (f"room {room}: the decode runs another --tp-size but named no recurrent-state rows to take "
+                    "(an engine that cannot move a hybrid's state between TP sizes)")
+    if state_rows is not None and (reason := _check_state_rows(local, state_rows, remote_state_items)):
+        return f"room {room}: {reason}"
     g, here = remote_geometry, local.geometry
     elem_bytes = local.kv_item_lens[0] // (here.page_size * here.head_num * here.head_dim)
     page_bytes = g.page_size * g.head_num * g.head_dim * elem_bytes  # a page of the decode rank (its heads)
@@ -62,6 +70,22 @@ def check_destination(room: int, local: KVArgs, remote_geometry: KVGeometry, rem
         return f"room {room}: metadata slot {meta_slot} out of the decode's range"
     if local.has_state and (state_slot is None or not 0 <= state_slot < remote_state_slots):
         return f"room {room}: recurrent-state slot {state_slot} out of the decode's range ({remote_state_slots} slots)"
+    return None
+
+
+def _check_state_rows(local: KVArgs, state_rows: tuple, remote_items: Optional[tuple[int, ...]]) -> Optional[str]:
+    """Every state row slice inside a slot on both sides (buffers 0: conv, 1: delta-rule)."""
+    if not local.has_state:
+        return "state rows named for a model without recurrent state"
+    half = len(local.state_item_lens) // 2  # conv buffers, then as many delta-rule buffers
+    remote = remote_items or local.state_item_lens
+    for kind, src, dst, rows in state_rows:
+        if kind not in (0, 1) or min(src, dst, rows) < 0:
+            return f"state row slice {[kind, src, dst, rows]} is malformed"
+        b = kind * half
+        row = local.state_row_lens[b]
+        if (src + rows) * row > local.state_item_lens[b] or (dst + rows) * row > remote[b]:
+            return f"state row slice {[kind, src, dst, rows]} out of a slot's range"
     return None
 
 

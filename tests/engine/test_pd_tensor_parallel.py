@@ -23,7 +23,8 @@ from baton.engine.disaggregation import create_transfer_backend
 from baton.engine.disaggregation.base import KVArgs, KVGeometry, KVMetadata, KVPoll, MetadataBuffers, TransferConfig
 from baton.engine.disaggregation.bootstrap_server import KVBootstrapServer, check_health, fetch_prefill_rank
 from baton.engine.bench.loopback_peer import fill_pool, make_pool, wait_final, wait_until
-from baton.engine.disaggregation.head_slices import HeadSlice, decode_rank_plan, kv_head_range, receivers_of
+from baton.engine.disaggregation.head_slices import (CONV, HeadSlice, decode_rank_plan, kv_head_range, receivers_of,
+                                                     state_row_slices)
 from baton.engine.disaggregation.tp_fanout import DriverLink, FollowerKVService, TpKVManager
 from engine_server import STARTUP_TIMEOUT_S, wait_idle_integrity
 from test_scheduler_vs_hf import hf_greedy
@@ -277,6 +278,40 @@ def test_head_slice_plans_cover_every_decode_head_once():
     assert decode_rank_plan(4, 2, 2, 1) == [HeadSlice(1, 0, 0, 2)], "equal sizes: the whole shard of the same rank"
 
 
+@pytest.mark.parametrize("linear_heads,kv_heads", [((2, 4, 3, 5), 2), ((4, 8, 2, 3), 2), ((4, 4, 2, 2), 1)])
+def test_state_row_slices_rebuild_every_decode_ranks_slot(linear_heads, kv_heads):
+    """A hybrid's recurrent state between TP sizes: every row of each decode rank's conv and
+    delta-rule slot comes from exactly one prefill rank, and it is the row the model's heads put there
+    ([q | k | v] of the rank's key heads, then its value heads); the plan pairs every prefill rank
+    holding a decode rank's linear heads with it, also where the KV heads (fewer, replicated) would not."""
+    hk, hv, dk, dv = linear_heads
+
+    def rows_of(tp: int, rank: int) -> tuple[list, list]:
+        """The model's (part, head, index) of each conv row and the value head of each state row."""
+        k0, kn = kv_head_range(hk, tp, rank)
+        v0, vn = k0 * (hv // hk), kn * (hv // hk)
+        conv = [(part, k0 + i // dk, i % dk) for part in "qk" for i in range(kn * dk)]
+        conv += [("v", v0 + i // dv, i % dv) for i in range(vn * dv)]
+        return conv, list(range(v0, v0 + vn))
+
+    for prefill_tp, decode_tp in [(1, 2), (2, 1), (2, 4), (4, 1), (4, 2), (2, 2)]:
+        if max(prefill_tp, decode_tp) > hk:
+            continue
+        for r in range(decode_tp):
+            want_conv, want_ssm = rows_of(decode_tp, r)
+            got_conv, got_ssm = [None] * len(want_conv), [None] * len(want_ssm)
+            plan = {s.prefill_rank for s in decode_rank_plan(kv_heads, prefill_tp, decode_tp, r, hk)}
+            for p in range(prefill_tp):
+                src_conv, src_ssm = rows_of(prefill_tp, p)
+                slices = state_row_slices(linear_heads, prefill_tp, p, decode_tp, r)
+                assert not slices or p in plan, (prefill_tp, decode_tp, r, p)
+                for kind, src, dst, n in slices:
+                    got, src_rows = (got_conv, src_conv) if kind == CONV else (got_ssm, src_ssm)
+                    assert all(x is None for x in got[dst:dst + n]), "a row written twice"
+                    got[dst:dst + n] = src_rows[src:src + n]
+            assert got_conv == want_conv and got_ssm == want_ssm, (prefill_tp, decode_tp, r)
+
+
 def test_the_bootstrap_server_keeps_each_tp_ranks_route():
     server = KVBootstrapServer("127.0.0.1", 0)
     try:
@@ -300,10 +335,20 @@ def model_path(tiny_model_factory) -> str:
     return tiny_model_factory("llama")  # 4 heads / 2 KV heads: one KV head per TP rank
 
 
-@pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 2), (1, 2), (2, 1)], ids=["tp2-tp2", "tp1-tp2", "tp2-tp1"])
-def test_prefill_and_decode_tp_sizes_serve_hf_greedy_tokens(model_path, prefill_tp, decode_tp):
+@pytest.fixture(scope="module")
+def hybrid_path(tiny_model_factory) -> str:
+    # Qwen3.5: 2 KV heads, 2 linear key heads / 4 value heads: one of each per rank at TP 2
+    return tiny_model_factory("qwen3_5", initializer_range=0.02)
+
+
+@pytest.mark.parametrize("arch,prefill_tp,decode_tp", [("llama", 2, 2), ("llama", 1, 2), ("llama", 2, 1),
+                                                       ("hybrid", 1, 2), ("hybrid", 2, 1)],
+                         ids=["tp2-tp2", "tp1-tp2", "tp2-tp1", "hybrid-tp1-tp2", "hybrid-tp2-tp1"])
+def test_prefill_and_decode_tp_sizes_serve_hf_greedy_tokens(request, arch, prefill_tp, decode_tp):
     """Equal sizes: each rank moves its own shard. Different sizes: the decode rank takes its KV heads'
-    slices from whichever prefill ranks hold them (head_slices.py)."""
+    slices from whichever prefill ranks hold them (head_slices.py), and a hybrid's recurrent state as
+    the rows of its linear heads (state_row_slices)."""
+    model_path = request.getfixturevalue("model_path" if arch == "llama" else "hybrid_path")
     common = ["--disaggregation-transfer-backend", "mooncake", "--page-size", "4", "--max-total-tokens", "1024"]
     bootstrap_port, prefill_port, decode_port = free_port(), free_port(), free_port()
     prefill = EngineProcess(engine_command(model_path, prefill_port, [

@@ -28,6 +28,7 @@ class Register:
     geometry: dict
     state_ptrs: list[int] = field(default_factory=list)  # hybrid models: conv layers, then ssm layers
     state_lens: list[int] = field(default_factory=list)
+    state_items: list[int] = field(default_factory=list)  # bytes per slot of each (its TP shard's)
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,9 @@ class Room:
     # decode ranks send this prefill rank a destination for the room
     heads: Optional[list[int]] = None
     num_dests: int = 1
+    # a hybrid model between different TP sizes: [buffers, src_row, dst_row, rows] of the state slot
+    # rows this decode rank takes (head_slices.state_row_slices; None: the whole slot)
+    state_rows: Optional[list[list[int]]] = None
 
 
 @dataclass(frozen=True)
@@ -69,7 +73,7 @@ def encode(msg: Message) -> list[bytes]:
     if isinstance(msg, Room):
         header = {"room": msg.room, "session_id": msg.session_id, "endpoint": msg.endpoint, "meta_slot": msg.meta_slot,
                   "prefix_pages": msg.prefix_pages, "state_slot": msg.state_slot, "heads": msg.heads,
-                  "num_dests": msg.num_dests}
+                  "num_dests": msg.num_dests, "state_rows": msg.state_rows}
         return [b"room", json.dumps(header).encode(), np.ascontiguousarray(msg.pages, dtype=np.int64).tobytes()]
     return [_KIND_OF[type(msg)], json.dumps(asdict(msg)).encode()]
 

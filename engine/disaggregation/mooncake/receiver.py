@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, NamedTuple, Optional
 from baton.engine.disaggregation.base import KVPoll, KVTransferError
 from baton.engine.disaggregation.bootstrap_server import PrefillRankInfo, check_health, fetch_prefill_rank
 from baton.engine.disaggregation.common import CommonKVReceiver
-from baton.engine.disaggregation.head_slices import decode_rank_plan, receivers_of
+from baton.engine.disaggregation.head_slices import decode_rank_plan, receivers_of, state_row_slices
 from baton.engine.disaggregation.mooncake import messages
 
 if TYPE_CHECKING:
@@ -41,6 +41,7 @@ class PeerRank(NamedTuple):
     route: PrefillRankInfo
     heads: Optional[list[int]]  # [src_head, dst_head, num_heads]; None: the whole shard (equal TP sizes)
     num_dests: int  # decode ranks that send this prefill rank a destination for a room
+    state_rows: Optional[list[list[int]]] = None  # hybrid, TP sizes that differ: the state rows it takes
 
 
 class MooncakeKVReceiver(CommonKVReceiver):
@@ -56,7 +57,7 @@ class MooncakeKVReceiver(CommonKVReceiver):
         for p in self.peer:
             mgr.channel.send(p.route.endpoint, messages.Room(
                 self.room, mgr.session_id, mgr.channel.endpoint, self.meta_slot, self.pages, self.prefix_pages,
-                self.state_slot, p.heads, p.num_dests))
+                self.state_slot, p.heads, p.num_dests, p.state_rows))
 
     def on_status(self, status: KVPoll, reason: Optional[str], rank: str = "") -> None:
         """Success once every prefill rank of the plan reported it; any failure fails the room."""
@@ -142,11 +143,11 @@ class DecodeRooms:
             plan = self._plan(first)
             rank = r.room % first.dp_size
             peers = []
-            for prefill_tp_rank, heads, num_dests in plan:
+            for prefill_tp_rank, heads, num_dests, state_rows in plan:
                 route = self._route(r.bootstrap_addr, rank, prefill_tp_rank)
                 if route is None:
                     break
-                peers.append(PeerRank(route, heads, num_dests))
+                peers.append(PeerRank(route, heads, num_dests, state_rows))
             if len(peers) < len(plan):
                 continue
             try:
@@ -157,17 +158,22 @@ class DecodeRooms:
                 continue
             r.attach(peers)
 
-    def _plan(self, first: PrefillRankInfo) -> list[tuple[int, Optional[list[int]], int]]:
-        """(prefill TP rank, head slice, decode ranks it hears from) for each prefill rank this decode
-        rank talks to. Equal TP sizes: its own TP rank, whole pages. A prefill that tells another
-        model's KV heads gets whole pages too: its handshake refuses the pair, naming what differs."""
+    def _plan(self, first: PrefillRankInfo) -> list[tuple[int, Optional[list[int]], int, Optional[list[list[int]]]]]:
+        """(prefill TP rank, head slice, decode ranks it hears from, state rows) for each prefill rank
+        this decode rank talks to. Equal TP sizes: its own TP rank, whole pages and state slots. A
+        prefill that tells another model's KV heads gets whole pages too: its handshake refuses the
+        pair, naming what differs."""
         args = self.mgr.args
         ours, theirs = args.geometry.kv_heads_total, first.geometry.get("kv_heads_total", 0)
         if first.tp_size == args.tp_size or not ours or ours != theirs:
-            return [(args.tp_rank % first.tp_size, None, 1)]
-        plan = decode_rank_plan(ours, first.tp_size, args.tp_size, args.tp_rank)
+            return [(args.tp_rank % first.tp_size, None, 1, None)]
+        heads = args.linear_heads
+        plan = decode_rank_plan(ours, first.tp_size, args.tp_size, args.tp_rank, heads[0] if heads else 0)
         return [(s.prefill_rank, [s.src_head, s.dst_head, s.num_heads],
-                 receivers_of(ours, first.tp_size, args.tp_size, s.prefill_rank)) for s in plan]
+                 receivers_of(ours, first.tp_size, args.tp_size, s.prefill_rank, heads[0] if heads else 0),
+                 [list(x) for x in state_row_slices(heads, first.tp_size, s.prefill_rank, args.tp_size, args.tp_rank)]
+                 if heads else None)
+                for s in plan]
 
     def _route(self, addr: str, rank: int, tp_rank: int) -> Optional[PrefillRankInfo]:
         key = (addr, rank, tp_rank)
@@ -192,7 +198,7 @@ class DecodeRooms:
         mgr.channel.send(route.endpoint, messages.Register(
             mgr.session_id, mgr.channel.endpoint, list(args.kv_data_ptrs), list(args.kv_data_lens),
             list(args.aux_data_ptrs), list(args.aux_data_lens), asdict(args.geometry), list(args.state_data_ptrs),
-            list(args.state_data_lens)))
+            list(args.state_data_lens), list(args.state_item_lens)))
         self._registered.add(route.session_id)
 
     def _heartbeat(self) -> None:

@@ -40,12 +40,14 @@ class DecodePeer:
     geometry: KVGeometry
     state_ptrs: np.ndarray  # [2 * linear layers] int64 (conv layers, then ssm layers); empty without state
     state_lens: tuple[int, ...]
+    state_items: np.ndarray  # bytes per slot of each state buffer (its TP shard's); empty: as this rank's
 
     @classmethod
     def from_message(cls, msg: messages.Register) -> "DecodePeer":
         return cls(msg.session_id, msg.endpoint, np.asarray(msg.kv_ptrs, dtype=np.int64), tuple(msg.kv_lens),
                    msg.aux_ptrs[0], msg.aux_lens[0], KVGeometry(**msg.geometry),
-                   np.asarray(msg.state_ptrs, dtype=np.int64), tuple(msg.state_lens))
+                   np.asarray(msg.state_ptrs, dtype=np.int64), tuple(msg.state_lens),
+                   np.asarray(msg.state_items, dtype=np.int64))
 
 
 class MooncakeKVSender(CommonKVSender):
@@ -76,6 +78,7 @@ class PrefillRooms:
         self._item_lens = np.asarray(args.kv_item_lens, dtype=np.int64)  # [2 * layer_num] bytes per page
         self._state_ptrs = np.asarray(args.state_data_ptrs, dtype=np.int64)  # [2 * linear layers], maybe empty
         self._state_items = np.asarray(args.state_item_lens, dtype=np.int64)  # bytes per slot
+        self._state_rows = np.asarray(args.state_row_lens, dtype=np.int64)  # bytes per row of a slot
         self._lock = threading.Lock()
         self._peers: dict[str, DecodePeer] = {}
         self._senders: dict[int, MooncakeKVSender] = {}
@@ -157,8 +160,9 @@ class PrefillRooms:
         reason = self._check_destination(peer, msg)
         if reason is None:
             heads = tuple(msg.heads) if msg.heads is not None else None
+            rows = tuple(tuple(r) for r in msg.state_rows) if msg.state_rows is not None else None
             self._deliver(msg.room, Destination(peer, msg.pages, msg.meta_slot, msg.prefix_pages, msg.state_slot,
-                                                heads, msg.num_dests))
+                                                heads, msg.num_dests, rows))
             return
         self.reply(msg.endpoint, self.status(msg.room, KVPoll.Failed, reason))
         self._deliver(msg.room, reason)
@@ -166,10 +170,17 @@ class PrefillRooms:
     def _check_destination(self, peer: Optional[DecodePeer], msg: messages.Room) -> Optional[str]:
         if peer is None:
             return f"room {msg.room}: decode session {msg.session_id} never registered with this prefill"
-        slots = peer.state_lens[0] // int(self._state_items[0]) if peer.state_lens and len(self._state_items) else 0
+        items = self._remote_state_items(peer)
+        slots = peer.state_lens[0] // int(items[0]) if peer.state_lens and len(items) else 0
         return check_destination(msg.room, self._mgr.args, peer.geometry, peer.kv_lens[0], peer.aux_len,
                                  msg.pages, msg.meta_slot, msg.state_slot, slots,
-                                 tuple(msg.heads) if msg.heads is not None else None)
+                                 tuple(msg.heads) if msg.heads is not None else None,
+                                 tuple(map(tuple, msg.state_rows)) if msg.state_rows is not None else None,
+                                 tuple(int(x) for x in items))
+
+    def _remote_state_items(self, peer: DecodePeer) -> np.ndarray:
+        """Bytes per state slot of each of the decode rank's buffers (as this rank's where it did not say)."""
+        return peer.state_items if len(peer.state_items) else self._state_items
 
     def status(self, room: int, status: KVPoll, reason: Optional[str] = None) -> messages.Status:
         args = self._mgr.args
@@ -305,15 +316,27 @@ class PrefillRooms:
     def _write_tail(self, dest: Destination, state_slot: Optional[int], meta_slot: int) -> int:
         """After the last chunk's pages, one batched write: a hybrid model's recurrent state (slot
         `state_slot` of every state buffer into the decode's slot; each buffer is contiguous and
-        slot-major, so a slot is one entry per buffer), then the metadata slot."""
+        slot-major, so a slot is one entry per buffer; between different TP sizes, the rows of it the
+        decode rank takes, a few ranges per buffer), then the metadata slot."""
         size = self.metadata.item_bytes
         srcs, dsts, lens = [self.metadata.data_ptr + meta_slot * size], [dest.peer.aux_ptr + dest.meta_slot * size], [size]
         if len(self._state_ptrs):
             if state_slot is None:
                 raise KVTransferError("the last chunk of a hybrid model's request came without its state slot")
-            srcs = (self._state_ptrs + state_slot * self._state_items).tolist() + srcs
-            dsts = (dest.peer.state_ptrs + dest.state_slot * self._state_items).tolist() + dsts
-            lens = self._state_items.tolist() + lens
+            src_base = self._state_ptrs + state_slot * self._state_items  # [buffers]
+            dst_base = dest.peer.state_ptrs + dest.state_slot * self._remote_state_items(dest.peer)
+            if dest.state_rows is None:
+                s_l, d_l, n_l = src_base.tolist(), dst_base.tolist(), self._state_items.tolist()
+            else:
+                half = len(self._state_ptrs) // 2  # conv buffers, then the delta-rule ones
+                s_l, d_l, n_l = [], [], []
+                for kind, src_row, dst_row, rows in dest.state_rows:
+                    for b in range(kind * half, (kind + 1) * half):
+                        row = int(self._state_rows[b])
+                        s_l.append(int(src_base[b]) + src_row * row)
+                        d_l.append(int(dst_base[b]) + dst_row * row)
+                        n_l.append(rows * row)
+            srcs, dsts, lens = s_l + srcs, d_l + dsts, n_l + lens
         self._mgr.engine.batch_write(dest.peer.session_id, srcs, dsts, lens)
         return int(sum(lens))
 
