@@ -46,7 +46,7 @@ ENGINE_MANAGED_FLAGS = ("host", "port", "model-path", "served-model-name", "devi
                         "tool-call-parser", "reasoning-parser")
 ROUTER_MANAGED_FLAGS = ("host", "port", "pd-disaggregation", "service-discovery[a-z-]*",
                         "prefill-selector", "decode-selector", "selector", "prefill-policy",
-                        "decode-policy", "policy", "api-key", "shutdown-timeout-secs")
+                        "decode-policy", "policy", "api-key", "engine-api-key", "shutdown-timeout-secs")
 
 
 def _tp_pair_ok(prefill_tp: int, decode_tp: int) -> bool:
@@ -206,9 +206,9 @@ RULES: tuple[Rule, ...] = (
          _no_managed_flag(ENGINE_FLAGS_RE)),
     Rule(Scope.ROUTER_ARGS, f"self.all(a, !a.matches('{ROUTER_FLAGS_RE}'))",
          "router.extraArgs must not set flags the operator manages (--host, --port, "
-         "--service-discovery*, --*selector, --*policy, --pd-disaggregation, --api-key, "
+         "--service-discovery*, --*selector, --*policy, --pd-disaggregation, --api-key, --engine-api-key, "
          "--shutdown-timeout-secs): use spec.router.prefillPolicy/decodePolicy/policy, router.apiKeySecretRef "
-         "and the engine roles' terminationGracePeriodSeconds",
+         "and the engine roles' terminationGracePeriodSeconds (the engines' key is the service's internal key)",
          _no_managed_flag(ROUTER_FLAGS_RE)),
     # the real parsers' flags (known_flags.py, generated from them): an unknown or abbreviated flag would
     # otherwise only show as a crash-looping pod
