@@ -6,6 +6,7 @@ handler, the periodic resync daemon and child Deployment events.
 from __future__ import annotations
 
 import datetime
+import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,6 +14,7 @@ from typing import Any
 from baton.operator import naming
 from baton.operator.apply import Outcome, apply, controlled_by, prune
 from baton.operator.builders import build_children
+from baton.operator.builders.internal_key import internal_key_secret
 from baton.operator.kube import KINDS, ApiError, KubeClient
 from baton.operator.naming import Role
 from baton.operator.spec import InferenceService, InvalidSpec, parse
@@ -69,6 +71,19 @@ async def _mode_switch(client: KubeClient, isvc: InferenceService) -> tuple[bool
     return True, not all(rolled_out(d) for d in new)
 
 
+async def ensure_internal_key(client: KubeClient, isvc: InferenceService) -> Outcome:
+    """Create the service's internal key Secret if it is not there; never rewrite it. The operator may
+    create Secrets but not read them, so one that exists (409) is the one it made: its name carries the
+    service's uid. The key goes to the API server only, never to a log."""
+    try:
+        await client.create(internal_key_secret(isvc, secrets.token_urlsafe(32)))
+    except ApiError as e:
+        if e.status != 409:
+            raise
+        return Outcome.UNCHANGED
+    return Outcome.CREATED
+
+
 async def switch_pending(client: KubeClient, body: Mapping[str, Any]) -> bool:
     """A mode switch is under way (engine Deployments of the other mode are left): each child Deployment
     event re-runs the reconcile, which takes its next step."""
@@ -98,6 +113,8 @@ async def reconcile(client: KubeClient, body: Mapping[str, Any]) -> ReconcileRes
         [want] = [o for o in desired if o["kind"] == "Deployment" and o["metadata"]["name"] == router_name]
         if live is None or _hash(live) != _hash(want) or not rolled_out(live):  # patched now, or rolling
             result.switching = "the router has rolled out to the new roles"
+    secret = f"Secret/{naming.internal_key_secret(isvc.name, isvc.uid)}"
+    result.outcomes[secret] = await ensure_internal_key(client, isvc)  # before the pods that read it
     missing_monitoring = []
     for obj in desired:
         key = f"{obj['kind']}/{obj['metadata']['name']}"

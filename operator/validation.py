@@ -151,6 +151,11 @@ RULES: tuple[Rule, ...] = (
          "namespace to the pods of whoever may create an InferenceService; the router's API key goes in "
          "spec.router.apiKeySecretRef",
          lambda e: "secretKeyRef" not in (e.get("valueFrom") or {})),
+    Rule(Scope.ENV_VAR, "self.name != 'BATON_API_KEY' && self.name != 'BATON_ENGINE_API_KEY'",
+         "env must not set BATON_API_KEY or BATON_ENGINE_API_KEY: the operator sets them, from the service's "
+         "internal key (what the router and the engines share) and from spec.router.apiKeySecretRef (what "
+         "clients send); an empty value would turn the engines' key off",
+         lambda e: e.get("name") not in ("BATON_API_KEY", "BATON_ENGINE_API_KEY")),
     Rule(Scope.ROLE, "self.gpus == 0 || self.gpus == self.tp * self.dp",
          "gpus must be 0 (run on CPU) or equal tp * dp (one GPU per rank); "
          "fix gpus, tp or dp in this role",

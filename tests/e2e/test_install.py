@@ -37,7 +37,10 @@ def test_manifests_install_the_crd_rbac_and_operator(control_plane: ControlPlane
     ("list", "pods", None, True),  # granted on so the operator may grant it to each router
     ("create", "inferenceservices.baton.dev", "team-a", False),
     ("delete", "inferenceservices.baton.dev", "team-a", False),
+    ("create", "secrets", "team-a", True),  # each service's internal key, which it never reads back
     ("get", "secrets", "team-a", False),
+    ("list", "secrets", "team-a", False),
+    ("patch", "secrets", "team-a", False),
     ("create", "pods", "team-a", False),
     ("list", "services", "team-a", False),  # children are read by name only
     ("create", "clusterroles.rbac.authorization.k8s.io", None, False),

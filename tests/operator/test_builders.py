@@ -312,6 +312,24 @@ def test_router_api_key_comes_from_the_secret_never_an_argument():
     assert c["command"] == ["baton", "router"]
 
 
+@pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
+def test_engines_and_router_share_the_internal_key_from_its_secret_never_an_argument(mode):
+    """The engines take it as their API key (BATON_API_KEY), the router sends it to them
+    (BATON_ENGINE_API_KEY); the clients' key (apiKeySecretRef) stays the router's own."""
+    isvc = parse(isvc_body(mode=mode, router={"apiKeySecretRef": {"name": "keys"}}))
+    ref = {"secretKeyRef": {"name": "demo-internal-key-uid-demo", "key": "api-key"}}
+    for role in isvc.spec.roles:
+        env = container(engine_deployment(isvc, role))["env"]
+        assert {"name": "BATON_API_KEY", "valueFrom": ref} in env, role
+        assert [e["name"] for e in env].count("BATON_API_KEY") == 1
+    router = container(router_deployment(isvc))
+    assert router["env"][:2] == [
+        {"name": "BATON_API_KEY", "valueFrom": {"secretKeyRef": {"name": "keys", "key": "api-key"}}},
+        {"name": "BATON_ENGINE_API_KEY", "valueFrom": ref}]
+    for c in [router, *(container(engine_deployment(isvc, r)) for r in isvc.spec.roles)]:
+        assert not [a for a in c["args"] if "key" in a]
+
+
 def test_router_service_account_may_only_read_pods_in_its_namespace():
     isvc = parse(isvc_body(namespace="team-a"))
     role = router_role(isvc)

@@ -55,6 +55,9 @@ checks). With operator.watchNamespaces the namespaced ones go into a Role in eac
   resources: [pods]
   verbs: [get, list, watch]
 - apiGroups: [""]
+  resources: [secrets]
+  verbs: [create]
+- apiGroups: [""]
   resources: [events]
   verbs: [create, patch]
 {{- end -}}
