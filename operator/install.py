@@ -37,6 +37,7 @@ NAMESPACED_RULES: list[dict[str, Any]] = [
     {"apiGroups": ["monitoring.coreos.com"], "resources": ["podmonitors", "servicemonitors"],
      "verbs": ["get", "create", "patch", "delete"]},
     {"apiGroups": ["policy"], "resources": ["poddisruptionbudgets"], "verbs": ["get", "create", "patch", "delete"]},
+    {"apiGroups": ["networking.k8s.io"], "resources": ["networkpolicies"], "verbs": ["get", "create", "patch", "delete"]},
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
     {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]},
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create", "patch"]},
@@ -77,6 +78,8 @@ def operator_deployment(image: str = IMAGE) -> list[dict[str, Any]]:
         "command": ["baton", "operator"],
         "args": ["--all-namespaces", "--standalone", "--liveness", "http://0.0.0.0:8080/healthz",
                  "--metrics-port", "9090"],
+        # the engines' NetworkPolicies let the operator's pods of this namespace in (the planner's scrapes)
+        "env": [{"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}],
         "ports": [{"name": "metrics", "containerPort": 9090}, {"name": "health", "containerPort": 8080}],
         "livenessProbe": {"httpGet": {"path": "/healthz", "port": "health"}, "periodSeconds": 30,
                           "timeoutSeconds": 10, "failureThreshold": 3},

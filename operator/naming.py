@@ -97,6 +97,10 @@ def common_labels(service: str, role: Role | None = None) -> dict[str, str]:
     return labels
 
 
+def engine_network_policy(service: str) -> str:
+    return f"{service}-engines"
+
+
 def internal_key_secret(service: str, uid: str) -> str:
     """The Secret of the key the router and the engines share. The operator only creates Secrets (it may not
     read them), so the name carries the owner's uid: a service deleted and created again under the same name

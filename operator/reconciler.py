@@ -46,6 +46,7 @@ def _all_children(name: str) -> list[tuple[str, str]]:
     out += [("Service", naming.child_name(name, r)) for r in Role]
     out += [("PodDisruptionBudget", naming.child_name(name, r)) for r in Role]
     out += [(k, name) for k in MONITORING_KINDS]
+    out.append(("NetworkPolicy", naming.engine_network_policy(name)))
     return out
 
 
@@ -94,15 +95,17 @@ async def switch_pending(client: KubeClient, body: Mapping[str, Any]) -> bool:
     return (await _mode_switch(client, isvc))[0]
 
 
-async def reconcile(client: KubeClient, body: Mapping[str, Any]) -> ReconcileResult:
-    """Apply the children of `body`'s spec. Raises InvalidSpec, ApiError, NotOwned.
+async def reconcile(client: KubeClient, body: Mapping[str, Any],
+                    operator_namespace: str | None = None) -> ReconcileResult:
+    """Apply the children of `body`'s spec. Raises InvalidSpec, ApiError, NotOwned. `operator_namespace`:
+    where the operator's pod runs (the engines' NetworkPolicy lets it scrape them for the planner).
 
     A `mode` switch goes in three steps, one per reconcile (child Deployment events re-run it): the new
     engine roles are created while the router and the old roles stay; once they are Ready the router gets
     its new args; once the router has rolled out the old roles are pruned."""
     isvc = parse(body)
     result = ReconcileResult(isvc)
-    desired = build_children(isvc)
+    desired = build_children(isvc, operator_namespace)
     switching, hold = await _mode_switch(client, isvc)
     router_name = naming.child_name(isvc.name, Role.ROUTER)
     if hold:
@@ -130,7 +133,7 @@ async def reconcile(client: KubeClient, body: Mapping[str, Any]) -> ReconcileRes
         result.problem = ("MonitoringUnavailable",
                           f"{kinds} cannot be created: the Prometheus Operator CRDs (monitoring.coreos.com) "
                           "are not installed. Install them, or turn off spec.monitoring.podMonitor/serviceMonitor.")
-    wanted = {(o["kind"], o["metadata"]["name"]) for o in build_children(isvc)}
+    wanted = {(o["kind"], o["metadata"]["name"]) for o in build_children(isvc, operator_namespace)}
     for kind, name in _all_children(isvc.name):
         if result.switching and kind != "PodMonitor" and kind != "ServiceMonitor":
             continue  # the old roles serve until the switch is done
@@ -217,4 +220,5 @@ async def publish_invalid(client: KubeClient, body: Mapping[str, Any], errors: l
 
 def api_refused_message(e: ApiError) -> str:
     return (f"the API server refused a child object ({e.status} {e.reason}: {e.message}); "
-            "fix the fields copied from the spec (resources, env, tolerations, affinity, nodeSelector)")
+            "fix the fields copied from the spec (resources, env, tolerations, affinity, nodeSelector, "
+            "networkPolicy.metricsFrom)")

@@ -1,6 +1,7 @@
 """kopf handlers called directly on an in-memory client: what the status says after scripted API answers."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import kopf
@@ -128,6 +129,20 @@ async def test_the_internal_key_is_created_once_kept_across_reconciles_and_never
     await handlers.run_reconcile(client.find("InferenceService", "default", "demo"), memo, LOGGER, "create")
     assert internal_key_refs(client) == {"demo-internal-key-uid-agai"}
     assert client.find("Secret", "default", "demo-internal-key-uid-agai")["stringData"]["api-key"] != key
+
+
+async def test_the_network_policy_lets_the_planner_in_from_the_operators_namespace_and_goes_when_turned_off():
+    client = FakeClient()
+    memo = memo_for(client)
+    memo["config"] = dataclasses.replace(memo.config, operator_namespace="baton-system")
+    client.put(isvc_body(autoscaling={"mode": "planner", "decode": {"targetKVUsage": 0.7}}))
+    await handlers.run_reconcile(client.find("InferenceService", "default", "demo"), memo, LOGGER, "create")
+    [planner] = client.find("NetworkPolicy", "default", "demo-engines")["spec"]["ingress"][2]["from"]
+    assert planner["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": "baton-system"}}
+    client.objects[("InferenceService", "default", "demo")]["spec"]["networkPolicy"] = {"enabled": False}
+    await handlers.run_reconcile(client.find("InferenceService", "default", "demo"), memo, LOGGER, "update")
+    assert client.find("NetworkPolicy", "default", "demo-engines") is None
+    assert ("NetworkPolicy", "default", "demo-engines") in client.deleted
 
 
 async def test_a_child_name_taken_by_a_foreign_object_stays_name_taken():
