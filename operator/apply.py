@@ -75,7 +75,8 @@ def merge_patch(live: dict[str, Any], desired: dict[str, Any]) -> dict[str, Any]
 _QUANTITY = re.compile(r"^([+-]?[0-9.]+)(e[+-]?[0-9]+|[numkMGTPE]|[KMGTPE]i)?$")
 _SUFFIX = {"n": 1e-9, "u": 1e-6, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18,
            "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
-EXACT_KEYS = ("selector", "rules")  # an extra key or rule here widens or moves what it means
+# an extra key or rule here widens or moves what it means (a Role's rules, a NetworkPolicy's peers)
+EXACT_KEYS = ("selector", "rules", "podSelector", "ingress")
 
 
 def _quantity(value: Any) -> float | None:

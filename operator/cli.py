@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 
 from baton.operator.config import OperatorConfig
 
@@ -41,7 +42,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> OperatorConfig:
     return OperatorConfig(resync_seconds=args.resync_seconds, retry_seconds=args.retry_seconds,
                           metrics_port=args.metrics_port or None, post_events=not args.no_events,
-                          prometheus_url=args.prometheus_url or None)
+                          prometheus_url=args.prometheus_url or None,
+                          operator_namespace=os.environ.get("POD_NAMESPACE") or None)
 
 
 def kopf_kwargs(args: argparse.Namespace) -> dict:

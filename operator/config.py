@@ -20,6 +20,9 @@ class OperatorConfig:
     metrics_url: Callable[[Mapping[str, Any]], str | None] = pod_metrics_url
     # the planner reads services with `monitoring` on from this Prometheus (None: it scrapes every pod)
     prometheus_url: str | None = None
+    # where the operator's pod runs ($POD_NAMESPACE; None outside a cluster): the engines' NetworkPolicies
+    # let its pods in, for the planner's scrapes
+    operator_namespace: str | None = None
 
     def __post_init__(self) -> None:
         assert self.resync_seconds > 0 and self.retry_seconds > 0

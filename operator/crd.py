@@ -299,6 +299,19 @@ def _monitoring() -> dict[str, Any]:
     }, default={})
 
 
+def _network_policy() -> dict[str, Any]:
+    return _obj("A NetworkPolicy that lets only the service's own pods reach its engine pods (docs/operator.md, "
+                "\"Who may reach the engines\").", {
+        "enabled": _bool("Create it. Turn it off where the cluster's network plugin does not enforce "
+                         "NetworkPolicies, or where you manage your own.", True),
+        "metricsFrom": _list(
+            "NetworkPolicy peers (podSelector, namespaceSelector, ipBlock) that may scrape the engines' /metrics "
+            "(the engine port). Unset: with spec.monitoring on, the Prometheus Operator's Prometheus pods "
+            "(label app.kubernetes.io/name: prometheus) of any namespace, else none; [] for none.",
+            _FREE_OBJECT, 16),
+    }, default={})
+
+
 def spec_schema() -> dict[str, Any]:
     return _obj("Desired state of one served model.", {
         "mode": {"type": "string", "enum": ["disaggregated", "colocated"], "default": "disaggregated",
@@ -309,7 +322,7 @@ def spec_schema() -> dict[str, Any]:
         "model": _model(),
         "prefill": role_schema("prefill"), "decode": role_schema("decode"), "engine": role_schema("colocated"),
         "router": _router(), "kvTransfer": _kv_transfer(), "monitoring": _monitoring(),
-        "autoscaling": _autoscaling(),
+        "networkPolicy": _network_policy(), "autoscaling": _autoscaling(),
         "replicas": {"type": "integer", "description": "Not used: each role has its own (spec.prefill.replicas, "
                      "spec.decode.replicas, spec.engine.replicas, spec.router.replicas). `kubectl scale` writes "
                      "here and is refused with that advice."},

@@ -66,7 +66,7 @@ async def run_reconcile(body: Mapping[str, Any], memo: kopf.Memo, logger: loggin
     async with _lock(memo, key):
         try:
             with metrics.duration.labels(trigger=trigger).time():
-                result = await reconcile(client, body)
+                result = await reconcile(client, body, config.operator_namespace)
                 status = await refresh_status(client, body, result)
         except InvalidSpec as e:
             metrics.errors.labels(kind="invalid_spec").inc()

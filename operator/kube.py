@@ -50,6 +50,7 @@ KINDS = {k.kind: k for k in (
     Kind("v1", "Event", "events"),
     Kind("apps/v1", "Deployment", "deployments"),
     Kind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets"),
+    Kind("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies"),
     Kind("rbac.authorization.k8s.io/v1", "Role", "roles"),
     Kind("rbac.authorization.k8s.io/v1", "RoleBinding", "rolebindings"),
     Kind("monitoring.coreos.com/v1", "PodMonitor", "podmonitors"),

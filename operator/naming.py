@@ -48,6 +48,7 @@ DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"  # Secret and Persis
 MODEL_CACHE_MOUNT = "/model-cache"
 PVC_MODEL_MOUNT = "/models/model"
 FETCH_CONTAINER = "fetch-model"  # the init container's name (the status reads its state)
+INTERNAL_KEY_FIELD = "api-key"  # the key of the internal key Secret's one entry
 
 
 class Role(str, enum.Enum):
@@ -94,6 +95,18 @@ def common_labels(service: str, role: Role | None = None) -> dict[str, str]:
         labels["app.kubernetes.io/component"] = role.suffix
         labels[ROLE_LABEL] = role.value
     return labels
+
+
+def engine_network_policy(service: str) -> str:
+    return f"{service}-engines"
+
+
+def internal_key_secret(service: str, uid: str) -> str:
+    """The Secret of the key the router and the engines share. The operator only creates Secrets (it may not
+    read them), so the name carries the owner's uid: a service deleted and created again under the same name
+    never takes its predecessor's Secret, still there until garbage collection, for its own."""
+    assert uid, "an InferenceService read back from the API server has a uid"
+    return f"{service}-internal-key-{uid[:8]}"
 
 
 def router_service_host(service: str, namespace: str) -> str:

@@ -6,6 +6,7 @@ handler, the periodic resync daemon and child Deployment events.
 from __future__ import annotations
 
 import datetime
+import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,6 +14,7 @@ from typing import Any
 from baton.operator import naming
 from baton.operator.apply import Outcome, apply, controlled_by, prune
 from baton.operator.builders import build_children
+from baton.operator.builders.internal_key import internal_key_secret
 from baton.operator.kube import KINDS, ApiError, KubeClient
 from baton.operator.naming import Role
 from baton.operator.spec import InferenceService, InvalidSpec, parse
@@ -44,6 +46,7 @@ def _all_children(name: str) -> list[tuple[str, str]]:
     out += [("Service", naming.child_name(name, r)) for r in Role]
     out += [("PodDisruptionBudget", naming.child_name(name, r)) for r in Role]
     out += [(k, name) for k in MONITORING_KINDS]
+    out.append(("NetworkPolicy", naming.engine_network_policy(name)))
     return out
 
 
@@ -69,6 +72,19 @@ async def _mode_switch(client: KubeClient, isvc: InferenceService) -> tuple[bool
     return True, not all(rolled_out(d) for d in new)
 
 
+async def ensure_internal_key(client: KubeClient, isvc: InferenceService) -> Outcome:
+    """Create the service's internal key Secret if it is not there; never rewrite it. The operator may
+    create Secrets but not read them, so one that exists (409) is the one it made: its name carries the
+    service's uid. The key goes to the API server only, never to a log."""
+    try:
+        await client.create(internal_key_secret(isvc, secrets.token_urlsafe(32)))
+    except ApiError as e:
+        if e.status != 409:
+            raise
+        return Outcome.UNCHANGED
+    return Outcome.CREATED
+
+
 async def switch_pending(client: KubeClient, body: Mapping[str, Any]) -> bool:
     """A mode switch is under way (engine Deployments of the other mode are left): each child Deployment
     event re-runs the reconcile, which takes its next step."""
@@ -79,15 +95,17 @@ async def switch_pending(client: KubeClient, body: Mapping[str, Any]) -> bool:
     return (await _mode_switch(client, isvc))[0]
 
 
-async def reconcile(client: KubeClient, body: Mapping[str, Any]) -> ReconcileResult:
-    """Apply the children of `body`'s spec. Raises InvalidSpec, ApiError, NotOwned.
+async def reconcile(client: KubeClient, body: Mapping[str, Any],
+                    operator_namespace: str | None = None) -> ReconcileResult:
+    """Apply the children of `body`'s spec. Raises InvalidSpec, ApiError, NotOwned. `operator_namespace`:
+    where the operator's pod runs (the engines' NetworkPolicy lets it scrape them for the planner).
 
     A `mode` switch goes in three steps, one per reconcile (child Deployment events re-run it): the new
     engine roles are created while the router and the old roles stay; once they are Ready the router gets
     its new args; once the router has rolled out the old roles are pruned."""
     isvc = parse(body)
     result = ReconcileResult(isvc)
-    desired = build_children(isvc)
+    desired = build_children(isvc, operator_namespace)
     switching, hold = await _mode_switch(client, isvc)
     router_name = naming.child_name(isvc.name, Role.ROUTER)
     if hold:
@@ -98,6 +116,8 @@ async def reconcile(client: KubeClient, body: Mapping[str, Any]) -> ReconcileRes
         [want] = [o for o in desired if o["kind"] == "Deployment" and o["metadata"]["name"] == router_name]
         if live is None or _hash(live) != _hash(want) or not rolled_out(live):  # patched now, or rolling
             result.switching = "the router has rolled out to the new roles"
+    secret = f"Secret/{naming.internal_key_secret(isvc.name, isvc.uid)}"
+    result.outcomes[secret] = await ensure_internal_key(client, isvc)  # before the pods that read it
     missing_monitoring = []
     for obj in desired:
         key = f"{obj['kind']}/{obj['metadata']['name']}"
@@ -113,7 +133,7 @@ async def reconcile(client: KubeClient, body: Mapping[str, Any]) -> ReconcileRes
         result.problem = ("MonitoringUnavailable",
                           f"{kinds} cannot be created: the Prometheus Operator CRDs (monitoring.coreos.com) "
                           "are not installed. Install them, or turn off spec.monitoring.podMonitor/serviceMonitor.")
-    wanted = {(o["kind"], o["metadata"]["name"]) for o in build_children(isvc)}
+    wanted = {(o["kind"], o["metadata"]["name"]) for o in build_children(isvc, operator_namespace)}
     for kind, name in _all_children(isvc.name):
         if result.switching and kind != "PodMonitor" and kind != "ServiceMonitor":
             continue  # the old roles serve until the switch is done
@@ -200,4 +220,5 @@ async def publish_invalid(client: KubeClient, body: Mapping[str, Any], errors: l
 
 def api_refused_message(e: ApiError) -> str:
     return (f"the API server refused a child object ({e.status} {e.reason}: {e.message}); "
-            "fix the fields copied from the spec (resources, env, tolerations, affinity, nodeSelector)")
+            "fix the fields copied from the spec (resources, env, tolerations, affinity, nodeSelector, "
+            "networkPolicy.metricsFrom)")

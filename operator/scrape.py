@@ -2,7 +2,8 @@
 docs/metrics.md. Two sources give the same samples:
 
 - a pod's own `/metrics` (no Prometheus needed): the operator reaches the pods on their IP and the engine
-  port, as Prometheus would (a NetworkPolicy must let it);
+  port, as Prometheus would (the engines' NetworkPolicy lets the operator's pods in; `/metrics` needs no
+  API key);
 - Prometheus (`--prometheus-url`, for services with `monitoring` on): one instant query for the series
   of the Ready pods, by the `namespace` and `pod` labels its PodMonitor / ServiceMonitor give them."""
 from __future__ import annotations

@@ -146,6 +146,12 @@ class MonitoringSpec:
 
 
 @dataclass(frozen=True)
+class NetworkPolicySpec:
+    enabled: bool = True
+    metrics_from: list[dict[str, Any]] | None = None  # None: the builders' default (Prometheus, with monitoring)
+
+
+@dataclass(frozen=True)
 class PodSecuritySpec:
     run_as_non_root: bool = True
     run_as_user: int = 1000
@@ -163,6 +169,7 @@ class InferenceServiceSpec:
     router: RouterSpec = field(default_factory=RouterSpec)
     kv_transfer: KvTransferSpec = field(default_factory=KvTransferSpec)
     monitoring: MonitoringSpec = field(default_factory=MonitoringSpec)
+    network_policy: NetworkPolicySpec = field(default_factory=NetworkPolicySpec)
     pod_security: PodSecuritySpec = field(default_factory=PodSecuritySpec)
     external_replicas: bool = False  # spec.autoscaling.mode external: an HPA/KEDA owns engine replicas
     planner: PlannerConfig | None = None  # spec.autoscaling.mode planner: it owns the replicas of its roles
@@ -307,6 +314,7 @@ def parse(body: Mapping[str, Any]) -> InferenceService:
     mode = Mode(s["mode"])
     kv = s["kvTransfer"]
     mon = s["monitoring"]
+    net = s["networkPolicy"]
     sec = s["podSecurity"]
     spec = InferenceServiceSpec(
         image=s["image"], model=_model(s["model"]), mode=mode,
@@ -319,6 +327,7 @@ def parse(body: Mapping[str, Any]) -> InferenceService:
             host_network=kv["hostNetwork"], bootstrap_port=kv["bootstrapPort"]),
         monitoring=MonitoringSpec(mon["podMonitor"], mon["serviceMonitor"], mon["interval"],
                                   dict(mon.get("labels", {}))),
+        network_policy=NetworkPolicySpec(net["enabled"], None if "metricsFrom" not in net else list(net["metricsFrom"])),
         pod_security=PodSecuritySpec(sec["runAsNonRoot"], sec["runAsUser"], sec["fsGroup"]),
         external_replicas=s["autoscaling"]["mode"] == "external",
         planner=_planner(s["autoscaling"], mode),

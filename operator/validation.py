@@ -46,7 +46,7 @@ ENGINE_MANAGED_FLAGS = ("host", "port", "model-path", "served-model-name", "devi
                         "tool-call-parser", "reasoning-parser")
 ROUTER_MANAGED_FLAGS = ("host", "port", "pd-disaggregation", "service-discovery[a-z-]*",
                         "prefill-selector", "decode-selector", "selector", "prefill-policy",
-                        "decode-policy", "policy", "api-key", "shutdown-timeout-secs")
+                        "decode-policy", "policy", "api-key", "engine-api-key", "shutdown-timeout-secs")
 
 
 def _tp_pair_ok(prefill_tp: int, decode_tp: int) -> bool:
@@ -151,6 +151,11 @@ RULES: tuple[Rule, ...] = (
          "namespace to the pods of whoever may create an InferenceService; the router's API key goes in "
          "spec.router.apiKeySecretRef",
          lambda e: "secretKeyRef" not in (e.get("valueFrom") or {})),
+    Rule(Scope.ENV_VAR, "self.name != 'BATON_API_KEY' && self.name != 'BATON_ENGINE_API_KEY'",
+         "env must not set BATON_API_KEY or BATON_ENGINE_API_KEY: the operator sets them, from the service's "
+         "internal key (what the router and the engines share) and from spec.router.apiKeySecretRef (what "
+         "clients send); an empty value would turn the engines' key off",
+         lambda e: e.get("name") not in ("BATON_API_KEY", "BATON_ENGINE_API_KEY")),
     Rule(Scope.ROLE, "self.gpus == 0 || self.gpus == self.tp * self.dp",
          "gpus must be 0 (run on CPU) or equal tp * dp (one GPU per rank); "
          "fix gpus, tp or dp in this role",
@@ -206,9 +211,9 @@ RULES: tuple[Rule, ...] = (
          _no_managed_flag(ENGINE_FLAGS_RE)),
     Rule(Scope.ROUTER_ARGS, f"self.all(a, !a.matches('{ROUTER_FLAGS_RE}'))",
          "router.extraArgs must not set flags the operator manages (--host, --port, "
-         "--service-discovery*, --*selector, --*policy, --pd-disaggregation, --api-key, "
+         "--service-discovery*, --*selector, --*policy, --pd-disaggregation, --api-key, --engine-api-key, "
          "--shutdown-timeout-secs): use spec.router.prefillPolicy/decodePolicy/policy, router.apiKeySecretRef "
-         "and the engine roles' terminationGracePeriodSeconds",
+         "and the engine roles' terminationGracePeriodSeconds (the engines' key is the service's internal key)",
          _no_managed_flag(ROUTER_FLAGS_RE)),
     # the real parsers' flags (known_flags.py, generated from them): an unknown or abbreviated flag would
     # otherwise only show as a crash-looping pod

@@ -58,6 +58,9 @@ def _routing_flags(g: argparse._ArgumentGroup) -> None:
 def _request_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' (default: $BATON_API_KEY, so the key stays out of argv)")
+    g.add_argument("--engine-api-key", default=None,
+                   help="send 'Authorization: Bearer KEY' on every call to the workers, instead of the client's "
+                        "header (the engines' --api-key; default: $BATON_ENGINE_API_KEY)")
     g.add_argument("--request-timeout-secs", type=float, default=1800.0)
     g.add_argument("--shutdown-timeout-secs", type=float, default=60.0,
                    help="on SIGTERM: how long the requests in flight may run on once the listener closed")
@@ -121,7 +124,9 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         policy=PolicyName(args.policy),
         prefill_policy=PolicyName(args.prefill_policy) if args.prefill_policy else None,
         decode_policy=PolicyName(args.decode_policy) if args.decode_policy else None,
-        dp_aware=args.dp_aware, api_key=args.api_key or os.environ.get("BATON_API_KEY") or None, request_timeout_secs=args.request_timeout_secs,
+        dp_aware=args.dp_aware, api_key=args.api_key or os.environ.get("BATON_API_KEY") or None,
+        engine_api_key=args.engine_api_key or os.environ.get("BATON_ENGINE_API_KEY") or None,
+        request_timeout_secs=args.request_timeout_secs,
         shutdown_timeout_secs=args.shutdown_timeout_secs,
         max_payload_size=args.max_payload_size, max_concurrent_requests=args.max_concurrent_requests,
         queue_size=args.queue_size, queue_timeout_secs=args.queue_timeout_secs,

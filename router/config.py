@@ -122,7 +122,9 @@ class RouterConfig:
     prefill_policy: PolicyName | None = None  # None: `policy`
     decode_policy: PolicyName | None = None
     dp_aware: bool = False
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)  # what clients must send; never logged
+    # what the router sends the workers (`Authorization: Bearer`) in place of the client's header; never logged
+    engine_api_key: str | None = field(default=None, repr=False)
     request_timeout_secs: float = 1800.0
     # on SIGTERM the listener closes and the requests in flight may run on this long (aiohttp's default)
     shutdown_timeout_secs: float = 60.0

@@ -23,6 +23,7 @@ from baton.router.forward import (
     DRAINING,
     JSON,
     TRANSPORT_ERRORS,
+    WORKER_AUTH,
     ClientGone,
     Failure,
     as_error_object,
@@ -209,7 +210,7 @@ class Dispatcher:
             try:
                 if resp.status >= 400:
                     settled = True
-                    return self._failed(ctx, worker, await status_failure(resp))
+                    return self._failed(ctx, worker, await status_failure(worker.url, resp))
                 out = await receive(resp)
                 settled = True
                 return out
@@ -283,6 +284,8 @@ class Dispatcher:
         if failure.reason == DRAINING:  # leaving service on purpose: out at once, not a fault to count
             self.workers.set_draining(worker, True)
             return
+        if failure.reason == WORKER_AUTH:  # the router's key is wrong, not the worker: its breaker stays shut
+            return
         if failure.status >= 500 or failure.reason == "transport":
             self.workers.record_outcome(worker, ok=False, unreachable=failure.reason == "transport")
 
@@ -324,7 +327,8 @@ class Dispatcher:
             n = req.batch_size
             rid = _new_rid() if n is None else [_new_rid() for _ in range(n)]
             fields = {"rid": rid}
-        return RequestContext(request, req, time.perf_counter(), forward_headers(request), _rid_list(rid), fields,
+        return RequestContext(request, req, time.perf_counter(),
+                              forward_headers(request, self.config.engine_api_key), _rid_list(rid), fields,
                               own_rids=bool(fields))
 
     async def _fail(self, ctx: RequestContext, failure: Failure) -> web.StreamResponse:

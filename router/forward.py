@@ -41,20 +41,33 @@ def transport_failure(url: str, exc: BaseException) -> Failure:
 
 
 DRAINING = "draining"  # an engine's error type when it refuses work because it is leaving service
+WORKER_AUTH = "worker_auth"  # a worker refused the router's credentials: the router's configuration, not the worker
 
 
-async def status_failure(resp: UpstreamResponse) -> Failure:
+async def status_failure(url: str, resp: UpstreamResponse) -> Failure:
     body = await resp.read()
+    if resp.status == 401:  # passed on as is, the client would take it for a refusal of its own key
+        message = (f"worker {url} refused the router's credentials (401: {_error_message(body)}); give the router "
+                   "the engines' API key: --engine-api-key or $BATON_ENGINE_API_KEY")
+        return Failure(502, error_body(message, 502), JSON, False, WORKER_AUTH)
     reason = DRAINING if resp.status == 503 and _error_type(body) == DRAINING else f"status_{resp.status}"
     return Failure(resp.status, body, resp.content_type, is_retryable_status(resp.status), reason)
 
 
-def _error_type(body: bytes) -> str | None:
+def _error(body: bytes) -> dict[str, Any]:
     try:
         error = orjson.loads(body).get("error")
     except (orjson.JSONDecodeError, AttributeError):
-        return None
-    return error.get("type") if isinstance(error, dict) else None
+        return {}
+    return error if isinstance(error, dict) else {}
+
+
+def _error_type(body: bytes) -> str | None:
+    return _error(body).get("type")
+
+
+def _error_message(body: bytes) -> str:
+    return str(_error(body).get("message") or body[:200].decode(errors="replace"))
 
 
 def stream_refusal(body: bytes) -> Failure | None:
@@ -83,23 +96,30 @@ def inject(raw: bytes, body: dict[str, Any], fields: dict[str, Any]) -> bytes:
     return raw[:end] + (b"," if body else b"") + extra + b"}"
 
 
-def new_client(connect_timeout: float = 10.0) -> aiohttp.ClientSession:
-    """The control-plane client (health, info, aborts; inference with --upstream-client aiohttp)."""
+def new_client(engine_api_key: str | None = None, connect_timeout: float = 10.0) -> aiohttp.ClientSession:
+    """The control-plane client (health, info, aborts; inference with --upstream-client aiohttp). With the
+    engines' key, every call it makes carries it."""
     connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=60)
     return aiohttp.ClientSession(
         connector=connector, cookie_jar=aiohttp.DummyCookieJar(), auto_decompress=False,
         timeout=aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout),
-        skip_auto_headers=("User-Agent",),
+        skip_auto_headers=("User-Agent",), headers=_engine_auth(engine_api_key),
     )
 
 
-def forward_headers(request: web.BaseRequest) -> dict[str, str]:
+def forward_headers(request: web.BaseRequest, engine_api_key: str | None = None) -> dict[str, str]:
+    """The client's headers a worker gets. With the engines' key the router's own credentials replace the
+    client's: a client key never reaches an engine, and the engines' key never depends on a client."""
     headers = {}
     for name in FORWARDED_HEADERS:
         value = request.headers.get(name)
         if value is not None:
             headers[name] = value
-    return headers
+    return {**headers, **_engine_auth(engine_api_key)}
+
+
+def _engine_auth(engine_api_key: str | None) -> dict[str, str]:
+    return {"authorization": f"Bearer {engine_api_key}"} if engine_api_key else {}
 
 
 async def respond_whole(resp: UpstreamResponse, transform: Callable[[bytes], bytes] | None = None) -> web.Response:

@@ -18,7 +18,7 @@ from baton.router import pd, regular
 from baton.router.admission import Admission, QueueFull, QueueTimeout
 from baton.router.config import RouterConfig, WorkerRole
 from baton.router.dispatch import Dispatcher
-from baton.router.forward import JSON, error_body, new_client
+from baton.router.forward import JSON, error_body, forward_headers, new_client
 from baton.router.health import HealthChecker
 from baton.router.metrics import CONTENT_TYPE, RouterMetrics
 from baton.router.registry import WorkerRegistry
@@ -42,7 +42,7 @@ class Router:
         self._discovery = None
 
     async def start(self) -> None:
-        self.client = new_client()
+        self.client = new_client(self.config.engine_api_key)
         attempt = pd.attempt_pd if self.config.pd_disaggregation else regular.attempt_regular
         self.dispatcher = Dispatcher(self.config, self.workers, self.metrics, self.client, attempt)
         self.health = HealthChecker(self.config, self.workers, self.client)
@@ -181,9 +181,8 @@ class Router:
         return handler
 
     async def _get(self, url: str, request: web.Request) -> tuple[int, bytes, str]:
-        headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
         try:
-            async with self.client.get(url, headers=headers,
+            async with self.client.get(url, headers=forward_headers(request, self.config.engine_api_key),
                                        timeout=aiohttp.ClientTimeout(total=self.config.health.timeout_secs)) as r:
                 return r.status, await r.read(), r.headers.get("Content-Type", JSON)
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:

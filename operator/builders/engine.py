@@ -8,6 +8,7 @@ from baton.operator import naming
 from baton.operator.builders.common import (container_security_context, http_probe, metadata,
                                             placement_fields, pod_security_context, resources,
                                             spread_over_nodes, tcp_probe)
+from baton.operator.builders.internal_key import ENGINE_KEY_ENV, internal_key_env
 from baton.operator.builders.model_cache import cache_volume, engine_cache_mount, fetch_container
 from baton.operator.naming import Role
 from baton.operator.spec import InferenceService, RoleSpec
@@ -56,12 +57,12 @@ def _ports(isvc: InferenceService, role: Role) -> list[dict[str, Any]]:
     return ports
 
 
-def _env(r: RoleSpec) -> list[dict[str, Any]]:
+def _env(isvc: InferenceService, r: RoleSpec) -> list[dict[str, Any]]:
     def field_ref(name: str, path: str) -> dict[str, Any]:
         return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
 
     own = [field_ref("POD_IP", "status.podIP"), field_ref("POD_NAME", "metadata.name"),
-           field_ref("POD_NAMESPACE", "metadata.namespace")]
+           field_ref("POD_NAMESPACE", "metadata.namespace"), internal_key_env(isvc, ENGINE_KEY_ENV)]
     return own + copy.deepcopy(r.env)
 
 
@@ -114,7 +115,7 @@ def engine_container(isvc: InferenceService, role: Role) -> dict[str, Any]:
     container = {
         "name": "engine", "image": isvc.spec.image, "imagePullPolicy": isvc.spec.image_pull_policy,
         "command": ["baton", "serve"], "args": engine_args(isvc, role),
-        "ports": _ports(isvc, role), "env": _env(r),
+        "ports": _ports(isvc, role), "env": _env(isvc, r),
         "resources": resources(r.resources, _extended_resources(isvc, r, role)),
         "startupProbe": tcp_probe("http", STARTUP_PERIOD, STARTUP_SECONDS // STARTUP_PERIOD),
         "readinessProbe": http_probe("http", "/health", 5, 3),

@@ -9,6 +9,7 @@ from baton.operator.builders.common import (container_security_context, http_pro
                                             placement_fields, pod_security_context, resources,
                                             spread_over_nodes, tcp_probe)
 from baton.operator.builders.engine import PRESTOP_SECONDS
+from baton.operator.builders.internal_key import ROUTER_KEY_ENV, internal_key_env
 from baton.operator.naming import Role
 from baton.operator.spec import InferenceService
 
@@ -48,6 +49,7 @@ def _env(isvc: InferenceService) -> list[dict[str, Any]]:
     if key is not None:  # never an argument: it would show in `ps` and in the Deployment
         env.append({"name": API_KEY_ENV,
                     "valueFrom": {"secretKeyRef": {"name": key.name, "key": key.key}}})
+    env.append(internal_key_env(isvc, ROUTER_KEY_ENV))  # what it sends the engines: not the clients' key
     return env + copy.deepcopy(isvc.spec.router.env)
 
 

@@ -25,7 +25,7 @@ SAMPLES = REPO / "manifests" / "samples"
 SERVICE_LABEL = "baton.dev/inference-service"
 ROLE_LABEL = "baton.dev/role"
 # Every kind the operator creates for an InferenceService, plus what the controllers make of them.
-CHILD_KINDS = "deployments,replicasets,pods,services,serviceaccounts,roles,rolebindings,configmaps"
+CHILD_KINDS = "deployments,replicasets,pods,services,serviceaccounts,roles,rolebindings,configmaps,secrets,networkpolicies"
 
 
 def wait_for(probe: Callable[[], T], what: str, timeout: float = 90.0, interval: float = 0.3) -> T:

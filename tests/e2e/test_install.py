@@ -34,10 +34,15 @@ def test_manifests_install_the_crd_rbac_and_operator(control_plane: ControlPlane
     ("watch", "inferenceservices.baton.dev", None, True),
     ("create", "deployments.apps", "team-a", True),
     ("create", "roles.rbac.authorization.k8s.io", "team-a", True),
+    ("patch", "networkpolicies.networking.k8s.io", "team-a", True),
+    ("list", "networkpolicies.networking.k8s.io", "team-a", False),
     ("list", "pods", None, True),  # granted on so the operator may grant it to each router
     ("create", "inferenceservices.baton.dev", "team-a", False),
     ("delete", "inferenceservices.baton.dev", "team-a", False),
+    ("create", "secrets", "team-a", True),  # each service's internal key, which it never reads back
     ("get", "secrets", "team-a", False),
+    ("list", "secrets", "team-a", False),
+    ("patch", "secrets", "team-a", False),
     ("create", "pods", "team-a", False),
     ("list", "services", "team-a", False),  # children are read by name only
     ("create", "clusterroles.rbac.authorization.k8s.io", None, False),

@@ -40,6 +40,7 @@ CEL_CASES = [
     body(model={"name": "m", "path": "/m", "cache": {"claimName": "c"}}),
     body(model={"name": "m", "source": "hf://a/b", "cache": {"claimName": "c", "emptyDir": {}}}),
     body(decode={"env": [{"name": "T", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}]}),
+    body(prefill={"env": [{"name": "BATON_API_KEY", "value": ""}]}),
     body(prefill={"dp": 2, "gpus": 1}),
     body(prefill={"tp": 2, "gpus": 2}, decode={"tp": 3, "gpus": 3}),
     body(decode={"extraArgs": ["--enable-mixed-chunk"]}),

@@ -13,7 +13,7 @@ from baton_testing.kube.controlplane import ControlPlane
 from baton_testing.kube.fake_nodes import FAKE_NODES
 
 SAMPLE_FILES = sorted(p.name for p in SAMPLES.glob("*.yaml"))
-OPERATOR_KINDS = {"Deployment", "Service", "ServiceAccount", "Role", "RoleBinding", "ConfigMap"}
+OPERATOR_KINDS = {"Deployment", "Service", "ServiceAccount", "Role", "RoleBinding", "ConfigMap", "Secret", "NetworkPolicy"}
 
 
 def _prerequisites(cp: ControlPlane, body: dict[str, Any]) -> None:
@@ -103,7 +103,9 @@ def test_sample_runs_and_is_collected(control_plane: ControlPlane, operator, fil
         child = f"{name}-{'engine' if role == 'colocated' else role}"
         assert {("Deployment", child), ("Service", child)} <= kinds
     assert {("ServiceAccount", f"{name}-router"), ("Role", f"{name}-router"), ("RoleBinding", f"{name}-router"),
-            ("ConfigMap", f"{name}-topology")} <= kinds
+            ("ConfigMap", f"{name}-topology"),
+            ("Secret", f"{name}-internal-key-{isvc['metadata']['uid'][:8]}"),  # created with create only
+            ("NetworkPolicy", f"{name}-engines")} <= kinds
     _check_ownership(objs, isvc)
     _check_pods(objs, expected, gpu="gpu" in file)
 

@@ -212,7 +212,14 @@ def test_a_child_as_the_api_server_stores_it_has_not_drifted_and_edits_by_others
     def narrower(s):
         s["spec"]["selector"]["extra"] = "x"
 
+    def any_namespace(n):  # the router's peer, from every namespace
+        n["spec"]["ingress"][0]["from"][0]["namespaceSelector"] = {"matchLabels": {"team": "other"}}
+
+    def fewer_pods(n):  # the policy no longer covering the decode pods
+        n["spec"]["podSelector"]["matchLabels"]["baton.dev/role"] = "prefill"
+
     assert edited("Deployment", "demo-decode", image)
+    assert edited("NetworkPolicy", "demo-engines", any_namespace) and edited("NetworkPolicy", "demo-engines", fewer_pods)
     assert edited("Role", "demo-router", widen) and edited("Role", "demo-router", more_rules)
     assert edited("Service", "demo-router", elsewhere) and edited("Service", "demo-router", narrower)
 

@@ -312,6 +312,69 @@ def test_router_api_key_comes_from_the_secret_never_an_argument():
     assert c["command"] == ["baton", "router"]
 
 
+@pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
+def test_engines_and_router_share_the_internal_key_from_its_secret_never_an_argument(mode):
+    """The engines take it as their API key (BATON_API_KEY), the router sends it to them
+    (BATON_ENGINE_API_KEY); the clients' key (apiKeySecretRef) stays the router's own."""
+    isvc = parse(isvc_body(mode=mode, router={"apiKeySecretRef": {"name": "keys"}}))
+    ref = {"secretKeyRef": {"name": "demo-internal-key-uid-demo", "key": "api-key"}}
+    for role in isvc.spec.roles:
+        env = container(engine_deployment(isvc, role))["env"]
+        assert {"name": "BATON_API_KEY", "valueFrom": ref} in env, role
+        assert [e["name"] for e in env].count("BATON_API_KEY") == 1
+    router = container(router_deployment(isvc))
+    assert router["env"][:2] == [
+        {"name": "BATON_API_KEY", "valueFrom": {"secretKeyRef": {"name": "keys", "key": "api-key"}}},
+        {"name": "BATON_ENGINE_API_KEY", "valueFrom": ref}]
+    for c in [router, *(container(engine_deployment(isvc, r)) for r in isvc.spec.roles)]:
+        assert not [a for a in c["args"] if "key" in a]
+
+
+ENGINE_PODS = {"matchLabels": {"baton.dev/inference-service": "demo"},
+               "matchExpressions": [{"key": "baton.dev/role", "operator": "In",
+                                     "values": ["prefill", "decode", "colocated"]}]}
+ENGINE_PORT = [{"protocol": "TCP", "port": 30000}]
+
+
+def network_policy(operator_ns: str | None = None, **spec) -> dict | None:
+    children = build_children(parse(isvc_body(**spec)), operator_namespace=operator_ns)
+    return next((o for o in children if o["kind"] == "NetworkPolicy"), None)
+
+
+def test_engine_pods_take_ingress_only_from_the_services_router_and_engines():
+    pol = network_policy()
+    assert pol["metadata"]["name"] == "demo-engines" and pol["metadata"]["ownerReferences"][0]["uid"] == "uid-demo"
+    assert pol["spec"]["podSelector"] == ENGINE_PODS and pol["spec"]["policyTypes"] == ["Ingress"]
+    assert pol["spec"]["ingress"] == [
+        # the router, on the engine port only (the pods the router Service selects are not in the policy)
+        {"from": [{"podSelector": {"matchLabels": {"baton.dev/inference-service": "demo", "baton.dev/role": "router"}}}],
+         "ports": ENGINE_PORT},
+        # the service's engines, on every port: bootstrap, KV side channel and Mooncake pick theirs at random
+        {"from": [{"podSelector": ENGINE_PODS}]}]
+    assert network_policy(mode="colocated")["spec"] == pol["spec"]  # a mode switch keeps the old roles in
+
+
+def test_scrapers_reach_the_engine_port_only_the_planner_from_the_operators_namespace():
+    prometheus = {"namespaceSelector": {}, "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}
+    operator = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "baton-system"}},
+                "podSelector": {"matchLabels": {"app.kubernetes.io/name": "baton-operator"}}}
+    planner = {"mode": "planner", "decode": {"targetKVUsage": 0.7}}
+    assert network_policy(monitoring={"podMonitor": True})["spec"]["ingress"][2] == {
+        "from": [prometheus], "ports": ENGINE_PORT}
+    assert network_policy(autoscaling=planner, operator_ns="baton-system")["spec"]["ingress"][2] == {
+        "from": [operator], "ports": ENGINE_PORT}
+    assert len(network_policy(autoscaling=planner)["spec"]["ingress"]) == 2  # an operator outside the cluster
+    assert len(network_policy(operator_ns="baton-system")["spec"]["ingress"]) == 2  # no planner: no scrapes
+    mine = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+    assert network_policy(networkPolicy={"metricsFrom": mine})["spec"]["ingress"][2]["from"] == mine
+    assert len(network_policy(monitoring={"serviceMonitor": True}, networkPolicy={"metricsFrom": []})
+               ["spec"]["ingress"]) == 2
+
+
+def test_network_policy_opt_out():
+    assert network_policy(networkPolicy={"enabled": False}) is None
+
+
 def test_router_service_account_may_only_read_pods_in_its_namespace():
     isvc = parse(isvc_body(namespace="team-a"))
     role = router_role(isvc)

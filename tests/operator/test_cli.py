@@ -27,6 +27,15 @@ def test_all_namespaces_standalone_by_default():
     assert config_from_args(parse(["-A", "--prometheus-url", url])).prometheus_url == url
 
 
+def test_the_operators_namespace_comes_from_its_pod(monkeypatch):
+    """$POD_NAMESPACE (the downward API, in manifests/ and the chart): the engines' NetworkPolicies let the
+    operator's pods of that namespace scrape them for the planner."""
+    monkeypatch.delenv("POD_NAMESPACE", raising=False)
+    assert config_from_args(parse(["-A"])).operator_namespace is None
+    monkeypatch.setenv("POD_NAMESPACE", "baton-system")
+    assert config_from_args(parse(["-A"])).operator_namespace == "baton-system"
+
+
 def test_namespaces_peering_and_switches():
     args = parse(["-n", "team-a", "--namespace", "team-*", "--peering", "baton", "--priority", "7",
                   "--metrics-port", "0", "--liveness", "", "--no-events", "--resync-seconds", "5"])

@@ -151,6 +151,9 @@ BAD_RULES = [  # refused by CEL rules (and by the operator's Python twins)
     {"model": {"name": "m", "path": "/m", "hostPath": {"path": "//etc"}}},
     {"decode": {"env": [{"name": "T", "valueFrom": {"secretKeyRef": {"name": "any", "key": "k"}}}]}},
     {"router": {"env": [{"name": "T", "valueFrom": {"secretKeyRef": {"name": "any", "key": "k"}}}]}},
+    {"decode": {"env": [{"name": "BATON_API_KEY", "value": ""}]}},  # would turn the internal key off
+    {"router": {"env": [{"name": "BATON_ENGINE_API_KEY", "value": "guess"}]}},
+    {"router": {"extraArgs": ["--engine-api-key", "guess"]}},
     # spec.model.source
     {"model": {"name": "m"}},  # neither source nor path
     {"model": {"name": "m", "source": "hf://just-a-name", "cache": {"claimName": "c"}}},

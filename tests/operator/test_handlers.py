@@ -1,6 +1,9 @@
 """kopf handlers called directly on an in-memory client: what the status says after scripted API answers."""
 from __future__ import annotations
 
+import dataclasses
+import logging
+
 import kopf
 import pytest
 
@@ -89,6 +92,57 @@ async def test_children_left_by_a_deleted_service_of_the_same_name_are_replaced_
             assert obj["metadata"]["ownerReferences"][0]["uid"] == "uid-demo", key
     c = conditions(client.find("InferenceService", "default", "demo"))
     assert c["Degraded"]["reason"] != "NameTaken"
+
+
+def internal_key_refs(client: FakeClient) -> set[str]:
+    """The Secrets the service's pods take their keys from (BATON_API_KEY, BATON_ENGINE_API_KEY)."""
+    refs = set()
+    for (kind, _, _), obj in client.objects.items():
+        if kind == "Deployment":
+            for env in obj["spec"]["template"]["spec"]["containers"][0]["env"]:
+                if env["name"] in ("BATON_API_KEY", "BATON_ENGINE_API_KEY"):
+                    refs.add(env["valueFrom"]["secretKeyRef"]["name"])
+    return refs
+
+
+async def test_the_internal_key_is_created_once_kept_across_reconciles_and_never_logged(caplog):
+    caplog.set_level(logging.DEBUG)
+    client = FakeClient()
+    memo = memo_for(client)
+    client.put(isvc_body())
+    secrets = []
+    for trigger in ("create", "resync", "resume"):
+        await handlers.run_reconcile(client.find("InferenceService", "default", "demo"), memo, LOGGER, trigger)
+        secrets.append([o for (kind, _, _), o in client.objects.items() if kind == "Secret"])
+    assert secrets[0] == secrets[1] == secrets[2]  # created by the first reconcile, never written again
+    [secret] = secrets[0]
+    key = secret["stringData"]["api-key"]
+    assert len(key) >= 40 and secret["immutable"] is True and secret["type"] == "Opaque"
+    assert secret["metadata"]["name"] == "demo-internal-key-uid-demo"
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == "uid-demo"  # garbage-collected with the service
+    assert internal_key_refs(client) == {"demo-internal-key-uid-demo"}
+    assert key not in caplog.text
+    # deleted and created again under the same name before garbage collection ran: a key of its own
+    again = isvc_body()
+    again["metadata"]["uid"] = "uid-again"
+    client.put(again)
+    await handlers.run_reconcile(client.find("InferenceService", "default", "demo"), memo, LOGGER, "create")
+    assert internal_key_refs(client) == {"demo-internal-key-uid-agai"}
+    assert client.find("Secret", "default", "demo-internal-key-uid-agai")["stringData"]["api-key"] != key
+
+
+async def test_the_network_policy_lets_the_planner_in_from_the_operators_namespace_and_goes_when_turned_off():
+    client = FakeClient()
+    memo = memo_for(client)
+    memo["config"] = dataclasses.replace(memo.config, operator_namespace="baton-system")
+    client.put(isvc_body(autoscaling={"mode": "planner", "decode": {"targetKVUsage": 0.7}}))
+    await handlers.run_reconcile(client.find("InferenceService", "default", "demo"), memo, LOGGER, "create")
+    [planner] = client.find("NetworkPolicy", "default", "demo-engines")["spec"]["ingress"][2]["from"]
+    assert planner["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": "baton-system"}}
+    client.objects[("InferenceService", "default", "demo")]["spec"]["networkPolicy"] = {"enabled": False}
+    await handlers.run_reconcile(client.find("InferenceService", "default", "demo"), memo, LOGGER, "update")
+    assert client.find("NetworkPolicy", "default", "demo-engines") is None
+    assert ("NetworkPolicy", "default", "demo-engines") in client.deleted
 
 
 async def test_a_child_name_taken_by_a_foreign_object_stays_name_taken():

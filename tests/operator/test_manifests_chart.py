@@ -13,7 +13,7 @@ import yaml
 
 from baton.operator.builders import build_children
 from baton.operator.crd import build_crd
-from baton.operator.install import CLUSTER_ROLE_RULES, CLUSTER_SCOPED_RULES, NAMESPACED_RULES
+from baton.operator.install import CLUSTER_ROLE_RULES, CLUSTER_SCOPED_RULES, NAMESPACED_RULES, operator_deployment
 from baton.operator.spec import parse
 from baton_testing.kube.objects import isvc_body
 
@@ -89,6 +89,11 @@ def test_chart_renders_operator_objects_that_validate(chart: str):
     [dep] = [o for o in objs if o["kind"] == "Deployment"]
     args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--all-namespaces" in args and "--standalone" in args and "--prometheus-url" not in args
+    # where the operator runs, for the engines' NetworkPolicies: as manifests/03-operator.yaml says it
+    [manifest] = [o for o in operator_deployment() if o["kind"] == "Deployment"]
+    assert dep["spec"]["template"]["spec"]["containers"][0]["env"] == \
+        manifest["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert dep["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/name"] == "baton-operator"
     [role] = [o for o in objs if o["kind"] == "ClusterRole"]
     assert role["rules"] == CLUSTER_ROLE_RULES  # same least privilege as manifests/02-rbac.yaml
 

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from baton.operator import naming
 from baton.operator.config import OperatorConfig
 from baton.operator.kube import ApiError
 from baton_testing.kube.cluster import Cluster
@@ -166,12 +167,14 @@ async def test_invalid_spec_is_refused_with_a_reason(cluster: Cluster, namespace
 
 async def test_restart_is_idempotent_and_deleted_children_come_back(cluster: Cluster, namespace: str):
     async with run_operator(cluster):
-        await create_ready(cluster, namespace)
-    before = await all_children(cluster, namespace)
+        obj = await create_ready(cluster, namespace)
+    # the internal key Secret too: created once, never rewritten (the operator cannot even read it)
+    children = [*PD_CHILDREN, ("Secret", naming.internal_key_secret("demo", obj["metadata"]["uid"]))]
+    before = await all_children(cluster, namespace, children)
     async with run_operator(cluster) as memo:
         await cluster.wait_for(lambda: _positive(memo.metrics.value(
             "baton_operator_reconciles_total", trigger="resume", result="ok")), "resume reconcile")
-        after = await all_children(cluster, namespace)
+        after = await all_children(cluster, namespace, children)
         assert {k: written_version(o) for k, o in after.items()} == {k: written_version(o) for k, o in before.items()}
         await cluster.delete("Deployment", namespace, "demo-router")
         dep = await cluster.wait_for(lambda: cluster.get("Deployment", namespace, "demo-router"),

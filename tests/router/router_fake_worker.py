@@ -32,6 +32,7 @@ class Behavior:
     stream_error: int | None = None  # a stream answers 200 with one error event of this code (an engine's scheduler refused)
     input_logprobs: list[Any] = field(default_factory=list)  # meta_info.input_token_logprobs of /generate
     draining: bool = False  # as an engine after SIGTERM: /health and new requests get the draining 503
+    api_key: str | None = None  # as an engine with --api-key: every route but /health needs it (else 401)
 
 
 class FakeWorker:
@@ -42,6 +43,7 @@ class FakeWorker:
         self.aborts: list[Any] = []  # rids from /abort_request
         self.disconnects = 0  # inference requests whose client went away before the answer
         self.health_checks = 0
+        self.refused: list[str] = []  # paths refused for a missing or wrong API key
         self._runner: web.AppRunner | None = None
         self._aborted: dict[str, asyncio.Event] = {}
         self._running = asyncio.Event()  # cleared by freeze(): every route waits, as in a SIGSTOPped process
@@ -53,7 +55,7 @@ class FakeWorker:
         return f"http://{self.host}:{self.port}"
 
     async def start(self) -> "FakeWorker":
-        app = web.Application()
+        app = web.Application(middlewares=[self._check_key])
         app.router.add_get("/health", self._health)
         app.router.add_get("/health_generate", self._health)
         app.router.add_get("/get_server_info", self._server_info)
@@ -91,6 +93,15 @@ class FakeWorker:
             transport.close()
 
     # -- handlers --------------------------------------------------------------------------
+    @web.middleware
+    async def _check_key(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        key = self.behavior.api_key
+        if key is not None and request.path != "/health" and request.headers.get("Authorization") != f"Bearer {key}":
+            self.refused.append(request.path)
+            return _json({"error": {"message": "invalid or missing API key", "type": "authentication_error",
+                                    "code": 401}}, status=401)
+        return await handler(request)
+
     async def _health(self, request: web.Request) -> web.Response:
         await self._running.wait()
         self.health_checks += 1

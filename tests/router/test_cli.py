@@ -57,6 +57,16 @@ def test_api_key_from_environment(monkeypatch):
     assert parse("--worker-urls", "http://a:1").api_key is None
 
 
+def test_engine_api_key_from_environment_apart_from_the_clients(monkeypatch):
+    """The operator hands the router the service's internal key as BATON_ENGINE_API_KEY (never in argv)."""
+    monkeypatch.setenv("BATON_ENGINE_API_KEY", "internal")
+    config = parse("--worker-urls", "http://a:1")
+    assert (config.engine_api_key, config.api_key) == ("internal", None)
+    assert parse("--worker-urls", "http://a:1", "--engine-api-key", "flag").engine_api_key == "flag"
+    monkeypatch.delenv("BATON_ENGINE_API_KEY")
+    assert parse("--worker-urls", "http://a:1").engine_api_key is None
+
+
 @pytest.mark.parametrize("argv", [
     ["--prefill", "http://p:1"],
     ["--pd-disaggregation", "--worker-urls", "http://a:1"],

@@ -286,6 +286,40 @@ async def test_api_key_is_required_when_set(fake_workers, routers, http):
     assert worker.requests[0][1]["text"] == "x"
 
 
+async def test_the_engines_key_replaces_the_clients_on_every_call_to_a_worker(fake_workers, routers, http):
+    """--engine-api-key: relays, info routes, /health_generate, the DP-size probe (dp-aware) and aborts all
+    carry the engines' key; the client's own key never reaches a worker."""
+    worker = await fake_workers(api_key="engine-s3cret")
+    router = await routers(regular=[worker.url], api_key="client-s3cret", engine_api_key="engine-s3cret", dp_aware=True,
+                           request_timeout_secs=0.5)
+    auth = {"Authorization": "Bearer client-s3cret"}
+    async with http.post(url_of(router, "/generate"), json={"text": "x"}, headers=auth) as resp:
+        assert resp.status == 200
+    for path in ("/v1/models", "/get_server_info", "/health_generate"):
+        async with http.get(url_of(router, path), headers=auth) as resp:
+            assert resp.status == 200, path
+    worker.behavior.hang = True
+    async with http.post(url_of(router, "/generate"), json={"text": "y"}, headers=auth) as resp:
+        assert resp.status == 504
+    await wait_until(lambda: worker.aborts == [worker.bodies()[1]["rid"]], what="abort sent")
+    assert worker.refused == []
+    assert "s3cret" not in repr(router.config)  # never logged
+
+
+async def test_a_worker_refusing_the_routers_credentials_is_a_clear_error_at_once(fake_workers, routers, http):
+    """A router without the engines' key: a 502 that says which flag is missing (an engine's 401 passed on
+    would read as a refusal of the client's key), not retried, and the worker is not counted as failing."""
+    worker = await fake_workers(api_key="internal")
+    router = await routers(regular=[worker.url])
+    async with http.post(url_of(router, "/v1/chat/completions"), json=CHAT) as resp:
+        assert resp.status == 502
+        error = (await resp.json())["error"]
+    assert worker.url in error["message"] and "--engine-api-key" in error["message"], error
+    assert "invalid or missing API key" in error["message"]
+    assert worker.refused == ["/v1/chat/completions"]
+    assert router.routable()[0]
+
+
 async def test_info_routes_and_health_generate(fake_workers, routers, http):
     worker = await fake_workers()
     router = await routers(regular=[worker.url])

@@ -27,6 +27,7 @@ CORE = [("v1", "namespaces", "Namespace", False, ()), ("v1", "services", "Servic
         ("v1", "events", "Event", True, ()),
         ("apps/v1", "deployments", "Deployment", True, ("status", "scale")),
         ("policy/v1", "poddisruptionbudgets", "PodDisruptionBudget", True, ("status",)),
+        ("networking.k8s.io/v1", "networkpolicies", "NetworkPolicy", True, ()),
         ("rbac.authorization.k8s.io/v1", "roles", "Role", True, ()),
         ("rbac.authorization.k8s.io/v1", "rolebindings", "RoleBinding", True, ()),
         ("apiextensions.k8s.io/v1", "customresourcedefinitions", "CustomResourceDefinition", False, ("status",))]
