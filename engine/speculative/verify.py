@@ -9,6 +9,13 @@ top-k, top-p and min-p as the sampler applies them; on a rejection, draw from p 
 is then distributed as the target's (Leviathan et al. 2023, "Fast Inference from Transformers via
 Speculative Decoding", the special case q = one-hot).
 
+Requests whose sampler processes the logits first (penalties, logit_bias, a grammar, min_new_tokens;
+sampling/penalties.py, in its order) get each position's row processed as the sampler would process it
+after the drafts before it were sampled (processed_rows): penalty counts include those drafts, the
+grammar's mask is its matcher's after accepting them (then rolled back: the scheduler feeds it the
+emitted tokens), stop ids stay blocked while the position is below min_new_tokens. A draft the
+processing rules out has no mass there, so it is rejected.
+
 Logprobs are those the sampler reports: log_softmax of the raw logits at the token's position.
 """
 from __future__ import annotations
@@ -32,18 +39,27 @@ def verify_drafts(logits: torch.Tensor, spec: VerifyInput, states: list["ReqSamp
     from baton.engine.layers.sampler import top_logprobs
 
     greedy_ids = None
-    if any(s.params.is_greedy for s in states):
+    if any(s.params.is_greedy and not needs_processing(s) for s in states):
         greedy_ids = torch.argmax(logits, dim=-1).tolist()  # [num_tokens]
     tokens = []
     for i, (draft, off, state) in enumerate(zip(spec.drafts, spec.offsets, states)):
+        rows = logits[off:off + len(draft) + 1]
+        processed = needs_processing(state)
+        if processed:
+            rows = processed_rows(rows, draft, state)
         if state.params.is_greedy:
-            tokens.append(accept_greedy(draft, greedy_ids[off:off + len(draft) + 1]))
+            target = torch.argmax(rows, dim=-1).tolist() if processed else greedy_ids[off:off + len(draft) + 1]
+            tokens.append(accept_greedy(draft, target))
         else:
-            probs = target_probs(logits[off:off + len(draft) + 1], state.params).cpu()
+            probs = target_probs(rows, state.params).cpu()
             draw = draws[i] if draws is not None else state.num_sampled
             gen = torch.Generator().manual_seed((state.rng_seed * _SEED_MIX + draw) % (1 << 63))
             tokens.append(accept_rejection(probs, draft, gen))
-        state.num_sampled += len(tokens[-1])
+        if state.has_penalties:
+            for t in tokens[-1]:
+                state.on_sampled(t)  # the counts the next step's penalties read
+        else:
+            state.num_sampled += len(tokens[-1])
     out = VerifyOutput(tokens)
     if return_logprob:
         rows = torch.tensor([off + j for off, t in zip(spec.offsets, tokens) for j in range(len(t))],
@@ -59,6 +75,70 @@ def verify_drafts(logits: torch.Tensor, spec: VerifyInput, states: list["ReqSamp
             out.top_logprobs.append(tops[start:start + len(t)])
             start += len(t)
     return out
+
+
+def needs_processing(state: "ReqSamplingState") -> bool:
+    """Whether the sampler changes this request's logits before choosing (sampling/penalties.py)."""
+    return (state.has_penalties or bool(state.params.logit_bias) or state.grammar is not None
+            or state.min_tokens_stop_ids is not None)
+
+
+def processed_rows(rows: torch.Tensor, draft: list[int], state: "ReqSamplingState") -> torch.Tensor:
+    """`rows`: [len(draft) + 1, vocab] raw logits of one request -> a processed copy, row j as the
+    sampler would process it after sampling draft[:j] (module docstring)."""
+    rows = rows.clone()
+    n, params = rows.shape[0], state.params
+    if state.has_penalties:
+        state.ensure_penalty_tensors()
+        counts = state.output_counts.to(rows.device, torch.float32)
+        seen = state.seen_mask.to(rows.device).clone()
+        for j in range(n):
+            if j:
+                counts = counts.clone()
+                counts[draft[j - 1]] += 1
+                seen[draft[j - 1]] = True
+            r = rows[j]
+            r = torch.where(seen, torch.where(r > 0, r / params.repetition_penalty, r * params.repetition_penalty), r)
+            rows[j] = r - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
+    if params.logit_bias:
+        ids, values = state.logit_bias()
+        rows.index_add_(1, ids.to(rows.device), values.to(rows.device).expand(n, -1))
+    if state.grammar is not None:
+        _mask_by_grammar(rows, draft, state.grammar)
+    if state.min_tokens_stop_ids is not None and state.grammar is None:  # as the sampler: a grammar ends itself
+        stop = state.min_tokens_stop_ids.to(rows.device)
+        for j in range(n):
+            if state.num_sampled + j < params.min_new_tokens:
+                rows[j].index_fill_(0, stop, float("-inf"))
+    return rows
+
+
+def _mask_by_grammar(rows: torch.Tensor, draft: list[int], grammar) -> None:
+    """Row j: the grammar's mask after draft[:j]. Its matcher walks the draft and is rolled back; a
+    grammar still waiting for the end of the reasoning starts after that token, if the draft has it.
+    Rows after a draft token the grammar refuses (or after it terminated) are never used: that token
+    is rejected at its own row."""
+    import xgrammar as xgr
+
+    active, walked = grammar.active, 0
+    try:
+        for j in range(rows.shape[0]):
+            if active:
+                if grammar.matcher.is_terminated():
+                    break
+                grammar.fill()
+                xgr.apply_token_bitmask_inplace(rows[j:j + 1], grammar.bitmask.to(rows.device))
+            if j == len(draft):
+                break
+            if not active:
+                active = draft[j] == grammar.reasoning_end
+            elif grammar.matcher.accept_token(draft[j]):
+                walked += 1
+            else:
+                break
+    finally:
+        if walked:
+            grammar.matcher.rollback(walked)
 
 
 def accept_greedy(draft: list[int], target: list[int]) -> list[int]:

@@ -3,10 +3,9 @@ KV and state slots, and what happens to its result. A strategy says only how it 
 what it learns from a verified draft (`on_verified`).
 
 A decode step verifies drafts when the running batch is small (fewer requests than
---speculative-disable-by-batch-size: at large batches a step is compute-bound and drafts only cost)
-and every request in it can be served by verify.py's acceptance. A request with a grammar, penalties,
-a logit bias or min_new_tokens still ahead needs the sampler's own processing of each position: a batch
-holding one runs plain decode steps (those requests never draft, never get wrong tokens).
+--speculative-disable-by-batch-size: at large batches a step is compute-bound and drafts only cost).
+Every request can verify: verify.py processes each position's logits as the sampler would (penalties,
+logit bias, the grammar's mask, min_new_tokens), so structured output and penalised requests draft too.
 
 Memory: the verify step allocates KV for [last, *draft] of every request (ScheduleBatch.prepare_for_verify,
 which sets its committed length to all of them); once the result is known the request keeps the
@@ -46,16 +45,9 @@ class VerifyingSpeculator(NoSpeculation):
         """A verify step kept `accepted` of the request's `drafted` tokens."""
 
     # ------------------------------------------------------------------ when
-    @staticmethod
-    def can_verify(req: "Req") -> bool:
-        """Whether verify.py can take this request's tokens: plain sampling (temperature, top-k/p,
-        min-p, a seed) with no min_new_tokens still ahead."""
-        s = req.sampling_state
-        return (s is not None and s.grammar is None and not s.has_penalties and not s.params.logit_bias
-                and not s.min_tokens_active)
-
     def eligible(self, batch: "ScheduleBatch") -> bool:
-        return 0 < len(batch.reqs) < self.disable_by_batch_size and all(self.can_verify(r) for r in batch.reqs)
+        return 0 < len(batch.reqs) < self.disable_by_batch_size and all(r.sampling_state is not None
+                                                                        for r in batch.reqs)
 
     def wants_verify(self, batch: "ScheduleBatch") -> bool:
         return self.eligible(batch)

@@ -230,17 +230,42 @@ def test_speculation_backs_off_at_the_batch_size_threshold(tiny_model_factory):
     assert spec_info(under)["spec_verify_steps"] > 0
 
 
-def test_requests_the_verifier_cannot_take_decode_plainly(tiny_model_factory):
-    """A request with penalties needs the sampler's own processing of each position: while it runs,
-    its batch takes plain decode steps; every request keeps the plain engine's tokens."""
+def test_penalties_bias_min_tokens_and_grammars_speculate_with_the_samplers_processing(tiny_model_factory):
+    """Requests whose sampler processes the logits (penalties, logit bias, min_new_tokens with the
+    looping text's stop id, grammars of each kind) draft and verify too: each position is processed as
+    the sampler would after the drafts before it, so every greedy request gets the plain engine's
+    tokens (grammar output included), and a sampled penalised one runs its length."""
+    from test_scheduler_vs_hf import GRAMMARS
+
     path = tiny_model_factory("llama", **LOOPING)
     prompts = repetitive_prompts()
-    requests = {str(i): (p, dict(max_new_tokens=20, ignore_eos=True)) for i, p in enumerate(prompts)}
-    requests["penalised"] = (prompts[0], dict(max_new_tokens=30, ignore_eos=True, frequency_penalty=0.5))
+    ref = hf_greedy(path, prompts[1], 40, ignore_eos=True)
+    late = next(t for t in ref[20:] if ref.index(t) >= 12)
+    base = dict(max_new_tokens=30, ignore_eos=True)
+    requests = {
+        "frequency": (prompts[0], dict(base, frequency_penalty=0.3)),
+        "presence": (prompts[1], dict(base, presence_penalty=0.4, return_logprob=True)),
+        "repetition": (prompts[2], dict(base, repetition_penalty=1.3)),
+        "bias": (prompts[0], dict(base, logit_bias={ref[5]: 2.0, ref[9]: -3.0})),
+        "min_tokens": (prompts[1], dict(base, max_new_tokens=40, stop_token_ids=[late], min_new_tokens=ref.index(late) + 3)),
+        "sampled": (prompts[2], dict(base, temperature=0.7, seed=5, frequency_penalty=0.2)),
+    }
+    requests.update({kind: (prompts[i % 3], dict(max_new_tokens=60, **{kind: g}))
+                     for i, (kind, g) in enumerate(GRAMMARS.items())})
+    spec_args = dict(SPEC, speculative_disable_by_batch_size=len(requests) + 1)
     plain, _ = _run(path, requests)
-    spec, h = _run(path, requests, **SPEC)
-    assert {rid: c.ids for rid, c in spec.items()} == {rid: c.ids for rid, c in plain.items()}
-    assert spec_info(h)["spec_verify_steps"] == 0
+    spec, h = _run(path, requests, **spec_args)
+    for rid, want in plain.items():
+        if rid == "sampled":  # rejection sampling keeps the distribution, not the plain engine's draws
+            assert len(spec[rid].ids) == 30
+            continue
+        assert spec[rid].ids == want.ids, rid
+        assert spec[rid].finish.kind == want.finish.kind, rid
+    torch.testing.assert_close([lp for lp, _ in spec["presence"].output_logprobs],
+                               [lp for lp, _ in plain["presence"].output_logprobs], rtol=1e-4, atol=1e-4)
+    assert spec["min_tokens"].ids[ref.index(late)] != late, "min_new_tokens blocked the stop id where greedy had it"
+    info = spec_info(h)
+    assert info["spec_verify_steps"] > 0 and info["spec_accepted_tokens"] > 0, info
     assert h.scheduler.check_memory_integrity()
 
 
