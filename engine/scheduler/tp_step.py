@@ -6,8 +6,8 @@ Only the driver runs a scheduler, samples and talks to the rest of the engine. E
 driver's), repeat. A follower thus needs nothing of the scheduler but what the forward reads:
 
     header  int64[10]  command, forward mode, batch size, tokens, table updates, has future slots,
-                       prompt-logprob spans, -, state copies, state tracks (the payload's layout
-                       follows from these)
+                       prompt-logprob spans, verify, state copies, state tracks (the payload's
+                       layout follows from these)
     payload int64[..]  input_ids | positions | req_pool_indices | seq_lens | out_cache_loc
                        [| extend_prefix_lens | extend_seq_lens]     (EXTEND)
                        [| future slots]                             (overlap loop)
@@ -18,7 +18,8 @@ driver's), repeat. A follower thus needs nothing of the scheduler but what the f
 
 The LM head is split by vocabulary rows, and each of its calls all-gathers the logits: after the
 forward a follower makes the driver's calls, on the same rows, in the same order. One on each
-request's last position, then one per span of prompt positions whose logprobs a request asked for
+request's last position (on every row in a speculative verify step: its drafts' positions too), then
+one per span of prompt positions whose logprobs a request asked for
 (layers/logits_processor.py prompt_logprob_spans; the step carries the spans, since a follower has
 no requests).
 
@@ -76,6 +77,7 @@ class Step(NamedTuple):
     future_slots: Optional[torch.Tensor]  # [bs] where this batch's sampled ids go (overlap loop)
     logit_spans: list[tuple[int, int]]  # (first hidden row, rows) of each prompt-logprob LM head call
     state_ops: Optional[StateOps] = None  # a hybrid model's state copies and checkpoints this pass
+    verify: bool = False  # a speculative verify step: the LM head runs over every row
 
 
 def _logit_spans(mwb: "ModelWorkerBatch") -> list[tuple[int, int]]:
@@ -115,8 +117,8 @@ class StepSender:
                   torch.tensor(tracks, dtype=torch.int64).reshape(-1, 3).T.reshape(-1)]
         payload = torch.cat([t.to("cpu", torch.int64).reshape(-1) for t in parts])
         header = torch.tensor([_FORWARD, int(mwb.forward_mode), len(mwb.seq_lens_cpu), mwb.input_ids.numel(),
-                               rows.numel(), mwb.future_indices is not None, len(spans), 0, len(ops.copies),
-                               len(tracks)], dtype=torch.int64)
+                               rows.numel(), mwb.future_indices is not None, len(spans), mwb.spec_info is not None,
+                               len(ops.copies), len(tracks)], dtype=torch.int64)
         _broadcast(header, self.tp.cpu_group)
         _broadcast(payload, self.tp.cpu_group)
 
@@ -156,7 +158,7 @@ class StepReceiver:
     def recv(self) -> Optional[Step]:
         header = torch.empty(_HEADER, dtype=torch.int64)
         _broadcast(header, self.tp.cpu_group)
-        cmd, mode, bs, num_tokens, n_updates, has_future, n_spans, _, n_copies, n_tracks = header.tolist()
+        cmd, mode, bs, num_tokens, n_updates, has_future, n_spans, verify, n_copies, n_tracks = header.tolist()
         if cmd == _STOP:
             return None
         mode = ForwardMode(mode)
@@ -182,7 +184,7 @@ class StepReceiver:
         return Step(mode, fields[0], fields[1], fields[2], fields[3].tolist(), fields[4],
                     fields[5].tolist() if extend else None, fields[6].tolist() if extend else None,
                     fields[7 if extend else 5] if has_future else None,
-                    list(zip(span_rows.tolist(), span_counts.tolist())), state_ops)
+                    list(zip(span_rows.tolist(), span_counts.tolist())), state_ops, bool(verify))
 
     @torch.inference_mode()  # every tensor it makes is an inference tensor, as the driver's batches
     def run(self) -> int:
@@ -207,8 +209,9 @@ class StepReceiver:
         if step.future_slots is not None:  # the overlap loop: decode inputs may be placeholders
             resolve_future_token_ids(fb.input_ids, self._future_map())
         hidden = runner.forward(fb)
-        # the driver's LM head calls (each all-gathers logits): last positions, then prompt spans
-        rows = runner.last_token_rows(fb)
+        # the driver's LM head calls (each all-gathers logits): last positions (every row of a verify
+        # step), then prompt spans
+        rows = None if step.verify else runner.last_token_rows(fb)
         runner.model.compute_logits(hidden if rows is None else hidden[rows])
         for first, count in step.logit_spans:
             runner.model.compute_logits(hidden[first:first + count])

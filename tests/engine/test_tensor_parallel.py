@@ -228,6 +228,21 @@ def test_tp2_matches_hf_under_retraction(tiny_model_factory, loop, allreduce):
         assert results[str(i)].ids == hf_greedy(path, p, max_new, ignore_eos=True), f"request {i} differs from HF"
 
 
+@pytest.mark.parametrize("arch, loop", [("llama", "plain"), ("qwen3_5", "overlap")])
+def test_tp2_ngram_speculation_matches_hf(tiny_model_factory, arch, loop):
+    """NGRAM under TP 2: a verify step's LM head runs over every row on both ranks (the step says it
+    is one), a hybrid's per-token scratch states ride the step's state tracks; greedy equals HF with
+    drafts accepted."""
+    from test_speculative import SPEC, repetitive_prompts
+
+    path = tiny_model_factory(arch, initializer_range=0.08 if arch == "llama" else 0.02)  # the looping models
+    prompts = repetitive_prompts()
+    scheduler, results = _run_tp(path, prompts, max_new=30, max_total_tokens=4096, **SPEC, **_loop(loop))
+    assert scheduler.spec.server_info()["spec_accepted_tokens"] > 0
+    for i, p in enumerate(prompts):
+        assert results[str(i)].ids == hf_greedy(path, p, 30, ignore_eos=True), f"request {i} differs from HF"
+
+
 @pytest.mark.parametrize("tie, vocab", [(False, 512), (True, 509)], ids=["lm_head", "tied-odd-vocab"])
 def test_tp2_prompt_and_output_logprobs_match_one_rank(tiny_model_factory, tie, vocab):
     """Prompt logprobs over several chunks and output logprobs with top-k: the LM head split by
