@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Speculative NGRAM decoding vs none, side by side in one run, at several concurrencies.
+"""Speculative decoding (NGRAM by default, or --spec-args) vs none, side by side in one run, at several concurrencies.
 
     .venv/bin/python scripts/spec_bench.py --model-path /tmp/smol --concurrency 1,4,16 --rounds 2
 
@@ -64,7 +64,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
     common = ["--dtype", args.dtype, *shlex.split(args.engine_args)]
-    variants = {"off": common, "ngram": common + shlex.split(args.spec_args)}
+    spec = shlex.split(args.spec_args)
+    spec_name = spec[spec.index("--speculative-algorithm") + 1].lower() if "--speculative-algorithm" in spec else "spec"
+    variants = {"off": common, spec_name: common + spec}
     tokenizer = AutoTokenizer.from_pretrained(args.model_path)
     table: dict[int, list[dict]] = {c: [] for c in levels}
     with contextlib.ExitStack() as stack:
@@ -93,17 +95,17 @@ def main(argv: Optional[list[str]] = None) -> int:
                 table[c].append(cell)
                 print(f"round {round_ + 1} concurrency {c}: " + ", ".join(
                     f"{k} {v['tok_s']:.1f} tok/s" for k, v in cell.items())
-                    + f", ratio {cell['ngram']['tok_s'] / cell['off']['tok_s']:.2f}x, accept length "
-                      f"{cell['ngram']['accept_length']:.2f} over {cell['ngram']['request_steps']} request-steps", flush=True)
-    print("\n| concurrency | off tok/s | ngram tok/s | ngram / off [rounds] | accept length | accept rate |")
+                    + f", ratio {cell[spec_name]['tok_s'] / cell['off']['tok_s']:.2f}x, accept length "
+                      f"{cell[spec_name]['accept_length']:.2f} over {cell[spec_name]['request_steps']} request-steps", flush=True)
+    print(f"\n| concurrency | off tok/s | {spec_name} tok/s | {spec_name} / off [rounds] | accept length | accept rate |")
     print("|---|---|---|---|---|---|")
     for c, cells in table.items():
-        ratios = [x["ngram"]["tok_s"] / x["off"]["tok_s"] for x in cells]
+        ratios = [x[spec_name]["tok_s"] / x["off"]["tok_s"] for x in cells]
         print(f"| {c} | {statistics.median(x['off']['tok_s'] for x in cells):.1f} | "
-              f"{statistics.median(x['ngram']['tok_s'] for x in cells):.1f} | **{statistics.median(ratios):.2f}x** "
+              f"{statistics.median(x[spec_name]['tok_s'] for x in cells):.1f} | **{statistics.median(ratios):.2f}x** "
               f"[{' '.join(f'{r:.2f}' for r in ratios)}] | "
-              f"{statistics.median(x['ngram']['accept_length'] for x in cells):.2f} | "
-              f"{statistics.median(x['ngram']['accept_rate'] for x in cells):.2f} |")
+              f"{statistics.median(x[spec_name]['accept_length'] for x in cells):.2f} | "
+              f"{statistics.median(x[spec_name]['accept_rate'] for x in cells):.2f} |")
     return 0
 
 

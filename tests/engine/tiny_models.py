@@ -151,13 +151,15 @@ class MtpReference(torch.nn.Module):
         hidden = model.model(input_ids=ids[:, :-1]).last_hidden_state[0]  # [n - 1, hidden]: positions 0 .. n - 2
         inputs, states, drafts = list(tokens[1:]), list(hidden), []
         for _ in range(steps):
-            out = self._run(torch.tensor([inputs]), torch.stack(states)[None])
+            out = self._run(torch.tensor([inputs]), torch.stack(states)[None])[0]
             drafts.append(int(torch.argmax(model.lm_head(out[-1]))))
             inputs.append(drafts[-1])
             states.append(out[-1])
         return drafts
 
     def _run(self, ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """ids [b, t], the model's hidden states [b, t, hidden] -> the head's outputs [b, t, hidden],
+        causally over the t positions."""
         model = self._model[0]
         t = ids.shape[1]
         x = self.fc(torch.cat([self.pre_fc_norm_embedding(model.model.embed_tokens(ids)),
@@ -167,7 +169,7 @@ class MtpReference(torch.nn.Module):
         x = self.layers[0](x, position_embeddings=model.model.rotary_emb(x, positions), attention_mask=mask,
                            position_ids=positions)
         x = x[0] if isinstance(x, tuple) else x
-        return self.norm(x)[0]
+        return self.norm(x)
 
 
 @torch.no_grad()
