@@ -142,3 +142,35 @@ def test_pd_decode_drafts_with_the_prefills_head_kv(mtp_model):
         pair.assert_settled()
     finally:
         pair.close()
+
+
+@pytest.mark.parametrize("algorithm", ["NGRAM", "NEXTN"])
+def test_priority_preemption_under_speculation(mtp_model, tiny_model_factory, algorithm):
+    """A high-priority arrival preempts speculating low-priority requests (a hybrid's state rolled back
+    by verify steps, then checkpointed for the resume): it finishes first, everyone gets HF's tokens,
+    nothing leaks."""
+    from scheduler_harness import SchedulerHarness
+
+    path = mtp_model("qwen3_5") if algorithm == "NEXTN" else tiny_model_factory("llama", initializer_range=0.08)
+    prompts = repetitive_prompts() + workload(seed=3)[:2]
+    spec = dict(speculative_algorithm=algorithm, speculative_disable_by_batch_size=64,
+                **({"speculative_ngram_min_match_window_size": 1} if algorithm == "NGRAM" else {}))
+    h = SchedulerHarness(path, enable_priority_scheduling=True, priority_preemption_threshold=5,
+                         max_running_requests=4, disable_overlap_schedule=True, max_total_tokens=2048, **spec)
+    for i, p in enumerate(prompts[:4]):
+        h.submit(f"low{i}", p, max_new_tokens=30, ignore_eos=True, priority=0)
+    for _ in range(6):
+        h.step()
+    h.submit("high", prompts[4], max_new_tokens=5, ignore_eos=True, priority=10)
+    order = []
+    for _ in range(500):
+        ran = h.step()
+        order += [rid for rid, c in h.results.items() if c.finish is not None and rid not in order]
+        if not ran and h.scheduler.is_idle():
+            break
+    assert h.scheduler.stats.preemptions >= 1 and order[0] == "high", order
+    assert spec_info(h)["spec_verify_steps"] > 0
+    for i, p in enumerate(prompts[:4]):
+        assert h.results[f"low{i}"].ids == hf_greedy(path, p, 30, ignore_eos=True), f"low{i}"
+    assert h.results["high"].ids == hf_greedy(path, prompts[4], 5, ignore_eos=True)
+    assert h.scheduler.check_memory_integrity()
