@@ -289,9 +289,6 @@ class ServerArgs:
             raise ValueError("--speculative-num-draft-tokens must be >= 2 (the last token and at least one draft)")
         if self.speculative_disable_by_batch_size < 1:
             raise ValueError("--speculative-disable-by-batch-size must be >= 1")
-        if self.tp_size > 1 and algo == "NEXTN":
-            raise ValueError("--speculative-algorithm NEXTN with --tp-size > 1 is not supported yet (the MTP head's "
-                             "passes are not in the TP step protocol; NGRAM runs with TP)")
 
     def _check_nextn(self) -> None:
         """NEXTN: a chain of num_steps drafts, so num_draft_tokens is num_steps + 1 (SGLang's rule for topk 1)."""

@@ -165,8 +165,6 @@ class Qwen3NextForCausalLM(Qwen3MoeForCausalLM):
         if n != 1:
             raise ValueError(f"NEXTN needs a checkpoint with one multi-token-prediction layer; this config has {n} "
                              "(num_nextn_predict_layers / mtp_num_hidden_layers)")
-        if self.tp.size > 1:
-            raise ValueError("NEXTN with tensor parallelism is not supported yet")
         config = self.config
         layer = HybridDecoderLayer(config, GatedAttention(config, self.num_kv_layers, self.tp),
                                    self.build_mlp(config, config.num_hidden_layers))

@@ -10,6 +10,7 @@ driver's), repeat. A follower thus needs nothing of the scheduler but what the f
                        layout follows from these)
     payload int64[..]  input_ids | positions | req_pool_indices | seq_lens | out_cache_loc
                        [| extend_prefix_lens | extend_seq_lens]     (EXTEND)
+                       [| next prompt ids]                          (EXTEND, NEXTN)
                        [| future slots]                             (overlap loop)
                        | rows | cols | slots                        (req_to_token updates)
                        | span first rows | span row counts          (prompt logprobs)
@@ -28,6 +29,12 @@ scheduler writes rows (admission, prefix hits, radix de-duplication, decode appe
 keeps a mirror of what the followers' tables hold, compares the batch's rows with it before each
 step and sends the entries that differ, so the followers' tables equal the driver's wherever this
 pass reads them; a decode step sends one entry per request.
+
+NEXTN (speculative/nextn_drafter.py): every rank runs the MTP head's passes, whose layers and LM head
+are collectives too, in the driver's order: before a verify pass its chain steps (the drafts are the
+argmax of all-gathered logits, the same on every rank), after every pass the head over its positions.
+That one needs what only the driver knows: the sampled ids (broadcast as the overlap loop's are) and,
+after a verify pass, how many drafts each request kept and the token after them (send_accepted).
 
 Overlap loop: a batch's decode inputs may be placeholders for tokens the previous batch has not
 sampled yet. Each follower keeps its own future map: after sampling, the driver broadcasts the
@@ -48,6 +55,7 @@ from baton.engine.scheduler.future_map import FutureMap
 if TYPE_CHECKING:
     from baton.engine.model_executor.model_runner import ModelRunner
     from baton.engine.scheduler.schedule_batch import ModelWorkerBatch
+    from baton.engine.speculative.spec_info import VerifyOutput
 
 _HEADER = 10
 _STOP, _FORWARD = 0, 1
@@ -78,6 +86,7 @@ class Step(NamedTuple):
     logit_spans: list[tuple[int, int]]  # (first hidden row, rows) of each prompt-logprob LM head call
     state_ops: Optional[StateOps] = None  # a hybrid model's state copies and checkpoints this pass
     verify: bool = False  # a speculative verify step: the LM head runs over every row
+    next_prompt_ids: Optional[list[int]] = None  # EXTEND under NEXTN (ModelWorkerBatch.next_prompt_ids)
 
 
 def _logit_spans(mwb: "ModelWorkerBatch") -> list[tuple[int, int]]:
@@ -94,9 +103,9 @@ def _logit_spans(mwb: "ModelWorkerBatch") -> list[tuple[int, int]]:
 class StepSender:
     """The driver's side. Call send() before each forward, in the thread that runs the forward."""
 
-    def __init__(self, tp: TpGroup, req_to_token: torch.Tensor) -> None:
+    def __init__(self, tp: TpGroup, req_to_token: torch.Tensor, nextn: bool = False) -> None:
         assert tp.is_driver and tp.size > 1
-        self.tp, self.table = tp, req_to_token
+        self.tp, self.table, self.nextn = tp, req_to_token, nextn
         self.mirror = torch.zeros_like(req_to_token)  # what every follower's req_to_token holds
 
     def send(self, mwb: "ModelWorkerBatch") -> None:
@@ -106,6 +115,8 @@ class StepSender:
                  mwb.out_cache_loc]
         if extend:
             parts += [torch.tensor(mwb.extend_prefix_lens_cpu), torch.tensor(mwb.extend_seq_lens_cpu)]
+            if self.nextn:
+                parts.append(torch.tensor(mwb.next_prompt_ids or [-1] * len(mwb.seq_lens_cpu), dtype=torch.int64))
         if mwb.future_indices is not None:
             parts.append(mwb.future_indices)
         spans = _logit_spans(mwb)
@@ -123,8 +134,14 @@ class StepSender:
         _broadcast(payload, self.tp.cpu_group)
 
     def send_sampled(self, next_ids: torch.Tensor) -> None:
-        """Overlap loop: the ids this step sampled, for the followers' future maps (device group)."""
+        """The ids this step sampled (device group): for the followers' future maps (overlap loop),
+        and under NEXTN for the head's pass after it."""
         _broadcast(next_ids.contiguous(), self.tp.device_group)
+
+    def send_accepted(self, out: "VerifyOutput") -> None:
+        """NEXTN, after a verify pass: per request the drafts it kept and the token after them."""
+        _broadcast(torch.tensor([len(t) - 1 for t in out.tokens] + out.last_tokens, dtype=torch.int64),
+                   self.tp.cpu_group)
 
     def stop(self) -> None:
         """Let the followers leave their loop (engine shutdown)."""
@@ -154,6 +171,12 @@ class StepReceiver:
         assert not tp.is_driver
         self.tp, self.runner = tp, runner
         self.future_ids: Optional[torch.Tensor] = None  # this follower's future map, made on first use
+        self.drafter = None  # NEXTN: this rank's share of the MTP head's passes
+        args = runner.server_args
+        if args.speculative_algorithm == "NEXTN":
+            from baton.engine.speculative.nextn_drafter import NextnDrafter
+
+            self.drafter = NextnDrafter(runner, args.speculative_num_steps)
 
     def recv(self) -> Optional[Step]:
         header = torch.empty(_HEADER, dtype=torch.int64)
@@ -163,8 +186,9 @@ class StepReceiver:
             return None
         mode = ForwardMode(mode)
         sizes = [num_tokens, num_tokens, bs, bs, num_tokens]
+        nextn = self.drafter is not None and mode == ForwardMode.EXTEND
         if mode == ForwardMode.EXTEND:
-            sizes += [bs, bs]
+            sizes += [bs, bs] + ([bs] if nextn else [])
         if has_future:
             sizes.append(bs)
         sizes += [n_updates] * 3 + [n_spans] * 2 + [2 * n_copies, 3 * n_tracks]
@@ -181,10 +205,12 @@ class StepReceiver:
         table = self.runner.req_to_token_pool.req_to_token
         table[rows.to(table.device), cols.to(table.device)] = slots.to(table.device)
         extend = mode == ForwardMode.EXTEND
+        after = 5 + (2 if extend else 0) + (1 if nextn else 0)  # the field after the mode's own
         return Step(mode, fields[0], fields[1], fields[2], fields[3].tolist(), fields[4],
                     fields[5].tolist() if extend else None, fields[6].tolist() if extend else None,
-                    fields[7 if extend else 5] if has_future else None,
-                    list(zip(span_rows.tolist(), span_counts.tolist())), state_ops, bool(verify))
+                    fields[after] if has_future else None,
+                    list(zip(span_rows.tolist(), span_counts.tolist())), state_ops, bool(verify),
+                    fields[7].tolist() if nextn else None)
 
     @torch.inference_mode()  # every tensor it makes is an inference tensor, as the driver's batches
     def run(self) -> int:
@@ -208,6 +234,12 @@ class StepReceiver:
         fb.state_ops = step.state_ops
         if step.future_slots is not None:  # the overlap loop: decode inputs may be placeholders
             resolve_future_token_ids(fb.input_ids, self._future_map())
+        spec = None
+        if self.drafter is not None and step.verify:  # the chain, as the driver drafts it
+            from baton.engine.speculative.spec_info import VerifyInput
+
+            spec = VerifyInput([[0] * (n - 1) for n in step.extend_seq_lens])
+            self.drafter.draft(fb, spec)
         hidden = runner.forward(fb)
         # the driver's LM head calls (each all-gathers logits): last positions (every row of a verify
         # step), then prompt spans
@@ -215,10 +247,26 @@ class StepReceiver:
         runner.model.compute_logits(hidden if rows is None else hidden[rows])
         for first, count in step.logit_spans:
             runner.model.compute_logits(hidden[first:first + count])
-        if step.future_slots is not None:
+        sampled = None
+        if step.future_slots is not None or (self.drafter is not None and not step.verify):
             sampled = torch.empty(len(step.seq_lens), dtype=torch.int64, device=dev)
             _broadcast(sampled, self.tp.device_group)
-            self._future_map()[step.future_slots.to(dev)] = sampled
+            if step.future_slots is not None:
+                self._future_map()[step.future_slots.to(dev)] = sampled
+        if self.drafter is not None:
+            if step.verify:
+                self.drafter.after_verify(fb, hidden, spec, self._recv_accepted(len(step.seq_lens)))
+            else:
+                self.drafter.after_pass(fb, hidden, sampled, step.next_prompt_ids)
+
+    def _recv_accepted(self, bs: int) -> "VerifyOutput":
+        """StepSender.send_accepted's counts, as the VerifyOutput the head's pass reads."""
+        from baton.engine.speculative.spec_info import VerifyOutput
+
+        got = torch.empty(2 * bs, dtype=torch.int64)
+        _broadcast(got, self.tp.cpu_group)
+        kept, last = got[:bs].tolist(), got[bs:].tolist()
+        return VerifyOutput([[0] * k + [t] for k, t in zip(kept, last)])
 
     def _future_map(self) -> torch.Tensor:
         if self.future_ids is None:

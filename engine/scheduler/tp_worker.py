@@ -69,7 +69,8 @@ class TpModelWorker:
         self.tp = self.model_runner.tp
         self.sampler = Sampler()
         self.device = server_args.device
-        self.step_sender = (StepSender(self.tp, self.model_runner.req_to_token_pool.req_to_token)
+        self.step_sender = (StepSender(self.tp, self.model_runner.req_to_token_pool.req_to_token,
+                                       nextn=server_args.speculative_algorithm == "NEXTN")
                             if self.tp.size > 1 else None)
         self.drafter = None  # NEXTN: the MTP head's passes beside the model's (speculative/nextn_drafter.py)
         if server_args.speculative_algorithm == "NEXTN":
@@ -117,15 +118,15 @@ class TpModelWorker:
         last_hidden = hidden if rows is None else hidden[rows]
         logits = runner.compute_logits(last_hidden)  # [bs, vocab] float32
         result, next_ids = self.sample(mwb, logits)
-        if self.drafter is not None:
-            self.drafter.after_pass(fb, hidden, next_ids, mwb.next_prompt_ids)
         if mwb.input_logprob_reqs:
             result.input_logprobs = self._input_logprobs(mwb, fb, hidden)
         result.next_token_ids_device = next_ids
         if future_map is not None:
             future_map.token_ids[future_slots] = next_ids
-            if self.step_sender is not None:
-                self.step_sender.send_sampled(next_ids)
+        if self.step_sender is not None and (future_map is not None or self.drafter is not None):
+            self.step_sender.send_sampled(next_ids)  # the followers' future maps, the head's pass
+        if self.drafter is not None:
+            self.drafter.after_pass(fb, hidden, next_ids, mwb.next_prompt_ids)
         if async_copy:
             result.next_token_ids_tensor = next_ids.to("cpu", non_blocking=True)  # into pinned memory
             result.copy_done = torch.cuda.Event()
@@ -145,6 +146,8 @@ class TpModelWorker:
         out = verify_drafts(logits, mwb.spec_info, mwb.sampling_states, mwb.draws, mwb.return_logprob,
                             mwb.top_logprobs_nums)
         if self.drafter is not None:
+            if self.step_sender is not None:
+                self.step_sender.send_accepted(out)
             self.drafter.after_verify(fb, hidden, mwb.spec_info, out)
         last = torch.tensor(out.last_tokens, dtype=torch.int64)
         if future_map is not None:

@@ -27,7 +27,8 @@ prefill computed the head's KV over the prompt, not this row's buffers) drafts f
 verification rejects: a wasted step, never a wrong token.
 
 Runs on the model's plain forward only (hybrid models: no native CPU forward, CUDA graphs or
-torch.compile yet), tensor parallelism 1.
+torch.compile yet). With tensor parallelism every rank runs these passes in the driver's order (the
+head's layers and LM head are collectives); scheduler/tp_step.py says what the followers are sent.
 """
 from __future__ import annotations
 

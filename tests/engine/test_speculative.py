@@ -296,8 +296,6 @@ def test_speculative_flags_use_sglangs_names_and_refuse_what_is_not_there_yet():
     for algo in ("EAGLE", "EAGLE3"):  # NEXTN: test_speculative_nextn.py
         with pytest.raises(ValueError, match="not supported yet"):
             ServerArgs(model_path="m", speculative_algorithm=algo)
-    with pytest.raises(ValueError, match="NEXTN with --tp-size > 1 is not supported yet"):
-        ServerArgs(model_path="m", speculative_algorithm="NEXTN", tp_size=2)
     with pytest.raises(ValueError, match="min-match-window-size"):
         ServerArgs(model_path="m", speculative_algorithm="NGRAM", speculative_ngram_min_match_window_size=5,
                    speculative_ngram_max_match_window_size=4)

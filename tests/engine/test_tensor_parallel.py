@@ -243,6 +243,37 @@ def test_tp2_ngram_speculation_matches_hf(tiny_model_factory, arch, loop):
         assert results[str(i)].ids == hf_greedy(path, p, 30, ignore_eos=True), f"request {i} differs from HF"
 
 
+@pytest.mark.parametrize("arch, loop", [("qwen3_5", "plain"), ("qwen3_next", "overlap")])
+def test_tp2_nextn_speculation_matches_hf(tiny_model_factory, arch, loop):
+    """NEXTN under TP 2: both ranks run the MTP head's passes (its attention heads and MLP sharded, its
+    LM head all-gathered); the follower gets the sampled ids and, after a verify pass, what each
+    request kept. The drafts equal one rank's (the head's chain for the same prompt), greedy equals HF."""
+    from test_speculative import repetitive_prompts
+    from tiny_models import MtpReference
+
+    path = tiny_model_factory(arch, mtp=True, initializer_range=0.02)
+    prompts = repetitive_prompts()
+    spec = dict(speculative_algorithm="NEXTN", speculative_num_steps=2, speculative_disable_by_batch_size=64)
+    scheduler, results = _run_tp(path, prompts, max_new=24, max_total_tokens=4096, chunked_prefill_size=16,
+                                 **spec, **_loop(loop))
+    assert scheduler.spec.server_info()["spec_verify_steps"] > 0
+    for i, p in enumerate(prompts):
+        assert results[str(i)].ids == hf_greedy(path, p, 24, ignore_eos=True), f"request {i} differs from HF"
+    args = dict(tp_size=2, max_total_tokens=4096, disable_overlap_schedule=True, **spec)
+    with tp_followers(ServerArgs(model_path=path, **args)) as tp:
+        h = SchedulerHarness(path, tp=tp, **args)
+        try:
+            seen = []
+            process = h.scheduler.spec.process_verify_result
+            h.scheduler.spec.process_verify_result = lambda launched, result: (
+                seen.append(list(launched.mwb.spec_info.drafts[0])), process(launched, result))
+            h.submit("a", prompts[2], max_new_tokens=4, ignore_eos=True)
+            out = h.run_until_idle()["a"].ids
+        finally:
+            h.scheduler.close()
+    assert seen[0] == MtpReference.load(path).chain(prompts[2] + out[:1], 2)
+
+
 @pytest.mark.parametrize("tie, vocab", [(False, 512), (True, 509)], ids=["lm_head", "tied-odd-vocab"])
 def test_tp2_prompt_and_output_logprobs_match_one_rank(tiny_model_factory, tie, vocab):
     """Prompt logprobs over several chunks and output logprobs with top-k: the LM head split by
