@@ -147,9 +147,16 @@ def _hash(obj: Mapping[str, Any]) -> str | None:
 
 
 async def fetch_deployments(client: KubeClient, isvc: InferenceService) -> dict[Role, dict[str, Any] | None]:
+    """The spec's roles' Deployments and the router's, and, during a mode switch, the other mode's
+    engine Deployments this service still owns (they serve until the switch is done)."""
     kind = KINDS["Deployment"]
-    roles = [*isvc.spec.roles, Role.ROUTER]
-    return {r: await client.get(kind, isvc.namespace, naming.child_name(isvc.name, r)) for r in roles}
+    out = {r: await client.get(kind, isvc.namespace, naming.child_name(isvc.name, r))
+           for r in [*isvc.spec.roles, Role.ROUTER]}
+    for r in naming.ENGINE_ROLES:
+        if r not in out and (d := await client.get(kind, isvc.namespace, naming.child_name(isvc.name, r))) is not None \
+                and controlled_by(d, isvc.uid):
+            out[r] = d
+    return out
 
 
 async def fetch_router_service(client: KubeClient, isvc: InferenceService) -> dict[str, Any] | None:

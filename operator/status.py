@@ -1,7 +1,8 @@
 """InferenceService status from its child Deployments and their pods (pure: the caller fetches).
 
 Ready means a request can be served: at least one ready router pod (its readiness is `/health`) and at
-least one ready pod of every engine role. Every condition that is not as it should be says what to do.
+least one ready pod of every engine role; during a mode switch, of every role of either mode (the old
+roles serve until the new ones are Ready and the router has moved to them). Every condition that is not as it should be says what to do.
 Pods the scheduler cannot place (`PodScheduled=False`, e.g. `Insufficient nvidia.com/gpu`) say so: a
 Deployment only notices them when its progress deadline (30 min for engines) runs out.
 """
@@ -139,10 +140,16 @@ def client_endpoint(isvc: InferenceService, router_service: Mapping[str, Any] | 
 
 
 def _ready(isvc: InferenceService, states: list[RoleState], endpoint: str,
-           problem: tuple[str, str] | None) -> tuple[bool, str, str]:
+           problem: tuple[str, str] | None, old: Sequence[RoleState] = ()) -> tuple[bool, str, str]:
+    """`old`: the other mode's engine roles while a mode switch keeps them."""
     if problem is not None and problem[0] == "ApiRefused":
         return False, *problem
     missing = [s for s in states if s.ready == 0]
+    router = [s for s in states if s.role == Role.ROUTER]
+    if missing and old and all(s.role != Role.ROUTER for s in missing) and all(s.ready > 0 for s in old + router):
+        roles = ", ".join(s.role.suffix for s in old)
+        return True, "Serving", (f"serving model {isvc.spec.model.name!r} at {endpoint} through the {roles} pods "
+                                 f"of the previous mode while switching to mode {isvc.spec.mode.value}.")
     if missing:
         roles = ", ".join(s.role.suffix for s in missing)
         see = f"see the {', '.join(CONDITION_TYPES[s.role] for s in missing)} condition."
@@ -284,12 +291,15 @@ def compute_status(isvc: InferenceService, deployments: Mapping[Role, Mapping[st
     roles = [*isvc.spec.roles, Role.ROUTER]
     desired = {**{r: s.replicas for r, s in isvc.spec.roles.items()}, Role.ROUTER: isvc.spec.router.replicas}
     states = [role_state(r, desired[r], deployments.get(r), _pods_of(isvc, r, pods)) for r in roles]
+    old = [role_state(r, (d.get("spec") or {}).get("replicas", 1), d, _pods_of(isvc, r, pods))
+           for r, d in deployments.items() if r not in roles and d is not None]
     in_cluster = endpoint_url(isvc)
     endpoint = client_endpoint(isvc, router_service, in_cluster)
     prev = previous.get("conditions", [])
     gen = observed_generation
     conds = [condition(CONDITION_TYPES[s.role], *_role_condition(isvc, s), gen, prev, now) for s in states]
-    conds.insert(0, condition("Ready", *_ready(isvc, states, _where(endpoint, in_cluster), problem), gen, prev, now))
+    conds.insert(0, condition("Ready", *_ready(isvc, states, _where(endpoint, in_cluster), problem, old),
+                              gen, prev, now))
     progressing = _progressing(states, observed_generation >= isvc.generation, problem)
     if switching and progressing[1] in ("Reconciling", "RollingOut", "RolloutComplete"):
         progressing = (True, "SwitchingMode", f"switching to mode {isvc.spec.mode.value}: the old engine roles "

@@ -110,6 +110,21 @@ def test_colocated_status_uses_the_engine_role():
     assert conds(st)["EngineReady"]["status"] == "True" and conds(st)["Ready"]["status"] == "True"
 
 
+def test_a_mode_switch_stays_ready_while_the_old_roles_serve():
+    """PD -> colocated: the new engine is not Ready yet, the old prefill and decode (and the router,
+    still routing to them) are: the service answers, so Ready stays True and says how; Progressing says
+    SwitchingMode. Without a ready old role, or without the router, it is not Ready."""
+    isvc = parse(isvc_body(mode="colocated"))
+    deps = {Role.COLOCATED: deployment(1, 0), Role.ROUTER: deployment(1, 1), Role.PREFILL: deployment(1, 1),
+            Role.DECODE: deployment(1, 1)}
+    c = conds(compute_status(isvc, deps, {}, NOW, 1, switching="the new engine pods are Ready"))
+    assert c["Ready"]["status"] == "True" and "previous mode" in c["Ready"]["message"], c["Ready"]
+    assert c["Progressing"]["reason"] == "SwitchingMode" and c["EngineReady"]["status"] == "False"
+    for broken in (Role.DECODE, Role.ROUTER):
+        c = conds(compute_status(isvc, {**deps, broken: deployment(1, 0)}, {}, NOW, 1, switching="x"))
+        assert c["Ready"]["status"] == "False", broken
+
+
 def test_transition_time_moves_only_when_the_status_flips():
     isvc = parse(isvc_body())
     ready = {Role.PREFILL: deployment(1, 1), Role.DECODE: deployment(1, 1), Role.ROUTER: deployment(1, 1)}
