@@ -174,3 +174,22 @@ def test_priority_preemption_under_speculation(mtp_model, tiny_model_factory, al
         assert h.results[f"low{i}"].ids == hf_greedy(path, p, 30, ignore_eos=True), f"low{i}"
     assert h.results["high"].ids == hf_greedy(path, prompts[4], 5, ignore_eos=True)
     assert h.scheduler.check_memory_integrity()
+
+
+@pytest.mark.parametrize("case", ["retraction", "mixed-chunk"])
+def test_nextn_under_retraction_and_mixed_chunks(mtp_model, case):
+    """A pool too small for every request (decode retracts; a retracted request's prefill runs the head
+    over its prompt and output again), or --enable-mixed-chunk (decode rows inside a prefill's extend,
+    the head's pass taking each row's sampled token): HF's tokens, nothing leaked."""
+    path = mtp_model("qwen3_next")
+    prompts = workload(seed=1)
+    pool = int(0.6 * (sum(map(len, prompts)) + MAX_NEW * len(prompts))) if case == "retraction" else 4096
+    h = harness_for(path, "plain", chunked_prefill_size=32, max_total_tokens=pool,
+                    enable_mixed_chunk=case == "mixed-chunk", **NEXTN)
+    results = run_workload(h, prompts, max_new=MAX_NEW, ignore_eos=True)
+    stats = h.scheduler.stats
+    assert (stats.retractions if case == "retraction" else stats.mixed_decode_tokens) > 0
+    assert spec_info(h)["spec_verify_steps"] > 0
+    for i, p in enumerate(prompts):
+        assert results[str(i)].ids == hf_greedy(path, p, MAX_NEW, ignore_eos=True), f"request {i}"
+    assert h.scheduler.check_memory_integrity()
