@@ -193,3 +193,22 @@ def test_nextn_under_retraction_and_mixed_chunks(mtp_model, case):
     for i, p in enumerate(prompts):
         assert results[str(i)].ids == hf_greedy(path, p, MAX_NEW, ignore_eos=True), f"request {i}"
     assert h.scheduler.check_memory_integrity()
+
+
+@pytest.mark.gpu
+def test_nextn_on_cuda_changes_no_token(mtp_model):
+    """On CUDA (fla-core's kernels for the linear layers, the head's passes beside them): NEXTN gives
+    the tokens the same engine gives without speculation, float32, the drafts verified."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    path = mtp_model("qwen3_next")
+    prompts = workload()[:6] + repetitive_prompts()[:2]
+    common = dict(device="cuda", dtype="float32", chunked_prefill_size=32, max_total_tokens=4096)
+    plain = run_workload(harness_for(path, "overlap", **common), prompts, max_new=MAX_NEW, ignore_eos=True)
+    h = harness_for(path, "overlap", **common, **NEXTN)
+    spec = run_workload(h, prompts, max_new=MAX_NEW, ignore_eos=True)
+    for i in range(len(prompts)):
+        assert spec[str(i)].ids == plain[str(i)].ids, f"request {i}"
+    assert spec_info(h)["spec_verify_steps"] > 0 and h.scheduler.check_memory_integrity()
