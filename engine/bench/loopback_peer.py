@@ -7,7 +7,8 @@ Commands are plain tuples; each answers one dict.
     prefill: ("send", {room, src_pages, chunks, metadata}) -> {status, reason, bytes, seconds}
              ("hold", {room})   sender created and bootstrapped, never sent -> {status}
              ("raw_write", {session_id, dst_ptrs, lengths}) -> {seconds}   Mooncake, no baton code
-    decode:  ("recv", {bootstrap_addr, room, dst_pages, meta_slot}) -> {status, reason, metadata, seconds}
+    decode:  ("recv", {bootstrap_addr, room, dst_pages, meta_slot}) -> {status, reason, metadata, seconds,
+             done_at (time.monotonic() at its final poll: comparable across processes on one machine)}
 """
 from __future__ import annotations
 
@@ -128,9 +129,10 @@ class _Peer:
         slot = self.metadata.alloc()
         receiver.init(dst_pages, slot)
         status = wait_final(receiver, timeout_s)
+        done_at = time.monotonic()
         meta = tuple(receiver.metadata()) if status == KVPoll.Success else None
         out = {"status": int(status), "reason": receiver.failure_reason(), "metadata": meta,
-               "seconds": time.perf_counter() - t0}
+               "seconds": time.perf_counter() - t0, "done_at": done_at}
         self.metadata.free(slot)
         receiver.clear()
         return out

@@ -217,6 +217,10 @@ class TransferConfig:
     max_batch_entries: int = 512  # runs per batched write; below Mooncake TCP's per-peer queue (1024)
     # prefill: per transfer thread, registered memory to gather head slices in (TP sizes that differ)
     staging_bytes: int = 64 << 20
+    # decode narrower than its prefill: each prefill rank's heads land packed in the request's own
+    # pages and are scattered into place (landing.py); False: one write per token and layer buffer
+    # in place (the slow, obvious path)
+    land_slices: bool = True
     num_transfer_threads: int = 2
 
     def __post_init__(self) -> None:

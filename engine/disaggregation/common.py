@@ -34,13 +34,14 @@ class Destination:
     # a hybrid between different TP sizes: (buffers, src row, dst row, rows) of the state slot to move
     # (head_slices.state_row_slices); None: the whole slot
     state_rows: Optional[tuple[tuple[int, int, int, int], ...]] = None
+    landing: bool = False  # the slice goes packed into the pages, for the decode to scatter (landing.py)
 
 
 def check_destination(room: int, local: KVArgs, remote_geometry: KVGeometry, remote_kv_len: int,
                       remote_aux_len: int, pages: np.ndarray, meta_slot: int, state_slot: Optional[int] = None,
                       remote_state_slots: int = 0, heads: Optional[tuple[int, int, int]] = None,
                       state_rows: Optional[tuple] = None,
-                      remote_state_items: Optional[tuple[int, ...]] = None) -> Optional[str]:
+                      remote_state_items: Optional[tuple[int, ...]] = None, landing: bool = False) -> Optional[str]:
     """Why the prefill (`local`) must refuse a decode's destination, or None when it fits.
     `remote_state_items`: bytes per state slot of each of the decode rank's state buffers."""
     mismatch = local.geometry.mismatch(remote_geometry)
@@ -51,6 +52,8 @@ def check_destination(room: int, local: KVArgs, remote_geometry: KVGeometry, rem
     if heads is None and local.geometry.head_num != remote_geometry.head_num:
         return f"room {room}: the decode rank holds {remote_geometry.head_num} KV heads and this rank " \
                f"{local.geometry.head_num}, but the decode asked for whole pages"
+    if landing and heads is None:
+        return f"room {room}: the decode asked for whole pages to land as a head slice"
     if heads is not None:
         src, dst, n = heads
         if min(src, dst, n) < 0 or src + n > local.geometry.head_num or dst + n > remote_geometry.head_num:

@@ -41,7 +41,7 @@ class Side:
     """One engine's transfer state over `tp_size` ranks: rank 0's manager drives the others."""
 
     def __init__(self, mode: str, tp_size: int, addr=None, seed: int = 0, configs=None, kv_heads: int = 4) -> None:
-        self.pools, self.metas, self.services, self.link = [], [], [], None
+        self.pools, self.metas, self.services, self.mgrs, self.link = [], [], [], [], None
         self.kv_heads = kv_heads
         local = None
         for rank in range(tp_size):
@@ -54,6 +54,7 @@ class Side:
             mgr = create_transfer_backend("mooncake", args, meta, mode, config, addr)
             self.pools.append(pool)
             self.metas.append(meta)
+            self.mgrs.append(mgr)
             if rank == 0:
                 local = mgr
             else:
@@ -78,14 +79,14 @@ class Side:
 
 
 @contextlib.contextmanager
-def engines(decode_tp: int = 2, prefill_configs=None, prefill_tp: int = 2, kv_heads: int = 4):
+def engines(decode_tp: int = 2, prefill_configs=None, prefill_tp: int = 2, kv_heads: int = 4, decode_configs=None):
     server = KVBootstrapServer("127.0.0.1", 0)
     addr = f"127.0.0.1:{server.port}"
     made = []
     try:
         prefill = Side("prefill", prefill_tp, addr, seed=11, configs=prefill_configs, kv_heads=kv_heads)
         made.append(prefill)
-        decode = Side("decode", decode_tp, kv_heads=kv_heads)
+        decode = Side("decode", decode_tp, configs=decode_configs, kv_heads=kv_heads)
         made.append(decode)
         yield addr, prefill, decode
     finally:
@@ -186,18 +187,53 @@ def test_an_abort_on_the_decode_reaches_every_prefill_rank():
         _finish(prefill, decode, sender, receiver)
 
 
-@pytest.mark.parametrize("prefill_tp,decode_tp,kv_heads", [(1, 2, 4), (2, 1, 4), (2, 4, 2), (4, 1, 2)],
-                         ids=["tp1-to-tp2", "tp2-to-tp1", "tp2-to-tp4-replicated", "tp4-replicated-to-tp1"])
+@pytest.fixture
+def scatters(monkeypatch) -> list:
+    """The landed requests a decode rank scattered (landing.py), as (pages, slices)."""
+    from baton.engine.disaggregation.mooncake import receiver
+
+    calls = []
+
+    def counted(bufs, pages, page_size, slices):
+        calls.append((list(pages), list(slices)))
+        return receiver_scatter(bufs, pages, page_size, slices)
+
+    receiver_scatter = receiver.scatter_landed
+    monkeypatch.setattr(receiver, "scatter_landed", counted)
+    return calls
+
+
+def _count_writes(side: Side) -> list:
+    """Every batched write's entry count, over all of the side's ranks."""
+    counts = []
+    for mgr in side.mgrs:
+        def counted(session, srcs, dsts, lens, write=mgr.engine.batch_write):
+            counts.append(len(lens))
+            return write(session, srcs, dsts, lens)
+        mgr.engine.batch_write = counted
+    return counts
+
+
+@pytest.mark.parametrize("prefill_tp,decode_tp,kv_heads,land", [
+    (1, 2, 4, True), (2, 1, 4, True), (2, 4, 2, True), (4, 1, 2, True), (3, 2, 6, True), (2, 1, 4, False)],
+    ids=["tp1-to-tp2", "tp2-to-tp1", "tp2-to-tp4-replicated", "tp4-replicated-to-tp1", "tp3-to-tp2",
+         "tp2-to-tp1-in-place"])
 def test_each_decode_rank_receives_exactly_its_heads_from_a_prefill_of_another_tp_size(prefill_tp, decode_tp,
-                                                                                        kv_heads):
+                                                                                        kv_heads, land, scatters):
     """Every rank's pool filled differently (replicas of a head too): each decode rank's heads of
     every page are the bytes of the first prefill rank holding that head (head_slices.py), whether
     one sender feeds several receivers (gathering the slices in a staging buffer that holds 3 tokens
-    here, so in several pieces) or several senders one receiver; a prefill rank nobody needs (a
-    replica) still ends the request."""
+    here, so in several pieces) or several senders one receiver (each slice lands packed in the
+    request's pages, non-consecutive here, and the decode rank scatters it once: landing.py; 3 -> 2
+    mixes both, with slices of 2 and 1 heads, one gathered); a prefill rank nobody needs (a replica)
+    still ends the request. Slices move in runs, far fewer writes than tokens, except on the slow
+    path a decode asks for with land_slices=False (one write per token and layer buffer)."""
     small = replace(CONFIG, staging_bytes=3 * 4 * 2 * 8 * 2)  # 3 tokens x 4 buffers x 2 heads x 8 x fp16
     with engines(decode_tp=decode_tp, prefill_tp=prefill_tp, kv_heads=kv_heads,
-                 prefill_configs={r: small for r in range(prefill_tp)}) as (addr, prefill, decode):
+                 prefill_configs={r: small for r in range(prefill_tp)},
+                 decode_configs={r: replace(CONFIG, land_slices=land) for r in range(decode_tp)}) as (addr, prefill,
+                                                                                                     decode):
+        writes = _count_writes(prefill)
         src, dst = [3, 4, 5, 9], [9, 10, 2, 3]
         sender, receiver = _transfer(addr, prefill, decode, 7004, src, dst)
         assert wait_final(sender, 15) == KVPoll.Success, sender.failure_reason()
@@ -215,6 +251,36 @@ def test_each_decode_rank_receives_exactly_its_heads_from_a_prefill_of_another_t
                     for s_page, d_page in zip(src, dst):
                         assert torch.equal(d_buf[d_page * ps:(d_page + 1) * ps, h - d_start],
                                            s_buf[s_page * ps:(s_page + 1) * ps, h - p_start]), (r, h, p)
+        plans = [[s for s in decode_rank_plan(kv_heads, prefill_tp, decode_tp, r) if s.num_heads]
+                 for r in range(decode_tp)]
+        narrower = sum(len(plan) > 1 for plan in plans)  # decode ranks taking heads from several prefill ranks
+        assert len(scatters) == (narrower if land else 0) and all(pages == dst for pages, _ in scatters)
+        per_token = 4 * len(src) * ps * sum(map(len, plans))  # 4 layer buffers; a slice of each token into each
+        tails = sum(len(decode_rank_plan(kv_heads, prefill_tp, decode_tp, r)) for r in range(decode_tp))
+        kv_writes = sum(writes) - tails  # each destination's last batch: its metadata slot
+        assert kv_writes == per_token if not land else kv_writes <= per_token // 2, writes
+        _finish(prefill, decode, sender, receiver)
+
+
+def test_an_abort_between_the_slices_of_a_narrower_decode_ends_both_sides_without_a_scatter(scatters):
+    """TP 2 -> 1: prefill rank 0's slice has landed (Success) when the decode gives up, before rank 1
+    wrote: the receiver fails and never scatters into the pages, which go back (or to quarantine) as
+    any failed request's; both prefill ranks fail; no rank keeps a room (Side.close)."""
+    with engines(decode_tp=1) as (addr, prefill, decode):
+        receiver = decode.mgr.create_receiver(addr, 7008)
+        receiver.init(np.array([2, 3]), decode.metas[0].alloc())
+        sender = prefill.mgr.create_sender(7008)
+        assert wait_until(lambda: sender.poll() == KVPoll.WaitingForInput, 15), sender.failure_reason()
+        assert sender.local.dests[0].landing, "the decode asked rank 0 to land its slice"
+        sender.init(2, prefill.metas[0].alloc())
+        sender.local.send([5, 6], is_last=True, metadata=KVMetadata(42, -0.5, 7008))  # rank 0 only
+        assert wait_final(sender.local, 15) == KVPoll.Success, sender.local.failure_reason()
+        assert wait_until(lambda: len(receiver._succeeded) == 1, 15), "rank 0's Success never came"
+        assert receiver.poll() == KVPoll.WaitingForInput, "one prefill rank's slice is not the request"
+        receiver.abort("client disconnected")
+        assert receiver.poll() == KVPoll.Failed and "client disconnected" in receiver.failure_reason()
+        assert wait_until(lambda: prefill.link.state(7008)[0] == KVPoll.Failed, 15), "rank 1 never heard of it"
+        assert sender.poll() == KVPoll.Failed and scatters == []
         _finish(prefill, decode, sender, receiver)
 
 

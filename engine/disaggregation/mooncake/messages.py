@@ -48,6 +48,9 @@ class Room:
     # a hybrid model between different TP sizes: [buffers, src_row, dst_row, rows] of the state slot
     # rows this decode rank takes (head_slices.state_row_slices; None: the whole slot)
     state_rows: Optional[list[list[int]]] = None
+    # a decode rank narrower than this prefill rank: write the slice packed into the pages, which the
+    # decode scatters (disaggregation/landing.py); False: in place
+    landing: bool = False
 
 
 @dataclass(frozen=True)
@@ -73,7 +76,7 @@ def encode(msg: Message) -> list[bytes]:
     if isinstance(msg, Room):
         header = {"room": msg.room, "session_id": msg.session_id, "endpoint": msg.endpoint, "meta_slot": msg.meta_slot,
                   "prefix_pages": msg.prefix_pages, "state_slot": msg.state_slot, "heads": msg.heads,
-                  "num_dests": msg.num_dests, "state_rows": msg.state_rows}
+                  "num_dests": msg.num_dests, "state_rows": msg.state_rows, "landing": msg.landing}
         return [b"room", json.dumps(header).encode(), np.ascontiguousarray(msg.pages, dtype=np.int64).tobytes()]
     return [_KIND_OF[type(msg)], json.dumps(asdict(msg)).encode()]
 

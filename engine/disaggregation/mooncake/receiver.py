@@ -8,7 +8,10 @@ holds TP rank T's shard of the KV heads; rank 0's route also tells the prefill's
 sizes: the receiver binds to the prefill's TP rank T and takes whole pages. Different sizes: it
 binds to every prefill TP rank that holds some of its heads (head_slices.py), sends each its
 destination with the head slice and how many decode ranks will write to it, and succeeds once
-every one of them has reported Success.
+every one of them has reported Success. Where it takes heads from several prefill ranks (it is
+narrower), each lands its slice packed in the request's pages and the first poll() after the last
+Success scatters them into place (landing.py), on the thread that owns the pages (the scheduler's,
+or a TP follower's service thread), so a request that ends first is never scattered into.
 
 Heartbeat window: a prefill whose /health fails `heartbeat_max_failures` times in a row, or whose
 session changed (a restart), fails every unfinished receiver bound to it; the cached route is
@@ -26,6 +29,7 @@ from baton.engine.disaggregation.base import KVPoll, KVTransferError
 from baton.engine.disaggregation.bootstrap_server import PrefillRankInfo, check_health, fetch_prefill_rank
 from baton.engine.disaggregation.common import CommonKVReceiver
 from baton.engine.disaggregation.head_slices import decode_rank_plan, receivers_of, state_row_slices
+from baton.engine.disaggregation.landing import scatter_landed
 from baton.engine.disaggregation.mooncake import messages
 
 if TYPE_CHECKING:
@@ -42,6 +46,7 @@ class PeerRank(NamedTuple):
     heads: Optional[list[int]]  # [src_head, dst_head, num_heads]; None: the whole shard (equal TP sizes)
     num_dests: int  # decode ranks that send this prefill rank a destination for a room
     state_rows: Optional[list[list[int]]] = None  # hybrid, TP sizes that differ: the state rows it takes
+    landing: bool = False  # its slice lands packed in the request's pages, for this rank to scatter
 
 
 class MooncakeKVReceiver(CommonKVReceiver):
@@ -50,6 +55,7 @@ class MooncakeKVReceiver(CommonKVReceiver):
         self._rooms = rooms
         self.peer: Optional[list[PeerRank]]
         self._succeeded: set[str] = set()  # prefill ranks that reported Success
+        self._landed = False  # every slice landed, not scattered yet: the next poll() scatters
         rooms.add(self)
 
     def _send_destination(self) -> None:
@@ -57,16 +63,33 @@ class MooncakeKVReceiver(CommonKVReceiver):
         for p in self.peer:
             mgr.channel.send(p.route.endpoint, messages.Room(
                 self.room, mgr.session_id, mgr.channel.endpoint, self.meta_slot, self.pages, self.prefix_pages,
-                self.state_slot, p.heads, p.num_dests, p.state_rows))
+                self.state_slot, p.heads, p.num_dests, p.state_rows, p.landing))
 
     def on_status(self, status: KVPoll, reason: Optional[str], rank: str = "") -> None:
-        """Success once every prefill rank of the plan reported it; any failure fails the room."""
+        """Success once every prefill rank of the plan reported it (and the landed slices are
+        scattered: poll()); any failure fails the room."""
         if status == KVPoll.Success and self.peer is not None and len(self.peer) > 1:
             with self._lock:
                 self._succeeded.add(rank)
                 if len(self._succeeded) < len(self.peer):
                     return
+            if any(p.landing for p in self.peer):
+                self._landed = True
+                return
         super().on_status(status, reason)
+
+    def poll(self) -> KVPoll:
+        if self._landed and not self.done:
+            self._landed = False
+            try:
+                args = self._rooms.mgr.args
+                slices = sorted((p.heads[1], p.heads[2]) for p in self.peer if p.heads[2])
+                scatter_landed(args.kv_tensors, self.pages, args.geometry.page_size, slices)
+            except Exception as e:  # noqa: BLE001 - ends this request only
+                self.fail(f"room {self.room}: scattering the landed KV heads failed: {e}")
+            else:
+                super().on_status(KVPoll.Success, None)
+        return super().poll()
 
     def bound_to(self, route: PrefillRankInfo) -> bool:
         return self.peer is not None and any(p.route is route for p in self.peer)
@@ -143,11 +166,11 @@ class DecodeRooms:
             plan = self._plan(first)
             rank = r.room % first.dp_size
             peers = []
-            for prefill_tp_rank, heads, num_dests, state_rows in plan:
+            for prefill_tp_rank, *slice_plan in plan:
                 route = self._route(r.bootstrap_addr, rank, prefill_tp_rank)
                 if route is None:
                     break
-                peers.append(PeerRank(route, heads, num_dests, state_rows))
+                peers.append(PeerRank(route, *slice_plan))
             if len(peers) < len(plan):
                 continue
             try:
@@ -158,21 +181,24 @@ class DecodeRooms:
                 continue
             r.attach(peers)
 
-    def _plan(self, first: PrefillRankInfo) -> list[tuple[int, Optional[list[int]], int, Optional[list[list[int]]]]]:
-        """(prefill TP rank, head slice, decode ranks it hears from, state rows) for each prefill rank
-        this decode rank talks to. Equal TP sizes: its own TP rank, whole pages and state slots. A
-        prefill that tells another model's KV heads gets whole pages too: its handshake refuses the
-        pair, naming what differs."""
+    def _plan(self, first: PrefillRankInfo) -> list[tuple[int, Optional[list[int]], int, Optional[list[list[int]]],
+                                                          bool]]:
+        """(prefill TP rank, head slice, decode ranks it hears from, state rows, landing) for each
+        prefill rank this decode rank talks to. Equal TP sizes: its own TP rank, whole pages and state
+        slots. A prefill that tells another model's KV heads gets whole pages too: its handshake
+        refuses the pair, naming what differs. Slices from several ranks land (landing.py) unless
+        the config says otherwise or this rank cannot reach its pool's tensors."""
         args = self.mgr.args
         ours, theirs = args.geometry.kv_heads_total, first.geometry.get("kv_heads_total", 0)
         if first.tp_size == args.tp_size or not ours or ours != theirs:
-            return [(args.tp_rank % first.tp_size, None, 1, None)]
+            return [(args.tp_rank % first.tp_size, None, 1, None, False)]
         heads = args.linear_heads
         plan = decode_rank_plan(ours, first.tp_size, args.tp_size, args.tp_rank, heads[0] if heads else 0)
+        land = self.config.land_slices and bool(args.kv_tensors) and sum(1 for s in plan if s.num_heads) > 1
         return [(s.prefill_rank, [s.src_head, s.dst_head, s.num_heads],
                  receivers_of(ours, first.tp_size, args.tp_size, s.prefill_rank, heads[0] if heads else 0),
                  [list(x) for x in state_row_slices(heads, first.tp_size, s.prefill_rank, args.tp_size, args.tp_rank)]
-                 if heads else None)
+                 if heads else None, land and s.num_heads > 0)
                 for s in plan]
 
     def _route(self, addr: str, rank: int, tp_rank: int) -> Optional[PrefillRankInfo]:

@@ -5,6 +5,9 @@ Mooncake's TCP transport queues at most MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER (de
 entries per peer; a batch beyond that is rejected and the peer's lanes stay unusable for a while.
 So one batched write per decode peer is in flight at a time, of at most max_batch_entries runs.
 
+Between different TP sizes a head slice moves as a byte stream over the decode's pages
+(landing.py): token runs from this rank's pool, or gathered through a registered staging buffer.
+
 A decode's Room message may arrive before or after the prefill creates the sender for that room;
 whichever comes second pairs them. Chunks of one room go to one thread, in order, so the final
 status is sent only after every earlier chunk has landed.
@@ -23,6 +26,7 @@ import numpy as np
 from baton.engine.disaggregation.base import KVGeometry, KVPoll, KVTransferError, contiguous_runs
 from baton.engine.disaggregation.bootstrap_server import rank_key
 from baton.engine.disaggregation.common import CommonKVSender, Destination, check_destination
+from baton.engine.disaggregation.landing import ByteRuns, Pieces, merge_runs, slice_start, stream_runs, zip_runs
 from baton.engine.disaggregation.mooncake import messages
 
 if TYPE_CHECKING:
@@ -57,7 +61,8 @@ class MooncakeKVSender(CommonKVSender):
         rooms.add(self)
 
     def _submit(self, src_pages: np.ndarray, dst_pages: np.ndarray, is_last: bool) -> None:
-        self._rooms.submit(self, src_pages, dst_pages, is_last)  # the state slot rides on self
+        first = self._sent - self.dest.prefix_pages - len(dst_pages)  # dst_pages = dest.pages[first:] (send())
+        self._rooms.submit(self, src_pages, dst_pages, first, is_last)  # the state slot rides on self
 
     def _notify_abort(self, reason: str) -> None:
         for dest in list(self.dests):
@@ -162,7 +167,7 @@ class PrefillRooms:
             heads = tuple(msg.heads) if msg.heads is not None else None
             rows = tuple(tuple(r) for r in msg.state_rows) if msg.state_rows is not None else None
             self._deliver(msg.room, Destination(peer, msg.pages, msg.meta_slot, msg.prefix_pages, msg.state_slot,
-                                                heads, msg.num_dests, rows))
+                                                heads, msg.num_dests, rows, msg.landing))
             return
         self.reply(msg.endpoint, self.status(msg.room, KVPoll.Failed, reason))
         self._deliver(msg.room, reason)
@@ -176,7 +181,7 @@ class PrefillRooms:
                                  msg.pages, msg.meta_slot, msg.state_slot, slots,
                                  tuple(msg.heads) if msg.heads is not None else None,
                                  tuple(map(tuple, msg.state_rows)) if msg.state_rows is not None else None,
-                                 tuple(int(x) for x in items))
+                                 tuple(int(x) for x in items), msg.landing)
 
     def _remote_state_items(self, peer: DecodePeer) -> np.ndarray:
         """Bytes per state slot of each of the decode rank's buffers (as this rank's where it did not say)."""
@@ -194,17 +199,18 @@ class PrefillRooms:
 
     # ---- transfer threads ----
 
-    def submit(self, sender: MooncakeKVSender, src: np.ndarray, dst: np.ndarray, is_last: bool) -> None:
-        self._queues[sender.room % len(self._queues)].put((sender, src, dst, is_last))
+    def submit(self, sender: MooncakeKVSender, src: np.ndarray, dst: np.ndarray, first: int, is_last: bool) -> None:
+        """A chunk: source pages, and the destination's pages, dest.pages[first:first + len(dst)]."""
+        self._queues[sender.room % len(self._queues)].put((sender, src, dst, first, is_last))
 
     def _work(self, q: queue.Queue) -> None:
         while (job := q.get()) is not None:
-            sender, src, dst, is_last = job
+            sender, src, dst, first, is_last = job
             for i, dest in enumerate(sender.dests):
                 if sender.done:
                     break  # aborted, or an earlier chunk failed
                 try:
-                    self._transfer(sender, i, dest, src, dst, is_last)
+                    self._transfer(sender, i, dest, src, dst, first, is_last)
                 except Exception as e:  # noqa: BLE001 - a failed transfer ends this request only
                     reason = f"room {sender.room}: KV transfer to decode {dest.peer.session_id} failed: {e}"
                     if sender.fail(reason):
@@ -212,12 +218,12 @@ class PrefillRooms:
                             self.reply(d.peer.endpoint, self.status(sender.room, KVPoll.Failed, reason))
 
     def _transfer(self, sender: MooncakeKVSender, index: int, dest: Destination, src: np.ndarray, dst: np.ndarray,
-                  is_last: bool) -> None:
+                  first: int, is_last: bool) -> None:
         with self._lock:
             peer_lock = self._peer_locks.setdefault(dest.peer.session_id, threading.Lock())
         with peer_lock:
             start = time.perf_counter()
-            nbytes = self._write_pages(dest.peer, src, dst, dest.heads)
+            nbytes = self._write_pages(dest, src, dst, first)
             if is_last:
                 nbytes += self._write_tail(dest, sender.state_slot, sender.meta_slot)
             sender.record(nbytes, time.perf_counter() - start)
@@ -228,76 +234,90 @@ class PrefillRooms:
         self._mgr.channel.send(dest.peer.endpoint, self.status(sender.room, KVPoll.Success))
         sender.finish(index)
 
-    def _write_pages(self, peer: DecodePeer, src: np.ndarray, dst: np.ndarray,
-                     heads: Optional[tuple[int, int, int]] = None) -> int:
-        """Whole pages per contiguous run (the decode rank holds this rank's heads), else the head
-        slice of every token: one entry per token and buffer (head_slices.py)."""
+    def _write_pages(self, dest: Destination, src: np.ndarray, dst: np.ndarray, first: int) -> int:
+        """Whole pages per contiguous run (the decode rank holds this rank's heads); a head slice as
+        a stream (landing.py) where the decode rank holds exactly it or asked for it landed; else the
+        slice of every token in place: one entry per token and buffer (the slow, obvious path)."""
+        peer, heads = dest.peer, dest.heads
         geo, remote = self._mgr.args.geometry, peer.geometry
         if heads is not None and heads[2] == geo.head_num == remote.head_num:
             heads = None
-        if heads is not None and heads[2] == remote.head_num and self._mgr.args.kv_tensors \
-                and self.config.staging_bytes:
-            return self._write_gathered(peer, src, dst, heads)
         if heads is None:
             runs = contiguous_runs(src, dst)
             item = self._item_lens[:, None]  # [num_bufs, 1]
-            srcs = (self._kv_ptrs[:, None] + runs.src_starts[None, :] * item).ravel()  # [num_bufs * num_runs]
-            dsts = (peer.kv_ptrs[:, None] + runs.dst_starts[None, :] * item).ravel()
-            lens = (runs.lengths[None, :] * item).ravel()
-        else:
-            src_head, dst_head, n = heads
-            if n == 0 or len(src) == 0:
-                return 0
-            ps = geo.page_size
-            head_bytes = int(self._item_lens[0]) // (ps * geo.head_num)
-            offsets = np.arange(ps, dtype=np.int64)
-            src_slots = (src[:, None] * ps + offsets).ravel()  # [num_tokens]
-            dst_slots = (dst[:, None] * ps + offsets).ravel()
-            srcs = (self._kv_ptrs[:, None] + (src_slots * geo.head_num + src_head)[None, :] * head_bytes).ravel()
-            dsts = (peer.kv_ptrs[:, None] + (dst_slots * remote.head_num + dst_head)[None, :] * head_bytes).ravel()
-            lens = np.full(len(srcs), n * head_bytes, dtype=np.int64)
+            return self._write_entries(peer, (self._kv_ptrs[:, None] + runs.src_starts[None, :] * item).ravel(),
+                                       (peer.kv_ptrs[:, None] + runs.dst_starts[None, :] * item).ravel(),
+                                       (runs.lengths[None, :] * item).ravel())
+        src_head, dst_head, n = heads
+        if n == 0 or len(src) == 0:
+            return 0
+        if dest.landing or n == remote.head_num:
+            return self._write_stream(dest, src, first)
+        ps = geo.page_size
+        head_bytes = int(self._item_lens[0]) // (ps * geo.head_num)
+        offsets = np.arange(ps, dtype=np.int64)
+        src_slots = (src[:, None] * ps + offsets).ravel()  # [num_tokens]
+        dst_slots = (dst[:, None] * ps + offsets).ravel()
+        srcs = (self._kv_ptrs[:, None] + (src_slots * geo.head_num + src_head)[None, :] * head_bytes).ravel()
+        dsts = (peer.kv_ptrs[:, None] + (dst_slots * remote.head_num + dst_head)[None, :] * head_bytes).ravel()
+        return self._write_entries(peer, srcs, dsts, np.full(len(srcs), n * head_bytes, dtype=np.int64))
+
+    def _write_stream(self, dest: Destination, src: np.ndarray, first: int) -> int:
+        """This rank's slice of the chunk's tokens, token-major, at its place in the stream of the
+        decode's pages (landing.py): straight from the pool where the slice is every head of a token
+        here, else gathered through this thread's staging buffer, as many tokens at a time as it holds."""
+        src_head, _, n = dest.heads
+        geo, remote = self._mgr.args.geometry, dest.peer.geometry
+        ps = geo.page_size
+        head_bytes = int(self._item_lens[0]) // (ps * geo.head_num)
+        token_bytes, page_bytes = n * head_bytes, ps * remote.head_num * head_bytes  # the decode's page
+        slots = (src[:, None] * ps + np.arange(ps, dtype=np.int64)).ravel()  # [num_tokens]
+        start = slice_start(dest.heads, len(dest.pages), ps, head_bytes, first)
+        if n == geo.head_num or not (self._mgr.args.kv_tensors and self.config.staging_bytes):
+            runs = merge_runs((slots * geo.head_num + src_head) * head_bytes, token_bytes)
+            pieces = zip_runs(runs, stream_runs(dest.pages, page_bytes, start, len(slots) * token_bytes))
+            return self._write_stream_pieces(dest.peer, self._kv_ptrs, pieces)
+        nbytes = 0
+        for i, t, bases in self._gathered(slots, src_head, n):
+            whole = ByteRuns(np.zeros(1, dtype=np.int64), np.array([t * token_bytes], dtype=np.int64))
+            pieces = zip_runs(whole, stream_runs(dest.pages, page_bytes, start + i * token_bytes, t * token_bytes))
+            nbytes += self._write_stream_pieces(dest.peer, bases, pieces)
+        return nbytes
+
+    def _gathered(self, slots: np.ndarray, src_head: int, n: int):
+        """Yields (first token, tokens, [buffers] staging address of each buffer's part) per piece
+        of heads src_head.. of `slots` gathered into this thread's staging buffer (reused by the next)."""
+        import torch
+
+        bufs = self._mgr.args.kv_tensors
+        nb, dim = len(bufs), bufs[0].shape[-1]
+        token_bytes = n * dim * bufs[0].element_size()
+        staging = self._staging()
+        per_piece = staging.numel() // (nb * token_bytes)
+        assert per_piece >= 1, f"staging_bytes {staging.numel()} holds no token of {nb} buffers"
+        for i in range(0, len(slots), per_piece):
+            t = min(per_piece, len(slots) - i)
+            view = staging[:nb * t * token_bytes].view(bufs[0].dtype).view(nb, t, n, dim)
+            index = torch.from_numpy(slots[i:i + t]).to(staging.device)
+            for b, buf in enumerate(bufs):  # [t, n, head_dim] of every buffer
+                torch.index_select(buf[:, src_head:src_head + n], 0, index, out=view[b])
+            if staging.is_cuda:
+                torch.cuda.current_stream(staging.device).synchronize()
+            yield i, t, staging.data_ptr() + np.arange(nb, dtype=np.int64) * t * token_bytes
+
+    def _write_stream_pieces(self, peer: DecodePeer, src_bases: np.ndarray, pieces: Pieces) -> int:
+        """The same pieces in every layer buffer: from src_bases[b] + src, to the peer's buffer b + dst."""
+        nb = len(peer.kv_ptrs)
+        return self._write_entries(peer, (src_bases[:, None] + pieces.src[None, :]).ravel(),
+                                   (peer.kv_ptrs[:, None] + pieces.dst[None, :]).ravel(),
+                                   np.broadcast_to(pieces.lengths[None, :], (nb, len(pieces.lengths))).ravel())
+
+    def _write_entries(self, peer: DecodePeer, srcs: np.ndarray, dsts: np.ndarray, lens: np.ndarray) -> int:
         step = self.config.max_batch_entries
         for i in range(0, len(lens), step):
             self._mgr.engine.batch_write(peer.session_id, srcs[i:i + step].tolist(), dsts[i:i + step].tolist(),
                                          lens[i:i + step].tolist())
         return int(lens.sum())
-
-    def _write_gathered(self, peer: DecodePeer, src: np.ndarray, dst: np.ndarray, heads: tuple[int, int, int]) -> int:
-        """The decode rank holds exactly this slice's heads (it is wider than this rank's TP size):
-        gather the slice of every token into this thread's staging buffer, then write it as whole
-        token runs of the decode's pages, as many tokens at a time as the buffer holds."""
-        import torch
-
-        src_head, _, n = heads
-        geo, bufs = self._mgr.args.geometry, self._mgr.args.kv_tensors
-        ps, nb = geo.page_size, len(bufs)
-        token_bytes = n * bufs[0].shape[-1] * bufs[0].element_size()  # one token of one buffer, on both sides
-        staging = self._staging()
-        per_piece = staging.numel() // (nb * token_bytes)
-        offsets = np.arange(ps, dtype=np.int64)
-        src_slots, dst_slots = (src[:, None] * ps + offsets).ravel(), (dst[:, None] * ps + offsets).ravel()
-        nbytes = 0
-        for i in range(0, len(src_slots), per_piece):
-            s_sl, d_sl = src_slots[i:i + per_piece], dst_slots[i:i + per_piece]
-            t = len(s_sl)
-            view = staging[:nb * t * token_bytes].view(bufs[0].dtype).view(nb, t, n, bufs[0].shape[-1])
-            index = torch.from_numpy(s_sl).to(staging.device)
-            for b, buf in enumerate(bufs):  # [t, n, head_dim] of every buffer
-                torch.index_select(buf[:, src_head:src_head + n], 0, index, out=view[b])
-            if staging.is_cuda:
-                torch.cuda.current_stream(staging.device).synchronize()
-            starts = np.concatenate(([0], np.flatnonzero(np.diff(d_sl) != 1) + 1))
-            lengths = np.diff(np.concatenate((starts, [t])))
-            base = np.arange(nb, dtype=np.int64)[:, None] * t  # [nb, 1] first token of each buffer's part
-            srcs = (staging.data_ptr() + (base + starts[None, :]) * token_bytes).ravel()
-            dsts = (peer.kv_ptrs[:, None] + d_sl[starts][None, :] * token_bytes).ravel()
-            lens = np.broadcast_to(lengths[None, :] * token_bytes, (nb, len(starts))).ravel()
-            step = self.config.max_batch_entries
-            for j in range(0, len(lens), step):
-                self._mgr.engine.batch_write(peer.session_id, srcs[j:j + step].tolist(), dsts[j:j + step].tolist(),
-                                             lens[j:j + step].tolist())
-            nbytes += int(lens.sum())
-        return nbytes
 
     def _staging(self):
         """This transfer thread's staging buffer, registered with Mooncake on first use."""
