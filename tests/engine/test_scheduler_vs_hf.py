@@ -275,6 +275,17 @@ def test_stop_conditions(tiny_model_factory):
     assert h.scheduler.check_memory_integrity()
 
 
+def finish_order(h: SchedulerHarness, max_steps: int = 500) -> list[str]:
+    """Run until idle; the request ids in the order they finished."""
+    order: list[str] = []
+    for _ in range(max_steps):
+        ran = h.step()
+        order += [rid for rid, c in h.results.items() if c.finish is not None and rid not in order]
+        if not ran and h.scheduler.is_idle():
+            return order
+    raise AssertionError(f"scheduler not idle after {max_steps} steps")
+
+
 @pytest.mark.parametrize("arch,overlap", [("llama", True), ("llama", False), ("qwen3_5", True)],
                          ids=["overlap", "plain", "hybrid-overlap"])
 def test_priority_preemption(tiny_model_factory, arch, overlap):
@@ -289,12 +300,7 @@ def test_priority_preemption(tiny_model_factory, arch, overlap):
     for _ in range(4):
         h.step()
     h.submit("high", prompts[4], max_new_tokens=5, ignore_eos=True, priority=10)
-    order = []
-    for _ in range(500):
-        ran = h.step()
-        order += [rid for rid, c in h.results.items() if c.finish is not None and rid not in order]
-        if not ran and h.scheduler.is_idle():
-            break
+    order = finish_order(h)
     assert h.scheduler.stats.preemptions >= 1
     assert order[0] == "high", f"the high-priority request should finish first, got {order}"
     for i, p in enumerate(prompts[:4]):

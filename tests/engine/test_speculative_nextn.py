@@ -13,7 +13,7 @@ import pytest
 
 from baton.engine.io_struct import AbortReq
 from baton.engine.server_args import ServerArgs
-from test_scheduler_vs_hf import hf_greedy, harness_for, run_workload, workload
+from test_scheduler_vs_hf import finish_order, hf_greedy, harness_for, run_workload, workload
 from test_speculative import MAX_NEW, repetitive_prompts, spec_info
 from tiny_models import MtpReference
 
@@ -162,12 +162,7 @@ def test_priority_preemption_under_speculation(mtp_model, tiny_model_factory, al
     for _ in range(6):
         h.step()
     h.submit("high", prompts[4], max_new_tokens=5, ignore_eos=True, priority=10)
-    order = []
-    for _ in range(500):
-        ran = h.step()
-        order += [rid for rid, c in h.results.items() if c.finish is not None and rid not in order]
-        if not ran and h.scheduler.is_idle():
-            break
+    order = finish_order(h)
     assert h.scheduler.stats.preemptions >= 1 and order[0] == "high", order
     assert spec_info(h)["spec_verify_steps"] > 0
     for i, p in enumerate(prompts[:4]):
