@@ -186,6 +186,7 @@ class DecodeDisaggregation(Colocated):
                 if req.top_logprobs_num > 0:
                     req.output_top_logprobs.append([])  # the prefill sends only the chosen token's logprob
             req.first_token_time = req.first_token_time or time.time()
+            req.spec_primed = False  # NEXTN: the draft head has not run here for it yet
             req.check_finished(s.tokenizer)
             s.count_generated(1)
         live = [r for r in reqs if not r.finished()]

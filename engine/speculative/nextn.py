@@ -28,7 +28,13 @@ class NextnSpeculator(VerifyingSpeculator):
                     "%d requests run", self.num_steps, self.disable_by_batch_size)
 
     def draft(self, req: "Req") -> list[int]:
-        """As many placeholders as the request may take: the worker's drafter writes the head's tokens."""
+        """As many placeholders as the request may take: the worker's drafter writes the head's tokens.
+        None for a request the head has not run for on this engine (a PD decode's transferred request:
+        the prefill computed the head's KV over the prompt, not the drafter's row): this step, a plain
+        row of the verify (or a plain step), runs the head for it."""
+        if not req.spec_primed:
+            req.spec_primed = True
+            return []
         return [0] * max(0, self.room(req))
 
     def server_info(self) -> dict:

@@ -22,9 +22,9 @@ over (d[j-1], its previous hidden output), into the verify step's own slots; the
 [last, d1 .. dk]. The head's KV those steps wrote is rewritten by the after-verify pass.
 
 Drafts are greedy (the head's argmax): a deterministic proposal, so verify.py's acceptance rules hold as
-for NGRAM. A request whose row holds no prediction of its own yet (a PD decode's first step: the
-prefill computed the head's KV over the prompt, not this row's buffers) drafts from a stale one, which
-verification rejects: a wasted step, never a wrong token.
+for NGRAM. A request whose row holds no prediction of its own yet (a PD decode's transferred request:
+the prefill computed the head's KV over the prompt, not this row's buffers) drafts nothing in its first
+step (nextn.py), whose pass after it fills the row.
 
 Runs on the model's plain forward only (hybrid models: no native CPU forward, CUDA graphs or
 torch.compile yet). With tensor parallelism every rank runs these passes in the driver's order (the

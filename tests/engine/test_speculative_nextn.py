@@ -127,15 +127,30 @@ def test_nextn_flags_and_what_is_refused(mtp_model, tiny_model_factory):
 
 def test_pd_decode_drafts_with_the_prefills_head_kv(mtp_model):
     """PD, both sides NEXTN: the prefill's head fills its KV layer over the prompt, which travels with
-    the target's layers; the decode drafts from the first step on (its first chain from a stale row:
-    rejected, never a wrong token). HF's tokens; both sides settle with nothing leaked."""
+    the target's layers; a transferred request drafts from its second decode step on (its first runs the
+    head for its row; a draft from the row's previous owner would be a wasted verify). HF's tokens; both
+    sides settle with nothing leaked."""
     from test_pd_scheduler import PDPair, _run
 
     path = mtp_model("qwen3_next")
     prompts = repetitive_prompts()
     pair = PDPair(path, page_size=1, max_total_tokens=4096, disable_overlap_schedule=True, **NEXTN)
+    outputs_at_first_draft: dict[str, int] = {}  # tokens a request had when it first drafted
+    spec = pair.decode.scheduler.spec
+    process = spec.process_verify_result
+
+    def record(launched, result):
+        for req, d in zip(launched.reqs, launched.mwb.spec_info.drafts):
+            if d:
+                outputs_at_first_draft.setdefault(req.rid, len(req.output_ids))
+        process(launched, result)
+
+    spec.process_verify_result = record
     try:
         _run(pair, prompts, max_new_tokens=MAX_NEW, ignore_eos=True)
+        # the prefill's token, then at least one decode step of its own before a draft
+        assert len(outputs_at_first_draft) == len(prompts) and min(outputs_at_first_draft.values()) >= 2, \
+            outputs_at_first_draft
         for i, p in enumerate(prompts):
             assert pair.decode.results[str(i)].ids == hf_greedy(path, p, MAX_NEW, ignore_eos=True), f"request {i}"
         assert spec_info(pair.decode)["spec_verify_steps"] > 0
