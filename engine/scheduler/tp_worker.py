@@ -125,8 +125,6 @@ class TpModelWorker:
             future_map.token_ids[future_slots] = next_ids
         if self.step_sender is not None and (future_map is not None or self.drafter is not None):
             self.step_sender.send_sampled(next_ids)  # the followers' future maps, the head's pass
-        if self.drafter is not None:
-            self.drafter.after_pass(fb, hidden, next_ids, mwb.next_prompt_ids)
         if async_copy:
             result.next_token_ids_tensor = next_ids.to("cpu", non_blocking=True)  # into pinned memory
             result.copy_done = torch.cuda.Event()
@@ -134,6 +132,8 @@ class TpModelWorker:
         else:
             result.next_token_ids_tensor = next_ids.to("cpu")
             result.next_token_ids = result.next_token_ids_tensor.tolist()
+        if self.drafter is not None:  # after the ids' copy is queued: the scheduler waits for that, not this
+            self.drafter.after_pass(fb, hidden, next_ids, mwb.next_prompt_ids)
         return result
 
     def _verify(self, mwb: ModelWorkerBatch, fb, hidden: torch.Tensor, future_map: Optional[FutureMap],
