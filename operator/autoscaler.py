@@ -3,9 +3,11 @@ each planned role, plan (`baton.operator.planner`), set the Deployments' replica
 status (`status.autoscaling`) and, for each change, in an Event (ScaledUp / ScaledDown).
 
 The engine Deployments of planned roles carry `baton.dev/replicas: planner`, so a reconcile never resets
-what the planner set (the same rule as for an HPA in mode external). The series and the stabilisation
-memory live in the operator's memory: after a restart the planner starts over (no scale-down before a
-full scale-down window has been seen again).
+what the planner set (the same rule as for an HPA in mode external). The scraped series live in the
+operator's memory; the stabilisation memory (each step's recommendation per role, over the longer
+scale window) and each role's last scale time are in the status too, and a restarted operator takes them
+back (PlannerState.from_status): a scale-down still waits out its window across a restart, where a fresh
+memory would follow the first quiet scrapes at once.
 """
 from __future__ import annotations
 
@@ -39,9 +41,30 @@ class PlannerState:
         horizon = now - config.window_seconds - config.interval_seconds
         self.samples = [s for s in self.samples if s.at >= horizon]
 
+    @classmethod
+    def from_status(cls, autoscaling: Mapping[str, Any] | None) -> "PlannerState":
+        """What a previous operator left in `status.autoscaling` (planner_status): the recommendations
+        and last scale times; entries it cannot read are skipped."""
+        roles = {r.spec_key: r for r in Role}
+        memory, last_scale = [], {}
+        for entry in (autoscaling or {}).get("recommendations") or []:
+            try:
+                memory.append(Recommendation(parse_iso(entry["at"]), roles[entry["role"]], int(entry["replicas"])))
+            except (KeyError, TypeError, ValueError):
+                continue
+        for key in roles:
+            when = ((autoscaling or {}).get(key) or {}).get("lastScaleTime")
+            if isinstance(when, str):
+                last_scale[key] = when
+        return cls(memory=tuple(sorted(memory, key=lambda r: r.at)), last_scale=last_scale)
+
 
 def iso(ts: float) -> str:
     return datetime.datetime.fromtimestamp(ts, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_iso(text: str) -> float:
+    return datetime.datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.timezone.utc).timestamp()
 
 
 async def _scrape_role(session: aiohttp.ClientSession, pods: list[Mapping[str, Any]], role: Role,
@@ -92,7 +115,9 @@ async def planner_step(client: KubeClient, session: aiohttp.ClientSession, isvc:
 
 
 def planner_status(result: Plan, state: PlannerState, now: float) -> dict[str, Any]:
-    out: dict[str, Any] = {"lastDecisionTime": iso(now)}
+    out: dict[str, Any] = {"lastDecisionTime": iso(now),
+                           "recommendations": [{"role": r.role.spec_key, "at": iso(r.at), "replicas": r.replicas}
+                                               for r in result.memory]}
     for role, rp in result.roles.items():
         entry: dict[str, Any] = {"replicas": rp.replicas, "reason": rp.reason,
                                  "observed": {k: round(v, 6) for k, v in rp.observed.items()}}

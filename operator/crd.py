@@ -347,8 +347,14 @@ def _autoscaling_status() -> dict[str, Any]:
         "observed": {"type": "object", "additionalProperties": {"type": "number"},
                      "description": "The signals over the window (targetX without the prefix)."},
         "lastScaleTime": {"type": "string", "format": "date-time"}}}
+    recommendation = {"type": "object", "properties": {
+        "role": {"type": "string"}, "at": {"type": "string", "format": "date-time"},
+        "replicas": {"type": "integer", "minimum": 0}}}
     return {"type": "object", "description": "The planner's last decision per role and why.", "properties": {
         "lastDecisionTime": {"type": "string", "format": "date-time"},
+        "recommendations": {"type": "array", "items": recommendation,
+                            "description": "Each step's recommendation per role over the scale windows: the "
+                                           "stabilisation memory a restarted operator takes back."},
         "prefill": role, "decode": role, "engine": role}}
 
 

@@ -141,8 +141,9 @@ IDLE_PLANNER_SECONDS = 15.0  # how often a service without the planner is looked
 async def planner(stopped: kopf.DaemonStopped, name: str, namespace: str, memo: kopf.Memo,
                   logger: logging.Logger, **_: Any) -> None:
     """spec.autoscaling.mode planner: every intervalSeconds, scrape the engines, plan, scale, say why
-    (baton.operator.autoscaler). Its state starts over when the mode or the planner's config changes."""
-    state, config, interval = PlannerState(), None, IDLE_PLANNER_SECONDS
+    (baton.operator.autoscaler). Its state starts over when the mode or the planner's config changes; at
+    start it takes back the stabilisation memory an earlier operator left in the status."""
+    state, config, interval, started = PlannerState(), None, IDLE_PLANNER_SECONDS, False
     async with aiohttp.ClientSession() as session:
         while not await stopped.wait(interval):
             body = await memo.client.get(KINDS[naming.KIND], namespace, name)
@@ -152,8 +153,10 @@ async def planner(stopped: kopf.DaemonStopped, name: str, namespace: str, memo: 
                 isvc = parse(body)
             except InvalidSpec:
                 continue
-            if isvc.spec.planner != config:
-                state, config = PlannerState(), isvc.spec.planner
+            if isvc.spec.planner != config or not started:
+                previous = (body.get("status") or {}).get("autoscaling")
+                state = PlannerState() if started else PlannerState.from_status(previous)
+                config, started = isvc.spec.planner, True
             interval = config.interval_seconds if config is not None else IDLE_PLANNER_SECONDS
             try:
                 if config is None:

@@ -71,6 +71,37 @@ def test_a_load_step_adds_decode_pods_at_once_and_a_quiet_period_removes_them_af
     assert history[-1][1][Role.PREFILL] == 1  # no queue on the prefill: it stays
 
 
+def test_a_restarted_operator_takes_back_the_stabilisation_memory_from_the_status():
+    """An operator restarted mid-way through the scale-down window (its scraped series lost) takes the
+    recommendations back from status.autoscaling: it scales down when one that never restarted does,
+    after the window; a fresh memory would scale down at its first quiet scrapes."""
+    from baton.operator.autoscaler import PlannerState, planner_status
+
+    cfg = config(scale_down_seconds=300)
+    load = decode_load(step_at=120, quiet_at=480, total_usage=1.5)
+    straight = changes(replay(cfg, 1200, load), Role.DECODE)
+
+    def restarted(restore: bool) -> list:
+        replicas, samples, state, out, t = {Role.PREFILL: 1, Role.DECODE: 1}, [], PlannerState(), [], 0.0
+        while t <= 1200:
+            if t == 600:  # the operator restarts: what survives is the status it wrote
+                state = PlannerState.from_status(status) if restore else PlannerState()
+                samples = []
+            now = 1.7e9 + t  # wall-clock-like: the status keeps whole seconds since the epoch
+            samples += [Sample(now, role, load(role, t, replicas[role])) for role in cfg.roles]
+            result = plan(cfg, samples, replicas, state.memory, now)
+            state.memory = result.memory
+            status = planner_status(result, state, now)
+            replicas = {role: p.replicas for role, p in result.roles.items()}
+            out.append((t, dict(replicas), {role: p.reason for role, p in result.roles.items()}))
+            t += STEP
+        return changes(out, Role.DECODE)
+
+    assert [(t, n) for t, n, _ in restarted(restore=True)] == [(t, n) for t, n, _ in straight]
+    early = [(t, n) for t, n, _ in restarted(restore=False) if n < 3]
+    assert early and early[0][0] < 480 + 300, "without the memory the restart scales down inside the window"
+
+
 def test_load_that_swings_faster_than_the_down_window_does_not_flap():
     cfg = config(scale_down_seconds=300)
 
