@@ -90,6 +90,14 @@ async def _roll(router: str, done: list[int], old: EngineProcess, new: EnginePro
         r = await client.post(f"{router}/workers", json={"url": new.base_url, "role": role,
                                                         "bootstrap_port": bootstrap})
         assert r.status_code in (200, 201), r.text
+        # the SIGTERM lands while the old engine decodes something (the router now alternates between
+        # the two, so the old one can be idle for a moment): its drain has a request to finish
+        deadline = time.monotonic() + 10
+        while role == "decode" and time.monotonic() < deadline:
+            info = (await client.get(f"{old.base_url}/get_server_info")).json()
+            if (info[0] if isinstance(info, list) else info).get("num_running_reqs", 0) >= 1:
+                break
+            await asyncio.sleep(0.01)
     old.terminate()
     return await asyncio.to_thread(old.wait_exit, 120)
 
