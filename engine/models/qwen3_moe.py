@@ -16,7 +16,8 @@ from baton.engine.models.qwen3 import Qwen3ForCausalLM
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-_MOE_NAME = re.compile(r"^model\.layers\.(\d+)\.mlp\.((?:experts|gate)\..+)$")
+# a sparse layer's router and experts; `mtp.layers.N`: a Qwen3-Next / Qwen3.5-MoE MTP head's layer
+_MOE_NAME = re.compile(r"^((?:model|mtp)\.layers\.\d+)\.mlp\.((?:experts|gate)\..+)$")
 
 
 def is_sparse_layer(config: "PretrainedConfig", layer_id: int) -> bool:
@@ -38,8 +39,8 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
         m = _MOE_NAME.match(name)
         if m is None:
             return None
-        block = self.model.layers[int(m.group(1))].mlp
+        block = self.get_submodule(m.group(1)).mlp
         if not isinstance(block, SparseMoeBlock) or not block.load_weight(m.group(2), tensor):
             return None
         param = "gate.weight" if m.group(2) == "gate.weight" else ("w2" if "down_proj" in m.group(2) else "w13")
-        return f"model.layers.{m.group(1)}.mlp.{param}"
+        return f"{m.group(1)}.mlp.{param}"

@@ -212,18 +212,6 @@ class Qwen3NextForCausalLM(Qwen3MoeForCausalLM):
             weights = ((name, t) for name, t in weights if not name.startswith("mtp."))
         super().load_weights(weights)
 
-    def load_special_weight(self, name: str, tensor: torch.Tensor) -> str | None:
-        """The MTP layer's experts: the MoE loader's names, under `mtp.layers.0.` (its mlp is the
-        same block type as the model's sparse layers)."""
-        if name.startswith("mtp.layers.") and ".mlp." in name:
-            head, _, rest = name.partition(".mlp.")
-            block = self.get_submodule(head).mlp
-            if (rest.startswith("experts.") or rest == "gate.weight") and block.load_weight(rest, tensor):
-                param = "gate.weight" if rest == "gate.weight" else ("w2" if "down_proj" in rest else "w13")
-                return f"{head}.mlp.{param}"
-            return None
-        return super().load_special_weight(name, tensor)
-
 
 class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
     split_linear_projections = True
