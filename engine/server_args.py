@@ -21,9 +21,8 @@ MODEL_DTYPES = ("auto", "float32", "float16", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e5m2")
 MAMBA_SSM_DTYPES = ("float32", "bfloat16", "float16")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
-# --speculative-algorithm: SGLang's names; NGRAM and NEXTN run, EAGLE and EAGLE3 are refused at start-up for now
+# --speculative-algorithm: SGLang's names
 SPECULATIVE_ALGORITHMS = ("NGRAM", "EAGLE", "EAGLE3", "NEXTN")
-SUPPORTED_SPECULATIVE_ALGORITHMS = ("NGRAM", "NEXTN")
 # How the front end picks a DP rank for a request that names none (data_parallel_rank) and has no
 # bootstrap room (PD: room % dp_size, the convention the router pins ranks by).
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
@@ -159,7 +158,9 @@ class ServerArgs:
     # runs num_draft_tokens tokens per request (its last token and up to num_draft_tokens - 1 drafts)
     speculative_algorithm: Optional[str] = None
     speculative_num_draft_tokens: Optional[int] = None  # None: NGRAM's max match window, as SGLang
-    # NEXTN (the checkpoint's MTP head drafts, speculative/nextn_drafter.py): draft steps per verify, and
+    # EAGLE / EAGLE3: the draft checkpoint (models/eagle.py)
+    speculative_draft_model_path: Optional[str] = None
+    # NEXTN, EAGLE, EAGLE3 (a head drafts, speculative/head_drafter.py): draft steps per verify, and
     # candidates per step (1: a chain; trees are not there yet). num_draft_tokens is then num_steps + 1
     speculative_num_steps: Optional[int] = None  # None: 3 (SGLang's recommended chain for Qwen3-Next)
     speculative_eagle_topk: Optional[int] = None  # None: 1
@@ -275,10 +276,14 @@ class ServerArgs:
             return
         if algo not in SPECULATIVE_ALGORITHMS:
             raise ValueError(f"--speculative-algorithm must be one of {SPECULATIVE_ALGORITHMS}")
-        if algo not in SUPPORTED_SPECULATIVE_ALGORITHMS:
-            raise ValueError(f"--speculative-algorithm {algo} is not supported yet (NGRAM and NEXTN are: issue 35)")
-        if algo == "NEXTN":
-            self._check_nextn()
+        if algo in ("EAGLE", "EAGLE3") and not self.speculative_draft_model_path:
+            raise ValueError(f"--speculative-algorithm {algo} needs --speculative-draft-model-path (the EAGLE draft "
+                             "checkpoint's directory)")
+        if algo not in ("EAGLE", "EAGLE3") and self.speculative_draft_model_path:
+            raise ValueError(f"--speculative-draft-model-path is for EAGLE and EAGLE3; {algo} drafts "
+                             + ("with the checkpoint's own MTP head" if algo == "NEXTN" else "from each request's tokens"))
+        if algo != "NGRAM":
+            self._check_head_chain()
         if not 1 <= self.speculative_ngram_min_match_window_size <= self.speculative_ngram_max_match_window_size:
             raise ValueError("--speculative-ngram-min-match-window-size must be >= 1 and <= "
                              "--speculative-ngram-max-match-window-size")
@@ -290,15 +295,16 @@ class ServerArgs:
         if self.speculative_disable_by_batch_size < 1:
             raise ValueError("--speculative-disable-by-batch-size must be >= 1")
 
-    def _check_nextn(self) -> None:
-        """NEXTN: a chain of num_steps drafts, so num_draft_tokens is num_steps + 1 (SGLang's rule for topk 1)."""
+    def _check_head_chain(self) -> None:
+        """NEXTN, EAGLE, EAGLE3: a chain of num_steps drafts, so num_draft_tokens is num_steps + 1 (SGLang's
+        rule for topk 1)."""
         steps = 3 if self.speculative_num_steps is None else self.speculative_num_steps
         topk = 1 if self.speculative_eagle_topk is None else self.speculative_eagle_topk
         if steps < 1:
             raise ValueError("--speculative-num-steps must be >= 1")
         if topk != 1:
-            raise ValueError("--speculative-eagle-topk > 1 (tree drafts) is not supported yet; NEXTN drafts a chain "
-                             "(topk 1)")
+            raise ValueError(f"--speculative-eagle-topk > 1 (tree drafts) is not supported yet; {self.speculative_algorithm} "
+                             "drafts a chain (topk 1)")
         if self.speculative_num_draft_tokens not in (None, steps + 1):
             raise ValueError(f"--speculative-num-draft-tokens must be --speculative-num-steps + 1 ({steps + 1}) with "
                              f"--speculative-eagle-topk 1")
@@ -441,15 +447,17 @@ class ServerArgs:
         a("--disable-metrics", action="store_true")
         a("--speculative-algorithm", default=None, choices=SPECULATIVE_ALGORITHMS,
           help="speculative decoding: NGRAM drafts from each request's own prompt and output (no draft model); "
-               "NEXTN drafts with the checkpoint's multi-token-prediction head (Qwen3-Next, Qwen3.5); "
-               "EAGLE and EAGLE3 are not supported yet")
+               "NEXTN drafts with the checkpoint's multi-token-prediction head (Qwen3-Next, Qwen3.5); EAGLE and "
+               "EAGLE3 with an EAGLE draft checkpoint (--speculative-draft-model-path)")
+        a("--speculative-draft-model-path", default=None,
+          help="EAGLE / EAGLE3: the draft checkpoint's directory (config.json, safetensors or pytorch_model.bin)")
         a("--speculative-num-draft-tokens", type=int, default=None,
           help="tokens a verify step runs per request: its last token and up to this many - 1 drafts "
-               "(default: NGRAM --speculative-ngram-max-match-window-size, NEXTN --speculative-num-steps + 1)")
+               "(default: NGRAM --speculative-ngram-max-match-window-size, NEXTN and EAGLE --speculative-num-steps + 1)")
         a("--speculative-num-steps", type=int, default=None,
-          help="NEXTN: draft steps per verify step, the chain's length (default 3)")
+          help="NEXTN, EAGLE: draft steps per verify step, the chain's length (default 3)")
         a("--speculative-eagle-topk", type=int, default=None,
-          help="NEXTN: candidates per draft step; only 1 (a chain) for now (default 1)")
+          help="NEXTN, EAGLE: candidates per draft step; only 1 (a chain) for now (default 1)")
         a("--speculative-ngram-min-match-window-size", type=int,
           default=ServerArgs.speculative_ngram_min_match_window_size,
           help="NGRAM: the shortest suffix of a request's tokens looked up in its earlier tokens")

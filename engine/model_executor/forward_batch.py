@@ -59,6 +59,8 @@ class ForwardBatch:
     state_pool: Optional["RecurrentStatePool"] = None
     # and, with the radix cache, the checkpoint copies (run before the layers) and tracked positions
     state_ops: Optional["StateOps"] = None
+    # EAGLE-3: the residual streams entering the layers its draft reads, concatenated (models/eagle.py)
+    aux_hidden: Optional[torch.Tensor] = None
 
     @property
     def num_tokens(self) -> int:

@@ -100,10 +100,12 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def load_model(model_path: str, dtype: str = "auto", device: str = "cpu", tp: TpGroup = TpGroup(),
-               mtp: bool = False) -> tuple[nn.Module, "PretrainedConfig", torch.dtype]:
+               mtp: bool = False, draft_model_path: Optional[str] = None) -> tuple[nn.Module, "PretrainedConfig", torch.dtype]:
     """Returns (model in eval mode on `device`, its HF config, the dtype it was built in). With a
     TP group of several ranks the model is this rank's shard. `mtp`: with the checkpoint's
-    multi-token-prediction head (--speculative-algorithm NEXTN; models/qwen3_next.py)."""
+    multi-token-prediction head (--speculative-algorithm NEXTN; models/qwen3_next.py).
+    `draft_model_path`: an EAGLE draft checkpoint (--speculative-algorithm EAGLE / EAGLE3), built as
+    the model's `draft_head` (models/eagle.py)."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_path)
@@ -121,5 +123,35 @@ def load_model(model_path: str, dtype: str = "auto", device: str = "cpu", tp: Tp
                                  f"weights; {architectures[0]} has none here (Qwen3-Next and Qwen3.5 models do)")
             model.add_mtp_head()
     model.load_weights(iterate_safetensors(safetensors_files(model_path)))
+    if draft_model_path is not None:
+        text = getattr(config, "text_config", None) or config
+        with _default_dtype(torch_dtype), torch.device(device):
+            model.add_module("draft_head", load_draft_head(draft_model_path, text, model.num_kv_layers, tp))
+        if model.draft_head.aux_layers:
+            model.model.aux_layers = model.draft_head.aux_layers
     model.eval().requires_grad_(False)
     return model, config, torch_dtype
+
+
+def load_draft_head(path: str, target_config: "PretrainedConfig", first_kv_layer: int, tp: TpGroup) -> nn.Module:
+    """An EAGLE draft checkpoint (config.json and safetensors, or the pytorch_model.bin most published
+    EAGLE drafts come as) as a head over the target (models/eagle.py)."""
+    from transformers import AutoConfig
+
+    from baton.engine.models.eagle import build_eagle_head, strip_prefix
+
+    config = AutoConfig.from_pretrained(path)
+    files = glob.glob(os.path.join(path, "*.safetensors"))
+    if files:
+        weights = dict(iterate_safetensors(safetensors_files(path)))
+    else:
+        bins = sorted(glob.glob(os.path.join(path, "*.bin")))
+        if not bins:
+            raise FileNotFoundError(f"--speculative-draft-model-path {path}: no *.safetensors or *.bin weights")
+        weights = {}
+        for f in bins:
+            weights.update(torch.load(f, map_location="cpu", weights_only=True))
+    head = build_eagle_head(config, strip_prefix(weights), target_config, first_kv_layer, tp)
+    logger.info("draft head %s from %s: %d layer(s), %.1fM parameters", head.algorithm, path, head.num_kv_layers,
+                sum(p.numel() for p in head.parameters()) / 1e6)
+    return head

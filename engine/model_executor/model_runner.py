@@ -109,8 +109,13 @@ class ModelRunner:
             clock = now
 
         torch.manual_seed(server_args.random_seed)
-        self.model, self.hf_config, self.dtype = load_model(server_args.model_path, server_args.dtype, self.device,
-                                                            self.tp, mtp=server_args.speculative_algorithm == "NEXTN")
+        algorithm = server_args.speculative_algorithm
+        self.model, self.hf_config, self.dtype = load_model(
+            server_args.model_path, server_args.dtype, self.device, self.tp, mtp=algorithm == "NEXTN",
+            draft_model_path=server_args.speculative_draft_model_path if algorithm in ("EAGLE", "EAGLE3") else None)
+        # the head that drafts beside the model's passes (speculative/head_drafter.py): NEXTN's MTP head,
+        # part of the model, or an EAGLE draft checkpoint's, whose KV layers come after the model's
+        self.draft_head = getattr(self.model, "mtp" if algorithm == "NEXTN" else "draft_head", None)
         phase("load_weights")
         self.model.eval()
         # each layer op on its device's path (Triton on CUDA), or all on the torch reference
@@ -123,6 +128,8 @@ class ModelRunner:
         self.num_layers = text_cfg.num_hidden_layers
         # layers with a KV cache: all of them, except in a hybrid model (its full-attention layers only)
         self.num_kv_layers = getattr(self.model, "num_kv_layers", self.num_layers)
+        if algorithm in ("EAGLE", "EAGLE3"):
+            self.num_kv_layers += self.draft_head.num_kv_layers
         state_shapes = getattr(self.model, "linear_state_shapes", lambda: None)()
         # this rank's KV heads: the pool holds only those
         self.num_kv_heads = self.tp.kv_head_range(
@@ -156,7 +163,9 @@ class ModelRunner:
         # CPU bfloat16 dense Llama-family models go further: every step is one native call
         # (kernels/cpu_forward.py), and nothing is compiled.
         self.native_forward = None
-        if self.device == "cpu" and self.dtype == torch.bfloat16 and not server_args.disable_native_forward:
+        if self.draft_head is not None and self.draft_head.aux_layers:
+            logger.info("native CPU forward off: EAGLE3's draft reads states inside the model's layers")
+        elif self.device == "cpu" and self.dtype == torch.bfloat16 and not server_args.disable_native_forward:
             from baton.engine.kernels.cpu_forward import NativeForward
             self.native_forward = NativeForward.create(self.model, self.req_to_token_pool, self.token_to_kv_pool,
                                                        self.tp.size, self.device)
@@ -164,6 +173,9 @@ class ModelRunner:
             logger.info("--enable-torch-compile: nothing to compile, the native forward serves every step")
         skip_module_guards = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
         compile_ = server_args.enable_torch_compile and self.native_forward is None
+        if compile_ and self.draft_head is not None:
+            logger.info("--enable-torch-compile: not with a draft head yet, the model's own forward serves")
+            compile_ = False
         if compile_ and self.state_pool is not None:
             logger.info("--enable-torch-compile: not for a hybrid model yet, its own forward serves uncompiled")
             compile_ = False
@@ -228,6 +240,9 @@ class ModelRunner:
             return None
         if self.state_pool is not None:
             logger.info("CUDA graphs off: a hybrid model's decode has no graph over its state slots yet")
+            return None
+        if self.draft_head is not None:
+            logger.info("CUDA graphs off: the draft head's passes run beside the model's plain forward")
             return None
         if not supports_cuda_graph(self.attn_backend):
             logger.info("CUDA graphs off: --attention-backend %s has no static-shape decode metadata "

@@ -108,11 +108,26 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(make_layer(i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # EAGLE-3's draft reads the residual stream entering these layers (models/eagle.py): the forward
+        # leaves them, concatenated, in forward_batch.aux_hidden
+        self.aux_layers: tuple[int, ...] = ()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: "ForwardBatch") -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None  # [num_tokens, hidden]
+        if self.aux_layers:
+            return self._forward_capturing(hidden, positions, forward_batch)
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, forward_batch)
+        return self.norm(hidden, residual)[0]
+
+    def _forward_capturing(self, hidden: torch.Tensor, positions: torch.Tensor,
+                           forward_batch: "ForwardBatch") -> torch.Tensor:
+        residual, aux = None, []
+        for i, layer in enumerate(self.layers):
+            if i in self.aux_layers:
+                aux.append(hidden if residual is None else hidden + residual)
+            hidden, residual = layer(positions, hidden, residual, forward_batch)
+        forward_batch.aux_hidden = torch.cat(aux, dim=-1)
         return self.norm(hidden, residual)[0]
 
 

@@ -16,7 +16,7 @@ otherwise the architectures are one.
 
 Multi-token prediction (`mtp.*`, one layer in the published checkpoints: `num_nextn_predict_layers` in
 Qwen3-Next's config, `mtp_num_hidden_layers` in Qwen3.5's): loaded only for --speculative-algorithm
-NEXTN (add_mtp_head), as the draft of speculative decoding (speculative/nextn_drafter.py); skipped
+NEXTN (add_mtp_head), as the draft of speculative decoding (speculative/head_drafter.py); skipped
 otherwise. MtpHead predicts the token after next from the target's final hidden state at a position
 and the embedding of the token that follows it:
 
@@ -121,6 +121,10 @@ class MtpHead(nn.Module):
     """The checkpoint's `mtp.*` (module docstring): fc, its two pre-norms, one gated-attention decoder
     layer over KV-pool layer `kv_layer_id`, the final norm. Its MLP is the model's kind for a layer
     after the last one (sparse in the MoE models)."""
+
+    algorithm = "NEXTN"
+    own_lm_head = False  # the model's LM head reads its outputs
+    aux_layers: tuple[int, ...] = ()  # it reads the model's final hidden states
 
     def __init__(self, config: "PretrainedConfig", layer: HybridDecoderLayer) -> None:
         super().__init__()

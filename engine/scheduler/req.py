@@ -77,7 +77,7 @@ class Req:
     # speculative decoding (NGRAM): the index of this request's tokens its drafts come from
     # (speculative/ngram.py), built by the speculator on the request's first draft
     spec_index: Any = None
-    # NEXTN: whether the MTP head has run on this engine for the request (speculative/nextn.py); False
+    # NEXTN / EAGLE: whether the draft head has run on this engine for the request (speculative/head_speculator.py); False
     # for a PD decode's transferred request until its first step
     spec_primed: bool = True
 

@@ -69,7 +69,7 @@ class ModelWorkerBatch:
     # over its last token and its draft; the worker checks the drafts instead of sampling once
     spec_info: Optional["VerifyInput"] = None
     # EXTEND: per row, the token after its chunk where the request's tokens go on (a chunk that is not
-    # the prompt's last), else -1 (the sampled token follows); NEXTN's head reads it (nextn_drafter.py)
+    # the prompt's last), else -1 (the sampled token follows); a draft head reads it (head_drafter.py)
     next_prompt_ids: Optional[list[int]] = None
 
 

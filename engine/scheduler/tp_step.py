@@ -10,7 +10,7 @@ driver's), repeat. A follower thus needs nothing of the scheduler but what the f
                        layout follows from these)
     payload int64[..]  input_ids | positions | req_pool_indices | seq_lens | out_cache_loc
                        [| extend_prefix_lens | extend_seq_lens]     (EXTEND)
-                       [| next prompt ids]                          (EXTEND, NEXTN)
+                       [| next prompt ids]                          (EXTEND, a draft head)
                        [| future slots]                             (overlap loop)
                        | rows | cols | slots                        (req_to_token updates)
                        | span first rows | span row counts          (prompt logprobs)
@@ -30,7 +30,7 @@ keeps a mirror of what the followers' tables hold, compares the batch's rows wit
 step and sends the entries that differ, so the followers' tables equal the driver's wherever this
 pass reads them; a decode step sends one entry per request.
 
-NEXTN (speculative/nextn_drafter.py): every rank runs the MTP head's passes, whose layers and LM head
+NEXTN / EAGLE (speculative/head_drafter.py): every rank runs the draft head's passes, whose layers and LM head
 are collectives too, in the driver's order: before a verify pass its chain steps (the drafts are the
 argmax of all-gathered logits, the same on every rank), after every pass the head over its positions.
 That one needs what only the driver knows: the sampled ids (broadcast as the overlap loop's are) and,
@@ -86,7 +86,7 @@ class Step(NamedTuple):
     logit_spans: list[tuple[int, int]]  # (first hidden row, rows) of each prompt-logprob LM head call
     state_ops: Optional[StateOps] = None  # a hybrid model's state copies and checkpoints this pass
     verify: bool = False  # a speculative verify step: the LM head runs over every row
-    next_prompt_ids: Optional[list[int]] = None  # EXTEND under NEXTN (ModelWorkerBatch.next_prompt_ids)
+    next_prompt_ids: Optional[list[int]] = None  # EXTEND with a draft head (ModelWorkerBatch.next_prompt_ids)
 
 
 def _logit_spans(mwb: "ModelWorkerBatch") -> list[tuple[int, int]]:
@@ -103,9 +103,10 @@ def _logit_spans(mwb: "ModelWorkerBatch") -> list[tuple[int, int]]:
 class StepSender:
     """The driver's side. Call send() before each forward, in the thread that runs the forward."""
 
-    def __init__(self, tp: TpGroup, req_to_token: torch.Tensor, nextn: bool = False) -> None:
+    def __init__(self, tp: TpGroup, req_to_token: torch.Tensor, head: bool = False) -> None:
+        """`head`: speculation with a draft head (its passes read the next prompt ids)."""
         assert tp.is_driver and tp.size > 1
-        self.tp, self.table, self.nextn = tp, req_to_token, nextn
+        self.tp, self.table, self.head = tp, req_to_token, head
         self.mirror = torch.zeros_like(req_to_token)  # what every follower's req_to_token holds
 
     def send(self, mwb: "ModelWorkerBatch") -> None:
@@ -115,7 +116,7 @@ class StepSender:
                  mwb.out_cache_loc]
         if extend:
             parts += [torch.tensor(mwb.extend_prefix_lens_cpu), torch.tensor(mwb.extend_seq_lens_cpu)]
-            if self.nextn:
+            if self.head:
                 parts.append(torch.tensor(mwb.next_prompt_ids or [-1] * len(mwb.seq_lens_cpu), dtype=torch.int64))
         if mwb.future_indices is not None:
             parts.append(mwb.future_indices)
@@ -135,11 +136,11 @@ class StepSender:
 
     def send_sampled(self, next_ids: torch.Tensor) -> None:
         """The ids this step sampled (device group): for the followers' future maps (overlap loop),
-        and under NEXTN for the head's pass after it."""
+        and with a draft head for its pass after it."""
         _broadcast(next_ids.contiguous(), self.tp.device_group)
 
     def send_accepted(self, out: "VerifyOutput") -> None:
-        """NEXTN, after a verify pass: per request the drafts it kept and the token after them."""
+        """A draft head, after a verify pass: per request the drafts it kept and the token after them."""
         _broadcast(torch.tensor([len(t) - 1 for t in out.tokens] + out.last_tokens, dtype=torch.int64),
                    self.tp.cpu_group)
 
@@ -171,12 +172,11 @@ class StepReceiver:
         assert not tp.is_driver
         self.tp, self.runner = tp, runner
         self.future_ids: Optional[torch.Tensor] = None  # this follower's future map, made on first use
-        self.drafter = None  # NEXTN: this rank's share of the MTP head's passes
-        args = runner.server_args
-        if args.speculative_algorithm == "NEXTN":
-            from baton.engine.speculative.nextn_drafter import NextnDrafter
+        self.drafter = None  # NEXTN / EAGLE: this rank's share of the draft head's passes
+        if runner.draft_head is not None:
+            from baton.engine.speculative.head_drafter import HeadDrafter
 
-            self.drafter = NextnDrafter(runner, args.speculative_num_steps)
+            self.drafter = HeadDrafter(runner, runner.server_args.speculative_num_steps)
 
     def recv(self) -> Optional[Step]:
         header = torch.empty(_HEADER, dtype=torch.int64)
@@ -186,9 +186,9 @@ class StepReceiver:
             return None
         mode = ForwardMode(mode)
         sizes = [num_tokens, num_tokens, bs, bs, num_tokens]
-        nextn = self.drafter is not None and mode == ForwardMode.EXTEND
+        head = self.drafter is not None and mode == ForwardMode.EXTEND
         if mode == ForwardMode.EXTEND:
-            sizes += [bs, bs] + ([bs] if nextn else [])
+            sizes += [bs, bs] + ([bs] if head else [])
         if has_future:
             sizes.append(bs)
         sizes += [n_updates] * 3 + [n_spans] * 2 + [2 * n_copies, 3 * n_tracks]
@@ -205,12 +205,12 @@ class StepReceiver:
         table = self.runner.req_to_token_pool.req_to_token
         table[rows.to(table.device), cols.to(table.device)] = slots.to(table.device)
         extend = mode == ForwardMode.EXTEND
-        after = 5 + (2 if extend else 0) + (1 if nextn else 0)  # the field after the mode's own
+        after = 5 + (2 if extend else 0) + (1 if head else 0)  # the field after the mode's own
         return Step(mode, fields[0], fields[1], fields[2], fields[3].tolist(), fields[4],
                     fields[5].tolist() if extend else None, fields[6].tolist() if extend else None,
                     fields[after] if has_future else None,
                     list(zip(span_rows.tolist(), span_counts.tolist())), state_ops, bool(verify),
-                    fields[7].tolist() if nextn else None)
+                    fields[7].tolist() if head else None)
 
     @torch.inference_mode()  # every tensor it makes is an inference tensor, as the driver's batches
     def run(self) -> int:

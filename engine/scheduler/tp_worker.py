@@ -70,13 +70,13 @@ class TpModelWorker:
         self.sampler = Sampler()
         self.device = server_args.device
         self.step_sender = (StepSender(self.tp, self.model_runner.req_to_token_pool.req_to_token,
-                                       nextn=server_args.speculative_algorithm == "NEXTN")
+                                       head=self.model_runner.draft_head is not None)
                             if self.tp.size > 1 else None)
-        self.drafter = None  # NEXTN: the MTP head's passes beside the model's (speculative/nextn_drafter.py)
-        if server_args.speculative_algorithm == "NEXTN":
-            from baton.engine.speculative.nextn_drafter import NextnDrafter
+        self.drafter = None  # NEXTN / EAGLE: the draft head's passes beside the model's (speculative/head_drafter.py)
+        if self.model_runner.draft_head is not None:
+            from baton.engine.speculative.head_drafter import HeadDrafter
 
-            self.drafter = NextnDrafter(self.model_runner, server_args.speculative_num_steps)
+            self.drafter = HeadDrafter(self.model_runner, server_args.speculative_num_steps)
 
     def close(self) -> None:
         """Release the other TP ranks from their step loop (after the last forward)."""

@@ -5,8 +5,8 @@ longest accepted run plus the target's own next token.
     ngram.py             NgramIndex: prompt/output lookup in one request's own tokens
     verifying.py         what every drafting strategy shares: when a step verifies, its slots, its result
     ngram_speculator.py  NGRAM: drafts from the index
-    nextn.py             NEXTN: the checkpoint's MTP head drafts (the scheduler's half: placeholders)
-    nextn_drafter.py     NEXTN: the worker's half, the head's passes beside the target's
+    head_speculator.py   NEXTN / EAGLE / EAGLE3: a draft head drafts (the scheduler's half: placeholders)
+    head_drafter.py      their worker half: the head's passes beside the target's
     spec_info.py         VerifyInput / VerifyOutput: what a verify step carries to the worker and back
     verify.py            acceptance against the target's logits: greedy (exact) and rejection sampling
     stats.py             accept length histogram and accept rate (/get_server_info, /metrics)
@@ -17,6 +17,9 @@ from __future__ import annotations
 
 from baton.engine.speculative.base import NoSpeculation, SpecView
 
+# the algorithms whose drafts come from a head beside the target (head_drafter.py)
+HEAD_ALGORITHMS = ("NEXTN", "EAGLE", "EAGLE3")
+
 
 def create_speculator(view: SpecView) -> NoSpeculation:
     algorithm = view.server_args.speculative_algorithm
@@ -26,11 +29,11 @@ def create_speculator(view: SpecView) -> NoSpeculation:
         from baton.engine.speculative.ngram_speculator import NgramSpeculator
 
         return NgramSpeculator(view)
-    if algorithm == "NEXTN":
-        from baton.engine.speculative.nextn import NextnSpeculator
+    if algorithm in HEAD_ALGORITHMS:
+        from baton.engine.speculative.head_speculator import HeadSpeculator
 
-        return NextnSpeculator(view)
-    raise ValueError(f"--speculative-algorithm {algorithm} is not supported yet (NGRAM and NEXTN are)")
+        return HeadSpeculator(view)
+    raise ValueError(f"--speculative-algorithm {algorithm} is not supported")
 
 
-__all__ = ["NoSpeculation", "SpecView", "create_speculator"]
+__all__ = ["HEAD_ALGORITHMS", "NoSpeculation", "SpecView", "create_speculator"]

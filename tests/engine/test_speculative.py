@@ -283,7 +283,7 @@ def test_seeded_sampling_under_speculation_is_reproducible(tiny_model_factory):
 
 
 # ---------------------------------------------------------------------------- flags
-def test_speculative_flags_use_sglangs_names_and_refuse_what_is_not_there_yet():
+def test_speculative_flags_use_sglangs_names_and_refuse_bad_values():
     import argparse
 
     parser = argparse.ArgumentParser()
@@ -293,9 +293,10 @@ def test_speculative_flags_use_sglangs_names_and_refuse_what_is_not_there_yet():
          "--speculative-ngram-min-match-window-size", "2", "--speculative-disable-by-batch-size", "8"]))
     assert (args.speculative_algorithm, args.speculative_num_draft_tokens) == ("NGRAM", 6)
     assert args.speculative_ngram_min_match_window_size == 2 and args.speculative_disable_by_batch_size == 8
-    for algo in ("EAGLE", "EAGLE3"):  # NEXTN: test_speculative_nextn.py
-        with pytest.raises(ValueError, match="not supported yet"):
-            ServerArgs(model_path="m", speculative_algorithm=algo)
+    args = ServerArgs.from_cli_args(parser.parse_args(  # NEXTN: test_speculative_nextn.py, EAGLE's refusals:
+        ["--model-path", "m", "--speculative-algorithm", "EAGLE3",  # test_speculative_eagle.py
+         "--speculative-draft-model-path", "d", "--speculative-num-steps", "5"]))
+    assert (args.speculative_draft_model_path, args.speculative_num_draft_tokens) == ("d", 6)
     with pytest.raises(ValueError, match="min-match-window-size"):
         ServerArgs(model_path="m", speculative_algorithm="NGRAM", speculative_ngram_min_match_window_size=5,
                    speculative_ngram_max_match_window_size=4)

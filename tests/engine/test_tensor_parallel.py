@@ -274,6 +274,37 @@ def test_tp2_nextn_speculation_matches_hf(tiny_model_factory, arch, loop):
     assert seen[0] == MtpReference.load(path).chain(prompts[2] + out[:1], 2)
 
 
+def test_tp2_eagle3_speculation_matches_hf(tiny_model_factory, tmp_path):
+    """EAGLE3 under TP 2: both ranks capture the three layers' states the head reads and run its passes
+    (attention heads and MLP sharded, its own LM head over the draft vocabulary all-gathered); the
+    drafts are the reference head's chain, greedy equals HF."""
+    from test_speculative import repetitive_prompts
+    from tiny_models import load_eagle_reference, make_eagle_draft
+
+    path = tiny_model_factory("llama", num_hidden_layers=4)
+    draft = make_eagle_draft(path, tmp_path / "eagle3", "EAGLE3")
+    prompts = repetitive_prompts()
+    args = dict(tp_size=2, max_total_tokens=4096, disable_overlap_schedule=True, chunked_prefill_size=16,
+                speculative_algorithm="EAGLE3", speculative_draft_model_path=draft, speculative_num_steps=2,
+                speculative_disable_by_batch_size=64)
+    with tp_followers(ServerArgs(model_path=path, **args)) as tp:
+        h = SchedulerHarness(path, tp=tp, **args)
+        try:
+            seen = []
+            process = h.scheduler.spec.process_verify_result
+            h.scheduler.spec.process_verify_result = lambda launched, result: (
+                seen.append((launched.reqs[0].rid, list(launched.mwb.spec_info.drafts[0]))), process(launched, result))
+            h.submit("first", prompts[2], max_new_tokens=4, ignore_eos=True)
+            first = h.run_until_idle()["first"].ids
+            results = run_workload(h, prompts, max_new=24, ignore_eos=True)
+            assert h.scheduler.check_memory_integrity()
+        finally:
+            h.scheduler.close()
+    assert seen[0] == ("first", load_eagle_reference(path, draft).chain(prompts[2] + first[:1], 2))
+    for i, p in enumerate(prompts):
+        assert results[str(i)].ids == hf_greedy(path, p, 24, ignore_eos=True), f"request {i} differs from HF"
+
+
 @pytest.mark.parametrize("tie, vocab", [(False, 512), (True, 509)], ids=["lm_head", "tied-odd-vocab"])
 def test_tp2_prompt_and_output_logprobs_match_one_rank(tiny_model_factory, tie, vocab):
     """Prompt logprobs over several chunks and output logprobs with top-k: the LM head split by

@@ -13,7 +13,7 @@ token-for-token comparisons against transformers are meaningful and atol 1e-4 on
 from __future__ import annotations
 
 import os
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import torch
 
@@ -170,6 +170,205 @@ class MtpReference(torch.nn.Module):
                            position_ids=positions)
         x = x[0] if isinstance(x, tuple) else x
         return self.norm(x)
+
+
+class EagleReference(torch.nn.Module):
+    """An EAGLE draft head built from transformers' Llama modules, as the EAGLE authors define it
+    (SafeAILab/EAGLE; SGLang's llama_eagle.py / llama_eagle3.py compute the same), over a target HF model.
+
+    EAGLE:  out = layer(fc([embed(t[p+1]) ; state[p]])), the layer without its input norm; the target's
+            LM head reads out. state: the target's final hidden state, or the head's own out.
+    EAGLE3: g = fc(the target's states entering three layers) (or the head's own out), attention over
+            [input_norm(embed) ; hidden_norm(g)] with g as residual, MLP; its own norm and LM head over
+            a reduced vocabulary, draft id i meaning target id i + d2t[i]."""
+
+    def __init__(self, target: torch.nn.Module, kind: str, draft_vocab: int = 0, aux_layer_ids=(0, 1, 2)) -> None:
+        from transformers import LlamaConfig
+        from transformers.models.llama.modeling_llama import (LlamaDecoderLayer, LlamaMLP, LlamaRMSNorm,
+                                                              LlamaRotaryEmbedding)
+
+        super().__init__()
+        tc = target.config
+        hidden = tc.hidden_size
+        self.kind = kind
+        self.config = LlamaConfig(
+            vocab_size=tc.vocab_size, hidden_size=hidden, intermediate_size=96, num_hidden_layers=1,
+            num_attention_heads=tc.num_attention_heads, num_key_value_heads=tc.num_key_value_heads,
+            head_dim=getattr(tc, "head_dim", None) or hidden // tc.num_attention_heads,
+            max_position_embeddings=tc.max_position_embeddings, rms_norm_eps=1e-6, rope_theta=50000.0,
+            tie_word_embeddings=False, architectures=["LlamaForCausalLMEagle" if kind == "EAGLE" else "LlamaForCausalLMEagle3"])
+        self.config._attn_implementation = "eager"
+        self.rotary = LlamaRotaryEmbedding(self.config)
+        layer = LlamaDecoderLayer(self.config, 0)
+        if kind == "EAGLE":
+            self.fc = torch.nn.Linear(2 * hidden, hidden, bias=True)
+            layer.input_layernorm = torch.nn.Identity()
+            self.layers = torch.nn.ModuleList([layer])
+        else:
+            self.config.draft_vocab_size = draft_vocab
+            self.config.eagle_config = {"eagle_aux_hidden_state_layer_ids": list(aux_layer_ids)}
+            self.aux_layers = [i + 1 for i in aux_layer_ids]  # the states entering these target layers
+            self.fc = torch.nn.Linear(3 * hidden, hidden, bias=False)
+            attn = layer.self_attn
+            for name in ("q_proj", "k_proj", "v_proj"):  # q/k/v read [embedding ; state]
+                old = getattr(attn, name)
+                setattr(attn, name, torch.nn.Linear(2 * hidden, old.out_features, bias=False))
+            self.midlayer = torch.nn.Module()
+            self.midlayer.self_attn, self.midlayer.mlp = attn, LlamaMLP(self.config)
+            for name in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
+                setattr(self.midlayer, name, LlamaRMSNorm(hidden, eps=1e-6))
+            self.norm = LlamaRMSNorm(hidden, eps=1e-6)
+            self.lm_head = torch.nn.Linear(hidden, draft_vocab, bias=False)
+            self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.int64))
+        self._target = [target]  # not a submodule: its weights are not the head's
+        self.to(torch.float32).eval()
+
+    @torch.no_grad()
+    def randomize(self, std: float, seed: int) -> None:
+        """Every weight drawn (norms near 1), and EAGLE3's draft vocabulary a random subset of the target's."""
+        gen = torch.Generator().manual_seed(seed)
+        for name, p in self.named_parameters():
+            if p.ndim >= 2 or name.endswith("bias"):
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+            else:
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen))
+        if self.kind == "EAGLE3":
+            n = self.d2t.numel()
+            hot = torch.randperm(self._target[0].config.vocab_size, generator=gen)[:n].sort().values
+            self.d2t.copy_(hot - torch.arange(n))
+
+    def fit(self, sequences: list[list[int]], steps: int, lr: float = 1e-2) -> float:
+        """Train the head on the target's own greedy continuations (`sequences`: prompt + output): at
+        every position, from the target's state there and the next token, the token after it (the
+        EAGLE authors' objective, without their feature loss). Returns the last mean loss. A few dozen
+        steps make the head predict these sequences, so the engine's drafts for them get accepted."""
+        target = self._target[0]
+        data = []
+        with torch.no_grad():
+            for seq in sequences:
+                out = target.model(input_ids=torch.tensor([seq]), output_hidden_states=True)
+                states = (out.last_hidden_state[0] if self.kind == "EAGLE"
+                          else torch.cat([out.hidden_states[i][0] for i in self.aux_layers], dim=-1))
+                labels = torch.tensor(seq[2:])
+                if self.kind == "EAGLE3":  # as draft ids; a token outside the draft vocabulary teaches nothing
+                    to_draft = torch.full((target.config.vocab_size,), -100)
+                    to_draft[self.d2t + torch.arange(self.d2t.numel())] = torch.arange(self.d2t.numel())
+                    labels = to_draft[labels]
+                data.append((torch.tensor(seq[1:-1]), states[:-2], labels))
+        params = [p for p in self.parameters() if p.requires_grad]
+        opt = torch.optim.Adam(params, lr=lr)
+        for _ in range(steps):
+            total = 0.0
+            for ids, states, labels in data:
+                if self.kind == "EAGLE3":
+                    states = self.fc(states)
+                out = self._run(ids[None], states[None])[0]
+                logits = target.lm_head(out) if self.kind == "EAGLE" else self.lm_head(self.norm(out))
+                total = total + torch.nn.functional.cross_entropy(logits, labels, ignore_index=-100)
+            opt.zero_grad()
+            total.backward()
+            opt.step()
+        return float(total.detach()) / len(data)
+
+    def save(self, path: Union[str, os.PathLike]) -> str:
+        """The published layouts: EAGLE as pytorch_model.bin (layers.N.*, fc with bias, a copy of the
+        target's embedding), EAGLE3 as safetensors (midlayer.*, d2t / t2d, its lm_head)."""
+        path = os.fspath(path)
+        os.makedirs(path, exist_ok=True)
+        self.config.save_pretrained(path)
+        tensors = {k: v.contiguous() for k, v in self.state_dict().items() if k != "d2t"}
+        tensors["embed_tokens.weight"] = self._target[0].model.embed_tokens.weight.detach().clone()
+        if self.kind == "EAGLE":
+            torch.save(tensors, os.path.join(path, "pytorch_model.bin"))
+        else:
+            from safetensors.torch import save_file
+
+            t2d = torch.zeros(self._target[0].config.vocab_size, dtype=torch.bool)
+            t2d[self.d2t + torch.arange(self.d2t.numel())] = True
+            save_file({**tensors, "d2t": self.d2t, "t2d": t2d}, os.path.join(path, "model.safetensors"))
+        return path
+
+    @torch.no_grad()
+    def chain(self, tokens: list[int], steps: int) -> list[int]:
+        """The greedy chain the engine drafts after `tokens` (a prompt and the token sampled after it):
+        the head over every position p of (token p + 1, the target's state at p), causally, then step
+        by step over (its draft, its own output at the previous position)."""
+        target = self._target[0]
+        out = target.model(input_ids=torch.tensor([tokens[:-1]]), output_hidden_states=True)
+        if self.kind == "EAGLE":
+            states = list(out.last_hidden_state[0])
+        else:
+            states = list(self.fc(torch.cat([out.hidden_states[i][0] for i in self.aux_layers], dim=-1)))
+        inputs, drafts = list(tokens[1:]), []
+        for _ in range(steps):
+            last = self._run(torch.tensor([inputs]), torch.stack(states)[None])[0, -1]
+            drafts.append(self._draft_id(last))
+            inputs.append(drafts[-1])
+            states.append(last)
+        return drafts
+
+    def _draft_id(self, out: torch.Tensor) -> int:
+        if self.kind == "EAGLE":
+            return int(torch.argmax(self._target[0].lm_head(out)))
+        i = int(torch.argmax(self.lm_head(self.norm(out))))
+        return i + int(self.d2t[i])
+
+    def _run(self, ids: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
+        """ids [1, t], states [1, t, hidden] (EAGLE3: after its fc) -> the head's outputs [1, t, hidden]."""
+        embeds = self._target[0].model.embed_tokens(ids)
+        t = ids.shape[1]
+        positions = torch.arange(t)[None]
+        mask = torch.full((t, t), float("-inf")).triu(1)[None, None]
+        if self.kind == "EAGLE":
+            x = self.fc(torch.cat([embeds, states], dim=-1))
+            x = self.layers[0](x, position_embeddings=self.rotary(x, positions), attention_mask=mask,
+                               position_ids=positions)
+            return x[0] if isinstance(x, tuple) else x
+        m = self.midlayer
+        x = torch.cat([m.input_layernorm(embeds), m.hidden_norm(states)], dim=-1)
+        a = m.self_attn(x, position_embeddings=self.rotary(states, positions), attention_mask=mask)[0]
+        h = a + states
+        return m.mlp(m.post_attention_layernorm(h)) + h
+
+
+def make_eagle_draft(target_path: Union[str, os.PathLike], path: Union[str, os.PathLike], kind: str,
+                     seed: int = 0, std: float = 0.15, draft_vocab: int = 256,
+                     fit_on: Optional[list[list[int]]] = None, fit_steps: int = 50) -> str:
+    """A random EAGLE (kind "EAGLE") or EAGLE-3 ("EAGLE3") draft checkpoint for the tiny model at
+    `target_path`, in the published layout (EagleReference.save); `fit_on`: trained on those sequences
+    (EagleReference.fit) so that drafts for them are accepted."""
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(os.fspath(target_path), dtype=torch.float32).eval()
+    target.requires_grad_(False)
+    head = EagleReference(target, kind, draft_vocab)
+    head.randomize(std, seed)
+    if fit_on:
+        torch.manual_seed(seed)
+        head.fit(fit_on, fit_steps)
+    return head.save(path)
+
+
+def load_eagle_reference(target_path: str, draft_path: str) -> EagleReference:
+    """A saved draft (make_eagle_draft) back as its reference, over its target's HF model."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
+    with open(os.path.join(draft_path, "config.json")) as f:
+        config = json.load(f)
+    kind = "EAGLE3" if config["architectures"][0].endswith("Eagle3") else "EAGLE"
+    head = EagleReference(target, kind, config.get("draft_vocab_size", 0),
+                          tuple((config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids", (0, 1, 2))))
+    if kind == "EAGLE":
+        tensors = torch.load(os.path.join(draft_path, "pytorch_model.bin"), weights_only=True)
+    else:
+        from safetensors.torch import load_file
+
+        tensors = load_file(os.path.join(draft_path, "model.safetensors"))
+    head.load_state_dict({k: v for k, v in tensors.items() if k not in ("embed_tokens.weight", "t2d")})
+    return head
 
 
 @torch.no_grad()

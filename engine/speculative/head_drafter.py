@@ -1,10 +1,19 @@
-"""NEXTN's worker half: the MTP head's passes beside the target's (models/qwen3_next.py MtpHead).
+"""The worker half of speculation with a draft head (NEXTN, EAGLE, EAGLE3; head_speculator.py): the
+head's passes beside the target's. The head: NEXTN's MTP head (models/qwen3_next.py MtpHead) or an
+EAGLE draft checkpoint's (models/eagle.py), each
 
-The head at position p reads the embedding of token t[p+1] and the target's final hidden state h[p],
-and predicts t[p+2]; its attention has a KV-pool layer of its own (the layer after the target's), in
-the same slots as the target's KV, so prefix sharing, retraction, PD transfer and freeing treat it as
-any layer. Its KV at p needs t[p+1], so it lags the target by one position, filled after each target
-pass once the next token is known:
+    forward(embeds, positions, features, forward_batch) -> out    one pass over a batch's positions
+    own_lm_head                                                   False: the target's LM head reads out;
+    draft_ids(out)                                                True: the head's (EAGLE3, its own vocabulary)
+    aux_layers                                                    EAGLE3: its features are the target's
+                                                                  states entering these layers, else the
+                                                                  target's final hidden states
+
+The head at position p reads the embedding of token t[p+1] and the target's features at p, and
+predicts t[p+2]; its attention has KV-pool layers of its own (after the target's), in the same slots
+as the target's KV, so prefix sharing, retraction, PD transfer and freeing treat them as any layer.
+Its KV at p needs t[p+1], so it lags the target by one position, filled after each target pass once
+the next token is known:
 
     after a plain pass (extend, decode, mixed)   the head over the pass's positions, ids shifted by one;
                                                  a row's last input is the token sampled there, or for a
@@ -16,18 +25,20 @@ pass once the next token is known:
                                                  are rejected positions (their KV is freed or rewritten)
 
 Either leaves, per request row, the head's prediction at the row's last kept position (the first draft
-of the next step) and its hidden output (`tokens`, `hidden`). A verify step of a request with k drafts
+of the next step) and its output (`tokens`, `hidden`). A verify step of a request with k drafts
 (position L = its last token's) then runs k - 1 decode passes of the head: step j at position L + j - 2
-over (d[j-1], its previous hidden output), into the verify step's own slots; the verify pass runs
-[last, d1 .. dk]. The head's KV those steps wrote is rewritten by the after-verify pass.
+over (d[j-1], its previous output in place of the target's features), into the verify step's own
+slots; the verify pass runs [last, d1 .. dk]. The head's KV those steps wrote is rewritten by the
+after-verify pass.
 
 Drafts are greedy (the head's argmax): a deterministic proposal, so verify.py's acceptance rules hold as
 for NGRAM. A request whose row holds no prediction of its own yet (a PD decode's transferred request:
 the prefill computed the head's KV over the prompt, not this row's buffers) drafts nothing in its first
-step (nextn.py), whose pass after it fills the row.
+step (head_speculator.py), whose pass after it fills the row.
 
-Runs on the model's plain forward only (hybrid models: no native CPU forward, CUDA graphs or
-torch.compile yet). With tensor parallelism every rank runs these passes in the driver's order (the
+The target runs its plain forward (no CUDA graphs or torch.compile with a head yet), or on CPU its
+native forward where the head needs only final hidden states (the head's passes then plan their own
+attention metadata). With tensor parallelism every rank runs these passes in the driver's order (the
 head's layers and LM head are collectives); scheduler/tp_step.py says what the followers are sent.
 """
 from __future__ import annotations
@@ -44,13 +55,13 @@ if TYPE_CHECKING:
     from baton.engine.speculative.spec_info import VerifyInput, VerifyOutput
 
 
-class NextnDrafter:
+class HeadDrafter:
     def __init__(self, runner: "ModelRunner", num_steps: int) -> None:
         model = runner.model
-        assert getattr(model, "mtp", None) is not None, "NEXTN: the model was loaded without its MTP head"
-        assert runner.native_forward is None and runner.cuda_graph_runner is None and runner.compiled_model is None, \
-            "NEXTN runs beside the model's plain forward only"
-        self.runner, self.head, self.embed = runner, model.mtp, model.model.embed_tokens
+        assert runner.draft_head is not None, "the model was loaded without a draft head"
+        assert runner.cuda_graph_runner is None and runner.compiled_model is None, \
+            "a draft head runs beside the model's plain (or native) forward only"
+        self.runner, self.head, self.embed = runner, runner.draft_head, model.model.embed_tokens
         self.num_steps = num_steps
         rows, dev = runner.req_to_token_pool.size, runner.device
         self.tokens = torch.zeros(rows, dtype=torch.int64, device=dev)  # each row's first draft
@@ -59,11 +70,20 @@ class NextnDrafter:
             torch.zeros(rows, model.config.hidden_size, dtype=runner.dtype, device=dev) if num_steps > 1 else None)
 
     # ------------------------------------------------------------------ the head's passes
-    def _head(self, fb: "ForwardBatch", ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        return self.head(self.embed(ids), fb.positions, hidden, fb)
+    def _head(self, fb: "ForwardBatch", ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(ids), fb.positions, features, fb)
+
+    def _features(self, fb: "ForwardBatch", hidden: torch.Tensor) -> torch.Tensor:
+        """What the head reads of a target pass: its captured states (EAGLE3) or final hidden states.
+        A pass the native forward ran planned no attention metadata: the head's pass plans it."""
+        if self.runner.native_forward is not None:
+            self.runner.attn_backend.init_forward_metadata(fb)
+        return fb.aux_hidden if self.head.aux_layers else hidden
 
     def _predict(self, out: torch.Tensor) -> torch.Tensor:
-        """The head's hidden outputs [m, hidden] -> its greedy tokens [m]."""
+        """The head's outputs [m, hidden] -> its greedy tokens [m] (target vocabulary ids)."""
+        if self.head.own_lm_head:
+            return self.head.draft_ids(out)
         return torch.argmax(self.runner.compute_logits(out), dim=-1)
 
     def _keep(self, rows: torch.Tensor, out: torch.Tensor) -> None:
@@ -78,8 +98,9 @@ class NextnDrafter:
         """After a plain target pass: `hidden` its final hidden states [num_tokens, hidden], `next_ids`
         the tokens it sampled [bs] (0 where a row samples nothing), `next_prompt_ids` per row the prompt
         token after an extend row's chunk, or -1 where the sampled one follows."""
+        features = self._features(fb, hidden)
         if fb.forward_mode == ForwardMode.DECODE:
-            self._keep(fb.req_pool_indices, self._head(fb, next_ids, hidden))
+            self._keep(fb.req_pool_indices, self._head(fb, next_ids, features))
             return
         following = next_ids
         if next_prompt_ids is not None and any(t >= 0 for t in next_prompt_ids):
@@ -88,7 +109,7 @@ class NextnDrafter:
         ends = torch.tensor(fb.extend_seq_lens_cpu, dtype=torch.int64).cumsum(0).sub_(1).to(fb.input_ids.device)
         ids = fb.input_ids.roll(-1)  # each row's next token, but at each request's last row
         ids[ends] = following
-        self._keep(fb.req_pool_indices, self._head(fb, ids, hidden)[ends])
+        self._keep(fb.req_pool_indices, self._head(fb, ids, features)[ends])
 
     @torch.inference_mode()
     def draft(self, fb: "ForwardBatch", spec: "VerifyInput") -> None:
@@ -124,7 +145,8 @@ class NextnDrafter:
     def after_verify(self, fb: "ForwardBatch", hidden: torch.Tensor, spec: "VerifyInput", out: "VerifyOutput") -> None:
         """After a verify pass and its acceptance (`out`): the head over the pass's positions, each
         request's row after its last accepted draft taking the target's token."""
+        features = self._features(fb, hidden)
         ids = fb.input_ids.roll(-1)  # rows past a request's kept one: any valid id (rejected positions)
         kept = torch.tensor([off + len(t) - 1 for off, t in zip(spec.offsets, out.tokens)], device=ids.device)
         ids[kept] = torch.tensor(out.last_tokens, dtype=torch.int64, device=ids.device)
-        self._keep(fb.req_pool_indices, self._head(fb, ids, hidden)[kept])
+        self._keep(fb.req_pool_indices, self._head(fb, ids, features)[kept])

@@ -1,8 +1,10 @@
-"""NEXTN speculation (SGLang's --speculative-algorithm NEXTN): the checkpoint's own multi-token-
-prediction head drafts a chain of --speculative-num-steps tokens per request and step
-(models/qwen3_next.py MtpHead). The drafting runs in the worker, next to the target's passes
-(nextn_drafter.py); the scheduler's half only reserves each verify step's slots, as NGRAM's does
-(verifying.py), with placeholder drafts the worker overwrites before the verify pass runs.
+"""Speculation with a draft head (SGLang's --speculative-algorithm NEXTN, EAGLE, EAGLE3): a small model
+beside the target drafts a chain of --speculative-num-steps tokens per request and step from the
+target's hidden states: NEXTN the checkpoint's own multi-token-prediction head (models/qwen3_next.py
+MtpHead), EAGLE / EAGLE3 a draft checkpoint (--speculative-draft-model-path, models/eagle.py). The
+drafting runs in the worker, next to the target's passes (head_drafter.py); the scheduler's half only
+reserves each verify step's slots, as NGRAM's does (verifying.py), with placeholder drafts the worker
+overwrites before the verify pass runs.
 """
 from __future__ import annotations
 
@@ -17,15 +19,16 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+_WHAT = {"NEXTN": "the checkpoint's MTP head", "EAGLE": "an EAGLE draft head", "EAGLE3": "an EAGLE-3 draft head"}
 
-class NextnSpeculator(VerifyingSpeculator):
-    algorithm = "NEXTN"
 
+class HeadSpeculator(VerifyingSpeculator):
     def __init__(self, view: SpecView) -> None:
         super().__init__(view)
+        self.algorithm = view.server_args.speculative_algorithm
         self.num_steps = view.server_args.speculative_num_steps
-        logger.info("speculative decoding: NEXTN (the checkpoint's MTP head), chains of %d drafts, while fewer than "
-                    "%d requests run", self.num_steps, self.disable_by_batch_size)
+        logger.info("speculative decoding: %s (%s), chains of %d drafts, while fewer than %d requests run",
+                    self.algorithm, _WHAT[self.algorithm], self.num_steps, self.disable_by_batch_size)
 
     def draft(self, req: "Req") -> list[int]:
         """As many placeholders as the request may take: the worker's drafter writes the head's tokens.

@@ -1,0 +1,220 @@
+"""EAGLE draft heads (--speculative-algorithm EAGLE / EAGLE3 with --speculative-draft-model-path): a
+small decoder that drafts from the target model's hidden states, as published by the EAGLE authors
+(SafeAILab/EAGLE) and served by SGLang and vLLM under the same checkpoint layouts.
+
+    EAGLE (-1/-2, "LlamaForCausalLMEagle")      EAGLE-3 ("LlamaForCausalLMEagle3")
+    x = fc([embed(t[p+1]) ; h[p]])  (bias)      g = fc([a1 ; a2 ; a3][p])   three target layers' inputs
+                                                x = [input_norm(embed(t[p+1])) ; hidden_norm(g)]
+    N Llama decoder layers, the first           one decoder layer ("midlayer") whose q/k/v read the
+    without its input norm                      2 x hidden concatenation; residual g
+    out = the last layer's output + residual    out = the layer's output + residual
+    logits = the target's LM head (out)         logits = own LM head (norm(out)) over a reduced draft
+                                                vocabulary; draft id i is target id i + d2t[i]
+
+`h[p]` is the target's final (normed) hidden state at p; EAGLE-3's `a1..a3` are the residual streams
+entering three of its layers (by default 2, N/2 and N-3; the checkpoint's
+eagle_config.eagle_aux_hidden_state_layer_ids say otherwise), which LlamaModel captures into the
+forward batch (`aux_hidden`). Both read the target's embedding (EAGLE also its LM head): a draft
+checkpoint's own embed_tokens, when it has one, is not loaded. A chain step past the first feeds back
+`out` at the previous position in place of the target's state (EAGLE-3: without its fc).
+
+The head's attention layers take KV-pool layers after the target's (`first_kv_layer`), in the same
+slots as the target's KV, so the pool, prefix sharing, retraction and the PD transfer carry them as
+any layer (the drafting itself: speculative/head_drafter.py). Their KV geometry must therefore be the
+target's: the same KV heads and head size.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterable, Optional
+
+import torch
+from torch import nn
+
+from baton.engine.distributed.parallel_state import TpGroup
+from baton.engine.layers.layernorm import RMSNorm
+from baton.engine.layers.linear import MergedColumnLinear, OutputPart, load_param, qkv_parts
+from baton.engine.layers.vocab_parallel import VocabParallelEmbedding
+from baton.engine.models.llama import STACKED_SHARDS, LlamaAttention, LlamaDecoderLayer, LlamaMLP, head_dim_of
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from baton.engine.model_executor.forward_batch import ForwardBatch
+
+EAGLE_ARCHITECTURES = {"LlamaForCausalLMEagle": "EAGLE", "LlamaForCausalLMEagle3": "EAGLE3"}
+
+
+def eagle3_aux_layers(draft_config: "PretrainedConfig", num_layers: int) -> tuple[int, ...]:
+    """The target layers whose input EAGLE-3 reads: the checkpoint's layer ids (outputs of those
+    layers, so inputs of the next ones), else SGLang's default (inputs of 2, N/2, N-3)."""
+    ids = (getattr(draft_config, "eagle_config", None) or {}).get("eagle_aux_hidden_state_layer_ids")
+    layers = tuple(i + 1 for i in ids) if ids else (2, num_layers // 2, num_layers - 3)
+    if len(layers) != 3 or not all(0 < i < num_layers for i in layers):
+        raise ValueError(f"EAGLE3 reads three target layers inside the model's {num_layers}; got inputs of {layers}")
+    return layers
+
+
+def _replicated(in_features: int, out_features: int, bias: bool) -> MergedColumnLinear:
+    """A linear every rank holds whole (the fc's output feeds the replicated residual stream)."""
+    return MergedColumnLinear(in_features, [OutputPart(out_features, 0, out_features)], bias=bias)
+
+
+class _Loader:
+    """Checkpoint tensors into a head's parameters: q/k/v and gate/up into their fused linears
+    (models/llama.py's rule), the rest by name; every parameter must be filled."""
+
+    @staticmethod
+    def load(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(module.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            parts = name.split(".")
+            if len(parts) >= 3 and parts[-2] in STACKED_SHARDS:
+                fused, shard = STACKED_SHARDS[parts[-2]]
+                path = ".".join(parts[:-2] + [fused])
+                module.get_submodule(path).load_shard(parts[-1], shard, tensor)
+                loaded.add(f"{path}.{parts[-1]}")
+            elif name in params:
+                load_param(params[name], tensor, name)
+                loaded.add(name)
+            else:
+                raise KeyError(f"draft checkpoint tensor {name!r} has no matching parameter in {type(module).__name__}")
+        missing = [n for n in params if n not in loaded]
+        if missing:
+            raise ValueError(f"the draft checkpoint is missing {len(missing)} parameters, e.g. {missing[:5]}")
+
+
+class EagleHead(nn.Module):
+    """EAGLE-1/-2 (module docstring): `num_hidden_layers` Llama layers over fc([embedding ; hidden])."""
+
+    algorithm = "EAGLE"
+    own_lm_head = False  # the target's LM head reads `out`
+
+    def __init__(self, config: "PretrainedConfig", first_kv_layer: int, fc_bias: bool, tp: TpGroup = TpGroup()) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.fc = _replicated(2 * hidden, hidden, fc_bias)
+        bias = bool(getattr(config, "attention_bias", False))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, LlamaAttention(config, first_kv_layer + i, bias, bias, tp=tp),
+                              LlamaMLP(hidden, config.intermediate_size, config.hidden_act,
+                                       bias=bool(getattr(config, "mlp_bias", False)), tp=tp))
+            for i in range(config.num_hidden_layers))
+        self.layers[0].input_layernorm = nn.Identity()  # EAGLE's first layer has none (its fc output is the input)
+        self.num_kv_layers = config.num_hidden_layers
+        self.aux_layers: tuple[int, ...] = ()
+
+    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
+                forward_batch: "ForwardBatch") -> torch.Tensor:
+        """embeds: the next tokens' embeddings, hidden: the target's final hidden states (or the
+        head's own outputs), both [num_tokens, hidden] -> the head's outputs [num_tokens, hidden]."""
+        x, residual = self.fc(torch.cat([embeds, hidden], dim=-1)), None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, forward_batch)
+        return x + residual
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        # the target's embedding and LM head serve; a first-layer input norm, where a conversion kept
+        # one, is not in the published architecture
+        skip = ("embed_tokens.", "lm_head.", "layers.0.input_layernorm.")
+        _Loader.load(self, ((n, t) for n, t in weights if not n.startswith(skip)))
+
+
+class Eagle3DecoderLayer(nn.Module):
+    """EAGLE-3's one layer: attention over [input_norm(embedding) ; hidden_norm(state)] (2 x hidden
+    wide), the state as its residual, then the usual post-attention norm and MLP."""
+
+    def __init__(self, config: "PretrainedConfig", kv_layer: int, tp: TpGroup) -> None:
+        super().__init__()
+        hidden, bias = config.hidden_size, bool(getattr(config, "attention_bias", False))
+        self.self_attn = LlamaAttention(config, kv_layer, bias, bias, tp=tp)
+        self.self_attn.qkv_proj = MergedColumnLinear(
+            2 * hidden, qkv_parts(config.num_attention_heads, config.num_key_value_heads, head_dim_of(config), tp),
+            bias=bias)
+        self.mlp = LlamaMLP(hidden, config.intermediate_size, config.hidden_act,
+                            bias=bool(getattr(config, "mlp_bias", False)), tp=tp)
+        self.input_layernorm = RMSNorm(hidden, config.rms_norm_eps)
+        self.hidden_norm = RMSNorm(hidden, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(hidden, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, embeds: torch.Tensor, state: torch.Tensor,
+                forward_batch: "ForwardBatch") -> torch.Tensor:
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(state)], dim=-1)
+        x = self.self_attn(positions, x, forward_batch)
+        x, residual = self.post_attention_layernorm(x, state)
+        return self.mlp(x) + residual
+
+
+class Eagle3Head(nn.Module):
+    """EAGLE-3 (module docstring): fc over three target layers' states, one layer, its own norm and LM
+    head over the draft vocabulary."""
+
+    algorithm = "EAGLE3"
+    own_lm_head = True
+
+    def __init__(self, config: "PretrainedConfig", first_kv_layer: int, aux_layers: tuple[int, ...],
+                 target_hidden: int, tp: TpGroup = TpGroup()) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.hidden_size = hidden
+        self.fc = _replicated(3 * target_hidden, hidden, bool(getattr(config, "bias", False)))
+        self.midlayer = Eagle3DecoderLayer(config, first_kv_layer, tp)
+        self.norm = RMSNorm(hidden, config.rms_norm_eps)
+        draft_vocab = int(getattr(config, "draft_vocab_size", None) or config.vocab_size)
+        self.lm_head = VocabParallelEmbedding(draft_vocab, hidden, tp)
+        # draft id -> target id (d2t holds the offsets; a checkpoint over the full vocabulary has none)
+        self.register_buffer("draft_to_target", torch.arange(draft_vocab, dtype=torch.int64), persistent=False)
+        self.num_kv_layers = 1
+        self.aux_layers = aux_layers
+
+    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
+                forward_batch: "ForwardBatch") -> torch.Tensor:
+        """hidden: the target's three captured states [num_tokens, 3 x target hidden], or the head's
+        own outputs [num_tokens, hidden] -> the head's outputs (before its norm) [num_tokens, hidden]."""
+        state = self.fc(hidden) if hidden.shape[-1] != self.hidden_size else hidden
+        return self.midlayer(positions, embeds, state, forward_batch)
+
+    def draft_ids(self, out: torch.Tensor) -> torch.Tensor:
+        """The head's outputs [m, hidden] -> its greedy tokens [m], as target vocabulary ids."""
+        return self.draft_to_target[torch.argmax(self.lm_head.logits(self.norm(out)), dim=-1)]
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        def named() -> Iterable[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                if name == "d2t":
+                    self.draft_to_target.add_(tensor.to(self.draft_to_target.device, torch.int64))
+                elif name != "t2d" and not name.startswith("embed_tokens."):
+                    yield name, tensor
+
+        _Loader.load(self, named())
+
+
+def build_eagle_head(draft_config: "PretrainedConfig", weights: dict[str, torch.Tensor],
+                     target_config: "PretrainedConfig", first_kv_layer: int, tp: TpGroup) -> nn.Module:
+    """The draft checkpoint's head (by its architecture), checked against the target, weights loaded.
+    Called under the target's dtype and device."""
+    arch = (getattr(draft_config, "architectures", None) or ["?"])[0]
+    if arch not in EAGLE_ARCHITECTURES:
+        raise ValueError(f"--speculative-draft-model-path: architecture {arch} is not an EAGLE draft "
+                         f"({', '.join(EAGLE_ARCHITECTURES)})")
+    target_kv = (target_config.num_key_value_heads, head_dim_of(target_config))
+    draft_kv = (getattr(draft_config, "num_key_value_heads", None) or draft_config.num_attention_heads,
+                head_dim_of(draft_config))
+    if draft_kv != target_kv or draft_config.hidden_size != target_config.hidden_size:
+        raise ValueError(f"the draft's KV heads, head size and hidden size {draft_kv + (draft_config.hidden_size,)} must "
+                         f"be the target's {target_kv + (target_config.hidden_size,)}: its KV layers share the "
+                         "target's pool and it reads the target's embedding")
+    if EAGLE_ARCHITECTURES[arch] == "EAGLE":
+        head: nn.Module = EagleHead(draft_config, first_kv_layer, fc_bias="fc.bias" in weights, tp=tp)
+    else:
+        head = Eagle3Head(draft_config, first_kv_layer, eagle3_aux_layers(draft_config, target_config.num_hidden_layers),
+                          target_config.hidden_size, tp=tp)
+    head.load_weights(weights.items())
+    return head.eval().requires_grad_(False)
+
+
+def strip_prefix(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Draft checkpoints save their tensors with or without a leading `model.`; ours take them without."""
+    return {(n[len("model."):] if n.startswith("model.") else n): t for n, t in weights.items()}
+

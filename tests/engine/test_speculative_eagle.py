@@ -1,0 +1,182 @@
+"""EAGLE / EAGLE3 speculative decoding (issue 35): a draft checkpoint's head drafts from the target's
+hidden states (models/eagle.py, speculative/head_drafter.py).
+
+Criteria, on CPU in float32:
+- the head is the published architecture: the chain the engine drafts equals the head built from
+  transformers' Llama modules as the EAGLE authors define it (tiny_models.EagleReference), token for
+  token, EAGLE over the target's final states and EAGLE-3 over three of its layers' inputs with its
+  own reduced vocabulary;
+- speculation changes no token: greedy output equals HF's, with a head trained on the target's own
+  continuations (so drafts are accepted, runs cut by stops) and with a random one (mostly rejected),
+  through chunked prefill, radix hits, both loops, pages and aborts; nothing leaks.
+On CPU in bfloat16 (the native forward serves the target, the head beside it): the tokens the same
+engine gives without speculation.
+"""
+from __future__ import annotations
+
+import pytest
+
+from baton.engine.io_struct import AbortReq
+from baton.engine.server_args import ServerArgs
+from test_scheduler_vs_hf import hf_greedy, harness_for, run_workload, workload
+from test_speculative import MAX_NEW, repetitive_prompts, spec_info
+from tiny_models import load_eagle_reference, make_eagle_draft
+
+STEPS = 3
+
+
+def eagle(kind: str, draft: str, **more) -> dict:
+    return dict(speculative_algorithm=kind, speculative_draft_model_path=draft, speculative_num_steps=STEPS,
+                speculative_disable_by_batch_size=64, **more)
+
+
+def prompts() -> list[list[int]]:
+    return workload()[:6] + repetitive_prompts()[:2]
+
+
+@pytest.fixture(scope="module")
+def target(tiny_model_factory):
+    """Four layers, so that EAGLE-3 reads three distinct ones (the inputs of layers 1, 2, 3)."""
+    return tiny_model_factory("llama", num_hidden_layers=4)
+
+
+@pytest.fixture(scope="module")
+def drafts(target, tmp_path_factory):
+    """kind -> draft directory: random EAGLE and EAGLE3 heads, and an EAGLE head trained on the
+    target's greedy continuations of prompts()."""
+    made: dict[str, str] = {}
+
+    def get(kind: str) -> str:
+        if kind not in made:
+            base, trained = kind.split("-")[0], kind.endswith("-trained")
+            fit = [p + hf_greedy(target, p, MAX_NEW, ignore_eos=True) for p in prompts()] if trained else None
+            made[kind] = make_eagle_draft(target, tmp_path_factory.mktemp(kind), base, fit_on=fit)
+        return made[kind]
+
+    return get
+
+
+@pytest.mark.parametrize("kind", ["EAGLE", "EAGLE3"])
+def test_the_drafted_chain_is_the_eagle_heads_own(target, drafts, kind):
+    """The first verify step of a request drafts, after its prompt and first token, the chain the
+    reference head gives over the target's states (and, from the second draft on, its own outputs)."""
+    draft = drafts(kind)
+    h = harness_for(target, "plain", max_total_tokens=2048, **eagle(kind, draft))
+    seen: list[list[int]] = []
+    process = h.scheduler.spec.process_verify_result
+    h.scheduler.spec.process_verify_result = lambda launched, result: (
+        seen.append(list(launched.mwb.spec_info.drafts[0])), process(launched, result))
+    prompt = workload()[2]
+    h.submit("a", prompt, max_new_tokens=8, ignore_eos=True)
+    out = h.run_until_idle()["a"].ids
+    assert out == hf_greedy(target, prompt, 8, ignore_eos=True)
+    assert seen and seen[0] == load_eagle_reference(target, draft).chain(prompt + out[:1], STEPS)
+    assert spec_info(h)["speculative_algorithm"] == kind and h.scheduler.check_memory_integrity()
+
+
+@pytest.mark.parametrize("kind,loop,page_size", [("EAGLE-trained", "overlap", 16), ("EAGLE3", "inline", 4),
+                                                 ("EAGLE-trained", "plain", 1)])
+def test_eagle_greedy_equals_hf(target, drafts, kind, loop, page_size):
+    """Concurrent requests, prompts past the 32-token chunk, shared prefixes, a follow-up turn, an
+    abort mid-speculation: HF's tokens; the trained head's drafts accepted; nothing leaked."""
+    ps = prompts()
+    h = harness_for(target, loop, page_size=page_size, chunked_prefill_size=32, max_total_tokens=4096,
+                    **eagle(kind.split("-")[0], drafts(kind)))
+    results = run_workload(h, ps, max_new=MAX_NEW, ignore_eos=True)
+    for i, p in enumerate(ps):
+        assert results[str(i)].ids == hf_greedy(target, p, MAX_NEW, ignore_eos=True), f"request {i} differs from HF"
+    info = spec_info(h)
+    assert info["spec_verify_steps"] > 0, info
+    if kind.endswith("trained"):
+        assert info["spec_accept_length"] > 1.5, info
+    turn2 = ps[3] + results["3"].ids + [7, 8, 9]
+    h.submit("turn2", turn2, max_new_tokens=MAX_NEW, ignore_eos=True)
+    h.submit("gone", ps[1], max_new_tokens=200, ignore_eos=True)
+    for _ in range(10):
+        h.step()
+    h.scheduler.process_input_requests([AbortReq(rid="gone")])
+    res = h.run_until_idle()
+    assert res["turn2"].cached_tokens > 0
+    assert res["turn2"].ids == hf_greedy(target, turn2, MAX_NEW, ignore_eos=True)
+    assert res["gone"].finish.kind == "abort"
+    assert h.scheduler.check_memory_integrity()
+
+
+def test_stops_and_logprobs_inside_accepted_runs(target, drafts):
+    """With drafts accepted: max_tokens that cut a chain, a stop token inside an accepted run, logprobs:
+    what the engine without speculation gives."""
+    prompt = prompts()[3]
+    plain = harness_for(target, "plain", max_total_tokens=2048)
+    spec = harness_for(target, "plain", max_total_tokens=2048, **eagle("EAGLE", drafts("EAGLE-trained")))
+    for h in (plain, spec):
+        h.submit("cut", prompt, max_new_tokens=6, ignore_eos=True)
+        h.submit("lp", prompt, max_new_tokens=12, ignore_eos=True, return_logprob=True, top_logprobs_num=2)
+    a, b = plain.run_until_idle(), spec.run_until_idle()
+    stop = a["lp"].ids[7]
+    for h in (plain, spec):
+        h.submit("stop", prompt, max_new_tokens=20, ignore_eos=True, stop_token_ids=[stop])
+    a, b = plain.run_until_idle(), spec.run_until_idle()
+    for rid in ("cut", "lp", "stop"):
+        assert b[rid].ids == a[rid].ids, rid
+    assert b["stop"].ids[-1] == stop
+    (lp_a, ids_a), (lp_b, ids_b) = zip(*a["lp"].output_logprobs), zip(*b["lp"].output_logprobs)
+    assert ids_b == ids_a and lp_b == pytest.approx(lp_a, abs=1e-5)
+    info = spec_info(spec)
+    assert info["spec_accepted_tokens"] > 0, info
+    assert spec.scheduler.check_memory_integrity()
+
+
+def test_eagle_beside_the_native_bf16_forward(target, drafts):
+    """CPU bfloat16: the native forward serves the target's passes (extends, decodes, verifies), the
+    head's passes plan their own attention metadata beside it; the tokens are the same engine's
+    without speculation, drafts accepted."""
+    ps = prompts()[:4]
+    common = dict(dtype="bfloat16", max_total_tokens=2048)
+    plain = run_workload(harness_for(target, "plain", **common), ps, max_new=24, ignore_eos=True)
+    h = harness_for(target, "plain", **common, **eagle("EAGLE", drafts("EAGLE-trained")))
+    assert h.scheduler.worker.model_runner.native_forward is not None
+    spec = run_workload(h, ps, max_new=24, ignore_eos=True)
+    for i in range(len(ps)):
+        assert spec[str(i)].ids == plain[str(i)].ids, f"request {i}"
+    assert spec_info(h)["spec_accepted_tokens"] > 0 and h.scheduler.check_memory_integrity()
+
+
+def test_pd_decode_drafts_with_the_prefills_head_kv(target, drafts):
+    """PD, both sides EAGLE: the prefill's head fills its KV layer over the prompt, which travels with
+    the target's layers; the decode drafts from a request's second step on, drafts accepted; HF's
+    tokens, both sides settle with nothing leaked."""
+    from test_pd_scheduler import PDPair, _run
+
+    ps = repetitive_prompts()
+    pair = PDPair(target, page_size=1, max_total_tokens=4096, disable_overlap_schedule=True,
+                  **eagle("EAGLE", drafts("EAGLE-trained")))
+    try:
+        _run(pair, ps, max_new_tokens=MAX_NEW, ignore_eos=True)
+        for i, p in enumerate(ps):
+            assert pair.decode.results[str(i)].ids == hf_greedy(target, p, MAX_NEW, ignore_eos=True), f"request {i}"
+        assert spec_info(pair.decode)["spec_accepted_tokens"] > 0
+        pair.assert_settled()
+    finally:
+        pair.close()
+
+
+def test_eagle_flags_and_what_is_refused(target, drafts, tiny_model_factory, tmp_path):
+    from baton.engine.models.eagle import eagle3_aux_layers
+
+    args = ServerArgs(model_path=target, **eagle("EAGLE3", drafts("EAGLE3")))
+    assert (args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens) == (3, 1, 4)
+    with pytest.raises(ValueError, match="needs --speculative-draft-model-path"):
+        ServerArgs(model_path=target, speculative_algorithm="EAGLE")
+    with pytest.raises(ValueError, match="is for EAGLE and EAGLE3"):
+        ServerArgs(model_path=target, speculative_algorithm="NGRAM", speculative_draft_model_path=drafts("EAGLE"))
+    with pytest.raises(ValueError, match="tree drafts"):
+        ServerArgs(model_path=target, **eagle("EAGLE", drafts("EAGLE"), speculative_eagle_topk=2))
+    # a draft whose KV layers would not fit the target's pool
+    other = tiny_model_factory("llama", num_key_value_heads=4)
+    with pytest.raises(ValueError, match="must be the target's"):
+        harness_for(other, "plain", max_total_tokens=1024, **eagle("EAGLE", drafts("EAGLE")))
+    # a checkpoint that is no EAGLE draft
+    with pytest.raises(ValueError, match="is not an EAGLE draft"):
+        harness_for(target, "plain", max_total_tokens=1024, **eagle("EAGLE", target))
+    config = type("C", (), {"eagle_config": None})()
+    assert eagle3_aux_layers(config, 32) == (2, 16, 29)  # SGLang's default for a 32-layer target
