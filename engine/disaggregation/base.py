@@ -238,19 +238,30 @@ class KVMetadata(NamedTuple):
 
 
 class MetadataBuffers:
-    """Registered per-request metadata slots, 64 bytes each (one int64 row of 8).
+    """Registered per-request metadata slots: a 64-byte base (one int64 row of 8), then with a draft
+    head (speculation NEXTN / EAGLE) a draft part of `draft_bytes`.
 
-    Columns: 0 output token id | 1 bootstrap_room | 2 output logprob (float64 bits) | 3..7 spare.
+    Base columns: 0 output token id | 1 bootstrap_room | 2 output logprob (float64 bits) | 3..7 spare.
+    Draft part: column 8 the head's first draft + 1 (0: none) | then the head's output at the prompt's
+    last position (the next draft step's input), as raw bytes of the model's dtype. Every prefill TP
+    rank writes the base; only rank 0 writes the draft part (the metadata's JSON hop to the other ranks
+    carries the base only), which the decode's rank 0, the one that reads the slot, gets from it.
     Slots are handed out by alloc()/free(); the decode side passes its slot to the prefill.
     """
 
     COLUMNS = 8
+    BASE_BYTES = COLUMNS * 8
 
-    def __init__(self, size: int) -> None:
-        assert size > 0
-        self.size = size
-        self.buffer = torch.zeros((size, self.COLUMNS), dtype=torch.int64)  # [size, 8]
+    def __init__(self, size: int, draft_bytes: int = 0) -> None:
+        assert size > 0 and draft_bytes % 8 == 0
+        self.size, self.draft_bytes = size, draft_bytes
+        self.buffer = torch.zeros((size, self.COLUMNS + draft_bytes // 8), dtype=torch.int64)  # [size, 8 (+ draft)]
         self._free = list(range(size))
+
+    @staticmethod
+    def draft_bytes_for(hidden_size: int, dtype: torch.dtype) -> int:
+        """The draft part for a head whose outputs are `hidden_size` values of `dtype`."""
+        return 8 + -(-hidden_size * dtype.itemsize // 8) * 8
 
     @property
     def data_ptr(self) -> int:
@@ -262,7 +273,7 @@ class MetadataBuffers:
 
     @property
     def item_bytes(self) -> int:
-        return self.COLUMNS * self.buffer.element_size()
+        return self.buffer.shape[1] * self.buffer.element_size()
 
     def available_size(self) -> int:
         return len(self._free)
@@ -283,6 +294,25 @@ class MetadataBuffers:
     def get(self, slot: int) -> KVMetadata:
         row = self.buffer[slot]
         return KVMetadata(int(row[0]), float(row[2:3].view(torch.float64)[0]), int(row[1]))
+
+    def set_draft(self, slot: int, token: int, hidden: Optional[torch.Tensor]) -> None:
+        """The head's first draft for the request's next step and its output there (None: a chain of
+        one draft needs no output)."""
+        part = self.buffer[slot, self.COLUMNS:]
+        part[0] = token + 1
+        if hidden is not None:
+            raw = hidden.detach().to("cpu").contiguous().view(torch.uint8)
+            part[1:].view(torch.uint8)[:raw.numel()] = raw
+
+    def get_draft(self, slot: int, hidden_size: int, dtype: torch.dtype) -> Optional[tuple[int, torch.Tensor]]:
+        """(first draft, the head's output) where the prefill's rank 0 wrote them, else None."""
+        if not self.draft_bytes:
+            return None
+        part = self.buffer[slot, self.COLUMNS:]
+        if int(part[0]) == 0:
+            return None
+        hidden = part[1:].view(torch.uint8)[:hidden_size * dtype.itemsize].view(dtype).clone()
+        return int(part[0]) - 1, hidden
 
 
 def as_pages(pages: PageList) -> np.ndarray:

@@ -49,6 +49,9 @@ class SchedulerView:
     count_generated: Callable[[int], None]
     state_pool: Any = None  # a hybrid model's mem_cache.state_pool.RecurrentStatePool (slot = request row)
     hf_config: Any = None  # the model's, for the pair's handshake (base.model_identity)
+    # speculation with a draft head: the worker's speculative.head_drafter.HeadDrafter (a prefill sends
+    # each request's first draft and the head's output with its KV, so the decode drafts at once)
+    drafter: Any = None
 
 
 class Colocated:

@@ -27,8 +27,8 @@ from baton.engine.disaggregation.base import KVPoll, MetadataBuffers, TransferCo
 from baton.engine.disaggregation.bootstrap_server import DEFAULT_BOOTSTRAP_PORT
 from baton.engine.disaggregation.no_peer import NoPeerReceiver, is_no_peer
 from baton.engine.disaggregation.stats import PDStats
-from baton.engine.disaggregation.prefill import (TRANSFER_FAILED_STATUS, create_kv_manager, missing_bootstrap_error,
-                                                 transfer_config_from)
+from baton.engine.disaggregation.prefill import (TRANSFER_FAILED_STATUS, create_kv_manager, metadata_draft_bytes,
+                                                 missing_bootstrap_error, transfer_config_from)
 from baton.engine.disaggregation.colocated import Colocated, DisaggregationMode
 from baton.engine.io_struct import AbortReq, TokenizedGenerateReqInput
 
@@ -49,7 +49,7 @@ class DecodeDisaggregation(Colocated):
         super().__init__(view)
         s = view
         self.config = config or transfer_config_from(s.server_args)
-        self.metadata = MetadataBuffers(s.max_running_requests + 1)
+        self.metadata = MetadataBuffers(s.max_running_requests + 1, metadata_draft_bytes(s))
         self.mgr = create_kv_manager(s, "decode", self.config, self.metadata)
         self.prealloc_queue: list["Req"] = []  # receiver created; nothing reserved yet
         self.transfer_queue: list["Req"] = []  # row + slots reserved, destination sent
@@ -174,6 +174,7 @@ class DecodeDisaggregation(Colocated):
         s = self.view
         for req in reqs:
             meta = req.kv_transfer.metadata()
+            prime = None if s.drafter is None else s.drafter.prime_from(self.metadata, req.kv_meta_slot)
             self.release(req)
             req.fill_ids = list(req.origin_input_ids)
             req.output_ids.append(meta.output_token_id)
@@ -186,7 +187,9 @@ class DecodeDisaggregation(Colocated):
                 if req.top_logprobs_num > 0:
                     req.output_top_logprobs.append([])  # the prefill sends only the chosen token's logprob
             req.first_token_time = req.first_token_time or time.time()
-            req.spec_primed = False  # NEXTN: the draft head has not run here for it yet
+            # a draft head: its first draft and output where the prefill sent them, else it has not run
+            # here for the request yet and its first step drafts nothing
+            req.spec_prime, req.spec_primed = prime, prime is not None
             req.check_finished(s.tokenizer)
             s.count_generated(1)
         live = [r for r in reqs if not r.finished()]

@@ -84,8 +84,13 @@ def create_kv_manager(view: "SchedulerView", mode: str, config: TransferConfig, 
     if tp.size == 1:
         return local()
     setup = FollowerSetup(mode, backend, asdict(config), metadata.size, bootstrap_addr, view.dp_rank,
-                          server_args.dp_size)
+                          server_args.dp_size, metadata.draft_bytes)
     return driver_manager(local, tp, setup)
+
+
+def metadata_draft_bytes(view: "SchedulerView") -> int:
+    """The metadata slots' draft part: the draft head's first draft and output, on both sides."""
+    return 0 if view.drafter is None else view.drafter.metadata_bytes()
 
 
 def missing_bootstrap_error(req: "Req", mode: str) -> Optional[tuple[str, int]]:
@@ -109,7 +114,7 @@ class PrefillDisaggregation(Colocated):
         s = view
         args = s.server_args
         self.config = config or transfer_config_from(args)
-        self.metadata = MetadataBuffers(2 * s.max_running_requests + 2)
+        self.metadata = MetadataBuffers(2 * s.max_running_requests + 2, metadata_draft_bytes(s))
         self.bootstrap_server = None
         port = args.disaggregation_bootstrap_port
         # the fake finds peers in-process; with DP ranks, rank 0 serves and the others register with it
@@ -205,6 +210,8 @@ class PrefillDisaggregation(Colocated):
             tok = result.next_token_ids[i]
             logprob = result.next_token_logprobs[i] if result.next_token_logprobs is not None else 0.0
             s.record_token(req, i, result)
+            if s.drafter is not None:  # the decode's first step drafts from these (base.MetadataBuffers)
+                self.metadata.set_draft(req.kv_meta_slot, *s.drafter.row_draft(req.req_pool_idx))
             self._send(req, -(-len(req.origin_input_ids) // s.page_size), KVMetadata(tok, logprob, req.bootstrap_room))
             self.inflight_queue.append(req)
         return True

@@ -59,6 +59,7 @@ class FollowerSetup:
     bootstrap_addr: Optional[str]  # prefill: "host:port" of the engine's bootstrap server
     engine_rank: int
     dp_size: int
+    metadata_draft_bytes: int = 0  # the slots' draft part (base.MetadataBuffers)
 
 
 @dataclass(frozen=True)
@@ -325,7 +326,7 @@ class FollowerKVService:
         try:
             probe: FollowerSetupProbe = _all_gather(service.endpoint, tp)[0]
             setup = probe.setup
-            metadata = MetadataBuffers(setup.metadata_size)
+            metadata = MetadataBuffers(setup.metadata_size, setup.metadata_draft_bytes)
             args = KVArgs.from_pool(runner.token_to_kv_pool, metadata, engine_rank=setup.engine_rank,
                                     dp_size=setup.dp_size, tp_rank=tp.rank, tp_size=tp.size,
                                     state_pool=runner.state_pool, hf_config=runner.hf_config,

@@ -77,9 +77,12 @@ class Req:
     # speculative decoding (NGRAM): the index of this request's tokens its drafts come from
     # (speculative/ngram.py), built by the speculator on the request's first draft
     spec_index: Any = None
-    # NEXTN / EAGLE: whether the draft head has run on this engine for the request (speculative/head_speculator.py); False
-    # for a PD decode's transferred request until its first step
+    # NEXTN / EAGLE: whether the draft head's row holds a first draft for the request
+    # (speculative/head_speculator.py): False for a PD decode's transferred request until its first
+    # step, unless the prefill sent its head's (`spec_prime`: first draft and head output,
+    # HeadDrafter.prime_from), which its first step puts in the row
     spec_primed: bool = True
+    spec_prime: Any = None
 
     @property
     def grammar(self) -> Any:

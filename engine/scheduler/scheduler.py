@@ -190,7 +190,7 @@ class Scheduler:
             new_batch=self._new_batch, finish_request=self.output.finish_request,
             stream_output=self.output.stream_output, record_token=self.output.record_token,
             extend_result_prologue=self.output.extend_result_prologue, count_generated=self._count_generated,
-            state_pool=runner.state_pool, hf_config=runner.hf_config)
+            state_pool=runner.state_pool, hf_config=runner.hf_config, drafter=self.worker.drafter)
         return create_strategy(mode, view, transfer_config)
 
     def _init_speculation(self) -> NoSpeculation:

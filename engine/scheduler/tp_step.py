@@ -5,9 +5,9 @@ Only the driver runs a scheduler, samples and talks to the rest of the engine. E
 (a follower) loops: receive a step, run the model on its shard (the layers' all-reduces meet the
 driver's), repeat. A follower thus needs nothing of the scheduler but what the forward reads:
 
-    header  int64[10]  command, forward mode, batch size, tokens, table updates, has future slots,
-                       prompt-logprob spans, verify, state copies, state tracks (the payload's
-                       layout follows from these)
+    header  int64[11]  command, forward mode, batch size, tokens, table updates, has future slots,
+                       prompt-logprob spans, verify, state copies, state tracks, head primes (the
+                       payload's layout follows from these)
     payload int64[..]  input_ids | positions | req_pool_indices | seq_lens | out_cache_loc
                        [| extend_prefix_lens | extend_seq_lens]     (EXTEND)
                        [| next prompt ids]                          (EXTEND, a draft head)
@@ -16,6 +16,9 @@ driver's), repeat. A follower thus needs nothing of the scheduler but what the f
                        | span first rows | span row counts          (prompt logprobs)
                        | copy sources | copy destinations        (hybrid models' state work,
                        | track rows | offsets | slots               mem_cache/state_pool.StateOps)
+                       [| prime batch indices | prime drafts]       (a verify step's VerifyInput.primes;
+                                                                    their head outputs follow, broadcast
+                                                                    in the model's dtype)
 
 The LM head is split by vocabulary rows, and each of its calls all-gathers the logits: after the
 forward a follower makes the driver's calls, on the same rows, in the same order. One on each
@@ -57,7 +60,7 @@ if TYPE_CHECKING:
     from baton.engine.scheduler.schedule_batch import ModelWorkerBatch
     from baton.engine.speculative.spec_info import VerifyOutput
 
-_HEADER = 10
+_HEADER = 11
 _STOP, _FORWARD = 0, 1
 
 
@@ -87,6 +90,8 @@ class Step(NamedTuple):
     state_ops: Optional[StateOps] = None  # a hybrid model's state copies and checkpoints this pass
     verify: bool = False  # a speculative verify step: the LM head runs over every row
     next_prompt_ids: Optional[list[int]] = None  # EXTEND with a draft head (ModelWorkerBatch.next_prompt_ids)
+    # a verify step's first drafts and head outputs a PD prefill sent (VerifyInput.primes)
+    primes: Optional[dict[int, tuple[int, torch.Tensor]]] = None
 
 
 def _logit_spans(mwb: "ModelWorkerBatch") -> list[tuple[int, int]]:
@@ -127,12 +132,18 @@ class StepSender:
         tracks = [(row, off, slot) for row, t in ops.tracks.items() for off, slot in t]
         parts += [torch.tensor(ops.copies, dtype=torch.int64).reshape(-1, 2).T.reshape(-1),
                   torch.tensor(tracks, dtype=torch.int64).reshape(-1, 3).T.reshape(-1)]
+        primes = (mwb.spec_info.primes if mwb.spec_info is not None else None) or {}
+        if primes:
+            parts += [torch.tensor(list(primes), dtype=torch.int64), torch.tensor([t for t, _ in primes.values()])]
         payload = torch.cat([t.to("cpu", torch.int64).reshape(-1) for t in parts])
         header = torch.tensor([_FORWARD, int(mwb.forward_mode), len(mwb.seq_lens_cpu), mwb.input_ids.numel(),
                                rows.numel(), mwb.future_indices is not None, len(spans), mwb.spec_info is not None,
-                               len(ops.copies), len(tracks)], dtype=torch.int64)
+                               len(ops.copies), len(tracks), len(primes)], dtype=torch.int64)
         _broadcast(header, self.tp.cpu_group)
         _broadcast(payload, self.tp.cpu_group)
+        if primes:
+            _broadcast(torch.stack([h for _, h in primes.values()]).to(self.table.device).contiguous(),
+                       self.tp.device_group)
 
     def send_sampled(self, next_ids: torch.Tensor) -> None:
         """The ids this step sampled (device group): for the followers' future maps (overlap loop),
@@ -181,7 +192,7 @@ class StepReceiver:
     def recv(self) -> Optional[Step]:
         header = torch.empty(_HEADER, dtype=torch.int64)
         _broadcast(header, self.tp.cpu_group)
-        cmd, mode, bs, num_tokens, n_updates, has_future, n_spans, verify, n_copies, n_tracks = header.tolist()
+        cmd, mode, bs, num_tokens, n_updates, has_future, n_spans, verify, n_copies, n_tracks, n_primes = header.tolist()
         if cmd == _STOP:
             return None
         mode = ForwardMode(mode)
@@ -192,9 +203,19 @@ class StepReceiver:
         if has_future:
             sizes.append(bs)
         sizes += [n_updates] * 3 + [n_spans] * 2 + [2 * n_copies, 3 * n_tracks]
+        if n_primes:
+            sizes += [n_primes, n_primes]
         payload = torch.empty(sum(sizes), dtype=torch.int64)
         _broadcast(payload, self.tp.cpu_group)
         fields = list(payload.split(sizes))
+        primes = None
+        if n_primes:
+            prime_idx, prime_tokens = fields[-2:]
+            del fields[-2:]
+            outs = torch.empty(n_primes, *self.drafter.hidden.shape[1:], dtype=self.drafter.hidden.dtype,
+                               device=self.runner.device)
+            _broadcast(outs, self.tp.device_group)
+            primes = dict(zip(prime_idx.tolist(), zip(prime_tokens.tolist(), outs)))
         rows, cols, slots, span_rows, span_counts, copies, tracks = fields[-7:]
         state_ops = None
         if n_copies or n_tracks:
@@ -210,7 +231,7 @@ class StepReceiver:
                     fields[5].tolist() if extend else None, fields[6].tolist() if extend else None,
                     fields[after] if has_future else None,
                     list(zip(span_rows.tolist(), span_counts.tolist())), state_ops, bool(verify),
-                    fields[7].tolist() if head else None)
+                    fields[7].tolist() if head else None, primes)
 
     @torch.inference_mode()  # every tensor it makes is an inference tensor, as the driver's batches
     def run(self) -> int:
@@ -238,7 +259,7 @@ class StepReceiver:
         if self.drafter is not None and step.verify:  # the chain, as the driver drafts it
             from baton.engine.speculative.spec_info import VerifyInput
 
-            spec = VerifyInput([[0] * (n - 1) for n in step.extend_seq_lens])
+            spec = VerifyInput([[0] * (n - 1) for n in step.extend_seq_lens], primes=step.primes)
             self.drafter.draft(fb, spec)
         hidden = runner.forward(fb)
         # the driver's LM head calls (each all-gathers logits): last positions (every row of a verify

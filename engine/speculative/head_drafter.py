@@ -65,9 +65,11 @@ class HeadDrafter:
         self.num_steps = num_steps
         rows, dev = runner.req_to_token_pool.size, runner.device
         self.tokens = torch.zeros(rows, dtype=torch.int64, device=dev)  # each row's first draft
-        # each row's head output at that draft's position (the next step's input), for chains past 1
-        self.hidden: Optional[torch.Tensor] = (
-            torch.zeros(rows, model.config.hidden_size, dtype=runner.dtype, device=dev) if num_steps > 1 else None)
+        # each row's head output at that draft's position (the next step's input, for chains past 1;
+        # a PD prefill sends it whatever its own chain length)
+        self.hidden = torch.zeros(rows, model.config.hidden_size, dtype=runner.dtype, device=dev)
+        # CUDA: the last head pass's end, which a PD prefill waits for before reading a row (row_draft)
+        self.done: Optional[torch.cuda.Event] = None
 
     # ------------------------------------------------------------------ the head's passes
     def _head(self, fb: "ForwardBatch", ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
@@ -89,8 +91,33 @@ class HeadDrafter:
     def _keep(self, rows: torch.Tensor, out: torch.Tensor) -> None:
         """Each row's prediction and hidden output at its last kept position."""
         self.tokens[rows] = self._predict(out)
-        if self.hidden is not None:
-            self.hidden[rows] = out
+        self.hidden[rows] = out
+        if out.is_cuda:
+            self.done = torch.cuda.Event()
+            self.done.record()
+
+    # ------------------------------------------------------------------ PD: the row travels with the KV
+    def metadata_bytes(self) -> int:
+        """The draft part of a PD metadata slot (disaggregation/base.py MetadataBuffers)."""
+        from baton.engine.disaggregation.base import MetadataBuffers
+
+        return MetadataBuffers.draft_bytes_for(self.hidden.shape[1], self.hidden.dtype)
+
+    def row_draft(self, row: int) -> tuple[int, torch.Tensor]:
+        """A prefill's request row once its last chunk ran: its first draft and the head's output."""
+        if self.done is not None:
+            self.done.synchronize()
+        return int(self.tokens[row]), self.hidden[row].cpu()
+
+    def prime_from(self, metadata, slot: int) -> Optional[tuple[int, torch.Tensor]]:
+        """A decode's transferred request: what its prefill's row_draft sent, if anything."""
+        return metadata.get_draft(slot, self.hidden.shape[1], self.hidden.dtype)
+
+    def _prime(self, rows: torch.Tensor, primes: dict[int, tuple[int, torch.Tensor]]) -> None:
+        """Put primes (batch index -> first draft, head output) into the batch's rows."""
+        idx = torch.tensor(list(primes), dtype=torch.int64, device=rows.device)
+        self.tokens[rows[idx]] = torch.tensor([t for t, _ in primes.values()], dtype=torch.int64, device=rows.device)
+        self.hidden[rows[idx]] = torch.stack([h for _, h in primes.values()]).to(self.hidden.device, self.hidden.dtype)
 
     @torch.inference_mode()
     def after_pass(self, fb: "ForwardBatch", hidden: torch.Tensor, next_ids: torch.Tensor,
@@ -117,6 +144,8 @@ class HeadDrafter:
         into spec.drafts and the pass's input ids."""
         runner, lens = self.runner, [len(d) for d in spec.drafts]
         rows, prefix = fb.req_pool_indices, fb.extend_prefix_lens_cpu
+        if spec.primes:
+            self._prime(rows, spec.primes)
         chain = torch.zeros(len(lens), max(lens), dtype=torch.int64, device=rows.device)
         chain[:, 0] = self.tokens[rows]
         if max(lens) > 1:

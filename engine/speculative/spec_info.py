@@ -14,7 +14,7 @@ target's token at the first position it disagreed (or after the last draft token
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 
 @dataclass
@@ -23,6 +23,9 @@ class VerifyInput:
     # hybrid models: per request, the scratch slots that take its recurrent state after each of its
     # first len(draft) tokens (offsets 1 .. k), to roll back to where the drafts stop being accepted
     state_slots: Optional[list[list[int]]] = None
+    # a draft head (head_drafter.py): batch index -> (first draft, the head's output) a PD prefill sent
+    # for a transferred request, put in its row before the chain is drafted
+    primes: Optional[dict[int, tuple[int, Any]]] = None
     # the first token row of each request in the batch's packed tokens (filled in __post_init__)
     offsets: list[int] = field(init=False)
 

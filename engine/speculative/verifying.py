@@ -16,7 +16,7 @@ one (retraction is the plain step's business).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 from baton.engine.speculative.base import NoSpeculation, SpecView
 from baton.engine.speculative.spec_info import VerifyInput
@@ -66,8 +66,12 @@ class VerifyingSpeculator(NoSpeculation):
         scratch = self.view.state_scratch
         state_slots = None if scratch is None else [[scratch(i, j + 1) for j in range(len(d))]
                                                     for i, d in enumerate(drafts)]
-        batch.prepare_for_verify(VerifyInput(drafts, state_slots))
+        batch.prepare_for_verify(self.verify_input(drafts, state_slots))
         return True
+
+    def verify_input(self, drafts: list[list[int]], state_slots: Optional[list[list[int]]]) -> VerifyInput:
+        """What the verify step carries to the worker (a strategy may add to it)."""
+        return VerifyInput(drafts, state_slots)
 
     def _reserve(self, drafts: list[list[int]], bs: int) -> bool:
         """Room in the KV pool for the whole verify step (evicting cached prefixes if needed)."""

@@ -408,14 +408,22 @@ def hybrid_path(tiny_model_factory) -> str:
 
 
 @pytest.mark.parametrize("arch,prefill_tp,decode_tp", [("llama", 2, 2), ("llama", 1, 2), ("llama", 2, 1),
-                                                       ("hybrid", 1, 2), ("hybrid", 2, 1)],
-                         ids=["tp2-tp2", "tp1-tp2", "tp2-tp1", "hybrid-tp1-tp2", "hybrid-tp2-tp1"])
-def test_prefill_and_decode_tp_sizes_serve_hf_greedy_tokens(request, arch, prefill_tp, decode_tp):
+                                                       ("hybrid", 1, 2), ("hybrid", 2, 1), ("eagle", 2, 2)],
+                         ids=["tp2-tp2", "tp1-tp2", "tp2-tp1", "hybrid-tp1-tp2", "hybrid-tp2-tp1", "eagle-tp2-tp2"])
+def test_prefill_and_decode_tp_sizes_serve_hf_greedy_tokens(request, tmp_path, arch, prefill_tp, decode_tp):
     """Equal sizes: each rank moves its own shard. Different sizes: the decode rank takes its KV heads'
     slices from whichever prefill ranks hold them (head_slices.py), and a hybrid's recurrent state as
-    the rows of its linear heads (state_row_slices)."""
-    model_path = request.getfixturevalue("model_path" if arch == "llama" else "hybrid_path")
+    the rows of its linear heads (state_row_slices). EAGLE on both: the draft head's KV layer travels
+    too, the prefill's rank 0 writes its first draft and output into the decode's metadata slot (the
+    other ranks the base only), and the decode's driver hands them to its follower in the first
+    verify step."""
+    model_path = request.getfixturevalue("hybrid_path" if arch == "hybrid" else "model_path")
     common = ["--disaggregation-transfer-backend", "mooncake", "--page-size", "4", "--max-total-tokens", "1024"]
+    if arch == "eagle":
+        from tiny_models import make_eagle_draft
+
+        common += ["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path",
+                   make_eagle_draft(model_path, tmp_path / "eagle", "EAGLE"), "--speculative-disable-by-batch-size", "64"]
     bootstrap_port, prefill_port, decode_port = free_port(), free_port(), free_port()
     prefill = EngineProcess(engine_command(model_path, prefill_port, [
         "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(bootstrap_port),
@@ -450,3 +458,6 @@ def test_prefill_and_decode_tp_sizes_serve_hf_greedy_tokens(request, arch, prefi
             assert info["integrity_ok"] is True and info["tp_size"] == tp, info
         info = httpx.get(f"{prefill.base_url}/get_server_info", timeout=10).json()
         assert info["kv_transfer_bytes"] > 0
+        if arch == "eagle":
+            info = httpx.get(f"{decode.base_url}/get_server_info", timeout=10).json()
+            assert info["speculative_algorithm"] == "EAGLE" and info["spec_verify_steps"] > 0, info

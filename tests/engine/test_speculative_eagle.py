@@ -143,17 +143,31 @@ def test_eagle_beside_the_native_bf16_forward(target, drafts):
 
 def test_pd_decode_drafts_with_the_prefills_head_kv(target, drafts):
     """PD, both sides EAGLE: the prefill's head fills its KV layer over the prompt, which travels with
-    the target's layers; the decode drafts from a request's second step on, drafts accepted; HF's
+    the target's layers, and its first draft and output at the prompt's end travel in the metadata slot:
+    the decode drafts in a request's first step, the reference head's chain; drafts accepted; HF's
     tokens, both sides settle with nothing leaked."""
     from test_pd_scheduler import PDPair, _run
 
     ps = repetitive_prompts()
-    pair = PDPair(target, page_size=1, max_total_tokens=4096, disable_overlap_schedule=True,
-                  **eagle("EAGLE", drafts("EAGLE-trained")))
+    draft = drafts("EAGLE-trained")
+    pair = PDPair(target, page_size=1, max_total_tokens=4096, disable_overlap_schedule=True, **eagle("EAGLE", draft))
+    first: dict[str, tuple[int, list[int]]] = {}
+    spec = pair.decode.scheduler.spec
+    process = spec.process_verify_result
+
+    def record(launched, result):
+        for req, d in zip(launched.reqs, launched.mwb.spec_info.drafts):
+            first.setdefault(req.rid, (len(req.output_ids), list(d)))
+        process(launched, result)
+
+    spec.process_verify_result = record
     try:
         _run(pair, ps, max_new_tokens=MAX_NEW, ignore_eos=True)
+        reference = load_eagle_reference(target, draft)
         for i, p in enumerate(ps):
-            assert pair.decode.results[str(i)].ids == hf_greedy(target, p, MAX_NEW, ignore_eos=True), f"request {i}"
+            out = pair.decode.results[str(i)].ids
+            assert out == hf_greedy(target, p, MAX_NEW, ignore_eos=True), f"request {i}"
+            assert first[str(i)] == (1, reference.chain(p + out[:1], STEPS)), i
         assert spec_info(pair.decode)["spec_accepted_tokens"] > 0
         pair.assert_settled()
     finally:

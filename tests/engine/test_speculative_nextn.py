@@ -127,32 +127,33 @@ def test_nextn_flags_and_what_is_refused(mtp_model, tiny_model_factory):
 
 def test_pd_decode_drafts_with_the_prefills_head_kv(mtp_model):
     """PD, both sides NEXTN: the prefill's head fills its KV layer over the prompt, which travels with
-    the target's layers; a transferred request drafts from its second decode step on (its first runs the
-    head for its row; a draft from the row's previous owner would be a wasted verify). HF's tokens; both
-    sides settle with nothing leaked."""
+    the target's layers, and its first draft and output at the prompt's end travel in the metadata slot:
+    a transferred request drafts in its first decode step, the chain the head gives after the prompt.
+    HF's tokens; both sides settle with nothing leaked."""
     from test_pd_scheduler import PDPair, _run
 
     path = mtp_model("qwen3_next")
     prompts = repetitive_prompts()
     pair = PDPair(path, page_size=1, max_total_tokens=4096, disable_overlap_schedule=True, **NEXTN)
-    outputs_at_first_draft: dict[str, int] = {}  # tokens a request had when it first drafted
+    first_drafts: dict[str, tuple[int, list[int]]] = {}  # (tokens it had, its draft) when a request first drafted
     spec = pair.decode.scheduler.spec
     process = spec.process_verify_result
 
     def record(launched, result):
         for req, d in zip(launched.reqs, launched.mwb.spec_info.drafts):
             if d:
-                outputs_at_first_draft.setdefault(req.rid, len(req.output_ids))
+                first_drafts.setdefault(req.rid, (len(req.output_ids), list(d)))
         process(launched, result)
 
     spec.process_verify_result = record
     try:
         _run(pair, prompts, max_new_tokens=MAX_NEW, ignore_eos=True)
-        # the prefill's token, then at least one decode step of its own before a draft
-        assert len(outputs_at_first_draft) == len(prompts) and min(outputs_at_first_draft.values()) >= 2, \
-            outputs_at_first_draft
+        reference = MtpReference.load(path)
         for i, p in enumerate(prompts):
-            assert pair.decode.results[str(i)].ids == hf_greedy(path, p, MAX_NEW, ignore_eos=True), f"request {i}"
+            out = pair.decode.results[str(i)].ids
+            assert out == hf_greedy(path, p, MAX_NEW, ignore_eos=True), f"request {i}"
+            # drafted with the prefill's token only, the head's chain after the prompt
+            assert first_drafts[str(i)] == (1, reference.chain(p + out[:1], NEXTN["speculative_num_steps"])), i
         assert spec_info(pair.decode)["spec_verify_steps"] > 0
         pair.assert_settled()
     finally:

@@ -337,9 +337,11 @@ class PrefillRooms:
         """After the last chunk's pages, one batched write: a hybrid model's recurrent state (slot
         `state_slot` of every state buffer into the decode's slot; each buffer is contiguous and
         slot-major, so a slot is one entry per buffer; between different TP sizes, the rows of it the
-        decode rank takes, a few ranges per buffer), then the metadata slot."""
+        decode rank takes, a few ranges per buffer), then the metadata slot (its draft part from rank 0
+        only: base.MetadataBuffers)."""
         size = self.metadata.item_bytes
-        srcs, dsts, lens = [self.metadata.data_ptr + meta_slot * size], [dest.peer.aux_ptr + dest.meta_slot * size], [size]
+        n = size if self._mgr.args.tp_rank == 0 else self.metadata.BASE_BYTES
+        srcs, dsts, lens = [self.metadata.data_ptr + meta_slot * size], [dest.peer.aux_ptr + dest.meta_slot * size], [n]
         if len(self._state_ptrs):
             if state_slot is None:
                 raise KVTransferError("the last chunk of a hybrid model's request came without its state slot")
