@@ -46,6 +46,31 @@ def spec_info(h: SchedulerHarness) -> dict:
     return h.scheduler.get_server_info()
 
 
+def stops_and_logprobs_equal_plain(path: str, prompt: list[int], **spec) -> SchedulerHarness:
+    """max_tokens that cut a draft run, a stop token inside one, logprobs with top-2: the speculating
+    engine (`spec` flags) gives what the engine without speculation gives. Returns its harness."""
+    plain = harness_for(path, "plain", max_total_tokens=2048)
+    h = harness_for(path, "plain", max_total_tokens=2048, **spec)
+    for x in (plain, h):
+        x.submit("cut", prompt, max_new_tokens=6, ignore_eos=True)
+        x.submit("lp", prompt, max_new_tokens=12, ignore_eos=True, return_logprob=True, top_logprobs_num=2)
+    a, b = plain.run_until_idle(), h.run_until_idle()
+    stop = a["lp"].ids[7]
+    for x in (plain, h):
+        x.submit("stop", prompt, max_new_tokens=20, ignore_eos=True, stop_token_ids=[stop])
+    a, b = plain.run_until_idle(), h.run_until_idle()
+    for rid in ("cut", "lp", "stop"):
+        assert b[rid].ids == a[rid].ids, rid
+    assert b["stop"].ids[-1] == stop and len(b["stop"].ids) <= 8
+    (lp_a, ids_a), (lp_b, ids_b) = zip(*a["lp"].output_logprobs), zip(*b["lp"].output_logprobs)
+    assert ids_b == ids_a and lp_b == pytest.approx(lp_a, abs=1e-5)
+    assert [[t for _, t in top] for top in b["lp"].output_top_logprobs] == \
+        [[t for _, t in top] for top in a["lp"].output_top_logprobs]
+    assert spec_info(h)["spec_verify_steps"] > 0
+    assert h.scheduler.check_memory_integrity()
+    return h
+
+
 # ---------------------------------------------------------------------------- units
 def test_ngram_index_proposes_what_followed_the_longest_match():
     index = NgramIndex(min_window=1, max_window=3, max_draft=3)

@@ -14,7 +14,7 @@ import pytest
 from baton.engine.io_struct import AbortReq
 from baton.engine.server_args import ServerArgs
 from test_scheduler_vs_hf import finish_order, hf_greedy, harness_for, run_workload, workload
-from test_speculative import MAX_NEW, repetitive_prompts, spec_info
+from test_speculative import MAX_NEW, repetitive_prompts, spec_info, stops_and_logprobs_equal_plain
 from tiny_models import MtpReference
 
 NEXTN = dict(speculative_algorithm="NEXTN", speculative_num_steps=3, speculative_disable_by_batch_size=64)
@@ -88,27 +88,7 @@ def test_nextn_greedy_equals_hf(mtp_model, arch, loop, page_size):
 
 def test_stops_and_logprobs_inside_accepted_runs_equal_the_plain_engine(mtp_model):
     """max_tokens that cut a chain, a stop token, logprobs: what the engine without speculation gives."""
-    path = mtp_model("qwen3_5")
-    prompt = workload()[3]
-    plain = harness_for(path, "plain", max_total_tokens=2048)
-    spec = harness_for(path, "plain", max_total_tokens=2048, **NEXTN)
-    for h in (plain, spec):
-        h.submit("cut", prompt, max_new_tokens=6, ignore_eos=True)
-        h.submit("lp", prompt, max_new_tokens=12, ignore_eos=True, return_logprob=True, top_logprobs_num=2)
-    a, b = plain.run_until_idle(), spec.run_until_idle()
-    stop = a["lp"].ids[7]
-    for h in (plain, spec):
-        h.submit("stop", prompt, max_new_tokens=20, ignore_eos=True, stop_token_ids=[stop])
-    a, b = plain.run_until_idle(), spec.run_until_idle()
-    for rid in ("cut", "lp", "stop"):
-        assert b[rid].ids == a[rid].ids, rid
-    assert b["stop"].ids[-1] == stop and len(b["stop"].ids) <= 8
-    (lp_a, ids_a), (lp_b, ids_b) = zip(*a["lp"].output_logprobs), zip(*b["lp"].output_logprobs)
-    assert ids_b == ids_a and lp_b == pytest.approx(lp_a, abs=1e-5)
-    assert [[t for _, t in top] for top in b["lp"].output_top_logprobs] == \
-        [[t for _, t in top] for top in a["lp"].output_top_logprobs]
-    assert spec_info(spec)["spec_verify_steps"] > 0
-    assert spec.scheduler.check_memory_integrity()
+    stops_and_logprobs_equal_plain(mtp_model("qwen3_5"), workload()[3], **NEXTN)
 
 
 def test_nextn_flags_and_what_is_refused(mtp_model, tiny_model_factory):

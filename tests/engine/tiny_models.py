@@ -182,7 +182,8 @@ class EagleReference(torch.nn.Module):
             [input_norm(embed) ; hidden_norm(g)] with g as residual, MLP; its own norm and LM head over
             a reduced vocabulary, draft id i meaning target id i + d2t[i]."""
 
-    def __init__(self, target: torch.nn.Module, kind: str, draft_vocab: int = 0, aux_layer_ids=(0, 1, 2)) -> None:
+    def __init__(self, target: torch.nn.Module, kind: str, draft_vocab: int = 0, aux_layer_ids=(0, 1, 2),
+                 intermediate_size: int = 96) -> None:
         from transformers import LlamaConfig
         from transformers.models.llama.modeling_llama import (LlamaDecoderLayer, LlamaMLP, LlamaRMSNorm,
                                                               LlamaRotaryEmbedding)
@@ -192,10 +193,11 @@ class EagleReference(torch.nn.Module):
         hidden = tc.hidden_size
         self.kind = kind
         self.config = LlamaConfig(
-            vocab_size=tc.vocab_size, hidden_size=hidden, intermediate_size=96, num_hidden_layers=1,
+            vocab_size=tc.vocab_size, hidden_size=hidden, intermediate_size=intermediate_size, num_hidden_layers=1,
             num_attention_heads=tc.num_attention_heads, num_key_value_heads=tc.num_key_value_heads,
             head_dim=getattr(tc, "head_dim", None) or hidden // tc.num_attention_heads,
-            max_position_embeddings=tc.max_position_embeddings, rms_norm_eps=1e-6, rope_theta=50000.0,
+            max_position_embeddings=tc.max_position_embeddings, rms_norm_eps=1e-6,
+            rope_theta=float(getattr(tc, "rope_theta", None) or 50000.0),
             tie_word_embeddings=False, architectures=["LlamaForCausalLMEagle" if kind == "EAGLE" else "LlamaForCausalLMEagle3"])
         self.config._attn_implementation = "eager"
         self.rotary = LlamaRotaryEmbedding(self.config)
