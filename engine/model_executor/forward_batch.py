@@ -59,6 +59,10 @@ class ForwardBatch:
     state_pool: Optional["RecurrentStatePool"] = None
     # and, with the radix cache, the checkpoint copies (run before the layers) and tracked positions
     state_ops: Optional["StateOps"] = None
+    # a speculative verify step with tree drafts: per request, its nodes' parents where its draft is a
+    # tree, else None (speculative/spec_info.py VerifyInput.parents); the attention masks each node to
+    # the prefix and its ancestors
+    tree_parents: Optional[list[Optional[list[int]]]] = None
 
     @property
     def num_tokens(self) -> int:
