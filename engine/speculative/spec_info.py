@@ -109,6 +109,9 @@ class VerifyOutput:
     # per request and token (with return_logprob): the target's logprob of it, its top logprobs
     logprobs: Optional[list[list[float]]] = None
     top_logprobs: Optional[list[list[list[tuple[float, int]]]]] = None
+    # a step with tree drafts: per request, the nodes of its accepted draft tokens, in order (a chain
+    # request's 1, 2, ..); their KV moves to the columns after the last token's (TpModelWorker._verify)
+    accepted_nodes: Optional[list[list[int]]] = None
 
     @property
     def last_tokens(self) -> list[int]:

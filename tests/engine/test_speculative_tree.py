@@ -10,7 +10,10 @@ from baton.engine.layers.attention.torch_backend import TorchAttnBackend
 from baton.engine.layers.radix_attention import RadixAttention
 from baton.engine.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from baton.engine.model_executor.forward_batch import ForwardBatch, ForwardMode
+from baton.engine.sampling.sampling_batch_info import ReqSamplingState
+from baton.engine.sampling.sampling_params import SamplingParams
 from baton.engine.speculative.spec_info import VerifyInput, first_chain, node_depths
+from baton.engine.speculative.verify import accept_greedy_tree, verify_drafts
 
 
 # ---------------------------------------------------------------------------- topology
@@ -71,3 +74,56 @@ def test_tree_attention_equals_each_nodes_chain_alone(native):
         alone = _attend(backend, r2t, pool, layer, q[path], k[path], v[path], [2], [prefix], [len(path)],
                         torch.arange(100, 100 + len(path)))
         torch.testing.assert_close(out[j], alone[-1], msg=f"node {j} (path {path})")
+
+
+# ---------------------------------------------------------------------------- acceptance
+def _state(**params) -> ReqSamplingState:
+    p = SamplingParams(**{"temperature": 0.0, **params})
+    p.verify(VOCAB)
+    return ReqSamplingState(p, [1, 2], vocab_size=VOCAB, stop_ids_for_min_tokens=set(), device="cpu")
+
+
+VOCAB = 10
+# the root's children: node 1 (token 3), node 2 (token 4); node 3 (5) under 1; nodes 4 (6), 5 (7) under 2
+TREE, TREE_DRAFT = [-1, 0, 0, 1, 2, 2], [3, 4, 5, 6, 7]
+
+
+def _logits(argmax: list[int]) -> torch.Tensor:
+    """[len(argmax), VOCAB]: random rows whose argmax is the given token."""
+    rows = torch.randn(len(argmax), VOCAB)
+    rows[torch.arange(len(argmax)), torch.tensor(argmax)] = 10.0
+    return rows
+
+
+def test_greedy_follows_the_branch_the_target_chose_and_takes_its_token_after():
+    """The target picks 4 at the root (the second child), 7 after it (node 5), then 9 (no child): the
+    request emits 4 7 9, accepts nodes 2 and 5, and its logprobs are read at nodes 0, 2, 5. A chain
+    request of the same step verifies as it always does."""
+    torch.manual_seed(0)
+    tree_logits = _logits([4, 0, 7, 0, 0, 9])
+    chain_logits = _logits([8, 2, 1])  # draft [8, 5]: 8 accepted, 5 rejected (the target says 2)
+    spec = VerifyInput([TREE_DRAFT, [8, 5]], parents=[TREE, None])
+    out = verify_drafts(torch.cat([tree_logits, chain_logits]), spec, [_state(), _state()], None,
+                        return_logprob=True, top_logprobs_nums=[0, 0])
+    assert out.tokens == [[4, 7, 9], [8, 2]] and out.accepted_nodes == [[2, 5], [1]]
+    lps = torch.log_softmax(tree_logits, dim=-1)
+    assert out.logprobs[0] == pytest.approx([float(lps[0, 4]), float(lps[2, 7]), float(lps[5, 9])])
+    assert accept_greedy_tree(TREE, TREE_DRAFT, [3, 5, 0, 1, 0, 0]) == [0, 1, 3]  # the first chain, whole
+    assert accept_greedy_tree(TREE, TREE_DRAFT, [2, 0, 0, 0, 0, 0]) == [0]
+
+
+@pytest.mark.parametrize("params", [dict(temperature=0.8, seed=3), dict(logit_bias={4: -1.0}),
+                                    dict(frequency_penalty=0.5)], ids=["sampled", "bias", "penalty"])
+def test_sampled_and_processed_requests_verify_the_first_chain_as_a_chain(params):
+    """Their rules hold for one chain: the tree's first chain (nodes 0, 1, 3) verifies exactly as that
+    chain would alone (same tokens, same logprobs), whatever the other branches hold."""
+    torch.manual_seed(1)
+    logits = torch.randn(6, VOCAB)
+    logits[0, 3] = logits[1, 5] = 4.0  # the first chain is likely to pass
+    tree = verify_drafts(logits, VerifyInput([TREE_DRAFT], parents=[TREE]), [_state(**params)], [5],
+                         return_logprob=True, top_logprobs_nums=[2])
+    chain = verify_drafts(logits[[0, 1, 3]], VerifyInput([[3, 5]]), [_state(**params)], [5],
+                          return_logprob=True, top_logprobs_nums=[2])
+    assert tree.tokens == chain.tokens and tree.logprobs == chain.logprobs
+    assert tree.top_logprobs == chain.top_logprobs
+    assert tree.accepted_nodes == [[1, 3][:len(chain.tokens[0]) - 1]]
