@@ -3,9 +3,13 @@ verify step's topology (a chain stays a chain), the tree attention mask, accepta
 the accepted path's KV, NGRAM's tree drafter; greedy output equals the plain engine's."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Callable, Optional
+
 import pytest
 import torch
+from transformers import AutoTokenizer
 
+from baton.engine.io_struct import AbortReq
 from baton.engine.layers.attention.torch_backend import TorchAttnBackend
 from baton.engine.layers.radix_attention import RadixAttention
 from baton.engine.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
@@ -13,7 +17,14 @@ from baton.engine.model_executor.forward_batch import ForwardBatch, ForwardMode
 from baton.engine.sampling.sampling_batch_info import ReqSamplingState
 from baton.engine.sampling.sampling_params import SamplingParams
 from baton.engine.speculative.spec_info import VerifyInput, first_chain, node_depths
+from baton.engine.speculative.ngram_speculator import NgramSpeculator
 from baton.engine.speculative.verify import accept_greedy_tree, verify_drafts
+from scheduler_harness import SchedulerHarness
+from test_scheduler_vs_hf import harness_for, hf_greedy, run_workload, workload
+from tiny_models import VOCAB_SIZE
+
+if TYPE_CHECKING:
+    from baton.engine.scheduler.req import Req
 
 
 # ---------------------------------------------------------------------------- topology
@@ -127,3 +138,120 @@ def test_sampled_and_processed_requests_verify_the_first_chain_as_a_chain(params
     assert tree.tokens == chain.tokens and tree.logprobs == chain.logprobs
     assert tree.top_logprobs == chain.top_logprobs
     assert tree.accepted_nodes == [[1, 3][:len(chain.tokens[0]) - 1]]
+
+
+# ---------------------------------------------------------------------------- the accepted path's KV
+SPEC = dict(speculative_algorithm="NGRAM", speculative_disable_by_batch_size=64)
+MAX_NEW = 40
+
+
+def _oracle(refs: dict[str, list[int]]) -> Callable:
+    """A tree drafter that knows each request's greedy continuation (`refs`, HF's): the first chain is
+    wrong from its first token on, and the continuation is a later branch of the root, each of its
+    tokens behind a wrong sibling. Everything a verify step accepts is off the first chain, so the
+    accepted KV always moves."""
+    def draft_tree(self, req: "Req") -> tuple[list[int], Optional[list[int]]]:
+        depth = min(3, self.room(req))
+        if depth <= 0:
+            return [], None
+        right = refs[req.rid][len(req.output_ids):][:depth]
+        tokens, parents = [], [-1]
+
+        def add(token: int, parent: int) -> int:
+            tokens.append(token)
+            parents.append(parent)
+            return len(tokens)
+
+        first = add((right[0] + 1) % VOCAB_SIZE, 0)
+        if depth > 1:
+            add((right[1] + 1) % VOCAB_SIZE, first)
+        node = 0
+        for k, token in enumerate(right):
+            if k:
+                add((token + 2) % VOCAB_SIZE, node)
+            node = add(token, node)
+        return tokens, parents
+
+    return draft_tree
+
+
+def _oracle_harness(monkeypatch, path: str, refs: dict[str, list[int]], loop: str = "plain",
+                    **overrides) -> SchedulerHarness:
+    """A scheduler whose NGRAM speculator drafts _oracle's trees from `refs` (rid -> greedy tokens; the
+    test may add rids later)."""
+    monkeypatch.setattr(NgramSpeculator, "draft_tree", _oracle(refs))
+    monkeypatch.setattr(NgramSpeculator, "on_verified", lambda self, req, drafted, accepted: None)  # no index
+    return harness_for(path, loop, max_total_tokens=4096, **SPEC, **overrides)
+
+
+@pytest.mark.parametrize("loop,page_size", [("plain", 1), ("overlap", 16)])
+def test_accepted_branches_keep_their_kv(tiny_model_factory, monkeypatch, loop, page_size):
+    """Every accepted token of these runs comes from a branch other than the first chain: greedy tokens
+    still equal HF's (so the next steps read the moved KV as their own), the radix cache holds what the
+    plain engine would, and nothing leaks."""
+    path = tiny_model_factory("llama")
+    prompts = {str(i): p for i, p in enumerate(workload()[:4])}
+    refs = {rid: hf_greedy(path, p, MAX_NEW, ignore_eos=True) for rid, p in prompts.items()}
+    h = _oracle_harness(monkeypatch, path, refs, loop, page_size=page_size)
+    results = run_workload(h, list(prompts.values()), max_new=MAX_NEW, ignore_eos=True)
+    for rid in prompts:
+        assert results[rid].ids == refs[rid], f"request {rid}"
+    info = h.scheduler.get_server_info()
+    assert info["spec_tree_branch_accepts"] > 10 and info["spec_accept_length"] > 2.5, info
+    assert info["integrity_ok"] is True
+    # a follow-up turn reuses a finished request's cached KV, accepted-branch tokens included
+    turn2 = prompts["0"] + results["0"].ids + [7, 8]
+    refs["turn2"] = hf_greedy(path, turn2, 8, ignore_eos=True)
+    h.submit("turn2", turn2, max_new_tokens=8, ignore_eos=True)
+    res = h.run_until_idle()
+    assert res["turn2"].cached_tokens >= (len(prompts["0"]) + MAX_NEW - 1) // page_size * page_size
+    assert res["turn2"].ids == refs["turn2"]
+
+
+def test_stops_and_logprobs_inside_accepted_branches(tiny_model_factory, monkeypatch):
+    """A stop string, a stop id and max_tokens that fall inside runs accepted off the first chain end
+    the request exactly where the plain engine ends it, with its logprobs."""
+    path = tiny_model_factory("llama")
+    prompt = workload()[3]
+    ref = hf_greedy(path, prompt, 60, ignore_eos=True)
+    late = next(t for t in ref[20:] if ref.index(t) >= 12)  # first seen well into the output
+    stop_text = AutoTokenizer.from_pretrained(path).decode(ref[29:31])
+    base = dict(ignore_eos=True, return_logprob=True, top_logprobs_num=2, max_new_tokens=60)
+    requests = {"len17": dict(base, max_new_tokens=17), "stop_id": dict(base, stop_token_ids=[late]),
+                "stop_str": dict(base, stop=[stop_text])}
+    plain = SchedulerHarness(path, max_total_tokens=4096, disable_overlap_schedule=True)
+    spec = _oracle_harness(monkeypatch, path, {rid: ref for rid in requests})
+    for h in (plain, spec):
+        for rid, params in requests.items():
+            h.submit(rid, prompt, **params)
+        h.run_until_idle()
+    assert spec.scheduler.get_server_info()["spec_tree_branch_accepts"] > 0
+    assert plain.results["stop_str"].finish.matched == stop_text and len(plain.results["stop_str"].ids) < 40
+    for rid, want in plain.results.items():
+        got = spec.results[rid]
+        assert got.ids == want.ids and (got.finish.kind, got.finish.matched) == (want.finish.kind, want.finish.matched), rid
+        torch.testing.assert_close([lp for lp, _ in got.output_logprobs], [lp for lp, _ in want.output_logprobs],
+                                   rtol=1e-4, atol=1e-4)
+        assert [[t for _, t in top] for top in got.output_top_logprobs] == \
+            [[t for _, t in top] for top in want.output_top_logprobs], rid
+    assert spec.scheduler.check_memory_integrity()
+
+
+def test_abort_while_drafting_trees_leaks_nothing(tiny_model_factory, monkeypatch):
+    path = tiny_model_factory("llama")
+    prompts = {str(i): p for i, p in enumerate(workload()[1:4])}
+    refs = {rid: hf_greedy(path, p, 120, ignore_eos=True) for rid, p in prompts.items()}
+    h = _oracle_harness(monkeypatch, path, refs, page_size=4)
+    for rid, p in prompts.items():
+        h.submit(rid, p, max_new_tokens=120, ignore_eos=True)
+    output_len = lambda: next((len(r.output_ids) for r in h.scheduler.running_batch.reqs if r.rid == "1"), 0)
+    for _ in range(100):
+        h.step()
+        if output_len() > 8:
+            break
+    assert 8 < output_len() < 100
+    h.scheduler.process_input_requests([AbortReq(rid="1")])
+    res = h.run_until_idle()
+    assert res["1"].finish.kind == "abort" and res["1"].after_finish == 0
+    assert res["0"].ids == refs["0"] and res["2"].ids == refs["2"]
+    assert h.scheduler.check_memory_integrity()
