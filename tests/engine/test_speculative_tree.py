@@ -16,10 +16,13 @@ from baton.engine.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from baton.engine.model_executor.forward_batch import ForwardBatch, ForwardMode
 from baton.engine.sampling.sampling_batch_info import ReqSamplingState
 from baton.engine.sampling.sampling_params import SamplingParams
+from baton.engine.server_args import ServerArgs
 from baton.engine.speculative.spec_info import VerifyInput, first_chain, node_depths
+from baton.engine.speculative.ngram import NgramIndex, NgramTreeIndex
 from baton.engine.speculative.ngram_speculator import NgramSpeculator
 from baton.engine.speculative.verify import accept_greedy_tree, verify_drafts
 from scheduler_harness import SchedulerHarness
+from test_speculative import repetitive_prompts
 from test_scheduler_vs_hf import harness_for, hf_greedy, run_workload, workload
 from tiny_models import VOCAB_SIZE
 
@@ -255,3 +258,82 @@ def test_abort_while_drafting_trees_leaks_nothing(tiny_model_factory, monkeypatc
     assert res["1"].finish.kind == "abort" and res["1"].after_finish == 0
     assert res["0"].ids == refs["0"] and res["2"].ids == refs["2"]
     assert h.scheduler.check_memory_integrity()
+
+
+# ---------------------------------------------------------------------------- NGRAM's trees
+def test_ngram_tree_merges_the_continuations_of_earlier_occurrences_latest_first():
+    tokens = [1, 2, 3, 4, 5, 9, 1, 2, 3, 7, 7, 9, 1, 2, 3, 6, 8, 9, 1, 2, 3]
+    chain = NgramIndex(min_window=2, max_window=3, max_draft=4)
+    tree = NgramTreeIndex(min_window=2, max_window=3, max_draft=4, breadth=3)
+    chain.extend(tokens)
+    tree.extend(tokens)
+    # "1 2 3" was followed by 6 8 (latest), 7 7, 4 5: the first chain is the chain index's draft
+    assert chain.propose(2) == tree.propose(2) == [6, 8]
+    assert tree.propose_tree(max_nodes=6, max_depth=2) == ([6, 8, 7, 7, 4, 5], [-1, 0, 1, 0, 3, 0, 5])
+    assert tree.propose_tree(max_nodes=3, max_depth=2) == ([6, 8, 7], [-1, 0, 1, 0])  # the node budget
+    assert tree.propose_tree(max_nodes=6, max_depth=1) == ([6, 7, 4], [-1, 0, 0, 0])
+    narrow = NgramTreeIndex(min_window=2, max_window=3, max_draft=4, breadth=2)
+    narrow.extend(tokens)
+    assert narrow.propose_tree(max_nodes=6, max_depth=2) == ([6, 8, 7, 7], [-1, 0, 1, 0, 3])
+    # an older occurrence followed by the same token gives way to the newer; a shorter window's other
+    # occurrences come after the longest's
+    again = NgramTreeIndex(min_window=2, max_window=3, max_draft=4, breadth=3)
+    again.extend([5, 2, 3, 4, 1, 2, 3, 6, 7, 1, 2, 3, 6, 8, 1, 2, 3])
+    assert again.propose_tree(max_nodes=6, max_depth=2) == ([6, 8, 4, 1], [-1, 0, 1, 0, 3])
+    # one continuation: a chain, returned as one (no parents)
+    lone = NgramTreeIndex(min_window=2, max_window=3, max_draft=4, breadth=3)
+    lone.extend([1, 2, 3, 4, 5, 1, 2, 3])
+    assert lone.propose_tree(max_nodes=6, max_depth=3) == ([4, 5, 1], None)
+
+
+LOOPING = dict(initializer_range=0.08)  # test_speculative.py: greedy text that falls into loops
+
+
+@pytest.mark.parametrize("loop,page_size", [("plain", 1), ("overlap", 16)])
+def test_ngram_trees_greedy_equals_hf(tiny_model_factory, loop, page_size):
+    """NGRAM with trees of up to 3 continuations on the looping model: HF's tokens, some runs accepted
+    off the first chain, nothing leaked."""
+    path = tiny_model_factory("llama", **LOOPING)
+    prompts = repetitive_prompts() + repetitive_prompts(seed=4) + workload()[:4]
+    h = harness_for(path, loop, page_size=page_size, max_total_tokens=4096, **SPEC,
+                    speculative_ngram_min_match_window_size=1, speculative_ngram_max_bfs_breadth=3)
+    results = run_workload(h, prompts, max_new=MAX_NEW, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        assert results[str(i)].ids == hf_greedy(path, p, MAX_NEW, ignore_eos=True), f"request {i} differs from HF"
+    info = h.scheduler.get_server_info()
+    assert info["speculative_ngram_max_bfs_breadth"] == 3 and info["spec_accept_length"] > 1.2, info
+    assert info["spec_tree_branch_accepts"] > 0 and info["integrity_ok"] is True, info
+
+
+def test_a_hybrid_model_drafts_chains(tiny_model_factory):
+    """A recurrent state runs through a verify step's tokens in order: trees fall back to chains."""
+    path = tiny_model_factory("qwen3_5", initializer_range=0.02)
+    h = harness_for(path, "plain", max_total_tokens=2048, **SPEC, speculative_ngram_min_match_window_size=1,
+                    speculative_ngram_max_bfs_breadth=3)
+    prompts = repetitive_prompts()[:2]
+    results = run_workload(h, prompts, max_new=MAX_NEW, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        assert results[str(i)].ids == hf_greedy(path, p, MAX_NEW, ignore_eos=True), f"request {i}"
+    info = h.scheduler.get_server_info()
+    assert info["speculative_ngram_max_bfs_breadth"] == 1 and info["spec_verify_steps"] > 0, info
+
+
+def test_tree_flags_are_sglangs_and_refused_where_trees_cannot_run():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    args = ServerArgs.from_cli_args(parser.parse_args(
+        ["--model-path", "m", "--speculative-algorithm", "NGRAM", "--speculative-ngram-max-bfs-breadth", "3"]))
+    assert args.speculative_ngram_max_bfs_breadth == 3
+    assert ServerArgs(model_path="m", speculative_algorithm="NGRAM").speculative_ngram_max_bfs_breadth == 1
+    with pytest.raises(ValueError, match=">= 1"):
+        ServerArgs(model_path="m", speculative_algorithm="NGRAM", speculative_ngram_max_bfs_breadth=0)
+    with pytest.raises(ValueError, match="--attention-backend torch"):
+        ServerArgs(model_path="m", device="cuda", attention_backend="flashinfer", speculative_algorithm="NGRAM",
+                   speculative_ngram_max_bfs_breadth=2)
+    with pytest.raises(ValueError, match="--tp-size 1"):
+        ServerArgs(model_path="m", tp_size=2, speculative_algorithm="NGRAM", speculative_ngram_max_bfs_breadth=2)
+    # a prefill engine never decodes: it takes the decode's flags and ignores them
+    ServerArgs(model_path="m", device="cuda", attention_backend="flashinfer", speculative_algorithm="NGRAM",
+               speculative_ngram_max_bfs_breadth=2, disaggregation_mode="prefill")
