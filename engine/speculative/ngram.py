@@ -32,7 +32,7 @@ the chain drafted above:
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Iterator, Optional
 
 
 class NgramIndex:
@@ -83,14 +83,19 @@ class NgramIndex:
 
     def propose(self, num_tokens: int) -> list[int]:
         """Up to `num_tokens` draft tokens continuing the longest matching suffix ([] without a match)."""
-        tokens, n = self.tokens, len(self.tokens)
         if num_tokens <= 0:
             return []
+        start = next(self._starts(), None)
+        return [] if start is None else self.tokens[start:start + num_tokens]
+
+    def _starts(self) -> Iterator[int]:
+        """Where the continuations worth drafting start, best first: the latest of the longest match."""
+        tokens, n = self.tokens, len(self.tokens)
         for w in range(min(self.max_window, n), self.min_window - 1, -1):
             start = self.tables[w].get(tuple(tokens[n - w:]))
             if start is not None:
-                return tokens[start:start + num_tokens]
-        return []
+                yield start
+                return
 
 
 class NgramTreeIndex(NgramIndex):
@@ -111,37 +116,39 @@ class NgramTreeIndex(NgramIndex):
             tokens = self.tokens
             table[gram] = [start] + [q for q in starts if tokens[q] != token][:self.breadth - 1]
 
-    def propose(self, num_tokens: int) -> list[int]:
-        """The chain NgramIndex would draft: the latest continuation of the longest match."""
-        return self.propose_tree(num_tokens, num_tokens)[0] if num_tokens > 0 else []
-
-    def propose_tree(self, max_nodes: int, max_depth: int) -> tuple[list[int], Optional[list[int]]]:
-        """Up to `breadth` continuations of at most `max_depth` tokens merged into a prefix tree of at
-        most `max_nodes` nodes: its tokens in packed order and their parents ([-1, ...], spec_info.py;
-        None when it is a chain). Candidates: the longest matching window's occurrences, latest first,
-        then the shorter windows' others; one that adds no node to the tree does not count."""
-        tokens, n = self.tokens, len(self.tokens)
-        draft, parents = [], [-1]
-        children: dict[tuple[int, int], int] = {}  # (node, token) -> child node
-        seen, merged, branched = set(), 0, False
+    def _starts(self) -> Iterator[int]:
+        """The longest matching window's occurrences, latest first, then each shorter window's others
+        (an occurrence of a longer match is one of every shorter one)."""
+        tokens, n, seen = self.tokens, len(self.tokens), set()
         for w in range(min(self.max_window, n), self.min_window - 1, -1):
             for start in self.tables[w].get(tuple(tokens[n - w:]), ()):
-                if start in seen:  # an occurrence of a longer match is one of every shorter one
-                    continue
-                seen.add(start)
-                node, grew = 0, False
-                for t in tokens[start:start + max_depth]:
-                    child = children.get((node, t))
-                    if child is None:
-                        if len(draft) == max_nodes:
-                            break
-                        draft.append(t)
-                        parents.append(node)
-                        child = children[(node, t)] = len(draft)
-                        branched |= child - 1 != node
-                        grew = True
-                    node = child
-                merged += grew
-                if merged == self.breadth or len(draft) == max_nodes:
-                    return draft, parents if branched else None
+                if start not in seen:
+                    seen.add(start)
+                    yield start
+
+    def propose_tree(self, max_nodes: int, max_depth: int) -> tuple[list[int], Optional[list[int]]]:
+        """Up to `breadth` continuations of at most `max_depth` tokens, best first (_starts), merged into
+        a prefix tree of at most `max_nodes` nodes: its tokens in packed order and their parents
+        ([-1, ...], spec_info.py; None when it is a chain). A continuation that adds no node does not
+        count."""
+        tokens = self.tokens
+        draft, parents = [], [-1]
+        children: dict[tuple[int, int], int] = {}  # (node, token) -> child node
+        merged, branched = 0, False
+        for start in self._starts():
+            node, grew = 0, False
+            for t in tokens[start:start + max_depth]:
+                child = children.get((node, t))
+                if child is None:
+                    if len(draft) == max_nodes:
+                        break
+                    draft.append(t)
+                    parents.append(node)
+                    child = children[(node, t)] = len(draft)
+                    branched |= child - 1 != node
+                    grew = True
+                node = child
+            merged += grew
+            if merged == self.breadth or len(draft) == max_nodes:
+                break
         return draft, parents if branched else None

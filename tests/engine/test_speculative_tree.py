@@ -280,6 +280,13 @@ def test_ngram_tree_merges_the_continuations_of_earlier_occurrences_latest_first
     again = NgramTreeIndex(min_window=2, max_window=3, max_draft=4, breadth=3)
     again.extend([5, 2, 3, 4, 1, 2, 3, 6, 7, 1, 2, 3, 6, 8, 1, 2, 3])
     assert again.propose_tree(max_nodes=6, max_depth=2) == ([6, 8, 4, 1], [-1, 0, 1, 0, 3])
+    # the latest continuation runs into the end: the chain is only that one, the tree takes the next
+    short = [7, 1, 2, 3, 4, 5, 6, 9, 2, 3, 2, 3]
+    for index in (NgramIndex(min_window=2, max_window=3, max_draft=4),
+                  NgramTreeIndex(min_window=2, max_window=3, max_draft=4, breadth=3)):
+        index.extend(short)
+        assert index.propose(4) == [2, 3]
+    assert index.propose_tree(max_nodes=6, max_depth=4) == ([2, 3, 4, 5, 6, 9], [-1, 0, 1, 0, 3, 4, 5])
     # one continuation: a chain, returned as one (no parents)
     lone = NgramTreeIndex(min_window=2, max_window=3, max_draft=4, breadth=3)
     lone.extend([1, 2, 3, 4, 5, 1, 2, 3])
