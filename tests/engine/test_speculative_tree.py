@@ -17,13 +17,13 @@ from baton.engine.model_executor.forward_batch import ForwardBatch, ForwardMode
 from baton.engine.sampling.sampling_batch_info import ReqSamplingState
 from baton.engine.sampling.sampling_params import SamplingParams
 from baton.engine.server_args import ServerArgs
-from baton.engine.speculative.spec_info import VerifyInput, first_chain, node_depths
 from baton.engine.speculative.ngram import NgramIndex, NgramTreeIndex
 from baton.engine.speculative.ngram_speculator import NgramSpeculator
+from baton.engine.speculative.spec_info import VerifyInput, first_chain, node_depths
 from baton.engine.speculative.verify import accept_greedy_tree, verify_drafts
 from scheduler_harness import SchedulerHarness
-from test_speculative import repetitive_prompts
 from test_scheduler_vs_hf import harness_for, hf_greedy, run_workload, workload
+from test_speculative import repetitive_prompts
 from tiny_models import VOCAB_SIZE
 
 if TYPE_CHECKING:
