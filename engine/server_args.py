@@ -169,6 +169,9 @@ class ServerArgs:
     # wrong (code-edit workload, SmolLM2, one request: 1.29x with 1, 1.53x with 2, 2.16x with 3)
     speculative_ngram_min_match_window_size: int = 3
     speculative_ngram_max_match_window_size: int = 12
+    # NGRAM tree drafts (SGLang's flag): up to this many continuations of the matched suffix per draft,
+    # merged into a tree of at most num_draft_tokens - 1 nodes; 1 drafts a chain
+    speculative_ngram_max_bfs_breadth: int = 1
     # speculation backs off under load: decode steps of this many running requests or more are plain
     # ones (at large batches a step is compute-bound and verifying drafts only costs). PD: the decode
     # engine speculates once the KV has arrived; a prefill engine, which never decodes, ignores it
@@ -294,6 +297,15 @@ class ServerArgs:
             raise ValueError("--speculative-num-draft-tokens must be >= 2 (the last token and at least one draft)")
         if self.speculative_disable_by_batch_size < 1:
             raise ValueError("--speculative-disable-by-batch-size must be >= 1")
+        if self.speculative_ngram_max_bfs_breadth < 1:
+            raise ValueError("--speculative-ngram-max-bfs-breadth must be >= 1 (1: chains)")
+        if algo == "NGRAM" and self.speculative_ngram_max_bfs_breadth > 1 and self.disaggregation_mode != "prefill":
+            if self.attention_backend != "torch":
+                raise ValueError("--speculative-ngram-max-bfs-breadth > 1 (tree drafts) needs --attention-backend torch: "
+                                 f"{self.attention_backend} cannot mask a tree yet (use 1 to draft chains)")
+            if self.tp_size > 1:
+                raise ValueError("--speculative-ngram-max-bfs-breadth > 1 (tree drafts) runs with --tp-size 1 only for now "
+                                 "(use 1 to draft chains)")
 
     def _check_head_chain(self) -> None:
         """NEXTN, EAGLE, EAGLE3: a chain of num_steps drafts, so num_draft_tokens is num_steps + 1 (SGLang's
@@ -464,6 +476,10 @@ class ServerArgs:
         a("--speculative-ngram-max-match-window-size", type=int,
           default=ServerArgs.speculative_ngram_max_match_window_size,
           help="NGRAM: the longest suffix looked up (the longest match found wins)")
+        a("--speculative-ngram-max-bfs-breadth", type=int, default=ServerArgs.speculative_ngram_max_bfs_breadth,
+          help="NGRAM: continuations per draft, from different earlier occurrences of the matched suffix, "
+               "merged into a tree verified in one pass (default 1: a chain; > 1 needs --attention-backend "
+               "torch; a hybrid model drafts chains)")
         a("--speculative-disable-by-batch-size", type=int, default=ServerArgs.speculative_disable_by_batch_size,
           help="decode steps of this many running requests or more do not speculate (under load a step is "
                "compute-bound and drafts only cost)")

@@ -18,7 +18,7 @@ ENGINE_FLAGS = (
     "mem-fraction-static", "model-path", "nccl-port", "page-size", "port", "priority-preemption-threshold",
     "random-seed", "reasoning-parser", "schedule-conservativeness", "schedule-policy", "served-model-name",
     "speculative-algorithm", "speculative-disable-by-batch-size", "speculative-draft-model-path",
-    "speculative-eagle-topk", "speculative-ngram-max-match-window-size",
+    "speculative-eagle-topk", "speculative-ngram-max-bfs-breadth", "speculative-ngram-max-match-window-size",
     "speculative-ngram-min-match-window-size", "speculative-num-draft-tokens", "speculative-num-steps",
     "stream-interval", "tokenizer-path", "tool-call-parser", "torch-compile-max-bs", "tp-cpu-allreduce",
     "tp-size", "watchdog-timeout",

@@ -79,6 +79,14 @@ class MHATokenToKVPool:
         """loc [n] slots; cache_k / cache_v [n, head_num, head_dim], cast to the pool dtype."""
         store_kv(self.k_buffer[layer_id], self.v_buffer[layer_id], loc, cache_k, cache_v)  # Triton on CUDA
 
+    def move_kv_cache(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Every layer's K and V of slots `src` into slots `dst` (speculative tree drafts: the accepted
+        path's KV into the columns a request keeps). Each source is read before any slot is written,
+        so the two may overlap."""
+        for k, v in zip(self.k_buffer, self.v_buffer):
+            k[dst] = k[src]
+            v[dst] = v[src]
+
     @property
     def bytes_per_token(self) -> int:
         """K and V of one slot in one layer (each)."""

@@ -61,6 +61,10 @@ class ForwardBatch:
     state_ops: Optional["StateOps"] = None
     # EAGLE-3: the residual streams entering the layers its draft reads, concatenated (models/eagle.py)
     aux_hidden: Optional[torch.Tensor] = None
+    # a speculative verify step with tree drafts: per request, its nodes' parents where its draft is a
+    # tree, else None (speculative/spec_info.py VerifyInput.parents); the attention masks each node to
+    # the prefix and its ancestors
+    tree_parents: Optional[list[Optional[list[int]]]] = None
 
     @property
     def num_tokens(self) -> int:

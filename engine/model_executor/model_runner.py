@@ -352,6 +352,8 @@ class ModelRunner:
             out_cache_loc=parts[4], seq_lens_cpu=mwb.seq_lens_cpu,
             extend_prefix_lens_cpu=mwb.extend_prefix_lens_cpu, extend_seq_lens_cpu=mwb.extend_seq_lens_cpu)
         fb.state_ops = getattr(mwb, "state_ops", None)
+        spec = getattr(mwb, "spec_info", None)
+        fb.tree_parents = None if spec is None else spec.parents
         return fb, (parts[5] if extra is not None else None)
 
     @torch.inference_mode()
@@ -359,6 +361,11 @@ class ModelRunner:
         """Runs the model; returns hidden states [num_tokens, hidden]."""
         if fb.state_ops is not None:  # a hybrid model's checkpoint copies come before its layers
             self.state_pool.copy_slots(fb.state_ops.copies)
+        if fb.tree_parents is not None:
+            # a verify step of tree drafts: the torch backend's tree mask, through the model's own
+            # forward (the native forward and the compiled extend know causal masks only)
+            self.attn_backend.init_forward_metadata(fb)
+            return self.model(fb.input_ids, fb.positions, fb)
         if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(fb):
             return self.cuda_graph_runner.replay(fb)  # plans its own (padded) attention metadata
         native = self.native_forward

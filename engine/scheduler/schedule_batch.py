@@ -262,9 +262,10 @@ class ScheduleBatch:
 
     def prepare_for_verify(self, spec: "VerifyInput") -> None:
         """A decode step that verifies drafts (speculative/): request i runs as an extend of
-        [its last token, *spec.drafts[i]] over the KV it holds. KV slots are allocated for all of them
-        and counted as committed; the speculator cuts each request back to what it accepted once the
-        result is known (NgramSpeculator.keep_kv). For the scheduler it stays a decode step."""
+        [its last token, *spec.drafts[i]] over the KV it holds (a tree's nodes at their depths'
+        positions: spec_info.py). KV slots are allocated for all of them and counted as committed; the
+        speculator cuts each request back to what it accepted once the result is known
+        (VerifyingSpeculator.keep_kv). For the scheduler it stays a decode step."""
         self.forward_mode = ForwardMode.DECODE
         rows = [r.req_pool_idx for r in self.reqs]
         prefix_lens = [r.kv_committed_len for r in self.reqs]
@@ -279,7 +280,9 @@ class ScheduleBatch:
         self.model_worker_batch = ModelWorkerBatch(
             forward_mode=ForwardMode.EXTEND,
             input_ids=torch.tensor(input_ids, dtype=torch.int64),
-            positions=torch.cat([torch.arange(p, s, dtype=torch.int64) for p, s in zip(prefix_lens, seq_lens)]),
+            positions=(torch.cat([torch.arange(p, s, dtype=torch.int64) for p, s in zip(prefix_lens, seq_lens)])
+                       if spec.parents is None else
+                       torch.tensor([q for i, p in enumerate(prefix_lens) for q in spec.positions(i, p)])),
             req_pool_indices=torch.tensor(rows, dtype=torch.int64),
             seq_lens_cpu=seq_lens,
             out_cache_loc=out_cache_loc,

@@ -50,9 +50,10 @@ class HeadSpeculator(VerifyingSpeculator):
             return []
         return [0] * max(0, self.room(req))
 
-    def verify_input(self, drafts: list[list[int]], state_slots: Optional[list[list[int]]]) -> VerifyInput:
+    def verify_input(self, drafts: list[list[int]], state_slots: Optional[list[list[int]]],
+                     parents: Optional[list[Optional[list[int]]]]) -> VerifyInput:
         primes = {i: p for i, (p, d) in enumerate(zip(self._primes, drafts)) if p is not None and d}
-        return VerifyInput(drafts, state_slots, primes or None)
+        return VerifyInput(drafts, state_slots, parents, primes or None)
 
     def server_info(self) -> dict:
         return {**super().server_info(), "speculative_num_steps": self.num_steps, "speculative_eagle_topk": 1}

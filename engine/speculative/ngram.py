@@ -18,8 +18,21 @@ has its drafts cut short and drafts only one token past what was last accepted. 
 token costs the verify step about what it would cost to decode it in a batch, so drafts that are
 mostly rejected would eat what the accepted ones gain (measured: a fixed 11-token draft halved the
 throughput of 4 concurrent code-edit requests, docs/benchmarks.md).
+
+Tree drafts (NgramTreeIndex, --speculative-ngram-max-bfs-breadth b > 1): text that repeats with
+variations (a list whose items differ, code edited in several places) was followed, at different
+earlier occurrences of the same suffix, by different tokens. Per w-gram the index keeps the latest
+b occurrences followed by different tokens; a draft merges up to b continuations into a prefix tree
+(spec_info.py), longest match first, most recent first within a window, so the tree's first chain is
+the chain drafted above:
+
+    tokens:   ... a b c d e ... a b c x y ... a b c | (suffix "a b c": continuations "x y", "d e")
+    tree:     last -> x -> y
+                   -> d -> e                         (4 nodes; the verify step accepts along either)
 """
 from __future__ import annotations
+
+from typing import Iterator, Optional
 
 
 class NgramIndex:
@@ -40,12 +53,16 @@ class NgramIndex:
         return len(self.tokens)
 
     def extend(self, new_tokens: list[int]) -> None:
-        tokens, tables = self.tokens, self.tables
+        tokens, tables, record = self.tokens, self.tables, self._record
         for t in new_tokens:
             p = len(tokens)  # t's position: the w-grams ending just before it now have a continuation
             for w in range(self.min_window, min(self.max_window, p) + 1):
-                tables[w][tuple(tokens[p - w:p])] = p
+                record(tables[w], tuple(tokens[p - w:p]), p, t)
             tokens.append(t)
+
+    def _record(self, table: dict, gram: tuple[int, ...], start: int, token: int) -> None:
+        """`gram` was just followed by `token`, at position `start`."""
+        table[gram] = start
 
     def on_verified(self, drafted: int, accepted: int) -> None:
         """A verify step of this request's draft: grow the next draft after a whole acceptance, else
@@ -66,11 +83,72 @@ class NgramIndex:
 
     def propose(self, num_tokens: int) -> list[int]:
         """Up to `num_tokens` draft tokens continuing the longest matching suffix ([] without a match)."""
-        tokens, n = self.tokens, len(self.tokens)
         if num_tokens <= 0:
             return []
+        start = next(self._starts(), None)
+        return [] if start is None else self.tokens[start:start + num_tokens]
+
+    def _starts(self) -> Iterator[int]:
+        """Where the continuations worth drafting start, best first: the latest of the longest match."""
+        tokens, n = self.tokens, len(self.tokens)
         for w in range(min(self.max_window, n), self.min_window - 1, -1):
             start = self.tables[w].get(tuple(tokens[n - w:]))
             if start is not None:
-                return tokens[start:start + num_tokens]
-        return []
+                yield start
+                return
+
+
+class NgramTreeIndex(NgramIndex):
+    """Several continuations per lookup, as a tree (module docstring). tables[w] maps each w-gram to
+    the positions after its latest occurrences that were followed by different tokens, latest first
+    (at most `breadth`)."""
+
+    def __init__(self, min_window: int, max_window: int, max_draft: int, breadth: int) -> None:
+        assert breadth > 1, "breadth 1 drafts chains: NgramIndex"
+        super().__init__(min_window, max_window, max_draft)
+        self.breadth = breadth
+
+    def _record(self, table: dict, gram: tuple[int, ...], start: int, token: int) -> None:
+        starts = table.get(gram)
+        if starts is None:
+            table[gram] = [start]
+        else:  # the same next token as an older occurrence: the newer one stands for both
+            tokens = self.tokens
+            table[gram] = [start] + [q for q in starts if tokens[q] != token][:self.breadth - 1]
+
+    def _starts(self) -> Iterator[int]:
+        """The longest matching window's occurrences, latest first, then each shorter window's others
+        (an occurrence of a longer match is one of every shorter one)."""
+        tokens, n, seen = self.tokens, len(self.tokens), set()
+        for w in range(min(self.max_window, n), self.min_window - 1, -1):
+            for start in self.tables[w].get(tuple(tokens[n - w:]), ()):
+                if start not in seen:
+                    seen.add(start)
+                    yield start
+
+    def propose_tree(self, max_nodes: int, max_depth: int) -> tuple[list[int], Optional[list[int]]]:
+        """Up to `breadth` continuations of at most `max_depth` tokens, best first (_starts), merged into
+        a prefix tree of at most `max_nodes` nodes: its tokens in packed order and their parents
+        ([-1, ...], spec_info.py; None when it is a chain). A continuation that adds no node does not
+        count."""
+        tokens = self.tokens
+        draft, parents = [], [-1]
+        children: dict[tuple[int, int], int] = {}  # (node, token) -> child node
+        merged, branched = 0, False
+        for start in self._starts():
+            node, grew = 0, False
+            for t in tokens[start:start + max_depth]:
+                child = children.get((node, t))
+                if child is None:
+                    if len(draft) == max_nodes:
+                        break
+                    draft.append(t)
+                    parents.append(node)
+                    child = children[(node, t)] = len(draft)
+                    branched |= child - 1 != node
+                    grew = True
+                node = child
+            merged += grew
+            if merged == self.breadth or len(draft) == max_nodes:
+                break
+        return draft, parents if branched else None

@@ -1,13 +1,17 @@
 """NGRAM speculation (SGLang's --speculative-algorithm NGRAM): drafts from each request's own tokens
 (ngram.py), verified by the target model in one extend per step; no draft model. When a step verifies
-and what its result does: verifying.py."""
+and what its result does: verifying.py.
+
+--speculative-ngram-max-bfs-breadth b > 1 drafts trees of up to b continuations (NgramTreeIndex;
+ServerArgs refuses it where the attention cannot mask a tree). A hybrid model drafts chains whatever
+b is: its recurrent state runs through a verify step's tokens in order, one chain per request."""
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from baton.engine.speculative.base import SpecView
-from baton.engine.speculative.ngram import NgramIndex
+from baton.engine.speculative.ngram import NgramIndex, NgramTreeIndex
 from baton.engine.speculative.verifying import VerifyingSpeculator
 
 if TYPE_CHECKING:
@@ -25,8 +29,14 @@ class NgramSpeculator(VerifyingSpeculator):
         args = view.server_args
         self.min_window = args.speculative_ngram_min_match_window_size
         self.max_window = args.speculative_ngram_max_match_window_size
-        logger.info("speculative decoding: NGRAM, %d tokens per verify, match window %d..%d, while fewer than %d "
-                    "requests run", self.num_draft_tokens, self.min_window, self.max_window,
+        self.breadth = args.speculative_ngram_max_bfs_breadth
+        if self.breadth > 1 and view.state_scratch is not None:
+            logger.warning("--speculative-ngram-max-bfs-breadth %d: this model keeps a recurrent state, which "
+                           "follows one chain of draft tokens per request; drafting chains", self.breadth)
+            self.breadth = 1
+        logger.info("speculative decoding: NGRAM, %d tokens per verify, match window %d..%d, %s, while fewer than "
+                    "%d requests run", self.num_draft_tokens, self.min_window, self.max_window,
+                    "chains" if self.breadth == 1 else f"trees of up to {self.breadth} continuations",
                     self.disable_by_batch_size)
 
     def wants_verify(self, batch: "ScheduleBatch") -> bool:
@@ -43,23 +53,29 @@ class NgramSpeculator(VerifyingSpeculator):
                 index.backoff -= 1
         return due
 
-    def draft(self, req: "Req") -> list[int]:
-        """The request's draft: as far as its acceptance so far suggests (NgramIndex.draft_len) and
-        its room allows."""
+    def draft_tree(self, req: "Req") -> tuple[list[int], Optional[list[int]]]:
+        """The request's draft: as deep as its acceptance so far suggests (NgramIndex.draft_len) and
+        its room allows; a tree of at most num_draft_tokens - 1 nodes with a breadth over 1."""
         index = req.spec_index
         if index is None:
-            index = req.spec_index = NgramIndex(self.min_window, self.max_window, self.num_draft_tokens - 1)
+            max_draft = self.num_draft_tokens - 1
+            index = req.spec_index = (NgramIndex(self.min_window, self.max_window, max_draft) if self.breadth == 1
+                                      else NgramTreeIndex(self.min_window, self.max_window, max_draft, self.breadth))
         room = min(index.draft_len, self.room(req))
         if room <= 0:
-            return []
+            return [], None
         prompt, seen = req.origin_input_ids, len(index)
         if seen < len(prompt):
             index.extend(prompt[seen:])
             seen = len(prompt)
         index.extend(req.output_ids[seen - len(prompt):])
-        draft = index.propose(room)
+        draft, parents = (index.propose(room), None) if self.breadth == 1 else \
+            index.propose_tree(self.num_draft_tokens - 1, room)
         index.on_lookup(bool(draft))
-        return draft
+        return draft, parents
 
     def on_verified(self, req: "Req", drafted: int, accepted: int) -> None:
         req.spec_index.on_verified(drafted, accepted)
+
+    def server_info(self) -> dict:
+        return {**super().server_info(), "speculative_ngram_max_bfs_breadth": self.breadth}

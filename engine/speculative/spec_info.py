@@ -10,6 +10,21 @@ draft, on top of the KV it holds:
 
 The worker compares them (verify.py) and returns, per request, the accepted draft tokens followed by the
 target's token at the first position it disagreed (or after the last draft token): 1 to k + 1 tokens.
+
+A draft may be a tree (several candidate continuations, NGRAM's --speculative-ngram-max-bfs-breadth):
+its nodes are packed in the same row, node 0 the last token and node j the draft token d_j, each with
+a parent among the nodes before it. A node sits at position L_i + its depth and attends to the prefix
+and to its ancestors only (the torch attention backend's tree mask), so its logits are those the
+chain root -> node would give. Its KV goes to the row's column L_i + j as any draft's; after the
+acceptance the worker copies the accepted path's KV to columns L_i + 1 .. (the scheduler then keeps
+them as it keeps a chain's):
+
+    parents   [-1, 0, 0, 1, 2]      node:   0      the last token, position L
+    tokens    [last, a, b, c, d]            1 a  2 b       position L + 1
+                                            3 c  4 d       position L + 2 (c after a, d after b)
+
+A chain is parents [-1, 0, 1, .., k - 1]; VerifyInput keeps None for it, so a batch of chains takes
+exactly the chain path (no mask, no copy).
 """
 from __future__ import annotations
 
@@ -17,12 +32,39 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 
+def is_chain(parents: list[int]) -> bool:
+    return all(p == j - 1 for j, p in enumerate(parents))
+
+
+def node_depths(parents: list[int]) -> list[int]:
+    """Each node's depth (node 0: 0): its position is the request's L + this."""
+    depths = [0] * len(parents)
+    for j in range(1, len(parents)):
+        depths[j] = depths[parents[j]] + 1
+    return depths
+
+
+def first_chain(parents: list[int]) -> list[int]:
+    """The nodes from the root along first children (the tree's first chain: node 0, its first child,
+    that one's first child ...)."""
+    chain, last = [0], 0
+    for j in range(1, len(parents)):
+        if parents[j] == last:
+            chain.append(j)
+            last = j
+    return chain
+
+
 @dataclass
 class VerifyInput:
-    drafts: list[list[int]]  # per request, its draft tokens (may be empty)
+    drafts: list[list[int]]  # per request, its draft tokens (may be empty); a tree's in its packed order
     # hybrid models: per request, the scratch slots that take its recurrent state after each of its
     # first len(draft) tokens (offsets 1 .. k), to roll back to where the drafts stop being accepted
     state_slots: Optional[list[list[int]]] = None
+    # tree drafts: per request, each node's parent (node 0 = its last token: -1; node j = drafts[i][j - 1]:
+    # a node before j), None for a chain; the whole list None when no request has a real tree
+    # (__post_init__ turns chains given here into None)
+    parents: Optional[list[Optional[list[int]]]] = None
     # a draft head (head_drafter.py): batch index -> (first draft, the head's output) a PD prefill sent
     # for a transferred request, put in its row before the chain is drafted
     primes: Optional[dict[int, tuple[int, Any]]] = None
@@ -34,10 +76,33 @@ class VerifyInput:
         for d in self.drafts:
             self.offsets.append(start)
             start += 1 + len(d)
+        if self.parents is not None:
+            assert self.state_slots is None, "a recurrent state follows one chain: no tree drafts for hybrid models"
+            for d, p in zip(self.drafts, self.parents):
+                assert p is None or (len(p) == 1 + len(d) and p[0] == -1
+                                     and all(0 <= q < j for j, q in enumerate(p) if j)), "a tree's parents: -1, then < j"
+            parents = [None if p is None or is_chain(p) else p for p in self.parents]
+            self.parents = parents if any(p is not None for p in parents) else None
 
     @property
     def num_draft_tokens(self) -> int:
         return sum(map(len, self.drafts))
+
+    def tree(self, i: int) -> Optional[list[int]]:
+        """Request i's parents where its draft is a real tree, else None."""
+        return None if self.parents is None else self.parents[i]
+
+    def depth(self, i: int) -> int:
+        """How far request i's draft reaches: its longest branch (a chain: its length)."""
+        tree = self.tree(i)
+        return len(self.drafts[i]) if tree is None else max(node_depths(tree))
+
+    def positions(self, i: int, start: int) -> list[int]:
+        """Request i's nodes' positions, its last token at `start`."""
+        tree = self.tree(i)
+        if tree is None:
+            return list(range(start, start + 1 + len(self.drafts[i])))
+        return [start + d for d in node_depths(tree)]
 
 
 @dataclass
@@ -47,6 +112,9 @@ class VerifyOutput:
     # per request and token (with return_logprob): the target's logprob of it, its top logprobs
     logprobs: Optional[list[list[float]]] = None
     top_logprobs: Optional[list[list[list[tuple[float, int]]]]] = None
+    # a step with tree drafts: per request, the nodes of its accepted draft tokens, in order (a chain
+    # request's 1, 2, ..); their KV moves to the columns after the last token's (TpModelWorker._verify)
+    accepted_nodes: Optional[list[list[int]]] = None
 
     @property
     def last_tokens(self) -> list[int]:

@@ -16,7 +16,16 @@ grammar's mask is its matcher's after accepting them (then rolled back: the sche
 emitted tokens), stop ids stay blocked while the position is below min_new_tokens. A draft the
 processing rules out has no mass there, so it is rejected.
 
-Logprobs are those the sampler reports: log_softmax of the raw logits at the token's position.
+Tree drafts (spec_info.py): a greedy request follows the tree from its root, at each node taking the
+child whose token is the target's argmax there, until no child is; it emits that path and the target's
+token after it, which is again exactly what step-by-step greedy decoding gives (each node's logits are
+its root -> node chain's). A sampled request, or one whose logits are processed (needs_processing),
+verifies only the tree's first chain (the path of first children, spec_info.first_chain) with the
+rules above, so its guarantees stay those of a chain: the rejection rule holds for one deterministic
+proposal per position, and processed_rows follows one draft.
+
+Logprobs are those the sampler reports: log_softmax of the raw logits at the token's position (the node
+it was predicted at).
 """
 from __future__ import annotations
 
@@ -24,7 +33,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from baton.engine.speculative.spec_info import VerifyInput, VerifyOutput
+from baton.engine.speculative.spec_info import VerifyInput, VerifyOutput, first_chain
 
 if TYPE_CHECKING:
     from baton.engine.sampling.sampling_batch_info import ReqSamplingState
@@ -42,28 +51,43 @@ def verify_drafts(logits: torch.Tensor, spec: VerifyInput, states: list["ReqSamp
     if any(s.params.is_greedy and not needs_processing(s) for s in states):
         greedy_ids = torch.argmax(logits, dim=-1).tolist()  # [num_tokens]
     tokens = []
+    # tree steps: per request, the nodes its emitted tokens were predicted at (the root, then the accepted
+    # draft nodes); a chain's are 0, 1, ..
+    nodes: Optional[list[list[int]]] = None if spec.parents is None else []
     for i, (draft, off, state) in enumerate(zip(spec.drafts, spec.offsets, states)):
-        rows = logits[off:off + len(draft) + 1]
-        processed = needs_processing(state)
-        if processed:
-            rows = processed_rows(rows, draft, state)
-        if state.params.is_greedy:
-            target = torch.argmax(rows, dim=-1).tolist() if processed else greedy_ids[off:off + len(draft) + 1]
-            tokens.append(accept_greedy(draft, target))
+        tree, processed = spec.tree(i), needs_processing(state)
+        path = None  # the nodes verified as a chain, where they are not 0, 1, .. (a tree's)
+        if tree is not None and state.params.is_greedy and not processed:
+            path = accept_greedy_tree(tree, draft, greedy_ids[off:off + len(draft) + 1])
+            tokens.append([draft[n - 1] for n in path[1:]] + [greedy_ids[off + path[-1]]])
         else:
-            probs = target_probs(rows, state.params).cpu()
-            draw = draws[i] if draws is not None else state.num_sampled
-            gen = torch.Generator().manual_seed((state.rng_seed * _SEED_MIX + draw) % (1 << 63))
-            tokens.append(accept_rejection(probs, draft, gen))
+            if tree is None:
+                rows = logits[off:off + len(draft) + 1]
+            else:  # the first chain only (module docstring)
+                path = first_chain(tree)
+                draft = [draft[n - 1] for n in path[1:]]
+                rows = logits[torch.tensor(path, device=logits.device) + off]
+            if processed:
+                rows = processed_rows(rows, draft, state)
+            if state.params.is_greedy:
+                target = torch.argmax(rows, dim=-1).tolist() if processed else greedy_ids[off:off + len(draft) + 1]
+                tokens.append(accept_greedy(draft, target))
+            else:
+                probs = target_probs(rows, state.params).cpu()
+                draw = draws[i] if draws is not None else state.num_sampled
+                gen = torch.Generator().manual_seed((state.rng_seed * _SEED_MIX + draw) % (1 << 63))
+                tokens.append(accept_rejection(probs, draft, gen))
+        if nodes is not None:
+            nodes.append(list(range(len(tokens[-1]))) if path is None else path[:len(tokens[-1])])
         if state.has_penalties:
             for t in tokens[-1]:
                 state.on_sampled(t)  # the counts the next step's penalties read
         else:
             state.num_sampled += len(tokens[-1])
-    out = VerifyOutput(tokens)
+    out = VerifyOutput(tokens, accepted_nodes=None if nodes is None else [n[1:] for n in nodes])
     if return_logprob:
-        rows = torch.tensor([off + j for off, t in zip(spec.offsets, tokens) for j in range(len(t))],
-                            device=logits.device)
+        at = (nodes if nodes is not None else [range(len(t)) for t in tokens])
+        rows = torch.tensor([off + j for off, n in zip(spec.offsets, at) for j in n], device=logits.device)
         flat = torch.tensor([x for t in tokens for x in t], device=logits.device)
         lps = torch.log_softmax(logits[rows], dim=-1)  # [emitted, vocab]
         values = lps.gather(1, flat.view(-1, 1)).view(-1).tolist()
@@ -147,6 +171,21 @@ def accept_greedy(draft: list[int], target: list[int]) -> list[int]:
     while n < len(draft) and draft[n] == target[n]:
         n += 1
     return draft[:n] + [target[n]]
+
+
+def accept_greedy_tree(parents: list[int], draft: list[int], target: list[int]) -> list[int]:
+    """`target`: the argmax at each node of the tree (`parents`, `draft`: spec_info.py). The accepted
+    path's nodes from the root (node 0): at each node, the first child whose token is the target's."""
+    children: list[list[int]] = [[] for _ in parents]
+    for j in range(1, len(parents)):
+        children[parents[j]].append(j)
+    path = [0]
+    while True:
+        want = target[path[-1]]
+        child = next((c for c in children[path[-1]] if draft[c - 1] == want), None)
+        if child is None:
+            return path
+        path.append(child)
 
 
 def accept_rejection(probs: torch.Tensor, draft: list[int], gen: torch.Generator) -> list[int]:

@@ -1,6 +1,7 @@
 """What every drafting strategy shares (NGRAM, NEXTN): when a decode step verifies, the verify step's
-KV and state slots, and what happens to its result. A strategy says only how it drafts (`draft`) and
-what it learns from a verified draft (`on_verified`).
+KV and state slots, and what happens to its result. A strategy says only how it drafts (`draft`, or
+`draft_tree` for a strategy that drafts trees: spec_info.py) and what it learns from a verified draft
+(`on_verified`).
 
 A decode step verifies drafts when the running batch is small (fewer requests than
 --speculative-disable-by-batch-size: at large batches a step is compute-bound and drafts only cost).
@@ -12,14 +13,16 @@ which sets its committed length to all of them); once the result is known the re
 positions it emitted and the rest go back to the pool at once (whole pages beyond the last one it keeps;
 mem_cache/base.py's ownership table: committed == allocated again). So the radix cache, which takes a
 request's committed KV, only ever sees accepted tokens. Without room for the drafts the step is a plain
-one (retraction is the plain step's business).
+one (retraction is the plain step's business). A tree's accepted nodes need not be its first ones: the
+worker has moved their KV to the columns right after the last token's before the result comes back
+(TpModelWorker._move_accepted_kv), so keeping the first positions keeps them here too.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from baton.engine.speculative.base import NoSpeculation, SpecView
-from baton.engine.speculative.spec_info import VerifyInput
+from baton.engine.speculative.spec_info import VerifyInput, first_chain
 from baton.engine.speculative.stats import SpecStats
 
 if TYPE_CHECKING:
@@ -41,8 +44,14 @@ class VerifyingSpeculator(NoSpeculation):
         """The request's draft for this step (at most num_draft_tokens - 1 tokens; may be empty)."""
         raise NotImplementedError
 
+    def draft_tree(self, req: "Req") -> tuple[list[int], Optional[list[int]]]:
+        """The request's draft as tree nodes (at most num_draft_tokens - 1) and their parents
+        (spec_info.py; None: a chain). By default draft()'s chain."""
+        return self.draft(req), None
+
     def on_verified(self, req: "Req", drafted: int, accepted: int) -> None:
-        """A verify step kept `accepted` of the request's `drafted` tokens."""
+        """A verify step kept `accepted` tokens of the request's draft, which reached `drafted` tokens
+        deep (a chain's length, a tree's longest branch)."""
 
     # ------------------------------------------------------------------ when
     def eligible(self, batch: "ScheduleBatch") -> bool:
@@ -60,20 +69,22 @@ class VerifyingSpeculator(NoSpeculation):
     def prepare_verify(self, batch: "ScheduleBatch") -> bool:
         if not self.eligible(batch):
             return False
-        drafts = [self.draft(req) for req in batch.reqs]
+        drafts, trees = zip(*[self.draft_tree(req) for req in batch.reqs])
         if not any(drafts) or not self._reserve(drafts, len(batch.reqs)):
             return False
         scratch = self.view.state_scratch
         state_slots = None if scratch is None else [[scratch(i, j + 1) for j in range(len(d))]
                                                     for i, d in enumerate(drafts)]
-        batch.prepare_for_verify(self.verify_input(drafts, state_slots))
+        parents = None if all(t is None for t in trees) else list(trees)
+        batch.prepare_for_verify(self.verify_input(list(drafts), state_slots, parents))
         return True
 
-    def verify_input(self, drafts: list[list[int]], state_slots: Optional[list[list[int]]]) -> VerifyInput:
+    def verify_input(self, drafts: list[list[int]], state_slots: Optional[list[list[int]]],
+                     parents: Optional[list[Optional[list[int]]]]) -> VerifyInput:
         """What the verify step carries to the worker (a strategy may add to it)."""
-        return VerifyInput(drafts, state_slots)
+        return VerifyInput(drafts, state_slots, parents)
 
-    def _reserve(self, drafts: list[list[int]], bs: int) -> bool:
+    def _reserve(self, drafts: Sequence[list[int]], bs: int) -> bool:
         """Room in the KV pool for the whole verify step (evicting cached prefixes if needed)."""
         allocator = self.view.allocator
         page = allocator.page_size
@@ -104,8 +115,10 @@ class VerifyingSpeculator(NoSpeculation):
                 req.check_finished(self.view.tokenizer)  # a stop, EOS or max_tokens inside the run ends it there
                 if req.finished():
                     break
-            self.stats.on_request(len(spec.drafts[i]), len(tokens) - 1)
-            self.on_verified(req, len(spec.drafts[i]), len(tokens) - 1)
+            tree = spec.tree(i)
+            branched = tree is not None and out.accepted_nodes[i] != first_chain(tree)[1:len(tokens)]
+            self.stats.on_request(len(spec.drafts[i]), len(tokens) - 1, branched)
+            self.on_verified(req, spec.depth(i), len(tokens) - 1)
             # KV is computed for [last, emitted[:-1]]: the newest token's comes with the next step
             self.roll_back_state(spec, i, req, emitted)
             self.keep_kv(req, start + emitted)

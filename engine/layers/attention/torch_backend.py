@@ -20,6 +20,20 @@ waste when prompt lengths differ a lot); the index tensors and masks of those re
 once per pass in init_forward_metadata and reused by every layer. The one-token rows at the end of
 a mixed batch (--enable-mixed-chunk: the running requests' decode step) go to the native decode
 kernel in one call, as a decode batch would.
+
+A speculative verify step with tree drafts (fb.tree_parents, speculative/spec_info.py) runs each tree
+request on SDPA with a mask of its own: its new tokens are tree nodes, node j at position prefix + its
+depth, and sees the cached prefix, itself and its ancestors only:
+
+    parents [-1, 0, 0, 1]     keys:  prefix | n0 n1 n2 n3
+                              n0      1..1  |  1  .  .  .
+                              n1      1..1  |  1  1  .  .
+                              n2      1..1  |  1  .  1  .
+                              n3      1..1  |  1  1  .  1
+
+so its output is the one the chain root -> node alone would give. Chain requests of the same pass take
+their usual path. (The native extend kernel and the compiled extend op know only causal masks: the
+model runner runs a tree step through the model's own forward.)
 """
 from __future__ import annotations
 
@@ -80,9 +94,11 @@ class ExtendMetadata:
 
 
 def _build_extend_metadata(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, prefix_lens: list[int],
-                           extend_lens: list[int], native: bool = False) -> ExtendMetadata:
+                           extend_lens: list[int], native: bool = False,
+                           trees: Optional[list[Optional[list[int]]]] = None) -> ExtendMetadata:
     """`native`: the native kernels are available (the decode tail and every request of at most
-    NATIVE_EXTEND_MAX_TOKENS new tokens go to them; no index tensors or masks are built for those)."""
+    NATIVE_EXTEND_MAX_TOKENS new tokens go to them; no index tensors or masks are built for those).
+    `trees`: per request, its tree nodes' parents (None: causal), for SDPA with the tree mask."""
     bs = len(extend_lens)
     tail = 0
     while native and tail < bs and extend_lens[-1 - tail] == 1 and prefix_lens[-1 - tail] > 0:
@@ -93,10 +109,14 @@ def _build_extend_metadata(req_to_token: torch.Tensor, req_pool_indices: torch.T
     for i, (row, prefix, extend) in enumerate(zip(rows, prefix_lens, extend_lens)):
         starts.append(start)
         start += extend
-        on_sdpa = i < bs - tail and not (native and 0 < extend <= NATIVE_EXTEND_MAX_TOKENS)
+        tree = None if trees is None else trees[i]
+        on_sdpa = i < bs - tail and (tree is not None or not (native and 0 < extend <= NATIVE_EXTEND_MAX_TOKENS))
         if on_sdpa:
             kv_indices.append(req_to_token[row, :prefix + extend])
-            masks.append(None if prefix == 0 else _prefix_causal_mask(prefix, extend, req_to_token.device))
+            if tree is not None:
+                masks.append(_tree_mask(prefix, tree, req_to_token.device))
+            else:
+                masks.append(None if prefix == 0 else _prefix_causal_mask(prefix, extend, req_to_token.device))
         else:
             kv_indices.append(None)
             masks.append(None)
@@ -147,7 +167,8 @@ class TorchAttnBackend(AttentionBackend):
         for i, (prefix, extend) in enumerate(zip(fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu)):
             assert prefix + extend == fb.seq_lens_cpu[i], "seq_len must equal prefix_len + extend_len"
         return _build_extend_metadata(fb.req_to_token_pool.req_to_token, fb.req_pool_indices,
-                                      fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu, self.native_extend)
+                                      fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu, self.native_extend,
+                                      fb.tree_parents)
 
     def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "RadixAttention",
                        forward_batch: "ForwardBatch", save_kv_cache: bool = True) -> torch.Tensor:
@@ -178,6 +199,7 @@ class TorchAttnBackend(AttentionBackend):
         q3 = q.view(n, layer.num_heads, layer.head_dim)
         k3, v3 = k.view(n, layer.num_kv_heads, layer.head_dim), v.view(n, layer.num_kv_heads, layer.head_dim)
         if torch.compiler.is_compiling():
+            assert forward_batch.tree_parents is None, "a tree verify step runs the model's own forward"
             # Under torch.compile the per-request loop is one opaque op fed with tensors only, so
             # the model compiles into one graph whatever the batch's lengths (no graph break, no
             # guard on Python lists of lengths).
@@ -258,3 +280,16 @@ def _prefix_causal_mask(prefix_len: int, extend_len: int, device: torch.device) 
     q_pos = torch.arange(prefix_len, prefix_len + extend_len, device=device)[:, None]
     k_pos = torch.arange(prefix_len + extend_len, device=device)[None, :]
     return k_pos <= q_pos
+
+
+def _tree_mask(prefix_len: int, parents: list[int], device: torch.device) -> torch.Tensor:
+    """[n, prefix_len + n] bool for n tree nodes (parents[j] < j, the root's -1): node j sees the
+    prefix, itself and its ancestors (module docstring)."""
+    n = len(parents)
+    rows = [[False] * n for _ in range(n)]
+    for j, p in enumerate(parents):
+        if p >= 0:
+            rows[j][:j] = rows[p][:j]
+        rows[j][j] = True
+    tree = torch.tensor(rows, dtype=torch.bool)
+    return torch.cat([torch.ones(n, prefix_len, dtype=torch.bool), tree], dim=1).to(device)

@@ -1,0 +1,346 @@
+"""Tree drafts (issue 35, speculative decoding with several candidate continuations per request): the
+verify step's topology (a chain stays a chain), the tree attention mask, acceptance along the tree,
+the accepted path's KV, NGRAM's tree drafter; greedy output equals the plain engine's."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Optional
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from baton.engine.io_struct import AbortReq
+from baton.engine.layers.attention.torch_backend import TorchAttnBackend
+from baton.engine.layers.radix_attention import RadixAttention
+from baton.engine.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from baton.engine.model_executor.forward_batch import ForwardBatch, ForwardMode
+from baton.engine.sampling.sampling_batch_info import ReqSamplingState
+from baton.engine.sampling.sampling_params import SamplingParams
+from baton.engine.server_args import ServerArgs
+from baton.engine.speculative.ngram import NgramIndex, NgramTreeIndex
+from baton.engine.speculative.ngram_speculator import NgramSpeculator
+from baton.engine.speculative.spec_info import VerifyInput, first_chain, node_depths
+from baton.engine.speculative.verify import accept_greedy_tree, verify_drafts
+from scheduler_harness import SchedulerHarness
+from test_scheduler_vs_hf import harness_for, hf_greedy, run_workload, workload
+from test_speculative import repetitive_prompts
+from tiny_models import VOCAB_SIZE
+
+if TYPE_CHECKING:
+    from baton.engine.scheduler.req import Req
+
+
+# ---------------------------------------------------------------------------- topology
+def test_a_chain_given_as_parents_is_a_chain_and_a_tree_keeps_its_parents():
+    chains = VerifyInput([[5, 6], [7]], parents=[[-1, 0, 1], None])
+    assert chains.parents is None and chains.positions(0, 10) == [10, 11, 12]
+    tree = VerifyInput([[5, 6, 7, 8], [9]], parents=[[-1, 0, 0, 1, 2], [-1, 0]])
+    assert tree.parents == [[-1, 0, 0, 1, 2], None] and tree.offsets == [0, 5]
+    assert tree.positions(0, 10) == [10, 11, 11, 12, 12] and tree.positions(1, 3) == [3, 4]
+    assert tree.depth(0) == 2 and tree.depth(1) == 1
+    assert node_depths([-1, 0, 1, 0, 3, 3]) == [0, 1, 2, 1, 2, 2]
+    assert first_chain([-1, 0, 1, 0, 3, 2]) == [0, 1, 2, 5]
+
+
+# ---------------------------------------------------------------------------- tree attention
+def _attend(backend, r2t, pool, layer, q, k, v, rows, prefixes, extends, slots, trees=None):
+    """One EXTEND pass of the torch backend over the given rows (slots: the new tokens' KV slots)."""
+    fb = ForwardBatch(ForwardMode.EXTEND, len(rows), torch.zeros(q.shape[0], dtype=torch.int64),
+                      torch.zeros(q.shape[0], dtype=torch.int64), torch.tensor(rows),
+                      torch.tensor([p + e for p, e in zip(prefixes, extends)]), slots,
+                      [p + e for p, e in zip(prefixes, extends)], prefixes, extends, r2t, pool, backend,
+                      tree_parents=trees)
+    backend.init_forward_metadata(fb)
+    return backend.forward(q, k, v, layer, fb)
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["sdpa", "native"])
+def test_tree_attention_equals_each_nodes_chain_alone(native):
+    """A tree request beside a chain request in one pass: each node's output is what the chain root ->
+    node gives run on its own over the same prefix; the chain request's is unchanged by the tree."""
+    from baton.engine.kernels import cpu_attention
+
+    if native and cpu_attention.unavailable_reason(torch.float32, "cpu", torch.float32) is not None:
+        pytest.skip("the native CPU kernels do not build here")
+    torch.manual_seed(0)
+    heads, kv_heads, dim, prefix = 4, 2, 16, 7
+    pool = MHATokenToKVPool(256, 1, torch.float32, kv_heads, dim, 1, "cpu")
+    r2t = ReqToTokenPool(4, 64, "cpu")
+    layer = RadixAttention(heads, dim, dim ** -0.5, kv_heads, 0)
+    backend = TorchAttnBackend(native_decode=native)
+    parents, chain = [-1, 0, 0, 1, 1, 2, 4], 3
+    n = len(parents)
+    pool.k_buffer[0].normal_()
+    pool.v_buffer[0].normal_()
+    r2t.req_to_token[0, :prefix + n] = torch.arange(1, 1 + prefix + n)  # the tree's row, then the chain's
+    r2t.req_to_token[1, :prefix + chain] = torch.arange(40, 40 + prefix + chain)
+    q, k, v = torch.randn(n + chain, heads * dim), torch.randn(n + chain, kv_heads * dim), torch.randn(n + chain, kv_heads * dim)
+    slots = torch.cat([r2t.req_to_token[0, prefix:prefix + n], r2t.req_to_token[1, prefix:prefix + chain]])
+    out = _attend(backend, r2t, pool, layer, q, k, v, [0, 1], [prefix, prefix], [n, chain], slots, [parents, None])
+    chain_alone = _attend(backend, r2t, pool, layer, q[n:], k[n:], v[n:], [1], [prefix], [chain], slots[n:])
+    torch.testing.assert_close(out[n:], chain_alone)
+    for j in range(n):
+        path = [j]
+        while parents[path[0]] >= 0:
+            path.insert(0, parents[path[0]])
+        r2t.req_to_token[2, :prefix] = r2t.req_to_token[0, :prefix]
+        r2t.req_to_token[2, prefix:prefix + len(path)] = torch.arange(100, 100 + len(path))
+        alone = _attend(backend, r2t, pool, layer, q[path], k[path], v[path], [2], [prefix], [len(path)],
+                        torch.arange(100, 100 + len(path)))
+        torch.testing.assert_close(out[j], alone[-1], msg=f"node {j} (path {path})")
+
+
+# ---------------------------------------------------------------------------- acceptance
+def _state(**params) -> ReqSamplingState:
+    p = SamplingParams(**{"temperature": 0.0, **params})
+    p.verify(VOCAB)
+    return ReqSamplingState(p, [1, 2], vocab_size=VOCAB, stop_ids_for_min_tokens=set(), device="cpu")
+
+
+VOCAB = 10
+# the root's children: node 1 (token 3), node 2 (token 4); node 3 (5) under 1; nodes 4 (6), 5 (7) under 2
+TREE, TREE_DRAFT = [-1, 0, 0, 1, 2, 2], [3, 4, 5, 6, 7]
+
+
+def _logits(argmax: list[int]) -> torch.Tensor:
+    """[len(argmax), VOCAB]: random rows whose argmax is the given token."""
+    rows = torch.randn(len(argmax), VOCAB)
+    rows[torch.arange(len(argmax)), torch.tensor(argmax)] = 10.0
+    return rows
+
+
+def test_greedy_follows_the_branch_the_target_chose_and_takes_its_token_after():
+    """The target picks 4 at the root (the second child), 7 after it (node 5), then 9 (no child): the
+    request emits 4 7 9, accepts nodes 2 and 5, and its logprobs are read at nodes 0, 2, 5. A chain
+    request of the same step verifies as it always does."""
+    torch.manual_seed(0)
+    tree_logits = _logits([4, 0, 7, 0, 0, 9])
+    chain_logits = _logits([8, 2, 1])  # draft [8, 5]: 8 accepted, 5 rejected (the target says 2)
+    spec = VerifyInput([TREE_DRAFT, [8, 5]], parents=[TREE, None])
+    out = verify_drafts(torch.cat([tree_logits, chain_logits]), spec, [_state(), _state()], None,
+                        return_logprob=True, top_logprobs_nums=[0, 0])
+    assert out.tokens == [[4, 7, 9], [8, 2]] and out.accepted_nodes == [[2, 5], [1]]
+    lps = torch.log_softmax(tree_logits, dim=-1)
+    assert out.logprobs[0] == pytest.approx([float(lps[0, 4]), float(lps[2, 7]), float(lps[5, 9])])
+    assert accept_greedy_tree(TREE, TREE_DRAFT, [3, 5, 0, 1, 0, 0]) == [0, 1, 3]  # the first chain, whole
+    assert accept_greedy_tree(TREE, TREE_DRAFT, [2, 0, 0, 0, 0, 0]) == [0]
+
+
+@pytest.mark.parametrize("params", [dict(temperature=0.8, seed=3), dict(logit_bias={4: -1.0}),
+                                    dict(frequency_penalty=0.5)], ids=["sampled", "bias", "penalty"])
+def test_sampled_and_processed_requests_verify_the_first_chain_as_a_chain(params):
+    """Their rules hold for one chain: the tree's first chain (nodes 0, 1, 3) verifies exactly as that
+    chain would alone (same tokens, same logprobs), whatever the other branches hold."""
+    torch.manual_seed(1)
+    logits = torch.randn(6, VOCAB)
+    logits[0, 3] = logits[1, 5] = 4.0  # the first chain is likely to pass
+    tree = verify_drafts(logits, VerifyInput([TREE_DRAFT], parents=[TREE]), [_state(**params)], [5],
+                         return_logprob=True, top_logprobs_nums=[2])
+    chain = verify_drafts(logits[[0, 1, 3]], VerifyInput([[3, 5]]), [_state(**params)], [5],
+                          return_logprob=True, top_logprobs_nums=[2])
+    assert tree.tokens == chain.tokens and tree.logprobs == chain.logprobs
+    assert tree.top_logprobs == chain.top_logprobs
+    assert tree.accepted_nodes == [[1, 3][:len(chain.tokens[0]) - 1]]
+
+
+# ---------------------------------------------------------------------------- the accepted path's KV
+SPEC = dict(speculative_algorithm="NGRAM", speculative_disable_by_batch_size=64)
+MAX_NEW = 40
+
+
+def _oracle(refs: dict[str, list[int]]) -> Callable:
+    """A tree drafter that knows each request's greedy continuation (`refs`, HF's): the first chain is
+    wrong from its first token on, and the continuation is a later branch of the root, each of its
+    tokens behind a wrong sibling. Everything a verify step accepts is off the first chain, so the
+    accepted KV always moves."""
+    def draft_tree(self, req: "Req") -> tuple[list[int], Optional[list[int]]]:
+        depth = min(3, self.room(req))
+        if depth <= 0:
+            return [], None
+        right = refs[req.rid][len(req.output_ids):][:depth]
+        tokens, parents = [], [-1]
+
+        def add(token: int, parent: int) -> int:
+            tokens.append(token)
+            parents.append(parent)
+            return len(tokens)
+
+        first = add((right[0] + 1) % VOCAB_SIZE, 0)
+        if depth > 1:
+            add((right[1] + 1) % VOCAB_SIZE, first)
+        node = 0
+        for k, token in enumerate(right):
+            if k:
+                add((token + 2) % VOCAB_SIZE, node)
+            node = add(token, node)
+        return tokens, parents
+
+    return draft_tree
+
+
+def _oracle_harness(monkeypatch, path: str, refs: dict[str, list[int]], loop: str = "plain",
+                    **overrides) -> SchedulerHarness:
+    """A scheduler whose NGRAM speculator drafts _oracle's trees from `refs` (rid -> greedy tokens; the
+    test may add rids later)."""
+    monkeypatch.setattr(NgramSpeculator, "draft_tree", _oracle(refs))
+    monkeypatch.setattr(NgramSpeculator, "on_verified", lambda self, req, drafted, accepted: None)  # no index
+    return harness_for(path, loop, max_total_tokens=4096, **SPEC, **overrides)
+
+
+@pytest.mark.parametrize("loop,page_size", [("plain", 1), ("overlap", 16)])
+def test_accepted_branches_keep_their_kv(tiny_model_factory, monkeypatch, loop, page_size):
+    """Every accepted token of these runs comes from a branch other than the first chain: greedy tokens
+    still equal HF's (so the next steps read the moved KV as their own), the radix cache holds what the
+    plain engine would, and nothing leaks."""
+    path = tiny_model_factory("llama")
+    prompts = {str(i): p for i, p in enumerate(workload()[:4])}
+    refs = {rid: hf_greedy(path, p, MAX_NEW, ignore_eos=True) for rid, p in prompts.items()}
+    h = _oracle_harness(monkeypatch, path, refs, loop, page_size=page_size)
+    results = run_workload(h, list(prompts.values()), max_new=MAX_NEW, ignore_eos=True)
+    for rid in prompts:
+        assert results[rid].ids == refs[rid], f"request {rid}"
+    info = h.scheduler.get_server_info()
+    assert info["spec_tree_branch_accepts"] > 10 and info["spec_accept_length"] > 2.5, info
+    assert info["integrity_ok"] is True
+    # a follow-up turn reuses a finished request's cached KV, accepted-branch tokens included
+    turn2 = prompts["0"] + results["0"].ids + [7, 8]
+    refs["turn2"] = hf_greedy(path, turn2, 8, ignore_eos=True)
+    h.submit("turn2", turn2, max_new_tokens=8, ignore_eos=True)
+    res = h.run_until_idle()
+    assert res["turn2"].cached_tokens >= (len(prompts["0"]) + MAX_NEW - 1) // page_size * page_size
+    assert res["turn2"].ids == refs["turn2"]
+
+
+def test_stops_and_logprobs_inside_accepted_branches(tiny_model_factory, monkeypatch):
+    """A stop string, a stop id and max_tokens that fall inside runs accepted off the first chain end
+    the request exactly where the plain engine ends it, with its logprobs."""
+    path = tiny_model_factory("llama")
+    prompt = workload()[3]
+    ref = hf_greedy(path, prompt, 60, ignore_eos=True)
+    late = next(t for t in ref[20:] if ref.index(t) >= 12)  # first seen well into the output
+    stop_text = AutoTokenizer.from_pretrained(path).decode(ref[29:31])
+    base = dict(ignore_eos=True, return_logprob=True, top_logprobs_num=2, max_new_tokens=60)
+    requests = {"len17": dict(base, max_new_tokens=17), "stop_id": dict(base, stop_token_ids=[late]),
+                "stop_str": dict(base, stop=[stop_text])}
+    plain = SchedulerHarness(path, max_total_tokens=4096, disable_overlap_schedule=True)
+    spec = _oracle_harness(monkeypatch, path, {rid: ref for rid in requests})
+    for h in (plain, spec):
+        for rid, params in requests.items():
+            h.submit(rid, prompt, **params)
+        h.run_until_idle()
+    assert spec.scheduler.get_server_info()["spec_tree_branch_accepts"] > 0
+    assert plain.results["stop_str"].finish.matched == stop_text and len(plain.results["stop_str"].ids) < 40
+    for rid, want in plain.results.items():
+        got = spec.results[rid]
+        assert got.ids == want.ids and (got.finish.kind, got.finish.matched) == (want.finish.kind, want.finish.matched), rid
+        torch.testing.assert_close([lp for lp, _ in got.output_logprobs], [lp for lp, _ in want.output_logprobs],
+                                   rtol=1e-4, atol=1e-4)
+        assert [[t for _, t in top] for top in got.output_top_logprobs] == \
+            [[t for _, t in top] for top in want.output_top_logprobs], rid
+    assert spec.scheduler.check_memory_integrity()
+
+
+def test_abort_while_drafting_trees_leaks_nothing(tiny_model_factory, monkeypatch):
+    path = tiny_model_factory("llama")
+    prompts = {str(i): p for i, p in enumerate(workload()[1:4])}
+    refs = {rid: hf_greedy(path, p, 120, ignore_eos=True) for rid, p in prompts.items()}
+    h = _oracle_harness(monkeypatch, path, refs, page_size=4)
+    for rid, p in prompts.items():
+        h.submit(rid, p, max_new_tokens=120, ignore_eos=True)
+    output_len = lambda: next((len(r.output_ids) for r in h.scheduler.running_batch.reqs if r.rid == "1"), 0)
+    for _ in range(100):
+        h.step()
+        if output_len() > 8:
+            break
+    assert 8 < output_len() < 100
+    h.scheduler.process_input_requests([AbortReq(rid="1")])
+    res = h.run_until_idle()
+    assert res["1"].finish.kind == "abort" and res["1"].after_finish == 0
+    assert res["0"].ids == refs["0"] and res["2"].ids == refs["2"]
+    assert h.scheduler.check_memory_integrity()
+
+
+# ---------------------------------------------------------------------------- NGRAM's trees
+def test_ngram_tree_merges_the_continuations_of_earlier_occurrences_latest_first():
+    tokens = [1, 2, 3, 4, 5, 9, 1, 2, 3, 7, 7, 9, 1, 2, 3, 6, 8, 9, 1, 2, 3]
+    chain = NgramIndex(min_window=2, max_window=3, max_draft=4)
+    tree = NgramTreeIndex(min_window=2, max_window=3, max_draft=4, breadth=3)
+    chain.extend(tokens)
+    tree.extend(tokens)
+    # "1 2 3" was followed by 6 8 (latest), 7 7, 4 5: the first chain is the chain index's draft
+    assert chain.propose(2) == tree.propose(2) == [6, 8]
+    assert tree.propose_tree(max_nodes=6, max_depth=2) == ([6, 8, 7, 7, 4, 5], [-1, 0, 1, 0, 3, 0, 5])
+    assert tree.propose_tree(max_nodes=3, max_depth=2) == ([6, 8, 7], [-1, 0, 1, 0])  # the node budget
+    assert tree.propose_tree(max_nodes=6, max_depth=1) == ([6, 7, 4], [-1, 0, 0, 0])
+    narrow = NgramTreeIndex(min_window=2, max_window=3, max_draft=4, breadth=2)
+    narrow.extend(tokens)
+    assert narrow.propose_tree(max_nodes=6, max_depth=2) == ([6, 8, 7, 7], [-1, 0, 1, 0, 3])
+    # an older occurrence followed by the same token gives way to the newer; a shorter window's other
+    # occurrences come after the longest's
+    again = NgramTreeIndex(min_window=2, max_window=3, max_draft=4, breadth=3)
+    again.extend([5, 2, 3, 4, 1, 2, 3, 6, 7, 1, 2, 3, 6, 8, 1, 2, 3])
+    assert again.propose_tree(max_nodes=6, max_depth=2) == ([6, 8, 4, 1], [-1, 0, 1, 0, 3])
+    # the latest continuation runs into the end: the chain is only that one, the tree takes the next
+    short = [7, 1, 2, 3, 4, 5, 6, 9, 2, 3, 2, 3]
+    for index in (NgramIndex(min_window=2, max_window=3, max_draft=4),
+                  NgramTreeIndex(min_window=2, max_window=3, max_draft=4, breadth=3)):
+        index.extend(short)
+        assert index.propose(4) == [2, 3]
+    assert index.propose_tree(max_nodes=6, max_depth=4) == ([2, 3, 4, 5, 6, 9], [-1, 0, 1, 0, 3, 4, 5])
+    # one continuation: a chain, returned as one (no parents)
+    lone = NgramTreeIndex(min_window=2, max_window=3, max_draft=4, breadth=3)
+    lone.extend([1, 2, 3, 4, 5, 1, 2, 3])
+    assert lone.propose_tree(max_nodes=6, max_depth=3) == ([4, 5, 1], None)
+
+
+LOOPING = dict(initializer_range=0.08)  # test_speculative.py: greedy text that falls into loops
+
+
+@pytest.mark.parametrize("loop,page_size", [("plain", 1), ("overlap", 16)])
+def test_ngram_trees_greedy_equals_hf(tiny_model_factory, loop, page_size):
+    """NGRAM with trees of up to 3 continuations on the looping model: HF's tokens, some runs accepted
+    off the first chain, nothing leaked."""
+    path = tiny_model_factory("llama", **LOOPING)
+    prompts = repetitive_prompts() + repetitive_prompts(seed=4) + workload()[:4]
+    h = harness_for(path, loop, page_size=page_size, max_total_tokens=4096, **SPEC,
+                    speculative_ngram_min_match_window_size=1, speculative_ngram_max_bfs_breadth=3)
+    results = run_workload(h, prompts, max_new=MAX_NEW, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        assert results[str(i)].ids == hf_greedy(path, p, MAX_NEW, ignore_eos=True), f"request {i} differs from HF"
+    info = h.scheduler.get_server_info()
+    assert info["speculative_ngram_max_bfs_breadth"] == 3 and info["spec_accept_length"] > 1.2, info
+    assert info["spec_tree_branch_accepts"] > 0 and info["integrity_ok"] is True, info
+
+
+def test_a_hybrid_model_drafts_chains(tiny_model_factory):
+    """A recurrent state runs through a verify step's tokens in order: trees fall back to chains."""
+    path = tiny_model_factory("qwen3_5", initializer_range=0.02)
+    h = harness_for(path, "plain", max_total_tokens=2048, **SPEC, speculative_ngram_min_match_window_size=1,
+                    speculative_ngram_max_bfs_breadth=3)
+    prompts = repetitive_prompts()[:2]
+    results = run_workload(h, prompts, max_new=MAX_NEW, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        assert results[str(i)].ids == hf_greedy(path, p, MAX_NEW, ignore_eos=True), f"request {i}"
+    info = h.scheduler.get_server_info()
+    assert info["speculative_ngram_max_bfs_breadth"] == 1 and info["spec_verify_steps"] > 0, info
+
+
+def test_tree_flags_are_sglangs_and_refused_where_trees_cannot_run():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    args = ServerArgs.from_cli_args(parser.parse_args(
+        ["--model-path", "m", "--speculative-algorithm", "NGRAM", "--speculative-ngram-max-bfs-breadth", "3"]))
+    assert args.speculative_ngram_max_bfs_breadth == 3
+    assert ServerArgs(model_path="m", speculative_algorithm="NGRAM").speculative_ngram_max_bfs_breadth == 1
+    with pytest.raises(ValueError, match=">= 1"):
+        ServerArgs(model_path="m", speculative_algorithm="NGRAM", speculative_ngram_max_bfs_breadth=0)
+    with pytest.raises(ValueError, match="--attention-backend torch"):
+        ServerArgs(model_path="m", device="cuda", attention_backend="flashinfer", speculative_algorithm="NGRAM",
+                   speculative_ngram_max_bfs_breadth=2)
+    with pytest.raises(ValueError, match="--tp-size 1"):
+        ServerArgs(model_path="m", tp_size=2, speculative_algorithm="NGRAM", speculative_ngram_max_bfs_breadth=2)
+    # a prefill engine never decodes: it takes the decode's flags and ignores them
+    ServerArgs(model_path="m", device="cuda", attention_backend="flashinfer", speculative_algorithm="NGRAM",
+               speculative_ngram_max_bfs_breadth=2, disaggregation_mode="prefill")
