@@ -177,3 +177,22 @@ def test_eagle_flags_and_what_is_refused(target, drafts, tiny_model_factory, tmp
         harness_for(target, "plain", max_total_tokens=1024, **eagle("EAGLE", target))
     config = type("C", (), {"eagle_config": None})()
     assert eagle3_aux_layers(config, 32) == (2, 16, 29)  # SGLang's default for a 32-layer target
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["EAGLE-trained", "EAGLE3"])
+def test_eagle_on_cuda_changes_no_token(target, drafts, kind):
+    """On CUDA (the model's plain forward, the head's passes beside it, the overlap loop): EAGLE gives
+    the tokens the same engine gives without speculation, float32, the drafts verified."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    ps = prompts()
+    common = dict(device="cuda", dtype="float32", chunked_prefill_size=32, max_total_tokens=4096)
+    plain = run_workload(harness_for(target, "overlap", **common), ps, max_new=MAX_NEW, ignore_eos=True)
+    h = harness_for(target, "overlap", **common, **eagle(kind.split("-")[0], drafts(kind)))
+    spec = run_workload(h, ps, max_new=MAX_NEW, ignore_eos=True)
+    for i in range(len(ps)):
+        assert spec[str(i)].ids == plain[str(i)].ids, f"request {i}"
+    assert spec_info(h)["spec_verify_steps"] > 0 and h.scheduler.check_memory_integrity()
