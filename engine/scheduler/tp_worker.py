@@ -146,7 +146,7 @@ class TpModelWorker:
         logits = self.model_runner.compute_logits(hidden)  # [num_tokens, vocab] float32
         out = verify_drafts(logits, mwb.spec_info, mwb.sampling_states, mwb.draws, mwb.return_logprob,
                             mwb.top_logprobs_nums)
-        if self.drafter is not None:  # the head's KV at every node first, so that the move takes the head's layers too
+        if self.drafter is not None:  # the head's KV at every node before the move, which takes its layers too
             if self.step_sender is not None:
                 self.step_sender.send_accepted(out)
             self.drafter.after_verify(fb, hidden, mwb.spec_info, out)
@@ -160,8 +160,9 @@ class TpModelWorker:
 
     def _move_accepted_kv(self, fb, spec: "VerifyInput", out: "VerifyOutput") -> None:
         """Tree drafts: each request's accepted nodes' KV (every pool layer: a draft head's too) into its
-        columns L + 1, L + 2, .. (right after its last token's), where the scheduler keeps a request's accepted KV as it keeps a chain's
-        (speculative/verifying.py keep_kv). A node at depth j sits in column L + its index >= L + j."""
+        columns L + 1, L + 2, .. (right after its last token's), where the scheduler keeps a request's
+        accepted KV as it keeps a chain's (speculative/verifying.py keep_kv). A node at depth j sits in
+        column L + its index >= L + j."""
         src, dst = [], []
         for off, nodes in zip(spec.offsets, out.accepted_nodes):
             for j, node in enumerate(nodes, start=1):

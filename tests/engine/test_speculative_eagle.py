@@ -14,6 +14,8 @@ engine gives without speculation.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import pytest
 
 from baton.engine.io_struct import AbortReq
@@ -128,23 +130,28 @@ def test_eagle_beside_the_native_bf16_forward(target, drafts):
     assert spec_info(h)["spec_accepted_tokens"] > 0 and h.scheduler.check_memory_integrity()
 
 
-def test_pd_decode_drafts_with_the_prefills_head_kv(target, drafts):
+@pytest.mark.parametrize("topk", [1, 2])
+def test_pd_decode_drafts_with_the_prefills_head_kv(target, drafts, topk):
     """PD, both sides EAGLE: the prefill's head fills its KV layer over the prompt, which travels with
     the target's layers, and its first draft and output at the prompt's end travel in the metadata slot:
-    the decode drafts in a request's first step, the reference head's chain; drafts accepted; HF's
-    tokens, both sides settle with nothing leaked."""
+    the decode drafts in a request's first step, the reference head's chain (with topk 2 too: the slot
+    carries one candidate; trees from the second step); drafts accepted; HF's tokens, both sides settle
+    with nothing leaked."""
     from test_pd_scheduler import PDPair, _run
 
     ps = repetitive_prompts()
     draft = drafts("EAGLE-trained")
-    pair = PDPair(target, page_size=1, max_total_tokens=4096, disable_overlap_schedule=True, **eagle("EAGLE", draft))
-    first: dict[str, tuple[int, list[int]]] = {}
+    pair = PDPair(target, page_size=1, max_total_tokens=4096, disable_overlap_schedule=True,
+                  **eagle("EAGLE", draft, speculative_eagle_topk=topk))
+    first: dict[str, tuple[int, list[int], Optional[list[int]]]] = {}
+    trees = []
     spec = pair.decode.scheduler.spec
     process = spec.process_verify_result
 
     def record(launched, result):
-        for req, d in zip(launched.reqs, launched.mwb.spec_info.drafts):
-            first.setdefault(req.rid, (len(req.output_ids), list(d)))
+        for i, (req, d) in enumerate(zip(launched.reqs, launched.mwb.spec_info.drafts)):
+            first.setdefault(req.rid, (len(req.output_ids), list(d), launched.mwb.spec_info.tree(i)))
+            trees.append(launched.mwb.spec_info.tree(i))
         process(launched, result)
 
     spec.process_verify_result = record
@@ -154,8 +161,9 @@ def test_pd_decode_drafts_with_the_prefills_head_kv(target, drafts):
         for i, p in enumerate(ps):
             out = pair.decode.results[str(i)].ids
             assert out == hf_greedy(target, p, MAX_NEW, ignore_eos=True), f"request {i}"
-            assert first[str(i)] == (1, reference.chain(p + out[:1], STEPS)), i
+            assert first[str(i)] == (1, reference.chain(p + out[:1], STEPS), None), i
         assert spec_info(pair.decode)["spec_accepted_tokens"] > 0
+        assert any(t is not None for t in trees) == (topk > 1)
         pair.assert_settled()
     finally:
         pair.close()
