@@ -251,6 +251,7 @@ def test_head_trees_greedy_equals_hf(target, drafts, loop, page_size):
 
 
 def test_stops_and_logprobs_inside_accepted_branches(target, drafts):
+    """max_tokens, a stop token and logprobs inside runs accepted off the first chain: the plain engine's."""
     spec = stops_and_logprobs_equal_plain(target, prompts()[3], **tree("EAGLE", drafts("EAGLE-decoy"), 2))
     assert spec_info(spec)["spec_tree_branch_accepts"] > 0
 
