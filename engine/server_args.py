@@ -161,7 +161,8 @@ class ServerArgs:
     # EAGLE / EAGLE3: the draft checkpoint (models/eagle.py)
     speculative_draft_model_path: Optional[str] = None
     # NEXTN, EAGLE, EAGLE3 (a head drafts, speculative/head_drafter.py): draft steps per verify, and
-    # candidates per step (1: a chain; trees are not there yet). num_draft_tokens is then num_steps + 1
+    # candidates for the first draft (1: a chain, num_draft_tokens num_steps + 1; k: a tree of k branches,
+    # each a chain, of at most num_draft_tokens - 1 nodes, by default k x num_steps)
     speculative_num_steps: Optional[int] = None  # None: 3 (SGLang's recommended chain for Qwen3-Next)
     speculative_eagle_topk: Optional[int] = None  # None: 1
     # 3, not SGLang's 1: SGLang's drafter weighs matches by frequency in a trie of recent requests, ours
@@ -286,7 +287,7 @@ class ServerArgs:
             raise ValueError(f"--speculative-draft-model-path is for EAGLE and EAGLE3; {algo} drafts "
                              + ("with the checkpoint's own MTP head" if algo == "NEXTN" else "from each request's tokens"))
         if algo != "NGRAM":
-            self._check_head_chain()
+            self._check_head_drafts()
         if not 1 <= self.speculative_ngram_min_match_window_size <= self.speculative_ngram_max_match_window_size:
             raise ValueError("--speculative-ngram-min-match-window-size must be >= 1 and <= "
                              "--speculative-ngram-max-match-window-size")
@@ -300,29 +301,39 @@ class ServerArgs:
         if self.speculative_ngram_max_bfs_breadth < 1:
             raise ValueError("--speculative-ngram-max-bfs-breadth must be >= 1 (1: chains)")
         if algo == "NGRAM" and self.speculative_ngram_max_bfs_breadth > 1 and self.disaggregation_mode != "prefill":
-            if self.attention_backend != "torch":
-                raise ValueError("--speculative-ngram-max-bfs-breadth > 1 (tree drafts) needs --attention-backend torch: "
-                                 f"{self.attention_backend} cannot mask a tree yet (use 1 to draft chains)")
-            if self.tp_size > 1:
-                raise ValueError("--speculative-ngram-max-bfs-breadth > 1 (tree drafts) runs with --tp-size 1 only for now "
-                                 "(use 1 to draft chains)")
+            self._check_tree_drafts("--speculative-ngram-max-bfs-breadth > 1")
 
-    def _check_head_chain(self) -> None:
-        """NEXTN, EAGLE, EAGLE3: a chain of num_steps drafts, so num_draft_tokens is num_steps + 1 (SGLang's
-        rule for topk 1)."""
+    def _check_head_drafts(self) -> None:
+        """NEXTN, EAGLE, EAGLE3: num_steps drafts deep, topk candidates for the first one (1: a chain, so
+        num_draft_tokens is num_steps + 1, SGLang's rule for topk 1; more: a tree of topk branches,
+        speculative/head_speculator.py, of at most num_draft_tokens - 1 nodes, by default all of them)."""
         steps = 3 if self.speculative_num_steps is None else self.speculative_num_steps
         topk = 1 if self.speculative_eagle_topk is None else self.speculative_eagle_topk
         if steps < 1:
             raise ValueError("--speculative-num-steps must be >= 1")
-        if topk != 1:
-            raise ValueError(f"--speculative-eagle-topk > 1 (tree drafts) is not supported yet; {self.speculative_algorithm} "
-                             "drafts a chain (topk 1)")
-        if self.speculative_num_draft_tokens not in (None, steps + 1):
+        if topk < 1:
+            raise ValueError("--speculative-eagle-topk must be >= 1 (1: chains)")
+        most = 1 + topk * steps
+        tokens = most if self.speculative_num_draft_tokens is None else self.speculative_num_draft_tokens
+        if topk == 1 and tokens != steps + 1:
             raise ValueError(f"--speculative-num-draft-tokens must be --speculative-num-steps + 1 ({steps + 1}) with "
-                             f"--speculative-eagle-topk 1")
+                             "--speculative-eagle-topk 1")
+        if not steps + 1 <= tokens <= most:
+            raise ValueError(f"--speculative-num-draft-tokens must be between --speculative-num-steps + 1 ({steps + 1}, "
+                             f"the first branch whole) and 1 + topk x steps ({most}, every branch whole)")
+        if topk > 1 and self.disaggregation_mode != "prefill":
+            self._check_tree_drafts("--speculative-eagle-topk > 1")
         for name, value in (("speculative_num_steps", steps), ("speculative_eagle_topk", topk),
-                            ("speculative_num_draft_tokens", steps + 1)):
+                            ("speculative_num_draft_tokens", tokens)):
             object.__setattr__(self, name, value)  # frozen
+
+    def _check_tree_drafts(self, flag: str) -> None:
+        """Tree drafts (NGRAM's breadth, a head's topk): the torch backend's tree mask, one TP rank."""
+        if self.attention_backend != "torch":
+            raise ValueError(f"{flag} (tree drafts) needs --attention-backend torch: {self.attention_backend} cannot "
+                             "mask a tree yet (use 1 to draft chains)")
+        if self.tp_size > 1:
+            raise ValueError(f"{flag} (tree drafts) runs with --tp-size 1 only for now (use 1 to draft chains)")
 
     def _auto_attention_backend(self) -> str:
         if not self.device.startswith("cuda") or importlib.util.find_spec("flashinfer") is None:
@@ -465,11 +476,14 @@ class ServerArgs:
           help="EAGLE / EAGLE3: the draft checkpoint's directory (config.json, safetensors or pytorch_model.bin)")
         a("--speculative-num-draft-tokens", type=int, default=None,
           help="tokens a verify step runs per request: its last token and up to this many - 1 drafts "
-               "(default: NGRAM --speculative-ngram-max-match-window-size, NEXTN and EAGLE --speculative-num-steps + 1)")
+               "(default: NGRAM --speculative-ngram-max-match-window-size, NEXTN and EAGLE 1 + topk x "
+               "--speculative-num-steps)")
         a("--speculative-num-steps", type=int, default=None,
           help="NEXTN, EAGLE: draft steps per verify step, the chain's length (default 3)")
         a("--speculative-eagle-topk", type=int, default=None,
-          help="NEXTN, EAGLE: candidates per draft step; only 1 (a chain) for now (default 1)")
+          help="NEXTN, EAGLE: the head's candidates for the first draft, each continued greedily for "
+               "--speculative-num-steps, verified as one tree (default 1: a chain; > 1 needs --attention-backend "
+               "torch; a hybrid model drafts chains)")
         a("--speculative-ngram-min-match-window-size", type=int,
           default=ServerArgs.speculative_ngram_min_match_window_size,
           help="NGRAM: the shortest suffix of a request's tokens looked up in its earlier tokens")

@@ -19,6 +19,7 @@ from baton.engine.server_args import ServerArgs
 
 if TYPE_CHECKING:
     from baton.engine.distributed.parallel_state import TpGroup
+    from baton.engine.mem_cache.memory_pool import ReqToTokenPool
     from baton.engine.mem_cache.state_pool import LinearStateShapes, RecurrentStatePool
     from baton.engine.model_executor.cuda_graph_runner import CudaGraphRunner
 
@@ -319,13 +320,15 @@ class ModelRunner:
     def make_forward_batch(self, mode: ForwardMode, *, input_ids: torch.Tensor, positions: torch.Tensor,
                            req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, out_cache_loc: torch.Tensor,
                            seq_lens_cpu: list[int], extend_prefix_lens_cpu: Optional[list[int]] = None,
-                           extend_seq_lens_cpu: Optional[list[int]] = None) -> ForwardBatch:
-        """A ForwardBatch over this runner's pools and attention backend."""
+                           extend_seq_lens_cpu: Optional[list[int]] = None,
+                           req_to_token_pool: Optional["ReqToTokenPool"] = None) -> ForwardBatch:
+        """A ForwardBatch over this runner's pools and attention backend (`req_to_token_pool`: a table
+        of rows of its own in place of the runner's, a draft head's branches: speculative/head_drafter.py)."""
         return ForwardBatch(
             forward_mode=mode, batch_size=len(seq_lens_cpu), input_ids=input_ids, positions=positions,
             req_pool_indices=req_pool_indices, seq_lens=seq_lens, out_cache_loc=out_cache_loc,
             seq_lens_cpu=seq_lens_cpu, extend_prefix_lens_cpu=extend_prefix_lens_cpu,
-            extend_seq_lens_cpu=extend_seq_lens_cpu, req_to_token_pool=self.req_to_token_pool,
+            extend_seq_lens_cpu=extend_seq_lens_cpu, req_to_token_pool=req_to_token_pool or self.req_to_token_pool,
             token_to_kv_pool=self.token_to_kv_pool, attn_backend=self.attn_backend, state_pool=self.state_pool)
 
     def forward_batch_from(self, mwb, extra: Optional[torch.Tensor] = None) -> tuple[ForwardBatch, Optional[torch.Tensor]]:

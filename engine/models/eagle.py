@@ -88,7 +88,7 @@ class EagleHead(nn.Module):
     """EAGLE-1/-2 (module docstring): `num_hidden_layers` Llama layers over fc([embedding ; hidden])."""
 
     algorithm = "EAGLE"
-    own_lm_head = False  # the target's LM head reads `out`
+    own_lm_head = False  # the target's LM head reads `out` (EAGLE-3: draft_logits, draft_to_target)
 
     def __init__(self, config: "PretrainedConfig", first_kv_layer: int, fc_bias: bool, tp: TpGroup = TpGroup()) -> None:
         super().__init__()
@@ -174,9 +174,10 @@ class Eagle3Head(nn.Module):
         state = self.fc(hidden) if hidden.shape[-1] != self.hidden_size else hidden
         return self.midlayer(positions, embeds, state, forward_batch)
 
-    def draft_ids(self, out: torch.Tensor) -> torch.Tensor:
-        """The head's outputs [m, hidden] -> its greedy tokens [m], as target vocabulary ids."""
-        return self.draft_to_target[torch.argmax(self.lm_head.logits(self.norm(out)), dim=-1)]
+    def draft_logits(self, out: torch.Tensor) -> torch.Tensor:
+        """The head's outputs [m, hidden] -> logits over its draft vocabulary [m, draft vocab] (draft_to_target
+        turns the ids chosen from them into target ids)."""
+        return self.lm_head.logits(self.norm(out))
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -76,7 +76,8 @@ class TpModelWorker:
         if self.model_runner.draft_head is not None:
             from baton.engine.speculative.head_drafter import HeadDrafter
 
-            self.drafter = HeadDrafter(self.model_runner, server_args.speculative_num_steps)
+            self.drafter = HeadDrafter(self.model_runner, server_args.speculative_num_steps,
+                                       server_args.speculative_eagle_topk)
 
     def close(self) -> None:
         """Release the other TP ranks from their step loop (after the last forward)."""
@@ -145,12 +146,12 @@ class TpModelWorker:
         logits = self.model_runner.compute_logits(hidden)  # [num_tokens, vocab] float32
         out = verify_drafts(logits, mwb.spec_info, mwb.sampling_states, mwb.draws, mwb.return_logprob,
                             mwb.top_logprobs_nums)
-        if out.accepted_nodes is not None:
-            self._move_accepted_kv(fb, mwb.spec_info, out)
-        if self.drafter is not None:
+        if self.drafter is not None:  # the head's KV at every node before the move, which takes its layers too
             if self.step_sender is not None:
                 self.step_sender.send_accepted(out)
             self.drafter.after_verify(fb, hidden, mwb.spec_info, out)
+        if out.accepted_nodes is not None:
+            self._move_accepted_kv(fb, mwb.spec_info, out)
         last = torch.tensor(out.last_tokens, dtype=torch.int64)
         if future_map is not None:
             future_map.token_ids[future_slots] = last.to(future_map.token_ids.device)
@@ -158,9 +159,10 @@ class TpModelWorker:
                                      next_token_ids_device=last, verify=out)
 
     def _move_accepted_kv(self, fb, spec: "VerifyInput", out: "VerifyOutput") -> None:
-        """Tree drafts: each request's accepted nodes' KV into its columns L + 1, L + 2, .. (right after
-        its last token's), where the scheduler keeps a request's accepted KV as it keeps a chain's
-        (speculative/verifying.py keep_kv). A node at depth j sits in column L + its index >= L + j."""
+        """Tree drafts: each request's accepted nodes' KV (every pool layer: a draft head's too) into its
+        columns L + 1, L + 2, .. (right after its last token's), where the scheduler keeps a request's
+        accepted KV as it keeps a chain's (speculative/verifying.py keep_kv). A node at depth j sits in
+        column L + its index >= L + j."""
         src, dst = [], []
         for off, nodes in zip(spec.offsets, out.accepted_nodes):
             for j, node in enumerate(nodes, start=1):

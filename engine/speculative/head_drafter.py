@@ -4,7 +4,7 @@ EAGLE draft checkpoint's (models/eagle.py), each
 
     forward(embeds, positions, features, forward_batch) -> out    one pass over a batch's positions
     own_lm_head                                                   False: the target's LM head reads out;
-    draft_ids(out)                                                True: the head's (EAGLE3, its own vocabulary)
+    draft_logits(out), draft_to_target                            True: the head's (EAGLE3, its own vocabulary)
     aux_layers                                                    EAGLE3: its features are the target's
                                                                   states entering these layers, else the
                                                                   target's final hidden states
@@ -24,15 +24,31 @@ the next token is known:
                                                  accepted draft takes the target's token; rows past it
                                                  are rejected positions (their KV is freed or rewritten)
 
-Either leaves, per request row, the head's prediction at the row's last kept position (the first draft
-of the next step) and its output (`tokens`, `hidden`). A verify step of a request with k drafts
-(position L = its last token's) then runs k - 1 decode passes of the head: step j at position L + j - 2
-over (d[j-1], its previous output in place of the target's features), into the verify step's own
-slots; the verify pass runs [last, d1 .. dk]. The head's KV those steps wrote is rewritten by the
-after-verify pass.
+Either leaves, per request row, the head's predictions at the row's last kept position (the first
+draft of the next step: its argmax, then with --speculative-eagle-topk k its next k - 1 candidates) and
+its output (`tokens`, `hidden`). A verify step of a request with k drafts (position L = its last
+token's) then runs k - 1 decode passes of the head: step j at position L + j - 1 over (d[j], its
+previous output in place of the target's features), into the verify step's own slots; the verify pass
+runs [last, d1 .. dk]. The head's KV those steps wrote is rewritten by the after-verify pass.
 
-Drafts are greedy (the head's argmax): a deterministic proposal, so verify.py's acceptance rules hold as
-for NGRAM. A request whose row holds no prediction of its own yet (a PD decode's transferred request:
+A tree (head_speculator.py: spec_info.branch_tree) is a chain per candidate: branch b starts with the
+row's b-th candidate and goes on greedily, branch 0 the chain topk 1 drafts. The branches' nodes sit at
+the same positions L + 1 .. in different slots, so their steps read their KV through a table of their
+own, one row per branch (the request's prefix, then the slots of the branch's nodes; step j writes its
+j-th node's), all branches of all requests in one decode pass per step:
+
+    request row     prefix .. | n0  n1  n2  n3  n4        parents [-1, 0, 1, 0, 3]
+    branch 0 row    prefix .. | n1  n2                    step j at position L + j - 1: column L + j - 1
+    branch 1 row    prefix .. | n3  n4
+
+After the verify pass the head runs over its nodes with the pass's tree mask, each node reading the
+token of its accepted child (nodes off the accepted path: any valid id), before the worker moves the
+accepted nodes' KV, the head's layers with the target's (TpModelWorker._verify); the row keeps the
+head's output at the last accepted node.
+
+Drafts are greedy (the head's argmax; a tree's other branches start with its next candidates): a
+deterministic proposal, so verify.py's acceptance rules hold as for NGRAM (sampled requests verify
+branch 0). A request whose row holds no prediction of its own yet (a PD decode's transferred request:
 the prefill computed the head's KV over the prompt, not this row's buffers) drafts nothing in its first
 step (head_speculator.py), whose pass after it fills the row.
 
@@ -47,24 +63,30 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from baton.engine.mem_cache.memory_pool import ReqToTokenPool
 from baton.engine.model_executor.forward_batch import ForwardMode
+from baton.engine.speculative.spec_info import branches
 
 if TYPE_CHECKING:
     from baton.engine.model_executor.forward_batch import ForwardBatch
     from baton.engine.model_executor.model_runner import ModelRunner
     from baton.engine.speculative.spec_info import VerifyInput, VerifyOutput
 
+# a branch of a request's draft: (its batch index, its rank among the row's candidates, its nodes)
+Lane = tuple[int, int, list[int]]
+
 
 class HeadDrafter:
-    def __init__(self, runner: "ModelRunner", num_steps: int) -> None:
+    def __init__(self, runner: "ModelRunner", num_steps: int, topk: int = 1) -> None:
         model = runner.model
         assert runner.draft_head is not None, "the model was loaded without a draft head"
         assert runner.cuda_graph_runner is None and runner.compiled_model is None, \
             "a draft head runs beside the model's plain (or native) forward only"
         self.runner, self.head, self.embed = runner, runner.draft_head, model.model.embed_tokens
-        self.num_steps = num_steps
+        self.num_steps, self.topk = num_steps, topk
         rows, dev = runner.req_to_token_pool.size, runner.device
-        self.tokens = torch.zeros(rows, dtype=torch.int64, device=dev)  # each row's first draft
+        # each row's first draft candidates, the greedy one first [rows, topk]
+        self.tokens = torch.zeros(rows, topk, dtype=torch.int64, device=dev)
         # each row's head output at that draft's position (the next step's input, for chains past 1;
         # a PD prefill sends it whatever its own chain length)
         self.hidden = torch.zeros(rows, model.config.hidden_size, dtype=runner.dtype, device=dev)
@@ -82,15 +104,18 @@ class HeadDrafter:
             self.runner.attn_backend.init_forward_metadata(fb)
         return fb.aux_hidden if self.head.aux_layers else hidden
 
-    def _predict(self, out: torch.Tensor) -> torch.Tensor:
-        """The head's outputs [m, hidden] -> its greedy tokens [m] (target vocabulary ids)."""
-        if self.head.own_lm_head:
-            return self.head.draft_ids(out)
-        return torch.argmax(self.runner.compute_logits(out), dim=-1)
+    def _predict(self, out: torch.Tensor, k: int = 1) -> torch.Tensor:
+        """The head's outputs [m, hidden] -> its k best tokens [m, k] (target vocabulary ids), its argmax
+        first (whatever order topk gives tied scores, branch 0 is the chain topk 1 drafts)."""
+        logits = self.head.draft_logits(out) if self.head.own_lm_head else self.runner.compute_logits(out)
+        ids = torch.argmax(logits, dim=-1, keepdim=True)
+        if k > 1:
+            ids = torch.cat([ids, logits.scatter(1, ids, float("-inf")).topk(k - 1, dim=-1).indices], dim=1)
+        return self.head.draft_to_target[ids] if self.head.own_lm_head else ids
 
     def _keep(self, rows: torch.Tensor, out: torch.Tensor) -> None:
-        """Each row's prediction and hidden output at its last kept position."""
-        self.tokens[rows] = self._predict(out)
+        """Each row's candidates and hidden output at its last kept position."""
+        self.tokens[rows] = self._predict(out, self.topk)
         self.hidden[rows] = out
         if out.is_cuda:
             self.done = torch.cuda.Event()
@@ -104,10 +129,11 @@ class HeadDrafter:
         return MetadataBuffers.draft_bytes_for(self.hidden.shape[1], self.hidden.dtype)
 
     def row_draft(self, row: int) -> tuple[int, torch.Tensor]:
-        """A prefill's request row once its last chunk ran: its first draft and the head's output."""
+        """A prefill's request row once its last chunk ran: its first draft and the head's output (not
+        the other candidates: a primed request drafts a chain in its first step, head_speculator.py)."""
         if self.done is not None:
             self.done.synchronize()
-        return int(self.tokens[row]), self.hidden[row].cpu()
+        return int(self.tokens[row, 0]), self.hidden[row].cpu()
 
     def prime_from(self, metadata, slot: int) -> Optional[tuple[int, torch.Tensor]]:
         """A decode's transferred request: what its prefill's row_draft sent, if anything."""
@@ -116,7 +142,7 @@ class HeadDrafter:
     def _prime(self, rows: torch.Tensor, primes: dict[int, tuple[int, torch.Tensor]]) -> None:
         """Put primes (batch index -> first draft, head output) into the batch's rows."""
         idx = torch.tensor(list(primes), dtype=torch.int64, device=rows.device)
-        self.tokens[rows[idx]] = torch.tensor([t for t, _ in primes.values()], dtype=torch.int64, device=rows.device)
+        self.tokens[rows[idx], 0] = torch.tensor([t for t, _ in primes.values()], dtype=torch.int64, device=rows.device)
         self.hidden[rows[idx]] = torch.stack([h for _, h in primes.values()]).to(self.hidden.device, self.hidden.dtype)
 
     @torch.inference_mode()
@@ -140,42 +166,76 @@ class HeadDrafter:
 
     @torch.inference_mode()
     def draft(self, fb: "ForwardBatch", spec: "VerifyInput") -> None:
-        """Before a verify pass (`fb`, its input ids holding placeholder drafts): each request's chain,
-        into spec.drafts and the pass's input ids."""
-        runner, lens = self.runner, [len(d) for d in spec.drafts]
+        """Before a verify pass (`fb`, its input ids holding placeholder drafts): each request's chain or
+        tree (spec.parents), into spec.drafts and the pass's input ids."""
         rows, prefix = fb.req_pool_indices, fb.extend_prefix_lens_cpu
+        dev = rows.device
         if spec.primes:
             self._prime(rows, spec.primes)
-        chain = torch.zeros(len(lens), max(lens), dtype=torch.int64, device=rows.device)
-        chain[:, 0] = self.tokens[rows]
-        if max(lens) > 1:
-            out = self.hidden[rows]
-        for j in range(1, max(lens)):  # draft j + 1 from (draft j, the head's output there) at position L + j - 1
-            sel = [i for i, n in enumerate(lens) if n > j]
-            idx = torch.tensor(sel, dtype=torch.int64, device=rows.device)
-            seq_lens = [prefix[i] + j for i in sel]
-            step = runner.make_forward_batch(
-                ForwardMode.DECODE, input_ids=chain[idx, j - 1], positions=torch.tensor(seq_lens, device=rows.device) - 1,
-                req_pool_indices=rows[idx], seq_lens=torch.tensor(seq_lens, device=rows.device),
-                out_cache_loc=fb.out_cache_loc[torch.tensor([spec.offsets[i] + j - 1 for i in sel], device=rows.device)],
-                seq_lens_cpu=seq_lens)
-            runner.attn_backend.init_forward_metadata(step)
+        lanes: list[Lane] = [(i, b, nodes) for i, d in enumerate(spec.drafts) if d
+                             for b, nodes in enumerate(branches(spec.tree(i) or list(range(-1, len(d)))))]
+        depth = [len(nodes) for _, _, nodes in lanes]
+        req = torch.tensor([i for i, _, _ in lanes], dtype=torch.int64, device=dev)
+        drafts = torch.zeros(len(lanes), max(depth), dtype=torch.int64, device=dev)
+        drafts[:, 0] = self.tokens[rows[req], torch.tensor([b for _, b, _ in lanes], device=dev)]
+        if max(depth) > 1:
+            table, lane_rows = self._lane_table(fb, spec, lanes)
+            out = self.hidden[rows[req]]
+        for j in range(1, max(depth)):  # draft j + 1 from (draft j, the head's output before it) at position L + j - 1
+            sel = [n for n, d in enumerate(depth) if d > j]
+            idx = torch.tensor(sel, dtype=torch.int64, device=dev)
+            seq_lens = [prefix[lanes[n][0]] + j for n in sel]
+            lens = torch.tensor(seq_lens, device=dev)
+            step = self.runner.make_forward_batch(
+                ForwardMode.DECODE, input_ids=drafts[idx, j - 1], positions=lens - 1, req_pool_indices=lane_rows[idx],
+                seq_lens=lens, out_cache_loc=table.req_to_token[lane_rows[idx], lens - 1], seq_lens_cpu=seq_lens,
+                req_to_token_pool=table)
+            self.runner.attn_backend.init_forward_metadata(step)
             step_out = self._head(step, step.input_ids, out[idx])
-            chain[idx, j] = self._predict(step_out)
+            drafts[idx, j] = self._predict(step_out)[:, 0]
             out[idx] = step_out
-        drafts = chain.tolist()
-        for i, n in enumerate(lens):
-            spec.drafts[i][:] = drafts[i][:n]
-        at = [spec.offsets[i] + 1 + t for i, n in enumerate(lens) for t in range(n)]
-        fb.input_ids[torch.tensor(at, dtype=torch.int64, device=rows.device)] = torch.tensor(
-            [t for d in spec.drafts for t in d], dtype=torch.int64, device=rows.device)
+        for (i, _, nodes), tokens in zip(lanes, drafts.tolist()):
+            for node, token in zip(nodes, tokens):
+                spec.drafts[i][node - 1] = token
+        at = [spec.offsets[i] + 1 + t for i, d in enumerate(spec.drafts) for t in range(len(d))]
+        fb.input_ids[torch.tensor(at, dtype=torch.int64, device=dev)] = torch.tensor(
+            [t for d in spec.drafts for t in d], dtype=torch.int64, device=dev)
+
+    def _lane_table(self, fb: "ForwardBatch", spec: "VerifyInput",
+                    lanes: list[Lane]) -> tuple[ReqToTokenPool, torch.Tensor]:
+        """The req_to_token table the draft steps read and write through, and each lane's row in it: column
+        L + j - 1 of a lane's row holds the slot step j writes (position L + j - 1). Chains: the requests'
+        own rows, whose columns L, L + 1 .. hold the verify step's slots (nodes 0, 1 ..). Trees: a table of
+        one row per branch (module docstring)."""
+        pool, rows = self.runner.req_to_token_pool, fb.req_pool_indices
+        req = torch.tensor([i for i, _, _ in lanes], dtype=torch.int64, device=rows.device)
+        if spec.parents is None:
+            return pool, rows[req]
+        prefix = fb.extend_prefix_lens_cpu
+        width = max(prefix[i] + len(nodes) for i, _, nodes in lanes)
+        table = ReqToTokenPool(len(lanes), width, pool.device)
+        table.req_to_token.copy_(pool.req_to_token[rows[req], :width])
+        at = [(n, prefix[i] + j, spec.offsets[i] + node) for n, (i, _, nodes) in enumerate(lanes)
+              for j, node in enumerate(nodes)]
+        lane, col, src = (torch.tensor(x, dtype=torch.int64, device=rows.device) for x in zip(*at))
+        table.req_to_token[lane, col] = fb.out_cache_loc[src]
+        return table, torch.arange(len(lanes), device=rows.device)
 
     @torch.inference_mode()
     def after_verify(self, fb: "ForwardBatch", hidden: torch.Tensor, spec: "VerifyInput", out: "VerifyOutput") -> None:
-        """After a verify pass and its acceptance (`out`): the head over the pass's positions, each
-        request's row after its last accepted draft taking the target's token."""
+        """After a verify pass and its acceptance (`out`), before the accepted nodes' KV moves: the head
+        over the pass's positions, each node on a request's accepted path reading the next one's token,
+        the last accepted node the target's token after it."""
         features = self._features(fb, hidden)
-        ids = fb.input_ids.roll(-1)  # rows past a request's kept one: any valid id (rejected positions)
-        kept = torch.tensor([off + len(t) - 1 for off, t in zip(spec.offsets, out.tokens)], device=ids.device)
-        ids[kept] = torch.tensor(out.last_tokens, dtype=torch.int64, device=ids.device)
-        self._keep(fb.req_pool_indices, self._head(fb, ids, features)[kept])
+        ids = fb.input_ids.roll(-1)  # a chain's next token; rows off the accepted path: any valid id
+        at, following, kept = [], [], []
+        for i, (off, tokens) in enumerate(zip(spec.offsets, out.tokens)):
+            path = [0, *(range(1, len(tokens)) if out.accepted_nodes is None else out.accepted_nodes[i])]
+            for node, child in zip(path, path[1:]):
+                if child != node + 1:  # a tree's branch: its child is not the next row
+                    at.append(off + node)
+                    following.append(spec.drafts[i][child - 1])
+            kept.append(off + path[-1])
+        ids[torch.tensor(at + kept, dtype=torch.int64, device=ids.device)] = torch.tensor(
+            following + out.last_tokens, dtype=torch.int64, device=ids.device)
+        self._keep(fb.req_pool_indices, self._head(fb, ids, features)[torch.tensor(kept, device=ids.device)])

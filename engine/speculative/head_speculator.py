@@ -1,10 +1,17 @@
 """Speculation with a draft head (SGLang's --speculative-algorithm NEXTN, EAGLE, EAGLE3): a small model
-beside the target drafts a chain of --speculative-num-steps tokens per request and step from the
-target's hidden states: NEXTN the checkpoint's own multi-token-prediction head (models/qwen3_next.py
-MtpHead), EAGLE / EAGLE3 a draft checkpoint (--speculative-draft-model-path, models/eagle.py). The
-drafting runs in the worker, next to the target's passes (head_drafter.py); the scheduler's half only
-reserves each verify step's slots, as NGRAM's does (verifying.py), with placeholder drafts the worker
-overwrites before the verify pass runs.
+beside the target drafts --speculative-num-steps tokens per request and step from the target's hidden
+states: NEXTN the checkpoint's own multi-token-prediction head (models/qwen3_next.py MtpHead), EAGLE /
+EAGLE3 a draft checkpoint (--speculative-draft-model-path, models/eagle.py). The drafting runs in the
+worker, next to the target's passes (head_drafter.py); the scheduler's half only reserves each verify
+step's slots, as NGRAM's does (verifying.py), with placeholder drafts the worker overwrites before the
+verify pass runs.
+
+--speculative-eagle-topk k > 1 drafts a tree (spec_info.branch_tree): the head's k best first drafts,
+each continued greedily, branch 0 the chain k = 1 drafts, at most --speculative-num-draft-tokens - 1
+nodes (the last branches lose their deepest nodes first). SGLang grows its trees best-first by the
+head's scores; this shape is fixed per request, so the scheduler reserves it before the head has run.
+A request drafts a chain where the tree cannot serve: a hybrid model (its recurrent state follows one
+chain; start-up warns), and a PD-transferred request's first step (the prefill sends one candidate).
 """
 from __future__ import annotations
 
@@ -12,7 +19,7 @@ import logging
 from typing import TYPE_CHECKING, Optional
 
 from baton.engine.speculative.base import SpecView
-from baton.engine.speculative.spec_info import VerifyInput
+from baton.engine.speculative.spec_info import VerifyInput, branch_tree
 from baton.engine.speculative.verifying import VerifyingSpeculator
 
 if TYPE_CHECKING:
@@ -29,26 +36,41 @@ class HeadSpeculator(VerifyingSpeculator):
         super().__init__(view)
         self.algorithm = view.server_args.speculative_algorithm
         self.num_steps = view.server_args.speculative_num_steps
-        logger.info("speculative decoding: %s (%s), chains of %d drafts, while fewer than %d requests run",
-                    self.algorithm, _WHAT[self.algorithm], self.num_steps, self.disable_by_batch_size)
+        self.topk = view.server_args.speculative_eagle_topk
+        if self.topk > 1 and view.state_scratch is not None:
+            logger.warning("--speculative-eagle-topk %d: this model keeps a recurrent state, which follows one "
+                           "chain of draft tokens per request; drafting chains", self.topk)
+            self.topk = 1
+        logger.info("speculative decoding: %s (%s), %s of %d drafts, while fewer than %d requests run",
+                    self.algorithm, _WHAT[self.algorithm], "chains" if self.topk == 1 else
+                    f"trees of {self.topk} branches ({self.num_draft_tokens - 1} nodes at most)", self.num_steps,
+                    self.disable_by_batch_size)
 
     def prepare_verify(self, batch: "ScheduleBatch") -> bool:
         self._primes: list = []  # per request of the batch, in order: the prime its first step puts in its row
         return super().prepare_verify(batch)
 
-    def draft(self, req: "Req") -> list[int]:
-        """As many placeholders as the request may take: the worker's drafter writes the head's tokens.
-        None for a request the head has not run for on this engine (a PD decode's transferred request
-        whose prefill sent no first draft: the prefill computed the head's KV over the prompt, not the
-        drafter's row): this step, a plain row of the verify (or a plain step), runs the head for it.
-        A transferred request whose prefill sent its head's first draft and output drafts at once: the
-        worker puts them in its row first (a step already run for it has filled the row instead)."""
+    def draft_tree(self, req: "Req") -> tuple[list[int], Optional[list[int]]]:
+        """Placeholders for as many drafts as the request may take (num_steps deep, and with topk > 1 a
+        tree of that shape): the worker's drafter writes the head's tokens. None for a request the head
+        has not run for on this engine (a PD decode's transferred request whose prefill sent no first
+        draft: the prefill computed the head's KV over the prompt, not the drafter's row): this step, a
+        plain row of the verify (or a plain step), runs the head for it. A transferred request whose
+        prefill sent its head's first draft and output drafts a chain at once: the worker puts them in
+        its row first (a step already run for it has filled the row instead)."""
         prime, req.spec_prime = req.spec_prime, None
-        self._primes.append(prime if prime is not None and len(req.output_ids) == 1 else None)
+        primed = prime if prime is not None and len(req.output_ids) == 1 else None
+        self._primes.append(primed)
         if not req.spec_primed:
             req.spec_primed = True
-            return []
-        return [0] * max(0, self.room(req))
+            return [], None
+        depth = min(self.num_steps, self.room(req))
+        if depth <= 0:
+            return [], None
+        if self.topk == 1 or primed is not None:
+            return [0] * depth, None
+        parents = branch_tree(depth, self.topk, self.num_draft_tokens - 1)
+        return [0] * (len(parents) - 1), parents
 
     def verify_input(self, drafts: list[list[int]], state_slots: Optional[list[list[int]]],
                      parents: Optional[list[Optional[list[int]]]]) -> VerifyInput:
@@ -56,4 +78,4 @@ class HeadSpeculator(VerifyingSpeculator):
         return VerifyInput(drafts, state_slots, parents, primes or None)
 
     def server_info(self) -> dict:
-        return {**super().server_info(), "speculative_num_steps": self.num_steps, "speculative_eagle_topk": 1}
+        return {**super().server_info(), "speculative_num_steps": self.num_steps, "speculative_eagle_topk": self.topk}

@@ -55,6 +55,35 @@ def first_chain(parents: list[int]) -> list[int]:
     return chain
 
 
+def branch_tree(depth: int, branches: int, max_nodes: int) -> list[int]:
+    """A draft head's tree (head_speculator.py): `branches` chains of up to `depth` nodes under the root,
+    packed one after the other, at most `max_nodes` nodes (the last branches lose their deepest nodes
+    first). Branch 0 is the tree's first chain.
+
+        depth 2, branches 3, max_nodes 5:   parents [-1, 0, 1, 0, 3, 0]    branches [1, 2] [3, 4] [5]
+    """
+    parents = [-1]
+    for _ in range(branches):
+        length = min(depth, max_nodes + 1 - len(parents))
+        if length <= 0:
+            break
+        start = len(parents)
+        parents += [0] + list(range(start, start + length - 1))
+    return parents
+
+
+def branches(parents: list[int]) -> list[list[int]]:
+    """For each child of the root, in order, the nodes from it down along first children (a chain:
+    one branch, nodes 1 .. k; a head's tree: its branches, every node)."""
+    out = []
+    for child in (j for j, p in enumerate(parents) if p == 0):
+        branch = [child]
+        while (nxt := next((j for j in range(branch[-1] + 1, len(parents)) if parents[j] == branch[-1]), None)):
+            branch.append(nxt)
+        out.append(branch)
+    return out
+
+
 @dataclass
 class VerifyInput:
     drafts: list[list[int]]  # per request, its draft tokens (may be empty); a tree's in its packed order

@@ -14,10 +14,13 @@ engine gives without speculation.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import pytest
 
 from baton.engine.io_struct import AbortReq
 from baton.engine.server_args import ServerArgs
+from baton.engine.speculative.spec_info import branch_tree, branches
 from test_scheduler_vs_hf import hf_greedy, harness_for, run_workload, workload
 from test_speculative import MAX_NEW, repetitive_prompts, spec_info, stops_and_logprobs_equal_plain
 from tiny_models import load_eagle_reference, make_eagle_draft
@@ -42,15 +45,18 @@ def target(tiny_model_factory):
 
 @pytest.fixture(scope="module")
 def drafts(target, tmp_path_factory):
-    """kind -> draft directory: random EAGLE and EAGLE3 heads, and an EAGLE head trained on the
-    target's greedy continuations of prompts()."""
+    """kind -> draft directory: random EAGLE and EAGLE3 heads, and heads trained on the target's greedy
+    continuations of prompts(): "-trained" to predict them, "-decoy" to rank a wrong token first and
+    the right one second (EagleReference.fit)."""
     made: dict[str, str] = {}
 
     def get(kind: str) -> str:
         if kind not in made:
-            base, trained = kind.split("-")[0], kind.endswith("-trained")
-            fit = [p + hf_greedy(target, p, MAX_NEW, ignore_eos=True) for p in prompts()] if trained else None
-            made[kind] = make_eagle_draft(target, tmp_path_factory.mktemp(kind), base, fit_on=fit)
+            base, trained, decoy = kind.split("-")[0], kind.endswith("-trained"), kind.endswith("-decoy")
+            fit = ([p + hf_greedy(target, p, MAX_NEW, ignore_eos=True) for p in prompts()]
+                   if trained or decoy else None)
+            made[kind] = make_eagle_draft(target, tmp_path_factory.mktemp(kind), base, fit_on=fit,
+                                          decoy=0.6 if decoy else 0.0)
         return made[kind]
 
     return get
@@ -124,23 +130,28 @@ def test_eagle_beside_the_native_bf16_forward(target, drafts):
     assert spec_info(h)["spec_accepted_tokens"] > 0 and h.scheduler.check_memory_integrity()
 
 
-def test_pd_decode_drafts_with_the_prefills_head_kv(target, drafts):
+@pytest.mark.parametrize("topk", [1, 2])
+def test_pd_decode_drafts_with_the_prefills_head_kv(target, drafts, topk):
     """PD, both sides EAGLE: the prefill's head fills its KV layer over the prompt, which travels with
     the target's layers, and its first draft and output at the prompt's end travel in the metadata slot:
-    the decode drafts in a request's first step, the reference head's chain; drafts accepted; HF's
-    tokens, both sides settle with nothing leaked."""
+    the decode drafts in a request's first step, the reference head's chain (with topk 2 too: the slot
+    carries one candidate; trees from the second step); drafts accepted; HF's tokens, both sides settle
+    with nothing leaked."""
     from test_pd_scheduler import PDPair, _run
 
     ps = repetitive_prompts()
     draft = drafts("EAGLE-trained")
-    pair = PDPair(target, page_size=1, max_total_tokens=4096, disable_overlap_schedule=True, **eagle("EAGLE", draft))
-    first: dict[str, tuple[int, list[int]]] = {}
+    pair = PDPair(target, page_size=1, max_total_tokens=4096, disable_overlap_schedule=True,
+                  **eagle("EAGLE", draft, speculative_eagle_topk=topk))
+    first: dict[str, tuple[int, list[int], Optional[list[int]]]] = {}
+    trees = []
     spec = pair.decode.scheduler.spec
     process = spec.process_verify_result
 
     def record(launched, result):
-        for req, d in zip(launched.reqs, launched.mwb.spec_info.drafts):
-            first.setdefault(req.rid, (len(req.output_ids), list(d)))
+        for i, (req, d) in enumerate(zip(launched.reqs, launched.mwb.spec_info.drafts)):
+            first.setdefault(req.rid, (len(req.output_ids), list(d), launched.mwb.spec_info.tree(i)))
+            trees.append(launched.mwb.spec_info.tree(i))
         process(launched, result)
 
     spec.process_verify_result = record
@@ -150,8 +161,9 @@ def test_pd_decode_drafts_with_the_prefills_head_kv(target, drafts):
         for i, p in enumerate(ps):
             out = pair.decode.results[str(i)].ids
             assert out == hf_greedy(target, p, MAX_NEW, ignore_eos=True), f"request {i}"
-            assert first[str(i)] == (1, reference.chain(p + out[:1], STEPS)), i
+            assert first[str(i)] == (1, reference.chain(p + out[:1], STEPS), None), i
         assert spec_info(pair.decode)["spec_accepted_tokens"] > 0
+        assert any(t is not None for t in trees) == (topk > 1)
         pair.assert_settled()
     finally:
         pair.close()
@@ -166,8 +178,6 @@ def test_eagle_flags_and_what_is_refused(target, drafts, tiny_model_factory, tmp
         ServerArgs(model_path=target, speculative_algorithm="EAGLE")
     with pytest.raises(ValueError, match="is for EAGLE and EAGLE3"):
         ServerArgs(model_path=target, speculative_algorithm="NGRAM", speculative_draft_model_path=drafts("EAGLE"))
-    with pytest.raises(ValueError, match="tree drafts"):
-        ServerArgs(model_path=target, **eagle("EAGLE", drafts("EAGLE"), speculative_eagle_topk=2))
     # a draft whose KV layers would not fit the target's pool
     other = tiny_model_factory("llama", num_key_value_heads=4)
     with pytest.raises(ValueError, match="must be the target's"):
@@ -177,6 +187,88 @@ def test_eagle_flags_and_what_is_refused(target, drafts, tiny_model_factory, tmp
         harness_for(target, "plain", max_total_tokens=1024, **eagle("EAGLE", target))
     config = type("C", (), {"eagle_config": None})()
     assert eagle3_aux_layers(config, 32) == (2, 16, 29)  # SGLang's default for a 32-layer target
+
+
+# ---------------------------------------------------------------------------- trees (--speculative-eagle-topk)
+def tree(kind: str, draft: str, topk: int, **more) -> dict:
+    return eagle(kind, draft, speculative_eagle_topk=topk, attention_backend="torch", **more)
+
+
+@pytest.mark.parametrize("kind", ["EAGLE-decoy", "EAGLE3-decoy"])
+def test_the_drafted_tree_is_the_eagle_heads_own(target, drafts, kind):
+    """With topk 3 and room for 8 of the 9 nodes, every verify step drafts the reference head's three
+    best first drafts, each continued greedily, the third branch one node short; the first branch is
+    the chain topk 1 drafts. The decoy head's runs are accepted off the first chain, so from the second
+    step on this holds only if the head's KV at the accepted nodes moved with the target's."""
+    draft = drafts(kind)
+    h = harness_for(target, "plain", max_total_tokens=2048,
+                    **tree(kind.split("-")[0], draft, 3, speculative_num_draft_tokens=9))
+    seen: list[tuple[list[int], list[int], list[int]]] = []
+    process = h.scheduler.spec.process_verify_result
+    h.scheduler.spec.process_verify_result = lambda launched, result: (
+        seen.append((list(launched.reqs[0].output_ids), list(launched.mwb.spec_info.drafts[0]),
+                     launched.mwb.spec_info.tree(0))), process(launched, result))
+    prompt = workload()[2]
+    h.submit("a", prompt, max_new_tokens=12, ignore_eos=True)
+    out = h.run_until_idle()["a"].ids
+    assert out == hf_greedy(target, prompt, 12, ignore_eos=True)
+    reference = load_eagle_reference(target, draft)
+    assert len(seen) > 2 and spec_info(h)["spec_tree_branch_accepts"] > 0
+    for before, drafted, parents in seen:
+        depth = min(STEPS, 12 - len(before) - 1)
+        want = reference.branches(prompt + before, depth, 3)
+        assert want[0] == reference.chain(prompt + before, depth)
+        assert parents == branch_tree(depth, 3, 8)
+        assert [[drafted[n - 1] for n in b] for b in branches(parents)] == [w[:8 - 2 * depth] if b == 2 else w
+                                                                             for b, w in enumerate(want)], len(before)
+    assert spec_info(h)["speculative_eagle_topk"] == 3 and h.scheduler.check_memory_integrity()
+
+
+@pytest.mark.parametrize("loop,page_size", [("plain", 1), ("overlap", 16)])
+def test_head_trees_greedy_equals_hf(target, drafts, loop, page_size):
+    """A head whose argmax is mostly wrong and second choice right (a decoy): with topk 2 most runs are
+    accepted off the first chain; HF's tokens through chunked prefill, shared prefixes, a follow-up turn
+    (the moved KV cached) and an abort; nothing leaked. Topk 1 with the same head gets far less."""
+    ps = prompts()
+    common = dict(page_size=page_size, chunked_prefill_size=32, max_total_tokens=4096)
+    h = harness_for(target, loop, **common, **tree("EAGLE", drafts("EAGLE-decoy"), 2))
+    results = run_workload(h, ps, max_new=MAX_NEW, ignore_eos=True)
+    for i, p in enumerate(ps):
+        assert results[str(i)].ids == hf_greedy(target, p, MAX_NEW, ignore_eos=True), f"request {i} differs from HF"
+    info = spec_info(h)
+    assert info["spec_tree_branch_accepts"] > info["spec_verify_steps"] // 2 and info["spec_accept_length"] > 1.5, info
+    turn2 = ps[3] + results["3"].ids + [7, 8, 9]
+    h.submit("turn2", turn2, max_new_tokens=MAX_NEW, ignore_eos=True)
+    h.submit("gone", ps[1], max_new_tokens=200, ignore_eos=True)
+    for _ in range(10):
+        h.step()
+    h.scheduler.process_input_requests([AbortReq(rid="gone")])
+    res = h.run_until_idle()
+    assert res["turn2"].cached_tokens > 0
+    assert res["turn2"].ids == hf_greedy(target, turn2, MAX_NEW, ignore_eos=True)
+    assert res["gone"].finish.kind == "abort"
+    assert h.scheduler.check_memory_integrity()
+
+
+def test_stops_and_logprobs_inside_accepted_branches(target, drafts):
+    """max_tokens, a stop token and logprobs inside runs accepted off the first chain: the plain engine's."""
+    spec = stops_and_logprobs_equal_plain(target, prompts()[3], **tree("EAGLE", drafts("EAGLE-decoy"), 2))
+    assert spec_info(spec)["spec_tree_branch_accepts"] > 0
+
+
+def test_head_tree_flags_and_what_is_refused(target, drafts):
+    draft = drafts("EAGLE")
+    args = ServerArgs(model_path=target, **tree("EAGLE", draft, 2))
+    assert (args.speculative_eagle_topk, args.speculative_num_draft_tokens) == (2, 1 + 2 * STEPS)
+    assert ServerArgs(model_path=target, **tree("EAGLE", draft, 4, speculative_num_draft_tokens=5)
+                      ).speculative_num_draft_tokens == 5
+    for n in (STEPS, 2 + 4 * STEPS):
+        with pytest.raises(ValueError, match="must be between"):
+            ServerArgs(model_path=target, **tree("EAGLE", draft, 4, speculative_num_draft_tokens=n))
+    with pytest.raises(ValueError, match="--attention-backend torch"):
+        ServerArgs(model_path=target, device="cuda", **{**tree("EAGLE", draft, 2), "attention_backend": "flashinfer"})
+    with pytest.raises(ValueError, match="--tp-size 1"):
+        ServerArgs(model_path=target, tp_size=2, **tree("EAGLE", draft, 2))
 
 
 @pytest.mark.gpu

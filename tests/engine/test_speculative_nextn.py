@@ -94,8 +94,6 @@ def test_stops_and_logprobs_inside_accepted_runs_equal_the_plain_engine(mtp_mode
 def test_nextn_flags_and_what_is_refused(mtp_model, tiny_model_factory):
     args = ServerArgs(model_path=mtp_model("qwen3_5"), speculative_algorithm="NEXTN")
     assert (args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens) == (3, 1, 4)
-    with pytest.raises(ValueError, match="tree drafts"):
-        ServerArgs(model_path="x", speculative_algorithm="NEXTN", speculative_eagle_topk=4)
     with pytest.raises(ValueError, match="num-steps \\+ 1"):
         ServerArgs(model_path="x", speculative_algorithm="NEXTN", speculative_num_steps=2,
                    speculative_num_draft_tokens=5)
@@ -103,6 +101,22 @@ def test_nextn_flags_and_what_is_refused(mtp_model, tiny_model_factory):
         harness_for(tiny_model_factory("llama"), "plain", max_total_tokens=1024, **NEXTN)
     with pytest.raises(ValueError, match="one multi-token-prediction layer"):  # a hybrid whose config has none
         harness_for(tiny_model_factory("qwen3_5", initializer_range=0.02), "plain", max_total_tokens=1024, **NEXTN)
+
+
+def test_a_hybrid_drafts_chains_whatever_the_topk(mtp_model):
+    """--speculative-eagle-topk 2 on a hybrid: its recurrent state follows one chain of drafts per
+    request, so the head drafts chains (start-up warns); HF's tokens."""
+    path = mtp_model("qwen3_5")
+    h = harness_for(path, "plain", max_total_tokens=2048, **NEXTN, speculative_eagle_topk=2)
+    trees = []
+    process = h.scheduler.spec.process_verify_result
+    h.scheduler.spec.process_verify_result = lambda launched, result: (
+        trees.append(launched.mwb.spec_info.parents), process(launched, result))
+    prompts = workload()[:2]
+    results = run_workload(h, prompts, max_new=12, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        assert results[str(i)].ids == hf_greedy(path, p, 12, ignore_eos=True), f"request {i}"
+    assert trees and trees == [None] * len(trees) and spec_info(h)["speculative_eagle_topk"] == 1
 
 
 def test_pd_decode_drafts_with_the_prefills_head_kv(mtp_model):

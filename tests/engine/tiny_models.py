@@ -239,11 +239,13 @@ class EagleReference(torch.nn.Module):
             hot = torch.randperm(self._target[0].config.vocab_size, generator=gen)[:n].sort().values
             self.d2t.copy_(hot - torch.arange(n))
 
-    def fit(self, sequences: list[list[int]], steps: int, lr: float = 1e-2) -> float:
+    def fit(self, sequences: list[list[int]], steps: int, lr: float = 1e-2, decoy: float = 0.0) -> float:
         """Train the head on the target's own greedy continuations (`sequences`: prompt + output): at
         every position, from the target's state there and the next token, the token after it (the
         EAGLE authors' objective, without their feature loss). Returns the last mean loss. A few dozen
-        steps make the head predict these sequences, so the engine's drafts for them get accepted."""
+        steps make the head predict these sequences, so the engine's drafts for them get accepted.
+        `decoy` w: the label weighs 1 - w and a wrong token (the next id) w, so with w > 0.5 the head's
+        argmax is wrong where it learned and its second choice right (a tree's second branch)."""
         target = self._target[0]
         data = []
         with torch.no_grad():
@@ -266,7 +268,10 @@ class EagleReference(torch.nn.Module):
                     states = self.fc(states)
                 out = self._run(ids[None], states[None])[0]
                 logits = target.lm_head(out) if self.kind == "EAGLE" else self.lm_head(self.norm(out))
-                total = total + torch.nn.functional.cross_entropy(logits, labels, ignore_index=-100)
+                wrong = torch.where(labels >= 0, (labels + 1) % logits.shape[-1], labels)
+                total = total + (1 - decoy) * torch.nn.functional.cross_entropy(logits, labels, ignore_index=-100)
+                if decoy:
+                    total = total + decoy * torch.nn.functional.cross_entropy(logits, wrong, ignore_index=-100)
             opt.zero_grad()
             total.backward()
             opt.step()
@@ -295,25 +300,35 @@ class EagleReference(torch.nn.Module):
         """The greedy chain the engine drafts after `tokens` (a prompt and the token sampled after it):
         the head over every position p of (token p + 1, the target's state at p), causally, then step
         by step over (its draft, its own output at the previous position)."""
+        return self.branches(tokens, steps, 1)[0]
+
+    @torch.no_grad()
+    def branches(self, tokens: list[int], steps: int, topk: int) -> list[list[int]]:
+        """The tree the engine drafts with --speculative-eagle-topk `topk`: for each of the head's `topk`
+        best first drafts (best first), the chain that goes on from it greedily."""
         target = self._target[0]
         out = target.model(input_ids=torch.tensor([tokens[:-1]]), output_hidden_states=True)
         if self.kind == "EAGLE":
             states = list(out.last_hidden_state[0])
         else:
             states = list(self.fc(torch.cat([out.hidden_states[i][0] for i in self.aux_layers], dim=-1)))
-        inputs, drafts = list(tokens[1:]), []
-        for _ in range(steps):
-            last = self._run(torch.tensor([inputs]), torch.stack(states)[None])[0, -1]
-            drafts.append(self._draft_id(last))
-            inputs.append(drafts[-1])
-            states.append(last)
-        return drafts
+        first = self._run(torch.tensor([tokens[1:]]), torch.stack(states)[None])[0, -1]
+        trees = []
+        for token in self._draft_ids(first, topk):
+            inputs, drafts, outs = list(tokens[1:]) + [token], [token], states + [first]
+            for _ in range(steps - 1):
+                last = self._run(torch.tensor([inputs]), torch.stack(outs)[None])[0, -1]
+                drafts.append(self._draft_ids(last, 1)[0])
+                inputs.append(drafts[-1])
+                outs.append(last)
+            trees.append(drafts)
+        return trees
 
-    def _draft_id(self, out: torch.Tensor) -> int:
+    def _draft_ids(self, out: torch.Tensor, k: int) -> list[int]:
         if self.kind == "EAGLE":
-            return int(torch.argmax(self._target[0].lm_head(out)))
-        i = int(torch.argmax(self.lm_head(self.norm(out))))
-        return i + int(self.d2t[i])
+            return torch.topk(self._target[0].lm_head(out), k).indices.tolist()
+        ids = torch.topk(self.lm_head(self.norm(out)), k).indices
+        return (ids + self.d2t[ids]).tolist()
 
     def _run(self, ids: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
         """ids [1, t], states [1, t, hidden] (EAGLE3: after its fc) -> the head's outputs [1, t, hidden]."""
@@ -335,10 +350,10 @@ class EagleReference(torch.nn.Module):
 
 def make_eagle_draft(target_path: Union[str, os.PathLike], path: Union[str, os.PathLike], kind: str,
                      seed: int = 0, std: float = 0.15, draft_vocab: int = 256,
-                     fit_on: Optional[list[list[int]]] = None, fit_steps: int = 50) -> str:
+                     fit_on: Optional[list[list[int]]] = None, fit_steps: int = 50, decoy: float = 0.0) -> str:
     """A random EAGLE (kind "EAGLE") or EAGLE-3 ("EAGLE3") draft checkpoint for the tiny model at
     `target_path`, in the published layout (EagleReference.save); `fit_on`: trained on those sequences
-    (EagleReference.fit) so that drafts for them are accepted."""
+    (EagleReference.fit, with `decoy`) so that drafts for them are accepted."""
     from transformers import AutoModelForCausalLM
 
     target = AutoModelForCausalLM.from_pretrained(os.fspath(target_path), dtype=torch.float32).eval()
@@ -347,7 +362,7 @@ def make_eagle_draft(target_path: Union[str, os.PathLike], path: Union[str, os.P
     head.randomize(std, seed)
     if fit_on:
         torch.manual_seed(seed)
-        head.fit(fit_on, fit_steps)
+        head.fit(fit_on, fit_steps, decoy=decoy)
     return head.save(path)
 
 
