@@ -46,6 +46,24 @@ def spec_info(h: SchedulerHarness) -> dict:
     return h.scheduler.get_server_info()
 
 
+def follow_up_and_abort(h: SchedulerHarness, path: str, first: list[int], first_out: list[int], other: list[int],
+                        steps: int = 10) -> dict:
+    """After a workload: a follow-up turn of `first` (its prefix cached) and `other` aborted after
+    `steps` steps, under speculation: HF's tokens for the turn, the abort ends its request, nothing
+    leaks. Returns the results (the caller checks what was cached)."""
+    turn2 = first + first_out + [7, 8, 9]
+    h.submit("turn2", turn2, max_new_tokens=MAX_NEW, ignore_eos=True)
+    h.submit("gone", other, max_new_tokens=200, ignore_eos=True)
+    for _ in range(steps):
+        h.step()
+    h.scheduler.process_input_requests([AbortReq(rid="gone")])
+    res = h.run_until_idle()
+    assert res["turn2"].ids == hf_greedy(path, turn2, MAX_NEW, ignore_eos=True)
+    assert res["gone"].finish.kind == "abort"
+    assert h.scheduler.check_memory_integrity()
+    return res
+
+
 def stops_and_logprobs_equal_plain(path: str, prompt: list[int], **spec) -> SchedulerHarness:
     """max_tokens that cut a draft run, a stop token inside one, logprobs with top-2: the speculating
     engine (`spec` flags) gives what the engine without speculation gives. Returns its harness."""

@@ -18,11 +18,11 @@ from typing import Optional
 
 import pytest
 
-from baton.engine.io_struct import AbortReq
 from baton.engine.server_args import ServerArgs
 from baton.engine.speculative.spec_info import branch_tree, branches
 from test_scheduler_vs_hf import hf_greedy, harness_for, run_workload, workload
-from test_speculative import MAX_NEW, repetitive_prompts, spec_info, stops_and_logprobs_equal_plain
+from test_speculative import (MAX_NEW, follow_up_and_abort, repetitive_prompts, spec_info,
+                              stops_and_logprobs_equal_plain)
 from tiny_models import load_eagle_reference, make_eagle_draft
 
 STEPS = 3
@@ -95,17 +95,7 @@ def test_eagle_greedy_equals_hf(target, drafts, kind, loop, page_size):
     assert info["spec_verify_steps"] > 0, info
     if kind.endswith("trained"):
         assert info["spec_accept_length"] > 1.5, info
-    turn2 = ps[3] + results["3"].ids + [7, 8, 9]
-    h.submit("turn2", turn2, max_new_tokens=MAX_NEW, ignore_eos=True)
-    h.submit("gone", ps[1], max_new_tokens=200, ignore_eos=True)
-    for _ in range(10):
-        h.step()
-    h.scheduler.process_input_requests([AbortReq(rid="gone")])
-    res = h.run_until_idle()
-    assert res["turn2"].cached_tokens > 0
-    assert res["turn2"].ids == hf_greedy(target, turn2, MAX_NEW, ignore_eos=True)
-    assert res["gone"].finish.kind == "abort"
-    assert h.scheduler.check_memory_integrity()
+    assert follow_up_and_abort(h, target, ps[3], results["3"].ids, ps[1])["turn2"].cached_tokens > 0
 
 
 def test_stops_and_logprobs_inside_accepted_runs(target, drafts):
@@ -237,17 +227,7 @@ def test_head_trees_greedy_equals_hf(target, drafts, loop, page_size):
         assert results[str(i)].ids == hf_greedy(target, p, MAX_NEW, ignore_eos=True), f"request {i} differs from HF"
     info = spec_info(h)
     assert info["spec_tree_branch_accepts"] > info["spec_verify_steps"] // 2 and info["spec_accept_length"] > 1.5, info
-    turn2 = ps[3] + results["3"].ids + [7, 8, 9]
-    h.submit("turn2", turn2, max_new_tokens=MAX_NEW, ignore_eos=True)
-    h.submit("gone", ps[1], max_new_tokens=200, ignore_eos=True)
-    for _ in range(10):
-        h.step()
-    h.scheduler.process_input_requests([AbortReq(rid="gone")])
-    res = h.run_until_idle()
-    assert res["turn2"].cached_tokens > 0
-    assert res["turn2"].ids == hf_greedy(target, turn2, MAX_NEW, ignore_eos=True)
-    assert res["gone"].finish.kind == "abort"
-    assert h.scheduler.check_memory_integrity()
+    assert follow_up_and_abort(h, target, ps[3], results["3"].ids, ps[1])["turn2"].cached_tokens > 0
 
 
 def test_stops_and_logprobs_inside_accepted_branches(target, drafts):

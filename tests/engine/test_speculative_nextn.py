@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import pytest
 
-from baton.engine.io_struct import AbortReq
 from baton.engine.server_args import ServerArgs
 from test_scheduler_vs_hf import finish_order, hf_greedy, harness_for, run_workload, workload
-from test_speculative import MAX_NEW, repetitive_prompts, spec_info, stops_and_logprobs_equal_plain
+from test_speculative import (MAX_NEW, follow_up_and_abort, repetitive_prompts, spec_info,
+                              stops_and_logprobs_equal_plain)
 from tiny_models import MtpReference
 
 NEXTN = dict(speculative_algorithm="NEXTN", speculative_num_steps=3, speculative_disable_by_batch_size=64)
@@ -73,17 +73,8 @@ def test_nextn_greedy_equals_hf(mtp_model, arch, loop, page_size):
     info = spec_info(h)
     assert info["speculative_algorithm"] == "NEXTN" and info["speculative_num_steps"] == 3
     assert info["spec_verify_steps"] > 0 and info["spec_accept_rate"] < 1, info
-    turn2 = prompts[3] + results["3"].ids + [7, 8, 9]
-    h.submit("turn2", turn2, max_new_tokens=MAX_NEW, ignore_eos=True)
-    h.submit("gone", prompts[1], max_new_tokens=200, ignore_eos=True)
-    for _ in range(10):
-        h.step()
-    h.scheduler.process_input_requests([AbortReq(rid="gone")])
-    res = h.run_until_idle()
+    res = follow_up_and_abort(h, path, prompts[3], results["3"].ids, prompts[1])
     assert res["turn2"].cached_tokens >= (len(prompts[3]) - 1) // page_size * page_size > 0  # a state checkpoint
-    assert res["turn2"].ids == hf_greedy(path, turn2, MAX_NEW, ignore_eos=True)
-    assert res["gone"].finish.kind == "abort"
-    assert h.scheduler.check_memory_integrity()
 
 
 def test_stops_and_logprobs_inside_accepted_runs_equal_the_plain_engine(mtp_model):
