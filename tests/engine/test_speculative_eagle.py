@@ -98,6 +98,37 @@ def test_eagle_greedy_equals_hf(target, drafts, kind, loop, page_size):
     assert follow_up_and_abort(h, target, ps[3], results["3"].ids, ps[1])["turn2"].cached_tokens > 0
 
 
+@pytest.mark.parametrize("case", ["retraction", "priority-preemption"])
+def test_eagle_under_retraction_and_preemption(target, drafts, case):
+    """A pool too small for every request (decode retracts speculating requests; a retracted request's
+    prefill runs the head over its prompt and output again), or a high-priority arrival preempting
+    speculating ones: HF's tokens, drafts accepted, nothing leaked."""
+    ps = prompts()
+    spec = eagle("EAGLE", drafts("EAGLE-trained"))
+    if case == "retraction":
+        pool = int(0.45 * (sum(map(len, ps)) + MAX_NEW * len(ps)))
+        h = harness_for(target, "plain", chunked_prefill_size=32, max_total_tokens=pool, **spec)
+        results = run_workload(h, ps, max_new=MAX_NEW, ignore_eos=True)
+        assert h.scheduler.stats.retractions > 0
+    else:
+        from scheduler_harness import SchedulerHarness
+
+        h = SchedulerHarness(target, enable_priority_scheduling=True, priority_preemption_threshold=5,
+                             max_running_requests=4, disable_overlap_schedule=True, max_total_tokens=2048, **spec)
+        for i, p in enumerate(ps[:4]):
+            h.submit(str(i), p, max_new_tokens=MAX_NEW, ignore_eos=True, priority=0)
+        for _ in range(6):
+            h.step()
+        h.submit("high", ps[4], max_new_tokens=5, ignore_eos=True, priority=10)
+        results = h.run_until_idle()
+        assert h.scheduler.stats.preemptions >= 1
+        assert results["high"].ids == hf_greedy(target, ps[4], 5, ignore_eos=True)
+        ps = ps[:4]
+    for i, p in enumerate(ps):
+        assert results[str(i)].ids == hf_greedy(target, p, MAX_NEW, ignore_eos=True), f"request {i}"
+    assert spec_info(h)["spec_accepted_tokens"] > 0 and h.scheduler.check_memory_integrity()
+
+
 def test_stops_and_logprobs_inside_accepted_runs(target, drafts):
     """With drafts accepted: max_tokens that cut a chain, a stop token inside an accepted run, logprobs:
     what the engine without speculation gives."""
