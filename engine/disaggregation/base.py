@@ -242,8 +242,11 @@ class MetadataBuffers:
     head (speculation NEXTN / EAGLE) a draft part of `draft_bytes`.
 
     Base columns: 0 output token id | 1 bootstrap_room | 2 output logprob (float64 bits) | 3..7 spare.
-    Draft part: column 8 the head's first draft + 1 (0: none) | then the head's output at the prompt's
-    last position (the next draft step's input), as raw bytes of the model's dtype. Every prefill TP
+    Draft part: column 8 how many first-draft candidates follow (0: none) | 9..16 the head's candidates
+    for the request's first draft, its argmax first (--speculative-eagle-topk of them, at most
+    PRIME_CANDIDATES: the width never depends on flags, so two sides whose flags differ still agree on
+    it) | then the head's output at the prompt's last position (the next draft step's input), as raw
+    bytes of the model's dtype. Every prefill TP
     rank writes the base; only rank 0 writes the draft part (the metadata's JSON hop to the other ranks
     carries the base only), which the decode's rank 0, the one that reads the slot, gets from it.
     Slots are handed out by alloc()/free(); the decode side passes its slot to the prefill.
@@ -251,6 +254,7 @@ class MetadataBuffers:
 
     COLUMNS = 8
     BASE_BYTES = COLUMNS * 8
+    PRIME_CANDIDATES = 8
 
     def __init__(self, size: int, draft_bytes: int = 0) -> None:
         assert size > 0 and draft_bytes % 8 == 0
@@ -261,7 +265,7 @@ class MetadataBuffers:
     @staticmethod
     def draft_bytes_for(hidden_size: int, dtype: torch.dtype) -> int:
         """The draft part for a head whose outputs are `hidden_size` values of `dtype`."""
-        return 8 + -(-hidden_size * dtype.itemsize // 8) * 8
+        return 8 * (1 + MetadataBuffers.PRIME_CANDIDATES) + -(-hidden_size * dtype.itemsize // 8) * 8
 
     @property
     def data_ptr(self) -> int:
@@ -295,24 +299,26 @@ class MetadataBuffers:
         row = self.buffer[slot]
         return KVMetadata(int(row[0]), float(row[2:3].view(torch.float64)[0]), int(row[1]))
 
-    def set_draft(self, slot: int, token: int, hidden: Optional[torch.Tensor]) -> None:
-        """The head's first draft for the request's next step and its output there (None: a chain of
-        one draft needs no output)."""
+    def set_draft(self, slot: int, candidates: tuple[int, ...], hidden: torch.Tensor) -> None:
+        """The head's candidates for the request's next first draft (argmax first) and its output there."""
+        n = min(len(candidates), self.PRIME_CANDIDATES)
         part = self.buffer[slot, self.COLUMNS:]
-        part[0] = token + 1
-        if hidden is not None:
-            raw = hidden.detach().to("cpu").contiguous().view(torch.uint8)
-            part[1:].view(torch.uint8)[:raw.numel()] = raw
+        part[0] = n
+        part[1:1 + n] = torch.tensor(candidates[:n], dtype=torch.int64)
+        raw = hidden.detach().to("cpu").contiguous().view(torch.uint8)
+        part[1 + self.PRIME_CANDIDATES:].view(torch.uint8)[:raw.numel()] = raw
 
-    def get_draft(self, slot: int, hidden_size: int, dtype: torch.dtype) -> Optional[tuple[int, torch.Tensor]]:
-        """(first draft, the head's output) where the prefill's rank 0 wrote them, else None."""
+    def get_draft(self, slot: int, hidden_size: int,
+                  dtype: torch.dtype) -> Optional[tuple[tuple[int, ...], torch.Tensor]]:
+        """(first-draft candidates, the head's output) where the prefill's rank 0 wrote them, else None."""
         if not self.draft_bytes:
             return None
         part = self.buffer[slot, self.COLUMNS:]
-        if int(part[0]) == 0:
+        n = int(part[0])
+        if n == 0:
             return None
-        hidden = part[1:].view(torch.uint8)[:hidden_size * dtype.itemsize].view(dtype).clone()
-        return int(part[0]) - 1, hidden
+        raw = part[1 + self.PRIME_CANDIDATES:].view(torch.uint8)[:hidden_size * dtype.itemsize]
+        return tuple(part[1:1 + n].tolist()), raw.view(dtype).clone()
 
 
 def as_pages(pages: PageList) -> np.ndarray:

@@ -134,7 +134,8 @@ class StepSender:
                   torch.tensor(tracks, dtype=torch.int64).reshape(-1, 3).T.reshape(-1)]
         primes = (mwb.spec_info.primes if mwb.spec_info is not None else None) or {}
         if primes:
-            parts += [torch.tensor(list(primes), dtype=torch.int64), torch.tensor([t for t, _ in primes.values()])]
+            # TP drafts chains only (server_args refuses trees with TP): each prime's first candidate
+            parts += [torch.tensor(list(primes), dtype=torch.int64), torch.tensor([t[0] for t, _ in primes.values()])]
         payload = torch.cat([t.to("cpu", torch.int64).reshape(-1) for t in parts])
         header = torch.tensor([_FORWARD, int(mwb.forward_mode), len(mwb.seq_lens_cpu), mwb.input_ids.numel(),
                                rows.numel(), mwb.future_indices is not None, len(spans), mwb.spec_info is not None,
@@ -215,7 +216,7 @@ class StepReceiver:
             outs = torch.empty(n_primes, *self.drafter.hidden.shape[1:], dtype=self.drafter.hidden.dtype,
                                device=self.runner.device)
             _broadcast(outs, self.tp.device_group)
-            primes = dict(zip(prime_idx.tolist(), zip(prime_tokens.tolist(), outs)))
+            primes = dict(zip(prime_idx.tolist(), zip([(t,) for t in prime_tokens.tolist()], outs)))
         rows, cols, slots, span_rows, span_counts, copies, tracks = fields[-7:]
         state_ops = None
         if n_copies or n_tracks:

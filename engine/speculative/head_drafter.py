@@ -128,21 +128,24 @@ class HeadDrafter:
 
         return MetadataBuffers.draft_bytes_for(self.hidden.shape[1], self.hidden.dtype)
 
-    def row_draft(self, row: int) -> tuple[int, torch.Tensor]:
-        """A prefill's request row once its last chunk ran: its first draft and the head's output (not
-        the other candidates: a primed request drafts a chain in its first step, head_speculator.py)."""
+    def row_draft(self, row: int) -> tuple[tuple[int, ...], torch.Tensor]:
+        """A prefill's request row once its last chunk ran: its first-draft candidates (argmax first)
+        and the head's output."""
         if self.done is not None:
             self.done.synchronize()
-        return int(self.tokens[row, 0]), self.hidden[row].cpu()
+        return tuple(self.tokens[row].tolist()), self.hidden[row].cpu()
 
-    def prime_from(self, metadata, slot: int) -> Optional[tuple[int, torch.Tensor]]:
+    def prime_from(self, metadata, slot: int) -> Optional[tuple[tuple[int, ...], torch.Tensor]]:
         """A decode's transferred request: what its prefill's row_draft sent, if anything."""
         return metadata.get_draft(slot, self.hidden.shape[1], self.hidden.dtype)
 
-    def _prime(self, rows: torch.Tensor, primes: dict[int, tuple[int, torch.Tensor]]) -> None:
-        """Put primes (batch index -> first draft, head output) into the batch's rows."""
+    def _prime(self, rows: torch.Tensor, primes: dict[int, tuple[tuple[int, ...], torch.Tensor]]) -> None:
+        """Put primes (batch index -> first-draft candidates, head output) into the batch's rows: as many
+        candidates as this engine keeps (a chain's prime may carry one)."""
+        for i, (candidates, _) in primes.items():
+            n = min(len(candidates), self.topk)
+            self.tokens[rows[i], :n] = torch.tensor(candidates[:n], dtype=torch.int64, device=rows.device)
         idx = torch.tensor(list(primes), dtype=torch.int64, device=rows.device)
-        self.tokens[rows[idx], 0] = torch.tensor([t for t, _ in primes.values()], dtype=torch.int64, device=rows.device)
         self.hidden[rows[idx]] = torch.stack([h for _, h in primes.values()]).to(self.hidden.device, self.hidden.dtype)
 
     @torch.inference_mode()

@@ -11,7 +11,8 @@ each continued greedily, branch 0 the chain k = 1 drafts, at most --speculative-
 nodes (the last branches lose their deepest nodes first). SGLang grows its trees best-first by the
 head's scores; this shape is fixed per request, so the scheduler reserves it before the head has run.
 A request drafts a chain where the tree cannot serve: a hybrid model (its recurrent state follows one
-chain; start-up warns), and a PD-transferred request's first step (the prefill sends one candidate).
+chain; start-up warns), and a PD-transferred request's first step where its prefill ran with a smaller
+topk (the metadata slot carries the prefill head's candidates).
 """
 from __future__ import annotations
 
@@ -56,8 +57,9 @@ class HeadSpeculator(VerifyingSpeculator):
         has not run for on this engine (a PD decode's transferred request whose prefill sent no first
         draft: the prefill computed the head's KV over the prompt, not the drafter's row): this step, a
         plain row of the verify (or a plain step), runs the head for it. A transferred request whose
-        prefill sent its head's first draft and output drafts a chain at once: the worker puts them in
-        its row first (a step already run for it has filled the row instead)."""
+        prefill sent its head's first-draft candidates and output drafts at once: the worker puts them
+        in its row first (a step already run for it has filled the row instead); a chain where the
+        prefill sent fewer candidates than this engine's topk."""
         prime, req.spec_prime = req.spec_prime, None
         primed = prime if prime is not None and len(req.output_ids) == 1 else None
         self._primes.append(primed)
@@ -67,7 +69,7 @@ class HeadSpeculator(VerifyingSpeculator):
         depth = min(self.num_steps, self.room(req))
         if depth <= 0:
             return [], None
-        if self.topk == 1 or primed is not None:
+        if self.topk == 1 or (primed is not None and len(primed[0]) < self.topk):
             return [0] * depth, None
         parents = branch_tree(depth, self.topk, self.num_draft_tokens - 1)
         return [0] * (len(parents) - 1), parents

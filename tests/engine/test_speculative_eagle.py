@@ -155,9 +155,9 @@ def test_eagle_beside_the_native_bf16_forward(target, drafts):
 def test_pd_decode_drafts_with_the_prefills_head_kv(target, drafts, topk):
     """PD, both sides EAGLE: the prefill's head fills its KV layer over the prompt, which travels with
     the target's layers, and its first draft and output at the prompt's end travel in the metadata slot:
-    the decode drafts in a request's first step, the reference head's chain (with topk 2 too: the slot
-    carries one candidate; trees from the second step); drafts accepted; HF's tokens, both sides settle
-    with nothing leaked."""
+    the decode drafts in a request's first step the reference head's chain, or with topk 2 its tree (the
+    slot carries the head's candidates); drafts accepted; HF's tokens, both sides settle with nothing
+    leaked."""
     from test_pd_scheduler import PDPair, _run
 
     ps = repetitive_prompts()
@@ -182,7 +182,13 @@ def test_pd_decode_drafts_with_the_prefills_head_kv(target, drafts, topk):
         for i, p in enumerate(ps):
             out = pair.decode.results[str(i)].ids
             assert out == hf_greedy(target, p, MAX_NEW, ignore_eos=True), f"request {i}"
-            assert first[str(i)] == (1, reference.chain(p + out[:1], STEPS), None), i
+            if topk == 1:
+                assert first[str(i)] == (1, reference.chain(p + out[:1], STEPS), None), i
+            else:
+                n, drafted, parents = first[str(i)]
+                assert n == 1 and parents == branch_tree(STEPS, 2, 2 * STEPS), i
+                assert [[drafted[j - 1] for j in b] for b in branches(parents)] == reference.branches(
+                    p + out[:1], STEPS, 2), i
         assert spec_info(pair.decode)["spec_accepted_tokens"] > 0
         assert any(t is not None for t in trees) == (topk > 1)
         pair.assert_settled()
