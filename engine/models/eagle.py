@@ -186,7 +186,8 @@ class Eagle3Head(nn.Module):
                 if name == "d2t":
                     self.draft_to_target.add_(tensor.to(self.draft_to_target.device, torch.int64))
                 elif name != "t2d" and not name.startswith("embed_tokens."):
-                    yield name, tensor
+                    # some trainers save the one layer as `layers.0.`, the published drafts as `midlayer.`
+                    yield (f"midlayer.{name[len('layers.0.'):]}" if name.startswith("layers.0.") else name), tensor
 
         _Loader.load(self, named())
 

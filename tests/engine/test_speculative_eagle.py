@@ -196,6 +196,31 @@ def test_pd_decode_drafts_with_the_prefills_head_kv(target, drafts, topk):
         pair.close()
 
 
+def test_an_eagle3_draft_saved_with_layers_0_names_loads_the_same(target, drafts, tmp_path):
+    """A draft whose one layer is saved as `layers.0.*` (some trainers' layout) instead of `midlayer.*`
+    is the same head: the same first drafts."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    draft = drafts("EAGLE3")
+    renamed = tmp_path / "renamed"
+    shutil.copytree(draft, renamed)
+    tensors = load_file(renamed / "model.safetensors")
+    save_file({k.replace("midlayer.", "layers.0."): v for k, v in tensors.items()}, renamed / "model.safetensors")
+    firsts = []
+    for path in (draft, str(renamed)):
+        h = harness_for(target, "plain", max_total_tokens=1024, **eagle("EAGLE3", path))
+        seen: list[list[int]] = []
+        process = h.scheduler.spec.process_verify_result
+        h.scheduler.spec.process_verify_result = lambda launched, result: (
+            seen.append(list(launched.mwb.spec_info.drafts[0])), process(launched, result))
+        h.submit("a", workload()[2], max_new_tokens=6, ignore_eos=True)
+        h.run_until_idle()
+        firsts.append(seen)
+    assert firsts[0] and firsts[0] == firsts[1]
+
+
 def test_eagle_flags_and_what_is_refused(target, drafts, tiny_model_factory, tmp_path):
     from baton.engine.models.eagle import eagle3_aux_layers
 
