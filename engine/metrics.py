@@ -118,6 +118,9 @@ class EngineMetrics:
                                                "Speculative draft tokens verified").labels(*self._lv)
         self.spec_accepted_tokens = self._counter("baton_spec_accepted_tokens",
                                                   "Speculative draft tokens accepted").labels(*self._lv)
+        self.spec_tree_branch_accepts = self._counter(
+            "baton_spec_tree_branch_accepts", "Speculative verify runs accepted off a draft tree's first branch"
+        ).labels(*self._lv)
 
     # -- updates ---------------------------------------------------------------------------
     def finished(self, reason: str) -> None:
@@ -162,6 +165,7 @@ class EngineMetrics:
         self.spec_accept_rate.labels(*rank).set(info.get("spec_accept_rate", 0.0))
         self._add_total("spec_draft_tokens", info, self.spec_draft_tokens)
         self._add_total("spec_accepted_tokens", info, self.spec_accepted_tokens)
+        self._add_total("spec_tree_branch_accepts", info, self.spec_tree_branch_accepts)
         # the scheduler keeps a running count per accept length: each new one is one observation
         mark = ("spec_accept_length_counts", info.get("dp_rank", 0))
         seen = self._counts_seen.get(mark, [])

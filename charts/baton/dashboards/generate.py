@@ -209,7 +209,11 @@ def engine() -> dict:
                                      % (s, RI, s, RI), "{{pod}}")],
               "percentunit", w=8, desc="Share of the draft tokens verified that the target model accepted"),
         panel("Draft tokens", [(rate("baton_spec_draft_tokens_total", s, "pod"), "{{pod}} drafted"),
-                               (rate("baton_spec_accepted_tokens_total", s, "pod"), "{{pod}} accepted")], w=8),
+                               (rate("baton_spec_accepted_tokens_total", s, "pod"), "{{pod}} accepted"),
+                               (rate("baton_spec_tree_branch_accepts_total", s, "pod"),
+                                "{{pod}} runs off a tree's first branch")],
+              w=8, desc="Draft tokens verified and accepted per second; with tree drafts, the accepted runs a chain "
+                        "would have missed"),
     ]
     return dashboard("baton-engine", "Baton / Engine", items, variables("baton_max_total_tokens", True),
                      "One InferenceService's engines, per pod and DP rank.")
