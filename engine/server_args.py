@@ -160,6 +160,8 @@ class ServerArgs:
     speculative_num_draft_tokens: Optional[int] = None  # None: NGRAM's max match window, as SGLang
     # EAGLE / EAGLE3: the draft checkpoint (models/eagle.py)
     speculative_draft_model_path: Optional[str] = None
+    # EAGLE: a hot vocabulary (a .pt of token ids) the draft's LM head is cut to (SGLang's flag; FR-Spec)
+    speculative_token_map: Optional[str] = None
     # NEXTN, EAGLE, EAGLE3 (a head drafts, speculative/head_drafter.py): draft steps per verify, and
     # candidates for the first draft (1: a chain, num_draft_tokens num_steps + 1; k: a tree of k branches,
     # each a chain, of at most num_draft_tokens - 1 nodes, by default k x num_steps)
@@ -286,6 +288,9 @@ class ServerArgs:
         if algo not in ("EAGLE", "EAGLE3") and self.speculative_draft_model_path:
             raise ValueError(f"--speculative-draft-model-path is for EAGLE and EAGLE3; {algo} drafts "
                              + ("with the checkpoint's own MTP head" if algo == "NEXTN" else "from each request's tokens"))
+        if self.speculative_token_map and (algo != "EAGLE" or self.tp_size > 1):
+            raise ValueError("--speculative-token-map cuts an EAGLE draft's LM head (the model's) to its tokens: "
+                             "--speculative-algorithm EAGLE with --tp-size 1 only (EAGLE3 drafts carry their own)")
         if algo != "NGRAM":
             self._check_head_drafts()
         if not 1 <= self.speculative_ngram_min_match_window_size <= self.speculative_ngram_max_match_window_size:
@@ -474,6 +479,9 @@ class ServerArgs:
                "EAGLE3 with an EAGLE draft checkpoint (--speculative-draft-model-path)")
         a("--speculative-draft-model-path", default=None,
           help="EAGLE / EAGLE3: the draft checkpoint's directory (config.json, safetensors or pytorch_model.bin)")
+        a("--speculative-token-map", default=None,
+          help="EAGLE: a .pt file of token ids (a hot vocabulary, as FR-Spec's freq_*.pt); the draft's LM head "
+               "scores only those, which cuts its cost where the vocabulary is large")
         a("--speculative-num-draft-tokens", type=int, default=None,
           help="tokens a verify step runs per request: its last token and up to this many - 1 drafts "
                "(default: NGRAM --speculative-ngram-max-match-window-size, NEXTN and EAGLE 1 + topk x "

@@ -20,8 +20,8 @@ ENGINE_FLAGS = (
     "speculative-algorithm", "speculative-disable-by-batch-size", "speculative-draft-model-path",
     "speculative-eagle-topk", "speculative-ngram-max-bfs-breadth", "speculative-ngram-max-match-window-size",
     "speculative-ngram-min-match-window-size", "speculative-num-draft-tokens", "speculative-num-steps",
-    "stream-interval", "tokenizer-path", "tool-call-parser", "torch-compile-max-bs", "tp-cpu-allreduce",
-    "tp-size", "watchdog-timeout",
+    "speculative-token-map", "stream-interval", "tokenizer-path", "tool-call-parser", "torch-compile-max-bs",
+    "tp-cpu-allreduce", "tp-size", "watchdog-timeout",
 )
 
 ROUTER_FLAGS = (

@@ -42,7 +42,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=4, help="answers per step")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--kind", choices=("EAGLE", "EAGLE3"), default="EAGLE3")
-    p.add_argument("--draft-vocab", type=int, default=4096, help="EAGLE3: the draft vocabulary's size")
+    p.add_argument("--draft-vocab", type=int, default=4096,
+                   help="EAGLE3: the draft vocabulary's size; EAGLE: the token map's (token_map.pt)")
     p.add_argument("--unroll", type=int, default=3, help="chain steps trained (the head reading its own outputs)")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args()
@@ -98,11 +99,13 @@ def main() -> int:
         head = EagleReference(target, "EAGLE", intermediate_size=target.config.intermediate_size)
     head.randomize(0.02, args.seed)
     to_draft = None
-    if eagle3:  # the draft vocabulary: the answers' most frequent tokens (EAGLE-3's d2t), ids in order
-        counts = Counter(t for seq, plen in data[:args.prompts] for t in seq)
-        hot = torch.tensor(sorted(t for t, _ in counts.most_common(args.draft_vocab)), dtype=torch.int64)
-        hot = torch.cat([hot, torch.tensor(sorted(set(range(target.config.vocab_size)) - set(hot.tolist()))[
-            :args.draft_vocab - len(hot)], dtype=torch.int64)]).sort().values
+    # the hot vocabulary: the answers' most frequent tokens, ids in order (EAGLE-3's d2t; for EAGLE a
+    # --speculative-token-map file)
+    counts = Counter(t for seq, plen in data[:args.prompts] for t in seq)
+    hot = torch.tensor(sorted(t for t, _ in counts.most_common(args.draft_vocab)), dtype=torch.int64)
+    hot = torch.cat([hot, torch.tensor(sorted(set(range(target.config.vocab_size)) - set(hot.tolist()))[
+        :args.draft_vocab - len(hot)], dtype=torch.int64)]).sort().values
+    if eagle3:
         head.d2t.copy_(hot - torch.arange(args.draft_vocab))
         to_draft = torch.full((target.config.vocab_size,), -100, dtype=torch.int64)
         to_draft[hot] = torch.arange(args.draft_vocab)
@@ -150,7 +153,9 @@ def main() -> int:
             print(f"step {step}: loss {float(loss.detach()):.3f}, held-out top-1 per chain step "
                   f"{' '.join(f'{a:.3f}' for a in acc)} ({time.perf_counter() - clock:.0f} s)", flush=True)
     head.save(args.out)
-    print(f"saved {args.out}")
+    if not eagle3:
+        torch.save(hot, os.path.join(args.out, "token_map.pt"))
+    print(f"saved {args.out}" + ("" if eagle3 else f" (and token_map.pt: {args.draft_vocab} tokens)"))
     return 0
 
 

@@ -100,12 +100,13 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def load_model(model_path: str, dtype: str = "auto", device: str = "cpu", tp: TpGroup = TpGroup(),
-               mtp: bool = False, draft_model_path: Optional[str] = None) -> tuple[nn.Module, "PretrainedConfig", torch.dtype]:
+               mtp: bool = False, draft_model_path: Optional[str] = None,
+               token_map: Optional[str] = None) -> tuple[nn.Module, "PretrainedConfig", torch.dtype]:
     """Returns (model in eval mode on `device`, its HF config, the dtype it was built in). With a
     TP group of several ranks the model is this rank's shard. `mtp`: with the checkpoint's
     multi-token-prediction head (--speculative-algorithm NEXTN; models/qwen3_next.py).
     `draft_model_path`: an EAGLE draft checkpoint (--speculative-algorithm EAGLE / EAGLE3), built as
-    the model's `draft_head` (models/eagle.py)."""
+    the model's `draft_head` (models/eagle.py); `token_map`: its LM head cut to those tokens."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_path)
@@ -126,7 +127,15 @@ def load_model(model_path: str, dtype: str = "auto", device: str = "cpu", tp: Tp
     if draft_model_path is not None:
         text = getattr(config, "text_config", None) or config
         with _default_dtype(torch_dtype), torch.device(device):
-            model.add_module("draft_head", load_draft_head(draft_model_path, text, model.num_kv_layers, tp))
+            head = load_draft_head(draft_model_path, text, model.num_kv_layers, tp)
+            if token_map is not None:
+                from baton.engine.models.eagle import HotVocabHead, load_token_map
+
+                hot = load_token_map(token_map, text.vocab_size)
+                lm = model.model.embed_tokens if model.lm_head is None else model.lm_head  # one TP rank
+                head = HotVocabHead(head, lm.weight.detach()[hot.to(lm.weight.device)], hot)
+                logger.info("draft head: LM head cut to the %d tokens of %s", len(hot), token_map)
+            model.add_module("draft_head", head)
         if model.draft_head.aux_layers:
             model.model.aux_layers = model.draft_head.aux_layers
     model.eval().requires_grad_(False)

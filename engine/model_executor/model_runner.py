@@ -113,7 +113,8 @@ class ModelRunner:
         algorithm = server_args.speculative_algorithm
         self.model, self.hf_config, self.dtype = load_model(
             server_args.model_path, server_args.dtype, self.device, self.tp, mtp=algorithm == "NEXTN",
-            draft_model_path=server_args.speculative_draft_model_path if algorithm in ("EAGLE", "EAGLE3") else None)
+            draft_model_path=server_args.speculative_draft_model_path if algorithm in ("EAGLE", "EAGLE3") else None,
+            token_map=server_args.speculative_token_map)
         # the head that drafts beside the model's passes (speculative/head_drafter.py): NEXTN's MTP head,
         # part of the model, or an EAGLE draft checkpoint's, whose KV layers come after the model's
         self.draft_head = getattr(self.model, "mtp" if algorithm == "NEXTN" else "draft_head", None)

@@ -192,6 +192,40 @@ class Eagle3Head(nn.Module):
         _Loader.load(self, named())
 
 
+class HotVocabHead(nn.Module):
+    """An EAGLE head whose drafts come from a hot vocabulary (--speculative-token-map, SGLang's flag; the
+    FR-Spec idea): the model's LM head cut to those rows, so a draft step scores a few thousand tokens
+    instead of the whole vocabulary. Everything else is the inner head's."""
+
+    own_lm_head = True
+
+    def __init__(self, inner: nn.Module, lm_rows: torch.Tensor, hot_ids: torch.Tensor) -> None:
+        super().__init__()
+        self.inner = inner
+        self.algorithm, self.num_kv_layers, self.aux_layers = inner.algorithm, inner.num_kv_layers, inner.aux_layers
+        self.lm_head = VocabParallelEmbedding(len(hot_ids), lm_rows.shape[1])
+        with torch.no_grad():
+            self.lm_head.weight.copy_(lm_rows)
+        self.register_buffer("draft_to_target", hot_ids.to(torch.int64), persistent=False)
+
+    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
+                forward_batch: "ForwardBatch") -> torch.Tensor:
+        return self.inner(embeds, positions, hidden, forward_batch)
+
+    def draft_logits(self, out: torch.Tensor) -> torch.Tensor:
+        """The head's outputs [m, hidden] -> logits over the hot vocabulary [m, hot tokens]."""
+        return self.lm_head.logits(out)
+
+
+def load_token_map(path: str, vocab_size: int) -> torch.Tensor:
+    """--speculative-token-map: a .pt file holding a tensor or list of token ids, as SGLang reads it."""
+    ids = torch.load(path, map_location="cpu", weights_only=True)
+    ids = torch.as_tensor(ids, dtype=torch.int64).flatten().unique()  # sorted, each once
+    if ids.numel() == 0 or int(ids[0]) < 0 or int(ids[-1]) >= vocab_size:
+        raise ValueError(f"--speculative-token-map {path}: needs token ids in [0, {vocab_size})")
+    return ids
+
+
 def build_eagle_head(draft_config: "PretrainedConfig", weights: dict[str, torch.Tensor],
                      target_config: "PretrainedConfig", first_kv_layer: int, tp: TpGroup) -> nn.Module:
     """The draft checkpoint's head (by its architecture), checked against the target, weights loaded.

@@ -196,6 +196,32 @@ def test_pd_decode_drafts_with_the_prefills_head_kv(target, drafts, topk):
         pair.close()
 
 
+def test_a_token_map_cuts_the_eagle_heads_vocabulary(target, drafts, tmp_path):
+    """--speculative-token-map (SGLang's flag): an EAGLE head drafts among the map's tokens only, the
+    reference head's chain with its argmax over those; greedy output is still HF's."""
+    import torch
+
+    hot = torch.arange(6, 512, 2)  # every other id
+    path = tmp_path / "hot.pt"
+    torch.save(hot, path)
+    draft = drafts("EAGLE-trained")
+    h = harness_for(target, "plain", max_total_tokens=2048, **eagle("EAGLE", draft, speculative_token_map=str(path)))
+    seen: list[list[int]] = []
+    process = h.scheduler.spec.process_verify_result
+    h.scheduler.spec.process_verify_result = lambda launched, result: (
+        seen.append(list(launched.mwb.spec_info.drafts[0])), process(launched, result))
+    prompt = prompts()[3]
+    h.submit("a", prompt, max_new_tokens=MAX_NEW, ignore_eos=True)
+    out = h.run_until_idle()["a"].ids
+    assert out == hf_greedy(target, prompt, MAX_NEW, ignore_eos=True)
+    reference = load_eagle_reference(target, draft)
+    reference.hot = hot
+    assert seen[0] == reference.chain(prompt + out[:1], STEPS)
+    assert all(t % 2 == 0 for d in seen for t in d) and h.scheduler.check_memory_integrity()
+    with pytest.raises(ValueError, match="EAGLE with --tp-size 1 only"):
+        ServerArgs(model_path=target, **eagle("EAGLE3", drafts("EAGLE3"), speculative_token_map=str(path)))
+
+
 def test_an_eagle3_draft_saved_with_layers_0_names_loads_the_same(target, drafts, tmp_path):
     """A draft whose one layer is saved as `layers.0.*` (some trainers' layout) instead of `midlayer.*`
     is the same head: the same first drafts."""

@@ -324,9 +324,15 @@ class EagleReference(torch.nn.Module):
             trees.append(drafts)
         return trees
 
+    # EAGLE with --speculative-token-map: the token ids its drafts are chosen among (None: all)
+    hot: Optional[torch.Tensor] = None
+
     def _draft_ids(self, out: torch.Tensor, k: int) -> list[int]:
         if self.kind == "EAGLE":
-            return torch.topk(self._target[0].lm_head(out), k).indices.tolist()
+            logits = self._target[0].lm_head(out)
+            if self.hot is not None:
+                return self.hot[torch.topk(logits[..., self.hot], k).indices].tolist()
+            return torch.topk(logits, k).indices.tolist()
         ids = torch.topk(self.lm_head(self.norm(out)), k).indices
         return (ids + self.d2t[ids]).tolist()
 
