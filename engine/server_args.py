@@ -23,6 +23,8 @@ MAMBA_SSM_DTYPES = ("float32", "bfloat16", "float16")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 # --speculative-algorithm: SGLang's names
 SPECULATIVE_ALGORITHMS = ("NGRAM", "EAGLE", "EAGLE3", "NEXTN")
+# the ones whose drafts come from a draft checkpoint (--speculative-draft-model-path)
+DRAFT_CHECKPOINT_ALGORITHMS = ("EAGLE", "EAGLE3")
 # How the front end picks a DP rank for a request that names none (data_parallel_rank) and has no
 # bootstrap room (PD: room % dp_size, the convention the router pins ranks by).
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
@@ -282,10 +284,10 @@ class ServerArgs:
             return
         if algo not in SPECULATIVE_ALGORITHMS:
             raise ValueError(f"--speculative-algorithm must be one of {SPECULATIVE_ALGORITHMS}")
-        if algo in ("EAGLE", "EAGLE3") and not self.speculative_draft_model_path:
+        if algo in DRAFT_CHECKPOINT_ALGORITHMS and not self.speculative_draft_model_path:
             raise ValueError(f"--speculative-algorithm {algo} needs --speculative-draft-model-path (the EAGLE draft "
                              "checkpoint's directory)")
-        if algo not in ("EAGLE", "EAGLE3") and self.speculative_draft_model_path:
+        if algo not in DRAFT_CHECKPOINT_ALGORITHMS and self.speculative_draft_model_path:
             raise ValueError(f"--speculative-draft-model-path is for EAGLE and EAGLE3; {algo} drafts "
                              + ("with the checkpoint's own MTP head" if algo == "NEXTN" else "from each request's tokens"))
         if self.speculative_token_map and (algo != "EAGLE" or self.tp_size > 1):

@@ -15,7 +15,7 @@ from baton.engine.layers.linear import pack_linear_weights
 from baton.engine.layers.rotary_embedding import RotaryEmbedding
 from baton.engine.model_executor.forward_batch import ForwardBatch, ForwardMode
 from baton.engine.model_executor.model_loader import DTYPES as MODEL_DTYPES
-from baton.engine.server_args import ServerArgs
+from baton.engine.server_args import DRAFT_CHECKPOINT_ALGORITHMS, ServerArgs
 
 if TYPE_CHECKING:
     from baton.engine.distributed.parallel_state import TpGroup
@@ -113,7 +113,8 @@ class ModelRunner:
         algorithm = server_args.speculative_algorithm
         self.model, self.hf_config, self.dtype = load_model(
             server_args.model_path, server_args.dtype, self.device, self.tp, mtp=algorithm == "NEXTN",
-            draft_model_path=server_args.speculative_draft_model_path if algorithm in ("EAGLE", "EAGLE3") else None,
+            draft_model_path=(server_args.speculative_draft_model_path
+                              if algorithm in DRAFT_CHECKPOINT_ALGORITHMS else None),
             token_map=server_args.speculative_token_map)
         # the head that drafts beside the model's passes (speculative/head_drafter.py): NEXTN's MTP head,
         # part of the model, or an EAGLE draft checkpoint's, whose KV layers come after the model's
@@ -130,7 +131,7 @@ class ModelRunner:
         self.num_layers = text_cfg.num_hidden_layers
         # layers with a KV cache: all of them, except in a hybrid model (its full-attention layers only)
         self.num_kv_layers = getattr(self.model, "num_kv_layers", self.num_layers)
-        if algorithm in ("EAGLE", "EAGLE3"):
+        if algorithm in DRAFT_CHECKPOINT_ALGORITHMS:  # NEXTN's head is part of the model and counted by it
             self.num_kv_layers += self.draft_head.num_kv_layers
         state_shapes = getattr(self.model, "linear_state_shapes", lambda: None)()
         # this rank's KV heads: the pool holds only those

@@ -188,7 +188,8 @@ class StepReceiver:
         if runner.draft_head is not None:
             from baton.engine.speculative.head_drafter import HeadDrafter
 
-            self.drafter = HeadDrafter(runner, runner.server_args.speculative_num_steps)
+            args = runner.server_args
+            self.drafter = HeadDrafter(runner, args.speculative_num_steps, args.speculative_eagle_topk)
 
     def recv(self) -> Optional[Step]:
         header = torch.empty(_HEADER, dtype=torch.int64)

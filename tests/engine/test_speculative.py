@@ -46,6 +46,19 @@ def spec_info(h: SchedulerHarness) -> dict:
     return h.scheduler.get_server_info()
 
 
+def recorded_drafts(h: SchedulerHarness) -> list[list[int]]:
+    """From now on, each verify step's drafts of its batch's first request, in step order."""
+    seen: list[list[int]] = []
+    process = h.scheduler.spec.process_verify_result
+
+    def record(launched, result):
+        seen.append(list(launched.mwb.spec_info.drafts[0]))
+        process(launched, result)
+
+    h.scheduler.spec.process_verify_result = record
+    return seen
+
+
 def follow_up_and_abort(h: SchedulerHarness, path: str, first: list[int], first_out: list[int], other: list[int],
                         steps: int = 10) -> dict:
     """After a workload: a follow-up turn of `first` (its prefix cached) and `other` aborted after

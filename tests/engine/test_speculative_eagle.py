@@ -21,7 +21,7 @@ import pytest
 from baton.engine.server_args import ServerArgs
 from baton.engine.speculative.spec_info import branch_tree, branches
 from test_scheduler_vs_hf import hf_greedy, harness_for, run_workload, workload
-from test_speculative import (MAX_NEW, follow_up_and_abort, repetitive_prompts, spec_info,
+from test_speculative import (MAX_NEW, follow_up_and_abort, recorded_drafts, repetitive_prompts, spec_info,
                               stops_and_logprobs_equal_plain)
 from tiny_models import load_eagle_reference, make_eagle_draft
 
@@ -68,10 +68,7 @@ def test_the_drafted_chain_is_the_eagle_heads_own(target, drafts, kind):
     reference head gives over the target's states (and, from the second draft on, its own outputs)."""
     draft = drafts(kind)
     h = harness_for(target, "plain", max_total_tokens=2048, **eagle(kind, draft))
-    seen: list[list[int]] = []
-    process = h.scheduler.spec.process_verify_result
-    h.scheduler.spec.process_verify_result = lambda launched, result: (
-        seen.append(list(launched.mwb.spec_info.drafts[0])), process(launched, result))
+    seen = recorded_drafts(h)
     prompt = workload()[2]
     h.submit("a", prompt, max_new_tokens=8, ignore_eos=True)
     out = h.run_until_idle()["a"].ids
@@ -206,10 +203,7 @@ def test_a_token_map_cuts_the_eagle_heads_vocabulary(target, drafts, tmp_path):
     torch.save(hot, path)
     draft = drafts("EAGLE-trained")
     h = harness_for(target, "plain", max_total_tokens=2048, **eagle("EAGLE", draft, speculative_token_map=str(path)))
-    seen: list[list[int]] = []
-    process = h.scheduler.spec.process_verify_result
-    h.scheduler.spec.process_verify_result = lambda launched, result: (
-        seen.append(list(launched.mwb.spec_info.drafts[0])), process(launched, result))
+    seen = recorded_drafts(h)
     prompt = prompts()[3]
     h.submit("a", prompt, max_new_tokens=MAX_NEW, ignore_eos=True)
     out = h.run_until_idle()["a"].ids
@@ -237,10 +231,7 @@ def test_an_eagle3_draft_saved_with_layers_0_names_loads_the_same(target, drafts
     firsts = []
     for path in (draft, str(renamed)):
         h = harness_for(target, "plain", max_total_tokens=1024, **eagle("EAGLE3", path))
-        seen: list[list[int]] = []
-        process = h.scheduler.spec.process_verify_result
-        h.scheduler.spec.process_verify_result = lambda launched, result: (
-            seen.append(list(launched.mwb.spec_info.drafts[0])), process(launched, result))
+        seen = recorded_drafts(h)
         h.submit("a", workload()[2], max_new_tokens=6, ignore_eos=True)
         h.run_until_idle()
         firsts.append(seen)

@@ -13,7 +13,7 @@ import pytest
 
 from baton.engine.server_args import ServerArgs
 from test_scheduler_vs_hf import finish_order, hf_greedy, harness_for, run_workload, workload
-from test_speculative import (MAX_NEW, follow_up_and_abort, repetitive_prompts, spec_info,
+from test_speculative import (MAX_NEW, follow_up_and_abort, recorded_drafts, repetitive_prompts, spec_info,
                               stops_and_logprobs_equal_plain)
 from tiny_models import MtpReference
 
@@ -42,14 +42,7 @@ def test_the_drafted_chain_is_the_mtp_heads_own(mtp_model, arch, steps):
     draft on, over its own outputs)."""
     path = mtp_model(arch)
     h = harness_for(path, "plain", max_total_tokens=2048, **{**NEXTN, "speculative_num_steps": steps})
-    seen: list[list[int]] = []
-    process = h.scheduler.spec.process_verify_result
-
-    def record(launched, result):
-        seen.append(list(launched.mwb.spec_info.drafts[0]))
-        process(launched, result)
-
-    h.scheduler.spec.process_verify_result = record
+    seen = recorded_drafts(h)
     prompt = workload()[2]  # 17 tokens
     h.submit("a", prompt, max_new_tokens=8, ignore_eos=True)
     out = h.run_until_idle()["a"].ids

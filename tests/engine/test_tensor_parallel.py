@@ -248,7 +248,7 @@ def test_tp2_nextn_speculation_matches_hf(tiny_model_factory, arch, loop):
     """NEXTN under TP 2: both ranks run the MTP head's passes (its attention heads and MLP sharded, its
     LM head all-gathered); the follower gets the sampled ids and, after a verify pass, what each
     request kept. The drafts equal one rank's (the head's chain for the same prompt), greedy equals HF."""
-    from test_speculative import repetitive_prompts
+    from test_speculative import recorded_drafts, repetitive_prompts
     from tiny_models import MtpReference
 
     path = tiny_model_factory(arch, mtp=True, initializer_range=0.02)
@@ -263,10 +263,7 @@ def test_tp2_nextn_speculation_matches_hf(tiny_model_factory, arch, loop):
     with tp_followers(ServerArgs(model_path=path, **args)) as tp:
         h = SchedulerHarness(path, tp=tp, **args)
         try:
-            seen = []
-            process = h.scheduler.spec.process_verify_result
-            h.scheduler.spec.process_verify_result = lambda launched, result: (
-                seen.append(list(launched.mwb.spec_info.drafts[0])), process(launched, result))
+            seen = recorded_drafts(h)
             h.submit("a", prompts[2], max_new_tokens=4, ignore_eos=True)
             out = h.run_until_idle()["a"].ids
         finally:
@@ -278,7 +275,7 @@ def test_tp2_eagle3_speculation_matches_hf(tiny_model_factory, tmp_path):
     """EAGLE3 under TP 2: both ranks capture the three layers' states the head reads and run its passes
     (attention heads and MLP sharded, its own LM head over the draft vocabulary all-gathered); the
     drafts are the reference head's chain, greedy equals HF."""
-    from test_speculative import repetitive_prompts
+    from test_speculative import recorded_drafts, repetitive_prompts
     from tiny_models import load_eagle_reference, make_eagle_draft
 
     path = tiny_model_factory("llama", num_hidden_layers=4)
@@ -290,17 +287,14 @@ def test_tp2_eagle3_speculation_matches_hf(tiny_model_factory, tmp_path):
     with tp_followers(ServerArgs(model_path=path, **args)) as tp:
         h = SchedulerHarness(path, tp=tp, **args)
         try:
-            seen = []
-            process = h.scheduler.spec.process_verify_result
-            h.scheduler.spec.process_verify_result = lambda launched, result: (
-                seen.append((launched.reqs[0].rid, list(launched.mwb.spec_info.drafts[0]))), process(launched, result))
-            h.submit("first", prompts[2], max_new_tokens=4, ignore_eos=True)
+            seen = recorded_drafts(h)
+            h.submit("first", prompts[2], max_new_tokens=4, ignore_eos=True)  # alone: the first verify step is its
             first = h.run_until_idle()["first"].ids
             results = run_workload(h, prompts, max_new=24, ignore_eos=True)
             assert h.scheduler.check_memory_integrity()
         finally:
             h.scheduler.close()
-    assert seen[0] == ("first", load_eagle_reference(path, draft).chain(prompts[2] + first[:1], 2))
+    assert seen[0] == load_eagle_reference(path, draft).chain(prompts[2] + first[:1], 2)
     for i, p in enumerate(prompts):
         assert results[str(i)].ids == hf_greedy(path, p, 24, ignore_eos=True), f"request {i} differs from HF"
 
