@@ -11,8 +11,9 @@
 #   tests  the GPU tests: FlashInfer vs torch, graphs vs eager, the scheduler vs HF, the Triton layer
 #          ops vs their torch references (per op and whole model), the Triton MoE
 #   step   `baton bench step --shape llama-3-8b`: the decode step at batch 1/16/64 against the HBM
-#          limit measured in the same run, kernels per layer, an 8k prefill against the matmul rate;
-#          Triton ops vs torch reference ops vs the other tensor-core setting, side by side
+#          limit measured in the same run, kernels per layer and the GPU time per kernel at batch 1
+#          and 64, an 8k prefill against the matmul rate; Triton ops vs torch reference ops vs the
+#          other tensor-core setting, side by side (STEP_VARIANTS: another list)
 #   serve  `baton bench compare` on that checkpoint: 64 prompts x 256 in / 256 out at concurrency 64,
 #          the default engine (overlap) vs --disable-overlap-schedule
 #
@@ -94,6 +95,7 @@ stamp "== environment" | tee "$OUT/env.txt"
     nvidia-smi -L; nvcc --version | tail -2; df -h /dev/shm | tail -1; nproc; free -g | head -2
     "$PY" -c "import sys, torch, triton, transformers; print(sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
     "$PY" -c "import flashinfer; print('flashinfer', flashinfer.__version__)" || echo "flashinfer: NOT importable"
+    "$PY" -c "import fla; print('fla-core', fla.__version__)" || echo "fla-core: NOT importable"
     "$PY" -c "import baton.engine.scheduler.scheduler, baton.engine.entrypoints.http_server; print('baton engine + server import')"
 } 2>&1 | tee -a "$OUT/env.txt"
 
@@ -146,12 +148,14 @@ stamp "== JIT"; cat "$OUT/jit_fp16.txt" "$OUT/jit_bf16.txt" | tail -6
 if [[ $STAGES == *step* && -n $CKPT ]]; then
     stamp "== baton bench step --shape llama-3-8b"
     timeout "${STEP_TIMEOUT:-200}" "$PY" -m baton bench step --shape llama-3-8b --dir "$CKPT" --batch-sizes 1,16,64 \
-        --context 1024 --steps 50 --prefill-tokens 8192 --json-out "$OUT/step.json" 2>&1 | tee "$OUT/step.txt" || status=1
+        --context 1024 --steps 50 --prefill-tokens 8192 --profile-batch-sizes 1,64 \
+        --variants "${STEP_VARIANTS:-fused,reference-ops,other-tensor-cores}" \
+        --json-out "$OUT/step.json" 2>&1 | tee "$OUT/step.txt" || status=1
 fi
 
 if [[ $STAGES == *tests* ]]; then
     stamp "== GPU tests"
-    timeout "${TESTS_TIMEOUT:-200}" "$PY" -m pytest -p no:cacheprovider -q -rs -x --timeout 120 -m gpu \
+    timeout "${TESTS_TIMEOUT:-300}" "$PY" -m pytest -p no:cacheprovider -q -rs --maxfail 8 --timeout 120 -m gpu \
         tests/engine/test_fused_ops.py tests/engine/test_gpu_paths.py tests/engine/test_triton_ops.py tests/engine/test_sampling.py \
         tests/engine/test_hybrid_radix_cache.py tests/engine/test_speculative_nextn.py tests/engine/test_speculative_eagle.py \
         2>&1 | tee "$OUT/tests.txt" | tail -25 || status=1

@@ -64,7 +64,9 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                    help="comma list of fused, reference-ops, other-tensor-cores")
     p.add_argument("--dir", default=None, help="checkpoint directory (default: /dev/shm/baton-step-<shape>, "
                                                 "or the temp dir when /dev/shm lacks room)")
-    p.add_argument("--profile-batch-size", type=int, default=None, help="batch of the kernel count (default: the first)")
+    p.add_argument("--profile-batch-sizes", default=None,
+                   help="comma list of batches whose eager forward is profiled per kernel (default: the first and "
+                        "the last); the first gives the kernel count")
     p.add_argument("--json-out", default=None)
 
 
@@ -330,6 +332,8 @@ def run_cli(args: argparse.Namespace) -> int:
     bw, flops = copy_bandwidth(), matmul_flops()
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.2f} TB/s (read + write), "
           f"bf16 matmul 8192^3 {flops / 1e12:.0f} TFLOP/s", flush=True)
+    profile_sizes = ([int(b) for b in args.profile_batch_sizes.split(",") if b.strip()] if args.profile_batch_sizes
+                     else sorted({batch_sizes[0], batch_sizes[-1]}, key=batch_sizes.index))
     max_bs = max(batch_sizes)
     context_len = max(args.context + 2, args.prefill_tokens) + 16
     # graphs are captured per variant (_set_variant), not at load
@@ -351,11 +355,14 @@ def run_cli(args: argparse.Namespace) -> int:
             nbytes = facts.weight_bytes_fn(bs) + facts.kv_bytes(bs, args.context + 1)
             limit = nbytes / bw * 1e3
             rows.append(dict(bs=bs, step_ms=ms, bytes=nbytes, limit_ms=limit, pct=100 * limit / ms))
-        kernels, kernel_us = kernels_per_step(runner, args.profile_batch_size or batch_sizes[0], args.context)
-        total = sum(kernels.values())
+        profiles = []
+        for pbs in profile_sizes:
+            kernels, kernel_us = kernels_per_step(runner, pbs, args.context)
+            profiles.append(dict(bs=pbs, kernels=sum(kernels.values()), gpu_us=sum(kernel_us.values()),
+                                 kernel_names=kernels.most_common(25), kernel_us=kernel_us.most_common(25)))
+        total = profiles[0]["kernels"]
         entry: dict[str, Any] = dict(description=desc, decode=rows, kernels_per_step=total,
-                                     kernels_per_layer=total / facts.layers, kernel_names=kernels.most_common(25),
-                                     kernel_us=kernel_us.most_common(25))
+                                     kernels_per_layer=total / facts.layers, profiles=profiles)
         if args.prefill_tokens:
             ms = prefill_ms(runner, args.prefill_tokens)
             t = args.prefill_tokens
@@ -378,10 +385,12 @@ def _print_variant(name: str, entry: dict) -> None:
         print(f"| {r['bs']} | {r['step_ms']:.3f} | {r['bytes'] / 1e9:.2f} | {r['limit_ms']:.3f} | {r['pct']:.0f}% |")
     print(f"kernels per eager decode forward: {entry['kernels_per_step']} "
           f"({entry['kernels_per_layer']:.1f} per decoder layer)")
-    us = dict(entry["kernel_us"])
-    print(f"    count  GPU us (eager forward)  kernel; GPU time of all kernels: {sum(us.values()):.0f} us")
-    for kname, count in entry["kernel_names"][:12]:
-        print(f"    {count:5d}  {us.get(kname, 0):9.0f}  {kname[:100]}")
+    for prof in entry["profiles"]:
+        counts = dict(prof["kernel_names"])
+        print(f"  batch {prof['bs']}: {prof['kernels']} kernels, {prof['gpu_us']:.0f} us of GPU time; the most GPU time (eager forward, no launch gaps):"
+              "\n    count  GPU us  kernel")
+        for kname, us in prof["kernel_us"][:14]:
+            print(f"    {counts.get(kname, 0):5d}  {us:6.0f}  {kname[:110]}")
     if "prefill" in entry:
         p = entry["prefill"]
         print(f"prefill {p['tokens']} tokens: {p['ms']:.1f} ms, {p['tok_s'] / 1e3:.1f}k tok/s, "

@@ -151,6 +151,18 @@ def varlen_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, lens: list[int],
     return F.silu(y).to(x.dtype), new_state
 
 
+def decode_causal_conv1d(x: torch.Tensor, weight: torch.Tensor,
+                         conv_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """varlen_causal_conv1d where every request has one token (x [bs, C]): the same sums in the same
+    order, from device tensors alone (no lengths from the host), so a decode graph captures it."""
+    seq = torch.cat([conv_state.to(x.dtype), x[:, :, None]], dim=-1)  # [bs, C, K]
+    w = weight.float()
+    y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for j in range(seq.shape[-1]):
+        y += seq[:, :, j].float() * w[:, j]
+    return F.silu(y).to(x.dtype), seq[:, :, 1:]
+
+
 def torch_varlen_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                       lens: list[int], state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The delta rule over packed requests with the reference functions, one request at a time:
@@ -209,7 +221,7 @@ class GatedDeltaCore(CustomOp):
                        forward_batch: "ForwardBatch") -> torch.Tensor:
         """mixed_qkv [n, conv_dim], g, beta [n, Hv] -> core output [n, Hv, Dv]."""
         fb, pool = forward_batch, forward_batch.state_pool
-        rows = fb.req_pool_indices
+        rows = fb.state_slots
         if fb.forward_mode.is_decode():
             lens, fresh = [1] * fb.batch_size, [False] * fb.batch_size
         else:
@@ -261,7 +273,7 @@ class GatedDeltaCore(CustomOp):
         delta rule over a packed varlen batch (`fla_rule`, or `torch_varlen_rule` to test the rest on
         CPU). A tracked position inside an extend cuts it there: the batch runs in waves, wave w
         being every request's w-th piece, each starting from the state the last one left."""
-        pool, rows = fb.state_pool, fb.req_pool_indices
+        pool, rows = fb.state_pool, fb.state_slots
         bs, dev = fb.batch_size, mixed_qkv.device
         if fb.forward_mode.is_decode():
             lens, fresh = [1] * bs, [False] * bs
@@ -307,7 +319,8 @@ class GatedDeltaCore(CustomOp):
               ssm_state: torch.Tensor, rule: Callable) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Packed requests of `lens` tokens from their states -> (out [n, Hv, Dv], conv, delta-rule state)."""
         weight = self._conv[0].weight
-        y, conv_state = varlen_causal_conv1d(x, weight.view(weight.shape[0], -1), lens, conv_state)
+        conv = decode_causal_conv1d if all(n == 1 for n in lens) else partial(varlen_causal_conv1d, lens=lens)
+        y, conv_state = conv(x, weight.view(weight.shape[0], -1), conv_state=conv_state)
         n = x.shape[0]
         q, k, v = y.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q, k = q.reshape(n, -1, self.head_k_dim), k.reshape(n, -1, self.head_k_dim)

@@ -25,6 +25,9 @@ pool holds `checkpoints` more slots after the request rows, one per request slot
 checkpoint is a copy of a request's state at a page-aligned position, kept on the radix node that
 ends there, so a later request matching that prefix starts from it instead of from zero.
 
+The last slot (`pad_slot`) belongs to no request: the padded rows of a captured decode graph
+(model_executor/cuda_graph_runner.py) read and write their states there.
+
 Every state operation runs inside a forward pass, in launch order (StateOps): the copies first
 (a hit's checkpoint into its row; a finished request's row into a checkpoint), then the layers,
 which also write the tracked positions (a checkpoint of the state part-way through an extend or
@@ -82,7 +85,7 @@ class StateOps:
 
 class StateBudget(NamedTuple):
     slots: int  # the most requests that may run: each holds a state slot
-    state_bytes: int  # the state pool's: slots + 1 rows (ReqToTokenPool's spare row, see ModelRunner)
+    state_bytes: int  # the state pool's: slots + 2 rows (ReqToTokenPool's spare row, see ModelRunner; the padding slot)
     kv_bytes: int  # what is left for the KV pool
 
 
@@ -93,9 +96,9 @@ def split_state_memory(budget_bytes: int, slot_bytes: int, ratio: float, slots: 
     radix cache (each request slot has a checkpoint slot beside it), else 1."""
     assert slot_bytes > 0 and ratio > 0 and max_slots > 0 and rows_per_slot >= 1
     if slots is None:
-        share = int(budget_bytes * ratio / (1 + ratio)) // slot_bytes - 1
+        share = int(budget_bytes * ratio / (1 + ratio)) // slot_bytes - 2
         slots = min(max_slots, share // rows_per_slot)
-    state_bytes = (slots * rows_per_slot + 1) * slot_bytes
+    state_bytes = (slots * rows_per_slot + 2) * slot_bytes
     if slots < 1 or state_bytes >= budget_bytes:
         raise ValueError(f"not enough memory for the recurrent-state pool: {budget_bytes / 2**20:.1f} MiB to share, "
                          f"{slot_bytes / 2**20:.2f} MiB per slot, {slots} slot(s); raise --mem-fraction-static or "
@@ -108,11 +111,13 @@ class RecurrentStatePool:
                  device: str, checkpoints: int = 0, scratch: tuple[int, int] = (0, 0)) -> None:
         """`rows`: as many as ReqToTokenPool has (slot index = request row); `checkpoints`: the radix
         cache's slots, indices rows .. rows + checkpoints - 1; `scratch`: (batch rows, slots per row)
-        for speculative decoding's verify steps (`scratch_slot`), after the checkpoints."""
+        for speculative decoding's verify steps (`scratch_slot`), after the checkpoints; then the
+        padding slot of decode graphs (`pad_slot`)."""
         assert rows > 0 and checkpoints >= 0 and min(scratch) >= 0
         self.shapes, self.rows, self.checkpoints, self.device = shapes, rows, checkpoints, device
         self.scratch_rows, self.scratch_per_row = scratch
-        total = rows + checkpoints + self.scratch_rows * self.scratch_per_row
+        self.pad_slot = rows + checkpoints + self.scratch_rows * self.scratch_per_row
+        total = self.pad_slot + 1
         self.conv = [torch.zeros((total, *shapes.conv), dtype=conv_dtype, device=device)
                      for _ in range(shapes.num_layers)]
         self.ssm = [torch.zeros((total, *shapes.ssm), dtype=ssm_dtype, device=device)
@@ -142,6 +147,17 @@ class RecurrentStatePool:
         for s, d in copies:  # a chain (a slot copied out, then over): one at a time
             for t in (*self.conv, *self.ssm):
                 t[d] = t[s]
+
+    def copy_tracked_ends(self, slots: torch.Tensor, tracks: dict[int, list[tuple[int, int]]]) -> None:
+        """After a decode pass whose layers wrote no checkpoints (a graph replay): batch row i's state
+        (its slot `slots[i]`) into each checkpoint slot `tracks` names for it, every layer."""
+        pairs = [(i, slot) for i, t in tracks.items() for _, slot in t]
+        if not pairs:
+            return
+        src = slots[torch.tensor([i for i, _ in pairs], device=slots.device)]
+        dst = torch.tensor([slot for _, slot in pairs], device=self.device)
+        for t in (*self.conv, *self.ssm):
+            t[dst] = t[src]
 
     def read(self, layer: int, rows: torch.Tensor, fresh: list[bool]) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of the conv and delta-rule states of `rows` [bs] in `layer`, zeros where `fresh`

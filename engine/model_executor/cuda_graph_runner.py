@@ -8,7 +8,10 @@ reads static input buffers; rows bs..b-1 are padding that can never touch a real
     bs..b-1    0          0          0                 1         0 (dummy page: writes land there)
 
 A padded row reads one KV entry (request row 0, position 0, any valid slot) and writes only the
-dummy slot; its output row is sliced away. The attention backend must give decode metadata of
+dummy slot; its output row is sliced away. A hybrid model's padded rows read and write the state
+pool's padding slot (`state_rows`; real rows: their request row), never a request's state; a decode
+step's tracked checkpoints (the radix cache's, one per tracked row at its end) are copied from the
+rows after the replay, as the layers would have written them. The attention backend must give decode metadata of
 static shape for a fixed b (supports_cuda_graph, and the three hooks below): FlashInfer does, the
 torch backend does not (its gather width is the batch's longest sequence).
 
@@ -62,6 +65,9 @@ class CudaGraphRunner:
             self.req_pool_indices = torch.zeros(b, dtype=torch.int64, device=dev)
             self.seq_lens = torch.full((b,), PAD_SEQ_LEN, dtype=torch.int64, device=dev)
             self.out_cache_loc = torch.zeros(b, dtype=torch.int64, device=dev)
+            pool = model_runner.state_pool
+            self.pad_state = None if pool is None else pool.pad_slot
+            self.state_rows = None if pool is None else torch.full((b,), pool.pad_slot, dtype=torch.int64, device=dev)
         self.graphs: dict[int, Any] = {}  # batch size -> torch.cuda.CUDAGraph
         self.outputs: dict[int, torch.Tensor] = {}  # batch size -> [b, hidden] static graph output
         if capture:
@@ -88,9 +94,13 @@ class CudaGraphRunner:
         if self.use_graphs:
             self.model_runner.attn_backend.init_forward_metadata_replay(static)
             self.graphs[b].replay()
-            return self.outputs[b][:bs]
-        self.model_runner.attn_backend.init_forward_metadata(static)
-        return self._forward(static)[:bs]
+            out = self.outputs[b][:bs]
+        else:
+            self.model_runner.attn_backend.init_forward_metadata(static)
+            out = self._forward(static)[:bs]
+        if fb.state_ops is not None and fb.state_ops.tracks:
+            fb.state_pool.copy_tracked_ends(fb.state_slots, fb.state_ops.tracks)
+        return out
 
     def _load_inputs(self, fb: ForwardBatch, b: int) -> None:
         bs = fb.batch_size
@@ -98,6 +108,8 @@ class CudaGraphRunner:
                          (self.req_pool_indices, fb.req_pool_indices), (self.seq_lens, fb.seq_lens),
                          (self.out_cache_loc, fb.out_cache_loc)):
             buf[:bs].copy_(src, non_blocking=True)
+        if self.state_rows is not None:
+            self.state_rows[:bs].copy_(fb.state_slots, non_blocking=True)
         self._pad_rows(bs, b)
 
     def _pad_rows(self, start: int, end: int) -> None:
@@ -106,13 +118,18 @@ class CudaGraphRunner:
         for buf in (self.input_ids, self.positions, self.req_pool_indices, self.out_cache_loc):
             buf[start:end].zero_()
         self.seq_lens[start:end].fill_(PAD_SEQ_LEN)
+        if self.state_rows is not None:
+            self.state_rows[start:end].fill_(self.pad_state)
 
     def _static_batch(self, b: int, seq_lens_cpu: list[int]) -> ForwardBatch:
         assert len(seq_lens_cpu) == b
-        return self.model_runner.make_forward_batch(
+        fb = self.model_runner.make_forward_batch(
             ForwardMode.DECODE, input_ids=self.input_ids[:b], positions=self.positions[:b],
             req_pool_indices=self.req_pool_indices[:b], seq_lens=self.seq_lens[:b],
             out_cache_loc=self.out_cache_loc[:b], seq_lens_cpu=seq_lens_cpu)
+        if self.state_rows is not None:
+            fb.state_rows = self.state_rows[:b]
+        return fb
 
     def _forward(self, fb: ForwardBatch) -> torch.Tensor:
         # A fresh view of positions per call: RotaryEmbedding memoizes cos/sin by the positions

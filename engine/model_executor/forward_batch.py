@@ -59,12 +59,20 @@ class ForwardBatch:
     state_pool: Optional["RecurrentStatePool"] = None
     # and, with the radix cache, the checkpoint copies (run before the layers) and tracked positions
     state_ops: Optional["StateOps"] = None
+    # the state slot of each request where it is not its row: a decode graph's padded rows
+    # (state_pool.pad_slot); None: slot = req_pool_indices
+    state_rows: Optional[torch.Tensor] = None
     # EAGLE-3: the residual streams entering the layers its draft reads, concatenated (models/eagle.py)
     aux_hidden: Optional[torch.Tensor] = None
     # a speculative verify step with tree drafts: per request, its nodes' parents where its draft is a
     # tree, else None (speculative/spec_info.py VerifyInput.parents); the attention masks each node to
     # the prefix and its ancestors
     tree_parents: Optional[list[Optional[list[int]]]] = None
+
+    @property
+    def state_slots(self) -> torch.Tensor:
+        """[bs] each request's recurrent-state slot (a hybrid model's linear-attention layers)."""
+        return self.req_pool_indices if self.state_rows is None else self.state_rows
 
     @property
     def num_tokens(self) -> int:

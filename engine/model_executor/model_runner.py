@@ -241,9 +241,6 @@ class ModelRunner:
         args = self.server_args
         if not self.device.startswith("cuda") or args.disable_cuda_graph:
             return None
-        if self.state_pool is not None:
-            logger.info("CUDA graphs off: a hybrid model's decode has no graph over its state slots yet")
-            return None
         if self.draft_head is not None:
             logger.info("CUDA graphs off: the draft head's passes run beside the model's plain forward")
             return None

@@ -29,6 +29,11 @@ PROMPTS = [[5, 17, 200, 33, 41, 90, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18]
            [7, 9, 11, 13, 15], list(range(101, 117)), list(range(200, 233)), [77]]
 GPU_MODEL = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64)  # FlashInfer's smallest
 GPU_MOE_MODEL = dict(GPU_MODEL, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128)
+# hybrids: gated attention at FlashInfer's head_dim 64, Gated DeltaNet heads of fla's usual 64
+GPU_HYBRID = dict(GPU_MODEL, linear_key_head_dim=64, linear_value_head_dim=64)
+GPU_MODELS = {"qwen3_moe": GPU_MOE_MODEL, "qwen3_5": GPU_HYBRID,
+              "qwen3_next": dict(GPU_HYBRID, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128,
+                                 shared_expert_intermediate_size=128)}
 
 
 # ---------------------------------------------------------------- paged metadata (CPU)
@@ -147,7 +152,8 @@ def prefill(runner: ModelRunner, prompts: list[list[int]]) -> tuple[list[int], l
     fb = ForwardBatch(ForwardMode.EXTEND, n, torch.tensor(sum(prompts, []), device=dev),
                       torch.cat([torch.arange(length) for length in lens]).to(dev), torch.tensor(rows, device=dev),
                       torch.tensor(lens, device=dev), locs.to(dev), lens, [0] * n, lens,
-                      runner.req_to_token_pool, runner.token_to_kv_pool, runner.attn_backend)
+                      runner.req_to_token_pool, runner.token_to_kv_pool, runner.attn_backend,
+                      state_pool=runner.state_pool)
     runner.forward(fb)
     return rows, lens
 
@@ -161,17 +167,22 @@ def decode_batch(runner: ModelRunner, rows: list[int], lens: list[int], tokens: 
     return ForwardBatch(ForwardMode.DECODE, len(rows), torch.tensor(tokens, device=dev), torch.tensor(lens, device=dev),
                         torch.tensor(rows, device=dev), torch.tensor([n + 1 for n in lens], device=dev),
                         locs.to(dev), [n + 1 for n in lens], None, None,
-                        runner.req_to_token_pool, runner.token_to_kv_pool, runner.attn_backend)
+                        runner.req_to_token_pool, runner.token_to_kv_pool, runner.attn_backend,
+                        state_pool=runner.state_pool)
+
+
+def _buffers(runner: ModelRunner) -> list[torch.Tensor]:
+    """The KV pool's buffers, then a hybrid model's state pool's (conv, then delta-rule states)."""
+    pool, states = runner.token_to_kv_pool, runner.state_pool
+    return pool.k_buffer + pool.v_buffer + ([] if states is None else states.conv + states.ssm)
 
 
 def kv_snapshot(runner: ModelRunner) -> list[torch.Tensor]:
-    pool = runner.token_to_kv_pool
-    return [t.clone() for t in pool.k_buffer + pool.v_buffer]
+    return [t.clone() for t in _buffers(runner)]
 
 
 def kv_restore(runner: ModelRunner, snap: list[torch.Tensor]) -> None:
-    pool = runner.token_to_kv_pool
-    for t, s in zip(pool.k_buffer + pool.v_buffer, snap):
+    for t, s in zip(_buffers(runner), snap):
         t.copy_(s)
 
 
@@ -184,9 +195,19 @@ def eager_decode(runner: ModelRunner, fb: ForwardBatch) -> torch.Tensor:
 
 def check_padded_decode(runner: ModelRunner, graphs: CudaGraphRunner, bs: int, atol: float) -> None:
     """Requests in rows 0..4; rows 1..bs decode. The padded run must give the unpadded run's hidden
-    states and KV, and write nothing but this step's slots and the dummy page (row 0 included)."""
+    states and KV, and write nothing but this step's slots and the dummy page (row 0 included). A
+    hybrid model's decoding rows must hold the unpadded run's states, the first of them tracked into
+    a checkpoint slot (the radix cache's, copied after a replay), and padded rows touch only the
+    state pool's padding slot."""
+    from baton.engine.mem_cache.state_pool import StateOps
+
     rows, lens = prefill(runner, PROMPTS)
     fb = decode_batch(runner, rows[1:1 + bs], lens[1:1 + bs], [3 + i for i in range(bs)])
+    states = runner.state_pool
+    checkpoint = None
+    if states is not None:
+        checkpoint = states.checkpoint_slots()[0]
+        fb.state_ops = StateOps([], {0: [(1, checkpoint)]})
     before = kv_snapshot(runner)
     expected = eager_decode(runner, fb)
     expected_kv = kv_snapshot(runner)
@@ -198,10 +219,35 @@ def check_padded_decode(runner: ModelRunner, graphs: CudaGraphRunner, bs: int, a
     written = torch.zeros(before[0].shape[0], dtype=torch.bool)
     written[fb.out_cache_loc.cpu()] = True
     written[:page] = True  # the dummy page: padded rows write there
-    for now, old, ref in zip(kv_snapshot(runner), before, expected_kv):
+    kv = 2 * len(runner.token_to_kv_pool.k_buffer)
+    after = kv_snapshot(runner)
+    for now, old, ref in zip(after[:kv], before[:kv], expected_kv[:kv]):
         now, old, ref = now.cpu(), old.cpu(), ref.cpu()
         assert torch.equal(now[~written], old[~written]), "a padded row wrote outside the dummy page"
         torch.testing.assert_close(now[page:][written[page:]], ref[page:][written[page:]], atol=atol, rtol=atol)
+    if states is None:
+        return
+    changed = torch.zeros(before[kv].shape[0], dtype=torch.bool)
+    changed[rows[1:1 + bs]] = True
+    changed[checkpoint] = True
+    assert not changed[states.pad_slot], "the padding slot is nobody's"
+    for now, old, ref in zip(after[kv:], before[kv:], expected_kv[kv:]):
+        now, old, ref = now.cpu().float(), old.cpu().float(), ref.cpu().float()
+        keep = ~changed
+        keep[states.pad_slot] = False  # padded rows write there
+        assert torch.equal(now[keep], old[keep]), "a padded row wrote another request's state"
+        torch.testing.assert_close(now[changed], ref[changed], atol=atol, rtol=atol)
+        assert not torch.equal(ref[checkpoint], old[checkpoint]), "the tracked checkpoint was written"
+
+
+@pytest.mark.parametrize("page_size,bs", [(1, 3), (16, 1)])
+def test_graph_runner_padding_of_a_hybrid_eager_on_cpu(tiny_model_factory, page_size, bs):
+    """A Qwen3-Next decode (Gated DeltaNet states, MoE) through the padded static buffers: real rows'
+    outputs, KV and states as unpadded, a tracked checkpoint copied, padded rows in the padding slot."""
+    runner = make_runner(tiny_model_factory("qwen3_next"), page_size)
+    graphs = CudaGraphRunner(runner, max_bs=4, capture=False)
+    assert graphs.bucket(bs) == {1: 1, 3: 4}[bs]
+    check_padded_decode(runner, graphs, bs, atol=1e-4)  # float32; 4 rows round apart from 3 in the GEMMs
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -346,6 +392,19 @@ def test_cuda_graph_replay_matches_eager(tiny_model_factory, page_size, bs):
     check_padded_decode(runner, graphs, bs, atol=2e-2)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size,bs", [(1, 3), (16, 1)])
+def test_cuda_graph_replay_of_a_hybrid_matches_eager(tiny_model_factory, page_size, bs):
+    """Qwen3-Next's decode captured over state slots (fla's kernels where installed, the Triton MoE):
+    the replay's outputs, KV and states equal the eager step's; padded rows only in the padding slot."""
+    need_gpu()
+    runner = make_runner(tiny_model_factory("qwen3_next", **GPU_MODELS["qwen3_next"]), page_size, "cuda",
+                         dtype="float16", attention_backend="flashinfer", cuda_graph_max_bs=8)
+    graphs = runner.cuda_graph_runner
+    assert graphs is not None and sorted(graphs.graphs) == [1, 2, 4, 8]
+    check_padded_decode(runner, graphs, bs, atol=2e-2)
+
+
 def hf_consistency(path: str, prompt: list[int], ids: list[int], tol: float) -> int:
     """Teacher-forced against HF float32: every engine token's HF logit is within `tol` of HF's best
     (fp16 kernels may swap near-ties). Returns how many tokens are HF's exact argmax."""
@@ -364,7 +423,11 @@ GREEDY_CASES = [("llama", "flashinfer", graph, overlap, page) for graph in (True
                                         # the MoE experts as Triton grouped GEMMs, captured in the decode graphs
                                         ("qwen3_moe", "flashinfer", True, True, 16), ("qwen3_moe", "flashinfer", False, False, 1),
                                         # q/k norms inside the fused attention-input kernel
-                                        ("qwen3", "flashinfer", True, True, 16)]
+                                        ("qwen3", "flashinfer", True, True, 16),
+                                        # hybrids: decode graphs over state slots, fla's kernels
+                                        ("qwen3_next", "flashinfer", True, True, 16),
+                                        ("qwen3_5", "flashinfer", True, False, 1),
+                                        ("qwen3_5", "flashinfer", False, True, 16)]
 
 
 @pytest.mark.gpu
@@ -374,7 +437,7 @@ def test_scheduler_greedy_matches_hf_on_cuda(tiny_model_factory, arch, backend, 
     from scheduler_harness import SchedulerHarness
     from test_scheduler_vs_hf import run_workload, workload
 
-    path = tiny_model_factory(arch, **(GPU_MOE_MODEL if arch == "qwen3_moe" else GPU_MODEL))
+    path = tiny_model_factory(arch, **GPU_MODELS.get(arch, GPU_MODEL))
     h = SchedulerHarness(path, device="cuda", dtype="float16", attention_backend=backend, page_size=page_size,
                          disable_cuda_graph=not graph, cuda_graph_max_bs=16, enable_overlap_schedule=overlap,
                          disable_overlap_schedule=not overlap, chunked_prefill_size=32, max_total_tokens=4096)

@@ -107,8 +107,8 @@ def test_state_pool_read_zeroes_fresh_rows_only():
 def test_state_pool_sizes_and_dtypes():
     shapes = LinearStateShapes(3, (10, 3), (4, 8, 8))
     pool = RecurrentStatePool(shapes, 7, torch.bfloat16, torch.float32, "cpu")
-    assert pool.size_bytes() == 7 * shapes.bytes_per_row(torch.bfloat16, torch.float32)
-    assert [t.shape for t in pool.ssm] == [torch.Size([7, 4, 8, 8])] * 3
+    assert pool.size_bytes() == 8 * shapes.bytes_per_row(torch.bfloat16, torch.float32), "7 rows and the padding slot"
+    assert [t.shape for t in pool.ssm] == [torch.Size([8, 4, 8, 8])] * 3
     assert pool.conv[0].dtype == torch.bfloat16 and pool.ssm[0].dtype == torch.float32
     with pytest.raises(AssertionError):
         LinearStateShapes(0, (10, 3), (4, 8, 8))
@@ -116,16 +116,17 @@ def test_state_pool_sizes_and_dtypes():
 
 def test_split_state_memory_follows_sglangs_rule():
     """state : KV = ratio : 1 of the budget; a fixed slot count overrides the ratio; the ratio's slots
-    are capped at the most requests that may run; each count takes one spare row more."""
+    are capped at the most requests that may run; each count takes two rows more (the spare row and
+    the padding slot of decode graphs)."""
     b = split_state_memory(1_900_000, 1000, 0.9, None, 10_000)
-    assert b == (899, 900_000, 1_000_000)  # 900 rows: 899 slots and the spare row
-    assert split_state_memory(1_000_000, 1000, 1.0, None, 10_000) == (499, 500_000, 500_000)
-    assert split_state_memory(1_900_000, 1000, 0.9, None, 100) == (100, 101_000, 1_799_000), "capped: KV gets the rest"
-    assert split_state_memory(1_900_000, 1000, 0.9, 7, 100) == (7, 8_000, 1_892_000), "fixed slots ignore the ratio"
+    assert b == (898, 900_000, 1_000_000)  # 900 rows: 898 slots, the spare row and the padding slot
+    assert split_state_memory(1_000_000, 1000, 1.0, None, 10_000) == (498, 500_000, 500_000)
+    assert split_state_memory(1_900_000, 1000, 0.9, None, 100) == (100, 102_000, 1_798_000), "capped: KV gets the rest"
+    assert split_state_memory(1_900_000, 1000, 0.9, 7, 100) == (7, 9_000, 1_891_000), "fixed slots ignore the ratio"
     assert split_state_memory(1_900_000, 1000, 0.9, 500, 100).slots == 500, "a fixed count is not capped"
-    assert split_state_memory(1_900_000, 1000, 0.9, None, 10_000, rows_per_slot=2) == (449, 899_000, 1_001_000), \
+    assert split_state_memory(1_900_000, 1000, 0.9, None, 10_000, rows_per_slot=2) == (449, 900_000, 1_000_000), \
         "with the radix cache a request slot comes with a checkpoint slot"
-    assert split_state_memory(1_900_000, 1000, 0.9, 7, 100, rows_per_slot=2) == (7, 15_000, 1_885_000)
+    assert split_state_memory(1_900_000, 1000, 0.9, 7, 100, rows_per_slot=2) == (7, 16_000, 1_884_000)
     for budget, slots in ((1_500, None), (10_000, 10)):
         with pytest.raises(ValueError, match="not enough memory for the recurrent-state pool"):
             split_state_memory(budget, 1000, 0.9, slots, 100)
@@ -153,9 +154,9 @@ def test_kv_pool_sized_from_memory_leaves_room_for_the_state_pool(tiny_model_fac
     ratio = flags.get("mamba_full_memory_ratio", 0.9)
     per_slot = 1 if flags.get("disable_radix_cache") else 2
     slots = flags.get("max_mamba_cache_size") or flags.get("max_running_requests") \
-        or (int(budget * ratio / (1 + ratio)) // slot - 1) // per_slot
+        or (int(budget * ratio / (1 + ratio)) // slot - 2) // per_slot
     info = h.scheduler.get_server_info()
-    assert info["max_running_requests"] == slots and state_bytes == (per_slot * slots + 1) * slot
+    assert info["max_running_requests"] == slots and state_bytes == (per_slot * slots + 2) * slot
     assert info["max_total_num_tokens"] == (budget - state_bytes) // cell
     assert info["recurrent_state_bytes"] == state_bytes
     assert (info["recurrent_state_slots_used"], info["recurrent_state_slots_total"]) == (0, slots + 1)
@@ -280,8 +281,8 @@ def test_pd_registers_hybrid_state_buffers(tiny_model_factory, mode):
         pool, args = h.scheduler.worker.model_runner.state_pool, h.scheduler.pd.mgr.args
         bufs = [*pool.conv, *pool.ssm]
         assert args.state_data_ptrs == tuple(t.data_ptr() for t in bufs)
-        assert args.state_item_lens == tuple(t.nbytes // (pool.rows + pool.checkpoints) for t in bufs)
-        assert args.state_slots() == pool.rows + pool.checkpoints
+        assert args.state_item_lens == tuple(t[0].nbytes for t in bufs)
+        assert args.state_slots() == pool.rows + pool.checkpoints + 1, "rows, checkpoints and the padding slot"
         geo = args.geometry
         assert (geo.layer_layout, geo.state_dtype) == ("LFLF", "conv float32, ssm float32")
         assert geo.model.startswith("Qwen3_5ForCausalLM") and geo.layer_num == 2

@@ -136,7 +136,7 @@ def _path(node):
 def test_state_pool_copies_run_in_order_and_checkpoint_slots_follow_the_rows():
     pool = RecurrentStatePool(LinearStateShapes(1, (2, 2), (1, 2, 2)), 3, torch.float32, torch.float32, "cpu",
                               checkpoints=2)
-    assert pool.checkpoint_slots() == [3, 4] and pool.ssm[0].shape[0] == 5
+    assert pool.checkpoint_slots() == [3, 4] and pool.pad_slot == 5 and pool.ssm[0].shape[0] == 6
     pool.ssm[0][0] = 1.0
     pool.ssm[0][3] = 3.0
     pool.copy_slots([(0, 4), (3, 0)])  # a row's state out to a checkpoint, then a checkpoint over the row
@@ -259,10 +259,12 @@ def _core_and_batches(device: str, dtype: torch.dtype):
     lens, prefix = [5, 70, 1, 33], [0, 0, 3, 10]
     extend = SimpleNamespace(
         forward_mode=ForwardMode.EXTEND, batch_size=4, req_pool_indices=torch.tensor([4, 0, 2, 1], device=device),
+        state_slots=torch.tensor([4, 0, 2, 1], device=device),
         extend_seq_lens_cpu=lens, extend_prefix_lens_cpu=prefix, state_pool=pool,
         state_ops=StateOps([], {1: [(16, 6), (64, 7), (70, 8)], 3: [(8, 9)], 0: [(5, 10)]}))
     decode = SimpleNamespace(forward_mode=ForwardMode.DECODE, batch_size=3,
-                             req_pool_indices=torch.tensor([1, 3, 5], device=device), state_pool=pool,
+                             req_pool_indices=torch.tensor([1, 3, 5], device=device),
+                             state_slots=torch.tensor([1, 3, 5], device=device), state_pool=pool,
                              state_ops=StateOps([], {2: [(1, 11)]}))
     n = sum(lens)
     inputs = [(torch.randn(n, layer.conv_dim, device=device, dtype=dtype), -torch.rand(n, 4, device=device),

@@ -69,8 +69,8 @@ def test_hybrid_pd_decode_radix_hit_reuses_kv_but_takes_the_state_from_the_prefi
     pool = pair.prefill.scheduler.worker.model_runner.token_to_kv_pool
     page_bytes = page * pool.bytes_per_token * 2 * pool.layer_num
     state_bytes = sum(pair.prefill.scheduler.pd.mgr.args.state_item_lens)
-    assert state_bytes == _state_pool(pair, "prefill").size_bytes() // (_state_pool(pair, "prefill").rows
-                                                                        + _state_pool(pair, "prefill").checkpoints)
+    states = _state_pool(pair, "prefill")
+    assert state_bytes == states.shapes.bytes_per_row(states.conv[0].dtype, states.ssm[0].dtype)
     sent = pair.prefill.scheduler.pd.transferred_bytes - sent_before
     meta = pair.prefill.scheduler.pd.metadata.item_bytes
     assert sent == (-(-len(second) // page) - 32 // page) * page_bytes + state_bytes + meta
