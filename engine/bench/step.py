@@ -13,8 +13,11 @@
 5. Prefill: one chunk of --prefill-tokens tokens, tokens/s and FLOP/s as % of the matmul rate.
 
 Variants (side by side, the same weights and pools): `fused` (the default engine: Triton layer ops,
-decode on tensor cores where auto picks them), `reference-ops` (--disable-fused-ops) and the other
-tensor-core setting. This is a benchmark command, not a test: it asserts nothing about speed.
+decode on tensor cores where auto picks them), `reference-ops` (--disable-fused-ops), the other
+tensor-core setting, and `triton-gemv` (asked for by name: `fused` with the linears of 1..16 rows on
+the Triton GEMV of triton_ops/gemv.py, gate|up with silu * up in its epilogue, instead of cuBLAS;
+its configs are autotuned during the graph warm-ups). This is a benchmark command, not a test: it
+asserts nothing about speed.
 """
 from __future__ import annotations
 
@@ -52,6 +55,8 @@ SHAPES: dict[str, dict[str, Any]] = {
                           tie_word_embeddings=False, hidden_act="silu", attention_bias=False),
 }
 SHARD_BYTES = 4 << 30
+VARIANTS = ("fused", "reference-ops", "other-tensor-cores", "triton-gemv")
+GEMV_ROWS = 16  # triton-gemv: batches of up to this many rows take the GEMV (1 and 16 do, 64 stays on cuBLAS)
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
@@ -61,7 +66,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=50, help="timed decode steps per batch size")
     p.add_argument("--prefill-tokens", type=int, default=8192, help="one prefill chunk of this many tokens (0: skip)")
     p.add_argument("--variants", default="fused,reference-ops,other-tensor-cores",
-                   help="comma list of fused, reference-ops, other-tensor-cores")
+                   help=f"comma list of {', '.join(VARIANTS)}")
     p.add_argument("--dir", default=None, help="checkpoint directory (default: /dev/shm/baton-step-<shape>, "
                                                 "or the temp dir when /dev/shm lacks room)")
     p.add_argument("--profile-batch-sizes", default=None,
@@ -297,6 +302,7 @@ def _set_variant(runner: Any, base_args: Any, name: str, max_bs: int) -> str:
     """Rebind the runner's ops / attention backend / graphs for a variant; returns its description."""
     from baton.engine.layers.attention import create_attention_backend, use_tensor_core_decode
     from baton.engine.layers.custom_op import bind_layer_ops
+    from baton.engine.layers.gemm import set_small_batch_gemv
     from baton.engine.model_executor.cuda_graph_runner import CudaGraphRunner
 
     fused = name != "reference-ops"
@@ -306,11 +312,15 @@ def _set_variant(runner: Any, base_args: Any, name: str, max_bs: int) -> str:
         tc = "off" if use_tensor_core_decode(tc, g.num_qo_heads // g.num_kv_heads) else "on"
     runner.server_args = dataclasses.replace(base_args, disable_fused_ops=not fused, flashinfer_decode_tensor_cores=tc)
     bind_layer_ops(runner.model, runner.device, fused=fused)
+    gemv_rows = GEMV_ROWS if name == "triton-gemv" else 0
+    set_small_batch_gemv(gemv_rows)  # before the capture below, whose warm-ups autotune the GEMV
     runner.cuda_graph_runner = None
     torch.cuda.empty_cache()
     runner.attn_backend = create_attention_backend("flashinfer", model_runner=runner)
     runner.cuda_graph_runner = CudaGraphRunner(runner, max_bs=max_bs)
-    return f"{'Triton' if fused else 'torch reference'} ops, decode tensor cores {runner.attn_backend.decode_tensor_cores}"
+    gemv = f", Triton GEMV for 1..{gemv_rows} rows" if gemv_rows else ""
+    return (f"{'Triton' if fused else 'torch reference'} ops, decode tensor cores "
+            f"{runner.attn_backend.decode_tensor_cores}{gemv}")
 
 
 def run_cli(args: argparse.Namespace) -> int:
@@ -323,7 +333,7 @@ def run_cli(args: argparse.Namespace) -> int:
 
     batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = set(variants) - {"fused", "reference-ops", "other-tensor-cores"}
+    unknown = set(variants) - set(VARIANTS)
     if unknown or not batch_sizes:
         print(f"unknown variants {sorted(unknown)} or no batch sizes")
         return 2

@@ -1,7 +1,13 @@
-"""A layer's matmul: torch's GEMM, or the packed bfloat16 CPU kernel where the layer has a packed copy.
+"""A layer's matmul: torch's GEMM, the packed bfloat16 CPU kernel where the layer has a packed copy,
+or, when switched on, a Triton GEMV for a CUDA call of a few rows.
 
 The copy is the buffer `packed_weight`, made by layers/linear.py's pack_linear_weights after loading.
 The linear layers and the LM head (layers/vocab_parallel.py) both multiply through here.
+
+`set_small_batch_gemv(r)` sends calls of 1..r rows on CUDA to triton_ops/gemv.py, which reads each
+weight once in one kernel where cuBLAS may split K and add a reduce kernel (a decode step is memory
+bound). Off (0) by default until a GPU run shows it faster (`baton bench step --variants triton-gemv`).
+MergedColumnLinear.gated takes gemv_silu_mul under the same rule (`gemv_applies`).
 """
 from __future__ import annotations
 
@@ -13,10 +19,43 @@ from torch import nn
 
 from baton.engine.kernels import cpu_linear
 
+_gemv_rows = 0  # calls of 1.._gemv_rows rows take the Triton GEMV; 0: off
+_GEMV_DEVICE = "cuda"  # the device type it serves (tests point it at cpu, with a stand-in kernel, to check the rule)
+
+
+def set_small_batch_gemv(max_rows: int) -> None:
+    """Route CUDA calls of 1..max_rows rows (bf16/fp16) through the Triton GEMV; 0 switches it off."""
+    global _gemv_rows
+    if max_rows:
+        from baton.engine.triton_ops import gemv
+
+        if gemv.triton is None:
+            raise RuntimeError("set_small_batch_gemv: triton is not installed")
+        if not 0 < max_rows <= gemv.MAX_ROWS:
+            raise ValueError(f"set_small_batch_gemv: max_rows must be 0..{gemv.MAX_ROWS}, got {max_rows}")
+    _gemv_rows = max_rows
+
+
+def small_batch_gemv_rows() -> int:
+    return _gemv_rows
+
+
+def gemv_applies(layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
+    """Whether a call of `layer` on x takes the Triton GEMV: switched on, x on CUDA, 2-D and contiguous,
+    1..max_rows rows, bf16/fp16 like the weight (and bias), no packed CPU copy."""
+    return (_gemv_rows > 0 and x.device.type == _GEMV_DEVICE and x.dim() == 2 and 1 <= x.shape[0] <= _gemv_rows
+            and x.is_contiguous() and x.dtype in (torch.bfloat16, torch.float16) and layer.weight.dtype == x.dtype
+            and (bias is None or bias.dtype == x.dtype) and getattr(layer, "packed_weight", None) is None)
+
 
 def linear_forward(layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """F.linear(x, layer.weight, bias), through the packed copy when the layer has one."""
+    """F.linear(x, layer.weight, bias), through the packed copy when the layer has one, or the Triton GEMV
+    for a few rows when that is switched on."""
     packed = getattr(layer, "packed_weight", None)
-    if packed is None:
-        return F.linear(x, layer.weight, bias)
-    return cpu_linear.packed_linear(x, layer.weight, packed, bias)
+    if packed is not None:
+        return cpu_linear.packed_linear(x, layer.weight, packed, bias)
+    if _gemv_rows and gemv_applies(layer, x, bias):
+        from baton.engine.triton_ops.gemv import gemv
+
+        return gemv(x, layer.weight, bias)
+    return F.linear(x, layer.weight, bias)

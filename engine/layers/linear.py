@@ -21,7 +21,7 @@ from torch import nn
 
 from baton.engine.distributed.parallel_state import TpGroup, all_reduce
 from baton.engine.kernels import cpu_linear
-from baton.engine.layers.gemm import linear_forward
+from baton.engine.layers.gemm import gemv_applies, linear_forward
 from baton.engine.layers.vocab_parallel import VocabParallelEmbedding
 
 if TYPE_CHECKING:
@@ -62,11 +62,16 @@ class MergedColumnLinear(nn.Linear):
         return linear_forward(self, x, self.bias)
 
     def gated(self, x: torch.Tensor, act: "GatedAct") -> torch.Tensor:
-        """act(gate) * up of this [gate | up] layer's output. A packed bfloat16 CPU layer gives
-        silu(gate) * up straight out of its GEMM tiles (no [rows, 2I] product)."""
+        """act(gate) * up of this [gate | up] layer's output. A packed bfloat16 CPU layer, and a few
+        CUDA rows when the small-batch GEMV is on (layers/gemm.py), give silu(gate) * up straight
+        out of the matmul's tiles (no [rows, 2I] product)."""
         packed = getattr(self, "packed_weight", None)
         if act.is_silu and x.dtype == torch.bfloat16 and cpu_linear.silu_mul_fusable(self.weight, packed, self.bias):
             return cpu_linear.packed_linear_silu_mul(x, self.weight, packed)
+        if act.is_silu and self.bias is None and gemv_applies(self, x, None):
+            from baton.engine.triton_ops.gemv import gemv_silu_mul
+
+            return gemv_silu_mul(x, self.weight)
         return act(self(x))
 
     @torch.no_grad()

@@ -1,0 +1,321 @@
+"""The small-batch Triton GEMV (triton_ops/gemv.py) and its switch in layers/gemm.py.
+
+Criteria:
+- CPU, under TRITON_INTERPRET=1 (a subprocess): gemv against F.linear and gemv_silu_mul against the
+  unfused rounding (gate|up to the dtype, silu in fp32, rounded, times up, rounded), for M = 1 (the
+  row-sum path) and M = 3, 16, 40 (tl.dot), N and K not multiples of the tiles, with and without a
+  bias. float32 within 1e-5; float16 within two roundings of the result, bfloat16 within four
+  (the interpreter's bfloat16 casts truncate where a GPU rounds to nearest).
+- CPU: both kernels compile for sm_90, the row-sum path with 16-byte loads, the dot path with MMAs.
+- CPU: the switch is off by default; on, a CPU call still takes F.linear; with the device rule
+  pointed at cpu and a stand-in kernel, linear_forward, MergedColumnLinear.gated and the LM head take
+  the GEMV exactly for 1..max_rows rows of a 2-D contiguous bf16/fp16 x matching the weight, and
+  gated fuses silu * up only for SiLU without a bias.
+- GPU (`gpu` marker): bf16 on CUDA against the fp32 product within a rounding or two, without a
+  device-to-host sync once tuned, and replayed from a captured CUDA graph, including a shape first
+  met inside the capture (the fixed config, no tuning).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from baton.engine.layers import gemm
+from baton.engine.layers.custom_op import triton_available
+
+INTERPRETED = textwrap.dedent(
+    """
+    import torch
+    import torch.nn.functional as F
+    from baton.engine.triton_ops.gemv import gemv, gemv_silu_mul
+
+    g = torch.Generator().manual_seed(0)
+
+    def close(got, want, dtype, what):
+        assert got.dtype == dtype and got.shape == want.shape, (what, got.dtype, got.shape)
+        got, want = got.float(), want.float()
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=str(what))
+        else:
+            rel = 2 * 2 ** -10 if dtype == torch.float16 else 4 * 2 ** -7
+            err = (got - want).abs()
+            assert bool((err <= rel * want.abs().clamp_min(1.0)).all()), (what, err.max().item())
+
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for m, n, k in ((1, 70, 300), (3, 100, 257), (16, 33, 130), (40, 20, 64)):
+            x = torch.randn(m, k, generator=g).to(dtype)
+            w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype)
+            b = torch.randn(n, generator=g).to(dtype)
+            exact = F.linear(x.float(), w.float())
+            close(gemv(x, w), exact.to(dtype), dtype, ("gemv", dtype, m, n, k))
+            close(gemv(x, w, b), (exact + b.float()).to(dtype), dtype, ("gemv bias", dtype, m, n, k))
+            w2 = (torch.randn(2 * n, k, generator=g) / k ** 0.5).to(dtype)
+            gu = F.linear(x.float(), w2.float()).to(dtype).float()
+            want = (F.silu(gu[:, :n]).to(dtype).float() * gu[:, n:]).to(dtype)
+            close(gemv_silu_mul(x, w2), want, dtype, ("gemv_silu_mul", dtype, m, n, k))
+        wide = torch.randn(2, 96, generator=g).to(dtype)  # rows strided like a slice of a wider tensor
+        w = torch.randn(24, 64, generator=g).to(dtype)
+        close(gemv(wide[:, 16:80], w), F.linear(wide[:, 16:80].float(), w.float()).to(dtype), dtype, "strided x")
+        assert gemv(torch.zeros(0, 64, dtype=dtype), w).shape == (0, 24)
+    print("INTERPRETED OK")
+    """
+)
+
+
+def test_gemv_matches_torch_under_the_interpreter():
+    if not triton_available():
+        pytest.skip("triton is not installed")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-c", INTERPRETED], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "INTERPRETED OK" in proc.stdout
+
+
+SM90_COMPILE = textwrap.dedent(
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from baton.engine.triton_ops import gemv
+
+    CONSTEXPRS = ("HAS_BIAS", "ONE_ROW", "BLOCK_M", "BLOCK_N", "BLOCK_K", "ROW_SUM")
+
+    def compile_(kernel, dt, consts, num_warps, num_stages):
+        names = kernel.fn.arg_names
+        sig = {a: "constexpr" if a in CONSTEXPRS else (f"*{dt}" if a.endswith("_ptr") else "i32") for a in names}
+        # what the launcher sees at run time: 16-byte aligned pointers, sizes and strides divisible by 16
+        attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names) if sig[a] != "constexpr" and a != "M"}
+        src = ASTSource(fn=kernel.fn, signature=sig, constexprs=consts, attrs=attrs)
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                             options=dict(num_warps=num_warps, num_stages=num_stages)).asm["ptx"]
+        print("compiled", kernel.fn.__name__, dt, consts)
+        return ptx
+
+    row = dict(ONE_ROW=True, BLOCK_M=16, BLOCK_N=16, BLOCK_K=1024, ROW_SUM=True)
+    dot = dict(ONE_ROW=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, ROW_SUM=False)
+    assert "ld.global.v4" in compile_(gemv._gemv_kernel, "bf16", dict(row, HAS_BIAS=True), 4, 1)
+    assert "mma" in compile_(gemv._gemv_kernel, "bf16", dict(dot, HAS_BIAS=False), 4, 4)
+    compile_(gemv._gemv_kernel, "fp32", dict(dot, BLOCK_N=16, HAS_BIAS=True), 4, 3)  # exact fp32: FMAs, no MMA
+    assert "ld.global.v4" in compile_(gemv._gemv_silu_mul_kernel, "fp16", row, 8, 1)
+    assert "mma" in compile_(gemv._gemv_silu_mul_kernel, "bf16", dict(dot, BLOCK_N=32), 4, 4)
+    """
+)
+
+
+def test_gemv_kernels_compile_for_sm90():
+    """Triton's compiler is stricter than its interpreter; this also checks the loads are vectorized
+    (scalar 2-byte loads would waste the bandwidth the kernel exists for) and the dot path uses MMAs."""
+    if not triton_available():
+        pytest.skip("triton is not installed")
+    proc = subprocess.run([sys.executable, "-c", SM90_COMPILE], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("compiled") == 5, proc.stdout
+
+
+# ---------------------------------------------------------------- the switch
+
+@pytest.fixture
+def gemv_off_after():
+    yield
+    gemm.set_small_batch_gemv(0)
+
+
+def test_switch_is_off_by_default_and_a_cpu_call_keeps_f_linear(gemv_off_after, monkeypatch):
+    if not triton_available():
+        pytest.skip("triton is not installed")
+    from baton.engine.triton_ops import gemv as gemv_mod
+
+    assert gemm.small_batch_gemv_rows() == 0
+    gemm.set_small_batch_gemv(16)
+    assert gemm.small_batch_gemv_rows() == 16
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the GEMV ran for a CPU call")
+
+    monkeypatch.setattr(gemv_mod, "gemv", refuse)
+    monkeypatch.setattr(gemv_mod, "gemv_silu_mul", refuse)
+    layer = torch.nn.Linear(64, 24).to(torch.bfloat16)
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    assert torch.equal(gemm.linear_forward(layer, x, layer.bias), F.linear(x, layer.weight, layer.bias))
+    with pytest.raises(ValueError, match="max_rows"):
+        gemm.set_small_batch_gemv(gemv_mod.MAX_ROWS + 1)
+
+
+def test_gemv_is_taken_exactly_under_its_conditions(gemv_off_after, monkeypatch):
+    if not triton_available():
+        pytest.skip("triton is not installed")
+    from baton.engine.distributed.parallel_state import TpGroup
+    from baton.engine.layers.activation import GatedAct
+    from baton.engine.layers.linear import MergedColumnLinear, even_parts
+    from baton.engine.layers.vocab_parallel import VocabParallelEmbedding
+    from baton.engine.triton_ops import gemv as gemv_mod
+
+    calls: list[tuple] = []
+
+    def fake_gemv(x, w, bias=None):
+        calls.append(("gemv", x.shape[0], bias is not None))
+        return F.linear(x, w, bias)
+
+    def fake_silu_mul(x, w):
+        calls.append(("silu_mul", x.shape[0]))
+        gu = F.linear(x, w)
+        return F.silu(gu[:, :w.shape[0] // 2]) * gu[:, w.shape[0] // 2:]
+
+    monkeypatch.setattr(gemv_mod, "gemv", fake_gemv)
+    monkeypatch.setattr(gemv_mod, "gemv_silu_mul", fake_silu_mul)
+    monkeypatch.setattr(gemm, "_GEMV_DEVICE", "cpu")  # the rule as on CUDA, the stand-ins above as the kernels
+    bf = torch.bfloat16
+    layer = torch.nn.Linear(32, 12).to(bf)
+
+    def took_gemv(x, rows_on=16, bias=True):
+        gemm.set_small_batch_gemv(rows_on)
+        calls.clear()
+        b = layer.bias if bias else None
+        assert torch.equal(gemm.linear_forward(layer, x, b), F.linear(x, layer.weight, b))
+        return bool(calls)
+
+    x16 = torch.randn(16, 32).to(bf)
+    assert took_gemv(x16[:1]) and took_gemv(x16) and took_gemv(x16[:5], bias=False)
+    assert calls == [("gemv", 5, False)]
+    assert not took_gemv(torch.randn(17, 32).to(bf))  # more rows than switched on
+    assert not took_gemv(x16[:0])
+    assert not took_gemv(x16[:4], rows_on=0)  # off
+    assert took_gemv(x16[:4], rows_on=4) and not took_gemv(x16[:5], rows_on=4)
+    assert not took_gemv(torch.randn(2, 64).to(bf)[:, ::2])  # not contiguous
+    assert not took_gemv(x16[:4].view(2, 2, 32))  # 3-D
+    layer_fp16 = torch.nn.Linear(32, 12).to(torch.float16)
+    gemm.set_small_batch_gemv(16)
+    assert gemm.gemv_applies(layer_fp16, x16[:2].half(), layer_fp16.bias)
+    assert not gemm.gemv_applies(layer_fp16, x16[:2].float(), None)  # fp32 stays on torch's GEMM
+    assert not gemm.gemv_applies(layer, x16[:2].half(), None)  # x's dtype is not the weight's
+    layer.register_buffer("packed_weight", torch.zeros(1), persistent=False)  # a packed CPU layer keeps its kernel
+    assert not gemm.gemv_applies(layer, x16[:2], None)
+    del layer.packed_weight
+
+    # MergedColumnLinear.gated: silu * up fused into the GEMV for SiLU without a bias
+    gate_up = MergedColumnLinear(32, even_parts([24, 24], TpGroup()), bias=False).to(bf)
+    silu, gelu = GatedAct("silu"), GatedAct("gelu")
+    calls.clear()
+    want = silu.forward_native(F.linear(x16[:3], gate_up.weight))
+    torch.testing.assert_close(gate_up.gated(x16[:3], silu), want)
+    assert calls == [("silu_mul", 3)]
+    calls.clear()
+    gate_up.gated(x16[:3], gelu)  # another activation: the GEMV, then the activation
+    assert calls == [("gemv", 3, False)]
+    calls.clear()
+    gate_up.gated(torch.randn(20, 32).to(bf), silu)  # past max_rows: torch's GEMM
+    assert calls == []
+    biased = MergedColumnLinear(32, even_parts([24, 24], TpGroup()), bias=True).to(bf)
+    calls.clear()
+    biased.gated(x16[:3], silu)  # a bias: the GEMV with it, no fused epilogue
+    assert calls == [("gemv", 3, True)]
+
+    # the LM head: float32 logits of every vocabulary row through the GEMV
+    head = VocabParallelEmbedding(100, 32).to(bf)
+    torch.nn.init.normal_(head.weight)  # made with torch.empty
+    calls.clear()
+    logits = head.logits(x16[:2])
+    assert calls == [("gemv", 2, False)] and logits.dtype == torch.float32 and logits.shape == (2, 100)
+    assert torch.equal(logits, F.linear(x16[:2], head.weight).float())
+
+
+# ---------------------------------------------------------------- CUDA
+
+@pytest.mark.gpu
+def test_gemv_on_cuda_matches_without_a_sync_and_in_a_graph():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    if not triton_available():
+        pytest.skip("needs triton")
+    from baton.engine.triton_ops.activation import silu_and_mul
+    from baton.engine.triton_ops.gemv import gemv, gemv_silu_mul
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    bf = torch.bfloat16
+
+    def close(got, want, what, rel=2 ** -7):  # a rounding apart (bf16's ulp is at most 2^-7 of the value)
+        got, want = got.float(), want.float()
+        assert bool(((got - want).abs() <= rel * want.abs().clamp_min(1.0)).all()), (what, (got - want).abs().max())
+
+    def rand(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, generator=g, device="cuda")).to(bf)
+
+    k, n, inter = 2048, 3000, 1408
+    w, b, w13 = rand(n, k, scale=k ** -0.5), rand(n), rand(2 * inter, k, scale=k ** -0.5)
+    xs = {m: rand(m, k) for m in (1, 5, 16)}
+
+    def silu_ref(x):
+        gu = F.linear(x.float(), w13.float()).to(bf).float()
+        return (F.silu(gu[:, :inter]).to(bf).float() * gu[:, inter:]).to(bf)
+
+    for m, x in xs.items():  # the first call of each shape tunes (and syncs)
+        close(gemv(x, w, b), F.linear(x.float(), w.float(), b.float()), ("gemv", m))
+        close(gemv_silu_mul(x, w13), silu_ref(x), ("gemv_silu_mul", m), rel=2 ** -6)
+        close(gemv_silu_mul(x, w13), silu_and_mul(F.linear(x, w13)), ("against the unfused path", m), rel=2 ** -6)
+    torch.cuda.set_sync_debug_mode("error")  # tuned: the calls launch without a device-to-host sync
+    try:
+        outs = {m: (gemv(x, w, b), gemv_silu_mul(x, w13)) for m, x in xs.items()}
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for m, (y, act) in outs.items():
+        close(y, F.linear(xs[m].float(), w.float(), b.float()), ("gemv, no sync", m))
+        close(act, silu_ref(xs[m]), ("gemv_silu_mul, no sync", m), rel=2 ** -6)
+
+    # never called eagerly: the capture takes the fixed config, not the tuner. Same specialization as
+    # n (not a multiple of 16) with a bias, so Triton finds it compiled (it compiles on a first launch,
+    # which a capture may not allow: the graph runner's warm-ups are what make both happen before one).
+    w_new, b_new = rand(n + 16, k, scale=k ** -0.5), rand(n + 16)
+    graph = torch.cuda.CUDAGraph()
+    x1, x16 = xs[1].clone(), xs[16].clone()
+    with torch.cuda.graph(graph):
+        y1, y16, a16, fresh = gemv(x1, w, b), gemv(x16, w), gemv_silu_mul(x16, w13), gemv(x1, w_new, b_new)
+    x1.copy_(rand(1, k))
+    x16.copy_(rand(16, k))
+    graph.replay()
+    close(y1, F.linear(x1.float(), w.float(), b.float()), "gemv replayed")
+    close(y16, F.linear(x16.float(), w.float()), "gemv 16 rows replayed")
+    close(a16, silu_ref(x16), "gemv_silu_mul replayed", rel=2 ** -6)
+    close(fresh, F.linear(x1.float(), w_new.float(), b_new.float()), "a shape first met in the capture")
+
+
+def test_bench_step_variants_set_the_switch(gemv_off_after, monkeypatch):
+    """`baton bench step`: triton-gemv switches the GEMV on for 1..16 rows before its graphs are
+    captured; every other variant switches it off again (the runner's GPU parts stubbed out)."""
+    if not triton_available():
+        pytest.skip("triton is not installed")
+    import dataclasses
+    import types
+
+    from baton.engine.bench import step
+    from baton.engine.layers import attention, custom_op
+    from baton.engine.model_executor import cuda_graph_runner
+
+    seen: list[int] = []
+
+    class Graphs:  # the capture: what the switch is when the graphs (and their warm-ups) are made
+        def __init__(self, runner, max_bs):
+            seen.append(gemm.small_batch_gemv_rows())
+
+    @dataclasses.dataclass
+    class Args:
+        disable_fused_ops: bool = False
+        flashinfer_decode_tensor_cores: str = "auto"
+
+    backend = types.SimpleNamespace(decode_tensor_cores=True, geometry=types.SimpleNamespace(num_qo_heads=8,
+                                                                                             num_kv_heads=2))
+    monkeypatch.setattr(custom_op, "bind_layer_ops", lambda *a, **k: {})
+    monkeypatch.setattr(attention, "create_attention_backend", lambda *a, **k: backend)
+    monkeypatch.setattr(cuda_graph_runner, "CudaGraphRunner", Graphs)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    runner = types.SimpleNamespace(model=None, device="cuda", attn_backend=backend)
+    names = ["triton-gemv", "fused", "triton-gemv", "reference-ops", "triton-gemv", "other-tensor-cores"]
+    descriptions = [step._set_variant(runner, Args(), name, 64) for name in names]
+    assert seen == [16, 0, 16, 0, 16, 0] and gemm.small_batch_gemv_rows() == 0
+    assert "GEMV for 1..16 rows" in descriptions[0] and "GEMV" not in descriptions[1]
+    assert set(names) == set(step.VARIANTS)
