@@ -15,6 +15,30 @@ if SUPPORT not in sys.path:
     sys.path.insert(0, SUPPORT)
 
 
+def _hf_hybrids_keep_torch_math() -> None:
+    """transformers' hybrid models take fla-core's gated delta rule wherever it is installed (the GPU
+    machine), also for the CPU float32 reference the tests compare with, where its Triton kernels
+    cannot run: the reference keeps HF's own torch functions (inspect.unwrap: under the fallback wrapper)."""
+    import importlib
+    import importlib.util
+    import inspect
+
+    if importlib.util.find_spec("fla") is None:
+        return
+    for name in ("qwen3_next.modeling_qwen3_next", "qwen3_5.modeling_qwen3_5", "qwen3_5_moe.modeling_qwen3_5_moe"):
+        try:
+            module = importlib.import_module(f"transformers.models.{name}")
+        except ImportError:
+            continue
+        for fn in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
+            if hasattr(module, fn):
+                setattr(module, fn, inspect.unwrap(getattr(module, fn)))
+
+
+def pytest_configure(config) -> None:
+    _hf_hybrids_keep_torch_math()
+
+
 @pytest.fixture(scope="session")
 def tiny_model_factory(tmp_path_factory) -> Callable[..., str]:
     """make(arch, **config_overrides) -> checkpoint directory of a tiny random model, built once per

@@ -93,7 +93,7 @@ def gemv_silu_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 if triton is not None:
 
     def _configs(weight_tiles: int) -> list:
-        """A handful of each kind (every config is a compile, then a timing, per shape), each reading
+        """Three of each kind (every config is a compile, then a timing, per shape), each reading
         BLOCK_N rows of W by BLOCK_K columns per step:
         ROW_SUM (M = 1 only): the tile straight into registers, fp32 multiply-adds and a row sum. The
             pipeliner leaves these loads alone, so the tiles are large (32-64 KB in flight).
@@ -101,9 +101,9 @@ if triton is not None:
             stages within 160 KB; also a candidate at M = 1.
         BLOCK_N = 16 keeps 256 programs at N = 4096 (132 SMs); wider ones suit the wide layers."""
         row = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "ROW_SUM": True}, num_warps=w, num_stages=1)
-               for bn, bk, w in ((16, 512, 4), (16, 1024, 4), (16, 1024, 8), (32, 512, 4), (32, 512, 8), (64, 256, 8))]
+               for bn, bk, w in ((16, 1024, 4), (32, 512, 4), (64, 256, 8))]
         dot = []
-        for bn, bk in ((16, 256), (16, 512), (32, 256), (32, 512), (64, 128), (64, 256)):
+        for bn, bk in ((16, 256), (32, 256), (64, 128)):
             stages = min(4, (160 << 10) // ((weight_tiles * bn + 16) * bk * 2))
             dot.append(triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "ROW_SUM": False}, num_warps=4, num_stages=stages))
         return row + dot
@@ -112,7 +112,7 @@ if triton is not None:
         """Interpreted, or in a capture before tuning: one of the tuned configs of both kernels (so
         a warm-up of a like shape has compiled it)."""
         if one_row:
-            return triton.Config({"BLOCK_N": 16, "BLOCK_K": 512, "ROW_SUM": True}, num_warps=4, num_stages=1)
+            return triton.Config({"BLOCK_N": 16, "BLOCK_K": 1024, "ROW_SUM": True}, num_warps=4, num_stages=1)
         return triton.Config({"BLOCK_N": 16, "BLOCK_K": 256, "ROW_SUM": False}, num_warps=4, num_stages=4)
 
     def _prune(configs, named_args, **kwargs):

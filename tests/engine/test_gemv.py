@@ -285,7 +285,7 @@ def test_gemv_on_cuda_matches_without_a_sync_and_in_a_graph():
 
 
 def test_bench_step_variants_set_the_switch(gemv_off_after, monkeypatch):
-    """`baton bench step`: triton-gemv switches the GEMV on for 1..16 rows before its graphs are
+    """`baton bench step`: triton-gemv switches the GEMV on for 1..64 rows before its graphs are
     captured; every other variant switches it off again (the runner's GPU parts stubbed out)."""
     if not triton_available():
         pytest.skip("triton is not installed")
@@ -316,6 +316,6 @@ def test_bench_step_variants_set_the_switch(gemv_off_after, monkeypatch):
     runner = types.SimpleNamespace(model=None, device="cuda", attn_backend=backend)
     names = ["triton-gemv", "fused", "triton-gemv", "reference-ops", "triton-gemv", "other-tensor-cores"]
     descriptions = [step._set_variant(runner, Args(), name, 64) for name in names]
-    assert seen == [16, 0, 16, 0, 16, 0] and gemm.small_batch_gemv_rows() == 0
-    assert "GEMV for 1..16 rows" in descriptions[0] and "GEMV" not in descriptions[1]
+    assert seen == [64, 0, 64, 0, 64, 0] and gemm.small_batch_gemv_rows() == 0
+    assert "GEMV for 1..64 rows" in descriptions[0] and "GEMV" not in descriptions[1]
     assert set(names) == set(step.VARIANTS)
