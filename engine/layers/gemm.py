@@ -1,12 +1,15 @@
-"""A layer's matmul: torch's GEMM, the packed bfloat16 CPU kernel where the layer has a packed copy,
-or, when switched on, a Triton GEMV for a CUDA call of a few rows.
+"""A layer's matmul: torch's GEMM, a packed bfloat16 CPU kernel, or a Triton GEMV for a few rows.
+
+The packed CPU kernel serves a layer with a packed copy; the GEMV, when switched on, a CUDA call of a
+few rows.
 
 The copy is the buffer `packed_weight`, made by layers/linear.py's pack_linear_weights after loading.
 The linear layers and the LM head (layers/vocab_parallel.py) both multiply through here.
 
 `set_small_batch_gemv(r)` sends calls of 1..r rows on CUDA to triton_ops/gemv.py, which reads each
 weight once in one kernel where cuBLAS may split K and add a reduce kernel (a decode step is memory
-bound). Off (0) by default until a GPU run shows it faster (`baton bench step --variants triton-gemv`).
+bound). Off (0) by default (--small-batch-gemv-rows): on an H200 it was 3-4% faster at batch 1 and 16
+and 5% slower at 64 (`baton bench step --variants fused,triton-gemv`), and no served run has used it yet.
 MergedColumnLinear.gated takes gemv_silu_mul under the same rule (`gemv_applies`).
 """
 from __future__ import annotations

@@ -147,6 +147,25 @@ def test_switch_is_off_by_default_and_a_cpu_call_keeps_f_linear(gemv_off_after, 
         gemm.set_small_batch_gemv(gemv_mod.MAX_ROWS + 1)
 
 
+def test_small_batch_gemv_rows_flag(gemv_off_after, tiny_model_factory):
+    """--small-batch-gemv-rows: SGLang-style flag parsing and bounds; a CPU runner leaves the switch off
+    whatever the flag says (the GEMV serves CUDA only)."""
+    import argparse
+
+    from baton.engine.model_executor.model_runner import ModelRunner
+    from baton.engine.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    args = ServerArgs.from_cli_args(parser.parse_args(["--model-path", "m", "--small-batch-gemv-rows", "16"]))
+    assert args.small_batch_gemv_rows == 16 and ServerArgs(model_path="m").small_batch_gemv_rows == 0
+    with pytest.raises(ValueError, match="small-batch-gemv-rows"):
+        ServerArgs(model_path="m", small_batch_gemv_rows=65)
+    gemm.set_small_batch_gemv(8)
+    ModelRunner(ServerArgs(model_path=tiny_model_factory("llama"), small_batch_gemv_rows=16, max_total_tokens=256))
+    assert gemm.small_batch_gemv_rows() == 0
+
+
 def test_gemv_is_taken_exactly_under_its_conditions(gemv_off_after, monkeypatch):
     if not triton_available():
         pytest.skip("triton is not installed")
