@@ -339,10 +339,8 @@ class ServerArgs:
             object.__setattr__(self, name, value)  # frozen
 
     def _check_tree_drafts(self, flag: str) -> None:
-        """Tree drafts (NGRAM's breadth, a head's topk): the torch backend's tree mask, one TP rank."""
-        if self.attention_backend != "torch":
-            raise ValueError(f"{flag} (tree drafts) needs --attention-backend torch: {self.attention_backend} cannot "
-                             "mask a tree yet (use 1 to draft chains)")
+        """Tree drafts (NGRAM's breadth, a head's topk): a tree mask (both attention backends have one,
+        layers/attention/masks.py), one TP rank."""
         if self.tp_size > 1:
             raise ValueError(f"{flag} (tree drafts) runs with --tp-size 1 only for now (use 1 to draft chains)")
 

@@ -382,6 +382,38 @@ def test_flashinfer_matches_torch_backend(tiny_model_factory, page_size):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("page_size", [1, 16])
+def test_flashinfer_tree_verify_matches_torch_backend(tiny_model_factory, page_size):
+    """A verify step with a tree draft beside chains (speculative decoding, issue 35): FlashInfer's
+    custom mask (layers/attention/masks.py) vs the torch backend's tree mask, fp16, per token."""
+    need_gpu()
+    from baton.engine.layers.attention.torch_backend import TorchAttnBackend
+
+    runner = make_runner(tiny_model_factory("llama", **GPU_MODEL), page_size, "cuda", dtype="float16",
+                         attention_backend="flashinfer", disable_cuda_graph=True)
+    rows, lens = prefill(runner, PROMPTS[:3])
+    tree, depths = [-1, 0, 0, 1, 2], [0, 1, 1, 2, 2]  # two branches of two drafts each
+    table = runner.req_to_token_pool.req_to_token
+    last = [int(table[r, n - 1]) for r, n in zip(rows, lens)]
+    locs = runner.allocator.alloc_extend(lens, [n + 5 for n in lens], last)
+    for i, (r, n) in enumerate(zip(rows, lens)):
+        table[r, n:n + 5] = locs[5 * i:5 * i + 5].cuda()
+    positions = [n + d for d in depths for n in lens[:1]] + [n + j for n in lens[1:] for j in range(5)]
+    fb = ForwardBatch(ForwardMode.EXTEND, len(rows), torch.tensor([70 + i for i in range(15)]).cuda(),
+                      torch.tensor(positions).cuda(), torch.tensor(rows).cuda(), torch.tensor([n + 5 for n in lens]).cuda(),
+                      locs.cuda(), [n + 5 for n in lens], lens, [5] * len(rows), runner.req_to_token_pool,
+                      runner.token_to_kv_pool, runner.attn_backend, tree_parents=[tree, None, None])
+    before = kv_snapshot(runner)
+    with torch.inference_mode():
+        torch_fb = dataclasses.replace(fb, attn_backend=TorchAttnBackend(), attn_metadata=None)
+        torch_fb.attn_backend.init_forward_metadata(torch_fb)
+        expected = runner.model(torch_fb.input_ids, torch_fb.positions, torch_fb)
+    kv_restore(runner, before)
+    got = runner.forward(fb)  # a tree step: the backend plans its mask, the model's own forward runs
+    torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("bs", [1, 3, 5])
 def test_cuda_graph_replay_matches_eager(tiny_model_factory, page_size, bs):
     need_gpu()

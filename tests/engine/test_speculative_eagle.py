@@ -324,8 +324,8 @@ def test_head_tree_flags_and_what_is_refused(target, drafts):
     for n in (STEPS, 2 + 4 * STEPS):
         with pytest.raises(ValueError, match="must be between"):
             ServerArgs(model_path=target, **tree("EAGLE", draft, 4, speculative_num_draft_tokens=n))
-    with pytest.raises(ValueError, match="--attention-backend torch"):
-        ServerArgs(model_path=target, device="cuda", **{**tree("EAGLE", draft, 2), "attention_backend": "flashinfer"})
+    assert ServerArgs(model_path=target, device="cuda", **{**tree("EAGLE", draft, 2), "attention_backend": "flashinfer"}
+                      ).speculative_eagle_topk == 2, "FlashInfer masks trees too"
     with pytest.raises(ValueError, match="--tp-size 1"):
         ServerArgs(model_path=target, tp_size=2, **tree("EAGLE", draft, 2))
 

@@ -90,6 +90,23 @@ def test_tree_attention_equals_each_nodes_chain_alone(native):
         torch.testing.assert_close(out[j], alone[-1], msg=f"node {j} (path {path})")
 
 
+def test_flashinfers_flat_mask_is_each_requests_mask_in_turn():
+    """FlashInfer's custom_mask layout: request after request, each [n, p + n] row-major; a tree's rows
+    see the prefix, the node and its ancestors, a chain's are causal."""
+    from baton.engine.layers.attention.masks import flat_extend_mask, prefix_causal_mask, tree_mask
+
+    cpu = torch.device("cpu")
+    tree = [-1, 0, 0, 1, 2]
+    flat = flat_extend_mask([3, 2], [5, 3], [tree, None], cpu)
+    assert flat.shape == (5 * 8 + 3 * 5,) and flat.dtype == torch.bool
+    first, second = flat[:40].view(5, 8), flat[40:].view(3, 5)
+    assert torch.equal(first, tree_mask(3, tree, cpu)) and torch.equal(second, prefix_causal_mask(2, 3, cpu))
+    # node 2 (a sibling of node 1) sees the prefix, the root and itself; node 4 its branch 0 -> 2 -> 4
+    assert first[2].tolist() == [True] * 3 + [True, False, True, False, False]
+    assert first[4].tolist() == [True] * 3 + [True, False, True, False, True]
+    assert second.tolist()[0] == [True, True, True, False, False]
+
+
 # ---------------------------------------------------------------------------- acceptance
 def _state(**params) -> ReqSamplingState:
     p = SamplingParams(**{"temperature": 0.0, **params})
@@ -336,11 +353,31 @@ def test_tree_flags_are_sglangs_and_refused_where_trees_cannot_run():
     assert ServerArgs(model_path="m", speculative_algorithm="NGRAM").speculative_ngram_max_bfs_breadth == 1
     with pytest.raises(ValueError, match=">= 1"):
         ServerArgs(model_path="m", speculative_algorithm="NGRAM", speculative_ngram_max_bfs_breadth=0)
-    with pytest.raises(ValueError, match="--attention-backend torch"):
-        ServerArgs(model_path="m", device="cuda", attention_backend="flashinfer", speculative_algorithm="NGRAM",
-                   speculative_ngram_max_bfs_breadth=2)
+    # FlashInfer plans a custom mask for tree verify steps (layers/attention/masks.py)
+    assert ServerArgs(model_path="m", device="cuda", attention_backend="flashinfer", speculative_algorithm="NGRAM",
+                      speculative_ngram_max_bfs_breadth=2).speculative_ngram_max_bfs_breadth == 2
     with pytest.raises(ValueError, match="--tp-size 1"):
         ServerArgs(model_path="m", tp_size=2, speculative_algorithm="NGRAM", speculative_ngram_max_bfs_breadth=2)
     # a prefill engine never decodes: it takes the decode's flags and ignores them
     ServerArgs(model_path="m", device="cuda", attention_backend="flashinfer", speculative_algorithm="NGRAM",
                speculative_ngram_max_bfs_breadth=2, disaggregation_mode="prefill")
+
+
+@pytest.mark.gpu
+def test_tree_drafts_on_flashinfer(tiny_model_factory, monkeypatch):
+    """On CUDA with FlashInfer (fp16): verify steps of trees whose accepted tokens all lie off the first
+    chain plan FlashInfer's custom mask; the tokens are HF's greedy ones (teacher-forced, fp16 criterion of
+    test_gpu_paths), runs are accepted off the first chain, nothing leaks."""
+    from test_gpu_paths import GPU_MODEL, hf_consistency, need_gpu
+
+    need_gpu()
+    path = tiny_model_factory("llama", **GPU_MODEL)
+    prompts = {str(i): p for i, p in enumerate(workload()[:4])}
+    refs = {rid: hf_greedy(path, p, MAX_NEW, ignore_eos=True) for rid, p in prompts.items()}
+    h = _oracle_harness(monkeypatch, path, refs, "overlap", page_size=16, device="cuda", dtype="float16",
+                        attention_backend="flashinfer")
+    results = run_workload(h, list(prompts.values()), max_new=MAX_NEW, ignore_eos=True)
+    exact = sum(hf_consistency(path, prompts[rid], results[rid].ids, tol=0.1) for rid in prompts)
+    assert exact >= 0.9 * MAX_NEW * len(prompts)
+    info = h.scheduler.get_server_info()
+    assert info["spec_tree_branch_accepts"] > 10 and info["integrity_ok"] is True, info

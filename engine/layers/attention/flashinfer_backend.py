@@ -8,7 +8,9 @@ once in init_forward_metadata, and every layer only calls run():
     DECODE   BatchDecodeWithPagedKVCacheWrapper   one query per request
     EXTEND   BatchPrefillWithPagedKVCacheWrapper  causal, bottom-right aligned, so new token j of a
                                                   request with a cached prefix of p tokens sees
-                                                  keys 0 .. p + j (prefix pages included)
+                                                  keys 0 .. p + j (prefix pages included); a
+                                                  verify step with tree drafts plans a custom
+                                                  mask instead (layers/attention/masks.py)
 
 Decode runs on tensor cores (FlashInfer's prefill kernel with one query row per request) where
 --flashinfer-decode-tensor-cores says so; auto: for GQA groups of 4 or more query heads per KV head,
@@ -31,6 +33,7 @@ import torch
 
 from baton.engine.layers.attention import use_tensor_core_decode
 from baton.engine.layers.attention.base import AttentionBackend
+from baton.engine.layers.attention.masks import flat_extend_mask
 from baton.engine.triton_ops.paged_kv_indices import build_paged_kv_metadata, qo_indptr_of
 
 try:
@@ -141,17 +144,27 @@ class FlashInferAttnBackend(AttentionBackend):
 
     def _plan_decode(self, wrapper: Any, fb: "ForwardBatch", out: Optional[torch.Tensor] = None) -> None:
         g = self.geometry
-        meta = build_paged_kv_metadata(self.req_to_token, fb.req_pool_indices, fb.seq_lens_cpu, self.page_size, out)
+        meta = build_paged_kv_metadata(self._table(fb), fb.req_pool_indices, fb.seq_lens_cpu, self.page_size, out)
         self._plan(wrapper, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len,
                    g.num_qo_heads, g.num_kv_heads, g.head_dim, self.page_size)
         fb.attn_metadata = FlashInferMetadata(wrapper)
 
     def _plan_extend(self, fb: "ForwardBatch") -> None:
         g = self.geometry
-        meta = build_paged_kv_metadata(self.req_to_token, fb.req_pool_indices, fb.seq_lens_cpu, self.page_size)
+        meta = build_paged_kv_metadata(self._table(fb), fb.req_pool_indices, fb.seq_lens_cpu, self.page_size)
+        mask = {"causal": True}
+        if fb.tree_parents is not None:  # a verify step with tree drafts: each request's mask (masks.py)
+            mask = {"custom_mask": flat_extend_mask(fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu,
+                                                    fb.tree_parents, self.device)}
         self._plan(self.prefill_wrapper, qo_indptr_of(fb.extend_seq_lens_cpu), meta.kv_indptr, meta.kv_indices,
-                   meta.kv_last_page_len, g.num_qo_heads, g.num_kv_heads, g.head_dim, self.page_size, causal=True)
+                   meta.kv_last_page_len, g.num_qo_heads, g.num_kv_heads, g.head_dim, self.page_size, **mask)
         fb.attn_metadata = FlashInferMetadata(self.prefill_wrapper)
+
+    def _table(self, fb: "ForwardBatch") -> torch.Tensor:
+        """The request-to-token table the batch reads through: the runner's, or a table of its own (a
+        draft head's branches, speculative/head_drafter.py)."""
+        pool = fb.req_to_token_pool
+        return self.req_to_token if pool is None else pool.req_to_token
 
     def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
         if forward_batch.forward_mode.is_decode():

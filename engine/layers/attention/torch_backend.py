@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from baton.engine.kernels import cpu_attention
 from baton.engine.kernels.torch_ops import define_op
 from baton.engine.layers.attention.base import AttentionBackend
+from baton.engine.layers.attention.masks import prefix_causal_mask, tree_mask
 
 logger = logging.getLogger(__name__)
 
@@ -114,9 +115,9 @@ def _build_extend_metadata(req_to_token: torch.Tensor, req_pool_indices: torch.T
         if on_sdpa:
             kv_indices.append(req_to_token[row, :prefix + extend])
             if tree is not None:
-                masks.append(_tree_mask(prefix, tree, req_to_token.device))
+                masks.append(tree_mask(prefix, tree, req_to_token.device))
             else:
-                masks.append(None if prefix == 0 else _prefix_causal_mask(prefix, extend, req_to_token.device))
+                masks.append(None if prefix == 0 else prefix_causal_mask(prefix, extend, req_to_token.device))
         else:
             kv_indices.append(None)
             masks.append(None)
@@ -273,23 +274,3 @@ def _gather(buf: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     advanced indexing on CPU. Returns [*idx.shape, heads, head_dim]."""
     flat = buf.view(buf.shape[0], -1)
     return torch.index_select(flat, 0, idx.reshape(-1)).view(*idx.shape, *buf.shape[1:])
-
-
-def _prefix_causal_mask(prefix_len: int, extend_len: int, device: torch.device) -> torch.Tensor:
-    """[extend_len, prefix_len + extend_len] bool: query j (position prefix_len + j) sees keys <= its position."""
-    q_pos = torch.arange(prefix_len, prefix_len + extend_len, device=device)[:, None]
-    k_pos = torch.arange(prefix_len + extend_len, device=device)[None, :]
-    return k_pos <= q_pos
-
-
-def _tree_mask(prefix_len: int, parents: list[int], device: torch.device) -> torch.Tensor:
-    """[n, prefix_len + n] bool for n tree nodes (parents[j] < j, the root's -1): node j sees the
-    prefix, itself and its ancestors (module docstring)."""
-    n = len(parents)
-    rows = [[False] * n for _ in range(n)]
-    for j, p in enumerate(parents):
-        if p >= 0:
-            rows[j][:j] = rows[p][:j]
-        rows[j][j] = True
-    tree = torch.tensor(rows, dtype=torch.bool)
-    return torch.cat([torch.ones(n, prefix_len, dtype=torch.bool), tree], dim=1).to(device)
