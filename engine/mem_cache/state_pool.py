@@ -175,6 +175,14 @@ class RecurrentStatePool:
         self.conv[layer][rows] = conv.to(self.conv[layer].dtype)
         self.ssm[layer][rows] = ssm.to(self.ssm[layer].dtype)
 
+    def read_ssm(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
+        """A copy of the delta-rule states of `rows` (a decode step whose conv states are updated in
+        place, triton_ops/causal_conv1d.py)."""
+        return self.ssm[layer][rows]
+
+    def write_ssm(self, layer: int, rows: torch.Tensor, ssm: torch.Tensor) -> None:
+        self.ssm[layer][rows] = ssm.to(self.ssm[layer].dtype)
+
     def size_bytes(self) -> int:
         return sum(t.nbytes for t in self.conv) + sum(t.nbytes for t in self.ssm)
 

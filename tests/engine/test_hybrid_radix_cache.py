@@ -287,14 +287,19 @@ def _compare_packed_with_reference(core, pool, batches, inputs, packed, atol: fl
             torch.testing.assert_close(mine.float(), theirs.float(), atol=atol, rtol=rtol)  # rows and tracked slots
 
 
-def test_packed_path_equals_the_reference_on_cpu():
+@pytest.mark.parametrize("in_place", [False, True])
+def test_packed_path_equals_the_reference_on_cpu(in_place):
     """The CUDA path's packing (conv by gathers over one buffer, waves at tracked cuts, states and
-    checkpoints written back) with the reference rule: the same outputs and states as forward_native."""
+    checkpoints written back) with the reference rule: the same outputs and states as forward_native.
+    `in_place`: the decode step's conv on the pool rows (conv1d_decode's torch twin), its tracked end too."""
     from baton.engine.layers.gated_delta_net import torch_varlen_rule
+    from baton.engine.triton_ops.causal_conv1d import conv1d_decode_torch
 
     core, pool, batches, inputs = _core_and_batches("cpu", torch.float32)
-    _compare_packed_with_reference(core, pool, batches, inputs,
-                                   lambda x, g, b, fb: core.forward_varlen(x, g, b, fb, torch_varlen_rule), 1e-5, 1e-5)
+    conv_decode = conv1d_decode_torch if in_place else None
+    _compare_packed_with_reference(
+        core, pool, batches, inputs,
+        lambda x, g, b, fb: core.forward_varlen(x, g, b, fb, torch_varlen_rule, conv_decode), 1e-5, 1e-5)
 
 
 @pytest.mark.gpu
