@@ -70,6 +70,8 @@ class CudaGraphRunner:
             self.state_rows = None if pool is None else torch.full((b,), pool.pad_slot, dtype=torch.int64, device=dev)
         self.graphs: dict[int, Any] = {}  # batch size -> torch.cuda.CUDAGraph
         self.outputs: dict[int, torch.Tensor] = {}  # batch size -> [b, hidden] static graph output
+        # EAGLE-3: the layer states the model leaves in forward_batch.aux_hidden, a graph output too
+        self.aux_outputs: dict[int, Optional[torch.Tensor]] = {}
         if capture:
             if not supports_cuda_graph(model_runner.attn_backend):
                 raise ValueError(f"{type(model_runner.attn_backend).__name__} has no static-shape decode metadata; "
@@ -86,7 +88,8 @@ class CudaGraphRunner:
 
     def replay(self, fb: ForwardBatch) -> torch.Tensor:
         """Hidden states [bs, hidden] of a decode batch; a view of the graph's output, valid until
-        the next replay (the caller computes logits from it first)."""
+        the next replay (the caller computes logits from it first). EAGLE-3's captured layer states
+        go to fb.aux_hidden the same way."""
         assert self.can_run(fb), "not a decode batch within the captured sizes"
         bs, b = fb.batch_size, self.bucket(fb.batch_size)
         self._load_inputs(fb, b)
@@ -94,10 +97,12 @@ class CudaGraphRunner:
         if self.use_graphs:
             self.model_runner.attn_backend.init_forward_metadata_replay(static)
             self.graphs[b].replay()
-            out = self.outputs[b][:bs]
+            out, aux = self.outputs[b][:bs], self.aux_outputs[b]
         else:
             self.model_runner.attn_backend.init_forward_metadata(static)
-            out = self._forward(static)[:bs]
+            out, aux = self._forward(static)[:bs], static.aux_hidden
+        if aux is not None:
+            fb.aux_hidden = aux[:bs]
         if fb.state_ops is not None and fb.state_ops.tracks:
             fb.state_pool.copy_tracked_ends(fb.state_slots, fb.state_ops.tracks)
         return out
@@ -167,4 +172,5 @@ class CudaGraphRunner:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
             self.outputs[b] = self._forward(static)
+        self.aux_outputs[b] = static.aux_hidden
         self.graphs[b] = graph

@@ -245,9 +245,6 @@ class ModelRunner:
         args = self.server_args
         if not self.device.startswith("cuda") or args.disable_cuda_graph:
             return None
-        if self.draft_head is not None:
-            logger.info("CUDA graphs off: the draft head's passes run beside the model's plain forward")
-            return None
         if not supports_cuda_graph(self.attn_backend):
             logger.info("CUDA graphs off: --attention-backend %s has no static-shape decode metadata "
                         "(use --attention-backend flashinfer)", args.attention_backend)
@@ -391,6 +388,14 @@ class ModelRunner:
             fb = dataclasses.replace(fb, **{name: _inference(getattr(fb, name)) for name in _BATCH_TENSORS})
             return self.compiled_model(fb.input_ids, fb.positions, fb)
         return self.model(fb.input_ids, fb.positions, fb)
+
+    def planned_no_metadata(self, fb: ForwardBatch) -> bool:
+        """Whether forward(fb) ran a path that planned no attention metadata for fb itself: the native
+        forward, or a decode graph's replay (which plans its padded static batch). A draft head's pass
+        over fb's geometry then plans it (speculative/head_drafter.py)."""
+        graphs = self.cuda_graph_runner
+        return self.native_forward is not None or (graphs is not None and fb.tree_parents is None
+                                                   and graphs.can_run(fb))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[rows, hidden] -> [rows, vocab] float32: the native LM head where the native forward

@@ -52,9 +52,10 @@ branch 0). A request whose row holds no prediction of its own yet (a PD decode's
 the prefill computed the head's KV over the prompt, not this row's buffers) drafts nothing in its first
 step (head_speculator.py), whose pass after it fills the row.
 
-The target runs its plain forward (no CUDA graphs or torch.compile with a head yet), or on CPU its
-native forward where the head needs only final hidden states (the head's passes then plan their own
-attention metadata). With tensor parallelism every rank runs these passes in the driver's order (the
+The target runs its plain forward, its decode CUDA graphs (EAGLE-3's layer states are graph outputs
+too), or on CPU its native forward where the head needs only final hidden states; after a graph or the
+native forward the head's passes plan the batch's own attention metadata. torch.compile stays off with
+a head. With tensor parallelism every rank runs these passes in the driver's order (the
 head's layers and LM head are collectives); scheduler/tp_step.py says what the followers are sent.
 """
 from __future__ import annotations
@@ -80,8 +81,7 @@ class HeadDrafter:
     def __init__(self, runner: "ModelRunner", num_steps: int, topk: int = 1) -> None:
         model = runner.model
         assert runner.draft_head is not None, "the model was loaded without a draft head"
-        assert runner.cuda_graph_runner is None and runner.compiled_model is None, \
-            "a draft head runs beside the model's plain (or native) forward only"
+        assert runner.compiled_model is None, "a draft head runs beside the model's uncompiled forward"
         self.runner, self.head, self.embed = runner, runner.draft_head, model.model.embed_tokens
         self.num_steps, self.topk = num_steps, topk
         rows, dev = runner.req_to_token_pool.size, runner.device
@@ -99,8 +99,9 @@ class HeadDrafter:
 
     def _features(self, fb: "ForwardBatch", hidden: torch.Tensor) -> torch.Tensor:
         """What the head reads of a target pass: its captured states (EAGLE3) or final hidden states.
-        A pass the native forward ran planned no attention metadata: the head's pass plans it."""
-        if self.runner.native_forward is not None:
+        A pass the native forward or a decode graph ran planned no attention metadata for fb: the head's
+        pass plans it."""
+        if self.runner.planned_no_metadata(fb):
             self.runner.attn_backend.init_forward_metadata(fb)
         return fb.aux_hidden if self.head.aux_layers else hidden
 
