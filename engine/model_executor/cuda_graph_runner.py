@@ -15,6 +15,13 @@ rows after the replay, as the layers would have written them. The attention back
 static shape for a fixed b (supports_cuda_graph, and the three hooks below): FlashInfer does, the
 torch backend does not (its gather width is the batch's longest sequence).
 
+Speculative verify steps (`verify_tokens` N > 0: --speculative-num-draft-tokens) have graphs of their
+own, for batches up to `verify_max_bs` (the largest batch that speculates): an extend of exactly N
+tokens per request (its last token and N - 1 drafts, a chain), every request's KV before it. A step
+whose requests all drafted N - 1 tokens replays one; a shorter draft, a tree, or a hybrid model's
+step (its per-token state tracks) runs eagerly. A padded request is N tokens of id 0 at positions
+0 .. N - 1 over request row 0's first N KV entries, writing only the dummy slot.
+
 With capture disabled the runner runs the very same padding / static-buffer path eagerly, which is
 how CPU tests check that padded rows change neither real rows' outputs nor their KV.
 """
@@ -35,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 PAD_SEQ_LEN = 1  # a padded row attends to one KV entry: every kernel sees a non-empty sequence
 GRAPH_HOOKS = ("init_cuda_graph_state", "init_forward_metadata_capture", "init_forward_metadata_replay")
+VERIFY_GRAPH_HOOKS = ("init_forward_metadata_capture_verify", "init_forward_metadata_replay_verify")
 
 
 def capture_batch_sizes(max_bs: int) -> list[int]:
@@ -52,26 +60,32 @@ def supports_cuda_graph(attn_backend: Any) -> bool:
 
 
 class CudaGraphRunner:
-    def __init__(self, model_runner: "ModelRunner", max_bs: int, capture: bool = True) -> None:
-        """`capture=False` runs the padded static-buffer path eagerly (tests; any backend)."""
+    def __init__(self, model_runner: "ModelRunner", max_bs: int, capture: bool = True, verify_tokens: int = 0,
+                 verify_max_bs: int = 0) -> None:
+        """`capture=False` runs the padded static-buffer path eagerly (tests; any backend).
+        `verify_tokens` > 0: verify-step graphs of that many tokens per request, up to `verify_max_bs`."""
         self.model_runner = model_runner
         self.batch_sizes = capture_batch_sizes(max_bs)
         self.max_bs = self.batch_sizes[-1]
         self.use_graphs = capture
+        self.verify_tokens = verify_tokens if verify_max_bs > 0 else 0
+        self.verify_sizes = capture_batch_sizes(min(verify_max_bs, self.max_bs)) if self.verify_tokens else []
         dev, b = model_runner.device, self.max_bs
+        n = max(b, self.verify_tokens * (self.verify_sizes[-1] if self.verify_sizes else 0))  # token rows
         with torch.inference_mode():  # every forward runs in inference mode; so do its inputs
-            self.input_ids = torch.zeros(b, dtype=torch.int64, device=dev)
-            self.positions = torch.zeros(b, dtype=torch.int64, device=dev)
+            self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
+            self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
             self.req_pool_indices = torch.zeros(b, dtype=torch.int64, device=dev)
             self.seq_lens = torch.full((b,), PAD_SEQ_LEN, dtype=torch.int64, device=dev)
-            self.out_cache_loc = torch.zeros(b, dtype=torch.int64, device=dev)
+            self.out_cache_loc = torch.zeros(n, dtype=torch.int64, device=dev)
             pool = model_runner.state_pool
             self.pad_state = None if pool is None else pool.pad_slot
             self.state_rows = None if pool is None else torch.full((b,), pool.pad_slot, dtype=torch.int64, device=dev)
-        self.graphs: dict[int, Any] = {}  # batch size -> torch.cuda.CUDAGraph
-        self.outputs: dict[int, torch.Tensor] = {}  # batch size -> [b, hidden] static graph output
-        # EAGLE-3: the layer states the model leaves in forward_batch.aux_hidden, a graph output too
-        self.aux_outputs: dict[int, Optional[torch.Tensor]] = {}
+        # (kind, batch size) -> torch.cuda.CUDAGraph, its static output [b or b * N, hidden] and
+        # EAGLE-3's layer states (the model leaves them in forward_batch.aux_hidden); kind: decode | verify
+        self.graphs: dict[tuple[str, int], Any] = {}
+        self.outputs: dict[tuple[str, int], torch.Tensor] = {}
+        self.aux_outputs: dict[tuple[str, int], Optional[torch.Tensor]] = {}
         if capture:
             if not supports_cuda_graph(model_runner.attn_backend):
                 raise ValueError(f"{type(model_runner.attn_backend).__name__} has no static-shape decode metadata; "
@@ -80,29 +94,48 @@ class CudaGraphRunner:
 
     # ------------------------------------------------------------------ replay
     def can_run(self, fb: ForwardBatch) -> bool:
-        return fb.forward_mode == ForwardMode.DECODE and fb.batch_size <= self.max_bs
+        if fb.forward_mode == ForwardMode.DECODE:
+            return fb.batch_size <= self.max_bs
+        return self._is_full_chain_verify(fb)
 
-    def bucket(self, bs: int) -> int:
-        """The smallest captured batch size >= bs."""
-        return self.batch_sizes[bisect.bisect_left(self.batch_sizes, bs)]
+    def _is_full_chain_verify(self, fb: ForwardBatch) -> bool:
+        """A verify step a verify graph serves: chains of exactly N tokens, no state work, small enough."""
+        n = self.verify_tokens
+        return (n > 0 and fb.spec_verify and fb.tree_parents is None and not fb.state_ops
+                and fb.batch_size <= self.verify_sizes[-1] and all(e == n for e in fb.extend_seq_lens_cpu))
+
+    def bucket(self, bs: int, verify: bool = False) -> int:
+        """The smallest captured batch size >= bs (of the verify graphs with `verify`)."""
+        sizes = self.verify_sizes if verify else self.batch_sizes
+        return sizes[bisect.bisect_left(sizes, bs)]
 
     def replay(self, fb: ForwardBatch) -> torch.Tensor:
-        """Hidden states [bs, hidden] of a decode batch; a view of the graph's output, valid until
-        the next replay (the caller computes logits from it first). EAGLE-3's captured layer states
-        go to fb.aux_hidden the same way."""
-        assert self.can_run(fb), "not a decode batch within the captured sizes"
-        bs, b = fb.batch_size, self.bucket(fb.batch_size)
-        self._load_inputs(fb, b)
-        static = self._static_batch(b, fb.seq_lens_cpu + [PAD_SEQ_LEN] * (b - bs))
-        if self.use_graphs:
-            self.model_runner.attn_backend.init_forward_metadata_replay(static)
-            self.graphs[b].replay()
-            out, aux = self.outputs[b][:bs], self.aux_outputs[b]
+        """Hidden states [num_tokens, hidden] of a decode batch or a verify step; a view of the graph's
+        output, valid until the next replay (the caller computes logits from it first). EAGLE-3's
+        captured layer states go to fb.aux_hidden the same way."""
+        assert self.can_run(fb), "not a decode batch or full-chain verify step within the captured sizes"
+        verify = fb.forward_mode != ForwardMode.DECODE
+        bs, b = fb.batch_size, self.bucket(fb.batch_size, verify)
+        if verify:
+            self._load_verify_inputs(fb, b)
+            n = self.verify_tokens
+            static = self._static_verify_batch(b, fb.extend_prefix_lens_cpu + [0] * (b - bs))
+            rows = bs * n
         else:
-            self.model_runner.attn_backend.init_forward_metadata(static)
-            out, aux = self._forward(static)[:bs], static.aux_hidden
+            self._load_inputs(fb, b)
+            static = self._static_batch(b, fb.seq_lens_cpu + [PAD_SEQ_LEN] * (b - bs))
+            rows = bs
+        key = ("verify" if verify else "decode", b)
+        backend = self.model_runner.attn_backend
+        if self.use_graphs:
+            (backend.init_forward_metadata_replay_verify if verify else backend.init_forward_metadata_replay)(static)
+            self.graphs[key].replay()
+            out, aux = self.outputs[key][:rows], self.aux_outputs[key]
+        else:
+            backend.init_forward_metadata(static)
+            out, aux = self._forward(static)[:rows], static.aux_hidden
         if aux is not None:
-            fb.aux_hidden = aux[:bs]
+            fb.aux_hidden = aux[:rows]
         if fb.state_ops is not None and fb.state_ops.tracks:
             fb.state_pool.copy_tracked_ends(fb.state_slots, fb.state_ops.tracks)
         return out
@@ -116,6 +149,36 @@ class CudaGraphRunner:
         if self.state_rows is not None:
             self.state_rows[:bs].copy_(fb.state_slots, non_blocking=True)
         self._pad_rows(bs, b)
+
+    def _load_verify_inputs(self, fb: ForwardBatch, b: int) -> None:
+        bs, n = fb.batch_size, self.verify_tokens
+        for buf, src in ((self.input_ids, fb.input_ids), (self.positions, fb.positions),
+                         (self.out_cache_loc, fb.out_cache_loc)):
+            buf[:bs * n].copy_(src, non_blocking=True)
+        self.req_pool_indices[:bs].copy_(fb.req_pool_indices, non_blocking=True)
+        self.seq_lens[:bs].copy_(fb.seq_lens, non_blocking=True)
+        self._pad_verify_rows(bs, b)
+
+    def _pad_verify_rows(self, start: int, end: int) -> None:
+        """Padded verify requests (module docstring): N tokens of id 0 at positions 0 .. N - 1."""
+        if start == end:
+            return
+        n = self.verify_tokens
+        self.input_ids[start * n:end * n].zero_()
+        self.out_cache_loc[start * n:end * n].zero_()
+        self.positions[start * n:end * n].copy_(torch.arange(n, device=self.positions.device).repeat(end - start))
+        self.req_pool_indices[start:end].zero_()
+        self.seq_lens[start:end].fill_(n)
+
+    def _static_verify_batch(self, b: int, prefix_lens_cpu: list[int]) -> ForwardBatch:
+        n = self.verify_tokens
+        fb = self.model_runner.make_forward_batch(
+            ForwardMode.EXTEND, input_ids=self.input_ids[:b * n], positions=self.positions[:b * n],
+            req_pool_indices=self.req_pool_indices[:b], seq_lens=self.seq_lens[:b],
+            out_cache_loc=self.out_cache_loc[:b * n], seq_lens_cpu=[p + n for p in prefix_lens_cpu],
+            extend_prefix_lens_cpu=prefix_lens_cpu, extend_seq_lens_cpu=[n] * b)
+        fb.spec_verify = True
+        return fb
 
     def _pad_rows(self, start: int, end: int) -> None:
         if start == end:
@@ -147,22 +210,34 @@ class CudaGraphRunner:
     def _capture_all(self) -> None:
         backend = self.model_runner.attn_backend
         backend.init_cuda_graph_state(self.max_bs)
+        if self.verify_tokens and not all(hasattr(backend, hook) for hook in VERIFY_GRAPH_HOOKS):
+            logger.info("no verify-step graphs: %s has no static verify metadata", type(backend).__name__)
+            self.verify_tokens, self.verify_sizes = 0, []
         pool = torch.cuda.graph_pool_handle()
         # Largest first: the smaller graphs then fit in the memory the largest one reserved.
-        for b in reversed(self.batch_sizes):
-            try:
-                self._capture_one(b, pool)
-            except Exception as e:
-                raise RuntimeError(f"CUDA graph capture of the decode forward failed at batch size {b} ({e}); "
-                                   "the forward may have a data-dependent host sync (an .item() or .tolist()): "
-                                   "run with --disable-cuda-graph") from e
+        for kind, sizes in (("verify", self.verify_sizes), ("decode", self.batch_sizes)):
+            for b in reversed(sizes):
+                try:
+                    self._capture_one(kind, b, pool)
+                except Exception as e:
+                    raise RuntimeError(f"CUDA graph capture of the {kind} forward failed at batch size {b} ({e}); "
+                                       "the forward may have a data-dependent host sync (an .item() or .tolist()): "
+                                       "run with --disable-cuda-graph") from e
         torch.cuda.synchronize()
-        logger.info("captured CUDA graphs for decode batch sizes %s", self.batch_sizes)
+        logger.info("captured CUDA graphs for decode batch sizes %s%s", self.batch_sizes,
+                    f", verify steps of {self.verify_tokens} tokens for {self.verify_sizes}" if self.verify_sizes else "")
 
-    def _capture_one(self, b: int, pool: Optional[Any]) -> None:
-        self._pad_rows(0, b)  # capture on all-padding inputs: only the dummy page is written
-        static = self._static_batch(b, [PAD_SEQ_LEN] * b)
-        self.model_runner.attn_backend.init_forward_metadata_capture(static)
+    def _capture_one(self, kind: str, b: int, pool: Optional[Any]) -> None:
+        # capture on all-padding inputs: only the dummy page is written
+        backend = self.model_runner.attn_backend
+        if kind == "verify":
+            self._pad_verify_rows(0, b)
+            static = self._static_verify_batch(b, [0] * b)
+            backend.init_forward_metadata_capture_verify(static)
+        else:
+            self._pad_rows(0, b)
+            static = self._static_batch(b, [PAD_SEQ_LEN] * b)
+            backend.init_forward_metadata_capture(static)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-ups off the capture: lazy inits, Triton JIT, allocator
@@ -171,6 +246,6 @@ class CudaGraphRunner:
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
-            self.outputs[b] = self._forward(static)
-        self.aux_outputs[b] = static.aux_hidden
-        self.graphs[b] = graph
+            self.outputs[(kind, b)] = self._forward(static)
+        self.aux_outputs[(kind, b)] = static.aux_hidden
+        self.graphs[(kind, b)] = graph

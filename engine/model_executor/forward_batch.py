@@ -68,6 +68,8 @@ class ForwardBatch:
     # tree, else None (speculative/spec_info.py VerifyInput.parents); the attention masks each node to
     # the prefix and its ancestors
     tree_parents: Optional[list[Optional[list[int]]]] = None
+    # a speculative verify step: each request an extend of its last token and its drafts (verify graphs)
+    spec_verify: bool = False
 
     @property
     def state_slots(self) -> torch.Tensor:

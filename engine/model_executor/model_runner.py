@@ -250,7 +250,12 @@ class ModelRunner:
                         "(use --attention-backend flashinfer)", args.attention_backend)
             return None
         max_bs = args.cuda_graph_max_bs or cuda_graph_max_bs_for(torch.cuda.get_device_properties(self.device).total_memory)
-        return CudaGraphRunner(self, max_bs=min(max_bs, self.pool_config.max_running_requests))
+        max_bs = min(max_bs, self.pool_config.max_running_requests)
+        # speculation: verify steps of full chains get graphs of their own, for the batches that speculate
+        # (a hybrid model's verify steps track every token's state, which runs eagerly)
+        verify = args.speculative_algorithm is not None and self.state_pool is None
+        return CudaGraphRunner(self, max_bs=max_bs, verify_tokens=args.speculative_num_draft_tokens if verify else 0,
+                               verify_max_bs=args.speculative_disable_by_batch_size - 1 if verify else 0)
 
     def _pool_config(self, text_cfg, state_shapes: Optional["LinearStateShapes"]) -> PoolConfig:
         args, page = self.server_args, self.server_args.page_size
@@ -357,6 +362,7 @@ class ModelRunner:
         fb.state_ops = getattr(mwb, "state_ops", None)
         spec = getattr(mwb, "spec_info", None)
         fb.tree_parents = None if spec is None else spec.parents
+        fb.spec_verify = spec is not None
         return fb, (parts[5] if extra is not None else None)
 
     @torch.inference_mode()

@@ -255,6 +255,7 @@ class StepReceiver:
             out_cache_loc=step.out_cache_loc.to(dev), seq_lens_cpu=step.seq_lens,
             extend_prefix_lens_cpu=step.extend_prefix_lens, extend_seq_lens_cpu=step.extend_seq_lens)
         fb.state_ops = step.state_ops
+        fb.spec_verify = step.verify  # as the driver's: the same verify graph, or the same eager pass
         if step.future_slots is not None:  # the overlap loop: decode inputs may be placeholders
             resolve_future_token_ids(fb.input_ids, self._future_map())
         spec = None

@@ -52,10 +52,10 @@ branch 0). A request whose row holds no prediction of its own yet (a PD decode's
 the prefill computed the head's KV over the prompt, not this row's buffers) drafts nothing in its first
 step (head_speculator.py), whose pass after it fills the row.
 
-The target runs its plain forward, its decode CUDA graphs (EAGLE-3's layer states are graph outputs
-too), or on CPU its native forward where the head needs only final hidden states; after a graph or the
-native forward the head's passes plan the batch's own attention metadata. torch.compile stays off with
-a head. With tensor parallelism every rank runs these passes in the driver's order (the
+The target runs its plain forward, its CUDA graphs (decode steps, and verify steps of full chains;
+EAGLE-3's layer states are graph outputs too), or on CPU its native forward where the head needs only
+final hidden states; after a graph or the native forward the head's passes plan the batch's own
+attention metadata. The head's passes run eagerly; torch.compile stays off with a head. With tensor parallelism every rank runs these passes in the driver's order (the
 head's layers and LM head are collectives); scheduler/tp_step.py says what the followers are sent.
 """
 from __future__ import annotations

@@ -240,6 +240,51 @@ def check_padded_decode(runner: ModelRunner, graphs: CudaGraphRunner, bs: int, a
         assert not torch.equal(ref[checkpoint], old[checkpoint]), "the tracked checkpoint was written"
 
 
+def check_padded_verify(runner: ModelRunner, graphs: CudaGraphRunner, bs: int, atol: float) -> None:
+    """A speculative verify step (each request its last token and N - 1 drafts, an extend over its KV)
+    of rows 1..bs through the verify graphs' padded static buffers: the unpadded step's hidden states
+    and KV, and nothing written but the step's slots and the dummy page."""
+    n = graphs.verify_tokens
+    rows, lens = prefill(runner, PROMPTS)
+    rows, lens = rows[1:1 + bs], lens[1:1 + bs]
+    table = runner.req_to_token_pool.req_to_token
+    last = [int(table[r, k - 1]) for r, k in zip(rows, lens)]
+    locs = runner.allocator.alloc_extend(lens, [k + n for k in lens], last)
+    for i, (r, k) in enumerate(zip(rows, lens)):
+        table[r, k:k + n] = locs[n * i:n * i + n].to(table.device)
+    dev = runner.device
+    fb = ForwardBatch(ForwardMode.EXTEND, bs, torch.tensor([40 + i for i in range(bs * n)], device=dev),
+                      torch.cat([torch.arange(k, k + n) for k in lens]).to(dev), torch.tensor(rows, device=dev),
+                      torch.tensor([k + n for k in lens], device=dev), locs.to(dev), [k + n for k in lens], lens,
+                      [n] * bs, runner.req_to_token_pool, runner.token_to_kv_pool, runner.attn_backend,
+                      spec_verify=True)
+    assert graphs.can_run(fb) and not graphs.can_run(dataclasses.replace(fb, spec_verify=False))
+    before = kv_snapshot(runner)
+    expected = eager_decode(runner, fb)
+    expected_kv = kv_snapshot(runner)
+    kv_restore(runner, before)
+    with torch.inference_mode():
+        got = graphs.replay(fb)
+    torch.testing.assert_close(got, expected, atol=atol, rtol=atol)
+    page = runner.token_to_kv_pool.page_size
+    written = torch.zeros(before[0].shape[0], dtype=torch.bool)
+    written[locs.cpu()] = True
+    written[:page] = True  # the dummy page: padded requests write there
+    for now, old, ref in zip(kv_snapshot(runner), before, expected_kv):
+        now, old, ref = now.cpu(), old.cpu(), ref.cpu()
+        assert torch.equal(now[~written], old[~written]), "a padded request wrote outside the dummy page"
+        torch.testing.assert_close(now[page:][written[page:]], ref[page:][written[page:]], atol=atol, rtol=atol)
+
+
+@pytest.mark.parametrize("page_size,bs", [(1, 3), (16, 1), (16, 4)])
+def test_verify_graph_padding_eager_on_cpu(tiny_model_factory, page_size, bs):
+    """Verify steps of 4 tokens per request in buckets 1, 2, 4 (3 requests + 1 padded, or none)."""
+    runner = make_runner(tiny_model_factory("llama"), page_size)
+    graphs = CudaGraphRunner(runner, max_bs=8, capture=False, verify_tokens=4, verify_max_bs=4)
+    assert graphs.verify_sizes == [1, 2, 4] and graphs.bucket(bs, verify=True) == {1: 1, 3: 4, 4: 4}[bs]
+    check_padded_verify(runner, graphs, bs, atol=1e-5)
+
+
 @pytest.mark.parametrize("page_size,bs", [(1, 3), (16, 1)])
 def test_graph_runner_padding_of_a_hybrid_eager_on_cpu(tiny_model_factory, page_size, bs):
     """A Qwen3-Next decode (Gated DeltaNet states, MoE) through the padded static buffers: real rows'
@@ -420,8 +465,22 @@ def test_cuda_graph_replay_matches_eager(tiny_model_factory, page_size, bs):
     runner = make_runner(tiny_model_factory("llama", **GPU_MODEL), page_size, "cuda", dtype="float16",
                          attention_backend="flashinfer", cuda_graph_max_bs=8)
     graphs = runner.cuda_graph_runner
-    assert graphs is not None and sorted(graphs.graphs) == [1, 2, 4, 8]
+    assert graphs is not None and sorted(b for kind, b in graphs.graphs if kind == "decode") == [1, 2, 4, 8]
     check_padded_decode(runner, graphs, bs, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size,bs", [(1, 3), (16, 2)])
+def test_verify_graph_replay_matches_eager(tiny_model_factory, page_size, bs):
+    """Speculative verify steps captured (FlashInfer's prefill wrapper over static buffers, N = 4 tokens
+    per request): the replay's outputs and KV equal the eager step's; padded requests in the dummy page."""
+    need_gpu()
+    runner = make_runner(tiny_model_factory("llama", **GPU_MODEL), page_size, "cuda", dtype="float16",
+                         attention_backend="flashinfer", cuda_graph_max_bs=8, speculative_algorithm="NGRAM",
+                         speculative_num_draft_tokens=4, speculative_disable_by_batch_size=5)
+    graphs = runner.cuda_graph_runner
+    assert graphs is not None and sorted(b for kind, b in graphs.graphs if kind == "verify") == [1, 2, 4]
+    check_padded_verify(runner, graphs, bs, atol=2e-2)
 
 
 @pytest.mark.gpu
@@ -433,7 +492,7 @@ def test_cuda_graph_replay_of_a_hybrid_matches_eager(tiny_model_factory, page_si
     runner = make_runner(tiny_model_factory("qwen3_next", **GPU_MODELS["qwen3_next"]), page_size, "cuda",
                          dtype="float16", attention_backend="flashinfer", cuda_graph_max_bs=8)
     graphs = runner.cuda_graph_runner
-    assert graphs is not None and sorted(graphs.graphs) == [1, 2, 4, 8]
+    assert graphs is not None and sorted(b for kind, b in graphs.graphs if kind == "decode") == [1, 2, 4, 8]
     check_padded_decode(runner, graphs, bs, atol=2e-2)
 
 

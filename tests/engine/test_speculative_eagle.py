@@ -96,21 +96,23 @@ def test_eagle_greedy_equals_hf(target, drafts, kind, loop, page_size):
 
 
 @pytest.mark.parametrize("kind", ["EAGLE", "EAGLE3"])
-def test_head_passes_after_decode_graph_replays(target, drafts, kind):
+def test_head_passes_around_graph_replays(target, drafts, kind):
     """Decode steps through the graph runner's padded static path (run eagerly on CPU: what a CUDA graph
-    replays) while the batch is too large to speculate, verify steps once it shrinks: the head's passes
-    after each replay plan the batch's own attention metadata (EAGLE-3 reads the layer states the
-    replay left), so every later draft is the reference head's chain over the tokens so far; HF's tokens."""
+    replays) while the batch is too large to speculate, then verify steps of full chains through the
+    verify graphs' path once it shrinks: the head's passes after each replay plan the batch's own
+    attention metadata (EAGLE-3 reads the layer states the replay left), so every later draft is the
+    reference head's chain over the tokens so far; HF's tokens."""
     from baton.engine.model_executor.cuda_graph_runner import CudaGraphRunner
 
     draft = drafts(kind)
     h = harness_for(target, "plain", max_total_tokens=4096,
                     **{**eagle(kind, draft), "speculative_disable_by_batch_size": 3})
     runner = h.scheduler.worker.model_runner
-    graphs = runner.cuda_graph_runner = CudaGraphRunner(runner, max_bs=4, capture=False)
+    graphs = runner.cuda_graph_runner = CudaGraphRunner(runner, max_bs=4, capture=False,
+                                                        verify_tokens=STEPS + 1, verify_max_bs=2)
     runner.attn_backend.native_decode = False  # decode attention from per-pass metadata, as FlashInfer's
     replays, replay = [], graphs.replay
-    graphs.replay = lambda fb: replays.append(fb.batch_size) or replay(fb)
+    graphs.replay = lambda fb: replays.append((fb.spec_verify, fb.batch_size)) or replay(fb)
     seen: list[tuple[list[int], list[int]]] = []  # (tokens before a verify step, request 0's drafts)
     process = h.scheduler.spec.process_verify_result
 
@@ -127,7 +129,8 @@ def test_head_passes_after_decode_graph_replays(target, drafts, kind):
     results = h.run_until_idle()
     for i, (p, n) in enumerate(zip(ps, lens)):
         assert results[str(i)].ids == hf_greedy(target, p, n, ignore_eos=True), f"request {i}"
-    assert replays and max(replays) >= 3, "the big batch decoded through the graph runner"
+    assert max(b for verify, b in replays if not verify) >= 3, "the big batch decoded through the graph runner"
+    assert any(verify for verify, _ in replays), "full-chain verify steps went through the verify graphs' path"
     reference = load_eagle_reference(target, draft)
     assert len(seen) >= 3
     for tokens, drafted in seen:
@@ -393,8 +396,9 @@ def test_eagle_on_cuda_changes_no_token(target, drafts, kind):
 @pytest.mark.parametrize("kind", ["EAGLE", "EAGLE3"])
 def test_eagle_with_decode_graphs_on_flashinfer(tiny_model_factory, tmp_path, kind):
     """On CUDA, fp16, FlashInfer: the batch too large to speculate replays captured decode graphs and
-    the head's passes follow each replay; once it shrinks, verify steps. Tokens: HF's greedy ones by the
-    fp16 criterion of test_gpu_paths (teacher-forced); nothing leaks."""
+    the head's passes follow each replay; once it shrinks, full-chain verify steps replay the verify
+    graphs. Tokens: HF's greedy ones by the fp16 criterion of test_gpu_paths (teacher-forced); nothing
+    leaks."""
     from test_gpu_paths import GPU_MODEL, hf_consistency, need_gpu
 
     need_gpu()
@@ -406,15 +410,15 @@ def test_eagle_with_decode_graphs_on_flashinfer(tiny_model_factory, tmp_path, ki
                     cuda_graph_max_bs=8, max_total_tokens=4096,
                     **{**eagle(kind, draft), "speculative_disable_by_batch_size": 3})
     graphs = h.scheduler.worker.model_runner.cuda_graph_runner
-    assert graphs is not None and graphs.use_graphs
+    assert graphs is not None and graphs.use_graphs and graphs.verify_sizes == [1, 2]
     replays, replay = [], graphs.replay
-    graphs.replay = lambda fb: replays.append(fb.batch_size) or replay(fb)
+    graphs.replay = lambda fb: replays.append((fb.spec_verify, fb.batch_size)) or replay(fb)
     for i, (p, n) in enumerate(zip(ps, lens)):
         h.submit(str(i), p, max_new_tokens=n, ignore_eos=True)
     results = h.run_until_idle()
     exact = sum(hf_consistency(path, p, results[str(i)].ids, tol=0.1) for i, p in enumerate(ps))
     assert exact >= 0.9 * sum(lens)
-    assert replays and max(replays) >= 3, replays
+    assert max(b for verify, b in replays if not verify) >= 3 and any(v for v, _ in replays), replays
     info = spec_info(h)
     assert info["spec_verify_steps"] > 0 and info["spec_accepted_tokens"] > 0, info
     assert h.scheduler.check_memory_integrity()

@@ -22,7 +22,8 @@ in its fused kernel: `reads_new_kv_from_pool`); every layer then attends from th
 
 CUDA graphs (model_executor/cuda_graph_runner.py): one decode wrapper per captured batch size,
 created with use_cuda_graph=True over preallocated indptr / last_page_len buffers and one shared
-kv_indices buffer, and planned again (outside the graph) before every replay.
+kv_indices buffer, and planned again (outside the graph) before every replay; speculative verify
+steps (N tokens per request, causal) likewise with a prefill wrapper per captured size.
 """
 from __future__ import annotations
 
@@ -114,7 +115,7 @@ class FlashInferAttnBackend(AttentionBackend):
         self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             self.workspace, "NHD", backend=KERNEL_BACKEND)
         self._plan_fence: Optional[torch.cuda.Event] = None
-        self._graph_wrappers: dict[int, Any] = {}
+        self._graph_wrappers: dict[tuple[str, int], Any] = {}  # (decode | verify, batch size)
         self._graph_kv_indices: Optional[torch.Tensor] = None
 
     @staticmethod
@@ -149,16 +150,17 @@ class FlashInferAttnBackend(AttentionBackend):
                    g.num_qo_heads, g.num_kv_heads, g.head_dim, self.page_size)
         fb.attn_metadata = FlashInferMetadata(wrapper)
 
-    def _plan_extend(self, fb: "ForwardBatch") -> None:
+    def _plan_extend(self, fb: "ForwardBatch", wrapper: Any = None, out: Optional[torch.Tensor] = None) -> None:
         g = self.geometry
-        meta = build_paged_kv_metadata(self._table(fb), fb.req_pool_indices, fb.seq_lens_cpu, self.page_size)
+        wrapper = wrapper or self.prefill_wrapper
+        meta = build_paged_kv_metadata(self._table(fb), fb.req_pool_indices, fb.seq_lens_cpu, self.page_size, out)
         mask = {"causal": True}
         if fb.tree_parents is not None:  # a verify step with tree drafts: each request's mask (masks.py)
             mask = {"custom_mask": flat_extend_mask(fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu,
                                                     fb.tree_parents, self.device)}
-        self._plan(self.prefill_wrapper, qo_indptr_of(fb.extend_seq_lens_cpu), meta.kv_indptr, meta.kv_indices,
+        self._plan(wrapper, qo_indptr_of(fb.extend_seq_lens_cpu), meta.kv_indptr, meta.kv_indices,
                    meta.kv_last_page_len, g.num_qo_heads, g.num_kv_heads, g.head_dim, self.page_size, **mask)
-        fb.attn_metadata = FlashInferMetadata(self.prefill_wrapper)
+        fb.attn_metadata = FlashInferMetadata(wrapper)
 
     def _table(self, fb: "ForwardBatch") -> torch.Tensor:
         """The request-to-token table the batch reads through: the runner's, or a table of its own (a
@@ -187,13 +189,33 @@ class FlashInferAttnBackend(AttentionBackend):
             paged_kv_indices_buffer=self._graph_kv_indices,
             paged_kv_last_page_len_buffer=torch.zeros(bs, dtype=torch.int32, device=self.device),
             backend=KERNEL_BACKEND)
-        self._graph_wrappers[bs] = wrapper
+        self._graph_wrappers[("decode", bs)] = wrapper
         self._plan_decode(wrapper, forward_batch, out=self._graph_kv_indices)
 
     def init_forward_metadata_replay(self, forward_batch: "ForwardBatch") -> None:
         """Before replaying the graph of batch size bs (padded rows included)."""
-        wrapper = self._graph_wrappers[forward_batch.batch_size]
+        wrapper = self._graph_wrappers[("decode", forward_batch.batch_size)]
         self._plan_decode(wrapper, forward_batch, out=self._graph_kv_indices)
+
+    def init_forward_metadata_capture_verify(self, forward_batch: "ForwardBatch") -> None:
+        """Before capturing the verify graph of batch size bs (N tokens per request, causal chains): a
+        fixed-size prefill wrapper over static buffers, planned once."""
+        assert self._graph_kv_indices is not None, "init_cuda_graph_state first"
+        bs = forward_batch.batch_size
+        wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_cuda_graph=True,
+            qo_indptr_buf=torch.zeros(bs + 1, dtype=torch.int32, device=self.device),
+            paged_kv_indptr_buf=torch.zeros(bs + 1, dtype=torch.int32, device=self.device),
+            paged_kv_indices_buf=self._graph_kv_indices,
+            paged_kv_last_page_len_buf=torch.zeros(bs, dtype=torch.int32, device=self.device),
+            backend=KERNEL_BACKEND)
+        self._graph_wrappers[("verify", bs)] = wrapper
+        self._plan_extend(forward_batch, wrapper, out=self._graph_kv_indices)
+
+    def init_forward_metadata_replay_verify(self, forward_batch: "ForwardBatch") -> None:
+        """Before replaying the verify graph of batch size bs (padded requests included)."""
+        wrapper = self._graph_wrappers[("verify", forward_batch.batch_size)]
+        self._plan_extend(forward_batch, wrapper, out=self._graph_kv_indices)
 
     # ------------------------------------------------------------------ attention
     def _run(self, q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor], layer: "RadixAttention",
