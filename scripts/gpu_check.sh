@@ -16,6 +16,8 @@
 #          other tensor-core setting, side by side (STEP_VARIANTS: another list)
 #   serve  `baton bench compare` on that checkpoint: 64 prompts x 256 in / 256 out at concurrency 64,
 #          the default engine (overlap) vs --disable-overlap-schedule
+#   spec   (asked for: STAGES="... spec") scripts/spec_bench.py on that checkpoint: NGRAM vs off and
+#          EAGLE with a random head (acceptance ~0: the verify step's cost) vs off, concurrency 1/4/16
 #
 # The GPU machine has no network: flashinfer-python (pruned to the sources of the JIT modules we
 # build), apache-tvm-ffi and the HTTP/ZMQ stack travel as wheels in the git-ignored .whl/ (~42 MB,
@@ -125,7 +127,7 @@ JIT1=$!
 JIT2=$!
 
 CKPT=""
-if [[ $STAGES == *step* || $STAGES == *serve* ]]; then
+if [[ $STAGES == *step* || $STAGES == *serve* || $STAGES == *spec* ]]; then
     stamp "== llama-3-8b checkpoint (random bf16 weights generated on the GPU) + a 32k-token tokenizer"
     CKPT=$(timeout 240 "$PY" - <<'EOF' 2>"$OUT/ckpt.txt"
 import sys, os
@@ -170,6 +172,25 @@ if [[ $STAGES == *serve* && -n $CKPT ]]; then
         --hf-modes "" --engine-args "--max-total-tokens 131072 --cuda-graph-max-bs 64 --max-running-requests 64" \
         --variant default: --variant no-overlap:--disable-overlap-schedule \
         --json-out "$OUT/serve.json" 2>&1 | tee "$OUT/serve.txt" | tail -30 || status=1
+fi
+
+if [[ $STAGES == *spec* && -n $CKPT ]]; then
+    # random weights: what a verify step costs against a plain step on this GPU (verify graphs, the
+    # head's passes), with whatever the random model's repetitions let NGRAM accept
+    stamp "== speculation on llama-3-8b: NGRAM vs off, then EAGLE (a random head) vs off, concurrency 1, 4, 16"
+    SPEC_ENGINE="--device cuda --max-total-tokens 65536 --cuda-graph-max-bs 32"
+    timeout "${SPEC_TIMEOUT:-300}" "$PY" scripts/spec_bench.py --model-path "$CKPT" --concurrency 1,4,16 \
+        --input-len 256 --output-len 128 --engine-args "$SPEC_ENGINE" 2>&1 | tee "$OUT/spec.txt" | tail -8 || status=1
+    EAGLE_DIR=$(timeout 180 "$PY" -c "import sys, tempfile; sys.path.insert(0, 'tests/engine')
+from tiny_models import make_eagle_draft
+print(make_eagle_draft(sys.argv[1], tempfile.mkdtemp(prefix='eagle-8b-'), 'EAGLE', std=0.02))" "$CKPT" \
+        2>>"$OUT/spec.txt") || status=1
+    if [ -n "$EAGLE_DIR" ]; then
+        timeout "${SPEC_TIMEOUT:-300}" "$PY" scripts/spec_bench.py --model-path "$CKPT" --concurrency 1,4,16 \
+            --input-len 256 --output-len 128 --engine-args "$SPEC_ENGINE" \
+            --spec-args "--speculative-algorithm EAGLE --speculative-draft-model-path $EAGLE_DIR" \
+            2>&1 | tee -a "$OUT/spec.txt" | tail -8 || status=1
+    fi
 fi
 
 stamp "== done (status $status); logs in $OUT"
