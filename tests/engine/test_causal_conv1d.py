@@ -14,9 +14,6 @@ Criteria:
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -24,6 +21,7 @@ import torch
 
 from baton.engine.layers.custom_op import triton_available
 from baton.engine.triton_ops.causal_conv1d import conv1d_decode, conv1d_decode_torch
+from fresh_python import run_python
 
 
 def test_cpu_dispatch_equals_the_layers_decode_conv():
@@ -88,10 +86,7 @@ INTERPRETED = textwrap.dedent(
 def test_kernel_matches_torch_under_the_interpreter():
     if not triton_available():
         pytest.skip("triton is not installed")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", INTERPRETED], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "INTERPRETED OK" in proc.stdout
+    assert "INTERPRETED OK" in run_python(INTERPRETED, interpret=True)
 
 
 SM90_COMPILE = textwrap.dedent(
@@ -121,9 +116,8 @@ SM90_COMPILE = textwrap.dedent(
 def test_kernel_compiles_for_sm90():
     if not triton_available():
         pytest.skip("triton is not installed")
-    proc = subprocess.run([sys.executable, "-c", SM90_COMPILE], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count("compiled") == 2, proc.stdout
+    out = run_python(SM90_COMPILE)
+    assert out.count("compiled") == 2, out
 
 
 @pytest.mark.gpu

@@ -21,14 +21,13 @@ from __future__ import annotations
 import ast
 import os
 import pathlib
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 
 from baton.engine.layers.custom_op import CustomOp, bind_layer_ops, triton_available
+from fresh_python import run_python
 
 ENGINE = pathlib.Path(__file__).resolve().parents[2] / "engine"
 
@@ -128,10 +127,7 @@ INTERPRETED = textwrap.dedent(
 def test_fused_kernels_match_the_reference_under_the_interpreter():
     if not triton_available():
         pytest.skip("triton is not installed")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", INTERPRETED], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "INTERPRETED OK" in proc.stdout
+    assert "INTERPRETED OK" in run_python(INTERPRETED, interpret=True)
 
 
 def test_kernels_compile_for_sm90():
@@ -139,9 +135,8 @@ def test_kernels_compile_for_sm90():
     if/else): each kernel compiles to PTX for an H100/H200 here, without a GPU."""
     if not triton_available():
         pytest.skip("triton is not installed")
-    proc = subprocess.run([sys.executable, "-c", SM90_COMPILE], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count("compiled") == 15, proc.stdout
+    out = run_python(SM90_COMPILE)
+    assert out.count("compiled") == 15, out
 
 
 SM90_COMPILE = textwrap.dedent(

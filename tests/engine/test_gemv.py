@@ -17,9 +17,6 @@ Criteria:
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -28,6 +25,7 @@ import torch.nn.functional as F
 
 from baton.engine.layers import gemm
 from baton.engine.layers.custom_op import triton_available
+from fresh_python import run_python
 
 INTERPRETED = textwrap.dedent(
     """
@@ -71,10 +69,7 @@ INTERPRETED = textwrap.dedent(
 def test_gemv_matches_torch_under_the_interpreter():
     if not triton_available():
         pytest.skip("triton is not installed")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", INTERPRETED], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "INTERPRETED OK" in proc.stdout
+    assert "INTERPRETED OK" in run_python(INTERPRETED, interpret=True)
 
 
 SM90_COMPILE = textwrap.dedent(
@@ -113,9 +108,8 @@ def test_gemv_kernels_compile_for_sm90():
     (scalar 2-byte loads would waste the bandwidth the kernel exists for) and the dot path uses MMAs."""
     if not triton_available():
         pytest.skip("triton is not installed")
-    proc = subprocess.run([sys.executable, "-c", SM90_COMPILE], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count("compiled") == 5, proc.stdout
+    out = run_python(SM90_COMPILE)
+    assert out.count("compiled") == 5, out
 
 
 # ---------------------------------------------------------------- the switch

@@ -193,6 +193,34 @@ def eager_decode(runner: ModelRunner, fb: ForwardBatch) -> torch.Tensor:
         return runner.model(fb.input_ids, fb.positions, fb)
 
 
+def replay_equals_eager(runner: ModelRunner, graphs: CudaGraphRunner, fb: ForwardBatch,
+                        atol: float) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """The batch eagerly, then (pools restored) through the graph runner: the same hidden states.
+    Returns the pools' buffers before, after the eager pass and after the replay."""
+    before = kv_snapshot(runner)
+    expected = eager_decode(runner, fb)
+    expected_kv = kv_snapshot(runner)
+    kv_restore(runner, before)
+    with torch.inference_mode():
+        got = graphs.replay(fb)
+    torch.testing.assert_close(got, expected, atol=atol, rtol=atol)
+    return before, expected_kv, kv_snapshot(runner)
+
+
+def assert_kv_written_only(runner: ModelRunner, slots: torch.Tensor, now: list[torch.Tensor],
+                           before: list[torch.Tensor], expected: list[torch.Tensor], atol: float) -> None:
+    """The KV buffers `now` differ from `before` only at the pass's `slots` (there: the unpadded pass's
+    values, `expected`) and in the dummy page, where padded rows write."""
+    page = runner.token_to_kv_pool.page_size
+    written = torch.zeros(before[0].shape[0], dtype=torch.bool)
+    written[slots.cpu()] = True
+    written[:page] = True
+    for new, old, ref in zip(now, before, expected):
+        new, old, ref = new.cpu(), old.cpu(), ref.cpu()
+        assert torch.equal(new[~written], old[~written]), "a padded row wrote outside the dummy page"
+        torch.testing.assert_close(new[page:][written[page:]], ref[page:][written[page:]], atol=atol, rtol=atol)
+
+
 def check_padded_decode(runner: ModelRunner, graphs: CudaGraphRunner, bs: int, atol: float) -> None:
     """Requests in rows 0..4; rows 1..bs decode. The padded run must give the unpadded run's hidden
     states and KV, and write nothing but this step's slots and the dummy page (row 0 included). A
@@ -208,23 +236,9 @@ def check_padded_decode(runner: ModelRunner, graphs: CudaGraphRunner, bs: int, a
     if states is not None:
         checkpoint = states.checkpoint_slots()[0]
         fb.state_ops = StateOps([], {0: [(1, checkpoint)]})
-    before = kv_snapshot(runner)
-    expected = eager_decode(runner, fb)
-    expected_kv = kv_snapshot(runner)
-    kv_restore(runner, before)
-    with torch.inference_mode():
-        got = graphs.replay(fb)
-    torch.testing.assert_close(got, expected, atol=atol, rtol=atol)
-    page = runner.token_to_kv_pool.page_size
-    written = torch.zeros(before[0].shape[0], dtype=torch.bool)
-    written[fb.out_cache_loc.cpu()] = True
-    written[:page] = True  # the dummy page: padded rows write there
+    before, expected_kv, after = replay_equals_eager(runner, graphs, fb, atol)
     kv = 2 * len(runner.token_to_kv_pool.k_buffer)
-    after = kv_snapshot(runner)
-    for now, old, ref in zip(after[:kv], before[:kv], expected_kv[:kv]):
-        now, old, ref = now.cpu(), old.cpu(), ref.cpu()
-        assert torch.equal(now[~written], old[~written]), "a padded row wrote outside the dummy page"
-        torch.testing.assert_close(now[page:][written[page:]], ref[page:][written[page:]], atol=atol, rtol=atol)
+    assert_kv_written_only(runner, fb.out_cache_loc, after[:kv], before[:kv], expected_kv[:kv], atol)
     if states is None:
         return
     changed = torch.zeros(before[kv].shape[0], dtype=torch.bool)
@@ -259,21 +273,8 @@ def check_padded_verify(runner: ModelRunner, graphs: CudaGraphRunner, bs: int, a
                       [n] * bs, runner.req_to_token_pool, runner.token_to_kv_pool, runner.attn_backend,
                       spec_verify=True)
     assert graphs.can_run(fb) and not graphs.can_run(dataclasses.replace(fb, spec_verify=False))
-    before = kv_snapshot(runner)
-    expected = eager_decode(runner, fb)
-    expected_kv = kv_snapshot(runner)
-    kv_restore(runner, before)
-    with torch.inference_mode():
-        got = graphs.replay(fb)
-    torch.testing.assert_close(got, expected, atol=atol, rtol=atol)
-    page = runner.token_to_kv_pool.page_size
-    written = torch.zeros(before[0].shape[0], dtype=torch.bool)
-    written[locs.cpu()] = True
-    written[:page] = True  # the dummy page: padded requests write there
-    for now, old, ref in zip(kv_snapshot(runner), before, expected_kv):
-        now, old, ref = now.cpu(), old.cpu(), ref.cpu()
-        assert torch.equal(now[~written], old[~written]), "a padded request wrote outside the dummy page"
-        torch.testing.assert_close(now[page:][written[page:]], ref[page:][written[page:]], atol=atol, rtol=atol)
+    before, expected_kv, after = replay_equals_eager(runner, graphs, fb, atol)
+    assert_kv_written_only(runner, locs, after, before, expected_kv, atol)
 
 
 @pytest.mark.parametrize("page_size,bs", [(1, 3), (16, 1), (16, 4)])
@@ -392,13 +393,25 @@ def test_flashinfer_rejects_float32_and_torch_backend_runs_without_graphs(tiny_m
     assert auto_dtype.dtype == torch.float16 and auto_dtype.server_args.attention_backend == "flashinfer"
 
 
+def flashinfer_equals_torch_backend(runner: ModelRunner, fb: ForwardBatch) -> None:
+    """The batch through the runner (FlashInfer) and, pools restored, through the torch backend: fp16."""
+    from baton.engine.layers.attention.torch_backend import TorchAttnBackend
+
+    before = kv_snapshot(runner)
+    with torch.inference_mode():
+        torch_fb = dataclasses.replace(fb, attn_backend=TorchAttnBackend(), attn_metadata=None)
+        torch_fb.attn_backend.init_forward_metadata(torch_fb)
+        expected = runner.model(torch_fb.input_ids, torch_fb.positions, torch_fb)
+    kv_restore(runner, before)
+    got = runner.forward(fb)
+    torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_flashinfer_matches_torch_backend(tiny_model_factory, page_size):
     """Extend (fresh, then with a cached prefix) and decode: FlashInfer vs torch attention, fp16."""
     need_gpu()
-    from baton.engine.layers.attention.torch_backend import TorchAttnBackend
-
     runner = make_runner(tiny_model_factory("llama", **GPU_MODEL), page_size, "cuda", dtype="float16",
                          attention_backend="flashinfer", disable_cuda_graph=True)
     rows, lens = prefill(runner, PROMPTS)
@@ -414,15 +427,7 @@ def test_flashinfer_matches_torch_backend(tiny_model_factory, page_size):
                        runner.req_to_token_pool, runner.token_to_kv_pool, runner.attn_backend)
     dec_rows, dec_lens = rows, [n + 3 for n in lens]
     for make in (lambda: ext, lambda: decode_batch(runner, dec_rows, dec_lens, [9] * len(dec_rows))):
-        fb = make()
-        before = kv_snapshot(runner)
-        with torch.inference_mode():
-            torch_fb = dataclasses.replace(fb, attn_backend=TorchAttnBackend(), attn_metadata=None)
-            torch_fb.attn_backend.init_forward_metadata(torch_fb)
-            expected = runner.model(torch_fb.input_ids, torch_fb.positions, torch_fb)
-        kv_restore(runner, before)
-        got = runner.forward(fb)
-        torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
+        flashinfer_equals_torch_backend(runner, make())
 
 
 @pytest.mark.gpu
@@ -431,8 +436,6 @@ def test_flashinfer_tree_verify_matches_torch_backend(tiny_model_factory, page_s
     """A verify step with a tree draft beside chains (speculative decoding, issue 35): FlashInfer's
     custom mask (layers/attention/masks.py) vs the torch backend's tree mask, fp16, per token."""
     need_gpu()
-    from baton.engine.layers.attention.torch_backend import TorchAttnBackend
-
     runner = make_runner(tiny_model_factory("llama", **GPU_MODEL), page_size, "cuda", dtype="float16",
                          attention_backend="flashinfer", disable_cuda_graph=True)
     rows, lens = prefill(runner, PROMPTS[:3])
@@ -447,14 +450,7 @@ def test_flashinfer_tree_verify_matches_torch_backend(tiny_model_factory, page_s
                       torch.tensor(positions).cuda(), torch.tensor(rows).cuda(), torch.tensor([n + 5 for n in lens]).cuda(),
                       locs.cuda(), [n + 5 for n in lens], lens, [5] * len(rows), runner.req_to_token_pool,
                       runner.token_to_kv_pool, runner.attn_backend, tree_parents=[tree, None, None])
-    before = kv_snapshot(runner)
-    with torch.inference_mode():
-        torch_fb = dataclasses.replace(fb, attn_backend=TorchAttnBackend(), attn_metadata=None)
-        torch_fb.attn_backend.init_forward_metadata(torch_fb)
-        expected = runner.model(torch_fb.input_ids, torch_fb.positions, torch_fb)
-    kv_restore(runner, before)
-    got = runner.forward(fb)  # a tree step: the backend plans its mask, the model's own forward runs
-    torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
+    flashinfer_equals_torch_backend(runner, fb)  # a tree step: FlashInfer plans its mask, the model's forward runs
 
 
 @pytest.mark.gpu
