@@ -16,6 +16,7 @@
 #          other tensor-core setting, side by side (STEP_VARIANTS: another list)
 #   serve  `baton bench compare` on that checkpoint: 64 prompts x 256 in / 256 out at concurrency 64,
 #          the default engine (overlap) vs --disable-overlap-schedule
+#   gemv   (asked for: STAGES="... gemv") served at concurrency 16, cuBLAS vs --small-batch-gemv-rows 16
 #   spec   (asked for: STAGES="... spec") scripts/spec_bench.py on that checkpoint: NGRAM vs off and
 #          EAGLE with a random head (acceptance ~0: the verify step's cost) vs off, concurrency 1/4/16
 #
@@ -127,7 +128,7 @@ JIT1=$!
 JIT2=$!
 
 CKPT=""
-if [[ $STAGES == *step* || $STAGES == *serve* || $STAGES == *spec* ]]; then
+if [[ $STAGES == *step* || $STAGES == *serve* || $STAGES == *spec* || $STAGES == *gemv* ]]; then
     stamp "== llama-3-8b checkpoint (random bf16 weights generated on the GPU) + a 32k-token tokenizer"
     CKPT=$(timeout 240 "$PY" - <<'EOF' 2>"$OUT/ckpt.txt"
 import sys, os
@@ -172,6 +173,15 @@ if [[ $STAGES == *serve* && -n $CKPT ]]; then
         --hf-modes "" --engine-args "--max-total-tokens 131072 --cuda-graph-max-bs 64 --max-running-requests 64" \
         --variant default: --variant no-overlap:--disable-overlap-schedule \
         --json-out "$OUT/serve.json" 2>&1 | tee "$OUT/serve.txt" | tail -30 || status=1
+fi
+
+if [[ $STAGES == *gemv* && -n $CKPT ]]; then
+    stamp "== served llama-3-8b at concurrency 16 (32 x 256 / 256): cuBLAS vs --small-batch-gemv-rows 16"
+    timeout "${SERVE_TIMEOUT:-240}" "$PY" -m baton bench compare --model-path "$CKPT" --device cuda --dtype bfloat16 \
+        --num-prompts 32 --concurrency 16 --input-len 256 --output-len 256 --repeats "${REPEATS:-2}" --warmup-rounds 1 \
+        --hf-modes "" --engine-args "--max-total-tokens 131072 --cuda-graph-max-bs 64 --max-running-requests 64" \
+        --variant default: --variant gemv16:--small-batch-gemv-rows=16 \
+        --json-out "$OUT/serve_gemv.json" 2>&1 | tee "$OUT/serve_gemv.txt" | tail -20 || status=1
 fi
 
 if [[ $STAGES == *spec* && -n $CKPT ]]; then

@@ -514,20 +514,28 @@ GREEDY_CASES = [("llama", "flashinfer", graph, overlap, page) for graph in (True
                                         # hybrids: decode graphs over state slots, fla's kernels
                                         ("qwen3_next", "flashinfer", True, True, 16),
                                         ("qwen3_5", "flashinfer", True, False, 1),
-                                        ("qwen3_5", "flashinfer", False, True, 16)]
+                                        ("qwen3_5", "flashinfer", False, True, 16),
+                                        # --small-batch-gemv-rows 16: the linears on the Triton GEMV
+                                        ("llama+gemv", "flashinfer", True, True, 16)]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch,backend,graph,overlap,page_size", GREEDY_CASES)
-def test_scheduler_greedy_matches_hf_on_cuda(tiny_model_factory, arch, backend, graph, overlap, page_size):
+def test_scheduler_greedy_matches_hf_on_cuda(tiny_model_factory, request, arch, backend, graph, overlap, page_size):
     need_gpu(flashinfer=backend == "flashinfer")
     from scheduler_harness import SchedulerHarness
     from test_scheduler_vs_hf import run_workload, workload
 
+    from baton.engine.layers import gemm
+
+    arch, gemv = arch.removesuffix("+gemv"), arch.endswith("+gemv")
+    request.addfinalizer(lambda: gemm.set_small_batch_gemv(0))  # a process-wide switch the runner sets
     path = tiny_model_factory(arch, **GPU_MODELS.get(arch, GPU_MODEL))
     h = SchedulerHarness(path, device="cuda", dtype="float16", attention_backend=backend, page_size=page_size,
                          disable_cuda_graph=not graph, cuda_graph_max_bs=16, enable_overlap_schedule=overlap,
-                         disable_overlap_schedule=not overlap, chunked_prefill_size=32, max_total_tokens=4096)
+                         disable_overlap_schedule=not overlap, chunked_prefill_size=32, max_total_tokens=4096,
+                         small_batch_gemv_rows=16 if gemv else 0)
+    assert gemm.small_batch_gemv_rows() == (16 if gemv else 0)
     graphs = h.scheduler.worker.model_runner.cuda_graph_runner
     assert (graphs is not None) == graph
     replays = []
