@@ -311,8 +311,6 @@ class ServerArgs:
             raise ValueError("--speculative-disable-by-batch-size must be >= 1")
         if self.speculative_ngram_max_bfs_breadth < 1:
             raise ValueError("--speculative-ngram-max-bfs-breadth must be >= 1 (1: chains)")
-        if algo == "NGRAM" and self.speculative_ngram_max_bfs_breadth > 1 and self.disaggregation_mode != "prefill":
-            self._check_tree_drafts("--speculative-ngram-max-bfs-breadth > 1")
 
     def _check_head_drafts(self) -> None:
         """NEXTN, EAGLE, EAGLE3: num_steps drafts deep, topk candidates for the first one (1: a chain, so
@@ -332,17 +330,9 @@ class ServerArgs:
         if not steps + 1 <= tokens <= most:
             raise ValueError(f"--speculative-num-draft-tokens must be between --speculative-num-steps + 1 ({steps + 1}, "
                              f"the first branch whole) and 1 + topk x steps ({most}, every branch whole)")
-        if topk > 1 and self.disaggregation_mode != "prefill":
-            self._check_tree_drafts("--speculative-eagle-topk > 1")
         for name, value in (("speculative_num_steps", steps), ("speculative_eagle_topk", topk),
                             ("speculative_num_draft_tokens", tokens)):
             object.__setattr__(self, name, value)  # frozen
-
-    def _check_tree_drafts(self, flag: str) -> None:
-        """Tree drafts (NGRAM's breadth, a head's topk): a tree mask (both attention backends have one,
-        layers/attention/masks.py), one TP rank."""
-        if self.tp_size > 1:
-            raise ValueError(f"{flag} (tree drafts) runs with --tp-size 1 only for now (use 1 to draft chains)")
 
     def _auto_attention_backend(self) -> str:
         if not self.device.startswith("cuda") or importlib.util.find_spec("flashinfer") is None:

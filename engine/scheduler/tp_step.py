@@ -5,9 +5,9 @@ Only the driver runs a scheduler, samples and talks to the rest of the engine. E
 (a follower) loops: receive a step, run the model on its shard (the layers' all-reduces meet the
 driver's), repeat. A follower thus needs nothing of the scheduler but what the forward reads:
 
-    header  int64[11]  command, forward mode, batch size, tokens, table updates, has future slots,
-                       prompt-logprob spans, verify, state copies, state tracks, head primes (the
-                       payload's layout follows from these)
+    header  int64[12]  command, forward mode, batch size, tokens, table updates, has future slots,
+                       prompt-logprob spans, verify, state copies, state tracks, head primes, tree
+                       parents (the payload's layout follows from these)
     payload int64[..]  input_ids | positions | req_pool_indices | seq_lens | out_cache_loc
                        [| extend_prefix_lens | extend_seq_lens]     (EXTEND)
                        [| next prompt ids]                          (EXTEND, a draft head)
@@ -16,9 +16,12 @@ driver's), repeat. A follower thus needs nothing of the scheduler but what the f
                        | span first rows | span row counts          (prompt logprobs)
                        | copy sources | copy destinations        (hybrid models' state work,
                        | track rows | offsets | slots               mem_cache/state_pool.StateOps)
-                       [| prime batch indices | prime drafts]       (a verify step's VerifyInput.primes;
-                                                                    their head outputs follow, broadcast
-                                                                    in the model's dtype)
+                       | parents                                    (a verify step with tree drafts: every
+                                                                    request's, a chain's as [-1, 0, 1, ..])
+                       [| prime batch indices | prime candidates]   (a verify step's VerifyInput.primes,
+                                                                    topk each, -1 padded; their head
+                                                                    outputs follow, broadcast in the
+                                                                    model's dtype)
 
 The LM head is split by vocabulary rows, and each of its calls all-gathers the logits: after the
 forward a follower makes the driver's calls, on the same rows, in the same order. One on each
@@ -38,6 +41,8 @@ are collectives too, in the driver's order: before a verify pass its chain steps
 argmax of all-gathered logits, the same on every rank), after every pass the head over its positions.
 That one needs what only the driver knows: the sampled ids (broadcast as the overlap loop's are) and,
 after a verify pass, how many drafts each request kept and the token after them (send_accepted).
+Trees (any algorithm): the followers mask the step's trees as the driver does, and after acceptance
+take the accepted nodes (send_accepted) to move their KV as the driver moves its own.
 
 Overlap loop: a batch's decode inputs may be placeholders for tokens the previous batch has not
 sampled yet. Each follower keeps its own future map: after sampling, the driver broadcasts the
@@ -60,7 +65,7 @@ if TYPE_CHECKING:
     from baton.engine.scheduler.schedule_batch import ModelWorkerBatch
     from baton.engine.speculative.spec_info import VerifyOutput
 
-_HEADER = 11
+_HEADER = 12
 _STOP, _FORWARD = 0, 1
 
 
@@ -91,7 +96,9 @@ class Step(NamedTuple):
     verify: bool = False  # a speculative verify step: the LM head runs over every row
     next_prompt_ids: Optional[list[int]] = None  # EXTEND with a draft head (ModelWorkerBatch.next_prompt_ids)
     # a verify step's first drafts and head outputs a PD prefill sent (VerifyInput.primes)
-    primes: Optional[dict[int, tuple[int, torch.Tensor]]] = None
+    primes: Optional[dict[int, tuple[tuple[int, ...], torch.Tensor]]] = None
+    # a verify step with tree drafts: every request's parents (a chain's given as [-1, 0, 1, ..])
+    parents: Optional[list[list[int]]] = None
 
 
 def _logit_spans(mwb: "ModelWorkerBatch") -> list[tuple[int, int]]:
@@ -108,10 +115,11 @@ def _logit_spans(mwb: "ModelWorkerBatch") -> list[tuple[int, int]]:
 class StepSender:
     """The driver's side. Call send() before each forward, in the thread that runs the forward."""
 
-    def __init__(self, tp: TpGroup, req_to_token: torch.Tensor, head: bool = False) -> None:
-        """`head`: speculation with a draft head (its passes read the next prompt ids)."""
+    def __init__(self, tp: TpGroup, req_to_token: torch.Tensor, head: bool = False, topk: int = 1) -> None:
+        """`head`: speculation with a draft head (its passes read the next prompt ids); `topk`: its
+        first-draft candidates per request (a prime carries up to that many)."""
         assert tp.is_driver and tp.size > 1
-        self.tp, self.table, self.head = tp, req_to_token, head
+        self.tp, self.table, self.head, self.topk = tp, req_to_token, head, topk
         self.mirror = torch.zeros_like(req_to_token)  # what every follower's req_to_token holds
 
     def send(self, mwb: "ModelWorkerBatch") -> None:
@@ -132,14 +140,18 @@ class StepSender:
         tracks = [(row, off, slot) for row, t in ops.tracks.items() for off, slot in t]
         parts += [torch.tensor(ops.copies, dtype=torch.int64).reshape(-1, 2).T.reshape(-1),
                   torch.tensor(tracks, dtype=torch.int64).reshape(-1, 3).T.reshape(-1)]
-        primes = (mwb.spec_info.primes if mwb.spec_info is not None else None) or {}
-        if primes:
-            # TP drafts chains only (server_args refuses trees with TP): each prime's first candidate
-            parts += [torch.tensor(list(primes), dtype=torch.int64), torch.tensor([t[0] for t, _ in primes.values()])]
+        spec = mwb.spec_info
+        parents = [] if spec is None or spec.parents is None else [
+            q for i, n in enumerate(mwb.extend_seq_lens_cpu) for q in (spec.tree(i) or range(-1, n - 1))]
+        parts.append(torch.tensor(parents, dtype=torch.int64))
+        primes = (spec.primes if spec is not None else None) or {}
+        if primes:  # each prime's first-draft candidates, padded with -1 to topk
+            parts += [torch.tensor(list(primes), dtype=torch.int64),
+                      torch.tensor([(list(t) + [-1] * self.topk)[:self.topk] for t, _ in primes.values()])]
         payload = torch.cat([t.to("cpu", torch.int64).reshape(-1) for t in parts])
         header = torch.tensor([_FORWARD, int(mwb.forward_mode), len(mwb.seq_lens_cpu), mwb.input_ids.numel(),
                                rows.numel(), mwb.future_indices is not None, len(spans), mwb.spec_info is not None,
-                               len(ops.copies), len(tracks), len(primes)], dtype=torch.int64)
+                               len(ops.copies), len(tracks), len(primes), len(parents)], dtype=torch.int64)
         _broadcast(header, self.tp.cpu_group)
         _broadcast(payload, self.tp.cpu_group)
         if primes:
@@ -152,9 +164,13 @@ class StepSender:
         _broadcast(next_ids.contiguous(), self.tp.device_group)
 
     def send_accepted(self, out: "VerifyOutput") -> None:
-        """A draft head, after a verify pass: per request the drafts it kept and the token after them."""
+        """After a verify pass with a draft head or trees: per request the drafts it kept and the token
+        after them, then with trees the accepted nodes (the head's pass and the KV move read them)."""
         _broadcast(torch.tensor([len(t) - 1 for t in out.tokens] + out.last_tokens, dtype=torch.int64),
                    self.tp.cpu_group)
+        if out.accepted_nodes is not None and any(out.accepted_nodes):
+            _broadcast(torch.tensor([n for nodes in out.accepted_nodes for n in nodes], dtype=torch.int64),
+                       self.tp.cpu_group)
 
     def stop(self) -> None:
         """Let the followers leave their loop (engine shutdown)."""
@@ -194,7 +210,8 @@ class StepReceiver:
     def recv(self) -> Optional[Step]:
         header = torch.empty(_HEADER, dtype=torch.int64)
         _broadcast(header, self.tp.cpu_group)
-        cmd, mode, bs, num_tokens, n_updates, has_future, n_spans, verify, n_copies, n_tracks, n_primes = header.tolist()
+        (cmd, mode, bs, num_tokens, n_updates, has_future, n_spans, verify, n_copies, n_tracks, n_primes,
+         n_parents) = header.tolist()
         if cmd == _STOP:
             return None
         mode = ForwardMode(mode)
@@ -204,9 +221,10 @@ class StepReceiver:
             sizes += [bs, bs] + ([bs] if head else [])
         if has_future:
             sizes.append(bs)
-        sizes += [n_updates] * 3 + [n_spans] * 2 + [2 * n_copies, 3 * n_tracks]
+        sizes += [n_updates] * 3 + [n_spans] * 2 + [2 * n_copies, 3 * n_tracks, n_parents]
+        topk = self.drafter.topk if self.drafter is not None else 1
         if n_primes:
-            sizes += [n_primes, n_primes]
+            sizes += [n_primes, n_primes * topk]
         payload = torch.empty(sum(sizes), dtype=torch.int64)
         _broadcast(payload, self.tp.cpu_group)
         fields = list(payload.split(sizes))
@@ -217,8 +235,13 @@ class StepReceiver:
             outs = torch.empty(n_primes, *self.drafter.hidden.shape[1:], dtype=self.drafter.hidden.dtype,
                                device=self.runner.device)
             _broadcast(outs, self.tp.device_group)
-            primes = dict(zip(prime_idx.tolist(), zip([(t,) for t in prime_tokens.tolist()], outs)))
-        rows, cols, slots, span_rows, span_counts, copies, tracks = fields[-7:]
+            candidates = [tuple(t for t in row if t >= 0) for row in prime_tokens.view(n_primes, topk).tolist()]
+            primes = dict(zip(prime_idx.tolist(), zip(candidates, outs)))
+        rows, cols, slots, span_rows, span_counts, copies, tracks, flat_parents = fields[-8:]
+        parents = None
+        if n_parents:  # per request its extend's length of them
+            cut = flat_parents.split([int(n) for n in fields[6].tolist()])
+            parents = [c.tolist() for c in cut]
         state_ops = None
         if n_copies or n_tracks:
             src, dst = copies.view(2, -1).tolist()
@@ -233,7 +256,7 @@ class StepReceiver:
                     fields[5].tolist() if extend else None, fields[6].tolist() if extend else None,
                     fields[after] if has_future else None,
                     list(zip(span_rows.tolist(), span_counts.tolist())), state_ops, bool(verify),
-                    fields[7].tolist() if head else None, primes)
+                    fields[7].tolist() if head else None, primes, parents)
 
     @torch.inference_mode()  # every tensor it makes is an inference tensor, as the driver's batches
     def run(self) -> int:
@@ -259,11 +282,14 @@ class StepReceiver:
         if step.future_slots is not None:  # the overlap loop: decode inputs may be placeholders
             resolve_future_token_ids(fb.input_ids, self._future_map())
         spec = None
-        if self.drafter is not None and step.verify:  # the chain, as the driver drafts it
+        if step.verify:  # the drafts' shape, as the driver's (the head's drafts this rank computes alike)
             from baton.engine.speculative.spec_info import VerifyInput
 
-            spec = VerifyInput([[0] * (n - 1) for n in step.extend_seq_lens], primes=step.primes)
-            self.drafter.draft(fb, spec)
+            spec = VerifyInput([[0] * (n - 1) for n in step.extend_seq_lens], parents=step.parents,
+                               primes=step.primes)
+            fb.tree_parents = spec.parents
+            if self.drafter is not None:
+                self.drafter.draft(fb, spec)
         hidden = runner.forward(fb)
         # the driver's LM head calls (each all-gathers logits): last positions (every row of a verify
         # step), then prompt spans
@@ -277,20 +303,32 @@ class StepReceiver:
             _broadcast(sampled, self.tp.device_group)
             if step.future_slots is not None:
                 self._future_map()[step.future_slots.to(dev)] = sampled
-        if self.drafter is not None:
-            if step.verify:
-                self.drafter.after_verify(fb, hidden, spec, self._recv_accepted(len(step.seq_lens)))
-            else:
-                self.drafter.after_pass(fb, hidden, sampled, step.next_prompt_ids)
+        if step.verify and (self.drafter is not None or spec.parents is not None):
+            from baton.engine.speculative.verify import move_accepted_kv
 
-    def _recv_accepted(self, bs: int) -> "VerifyOutput":
-        """StepSender.send_accepted's counts, as the VerifyOutput the head's pass reads."""
+            out = self._recv_accepted(len(step.seq_lens), spec.parents is not None)
+            if self.drafter is not None:
+                self.drafter.after_verify(fb, hidden, spec, out)
+            if out.accepted_nodes is not None:
+                move_accepted_kv(runner, fb, spec, out)
+        elif self.drafter is not None:
+            self.drafter.after_pass(fb, hidden, sampled, step.next_prompt_ids)
+
+    def _recv_accepted(self, bs: int, tree: bool) -> "VerifyOutput":
+        """StepSender.send_accepted's counts (and with trees the accepted nodes), as the VerifyOutput the
+        head's pass and the KV move read."""
         from baton.engine.speculative.spec_info import VerifyOutput
 
         got = torch.empty(2 * bs, dtype=torch.int64)
         _broadcast(got, self.tp.cpu_group)
         kept, last = got[:bs].tolist(), got[bs:].tolist()
-        return VerifyOutput([[0] * k + [t] for k, t in zip(kept, last)])
+        out = VerifyOutput([[0] * k + [t] for k, t in zip(kept, last)])
+        if tree:
+            nodes = torch.empty(sum(kept), dtype=torch.int64)
+            if nodes.numel():
+                _broadcast(nodes, self.tp.cpu_group)
+            out.accepted_nodes = [c.tolist() for c in nodes.split(kept)]
+        return out
 
     def _future_map(self) -> torch.Tensor:
         if self.future_ids is None:

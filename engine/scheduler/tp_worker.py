@@ -28,7 +28,7 @@ from baton.engine.server_args import ServerArgs
 
 if TYPE_CHECKING:
     from baton.engine.distributed.parallel_state import TpGroup
-    from baton.engine.speculative.spec_info import VerifyInput, VerifyOutput
+    from baton.engine.speculative.spec_info import VerifyOutput
 
 
 @dataclass
@@ -70,7 +70,8 @@ class TpModelWorker:
         self.sampler = Sampler()
         self.device = server_args.device
         self.step_sender = (StepSender(self.tp, self.model_runner.req_to_token_pool.req_to_token,
-                                       head=self.model_runner.draft_head is not None)
+                                       head=self.model_runner.draft_head is not None,
+                                       topk=server_args.speculative_eagle_topk or 1)
                             if self.tp.size > 1 else None)
         self.drafter = None  # NEXTN / EAGLE: the draft head's passes beside the model's (speculative/head_drafter.py)
         if self.model_runner.draft_head is not None:
@@ -141,39 +142,22 @@ class TpModelWorker:
                 future_slots: Optional[torch.Tensor]) -> GenerationBatchResult:
         """A verify step's result: the logits of every token row, checked against the drafts
         (speculative/verify.py); each request's last emitted token goes to the future map (overlap)."""
-        from baton.engine.speculative.verify import verify_drafts
+        from baton.engine.speculative.verify import move_accepted_kv, verify_drafts
 
         logits = self.model_runner.compute_logits(hidden)  # [num_tokens, vocab] float32
         out = verify_drafts(logits, mwb.spec_info, mwb.sampling_states, mwb.draws, mwb.return_logprob,
                             mwb.top_logprobs_nums)
+        if self.step_sender is not None and (self.drafter is not None or out.accepted_nodes is not None):
+            self.step_sender.send_accepted(out)  # the followers' head pass and KV move
         if self.drafter is not None:  # the head's KV at every node before the move, which takes its layers too
-            if self.step_sender is not None:
-                self.step_sender.send_accepted(out)
             self.drafter.after_verify(fb, hidden, mwb.spec_info, out)
         if out.accepted_nodes is not None:
-            self._move_accepted_kv(fb, mwb.spec_info, out)
+            move_accepted_kv(self.model_runner, fb, mwb.spec_info, out)
         last = torch.tensor(out.last_tokens, dtype=torch.int64)
         if future_map is not None:
             future_map.token_ids[future_slots] = last.to(future_map.token_ids.device)
         return GenerationBatchResult(next_token_ids=out.last_tokens, next_token_ids_tensor=last,
                                      next_token_ids_device=last, verify=out)
-
-    def _move_accepted_kv(self, fb, spec: "VerifyInput", out: "VerifyOutput") -> None:
-        """Tree drafts: each request's accepted nodes' KV (every pool layer: a draft head's too) into its
-        columns L + 1, L + 2, .. (right after its last token's), where the scheduler keeps a request's
-        accepted KV as it keeps a chain's (speculative/verifying.py keep_kv). A node at depth j sits in
-        column L + its index >= L + j."""
-        src, dst = [], []
-        for off, nodes in zip(spec.offsets, out.accepted_nodes):
-            for j, node in enumerate(nodes, start=1):
-                if node != j:
-                    src.append(off + node)
-                    dst.append(off + j)
-        if src:
-            loc = fb.out_cache_loc
-            index = torch.tensor(dst + src, dtype=torch.int64, device=loc.device)
-            slots = loc[index]
-            self.model_runner.token_to_kv_pool.move_kv_cache(slots[:len(dst)], slots[len(dst):])
 
     def sample(self, mwb: ModelWorkerBatch, logits: torch.Tensor) -> tuple[GenerationBatchResult, torch.Tensor]:
         """The batch's next ids [bs] from its last-token logits [bs, vocab] (rows that sample

@@ -3,7 +3,7 @@
 and what its result does: verifying.py.
 
 --speculative-ngram-max-bfs-breadth b > 1 drafts trees of up to b continuations (NgramTreeIndex;
-ServerArgs refuses it where the attention cannot mask a tree). A hybrid model drafts chains whatever
+both attention backends mask them, any TP size runs them). A hybrid model drafts chains whatever
 b is: its recurrent state runs through a verify step's tokens in order, one chain per request."""
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ it was predicted at).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -223,3 +223,21 @@ def target_probs(logits: torch.Tensor, params: "SamplingParams") -> torch.Tensor
             sorted_p.masked_fill_(sorted_p < sorted_p[:, :1] * params.min_p, 0.0)
         probs = torch.zeros_like(probs).scatter_(1, idx, sorted_p)
     return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def move_accepted_kv(runner: Any, fb: Any, spec: VerifyInput, out: VerifyOutput) -> None:
+    """Tree drafts, after acceptance: each request's accepted nodes' KV (every pool layer: a draft head's
+    too) into its columns L + 1, L + 2, .. (right after its last token's), where the scheduler keeps a
+    request's accepted KV as it keeps a chain's (speculative/verifying.py keep_kv). A node at depth j
+    sits in column L + its index >= L + j. Every TP rank moves its own shard (scheduler/tp_step.py)."""
+    src, dst = [], []
+    for off, nodes in zip(spec.offsets, out.accepted_nodes):
+        for j, node in enumerate(nodes, start=1):
+            if node != j:
+                src.append(off + node)
+                dst.append(off + j)
+    if src:
+        loc = fb.out_cache_loc
+        index = torch.tensor(dst + src, dtype=torch.int64, device=loc.device)
+        slots = loc[index]
+        runner.token_to_kv_pool.move_kv_cache(slots[:len(dst)], slots[len(dst):])

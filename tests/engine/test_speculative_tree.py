@@ -356,8 +356,9 @@ def test_tree_flags_are_sglangs_and_refused_where_trees_cannot_run():
     # FlashInfer plans a custom mask for tree verify steps (layers/attention/masks.py)
     assert ServerArgs(model_path="m", device="cuda", attention_backend="flashinfer", speculative_algorithm="NGRAM",
                       speculative_ngram_max_bfs_breadth=2).speculative_ngram_max_bfs_breadth == 2
-    with pytest.raises(ValueError, match="--tp-size 1"):
-        ServerArgs(model_path="m", tp_size=2, speculative_algorithm="NGRAM", speculative_ngram_max_bfs_breadth=2)
+    # TP ranks get the trees and the accepted nodes (scheduler/tp_step.py)
+    assert ServerArgs(model_path="m", tp_size=2, speculative_algorithm="NGRAM",
+                      speculative_ngram_max_bfs_breadth=2).tp_size == 2
     # a prefill engine never decodes: it takes the decode's flags and ignores them
     ServerArgs(model_path="m", device="cuda", attention_backend="flashinfer", speculative_algorithm="NGRAM",
                speculative_ngram_max_bfs_breadth=2, disaggregation_mode="prefill")

@@ -243,6 +243,46 @@ def test_tp2_ngram_speculation_matches_hf(tiny_model_factory, arch, loop):
         assert results[str(i)].ids == hf_greedy(path, p, 30, ignore_eos=True), f"request {i} differs from HF"
 
 
+@pytest.mark.parametrize("loop", ["plain", "overlap"])
+def test_tp2_tree_drafts_move_the_accepted_kv_on_every_rank(tiny_model_factory, monkeypatch, loop):
+    """Tree verify steps under TP 2 whose accepted tokens all lie off the first chain (the oracle drafter
+    of test_speculative_tree): the follower masks the same trees and moves the same accepted nodes' KV
+    as the driver, so every later step reads the right KV on both ranks; greedy equals HF."""
+    from test_speculative_tree import MAX_NEW as TREE_NEW, SPEC, _oracle
+
+    from baton.engine.speculative.ngram_speculator import NgramSpeculator
+
+    path = tiny_model_factory("llama")
+    prompts = workload()[:4]
+    refs = {str(i): hf_greedy(path, p, TREE_NEW, ignore_eos=True) for i, p in enumerate(prompts)}
+    monkeypatch.setattr(NgramSpeculator, "draft_tree", _oracle(refs))  # the driver drafts; followers are told
+    monkeypatch.setattr(NgramSpeculator, "on_verified", lambda self, req, drafted, accepted: None)
+    scheduler, results = _run_tp(path, prompts, max_new=TREE_NEW, max_total_tokens=4096, **SPEC, **_loop(loop))
+    for rid, ref in refs.items():
+        assert results[rid].ids == ref, f"request {rid} differs from HF"
+    assert scheduler.spec.server_info()["spec_tree_branch_accepts"] > 10
+
+
+def test_tp2_eagle_trees_match_hf(tiny_model_factory, tmp_path):
+    """EAGLE trees (topk 2) under TP 2 with a head that ranks a wrong first draft first and the right one
+    second: both ranks draft the same branches through their branch tables, the followers move the
+    accepted branch's KV (the head's layers too); greedy equals HF with runs accepted off branch 0."""
+    from test_speculative import repetitive_prompts
+    from tiny_models import make_eagle_draft
+
+    path = tiny_model_factory("llama", num_hidden_layers=4)
+    prompts = repetitive_prompts()
+    fit = [p + hf_greedy(path, p, 24, ignore_eos=True) for p in prompts]
+    draft = make_eagle_draft(path, tmp_path / "decoy", "EAGLE", fit_on=fit, decoy=0.6)
+    scheduler, results = _run_tp(path, prompts, max_new=24, max_total_tokens=4096, disable_overlap_schedule=True,
+                                 speculative_algorithm="EAGLE", speculative_draft_model_path=draft,
+                                 speculative_num_steps=2, speculative_eagle_topk=2,
+                                 speculative_disable_by_batch_size=64)
+    for i, p in enumerate(prompts):
+        assert results[str(i)].ids == hf_greedy(path, p, 24, ignore_eos=True), f"request {i} differs from HF"
+    assert scheduler.spec.server_info()["spec_tree_branch_accepts"] > 0
+
+
 @pytest.mark.parametrize("arch, loop", [("qwen3_5", "plain"), ("qwen3_next", "overlap")])
 def test_tp2_nextn_speculation_matches_hf(tiny_model_factory, arch, loop):
     """NEXTN under TP 2: both ranks run the MTP head's passes (its attention heads and MLP sharded, its
