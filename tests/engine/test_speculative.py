@@ -182,6 +182,33 @@ def test_ngram_greedy_equals_hf(tiny_model_factory, loop, page_size):
         assert info["integrity_ok"] is True
 
 
+@pytest.mark.parametrize("loop", ["overlap", "plain"])
+def test_ngram_through_the_graph_runners_padded_paths(tiny_model_factory, loop):
+    """The decode and verify graphs' padded static paths (run eagerly on CPU: what CUDA graphs replay):
+    plain decode steps while the batch is too large to speculate, full-chain verify steps through the
+    verify path once it shrinks, shorter drafts eagerly beside them; HF's tokens, nothing leaked."""
+    from baton.engine.model_executor.cuda_graph_runner import CudaGraphRunner
+
+    path = tiny_model_factory("llama", **LOOPING)
+    h = harness_for(path, loop, page_size=16, max_total_tokens=4096,
+                    **{**SPEC, "speculative_disable_by_batch_size": 3, "speculative_num_draft_tokens": 3})
+    runner = h.scheduler.worker.model_runner
+    graphs = runner.cuda_graph_runner = CudaGraphRunner(runner, max_bs=8, capture=False, verify_tokens=3,
+                                                        verify_max_bs=2)
+    replays, replay = [], graphs.replay
+    graphs.replay = lambda fb: replays.append(fb.spec_verify) or replay(fb)
+    prompts, lens = repetitive_prompts()[:4], [MAX_NEW, 8, 12, MAX_NEW]
+    for i, (p, n) in enumerate(zip(prompts, lens)):
+        h.submit(str(i), p, max_new_tokens=n, ignore_eos=True)
+    results = h.run_until_idle()
+    for i, (p, n) in enumerate(zip(prompts, lens)):
+        assert results[str(i)].ids == hf_greedy(path, p, n, ignore_eos=True), f"request {i} differs from HF"
+    assert replays.count(False) > 0 and replays.count(True) > 0, replays
+    info = spec_info(h)
+    assert info["spec_verify_steps"] > replays.count(True), "some verify steps ran eagerly (shorter drafts)"
+    assert info["spec_accepted_tokens"] > 0 and info["integrity_ok"] is True
+
+
 def _run(path: str, requests: dict[str, tuple[list[int], dict]], **overrides) -> tuple[dict, SchedulerHarness]:
     h = SchedulerHarness(path, max_total_tokens=4096, disable_overlap_schedule=True, **overrides)
     for rid, (prompt, params) in requests.items():
