@@ -162,6 +162,7 @@ if [[ $STAGES == *tests* ]]; then
         tests/engine/test_fused_ops.py tests/engine/test_gpu_paths.py tests/engine/test_triton_ops.py tests/engine/test_sampling.py \
         tests/engine/test_hybrid_radix_cache.py tests/engine/test_speculative_nextn.py tests/engine/test_speculative_eagle.py \
         tests/engine/test_gemv.py tests/engine/test_speculative_tree.py tests/engine/test_causal_conv1d.py \
+        tests/engine/test_gated_delta_decode.py \
         2>&1 | tee "$OUT/tests.txt" | tail -25 || status=1
     grep -h "max |logprob diff|\|exact argmax" "$OUT/tests.txt" | head -20
 fi

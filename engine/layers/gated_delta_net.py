@@ -14,11 +14,11 @@ and write the request's slot of the recurrent-state pool (mem_cache/state_pool.p
 forward batch carries. With the radix cache, an extend is cut at each tracked position and the
 state there goes to a checkpoint slot as well (mem_cache/hybrid_radix_cache.py). The CUDA path packs
 the batch (no per-request loop): for an extend the conv as K gathers over one buffer of [state |
-tokens] per request (`varlen_causal_conv1d`), tracked positions as waves of pieces; for a decode step
-one Triton kernel in place on the pool's conv states (triton_ops/causal_conv1d.py: no gather or
-scatter of them); the rule on fla-core's Triton kernels (`fla_rule`: chunked over the varlen batch,
-fused recurrent for decode). The same packing runs on CPU with the reference rule (and the kernel's
-torch twin) in tests.
+tokens] per request (`varlen_causal_conv1d`), tracked positions as waves of pieces, and the rule on
+fla-core's chunked Triton kernel over the varlen batch (`fla_rule`); a decode step runs two Triton
+kernels in place on the pool, the conv on the rows' conv states (triton_ops/causal_conv1d.py) and the
+rule on their delta-rule states (triton_ops/gated_delta_decode.py): no gather or scatter of either.
+The same packing runs on CPU with the reference rule (and the kernels' torch twins) in tests.
 
 Checkpoint layouts: Qwen3-Next fuses the projections per key-head group (`in_proj_qkvz`,
 `in_proj_ba`, interleaved); Qwen3.5 keeps them apart (`in_proj_qkv`, `in_proj_z`, `in_proj_b`,
@@ -41,6 +41,7 @@ from baton.engine.layers.custom_op import CustomOp
 from baton.engine.layers.layernorm import GatedRMSNorm
 from baton.engine.layers.linear import MergedColumnLinear, OutputPart, RowParallelLinear
 from baton.engine.triton_ops.causal_conv1d import conv1d_decode
+from baton.engine.triton_ops.gated_delta_decode import delta_rule_decode
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -264,24 +265,27 @@ class GatedDeltaCore(CustomOp):
 
     def forward_cuda(self, mixed_qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                      forward_batch: "ForwardBatch") -> torch.Tensor:
-        """fla-core's Triton kernels for the rule (chunked for extends, fused recurrent for decode),
-        the conv as one gather per tap over the packed batch for extends, the in-place Triton kernel
-        for decode; the reference where fla is missing."""
+        """Extends: fla-core's chunked kernel for the rule, the conv as one gather per tap over the
+        packed batch. Decode: the in-place Triton kernels of the conv and the rule. The reference
+        where fla is missing."""
         kernels = fla_kernels()
         if kernels is None or mixed_qkv.device.type != "cuda":
             return self.forward_native(mixed_qkv, g, beta, forward_batch)
-        return self.forward_varlen(mixed_qkv, g, beta, forward_batch, partial(fla_rule, *kernels), conv1d_decode)
+        return self.forward_varlen(mixed_qkv, g, beta, forward_batch, partial(fla_rule, *kernels), conv1d_decode,
+                                   delta_rule_decode)
 
     def forward_varlen(self, mixed_qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, fb: "ForwardBatch",
-                       rule: Callable, conv_decode: Optional[Callable] = None) -> torch.Tensor:
+                       rule: Callable, conv_decode: Optional[Callable] = None,
+                       state_decode: Optional[Callable] = None) -> torch.Tensor:
         """The batch packed, no per-request loop: what forward_native computes, with `rule` for the
         delta rule over a packed varlen batch (`fla_rule`, or `torch_varlen_rule` to test the rest on
         CPU). A tracked position inside an extend cuts it there: the batch runs in waves, wave w
         being every request's w-th piece, each starting from the state the last one left. A decode
         step with `conv_decode` (triton_ops/causal_conv1d.py's contract) updates the conv states in
-        place on the pool instead (`_decode_in_place`)."""
+        place on the pool instead, and with `state_decode` as well (triton_ops/gated_delta_decode.py's)
+        the delta-rule states (`_decode_in_place`)."""
         if conv_decode is not None and fb.forward_mode.is_decode():
-            return self._decode_in_place(mixed_qkv, g, beta, fb, rule, conv_decode)
+            return self._decode_in_place(mixed_qkv, g, beta, fb, rule, conv_decode, state_decode)
         pool, rows = fb.state_pool, fb.state_slots
         bs, dev = fb.batch_size, mixed_qkv.device
         if fb.forward_mode.is_decode():
@@ -325,21 +329,27 @@ class GatedDeltaCore(CustomOp):
         return out
 
     def _decode_in_place(self, x: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, fb: "ForwardBatch",
-                         rule: Callable, conv_decode: Callable) -> torch.Tensor:
+                         rule: Callable, conv_decode: Callable,
+                         state_decode: Optional[Callable] = None) -> torch.Tensor:
         """One token per row: the conv reads and shifts the rows' conv states where they lie in the
-        pool, so only the delta-rule state is gathered and written back. A tracked end (every decode
-        track) takes both states: the conv state read back from the row after the kernel."""
+        pool; `state_decode` runs the rule on the rows' delta-rule states there too, else `rule` on a
+        gathered copy that is written back. A tracked end (every decode track) takes both states of
+        its row: what the kernels left in the pool (or the rule's copy)."""
         pool, rows, layer = fb.state_pool, fb.state_slots, self.state_layer_id
         weight = self._conv[0].weight
         y = conv_decode(x, weight.view(weight.shape[0], -1), pool.conv[layer], rows)
-        out, ssm_state = self._rule(y, g, beta, [1] * fb.batch_size, pool.read_ssm(layer, rows), rule)
-        pool.write_ssm(layer, rows, ssm_state)
+        if state_decode is not None:
+            out, ssm_state = state_decode(*self._heads(y), g, beta, pool.ssm[layer], rows), None
+        else:
+            out, ssm_state = self._rule(y, g, beta, [1] * fb.batch_size, pool.read_ssm(layer, rows), rule)
+            pool.write_ssm(layer, rows, ssm_state)
         tracks = fb.state_ops.tracks if fb.state_ops is not None else {}
         ends = [(i, slot) for i, t in tracks.items() for _, slot in t]
         if ends:
             pick = torch.tensor([i for i, _ in ends], device=x.device)
+            ssm_end = pool.ssm[layer][rows[pick]] if ssm_state is None else ssm_state[pick]
             pool.write(layer, torch.tensor([slot for _, slot in ends], device=x.device), pool.conv[layer][rows[pick]],
-                       ssm_state[pick])
+                       ssm_end)
         return out
 
     def _wave(self, x: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, lens: list[int], conv_state: torch.Tensor,
@@ -354,10 +364,14 @@ class GatedDeltaCore(CustomOp):
     def _rule(self, y: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, lens: list[int], ssm_state: torch.Tensor,
               rule: Callable) -> tuple[torch.Tensor, torch.Tensor]:
         """The conv's output y [n, conv_dim] split into q, k, v heads -> `rule`'s (out [n, Hv, Dv], state)."""
+        return rule(*self._heads(y), g, beta, lens, ssm_state)
+
+    def _heads(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """y [n, conv_dim] -> views q, k [n, Hk, Dk], v [n, Hv, Dv]."""
         n = y.shape[0]
         q, k, v = y.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q, k = q.reshape(n, -1, self.head_k_dim), k.reshape(n, -1, self.head_k_dim)
-        return rule(q, k, v.reshape(n, -1, self.head_v_dim), g, beta, lens, ssm_state)
+        return (q.reshape(n, -1, self.head_k_dim), k.reshape(n, -1, self.head_k_dim),
+                v.reshape(n, -1, self.head_v_dim))
 
     def _run(self, x: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_state: torch.Tensor,
              ssm_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -176,8 +176,8 @@ class RecurrentStatePool:
         self.ssm[layer][rows] = ssm.to(self.ssm[layer].dtype)
 
     def read_ssm(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
-        """A copy of the delta-rule states of `rows` (a decode step whose conv states are updated in
-        place, triton_ops/causal_conv1d.py)."""
+        """A copy of the delta-rule states of `rows` (a decode step whose conv states alone are updated
+        in place, triton_ops/causal_conv1d.py; the CUDA path updates both, triton_ops/gated_delta_decode.py)."""
         return self.ssm[layer][rows]
 
     def write_ssm(self, layer: int, rows: torch.Tensor, ssm: torch.Tensor) -> None:

@@ -3,7 +3,8 @@ scheduler: a match stops at the deepest node with a state checkpoint, a node who
 evicted keeps its KV but ends no match (tombstone), checkpoints have their own LRU, a hit becomes a
 copy of the checkpoint into the request's row, KV eviction frees a node's checkpoint; served, a
 shared prefix and a conversation's next turn come from cached state with HF's tokens; the layer's
-packed (CUDA) path against its reference: on CPU with the torch rule, on CUDA with fla-core's kernels."""
+packed (CUDA) path against its reference: on CPU with the torch rule (and the in-place decode kernels'
+torch twins), on CUDA with fla-core's kernels and the in-place decode kernels."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -287,19 +288,22 @@ def _compare_packed_with_reference(core, pool, batches, inputs, packed, atol: fl
             torch.testing.assert_close(mine.float(), theirs.float(), atol=atol, rtol=rtol)  # rows and tracked slots
 
 
-@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("in_place", ["", "conv", "conv+state"])
 def test_packed_path_equals_the_reference_on_cpu(in_place):
     """The CUDA path's packing (conv by gathers over one buffer, waves at tracked cuts, states and
     checkpoints written back) with the reference rule: the same outputs and states as forward_native.
-    `in_place`: the decode step's conv on the pool rows (conv1d_decode's torch twin), its tracked end too."""
+    `in_place`: the decode step's conv on the pool rows (conv1d_decode's torch twin), and the delta
+    rule too (delta_rule_decode's), its tracked end read back from the rows."""
     from baton.engine.layers.gated_delta_net import torch_varlen_rule
     from baton.engine.triton_ops.causal_conv1d import conv1d_decode_torch
+    from baton.engine.triton_ops.gated_delta_decode import delta_rule_decode_torch
 
     core, pool, batches, inputs = _core_and_batches("cpu", torch.float32)
     conv_decode = conv1d_decode_torch if in_place else None
+    state_decode = delta_rule_decode_torch if in_place == "conv+state" else None
     _compare_packed_with_reference(
         core, pool, batches, inputs,
-        lambda x, g, b, fb: core.forward_varlen(x, g, b, fb, torch_varlen_rule, conv_decode), 1e-5, 1e-5)
+        lambda x, g, b, fb: core.forward_varlen(x, g, b, fb, torch_varlen_rule, conv_decode, state_decode), 1e-5, 1e-5)
 
 
 @pytest.mark.gpu
