@@ -53,13 +53,21 @@ def delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
 def delta_rule_decode_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                             states: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """The contract in torch ops (the CPU path and the kernel's test oracle): a gather of the rows'
-    states, the layer's reference recurrent rule for one token, a scatter back."""
-    from baton.engine.layers.gated_delta_net import recurrent_gated_delta_rule  # it imports this module
-
+    states, layers/gated_delta_net.py's recurrent_gated_delta_rule for one token (the same ops in the
+    same order; a test holds them equal), a scatter back."""
     _check(q, k, v, g, beta, states, slots)
-    out, s = recurrent_gated_delta_rule(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], states[slots])
+    hk, hv = k.shape[1], v.shape[1]
+    q, k = q.to(torch.float32), k.to(torch.float32)
+    if hk != hv:
+        q, k = q.repeat_interleave(hv // hk, dim=1), k.repeat_interleave(hv // hk, dim=1)
+    q, k = (x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + _EPS) for x in (q, k))
+    q = q * q.shape[-1] ** -0.5
+    s = states[slots].to(torch.float32) * g.to(torch.float32).exp()[..., None, None]
+    delta = (v.to(torch.float32) - (s * k.unsqueeze(-1)).sum(dim=-2)) * beta.to(torch.float32).unsqueeze(-1)
+    s = s + k.unsqueeze(-1) * delta.unsqueeze(-2)
+    out = (s * q.unsqueeze(-1)).sum(dim=-2)
     states[slots] = s.to(states.dtype)
-    return out[:, 0].to(v.dtype)
+    return out.to(v.dtype)
 
 
 def delta_rule_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
