@@ -40,8 +40,7 @@ from baton.engine.distributed.parallel_state import TpGroup
 from baton.engine.layers.custom_op import CustomOp
 from baton.engine.layers.layernorm import GatedRMSNorm
 from baton.engine.layers.linear import MergedColumnLinear, OutputPart, RowParallelLinear
-from baton.engine.triton_ops.causal_conv1d import conv1d_decode
-from baton.engine.triton_ops.gated_delta_decode import delta_rule_decode
+from baton.engine.triton_ops import causal_conv1d, gated_delta_decode
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -115,6 +114,24 @@ def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return out.transpose(1, 2).contiguous().to(dtype), s
 
 
+def delta_rule_decode_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                            states: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """triton_ops/gated_delta_decode.py's contract in torch ops (the CPU path and the kernel's test
+    oracle): the rows' delta-rule states gathered, recurrent_gated_delta_rule for one token, scattered back."""
+    gated_delta_decode.check_args(q, k, v, g, beta, states, slots)
+    out, s = recurrent_gated_delta_rule(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], states[slots])
+    states[slots] = s.to(states.dtype)
+    return out[:, 0].to(v.dtype)
+
+
+def delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                      states: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """A decode step's delta rule in place on the pool: the Triton kernel where it serves, else the twin."""
+    if gated_delta_decode.takes(q, k, v, states):
+        return gated_delta_decode.delta_rule_decode_triton(q, k, v, g, beta, states, slots)
+    return delta_rule_decode_torch(q, k, v, g, beta, states, slots)
+
+
 def _pick_rows(param: nn.Parameter, rows: list[tuple[int, int]]) -> None:
     """Load `param` from these (start, count) row ranges of its checkpoint tensor, concatenated:
     this rank's heads (every row with one rank)."""
@@ -166,6 +183,23 @@ def decode_causal_conv1d(x: torch.Tensor, weight: torch.Tensor,
     for j in range(seq.shape[-1]):
         y += seq[:, :, j].float() * w[:, j]
     return F.silu(y).to(x.dtype), seq[:, :, 1:]
+
+
+def conv1d_decode_torch(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor,
+                        slots: torch.Tensor) -> torch.Tensor:
+    """triton_ops/causal_conv1d.py's contract in torch ops (the CPU path and the kernel's test oracle):
+    the rows' conv states gathered, decode_causal_conv1d, scattered back."""
+    causal_conv1d.check_args(x, weight, states, slots)
+    y, new_state = decode_causal_conv1d(x, weight, states[slots])
+    states[slots] = new_state.to(states.dtype)
+    return y
+
+
+def conv1d_decode(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """A decode step's conv in place on the pool: the Triton kernel where it serves the call, else the twin."""
+    if causal_conv1d.takes(x):
+        return causal_conv1d.conv1d_decode_triton(x, weight, states, slots)
+    return conv1d_decode_torch(x, weight, states, slots)
 
 
 def torch_varlen_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

@@ -1,6 +1,8 @@
-"""conv1d_decode: a decode step of the Gated DeltaNet short causal conv1d, in place on the state pool.
+"""A decode step of the Gated DeltaNet short causal conv1d in place on the state pool, one Triton kernel.
 
-    conv1d_decode(x [bs, C], weight [C, K], states [S, C, K - 1], slots [bs]) -> y [bs, C] in x's dtype
+    conv1d_decode_triton(x [bs, C], weight [C, K], states [S, C, K - 1], slots [bs]) -> y [bs, C] in x's dtype
+
+(layers/gated_delta_net.py conv1d_decode calls it where `takes` says, else its torch twin.)
 
 Row i continues from its conv state states[slots[i]]: seq = [state (as x's dtype) | x[i]], K taps
 oldest first; y[i] = silu(sum_j seq[:, j] * weight[:, j]), fp32 products summed in tap order (no
@@ -16,7 +18,6 @@ garbage that nothing reads, and every other slot is still only written by its ow
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 try:
     import triton
@@ -25,36 +26,22 @@ except ImportError:  # CPU-only installs may lack triton; the torch path serves 
     triton = None
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor, slots: torch.Tensor) -> None:
+def check_args(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor, slots: torch.Tensor) -> None:
     bs, c = x.shape
     if weight.shape[0] != c or states.shape[1:] != (c, weight.shape[1] - 1) or slots.shape != (bs,):
         raise ValueError(f"conv1d_decode: x {tuple(x.shape)}, weight {tuple(weight.shape)}, states "
                          f"{tuple(states.shape)} and slots {tuple(slots.shape)} do not match")
 
 
-def conv1d_decode(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """The Triton kernel for CUDA tensors with contiguous rows of x, else the torch path."""
-    if triton is not None and x.is_cuda and x.stride(1) == 1:
-        return conv1d_decode_triton(x, weight, states, slots)
-    return conv1d_decode_torch(x, weight, states, slots)
-
-
-def conv1d_decode_torch(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor,
-                        slots: torch.Tensor) -> torch.Tensor:
-    """The contract in torch ops (the CPU path and the kernel's test oracle): a gather, the taps, a scatter."""
-    _check(x, weight, states, slots)
-    seq = torch.cat([states[slots].to(x.dtype), x[:, :, None]], dim=-1)  # [bs, C, K]
-    w = weight.float()
-    y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    for j in range(seq.shape[-1]):
-        y += seq[:, :, j].float() * w[:, j]
-    states[slots] = seq[:, :, 1:].to(states.dtype)
-    return F.silu(y).to(x.dtype)
+def takes(x: torch.Tensor) -> bool:
+    """Whether the kernel serves this call: CUDA, triton importable, x's rows contiguous. The torch twin
+    (layers/gated_delta_net.py conv1d_decode_torch) serves the rest."""
+    return triton is not None and x.is_cuda and x.stride(1) == 1
 
 
 def conv1d_decode_triton(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor,
                          slots: torch.Tensor) -> torch.Tensor:
-    _check(x, weight, states, slots)
+    check_args(x, weight, states, slots)
     assert x.stride(1) == 1, "x's rows must be contiguous (its row stride may be anything)"
     (bs, c), k = x.shape, weight.shape[1]
     y = torch.empty((bs, c), dtype=x.dtype, device=x.device)

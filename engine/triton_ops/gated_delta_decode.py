@@ -1,7 +1,9 @@
-"""delta_rule_decode: a decode step of the gated delta rule (Gated DeltaNet), in place on the state pool.
+"""A decode step of the gated delta rule (Gated DeltaNet) in place on the state pool, one Triton kernel.
 
-    delta_rule_decode(q, k [bs, Hk, Dk], v [bs, Hv, Dv], g, beta [bs, Hv], states [S, Hv, Dk, Dv],
-                      slots [bs]) -> out [bs, Hv, Dv] in v's dtype
+    delta_rule_decode_triton(q, k [bs, Hk, Dk], v [bs, Hv, Dv], g, beta [bs, Hv], states [S, Hv, Dk, Dv],
+                             slots [bs]) -> out [bs, Hv, Dv] in v's dtype
+
+(layers/gated_delta_net.py delta_rule_decode calls it where `takes` says, else its torch twin.)
 
 Row i continues from its state states[slots[i]]; value head h reads key head h // (Hv / Hk) (GVA). In
 float32, as layers/gated_delta_net.py's recurrent_gated_delta_rule does after `_prepare` (HF's
@@ -31,7 +33,7 @@ _EPS = 1e-6  # _l2norm's
 _MAX_DK = 256  # Dk is held whole per program (128 in Qwen3-Next / Qwen3.5)
 
 
-def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+def check_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
            states: torch.Tensor, slots: torch.Tensor) -> None:
     (bs, hk, dk), (_, hv, dv) = q.shape, v.shape
     if (k.shape != q.shape or v.shape[0] != bs or g.shape != (bs, hv) or beta.shape != (bs, hv)
@@ -41,38 +43,16 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, b
                          f"{tuple(slots.shape)} do not match")
 
 
-def delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                      states: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """The Triton kernel for CUDA tensors whose heads are contiguous (and Dk <= 256), else the torch path."""
-    if (triton is not None and q.is_cuda and q.shape[-1] <= _MAX_DK
-            and all(t.stride(-1) == 1 for t in (q, k, v, states))):
-        return delta_rule_decode_triton(q, k, v, g, beta, states, slots)
-    return delta_rule_decode_torch(q, k, v, g, beta, states, slots)
-
-
-def delta_rule_decode_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                            states: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """The contract in torch ops (the CPU path and the kernel's test oracle): a gather of the rows'
-    states, layers/gated_delta_net.py's recurrent_gated_delta_rule for one token (the same ops in the
-    same order; a test holds them equal), a scatter back."""
-    _check(q, k, v, g, beta, states, slots)
-    hk, hv = k.shape[1], v.shape[1]
-    q, k = q.to(torch.float32), k.to(torch.float32)
-    if hk != hv:
-        q, k = q.repeat_interleave(hv // hk, dim=1), k.repeat_interleave(hv // hk, dim=1)
-    q, k = (x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + _EPS) for x in (q, k))
-    q = q * q.shape[-1] ** -0.5
-    s = states[slots].to(torch.float32) * g.to(torch.float32).exp()[..., None, None]
-    delta = (v.to(torch.float32) - (s * k.unsqueeze(-1)).sum(dim=-2)) * beta.to(torch.float32).unsqueeze(-1)
-    s = s + k.unsqueeze(-1) * delta.unsqueeze(-2)
-    out = (s * q.unsqueeze(-1)).sum(dim=-2)
-    states[slots] = s.to(states.dtype)
-    return out.to(v.dtype)
+def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, states: torch.Tensor) -> bool:
+    """Whether the kernel serves this call: CUDA, triton importable, contiguous heads, Dk <= 256. The
+    torch twin (layers/gated_delta_net.py delta_rule_decode_torch) serves the rest."""
+    return (triton is not None and q.is_cuda and q.shape[-1] <= _MAX_DK
+            and all(t.stride(-1) == 1 for t in (q, k, v, states)))
 
 
 def delta_rule_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                              beta: torch.Tensor, states: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    _check(q, k, v, g, beta, states, slots)
+    check_args(q, k, v, g, beta, states, slots)
     assert all(t.stride(-1) == 1 for t in (q, k, v, states)), "heads must be contiguous (other strides may be anything)"
     (bs, hk, dk), (_, hv, dv) = q.shape, v.shape
     out = torch.empty((bs, hv, dv), dtype=v.dtype, device=v.device)

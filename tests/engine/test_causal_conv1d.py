@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from baton.engine.layers.custom_op import triton_available
-from baton.engine.triton_ops.causal_conv1d import conv1d_decode, conv1d_decode_torch
+from baton.engine.layers.gated_delta_net import conv1d_decode, conv1d_decode_torch
 from fresh_python import run_python
 
 
@@ -43,7 +43,8 @@ def test_cpu_dispatch_equals_the_layers_decode_conv():
 INTERPRETED = textwrap.dedent(
     """
     import torch
-    from baton.engine.triton_ops.causal_conv1d import conv1d_decode_torch, conv1d_decode_triton
+    from baton.engine.layers.gated_delta_net import conv1d_decode_torch
+    from baton.engine.triton_ops.causal_conv1d import conv1d_decode_triton
 
     g = torch.Generator().manual_seed(0)
 

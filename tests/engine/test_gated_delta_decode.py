@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from baton.engine.layers.custom_op import triton_available
-from baton.engine.triton_ops.gated_delta_decode import delta_rule_decode, delta_rule_decode_torch
+from baton.engine.layers.gated_delta_net import delta_rule_decode, delta_rule_decode_torch
 from fresh_python import run_python
 
 
@@ -50,7 +50,8 @@ def test_cpu_dispatch_equals_the_layers_recurrent_rule():
 INTERPRETED = textwrap.dedent(
     """
     import torch
-    from baton.engine.triton_ops.gated_delta_decode import delta_rule_decode_torch, delta_rule_decode_triton
+    from baton.engine.layers.gated_delta_net import delta_rule_decode_torch
+    from baton.engine.triton_ops.gated_delta_decode import delta_rule_decode_triton
 
     gen = torch.Generator().manual_seed(0)
 
@@ -134,7 +135,7 @@ def test_kernel_compiles_for_sm90():
 @pytest.mark.gpu
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 def test_kernel_on_cuda_matches_torch_without_a_sync_and_in_a_graph(state_dtype, monkeypatch):
-    from baton.engine.triton_ops import gated_delta_decode
+    from baton.engine.layers import gated_delta_net
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
@@ -144,7 +145,7 @@ def test_kernel_on_cuda_matches_torch_without_a_sync_and_in_a_graph(state_dtype,
     def no_fallback(*args):
         raise AssertionError("the dispatcher took the torch path on CUDA")
 
-    monkeypatch.setattr(gated_delta_decode, "delta_rule_decode_torch", no_fallback)  # this module keeps the oracle
+    monkeypatch.setattr(gated_delta_net, "delta_rule_decode_torch", no_fallback)  # this module keeps the oracle
     gen = torch.Generator(device="cuda").manual_seed(0)
     dtype = torch.float32 if state_dtype == torch.float32 else torch.bfloat16
     bs, real_bs, hk, hv, dk, dv, n, pad = 16, 13, 4, 8, 128, 128, 40, 39

@@ -295,8 +295,7 @@ def test_packed_path_equals_the_reference_on_cpu(in_place):
     `in_place`: the decode step's conv on the pool rows (conv1d_decode's torch twin), and the delta
     rule too (delta_rule_decode's), its tracked end read back from the rows."""
     from baton.engine.layers.gated_delta_net import torch_varlen_rule
-    from baton.engine.triton_ops.causal_conv1d import conv1d_decode_torch
-    from baton.engine.triton_ops.gated_delta_decode import delta_rule_decode_torch
+    from baton.engine.layers.gated_delta_net import conv1d_decode_torch, delta_rule_decode_torch
 
     core, pool, batches, inputs = _core_and_batches("cpu", torch.float32)
     conv_decode = conv1d_decode_torch if in_place else None
