@@ -167,8 +167,8 @@ class ServerArgs:
     # EAGLE: a hot vocabulary (a .pt of token ids) the draft's LM head is cut to (SGLang's flag; FR-Spec)
     speculative_token_map: Optional[str] = None
     # NEXTN, EAGLE, EAGLE3 (a head drafts, speculative/head_drafter.py): draft steps per verify, and
-    # candidates for the first draft (1: a chain, num_draft_tokens num_steps + 1; k: a tree of k branches,
-    # each a chain, of at most num_draft_tokens - 1 nodes, by default k x num_steps)
+    # candidates per step (1: a chain, num_draft_tokens num_steps + 1; k: a tree grown best-first, k
+    # candidates per step, of num_draft_tokens - 1 nodes, by default k x num_steps)
     speculative_num_steps: Optional[int] = None  # None: 3 (SGLang's recommended chain for Qwen3-Next)
     speculative_eagle_topk: Optional[int] = None  # None: 1
     # 3, not SGLang's 1: SGLang's drafter weighs matches by frequency in a trie of recent requests, ours
@@ -313,23 +313,24 @@ class ServerArgs:
             raise ValueError("--speculative-ngram-max-bfs-breadth must be >= 1 (1: chains)")
 
     def _check_head_drafts(self) -> None:
-        """NEXTN, EAGLE, EAGLE3: num_steps drafts deep, topk candidates for the first one (1: a chain, so
-        num_draft_tokens is num_steps + 1, SGLang's rule for topk 1; more: a tree of topk branches,
-        speculative/head_speculator.py, of at most num_draft_tokens - 1 nodes, by default all of them)."""
+        """NEXTN, EAGLE, EAGLE3: num_steps drafts deep, topk candidates per step (1: a chain, so
+        num_draft_tokens is num_steps + 1, SGLang's rule for topk 1; more: a tree grown best-first,
+        speculative/head_drafter.py, of num_draft_tokens - 1 nodes, by default topk x num_steps, at most
+        every candidate it drafts, as SGLang allows)."""
         steps = 3 if self.speculative_num_steps is None else self.speculative_num_steps
         topk = 1 if self.speculative_eagle_topk is None else self.speculative_eagle_topk
         if steps < 1:
             raise ValueError("--speculative-num-steps must be >= 1")
         if topk < 1:
             raise ValueError("--speculative-eagle-topk must be >= 1 (1: chains)")
-        most = 1 + topk * steps
-        tokens = most if self.speculative_num_draft_tokens is None else self.speculative_num_draft_tokens
+        tokens = 1 + topk * steps if self.speculative_num_draft_tokens is None else self.speculative_num_draft_tokens
         if topk == 1 and tokens != steps + 1:
             raise ValueError(f"--speculative-num-draft-tokens must be --speculative-num-steps + 1 ({steps + 1}) with "
                              "--speculative-eagle-topk 1")
+        most = 1 + topk + (steps - 1) * topk * topk  # the root and every candidate a best-first tree drafts
         if not steps + 1 <= tokens <= most:
-            raise ValueError(f"--speculative-num-draft-tokens must be between --speculative-num-steps + 1 ({steps + 1}, "
-                             f"the first branch whole) and 1 + topk x steps ({most}, every branch whole)")
+            raise ValueError(f"--speculative-num-draft-tokens must be between --speculative-num-steps + 1 ({steps + 1}) "
+                             f"and 1 + topk + (steps - 1) x topk^2 ({most}, every candidate the tree drafts)")
         for name, value in (("speculative_num_steps", steps), ("speculative_eagle_topk", topk),
                             ("speculative_num_draft_tokens", tokens)):
             object.__setattr__(self, name, value)  # frozen
@@ -487,9 +488,10 @@ class ServerArgs:
         a("--speculative-num-steps", type=int, default=None,
           help="NEXTN, EAGLE: draft steps per verify step, the chain's length (default 3)")
         a("--speculative-eagle-topk", type=int, default=None,
-          help="NEXTN, EAGLE: the head's candidates for the first draft, each continued greedily for "
-               "--speculative-num-steps, verified as one tree (default 1: a chain; > 1 needs --attention-backend "
-               "torch; a hybrid model drafts chains)")
+          help="NEXTN, EAGLE: candidates per draft step; > 1 grows a tree best-first by the head's scores "
+               "(SGLang's EAGLE trees: the k best children of the k best leaves per step, the "
+               "--speculative-num-draft-tokens - 1 best nodes), verified as one tree (default 1: a chain; "
+               "a hybrid model drafts chains)")
         a("--speculative-ngram-min-match-window-size", type=int,
           default=ServerArgs.speculative_ngram_min_match_window_size,
           help="NGRAM: the shortest suffix of a request's tokens looked up in its earlier tokens")
@@ -498,8 +500,8 @@ class ServerArgs:
           help="NGRAM: the longest suffix looked up (the longest match found wins)")
         a("--speculative-ngram-max-bfs-breadth", type=int, default=ServerArgs.speculative_ngram_max_bfs_breadth,
           help="NGRAM: continuations per draft, from different earlier occurrences of the matched suffix, "
-               "merged into a tree verified in one pass (default 1: a chain; > 1 needs --attention-backend "
-               "torch; a hybrid model drafts chains)")
+               "merged into a tree verified in one pass under a tree mask (default 1: a chain; a hybrid model "
+               "drafts chains)")
         a("--speculative-disable-by-batch-size", type=int, default=ServerArgs.speculative_disable_by_batch_size,
           help="decode steps of this many running requests or more do not speculate (under load a step is "
                "compute-bound and drafts only cost)")

@@ -42,7 +42,9 @@ argmax of all-gathered logits, the same on every rank), after every pass the hea
 That one needs what only the driver knows: the sampled ids (broadcast as the overlap loop's are) and,
 after a verify pass, how many drafts each request kept and the token after them (send_accepted).
 Trees (any algorithm): the followers mask the step's trees as the driver does, and after acceptance
-take the accepted nodes (send_accepted) to move their KV as the driver moves its own.
+take the accepted nodes (send_accepted) to move their KV as the driver moves its own. A head's tree
+grows best-first from its scores (the all-gathered logits' log-probabilities, the same on every rank):
+the step carries the scheduler's placeholder shape, and each rank's drafter chooses the same tree.
 
 Overlap loop: a batch's decode inputs may be placeholders for tokens the previous batch has not
 sampled yet. Each follower keeps its own future map: after sampling, the driver broadcasts the

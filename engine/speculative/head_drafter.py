@@ -31,24 +31,33 @@ token's) then runs k - 1 decode passes of the head: step j at position L + j - 1
 previous output in place of the target's features), into the verify step's own slots; the verify pass
 runs [last, d1 .. dk]. The head's KV those steps wrote is rewritten by the after-verify pass.
 
-A tree (head_speculator.py: spec_info.branch_tree) is a chain per candidate: branch b starts with the
-row's b-th candidate and goes on greedily, branch 0 the chain topk 1 drafts. The branches' nodes sit at
-the same positions L + 1 .. in different slots, so their steps read their KV through a table of their
-own, one row per branch (the request's prefix, then the slots of the branch's nodes; step j writes its
-j-th node's), all branches of all requests in one decode pass per step:
+A tree (--speculative-eagle-topk k > 1) grows best-first, as SGLang's EAGLE trees do: the row's k
+candidates (with their log-probabilities under the head) are the depth-1 leaves; each step runs the
+head over every leaf, each leaf's k best next tokens join the candidates, scored by the sum of the
+head's log-probabilities along their path, and the k best of those are the next leaves; after the
+steps the tree is the n best candidates (n: the nodes the scheduler reserved, spec_info.tree_size),
+which holds every chosen node's parent, packed by depth then score (_Tree.best). The drafter writes
+the tree's parents into the step (spec.parents, the pass's tree mask) and its nodes' positions
+(L + depth). A chain is the same with k = 1. The leaves of a step sit at the same position in
+different slots, so a step reads the head's KV through a table of its own, one row per leaf (the
+request's prefix, then the slots its path's nodes were expanded in: scratch slots, k per step, among
+the verify step's own, which the verify pass then overwrites), all leaves of all requests in one
+decode pass per step:
 
-    request row     prefix .. | n0  n1  n2  n3  n4        parents [-1, 0, 1, 0, 3]
-    branch 0 row    prefix .. | n1  n2                    step j at position L + j - 1: column L + j - 1
-    branch 1 row    prefix .. | n3  n4
+    step 2, k = 2     leaf a row   prefix .. | s(a1)  s(a)       a1: a's parent, expanded at step 1
+                      leaf b row   prefix .. | s(b1)  s(b)       column L + j - 1: the leaf's own slot
+
+A batch of chains reads through the requests' own rows (column L + j - 1 holds node j - 1's slot).
+One host sync per step reads the leaves' candidates back (the tree is chosen on the host).
 
 After the verify pass the head runs over its nodes with the pass's tree mask, each node reading the
 token of its accepted child (nodes off the accepted path: any valid id), before the worker moves the
 accepted nodes' KV, the head's layers with the target's (TpModelWorker._verify); the row keeps the
 head's output at the last accepted node.
 
-Drafts are greedy (the head's argmax; a tree's other branches start with its next candidates): a
-deterministic proposal, so verify.py's acceptance rules hold as for NGRAM (sampled requests verify
-branch 0). A request whose row holds no prediction of its own yet (a PD decode's transferred request:
+Drafts are a deterministic function of the head's outputs (a chain: its argmax; a tree: its best
+candidates), so verify.py's acceptance rules hold as for NGRAM (sampled requests verify the tree's
+first chain). A request whose row holds no prediction of its own yet (a PD decode's transferred request:
 the prefill computed the head's KV over the prompt, not this row's buffers) drafts nothing in its first
 step (head_speculator.py), whose pass after it fills the row.
 
@@ -66,15 +75,52 @@ import torch
 
 from baton.engine.mem_cache.memory_pool import ReqToTokenPool
 from baton.engine.model_executor.forward_batch import ForwardMode
-from baton.engine.speculative.spec_info import branches
+from baton.engine.speculative.spec_info import node_depths
 
 if TYPE_CHECKING:
     from baton.engine.model_executor.forward_batch import ForwardBatch
     from baton.engine.model_executor.model_runner import ModelRunner
     from baton.engine.speculative.spec_info import VerifyInput, VerifyOutput
 
-# a branch of a request's draft: (its batch index, its rank among the row's candidates, its nodes)
-Lane = tuple[int, int, list[int]]
+
+class _Tree:
+    """One request's drafted nodes while its tree grows: node 0 its last token, then every candidate in
+    the order drafted, each with its parent, token, depth and score (the sum of the head's
+    log-probabilities along its path); `slot`: where an expanded node's head KV went (an index into the
+    verify step's out_cache_loc)."""
+
+    def __init__(self) -> None:
+        self.parent, self.token, self.score, self.depth = [-1], [0], [0.0], [0]
+        self.slot: dict[int, int] = {}
+
+    def add(self, parent: int, token: int, score: float) -> int:
+        self.parent.append(parent)
+        self.token.append(token)
+        self.score.append(score)
+        self.depth.append(self.depth[parent] + 1)
+        return len(self.parent) - 1
+
+    def path_slots(self, node: int) -> list[int]:
+        """The slots of the node's ancestors from depth 1 down, then its own."""
+        path = []
+        while node:
+            path.append(self.slot[node])
+            node = self.parent[node]
+        return path[::-1]
+
+    def chain(self) -> list[int]:
+        """A chain's tokens (one child per node, drafted in order)."""
+        return self.token[1:]
+
+    def best(self, n: int) -> tuple[list[int], list[int]]:
+        """The n best nodes by score (ties: the shallower, then the one drafted first), so every chosen
+        node's parent is chosen too (a child's score is its parent's plus a log-probability <= 0), packed
+        by depth then score: (their tokens, parents [-1, ..])."""
+        chosen = sorted(range(1, len(self.parent)), key=lambda c: (-self.score[c], self.depth[c], c))[:n]
+        chosen.sort(key=lambda c: (self.depth[c], -self.score[c], c))
+        index = {0: 0, **{c: k + 1 for k, c in enumerate(chosen)}}
+        assert all(self.parent[c] in index for c in chosen), "a chosen node's parent was not chosen"
+        return [self.token[c] for c in chosen], [-1] + [index[self.parent[c]] for c in chosen]
 
 
 class HeadDrafter:
@@ -87,6 +133,8 @@ class HeadDrafter:
         rows, dev = runner.req_to_token_pool.size, runner.device
         # each row's first draft candidates, the greedy one first [rows, topk]
         self.tokens = torch.zeros(rows, topk, dtype=torch.int64, device=dev)
+        # and their log-probabilities under the head (a tree ranks its nodes by their sums)
+        self.logp = torch.zeros(rows, topk, dtype=torch.float32, device=dev)
         # each row's head output at that draft's position (the next step's input, for chains past 1;
         # a PD prefill sends it whatever its own chain length)
         self.hidden = torch.zeros(rows, model.config.hidden_size, dtype=runner.dtype, device=dev)
@@ -105,18 +153,25 @@ class HeadDrafter:
             self.runner.attn_backend.init_forward_metadata(fb)
         return fb.aux_hidden if self.head.aux_layers else hidden
 
-    def _predict(self, out: torch.Tensor, k: int = 1) -> torch.Tensor:
+    def _predict(self, out: torch.Tensor, k: int = 1,
+                 scores: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """The head's outputs [m, hidden] -> its k best tokens [m, k] (target vocabulary ids), its argmax
-        first (whatever order topk gives tied scores, branch 0 is the chain topk 1 drafts)."""
+        first (whatever order topk gives tied scores, a chain is the argmax's), and with `scores` their
+        log-probabilities under the head [m, k] (float32; over its own vocabulary where it has one)."""
         logits = self.head.draft_logits(out) if self.head.own_lm_head else self.runner.compute_logits(out)
         ids = torch.argmax(logits, dim=-1, keepdim=True)
         if k > 1:
             ids = torch.cat([ids, logits.scatter(1, ids, float("-inf")).topk(k - 1, dim=-1).indices], dim=1)
-        return self.head.draft_to_target[ids] if self.head.own_lm_head else ids
+        logp = torch.log_softmax(logits.float(), dim=-1).gather(1, ids) if scores else None
+        return (self.head.draft_to_target[ids] if self.head.own_lm_head else ids), logp
 
     def _keep(self, rows: torch.Tensor, out: torch.Tensor) -> None:
-        """Each row's candidates and hidden output at its last kept position."""
-        self.tokens[rows] = self._predict(out, self.topk)
+        """Each row's candidates (with a tree's topk, their log-probabilities) and hidden output at its
+        last kept position."""
+        ids, logp = self._predict(out, self.topk, scores=self.topk > 1)
+        self.tokens[rows] = ids
+        if logp is not None:
+            self.logp[rows] = logp
         self.hidden[rows] = out
         if out.is_cuda:
             self.done = torch.cuda.Event()
@@ -146,6 +201,8 @@ class HeadDrafter:
         for i, (candidates, _) in primes.items():
             n = min(len(candidates), self.topk)
             self.tokens[rows[i], :n] = torch.tensor(candidates[:n], dtype=torch.int64, device=rows.device)
+            # the slot carries no scores: the candidates' order stands in for them (0, -1, -2 ..)
+            self.logp[rows[i], :n] = -torch.arange(n, dtype=torch.float32, device=rows.device)
         idx = torch.tensor(list(primes), dtype=torch.int64, device=rows.device)
         self.hidden[rows[idx]] = torch.stack([h for _, h in primes.values()]).to(self.hidden.device, self.hidden.dtype)
 
@@ -171,56 +228,93 @@ class HeadDrafter:
     @torch.inference_mode()
     def draft(self, fb: "ForwardBatch", spec: "VerifyInput") -> None:
         """Before a verify pass (`fb`, its input ids holding placeholder drafts): each request's chain or
-        tree (spec.parents), into spec.drafts and the pass's input ids."""
-        rows, prefix = fb.req_pool_indices, fb.extend_prefix_lens_cpu
+        best-first tree (module docstring), into spec.drafts and the pass's input ids; a tree's shape into
+        spec.parents (which fb.tree_parents shares) and its nodes' positions into fb.positions."""
+        rows, prefix, offsets = fb.req_pool_indices, fb.extend_prefix_lens_cpu, spec.offsets
         dev = rows.device
         if spec.primes:
             self._prime(rows, spec.primes)
-        lanes: list[Lane] = [(i, b, nodes) for i, d in enumerate(spec.drafts) if d
-                             for b, nodes in enumerate(branches(spec.tree(i) or list(range(-1, len(d)))))]
-        depth = [len(nodes) for _, _, nodes in lanes]
-        req = torch.tensor([i for i, _, _ in lanes], dtype=torch.int64, device=dev)
-        drafts = torch.zeros(len(lanes), max(depth), dtype=torch.int64, device=dev)
-        drafts[:, 0] = self.tokens[rows[req], torch.tensor([b for _, b, _ in lanes], device=dev)]
-        if max(depth) > 1:
-            table, lane_rows = self._lane_table(fb, spec, lanes)
-            out = self.hidden[rows[req]]
-        for j in range(1, max(depth)):  # draft j + 1 from (draft j, the head's output before it) at position L + j - 1
-            sel = [n for n, d in enumerate(depth) if d > j]
-            idx = torch.tensor(sel, dtype=torch.int64, device=dev)
-            seq_lens = [prefix[lanes[n][0]] + j for n in sel]
+        reqs = [i for i, d in enumerate(spec.drafts) if d]
+        if not reqs:
+            return
+        width = {i: self.topk if spec.tree(i) is not None else 1 for i in reqs}
+        depth = {i: spec.depth(i) for i in reqs}
+        first = rows[torch.tensor(reqs, dtype=torch.int64, device=dev)]
+        first_ids, first_lp = self.tokens[first].tolist(), self.logp[first].tolist()
+        trees = {i: _Tree() for i in reqs}
+        leaves: list[tuple[int, int]] = []  # (request, node) expanded next, in lane order
+        for n, i in enumerate(reqs):
+            for b in range(width[i]):
+                leaves.append((i, trees[i].add(0, first_ids[n][b], first_lp[n][b])))
+        features = self.hidden[rows[torch.tensor([i for i, _ in leaves], dtype=torch.int64, device=dev)]]
+        for j in range(1, max(depth.values())):  # the leaves at depth j, at position L + j - 1
+            lanes = [(i, node) for i, node in leaves if depth[i] > j]
+            keep = torch.tensor([k for k, (i, _) in enumerate(leaves) if depth[i] > j], dtype=torch.int64, device=dev)
+            features = features[keep]
+            scratch = {}  # the slot a lane's node writes the head's KV to: one of its request's verify slots
+            seen: dict[int, int] = {}
+            for i, node in lanes:
+                scratch[(i, node)] = offsets[i] + (j - 1) * width[i] + seen.get(i, 0)
+                seen[i] = seen.get(i, 0) + 1
+                trees[i].slot[node] = scratch[(i, node)]
+            table, lane_rows = self._lane_table(fb, spec, lanes, trees, j)
+            seq_lens = [prefix[i] + j for i, _ in lanes]
             lens = torch.tensor(seq_lens, device=dev)
+            ids = torch.tensor([trees[i].token[node] for i, node in lanes], dtype=torch.int64, device=dev)
             step = self.runner.make_forward_batch(
-                ForwardMode.DECODE, input_ids=drafts[idx, j - 1], positions=lens - 1, req_pool_indices=lane_rows[idx],
-                seq_lens=lens, out_cache_loc=table.req_to_token[lane_rows[idx], lens - 1], seq_lens_cpu=seq_lens,
-                req_to_token_pool=table)
+                ForwardMode.DECODE, input_ids=ids, positions=lens - 1, req_pool_indices=lane_rows, seq_lens=lens,
+                out_cache_loc=table.req_to_token[lane_rows, lens - 1], seq_lens_cpu=seq_lens, req_to_token_pool=table)
             self.runner.attn_backend.init_forward_metadata(step)
-            step_out = self._head(step, step.input_ids, out[idx])
-            drafts[idx, j] = self._predict(step_out)[:, 0]
-            out[idx] = step_out
-        for (i, _, nodes), tokens in zip(lanes, drafts.tolist()):
-            for node, token in zip(nodes, tokens):
-                spec.drafts[i][node - 1] = token
-        at = [spec.offsets[i] + 1 + t for i, d in enumerate(spec.drafts) for t in range(len(d))]
+            out = self._head(step, ids, features)
+            top = max(width[i] for i, _ in lanes)
+            child_ids, child_lp = self._predict(out, top, scores=top > 1)
+            child_ids = child_ids.tolist()
+            child_lp = child_lp.tolist() if child_lp is not None else [[0.0]] * len(lanes)
+            # each request's children; its `width` best (by cumulative log-probability) are the next leaves
+            by_req: dict[int, list[tuple[int, int]]] = {}
+            for k, (i, node) in enumerate(lanes):
+                for b in range(width[i]):
+                    child = trees[i].add(node, child_ids[k][b], trees[i].score[node] + child_lp[k][b])
+                    by_req.setdefault(i, []).append((child, k))
+            leaves, parent_lane = [], []
+            for i, children in by_req.items():
+                best = sorted(children, key=lambda c: -trees[i].score[c[0]])[:width[i]]  # stable: ties keep order
+                leaves += [(i, c) for c, _ in best]
+                parent_lane += [k for _, k in best]
+            features = out[torch.tensor(parent_lane, dtype=torch.int64, device=dev)]
+        pos_at, pos = [], []
+        for i in reqs:
+            nodes = len(spec.drafts[i])
+            if spec.tree(i) is None:
+                spec.drafts[i][:] = trees[i].chain()
+                continue
+            spec.drafts[i][:], spec.parents[i] = trees[i].best(nodes)
+            pos_at += [offsets[i] + j for j in range(1 + nodes)]
+            pos += [prefix[i] + d for d in node_depths(spec.parents[i])]
+        if pos_at:
+            fb.positions[torch.tensor(pos_at, dtype=torch.int64, device=dev)] = torch.tensor(
+                pos, dtype=fb.positions.dtype, device=dev)
+        at = [offsets[i] + 1 + t for i, d in enumerate(spec.drafts) for t in range(len(d))]
         fb.input_ids[torch.tensor(at, dtype=torch.int64, device=dev)] = torch.tensor(
             [t for d in spec.drafts for t in d], dtype=torch.int64, device=dev)
 
-    def _lane_table(self, fb: "ForwardBatch", spec: "VerifyInput",
-                    lanes: list[Lane]) -> tuple[ReqToTokenPool, torch.Tensor]:
-        """The req_to_token table the draft steps read and write through, and each lane's row in it: column
-        L + j - 1 of a lane's row holds the slot step j writes (position L + j - 1). Chains: the requests'
-        own rows, whose columns L, L + 1 .. hold the verify step's slots (nodes 0, 1 ..). Trees: a table of
-        one row per branch (module docstring)."""
+    def _lane_table(self, fb: "ForwardBatch", spec: "VerifyInput", lanes: list[tuple[int, int]],
+                    trees: dict[int, "_Tree"], j: int) -> tuple[ReqToTokenPool, torch.Tensor]:
+        """The req_to_token table draft step j reads and writes through, and each lane's row in it:
+        columns L .. L + j - 1 of a lane's row hold the slots its node's ancestors (depth 1 ..) and the
+        node itself (column L + j - 1, position L + j - 1) wrote the head's KV to. A batch of chains
+        uses the requests' own rows, whose columns L, L + 1 .. hold the verify step's slots (node 0, 1 ..:
+        step j's scratch slot is node j - 1's). Trees: a table of one row per lane."""
         pool, rows = self.runner.req_to_token_pool, fb.req_pool_indices
-        req = torch.tensor([i for i, _, _ in lanes], dtype=torch.int64, device=rows.device)
+        req = torch.tensor([i for i, _ in lanes], dtype=torch.int64, device=rows.device)
         if spec.parents is None:
             return pool, rows[req]
         prefix = fb.extend_prefix_lens_cpu
-        width = max(prefix[i] + len(nodes) for i, _, nodes in lanes)
+        width = max(prefix[i] + j for i, _ in lanes)
         table = ReqToTokenPool(len(lanes), width, pool.device)
         table.req_to_token.copy_(pool.req_to_token[rows[req], :width])
-        at = [(n, prefix[i] + j, spec.offsets[i] + node) for n, (i, _, nodes) in enumerate(lanes)
-              for j, node in enumerate(nodes)]
+        at = [(n, prefix[i] + col, src) for n, (i, node) in enumerate(lanes)
+              for col, src in enumerate(trees[i].path_slots(node))]
         lane, col, src = (torch.tensor(x, dtype=torch.int64, device=rows.device) for x in zip(*at))
         table.req_to_token[lane, col] = fb.out_cache_loc[src]
         return table, torch.arange(len(lanes), device=rows.device)

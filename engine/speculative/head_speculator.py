@@ -6,10 +6,10 @@ worker, next to the target's passes (head_drafter.py); the scheduler's half only
 step's slots, as NGRAM's does (verifying.py), with placeholder drafts the worker overwrites before the
 verify pass runs.
 
---speculative-eagle-topk k > 1 drafts a tree (spec_info.branch_tree): the head's k best first drafts,
-each continued greedily, branch 0 the chain k = 1 drafts, at most --speculative-num-draft-tokens - 1
-nodes (the last branches lose their deepest nodes first). SGLang grows its trees best-first by the
-head's scores; this shape is fixed per request, so the scheduler reserves it before the head has run.
+--speculative-eagle-topk k > 1 drafts a tree grown best-first by the head's scores, as SGLang's EAGLE
+(head_drafter.py): k candidates per step, the --speculative-num-draft-tokens - 1 best of them. The
+scheduler reserves its slots before the head has run: the node count (spec_info.tree_size) and a
+placeholder shape, whose parents and positions the drafter replaces.
 A request drafts a chain where the tree cannot serve: a hybrid model (its recurrent state follows one
 chain; start-up warns), and a PD-transferred request's first step where its prefill ran with a smaller
 topk (the metadata slot carries the prefill head's candidates).
@@ -20,7 +20,7 @@ import logging
 from typing import TYPE_CHECKING, Optional
 
 from baton.engine.speculative.base import SpecView
-from baton.engine.speculative.spec_info import VerifyInput, branch_tree
+from baton.engine.speculative.spec_info import VerifyInput, placeholder_tree, tree_size
 from baton.engine.speculative.verifying import VerifyingSpeculator
 
 if TYPE_CHECKING:
@@ -44,7 +44,7 @@ class HeadSpeculator(VerifyingSpeculator):
             self.topk = 1
         logger.info("speculative decoding: %s (%s), %s of %d drafts, while fewer than %d requests run",
                     self.algorithm, _WHAT[self.algorithm], "chains" if self.topk == 1 else
-                    f"trees of {self.topk} branches ({self.num_draft_tokens - 1} nodes at most)", self.num_steps,
+                    f"best-first trees ({self.topk} candidates per step, {self.num_draft_tokens - 1} nodes)", self.num_steps,
                     self.disable_by_batch_size)
 
     def prepare_verify(self, batch: "ScheduleBatch") -> bool:
@@ -53,7 +53,7 @@ class HeadSpeculator(VerifyingSpeculator):
 
     def draft_tree(self, req: "Req") -> tuple[list[int], Optional[list[int]]]:
         """Placeholders for as many drafts as the request may take (num_steps deep, and with topk > 1 a
-        tree of that shape): the worker's drafter writes the head's tokens. None for a request the head
+        tree's nodes): the worker's drafter writes the head's tokens (and a tree's shape). None for a request the head
         has not run for on this engine (a PD decode's transferred request whose prefill sent no first
         draft: the prefill computed the head's KV over the prompt, not the drafter's row): this step, a
         plain row of the verify (or a plain step), runs the head for it. A transferred request whose
@@ -71,8 +71,8 @@ class HeadSpeculator(VerifyingSpeculator):
             return [], None
         if self.topk == 1 or (primed is not None and len(primed[0]) < self.topk):
             return [0] * depth, None
-        parents = branch_tree(depth, self.topk, self.num_draft_tokens - 1)
-        return [0] * (len(parents) - 1), parents
+        nodes, depth = tree_size(depth, self.topk, self.num_draft_tokens - 1)
+        return [0] * nodes, (placeholder_tree(depth, nodes) if nodes > 1 else None)
 
     def verify_input(self, drafts: list[list[int]], state_slots: Optional[list[list[int]]],
                      parents: Optional[list[Optional[list[int]]]]) -> VerifyInput:

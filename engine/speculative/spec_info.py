@@ -55,21 +55,29 @@ def first_chain(parents: list[int]) -> list[int]:
     return chain
 
 
-def branch_tree(depth: int, branches: int, max_nodes: int) -> list[int]:
-    """A draft head's tree (head_speculator.py): `branches` chains of up to `depth` nodes under the root,
-    packed one after the other, at most `max_nodes` nodes (the last branches lose their deepest nodes
-    first). Branch 0 is the tree's first chain.
+def tree_size(depth: int, topk: int, max_nodes: int) -> tuple[int, int]:
+    """(nodes, depth) of a draft head's best-first tree (head_drafter.py) `depth` deep with `topk`
+    branches per step, within `max_nodes`: every candidate it can draft (topk at depth 1, topk x topk
+    at each depth after) or max_nodes. Its head's steps write their KV to the verify step's slots, topk
+    of them per step past the first, so it reaches at most 1 + (max_nodes + 1) // topk deep; and a tree
+    of n >= 2 nodes at most n - 1 deep (n deep it would be a chain).
 
-        depth 2, branches 3, max_nodes 5:   parents [-1, 0, 1, 0, 3, 0]    branches [1, 2] [3, 4] [5]
+        tree_size(3, 2, 6) == (6, 3)    tree_size(3, 4, 4) == (4, 2)
     """
-    parents = [-1]
-    for _ in range(branches):
-        length = min(depth, max_nodes + 1 - len(parents))
-        if length <= 0:
-            break
-        start = len(parents)
-        parents += [0] + list(range(start, start + length - 1))
-    return parents
+    depth = max(1, min(depth, 1 + (max_nodes + 1) // topk))
+    nodes = min(max_nodes, topk + (depth - 1) * topk * topk)
+    return nodes, max(1, min(depth, nodes - 1))  # one node: a chain (the caller drafts one)
+
+
+def placeholder_tree(depth: int, nodes: int) -> list[int]:
+    """The shape a tree's slots are reserved with before its head drafts it (nodes >= 2, depth < nodes):
+    a chain `depth` deep, the other nodes under the root. The drafter puts the real parents in its place;
+    what the scheduler reads of it (the node count, that it is a tree) stays true.
+
+        placeholder_tree(2, 4) == [-1, 0, 1, 0, 0]
+    """
+    assert 1 <= depth < nodes, (depth, nodes)
+    return [-1] + list(range(depth)) + [0] * (nodes - depth)
 
 
 def branches(parents: list[int]) -> list[list[int]]:

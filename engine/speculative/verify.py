@@ -19,10 +19,16 @@ processing rules out has no mass there, so it is rejected.
 Tree drafts (spec_info.py): a greedy request follows the tree from its root, at each node taking the
 child whose token is the target's argmax there, until no child is; it emits that path and the target's
 token after it, which is again exactly what step-by-step greedy decoding gives (each node's logits are
-its root -> node chain's). A sampled request, or one whose logits are processed (needs_processing),
-verifies only the tree's first chain (the path of first children, spec_info.first_chain) with the
-rules above, so its guarantees stay those of a chain: the rejection rule holds for one deterministic
-proposal per position, and processed_rows follows one draft.
+its root -> node chain's). A sampled request walks the tree with the rejection rule for several
+deterministic proposals (recursive rejection sampling, as SpecInfer's and SGLang's tree sampling for
+drafts without draft probabilities): at a node, its children in order, each accepted with its share
+of the mass its earlier siblings left (the target's distribution with the rejected siblings' tokens
+removed, renormalised); when one is accepted the walk goes on from it, when all are rejected the
+request draws its token from what is left. The token emitted at a node is then distributed as the
+target's there: the first child d1 comes out with probability p(d1), the second with
+(1 - p(d1)) x p(d2) / (1 - p(d1)) = p(d2), and so on, and anything else with its own p. A request
+whose logits are processed (needs_processing) verifies only the tree's first chain (the path of first
+children, spec_info.first_chain) with the chain rules: processed_rows follows one draft.
 
 Logprobs are those the sampler reports: log_softmax of the raw logits at the token's position (the node
 it was predicted at).
@@ -60,6 +66,10 @@ def verify_drafts(logits: torch.Tensor, spec: VerifyInput, states: list["ReqSamp
         if tree is not None and state.params.is_greedy and not processed:
             path = accept_greedy_tree(tree, draft, greedy_ids[off:off + len(draft) + 1])
             tokens.append([draft[n - 1] for n in path[1:]] + [greedy_ids[off + path[-1]]])
+        elif tree is not None and not processed:
+            probs = target_probs(logits[off:off + len(draft) + 1], state.params).cpu()
+            path, emitted = accept_rejection_tree(tree, draft, probs, _generator(state, draws, i))
+            tokens.append(emitted)
         else:
             if tree is None:
                 rows = logits[off:off + len(draft) + 1]
@@ -74,9 +84,7 @@ def verify_drafts(logits: torch.Tensor, spec: VerifyInput, states: list["ReqSamp
                 tokens.append(accept_greedy(draft, target))
             else:
                 probs = target_probs(rows, state.params).cpu()
-                draw = draws[i] if draws is not None else state.num_sampled
-                gen = torch.Generator().manual_seed((state.rng_seed * _SEED_MIX + draw) % (1 << 63))
-                tokens.append(accept_rejection(probs, draft, gen))
+                tokens.append(accept_rejection(probs, draft, _generator(state, draws, i)))
         if nodes is not None:
             nodes.append(list(range(len(tokens[-1]))) if path is None else path[:len(tokens[-1])])
         if state.has_penalties:
@@ -99,6 +107,12 @@ def verify_drafts(logits: torch.Tensor, spec: VerifyInput, states: list["ReqSamp
             out.top_logprobs.append(tops[start:start + len(t)])
             start += len(t)
     return out
+
+
+def _generator(state: "ReqSamplingState", draws: Optional[list[int]], i: int) -> torch.Generator:
+    """The request's random numbers for this step: from (its seed, the step's draw number)."""
+    draw = draws[i] if draws is not None else state.num_sampled
+    return torch.Generator().manual_seed((state.rng_seed * _SEED_MIX + draw) % (1 << 63))
 
 
 def needs_processing(state: "ReqSamplingState") -> bool:
@@ -205,6 +219,34 @@ def accept_rejection(probs: torch.Tensor, draft: list[int], gen: torch.Generator
         return out
     out.append(int(torch.multinomial(probs[len(draft)], 1, generator=gen)))
     return out
+
+
+def accept_rejection_tree(parents: list[int], draft: list[int], probs: torch.Tensor,
+                          gen: torch.Generator) -> tuple[list[int], list[int]]:
+    """`probs`: [nodes, vocab] the target's distribution at each node of the tree (`parents`, `draft`:
+    spec_info.py; CPU). Recursive rejection sampling (module docstring): (the accepted path's nodes from
+    the root, the tokens emitted: the accepted drafts, then one drawn at the path's last node)."""
+    children: list[list[int]] = [[] for _ in parents]
+    for j in range(1, len(parents)):
+        children[parents[j]].append(j)
+    path, out = [0], []
+    while True:
+        residual = probs[path[-1]].clone()
+        accepted = None
+        for child in children[path[-1]]:
+            d = draft[child - 1]
+            if float(torch.rand(1, generator=gen)) * float(residual.sum()) < float(residual[d]):
+                accepted = child
+                break
+            residual[d] = 0.0
+            if float(residual.sum()) <= 0.0:  # d held all the mass left up to rounding: u fell on the rounding
+                accepted = child
+                break
+        if accepted is None:
+            out.append(int(torch.multinomial(residual, 1, generator=gen)))
+            return path, out
+        path.append(accepted)
+        out.append(draft[accepted - 1])
 
 
 def target_probs(logits: torch.Tensor, params: "SamplingParams") -> torch.Tensor:

@@ -19,7 +19,7 @@ from typing import Optional
 import pytest
 
 from baton.engine.server_args import ServerArgs
-from baton.engine.speculative.spec_info import branch_tree, branches
+from baton.engine.speculative.spec_info import tree_size
 from test_scheduler_vs_hf import hf_greedy, harness_for, run_workload, workload
 from test_speculative import (MAX_NEW, follow_up_and_abort, recorded_drafts, repetitive_prompts, spec_info,
                               stops_and_logprobs_equal_plain)
@@ -195,8 +195,8 @@ def test_eagle_beside_the_native_bf16_forward(target, drafts):
 def test_pd_decode_drafts_with_the_prefills_head_kv(target, drafts, topk):
     """PD, both sides EAGLE: the prefill's head fills its KV layer over the prompt, which travels with
     the target's layers, and its first draft and output at the prompt's end travel in the metadata slot:
-    the decode drafts in a request's first step the reference head's chain, or with topk 2 its tree (the
-    slot carries the head's candidates); drafts accepted; HF's tokens, both sides settle with nothing
+    the decode drafts in a request's first step the reference head's chain, or with topk 2 its best-first
+    tree (the slot carries the head's candidates, ranked by order); drafts accepted; HF's tokens, both sides settle with nothing
     leaked."""
     from test_pd_scheduler import PDPair, _run
 
@@ -226,9 +226,9 @@ def test_pd_decode_drafts_with_the_prefills_head_kv(target, drafts, topk):
                 assert first[str(i)] == (1, reference.chain(p + out[:1], STEPS), None), i
             else:
                 n, drafted, parents = first[str(i)]
-                assert n == 1 and parents == branch_tree(STEPS, 2, 2 * STEPS), i
-                assert [[drafted[j - 1] for j in b] for b in branches(parents)] == reference.branches(
-                    p + out[:1], STEPS, 2), i
+                nodes, depth = tree_size(STEPS, 2, 2 * STEPS)
+                assert n == 1 and (parents, drafted) == reference.best_first(p + out[:1], depth, 2, nodes,
+                                                                             ranked_first=True), i
         assert spec_info(pair.decode)["spec_accepted_tokens"] > 0
         assert any(t is not None for t in trees) == (topk > 1)
         pair.assert_settled()
@@ -306,12 +306,35 @@ def tree(kind: str, draft: str, topk: int, **more) -> dict:
     return eagle(kind, draft, speculative_eagle_topk=topk, attention_backend="torch", **more)
 
 
+def test_a_best_first_trees_reserved_size_and_placeholder():
+    """What the scheduler reserves for a head's tree before the head runs: within the node budget, at
+    most nodes - 1 deep (n nodes n deep would be a chain), room for the drafting's scratch slots (topk
+    per step past the first, among the step's 1 + nodes slots), and a placeholder that is a tree of that
+    depth (so the step is verified as one) with every node's parent before it."""
+    from baton.engine.speculative.spec_info import is_chain, node_depths, placeholder_tree
+
+    for steps in range(1, 7):
+        for topk in range(2, 6):
+            for budget in range(steps, 1 + topk + (steps - 1) * topk * topk):
+                nodes, depth = tree_size(steps, topk, budget)
+                if budget == 1:  # one node: a chain
+                    assert (nodes, depth) == (1, 1)
+                    continue
+                assert 2 <= nodes <= budget and 1 <= depth <= steps and depth < nodes, (steps, topk, budget)
+                assert (depth - 1) * topk <= nodes + 1, (steps, topk, budget)
+                tree = placeholder_tree(depth, nodes)
+                assert len(tree) == nodes + 1 and not is_chain(tree) and max(node_depths(tree)) == depth
+                assert all(0 <= p < j for j, p in enumerate(tree) if j)
+    assert tree_size(3, 2, 6) == (6, 3) and tree_size(3, 4, 4) == (4, 2) and tree_size(5, 8, 63) == (63, 5)
+
+
 @pytest.mark.parametrize("kind", ["EAGLE-decoy", "EAGLE3-decoy"])
-def test_the_drafted_tree_is_the_eagle_heads_own(target, drafts, kind):
-    """With topk 3 and room for 8 of the 9 nodes, every verify step drafts the reference head's three
-    best first drafts, each continued greedily, the third branch one node short; the first branch is
-    the chain topk 1 drafts. The decoy head's runs are accepted off the first chain, so from the second
-    step on this holds only if the head's KV at the accepted nodes moved with the target's."""
+def test_the_drafted_tree_is_the_eagle_heads_best_first_tree(target, drafts, kind):
+    """With topk 3 and 8 nodes every verify step drafts the reference head's best-first tree (SGLang's:
+    the 3 best children of each of the 3 best leaves per step, the 8 best candidates by summed
+    log-probability), the same shape and tokens. The decoy head's runs are accepted off the first chain,
+    so from the second step on this holds only if the head's KV at the accepted nodes moved with the
+    target's; the trees are no fixed shape (at least two shapes seen)."""
     draft = drafts(kind)
     h = harness_for(target, "plain", max_total_tokens=2048,
                     **tree(kind.split("-")[0], draft, 3, speculative_num_draft_tokens=9))
@@ -327,12 +350,9 @@ def test_the_drafted_tree_is_the_eagle_heads_own(target, drafts, kind):
     reference = load_eagle_reference(target, draft)
     assert len(seen) > 2 and spec_info(h)["spec_tree_branch_accepts"] > 0
     for before, drafted, parents in seen:
-        depth = min(STEPS, 12 - len(before) - 1)
-        want = reference.branches(prompt + before, depth, 3)
-        assert want[0] == reference.chain(prompt + before, depth)
-        assert parents == branch_tree(depth, 3, 8)
-        assert [[drafted[n - 1] for n in b] for b in branches(parents)] == [w[:8 - 2 * depth] if b == 2 else w
-                                                                             for b, w in enumerate(want)], len(before)
+        nodes, depth = tree_size(min(STEPS, 12 - len(before) - 1), 3, 8)
+        assert (parents, drafted) == reference.best_first(prompt + before, depth, 3, nodes), len(before)
+    assert len({tuple(p) for _, _, p in seen}) > 1
     assert spec_info(h)["speculative_eagle_topk"] == 3 and h.scheduler.check_memory_integrity()
 
 
@@ -364,7 +384,10 @@ def test_head_tree_flags_and_what_is_refused(target, drafts):
     assert (args.speculative_eagle_topk, args.speculative_num_draft_tokens) == (2, 1 + 2 * STEPS)
     assert ServerArgs(model_path=target, **tree("EAGLE", draft, 4, speculative_num_draft_tokens=5)
                       ).speculative_num_draft_tokens == 5
-    for n in (STEPS, 2 + 4 * STEPS):
+    # SGLang's EAGLE settings ask for more nodes than topk x steps: up to every candidate drafted
+    assert ServerArgs(model_path=target, **tree("EAGLE", draft, 4, speculative_num_draft_tokens=37)
+                      ).speculative_num_draft_tokens == 1 + 4 + (STEPS - 1) * 16
+    for n in (STEPS, 2 + 4 + (STEPS - 1) * 16):
         with pytest.raises(ValueError, match="must be between"):
             ServerArgs(model_path=target, **tree("EAGLE", draft, 4, speculative_num_draft_tokens=n))
     assert ServerArgs(model_path=target, device="cuda", **{**tree("EAGLE", draft, 2), "attention_backend": "flashinfer"}

@@ -20,7 +20,7 @@ from baton.engine.server_args import ServerArgs
 from baton.engine.speculative.ngram import NgramIndex, NgramTreeIndex
 from baton.engine.speculative.ngram_speculator import NgramSpeculator
 from baton.engine.speculative.spec_info import VerifyInput, first_chain, node_depths
-from baton.engine.speculative.verify import accept_greedy_tree, verify_drafts
+from baton.engine.speculative.verify import accept_greedy_tree, target_probs, verify_drafts
 from scheduler_harness import SchedulerHarness
 from test_scheduler_vs_hf import harness_for, hf_greedy, run_workload, workload
 from test_speculative import repetitive_prompts
@@ -143,9 +143,10 @@ def test_greedy_follows_the_branch_the_target_chose_and_takes_its_token_after():
     assert accept_greedy_tree(TREE, TREE_DRAFT, [2, 0, 0, 0, 0, 0]) == [0]
 
 
-@pytest.mark.parametrize("params", [dict(temperature=0.8, seed=3), dict(logit_bias={4: -1.0}),
-                                    dict(frequency_penalty=0.5)], ids=["sampled", "bias", "penalty"])
-def test_sampled_and_processed_requests_verify_the_first_chain_as_a_chain(params):
+@pytest.mark.parametrize("params", [dict(logit_bias={4: -1.0}), dict(frequency_penalty=0.5),
+                                    dict(temperature=0.8, seed=3, frequency_penalty=0.5)],
+                         ids=["bias", "penalty", "sampled-penalty"])
+def test_processed_requests_verify_the_first_chain_as_a_chain(params):
     """Their rules hold for one chain: the tree's first chain (nodes 0, 1, 3) verifies exactly as that
     chain would alone (same tokens, same logprobs), whatever the other branches hold."""
     torch.manual_seed(1)
@@ -158,6 +159,53 @@ def test_sampled_and_processed_requests_verify_the_first_chain_as_a_chain(params
     assert tree.tokens == chain.tokens and tree.logprobs == chain.logprobs
     assert tree.top_logprobs == chain.top_logprobs
     assert tree.accepted_nodes == [[1, 3][:len(chain.tokens[0]) - 1]]
+
+
+def test_tree_rejection_sampling_keeps_the_target_distribution():
+    """A sampled request walks the whole tree (TREE: two children of the root, one under the first,
+    two under the second): the first token is distributed as the target's p at the root, the second as
+    p at the node of the accepted first (or, after a root token no child holds, it is absent), the third
+    likewise; siblings other than the first are accepted too; logprobs and accepted nodes follow the
+    walked path. A chi-square test over 10,000 verified rows."""
+    torch.manual_seed(0)
+    logits = torch.randn(6, VOCAB)
+    params = dict(temperature=1.0, top_p=0.8)
+    p = target_probs(logits, _state(**params).params)
+    # the root's children: its 2nd and 3rd likeliest tokens, so both are accepted and rejected often
+    order = p[0].argsort(descending=True).tolist()
+    draft = list(TREE_DRAFT)
+    draft[0], draft[1] = order[1], order[2]
+    for node, rank in ((3, 0), (4, 1), (5, 0)):  # deeper children: likely tokens at their parent
+        draft[node - 1] = p[TREE[node]].argsort(descending=True).tolist()[rank]
+    assert float(p[0, draft[0]]) > 0.05 and float(p[0, draft[1]]) > 0.05, "the test needs both children live"
+    rows = 10000
+    states = [_state(**params, seed=11) for _ in range(rows)]  # top-p leaves some tokens no mass
+    out = verify_drafts(logits.repeat(rows, 1), VerifyInput([draft] * rows, parents=[TREE] * rows), states,
+                        list(range(rows)), return_logprob=True, top_logprobs_nums=[0] * rows)
+
+    def check(node: int, samples: list[int]) -> None:
+        assert len(samples) > 200, f"node {node}: too few samples"
+        counts = torch.bincount(torch.tensor(samples, dtype=torch.int64), minlength=VOCAB).double()
+        expected = p[node].double() * len(samples)
+        assert counts[expected == 0].sum() == 0, f"node {node}: a token the target never draws"
+        live = expected > 0
+        chi2 = float(((counts[live] - expected[live]) ** 2 / expected[live]).sum())
+        assert chi2 < 35.0, f"node {node}: chi2 {chi2:.1f} over {int(live.sum()) - 1} dof"  # p < 1e-4
+
+    check(0, [t[0] for t in out.tokens])
+    for first, node in ((draft[0], 1), (draft[1], 2)):
+        check(node, [t[1] for t in out.tokens if t[0] == first])
+    for path, node in (((draft[0], draft[2]), 3), ((draft[1], draft[3]), 4), ((draft[1], draft[4]), 5)):
+        check(node, [t[2] for t in out.tokens if tuple(t[:2]) == path])
+    nodes = {(1,): 0, (2,): 0}
+    for t, accepted, lps in zip(out.tokens, out.accepted_nodes, out.logprobs):
+        assert len(accepted) == len(t) - 1 and [draft[n - 1] for n in accepted] == t[:-1]
+        assert all(TREE[n] == (accepted[k - 1] if k else 0) for k, n in enumerate(accepted))
+        at = [0, *accepted]
+        assert lps == pytest.approx([float(torch.log_softmax(logits[n], -1)[x]) for n, x in zip(at, t)])
+        if accepted:
+            nodes[(accepted[0],)] += 1
+    assert nodes[(1,)] > 500 and nodes[(2,)] > 500, f"both children of the root accepted often: {nodes}"
 
 
 # ---------------------------------------------------------------------------- the accepted path's KV
@@ -202,6 +250,24 @@ def _oracle_harness(monkeypatch, path: str, refs: dict[str, list[int]], loop: st
     monkeypatch.setattr(NgramSpeculator, "draft_tree", _oracle(refs))
     monkeypatch.setattr(NgramSpeculator, "on_verified", lambda self, req, drafted, accepted: None)  # no index
     return harness_for(path, loop, max_total_tokens=4096, **SPEC, **overrides)
+
+
+def test_sampled_requests_walk_the_whole_tree(tiny_model_factory, monkeypatch):
+    """Sampled requests whose target distribution is its argmax alone (temperature 1, min_p 0.999: no
+    greedy request, the rejection rule decides) verify the whole tree: every run they accept comes off
+    the first chain (the oracle's trees), its KV moves, their tokens are HF's greedy ones, nothing leaks."""
+    path = tiny_model_factory("llama")
+    prompts = {str(i): p for i, p in enumerate(workload()[:3])}
+    refs = {rid: hf_greedy(path, p, MAX_NEW, ignore_eos=True) for rid, p in prompts.items()}
+    h = _oracle_harness(monkeypatch, path, refs, "plain", page_size=16)
+    for rid, p in prompts.items():
+        h.submit(rid, p, max_new_tokens=MAX_NEW, ignore_eos=True, temperature=1.0, min_p=0.999, seed=int(rid))
+    results = h.run_until_idle()
+    for rid in prompts:
+        assert results[rid].ids == refs[rid], f"request {rid}"
+    info = h.scheduler.get_server_info()
+    assert info["spec_tree_branch_accepts"] > 10 and info["spec_accept_length"] > 2.5, info
+    assert info["integrity_ok"] is True
 
 
 @pytest.mark.parametrize("loop,page_size", [("plain", 1), ("overlap", 16)])

@@ -324,6 +324,63 @@ class EagleReference(torch.nn.Module):
             trees.append(drafts)
         return trees
 
+    @torch.no_grad()
+    def best_first(self, tokens: list[int], steps: int, topk: int, nodes: int,
+                   ranked_first: bool = False) -> tuple[list[int], list[int]]:
+        """The tree the engine drafts with --speculative-eagle-topk `topk` > 1, grown best-first as SGLang's
+        EAGLE does: the head's topk best first drafts are the leaves; `steps` - 1 times every leaf's topk
+        best children join the candidates, each scored by the sum of the head's log-probabilities along
+        its path, and the topk best children are the next leaves; the tree is the `nodes` best
+        candidates (ties: the shallower, then the first drafted). Returns (parents, drafts) packed by
+        depth, then score. `ranked_first`: the first drafts scored 0, -1, .. by rank (a PD-transferred
+        request's first step: the metadata slot carries no scores)."""
+        target = self._target[0]
+        out = target.model(input_ids=torch.tensor([tokens[:-1]]), output_hidden_states=True)
+        if self.kind == "EAGLE":
+            states = list(out.last_hidden_state[0])
+        else:
+            states = list(self.fc(torch.cat([out.hidden_states[i][0] for i in self.aux_layers], dim=-1)))
+        first = self._run(torch.tensor([tokens[1:]]), torch.stack(states)[None])[0, -1]
+        ids, lps = self._scored(first, topk)
+        if ranked_first:
+            lps = [-float(b) for b in range(topk)]
+        # a node: its score, depth, parent (0: the root), token, and the head's outputs its path ran on
+        cands: list[dict] = [dict(score=0.0, depth=0, parent=-1, path=[], outs=states + [first])]
+        leaves = []
+        for token, lp in zip(ids, lps):
+            cands.append(dict(score=lp, depth=1, parent=0, path=[token], outs=states + [first]))
+            leaves.append(len(cands) - 1)
+        for _ in range(steps - 1):
+            children = []
+            for leaf in leaves:
+                c = cands[leaf]
+                last = self._run(torch.tensor([list(tokens[1:]) + c["path"]]), torch.stack(c["outs"])[None])[0, -1]
+                for token, lp in zip(*self._scored(last, topk)):
+                    cands.append(dict(score=c["score"] + lp, depth=c["depth"] + 1, parent=leaf,
+                                      path=c["path"] + [token], outs=c["outs"] + [last]))
+                    children.append(len(cands) - 1)
+            leaves = sorted(children, key=lambda n: -cands[n]["score"])[:topk]
+        chosen = sorted(range(1, len(cands)), key=lambda n: (-cands[n]["score"], cands[n]["depth"], n))[:nodes]
+        chosen.sort(key=lambda n: (cands[n]["depth"], -cands[n]["score"], n))
+        index = {0: 0, **{n: k + 1 for k, n in enumerate(chosen)}}
+        return [-1] + [index[cands[n]["parent"]] for n in chosen], [cands[n]["path"][-1] for n in chosen]
+
+    def _scored(self, out: torch.Tensor, k: int) -> tuple[list[int], list[float]]:
+        """The head's k best next tokens after `out` and their log-probabilities (float32) over the
+        vocabulary it drafts from."""
+        if self.kind == "EAGLE":
+            logits = self._target[0].lm_head(out)
+            logits = logits if self.hot is None else logits[..., self.hot]
+        else:
+            logits = self.lm_head(self.norm(out))
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        idx = torch.topk(logits, k).indices
+        if self.kind == "EAGLE":
+            ids = idx if self.hot is None else self.hot[idx]
+        else:
+            ids = idx + self.d2t[idx]
+        return ids.tolist(), lp[idx].tolist()
+
     # EAGLE with --speculative-token-map: the token ids its drafts are chosen among (None: all)
     hot: Optional[torch.Tensor] = None
 
