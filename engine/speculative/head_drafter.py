@@ -47,8 +47,9 @@ decode pass per step:
     step 2, k = 2     leaf a row   prefix .. | s(a1)  s(a)       a1: a's parent, expanded at step 1
                       leaf b row   prefix .. | s(b1)  s(b)       column L + j - 1: the leaf's own slot
 
-A batch of chains reads through the requests' own rows (column L + j - 1 holds node j - 1's slot).
-One host sync per step reads the leaves' candidates back (the tree is chosen on the host).
+A batch of chains reads through the requests' own rows (column L + j - 1 holds node j - 1's slot) and
+keeps its drafts on the device until its steps are queued; a tree's step reads its leaves' candidates
+back to the host, where the tree is chosen (one sync per step).
 
 After the verify pass the head runs over its nodes with the pass's tree mask, each node reading the
 token of its accepted child (nodes off the accepted path: any valid id), before the worker moves the
@@ -56,8 +57,7 @@ accepted nodes' KV, the head's layers with the target's (TpModelWorker._verify);
 head's output at the last accepted node.
 
 Drafts are a deterministic function of the head's outputs (a chain: its argmax; a tree: its best
-candidates), so verify.py's acceptance rules hold as for NGRAM (sampled requests verify the tree's
-first chain). A request whose row holds no prediction of its own yet (a PD decode's transferred request:
+candidates), so verify.py's acceptance rules hold as for NGRAM. A request whose row holds no prediction of its own yet (a PD decode's transferred request:
 the prefill computed the head's KV over the prompt, not this row's buffers) drafts nothing in its first
 step (head_speculator.py), whose pass after it fills the row.
 
@@ -230,34 +230,72 @@ class HeadDrafter:
         """Before a verify pass (`fb`, its input ids holding placeholder drafts): each request's chain or
         best-first tree (module docstring), into spec.drafts and the pass's input ids; a tree's shape into
         spec.parents (which fb.tree_parents shares) and its nodes' positions into fb.positions."""
-        rows, prefix, offsets = fb.req_pool_indices, fb.extend_prefix_lens_cpu, spec.offsets
-        dev = rows.device
+        rows, dev = fb.req_pool_indices, fb.req_pool_indices.device
         if spec.primes:
             self._prime(rows, spec.primes)
         reqs = [i for i, d in enumerate(spec.drafts) if d]
         if not reqs:
             return
+        if spec.parents is None:
+            self._draft_chains(fb, spec, reqs)
+        else:
+            self._draft_trees(fb, spec, reqs)
+        at = [spec.offsets[i] + 1 + t for i, d in enumerate(spec.drafts) for t in range(len(d))]
+        fb.input_ids[torch.tensor(at, dtype=torch.int64, device=dev)] = torch.tensor(
+            [t for d in spec.drafts for t in d], dtype=torch.int64, device=dev)
+
+    def _draft_chains(self, fb: "ForwardBatch", spec: "VerifyInput", reqs: list[int]) -> None:
+        """A batch of chains: step j drafts d[j + 1] from (d[j], the head's previous output) at position
+        L + j - 1 through the requests' own rows (column L + j - 1 holds node j - 1's slot); the drafts stay
+        on the device until all steps are queued."""
+        rows, prefix, pool = fb.req_pool_indices, fb.extend_prefix_lens_cpu, self.runner.req_to_token_pool
+        dev = rows.device
+        depth = [len(spec.drafts[i]) for i in reqs]
+        req_rows = rows[torch.tensor(reqs, dtype=torch.int64, device=dev)]
+        drafts = torch.zeros(len(reqs), max(depth), dtype=torch.int64, device=dev)
+        drafts[:, 0] = self.tokens[req_rows, 0]
+        out = self.hidden[req_rows]
+        for j in range(1, max(depth)):
+            sel = [n for n, d in enumerate(depth) if d > j]
+            idx = torch.tensor(sel, dtype=torch.int64, device=dev)
+            seq_lens = [prefix[reqs[n]] + j for n in sel]
+            lens = torch.tensor(seq_lens, device=dev)
+            step = self.runner.make_forward_batch(
+                ForwardMode.DECODE, input_ids=drafts[idx, j - 1], positions=lens - 1, req_pool_indices=req_rows[idx],
+                seq_lens=lens, out_cache_loc=pool.req_to_token[req_rows[idx], lens - 1], seq_lens_cpu=seq_lens,
+                req_to_token_pool=pool)
+            self.runner.attn_backend.init_forward_metadata(step)
+            step_out = self._head(step, step.input_ids, out[idx])
+            drafts[idx, j] = self._predict(step_out)[0][:, 0]
+            out[idx] = step_out
+        for i, n, tokens in zip(reqs, depth, drafts.tolist()):
+            spec.drafts[i][:] = tokens[:n]
+
+    def _draft_trees(self, fb: "ForwardBatch", spec: "VerifyInput", reqs: list[int]) -> None:
+        """A batch with trees, grown best-first (module docstring; a chain request of the batch: width 1),
+        the candidates read back to the host once per step."""
+        rows, prefix, offsets = fb.req_pool_indices, fb.extend_prefix_lens_cpu, spec.offsets
+        dev = rows.device
         width = {i: self.topk if spec.tree(i) is not None else 1 for i in reqs}
         depth = {i: spec.depth(i) for i in reqs}
         first = rows[torch.tensor(reqs, dtype=torch.int64, device=dev)]
         first_ids, first_lp = self.tokens[first].tolist(), self.logp[first].tolist()
         trees = {i: _Tree() for i in reqs}
-        leaves: list[tuple[int, int]] = []  # (request, node) expanded next, in lane order
+        leaves: list[tuple[int, int]] = []  # (request, node) to expand next, in lane order
         for n, i in enumerate(reqs):
             for b in range(width[i]):
                 leaves.append((i, trees[i].add(0, first_ids[n][b], first_lp[n][b])))
         features = self.hidden[rows[torch.tensor([i for i, _ in leaves], dtype=torch.int64, device=dev)]]
-        for j in range(1, max(depth.values())):  # the leaves at depth j, at position L + j - 1
-            lanes = [(i, node) for i, node in leaves if depth[i] > j]
-            keep = torch.tensor([k for k, (i, _) in enumerate(leaves) if depth[i] > j], dtype=torch.int64, device=dev)
-            features = features[keep]
-            scratch = {}  # the slot a lane's node writes the head's KV to: one of its request's verify slots
-            seen: dict[int, int] = {}
-            for i, node in lanes:
-                scratch[(i, node)] = offsets[i] + (j - 1) * width[i] + seen.get(i, 0)
-                seen[i] = seen.get(i, 0) + 1
-                trees[i].slot[node] = scratch[(i, node)]
-            table, lane_rows = self._lane_table(fb, spec, lanes, trees, j)
+        for j in range(1, max(depth.values())):  # expand the leaves at depth j, at position L + j - 1
+            keep = [k for k, (i, _) in enumerate(leaves) if depth[i] > j]
+            lanes = [leaves[k] for k in keep]
+            features = features[torch.tensor(keep, dtype=torch.int64, device=dev)]
+            rank: dict[int, int] = {}
+            for i, node in lanes:  # its head KV goes to a scratch slot: one of the request's verify slots
+                trees[i].slot[node] = offsets[i] + (j - 1) * width[i] + rank.get(i, 0)
+                rank[i] = rank.get(i, 0) + 1
+            table = self._lane_table(fb, lanes, trees, j)
+            lane_rows = torch.arange(len(lanes), device=dev)
             seq_lens = [prefix[i] + j for i, _ in lanes]
             lens = torch.tensor(seq_lens, device=dev)
             ids = torch.tensor([trees[i].token[node] for i, node in lanes], dtype=torch.int64, device=dev)
@@ -270,46 +308,37 @@ class HeadDrafter:
             child_ids, child_lp = self._predict(out, top, scores=top > 1)
             child_ids = child_ids.tolist()
             child_lp = child_lp.tolist() if child_lp is not None else [[0.0]] * len(lanes)
-            # each request's children; its `width` best (by cumulative log-probability) are the next leaves
-            by_req: dict[int, list[tuple[int, int]]] = {}
+            # each request's children join its candidates; its `width` best are the next leaves
+            children: dict[int, list[tuple[int, int]]] = {}
             for k, (i, node) in enumerate(lanes):
                 for b in range(width[i]):
                     child = trees[i].add(node, child_ids[k][b], trees[i].score[node] + child_lp[k][b])
-                    by_req.setdefault(i, []).append((child, k))
+                    children.setdefault(i, []).append((child, k))
             leaves, parent_lane = [], []
-            for i, children in by_req.items():
-                best = sorted(children, key=lambda c: -trees[i].score[c[0]])[:width[i]]  # stable: ties keep order
+            for i, kids in children.items():
+                best = sorted(kids, key=lambda c: -trees[i].score[c[0]])[:width[i]]  # stable: ties keep order
                 leaves += [(i, c) for c, _ in best]
                 parent_lane += [k for _, k in best]
             features = out[torch.tensor(parent_lane, dtype=torch.int64, device=dev)]
         pos_at, pos = [], []
         for i in reqs:
-            nodes = len(spec.drafts[i])
             if spec.tree(i) is None:
                 spec.drafts[i][:] = trees[i].chain()
                 continue
-            spec.drafts[i][:], spec.parents[i] = trees[i].best(nodes)
-            pos_at += [offsets[i] + j for j in range(1 + nodes)]
+            spec.drafts[i][:], spec.parents[i] = trees[i].best(len(spec.drafts[i]))
+            pos_at += [offsets[i] + j for j in range(len(spec.parents[i]))]
             pos += [prefix[i] + d for d in node_depths(spec.parents[i])]
         if pos_at:
             fb.positions[torch.tensor(pos_at, dtype=torch.int64, device=dev)] = torch.tensor(
                 pos, dtype=fb.positions.dtype, device=dev)
-        at = [offsets[i] + 1 + t for i, d in enumerate(spec.drafts) for t in range(len(d))]
-        fb.input_ids[torch.tensor(at, dtype=torch.int64, device=dev)] = torch.tensor(
-            [t for d in spec.drafts for t in d], dtype=torch.int64, device=dev)
 
-    def _lane_table(self, fb: "ForwardBatch", spec: "VerifyInput", lanes: list[tuple[int, int]],
-                    trees: dict[int, "_Tree"], j: int) -> tuple[ReqToTokenPool, torch.Tensor]:
-        """The req_to_token table draft step j reads and writes through, and each lane's row in it:
-        columns L .. L + j - 1 of a lane's row hold the slots its node's ancestors (depth 1 ..) and the
-        node itself (column L + j - 1, position L + j - 1) wrote the head's KV to. A batch of chains
-        uses the requests' own rows, whose columns L, L + 1 .. hold the verify step's slots (node 0, 1 ..:
-        step j's scratch slot is node j - 1's). Trees: a table of one row per lane."""
-        pool, rows = self.runner.req_to_token_pool, fb.req_pool_indices
+    def _lane_table(self, fb: "ForwardBatch", lanes: list[tuple[int, int]], trees: dict[int, "_Tree"],
+                    j: int) -> ReqToTokenPool:
+        """The req_to_token table tree draft step j reads and writes through, one row per lane: the
+        request's prefix, then in columns L .. L + j - 1 the slots its node's ancestors (depth 1 ..) and the
+        node itself (column L + j - 1, position L + j - 1) wrote the head's KV to."""
+        pool, rows, prefix = self.runner.req_to_token_pool, fb.req_pool_indices, fb.extend_prefix_lens_cpu
         req = torch.tensor([i for i, _ in lanes], dtype=torch.int64, device=rows.device)
-        if spec.parents is None:
-            return pool, rows[req]
-        prefix = fb.extend_prefix_lens_cpu
         width = max(prefix[i] + j for i, _ in lanes)
         table = ReqToTokenPool(len(lanes), width, pool.device)
         table.req_to_token.copy_(pool.req_to_token[rows[req], :width])
@@ -317,7 +346,7 @@ class HeadDrafter:
               for col, src in enumerate(trees[i].path_slots(node))]
         lane, col, src = (torch.tensor(x, dtype=torch.int64, device=rows.device) for x in zip(*at))
         table.req_to_token[lane, col] = fb.out_cache_loc[src]
-        return table, torch.arange(len(lanes), device=rows.device)
+        return table
 
     @torch.inference_mode()
     def after_verify(self, fb: "ForwardBatch", hidden: torch.Tensor, spec: "VerifyInput", out: "VerifyOutput") -> None:
