@@ -444,3 +444,30 @@ def test_eagle_with_decode_graphs_on_flashinfer(tiny_model_factory, tmp_path, ki
     info = spec_info(h)
     assert info["spec_verify_steps"] > 0 and info["spec_accepted_tokens"] > 0, info
     assert h.scheduler.check_memory_integrity()
+
+
+@pytest.mark.gpu
+def test_best_first_head_trees_on_flashinfer(tiny_model_factory, tmp_path):
+    """On CUDA, fp16, FlashInfer: a decoy head's best-first trees (topk 2; the head's scores on the GPU,
+    FlashInfer's custom mask over the drafter's tree, positions rewritten by the drafter) verified greedily
+    and sampled: greedy tokens are HF's by the fp16 criterion of test_gpu_paths (teacher-forced), runs are
+    accepted off the first chain, nothing leaks."""
+    from test_gpu_paths import GPU_MODEL, hf_consistency, need_gpu
+
+    need_gpu()
+    path = tiny_model_factory("llama", num_hidden_layers=4, **GPU_MODEL)
+    ps = prompts()[:4]
+    draft = make_eagle_draft(path, tmp_path / "decoy", "EAGLE",
+                             fit_on=[p + hf_greedy(path, p, 30, ignore_eos=True) for p in ps], decoy=0.6)
+    h = harness_for(path, "overlap", device="cuda", dtype="float16", max_total_tokens=4096,
+                    **{**tree("EAGLE", draft, 2), "attention_backend": "flashinfer"})
+    for i, p in enumerate(ps):
+        h.submit(str(i), p, max_new_tokens=30, ignore_eos=True)
+    h.submit("sampled", ps[0], max_new_tokens=30, ignore_eos=True, temperature=0.7, seed=3)
+    results = h.run_until_idle()
+    exact = sum(hf_consistency(path, p, results[str(i)].ids, tol=0.1) for i, p in enumerate(ps))
+    assert exact >= 0.9 * 30 * len(ps) and len(results["sampled"].ids) == 30
+    info = spec_info(h)
+    assert info["spec_tree_branch_accepts"] > 0 and info["spec_accept_length"] > 1.3, info
+    assert h.scheduler.check_memory_integrity()
+
