@@ -130,6 +130,19 @@ def _sampling_state(**params) -> ReqSamplingState:
     return ReqSamplingState(p, [1, 2], vocab_size=6, stop_ids_for_min_tokens=set(), device="cpu")
 
 
+def assert_distributed_as(p: torch.Tensor, samples: list[int], where: str, least: int = 300,
+                          limit: float = 30.0) -> None:
+    """Chi-square test that `samples` are draws from `p` [vocab]: no token outside its support, and the
+    statistic below `limit` (30: p < 1e-5 at this test's degrees of freedom)."""
+    assert len(samples) > least, f"{where}: too few samples ({len(samples)})"
+    counts = torch.bincount(torch.tensor(samples, dtype=torch.int64), minlength=p.numel()).double()
+    expected = p.double() * len(samples)
+    assert counts[expected == 0].sum() == 0, f"{where}: a token the target never draws"
+    live = expected > 0
+    chi2 = float(((counts[live] - expected[live]) ** 2 / expected[live]).sum())
+    assert chi2 < limit, f"{where}: chi2 {chi2:.1f} over {int(live.sum()) - 1} dof"
+
+
 @pytest.mark.parametrize("params", [dict(temperature=1.0), dict(temperature=0.7, top_k=3),
                                     dict(temperature=1.0, top_p=0.8)], ids=["t1", "topk", "topp"])
 def test_rejection_sampling_keeps_the_target_distribution(params):
@@ -147,18 +160,9 @@ def test_rejection_sampling_keeps_the_target_distribution(params):
     out = verify_drafts(logits.repeat(rows, 1), VerifyInput([draft] * rows), states, list(range(rows)),
                         return_logprob=False, top_logprobs_nums=[0] * rows)
 
-    def check(position: int, samples: list[int]) -> None:
-        assert len(samples) > 300, f"position {position}: too few samples"
-        counts = torch.bincount(torch.tensor(samples, dtype=torch.int64), minlength=6).double()
-        expected = p[position].double() * len(samples)
-        assert counts[expected == 0].sum() == 0, f"position {position}: a token the target never draws"
-        live = expected > 0
-        chi2 = float(((counts[live] - expected[live]) ** 2 / expected[live]).sum())
-        assert chi2 < 30.0, f"position {position}: chi2 {chi2:.1f} over {int(live.sum()) - 1} dof"  # p < 1e-5
-
-    check(0, [t[0] for t in out.tokens])
-    check(1, [t[1] for t in out.tokens if t[0] == draft[0]])
-    check(2, [t[2] for t in out.tokens if t[:2] == draft])
+    assert_distributed_as(p[0], [t[0] for t in out.tokens], "position 0")
+    assert_distributed_as(p[1], [t[1] for t in out.tokens if t[0] == draft[0]], "position 1")
+    assert_distributed_as(p[2], [t[2] for t in out.tokens if t[:2] == draft], "position 2")
     assert all(t[-1] != draft[len(t) - 1] for t in out.tokens if len(t) < 3), "a rejection never emits the draft"
 
 

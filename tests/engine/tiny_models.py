@@ -302,17 +302,21 @@ class EagleReference(torch.nn.Module):
         by step over (its draft, its own output at the previous position)."""
         return self.branches(tokens, steps, 1)[0]
 
-    @torch.no_grad()
-    def branches(self, tokens: list[int], steps: int, topk: int) -> list[list[int]]:
-        """The tree the engine drafts with --speculative-eagle-topk `topk`: for each of the head's `topk`
-        best first drafts (best first), the chain that goes on from it greedily."""
-        target = self._target[0]
-        out = target.model(input_ids=torch.tensor([tokens[:-1]]), output_hidden_states=True)
+    def _prompt_states(self, tokens: list[int]) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """The head's inputs over the prompt (the target's states at positions 0 .. n - 2; EAGLE-3: after
+        its fc) and its output at the last position, whose predictions are the first drafts."""
+        out = self._target[0].model(input_ids=torch.tensor([tokens[:-1]]), output_hidden_states=True)
         if self.kind == "EAGLE":
             states = list(out.last_hidden_state[0])
         else:
             states = list(self.fc(torch.cat([out.hidden_states[i][0] for i in self.aux_layers], dim=-1)))
-        first = self._run(torch.tensor([tokens[1:]]), torch.stack(states)[None])[0, -1]
+        return states, self._run(torch.tensor([tokens[1:]]), torch.stack(states)[None])[0, -1]
+
+    @torch.no_grad()
+    def branches(self, tokens: list[int], steps: int, topk: int) -> list[list[int]]:
+        """The tree the engine drafts with --speculative-eagle-topk `topk`: for each of the head's `topk`
+        best first drafts (best first), the chain that goes on from it greedily."""
+        states, first = self._prompt_states(tokens)
         trees = []
         for token in self._draft_ids(first, topk):
             inputs, drafts, outs = list(tokens[1:]) + [token], [token], states + [first]
@@ -334,13 +338,7 @@ class EagleReference(torch.nn.Module):
         candidates (ties: the shallower, then the first drafted). Returns (parents, drafts) packed by
         depth, then score. `ranked_first`: the first drafts scored 0, -1, .. by rank (a PD-transferred
         request's first step: the metadata slot carries no scores)."""
-        target = self._target[0]
-        out = target.model(input_ids=torch.tensor([tokens[:-1]]), output_hidden_states=True)
-        if self.kind == "EAGLE":
-            states = list(out.last_hidden_state[0])
-        else:
-            states = list(self.fc(torch.cat([out.hidden_states[i][0] for i in self.aux_layers], dim=-1)))
-        first = self._run(torch.tensor([tokens[1:]]), torch.stack(states)[None])[0, -1]
+        states, first = self._prompt_states(tokens)
         ids, lps = self._scored(first, topk)
         if ranked_first:
             lps = [-float(b) for b in range(topk)]
