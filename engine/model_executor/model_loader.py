@@ -100,13 +100,14 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def load_model(model_path: str, dtype: str = "auto", device: str = "cpu", tp: TpGroup = TpGroup(),
-               mtp: bool = False, draft_model_path: Optional[str] = None,
-               token_map: Optional[str] = None) -> tuple[nn.Module, "PretrainedConfig", torch.dtype]:
+               mtp: bool = False, draft_model_path: Optional[str] = None, token_map: Optional[str] = None,
+               draft_algorithm: Optional[str] = None) -> tuple[nn.Module, "PretrainedConfig", torch.dtype]:
     """Returns (model in eval mode on `device`, its HF config, the dtype it was built in). With a
     TP group of several ranks the model is this rank's shard. `mtp`: with the checkpoint's
     multi-token-prediction head (--speculative-algorithm NEXTN; models/qwen3_next.py).
     `draft_model_path`: an EAGLE draft checkpoint (--speculative-algorithm EAGLE / EAGLE3), built as
-    the model's `draft_head` (models/eagle.py); `token_map`: its LM head cut to those tokens."""
+    the model's `draft_head` (models/eagle.py), refused unless it is a `draft_algorithm` draft (when
+    given); `token_map`: its LM head cut to those tokens."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_path)
@@ -127,7 +128,7 @@ def load_model(model_path: str, dtype: str = "auto", device: str = "cpu", tp: Tp
     if draft_model_path is not None:
         text = getattr(config, "text_config", None) or config
         with _default_dtype(torch_dtype), torch.device(device):
-            head = load_draft_head(draft_model_path, text, model.num_kv_layers, tp)
+            head = load_draft_head(draft_model_path, text, model.num_kv_layers, tp, draft_algorithm)
             if token_map is not None:
                 from baton.engine.models.eagle import HotVocabHead, load_token_map
 
@@ -142,14 +143,21 @@ def load_model(model_path: str, dtype: str = "auto", device: str = "cpu", tp: Tp
     return model, config, torch_dtype
 
 
-def load_draft_head(path: str, target_config: "PretrainedConfig", first_kv_layer: int, tp: TpGroup) -> nn.Module:
+def load_draft_head(path: str, target_config: "PretrainedConfig", first_kv_layer: int, tp: TpGroup,
+                    algorithm: Optional[str] = None) -> nn.Module:
     """An EAGLE draft checkpoint (config.json and safetensors, or the pytorch_model.bin most published
-    EAGLE drafts come as) as a head over the target (models/eagle.py)."""
+    EAGLE drafts come as) as a head over the target (models/eagle.py); with `algorithm`, refused (before
+    its weights load) when the checkpoint is the other kind."""
     from transformers import AutoConfig
 
-    from baton.engine.models.eagle import build_eagle_head, strip_prefix
+    from baton.engine.models.eagle import EAGLE_ARCHITECTURES, build_eagle_head, strip_prefix
 
     config = AutoConfig.from_pretrained(path)
+    arch = (getattr(config, "architectures", None) or ["?"])[0]
+    kind = EAGLE_ARCHITECTURES.get(arch)
+    if algorithm is not None and kind is not None and kind != algorithm:
+        raise ValueError(f"--speculative-algorithm {algorithm}: {path} is an {kind} draft ({arch}); pass "
+                         f"--speculative-algorithm {kind}")
     files = glob.glob(os.path.join(path, "*.safetensors"))
     if files:
         weights = dict(iterate_safetensors(safetensors_files(path)))

@@ -116,7 +116,7 @@ class ModelRunner:
             server_args.model_path, server_args.dtype, self.device, self.tp, mtp=algorithm == "NEXTN",
             draft_model_path=(server_args.speculative_draft_model_path
                               if algorithm in DRAFT_CHECKPOINT_ALGORITHMS else None),
-            token_map=server_args.speculative_token_map)
+            token_map=server_args.speculative_token_map, draft_algorithm=algorithm)
         # the head that drafts beside the model's passes (speculative/head_drafter.py): NEXTN's MTP head,
         # part of the model, or an EAGLE draft checkpoint's, whose KV layers come after the model's
         self.draft_head = getattr(self.model, "mtp" if algorithm == "NEXTN" else "draft_head", None)

@@ -294,6 +294,9 @@ def test_eagle_flags_and_what_is_refused(target, drafts, tiny_model_factory, tmp
     other = tiny_model_factory("llama", num_key_value_heads=4)
     with pytest.raises(ValueError, match="must be the target's"):
         harness_for(other, "plain", max_total_tokens=1024, **eagle("EAGLE", drafts("EAGLE")))
+    # the other kind of draft than the algorithm names (EAGLE-3 reads layer states EAGLE does not capture)
+    with pytest.raises(ValueError, match="is an EAGLE3 draft .*pass --speculative-algorithm EAGLE3"):
+        harness_for(target, "plain", max_total_tokens=1024, **eagle("EAGLE", drafts("EAGLE3")))
     # a checkpoint that is no EAGLE draft
     with pytest.raises(ValueError, match="is not an EAGLE draft"):
         harness_for(target, "plain", max_total_tokens=1024, **eagle("EAGLE", target))
