@@ -179,6 +179,10 @@ class ServerArgs:
     # NGRAM tree drafts (SGLang's flag): up to this many continuations of the matched suffix per draft,
     # merged into a tree of at most num_draft_tokens - 1 nodes; 1 drafts a chain
     speculative_ngram_max_bfs_breadth: int = 1
+    # NGRAM (SGLang's flag): tokens of recently finished requests (prompt and output) whose n-grams other
+    # requests draft from where their own tokens hold no match (speculative/ngram.py SharedNgrams);
+    # 0: each request drafts from its own tokens only
+    speculative_ngram_capacity: int = 0
     # speculation backs off under load: decode steps of this many running requests or more are plain
     # ones (at large batches a step is compute-bound and verifying drafts only costs). PD: the decode
     # engine speculates once the KV has arrived; a prefill engine, which never decodes, ignores it
@@ -309,6 +313,8 @@ class ServerArgs:
             raise ValueError("--speculative-num-draft-tokens must be >= 2 (the last token and at least one draft)")
         if self.speculative_disable_by_batch_size < 1:
             raise ValueError("--speculative-disable-by-batch-size must be >= 1")
+        if self.speculative_ngram_capacity < 0:
+            raise ValueError("--speculative-ngram-capacity must be >= 0 (0: each request's own tokens only)")
         if self.speculative_ngram_max_bfs_breadth < 1:
             raise ValueError("--speculative-ngram-max-bfs-breadth must be >= 1 (1: chains)")
 
@@ -498,6 +504,9 @@ class ServerArgs:
         a("--speculative-ngram-max-match-window-size", type=int,
           default=ServerArgs.speculative_ngram_max_match_window_size,
           help="NGRAM: the longest suffix looked up (the longest match found wins)")
+        a("--speculative-ngram-capacity", type=int, default=ServerArgs.speculative_ngram_capacity, metavar="TOKENS",
+          help="NGRAM: keep this many tokens of recently finished requests (their prompts and outputs), whose "
+               "n-grams a request drafts from where its own tokens hold no match (default 0: its own only)")
         a("--speculative-ngram-max-bfs-breadth", type=int, default=ServerArgs.speculative_ngram_max_bfs_breadth,
           help="NGRAM: continuations per draft, from different earlier occurrences of the matched suffix, "
                "merged into a tree verified in one pass under a tree mask (default 1: a chain; a hybrid model "

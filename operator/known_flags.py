@@ -18,11 +18,11 @@ ENGINE_FLAGS = (
     "mem-fraction-static", "model-path", "nccl-port", "page-size", "port", "priority-preemption-threshold",
     "random-seed", "reasoning-parser", "schedule-conservativeness", "schedule-policy", "served-model-name",
     "small-batch-gemv-rows", "speculative-algorithm", "speculative-disable-by-batch-size",
-    "speculative-draft-model-path", "speculative-eagle-topk", "speculative-ngram-max-bfs-breadth",
-    "speculative-ngram-max-match-window-size", "speculative-ngram-min-match-window-size",
-    "speculative-num-draft-tokens", "speculative-num-steps", "speculative-token-map", "stream-interval",
-    "tokenizer-path", "tool-call-parser", "torch-compile-max-bs", "tp-cpu-allreduce", "tp-size",
-    "watchdog-timeout",
+    "speculative-draft-model-path", "speculative-eagle-topk", "speculative-ngram-capacity",
+    "speculative-ngram-max-bfs-breadth", "speculative-ngram-max-match-window-size",
+    "speculative-ngram-min-match-window-size", "speculative-num-draft-tokens", "speculative-num-steps",
+    "speculative-token-map", "stream-interval", "tokenizer-path", "tool-call-parser", "torch-compile-max-bs",
+    "tp-cpu-allreduce", "tp-size", "watchdog-timeout",
 )
 
 ROUTER_FLAGS = (

@@ -36,6 +36,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=7, help="the prompts' seed (edit_workload)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--repeat", type=int, default=1, help="ask each prompt this many times (one after another)")
     ap.add_argument("--tree", default=str(ROOT), help="the checkout whose engine runs (default: this one)")
     args = ap.parse_args()
 
@@ -51,6 +52,7 @@ def main() -> None:
     model = os.path.abspath(args.model)
     tok = AutoTokenizer.from_pretrained(model)
     prompts = [ids for _, ids in build_edit_prompts(tok, args.prompts, args.input_len, seed=args.seed)]
+    prompts = [p for p in prompts for _ in range(args.repeat)]
     sampling = {} if args.temperature == 0 else {"temperature": args.temperature}
     first = None
     for spec in args.variant:
@@ -61,7 +63,7 @@ def main() -> None:
         start, outs = time.perf_counter(), []
         for i, p in enumerate(prompts):
             h.submit(str(i), p, max_new_tokens=args.tokens, ignore_eos=True, **sampling,
-                     **({"seed": 100 + i} if sampling else {}))
+                     **({"seed": 100 + i // args.repeat} if sampling else {}))
             outs.append(h.run_until_idle()[str(i)].ids)
         took = time.perf_counter() - start
         info = h.scheduler.get_server_info()

@@ -123,6 +123,7 @@ class OutputProcessor:
         if getattr(req, "_finish_handled", False):
             return
         req._finish_handled = True
+        self.spec.on_finished(req)
         self.pd.release(req)
         if req.req_pool_idx is not None:
             self.releaser.release(req)

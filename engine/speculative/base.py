@@ -57,5 +57,8 @@ class NoSpeculation:
         """A verify step's result (scheduler.LaunchedBatch, tp_worker.GenerationBatchResult)."""
         raise AssertionError("no verify step runs without speculation")
 
+    def on_finished(self, req: "Req") -> None:
+        """A request finished (once, whatever ended it)."""
+
     def server_info(self) -> dict:
         return {"speculative_algorithm": None}

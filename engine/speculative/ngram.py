@@ -32,6 +32,7 @@ the chain drafted above:
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Iterator, Optional
 
 
@@ -88,6 +89,10 @@ class NgramIndex:
         start = next(self._starts(), None)
         return [] if start is None else self.tokens[start:start + num_tokens]
 
+    def start_of(self, gram: tuple[int, ...]) -> Optional[int]:
+        """Where the latest continuation of `gram` (min_window .. max_window tokens) starts, if any."""
+        return self.tables[len(gram)].get(gram)
+
     def _starts(self) -> Iterator[int]:
         """Where the continuations worth drafting start, best first: the latest of the longest match."""
         tokens, n = self.tokens, len(self.tokens)
@@ -115,6 +120,10 @@ class NgramTreeIndex(NgramIndex):
         else:  # the same next token as an older occurrence: the newer one stands for both
             tokens = self.tokens
             table[gram] = [start] + [q for q in starts if tokens[q] != token][:self.breadth - 1]
+
+    def start_of(self, gram: tuple[int, ...]) -> Optional[int]:
+        starts = self.tables[len(gram)].get(gram)
+        return starts[0] if starts else None
 
     def _starts(self) -> Iterator[int]:
         """The longest matching window's occurrences, latest first, then each shorter window's others
@@ -152,3 +161,48 @@ class NgramTreeIndex(NgramIndex):
             if merged == self.breadth or len(draft) == max_nodes:
                 break
         return draft, parents if branched else None
+
+
+class SharedNgrams:
+    """The indexes of recently finished requests (their prompts and outputs), newest first, up to
+    `capacity` tokens in all (the oldest go first): where a request's own tokens hold no match, its
+    draft is what followed the longest match in another request's text, the newest such (SGLang's NGRAM
+    drafts from a cache of recent requests' tokens; --speculative-ngram-capacity). The same question
+    asked again, a template or a JSON shape other requests filled in: the answer is often in
+    another request's text. Only requests that drafted join (their index is built already); the newest
+    request's match wins within a window size, the longest window first."""
+
+    def __init__(self, capacity: int) -> None:
+        assert capacity > 0
+        self.capacity = capacity
+        self.indexes: OrderedDict[int, NgramIndex] = OrderedDict()  # oldest first
+        self.tokens = 0
+        self.hits = 0  # drafts taken from here
+
+    def add(self, index: NgramIndex) -> None:
+        """A finished request's index, with every token of its prompt and output."""
+        if not 0 < len(index) <= self.capacity:
+            return
+        self.indexes[id(index)] = index
+        self.tokens += len(index)
+        while self.tokens > self.capacity:
+            _, old = self.indexes.popitem(last=False)
+            self.tokens -= len(old)
+
+    def propose(self, tokens: list[int], num_tokens: int, min_window: int, max_window: int) -> list[int]:
+        """Up to `num_tokens` tokens that followed the longest suffix of `tokens` (min_window ..
+        max_window long) in a stored request's text, the newest request's first ([] without a match)."""
+        if num_tokens <= 0:
+            return []
+        newest_first = list(reversed(self.indexes.values()))
+        for w in range(min(max_window, len(tokens)), min_window - 1, -1):
+            gram = tuple(tokens[len(tokens) - w:])
+            for index in newest_first:
+                if w < index.min_window or w > index.max_window:
+                    continue
+                start = index.start_of(gram)
+                if start is not None:
+                    self.hits += 1
+                    return index.tokens[start:start + num_tokens]
+        return []
+

@@ -1,5 +1,6 @@
 """NGRAM speculation (SGLang's --speculative-algorithm NGRAM): drafts from each request's own tokens
-(ngram.py), verified by the target model in one extend per step; no draft model. When a step verifies
+(ngram.py), and with --speculative-ngram-capacity from recently finished requests' text where its own
+hold no match (SharedNgrams), verified by the target model in one extend per step; no draft model. When a step verifies
 and what its result does: verifying.py.
 
 --speculative-ngram-max-bfs-breadth b > 1 drafts trees of up to b continuations (NgramTreeIndex;
@@ -11,7 +12,7 @@ import logging
 from typing import TYPE_CHECKING, Optional
 
 from baton.engine.speculative.base import SpecView
-from baton.engine.speculative.ngram import NgramIndex, NgramTreeIndex
+from baton.engine.speculative.ngram import NgramIndex, NgramTreeIndex, SharedNgrams
 from baton.engine.speculative.verifying import VerifyingSpeculator
 
 if TYPE_CHECKING:
@@ -34,10 +35,13 @@ class NgramSpeculator(VerifyingSpeculator):
             logger.warning("--speculative-ngram-max-bfs-breadth %d: this model keeps a recurrent state, which "
                            "follows one chain of draft tokens per request; drafting chains", self.breadth)
             self.breadth = 1
+        # other requests' text to draft from (--speculative-ngram-capacity); None: each request's own
+        self.shared = SharedNgrams(args.speculative_ngram_capacity) if args.speculative_ngram_capacity else None
         logger.info("speculative decoding: NGRAM, %d tokens per verify, match window %d..%d, %s, while fewer than "
-                    "%d requests run", self.num_draft_tokens, self.min_window, self.max_window,
+                    "%d requests run%s", self.num_draft_tokens, self.min_window, self.max_window,
                     "chains" if self.breadth == 1 else f"trees of up to {self.breadth} continuations",
-                    self.disable_by_batch_size)
+                    self.disable_by_batch_size, "" if self.shared is None else
+                    f"; drafts from up to {self.shared.capacity} tokens of recent requests too")
 
     def wants_verify(self, batch: "ScheduleBatch") -> bool:
         """Once per decode step: an eligible batch with a request due to look for a draft (a request
@@ -64,18 +68,34 @@ class NgramSpeculator(VerifyingSpeculator):
         room = min(index.draft_len, self.room(req))
         if room <= 0:
             return [], None
+        self._catch_up(req, index)
+        draft, parents = (index.propose(room), None) if self.breadth == 1 else \
+            index.propose_tree(self.num_draft_tokens - 1, room)
+        if not draft and self.shared is not None:  # nothing in its own tokens: other requests' text
+            draft = self.shared.propose(index.tokens, room, self.min_window, self.max_window)
+        index.on_lookup(bool(draft))
+        return draft, parents
+
+    @staticmethod
+    def _catch_up(req: "Req", index: NgramIndex) -> None:
+        """Index what the request's prompt and output gained since its last lookup."""
         prompt, seen = req.origin_input_ids, len(index)
         if seen < len(prompt):
             index.extend(prompt[seen:])
             seen = len(prompt)
         index.extend(req.output_ids[seen - len(prompt):])
-        draft, parents = (index.propose(room), None) if self.breadth == 1 else \
-            index.propose_tree(self.num_draft_tokens - 1, room)
-        index.on_lookup(bool(draft))
-        return draft, parents
+
+    def on_finished(self, req: "Req") -> None:
+        """A request that drafted lends its text to the others (--speculative-ngram-capacity)."""
+        if self.shared is not None and req.spec_index is not None:
+            self._catch_up(req, req.spec_index)
+            self.shared.add(req.spec_index)
 
     def on_verified(self, req: "Req", drafted: int, accepted: int) -> None:
         req.spec_index.on_verified(drafted, accepted)
 
     def server_info(self) -> dict:
-        return {**super().server_info(), "speculative_ngram_max_bfs_breadth": self.breadth}
+        info = {**super().server_info(), "speculative_ngram_max_bfs_breadth": self.breadth}
+        if self.shared is not None:
+            info.update(spec_ngram_shared_tokens=self.shared.tokens, spec_ngram_shared_drafts=self.shared.hits)
+        return info

@@ -15,7 +15,7 @@ from baton.engine.io_struct import AbortReq
 from baton.engine.sampling.sampling_batch_info import ReqSamplingState
 from baton.engine.sampling.sampling_params import SamplingParams
 from baton.engine.server_args import ServerArgs
-from baton.engine.speculative.ngram import NgramIndex
+from baton.engine.speculative.ngram import NgramIndex, NgramTreeIndex, SharedNgrams
 from baton.engine.speculative.spec_info import VerifyInput
 from baton.engine.speculative.verify import accept_greedy, target_probs, verify_drafts
 from scheduler_harness import SchedulerHarness
@@ -115,6 +115,47 @@ def test_ngram_index_proposes_what_followed_the_longest_match():
     lonely = NgramIndex(min_window=2, max_window=4, max_draft=4)
     lonely.extend([1, 2, 3, 4, 5, 3])
     assert lonely.propose(4) == [], "a one-token match is below the minimum window"
+
+
+def test_shared_ngrams_draft_from_the_newest_longest_match_within_capacity():
+    """Other requests' text: the longest window first, within it the newest request; the oldest
+    requests leave once the tokens exceed the capacity; a request longer than it never joins."""
+    def index(tokens: list[int], tree: bool = False) -> NgramIndex:
+        made = NgramTreeIndex(2, 4, 8, breadth=2) if tree else NgramIndex(2, 4, 8)
+        made.extend(tokens)
+        return made
+
+    shared = SharedNgrams(capacity=20)
+    shared.add(index([1, 2, 3, 4, 5, 6]))
+    shared.add(index([7, 2, 3, 9, 9, 9], tree=True))
+    assert shared.propose([0, 2, 3], 2, 2, 4) == [9, 9], "the newer request's match of window 2"
+    assert shared.propose([1, 2, 3], 2, 2, 4) == [4, 5], "window 3 beats the newer request's window 2"
+    assert shared.propose([5, 3], 2, 2, 4) == [] and shared.propose([2, 3], 0, 2, 4) == []
+    shared.add(index(list(range(100, 110))))  # 22 tokens > 20: the oldest leaves
+    assert shared.tokens == 16 and shared.propose([1, 2, 3], 2, 2, 4) == [9, 9]
+    shared.add(index(list(range(200, 221))))  # longer than the capacity: not kept
+    assert shared.tokens == 16 and shared.hits == 3
+
+
+def test_a_request_drafts_from_a_finished_requests_text(tiny_model_factory):
+    """--speculative-ngram-capacity: the same prompt asked again drafts the earlier answer from its
+    first decode step (the random model's own text rarely repeats, so without sharing its drafts are
+    few and short); greedy output is HF's both times and nothing leaks. Off, nothing is shared."""
+    path = tiny_model_factory("llama")
+    prompt = workload()[1]
+    want = hf_greedy(path, prompt, MAX_NEW, ignore_eos=True)
+    infos = {}
+    for capacity in (0, 4096):
+        h = harness_for(path, "plain", max_total_tokens=4096, **SPEC, speculative_ngram_capacity=capacity)
+        for rid in ("first", "again"):
+            h.submit(rid, prompt, max_new_tokens=MAX_NEW, ignore_eos=True)
+            assert h.run_until_idle()[rid].ids == want, (capacity, rid)
+        infos[capacity] = spec_info(h)
+        assert infos[capacity]["integrity_ok"] is True
+    assert "spec_ngram_shared_drafts" not in infos[0]
+    shared = infos[4096]
+    assert shared["spec_ngram_shared_drafts"] > 0 and shared["spec_ngram_shared_tokens"] == 2 * (len(prompt) + MAX_NEW)
+    assert shared["spec_accepted_tokens"] >= infos[0]["spec_accepted_tokens"] + MAX_NEW // 2, infos
 
 
 def test_greedy_acceptance_keeps_the_longest_agreeing_prefix_and_the_targets_token():
