@@ -7,7 +7,8 @@
 
 Each variant is a scheduler (the tests' SchedulerHarness, float32 by default) over the same code-edit
 prompts (engine/bench/edit_workload.py); the script prints per variant the accept length (tokens a
-request emits per verify step), verify steps, runs accepted off a tree's first chain, and whether its
+request emits per verify step), decode steps in all (plain and verify: what the time follows), verify
+steps, runs accepted off a tree's first chain, and whether its
 tokens equal the first variant's (greedy; with --temperature, seeded per prompt). `--tree DIR` runs
 another checkout's engine (a git worktree) for before/after figures. Accept lengths are deterministic;
 the tok/s it prints is for orientation only (one process, no warm-up).
@@ -68,7 +69,11 @@ def main() -> None:
         took = time.perf_counter() - start
         info = h.scheduler.get_server_info()
         first = outs if first is None else first
-        print(f"{name}: accept length {info['spec_accept_length']:.3f}, verify steps {info['spec_verify_steps']}, "
+        # one request at a time: every token but each request's first (its prefill's) came from a decode
+        # step, plain (one token) or verify (accept length tokens)
+        verify, accept = info.get("spec_verify_steps", 0), info.get("spec_accept_length", 0.0)
+        steps = verify + len(prompts) * (args.tokens - 1) - round(verify * accept)
+        print(f"{name}: decode steps {steps}, accept length {accept:.3f}, verify steps {verify}, "
               f"runs off the first chain {info.get('spec_tree_branch_accepts', 0)}, tokens equal to "
               f"{args.variant[0].partition(':')[0]}'s: {outs == first} ({len(prompts) * args.tokens / took:.1f} tok/s)",
               flush=True)
