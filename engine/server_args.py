@@ -335,8 +335,9 @@ class ServerArgs:
                              "--speculative-eagle-topk 1")
         most = 1 + topk + (steps - 1) * topk * topk  # the root and every candidate a best-first tree drafts
         if not steps + 1 <= tokens <= most:
-            raise ValueError(f"--speculative-num-draft-tokens must be between --speculative-num-steps + 1 ({steps + 1}) "
-                             f"and 1 + topk + (steps - 1) x topk^2 ({most}, every candidate the tree drafts)")
+            raise ValueError(f"--speculative-num-draft-tokens must be between --speculative-num-steps + 1 "
+                             f"({steps + 1}) and 1 + topk + (steps - 1) x topk^2 ({most}, every candidate the tree "
+                             "drafts)")
         for name, value in (("speculative_num_steps", steps), ("speculative_eagle_topk", topk),
                             ("speculative_num_draft_tokens", tokens)):
             object.__setattr__(self, name, value)  # frozen

@@ -44,8 +44,8 @@ class HeadSpeculator(VerifyingSpeculator):
             self.topk = 1
         logger.info("speculative decoding: %s (%s), %s of %d drafts, while fewer than %d requests run",
                     self.algorithm, _WHAT[self.algorithm], "chains" if self.topk == 1 else
-                    f"best-first trees ({self.topk} candidates per step, {self.num_draft_tokens - 1} nodes)", self.num_steps,
-                    self.disable_by_batch_size)
+                    f"best-first trees ({self.topk} candidates per step, {self.num_draft_tokens - 1} nodes)",
+                    self.num_steps, self.disable_by_batch_size)
 
     def prepare_verify(self, batch: "ScheduleBatch") -> bool:
         self._primes: list = []  # per request of the batch, in order: the prime its first step puts in its row

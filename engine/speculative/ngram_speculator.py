@@ -1,7 +1,7 @@
 """NGRAM speculation (SGLang's --speculative-algorithm NGRAM): drafts from each request's own tokens
 (ngram.py), and with --speculative-ngram-capacity from recently finished requests' text where its own
-hold no match (SharedNgrams), verified by the target model in one extend per step; no draft model. When a step verifies
-and what its result does: verifying.py.
+hold no match (SharedNgrams), verified by the target model in one extend per step; no draft model.
+When a step verifies and what its result does: verifying.py.
 
 --speculative-ngram-max-bfs-breadth b > 1 drafts trees of up to b continuations (NgramTreeIndex;
 both attention backends mask them, any TP size runs them). A hybrid model drafts chains whatever
