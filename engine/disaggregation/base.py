@@ -245,8 +245,9 @@ class MetadataBuffers:
     Draft part: column 8 how many first-draft candidates follow (0: none) | 9..16 the head's candidates
     for the request's first draft, its argmax first (--speculative-eagle-topk of them, at most
     PRIME_CANDIDATES: the width never depends on flags, so two sides whose flags differ still agree on
-    it) | then the head's output at the prompt's last position (the next draft step's input), as raw
-    bytes of the model's dtype. Every prefill TP
+    it) | 17..24 their log-probabilities under the head (float64 bits: a best-first tree's scores) |
+    then the head's output at the prompt's last position (the next draft step's input), as raw bytes of
+    the model's dtype. Every prefill TP
     rank writes the base; only rank 0 writes the draft part (the metadata's JSON hop to the other ranks
     carries the base only), which the decode's rank 0, the one that reads the slot, gets from it.
     Slots are handed out by alloc()/free(); the decode side passes its slot to the prefill.
@@ -265,7 +266,7 @@ class MetadataBuffers:
     @staticmethod
     def draft_bytes_for(hidden_size: int, dtype: torch.dtype) -> int:
         """The draft part for a head whose outputs are `hidden_size` values of `dtype`."""
-        return 8 * (1 + MetadataBuffers.PRIME_CANDIDATES) + -(-hidden_size * dtype.itemsize // 8) * 8
+        return 8 * (1 + 2 * MetadataBuffers.PRIME_CANDIDATES) + -(-hidden_size * dtype.itemsize // 8) * 8
 
     @property
     def data_ptr(self) -> int:
@@ -299,26 +300,31 @@ class MetadataBuffers:
         row = self.buffer[slot]
         return KVMetadata(int(row[0]), float(row[2:3].view(torch.float64)[0]), int(row[1]))
 
-    def set_draft(self, slot: int, candidates: tuple[int, ...], hidden: torch.Tensor) -> None:
-        """The head's candidates for the request's next first draft (argmax first) and its output there."""
-        n = min(len(candidates), self.PRIME_CANDIDATES)
+    def set_draft(self, slot: int, candidates: tuple[int, ...], hidden: torch.Tensor,
+                  logps: tuple[float, ...]) -> None:
+        """The head's candidates for the request's next first draft (argmax first), their
+        log-probabilities and its output there."""
+        n, width = min(len(candidates), self.PRIME_CANDIDATES), self.PRIME_CANDIDATES
         part = self.buffer[slot, self.COLUMNS:]
         part[0] = n
         part[1:1 + n] = torch.tensor(candidates[:n], dtype=torch.int64)
+        part[1 + width:1 + width + n].view(torch.float64)[:] = torch.tensor(logps[:n], dtype=torch.float64)
         raw = hidden.detach().to("cpu").contiguous().view(torch.uint8)
-        part[1 + self.PRIME_CANDIDATES:].view(torch.uint8)[:raw.numel()] = raw
+        part[1 + 2 * width:].view(torch.uint8)[:raw.numel()] = raw
 
     def get_draft(self, slot: int, hidden_size: int,
-                  dtype: torch.dtype) -> Optional[tuple[tuple[int, ...], torch.Tensor]]:
-        """(first-draft candidates, the head's output) where the prefill's rank 0 wrote them, else None."""
+                  dtype: torch.dtype) -> Optional[tuple[tuple[int, ...], torch.Tensor, tuple[float, ...]]]:
+        """(first-draft candidates, the head's output, the candidates' log-probabilities) where the
+        prefill's rank 0 wrote them, else None."""
         if not self.draft_bytes:
             return None
-        part = self.buffer[slot, self.COLUMNS:]
+        part, width = self.buffer[slot, self.COLUMNS:], self.PRIME_CANDIDATES
         n = int(part[0])
         if n == 0:
             return None
-        raw = part[1 + self.PRIME_CANDIDATES:].view(torch.uint8)[:hidden_size * dtype.itemsize]
-        return tuple(part[1:1 + n].tolist()), raw.view(dtype).clone()
+        raw = part[1 + 2 * width:].view(torch.uint8)[:hidden_size * dtype.itemsize]
+        logps = tuple(part[1 + width:1 + width + n].view(torch.float64).tolist())
+        return tuple(part[1:1 + n].tolist()), raw.view(dtype).clone(), logps
 
 
 def as_pages(pages: PageList) -> np.ndarray:

@@ -79,8 +79,8 @@ class Req:
     spec_index: Any = None
     # NEXTN / EAGLE: whether the draft head's row holds a first draft for the request
     # (speculative/head_speculator.py): False for a PD decode's transferred request until its first
-    # step, unless the prefill sent its head's (`spec_prime`: first draft and head output,
-    # HeadDrafter.prime_from), which its first step puts in the row
+    # step, unless the prefill sent its head's (`spec_prime`: first-draft candidates, head output and
+    # the candidates' log-probabilities, HeadDrafter.prime_from), which its first step puts in the row
     spec_primed: bool = True
     spec_prime: Any = None
 

@@ -18,8 +18,9 @@ driver's), repeat. A follower thus needs nothing of the scheduler but what the f
                        | track rows | offsets | slots               mem_cache/state_pool.StateOps)
                        | parents                                    (a verify step with tree drafts: every
                                                                     request's, a chain's as [-1, 0, 1, ..])
-                       [| prime batch indices | prime candidates]   (a verify step's VerifyInput.primes,
-                                                                    topk each, -1 padded; their head
+                       [| prime batch indices | prime candidates    (a verify step's VerifyInput.primes,
+                        | their log-probabilities]                  topk each, -1 / 0 padded, the log-
+                                                                    probabilities as float64 bits; their head
                                                                     outputs follow, broadcast in the
                                                                     model's dtype)
 
@@ -97,8 +98,9 @@ class Step(NamedTuple):
     state_ops: Optional[StateOps] = None  # a hybrid model's state copies and checkpoints this pass
     verify: bool = False  # a speculative verify step: the LM head runs over every row
     next_prompt_ids: Optional[list[int]] = None  # EXTEND with a draft head (ModelWorkerBatch.next_prompt_ids)
-    # a verify step's first drafts and head outputs a PD prefill sent (VerifyInput.primes)
-    primes: Optional[dict[int, tuple[tuple[int, ...], torch.Tensor]]] = None
+    # a verify step's first drafts, head outputs and the drafts' log-probabilities a PD prefill sent
+    # (VerifyInput.primes)
+    primes: Optional[dict[int, tuple[tuple[int, ...], torch.Tensor, tuple[float, ...]]]] = None
     # a verify step with tree drafts: every request's parents (a chain's given as [-1, 0, 1, ..])
     parents: Optional[list[list[int]]] = None
 
@@ -147,9 +149,11 @@ class StepSender:
             q for i, n in enumerate(mwb.extend_seq_lens_cpu) for q in (spec.tree(i) or range(-1, n - 1))]
         parts.append(torch.tensor(parents, dtype=torch.int64))
         primes = (spec.primes if spec is not None else None) or {}
-        if primes:  # each prime's first-draft candidates, padded with -1 to topk
+        if primes:  # each prime's first-draft candidates, padded with -1 to topk, and their log-probabilities
             parts += [torch.tensor(list(primes), dtype=torch.int64),
-                      torch.tensor([(list(t) + [-1] * self.topk)[:self.topk] for t, _ in primes.values()])]
+                      torch.tensor([(list(p[0]) + [-1] * self.topk)[:self.topk] for p in primes.values()]),
+                      torch.tensor([(list(p[2]) + [0.0] * self.topk)[:self.topk] for p in primes.values()],
+                                   dtype=torch.float64).view(torch.int64)]
         payload = torch.cat([t.to("cpu", torch.int64).reshape(-1) for t in parts])
         header = torch.tensor([_FORWARD, int(mwb.forward_mode), len(mwb.seq_lens_cpu), mwb.input_ids.numel(),
                                rows.numel(), mwb.future_indices is not None, len(spans), mwb.spec_info is not None,
@@ -157,7 +161,7 @@ class StepSender:
         _broadcast(header, self.tp.cpu_group)
         _broadcast(payload, self.tp.cpu_group)
         if primes:
-            _broadcast(torch.stack([h for _, h in primes.values()]).to(self.table.device).contiguous(),
+            _broadcast(torch.stack([p[1] for p in primes.values()]).to(self.table.device).contiguous(),
                        self.tp.device_group)
 
     def send_sampled(self, next_ids: torch.Tensor) -> None:
@@ -226,19 +230,21 @@ class StepReceiver:
         sizes += [n_updates] * 3 + [n_spans] * 2 + [2 * n_copies, 3 * n_tracks, n_parents]
         topk = self.drafter.topk if self.drafter is not None else 1
         if n_primes:
-            sizes += [n_primes, n_primes * topk]
+            sizes += [n_primes, n_primes * topk, n_primes * topk]
         payload = torch.empty(sum(sizes), dtype=torch.int64)
         _broadcast(payload, self.tp.cpu_group)
         fields = list(payload.split(sizes))
         primes = None
         if n_primes:
-            prime_idx, prime_tokens = fields[-2:]
-            del fields[-2:]
+            prime_idx, prime_tokens, prime_logps = fields[-3:]
+            del fields[-3:]
             outs = torch.empty(n_primes, *self.drafter.hidden.shape[1:], dtype=self.drafter.hidden.dtype,
                                device=self.runner.device)
             _broadcast(outs, self.tp.device_group)
             candidates = [tuple(t for t in row if t >= 0) for row in prime_tokens.view(n_primes, topk).tolist()]
-            primes = dict(zip(prime_idx.tolist(), zip(candidates, outs)))
+            logps = [tuple(row[:len(c)]) for c, row in
+                     zip(candidates, prime_logps.view(torch.float64).view(n_primes, topk).tolist())]
+            primes = dict(zip(prime_idx.tolist(), zip(candidates, outs, logps)))
         rows, cols, slots, span_rows, span_counts, copies, tracks, flat_parents = fields[-8:]
         parents = None
         if n_parents:  # per request its extend's length of them

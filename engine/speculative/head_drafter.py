@@ -57,9 +57,10 @@ accepted nodes' KV, the head's layers with the target's (TpModelWorker._verify);
 head's output at the last accepted node.
 
 Drafts are a deterministic function of the head's outputs (a chain: its argmax; a tree: its best
-candidates), so verify.py's acceptance rules hold as for NGRAM. A request whose row holds no prediction of its own yet (a PD decode's transferred request:
-the prefill computed the head's KV over the prompt, not this row's buffers) drafts nothing in its first
-step (head_speculator.py), whose pass after it fills the row.
+candidates), so verify.py's acceptance rules hold as for NGRAM. A request whose row holds no
+prediction of its own yet (a PD decode's transferred request: the prefill computed the head's KV over
+the prompt, not this row's buffers) drafts nothing in its first step (head_speculator.py), whose pass
+after it fills the row; unless the prefill sent its head's first drafts (`prime_from`).
 
 The target runs its plain forward, its CUDA graphs (decode steps, and verify steps of full chains;
 EAGLE-3's layer states are graph outputs too), or on CPU its native forward where the head needs only
@@ -184,27 +185,28 @@ class HeadDrafter:
 
         return MetadataBuffers.draft_bytes_for(self.hidden.shape[1], self.hidden.dtype)
 
-    def row_draft(self, row: int) -> tuple[tuple[int, ...], torch.Tensor]:
-        """A prefill's request row once its last chunk ran: its first-draft candidates (argmax first)
-        and the head's output."""
+    def row_draft(self, row: int) -> tuple[tuple[int, ...], torch.Tensor, tuple[float, ...]]:
+        """A prefill's request row once its last chunk ran: its first-draft candidates (argmax first),
+        the head's output and the candidates' log-probabilities (MetadataBuffers.set_draft's order)."""
         if self.done is not None:
             self.done.synchronize()
-        return tuple(self.tokens[row].tolist()), self.hidden[row].cpu()
+        return tuple(self.tokens[row].tolist()), self.hidden[row].cpu(), tuple(self.logp[row].tolist())
 
-    def prime_from(self, metadata, slot: int) -> Optional[tuple[tuple[int, ...], torch.Tensor]]:
+    def prime_from(self, metadata, slot: int) -> Optional[tuple[tuple[int, ...], torch.Tensor,
+                                                              tuple[float, ...]]]:
         """A decode's transferred request: what its prefill's row_draft sent, if anything."""
         return metadata.get_draft(slot, self.hidden.shape[1], self.hidden.dtype)
 
-    def _prime(self, rows: torch.Tensor, primes: dict[int, tuple[tuple[int, ...], torch.Tensor]]) -> None:
-        """Put primes (batch index -> first-draft candidates, head output) into the batch's rows: as many
-        candidates as this engine keeps (a chain's prime may carry one)."""
-        for i, (candidates, _) in primes.items():
+    def _prime(self, rows: torch.Tensor, primes: dict[int, tuple]) -> None:
+        """Put primes (batch index -> first-draft candidates, head output, the candidates'
+        log-probabilities) into the batch's rows: as many candidates as this engine keeps (a chain's prime
+        may carry one)."""
+        for i, (candidates, _, logps) in primes.items():
             n = min(len(candidates), self.topk)
             self.tokens[rows[i], :n] = torch.tensor(candidates[:n], dtype=torch.int64, device=rows.device)
-            # the slot carries no scores: the candidates' order stands in for them (0, -1, -2 ..)
-            self.logp[rows[i], :n] = -torch.arange(n, dtype=torch.float32, device=rows.device)
+            self.logp[rows[i], :n] = torch.tensor(logps[:n], dtype=torch.float32, device=rows.device)
         idx = torch.tensor(list(primes), dtype=torch.int64, device=rows.device)
-        self.hidden[rows[idx]] = torch.stack([h for _, h in primes.values()]).to(self.hidden.device, self.hidden.dtype)
+        self.hidden[rows[idx]] = torch.stack([p[1] for p in primes.values()]).to(self.hidden.device, self.hidden.dtype)
 
     @torch.inference_mode()
     def after_pass(self, fb: "ForwardBatch", hidden: torch.Tensor, next_ids: torch.Tensor,

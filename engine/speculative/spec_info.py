@@ -102,9 +102,10 @@ class VerifyInput:
     # a node before j), None for a chain; the whole list None when no request has a real tree
     # (__post_init__ turns chains given here into None)
     parents: Optional[list[Optional[list[int]]]] = None
-    # a draft head (head_drafter.py): batch index -> (first draft, the head's output) a PD prefill sent
-    # for a transferred request, put in its row before the chain is drafted
-    primes: Optional[dict[int, tuple[int, Any]]] = None
+    # a draft head (head_drafter.py): batch index -> (first-draft candidates, the head's output, the
+    # candidates' log-probabilities) a PD prefill sent for a transferred request, put in its row before
+    # the chain or tree is drafted
+    primes: Optional[dict[int, tuple[tuple[int, ...], Any, tuple[float, ...]]]] = None
     # the first token row of each request in the batch's packed tokens (filled in __post_init__)
     offsets: list[int] = field(init=False)
 

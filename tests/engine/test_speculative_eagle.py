@@ -196,7 +196,7 @@ def test_pd_decode_drafts_with_the_prefills_head_kv(target, drafts, topk):
     """PD, both sides EAGLE: the prefill's head fills its KV layer over the prompt, which travels with
     the target's layers, and its first draft and output at the prompt's end travel in the metadata slot:
     the decode drafts in a request's first step the reference head's chain, or with topk 2 its best-first
-    tree (the slot carries the head's candidates, ranked by order); drafts accepted; HF's tokens, both sides settle with nothing
+    tree (the slot carries the head's candidates and their log-probabilities); drafts accepted; HF's tokens, both sides settle with nothing
     leaked."""
     from test_pd_scheduler import PDPair, _run
 
@@ -227,8 +227,7 @@ def test_pd_decode_drafts_with_the_prefills_head_kv(target, drafts, topk):
             else:
                 n, drafted, parents = first[str(i)]
                 nodes, depth = tree_size(STEPS, 2, 2 * STEPS)
-                assert n == 1 and (parents, drafted) == reference.best_first(p + out[:1], depth, 2, nodes,
-                                                                             ranked_first=True), i
+                assert n == 1 and (parents, drafted) == reference.best_first(p + out[:1], depth, 2, nodes), i
         assert spec_info(pair.decode)["spec_accepted_tokens"] > 0
         assert any(t is not None for t in trees) == (topk > 1)
         pair.assert_settled()

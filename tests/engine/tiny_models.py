@@ -329,19 +329,15 @@ class EagleReference(torch.nn.Module):
         return trees
 
     @torch.no_grad()
-    def best_first(self, tokens: list[int], steps: int, topk: int, nodes: int,
-                   ranked_first: bool = False) -> tuple[list[int], list[int]]:
+    def best_first(self, tokens: list[int], steps: int, topk: int, nodes: int) -> tuple[list[int], list[int]]:
         """The tree the engine drafts with --speculative-eagle-topk `topk` > 1, grown best-first as SGLang's
         EAGLE does: the head's topk best first drafts are the leaves; `steps` - 1 times every leaf's topk
         best children join the candidates, each scored by the sum of the head's log-probabilities along
         its path, and the topk best children are the next leaves; the tree is the `nodes` best
         candidates (ties: the shallower, then the first drafted). Returns (parents, drafts) packed by
-        depth, then score. `ranked_first`: the first drafts scored 0, -1, .. by rank (a PD-transferred
-        request's first step: the metadata slot carries no scores)."""
+        depth, then score."""
         states, first = self._prompt_states(tokens)
         ids, lps = self._scored(first, topk)
-        if ranked_first:
-            lps = [-float(b) for b in range(topk)]
         # a node: its score, depth, parent (0: the root), token, and the head's outputs its path ran on
         cands: list[dict] = [dict(score=0.0, depth=0, parent=-1, path=[], outs=states + [first])]
         leaves = []
