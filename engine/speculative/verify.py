@@ -67,7 +67,7 @@ def verify_drafts(logits: torch.Tensor, spec: VerifyInput, states: list["ReqSamp
             path = accept_greedy_tree(tree, draft, greedy_ids[off:off + len(draft) + 1])
             tokens.append([draft[n - 1] for n in path[1:]] + [greedy_ids[off + path[-1]]])
         elif tree is not None and not processed:
-            probs = target_probs(logits[off:off + len(draft) + 1], state.params).cpu()
+            probs = target_probs(logits[off:off + len(draft) + 1], state.params)
             path, emitted = accept_rejection_tree(tree, draft, probs, _generator(state, draws, i))
             tokens.append(emitted)
         else:
@@ -83,7 +83,7 @@ def verify_drafts(logits: torch.Tensor, spec: VerifyInput, states: list["ReqSamp
                 target = torch.argmax(rows, dim=-1).tolist() if processed else greedy_ids[off:off + len(draft) + 1]
                 tokens.append(accept_greedy(draft, target))
             else:
-                probs = target_probs(rows, state.params).cpu()
+                probs = target_probs(rows, state.params)
                 tokens.append(accept_rejection(probs, draft, _generator(state, draws, i)))
         if nodes is not None:
             nodes.append(list(range(len(tokens[-1]))) if path is None else path[:len(tokens[-1])])
@@ -203,35 +203,39 @@ def accept_greedy_tree(parents: list[int], draft: list[int], target: list[int]) 
 
 
 def accept_rejection(probs: torch.Tensor, draft: list[int], gen: torch.Generator) -> list[int]:
-    """`probs`: [len(draft) + 1, vocab] the target's distribution at each position (CPU)."""
+    """`probs`: [len(draft) + 1, vocab] the target's distribution at each position (any device: only the
+    drafts' probabilities and the row a token is drawn from come to the host)."""
     u = torch.rand(len(draft), generator=gen).tolist()
+    at = torch.arange(len(draft), device=probs.device)
+    p_draft = probs[at, torch.tensor(draft, dtype=torch.int64, device=probs.device)].tolist()
     out = []
     for j, d in enumerate(draft):
-        if u[j] < float(probs[j, d]):
+        if u[j] < p_draft[j]:
             out.append(d)
             continue
-        residual = probs[j].clone()
+        residual = probs[j].cpu().clone()
         residual[d] = 0.0
         if float(residual.sum()) <= 0.0:  # p(d) is 1 up to rounding: u fell on the rounding
             out.append(d)
             continue
         out.append(int(torch.multinomial(residual, 1, generator=gen)))
         return out
-    out.append(int(torch.multinomial(probs[len(draft)], 1, generator=gen)))
+    out.append(int(torch.multinomial(probs[len(draft)].cpu(), 1, generator=gen)))
     return out
 
 
 def accept_rejection_tree(parents: list[int], draft: list[int], probs: torch.Tensor,
                           gen: torch.Generator) -> tuple[list[int], list[int]]:
     """`probs`: [nodes, vocab] the target's distribution at each node of the tree (`parents`, `draft`:
-    spec_info.py; CPU). Recursive rejection sampling (module docstring): (the accepted path's nodes from
-    the root, the tokens emitted: the accepted drafts, then one drawn at the path's last node)."""
+    spec_info.py; any device: the rows of the nodes the walk visits come to the host). Recursive
+    rejection sampling (module docstring): (the accepted path's nodes from the root, the tokens emitted:
+    the accepted drafts, then one drawn at the path's last node)."""
     children: list[list[int]] = [[] for _ in parents]
     for j in range(1, len(parents)):
         children[parents[j]].append(j)
     path, out = [0], []
     while True:
-        residual = probs[path[-1]].clone()
+        residual = probs[path[-1]].cpu().clone()
         accepted = None
         for child in children[path[-1]]:
             d = draft[child - 1]
