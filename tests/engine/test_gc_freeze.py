@@ -24,7 +24,9 @@ def test_freeze_gc_moves_live_objects_to_the_permanent_generation(unfrozen):
     assert gc.get_freeze_count() == 0
     kept = [object() for _ in range(1000)]
     frozen = freeze_gc("test")
-    assert frozen == gc.get_freeze_count() > len(kept)
+    # the count as of the freeze: threads other tests left in this process may free frozen objects
+    # since (it fell by 2 once in CI), never add to them
+    assert frozen >= gc.get_freeze_count() > len(kept)
     _make_cycles(10)  # cycles created after the freeze are collected as usual
     assert gc.collect() >= 10
 
