@@ -80,18 +80,6 @@ def placeholder_tree(depth: int, nodes: int) -> list[int]:
     return [-1] + list(range(depth)) + [0] * (nodes - depth)
 
 
-def branches(parents: list[int]) -> list[list[int]]:
-    """For each child of the root, in order, the nodes from it down along first children (a chain:
-    one branch, nodes 1 .. k; a head's tree: its branches, every node)."""
-    out = []
-    for child in (j for j, p in enumerate(parents) if p == 0):
-        branch = [child]
-        while (nxt := next((j for j in range(branch[-1] + 1, len(parents)) if parents[j] == branch[-1]), None)):
-            branch.append(nxt)
-        out.append(branch)
-    return out
-
-
 @dataclass
 class VerifyInput:
     drafts: list[list[int]]  # per request, its draft tokens (may be empty); a tree's in its packed order

@@ -187,12 +187,18 @@ def accept_greedy(draft: list[int], target: list[int]) -> list[int]:
     return draft[:n] + [target[n]]
 
 
-def accept_greedy_tree(parents: list[int], draft: list[int], target: list[int]) -> list[int]:
-    """`target`: the argmax at each node of the tree (`parents`, `draft`: spec_info.py). The accepted
-    path's nodes from the root (node 0): at each node, the first child whose token is the target's."""
+def _children(parents: list[int]) -> list[list[int]]:
+    """Each node's children, in node order."""
     children: list[list[int]] = [[] for _ in parents]
     for j in range(1, len(parents)):
         children[parents[j]].append(j)
+    return children
+
+
+def accept_greedy_tree(parents: list[int], draft: list[int], target: list[int]) -> list[int]:
+    """`target`: the argmax at each node of the tree (`parents`, `draft`: spec_info.py). The accepted
+    path's nodes from the root (node 0): at each node, the first child whose token is the target's."""
+    children = _children(parents)
     path = [0]
     while True:
         want = target[path[-1]]
@@ -230,9 +236,7 @@ def accept_rejection_tree(parents: list[int], draft: list[int], probs: torch.Ten
     spec_info.py; any device: the rows of the nodes the walk visits come to the host). Recursive
     rejection sampling (module docstring): (the accepted path's nodes from the root, the tokens emitted:
     the accepted drafts, then one drawn at the path's last node)."""
-    children: list[list[int]] = [[] for _ in parents]
-    for j in range(1, len(parents)):
-        children[parents[j]].append(j)
+    children = _children(parents)
     path, out = [0], []
     while True:
         residual = probs[path[-1]].cpu().clone()
