@@ -454,8 +454,9 @@ class ServerArgs:
                "on their torch reference paths instead of the Triton kernels")
         a("--small-batch-gemv-rows", type=int, default=ServerArgs.small_batch_gemv_rows, metavar="N",
           help="CUDA: linear layers of 1..N rows (decode batches up to N) run one Triton GEMV kernel instead of "
-               "cuBLAS (gate|up with silu*up fused in); 0 (default) keeps cuBLAS. On an H200 with the 8B shape, "
-               "16 made the decode step 3-4%% faster at batch 1 and 16, 64 made batch 64 5%% slower")
+               "cuBLAS (gate|up with silu*up fused in, the pre-norms folded into qkv and gate|up); 0 (default) keeps "
+               "cuBLAS. On an H200 with the 8B shape (before the norms were folded in), 16 made the decode step "
+               "3-4%% faster at batch 1 and 16, 64 made batch 64 5%% slower")
         a("--enable-torch-compile", action="store_true",
           help="compile the decode forward (and on CPU the extend) with torch.compile at start-up")
         a("--torch-compile-max-bs", type=int, default=ServerArgs.torch_compile_max_bs,

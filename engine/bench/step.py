@@ -16,7 +16,9 @@ Variants (side by side, the same weights and pools): `fused` (the default engine
 decode on tensor cores where auto picks them), `reference-ops` (--disable-fused-ops), the other
 tensor-core setting, and `triton-gemv` (asked for by name: `fused` with the linears of 1..64 rows on
 the Triton GEMV of triton_ops/gemv.py, gate|up with silu * up in its epilogue, instead of cuBLAS;
-its configs are autotuned during the graph warm-ups). This is a benchmark command, not a test: it
+its configs are autotuned during the graph warm-ups; each layer's two RMSNorms folded into the GEMVs
+that read them, layers/norm_linear.py), and `triton-gemv-own-norms` (the same with the norms'
+own kernels, to measure that fold). This is a benchmark command, not a test: it
 asserts nothing about speed.
 """
 from __future__ import annotations
@@ -55,7 +57,7 @@ SHAPES: dict[str, dict[str, Any]] = {
                           tie_word_embeddings=False, hidden_act="silu", attention_bias=False),
 }
 SHARD_BYTES = 4 << 30
-VARIANTS = ("fused", "reference-ops", "other-tensor-cores", "triton-gemv")
+VARIANTS = ("fused", "reference-ops", "other-tensor-cores", "triton-gemv", "triton-gemv-own-norms")
 GEMV_ROWS = 64  # triton-gemv: batches of up to this many rows take the GEMV (1, 16 and 64: where it wins shows)
 
 
@@ -312,13 +314,15 @@ def _set_variant(runner: Any, base_args: Any, name: str, max_bs: int) -> str:
         tc = "off" if use_tensor_core_decode(tc, g.num_qo_heads // g.num_kv_heads) else "on"
     runner.server_args = dataclasses.replace(base_args, disable_fused_ops=not fused, flashinfer_decode_tensor_cores=tc)
     bind_layer_ops(runner.model, runner.device, fused=fused)
-    gemv_rows = GEMV_ROWS if name == "triton-gemv" else 0
-    set_small_batch_gemv(gemv_rows)  # before the capture below, whose warm-ups autotune the GEMV
+    gemv_rows = GEMV_ROWS if name.startswith("triton-gemv") else 0
+    fuse_norms = name != "triton-gemv-own-norms"
+    set_small_batch_gemv(gemv_rows, fuse_norms)  # before the capture below, whose warm-ups autotune the GEMV
     runner.cuda_graph_runner = None
     torch.cuda.empty_cache()
     runner.attn_backend = create_attention_backend("flashinfer", model_runner=runner)
     runner.cuda_graph_runner = CudaGraphRunner(runner, max_bs=max_bs)
-    gemv = f", Triton GEMV for 1..{gemv_rows} rows" if gemv_rows else ""
+    gemv = (f", Triton GEMV for 1..{gemv_rows} rows, norms {'folded in' if fuse_norms else 'own kernels'}"
+            if gemv_rows else "")
     return (f"{'Triton' if fused else 'torch reference'} ops, decode tensor cores "
             f"{runner.attn_backend.decode_tensor_cores}{gemv}")
 

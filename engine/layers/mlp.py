@@ -8,6 +8,7 @@ from torch import nn
 from baton.engine.distributed.parallel_state import TpGroup
 from baton.engine.layers.activation import GatedAct
 from baton.engine.layers.linear import MergedColumnLinear, RowParallelLinear, even_parts
+from baton.engine.layers.norm_linear import norm_linear
 
 
 class GatedMLP(nn.Module):
@@ -21,3 +22,10 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj.gated(x, self.act))
+
+    def forward_prenormed(self, norm: nn.Module, x: torch.Tensor,
+                          residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward(norm(x + residual)) and the new residual, the norm and gate_up as one op
+        (layers/norm_linear.py)."""
+        act, residual = norm_linear(norm, self.gate_up_proj, x, residual, self.act)
+        return self.down_proj(act), residual

@@ -27,6 +27,7 @@ from baton.engine.distributed.parallel_state import TpGroup
 from baton.engine.layers.layernorm import RMSNorm
 from baton.engine.layers.linear import MergedColumnLinear, RowParallelLinear, load_param, qkv_parts
 from baton.engine.layers.mlp import GatedMLP
+from baton.engine.layers.norm_linear import norm_linear
 from baton.engine.layers.qkv_rope import QKVRope
 from baton.engine.layers.radix_attention import RadixAttention
 from baton.engine.layers.rotary_embedding import RotaryEmbedding, get_rope
@@ -74,7 +75,18 @@ class LlamaAttention(nn.Module):
         self.attn = RadixAttention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads, layer_id)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, forward_batch: "ForwardBatch") -> torch.Tensor:
-        q, k, v = self.qkv_rope(positions, self.qkv_proj(hidden), forward_batch)
+        return self._attend(positions, self.qkv_proj(hidden), forward_batch)
+
+    def forward_prenormed(self, positions: torch.Tensor, norm: nn.Module, hidden: torch.Tensor,
+                          residual: Optional[torch.Tensor],
+                          forward_batch: "ForwardBatch") -> tuple[torch.Tensor, torch.Tensor]:
+        """forward(norm(hidden + residual)) and the new residual, the norm and qkv_proj as one op
+        (layers/norm_linear.py)."""
+        qkv, residual = norm_linear(norm, self.qkv_proj, hidden, residual)
+        return self._attend(positions, qkv, forward_batch), residual
+
+    def _attend(self, positions: torch.Tensor, qkv: torch.Tensor, forward_batch: "ForwardBatch") -> torch.Tensor:
+        q, k, v = self.qkv_rope(positions, qkv, forward_batch)
         return self.o_proj(self.attn(q, k, v, forward_batch, save_kv_cache=k is not None))
 
 
@@ -91,12 +103,14 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: Optional[torch.Tensor],
                 forward_batch: "ForwardBatch") -> tuple[torch.Tensor, torch.Tensor]:
         """Pre-norm with the residual add deferred into the next norm (HF's sums, in its order):
-        the layer returns (its output, the residual stream before that output is added)."""
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, forward_batch)
+        the layer returns (its output, the residual stream before that output is added). Each norm
+        runs with the linear that reads it (layers/norm_linear.py: one kernel for a few rows on CUDA);
+        an MLP without forward_prenormed (MoE) takes the norm's output."""
+        hidden, residual = self.self_attn.forward_prenormed(positions, self.input_layernorm, hidden, residual,
+                                                            forward_batch)
+        prenormed = getattr(self.mlp, "forward_prenormed", None)
+        if prenormed is not None:
+            return prenormed(self.post_attention_layernorm, hidden, residual)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 

@@ -2,6 +2,9 @@
 
     gemv(x, w, bias)          x [M, K], w [N, K] (nn.Linear's layout) -> [M, N] in x's dtype
     gemv_silu_mul(x, w)       w [2I, K] laid out [gate | up] -> silu(x @ gate.T) * (x @ up.T), [M, I]
+    gemv_rmsnorm(x, residual, norm_w, eps, w, bias, silu_mul)
+                              the pre-norm folded in: h = x + residual (or x), y = rmsnorm(h) @ w.T
+                              (or its silu * up), returns (y, h); the norm costs no kernel of its own
 
 A decode step at batch 1..16 is memory bound: its time is the weights' bytes over the HBM bandwidth.
 Each program owns BLOCK_N rows of W and walks K in BLOCK_K chunks, multiplying each weight tile into
@@ -14,6 +17,15 @@ Tile sizes are autotuned per (row block, N, K, dtype) on the first eager call of
 graph runner warms every batch size up eagerly before it captures, which also compiles the kernels).
 A shape first seen during a capture takes a fixed config instead, since tuning times launches and
 syncs. Under TRITON_INTERPRET=1 there is one config (tuning the interpreter would only be slow).
+
+The pre-norm (gemv_rmsnorm, layers/norm_linear.py): RMSNorm's statistic is a sum over the row, and
+every program walks the whole row of x anyway, so each program sums the squares of the x tiles it
+loads, multiplies each tile by the norm's weight before the product, and scales its sums by
+rsqrt(mean + eps) at the end: y = rstd * (x * w_norm) @ W.T. With a residual the tiles are x +
+residual (rounded to x's dtype, as the unfused add), and program 0 writes that sum out as the next
+residual (into a new tensor: the other programs still read the old one). This reorders the norm's
+roundings: (x * w_norm) is rounded to x's dtype where the unfused path rounds x * rstd, then
+w_norm times that; the results agree within the dtype's tolerance, not bit for bit.
 
 Rounded as the unfused path: fp32 sums (plus the bias) rounded once to x's dtype; gemv_silu_mul
 rounds gate and up to that dtype, then silu in fp32, rounded, times up, rounded, as
@@ -72,7 +84,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         return y
     _launch(_gemv_kernel, "gemv", x, n, k,
             x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
-            HAS_BIAS=bias is not None)
+            x, 0, x, 0, x, 0.0, HAS_BIAS=bias is not None, NORM=False, ADD_RESIDUAL=False)
     return y
 
 
@@ -86,8 +98,50 @@ def gemv_silu_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if m == 0 or inter == 0:
         return y
     _launch(_gemv_silu_mul_kernel, "silu_mul", x, inter, k,
-            x, weight, weight[inter:], y, m, inter, k, x.stride(0), weight.stride(0), y.stride(0))
+            x, weight, weight[inter:], y, m, inter, k, x.stride(0), weight.stride(0), y.stride(0),
+            x, 0, x, 0, x, 0.0, NORM=False, ADD_RESIDUAL=False)
     return y
+
+
+def gemv_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                 weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 silu_mul: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(linear(rmsnorm(h)), h) for h = x + residual (x without one): linear is gemv(., weight, bias),
+    or with silu_mul gemv_silu_mul(., weight) (no bias). RMSNorm as layers/layernorm.py's: weight
+    `norm_weight` [K] in x's dtype, statistics in fp32. h is a new tensor (x itself without a residual)."""
+    what = "gemv_rmsnorm"
+    _check(x, weight, what)
+    (m, k), n = x.shape, weight.shape[0]
+    if norm_weight.shape != (k,) or norm_weight.dtype != x.dtype or norm_weight.stride(0) != 1:
+        raise ValueError(f"{what}: norm weight {tuple(norm_weight.shape)} {norm_weight.dtype} does not match x "
+                         f"{tuple(x.shape)} {x.dtype}")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(1) != 1):
+        raise ValueError(f"{what}: residual {tuple(residual.shape)} {residual.dtype} does not match x "
+                         f"{tuple(x.shape)} {x.dtype}")
+    if silu_mul and (bias is not None or n % 2):
+        raise ValueError(f"{what}: silu_mul takes a [gate | up] weight (even rows) and no bias")
+    if bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype or bias.stride(0) != 1):
+        raise ValueError(f"{what}: bias {tuple(bias.shape)} {bias.dtype} does not match {n} outputs")
+    out_n = n // 2 if silu_mul else n
+    y = torch.empty((m, out_n), dtype=x.dtype, device=x.device)
+    h = x if residual is None else torch.empty_like(x, memory_format=torch.contiguous_format)
+    if m == 0:
+        return y, h
+    if out_n == 0:  # nothing to multiply: the sum is still the caller's next residual
+        if residual is not None:
+            torch.add(x, residual, out=h)
+        return y, h
+    res = residual if residual is not None else x
+    norm = dict(NORM=True, ADD_RESIDUAL=residual is not None)
+    if silu_mul:
+        _launch(_gemv_silu_mul_kernel, "silu_mul+norm", x, out_n, k,
+                x, weight, weight[out_n:], y, m, out_n, k, x.stride(0), weight.stride(0), y.stride(0),
+                res, res.stride(0), h, h.stride(0), norm_weight, eps, **norm)
+    else:
+        _launch(_gemv_kernel, "gemv+norm", x, n, k,
+                x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0),
+                y.stride(0), res, res.stride(0), h, h.stride(0), norm_weight, eps, HAS_BIAS=bias is not None, **norm)
+    return y, h
 
 
 if triton is not None:
@@ -128,6 +182,28 @@ if triton is not None:
                        mask=(rows_m[:, None] < M) & (ks[None, :] < K), other=0.0)
 
     @triton.jit
+    def _input_tile(x_ptr, x_stride, r_ptr, r_stride, h_ptr, h_stride, nw_ptr, rows_m, ks, M, K, sq,
+                    NORM: tl.constexpr, ADD_RESIDUAL: tl.constexpr, ROW_SUM: tl.constexpr):
+        """The x tile the weights multiply, and the running sum of squares of each row (NORM): x, or
+        h = x + residual (program 0 stores it), times the norm's weight (kept in fp32 for the row-sum
+        path's fp32 products; rounded to x's dtype for tl.dot's)."""
+        x = _x_tile(x_ptr, x_stride, rows_m, ks, M, K)
+        if ADD_RESIDUAL:
+            x = (x.to(tl.float32) + _x_tile(r_ptr, r_stride, rows_m, ks, M, K).to(tl.float32)).to(x.dtype)
+            stored_rows = tl.where(tl.program_id(0) == 0, M, 0)  # program 0 writes h out
+            tl.store(h_ptr + rows_m[:, None] * h_stride + ks[None, :], x,
+                     mask=(rows_m[:, None] < stored_rows) & (ks[None, :] < K))
+        if NORM:
+            xf = x.to(tl.float32)
+            sq += tl.sum(xf * xf, axis=1)
+            nw = tl.load(nw_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
+            if ROW_SUM:
+                x = xf * nw[None, :]
+            else:
+                x = (xf * nw[None, :]).to(x.dtype)
+        return x, sq
+
+    @triton.jit
     def _tile_product(w, x, acc, ROW_SUM: tl.constexpr):
         """acc [BLOCK_N, rows] += w [BLOCK_N, BLOCK_K] @ x [rows, BLOCK_K].T in fp32."""
         if ROW_SUM:
@@ -140,10 +216,12 @@ if triton is not None:
             acc = tl.dot(w, tl.trans(x), acc)
         return acc
 
-    @triton.autotune(configs=_configs(1), key=["ONE_ROW", "BLOCK_M", "N", "K"],
+    @triton.autotune(configs=_configs(1), key=["ONE_ROW", "BLOCK_M", "N", "K", "NORM", "ADD_RESIDUAL"],
                      prune_configs_by={"early_config_prune": _prune})
     @triton.jit
-    def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, x_stride, w_stride, y_stride, HAS_BIAS: tl.constexpr,
+    def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, x_stride, w_stride, y_stride,
+                     r_ptr, r_stride, h_ptr, h_stride, nw_ptr, eps, HAS_BIAS: tl.constexpr,
+                     NORM: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
                      ONE_ROW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      ROW_SUM: tl.constexpr):
         ROWS: tl.constexpr = 1 if ROW_SUM else BLOCK_M
@@ -152,19 +230,26 @@ if triton is not None:
         offs_k = tl.arange(0, BLOCK_K)
         w_rows = w_ptr + rows_n.to(tl.int64)[:, None] * w_stride
         acc = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
+        sq = tl.zeros((ROWS,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + offs_k
             w = tl.load(w_rows + ks[None, :], mask=(rows_n[:, None] < N) & (ks[None, :] < K), other=0.0)
-            acc = _tile_product(w, _x_tile(x_ptr, x_stride, rows_m, ks, M, K), acc, ROW_SUM)
+            x, sq = _input_tile(x_ptr, x_stride, r_ptr, r_stride, h_ptr, h_stride, nw_ptr, rows_m, ks, M, K, sq,
+                                NORM, ADD_RESIDUAL, ROW_SUM)
+            acc = _tile_product(w, x, acc, ROW_SUM)
+        if NORM:
+            acc = acc * tl.rsqrt(sq / K + eps)[None, :]
         if HAS_BIAS:
             acc += tl.load(b_ptr + rows_n, mask=rows_n < N, other=0.0).to(tl.float32)[:, None]
         tl.store(y_ptr + rows_m[None, :] * y_stride + rows_n[:, None], acc.to(y_ptr.dtype.element_ty),
                  mask=(rows_n[:, None] < N) & (rows_m[None, :] < M))
 
-    @triton.autotune(configs=_configs(2), key=["ONE_ROW", "BLOCK_M", "N", "K"],
+    @triton.autotune(configs=_configs(2), key=["ONE_ROW", "BLOCK_M", "N", "K", "NORM", "ADD_RESIDUAL"],
                      prune_configs_by={"early_config_prune": _prune})
     @triton.jit
     def _gemv_silu_mul_kernel(x_ptr, gate_ptr, up_ptr, y_ptr, M, N, K, x_stride, w_stride, y_stride,
+                              r_ptr, r_stride, h_ptr, h_stride, nw_ptr, eps,
+                              NORM: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
                               ONE_ROW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                               BLOCK_K: tl.constexpr, ROW_SUM: tl.constexpr):
         # N is I: output column n is silu(x . gate row n) * (x . up row n)
@@ -176,14 +261,20 @@ if triton is not None:
         up_rows = up_ptr + rows_n.to(tl.int64)[:, None] * w_stride
         gate = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
         up = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
+        sq = tl.zeros((ROWS,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + offs_k
             mask = (rows_n[:, None] < N) & (ks[None, :] < K)
             wg = tl.load(gate_rows + ks[None, :], mask=mask, other=0.0)
             wu = tl.load(up_rows + ks[None, :], mask=mask, other=0.0)
-            x = _x_tile(x_ptr, x_stride, rows_m, ks, M, K)
+            x, sq = _input_tile(x_ptr, x_stride, r_ptr, r_stride, h_ptr, h_stride, nw_ptr, rows_m, ks, M, K, sq,
+                                NORM, ADD_RESIDUAL, ROW_SUM)
             gate = _tile_product(wg, x, gate, ROW_SUM)
             up = _tile_product(wu, x, up, ROW_SUM)
+        if NORM:
+            rstd = tl.rsqrt(sq / K + eps)[None, :]
+            gate = gate * rstd
+            up = up * rstd
         dtype = y_ptr.dtype.element_ty
         g = gate.to(dtype).to(tl.float32)
         act = (g / (1.0 + tl.exp(-g))).to(dtype)

@@ -31,17 +31,17 @@ INTERPRETED = textwrap.dedent(
     """
     import torch
     import torch.nn.functional as F
-    from baton.engine.triton_ops.gemv import gemv, gemv_silu_mul
+    from baton.engine.triton_ops.gemv import gemv, gemv_rmsnorm, gemv_silu_mul
 
     g = torch.Generator().manual_seed(0)
 
-    def close(got, want, dtype, what):
+    def close(got, want, dtype, what, roundings=(2, 4)):
         assert got.dtype == dtype and got.shape == want.shape, (what, got.dtype, got.shape)
         got, want = got.float(), want.float()
         if dtype == torch.float32:
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=str(what))
         else:
-            rel = 2 * 2 ** -10 if dtype == torch.float16 else 4 * 2 ** -7
+            rel = roundings[0] * 2 ** -10 if dtype == torch.float16 else roundings[1] * 2 ** -7
             err = (got - want).abs()
             assert bool((err <= rel * want.abs().clamp_min(1.0)).all()), (what, err.max().item())
 
@@ -61,6 +61,45 @@ INTERPRETED = textwrap.dedent(
         w = torch.randn(24, 64, generator=g).to(dtype)
         close(gemv(wide[:, 16:80], w), F.linear(wide[:, 16:80].float(), w.float()).to(dtype), dtype, "strided x")
         assert gemv(torch.zeros(0, 64, dtype=dtype), w).shape == (0, 24)
+
+    # the pre-norm folded in: against the fp32 norm and product (the result rounded to the dtype),
+    # one rounding more than the plain kernels (x * norm weight, rounded for tl.dot), silu * up two
+    # more (the rstd-scaled gate and up); h = x + residual equal to torch's add (bfloat16: within one
+    # truncation, the interpreter's casts)
+    eps = 1e-6
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for m, n, k in ((1, 70, 300), (3, 100, 257), (16, 33, 130)):
+            for with_residual in (False, True):
+                x = torch.randn(m, k, generator=g).to(dtype)
+                r = torch.randn(m, k, generator=g).to(dtype) if with_residual else None
+                nw = (1 + 0.2 * torch.randn(k, generator=g)).to(dtype)
+                w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype)
+                w2 = (torch.randn(2 * n, k, generator=g) / k ** 0.5).to(dtype)
+                b = torch.randn(n, generator=g).to(dtype)
+                h_want = x if r is None else x + r
+                hf = h_want.float()
+                normed = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps) * nw.float()
+                what = ("gemv_rmsnorm", dtype, m, n, k, with_residual)
+                y, h = gemv_rmsnorm(x, r, nw, eps, w, b)
+                close(y, F.linear(normed, w.float(), b.float()).to(dtype), dtype, what, (3, 5))
+                if r is None:
+                    assert h is x, what
+                elif dtype == torch.bfloat16:
+                    assert bool(((h.float() - hf).abs() <= 2 ** -7 * hf.abs()).all()), what
+                else:
+                    assert torch.equal(h, h_want), what
+                assert torch.equal(r if r is not None else x, h_want if r is None else r), "inputs kept"
+                y2, _ = gemv_rmsnorm(x, r, nw, eps, w2, silu_mul=True)
+                gu = F.linear(normed, w2.float()).to(dtype).float()
+                close(y2, (F.silu(gu[:, :n]).to(dtype).float() * gu[:, n:]).to(dtype), dtype, what + ("silu",), (4, 6))
+        y, h = gemv_rmsnorm(torch.zeros(0, 64, dtype=dtype), torch.zeros(0, 64, dtype=dtype),
+                            torch.ones(64, dtype=dtype), eps, torch.ones(8, 64, dtype=dtype))
+        assert y.shape == (0, 8) and h.shape == (0, 64)
+    try:
+        gemv_rmsnorm(x, r, nw[:-1], eps, w)
+        raise AssertionError("a norm weight of the wrong width was taken")
+    except ValueError as e:
+        assert "norm weight" in str(e)
     print("INTERPRETED OK")
     """
 )
@@ -79,26 +118,36 @@ SM90_COMPILE = textwrap.dedent(
     from triton.compiler import ASTSource
     from baton.engine.triton_ops import gemv
 
-    CONSTEXPRS = ("HAS_BIAS", "ONE_ROW", "BLOCK_M", "BLOCK_N", "BLOCK_K", "ROW_SUM")
+    CONSTEXPRS = ("HAS_BIAS", "NORM", "ADD_RESIDUAL", "ONE_ROW", "BLOCK_M", "BLOCK_N", "BLOCK_K", "ROW_SUM")
+    PLAIN = dict(NORM=False, ADD_RESIDUAL=False)
+
+    def type_of(a, dt):
+        return "constexpr" if a in CONSTEXPRS else "fp32" if a == "eps" else f"*{dt}" if a.endswith("_ptr") else "i32"
 
     def compile_(kernel, dt, consts, num_warps, num_stages):
         names = kernel.fn.arg_names
-        sig = {a: "constexpr" if a in CONSTEXPRS else (f"*{dt}" if a.endswith("_ptr") else "i32") for a in names}
+        sig = {a: type_of(a, dt) for a in names}
         # what the launcher sees at run time: 16-byte aligned pointers, sizes and strides divisible by 16
-        attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names) if sig[a] != "constexpr" and a != "M"}
+        attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names)
+                 if sig[a] not in ("constexpr", "fp32") and a != "M"}
         src = ASTSource(fn=kernel.fn, signature=sig, constexprs=consts, attrs=attrs)
         ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                              options=dict(num_warps=num_warps, num_stages=num_stages)).asm["ptx"]
         print("compiled", kernel.fn.__name__, dt, consts)
         return ptx
 
-    row = dict(ONE_ROW=True, BLOCK_M=16, BLOCK_N=16, BLOCK_K=1024, ROW_SUM=True)
-    dot = dict(ONE_ROW=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, ROW_SUM=False)
+    row = dict(PLAIN, ONE_ROW=True, BLOCK_M=16, BLOCK_N=16, BLOCK_K=1024, ROW_SUM=True)
+    dot = dict(PLAIN, ONE_ROW=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, ROW_SUM=False)
+    normed = dict(NORM=True, ADD_RESIDUAL=True)  # the pre-norm folded in keeps the loads wide and the MMAs
     assert "ld.global.v4" in compile_(gemv._gemv_kernel, "bf16", dict(row, HAS_BIAS=True), 4, 1)
     assert "mma" in compile_(gemv._gemv_kernel, "bf16", dict(dot, HAS_BIAS=False), 4, 4)
     compile_(gemv._gemv_kernel, "fp32", dict(dot, BLOCK_N=16, HAS_BIAS=True), 4, 3)  # exact fp32: FMAs, no MMA
     assert "ld.global.v4" in compile_(gemv._gemv_silu_mul_kernel, "fp16", row, 8, 1)
     assert "mma" in compile_(gemv._gemv_silu_mul_kernel, "bf16", dict(dot, BLOCK_N=32), 4, 4)
+    assert "ld.global.v4" in compile_(gemv._gemv_kernel, "bf16", dict(row, **normed, HAS_BIAS=False), 4, 1)
+    assert "mma" in compile_(gemv._gemv_kernel, "bf16", dict(dot, **normed, HAS_BIAS=True), 4, 4)
+    assert "ld.global.v4" in compile_(gemv._gemv_silu_mul_kernel, "bf16", dict(row, NORM=True), 8, 1)
+    assert "mma" in compile_(gemv._gemv_silu_mul_kernel, "bf16", dict(dot, **normed, BLOCK_N=32), 4, 4)
     """
 )
 
@@ -109,7 +158,7 @@ def test_gemv_kernels_compile_for_sm90():
     if not triton_available():
         pytest.skip("triton is not installed")
     out = run_python(SM90_COMPILE)
-    assert out.count("compiled") == 5, out
+    assert out.count("compiled") == 9, out
 
 
 # ---------------------------------------------------------------- the switch
@@ -238,6 +287,123 @@ def test_gemv_is_taken_exactly_under_its_conditions(gemv_off_after, monkeypatch)
     assert torch.equal(logits, F.linear(x16[:2], head.weight).float())
 
 
+# ---------------------------------------------------------------- the pre-norm folded in
+
+DECODER_LAYER_FUSED = textwrap.dedent(
+    """
+    import torch
+    from transformers import LlamaConfig
+    from baton.engine.layers import custom_op, gemm
+    from baton.engine.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
+    from baton.engine.triton_ops import gemv as gemv_mod
+
+    torch.manual_seed(0)
+    bf = torch.bfloat16
+    cfg = LlamaConfig(hidden_size=96, intermediate_size=160, num_attention_heads=4, num_key_value_heads=2,
+                      num_hidden_layers=1, rms_norm_eps=1e-5)
+    layer = LlamaDecoderLayer(cfg, LlamaAttention(cfg, 0, False, False), LlamaMLP(96, 160, "silu")).to(bf)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+        norm.weight.data = (1 + 0.3 * torch.randn(96)).to(bf)
+    # attention's core stubbed: q's columns through o_proj (the layer's seams are what is under test)
+    attn = layer.self_attn
+    attn._attend = lambda positions, qkv, fb: attn.o_proj(qkv[:, :attn.q_size].contiguous())
+    custom_op.bind_layer_ops(layer, "cpu")
+    gemm._GEMV_DEVICE = "cpu"  # the rule as on CUDA; the kernel is Triton's, interpreted
+    calls = []
+    real = gemv_mod.gemv_rmsnorm
+
+    def counting(x, residual, norm_weight, eps, weight, bias=None, silu_mul=False):
+        calls.append((x.shape[0], residual is not None, silu_mul, eps))
+        return real(x, residual, norm_weight, eps, weight, bias, silu_mul)
+
+    gemv_mod.gemv_rmsnorm = counting
+    torch.set_grad_enabled(False)
+    for rows in (1, 5):
+        hidden, residual = torch.randn(rows, 96).to(bf), torch.randn(rows, 96).to(bf)
+        for first in (True, False):  # the first layer has no residual yet
+            r = None if first else residual
+            gemm.set_small_batch_gemv(0)
+            want, want_res = layer(None, hidden, None if first else r.clone(), None)
+            gemm.set_small_batch_gemv(16)
+            calls.clear()
+            got, got_res = layer(None, hidden, r, None)
+            assert calls == [(rows, not first, False, 1e-5), (rows, True, True, 1e-5)], calls
+            err = ((got.float() - want.float()).abs() / want.float().abs().clamp_min(1)).max().item()
+            assert err <= 8 * 2 ** -7, (rows, first, err)
+            res_err = ((got_res.float() - want_res.float()).abs() / want_res.float().abs().clamp_min(1)).max()
+            assert res_err <= 4 * 2 ** -7, (rows, first, res_err)  # the attention output it adds differs too
+            if r is not None:
+                assert torch.equal(r, residual), "the caller's residual is not written"
+            print("layer", rows, first, err)
+    gemm.set_small_batch_gemv(16, fuse_norms=False)
+    calls.clear()
+    layer(None, hidden, residual.clone(), None)
+    assert calls == [], "fuse_norms=False keeps the norms' own kernels"
+    print("FUSED LAYER OK")
+    """
+)
+
+
+def test_decoder_layer_folds_its_norms_into_the_gemv_under_the_interpreter():
+    """A Llama decoder layer with the GEMV on: both norms go into their linears' kernels (qkv_proj;
+    gate_up with silu * up), with and without an incoming residual, 1 and 5 rows; the real kernel
+    (interpreted, bfloat16) against the same layer with the GEMV off within bfloat16 roundings (the
+    interpreter truncates), the residual stream within four (it adds the attention output, which
+    differs by the first kernel's roundings), the caller's residual untouched."""
+    if not triton_available():
+        pytest.skip("triton is not installed")
+    out = run_python(DECODER_LAYER_FUSED, interpret=True)
+    assert "FUSED LAYER OK" in out and out.count("layer ") == 4, out
+
+
+def test_norm_linear_fuses_exactly_under_its_conditions(gemv_off_after, monkeypatch):
+    """layers/norm_linear.py's rule (the GEMV's rule pointed at cpu): a plain RMSNorm bound to a fused
+    path before a linear the GEMV takes; not the zero-centred norm, an Identity (EAGLE's first layer),
+    the reference ops, a norm of another dtype, silu * up with a bias, more rows than the GEMV takes,
+    or fuse_norms=False. Off the fused path it is the norm, then the linear, bit for bit."""
+    if not triton_available():
+        pytest.skip("triton is not installed")
+    from baton.engine.distributed.parallel_state import TpGroup
+    from baton.engine.layers import norm_linear as nl
+    from baton.engine.layers.activation import GatedAct
+    from baton.engine.layers.layernorm import RMSNorm, ZeroCenteredRMSNorm
+    from baton.engine.layers.linear import MergedColumnLinear, even_parts
+
+    monkeypatch.setattr(gemm, "_GEMV_DEVICE", "cpu")
+    bf = torch.bfloat16
+    norm, zc = RMSNorm(32).to(bf), ZeroCenteredRMSNorm(32).to(bf)
+    for n in (norm, zc):
+        n.bind("cpu", True)
+    linear = torch.nn.Linear(32, 12, bias=False).to(bf)
+    gate_up = MergedColumnLinear(32, even_parts([24, 24], TpGroup()), bias=False).to(bf)
+    biased = MergedColumnLinear(32, even_parts([24, 24], TpGroup()), bias=True).to(bf)
+    silu = GatedAct("silu")
+    x, r = torch.randn(4, 32).to(bf), torch.randn(4, 32).to(bf)
+    gemm.set_small_batch_gemv(16)
+    assert nl.fusable(norm, linear, x, r) and nl.fusable(norm, linear, x, None)
+    assert nl.fusable(norm, gate_up, x, r, silu)
+    assert not nl.fusable(zc, linear, x, r)
+    assert not nl.fusable(torch.nn.Identity(), linear, x, None)
+    assert not nl.fusable(norm, biased, x, r, silu)
+    assert not nl.fusable(norm, linear, torch.randn(17, 32).to(bf), None)
+    assert not nl.fusable(norm, linear, x, r.float())
+    assert not nl.fusable(RMSNorm(32), linear, x, r)  # a float32 norm weight: the norm's own op
+    norm.bind("cpu", False)
+    assert not nl.fusable(norm, linear, x, r)  # --disable-fused-ops
+    norm.bind("cpu", True)
+    gemm.set_small_batch_gemv(16, fuse_norms=False)
+    assert not nl.fusable(norm, linear, x, r)
+    gemm.set_small_batch_gemv(0)
+    assert not nl.fusable(norm, linear, x, r)
+    y, res = nl.norm_linear(norm, gate_up, x, r.clone(), silu)  # unfused: the ops in order
+    h, want_res = norm.forward_native(x, r.clone())
+    assert torch.equal(res, want_res) and torch.equal(y, gate_up.gated(h, silu))
+    y, res = nl.norm_linear(zc, linear, x, None)
+    assert res is x and torch.equal(y, linear(zc.forward_native(x)))
+
+
 # ---------------------------------------------------------------- CUDA
 
 @pytest.mark.gpu
@@ -296,10 +462,49 @@ def test_gemv_on_cuda_matches_without_a_sync_and_in_a_graph():
     close(a16, silu_ref(x16), "gemv_silu_mul replayed", rel=2 ** -6)
     close(fresh, F.linear(x1.float(), w_new.float(), b_new.float()), "a shape first met in the capture")
 
+    # the pre-norm folded in (gemv_rmsnorm): against the fp32 norm and product, two roundings (x times
+    # the norm weight is rounded for tl.dot), silu * up four; the residual stream exactly torch's add
+    from baton.engine.triton_ops.gemv import gemv_rmsnorm
+
+    nw, eps = (1 + 0.3 * torch.randn(k, generator=g, device="cuda")).to(bf), 1e-5
+
+    def normed(x, r):
+        h = (x + r).float()
+        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * nw.float()
+
+    def check_normed(got, x, r, what):
+        (y, h), (act, h2) = got
+        assert torch.equal(h, x + r) and torch.equal(h2, x + r), what
+        close(y, F.linear(normed(x, r), w.float(), b.float()), what, rel=2 * 2 ** -7)
+        gu = F.linear(normed(x, r), w13.float()).to(bf).float()
+        close(act, (F.silu(gu[:, :inter]).to(bf).float() * gu[:, inter:]).to(bf), what + " silu", rel=4 * 2 ** -7)
+
+    rs = {m: rand(m, k) for m in xs}
+    for m, x in xs.items():  # tunes
+        check_normed((gemv_rmsnorm(x, rs[m], nw, eps, w, b), gemv_rmsnorm(x, rs[m], nw, eps, w13, silu_mul=True)),
+                     x, rs[m], f"gemv_rmsnorm {m}")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        outs = {m: (gemv_rmsnorm(x, rs[m], nw, eps, w, b), gemv_rmsnorm(x, rs[m], nw, eps, w13, silu_mul=True))
+                for m, x in xs.items()}
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for m, got in outs.items():
+        check_normed(got, xs[m], rs[m], f"gemv_rmsnorm {m}, no sync")
+    graph = torch.cuda.CUDAGraph()
+    r16 = rs[16].clone()
+    with torch.cuda.graph(graph):
+        got16 = (gemv_rmsnorm(x16, r16, nw, eps, w, b), gemv_rmsnorm(x16, r16, nw, eps, w13, silu_mul=True))
+    x16.copy_(rand(16, k))
+    r16.copy_(rand(16, k))
+    graph.replay()
+    check_normed(got16, x16, r16, "gemv_rmsnorm replayed")
+
 
 def test_bench_step_variants_set_the_switch(gemv_off_after, monkeypatch):
     """`baton bench step`: triton-gemv switches the GEMV on for 1..64 rows before its graphs are
-    captured; every other variant switches it off again (the runner's GPU parts stubbed out)."""
+    captured, its norms folded in (triton-gemv-own-norms: not); every other variant switches it off
+    again (the runner's GPU parts stubbed out)."""
     if not triton_available():
         pytest.skip("triton is not installed")
     import dataclasses
@@ -309,11 +514,11 @@ def test_bench_step_variants_set_the_switch(gemv_off_after, monkeypatch):
     from baton.engine.layers import attention, custom_op
     from baton.engine.model_executor import cuda_graph_runner
 
-    seen: list[int] = []
+    seen: list[tuple[int, bool]] = []
 
     class Graphs:  # the capture: what the switch is when the graphs (and their warm-ups) are made
         def __init__(self, runner, max_bs):
-            seen.append(gemm.small_batch_gemv_rows())
+            seen.append((gemm.small_batch_gemv_rows(), gemm.norms_fused()))
 
     @dataclasses.dataclass
     class Args:
@@ -327,8 +532,10 @@ def test_bench_step_variants_set_the_switch(gemv_off_after, monkeypatch):
     monkeypatch.setattr(cuda_graph_runner, "CudaGraphRunner", Graphs)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     runner = types.SimpleNamespace(model=None, device="cuda", attn_backend=backend)
-    names = ["triton-gemv", "fused", "triton-gemv", "reference-ops", "triton-gemv", "other-tensor-cores"]
+    names = ["triton-gemv", "fused", "triton-gemv-own-norms", "reference-ops", "triton-gemv", "other-tensor-cores"]
     descriptions = [step._set_variant(runner, Args(), name, 64) for name in names]
-    assert seen == [64, 0, 64, 0, 64, 0] and gemm.small_batch_gemv_rows() == 0
-    assert "GEMV for 1..64 rows" in descriptions[0] and "GEMV" not in descriptions[1]
+    assert [rows for rows, _ in seen] == [64, 0, 64, 0, 64, 0] and gemm.small_batch_gemv_rows() == 0
+    assert [fold for rows, fold in seen if rows] == [True, False, True]
+    assert "GEMV for 1..64 rows, norms folded in" in descriptions[0] and "GEMV" not in descriptions[1]
+    assert "norms own kernels" in descriptions[2]
     assert set(names) == set(step.VARIANTS)

@@ -515,8 +515,10 @@ GREEDY_CASES = [("llama", "flashinfer", graph, overlap, page) for graph in (True
                                         ("qwen3_next", "flashinfer", True, True, 16),
                                         ("qwen3_5", "flashinfer", True, False, 1),
                                         ("qwen3_5", "flashinfer", False, True, 16),
-                                        # --small-batch-gemv-rows 16: the linears on the Triton GEMV
-                                        ("llama+gemv", "flashinfer", True, True, 16)]
+                                        # --small-batch-gemv-rows 16: the linears on the Triton GEMV, the
+                                        # pre-norms folded into qkv and gate|up (layers/norm_linear.py)
+                                        ("llama+gemv", "flashinfer", True, True, 16),
+                                        ("qwen3+gemv", "flashinfer", False, False, 1)]
 
 
 @pytest.mark.gpu
