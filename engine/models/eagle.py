@@ -25,7 +25,7 @@ target's: the same KV heads and head size.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable, Optional
+from typing import TYPE_CHECKING, Iterable
 
 import torch
 from torch import nn
