@@ -36,7 +36,7 @@ candidates (with their log-probabilities under the head) are the depth-1 leaves;
 head over every leaf, each leaf's k best next tokens join the candidates, scored by the sum of the
 head's log-probabilities along their path, and the k best of those are the next leaves; after the
 steps the tree is the n best candidates (n: the nodes the scheduler reserved, spec_info.tree_size),
-which holds every chosen node's parent, packed by depth then score (_Tree.best). The drafter writes
+which holds every chosen node's parent, packed by depth then score (_Growth.choose). The drafter writes
 the tree's parents into the step (spec.parents, the pass's tree mask) and its nodes' positions
 (L + depth). A chain is the same with k = 1. The leaves of a step sit at the same position in
 different slots, so a step reads the head's KV through a table of its own, one row per leaf (the
@@ -47,9 +47,10 @@ decode pass per step:
     step 2, k = 2     leaf a row   prefix .. | s(a1)  s(a)       a1: a's parent, expanded at step 1
                       leaf b row   prefix .. | s(b1)  s(b)       column L + j - 1: the leaf's own slot
 
-A batch of chains reads through the requests' own rows (column L + j - 1 holds node j - 1's slot) and
-keeps its drafts on the device until its steps are queued; a tree's step reads its leaves' candidates
-back to the host, where the tree is chosen (one sync per step).
+A batch of chains reads through the requests' own rows (column L + j - 1 holds node j - 1's slot). Both
+keep their drafts on the device until every step is queued: a tree's candidates, scores, next leaves
+and the slots of each leaf's path are chosen there (_Growth: stable sorts, so ties go to the candidate
+drafted first), and one read at the end brings the batch's trees to the host.
 
 After the verify pass the head runs over its nodes with the pass's tree mask, each node reading the
 token of its accepted child (nodes off the accepted path: any valid id), before the worker moves the
@@ -70,6 +71,7 @@ head's layers and LM head are collectives); scheduler/tp_step.py says what the f
 """
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -82,46 +84,6 @@ if TYPE_CHECKING:
     from baton.engine.model_executor.forward_batch import ForwardBatch
     from baton.engine.model_executor.model_runner import ModelRunner
     from baton.engine.speculative.spec_info import VerifyInput, VerifyOutput
-
-
-class _Tree:
-    """One request's drafted nodes while its tree grows: node 0 its last token, then every candidate in
-    the order drafted, each with its parent, token, depth and score (the sum of the head's
-    log-probabilities along its path); `slot`: where an expanded node's head KV went (an index into the
-    verify step's out_cache_loc)."""
-
-    def __init__(self) -> None:
-        self.parent, self.token, self.score, self.depth = [-1], [0], [0.0], [0]
-        self.slot: dict[int, int] = {}
-
-    def add(self, parent: int, token: int, score: float) -> int:
-        self.parent.append(parent)
-        self.token.append(token)
-        self.score.append(score)
-        self.depth.append(self.depth[parent] + 1)
-        return len(self.parent) - 1
-
-    def path_slots(self, node: int) -> list[int]:
-        """The slots of the node's ancestors from depth 1 down, then its own."""
-        path = []
-        while node:
-            path.append(self.slot[node])
-            node = self.parent[node]
-        return path[::-1]
-
-    def chain(self) -> list[int]:
-        """A chain's tokens (one child per node, drafted in order)."""
-        return self.token[1:]
-
-    def best(self, n: int) -> tuple[list[int], list[int]]:
-        """The n best nodes by score (ties: the shallower, then the one drafted first), so every chosen
-        node's parent is chosen too (a child's score is its parent's plus a log-probability <= 0), packed
-        by depth then score: (their tokens, parents [-1, ..])."""
-        chosen = sorted(range(1, len(self.parent)), key=lambda c: (-self.score[c], self.depth[c], c))[:n]
-        chosen.sort(key=lambda c: (self.depth[c], -self.score[c], c))
-        index = {0: 0, **{c: k + 1 for k, c in enumerate(chosen)}}
-        assert all(self.parent[c] in index for c in chosen), "a chosen node's parent was not chosen"
-        return [self.token[c] for c in chosen], [-1] + [index[self.parent[c]] for c in chosen]
 
 
 class HeadDrafter:
@@ -203,9 +165,9 @@ class HeadDrafter:
         may carry one)."""
         for i, (candidates, _, logps) in primes.items():
             n = min(len(candidates), self.topk)
-            self.tokens[rows[i], :n] = torch.tensor(candidates[:n], dtype=torch.int64, device=rows.device)
-            self.logp[rows[i], :n] = torch.tensor(logps[:n], dtype=torch.float32, device=rows.device)
-        idx = torch.tensor(list(primes), dtype=torch.int64, device=rows.device)
+            self.tokens[rows[i], :n] = _ints(candidates[:n], rows.device)
+            self.logp[rows[i], :n] = _ints(logps[:n], rows.device, torch.float32)
+        idx = _ints(list(primes), rows.device)
         self.hidden[rows[idx]] = torch.stack([p[1] for p in primes.values()]).to(self.hidden.device, self.hidden.dtype)
 
     @torch.inference_mode()
@@ -220,9 +182,9 @@ class HeadDrafter:
             return
         following = next_ids
         if next_prompt_ids is not None and any(t >= 0 for t in next_prompt_ids):
-            prompt = torch.tensor(next_prompt_ids, dtype=torch.int64, device=next_ids.device)
+            prompt = _ints(next_prompt_ids, next_ids.device)
             following = torch.where(prompt >= 0, prompt, next_ids)
-        ends = torch.tensor(fb.extend_seq_lens_cpu, dtype=torch.int64).cumsum(0).sub_(1).to(fb.input_ids.device)
+        ends = _ints(list(accumulate(fb.extend_seq_lens_cpu)), fb.input_ids.device).sub_(1)
         ids = fb.input_ids.roll(-1)  # each row's next token, but at each request's last row
         ids[ends] = following
         self._keep(fb.req_pool_indices, self._head(fb, ids, features)[ends])
@@ -243,8 +205,7 @@ class HeadDrafter:
         else:
             self._draft_trees(fb, spec, reqs)
         at = [spec.offsets[i] + 1 + t for i, d in enumerate(spec.drafts) for t in range(len(d))]
-        fb.input_ids[torch.tensor(at, dtype=torch.int64, device=dev)] = torch.tensor(
-            [t for d in spec.drafts for t in d], dtype=torch.int64, device=dev)
+        fb.input_ids[_ints(at, dev)] = _ints([t for d in spec.drafts for t in d], dev)
 
     def _draft_chains(self, fb: "ForwardBatch", spec: "VerifyInput", reqs: list[int]) -> None:
         """A batch of chains: step j drafts d[j + 1] from (d[j], the head's previous output) at position
@@ -253,15 +214,15 @@ class HeadDrafter:
         rows, prefix, pool = fb.req_pool_indices, fb.extend_prefix_lens_cpu, self.runner.req_to_token_pool
         dev = rows.device
         depth = [len(spec.drafts[i]) for i in reqs]
-        req_rows = rows[torch.tensor(reqs, dtype=torch.int64, device=dev)]
+        req_rows = rows[_ints(reqs, dev)]
         drafts = torch.zeros(len(reqs), max(depth), dtype=torch.int64, device=dev)
         drafts[:, 0] = self.tokens[req_rows, 0]
         out = self.hidden[req_rows]
         for j in range(1, max(depth)):
             sel = [n for n, d in enumerate(depth) if d > j]
-            idx = torch.tensor(sel, dtype=torch.int64, device=dev)
+            idx = _ints(sel, dev)
             seq_lens = [prefix[reqs[n]] + j for n in sel]
-            lens = torch.tensor(seq_lens, device=dev)
+            lens = _ints(seq_lens, dev)
             step = self.runner.make_forward_batch(
                 ForwardMode.DECODE, input_ids=drafts[idx, j - 1], positions=lens - 1, req_pool_indices=req_rows[idx],
                 seq_lens=lens, out_cache_loc=pool.req_to_token[req_rows[idx], lens - 1], seq_lens_cpu=seq_lens,
@@ -274,80 +235,74 @@ class HeadDrafter:
             spec.drafts[i][:] = tokens[:n]
 
     def _draft_trees(self, fb: "ForwardBatch", spec: "VerifyInput", reqs: list[int]) -> None:
-        """A batch with trees, grown best-first (module docstring; a chain request of the batch: width 1),
-        the candidates read back to the host once per step."""
+        """A batch with trees, grown best-first (module docstring; a chain request of the batch: width 1)
+        on the device: each step's leaves, their scores and the slots of their paths stay there (_Growth),
+        and one read at the end brings every request's tree to the host."""
         rows, prefix, offsets = fb.req_pool_indices, fb.extend_prefix_lens_cpu, spec.offsets
         dev = rows.device
-        width = {i: self.topk if spec.tree(i) is not None else 1 for i in reqs}
-        depth = {i: spec.depth(i) for i in reqs}
-        first = rows[torch.tensor(reqs, dtype=torch.int64, device=dev)]
-        first_ids, first_lp = self.tokens[first].tolist(), self.logp[first].tolist()
-        trees = {i: _Tree() for i in reqs}
-        leaves: list[tuple[int, int]] = []  # (request, node) to expand next, in lane order
-        for n, i in enumerate(reqs):
-            for b in range(width[i]):
-                leaves.append((i, trees[i].add(0, first_ids[n][b], first_lp[n][b])))
-        features = self.hidden[rows[torch.tensor([i for i, _ in leaves], dtype=torch.int64, device=dev)]]
-        for j in range(1, max(depth.values())):  # expand the leaves at depth j, at position L + j - 1
-            keep = [k for k, (i, _) in enumerate(leaves) if depth[i] > j]
-            lanes = [leaves[k] for k in keep]
-            features = features[torch.tensor(keep, dtype=torch.int64, device=dev)]
-            rank: dict[int, int] = {}
-            for i, node in lanes:  # its head KV goes to a scratch slot: one of the request's verify slots
-                trees[i].slot[node] = offsets[i] + (j - 1) * width[i] + rank.get(i, 0)
-                rank[i] = rank.get(i, 0) + 1
-            table = self._lane_table(fb, lanes, trees, j)
+        g = _Growth([self.topk if spec.tree(i) is not None else 1 for i in reqs], [spec.depth(i) for i in reqs], dev)
+        lanes = [(n, b) for n in range(len(reqs)) for b in range(g.width[n])]  # (request, rank): host-known
+        first = rows[_ints([reqs[n] for n, _ in lanes], dev)]
+        ranks = _ints([b for _, b in lanes], dev)
+        at = _ints([g.base[n] + b for n, b in lanes], dev)
+        g.token[at], g.score[at] = self.tokens[first, ranks], self.logp[first, ranks]
+        leaves, path, features = at, ranks[:, None], self.hidden[first]
+        for j in range(1, max(g.depth)):  # expand the leaves at depth j, at position L + j - 1
+            keep = [k for k, (n, _) in enumerate(lanes) if g.depth[n] > j]
+            if len(keep) < len(lanes):
+                kept = _ints(keep, dev)
+                lanes, leaves, path, features = [lanes[k] for k in keep], leaves[kept], path[kept], features[kept]
+            table = self._lane_table(fb, spec, reqs, g, lanes, path, j)
             lane_rows = torch.arange(len(lanes), device=dev)
-            seq_lens = [prefix[i] + j for i, _ in lanes]
-            lens = torch.tensor(seq_lens, device=dev)
-            ids = torch.tensor([trees[i].token[node] for i, node in lanes], dtype=torch.int64, device=dev)
+            seq_lens = [prefix[reqs[n]] + j for n, _ in lanes]
+            lens = _ints(seq_lens, dev)
+            ids = g.token[leaves]
             step = self.runner.make_forward_batch(
                 ForwardMode.DECODE, input_ids=ids, positions=lens - 1, req_pool_indices=lane_rows, seq_lens=lens,
                 out_cache_loc=table.req_to_token[lane_rows, lens - 1], seq_lens_cpu=seq_lens, req_to_token_pool=table)
             self.runner.attn_backend.init_forward_metadata(step)
             out = self._head(step, ids, features)
-            top = max(width[i] for i, _ in lanes)
+            top = max(g.width[n] for n, _ in lanes)
             child_ids, child_lp = self._predict(out, top, scores=top > 1)
-            child_ids = child_ids.tolist()
-            child_lp = child_lp.tolist() if child_lp is not None else [[0.0]] * len(lanes)
-            # each request's children join its candidates; its `width` best are the next leaves
-            children: dict[int, list[tuple[int, int]]] = {}
-            for k, (i, node) in enumerate(lanes):
-                for b in range(width[i]):
-                    child = trees[i].add(node, child_ids[k][b], trees[i].score[node] + child_lp[k][b])
-                    children.setdefault(i, []).append((child, k))
-            leaves, parent_lane = [], []
-            for i, kids in children.items():
-                best = sorted(kids, key=lambda c: -trees[i].score[c[0]])[:width[i]]  # stable: ties keep order
-                leaves += [(i, c) for c, _ in best]
-                parent_lane += [k for _, k in best]
-            features = out[torch.tensor(parent_lane, dtype=torch.int64, device=dev)]
+            child_scores = g.score[leaves][:, None] + (child_lp if child_lp is not None else 0.0)
+            g.add_children(lanes, j, leaves, child_ids, child_scores)
+            lanes, leaves, parent_lane, ranks = g.next_leaves(lanes, j)
+            if not lanes:
+                break
+            path = torch.cat([path[parent_lane], ranks[:, None]], dim=1)
+            features = out[parent_lane]
+        chosen = g.choose([len(spec.drafts[i]) for i in reqs])
+        for n, (tokens, parents) in enumerate(chosen):
+            i = reqs[n]
+            spec.drafts[i][:] = tokens
+            if parents is not None:
+                assert all(0 <= p < k for k, p in enumerate(parents[1:], 1)), "a chosen node's parent was not chosen"
+                spec.parents[i] = parents
         pos_at, pos = [], []
         for i in reqs:
-            if spec.tree(i) is None:
-                spec.drafts[i][:] = trees[i].chain()
-                continue
-            spec.drafts[i][:], spec.parents[i] = trees[i].best(len(spec.drafts[i]))
-            pos_at += [offsets[i] + j for j in range(len(spec.parents[i]))]
-            pos += [prefix[i] + d for d in node_depths(spec.parents[i])]
+            if spec.tree(i) is not None:
+                pos_at += [offsets[i] + j for j in range(len(spec.parents[i]))]
+                pos += [prefix[i] + d for d in node_depths(spec.parents[i])]
         if pos_at:
-            fb.positions[torch.tensor(pos_at, dtype=torch.int64, device=dev)] = torch.tensor(
-                pos, dtype=fb.positions.dtype, device=dev)
+            fb.positions[_ints(pos_at, dev)] = _ints(pos, dev, fb.positions.dtype)
 
-    def _lane_table(self, fb: "ForwardBatch", lanes: list[tuple[int, int]], trees: dict[int, "_Tree"],
-                    j: int) -> ReqToTokenPool:
+    def _lane_table(self, fb: "ForwardBatch", spec: "VerifyInput", reqs: list[int], g: "_Growth",
+                    lanes: list[tuple[int, int]], path: torch.Tensor, j: int) -> ReqToTokenPool:
         """The req_to_token table tree draft step j reads and writes through, one row per lane: the
         request's prefix, then in columns L .. L + j - 1 the slots its node's ancestors (depth 1 ..) and the
-        node itself (column L + j - 1, position L + j - 1) wrote the head's KV to."""
+        node itself (column L + j - 1, position L + j - 1) wrote the head's KV to: the node at depth d of
+        rank r among its step's lanes wrote to the request's verify slot (d - 1) * width + r (`path`
+        holds those ranks, [lanes, j], on the device)."""
         pool, rows, prefix = self.runner.req_to_token_pool, fb.req_pool_indices, fb.extend_prefix_lens_cpu
-        req = torch.tensor([i for i, _ in lanes], dtype=torch.int64, device=rows.device)
-        width = max(prefix[i] + j for i, _ in lanes)
+        dev = rows.device
+        req = _ints([reqs[n] for n, _ in lanes], dev)
+        width = max(prefix[reqs[n]] + j for n, _ in lanes)
         table = ReqToTokenPool(len(lanes), width, pool.device)
         table.req_to_token.copy_(pool.req_to_token[rows[req], :width])
-        at = [(n, prefix[i] + col, src) for n, (i, node) in enumerate(lanes)
-              for col, src in enumerate(trees[i].path_slots(node))]
-        lane, col, src = (torch.tensor(x, dtype=torch.int64, device=rows.device) for x in zip(*at))
-        table.req_to_token[lane, col] = fb.out_cache_loc[src]
+        cols = _ints([[prefix[reqs[n]] + d for d in range(j)] for n, _ in lanes], dev)
+        first_slot = _ints([[spec.offsets[reqs[n]] + d * g.width[n] for d in range(j)] for n, _ in lanes], dev)
+        lane = torch.arange(len(lanes), device=dev)[:, None].expand(-1, j)
+        table.req_to_token[lane, cols] = fb.out_cache_loc[first_slot + path]
         return table
 
     @torch.inference_mode()
@@ -365,6 +320,126 @@ class HeadDrafter:
                     at.append(off + node)
                     following.append(spec.drafts[i][child - 1])
             kept.append(off + path[-1])
-        ids[torch.tensor(at + kept, dtype=torch.int64, device=ids.device)] = torch.tensor(
-            following + out.last_tokens, dtype=torch.int64, device=ids.device)
-        self._keep(fb.req_pool_indices, self._head(fb, ids, features)[torch.tensor(kept, device=ids.device)])
+        ids[_ints(at + kept, ids.device)] = _ints(following + out.last_tokens, ids.device)
+        self._keep(fb.req_pool_indices, self._head(fb, ids, features)[_ints(kept, ids.device)])
+
+
+def _ints(values: list, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """A host list on the device. On CUDA through pinned memory without waiting: a copy from pageable
+    memory synchronizes the stream, which would stall the host on the head's passes queued before."""
+    t = torch.tensor(values, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else t.to(device)
+
+
+class _Growth:
+    """The batch's trees while they grow, on the device. Request n's candidates sit at base[n] + a
+    local index: its width first drafts, then each step's children, lane after lane (its leaves in rank
+    order), each lane's children in the head's order, so the local order is the order drafted and
+    deepens monotonically. Per candidate: token, score (the sum of the head's log-probabilities along
+    its path; -inf where nothing was drafted) and parent (a global index; -1: the root).
+
+    What a tree is: the best-first rule of the module docstring. Ties go to the earlier candidate
+    (stable sorts over the drafted order): the next leaves among a step's children, and the n chosen
+    nodes among all candidates (the shallower first, since the local order deepens), packed by depth,
+    then score, then drafted order."""
+
+    def __init__(self, width: list[int], depth: list[int], device: torch.device) -> None:
+        self.width, self.depth, self.device = width, depth, device
+        self.size = [w + (d - 1) * w * w for w, d in zip(width, depth)]
+        self.base = [sum(self.size[:n]) for n in range(len(width))]
+        total = sum(self.size)
+        self.token = torch.zeros(total, dtype=torch.int64, device=device)
+        self.score = torch.full((total,), float("-inf"), dtype=torch.float32, device=device)
+        self.parent = torch.full((total,), -1, dtype=torch.int64, device=device)
+
+    def block(self, n: int, j: int) -> int:
+        """Where request n's children of draft step j begin (global)."""
+        w = self.width[n]
+        return self.base[n] + w + (j - 1) * w * w
+
+    def add_children(self, lanes: list[tuple[int, int]], j: int, leaves: torch.Tensor, ids: torch.Tensor,
+                     scores: torch.Tensor) -> None:
+        """Step j's children: lane k's c-th best next token (c < its request's width) with its score."""
+        top = ids.shape[1]
+        at, src, lane = [], [], []
+        for k, (n, b) in enumerate(lanes):
+            w = self.width[n]
+            for c in range(w):
+                at.append(self.block(n, j) + b * w + c)
+                src.append(k * top + c)
+                lane.append(k)
+        at, src, lane = (_ints(x, self.device) for x in (at, src, lane))
+        self.token[at] = ids.reshape(-1)[src]
+        self.score[at] = scores.reshape(-1)[src]
+        self.parent[at] = leaves[lane]
+
+    def next_leaves(self, lanes: list[tuple[int, int]],
+                    j: int) -> tuple[list[tuple[int, int]], torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The leaves step j + 1 expands: each request still that deep keeps its width best children of
+        step j (ties: the one drafted first), in that order as ranks 0 ... Returns (their lanes, their
+        global indices, the lane of step j each came from, their ranks)."""
+        lane_of = {}  # request -> its first lane at step j
+        for k, (n, _) in enumerate(lanes):
+            lane_of.setdefault(n, k)
+        going = [n for n in lane_of if self.depth[n] > j + 1]
+        new_lanes = [(n, b) for n in going for b in range(self.width[n])]
+        if not going:
+            return [], None, None, None
+        leaves = torch.empty(len(new_lanes), dtype=torch.int64, device=self.device)
+        parent_lane = torch.empty(len(new_lanes), dtype=torch.int64, device=self.device)
+        starts, pos = {}, 0
+        for n in going:
+            starts[n] = pos
+            pos += self.width[n]
+        for w in sorted({self.width[n] for n in going}):  # one sort per width: [requests, w * w]
+            group = [n for n in going if self.width[n] == w]
+            idx = _ints([self.block(n, j) for n in group], self.device)[:, None] + torch.arange(w * w,
+                                                                                            device=self.device)
+            order = torch.sort(self.score[idx], dim=1, descending=True, stable=True).indices[:, :w]
+            dest = _ints([[starts[n] + b for b in range(w)] for n in group], self.device)
+            leaves[dest] = idx.gather(1, order)
+            parent_lane[dest] = _ints([lane_of[n] for n in group], self.device)[:, None] + order // w
+        ranks = _ints([b for _, b in new_lanes], self.device)
+        return new_lanes, leaves, parent_lane, ranks
+
+    def choose(self, nodes: list[int]) -> list[tuple[list[int], Optional[list[int]]]]:
+        """Per request: (its drafts, parents [-1, ..]); a request of width 1 drafts its chain (parents
+        None). A tree is its nodes[n] best candidates, packed by depth, then score, then drafted order.
+        One read from the device for the whole batch."""
+        dev, reads = self.device, []
+        trees = [n for n in range(len(self.width)) if self.width[n] > 1]
+        for n in range(len(self.width)):
+            if self.width[n] == 1:
+                reads.append(self.token[self.base[n]:self.base[n] + self.size[n]])
+        if trees:
+            w = self.width[trees[0]]
+            assert all(self.width[n] == w for n in trees), "a batch's trees share the engine's topk"
+            most, chosen_n = max(self.size[n] for n in trees), max(nodes[n] for n in trees)
+            local = torch.arange(most, device=dev)
+            base = _ints([self.base[n] for n in trees], dev)[:, None]
+            valid = local[None, :] < _ints([self.size[n] for n in trees], dev)[:, None]
+            idx = torch.where(valid, base + local, base)
+            scores = torch.where(valid, self.score[idx], float("-inf"))
+            best = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :chosen_n]  # local
+            depth = torch.where(best < w, 1, 2 + (best - w) // (w * w))
+            wanted = torch.arange(chosen_n, device=dev)[None, :] < _ints([nodes[n] for n in trees], dev)[:, None]
+            depth = torch.where(wanted, depth, most + 1)  # past a request's count: to the end
+            packed = best.gather(1, torch.sort(depth, dim=1, stable=True).indices)
+            parent = self.parent[base + packed]  # global; -1 for the root
+            index = torch.zeros_like(idx).scatter_(1, packed,
+                                                   torch.arange(1, chosen_n + 1, device=dev).expand_as(packed))
+            parents = torch.where(parent < 0, 0, index.gather(1, (parent - base).clamp(min=0)))
+            reads += [self.token[base + packed].reshape(-1), parents.reshape(-1)]
+        flat = torch.cat(reads).tolist() if reads else []
+        out: list = [None] * len(self.width)
+        at = 0
+        for n in range(len(self.width)):
+            if self.width[n] == 1:
+                out[n] = (flat[at:at + self.size[n]], None)
+                at += self.size[n]
+        if trees:
+            k = max(nodes[n] for n in trees)
+            tokens, parents = flat[at:at + k * len(trees)], flat[at + k * len(trees):]
+            for t, n in enumerate(trees):
+                out[n] = (tokens[t * k:t * k + nodes[n]], [-1] + parents[t * k:t * k + nodes[n]])
+        return out

@@ -30,6 +30,73 @@ if TYPE_CHECKING:
     from baton.engine.scheduler.req import Req
 
 
+# ---------------------------------------------------------------------------- a head's tree on the device
+
+def test_head_tree_growth_breaks_ties_by_drafted_order():
+    """head_drafter._Growth, the best-first rule on the device, against the rule written out on lists:
+    the next leaves are a request's width best children (ties: the one drafted first), the tree the n
+    best candidates by (score, shallower, drafted first), packed by (depth, score, drafted first). Scores
+    with many ties (quarter steps), two requests of different depths, one chain of width 1 beside them."""
+    from baton.engine.speculative.head_drafter import _Growth
+
+    gen = torch.Generator().manual_seed(3)
+    w, depths = 3, [3, 2, 3]
+    widths = [w, w, 1]
+    for trial in range(20):
+        g = _Growth(widths, depths, torch.device("cpu"))
+        ref = [dict(parent=[], token=[], score=[], depth=[]) for _ in widths]  # drafted order, per request
+
+        def draft(n, parent_local, token, score):
+            r = ref[n]
+            r["parent"].append(parent_local)
+            r["token"].append(token)
+            r["score"].append(score)
+            r["depth"].append(1 if parent_local < 0 else r["depth"][parent_local] + 1)
+
+        lanes = [(n, b) for n in range(3) for b in range(widths[n])]
+        first = (torch.randint(-4, 1, (len(lanes),), generator=gen) / 4.0).tolist()
+        tok = torch.randint(0, 50, (len(lanes),), generator=gen).tolist()
+        at = [g.base[n] + b for n, b in lanes]
+        g.token[torch.tensor(at)], g.score[torch.tensor(at)] = torch.tensor(tok), torch.tensor(first)
+        for (n, _), t, sc in zip(lanes, tok, first):
+            draft(n, -1, t, sc)
+        leaves, ref_leaves = torch.tensor(at), {n: list(range(widths[n])) for n in range(3)}
+        for j in range(1, max(depths)):
+            keep = [k for k, (n, _) in enumerate(lanes) if depths[n] > j]
+            lanes, leaves = [lanes[k] for k in keep], leaves[torch.tensor(keep)]
+            top = w
+            ids = torch.randint(0, 50, (len(lanes), top), generator=gen)
+            lp = torch.randint(-3, 1, (len(lanes), top), generator=gen) / 4.0
+            scores = g.score[leaves][:, None] + lp
+            g.add_children(lanes, j, leaves, ids, scores)
+            children = {}
+            for k, (n, b) in enumerate(lanes):
+                parent = ref_leaves[n][b]
+                for c in range(widths[n]):
+                    draft(n, parent, int(ids[k, c]), ref[n]["score"][parent] + float(lp[k, c]))
+                    children.setdefault(n, []).append(len(ref[n]["token"]) - 1)
+            lanes, leaves, parent_lane, ranks = g.next_leaves(lanes, j)
+            ref_leaves = {n: sorted(kids, key=lambda c: -ref[n]["score"][c])[:widths[n]]  # sorted() is stable
+                          for n, kids in children.items() if depths[n] > j + 1}
+            assert [(n, b) for n in ref_leaves for b in range(widths[n])] == lanes
+            if lanes:
+                got = [int(x) - g.base[n] for x, (n, _) in zip(leaves, lanes)]
+                assert got == [c for n in ref_leaves for c in ref_leaves[n]], (trial, j)
+        nodes = [6, 4, depths[2]]
+        chosen = g.choose(nodes)
+        for n in range(3):
+            r = ref[n]
+            if widths[n] == 1:
+                assert chosen[n] == (r["token"], None)
+                continue
+            best = sorted(range(len(r["token"])), key=lambda c: (-r["score"][c], r["depth"][c], c))[:nodes[n]]
+            best.sort(key=lambda c: (r["depth"][c], -r["score"][c], c))
+            index = {c: k + 1 for k, c in enumerate(best)}
+            want = ([r["token"][c] for c in best], [-1] + [0 if r["parent"][c] < 0 else index[r["parent"][c]]
+                                                             for c in best])
+            assert chosen[n] == want, (trial, n, chosen[n], want)
+
+
 # ---------------------------------------------------------------------------- topology
 def test_a_chain_given_as_parents_is_a_chain_and_a_tree_keeps_its_parents():
     chains = VerifyInput([[5, 6], [7]], parents=[[-1, 0, 1], None])
