@@ -200,17 +200,21 @@ class HeadDrafter:
         reqs = [i for i, d in enumerate(spec.drafts) if d]
         if not reqs:
             return
-        if spec.parents is None:
-            self._draft_chains(fb, spec, reqs)
-        else:
-            self._draft_trees(fb, spec, reqs)
         at = [spec.offsets[i] + 1 + t for i, d in enumerate(spec.drafts) for t in range(len(d))]
+        if spec.parents is None:  # the drafts go into the pass on the device; the host reads them later
+            drafts = self._draft_chains(fb, spec, reqs)
+            fb.input_ids[_ints(at, dev)] = drafts[_ints([n for n, i in enumerate(reqs) for _ in spec.drafts[i]], dev),
+                                                  _ints([t for i in reqs for t in range(len(spec.drafts[i]))], dev)]
+            spec.pending = (reqs, drafts)
+            return
+        self._draft_trees(fb, spec, reqs)
         fb.input_ids[_ints(at, dev)] = _ints([t for d in spec.drafts for t in d], dev)
 
-    def _draft_chains(self, fb: "ForwardBatch", spec: "VerifyInput", reqs: list[int]) -> None:
+    def _draft_chains(self, fb: "ForwardBatch", spec: "VerifyInput", reqs: list[int]) -> torch.Tensor:
         """A batch of chains: step j drafts d[j + 1] from (d[j], the head's previous output) at position
-        L + j - 1 through the requests' own rows (column L + j - 1 holds node j - 1's slot); the drafts stay
-        on the device until all steps are queued."""
+        L + j - 1 through the requests' own rows (column L + j - 1 holds node j - 1's slot). Returns the
+        drafts [len(reqs), deepest] on the device: nothing is read back before the verify pass is queued
+        (VerifyInput.settle reads them with its result)."""
         rows, prefix, pool = fb.req_pool_indices, fb.extend_prefix_lens_cpu, self.runner.req_to_token_pool
         dev = rows.device
         depth = [len(spec.drafts[i]) for i in reqs]
@@ -231,8 +235,7 @@ class HeadDrafter:
             step_out = self._head(step, step.input_ids, out[idx])
             drafts[idx, j] = self._predict(step_out)[0][:, 0]
             out[idx] = step_out
-        for i, n, tokens in zip(reqs, depth, drafts.tolist()):
-            spec.drafts[i][:] = tokens[:n]
+        return drafts
 
     def _draft_trees(self, fb: "ForwardBatch", spec: "VerifyInput", reqs: list[int]) -> None:
         """A batch with trees, grown best-first (module docstring; a chain request of the batch: width 1)
@@ -310,6 +313,7 @@ class HeadDrafter:
         """After a verify pass and its acceptance (`out`), before the accepted nodes' KV moves: the head
         over the pass's positions, each node on a request's accepted path reading the next one's token,
         the last accepted node the target's token after it."""
+        spec.settle()
         features = self._features(fb, hidden)
         ids = fb.input_ids.roll(-1)  # a chain's next token; rows off the accepted path: any valid id
         at, following, kept = [], [], []

@@ -96,6 +96,9 @@ class VerifyInput:
     primes: Optional[dict[int, tuple[tuple[int, ...], Any, tuple[float, ...]]]] = None
     # the first token row of each request in the batch's packed tokens (filled in __post_init__)
     offsets: list[int] = field(init=False)
+    # a draft head's chains still on the device: (batch indices, drafts [n, deepest]); settle() reads
+    # them into `drafts` (whose lengths are right already), after the verify pass is queued
+    pending: Optional[tuple[list[int], Any]] = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.offsets, start = [], 0
@@ -109,6 +112,14 @@ class VerifyInput:
                                      and all(0 <= q < j for j, q in enumerate(p) if j)), "a tree's parents: -1, then < j"
             parents = [None if p is None or is_chain(p) else p for p in self.parents]
             self.parents = parents if any(p is not None for p in parents) else None
+
+    def settle(self) -> None:
+        """The drafts' values on the host (a draft head's chains: one read, once)."""
+        if self.pending is not None:
+            reqs, drafts = self.pending
+            self.pending = None
+            for i, tokens in zip(reqs, drafts.tolist()):
+                self.drafts[i][:] = tokens[:len(self.drafts[i])]
 
     @property
     def num_draft_tokens(self) -> int:

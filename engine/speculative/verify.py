@@ -53,6 +53,8 @@ def verify_drafts(logits: torch.Tensor, spec: VerifyInput, states: list["ReqSamp
     """`logits`: [num_tokens, vocab] float32, one row per token of the verify batch (spec_info.py)."""
     from baton.engine.layers.sampler import top_logprobs
 
+    spec.settle()
+
     greedy_ids = None
     if any(s.params.is_greedy and not needs_processing(s) for s in states):
         greedy_ids = torch.argmax(logits, dim=-1).tolist()  # [num_tokens]

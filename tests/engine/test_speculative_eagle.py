@@ -80,6 +80,34 @@ def test_the_drafted_chain_is_the_eagle_heads_own(target, drafts, kind):
     assert spec_info(h)["speculative_algorithm"] == kind and h.scheduler.check_memory_integrity()
 
 
+def test_chain_drafts_stay_on_the_device_until_the_verify_pass_is_queued(target, drafts):
+    """A head's chains are read back with the verify result, not before: when the verify pass runs, its
+    VerifyInput still holds them on the device only (`pending`; the host lists hold placeholders), and
+    the tokens are HF's with drafts accepted."""
+    h = harness_for(target, "plain", max_total_tokens=2048, **eagle("EAGLE", drafts("EAGLE-trained")))
+    worker = h.scheduler.worker
+    runner, drafter, seen = worker.model_runner, worker.drafter, []
+    draft, forward = drafter.draft, runner.forward
+    last_spec = []
+
+    def drafting(fb, spec):
+        last_spec[:] = [spec]
+        draft(fb, spec)
+
+    def forwarding(fb):
+        if fb.spec_verify and last_spec and any(last_spec[0].drafts):
+            spec = last_spec[0]
+            seen.append((spec.pending is not None, all(t == 0 for d in spec.drafts for t in d)))
+        return forward(fb)
+
+    drafter.draft, runner.forward = drafting, forwarding
+    prompt = prompts()[0]
+    h.submit("a", prompt, max_new_tokens=MAX_NEW, ignore_eos=True)
+    assert h.run_until_idle()["a"].ids == hf_greedy(target, prompt, MAX_NEW, ignore_eos=True)
+    assert seen and all(p and placeholders for p, placeholders in seen), seen
+    assert spec_info(h)["spec_accept_length"] > 1.5 and h.scheduler.check_memory_integrity()
+
+
 @pytest.mark.parametrize("kind,loop,page_size", [("EAGLE-trained", "overlap", 16), ("EAGLE3", "inline", 4),
                                                  ("EAGLE-trained", "plain", 1)])
 def test_eagle_greedy_equals_hf(target, drafts, kind, loop, page_size):
