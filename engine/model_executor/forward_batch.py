@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 
@@ -65,9 +65,10 @@ class ForwardBatch:
     # EAGLE-3: the residual streams entering the layers its draft reads, concatenated (models/eagle.py)
     aux_hidden: Optional[torch.Tensor] = None
     # a speculative verify step with tree drafts: per request, its nodes' parents where its draft is a
-    # tree, else None (speculative/spec_info.py VerifyInput.parents); the attention masks each node to
-    # the prefix and its ancestors
-    tree_parents: Optional[list[Optional[list[int]]]] = None
+    # tree, else None (speculative/spec_info.py VerifyInput.parents), or a draft head's tree as its
+    # ancestor matrix on the device (attention/masks.py); the attention masks each node to the prefix
+    # and its ancestors
+    tree_parents: Optional[list[Optional[Union[list[int], torch.Tensor]]]] = None
     # a speculative verify step: each request an extend of its last token and its drafts (verify graphs)
     spec_verify: bool = False
 

@@ -36,9 +36,9 @@ candidates (with their log-probabilities under the head) are the depth-1 leaves;
 head over every leaf, each leaf's k best next tokens join the candidates, scored by the sum of the
 head's log-probabilities along their path, and the k best of those are the next leaves; after the
 steps the tree is the n best candidates (n: the nodes the scheduler reserved, spec_info.tree_size),
-which holds every chosen node's parent, packed by depth then score (_Growth.choose). The drafter writes
-the tree's parents into the step (spec.parents, the pass's tree mask) and its nodes' positions
-(L + depth). A chain is the same with k = 1. The leaves of a step sit at the same position in
+which holds every chosen node's parent, packed by depth then score (_Growth.choose). The drafter gives
+the pass the tree's shape (its ancestor matrix as fb.tree_parents: the tree mask) and its nodes'
+positions (L + depth); spec.parents gets it with the verify result. A chain is the same with k = 1. The leaves of a step sit at the same position in
 different slots, so a step reads the head's KV through a table of its own, one row per leaf (the
 request's prefix, then the slots its path's nodes were expanded in: scratch slots, k per step, among
 the verify step's own, which the verify pass then overwrites), all leaves of all requests in one
@@ -48,9 +48,10 @@ decode pass per step:
                       leaf b row   prefix .. | s(b1)  s(b)       column L + j - 1: the leaf's own slot
 
 A batch of chains reads through the requests' own rows (column L + j - 1 holds node j - 1's slot). Both
-keep their drafts on the device until every step is queued: a tree's candidates, scores, next leaves
-and the slots of each leaf's path are chosen there (_Growth: stable sorts, so ties go to the candidate
-drafted first), and one read at the end brings the batch's trees to the host.
+keep their drafts on the device until the verify pass is queued: a tree's candidates, scores, next
+leaves and the slots of each leaf's path are chosen there (_Growth: stable sorts, so ties go to the
+candidate drafted first); the drafts go into the pass there (_into_pass), and VerifyInput.settle reads
+them (one read) once the pass is queued.
 
 After the verify pass the head runs over its nodes with the pass's tree mask, each node reading the
 token of its accepted child (nodes off the accepted path: any valid id), before the worker moves the
@@ -78,7 +79,6 @@ import torch
 
 from baton.engine.mem_cache.memory_pool import ReqToTokenPool
 from baton.engine.model_executor.forward_batch import ForwardMode
-from baton.engine.speculative.spec_info import node_depths
 
 if TYPE_CHECKING:
     from baton.engine.model_executor.forward_batch import ForwardBatch
@@ -200,15 +200,19 @@ class HeadDrafter:
         reqs = [i for i, d in enumerate(spec.drafts) if d]
         if not reqs:
             return
-        at = [spec.offsets[i] + 1 + t for i, d in enumerate(spec.drafts) for t in range(len(d))]
         if spec.parents is None:  # the drafts go into the pass on the device; the host reads them later
+            at = [spec.offsets[i] + 1 + t for i, d in enumerate(spec.drafts) for t in range(len(d))]
             drafts = self._draft_chains(fb, spec, reqs)
             fb.input_ids[_ints(at, dev)] = drafts[_ints([n for n, i in enumerate(reqs) for _ in spec.drafts[i]], dev),
                                                   _ints([t for i in reqs for t in range(len(spec.drafts[i]))], dev)]
-            spec.pending = (reqs, drafts)
+
+            def fill() -> None:
+                for i, tokens in zip(reqs, drafts.tolist()):
+                    spec.drafts[i][:] = tokens[:len(spec.drafts[i])]
+
+            spec.pending = fill
             return
         self._draft_trees(fb, spec, reqs)
-        fb.input_ids[_ints(at, dev)] = _ints([t for d in spec.drafts for t in d], dev)
 
     def _draft_chains(self, fb: "ForwardBatch", spec: "VerifyInput", reqs: list[int]) -> torch.Tensor:
         """A batch of chains: step j drafts d[j + 1] from (d[j], the head's previous output) at position
@@ -240,8 +244,8 @@ class HeadDrafter:
     def _draft_trees(self, fb: "ForwardBatch", spec: "VerifyInput", reqs: list[int]) -> None:
         """A batch with trees, grown best-first (module docstring; a chain request of the batch: width 1)
         on the device: each step's leaves, their scores and the slots of their paths stay there (_Growth),
-        and one read at the end brings every request's tree to the host."""
-        rows, prefix, offsets = fb.req_pool_indices, fb.extend_prefix_lens_cpu, spec.offsets
+        and so do the chosen trees, which go into the verify pass there (_into_pass)."""
+        rows, prefix = fb.req_pool_indices, fb.extend_prefix_lens_cpu
         dev = rows.device
         g = _Growth([self.topk if spec.tree(i) is not None else 1 for i in reqs], [spec.depth(i) for i in reqs], dev)
         lanes = [(n, b) for n in range(len(reqs)) for b in range(g.width[n])]  # (request, rank): host-known
@@ -274,20 +278,44 @@ class HeadDrafter:
                 break
             path = torch.cat([path[parent_lane], ranks[:, None]], dim=1)
             features = out[parent_lane]
-        chosen = g.choose([len(spec.drafts[i]) for i in reqs])
-        for n, (tokens, parents) in enumerate(chosen):
-            i = reqs[n]
-            spec.drafts[i][:] = tokens
-            if parents is not None:
-                assert all(0 <= p < k for k, p in enumerate(parents[1:], 1)), "a chosen node's parent was not chosen"
-                spec.parents[i] = parents
-        pos_at, pos = [], []
-        for i in reqs:
-            if spec.tree(i) is not None:
-                pos_at += [offsets[i] + j for j in range(len(spec.parents[i]))]
-                pos += [prefix[i] + d for d in node_depths(spec.parents[i])]
+        self._into_pass(fb, spec, reqs, g, g.choose([len(spec.drafts[i]) for i in reqs]))
+
+    def _into_pass(self, fb: "ForwardBatch", spec: "VerifyInput", reqs: list[int], g: "_Growth",
+                   chosen: "_Chosen") -> None:
+        """The chosen trees into the verify pass, on the device: their tokens into the input ids, their
+        nodes' positions (L + depth), their shapes as ancestor matrices (fb.tree_parents: the attention
+        masks are built from them there). The host reads them with the verify result (spec.settle)."""
+        prefix, offsets, dev = fb.extend_prefix_lens_cpu, spec.offsets, fb.input_ids.device
+        at, src, pos_at, pos_src, pos_base = [], [], [], [], []
+        for n, i in enumerate(reqs):
+            start, count = chosen.flat_start[n], chosen.count[n]
+            at += [offsets[i] + 1 + t for t in range(count)]
+            src += [start + t for t in range(count)]
+            if g.width[n] > 1:
+                pos_at += [offsets[i] + 1 + t for t in range(count)]
+                pos_src += [start + t for t in range(count)]
+                pos_base += [prefix[i]] * count
+        fb.input_ids[_ints(at, dev)] = chosen.flat_tokens[_ints(src, dev)]
         if pos_at:
-            fb.positions[_ints(pos_at, dev)] = _ints(pos, dev, fb.positions.dtype)
+            depth = chosen.flat_depth[_ints(pos_src, dev)]
+            fb.positions[_ints(pos_at, dev)] = (_ints(pos_base, dev) + depth).to(fb.positions.dtype)
+            matrices = chosen.ancestors(max(spec.depth(reqs[n]) for n in chosen.trees))
+            masks = list(fb.tree_parents)
+            for t, n in enumerate(chosen.trees):
+                size = chosen.count[n] + 1
+                masks[reqs[n]] = matrices[t, :size, :size]
+            fb.tree_parents = masks
+
+        def fill() -> None:
+            for n, (tokens, parents) in enumerate(chosen.read()):
+                i = reqs[n]
+                spec.drafts[i][:] = tokens
+                if parents is not None:
+                    assert all(0 <= p < k for k, p in enumerate(parents[1:], 1)), \
+                        "a chosen node's parent was not chosen"
+                    spec.parents[i] = parents
+
+        spec.pending = fill
 
     def _lane_table(self, fb: "ForwardBatch", spec: "VerifyInput", reqs: list[int], g: "_Growth",
                     lanes: list[tuple[int, int]], path: torch.Tensor, j: int) -> ReqToTokenPool:
@@ -406,15 +434,14 @@ class _Growth:
         ranks = _ints([b for _, b in new_lanes], self.device)
         return new_lanes, leaves, parent_lane, ranks
 
-    def choose(self, nodes: list[int]) -> list[tuple[list[int], Optional[list[int]]]]:
-        """Per request: (its drafts, parents [-1, ..]); a request of width 1 drafts its chain (parents
-        None). A tree is its nodes[n] best candidates, packed by depth, then score, then drafted order.
-        One read from the device for the whole batch."""
-        dev, reads = self.device, []
+    def choose(self, nodes: list[int]) -> "_Chosen":
+        """The batch's drafts, on the device: a request of width 1 its chain; a tree its nodes[n] best
+        candidates, packed by depth, then score, then drafted order."""
+        dev = self.device
+        chains = {n: self.token[self.base[n]:self.base[n] + self.size[n]]
+                  for n in range(len(self.width)) if self.width[n] == 1}
         trees = [n for n in range(len(self.width)) if self.width[n] > 1]
-        for n in range(len(self.width)):
-            if self.width[n] == 1:
-                reads.append(self.token[self.base[n]:self.base[n] + self.size[n]])
+        packed_tokens = packed_parents = packed_depth = None
         if trees:
             w = self.width[trees[0]]
             assert all(self.width[n] == w for n in trees), "a batch's trees share the engine's topk"
@@ -428,22 +455,59 @@ class _Growth:
             depth = torch.where(best < w, 1, 2 + (best - w) // (w * w))
             wanted = torch.arange(chosen_n, device=dev)[None, :] < _ints([nodes[n] for n in trees], dev)[:, None]
             depth = torch.where(wanted, depth, most + 1)  # past a request's count: to the end
-            packed = best.gather(1, torch.sort(depth, dim=1, stable=True).indices)
+            packed_depth, order = torch.sort(depth, dim=1, stable=True)
+            packed = best.gather(1, order)
             parent = self.parent[base + packed]  # global; -1 for the root
             index = torch.zeros_like(idx).scatter_(1, packed,
                                                    torch.arange(1, chosen_n + 1, device=dev).expand_as(packed))
-            parents = torch.where(parent < 0, 0, index.gather(1, (parent - base).clamp(min=0)))
-            reads += [self.token[base + packed].reshape(-1), parents.reshape(-1)]
-        flat = torch.cat(reads).tolist() if reads else []
-        out: list = [None] * len(self.width)
-        at = 0
-        for n in range(len(self.width)):
-            if self.width[n] == 1:
-                out[n] = (flat[at:at + self.size[n]], None)
-                at += self.size[n]
-        if trees:
-            k = max(nodes[n] for n in trees)
-            tokens, parents = flat[at:at + k * len(trees)], flat[at + k * len(trees):]
-            for t, n in enumerate(trees):
-                out[n] = (tokens[t * k:t * k + nodes[n]], [-1] + parents[t * k:t * k + nodes[n]])
+            packed_parents = torch.where(parent < 0, 0, index.gather(1, (parent - base).clamp(min=0)))
+            packed_tokens = self.token[base + packed]
+        return _Chosen(chains, trees, nodes, packed_tokens, packed_parents, packed_depth)
+
+
+class _Chosen:
+    """A batch's chosen drafts on the device (_Growth.choose), request n in the growth's order: chains
+    (tokens), trees (tokens, each node's parent as its packed index, 0 the root, and depth, [trees,
+    most nodes]). `flat_tokens` / `flat_depth`: all of them in one vector each, request n's from
+    flat_start[n], count[n] of them (a chain's depths are not used)."""
+
+    def __init__(self, chains: dict[int, torch.Tensor], trees: list[int], nodes: list[int],
+                 tokens: Optional[torch.Tensor], parents: Optional[torch.Tensor],
+                 depth: Optional[torch.Tensor]) -> None:
+        self.chains, self.trees, self.tokens, self.parents = chains, trees, tokens, parents
+        self.count = [len(chains[n]) if n in chains else nodes[n] for n in range(len(nodes))]
+        width = 0 if tokens is None else tokens.shape[1]
+        parts, depths, self.flat_start, at = [], [], [], 0
+        tree_at = {n: t for t, n in enumerate(trees)}
+        chain_at = sum(len(c) for c in chains.values())
+        for n in range(len(nodes)):
+            if n in chains:
+                self.flat_start.append(at)
+                at += len(chains[n])
+            else:
+                self.flat_start.append(chain_at + tree_at[n] * width)
+        parts = list(chains.values()) + ([tokens.reshape(-1)] if tokens is not None else [])
+        depths = [torch.zeros_like(c) for c in chains.values()] + ([depth.reshape(-1)] if depth is not None else [])
+        self.flat_tokens, self.flat_depth = torch.cat(parts), torch.cat(depths)
+
+    def ancestors(self, depth: int) -> torch.Tensor:
+        """The trees' ancestor matrices [trees, 1 + most nodes, same] (node 0 the root), on the device."""
+        from baton.engine.layers.attention.masks import ancestors
+
+        root = torch.full((self.parents.shape[0], 1), -1, dtype=self.parents.dtype, device=self.parents.device)
+        return ancestors(torch.cat([root, self.parents], dim=1), depth)
+
+    def read(self) -> list[tuple[list[int], Optional[list[int]]]]:
+        """Per request: (its drafts, parents [-1, ..] or None for a chain); one read from the device."""
+        reads = [self.flat_tokens] + ([self.parents.reshape(-1)] if self.parents is not None else [])
+        flat = torch.cat(reads).tolist()
+        tokens, parents = flat[:len(self.flat_tokens)], flat[len(self.flat_tokens):]
+        width = 0 if self.parents is None else self.parents.shape[1]
+        out = []
+        for n, (start, count) in enumerate(zip(self.flat_start, self.count)):
+            if n in self.chains:
+                out.append((tokens[start:start + count], None))
+            else:
+                t = self.trees.index(n)
+                out.append((tokens[start:start + count], [-1] + parents[t * width:t * width + count]))
         return out

@@ -29,7 +29,7 @@ exactly the chain path (no mask, no copy).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 
 def is_chain(parents: list[int]) -> bool:
@@ -96,9 +96,10 @@ class VerifyInput:
     primes: Optional[dict[int, tuple[tuple[int, ...], Any, tuple[float, ...]]]] = None
     # the first token row of each request in the batch's packed tokens (filled in __post_init__)
     offsets: list[int] = field(init=False)
-    # a draft head's chains still on the device: (batch indices, drafts [n, deepest]); settle() reads
-    # them into `drafts` (whose lengths are right already), after the verify pass is queued
-    pending: Optional[tuple[list[int], Any]] = field(default=None, init=False)
+    # a draft head's drafts still on the device: what reads them into `drafts` (whose lengths are right
+    # already) and a tree's into `parents` (placeholders till then), run by settle() once the verify
+    # pass is queued
+    pending: Optional[Callable[[], Any]] = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.offsets, start = [], 0
@@ -114,12 +115,10 @@ class VerifyInput:
             self.parents = parents if any(p is not None for p in parents) else None
 
     def settle(self) -> None:
-        """The drafts' values on the host (a draft head's chains: one read, once)."""
+        """The drafts (and a draft head's trees) on the host: one read, once."""
         if self.pending is not None:
-            reqs, drafts = self.pending
-            self.pending = None
-            for i, tokens in zip(reqs, drafts.tolist()):
-                self.drafts[i][:] = tokens[:len(self.drafts[i])]
+            fill, self.pending = self.pending, None
+            fill()
 
     @property
     def num_draft_tokens(self) -> int:

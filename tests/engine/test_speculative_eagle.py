@@ -80,11 +80,14 @@ def test_the_drafted_chain_is_the_eagle_heads_own(target, drafts, kind):
     assert spec_info(h)["speculative_algorithm"] == kind and h.scheduler.check_memory_integrity()
 
 
-def test_chain_drafts_stay_on_the_device_until_the_verify_pass_is_queued(target, drafts):
-    """A head's chains are read back with the verify result, not before: when the verify pass runs, its
-    VerifyInput still holds them on the device only (`pending`; the host lists hold placeholders), and
-    the tokens are HF's with drafts accepted."""
-    h = harness_for(target, "plain", max_total_tokens=2048, **eagle("EAGLE", drafts("EAGLE-trained")))
+@pytest.mark.parametrize("topk", [1, 2])
+def test_drafts_stay_on_the_device_until_the_verify_pass_is_queued(target, drafts, topk):
+    """A head's chains and trees are read back with the verify result, not before: when the verify pass
+    runs, its VerifyInput still holds them on the device only (`pending`; the host lists hold
+    placeholders: a tree's parents its reserved shape, its masks come from ancestor matrices), and the
+    tokens are HF's with drafts accepted."""
+    args = eagle("EAGLE", drafts("EAGLE-trained")) if topk == 1 else tree("EAGLE", drafts("EAGLE-trained"), topk)
+    h = harness_for(target, "plain", max_total_tokens=2048, **args)
     worker = h.scheduler.worker
     runner, drafter, seen = worker.model_runner, worker.drafter, []
     draft, forward = drafter.draft, runner.forward
@@ -97,7 +100,10 @@ def test_chain_drafts_stay_on_the_device_until_the_verify_pass_is_queued(target,
     def forwarding(fb):
         if fb.spec_verify and last_spec and any(last_spec[0].drafts):
             spec = last_spec[0]
-            seen.append((spec.pending is not None, all(t == 0 for d in spec.drafts for t in d)))
+            placeholders = all(t == 0 for d in spec.drafts for t in d)
+            if topk > 1:  # the masks' trees are on the device
+                placeholders &= all(t is None or isinstance(t, torch.Tensor) for t in fb.tree_parents)
+            seen.append((spec.pending is not None, placeholders))
         return forward(fb)
 
     drafter.draft, runner.forward = drafting, forwarding

@@ -83,7 +83,7 @@ def test_head_tree_growth_breaks_ties_by_drafted_order():
                 got = [int(x) - g.base[n] for x, (n, _) in zip(leaves, lanes)]
                 assert got == [c for n in ref_leaves for c in ref_leaves[n]], (trial, j)
         nodes = [6, 4, depths[2]]
-        chosen = g.choose(nodes)
+        chosen = g.choose(nodes).read()
         for n in range(3):
             r = ref[n]
             if widths[n] == 1:
@@ -172,6 +172,40 @@ def test_flashinfers_flat_mask_is_each_requests_mask_in_turn():
     assert first[2].tolist() == [True] * 3 + [True, False, True, False, False]
     assert first[4].tolist() == [True] * 3 + [True, False, True, False, True]
     assert second.tolist()[0] == [True, True, True, False, False]
+
+
+def test_a_trees_mask_from_its_ancestor_matrix_equals_the_mask_from_its_parents():
+    """A draft head's trees reach the attention as ancestor matrices built on the device
+    (masks.ancestors over a batch of parents, padded); each request's mask and FlashInfer's flat mask
+    from them equal those from the parents' lists, random trees of 2..12 nodes up to 6 deep."""
+    from baton.engine.layers.attention.masks import ancestors, flat_extend_mask, tree_mask
+
+    cpu, gen = torch.device("cpu"), torch.Generator().manual_seed(5)
+    for _ in range(30):
+        trees = []
+        for _ in range(3):
+            n = int(torch.randint(2, 13, (1,), generator=gen))
+            parents = [-1]
+            for j in range(1, n):
+                depth = [0] * j
+                for c in range(1, j):
+                    depth[c] = depth[parents[c]] + 1
+                choices = [c for c in range(j) if depth[c] < 6]
+                parents.append(choices[int(torch.randint(0, len(choices), (1,), generator=gen))])
+            trees.append(parents)
+        width = max(map(len, trees))
+        padded = torch.tensor([t + [0] * (width - len(t)) for t in trees])
+        matrices = ancestors(padded, 6)
+        prefixes = [int(torch.randint(0, 5, (1,), generator=gen)) for _ in trees]
+        given = [matrices[i, :len(t), :len(t)] for i, t in enumerate(trees)]
+        for p, t, m in zip(prefixes, trees, given):
+            assert torch.equal(tree_mask(p, m, cpu), tree_mask(p, t, cpu)), t
+        lens = [len(t) for t in trees] + [3]
+        assert torch.equal(flat_extend_mask(prefixes + [2], lens, given + [None], cpu),
+                           flat_extend_mask(prefixes + [2], lens, trees + [None], cpu))
+    # too few gathers for the depth: a deep node misses its far ancestors
+    chain = torch.tensor([[-1, 0, 1, 2, 3]])
+    assert not torch.equal(ancestors(chain, 2)[0], ancestors(chain, 4)[0])
 
 
 # ---------------------------------------------------------------------------- acceptance
