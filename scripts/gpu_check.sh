@@ -14,7 +14,8 @@
 #          limit measured in the same run, kernels per layer and the GPU time per kernel at batch 1
 #          and 64, an 8k prefill against the matmul rate; the default engine (cuBLAS) vs the Triton
 #          GEMV with the norms folded in vs the GEMV with the norms' own kernels, side by side
-#          (STEP_VARIANTS: another list, e.g. fused,reference-ops,other-tensor-cores)
+#          (STEP_VARIANTS: another list, e.g. fused,reference-ops,other-tensor-cores; STEP_PAGE_SIZE:
+#          the KV page size, 1 by default, e.g. 16 to see FlashInfer's decode at batch 64 read whole pages)
 #   serve  `baton bench compare` on that checkpoint: 64 prompts x 256 in / 256 out at concurrency 64,
 #          the default engine (overlap) vs --disable-overlap-schedule
 #   gemv   (asked for: STAGES="... gemv") served at concurrency 16, cuBLAS vs --small-batch-gemv-rows 16
@@ -153,7 +154,7 @@ if [[ $STAGES == *step* && -n $CKPT ]]; then
     stamp "== baton bench step --shape llama-3-8b"
     timeout "${STEP_TIMEOUT:-200}" "$PY" -m baton bench step --shape llama-3-8b --dir "$CKPT" --batch-sizes 1,16,64 \
         --context 1024 --steps 50 --prefill-tokens 8192 --profile-batch-sizes 1,64 \
-        --variants "${STEP_VARIANTS:-fused,triton-gemv,triton-gemv-own-norms}" \
+        --variants "${STEP_VARIANTS:-fused,triton-gemv,triton-gemv-own-norms}" --page-size "${STEP_PAGE_SIZE:-1}" \
         --json-out "$OUT/step.json" 2>&1 | tee "$OUT/step.txt" || status=1
 fi
 

@@ -67,6 +67,8 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context", type=int, default=1024, help="KV tokens each request holds before the step")
     p.add_argument("--steps", type=int, default=50, help="timed decode steps per batch size")
     p.add_argument("--prefill-tokens", type=int, default=8192, help="one prefill chunk of this many tokens (0: skip)")
+    p.add_argument("--page-size", type=int, default=1,
+                   help="KV-cache page size (the engine's --page-size): FlashInfer reads the KV page by page")
     p.add_argument("--variants", default="fused,reference-ops,other-tensor-cores",
                    help=f"comma list of {', '.join(VARIANTS)}")
     p.add_argument("--dir", default=None, help="checkpoint directory (default: /dev/shm/baton-step-<shape>, "
@@ -327,13 +329,26 @@ def _set_variant(runner: Any, base_args: Any, name: str, max_bs: int) -> str:
             f"{runner.attn_backend.decode_tensor_cores}{gemv}")
 
 
+def engine_args(path: str, args: argparse.Namespace, max_bs: int) -> Any:
+    """The engine the step runs: FlashInfer, bf16, a KV pool of max_bs requests of --context tokens
+    in whole pages (and room for the prefill chunk); graphs are captured per variant (_set_variant)."""
+    from baton.engine.server_args import ServerArgs
+
+    page = args.page_size
+    per_request = -(-(args.context + 2) // page) * page
+    return ServerArgs(model_path=path, device="cuda", dtype="bfloat16", attention_backend="flashinfer",
+                      disable_cuda_graph=True, page_size=page,
+                      context_length=max(args.context + 2, args.prefill_tokens) + 16, max_running_requests=max_bs,
+                      cuda_graph_max_bs=max_bs,
+                      max_total_tokens=max(max_bs * per_request, args.prefill_tokens) + 64 * page)
+
+
 def run_cli(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print("baton bench step needs a CUDA device")
         return 2
     logging.basicConfig(level=logging.WARNING)
     from baton.engine.model_executor.model_runner import ModelRunner
-    from baton.engine.server_args import ServerArgs
 
     batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
@@ -349,18 +364,15 @@ def run_cli(args: argparse.Namespace) -> int:
     profile_sizes = ([int(b) for b in args.profile_batch_sizes.split(",") if b.strip()] if args.profile_batch_sizes
                      else sorted({batch_sizes[0], batch_sizes[-1]}, key=batch_sizes.index))
     max_bs = max(batch_sizes)
-    context_len = max(args.context + 2, args.prefill_tokens) + 16
-    # graphs are captured per variant (_set_variant), not at load
-    server_args = ServerArgs(model_path=path, device="cuda", dtype="bfloat16", attention_backend="flashinfer",
-                             disable_cuda_graph=True,
-                             context_length=context_len, max_running_requests=max_bs, cuda_graph_max_bs=max_bs,
-                             max_total_tokens=max(max_bs * (args.context + 2), args.prefill_tokens) + 64)
+    server_args = engine_args(path, args, max_bs)
+    page = server_args.page_size
     start = time.perf_counter()
     runner = ModelRunner(server_args)
-    print(f"model loaded in {time.perf_counter() - start:.1f} s; startup {runner.startup_s}", flush=True)
+    print(f"model loaded in {time.perf_counter() - start:.1f} s; startup {runner.startup_s}; KV page size {page}",
+          flush=True)
     facts = model_facts(runner.model, SHAPES[args.shape])
     results: dict[str, Any] = dict(shape=args.shape, device=torch.cuda.get_device_name(), copy_bw=bw,
-                                   matmul_flops=flops, context=args.context, variants={})
+                                   matmul_flops=flops, context=args.context, page_size=page, variants={})
     for name in variants:
         desc = _set_variant(runner, server_args, name, max_bs)
         rows = []

@@ -394,3 +394,22 @@ def test_model_with_fused_ops_is_as_close_to_hf_as_the_reference_ops(tiny_model_
           f"HF's top-1 at {top1[True]} / {top1[False]} of {hf.shape[0]} positions")
     assert err[True] <= max(1.25 * err[False], err[False] + 0.02)
     assert top1[True] >= top1[False] - 1
+
+
+def test_bench_step_engine_holds_its_batches_in_whole_pages():
+    """`baton bench step --page-size`: the engine it runs takes that page size, and its KV pool holds
+    the largest batch's requests of --context tokens (plus the step's token) in whole pages, and the
+    prefill chunk."""
+    import argparse
+
+    from baton.engine.bench import step
+
+    parser = argparse.ArgumentParser()
+    step.add_cli_args(parser)
+    for page in (1, 16, 64):
+        args = parser.parse_args(["--page-size", str(page), "--context", "1000", "--prefill-tokens", "8192"])
+        engine = step.engine_args("m", args, 64)
+        assert engine.page_size == page and engine.attention_backend == "flashinfer"
+        assert engine.max_total_tokens >= 64 * (-(-1002 // page) * page) and engine.max_total_tokens >= 8192
+        assert engine.context_length >= 8192
+    assert parser.parse_args([]).page_size == 1
