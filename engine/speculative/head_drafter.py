@@ -38,11 +38,11 @@ head's log-probabilities along their path, and the k best of those are the next 
 steps the tree is the n best candidates (n: the nodes the scheduler reserved, spec_info.tree_size),
 which holds every chosen node's parent, packed by depth then score (_Growth.choose). The drafter gives
 the pass the tree's shape (its ancestor matrix as fb.tree_parents: the tree mask) and its nodes'
-positions (L + depth); spec.parents gets it with the verify result. A chain is the same with k = 1. The leaves of a step sit at the same position in
-different slots, so a step reads the head's KV through a table of its own, one row per leaf (the
-request's prefix, then the slots its path's nodes were expanded in: scratch slots, k per step, among
-the verify step's own, which the verify pass then overwrites), all leaves of all requests in one
-decode pass per step:
+positions (L + depth); spec.parents gets it with the verify result. A chain is the same with k = 1.
+The leaves of a step sit at the same position in different slots, so a step reads the head's KV
+through a table of its own, one row per leaf (the request's prefix, then the slots its path's nodes
+were expanded in: scratch slots, k per step, among the verify step's own, which the verify pass then
+overwrites), all leaves of all requests in one decode pass per step:
 
     step 2, k = 2     leaf a row   prefix .. | s(a1)  s(a)       a1: a's parent, expanded at step 1
                       leaf b row   prefix .. | s(b1)  s(b)       column L + j - 1: the leaf's own slot
@@ -474,18 +474,17 @@ class _Chosen:
     def __init__(self, chains: dict[int, torch.Tensor], trees: list[int], nodes: list[int],
                  tokens: Optional[torch.Tensor], parents: Optional[torch.Tensor],
                  depth: Optional[torch.Tensor]) -> None:
-        self.chains, self.trees, self.tokens, self.parents = chains, trees, tokens, parents
+        self.chains, self.trees, self.parents = chains, trees, parents
         self.count = [len(chains[n]) if n in chains else nodes[n] for n in range(len(nodes))]
         width = 0 if tokens is None else tokens.shape[1]
-        parts, depths, self.flat_start, at = [], [], [], 0
-        tree_at = {n: t for t, n in enumerate(trees)}
-        chain_at = sum(len(c) for c in chains.values())
+        self.tree_at = {n: t for t, n in enumerate(trees)}  # request -> its row of the tree tensors
+        self.flat_start, at, chain_at = [], 0, sum(len(c) for c in chains.values())
         for n in range(len(nodes)):
             if n in chains:
                 self.flat_start.append(at)
                 at += len(chains[n])
             else:
-                self.flat_start.append(chain_at + tree_at[n] * width)
+                self.flat_start.append(chain_at + self.tree_at[n] * width)
         parts = list(chains.values()) + ([tokens.reshape(-1)] if tokens is not None else [])
         depths = [torch.zeros_like(c) for c in chains.values()] + ([depth.reshape(-1)] if depth is not None else [])
         self.flat_tokens, self.flat_depth = torch.cat(parts), torch.cat(depths)
@@ -508,6 +507,6 @@ class _Chosen:
             if n in self.chains:
                 out.append((tokens[start:start + count], None))
             else:
-                t = self.trees.index(n)
+                t = self.tree_at[n]
                 out.append((tokens[start:start + count], [-1] + parents[t * width:t * width + count]))
         return out

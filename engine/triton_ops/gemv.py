@@ -75,32 +75,12 @@ def _launch(kernel, name: str, x: torch.Tensor, n: int, k: int, *args, **meta) -
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) for x [M <= 64, K]: [M, N] in x's dtype, fp32 accumulation."""
-    _check(x, weight, "gemv")
-    if bias is not None and (bias.shape != (weight.shape[0],) or bias.dtype != x.dtype or bias.stride(0) != 1):
-        raise ValueError(f"gemv: bias {tuple(bias.shape)} {bias.dtype} does not match {weight.shape[0]} outputs")
-    (m, k), n = x.shape, weight.shape[0]
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if m == 0 or n == 0:
-        return y
-    _launch(_gemv_kernel, "gemv", x, n, k,
-            x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
-            x, 0, x, 0, x, 0.0, HAS_BIAS=bias is not None, NORM=False, ADD_RESIDUAL=False)
-    return y
+    return _multiply("gemv", x, weight, bias, silu_mul=False)
 
 
 def gemv_silu_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """silu(x @ gate.T) * (x @ up.T) for weight [2I, K] = [gate | up] and x [M <= 64, K] -> [M, I]."""
-    _check(x, weight, "gemv_silu_mul")
-    if weight.shape[0] % 2:
-        raise ValueError(f"gemv_silu_mul: weight {tuple(weight.shape)} is not [gate | up] (odd row count)")
-    (m, k), inter = x.shape, weight.shape[0] // 2
-    y = torch.empty((m, inter), dtype=x.dtype, device=x.device)
-    if m == 0 or inter == 0:
-        return y
-    _launch(_gemv_silu_mul_kernel, "silu_mul", x, inter, k,
-            x, weight, weight[inter:], y, m, inter, k, x.stride(0), weight.stride(0), y.stride(0),
-            x, 0, x, 0, x, 0.0, NORM=False, ADD_RESIDUAL=False)
-    return y
+    return _multiply("gemv_silu_mul", x, weight, None, silu_mul=True)
 
 
 def gemv_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
@@ -110,38 +90,45 @@ def gemv_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: to
     or with silu_mul gemv_silu_mul(., weight) (no bias). RMSNorm as layers/layernorm.py's: weight
     `norm_weight` [K] in x's dtype, statistics in fp32. h is a new tensor (x itself without a residual)."""
     what = "gemv_rmsnorm"
-    _check(x, weight, what)
-    (m, k), n = x.shape, weight.shape[0]
-    if norm_weight.shape != (k,) or norm_weight.dtype != x.dtype or norm_weight.stride(0) != 1:
+    if norm_weight.shape != (x.shape[-1],) or norm_weight.dtype != x.dtype or norm_weight.stride(0) != 1:
         raise ValueError(f"{what}: norm weight {tuple(norm_weight.shape)} {norm_weight.dtype} does not match x "
                          f"{tuple(x.shape)} {x.dtype}")
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(1) != 1):
         raise ValueError(f"{what}: residual {tuple(residual.shape)} {residual.dtype} does not match x "
                          f"{tuple(x.shape)} {x.dtype}")
-    if silu_mul and (bias is not None or n % 2):
-        raise ValueError(f"{what}: silu_mul takes a [gate | up] weight (even rows) and no bias")
-    if bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype or bias.stride(0) != 1):
-        raise ValueError(f"{what}: bias {tuple(bias.shape)} {bias.dtype} does not match {n} outputs")
-    out_n = n // 2 if silu_mul else n
-    y = torch.empty((m, out_n), dtype=x.dtype, device=x.device)
     h = x if residual is None else torch.empty_like(x, memory_format=torch.contiguous_format)
-    if m == 0:
-        return y, h
-    if out_n == 0:  # nothing to multiply: the sum is still the caller's next residual
-        if residual is not None:
-            torch.add(x, residual, out=h)
-        return y, h
-    res = residual if residual is not None else x
-    norm = dict(NORM=True, ADD_RESIDUAL=residual is not None)
-    if silu_mul:
-        _launch(_gemv_silu_mul_kernel, "silu_mul+norm", x, out_n, k,
-                x, weight, weight[out_n:], y, m, out_n, k, x.stride(0), weight.stride(0), y.stride(0),
-                res, res.stride(0), h, h.stride(0), norm_weight, eps, **norm)
-    else:
-        _launch(_gemv_kernel, "gemv+norm", x, n, k,
-                x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0),
-                y.stride(0), res, res.stride(0), h, h.stride(0), norm_weight, eps, HAS_BIAS=bias is not None, **norm)
+    y = _multiply(what, x, weight, bias, silu_mul, residual, h, norm_weight, eps)
+    if y.numel() == 0 and residual is not None and x.numel():  # no kernel ran: h is still the caller's
+        torch.add(x, residual, out=h)
     return y, h
+
+
+def _multiply(what: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool,
+              residual: torch.Tensor | None = None, h: torch.Tensor | None = None,
+              norm_weight: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+    """The GEMV (silu_mul: its silu * up over [gate | up]) of x; with norm_weight the pre-norm folded in
+    (x + residual written to h by the kernel)."""
+    _check(x, weight, what)
+    if silu_mul and (bias is not None or weight.shape[0] % 2):
+        raise ValueError(f"{what}: weight {tuple(weight.shape)} is not [gate | up] (odd row count), or a bias came")
+    if bias is not None and (bias.shape != (weight.shape[0],) or bias.dtype != x.dtype or bias.stride(0) != 1):
+        raise ValueError(f"{what}: bias {tuple(bias.shape)} {bias.dtype} does not match {weight.shape[0]} outputs")
+    (m, k), n = x.shape, weight.shape[0] // (2 if silu_mul else 1)
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return y
+    norm = norm_weight is not None
+    res = residual if residual is not None else x
+    tail = (res, res.stride(0), h, h.stride(0), norm_weight, eps) if norm else (x, 0, x, 0, x, 0.0)
+    flags = dict(NORM=norm, ADD_RESIDUAL=residual is not None)
+    name = ("silu_mul" if silu_mul else "gemv") + ("+norm" if norm else "")
+    if silu_mul:
+        _launch(_gemv_silu_mul_kernel, name, x, n, k, x, weight, weight[n:], y, m, n, k, x.stride(0),
+                weight.stride(0), y.stride(0), *tail, **flags)
+    else:
+        _launch(_gemv_kernel, name, x, n, k, x, weight, bias if bias is not None else weight, y, m, n, k,
+                x.stride(0), weight.stride(0), y.stride(0), *tail, HAS_BIAS=bias is not None, **flags)
+    return y
 
 
 if triton is not None:
