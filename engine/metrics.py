@@ -121,6 +121,10 @@ class EngineMetrics:
         self.spec_tree_branch_accepts = self._counter(
             "baton_spec_tree_branch_accepts", "Speculative verify runs accepted off a draft tree's first branch"
         ).labels(*self._lv)
+        self.spec_verify_steps = self._counter("baton_spec_verify_steps", "Speculative verify steps run").labels(*self._lv)
+        self.spec_lagged_verify_steps = self._counter(
+            "baton_spec_lagged_verify_steps", "Speculative verify steps built while the one before them ran (overlap)"
+        ).labels(*self._lv)
 
     # -- updates ---------------------------------------------------------------------------
     def finished(self, reason: str) -> None:
@@ -166,6 +170,8 @@ class EngineMetrics:
         self._add_total("spec_draft_tokens", info, self.spec_draft_tokens)
         self._add_total("spec_accepted_tokens", info, self.spec_accepted_tokens)
         self._add_total("spec_tree_branch_accepts", info, self.spec_tree_branch_accepts)
+        self._add_total("spec_verify_steps", info, self.spec_verify_steps)
+        self._add_total("spec_lagged_verify_steps", info, self.spec_lagged_verify_steps)
         # the scheduler keeps a running count per accept length: each new one is one observation
         mark = ("spec_accept_length_counts", info.get("dp_rank", 0))
         seen = self._counts_seen.get(mark, [])

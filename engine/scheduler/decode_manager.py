@@ -4,7 +4,7 @@ whether the step verifies drafts instead."""
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 if TYPE_CHECKING:
     from baton.engine.scheduler.output_processor import OutputProcessor
@@ -44,9 +44,11 @@ class NewTokenRatio:
 class DecodeManager:
     def __init__(self, queues: "SchedulerQueues", ratio: NewTokenRatio, releaser: "ReqReleaser",
                  output: "OutputProcessor", stats: "SchedulerStats", drain_results: Callable[[], None],
-                 rows_held_elsewhere: Callable[[], int], spec: "NoSpeculation") -> None:
+                 rows_held_elsewhere: Callable[[], int], spec: "NoSpeculation",
+                 in_flight: Callable[[], Sequence[Any]] = tuple) -> None:
         self.queues, self.ratio, self.releaser, self.output, self.stats = queues, ratio, releaser, output, stats
         self.spec = spec  # the speculation strategy (speculative/; NoSpeculation: plain steps only)
+        self.in_flight = in_flight  # the launched batches whose results are not processed yet (overlap)
         self.drain_results = drain_results  # process every launched batch's result (the overlap loop's)
         self.rows_held_elsewhere = rows_held_elsewhere  # PD requests holding rows outside the batch
 
@@ -57,9 +59,15 @@ class DecodeManager:
         if batch.is_empty():
             return None
         speculate = self.spec.wants_verify(batch)
-        if speculate:
-            # drafts continue each request's last token: the overlap loop's step in flight first
-            # (a verify step itself is processed before the next batch: Scheduler.run_step)
+        if speculate and self.spec.prepare_lagged(batch, list(self.in_flight())):
+            # a verify step behind the verify step in flight (speculative/verifying.py); no retraction
+            # here: without room it is built below, after the results are in
+            self.ratio.decay()
+            batch.batch_is_full = False
+            return batch
+        if speculate or any(b.mwb.spec_info is not None for b in self.in_flight()):
+            # drafts continue each request's last token, and a verify step in flight leaves the
+            # requests' lengths unknown: the overlap loop's step in flight first
             self.drain_results()
             self.releaser.flush()  # nothing is in flight now
             self.output.reap_finished(batch.reqs)

@@ -5,6 +5,10 @@ decode inputs of those requests, resolved on the device just before its forward
 (triton_ops/future_resolve.py). Batches run strictly in launch order, so N's tokens are always in
 the map when N+1 resolves them. The driver's executor (scheduler/executors/) and each TP follower
 (tp_step.py) keep one.
+
+A verify step (speculative decoding) also stores, per request, how many tokens it emitted
+(`accepted`): a verify step launched behind it is built before those are known, and the worker
+shifts its rows by them (TpModelWorker._resolve_lagged; speculative/verifying.py).
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ class FutureMap:
     def __init__(self, max_running_requests: int, device: str) -> None:
         self.size = 5 * (max_running_requests + 1)  # room for several batches in flight
         self.token_ids = torch.zeros(self.size + 1, dtype=torch.int64, device=device)
+        self.accepted = torch.zeros(self.size + 1, dtype=torch.int64, device=device)  # slot 0 stays 0
         self.ct = 0
 
     def reserve(self, bs: int) -> torch.Tensor:

@@ -83,6 +83,14 @@ class Req:
     # the candidates' log-probabilities, HeadDrafter.prime_from), which its first step puts in the row
     spec_primed: bool = True
     spec_prime: Any = None
+    # verify steps (speculative/verifying.py): how many are launched and not yet processed; the latest
+    # one's start as the scheduler knew it when building it, whether the worker moved that start on by
+    # what the step before emitted (a lagged step), and its tokens; what the last processed step emitted
+    spec_flight: int = 0
+    spec_start: int = 0
+    spec_lag: bool = False
+    spec_extent: int = 0
+    spec_emitted: int = 0
 
     @property
     def grammar(self) -> Any:

@@ -260,21 +260,38 @@ class ScheduleBatch:
             state_ops=state_ops,
         )
 
-    def prepare_for_verify(self, spec: "VerifyInput") -> None:
+    def prepare_for_verify(self, spec: "VerifyInput", starts: Optional[list[int]] = None,
+                           reserve_to: Optional[list[int]] = None) -> None:
         """A decode step that verifies drafts (speculative/): request i runs as an extend of
         [its last token, *spec.drafts[i]] over the KV it holds (a tree's nodes at their depths'
         positions: spec_info.py). KV slots are allocated for all of them and counted as committed; the
         speculator cuts each request back to what it accepted once the result is known
-        (VerifyingSpeculator.keep_kv). For the scheduler it stays a decode step."""
+        (VerifyingSpeculator.keep_kv). For the scheduler it stays a decode step.
+
+        A lagged step (spec.lagged: built while the verify step before it runs) gives, per request,
+        where its row starts as far as the scheduler knows (`starts`: the running step's start) and how
+        far its row's KV is reserved (`reserve_to`: past the most both steps can reach). Its last token
+        is that step's future-map placeholder; the worker moves each lagged row on by what that step
+        emitted (TpModelWorker._resolve_lagged)."""
         self.forward_mode = ForwardMode.DECODE
         rows = [r.req_pool_idx for r in self.reqs]
-        prefix_lens = [r.kv_committed_len for r in self.reqs]
-        assert all(len(r.origin_input_ids) + len(r.output_ids) == p + 1 for r, p in zip(self.reqs, prefix_lens)), \
-            "a verify step starts from every request's last token (the overlap loop's results processed)"
         extend_lens = [1 + len(d) for d in spec.drafts]
-        seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
-        out_cache_loc = self._alloc_extend_rows(rows, prefix_lens, seq_lens, extend_lens)
-        input_ids = [t for r, d in zip(self.reqs, spec.drafts) for t in (r.output_ids[-1], *d)]
+        if spec.lagged is None:
+            prefix_lens = [r.kv_committed_len for r in self.reqs]
+            assert all(len(r.origin_input_ids) + len(r.output_ids) == p + 1 for r, p in zip(self.reqs, prefix_lens)), \
+                "a verify step starts from every request's last token (the overlap loop's results processed)"
+            seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+            out_cache_loc = self._alloc_extend_rows(rows, prefix_lens, seq_lens, extend_lens)
+            lasts = [r.output_ids[-1] for r in self.reqs]
+        else:
+            prefix_lens = starts
+            seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+            held = [r.kv_allocated_len for r in self.reqs]
+            self._alloc_extend_rows(rows, held, reserve_to, [t - h for h, t in zip(held, reserve_to)])
+            # the worker reads the slots from the table once it knows where each row starts
+            out_cache_loc = torch.zeros(sum(extend_lens), dtype=torch.int64, device=self.allocator.device)
+            lasts = [r.output_ids[-1] if s == 0 else -s for r, s in zip(self.reqs, spec.lagged)]
+        input_ids = [t for last, d in zip(lasts, spec.drafts) for t in (last, *d)]
         tracks = {} if spec.state_slots is None else \
             {i: [(j + 1, slot) for j, slot in enumerate(slots)] for i, slots in enumerate(spec.state_slots) if slots}
         self.model_worker_batch = ModelWorkerBatch(

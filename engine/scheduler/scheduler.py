@@ -119,9 +119,10 @@ class Scheduler:
                                       self.allocator, self.req_to_token_pool, self.ratio, self.releaser, self.output,
                                       self.stats, self._new_batch, self.drain_results, held)
         self.spec = self._init_speculation()  # NoSpeculation unless --speculative-algorithm
+        self.spec.allow_lagging(self.overlap is not None, self.worker.tp.size)
         self.output.spec = self.spec
         self.decode = DecodeManager(self.queues, self.ratio, self.releaser, self.output, self.stats,
-                                    self.drain_results, held, self.spec)
+                                    self.drain_results, held, self.spec, lambda: self.result_queue)
 
     # ------------------------------------------------------------------ messages from the tokenizer
     def process_input_requests(self, msgs: list[Any]) -> None:
@@ -226,6 +227,9 @@ class Scheduler:
         be formed, else the running batch's next decode step."""
         if self.last_batch is not None and self.last_batch.forward_mode.is_extend():
             self._merge_last_prefill(self.last_batch)
+        if self.server_args.enable_mixed_chunk and (self.waiting_queue or self.chunked_req is not None) \
+                and any(b.mwb.spec_info is not None for b in self.result_queue):
+            self.drain_results()  # a prefill may carry the running requests' next step: their lengths known
         # aborted while waiting for a decode step: free them before admitting new prefills
         self.output.reap_finished(self.running_batch.reqs)
         self.running_batch.filter_batch()
@@ -282,9 +286,9 @@ class Scheduler:
         else:
             if batch is not None:
                 self.result_queue.append(self.run_batch(batch))
-                if batch.model_worker_batch.spec_info is not None:
+                if batch.model_worker_batch.spec_info is not None and not self.spec.lags:
                     # a verify step's accepted lengths set its requests' KV lengths: known before the
-                    # next batch is built (speculation runs its steps one at a time)
+                    # next batch is built (without lagged verify steps, one at a time: verifying.py)
                     self.drain_results()
             if self.result_queue and (batch is None or len(self.result_queue) > 1):
                 self.output.process_batch_result(self.result_queue.popleft())
@@ -318,10 +322,11 @@ class Scheduler:
             self.fill_grammar_masks(batch)
         mwb = batch.model_worker_batch
         self.forward_ct += 1
-        if mwb.spec_info is not None:
+        if mwb.spec_info is not None and not self.spec.lags:
             # A verify step runs now, in this thread, in either loop: nothing is in flight (the decode
             # manager drained it to draft), and an overlap executor's forward thread would only wait
             # beside it (on a 2-core CPU the waiting thread took a core from the verify's kernels).
+            # Lagged verify steps go through the executor: the next one is built while this one runs.
             result = self.worker.forward_batch_generation(mwb)
             batch.output_ids = result.next_token_ids_tensor
             return LaunchedBatch(list(batch.reqs), mwb, result)

@@ -106,6 +106,8 @@ class TpModelWorker:
         from baton.engine.triton_ops.future_resolve import resolve_future_token_ids
 
         runner = self.model_runner
+        if mwb.spec_info is not None and mwb.spec_info.lagged is not None:
+            self._resolve_lagged(mwb, future_map)
         if self.step_sender is not None:
             self.step_sender.send(mwb)
         fb, future_slots = runner.forward_batch_from(mwb, None if future_map is None else mwb.future_indices)
@@ -156,8 +158,33 @@ class TpModelWorker:
         last = torch.tensor(out.last_tokens, dtype=torch.int64)
         if future_map is not None:
             future_map.token_ids[future_slots] = last.to(future_map.token_ids.device)
+            emitted = torch.tensor([len(t) for t in out.tokens], dtype=torch.int64)
+            future_map.accepted[future_slots] = emitted.to(future_map.accepted.device)
         return GenerationBatchResult(next_token_ids=out.last_tokens, next_token_ids_tensor=last,
                                      next_token_ids_device=last, verify=out)
+
+    def _resolve_lagged(self, mwb: ModelWorkerBatch, future_map: Optional[FutureMap]) -> None:
+        """A verify step built while the verify step before it ran (speculative/verifying.py): its rows
+        start where the scheduler knew them to, and each lagged row moves on by what that step emitted
+        (future_map.accepted, written by the step before this one ran): starts, lengths and positions,
+        and the KV columns its tokens go to, read from the request's row of req_to_token, where the
+        scheduler reserved them. One read of the counts (on CUDA, behind the step before)."""
+        assert future_map is not None, "a lagged verify step runs in the overlap loop"
+        spec = mwb.spec_info
+        lag = future_map.accepted[torch.tensor(spec.lagged, dtype=torch.int64).to(future_map.accepted.device)]
+        shift = lag.tolist()
+        starts = [p + a for p, a in zip(mwb.extend_prefix_lens_cpu, shift)]
+        lens = torch.tensor(mwb.extend_seq_lens_cpu, dtype=torch.int64)
+        total = int(lens.sum())
+        owner = torch.repeat_interleave(torch.arange(len(starts)), lens, output_size=total)
+        within = torch.arange(total) - (torch.cumsum(lens, 0) - lens)[owner]
+        table = self.model_runner.req_to_token_pool.req_to_token
+        cols = torch.tensor(starts, dtype=torch.int64)[owner] + within
+        slots = table[mwb.req_pool_indices.to(table.device)[owner.to(table.device)], cols.to(table.device)]
+        mwb.out_cache_loc = slots.to(mwb.out_cache_loc.device, mwb.out_cache_loc.dtype)
+        mwb.positions = mwb.positions + torch.tensor(shift, dtype=mwb.positions.dtype)[owner].to(mwb.positions.device)
+        mwb.seq_lens_cpu = [p + e for p, e in zip(starts, mwb.extend_seq_lens_cpu)]
+        mwb.extend_prefix_lens_cpu = starts  # what the scheduler reads of the batch once it has run
 
     def sample(self, mwb: ModelWorkerBatch, logits: torch.Tensor) -> tuple[GenerationBatchResult, torch.Tensor]:
         """The batch's next ids [bs] from its last-token logits [bs, vocab] (rows that sample

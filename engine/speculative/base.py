@@ -42,6 +42,18 @@ class NoSpeculation:
     """--speculative-algorithm unset: every decode step is a plain one."""
 
     algorithm: Optional[str] = None
+    # whether a verify step may be built and launched while the verify step before it still runs (the
+    # overlap loop; verifying.py prepare_lagged); else each verify step's result is processed first
+    lags = False
+
+    def allow_lagging(self, overlap: bool, tp_size: int) -> None:
+        """Told once by the scheduler: whether it runs the overlap loop, on how many TP ranks."""
+
+    def prepare_lagged(self, batch: "ScheduleBatch", in_flight: list) -> bool:
+        """Make the batch's step a verify step built behind `in_flight` (the launched batches whose
+        results are not processed yet), without waiting for them; False: it cannot be (the caller drains
+        them, then prepares as usual)."""
+        return False
 
     def wants_verify(self, batch: "ScheduleBatch") -> bool:
         """Whether this decode step may verify drafts (the caller then drains the overlap loop's

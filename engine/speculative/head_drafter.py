@@ -84,6 +84,7 @@ if TYPE_CHECKING:
     from baton.engine.model_executor.forward_batch import ForwardBatch
     from baton.engine.model_executor.model_runner import ModelRunner
     from baton.engine.speculative.spec_info import VerifyInput, VerifyOutput
+    from baton.engine.speculative.verify_device import DeviceAcceptance
 
 
 class HeadDrafter:
@@ -356,6 +357,22 @@ class HeadDrafter:
         self._keep(fb.req_pool_indices, self._head(fb, ids, features)[_ints(kept, ids.device)])
 
 
+    @torch.inference_mode()
+    def after_verify_on_device(self, fb: "ForwardBatch", hidden: torch.Tensor, acc: "DeviceAcceptance") -> None:
+        """after_verify for a step accepted on the device (verify_device.py), from the walk's tensors: each
+        node on the accepted path reads the next one's token (a chain's next row already holds it), the
+        last one the target's token. Steps past a request's count repeat its last node, which reads its
+        own token there until the last write puts the target's in its place."""
+        features = self._features(fb, hidden)
+        ids = fb.input_ids.roll(-1)
+        if acc.path.shape[1] > 1:
+            at = (acc.offsets[:, None] + acc.path[:, :-1]).reshape(-1)
+            ids[at] = fb.input_ids[(acc.offsets[:, None] + acc.path[:, 1:]).reshape(-1)]
+        kept = acc.offsets + acc.path.gather(1, acc.count[:, None])[:, 0]
+        ids[kept] = acc.last
+        self._keep(fb.req_pool_indices, self._head(fb, ids, features)[kept])
+
+
 def _ints(values: list, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
     """A host list on the device. On CUDA through pinned memory without waiting: a copy from pageable
     memory synchronizes the stream, which would stall the host on the head's passes queued before."""
@@ -457,11 +474,14 @@ class _Growth:
             depth = torch.where(wanted, depth, most + 1)  # past a request's count: to the end
             packed_depth, order = torch.sort(depth, dim=1, stable=True)
             packed = best.gather(1, order)
-            parent = self.parent[base + packed]  # global; -1 for the root
+            # a column past a request's count may hold a local index past its candidates (a smaller tree
+            # beside a bigger one): read candidate 0 there, which every request has (the column is unused)
+            at = base + torch.where(packed_depth <= most, packed, 0)
+            parent = self.parent[at]  # global; -1 for the root
             index = torch.zeros_like(idx).scatter_(1, packed,
                                                    torch.arange(1, chosen_n + 1, device=dev).expand_as(packed))
             packed_parents = torch.where(parent < 0, 0, index.gather(1, (parent - base).clamp(min=0)))
-            packed_tokens = self.token[base + packed]
+            packed_tokens = self.token[at]
         return _Chosen(chains, trees, nodes, packed_tokens, packed_parents, packed_depth)
 
 

@@ -47,9 +47,14 @@ class HeadSpeculator(VerifyingSpeculator):
                     f"best-first trees ({self.topk} candidates per step, {self.num_draft_tokens - 1} nodes)",
                     self.num_steps, self.disable_by_batch_size)
 
-    def prepare_verify(self, batch: "ScheduleBatch") -> bool:
+    def allow_lagging(self, overlap: bool, tp_size: int) -> None:
+        """The drafts are the worker's, so a verify step can be built before the one running ends
+        (verifying.py); not with TP (the followers' steps are sent resolved) or a recurrent state."""
+        self.lags = overlap and tp_size == 1 and self.view.state_scratch is None
+
+    def prepare_verify(self, batch: "ScheduleBatch", lagged: bool = False) -> bool:
         self._primes: list = []  # per request of the batch, in order: the prime its first step puts in its row
-        return super().prepare_verify(batch)
+        return super().prepare_verify(batch, lagged)
 
     def draft_tree(self, req: "Req") -> tuple[list[int], Optional[list[int]]]:
         """Placeholders for as many drafts as the request may take (num_steps deep, and with topk > 1 a

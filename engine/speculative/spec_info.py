@@ -94,6 +94,10 @@ class VerifyInput:
     # candidates' log-probabilities) a PD prefill sent for a transferred request, put in its row before
     # the chain or tree is drafted
     primes: Optional[dict[int, tuple[tuple[int, ...], Any, tuple[float, ...]]]] = None
+    # a verify step launched while the one before it still runs (the overlap loop; verifying.py): per
+    # request, the future-map slot of that step whose emitted-token count the worker adds to the row's
+    # positions, lengths and KV columns before the pass (0: the row's start is known); None: no such row
+    lagged: Optional[list[int]] = None
     # the first token row of each request in the batch's packed tokens (filled in __post_init__)
     offsets: list[int] = field(init=False)
     # a draft head's drafts still on the device: what reads them into `drafts` (whose lengths are right

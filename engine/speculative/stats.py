@@ -8,6 +8,7 @@ class SpecStats:
 
     def __init__(self, num_draft_tokens: int) -> None:
         self.verify_steps = 0  # verify forwards run
+        self.lagged_steps = 0  # of those, built while the verify step before them ran (verifying.py)
         self.draft_tokens = 0  # draft tokens proposed (and verified)
         self.accepted_tokens = 0  # of those, accepted
         # tree drafts: request-steps whose accepted run left the tree's first chain (what a chain of the
@@ -16,8 +17,9 @@ class SpecStats:
         # accept_length_counts[n]: request-steps that emitted n tokens (index 0 unused)
         self.accept_length_counts = [0] * (num_draft_tokens + 1)
 
-    def on_verify_step(self) -> None:
+    def on_verify_step(self, lagged: bool = False) -> None:
         self.verify_steps += 1
+        self.lagged_steps += lagged
 
     def on_request(self, drafted: int, accepted: int, branched: bool = False) -> None:
         """One request of a verify step (with or without a draft): `accepted` of its `drafted` tokens
@@ -37,7 +39,8 @@ class SpecStats:
         return sum(n * c for n, c in enumerate(self.accept_length_counts)) / steps if steps else 0.0
 
     def server_info(self) -> dict:
-        return {"spec_verify_steps": self.verify_steps, "spec_draft_tokens": self.draft_tokens,
+        return {"spec_verify_steps": self.verify_steps, "spec_lagged_verify_steps": self.lagged_steps,
+                "spec_draft_tokens": self.draft_tokens,
                 "spec_accepted_tokens": self.accepted_tokens, "spec_tree_branch_accepts": self.branch_accepts,
                 "spec_accept_rate": self.accept_rate(),
                 "spec_accept_length": self.mean_accept_length(),

@@ -16,10 +16,24 @@ request's committed KV, only ever sees accepted tokens. Without room for the dra
 one (retraction is the plain step's business). A tree's accepted nodes need not be its first ones: the
 worker has moved their KV to the columns right after the last token's before the result comes back
 (TpModelWorker._move_accepted_kv), so keeping the first positions keeps them here too.
+
+Lagged verify steps (the overlap loop, a draft head's strategies: their drafts are made in the worker):
+the next verify step is built and launched while the one before it still runs, as the overlap loop
+does plain decode steps, and the running step's result is processed while the next one computes. The
+scheduler does not know yet how many tokens the running step emits (1 .. its extent), so it builds the
+next step from the running step's start and reserves each request's KV up to the most both steps can
+reach (the running step's extent and this one's past its start); the running step's last tokens and
+emitted counts reach the next one through the future map, and the worker moves each row on by them
+before the pass (TpModelWorker._resolve_lagged). When the running step's result comes, the request's
+KV is its accepted positions, but the slots past them stay allocated while the lagged step writes
+there (cut_kv); the last result in frees them. Drafts stay within max_new_tokens counting the most the
+running step may emit (room), so the reservation never runs past the request's row. Where any request
+cannot lag (not in the running step, a grammar, a batch that grew or switches to plain steps), the
+results are processed first and the step is built as before (DecodeManager.prepare).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional
 
 from baton.engine.speculative.base import NoSpeculation, SpecView
 from baton.engine.speculative.spec_info import VerifyInput, first_chain
@@ -63,20 +77,51 @@ class VerifyingSpeculator(NoSpeculation):
 
     def room(self, req: "Req") -> int:
         """Drafts the request may take this step: never more than it may still emit after the
-        target's own token (max_new_tokens)."""
-        return min(self.num_draft_tokens - 1, req.sampling_params.max_new_tokens - len(req.output_ids) - 1)
+        target's own token (max_new_tokens), counting all a verify step still running for it may emit."""
+        running = req.spec_extent if req.spec_flight else 0
+        return min(self.num_draft_tokens - 1, req.sampling_params.max_new_tokens - len(req.output_ids) - running - 1)
 
-    def prepare_verify(self, batch: "ScheduleBatch") -> bool:
+    def prepare_lagged(self, batch: "ScheduleBatch", in_flight: list) -> bool:
+        """A verify step behind the one still running (module docstring, "Lagged verify steps"): only
+        where every request of the batch is in that step and nothing of the step's tokens is needed
+        on the host to build this one (no grammar)."""
+        if not self.lags or len(in_flight) != 1 or in_flight[0].mwb.spec_info is None or not self.eligible(batch):
+            return False
+        running = {id(r) for r in in_flight[0].reqs}
+        if not all(id(r) in running and r.spec_flight == 1 and r.grammar is None for r in batch.reqs):
+            return False
+        return self.prepare_verify(batch, lagged=True)
+
+    def prepare_verify(self, batch: "ScheduleBatch", lagged: bool = False) -> bool:
         if not self.eligible(batch):
             return False
-        drafts, trees = zip(*[self.draft_tree(req) for req in batch.reqs])
-        if not any(drafts) or not self._reserve(drafts, len(batch.reqs)):
+        reqs = batch.reqs
+        drafts, trees = zip(*[self.draft_tree(req) for req in reqs])
+        if not any(drafts):
+            return False
+        extents = [1 + len(d) for d in drafts]
+        if lagged:  # each request's running step starts where it was built to, moved on by the step before's
+            starts = [r.spec_start + (r.spec_emitted if r.spec_lag else 0) for r in reqs]
+            # past the most the running step may emit and this one's tokens after it
+            reserve_to = [max(r.kv_allocated_len, s + r.spec_extent + e) for r, s, e in zip(reqs, starts, extents)]
+            need = sum(t - r.kv_allocated_len for r, t in zip(reqs, reserve_to))
+        else:
+            starts, need = [r.kv_committed_len for r in reqs], sum(extents)
+        if not self._reserve(need, len(reqs)):
             return False
         scratch = self.view.state_scratch
         state_slots = None if scratch is None else [[scratch(i, j + 1) for j in range(len(d))]
                                                     for i, d in enumerate(drafts)]
         parents = None if all(t is None for t in trees) else list(trees)
-        batch.prepare_for_verify(self.verify_input(list(drafts), state_slots, parents))
+        spec = self.verify_input(list(drafts), state_slots, parents)
+        if lagged:
+            spec.lagged = (-batch.output_ids).tolist()  # the running step's future-map slots
+            batch.prepare_for_verify(spec, starts, reserve_to)
+        else:
+            batch.prepare_for_verify(spec)
+        for req, start, extent in zip(reqs, starts, extents):
+            req.spec_flight += 1
+            req.spec_start, req.spec_lag, req.spec_extent = start, lagged, extent
         return True
 
     def verify_input(self, drafts: list[list[int]], state_slots: Optional[list[list[int]]],
@@ -84,11 +129,11 @@ class VerifyingSpeculator(NoSpeculation):
         """What the verify step carries to the worker (a strategy may add to it)."""
         return VerifyInput(drafts, state_slots, parents)
 
-    def _reserve(self, drafts: Sequence[list[int]], bs: int) -> bool:
-        """Room in the KV pool for the whole verify step (evicting cached prefixes if needed)."""
+    def _reserve(self, tokens: int, bs: int) -> bool:
+        """Room in the KV pool for the verify step's new `tokens` (evicting cached prefixes if needed)."""
         allocator = self.view.allocator
         page = allocator.page_size
-        need = sum(1 + len(d) for d in drafts) + (bs * page if page > 1 else 0)
+        need = tokens + (bs * page if page > 1 else 0)
         free = allocator.available_size()
         if free < need:
             self.view.tree_cache.evict(need - free)
@@ -98,12 +143,17 @@ class VerifyingSpeculator(NoSpeculation):
     def process_verify_result(self, launched: Any, result: Any) -> None:
         spec: VerifyInput = launched.mwb.spec_info
         out = result.verify
-        self.stats.on_verify_step()
+        self.stats.on_verify_step(spec.lagged is not None)
         for i, req in enumerate(launched.reqs):
             start = launched.mwb.extend_prefix_lens_cpu[i]  # the KV it held: its last token sits there
-            if req.finished():  # aborted while the step ran: its tokens so far stay, the step's go
+            req.spec_flight -= 1
+            req.spec_emitted = len(out.tokens[i])  # where a step built behind this one starts
+            later = req.spec_flight > 0  # a lagged step behind this one writes the KV past it
+            if req.finished():
+                # aborted while the step ran: its tokens so far stay, the step's go; or ended by the
+                # result of the step before (a lagged step), which cut its KV already
                 self.roll_back_state(spec, i, req, 1)
-                self.keep_kv(req, start + 1)
+                self.cut_kv(req, min(start + 1, req.kv_committed_len), later)
                 self.view.finish_request(req)
                 continue
             tokens = out.tokens[i]
@@ -121,7 +171,7 @@ class VerifyingSpeculator(NoSpeculation):
             self.on_verified(req, spec.depth(i), len(tokens) - 1)
             # KV is computed for [last, emitted[:-1]]: the newest token's comes with the next step
             self.roll_back_state(spec, i, req, emitted)
-            self.keep_kv(req, start + emitted)
+            self.cut_kv(req, start + emitted, later)
             if req.finished():
                 self.view.finish_request(req)
 
@@ -132,6 +182,14 @@ class VerifyingSpeculator(NoSpeculation):
         (its end state into the radix cache, if it finished), so those copies see the rolled-back one."""
         if spec.state_slots is not None and kept <= len(spec.drafts[i]):
             self.view.tree_cache.queue_state_copy(spec.state_slots[i][kept - 1], req.req_pool_idx)
+
+    def cut_kv(self, req: "Req", length: int, later: bool) -> None:
+        """The request's KV is its first `length` positions. While a lagged step behind this one runs,
+        that step still writes past them: the slots stay allocated (freed once its result is in)."""
+        if later:
+            req.kv_committed_len = length
+        else:
+            self.keep_kv(req, length)
 
     def keep_kv(self, req: "Req", length: int) -> None:
         """Keep the request's first `length` KV positions; free the pages wholly past them (the slots

@@ -77,11 +77,11 @@ def follow_up_and_abort(h: SchedulerHarness, path: str, first: list[int], first_
     return res
 
 
-def stops_and_logprobs_equal_plain(path: str, prompt: list[int], **spec) -> SchedulerHarness:
+def stops_and_logprobs_equal_plain(path: str, prompt: list[int], loop: str = "plain", **spec) -> SchedulerHarness:
     """max_tokens that cut a draft run, a stop token inside one, logprobs with top-2: the speculating
-    engine (`spec` flags) gives what the engine without speculation gives. Returns its harness."""
+    engine (`spec` flags, in `loop`) gives what the engine without speculation gives. Returns its harness."""
     plain = harness_for(path, "plain", max_total_tokens=2048)
-    h = harness_for(path, "plain", max_total_tokens=2048, **spec)
+    h = harness_for(path, loop, max_total_tokens=2048, **spec)
     for x in (plain, h):
         x.submit("cut", prompt, max_new_tokens=6, ignore_eos=True)
         x.submit("lp", prompt, max_new_tokens=12, ignore_eos=True, return_logprob=True, top_logprobs_num=2)

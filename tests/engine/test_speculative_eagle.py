@@ -434,6 +434,101 @@ def test_head_tree_flags_and_what_is_refused(target, drafts):
     assert ServerArgs(model_path=target, tp_size=2, **tree("EAGLE", draft, 2)).speculative_eagle_topk == 2
 
 
+# ------------------------------------------------------------------ lagged verify steps (overlap loop)
+def lagging(h) -> list[bool]:
+    """From now on: for each verify step built, whether it was built while the one before it ran."""
+    seen: list[bool] = []
+    spec = h.scheduler.spec
+    prepare = spec.prepare_verify
+
+    def record(batch, lagged=False):
+        built = prepare(batch, lagged)
+        if built:
+            seen.append(lagged)
+        return built
+
+    spec.prepare_verify = record
+    return seen
+
+
+@pytest.mark.parametrize("loop,topk,page_size", [("overlap", 1, 16), ("inline", 2, 1), ("overlap", 2, 4)])
+def test_lagged_verify_steps_change_no_token(target, drafts, loop, topk, page_size):
+    """The overlap loop builds a verify step while the one before it still runs, so neither the
+    running step's tokens nor where each row starts are known to the scheduler (the worker moves the
+    rows on): HF's tokens with drafts accepted, through chunked prefill, staggered arrivals, shared
+    prefixes, a follow-up turn and an abort while steps are in flight; most verify steps lagged, and
+    each of them drafted. Chains and best-first trees, the worker thread and the inline (CUDA-form)
+    launch, pages of 1, 4 and 16 tokens; nothing leaked."""
+    ps = prompts()
+    args = eagle("EAGLE", drafts("EAGLE-trained")) if topk == 1 else tree("EAGLE", drafts("EAGLE-decoy"), topk)
+    h = harness_for(target, loop, page_size=page_size, chunked_prefill_size=32, max_total_tokens=4096, **args)
+    assert h.scheduler.spec.lags
+    lagged = lagging(h)
+    results = run_workload(h, ps, max_new=MAX_NEW, ignore_eos=True)
+    for i, p in enumerate(ps):
+        assert results[str(i)].ids == hf_greedy(target, p, MAX_NEW, ignore_eos=True), f"request {i} differs from HF"
+    info = spec_info(h)
+    assert info["spec_lagged_verify_steps"] == sum(lagged) > len(lagged) // 2, (sum(lagged), len(lagged))
+    assert info["spec_accept_length"] > 1.5, info
+    assert h.scheduler.check_memory_integrity() and not any(r.spec_flight for r in h.scheduler.running_batch.reqs)
+    assert follow_up_and_abort(h, target, ps[3], results["3"].ids, ps[1])["turn2"].cached_tokens > 0
+
+
+def test_lagged_verify_steps_stop_and_score_as_plain(target, drafts):
+    """In the overlap loop, with lagged verify steps: max_tokens that cut an accepted run, a stop token
+    inside one (the request ends while the step built behind it runs: that step's tokens are dropped,
+    its KV freed once it is in) and logprobs: what the engine without speculation gives."""
+    h = stops_and_logprobs_equal_plain(target, prompts()[3], loop="overlap", **eagle("EAGLE", drafts("EAGLE-trained")))
+    info = spec_info(h)
+    assert info["spec_lagged_verify_steps"] > 0 and info["spec_accepted_tokens"] > 0, info
+    assert h.scheduler.check_memory_integrity()
+
+
+def test_pd_decode_lags_verify_steps_after_the_transfer(target, drafts):
+    """PD with the overlap loop on both sides, EAGLE chains: the decode's verify steps lag behind each
+    other from the transferred requests' second step on; HF's tokens, both sides settle with nothing
+    leaked."""
+    from test_pd_scheduler import PDPair, _run
+
+    ps = repetitive_prompts()
+    pair = PDPair(target, page_size=1, max_total_tokens=4096, enable_overlap_schedule=True,
+                  disable_overlap_schedule=False, **eagle("EAGLE", drafts("EAGLE-trained")))
+    try:
+        _run(pair, ps, max_new_tokens=MAX_NEW, ignore_eos=True)
+        for i, p in enumerate(ps):
+            assert pair.decode.results[str(i)].ids == hf_greedy(target, p, MAX_NEW, ignore_eos=True), f"request {i}"
+        info = spec_info(pair.decode)
+        assert info["spec_lagged_verify_steps"] > info["spec_verify_steps"] // 2 and info["spec_accepted_tokens"] > 0
+        pair.assert_settled()
+    finally:
+        pair.close()
+
+
+def test_verify_steps_lag_only_where_they_can(target, drafts, tiny_model_factory):
+    """The plain loop never lags (nothing runs behind the scheduler's back); NGRAM, whose drafts are the
+    scheduler's own, never does; and a batch that grows (a new request joins) or drops to plain steps
+    waits for the verify step in flight: the tokens are HF's all the same."""
+    plain = harness_for(target, "plain", max_total_tokens=2048, **eagle("EAGLE", drafts("EAGLE-trained")))
+    assert not plain.scheduler.spec.lags
+    ngram = harness_for(target, "overlap", max_total_tokens=2048, speculative_algorithm="NGRAM")
+    assert not ngram.scheduler.spec.lags
+    # two requests: lagging until the batch grows past the speculation limit, then plain steps
+    h = harness_for(target, "overlap", max_total_tokens=2048,
+                    **{**eagle("EAGLE", drafts("EAGLE-trained")), "speculative_disable_by_batch_size": 3})
+    lagged = lagging(h)
+    ps = prompts()
+    h.submit("a", ps[0], max_new_tokens=MAX_NEW, ignore_eos=True)
+    h.submit("b", ps[1], max_new_tokens=MAX_NEW, ignore_eos=True)
+    for _ in range(8):
+        h.step()
+    assert any(lagged), lagged
+    h.submit("c", ps[2], max_new_tokens=MAX_NEW, ignore_eos=True)  # three running: plain decode steps
+    out = h.run_until_idle()
+    for rid, p in zip("abc", ps):
+        assert out[rid].ids == hf_greedy(target, p, MAX_NEW, ignore_eos=True), rid
+    assert h.scheduler.check_memory_integrity()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["EAGLE-trained", "EAGLE3"])
 def test_eagle_on_cuda_changes_no_token(target, drafts, kind):

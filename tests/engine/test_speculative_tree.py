@@ -36,12 +36,13 @@ def test_head_tree_growth_breaks_ties_by_drafted_order():
     """head_drafter._Growth, the best-first rule on the device, against the rule written out on lists:
     the next leaves are a request's width best children (ties: the one drafted first), the tree the n
     best candidates by (score, shallower, drafted first), packed by (depth, score, drafted first). Scores
-    with many ties (quarter steps), two requests of different depths, one chain of width 1 beside them."""
+    with many ties (quarter steps), three requests of different depths, one chain of width 1 beside them;
+    the last tree smaller than the nodes the first one chooses (its columns past its count stay in it)."""
     from baton.engine.speculative.head_drafter import _Growth
 
     gen = torch.Generator().manual_seed(3)
-    w, depths = 3, [3, 2, 3]
-    widths = [w, w, 1]
+    w, depths = 3, [3, 2, 3, 1]
+    widths = [w, w, 1, w]
     for trial in range(20):
         g = _Growth(widths, depths, torch.device("cpu"))
         ref = [dict(parent=[], token=[], score=[], depth=[]) for _ in widths]  # drafted order, per request
@@ -53,14 +54,14 @@ def test_head_tree_growth_breaks_ties_by_drafted_order():
             r["score"].append(score)
             r["depth"].append(1 if parent_local < 0 else r["depth"][parent_local] + 1)
 
-        lanes = [(n, b) for n in range(3) for b in range(widths[n])]
+        lanes = [(n, b) for n in range(len(widths)) for b in range(widths[n])]
         first = (torch.randint(-4, 1, (len(lanes),), generator=gen) / 4.0).tolist()
         tok = torch.randint(0, 50, (len(lanes),), generator=gen).tolist()
         at = [g.base[n] + b for n, b in lanes]
         g.token[torch.tensor(at)], g.score[torch.tensor(at)] = torch.tensor(tok), torch.tensor(first)
         for (n, _), t, sc in zip(lanes, tok, first):
             draft(n, -1, t, sc)
-        leaves, ref_leaves = torch.tensor(at), {n: list(range(widths[n])) for n in range(3)}
+        leaves, ref_leaves = torch.tensor(at), {n: list(range(widths[n])) for n in range(len(widths))}
         for j in range(1, max(depths)):
             keep = [k for k, (n, _) in enumerate(lanes) if depths[n] > j]
             lanes, leaves = [lanes[k] for k in keep], leaves[torch.tensor(keep)]
@@ -82,9 +83,9 @@ def test_head_tree_growth_breaks_ties_by_drafted_order():
             if lanes:
                 got = [int(x) - g.base[n] for x, (n, _) in zip(leaves, lanes)]
                 assert got == [c for n in ref_leaves for c in ref_leaves[n]], (trial, j)
-        nodes = [6, 4, depths[2]]
+        nodes = [6, 4, depths[2], 3]
         chosen = g.choose(nodes).read()
-        for n in range(3):
+        for n in range(len(widths)):
             r = ref[n]
             if widths[n] == 1:
                 assert chosen[n] == (r["token"], None)
@@ -242,6 +243,71 @@ def test_greedy_follows_the_branch_the_target_chose_and_takes_its_token_after():
     assert out.logprobs[0] == pytest.approx([float(lps[0, 4]), float(lps[2, 7]), float(lps[5, 9])])
     assert accept_greedy_tree(TREE, TREE_DRAFT, [3, 5, 0, 1, 0, 0]) == [0, 1, 3]  # the first chain, whole
     assert accept_greedy_tree(TREE, TREE_DRAFT, [2, 0, 0, 0, 0, 0]) == [0]
+
+
+def _random_tree(gen: torch.Generator, nodes: int) -> list[int]:
+    """Parents of a random tree of `nodes` nodes (node 0 the root, a parent before its child)."""
+    return [-1] + [int(torch.randint(0, j, (1,), generator=gen)) for j in range(1, nodes)]
+
+
+def test_greedy_acceptance_on_the_device_is_the_host_rule():
+    """verify_device.greedy_accept_on_device against verify_drafts (the rule on the host): batches of
+    chains, trees given as parents (NGRAM's) and trees given as ancestor matrices (a head's), of different
+    sizes, with empty drafts among them; tokens drawn from 3 values so drafts are often accepted and
+    siblings often share a token (the first in node order wins). Same emitted tokens and accepted nodes;
+    the result crosses to the host in one read (PendingVerify), the moved KV columns are the host
+    rule's moves, and the last tokens (the next step's inputs) agree."""
+    from baton.engine.layers.attention.masks import ancestors
+    from types import SimpleNamespace
+
+    from baton.engine.speculative.verify import move_accepted_kv
+    from baton.engine.speculative.verify_device import (PendingVerify, greedy_accept_on_device,
+                                                        move_accepted_kv_on_device)
+
+    gen = torch.Generator().manual_seed(11)
+    for trial in range(60):
+        bs = int(torch.randint(1, 5, (1,), generator=gen))
+        drafts, parents, device_trees = [], [], []
+        for b in range(bs):
+            kind = int(torch.randint(0, 3, (1,), generator=gen))
+            k = int(torch.randint(0, 6, (1,), generator=gen))
+            drafts.append(torch.randint(0, 3, (k,), generator=gen).tolist())
+            tree = _random_tree(gen, k + 1) if kind and k else None
+            parents.append(tree)
+            device_trees.append(kind == 2 and tree is not None)
+        host_spec = VerifyInput([list(d) for d in drafts], parents=list(parents))
+        device_spec = VerifyInput([list(d) for d in drafts], parents=list(parents))
+        tree_parents = None
+        if device_spec.parents is not None:  # what a ForwardBatch carries: host lists, or a head's matrices
+            tree_parents = list(device_spec.parents)
+            for b, tree in enumerate(tree_parents):
+                if tree is not None and device_trees[b]:
+                    tree_parents[b] = ancestors(torch.tensor([tree]), len(tree))[0]
+        input_ids = torch.tensor([t for b in range(bs) for t in [9] + drafts[b]])
+        logits = torch.randn(len(input_ids), VOCAB)
+        logits[torch.arange(len(input_ids)), torch.randint(0, 3, (len(input_ids),), generator=gen)] = 10.0
+        want = verify_drafts(logits, host_spec, [_state() for _ in range(bs)], None, False, [0] * bs)
+        acc = greedy_accept_on_device(logits, input_ids, device_spec, tree_parents)
+        got = PendingVerify(acc, device_spec, [_state() for _ in range(bs)], async_copy=False).read()
+        assert got.tokens == want.tokens, (trial, drafts, parents)
+        assert got.accepted_nodes == want.accepted_nodes, (trial, drafts, parents)
+        assert acc.last.tolist() == want.last_tokens
+        if want.accepted_nodes is not None:  # the accepted nodes' KV into the columns after the last token
+            moved = []
+            for move, args in ((move_accepted_kv, (host_spec, want)), (move_accepted_kv_on_device, (acc,))):
+                kv = torch.arange(len(input_ids)) * 10
+
+                def copy(dst, src, kv=kv):
+                    kv[dst] = kv[src].clone()
+
+                runner = SimpleNamespace(token_to_kv_pool=SimpleNamespace(move_kv_cache=copy))
+                loc = torch.arange(len(input_ids))
+                if move is move_accepted_kv:
+                    move(runner, SimpleNamespace(out_cache_loc=loc), *args)
+                else:
+                    move(runner, loc, *args)
+                moved.append(kv.tolist())
+            assert moved[0] == moved[1], trial
 
 
 @pytest.mark.parametrize("params", [dict(logit_bias={4: -1.0}), dict(frequency_penalty=0.5),

@@ -8,7 +8,7 @@ needs no GIL, so the scheduler processes batch N while N+1 runs. A batch whose s
 (argmax or draw, the common decode step) ends there, the future map filled in C too; any other is
 followed on the stream's thread by the worker's Python sampler over its logits, which stores its
 tokens in the future map before the next step reads them. A batch no native step can serve
-(prompt logprobs) is a Python call on the stream, in its turn. Once the scheduler's thread waits
+(prompt logprobs, a verify step) is a Python call on the stream, in its turn. Once the scheduler's thread waits
 for a step it computes in place of one of the step's threads (parallel.h).
 """
 from __future__ import annotations
@@ -60,8 +60,9 @@ class NativeStreamExecutor(OverlapExecutor):
 
     def launch(self, mwb: "ModelWorkerBatch") -> tuple[torch.Tensor, StreamResult]:
         placeholders = self.reserve(mwb)  # behind the steps queued, whose KV and tokens it reads
-        step = self.steps.prepare(mwb, self.future_map)
-        if step is None:  # prompt logprobs: the whole batch in Python, in its turn on the stream
+        # a verify step (speculative decoding: its drafts, the check) is the worker's, as prompt logprobs are
+        step = None if mwb.spec_info is not None else self.steps.prepare(mwb, self.future_map)
+        if step is None:  # the whole batch in Python, in its turn on the stream
             item = self._stream_call(lambda: self.worker.forward_batch_generation(mwb, future_map=self.future_map))
             make = None
         elif step.logits is None:  # the step's tokens: nothing left for Python
