@@ -58,9 +58,10 @@ def main() -> None:
     first = None
     for spec in args.variant:
         name, _, overrides = spec.partition(":")
-        h = SchedulerHarness(model, dtype=args.dtype, max_total_tokens=8192, attention_backend="torch",
-                             disable_overlap_schedule=True, speculative_disable_by_batch_size=64,
-                             **json.loads(overrides))
+        engine = dict(dtype=args.dtype, max_total_tokens=8192, attention_backend="torch",
+                      disable_overlap_schedule=True, speculative_disable_by_batch_size=64)
+        h = SchedulerHarness(model, **{**engine, **json.loads(overrides)})  # a variant may turn the overlap loop on
+        host = _time_scheduler_work(h.scheduler)
         start, outs = time.perf_counter(), []
         for i, p in enumerate(prompts):
             h.submit(str(i), p, max_new_tokens=args.tokens, ignore_eos=True, **sampling,
@@ -73,10 +74,35 @@ def main() -> None:
         # step, plain (one token) or verify (accept length tokens)
         verify, accept = info.get("spec_verify_steps", 0), info.get("spec_accept_length", 0.0)
         steps = verify + len(prompts) * (args.tokens - 1) - round(verify * accept)
-        print(f"{name}: decode steps {steps}, accept length {accept:.3f}, verify steps {verify}, "
+        print(f"{name}: decode steps {steps}, accept length {accept:.3f}, verify steps {verify} "
+              f"({info.get('spec_lagged_verify_steps', 0)} lagged), "
               f"runs off the first chain {info.get('spec_tree_branch_accepts', 0)}, tokens equal to "
-              f"{args.variant[0].partition(':')[0]}'s: {outs == first} ({len(prompts) * args.tokens / took:.1f} tok/s)",
-              flush=True)
+              f"{args.variant[0].partition(':')[0]}'s: {outs == first} ({len(prompts) * args.tokens / took:.1f} tok/s; "
+              f"scheduler work per verify step: build {1e3 * host['build'] / max(verify, 1):.2f} ms, "
+              f"process {1e3 * host['process'] / max(verify, 1):.2f} ms)", flush=True)
+
+
+def _time_scheduler_work(scheduler) -> dict:
+    """Seconds the scheduler's thread spends building decode steps (drafting's host side included) and
+    processing verify results (after the wait for them): the host work a lagged verify step overlaps
+    with the forward."""
+    spent = {"build": 0.0, "process": 0.0}
+
+    def timed(obj, name, key):
+        fn = getattr(obj, name)
+
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[key] += time.perf_counter() - t
+
+        setattr(obj, name, wrapper)
+
+    timed(scheduler.decode, "prepare", "build")
+    timed(scheduler.spec, "process_verify_result", "process")
+    return spent
 
 
 if __name__ == "__main__":

@@ -327,7 +327,7 @@ class Scheduler:
             # manager drained it to draft), and an overlap executor's forward thread would only wait
             # beside it (on a 2-core CPU the waiting thread took a core from the verify's kernels).
             # Lagged verify steps go through the executor: the next one is built while this one runs.
-            result = self.worker.forward_batch_generation(mwb)
+            result = self.worker.forward_batch_generation(mwb).resolve()
             batch.output_ids = result.next_token_ids_tensor
             return LaunchedBatch(list(batch.reqs), mwb, result)
         # the overlap loop's placeholders, or the plain loop's sampled ids

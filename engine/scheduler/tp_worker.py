@@ -46,9 +46,16 @@ class GenerationBatchResult:
     # a verify step (speculative decoding): each request's accepted tokens; next_token_ids then hold
     # each request's last one
     verify: Optional["VerifyOutput"] = None
+    # a verify step accepted on the device (speculative/verify_device.py): `verify` once resolved
+    pending_verify: Optional[Any] = None
 
     def resolve(self) -> "GenerationBatchResult":
-        """Wait for the sampled ids to reach the host (no-op when they already did)."""
+        """Wait for the sampled ids (or a verify step's tokens) to reach the host (no-op when they already did)."""
+        if self.pending_verify is not None:
+            pending, self.pending_verify = self.pending_verify, None
+            self.verify = pending.read()
+            self.next_token_ids = self.verify.last_tokens
+            self.next_token_ids_tensor = torch.tensor(self.next_token_ids, dtype=torch.int64)
         if self.copy_done is not None:
             self.copy_done.synchronize()
             self.next_token_ids = self.next_token_ids_tensor.tolist()
@@ -117,7 +124,7 @@ class TpModelWorker:
             self.drafter.draft(fb, mwb.spec_info)
         hidden = runner.forward(fb)  # [num_tokens, hidden]
         if mwb.spec_info is not None:
-            return self._verify(mwb, fb, hidden, future_map, future_slots)
+            return self._verify(mwb, fb, hidden, future_map, future_slots, async_copy)
         rows = runner.last_token_rows(fb)
         last_hidden = hidden if rows is None else hidden[rows]
         logits = runner.compute_logits(last_hidden)  # [bs, vocab] float32
@@ -141,12 +148,28 @@ class TpModelWorker:
         return result
 
     def _verify(self, mwb: ModelWorkerBatch, fb, hidden: torch.Tensor, future_map: Optional[FutureMap],
-                future_slots: Optional[torch.Tensor]) -> GenerationBatchResult:
+                future_slots: Optional[torch.Tensor], async_copy: bool = False) -> GenerationBatchResult:
         """A verify step's result: the logits of every token row, checked against the drafts
-        (speculative/verify.py); each request's last emitted token goes to the future map (overlap)."""
+        (speculative/verify.py); each request's last emitted token and emitted count go to the future
+        map (overlap). A greedy step is checked on the device (verify_device.py) and reaches the host
+        with the result (`async_copy`: without waiting for it, on CUDA); with TP the followers get the
+        host's acceptance."""
+        from baton.engine.speculative import verify_device
         from baton.engine.speculative.verify import move_accepted_kv, verify_drafts
 
         logits = self.model_runner.compute_logits(hidden)  # [num_tokens, vocab] float32
+        spec = mwb.spec_info
+        if self.step_sender is None and verify_device.accepts_on_device(mwb.sampling_states, mwb.return_logprob):
+            acc = verify_device.greedy_accept_on_device(logits, fb.input_ids, spec, fb.tree_parents)
+            if self.drafter is not None:  # before the move, as after_verify
+                self.drafter.after_verify_on_device(fb, hidden, acc)
+            if spec.parents is not None:
+                verify_device.move_accepted_kv_on_device(self.model_runner, fb.out_cache_loc, acc)
+            if future_map is not None:
+                future_map.token_ids[future_slots] = acc.last.to(future_map.token_ids.device)
+                future_map.accepted[future_slots] = (acc.count + 1).to(future_map.accepted.device)
+            pending = verify_device.PendingVerify(acc, spec, async_copy)
+            return GenerationBatchResult(next_token_ids=[], next_token_ids_device=acc.last, pending_verify=pending)
         out = verify_drafts(logits, mwb.spec_info, mwb.sampling_states, mwb.draws, mwb.return_logprob,
                             mwb.top_logprobs_nums)
         if self.step_sender is not None and (self.drafter is not None or out.accepted_nodes is not None):

@@ -1,7 +1,9 @@
-"""Greedy acceptance on the device: a verify step whose every request takes the argmax with nothing
-processed (no penalties, logit bias, grammar or min_new_tokens) and asks no logprobs is checked without
-reading anything back, so on CUDA its launch returns before its forward ends, and the overlap loop can
-build the next step meanwhile (verifying.py, lagged verify steps).
+"""Greedy acceptance on the device, read by the host only with the verify step's result.
+
+A verify step whose every request takes the argmax with nothing processed (no penalties, logit bias,
+grammar or min_new_tokens) and asks no logprobs is checked without reading anything back, so on CUDA
+its launch returns before its forward ends, and the overlap loop can build the next step meanwhile
+(verifying.py, lagged verify steps).
 
 The rule is verify.py's, on tensors: each request walks its draft from node 0 (its last token), at each
 node to the first child (in node order) whose token is the target's argmax there, until none is; it
@@ -75,7 +77,8 @@ def greedy_accept_on_device(logits: torch.Tensor, input_ids: torch.Tensor, spec:
             parents = torch.full((len(host), n), -1, dtype=torch.int64)
             for k, (_, p) in enumerate(host):
                 parents[k, :len(p)] = torch.tensor(p, dtype=torch.int64)
-            matrices = ancestors(parents.to(dev), n)
+            matrices = ancestors(parents.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda"
+                                 else parents, n)
             for k, (b, p) in enumerate(host):
                 seen[b, :len(p), :len(p)] = matrices[k, :len(p), :len(p)]
         for b, p in enumerate(tree_parents):
@@ -122,9 +125,8 @@ class PendingVerify:
     step (into pinned memory without waiting, on CUDA); read() waits for it and gives the VerifyOutput
     verify_drafts would have, once the scheduler processes the step."""
 
-    def __init__(self, acc: DeviceAcceptance, spec: VerifyInput, states: Sequence["ReqSamplingState"],
-                 async_copy: bool) -> None:
-        self.spec, self.states = spec, states
+    def __init__(self, acc: DeviceAcceptance, spec: VerifyInput, async_copy: bool) -> None:
+        self.spec = spec
         packed = torch.cat([acc.count[:, None], acc.path, acc.tokens], dim=1)
         self.done = None
         if async_copy and packed.is_cuda:
@@ -145,6 +147,6 @@ class PendingVerify:
             count = row[0]
             tokens.append(row[1 + width:2 + width + count])
             nodes.append(row[2:2 + count])
-        for state, emitted in zip(self.states, tokens):
-            state.num_sampled += len(emitted)
+        # (no num_sampled to count: it only times min_new_tokens, which a plain greedy request has none of,
+        # and the sampling state is the worker's)
         return VerifyOutput(tokens, accepted_nodes=None if self.spec.parents is None else nodes)

@@ -436,7 +436,8 @@ def test_metrics_turn_the_schedulers_totals_into_a_histogram_once():
 
     m = EngineMetrics("m", "null")
     info = {"speculative_algorithm": "NGRAM", "spec_accept_rate": 0.5, "spec_draft_tokens": 8,
-            "spec_accepted_tokens": 4, "spec_accept_length_counts": [0, 2, 1, 0, 1], "spec_tree_branch_accepts": 2}
+            "spec_accepted_tokens": 4, "spec_accept_length_counts": [0, 2, 1, 0, 1], "spec_tree_branch_accepts": 2,
+            "spec_verify_steps": 4, "spec_lagged_verify_steps": 3}
     m.update_from_server_info(info)
     m.update_from_server_info(info)  # a second scrape of the same totals adds nothing
     m.update_from_server_info({**info, "spec_accept_length_counts": [0, 3, 1, 0, 1], "spec_draft_tokens": 9})
@@ -448,6 +449,7 @@ def test_metrics_turn_the_schedulers_totals_into_a_histogram_once():
     assert sample("baton_spec_accept_length_tokens_sum") == 3 * 1 + 2 + 4
     assert sample("baton_spec_draft_tokens_total") == 9 and sample("baton_spec_accepted_tokens_total") == 4
     assert sample("baton_spec_tree_branch_accepts_total") == 2
+    assert sample("baton_spec_verify_steps_total") == 4 and sample("baton_spec_lagged_verify_steps_total") == 3
     assert sample("baton_spec_accept_rate", dp_rank="0") == 0.5
 
 

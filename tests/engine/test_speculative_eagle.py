@@ -474,6 +474,43 @@ def test_lagged_verify_steps_change_no_token(target, drafts, loop, topk, page_si
     assert follow_up_and_abort(h, target, ps[3], results["3"].ids, ps[1])["turn2"].cached_tokens > 0
 
 
+@pytest.mark.parametrize("topk", [1, 2])
+def test_a_greedy_verify_launch_reads_nothing_back(target, drafts, topk):
+    """The inline launch (the CUDA stream executor's form, on the CPU): a greedy verify step returns from
+    its launch with its acceptance still on the device (the result's tokens unread, the head's drafts
+    unread), its last tokens and counts in the future map for the step built behind it; the host reads
+    them once, when the scheduler processes the result. HF's tokens. Sampled requests are checked on the
+    host and still lag."""
+    args = eagle("EAGLE", drafts("EAGLE-trained")) if topk == 1 else tree("EAGLE", drafts("EAGLE-decoy"), topk)
+    h = harness_for(target, "inline", max_total_tokens=2048, **args)
+    executor, launches = h.scheduler.executor, []
+    launch = executor.launch
+
+    def recording(mwb):
+        placeholders, handle = launch(mwb)
+        if mwb.spec_info is not None:
+            result = handle._future.result()  # what the worker returned, before anyone resolved it
+            launches.append((result.pending_verify is not None and result.verify is None,
+                             mwb.spec_info.pending is not None or not any(mwb.spec_info.drafts)))
+        return placeholders, handle
+
+    executor.launch = recording
+    ps = prompts()[:3]
+    for i, p in enumerate(ps):
+        h.submit(str(i), p, max_new_tokens=MAX_NEW, ignore_eos=True)
+    out = h.run_until_idle()
+    for i, p in enumerate(ps):
+        assert out[str(i)].ids == hf_greedy(target, p, MAX_NEW, ignore_eos=True), f"request {i}"
+    assert launches and all(on_device and unread for on_device, unread in launches), launches
+    greedy = spec_info(h)["spec_lagged_verify_steps"]
+    assert greedy > 0
+    launches.clear()
+    h.submit("sampled", ps[0], max_new_tokens=MAX_NEW, ignore_eos=True, temperature=0.7, seed=5)
+    assert len(h.run_until_idle()["sampled"].ids) == MAX_NEW
+    assert launches and not any(on_device for on_device, _ in launches), "a sampled step is checked on the host"
+    assert spec_info(h)["spec_lagged_verify_steps"] > greedy and h.scheduler.check_memory_integrity()
+
+
 def test_lagged_verify_steps_stop_and_score_as_plain(target, drafts):
     """In the overlap loop, with lagged verify steps: max_tokens that cut an accepted run, a stop token
     inside one (the request ends while the step built behind it runs: that step's tokens are dropped,
@@ -542,10 +579,32 @@ def test_eagle_on_cuda_changes_no_token(target, drafts, kind):
     common = dict(device="cuda", dtype="float32", chunked_prefill_size=32, max_total_tokens=4096)
     plain = run_workload(harness_for(target, "overlap", **common), ps, max_new=MAX_NEW, ignore_eos=True)
     h = harness_for(target, "overlap", **common, **eagle(kind.split("-")[0], drafts(kind)))
+    # what a verify launch makes the host wait for (torch's sync warnings), lagged or not: printed for
+    # the record (a lagged one reads the running step's emitted counts once; a greedy one reads nothing else)
+    executor, syncs = h.scheduler.executor, {False: [], True: []}
+    launch = executor.launch
+
+    def counted(mwb):
+        if mwb.spec_info is None:
+            return launch(mwb)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                return launch(mwb)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+                syncs[mwb.spec_info.lagged is not None].append(sum("synchroniz" in str(w.message) for w in seen))
+
+    executor.launch = counted
     spec = run_workload(h, ps, max_new=MAX_NEW, ignore_eos=True)
+    for lagged, counts in syncs.items():
+        print(f"host syncs per {'lagged' if lagged else 'first'} verify launch: {counts[:8]} ... "
+              f"mean {sum(counts) / max(len(counts), 1):.2f} over {len(counts)}")
     for i in range(len(ps)):
         assert spec[str(i)].ids == plain[str(i)].ids, f"request {i}"
-    assert spec_info(h)["spec_verify_steps"] > 0 and h.scheduler.check_memory_integrity()
+    info = spec_info(h)
+    assert info["spec_lagged_verify_steps"] > 0 and h.scheduler.check_memory_integrity(), info
 
 
 @pytest.mark.gpu

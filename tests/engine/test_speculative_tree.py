@@ -288,7 +288,7 @@ def test_greedy_acceptance_on_the_device_is_the_host_rule():
         logits[torch.arange(len(input_ids)), torch.randint(0, 3, (len(input_ids),), generator=gen)] = 10.0
         want = verify_drafts(logits, host_spec, [_state() for _ in range(bs)], None, False, [0] * bs)
         acc = greedy_accept_on_device(logits, input_ids, device_spec, tree_parents)
-        got = PendingVerify(acc, device_spec, [_state() for _ in range(bs)], async_copy=False).read()
+        got = PendingVerify(acc, device_spec, async_copy=False).read()
         assert got.tokens == want.tokens, (trial, drafts, parents)
         assert got.accepted_nodes == want.accepted_nodes, (trial, drafts, parents)
         assert acc.last.tolist() == want.last_tokens
