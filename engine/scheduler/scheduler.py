@@ -64,7 +64,8 @@ class LaunchedBatch:
     result: Any  # GenerationBatchResult, or a Future of one in overlap mode
 
     def wait(self) -> GenerationBatchResult:
-        return self.result.result() if hasattr(self.result, "result") else self.result
+        """The batch's result, its tokens on the host (GenerationBatchResult.resolve: a no-op once done)."""
+        return (self.result.result() if hasattr(self.result, "result") else self.result).resolve()
 
 
 class Scheduler:

@@ -213,19 +213,23 @@ def test_stops_and_logprobs_inside_accepted_runs(target, drafts):
     assert spec_info(spec)["spec_accepted_tokens"] > 0
 
 
-def test_eagle_beside_the_native_bf16_forward(target, drafts):
+@pytest.mark.parametrize("loop", ["plain", "overlap"])
+def test_eagle_beside_the_native_bf16_forward(target, drafts, loop):
     """CPU bfloat16: the native forward serves the target's passes (extends, decodes, verifies), the
     head's passes plan their own attention metadata beside it; the tokens are the same engine's
-    without speculation, drafts accepted."""
+    without speculation, drafts accepted. In the overlap loop the native forward stream runs the
+    plain steps, and the verify steps, lagged, as Python calls in their turn on it."""
     ps = prompts()[:4]
     common = dict(dtype="bfloat16", max_total_tokens=2048)
     plain = run_workload(harness_for(target, "plain", **common), ps, max_new=24, ignore_eos=True)
-    h = harness_for(target, "plain", **common, **eagle("EAGLE", drafts("EAGLE-trained")))
+    h = harness_for(target, loop, **common, **eagle("EAGLE", drafts("EAGLE-trained")))
     assert h.scheduler.worker.model_runner.native_forward is not None
     spec = run_workload(h, ps, max_new=24, ignore_eos=True)
     for i in range(len(ps)):
         assert spec[str(i)].ids == plain[str(i)].ids, f"request {i}"
-    assert spec_info(h)["spec_accepted_tokens"] > 0 and h.scheduler.check_memory_integrity()
+    info = spec_info(h)
+    assert info["spec_accepted_tokens"] > 0 and h.scheduler.check_memory_integrity()
+    assert (info["spec_lagged_verify_steps"] > 0) == (loop == "overlap"), info
 
 
 @pytest.mark.parametrize("topk", [1, 2])

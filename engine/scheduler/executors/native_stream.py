@@ -38,7 +38,7 @@ class StreamResult:
     def result(self) -> "GenerationBatchResult":
         if self._result is None:
             self._stream.wait(self._item)
-            self._result = self._make() if self._make is not None else self._item.result
+            self._result = (self._make() if self._make is not None else self._item.result).resolve()
         return self._result
 
 
