@@ -175,23 +175,27 @@ def test_head_passes_around_graph_replays(target, drafts, kind):
     assert h.scheduler.check_memory_integrity()
 
 
-@pytest.mark.parametrize("case", ["retraction", "priority-preemption"])
-def test_eagle_under_retraction_and_preemption(target, drafts, case):
+@pytest.mark.parametrize("case,loop", [("retraction", "plain"), ("priority-preemption", "plain"),
+                                       ("retraction", "overlap"), ("priority-preemption", "overlap")])
+def test_eagle_under_retraction_and_preemption(target, drafts, case, loop):
     """A pool too small for every request (decode retracts speculating requests; a retracted request's
     prefill runs the head over its prompt and output again), or a high-priority arrival preempting
-    speculating ones: HF's tokens, drafts accepted, nothing leaked."""
+    speculating ones: HF's tokens, drafts accepted, nothing leaked. In the overlap loop the verify steps
+    lag until then: both wait for the step in flight first."""
     ps = prompts()
     spec = eagle("EAGLE", drafts("EAGLE-trained"))
     if case == "retraction":
         pool = int(0.45 * (sum(map(len, ps)) + MAX_NEW * len(ps)))
-        h = harness_for(target, "plain", chunked_prefill_size=32, max_total_tokens=pool, **spec)
+        h = harness_for(target, loop, chunked_prefill_size=32, max_total_tokens=pool, **spec)
         results = run_workload(h, ps, max_new=MAX_NEW, ignore_eos=True)
         assert h.scheduler.stats.retractions > 0
     else:
         from scheduler_harness import SchedulerHarness
 
+        overlap = loop == "overlap"
         h = SchedulerHarness(target, enable_priority_scheduling=True, priority_preemption_threshold=5,
-                             max_running_requests=4, disable_overlap_schedule=True, max_total_tokens=2048, **spec)
+                             max_running_requests=4, enable_overlap_schedule=overlap, disable_overlap_schedule=not overlap,
+                             max_total_tokens=2048, **spec)
         for i, p in enumerate(ps[:4]):
             h.submit(str(i), p, max_new_tokens=MAX_NEW, ignore_eos=True, priority=0)
         for _ in range(6):
@@ -203,7 +207,9 @@ def test_eagle_under_retraction_and_preemption(target, drafts, case):
         ps = ps[:4]
     for i, p in enumerate(ps):
         assert results[str(i)].ids == hf_greedy(target, p, MAX_NEW, ignore_eos=True), f"request {i}"
-    assert spec_info(h)["spec_accepted_tokens"] > 0 and h.scheduler.check_memory_integrity()
+    info = spec_info(h)
+    assert info["spec_accepted_tokens"] > 0 and h.scheduler.check_memory_integrity()
+    assert (info["spec_lagged_verify_steps"] > 0) == (loop == "overlap"), info
 
 
 def test_stops_and_logprobs_inside_accepted_runs(target, drafts):

@@ -214,6 +214,11 @@ def engine() -> dict:
                                 "{{pod}} runs off a tree's first branch")],
               w=8, desc="Draft tokens verified and accepted per second; with tree drafts, the accepted runs a chain "
                         "would have missed"),
+        panel("Verify steps", [(rate("baton_spec_verify_steps_total", s, "pod"), "{{pod}} verify steps"),
+                               (rate("baton_spec_lagged_verify_steps_total", s, "pod"),
+                                "{{pod}} lagged (built while the one before ran)")],
+              w=8, desc="Verify steps per second; lagged: built while the verify step before them ran (the overlap "
+                        "loop with a draft head), so the scheduler's work overlapped the forward"),
     ]
     return dashboard("baton-engine", "Baton / Engine", items, variables("baton_max_total_tokens", True),
                      "One InferenceService's engines, per pod and DP rank.")
