@@ -121,7 +121,8 @@ class EngineMetrics:
         self.spec_tree_branch_accepts = self._counter(
             "baton_spec_tree_branch_accepts", "Speculative verify runs accepted off a draft tree's first branch"
         ).labels(*self._lv)
-        self.spec_verify_steps = self._counter("baton_spec_verify_steps", "Speculative verify steps run").labels(*self._lv)
+        self.spec_verify_steps = self._counter("baton_spec_verify_steps",
+                                               "Speculative verify steps run").labels(*self._lv)
         self.spec_lagged_verify_steps = self._counter(
             "baton_spec_lagged_verify_steps", "Speculative verify steps built while the one before them ran (overlap)"
         ).labels(*self._lv)

@@ -85,11 +85,12 @@ class Req:
     spec_prime: Any = None
     # verify steps (speculative/verifying.py): how many are launched and not yet processed; the latest
     # one's start as the scheduler knew it when building it, whether the worker moved that start on by
-    # what the step before emitted (a lagged step), and its tokens; what the last processed step emitted
+    # what the step before emitted (a lagged step), and the most it may emit (1 + its deepest branch);
+    # what the last processed step emitted
     spec_flight: int = 0
     spec_start: int = 0
     spec_lag: bool = False
-    spec_extent: int = 0
+    spec_reach: int = 0
     spec_emitted: int = 0
 
     @property

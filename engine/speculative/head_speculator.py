@@ -71,12 +71,14 @@ class HeadSpeculator(VerifyingSpeculator):
         if not req.spec_primed:
             req.spec_primed = True
             return [], None
-        depth = min(self.num_steps, self.room(req))
+        room = self.room(req)
+        depth = min(self.num_steps, room)
         if depth <= 0:
             return [], None
         if self.topk == 1 or (primed is not None and len(primed[0]) < self.topk):
             return [0] * depth, None
-        nodes, depth = tree_size(depth, self.topk, self.num_draft_tokens - 1)
+        # each node takes a KV column after the last token: no more of them than the row has left
+        nodes, depth = tree_size(depth, self.topk, min(self.num_draft_tokens - 1, room))
         return [0] * nodes, (placeholder_tree(depth, nodes) if nodes > 1 else None)
 
     def verify_input(self, drafts: list[list[int]], state_slots: Optional[list[list[int]]],

@@ -65,12 +65,13 @@ class NgramSpeculator(VerifyingSpeculator):
             max_draft = self.num_draft_tokens - 1
             index = req.spec_index = (NgramIndex(self.min_window, self.max_window, max_draft) if self.breadth == 1
                                       else NgramTreeIndex(self.min_window, self.max_window, max_draft, self.breadth))
-        room = min(index.draft_len, self.room(req))
+        columns = self.room(req)  # each node takes a KV column after the last token: no more than the row has left
+        room = min(index.draft_len, columns)
         if room <= 0:
             return [], None
         self._catch_up(req, index)
         draft, parents = (index.propose(room), None) if self.breadth == 1 else \
-            index.propose_tree(self.num_draft_tokens - 1, room)
+            index.propose_tree(min(self.num_draft_tokens - 1, columns), room)
         if not draft and self.shared is not None:  # nothing in its own tokens: other requests' text
             draft = self.shared.propose(index.tokens, room, self.min_window, self.max_window)
         index.on_lookup(bool(draft))

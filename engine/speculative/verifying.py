@@ -20,14 +20,15 @@ worker has moved their KV to the columns right after the last token's before the
 Lagged verify steps (the overlap loop, a draft head's strategies: their drafts are made in the worker):
 the next verify step is built and launched while the one before it still runs, as the overlap loop
 does plain decode steps, and the running step's result is processed while the next one computes. The
-scheduler does not know yet how many tokens the running step emits (1 .. its extent), so it builds the
-next step from the running step's start and reserves each request's KV up to the most both steps can
-reach (the running step's extent and this one's past its start); the running step's last tokens and
-emitted counts reach the next one through the future map, and the worker moves each row on by them
-before the pass (TpModelWorker._resolve_lagged). When the running step's result comes, the request's
-KV is its accepted positions, but the slots past them stay allocated while the lagged step writes
-there (cut_kv); the last result in frees them. Drafts stay within max_new_tokens counting the most the
-running step may emit (room), so the reservation never runs past the request's row. Where any request
+scheduler does not know yet how many tokens the running step emits (1 .. 1 + its deepest branch), so it
+builds the next step from the running step's start and reserves each request's KV up to the most both
+steps can reach (the most the running step emits, then this step's columns); the running step's last
+tokens and emitted counts reach the next one through the future map, and the worker moves each row on
+by them before the pass (TpModelWorker._resolve_lagged). When the running step's result comes, the
+request's KV is its accepted positions, but the slots past them stay allocated while the lagged step
+writes there (cut_kv); the last result in frees them. Drafts (a tree's nodes: a column each) stay
+within max_new_tokens counting the most the running step may emit (room), so the reservation never runs
+past the request's row. Where any request
 cannot lag (not in the running step, a grammar, a batch that grew or switches to plain steps), the
 results are processed first and the step is built as before (DecodeManager.prepare).
 """
@@ -36,7 +37,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Optional
 
 from baton.engine.speculative.base import NoSpeculation, SpecView
-from baton.engine.speculative.spec_info import VerifyInput, first_chain
+from baton.engine.speculative.spec_info import VerifyInput, first_chain, node_depths
 from baton.engine.speculative.stats import SpecStats
 
 if TYPE_CHECKING:
@@ -78,7 +79,7 @@ class VerifyingSpeculator(NoSpeculation):
     def room(self, req: "Req") -> int:
         """Drafts the request may take this step: never more than it may still emit after the
         target's own token (max_new_tokens), counting all a verify step still running for it may emit."""
-        running = req.spec_extent if req.spec_flight else 0
+        running = req.spec_reach if req.spec_flight else 0
         return min(self.num_draft_tokens - 1, req.sampling_params.max_new_tokens - len(req.output_ids) - running - 1)
 
     def prepare_lagged(self, batch: "ScheduleBatch", in_flight: list) -> bool:
@@ -99,11 +100,12 @@ class VerifyingSpeculator(NoSpeculation):
         drafts, trees = zip(*[self.draft_tree(req) for req in reqs])
         if not any(drafts):
             return False
-        extents = [1 + len(d) for d in drafts]
+        extents = [1 + len(d) for d in drafts]  # the KV columns each request's step writes
+        reach = [1 + (len(d) if t is None else max(node_depths(t))) for d, t in zip(drafts, trees)]  # most it emits
         if lagged:  # each request's running step starts where it was built to, moved on by the step before's
             starts = [r.spec_start + (r.spec_emitted if r.spec_lag else 0) for r in reqs]
-            # past the most the running step may emit and this one's tokens after it
-            reserve_to = [max(r.kv_allocated_len, s + r.spec_extent + e) for r, s, e in zip(reqs, starts, extents)]
+            # past the most the running step may emit and this one's columns after it
+            reserve_to = [max(r.kv_allocated_len, s + r.spec_reach + e) for r, s, e in zip(reqs, starts, extents)]
             need = sum(t - r.kv_allocated_len for r, t in zip(reqs, reserve_to))
         else:
             starts, need = [r.kv_committed_len for r in reqs], sum(extents)
@@ -119,9 +121,9 @@ class VerifyingSpeculator(NoSpeculation):
             batch.prepare_for_verify(spec, starts, reserve_to)
         else:
             batch.prepare_for_verify(spec)
-        for req, start, extent in zip(reqs, starts, extents):
+        for req, start, most in zip(reqs, starts, reach):
             req.spec_flight += 1
-            req.spec_start, req.spec_lag, req.spec_extent = start, lagged, extent
+            req.spec_start, req.spec_lag, req.spec_reach = start, lagged, most
         return True
 
     def verify_input(self, drafts: list[list[int]], state_slots: Optional[list[list[int]]],

@@ -101,7 +101,8 @@ def test_drafts_stay_on_the_device_until_the_verify_pass_is_queued(target, draft
         if fb.spec_verify and last_spec and any(last_spec[0].drafts):
             spec = last_spec[0]
             placeholders = all(t == 0 for d in spec.drafts for t in d)
-            if topk > 1:  # the masks' trees are on the device
+            if topk > 1 and fb.tree_parents is not None:  # the masks' trees are on the device (near its end
+                # a request's tree may be one node: a chain)
                 placeholders &= all(t is None or isinstance(t, torch.Tensor) for t in fb.tree_parents)
             seen.append((spec.pending is not None, placeholders))
         return forward(fb)
@@ -194,8 +195,8 @@ def test_eagle_under_retraction_and_preemption(target, drafts, case, loop):
 
         overlap = loop == "overlap"
         h = SchedulerHarness(target, enable_priority_scheduling=True, priority_preemption_threshold=5,
-                             max_running_requests=4, enable_overlap_schedule=overlap, disable_overlap_schedule=not overlap,
-                             max_total_tokens=2048, **spec)
+                             max_running_requests=4, enable_overlap_schedule=overlap,
+                             disable_overlap_schedule=not overlap, max_total_tokens=2048, **spec)
         for i, p in enumerate(ps[:4]):
             h.submit(str(i), p, max_new_tokens=MAX_NEW, ignore_eos=True, priority=0)
         for _ in range(6):
@@ -399,9 +400,11 @@ def test_the_drafted_tree_is_the_eagle_heads_best_first_tree(target, drafts, kin
     reference = load_eagle_reference(target, draft)
     assert len(seen) > 2 and spec_info(h)["spec_tree_branch_accepts"] > 0
     for before, drafted, parents in seen:
-        nodes, depth = tree_size(min(STEPS, 12 - len(before) - 1), 3, 8)
-        assert (parents, drafted) == reference.best_first(prompt + before, depth, 3, nodes), len(before)
-    assert len({tuple(p) for _, _, p in seen}) > 1
+        room = 12 - len(before) - 1  # near the end the tree is cut to the columns left (a node takes one)
+        nodes, depth = tree_size(min(STEPS, room), 3, min(8, room))
+        want_parents, want = reference.best_first(prompt + before, depth, 3, nodes)
+        assert (parents, drafted) == (want_parents if nodes > 1 else None, want), len(before)  # one node: a chain
+    assert len({tuple(p) for _, _, p in seen if p is not None}) > 1
     assert spec_info(h)["speculative_eagle_topk"] == 3 and h.scheduler.check_memory_integrity()
 
 
@@ -427,6 +430,20 @@ def test_stops_and_logprobs_inside_accepted_branches(target, drafts):
     assert spec_info(spec)["spec_tree_branch_accepts"] > 0
 
 
+@pytest.mark.parametrize("loop", ["plain", "overlap"])
+def test_head_trees_at_the_end_of_the_context(target, drafts, loop):
+    """A request that fills the context (max_tokens capped to it): its last steps' trees have no more
+    nodes than the positions left before the end of its row (a tree's nodes take a column each, more
+    than its depth), in both loops; HF's tokens, nothing leaked."""
+    prompt = prompts()[0]
+    h = harness_for(target, loop, context_length=64, max_total_tokens=2048,
+                    **tree("EAGLE", drafts("EAGLE-decoy"), 2))
+    h.submit("full", prompt, max_new_tokens=1000, ignore_eos=True)
+    out = h.run_until_idle()["full"].ids
+    assert len(prompt) + len(out) == 64 and out == hf_greedy(target, prompt, len(out), ignore_eos=True)
+    assert spec_info(h)["spec_verify_steps"] > 0 and h.scheduler.check_memory_integrity()
+
+
 def test_head_tree_flags_and_what_is_refused(target, drafts):
     draft = drafts("EAGLE")
     args = ServerArgs(model_path=target, **tree("EAGLE", draft, 2))
@@ -446,15 +463,27 @@ def test_head_tree_flags_and_what_is_refused(target, drafts):
 
 # ------------------------------------------------------------------ lagged verify steps (overlap loop)
 def lagging(h) -> list[bool]:
-    """From now on: for each verify step built, whether it was built while the one before it ran."""
+    """From now on: for each verify step built, whether it was built while the one before it ran; and
+    after each lagged build, every running request's KV as it must be while two steps hold it: its
+    reservation within its row's limit (prompt + max_new_tokens), its own slots allocated (no page of
+    them free) and no slot held by two requests."""
     seen: list[bool] = []
-    spec = h.scheduler.spec
+    s = h.scheduler
+    spec, allocator, table = s.spec, s.allocator, s.req_to_token_pool.req_to_token
     prepare = spec.prepare_verify
 
     def record(batch, lagged=False):
         built = prepare(batch, lagged)
         if built:
             seen.append(lagged)
+        if built and lagged:
+            owned = []
+            for r in batch.reqs:
+                assert r.kv_committed_len <= r.kv_allocated_len <= len(r.origin_input_ids) + r.sampling_params.max_new_tokens
+                owned.append(table[r.req_pool_idx, len(r.prefix_indices):r.kv_allocated_len])
+            owned = torch.cat(owned)
+            assert len(set(owned.tolist())) == len(owned), "a slot held by two requests"
+            assert not allocator._is_free[owned // allocator.page_size].any(), "a reserved slot's page is free"
         return built
 
     spec.prepare_verify = record
@@ -466,9 +495,9 @@ def test_lagged_verify_steps_change_no_token(target, drafts, loop, topk, page_si
     """The overlap loop builds a verify step while the one before it still runs, so neither the
     running step's tokens nor where each row starts are known to the scheduler (the worker moves the
     rows on): HF's tokens with drafts accepted, through chunked prefill, staggered arrivals, shared
-    prefixes, a follow-up turn and an abort while steps are in flight; most verify steps lagged, and
-    each of them drafted. Chains and best-first trees, the worker thread and the inline (CUDA-form)
-    launch, pages of 1, 4 and 16 tokens; nothing leaked."""
+    prefixes, a follow-up turn and an abort while steps are in flight; most verify steps lagged, the KV
+    held right while they run (lagging()). Chains and best-first trees, the worker thread and the inline
+    (CUDA-form) launch, pages of 1, 4 and 16 tokens; nothing leaked."""
     ps = prompts()
     args = eagle("EAGLE", drafts("EAGLE-trained")) if topk == 1 else tree("EAGLE", drafts("EAGLE-decoy"), topk)
     h = harness_for(target, loop, page_size=page_size, chunked_prefill_size=32, max_total_tokens=4096, **args)

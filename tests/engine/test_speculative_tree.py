@@ -537,6 +537,29 @@ def test_ngram_tree_merges_the_continuations_of_earlier_occurrences_latest_first
     assert lone.propose_tree(max_nodes=6, max_depth=3) == ([4, 5, 1], None)
 
 
+def test_an_ngram_tree_takes_no_more_nodes_than_its_row_has_columns():
+    """Near a request's end (max_tokens: capped to the context for a request that fills it) a tree's
+    nodes, a KV column each, stay within what the request may still emit; the same lookup with room
+    takes more."""
+    from types import SimpleNamespace
+
+    from baton.engine.speculative.base import SpecView
+
+    args = ServerArgs(model_path="m", speculative_algorithm="NGRAM", speculative_ngram_max_bfs_breadth=3,
+                      speculative_ngram_min_match_window_size=2, speculative_ngram_max_match_window_size=3,
+                      speculative_num_draft_tokens=8)
+    spec = NgramSpeculator(SpecView(args, None, None, None, None, None, None))
+    tokens = [1, 2, 3, 4, 5, 9, 1, 2, 3, 7, 7, 9, 1, 2, 3, 6, 8, 9, 1, 2, 3]  # "1 2 3" went on 3 ways
+
+    def draft(max_new: int) -> list[int]:
+        req = SimpleNamespace(spec_index=None, origin_input_ids=tokens[:-1], output_ids=tokens[-1:], spec_flight=0,
+                              spec_reach=0, sampling_params=SimpleNamespace(max_new_tokens=max_new))
+        return spec.draft_tree(req)[0]
+
+    assert len(draft(40)) > 2
+    assert len(draft(4)) == 2  # room for 2 more tokens after the target's own
+
+
 LOOPING = dict(initializer_range=0.08)  # test_speculative.py: greedy text that falls into loops
 
 
