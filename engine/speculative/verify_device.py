@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 import torch
 
 from baton.engine.layers.attention.masks import ancestors
+from baton.engine.speculative.head_drafter import _ints  # host lists to the device without waiting
 from baton.engine.speculative.spec_info import VerifyInput, VerifyOutput
 
 if TYPE_CHECKING:
@@ -49,11 +50,6 @@ class DeviceAcceptance:
     offsets: torch.Tensor  # [bs] each request's first token row in the pass
 
 
-def _device_ints(values: list, device: torch.device) -> torch.Tensor:
-    t = torch.tensor(values, dtype=torch.int64)
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
-
-
 def greedy_accept_on_device(logits: torch.Tensor, input_ids: torch.Tensor, spec: VerifyInput,
                             tree_parents: Optional[list]) -> DeviceAcceptance:
     """`logits` [num_tokens, vocab] and `input_ids` [num_tokens] of the verify pass (the drafts in
@@ -62,9 +58,9 @@ def greedy_accept_on_device(logits: torch.Tensor, input_ids: torch.Tensor, spec:
     dev = logits.device
     sizes = [1 + len(d) for d in spec.drafts]
     bs, n = len(sizes), max(sizes)
-    offsets = _device_ints(spec.offsets, dev)
+    offsets = _ints(spec.offsets, dev)
     local = torch.arange(n, device=dev)
-    valid = local[None, :] < _device_ints(sizes, dev)[:, None]  # [bs, n] the request's nodes
+    valid = local[None, :] < _ints(sizes, dev)[:, None]  # [bs, n] the request's nodes
     rows = offsets[:, None] + torch.where(valid, local[None, :], 0)
     tok = input_ids[rows]  # [bs, n] each node's token (node 0: the last token)
     target = torch.argmax(logits, dim=-1)[rows]  # [bs, n] the target's choice after each node
@@ -74,11 +70,7 @@ def greedy_accept_on_device(logits: torch.Tensor, input_ids: torch.Tensor, spec:
     if tree_parents is not None:
         host = [(b, p) for b, p in enumerate(tree_parents) if p is not None and not isinstance(p, torch.Tensor)]
         if host:
-            parents = torch.full((len(host), n), -1, dtype=torch.int64)
-            for k, (_, p) in enumerate(host):
-                parents[k, :len(p)] = torch.tensor(p, dtype=torch.int64)
-            matrices = ancestors(parents.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda"
-                                 else parents, n)
+            matrices = ancestors(_ints([p + [-1] * (n - len(p)) for _, p in host], dev), n)
             for k, (b, p) in enumerate(host):
                 seen[b, :len(p), :len(p)] = matrices[k, :len(p), :len(p)]
         for b, p in enumerate(tree_parents):
