@@ -151,16 +151,17 @@ class TpModelWorker:
                 future_slots: Optional[torch.Tensor], async_copy: bool = False) -> GenerationBatchResult:
         """A verify step's result: the logits of every token row, checked against the drafts
         (speculative/verify.py); each request's last emitted token and emitted count go to the future
-        map (overlap). A greedy step is checked on the device (verify_device.py) and reaches the host
-        with the result (`async_copy`: without waiting for it, on CUDA); with TP the followers get the
-        host's acceptance."""
+        map (overlap). A step of plain requests (greedy or sampled) is checked on the device
+        (verify_device.py) and reaches the host with the result (`async_copy`: without waiting for it,
+        on CUDA); with TP the followers get the host's acceptance."""
         from baton.engine.speculative import verify_device
         from baton.engine.speculative.verify import move_accepted_kv, verify_drafts
 
         logits = self.model_runner.compute_logits(hidden)  # [num_tokens, vocab] float32
         spec = mwb.spec_info
-        if self.step_sender is None and verify_device.accepts_on_device(mwb.sampling_states, mwb.return_logprob):
-            acc = verify_device.greedy_accept_on_device(logits, fb.input_ids, spec, fb.tree_parents)
+        if self.step_sender is None and verify_device.accepts_on_device(mwb.sampling_states):
+            acc = verify_device.accept_on_device(logits, fb.input_ids, spec, fb.tree_parents, mwb.sampling_states,
+                                                 mwb.draws)
             if self.drafter is not None:  # before the move, as after_verify
                 self.drafter.after_verify_on_device(fb, hidden, acc)
             if spec.parents is not None:
@@ -168,7 +169,8 @@ class TpModelWorker:
             if future_map is not None:
                 future_map.token_ids[future_slots] = acc.last.to(future_map.token_ids.device)
                 future_map.accepted[future_slots] = (acc.count + 1).to(future_map.accepted.device)
-            pending = verify_device.PendingVerify(acc, spec, async_copy)
+            pending = verify_device.PendingVerify(acc, spec, async_copy, logits,
+                                                  mwb.top_logprobs_nums if mwb.return_logprob else None)
             return GenerationBatchResult(next_token_ids=[], next_token_ids_device=acc.last, pending_verify=pending)
         out = verify_drafts(logits, mwb.spec_info, mwb.sampling_states, mwb.draws, mwb.return_logprob,
                             mwb.top_logprobs_nums)

@@ -1,13 +1,14 @@
-"""Greedy acceptance on the device, read by the host only with the verify step's result.
+"""Acceptance on the device, read by the host only with the verify step's result.
 
-A verify step whose every request takes the argmax with nothing processed (no penalties, logit bias,
-grammar or min_new_tokens) and asks no logprobs is checked without reading anything back, so on CUDA
-its launch returns before its forward ends, and the overlap loop can build the next step meanwhile
-(verifying.py, lagged verify steps).
+A verify step whose every request is greedy or sampled with nothing processed (temperature, top-k,
+top-p, min-p and a seed; no penalties, logit bias, grammar or min_new_tokens) is checked without
+reading anything back (logprobs too), so on CUDA its launch returns before its forward ends, and the
+overlap loop can build the next step meanwhile (verifying.py, lagged verify steps).
 
-The rule is verify.py's, on tensors: each request walks its draft from node 0 (its last token), at each
-node to the first child (in node order) whose token is the target's argmax there, until none is; it
-emits the tokens of the nodes it walked to and the argmax at the last one. A chain is the tree whose
+The rules are verify.py's, on tensors. Greedy: each request walks its draft from node 0 (its last
+token), at each node to the first child (in node order) whose token is the target's argmax there, until
+none is; it emits the tokens of the nodes it walked to and the argmax at the last one. Sampled: the
+same walk with the rejection rule deciding at each node (_rejection_walk). A chain is the tree whose
 node j's parent is j - 1. Per request the walk reads its nodes' tokens and argmaxes, each node's depth
 and which nodes are its ancestors (the ancestor matrix of masks.ancestors: a head's tree has it on the
 device already, a host tree or chain is built into one), for as many steps as its deepest draft.
@@ -31,17 +32,18 @@ from baton.engine.speculative.spec_info import VerifyInput, VerifyOutput
 
 if TYPE_CHECKING:
     from baton.engine.sampling.sampling_batch_info import ReqSamplingState
+    from baton.engine.sampling.sampling_params import SamplingParams
 
 
-def accepts_on_device(states: Sequence[Optional["ReqSamplingState"]], return_logprob: bool) -> bool:
-    """Whether a verify step's acceptance can stay on the device: every request greedy with nothing
-    processed, no logprobs."""
-    return not return_logprob and all(s is not None and s.plain_greedy for s in states)
+def accepts_on_device(states: Sequence[Optional["ReqSamplingState"]]) -> bool:
+    """Whether a verify step's acceptance can stay on the device: every request greedy or sampled with
+    nothing processed (temperature, top-k, top-p, min-p and a seed at most)."""
+    return all(s is not None and s.plain_sampling for s in states)
 
 
 @dataclass
 class DeviceAcceptance:
-    """One verify step's greedy walk, per request b (on the logits' device):"""
+    """One verify step's walk, per request b (on the logits' device):"""
 
     count: torch.Tensor  # [bs] accepted draft tokens (the request emits count + 1)
     path: torch.Tensor  # [bs, D + 1] the nodes walked from node 0; past count, the last node again
@@ -50,52 +52,182 @@ class DeviceAcceptance:
     offsets: torch.Tensor  # [bs] each request's first token row in the pass
 
 
-def greedy_accept_on_device(logits: torch.Tensor, input_ids: torch.Tensor, spec: VerifyInput,
-                            tree_parents: Optional[list]) -> DeviceAcceptance:
+class _Nodes:
+    """The verify pass's requests as padded node tables [bs, n] (n: the most nodes of a request)."""
+
+    def __init__(self, logits: torch.Tensor, input_ids: torch.Tensor, spec: VerifyInput,
+                 tree_parents: Optional[list]) -> None:
+        dev = self.device = logits.device
+        sizes = [1 + len(d) for d in spec.drafts]
+        self.bs, n = len(sizes), max(sizes)
+        self.offsets = _ints(spec.offsets, dev)
+        local = torch.arange(n, device=dev)
+        self.valid = local[None, :] < _ints(sizes, dev)[:, None]  # [bs, n] the request's nodes
+        self.rows = self.offsets[:, None] + torch.where(self.valid, local[None, :], 0)  # [bs, n] rows of the pass
+        self.tok = input_ids[self.rows]  # [bs, n] each node's token (node 0: the last token)
+        self.target = torch.argmax(logits, dim=-1)[self.rows]  # [bs, n] the target's choice after each node
+        # node j sees node c: c is j or an ancestor of j (a chain: c <= j)
+        seen = torch.ones(n, n, dtype=torch.bool, device=dev).tril().expand(self.bs, n, n).clone()
+        self.steps = n - 1
+        if tree_parents is not None:
+            host = [(b, p) for b, p in enumerate(tree_parents) if p is not None and not isinstance(p, torch.Tensor)]
+            if host:
+                matrices = ancestors(_ints([p + [-1] * (n - len(p)) for _, p in host], dev), n)
+                for k, (b, p) in enumerate(host):
+                    seen[b, :len(p), :len(p)] = matrices[k, :len(p), :len(p)]
+            for b, p in enumerate(tree_parents):
+                if isinstance(p, torch.Tensor):  # a head's tree: its ancestor matrix, on the device
+                    seen[b, :p.shape[0], :p.shape[1]] = p
+            self.steps = max(spec.depth(b) for b in range(self.bs))
+        self.seen = seen
+        self.depth = seen.sum(dim=2) - 1  # [bs, n]
+        self.batch = torch.arange(self.bs, device=dev)
+
+    def children(self, cur: torch.Tensor) -> torch.Tensor:
+        """[bs, n]: the nodes that are children of each request's node `cur` [bs]."""
+        b = self.batch
+        return self.seen[b, :, cur] & (self.depth == (self.depth[b, cur] + 1)[:, None]) & self.valid
+
+    def accepted(self, count: torch.Tensor, path: list, last: torch.Tensor) -> DeviceAcceptance:
+        bs, dev = self.bs, self.device
+        path_t = torch.stack(path, dim=1)  # [bs, steps + 1]
+        tokens = torch.cat([self.tok.gather(1, path_t[:, 1:]), torch.zeros(bs, 1, dtype=torch.int64, device=dev)], 1)
+        tokens = torch.where(torch.arange(self.steps + 1, device=dev)[None, :] < count[:, None], tokens, 0)
+        tokens.scatter_(1, count[:, None], last[:, None])
+        return DeviceAcceptance(count, path_t, tokens, last, self.offsets)
+
+
+def accept_on_device(logits: torch.Tensor, input_ids: torch.Tensor, spec: VerifyInput, tree_parents: Optional[list],
+                     states: Optional[Sequence["ReqSamplingState"]] = None,
+                     draws: Optional[list[int]] = None) -> DeviceAcceptance:
     """`logits` [num_tokens, vocab] and `input_ids` [num_tokens] of the verify pass (the drafts in
     place, spec.drafts' lengths right, the trees' shapes in `tree_parents`: per request None (a chain),
-    host parents, or a head tree's ancestor matrix on the device; ForwardBatch.tree_parents)."""
-    dev = logits.device
-    sizes = [1 + len(d) for d in spec.drafts]
-    bs, n = len(sizes), max(sizes)
-    offsets = _ints(spec.offsets, dev)
-    local = torch.arange(n, device=dev)
-    valid = local[None, :] < _ints(sizes, dev)[:, None]  # [bs, n] the request's nodes
-    rows = offsets[:, None] + torch.where(valid, local[None, :], 0)
-    tok = input_ids[rows]  # [bs, n] each node's token (node 0: the last token)
-    target = torch.argmax(logits, dim=-1)[rows]  # [bs, n] the target's choice after each node
-    # node j sees node c: c is j or an ancestor of j (a chain: c <= j)
-    seen = torch.ones(n, n, dtype=torch.bool, device=dev).tril().expand(bs, n, n).clone()
-    steps = max(sizes) - 1
-    if tree_parents is not None:
-        host = [(b, p) for b, p in enumerate(tree_parents) if p is not None and not isinstance(p, torch.Tensor)]
-        if host:
-            matrices = ancestors(_ints([p + [-1] * (n - len(p)) for _, p in host], dev), n)
-            for k, (b, p) in enumerate(host):
-                seen[b, :len(p), :len(p)] = matrices[k, :len(p), :len(p)]
-        for b, p in enumerate(tree_parents):
-            if isinstance(p, torch.Tensor):  # a head's tree: its ancestor matrix, on the device
-                seen[b, :p.shape[0], :p.shape[1]] = p
-        steps = max(spec.depth(b) for b in range(bs))
-    depth = seen.sum(dim=2) - 1  # [bs, n]
-    batch = torch.arange(bs, device=dev)
-    cur = torch.zeros(bs, dtype=torch.int64, device=dev)
-    count = torch.zeros(bs, dtype=torch.int64, device=dev)
-    walking = torch.ones(bs, dtype=torch.bool, device=dev)
+    host parents, or a head tree's ancestor matrix on the device; ForwardBatch.tree_parents).
+    `states` (plain ones: accepts_on_device) with the step's draw numbers; None: every request greedy."""
+    nodes = _Nodes(logits, input_ids, spec, tree_parents)
+    if states is not None and not all(s.params.is_greedy for s in states):
+        return _rejection_walk(nodes, logits, states, draws)
+    b = nodes.batch
+    cur = torch.zeros(nodes.bs, dtype=torch.int64, device=nodes.device)
+    count = torch.zeros_like(cur)
+    walking = torch.ones(nodes.bs, dtype=torch.bool, device=nodes.device)
     path = [cur]
-    for _ in range(steps):
-        child = (seen[batch, :, cur] & (depth == (depth[batch, cur] + 1)[:, None]) & valid
-                 & (tok == target[batch, cur][:, None]))  # [bs, n]
+    for _ in range(nodes.steps):
+        child = nodes.children(cur) & (nodes.tok == nodes.target[b, cur][:, None])  # [bs, n]
         walking = walking & child.any(dim=1)
         cur = torch.where(walking, torch.argmax(child.to(torch.uint8), dim=1), cur)  # the first such child
         count = count + walking.to(torch.int64)
         path.append(cur)
-    path_t = torch.stack(path, dim=1)  # [bs, steps + 1]
-    last = target[batch, cur]
-    tokens = torch.cat([tok.gather(1, path_t[:, 1:]), torch.zeros(bs, 1, dtype=torch.int64, device=dev)], dim=1)
-    tokens = torch.where(torch.arange(steps + 1, device=dev)[None, :] < count[:, None], tokens, 0)
-    tokens.scatter_(1, count[:, None], last[:, None])
-    return DeviceAcceptance(count, path_t, tokens, last, offsets)
+    return nodes.accepted(count, path, nodes.target[b, cur])
+
+
+def _rejection_walk(nodes: _Nodes, logits: torch.Tensor, states: Sequence["ReqSamplingState"],
+                    draws: Optional[list[int]]) -> DeviceAcceptance:
+    """verify.py's rule for sampled requests (recursive rejection sampling: a chain is a tree of one
+    child per node), every request at once; greedy requests of the batch walk by the argmax.
+
+    At a node the children are tried in node order, child c with token d accepted when
+    u_c x (1 - the mass of the siblings rejected before it) < p(d), the first such child wins (a token
+    an earlier sibling had has no mass left: never accepted); the trials of all children of a node
+    run at once, each with its own number (the outcome is the sequential rule's). Where no child is
+    accepted (or there is none) the request draws its token from p at its node with its children's
+    tokens removed, by the inverse of the cumulative sum, and stops.
+
+    The random numbers are a hash of (the request's seed, the step's draw number, which trial): the
+    CPU sampler's splitmix64 (kernels/cpu_sampling.c), so a request's draws do not depend on the rest
+    of the batch, and nothing is generated per request."""
+    dev, b, n = nodes.device, nodes.batch, nodes.tok.shape[1]
+    greedy = _ints([int(s.params.is_greedy) for s in states], dev).bool()  # [bs]
+    probs = target_probs_rows(logits, [s.params for s in states], nodes)  # [num_tokens, vocab]
+    key = _hash(_hash(_ints([s.rng_seed for s in states], dev))
+                ^ _ints(draws if draws is not None else [s.num_sampled for s in states], dev))  # [bs]
+    earlier = torch.ones(n, n, dtype=torch.bool, device=dev).tril(-1)  # [c, c']: c' before c
+    same = (nodes.tok[:, :, None] == nodes.tok[:, None, :]) & earlier  # [bs, c, c']
+    cur = torch.zeros(nodes.bs, dtype=torch.int64, device=dev)
+    count = torch.zeros_like(cur)
+    walking = torch.ones(nodes.bs, dtype=torch.bool, device=dev)
+    path = [cur]
+    trial = torch.arange(n, device=dev)
+    for step in range(nodes.steps):
+        child = nodes.children(cur)  # [bs, n]
+        row = nodes.rows[b, cur]  # [bs]
+        repeated = (same & child[:, None, :]).any(dim=2)  # a sibling before it had its token
+        p = torch.where(child & ~repeated, probs[row[:, None], nodes.tok], 0.0)  # [bs, n]
+        p = torch.where(greedy[:, None], (child & ~repeated & (nodes.tok == nodes.target[b, cur][:, None])).float(), p)
+        left = 1.0 - (p.cumsum(dim=1) - p)  # the mass the siblings before c left
+        u = _uniform(key[:, None] ^ (step * _TRIALS + trial)[None, :])  # [bs, n]
+        hit = child & ((u * left < p) | (left - p <= 0))  # the host rule's "all mass gone": accept
+        walking = walking & hit.any(dim=1)
+        cur = torch.where(walking, torch.argmax(hit.to(torch.uint8), dim=1), cur)  # the first accepted child
+        count = count + walking.to(torch.int64)
+        path.append(cur)
+    # the last node: its children (all rejected, or none) leave the mass the token is drawn from
+    child = nodes.children(cur)
+    vocab = probs.shape[1]
+    residual = torch.cat([probs[nodes.rows[b, cur]], torch.zeros(nodes.bs, 1, device=dev)], dim=1)
+    residual.scatter_(1, torch.where(child, nodes.tok, vocab), 0.0)
+    cdf = residual[:, :vocab].cumsum(dim=1)  # [bs, vocab]
+    x = _uniform(key ^ _LAST_DRAW) * cdf[:, -1]
+    drawn = torch.searchsorted(cdf, x[:, None], right=True)[:, 0].clamp_(max=vocab - 1)
+    return nodes.accepted(count, path, torch.where(greedy, nodes.target[b, cur], drawn))
+
+
+def target_probs_rows(logits: torch.Tensor, params: Sequence["SamplingParams"], nodes: _Nodes) -> torch.Tensor:
+    """verify.target_probs for every row of the pass [num_tokens, vocab], each with its request's
+    parameters (a greedy request's rows: temperature 1, unused)."""
+    dev, vocab = logits.device, logits.shape[1]
+    sizes = (nodes.valid.sum(dim=1)).to(dev)
+    owner = torch.repeat_interleave(nodes.batch, sizes, output_size=logits.shape[0])  # [num_tokens]
+
+    def per_row(values: list, dtype=torch.float32) -> torch.Tensor:
+        return _ints(values, dev, dtype)[owner][:, None]
+
+    temps = per_row([1.0 if p.is_greedy else p.temperature for p in params])
+    probs = torch.softmax(logits / temps, dim=-1)
+    top_k = [vocab if p.is_greedy or p.top_k == -1 else min(p.top_k, vocab) for p in params]
+    top_p = [1.0 if p.is_greedy else p.top_p for p in params]
+    min_p = [0.0 if p.is_greedy else p.min_p for p in params]
+    if any(k < vocab for k in top_k) or any(x < 1.0 for x in top_p) or any(x > 0.0 for x in min_p):
+        sorted_p, idx = probs.sort(dim=-1, descending=True)
+        sorted_p.masked_fill_(torch.arange(vocab, device=dev)[None, :] >= per_row(top_k, torch.int64), 0.0)
+        if any(x < 1.0 for x in top_p):
+            cumsum = sorted_p.cumsum(dim=-1)
+            p = per_row(top_p)
+            sorted_p.masked_fill_((cumsum - sorted_p > p * cumsum[:, -1:]) & (p < 1.0), 0.0)
+        if any(x > 0.0 for x in min_p):
+            sorted_p.masked_fill_(sorted_p < sorted_p[:, :1] * per_row(min_p), 0.0)
+        probs = torch.zeros_like(probs).scatter_(1, idx, sorted_p)
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+# ---------------------------------------------------------------------------- counter-based random numbers
+_TRIALS = 1 << 20  # trial numbers: step x _TRIALS + node; the last draw's is past them all
+_LAST_DRAW = 1 << 40
+
+
+def _signed(c: int) -> int:
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+_GOLDEN, _MUL1, _MUL2 = _signed(0x9E3779B97F4A7C15), _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)
+
+
+def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def _hash(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's output function on int64 tensors (multiplication wraps, as uint64's)."""
+    x = x + _GOLDEN
+    x = (x ^ _shr(x, 30)) * _MUL1
+    x = (x ^ _shr(x, 27)) * _MUL2
+    return x ^ _shr(x, 31)
+
+
+def _uniform(x: torch.Tensor) -> torch.Tensor:
+    """A float32 in [0, 1) from each int64: the top 24 bits of its hash (exact in float32, below 1)."""
+    return _shr(_hash(x), 40).to(torch.float32) * (1.0 / (1 << 24))
 
 
 def move_accepted_kv_on_device(runner: Any, out_cache_loc: torch.Tensor, acc: DeviceAcceptance) -> None:
@@ -114,31 +246,56 @@ def move_accepted_kv_on_device(runner: Any, out_cache_loc: torch.Tensor, acc: De
 
 class PendingVerify:
     """The walk's result on its way to the host: one copy of counts, paths and tokens queued behind the
-    step (into pinned memory without waiting, on CUDA); read() waits for it and gives the VerifyOutput
+    step (into pinned memory without waiting, on CUDA), and with `top_logprobs_nums` (return_logprob)
+    the emitted tokens' logprobs and each one's best `max(nums)` (verify.py's: log_softmax of the raw
+    logits at the node the token was predicted at); read() waits for them and gives the VerifyOutput
     verify_drafts would have, once the scheduler processes the step."""
 
-    def __init__(self, acc: DeviceAcceptance, spec: VerifyInput, async_copy: bool) -> None:
-        self.spec = spec
-        packed = torch.cat([acc.count[:, None], acc.path, acc.tokens], dim=1)
+    def __init__(self, acc: DeviceAcceptance, spec: VerifyInput, async_copy: bool,
+                 logits: Optional[torch.Tensor] = None, top_logprobs_nums: Optional[list[int]] = None) -> None:
+        self.spec, self.nums = spec, top_logprobs_nums
+        parts = [torch.cat([acc.count[:, None], acc.path, acc.tokens], dim=1)]
+        if top_logprobs_nums is not None:
+            assert logits is not None, "logprobs are read from the pass's logits"
+            bs, width = acc.path.shape
+            lps = torch.log_softmax(logits[(acc.offsets[:, None] + acc.path).reshape(-1)], dim=-1)  # [bs x width, V]
+            parts.append(lps.gather(1, acc.tokens.reshape(-1, 1)).view(bs, width))
+            k = min(max(top_logprobs_nums, default=0), lps.shape[1])
+            if k > 0:
+                values, ids = lps.topk(k, dim=-1)  # [bs x width, k]
+                parts += [values.view(bs, width * k), ids.view(bs, width * k)]
         self.done = None
-        if async_copy and packed.is_cuda:
-            self.host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-            self.host.copy_(packed, non_blocking=True)
+        if async_copy and parts[0].is_cuda:
+            self.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in parts]
+            for h, t in zip(self.host, parts):
+                h.copy_(t, non_blocking=True)
             self.done = torch.cuda.Event()
             self.done.record()
         else:
-            self.host = packed.to("cpu")
+            self.host = [t.to("cpu") for t in parts]
 
     def read(self) -> VerifyOutput:
         if self.done is not None:
             self.done.synchronize()
         self.spec.settle()  # the drafts (and a head's trees) the walk checked, on the host
-        width = (self.host.shape[1] - 1) // 2
+        packed = self.host[0]
+        width = (packed.shape[1] - 1) // 2
         tokens, nodes = [], []
-        for row in self.host.tolist():
+        for row in packed.tolist():
             count = row[0]
             tokens.append(row[1 + width:2 + width + count])
             nodes.append(row[2:2 + count])
-        # (no num_sampled to count: it only times min_new_tokens, which a plain greedy request has none of,
-        # and the sampling state is the worker's)
-        return VerifyOutput(tokens, accepted_nodes=None if self.spec.parents is None else nodes)
+        # (no num_sampled to count: it only times min_new_tokens, which a plain request has none of, and
+        # the draws are numbered at launch)
+        out = VerifyOutput(tokens, accepted_nodes=None if self.spec.parents is None else nodes)
+        if self.nums is not None:
+            values = self.host[1].tolist()
+            out.logprobs = [v[:len(t)] for v, t in zip(values, tokens)]
+            if len(self.host) > 2:
+                k = self.host[2].shape[1] // width
+                tops = zip(self.host[2].tolist(), self.host[3].tolist())
+                out.top_logprobs = [[list(zip(v[j * k:j * k + n], i[j * k:j * k + n])) for j in range(len(t))]
+                                    for (v, i), t, n in zip(tops, tokens, self.nums)]
+            else:
+                out.top_logprobs = [[[] for _ in t] for t in tokens]
+        return out

@@ -398,13 +398,15 @@ def test_penalties_bias_min_tokens_and_grammars_speculate_with_the_samplers_proc
 
 
 def test_seeded_sampling_under_speculation_is_reproducible(tiny_model_factory):
+    """Seeded sampled requests (a low temperature: the looping text's drafts pass often) give the same
+    tokens on a second engine."""
     path = tiny_model_factory("llama", **LOOPING)
     prompts = repetitive_prompts()
-    requests = {str(i): (p, dict(max_new_tokens=30, ignore_eos=True, temperature=0.3, seed=11 + i, top_k=20))
+    requests = {str(i): (p, dict(max_new_tokens=30, ignore_eos=True, temperature=0.05, seed=11 + i, top_k=20))
                 for i, p in enumerate(prompts)}
     first, h = _run(path, requests, **SPEC)
     again, _ = _run(path, requests, **SPEC)
-    assert spec_info(h)["spec_accepted_tokens"] > 0
+    assert spec_info(h)["spec_accepted_tokens"] >= 10, "drafts accepted (29 of 57 when written)"
     assert {r: c.ids for r, c in first.items()} == {r: c.ids for r, c in again.items()}
     assert all(len(c.ids) == 30 for c in first.values())
     assert h.scheduler.check_memory_integrity()

@@ -251,17 +251,17 @@ def _random_tree(gen: torch.Generator, nodes: int) -> list[int]:
 
 
 def test_greedy_acceptance_on_the_device_is_the_host_rule():
-    """verify_device.greedy_accept_on_device against verify_drafts (the rule on the host): batches of
+    """verify_device.accept_on_device against verify_drafts (the rule on the host): batches of
     chains, trees given as parents (NGRAM's) and trees given as ancestor matrices (a head's), of different
     sizes, with empty drafts among them; tokens drawn from 3 values so drafts are often accepted and
-    siblings often share a token (the first in node order wins). Same emitted tokens and accepted nodes;
-    the result crosses to the host in one read (PendingVerify), the moved KV columns are the host
+    siblings often share a token (the first in node order wins). Same emitted tokens and accepted nodes,
+    and logprobs with top logprobs where asked; the result crosses to the host in one read (PendingVerify), the moved KV columns are the host
     rule's moves, and the last tokens (the next step's inputs) agree."""
     from baton.engine.layers.attention.masks import ancestors
     from types import SimpleNamespace
 
     from baton.engine.speculative.verify import move_accepted_kv
-    from baton.engine.speculative.verify_device import (PendingVerify, greedy_accept_on_device,
+    from baton.engine.speculative.verify_device import (PendingVerify, accept_on_device,
                                                         move_accepted_kv_on_device)
 
     gen = torch.Generator().manual_seed(11)
@@ -286,11 +286,14 @@ def test_greedy_acceptance_on_the_device_is_the_host_rule():
         input_ids = torch.tensor([t for b in range(bs) for t in [9] + drafts[b]])
         logits = torch.randn(len(input_ids), VOCAB)
         logits[torch.arange(len(input_ids)), torch.randint(0, 3, (len(input_ids),), generator=gen)] = 10.0
-        want = verify_drafts(logits, host_spec, [_state() for _ in range(bs)], None, False, [0] * bs)
-        acc = greedy_accept_on_device(logits, input_ids, device_spec, tree_parents)
-        got = PendingVerify(acc, device_spec, async_copy=False).read()
+        nums = torch.randint(0, 4, (bs,), generator=gen).tolist() if trial % 2 else None  # logprobs asked
+        want = verify_drafts(logits, host_spec, [_state() for _ in range(bs)], None, nums is not None,
+                             nums or [0] * bs)
+        acc = accept_on_device(logits, input_ids, device_spec, tree_parents)
+        got = PendingVerify(acc, device_spec, False, logits, nums).read()
         assert got.tokens == want.tokens, (trial, drafts, parents)
         assert got.accepted_nodes == want.accepted_nodes, (trial, drafts, parents)
+        assert got.logprobs == want.logprobs and got.top_logprobs == want.top_logprobs, trial
         assert acc.last.tolist() == want.last_tokens
         if want.accepted_nodes is not None:  # the accepted nodes' KV into the columns after the last token
             moved = []
@@ -308,6 +311,124 @@ def test_greedy_acceptance_on_the_device_is_the_host_rule():
                     move(runner, loc, *args)
                 moved.append(kv.tolist())
             assert moved[0] == moved[1], trial
+
+
+class _SampledBatch:
+    """Verify rows for the rejection walk: TREE's (temperature 1, top-p 0.8; half given as host parents,
+    half as a head's ancestor matrices), chains [d1, d2] of two other parameter sets (top-k; top-p with
+    min-p), and every 97th row greedy (its chain [2, 7] is the argmax's); each row its own draw number."""
+
+    def __init__(self, rows: int) -> None:
+        from baton.engine.layers.attention.masks import ancestors
+
+        torch.manual_seed(0)
+        self.tree_logits = torch.randn(6, VOCAB)
+        tree_params = dict(temperature=1.0, top_p=0.8, seed=11)
+        self.p_tree = target_probs(self.tree_logits, _state(**tree_params).params)
+        order = self.p_tree[0].argsort(descending=True).tolist()
+        self.tree_draft = list(TREE_DRAFT)
+        self.tree_draft[0], self.tree_draft[1] = order[1], order[2]  # both children of the root live
+        for node, rank in ((3, 0), (4, 1), (5, 0)):
+            self.tree_draft[node - 1] = self.p_tree[TREE[node]].argsort(descending=True).tolist()[rank]
+        chain_logits = torch.randn(3, VOCAB)
+        chain_params = [dict(temperature=0.7, top_k=3, seed=5), dict(temperature=1.3, top_p=0.9, min_p=0.05)]
+        self.p_chain = [target_probs(chain_logits, _state(**c).params) for c in chain_params]
+        self.chain_draft = [int(self.p_chain[0][0].argsort(descending=True)[1]), int(self.p_chain[0][1].argmax())]
+        self.greedy_logits = torch.randn(3, VOCAB)
+        self.greedy_logits[0, 2] = self.greedy_logits[1, 7] = 9.0
+        self.params = [_state(**c).params for c in (tree_params, *chain_params)]
+        self.kinds, self.states, self.drafts, self.parents, self.logits = [], [], [], [], []
+        for r in range(rows):
+            kind = ("tree", "chain0", "chain1")[r % 3] if r % 97 else "greedy"
+            self.kinds.append(kind)
+            if kind == "tree":
+                self.states.append(_state(**tree_params))
+                self.drafts.append(self.tree_draft)
+                self.parents.append(TREE if r % 2 else ancestors(torch.tensor([TREE]), len(TREE))[0])
+                self.logits.append(self.tree_logits)
+            else:
+                self.states.append(_state(**chain_params[int(kind[-1])]) if kind != "greedy" else _state())
+                self.drafts.append(self.chain_draft if kind != "greedy" else [2, 7])
+                self.parents.append(None)
+                self.logits.append(chain_logits if kind != "greedy" else self.greedy_logits)
+
+    def run(self, rows: list[int], device: str = "cpu", no_waits: bool = False):
+        """accept_on_device over these rows, read back as the scheduler reads it. `no_waits` (CUDA): in
+        torch's sync debug mode, which raises where a call waits for the device."""
+        from baton.engine.speculative.verify_device import PendingVerify, accept_on_device
+
+        spec = VerifyInput([self.drafts[r] for r in rows],
+                           parents=[TREE if self.parents[r] is not None else None for r in rows])
+        ids = torch.tensor([t for r in rows for t in [1] + self.drafts[r]], device=device)
+        logits = torch.cat([self.logits[r] for r in rows]).to(device)
+        parents = [p.to(device) if isinstance(p, torch.Tensor) else p for p in (self.parents[r] for r in rows)]
+        if no_waits:
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            acc = accept_on_device(logits, ids, spec, parents, [self.states[r] for r in rows], rows)
+            pending = PendingVerify(acc, spec, async_copy=device != "cpu")
+        finally:
+            if no_waits:
+                torch.cuda.set_sync_debug_mode("default")
+        return acc, pending
+
+
+def test_sampled_acceptance_on_the_device_keeps_the_target_distribution():
+    """verify_device.accept_on_device with sampled requests (the rejection walk), 12,000 verified rows in
+    one call (_SampledBatch): each token is distributed as the target's p at the node it was predicted
+    at (chi-square), for the tree and for chains of other parameters in the same batch; greedy rows take
+    the host's greedy rule; a request's tokens do not depend on the rest of the batch (the same rows
+    alone give the same tokens); and the walk's probabilities are verify.target_probs row by row."""
+    from baton.engine.speculative.verify_device import _Nodes, target_probs_rows
+
+    sb = _SampledBatch(12000)
+    out = sb.run(list(range(len(sb.states))))[1].read()
+    by = {k: [t for t, kk in zip(out.tokens, sb.kinds) if kk == k] for k in ("tree", "chain0", "chain1", "greedy")}
+    check = dict(least=200, limit=35.0)  # p < 1e-4
+    draft = sb.tree_draft
+    assert_distributed_as(sb.p_tree[0], [t[0] for t in by["tree"]], "tree root", **check)
+    for first, node in ((draft[0], 1), (draft[1], 2)):
+        assert_distributed_as(sb.p_tree[node], [t[1] for t in by["tree"] if t[0] == first], f"node {node}", **check)
+    for path, node in (((draft[0], draft[2]), 3), ((draft[1], draft[3]), 4), ((draft[1], draft[4]), 5)):
+        assert_distributed_as(sb.p_tree[node], [t[2] for t in by["tree"] if tuple(t[:2]) == path], f"node {node}",
+                              **check)
+    for k, p in enumerate(sb.p_chain):
+        tokens, chain = by[f"chain{k}"], sb.chain_draft
+        assert_distributed_as(p[0], [t[0] for t in tokens], f"chain {k} position 0", **check)
+        assert_distributed_as(p[1], [t[1] for t in tokens if t[0] == chain[0]], f"chain {k} position 1", **check)
+        assert all(t[-1] != chain[len(t) - 1] for t in tokens if len(t) < 3), "a rejection never emits the draft"
+    for t, accepted in zip(out.tokens, out.accepted_nodes):
+        assert len(accepted) == len(t) - 1
+    assert by["greedy"] and all(t == [2, 7, int(sb.greedy_logits[2].argmax())] for t in by["greedy"])
+    some = [0, 1, 2, 97, 5000]
+    assert sb.run(some)[1].read().tokens == [out.tokens[r] for r in some], "the same draws give the same tokens"
+
+    # the walk's distribution, row by row, is the host's (rows of different parameters in one call)
+    lg = torch.randn(8, VOCAB)
+    params = [*sb.params, _state(temperature=0.5).params]
+    spec = VerifyInput([[0, 0], [0], [], [0]])
+    got = target_probs_rows(lg, params, _Nodes(lg, torch.zeros(8, dtype=torch.int64), spec, None))
+    for j, r in enumerate([0, 0, 0, 1, 1, 2, 3, 3]):
+        torch.testing.assert_close(got[j], target_probs(lg[j:j + 1], params[r])[0])
+
+
+@pytest.mark.gpu
+def test_the_rejection_walk_on_cuda_is_the_cpus_and_never_waits():
+    """The rejection walk on CUDA (_SampledBatch, 3,000 rows): no call in it waits for the device
+    (torch's sync debug mode raises on one), and it draws the CPU's tokens (the same hashed numbers;
+    float rounding may flip a trial that falls on a threshold: at most 1% of the rows)."""
+    from test_gpu_paths import need_gpu
+
+    need_gpu()
+    sb = _SampledBatch(3000)
+    rows = list(range(3000))
+    want = sb.run(rows)[1].read().tokens
+    sb.run(rows[:10], "cuda")  # warm-up: first CUDA calls may load modules
+    got = sb.run(rows, "cuda", no_waits=True)[1].read().tokens
+    differ = sum(a != b for a, b in zip(got, want))
+    print(f"rejection walk on CUDA: {differ} of {len(rows)} rows differ from the CPU's")
+    assert differ <= len(rows) // 100, differ
 
 
 @pytest.mark.parametrize("params", [dict(logit_bias={4: -1.0}), dict(frequency_penalty=0.5),
