@@ -10,6 +10,7 @@
 #       (the tests) and bf16 / head_dim 128 (the 8B shape; tensor-core decode uses the prefill module)
 #   tests  the GPU tests: FlashInfer vs torch, graphs vs eager, the scheduler vs HF, the Triton layer
 #          ops vs their torch references (per op and whole model), the Triton MoE
+#          (then scripts/verify_accept_bench.py on CUDA: a verify step's acceptance, host rule vs device walk)
 #   step   `baton bench step --shape llama-3-8b`: the decode step at batch 1/16/64 against the HBM
 #          limit measured in the same run, kernels per layer and the GPU time per kernel at batch 1
 #          and 64, an 8k prefill against the matmul rate; the default engine (cuBLAS) vs the Triton
@@ -167,6 +168,9 @@ if [[ $STAGES == *tests* ]]; then
         tests/engine/test_gated_delta_decode.py \
         2>&1 | tee "$OUT/tests.txt" | tail -25 || status=1
     grep -h "max |logprob diff|\|exact argmax" "$OUT/tests.txt" | head -20
+    stamp "== verify acceptance: host rule vs the device walk (128k vocabulary)"
+    timeout 120 "$PY" scripts/verify_accept_bench.py --device cuda --vocab 128256 --iters 20 2>&1 \
+        | tee "$OUT/verify_accept.txt" || status=1
 fi
 
 if [[ $STAGES == *serve* && -n $CKPT ]]; then
