@@ -361,6 +361,13 @@ class ServerArgs:
     def model_name(self) -> str:
         return self.served_model_name or os.path.basename(os.path.normpath(self.model_path))
 
+    def may_lag_verify_steps(self) -> bool:
+        """Whether a verify step may be built behind the one running (speculative/verifying.py, lagged
+        verify steps): a draft head's algorithm, the overlap loop not ruled out, one TP rank. A hybrid
+        model's scratch states are sized for it (ModelRunner._init_state_pool)."""
+        return self.speculative_algorithm not in (None, "NGRAM") and not self.disable_overlap_schedule \
+            and self.tp_size == 1
+
     def event_loop(self, native_stream_threads: Optional[int]) -> EventLoopChoice:
         """The scheduler's loop and why: the flags first, then the device, then (CPU without either
         flag) whether the native forward stream serves the model on threads to spare.

@@ -108,15 +108,17 @@ def split_state_memory(budget_bytes: int, slot_bytes: int, ratio: float, slots: 
 
 class RecurrentStatePool:
     def __init__(self, shapes: LinearStateShapes, rows: int, conv_dtype: torch.dtype, ssm_dtype: torch.dtype,
-                 device: str, checkpoints: int = 0, scratch: tuple[int, int] = (0, 0)) -> None:
+                 device: str, checkpoints: int = 0, scratch: tuple[int, int] = (0, 0), scratch_sets: int = 1) -> None:
         """`rows`: as many as ReqToTokenPool has (slot index = request row); `checkpoints`: the radix
         cache's slots, indices rows .. rows + checkpoints - 1; `scratch`: (batch rows, slots per row)
-        for speculative decoding's verify steps (`scratch_slot`), after the checkpoints; then the
-        padding slot of decode graphs (`pad_slot`)."""
-        assert rows > 0 and checkpoints >= 0 and min(scratch) >= 0
+        for speculative decoding's verify steps (`scratch_slot`), after the checkpoints, `scratch_sets`
+        times (2: consecutive verify steps alternate, so a step built behind another keeps the other's
+        states readable; speculative/verifying.py); then the padding slot of decode graphs (`pad_slot`)."""
+        assert rows > 0 and checkpoints >= 0 and min(scratch) >= 0 and scratch_sets in (1, 2)
         self.shapes, self.rows, self.checkpoints, self.device = shapes, rows, checkpoints, device
         self.scratch_rows, self.scratch_per_row = scratch
-        self.pad_slot = rows + checkpoints + self.scratch_rows * self.scratch_per_row
+        self.scratch_sets = scratch_sets
+        self.pad_slot = rows + checkpoints + scratch_sets * self.scratch_rows * self.scratch_per_row
         total = self.pad_slot + 1
         self.conv = [torch.zeros((total, *shapes.conv), dtype=conv_dtype, device=device)
                      for _ in range(shapes.num_layers)]
@@ -126,13 +128,16 @@ class RecurrentStatePool:
     def checkpoint_slots(self) -> list[int]:
         return list(range(self.rows, self.rows + self.checkpoints))
 
-    def scratch_slot(self, batch_index: int, offset: int) -> int:
+    def scratch_slot(self, batch_index: int, offset: int, which: int = 0) -> int:
         """Where a verify step keeps the state of its `batch_index`-th request after `offset` of its
-        tokens (1 .. slots per row): the state to roll back to when the drafts after it are rejected.
-        Verify steps run one at a time (never overlapped), and a rollback copy runs at the start of
-        the next pass, before any other verify step writes these slots."""
+        tokens (1 .. slots per row), in scratch set `which`: the state to roll back to when the drafts
+        after it are rejected. A rollback copy runs at the start of the next pass that reads the state
+        (the next pass, or the worker's at the start of a verify step built behind this one), before
+        the next verify step using the same set writes these slots."""
         assert 0 <= batch_index < self.scratch_rows and 1 <= offset <= self.scratch_per_row, (batch_index, offset)
-        return self.rows + self.checkpoints + batch_index * self.scratch_per_row + offset - 1
+        assert 0 <= which < self.scratch_sets, which
+        row = which * self.scratch_rows + batch_index
+        return self.rows + self.checkpoints + row * self.scratch_per_row + offset - 1
 
     def copy_slots(self, copies: list[tuple[int, int]]) -> None:
         """(source, destination) slot pairs, in order, every layer (a pass's StateOps.copies)."""
@@ -147,6 +152,12 @@ class RecurrentStatePool:
         for s, d in copies:  # a chain (a slot copied out, then over): one at a time
             for t in (*self.conv, *self.ssm):
                 t[d] = t[s]
+
+    def copy_slot_tensors(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Slots `src` [n] into slots `dst` [n] (on the device: no host read), every layer; `dst`
+        distinct and none of them a source."""
+        for t in (*self.conv, *self.ssm):
+            t[dst] = t[src]
 
     def copy_tracked_ends(self, slots: torch.Tensor, tracks: dict[int, list[tuple[int, int]]]) -> None:
         """After a decode pass whose layers wrote no checkpoints (a graph replay): batch row i's state

@@ -270,8 +270,10 @@ class ModelRunner:
             if state_shapes is not None:
                 from baton.engine.mem_cache.state_pool import split_state_memory
 
-                split = split_state_memory(budget, state_shapes.bytes_per_row(*self._state_dtypes()),
-                                           args.mamba_full_memory_ratio, slots, _MAX_RUNNING_DEFAULT,
+                row_bytes = state_shapes.bytes_per_row(*self._state_dtypes())
+                (rows, per_row), sets = self._state_scratch()
+                budget -= sets * rows * per_row * row_bytes  # the verify steps' scratch states, first
+                split = split_state_memory(budget, row_bytes, args.mamba_full_memory_ratio, slots, _MAX_RUNNING_DEFAULT,
                                            rows_per_slot=1 + self._state_checkpoints_per_slot())
                 logger.info("memory for the pools: %.1f MB to the recurrent-state pool (%d slots), %.1f MB to KV",
                             split.state_bytes / 1e6, split.slots, split.kv_bytes / 1e6)
@@ -299,6 +301,16 @@ class ModelRunner:
         """A hybrid model's conv-state and delta-rule-state dtypes."""
         return self.dtype, MODEL_DTYPES[self.server_args.mamba_ssm_dtype]
 
+    def _state_scratch(self) -> tuple[tuple[int, int], int]:
+        """A hybrid model's scratch states for verify steps (state_pool.scratch_slot): ((batch rows,
+        slots per row), sets); where verify steps may lag, two sets, each with the state after the
+        whole step too."""
+        args = self.server_args
+        if args.speculative_algorithm is None:
+            return (0, 0), 1
+        rows, per_row = max(1, args.speculative_disable_by_batch_size - 1), args.speculative_num_draft_tokens - 1
+        return ((rows, per_row + 1), 2) if args.may_lag_verify_steps() else ((rows, per_row), 1)
+
     def _state_checkpoints_per_slot(self) -> int:
         """The radix cache's checkpoint slots per request slot (hybrid_radix_cache.py): one, or none
         without the radix cache."""
@@ -307,18 +319,15 @@ class ModelRunner:
     def _init_state_pool(self, shapes: Optional["LinearStateShapes"]) -> Optional["RecurrentStatePool"]:
         """A hybrid model's recurrent states: one slot per request row (slot index = req_pool_idx), so
         max running requests + 1 (the spare row a request that just ended holds in the overlap loop),
-        then the radix cache's checkpoint slots, one per running request."""
+        then the radix cache's checkpoint slots, one per running request, then the verify steps' scratch."""
         if shapes is None:
             return None
         from baton.engine.mem_cache.state_pool import RecurrentStatePool
 
-        args = self.server_args
         checkpoints = self._state_checkpoints_per_slot() * self.pool_config.max_running_requests
-        scratch = (0, 0)
-        if args.speculative_algorithm is not None:  # a verify step's per-token states (rollback)
-            scratch = (max(1, args.speculative_disable_by_batch_size - 1), args.speculative_num_draft_tokens - 1)
+        scratch, sets = self._state_scratch()
         pool = RecurrentStatePool(shapes, self.req_to_token_pool.size, *self._state_dtypes(), self.device,
-                                  checkpoints=checkpoints, scratch=scratch)
+                                  checkpoints=checkpoints, scratch=scratch, scratch_sets=sets)
         logger.info("recurrent-state pool: %s, %.1f MB", pool, pool.size_bytes() / 1e6)
         return pool
 

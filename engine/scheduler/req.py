@@ -86,12 +86,15 @@ class Req:
     # verify steps (speculative/verifying.py): how many are launched and not yet processed; the latest
     # one's start as the scheduler knew it when building it, whether the worker moved that start on by
     # what the step before emitted (a lagged step), and the most it may emit (1 + its deepest branch);
-    # what the last processed step emitted
+    # what the last processed step emitted; a hybrid model's: the latest step's scratch slots (the state
+    # after each of its tokens), and whether the state the request ends with is queued already
     spec_flight: int = 0
     spec_start: int = 0
     spec_lag: bool = False
     spec_reach: int = 0
     spec_emitted: int = 0
+    spec_state_slots: Optional[list[int]] = None
+    spec_state_final: bool = False
 
     @property
     def grammar(self) -> Any:

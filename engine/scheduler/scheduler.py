@@ -203,7 +203,8 @@ class Scheduler:
         view = SpecView(server_args=self.server_args, tokenizer=self.tokenizer,
                         req_to_token_pool=self.req_to_token_pool, allocator=self.allocator, tree_cache=self.tree_cache,
                         append_token=self.output.append_token, finish_request=self.output.finish_request,
-                        state_scratch=None if pool is None else pool.scratch_slot)
+                        state_scratch=None if pool is None else pool.scratch_slot,
+                        state_scratch_sets=1 if pool is None else pool.scratch_sets)
         return create_speculator(view)
 
     def _count_generated(self, n: int) -> None:

@@ -193,10 +193,14 @@ class TpModelWorker:
         start where the scheduler knew them to, and each lagged row moves on by what that step emitted
         (future_map.accepted, written by the step before this one ran): starts, lengths and positions,
         and the KV columns its tokens go to, read from the request's row of req_to_token, where the
-        scheduler reserved them. One read of the counts (on CUDA, behind the step before)."""
+        scheduler reserved them. A hybrid model's rows first get the recurrent state after the tokens
+        that step emitted (its scratch slot for that count, spec.lagged_states), before the pass's own
+        state copies and layers. One read of the counts (on CUDA, behind the step before)."""
         assert future_map is not None, "a lagged verify step runs in the overlap loop"
         spec = mwb.spec_info
         lag = future_map.accepted[torch.tensor(spec.lagged, dtype=torch.int64).to(future_map.accepted.device)]
+        if spec.lagged_states is not None:
+            self._roll_back_lagged_states(mwb, spec.lagged_states, lag)
         shift = lag.tolist()
         starts = [p + a for p, a in zip(mwb.extend_prefix_lens_cpu, shift)]
         lens = torch.tensor(mwb.extend_seq_lens_cpu, dtype=torch.int64)
@@ -210,6 +214,17 @@ class TpModelWorker:
         mwb.positions = mwb.positions + torch.tensor(shift, dtype=mwb.positions.dtype)[owner].to(mwb.positions.device)
         mwb.seq_lens_cpu = [p + e for p, e in zip(starts, mwb.extend_seq_lens_cpu)]
         mwb.extend_prefix_lens_cpu = starts  # what the scheduler reads of the batch once it has run
+
+    def _roll_back_lagged_states(self, mwb: ModelWorkerBatch, slots: list[list[int]], emitted: torch.Tensor) -> None:
+        """Each row's state <- the step before's scratch slot after its emitted tokens (`emitted`, on the
+        device: nothing read). The slots hold the state after 1 .. all of that step's tokens."""
+        from baton.engine.speculative.head_drafter import _ints
+
+        pool = self.model_runner.state_pool
+        width = max(map(len, slots))
+        table = _ints([s + [s[-1]] * (width - len(s)) for s in slots], pool.device)  # [bs, width]
+        at = (emitted.to(pool.device) - 1).clamp(0, width - 1)
+        pool.copy_slot_tensors(table.gather(1, at[:, None])[:, 0], mwb.req_pool_indices.to(pool.device))
 
     def sample(self, mwb: ModelWorkerBatch, logits: torch.Tensor) -> tuple[GenerationBatchResult, torch.Tensor]:
         """The batch's next ids [bs] from its last-token logits [bs, vocab] (rows that sample

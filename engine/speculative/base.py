@@ -33,9 +33,10 @@ class SpecView:
     # append one token (its logprob and top logprobs, with return_logprob) to a request's output
     append_token: Callable[["Req", int, Optional[float], Optional[list]], None]
     finish_request: Callable[["Req"], None]  # release its memory (once)
-    # hybrid models: the recurrent-state pool's scratch slot of (batch index, token offset) in a verify
-    # step (mem_cache/state_pool.py scratch_slot); None for a model without recurrent state
-    state_scratch: Optional[Callable[[int, int], int]] = None
+    # hybrid models: the recurrent-state pool's scratch slot of (batch index, token offset, set) in a
+    # verify step (mem_cache/state_pool.py scratch_slot); None for a model without recurrent state
+    state_scratch: Optional[Callable[[int, int, int], int]] = None
+    state_scratch_sets: int = 1  # 2: consecutive verify steps alternate (lagged verify steps)
 
 
 class NoSpeculation:

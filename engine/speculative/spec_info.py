@@ -84,7 +84,8 @@ def placeholder_tree(depth: int, nodes: int) -> list[int]:
 class VerifyInput:
     drafts: list[list[int]]  # per request, its draft tokens (may be empty); a tree's in its packed order
     # hybrid models: per request, the scratch slots that take its recurrent state after each of its
-    # first len(draft) tokens (offsets 1 .. k), to roll back to where the drafts stop being accepted
+    # first len(draft) tokens (offsets 1 .. k), to roll back to where the drafts stop being accepted;
+    # where verify steps may lag, after all 1 + k too (the state a step built behind this one starts from)
     state_slots: Optional[list[list[int]]] = None
     # tree drafts: per request, each node's parent (node 0 = its last token: -1; node j = drafts[i][j - 1]:
     # a node before j), None for a chain; the whole list None when no request has a real tree
@@ -98,6 +99,9 @@ class VerifyInput:
     # request, the future-map slot of that step whose emitted-token count the worker adds to the row's
     # positions, lengths and KV columns before the pass (0: the row's start is known); None: no such row
     lagged: Optional[list[int]] = None
+    # a lagged step of a hybrid model: per request, the state slots of the step before (its state_slots[i]):
+    # the worker copies the one after that step's emitted tokens into the request's row before the pass
+    lagged_states: Optional[list[list[int]]] = None
     # the first token row of each request in the batch's packed tokens (filled in __post_init__)
     offsets: list[int] = field(init=False)
     # a draft head's drafts still on the device: what reads them into `drafts` (whose lengths are right

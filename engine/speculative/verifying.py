@@ -31,6 +31,15 @@ within max_new_tokens counting the most the running step may emit (room), so the
 past the request's row. Where any request
 cannot lag (not in the running step, a grammar, a batch that grew or switches to plain steps), the
 results are processed first and the step is built as before (DecodeManager.prepare).
+
+Hybrid models: a request's recurrent state goes through every token of the step; the layers keep the
+state after each of its drafts in scratch slots (state_pool.scratch_slot), and the result rolls the
+row back to the one after its kept tokens (roll_back_state: a copy before the next pass). Where verify
+steps lag, consecutive steps use alternate scratch sets that also keep the state after the whole step,
+and the worker rolls each row back at the start of the step behind, by the running step's count on the
+device (TpModelWorker._roll_back_lagged_states); a request that ends while a step runs behind it
+gets the state after its kept tokens from its own step's set (the step behind writes the other one)
+before its end state is cached.
 """
 from __future__ import annotations
 
@@ -111,20 +120,35 @@ class VerifyingSpeculator(NoSpeculation):
             starts, need = [r.kv_committed_len for r in reqs], sum(extents)
         if not self._reserve(need, len(reqs)):
             return False
-        scratch = self.view.state_scratch
-        state_slots = None if scratch is None else [[scratch(i, j + 1) for j in range(len(d))]
-                                                    for i, d in enumerate(drafts)]
+        state_slots = self._state_slots(drafts)
         parents = None if all(t is None for t in trees) else list(trees)
         spec = self.verify_input(list(drafts), state_slots, parents)
         if lagged:
             spec.lagged = (-batch.output_ids).tolist()  # the running step's future-map slots
+            if state_slots is not None:
+                spec.lagged_states = [r.spec_state_slots for r in reqs]
             batch.prepare_for_verify(spec, starts, reserve_to)
         else:
             batch.prepare_for_verify(spec)
-        for req, start, most in zip(reqs, starts, reach):
+        for i, (req, start, most) in enumerate(zip(reqs, starts, reach)):
             req.spec_flight += 1
             req.spec_start, req.spec_lag, req.spec_reach = start, lagged, most
+            if state_slots is not None:
+                req.spec_state_slots = state_slots[i]
         return True
+
+    _scratch_set = 0
+
+    def _state_slots(self, drafts: tuple) -> Optional[list[list[int]]]:
+        """A hybrid model's scratch slots per request: the state after each of its draft tokens (module
+        docstring, "Hybrid models"). Where verify steps lag, after all of its tokens too, and
+        consecutive steps use alternate sets."""
+        scratch = self.view.state_scratch
+        if scratch is None:
+            return None
+        lagging = self.view.state_scratch_sets == 2
+        which = self._scratch_set = (self._scratch_set + 1) % self.view.state_scratch_sets
+        return [[scratch(i, j + 1, which) for j in range(len(d) + lagging)] for i, d in enumerate(drafts)]
 
     def verify_input(self, drafts: list[list[int]], state_slots: Optional[list[list[int]]],
                      parents: Optional[list[Optional[list[int]]]]) -> VerifyInput:
@@ -154,7 +178,7 @@ class VerifyingSpeculator(NoSpeculation):
             if req.finished():
                 # aborted while the step ran: its tokens so far stay, the step's go; or ended by the
                 # result of the step before (a lagged step), which cut its KV already
-                self.roll_back_state(spec, i, req, 1)
+                self.roll_back_state(spec, i, req, 1, later)
                 self.cut_kv(req, min(start + 1, req.kv_committed_len), later)
                 self.view.finish_request(req)
                 continue
@@ -172,17 +196,27 @@ class VerifyingSpeculator(NoSpeculation):
             self.stats.on_request(len(spec.drafts[i]), len(tokens) - 1, branched)
             self.on_verified(req, spec.depth(i), len(tokens) - 1)
             # KV is computed for [last, emitted[:-1]]: the newest token's comes with the next step
-            self.roll_back_state(spec, i, req, emitted)
+            self.roll_back_state(spec, i, req, emitted, later)
             self.cut_kv(req, start + emitted, later)
             if req.finished():
                 self.view.finish_request(req)
 
-    def roll_back_state(self, spec: VerifyInput, i: int, req: "Req", kept: int) -> None:
+    def roll_back_state(self, spec: VerifyInput, i: int, req: "Req", kept: int, later: bool) -> None:
         """A hybrid model: the row's recurrent state went through all 1 + k tokens of the step; when
         only the first `kept` stay, the next pass starts by copying the state after them (kept in a
         scratch slot by the layers) into the row. Queued before anything else this request queues
-        (its end state into the radix cache, if it finished), so those copies see the rolled-back one."""
-        if spec.state_slots is not None and kept <= len(spec.drafts[i]):
+        (its end state into the radix cache, if it finished), so those copies see the rolled-back one.
+        With a lagged step behind this one (`later`) the worker rolled the row back at that step's
+        start, by the count on the device, and the step moved it on: only a request that ends here
+        gets its state back (after its kept tokens: this step's scratch set, which the step behind
+        does not write). Once per request: a request that ended is not rolled back by the steps that
+        were still behind it."""
+        if spec.state_slots is None or req.spec_state_final:
+            return
+        req.spec_state_final = req.finished()
+        if later and not req.finished():
+            return
+        if later or kept <= len(spec.drafts[i]):
             self.view.tree_cache.queue_state_copy(spec.state_slots[i][kept - 1], req.req_pool_idx)
 
     def cut_kv(self, req: "Req", length: int, later: bool) -> None:

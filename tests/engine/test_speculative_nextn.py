@@ -10,6 +10,7 @@ Two criteria, both on CPU in float32:
 from __future__ import annotations
 
 import pytest
+import torch
 
 from baton.engine.server_args import ServerArgs
 from test_scheduler_vs_hf import finish_order, hf_greedy, harness_for, run_workload, workload
@@ -201,3 +202,80 @@ def test_nextn_on_cuda_changes_no_token(mtp_model):
     for i in range(len(prompts)):
         assert spec[str(i)].ids == plain[str(i)].ids, f"request {i}"
     assert spec_info(h)["spec_verify_steps"] > 0 and h.scheduler.check_memory_integrity()
+
+
+def _oracle_head(monkeypatch, refs: dict[str, list[int]]) -> None:
+    """The MTP head's chains replaced by each request's greedy text (`refs`: rid -> prompt + HF's
+    tokens; the test may add rids later), wrong at positions 0 and 3 modulo 7: verify steps accept
+    none, some or all of their drafts, so the state rolls back to every offset. Requests without a
+    reference keep the head's own drafts."""
+    from baton.engine.speculative.head_drafter import HeadDrafter
+    from baton.engine.speculative.head_speculator import HeadSpeculator
+    from tiny_models import VOCAB_SIZE
+
+    rids: dict[int, str] = {}  # request row -> rid, recorded when a verify step is built
+    prepare, chains = HeadSpeculator.prepare_verify, HeadDrafter._draft_chains
+
+    def recording(self, batch, lagged=False):
+        rids.update({r.req_pool_idx: r.rid for r in batch.reqs})
+        return prepare(self, batch, lagged)
+
+    def oracle(self, fb, spec, reqs):
+        drafts = chains(self, fb, spec, reqs)
+        positions, rows = fb.positions.tolist(), fb.req_pool_indices.tolist()
+        for n, i in enumerate(reqs):
+            ref = refs.get(rids.get(rows[i], ""))
+            for t in range(len(spec.drafts[i]) if ref is not None else 0):
+                p = positions[spec.offsets[i] + 1 + t]
+                if p < len(ref):
+                    drafts[n, t] = (ref[p] + 1) % VOCAB_SIZE if p % 7 in (0, 3) else ref[p]
+        return drafts
+
+    monkeypatch.setattr(HeadSpeculator, "prepare_verify", recording)
+    monkeypatch.setattr(HeadDrafter, "_draft_chains", oracle)
+
+
+def test_a_hybrids_lagged_verify_steps_roll_its_state_back_on_the_device(mtp_model, monkeypatch):
+    """The overlap loop builds a hybrid model's verify steps behind the running one: the worker rolls
+    each row's recurrent state back by the running step's count on the device, from that step's scratch
+    set (steps alternate sets); a request that ends inside an accepted run (max_tokens, a stop token) or
+    is aborted gets its state back from its last processed step before its end state is cached. Drafts
+    that pass 0..3 at a time (_oracle_head): HF's tokens, lagged steps, a follow-up turn cached up to
+    the first turn's end (its end state) with HF's tokens, nothing leaked."""
+    path = mtp_model("qwen3_5")
+    prompts = workload()[:4]
+    refs = {str(i): p + hf_greedy(path, p, MAX_NEW, ignore_eos=True) for i, p in enumerate(prompts)}
+    _oracle_head(monkeypatch, refs)
+    h = harness_for(path, "overlap", page_size=1, max_total_tokens=4096, **NEXTN)
+    results = run_workload(h, prompts, max_new=MAX_NEW, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        assert results[str(i)].ids == refs[str(i)][len(p):], f"request {i} differs from HF"
+    info = spec_info(h)
+    assert info["spec_lagged_verify_steps"] > 5 and info["spec_accept_length"] > 2, info
+    stop = refs["0"][len(prompts[0]) + 9]
+    refs["stop"] = refs["0"]
+    h.submit("stop", prompts[0], max_new_tokens=MAX_NEW, ignore_eos=True, stop_token_ids=[stop])
+    out = h.run_until_idle()["stop"].ids
+    assert out[-1] == stop and out == refs["0"][len(prompts[0]):len(prompts[0]) + len(out)]
+    res = follow_up_and_abort(h, path, prompts[1], results["1"].ids, prompts[2])
+    assert res["turn2"].cached_tokens >= len(prompts[1]) + MAX_NEW - 1, "the first turn's end state"
+    assert h.scheduler.check_memory_integrity()
+    # the end states cached are the plain engine's (requests that ended with a lagged step behind them too)
+    plain = harness_for(path, "plain", page_size=1, max_total_tokens=4096)
+    run_workload(plain, prompts, max_new=MAX_NEW, ignore_eos=True)
+    plain.submit("next", prompts[3][:5], max_new_tokens=2)  # a pass: runs the queued end-state copies
+    plain.run_until_idle()
+    for i, p in enumerate(prompts):
+        key = refs[str(i)][:len(p) + MAX_NEW - 1]
+        got, want = (_end_state(x, key) for x in (h, plain))
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5, msg=lambda m: f"request {i}: {m}")
+
+
+def _end_state(h, key: list[int]) -> list:
+    """The recurrent states (every layer's conv and delta-rule state) the radix cache holds at the end
+    of `key`, which it must have cached whole."""
+    match = h.scheduler.tree_cache.match_prefix(key)
+    assert len(match.device_indices) == len(key) and match.last_node.state is not None, "cached to its end"
+    pool, slot = h.scheduler.worker.model_runner.state_pool, match.last_node.state
+    return [t[slot].clone() for t in (*pool.conv, *pool.ssm)]

@@ -255,8 +255,9 @@ def test_greedy_acceptance_on_the_device_is_the_host_rule():
     chains, trees given as parents (NGRAM's) and trees given as ancestor matrices (a head's), of different
     sizes, with empty drafts among them; tokens drawn from 3 values so drafts are often accepted and
     siblings often share a token (the first in node order wins). Same emitted tokens and accepted nodes,
-    and logprobs with top logprobs where asked; the result crosses to the host in one read (PendingVerify), the moved KV columns are the host
-    rule's moves, and the last tokens (the next step's inputs) agree."""
+    and logprobs with top logprobs where asked; the result crosses to the host in one read
+    (PendingVerify), the moved KV columns are the host rule's moves, and the last tokens (the next
+    step's inputs) agree."""
     from baton.engine.layers.attention.masks import ancestors
     from types import SimpleNamespace
 
