@@ -279,3 +279,37 @@ def _end_state(h, key: list[int]) -> list:
     assert len(match.device_indices) == len(key) and match.last_node.state is not None, "cached to its end"
     pool, slot = h.scheduler.worker.model_runner.state_pool, match.last_node.state
     return [t[slot].clone() for t in (*pool.conv, *pool.ssm)]
+
+
+@pytest.mark.parametrize("case", ["retraction", "preemption"])
+def test_a_hybrids_lagged_verify_steps_under_retraction_and_preemption(mtp_model, monkeypatch, case):
+    """The overlap loop with lagged verify steps of a hybrid (drafts passing 0..3 at a time,
+    _oracle_head) in a pool too small for every request (decode retracts them: the steps in flight are
+    processed first, the state rolled back, then checkpointed for the resume), or with a high-priority
+    arrival that preempts them: HF's tokens, lagged steps, nothing leaked."""
+    path = mtp_model("qwen3_5")
+    prompts = workload(seed=1) if case == "retraction" else repetitive_prompts() + workload(seed=3)[:2]
+    new = MAX_NEW if case == "retraction" else 30
+    refs = {str(i): p + hf_greedy(path, p, new, ignore_eos=True) for i, p in enumerate(prompts)}
+    _oracle_head(monkeypatch, refs)
+    if case == "retraction":
+        pool = int(0.6 * (sum(map(len, prompts)) + new * len(prompts)))
+        h = harness_for(path, "overlap", page_size=1, chunked_prefill_size=32, max_total_tokens=pool, **NEXTN)
+        results = run_workload(h, prompts, max_new=new, ignore_eos=True)
+        assert h.scheduler.stats.retractions > 0
+    else:
+        h = harness_for(path, "overlap", page_size=1, max_total_tokens=2048, enable_priority_scheduling=True,
+                        priority_preemption_threshold=5, max_running_requests=4, **NEXTN)
+        for i, p in enumerate(prompts[:4]):
+            h.submit(str(i), p, max_new_tokens=new, ignore_eos=True, priority=0)
+        for _ in range(6):
+            h.step()
+        h.submit("4", prompts[4], max_new_tokens=5, ignore_eos=True, priority=10)
+        refs["4"] = refs["4"][:len(prompts[4]) + 5]
+        order = finish_order(h)
+        assert h.scheduler.stats.preemptions >= 1 and order[0] == "4", order
+        results = h.results
+    for rid, ref in refs.items():
+        assert results[rid].ids == ref[len(prompts[int(rid)]):], f"request {rid}"
+    assert spec_info(h)["spec_lagged_verify_steps"] > 0
+    assert h.scheduler.check_memory_integrity()
