@@ -313,3 +313,26 @@ def test_a_hybrids_lagged_verify_steps_under_retraction_and_preemption(mtp_model
         assert results[rid].ids == ref[len(prompts[int(rid)]):], f"request {rid}"
     assert spec_info(h)["spec_lagged_verify_steps"] > 0
     assert h.scheduler.check_memory_integrity()
+
+
+def test_pd_decode_lags_a_hybrids_verify_steps(mtp_model, monkeypatch):
+    """The seeds' setting: a Qwen3.5-shaped hybrid with its MTP head in PD, both sides in the overlap
+    loop; the decode's verify steps lag (drafts passing 0..3 at a time, _oracle_head) over transferred
+    requests whose state came from the prefill: HF's tokens, both sides settle with nothing leaked."""
+    from test_pd_scheduler import PDPair, _run
+
+    path = mtp_model("qwen3_5")
+    prompts = workload()[:4]
+    refs = {str(i): p + hf_greedy(path, p, MAX_NEW, ignore_eos=True) for i, p in enumerate(prompts)}
+    _oracle_head(monkeypatch, refs)
+    pair = PDPair(path, page_size=1, max_total_tokens=4096, enable_overlap_schedule=True,
+                  disable_overlap_schedule=False, **NEXTN)
+    try:
+        _run(pair, prompts, max_new_tokens=MAX_NEW, ignore_eos=True)
+        for i, p in enumerate(prompts):
+            assert pair.decode.results[str(i)].ids == refs[str(i)][len(p):], f"request {i}"
+        info = spec_info(pair.decode)
+        assert info["spec_lagged_verify_steps"] > 0 and info["spec_accept_length"] > 2, info
+        pair.assert_settled()
+    finally:
+        pair.close()
