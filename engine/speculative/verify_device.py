@@ -1,9 +1,13 @@
 """Acceptance on the device, read by the host only with the verify step's result.
 
-A verify step whose every request is greedy or sampled with nothing processed (temperature, top-k,
-top-p, min-p and a seed; no penalties, logit bias, grammar or min_new_tokens) is checked without
-reading anything back (logprobs too), so on CUDA its launch returns before its forward ends, and the
-overlap loop can build the next step meanwhile (verifying.py, lagged verify steps).
+A verify step whose every request is greedy or sampled (temperature, top-k, top-p, min-p and a seed),
+with penalties or a logit bias at most (no grammar, no min_new_tokens: their processing reads the
+host), is checked without reading anything back (logprobs too), so on CUDA its launch returns before
+its forward ends, and the overlap loop can build the next step meanwhile (verifying.py, lagged verify
+steps). Penalised and biased requests' rows are processed on the device first, each node's row as the
+sampler would after the drafts on its path (processed_logits); unlike the host rule, which verifies
+only the first chain of such a request's tree, they walk the whole tree (each node's row is exact for
+its own path; the host rule keeps one path for the grammar's matcher).
 
 The rules are verify.py's, on tensors. Greedy: each request walks its draft from node 0 (its last
 token), at each node to the first child (in node order) whose token is the target's argmax there, until
@@ -36,9 +40,14 @@ if TYPE_CHECKING:
 
 
 def accepts_on_device(states: Sequence[Optional["ReqSamplingState"]]) -> bool:
-    """Whether a verify step's acceptance can stay on the device: every request greedy or sampled with
-    nothing processed (temperature, top-k, top-p, min-p and a seed at most)."""
-    return all(s is not None and s.plain_sampling for s in states)
+    """Whether a verify step's acceptance can stay on the device: every request greedy or sampled
+    (temperature, top-k, top-p, min-p, a seed), with penalties or a logit bias at most (no grammar, no
+    min_new_tokens: their processing reads the host)."""
+    return all(s is not None and s.grammar is None and s.min_tokens_stop_ids is None for s in states)
+
+
+def _processed(state: "ReqSamplingState") -> bool:
+    return state.has_penalties or bool(state.params.logit_bias)
 
 
 @dataclass
@@ -103,8 +112,22 @@ def accept_on_device(logits: torch.Tensor, input_ids: torch.Tensor, spec: Verify
     """`logits` [num_tokens, vocab] and `input_ids` [num_tokens] of the verify pass (the drafts in
     place, spec.drafts' lengths right, the trees' shapes in `tree_parents`: per request None (a chain),
     host parents, or a head tree's ancestor matrix on the device; ForwardBatch.tree_parents).
-    `states` (plain ones: accepts_on_device) with the step's draw numbers; None: every request greedy."""
+    `states` (accepts_on_device's) with the step's draw numbers; None: every request greedy with nothing
+    processed. Penalised requests' counts take the emitted tokens (on the device)."""
     nodes = _Nodes(logits, input_ids, spec, tree_parents)
+    processed = [i for i, s in enumerate(states or ()) if _processed(s)]
+    if processed:
+        logits = processed_logits(logits, nodes, spec, states, processed)
+        nodes.target = torch.argmax(logits, dim=-1)[nodes.rows]
+    acc = _walk(nodes, logits, states, draws)
+    for i in processed:
+        if states[i].has_penalties:
+            _count_emitted(states[i], acc, i)
+    return acc
+
+
+def _walk(nodes: "_Nodes", logits: torch.Tensor, states: Optional[Sequence["ReqSamplingState"]],
+          draws: Optional[list[int]]) -> DeviceAcceptance:
     if states is not None and not all(s.params.is_greedy for s in states):
         return _rejection_walk(nodes, logits, states, draws)
     b = nodes.batch
@@ -170,6 +193,45 @@ def _rejection_walk(nodes: _Nodes, logits: torch.Tensor, states: Sequence["ReqSa
     x = _uniform(key ^ _LAST_DRAW) * cdf[:, -1]
     drawn = torch.searchsorted(cdf, x[:, None], right=True)[:, 0].clamp_(max=vocab - 1)
     return nodes.accepted(count, path, torch.where(greedy, nodes.target[b, cur], drawn))
+
+
+def processed_logits(logits: torch.Tensor, nodes: "_Nodes", spec: VerifyInput,
+                     states: Sequence["ReqSamplingState"], which: list[int]) -> torch.Tensor:
+    """A copy of the pass's logits whose rows of the requests `which` are processed as
+    verify.processed_rows processes a chain's, on the device: a node's row with the penalties counting
+    the drafts on its path (itself and its ancestors but the root: a chain's row j, drafts[:j];
+    repetition, frequency, presence), then the logit bias."""
+    out = logits.clone()
+    for i in which:
+        state, off, n = states[i], spec.offsets[i], 1 + len(spec.drafts[i])
+        rows = out[off:off + n]
+        if state.has_penalties:
+            params = state.params
+            state.ensure_penalty_tensors()
+            drafted = torch.zeros(n, rows.shape[1], dtype=torch.float32, device=rows.device)
+            drafted[1:].scatter_(1, nodes.tok[i, 1:n, None].to(rows.device), 1.0)  # node c's token, c > 0
+            path = nodes.seen[i, :n, :n].to(rows.device, torch.float32)  # [c, a]: a is c or an ancestor of c
+            before = path @ drafted  # node c's row: how often each token is among the drafts on its path
+            counts = state.output_counts.to(rows.device, torch.float32)[None, :] + before
+            seen = state.seen_mask.to(rows.device)[None, :] | (before > 0)
+            rows = torch.where(seen, torch.where(rows > 0, rows / params.repetition_penalty,
+                                                 rows * params.repetition_penalty), rows)
+            rows = rows - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
+        if state.params.logit_bias:
+            ids, values = state.logit_bias()
+            rows = rows.index_add(1, ids.to(rows.device), values.to(rows.device).expand(n, -1))
+        out[off:off + n] = rows
+    return out
+
+
+def _count_emitted(state: "ReqSamplingState", acc: DeviceAcceptance, i: int) -> None:
+    """The tokens request i emitted into its penalty counts (what state.on_sampled does per token),
+    without reading the count."""
+    tokens = acc.tokens[i].to(state.device)
+    emitted = (torch.arange(tokens.shape[0], device=state.device) <= acc.count[i].to(state.device)).to(torch.int32)
+    state.output_counts.index_add_(0, tokens, emitted)
+    hits = torch.zeros_like(state.output_counts).index_add_(0, tokens, emitted)
+    state.seen_mask |= hits > 0
 
 
 def target_probs_rows(logits: torch.Tensor, params: Sequence["SamplingParams"], nodes: _Nodes) -> torch.Tensor:
@@ -285,8 +347,8 @@ class PendingVerify:
             count = row[0]
             tokens.append(row[1 + width:2 + width + count])
             nodes.append(row[2:2 + count])
-        # (no num_sampled to count: it only times min_new_tokens, which a plain request has none of, and
-        # the draws are numbered at launch)
+        # (no num_sampled to count: it only times min_new_tokens, which a request checked here has none
+        # of, and the draws are numbered at launch; penalty counts were kept on the device)
         out = VerifyOutput(tokens, accepted_nodes=None if self.spec.parents is None else nodes)
         if self.nums is not None:
             values = self.host[1].tolist()

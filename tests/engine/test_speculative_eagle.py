@@ -516,11 +516,12 @@ def test_lagged_verify_steps_change_no_token(target, drafts, loop, topk, page_si
 @pytest.mark.parametrize("topk", [1, 2])
 def test_a_plain_verify_launch_reads_nothing_back(target, drafts, topk):
     """The inline launch (the CUDA stream executor's form, on the CPU): a verify step of plain requests
-    (greedy, or sampled with a temperature and a seed) returns from its launch with its acceptance still
-    on the device (the result's tokens unread, the head's drafts unread; logprobs too), its last tokens
-    and counts in the future map for the step built behind it; the host reads them once, when the
-    scheduler processes the result. Greedy: HF's tokens. A penalised request is checked on the host and
-    still lags."""
+    (greedy, or sampled with a temperature and a seed, or penalised) returns from its launch with its
+    acceptance still on the device (the result's tokens unread, the head's drafts unread; logprobs too),
+    its last tokens and counts in the future map for the step built behind it; the host reads them
+    once, when the scheduler processes the result. Greedy: HF's tokens, and the plain engine's for the
+    penalised one (trees too: each node processed for its own path). A request with min_new_tokens is
+    checked on the host and still lags."""
     args = eagle("EAGLE", drafts("EAGLE-trained")) if topk == 1 else tree("EAGLE", drafts("EAGLE-decoy"), topk)
     h = harness_for(target, "inline", max_total_tokens=2048, **args)
     executor, launches = h.scheduler.executor, []
@@ -540,10 +541,15 @@ def test_a_plain_verify_launch_reads_nothing_back(target, drafts, topk):
         h.submit(str(i), p, max_new_tokens=MAX_NEW, ignore_eos=True)
     h.submit("sampled", ps[0], max_new_tokens=MAX_NEW, ignore_eos=True, temperature=0.7, seed=5)
     h.submit("logprobs", ps[1], max_new_tokens=MAX_NEW, ignore_eos=True, return_logprob=True, top_logprobs_num=2)
+    penalised = dict(max_new_tokens=MAX_NEW, ignore_eos=True, frequency_penalty=0.5, logit_bias={5: 1.0})
+    h.submit("penalised", ps[2], **penalised)
     out = h.run_until_idle()
     for i, p in enumerate(ps):
         assert out[str(i)].ids == hf_greedy(target, p, MAX_NEW, ignore_eos=True), f"request {i}"
     assert len(out["sampled"].ids) == MAX_NEW and out["logprobs"].ids == out["1"].ids
+    plain = harness_for(target, "plain", max_total_tokens=2048)
+    plain.submit("penalised", ps[2], **penalised)
+    assert out["penalised"].ids == plain.run_until_idle()["penalised"].ids, "the plain engine's penalised tokens"
     assert len(out["logprobs"].output_logprobs) == MAX_NEW
     assert all(len(top) == 2 and top[0][1] == t for top, t in zip(out["logprobs"].output_top_logprobs,
                                                                   out["logprobs"].ids))
@@ -551,10 +557,10 @@ def test_a_plain_verify_launch_reads_nothing_back(target, drafts, topk):
     lagged = spec_info(h)["spec_lagged_verify_steps"]
     assert lagged > 0
     launches.clear()
-    h.submit("penalised", ps[0], max_new_tokens=MAX_NEW, ignore_eos=True, temperature=0.7, seed=5,
-             frequency_penalty=0.5)
-    assert len(h.run_until_idle()["penalised"].ids) == MAX_NEW
-    assert launches and not any(on_device for on_device, _ in launches), "a penalised step is checked on the host"
+    h.submit("min_tokens", ps[0], max_new_tokens=MAX_NEW, ignore_eos=True, temperature=0.7, seed=5,
+             min_new_tokens=MAX_NEW // 2, stop_token_ids=[out["0"].ids[-1]])
+    assert len(h.run_until_idle()["min_tokens"].ids) >= MAX_NEW // 2
+    assert launches and not any(on_device for on_device, _ in launches), "min_new_tokens is checked on the host"
     assert spec_info(h)["spec_lagged_verify_steps"] > lagged and h.scheduler.check_memory_integrity()
 
 

@@ -314,6 +314,60 @@ def test_greedy_acceptance_on_the_device_is_the_host_rule():
             assert moved[0] == moved[1], trial
 
 
+@pytest.mark.parametrize("params", [dict(frequency_penalty=0.7, presence_penalty=0.4),
+                                    dict(repetition_penalty=1.8, logit_bias={1: 3.0, 2: -2.0}),
+                                    dict(temperature=0.8, top_k=5, frequency_penalty=1.5, seed=3)],
+                         ids=["frequency-presence", "repetition-bias", "sampled-frequency"])
+def test_penalised_requests_are_processed_and_counted_on_the_device(params):
+    """Penalties and a logit bias on the device (verify_device.processed_logits): each row as the host
+    processes it (verify.processed_rows: the drafts before it counted), a tree node's as the host
+    processes its root -> node chain; greedy requests emit the host rule's tokens; the penalty counts
+    after the step are what the host's per-token updates leave."""
+    from baton.engine.speculative.verify import processed_rows
+    from baton.engine.speculative.verify_device import PendingVerify, _Nodes, accept_on_device, processed_logits
+
+    gen = torch.Generator().manual_seed(5)
+    for trial in range(20):
+        bs = int(torch.randint(1, 4, (1,), generator=gen))
+        drafts = [torch.randint(0, 4, (int(torch.randint(0, 5, (1,), generator=gen)),), generator=gen).tolist()
+                  for _ in range(bs)]
+        ids = torch.tensor([t for d in drafts for t in [9] + d])
+        logits = torch.randn(len(ids), VOCAB, generator=gen)
+        logits[torch.arange(len(ids)), torch.randint(0, 4, (len(ids),), generator=gen)] += 3.0
+        states, host_states = ([_state(**params) for _ in range(bs)] for _ in range(2))
+        for a, b in zip(states, host_states):  # some output so far
+            for t in torch.randint(0, VOCAB, (3,), generator=gen).tolist():
+                a.on_sampled(t)
+                b.on_sampled(t)
+        spec = VerifyInput([list(d) for d in drafts])
+        got = processed_logits(logits, _Nodes(logits, ids, spec, None), spec, states, list(range(bs)))
+        for i, d in enumerate(drafts):
+            off, n = spec.offsets[i], 1 + len(d)
+            torch.testing.assert_close(got[off:off + n], processed_rows(logits[off:off + n], d, host_states[i]))
+        # a tree: each node's row as the host processes the last row of its root -> node chain
+        tree = _random_tree(gen, 6)
+        tree_ids = torch.tensor([9] + torch.randint(0, 4, (5,), generator=gen).tolist())
+        tree_spec = VerifyInput([tree_ids[1:].tolist()], parents=[tree])
+        tree_logits = logits[:1].repeat(6, 1) + torch.randn(6, VOCAB, generator=gen)
+        got = processed_logits(tree_logits, _Nodes(tree_logits, tree_ids, tree_spec, [tree]), tree_spec, states[:1], [0])
+        for node in range(6):
+            path = [node]
+            while path[-1] > 0:
+                path.append(tree[path[-1]])
+            path.reverse()
+            want = processed_rows(tree_logits[path], tree_ids[path[1:]].tolist(), host_states[0])[-1]
+            torch.testing.assert_close(got[node], want)
+        if "temperature" in params:
+            continue  # sampled: the device's draws are its own (the walk's distribution: the tests above)
+        acc = accept_on_device(logits, ids, spec, None, states, list(range(bs)))
+        out = PendingVerify(acc, spec, async_copy=False).read()
+        want = verify_drafts(logits, VerifyInput([list(d) for d in drafts]), host_states, None, False, [0] * bs)
+        assert out.tokens == want.tokens, trial
+        for a, b in zip(states, host_states):
+            if a.has_penalties:
+                assert torch.equal(a.output_counts, b.output_counts) and torch.equal(a.seen_mask, b.seen_mask)
+
+
 class _SampledBatch:
     """Verify rows for the rejection walk: TREE's (temperature 1, top-p 0.8; half given as host parents,
     half as a head's ancestor matrices), chains [d1, d2] of two other parameter sets (top-k; top-p with
