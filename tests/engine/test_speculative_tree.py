@@ -349,7 +349,8 @@ def test_penalised_requests_are_processed_and_counted_on_the_device(params):
         tree_ids = torch.tensor([9] + torch.randint(0, 4, (5,), generator=gen).tolist())
         tree_spec = VerifyInput([tree_ids[1:].tolist()], parents=[tree])
         tree_logits = logits[:1].repeat(6, 1) + torch.randn(6, VOCAB, generator=gen)
-        got = processed_logits(tree_logits, _Nodes(tree_logits, tree_ids, tree_spec, [tree]), tree_spec, states[:1], [0])
+        nodes = _Nodes(tree_logits, tree_ids, tree_spec, [tree])
+        got = processed_logits(tree_logits, nodes, tree_spec, states[:1], [0])
         for node in range(6):
             path = [node]
             while path[-1] > 0:
