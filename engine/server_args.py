@@ -362,9 +362,10 @@ class ServerArgs:
         return self.served_model_name or os.path.basename(os.path.normpath(self.model_path))
 
     def may_lag_verify_steps(self) -> bool:
-        """Whether a verify step may be built behind the one running (speculative/verifying.py, lagged
-        verify steps): a draft head's algorithm, the overlap loop not ruled out, one TP rank. A hybrid
-        model's scratch states are sized for it (ModelRunner._init_state_pool)."""
+        """Whether a hybrid model's verify step may be built behind the one running (speculative/
+        verifying.py, lagged verify steps): a draft head's algorithm, the overlap loop not ruled out, one
+        TP rank (the rollback by the device's count runs on the driver only). Its scratch states are
+        sized for it (ModelRunner._init_state_pool)."""
         return self.speculative_algorithm not in (None, "NGRAM") and not self.disable_overlap_schedule \
             and self.tp_size == 1
 

@@ -174,13 +174,15 @@ class TpModelWorker:
             return GenerationBatchResult(next_token_ids=[], next_token_ids_device=acc.last, pending_verify=pending)
         out = verify_drafts(logits, mwb.spec_info, mwb.sampling_states, mwb.draws, mwb.return_logprob,
                             mwb.top_logprobs_nums)
+        last = torch.tensor(out.last_tokens, dtype=torch.int64)
+        if self.step_sender is not None and future_map is not None:  # the followers' future maps (a lagged
+            self.step_sender.send_sampled(last.to(future_map.token_ids.device))  # step behind reads them)
         if self.step_sender is not None and (self.drafter is not None or out.accepted_nodes is not None):
             self.step_sender.send_accepted(out)  # the followers' head pass and KV move
         if self.drafter is not None:  # the head's KV at every node before the move, which takes its layers too
             self.drafter.after_verify(fb, hidden, mwb.spec_info, out)
         if out.accepted_nodes is not None:
             move_accepted_kv(self.model_runner, fb, mwb.spec_info, out)
-        last = torch.tensor(out.last_tokens, dtype=torch.int64)
         if future_map is not None:
             future_map.token_ids[future_slots] = last.to(future_map.token_ids.device)
             emitted = torch.tensor([len(t) for t in out.tokens], dtype=torch.int64)

@@ -49,9 +49,11 @@ class HeadSpeculator(VerifyingSpeculator):
 
     def allow_lagging(self, overlap: bool, tp_size: int) -> None:
         """The drafts are the worker's, so a verify step can be built before the one running ends
-        (verifying.py); not with TP (the followers' steps are sent resolved). A hybrid model's scratch
-        states come in two sets for it (ServerArgs.may_lag_verify_steps)."""
-        self.lags = overlap and tp_size == 1 and (self.view.state_scratch is None or self.view.state_scratch_sets == 2)
+        (verifying.py). With TP the driver resolves the step and sends it resolved; the followers'
+        future maps get each verify step's last tokens. A hybrid model's scratch states come in two
+        sets for it (ServerArgs.may_lag_verify_steps: one TP rank; the followers' states would need the
+        rollback too)."""
+        self.lags = overlap and (self.view.state_scratch is None or self.view.state_scratch_sets == 2)
 
     def prepare_verify(self, batch: "ScheduleBatch", lagged: bool = False) -> bool:
         self._primes: list = []  # per request of the batch, in order: the prime its first step puts in its row

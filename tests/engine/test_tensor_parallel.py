@@ -263,10 +263,13 @@ def test_tp2_tree_drafts_move_the_accepted_kv_on_every_rank(tiny_model_factory, 
     assert scheduler.spec.server_info()["spec_tree_branch_accepts"] > 10
 
 
-def test_tp2_eagle_trees_match_hf(tiny_model_factory, tmp_path):
+@pytest.mark.parametrize("loop", ["plain", "overlap"])
+def test_tp2_eagle_trees_match_hf(tiny_model_factory, tmp_path, loop):
     """EAGLE trees (topk 2) under TP 2 with a head that ranks a wrong first draft first and the right one
     second: both ranks draft the same branches through their branch tables, the followers move the
-    accepted branch's KV (the head's layers too); greedy equals HF with runs accepted off branch 0."""
+    accepted branch's KV (the head's layers too); greedy equals HF with runs accepted off branch 0. In
+    the overlap loop verify steps lag: the driver resolves each before sending it, the followers'
+    future maps take every verify step's last tokens."""
     from test_speculative import repetitive_prompts
     from tiny_models import make_eagle_draft
 
@@ -274,13 +277,15 @@ def test_tp2_eagle_trees_match_hf(tiny_model_factory, tmp_path):
     prompts = repetitive_prompts()
     fit = [p + hf_greedy(path, p, 24, ignore_eos=True) for p in prompts]
     draft = make_eagle_draft(path, tmp_path / "decoy", "EAGLE", fit_on=fit, decoy=0.6)
-    scheduler, results = _run_tp(path, prompts, max_new=24, max_total_tokens=4096, disable_overlap_schedule=True,
+    scheduler, results = _run_tp(path, prompts, max_new=24, max_total_tokens=4096, **_loop(loop),
                                  speculative_algorithm="EAGLE", speculative_draft_model_path=draft,
                                  speculative_num_steps=2, speculative_eagle_topk=2,
                                  speculative_disable_by_batch_size=64)
     for i, p in enumerate(prompts):
         assert results[str(i)].ids == hf_greedy(path, p, 24, ignore_eos=True), f"request {i} differs from HF"
-    assert scheduler.spec.server_info()["spec_tree_branch_accepts"] > 0
+    info = scheduler.spec.server_info()
+    assert info["spec_tree_branch_accepts"] > 0
+    assert (info["spec_lagged_verify_steps"] > 0) == (loop == "overlap"), info
 
 
 @pytest.mark.parametrize("arch, loop", [("qwen3_5", "plain"), ("qwen3_next", "overlap")])
