@@ -62,6 +62,7 @@ class VerifyingSpeculator(NoSpeculation):
         self.num_draft_tokens = args.speculative_num_draft_tokens
         self.disable_by_batch_size = args.speculative_disable_by_batch_size
         self.stats = SpecStats(self.num_draft_tokens)
+        self._scratch_set = 0  # a hybrid model's: the scratch set the last verify step built used
 
     # ------------------------------------------------------------------ what a strategy says
     def draft(self, req: "Req") -> list[int]:
@@ -136,8 +137,6 @@ class VerifyingSpeculator(NoSpeculation):
             if state_slots is not None:
                 req.spec_state_slots = state_slots[i]
         return True
-
-    _scratch_set = 0
 
     def _state_slots(self, drafts: tuple) -> Optional[list[list[int]]]:
         """A hybrid model's scratch slots per request: the state after each of its draft tokens (module
