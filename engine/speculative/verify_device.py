@@ -230,8 +230,7 @@ def _count_emitted(state: "ReqSamplingState", acc: DeviceAcceptance, i: int) -> 
     tokens = acc.tokens[i].to(state.device)
     emitted = (torch.arange(tokens.shape[0], device=state.device) <= acc.count[i].to(state.device)).to(torch.int32)
     state.output_counts.index_add_(0, tokens, emitted)
-    hits = torch.zeros_like(state.output_counts).index_add_(0, tokens, emitted)
-    state.seen_mask |= hits > 0
+    state.seen_mask |= state.output_counts > 0  # the prompt's stay; an output token is seen once counted
 
 
 def target_probs_rows(logits: torch.Tensor, params: Sequence["SamplingParams"], nodes: _Nodes) -> torch.Tensor:
