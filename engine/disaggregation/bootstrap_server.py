@@ -12,6 +12,7 @@ request-pair, no event loop to share with the engine.
 """
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import sys
@@ -29,6 +30,7 @@ from baton.engine.disaggregation.base import KVTransferError
 logger = logging.getLogger(__name__)
 
 DEFAULT_BOOTSTRAP_PORT = 8998
+_MAX_ROUTE_BYTES = 1 << 16  # a route is a few hundred bytes
 
 
 @dataclass(frozen=True)
@@ -81,8 +83,14 @@ class _Handler(BaseHTTPRequestHandler):
         if urlparse(self.path).path != "/route":
             self._reply(404, {"error": "no such route"})
             return
-        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
-        info = PrefillRankInfo(**body)
+        try:
+            length = int(self.headers.get("Content-Length", 0))
+            if not 0 <= length <= _MAX_ROUTE_BYTES:
+                raise ValueError(f"a route is at most {_MAX_ROUTE_BYTES} bytes, not {length}")
+            info = PrefillRankInfo(**json.loads(self.rfile.read(length)))
+        except (ValueError, TypeError) as e:  # not JSON, not an object, other fields
+            self._reply(400, {"error": f"not a prefill rank's route: {e}"})
+            return
         self.server.ranks[(info.engine_rank, info.tp_rank)] = info
         self._reply(200, {"status": "ok"})
 
@@ -136,13 +144,22 @@ class KVBootstrapServer:
 
 
 def _request(method: str, url: str, body: Optional[dict], timeout_s: float) -> tuple[int, dict]:
+    """(status, JSON body). Anything that is not an answer of this server (refused, timed out, cut
+    off, not HTTP, not a JSON object) is an OSError, the one error its callers handle: a peer that
+    answers garbage must not end the thread that asked."""
     data = json.dumps(body).encode() if body is not None else None
     req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}")
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+                code, answer = resp.status, json.loads(resp.read())
+        except urllib.error.HTTPError as e:
+            code, answer = e.code, json.loads(e.read() or b"{}")
+    except (http.client.HTTPException, ValueError) as e:  # IncompleteRead, BadStatusLine; JSONDecodeError
+        raise OSError(f"{method} {url}: not an answer of a bootstrap server ({type(e).__name__}: {e})") from e
+    if not isinstance(answer, dict):
+        raise OSError(f"{method} {url}: not an answer of a bootstrap server (a JSON {type(answer).__name__})")
+    return code, answer
 
 
 def register_prefill_rank(bootstrap_addr: str, info: PrefillRankInfo, timeout_s: float) -> None:
@@ -164,12 +181,17 @@ def fetch_prefill_rank(bootstrap_addr: str, engine_rank: int = 0, timeout_s: flo
     """The rank's info, None while it has not registered; OSError when the server is unreachable."""
     code, body = _request("GET", f"http://{bootstrap_addr}/route?engine_rank={engine_rank}&tp_rank={tp_rank}", None,
                           timeout_s)
-    return PrefillRankInfo(**body) if code == 200 else None
+    if code != 200:
+        return None
+    try:
+        return PrefillRankInfo(**body)
+    except TypeError as e:  # another server's answer, or another version's fields
+        raise OSError(f"bootstrap server at {bootstrap_addr} answered a route that is not one: {e}") from e
 
 
 def check_health(bootstrap_addr: str, timeout_s: float) -> dict[str, str]:
     """rank_key -> session id of the live prefill ranks; OSError when the server is unreachable."""
     code, body = _request("GET", f"http://{bootstrap_addr}/health", None, timeout_s)
-    if code != 200:
-        raise OSError(f"bootstrap server at {bootstrap_addr} answered {code} on /health")
+    if code != 200 or not isinstance(body.get("sessions"), dict):
+        raise OSError(f"bootstrap server at {bootstrap_addr} answered {code} on /health without its sessions")
     return dict(body["sessions"])

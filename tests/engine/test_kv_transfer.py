@@ -6,16 +6,22 @@ server; killable) and the decode in this process, where its pool is inspected. C
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 import pytest
 import torch
+import zmq
 
 from baton.engine.disaggregation import create_transfer_backend
 from baton.engine.disaggregation.base import (KVArgs, KVGeometry, KVMetadata, KVPoll, MetadataBuffers,
                                               TransferConfig, contiguous_runs, pages_from_slots)
+from baton.engine.disaggregation import bootstrap_server
 from baton.engine.disaggregation.bootstrap_server import KVBootstrapServer
 from baton.engine.bench.loopback_peer import (PeerProcess, PeerSpec, fill_pool, make_pool, wait_final,
                                                        wait_until)
@@ -275,6 +281,165 @@ def test_page_count_mismatch_fails_both_sides(pair_factory):
     assert wait_final(sender, 10) == KVPoll.Failed and "page count mismatch" in sender.failure_reason()
     assert wait_final(receiver, 10) == KVPoll.Failed and "page count mismatch" in receiver.failure_reason()
     meta.free(sender.meta_slot)
+    sender.clear()
+    decode.finish(receiver)
+
+
+# ---- peers that misbehave: the rank's threads live on (Mooncake; the fake has no side channel) ----
+
+@pytest.fixture
+def mooncake_pair():
+    """A prefill manager with its bootstrap server, a decode side; all closed by the test's end."""
+    server = KVBootstrapServer("127.0.0.1", 0)
+    addr = f"127.0.0.1:{server.port}"
+    pool, meta = make_pool(geometry(4), 32), MetadataBuffers(8)
+    fill_pool(pool, SEED)
+    prefill = create_transfer_backend("mooncake", KVArgs.from_pool(pool, meta), meta, "prefill", CONFIG, addr)
+    decode = DecodeSide(geometry(4), 32)
+    try:
+        yield server, addr, prefill, meta, decode
+    finally:
+        decode.close()
+        assert prefill.num_rooms() == 0, "a sender was not cleared"
+        prefill.close()
+        server.close()
+
+
+def _transfer_ok(addr: str, prefill, meta, decode, room: int) -> None:
+    receiver = decode.receive(addr, room, np.array([9, 10]))
+    sender = _send_all(prefill, meta, room, [3, 4], KVMetadata(7, -0.25, room))
+    assert wait_final(sender, 10) == KVPoll.Success, (sender.failure_reason(), receiver.failure_reason())
+    assert wait_final(receiver, 10) == KVPoll.Success, receiver.failure_reason()
+    assert receiver.metadata() == KVMetadata(7, -0.25, room)
+    meta.free(sender.meta_slot)
+    sender.clear()
+    decode.finish(receiver)
+
+
+def test_side_channel_messages_that_cannot_be_read_do_not_deafen_either_side(mooncake_pair, caplog):
+    """Stray or malformed frames on a rank's side channel (another version, a port scanner) are
+    dropped with a warning; the listener threads of both sides go on and the next transfer works."""
+    _, addr, prefill, meta, decode = mooncake_pair
+    junk = [[b"room", b"{not json"], [b"nonsense", b"{}"], [b"lonely"], [b"register", b'{"session_id": "x"}'],
+            [b"room", b'{"room": 1}', b"\x01\x02\x03"]]
+    ctx = zmq.Context()
+    try:
+        for side in (prefill, decode.mgr):
+            sock = ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)  # ctx.term() must not wait on it, also when an assert fails
+            sock.connect(side.channel.endpoint)
+            with caplog.at_level(logging.WARNING, logger="baton.engine.disaggregation.mooncake.conn"):
+                for frames in junk:
+                    sock.send_multipart(frames)
+                assert wait_until(lambda: sum("could not be handled" in r.message for r in caplog.records)
+                                  >= len(junk), 10), [r.message for r in caplog.records]
+            caplog.clear()
+    finally:
+        ctx.destroy(linger=0)
+    assert prefill._listener.is_alive() and decode.mgr._listener.is_alive()
+    _transfer_ok(addr, prefill, meta, decode, 5101)
+
+
+class _GarbageHandler(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        body = b"<html>not a bootstrap server</html>" if "route" in self.path else b"[1, 2]"
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def _garbage_server():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _GarbageHandler)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        yield f"127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+
+
+def test_a_bootstrap_address_that_answers_garbage_times_out_its_receiver_and_no_other(mooncake_pair):
+    """A --disaggregation-bootstrap-addr that points at some other HTTP server (answers that are not
+    JSON, or not routes) is an unreachable prefill for that request: its receiver fails at its
+    bootstrap timeout, and the decode's bootstrap thread, shared by every request, goes on."""
+    _, addr, prefill, meta, decode = mooncake_pair
+    short = DecodeSide(geometry(4), 32, TransferConfig(bootstrap_timeout_s=1.0, heartbeat_interval_s=HEARTBEAT_S))
+    try:
+        with _garbage_server() as wrong:
+            with pytest.raises(OSError, match="not an answer of a bootstrap server"):
+                bootstrap_server.fetch_prefill_rank(wrong)
+            with pytest.raises(OSError, match="not an answer of a bootstrap server"):
+                bootstrap_server.check_health(wrong, 1.0)
+            lost = short.receive(wrong, 5102, np.array([1]))
+            assert wait_final(lost, 10) == KVPoll.Failed and "bootstrap timeout" in lost.failure_reason()
+            short.finish(lost)
+        assert short.mgr.rooms._thread.is_alive(), "the decode's bootstrap thread died on a garbage answer"
+        _transfer_ok(addr, prefill, meta, short, 5103)
+    finally:
+        short.close()
+
+
+def test_the_bootstrap_server_refuses_a_route_that_is_not_one():
+    """400 with the reason, not a traceback and a cut connection; the server goes on serving."""
+    server = KVBootstrapServer("127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.port}/route"
+    try:
+        for body in ({"engine_rank": 0}, {"bogus": 1}, [1, 2]):
+            code, answer = bootstrap_server._request("PUT", url, body, 2.0)
+            assert code == 400 and "not a prefill rank's route" in answer["error"], (body, code, answer)
+        assert bootstrap_server.check_health(f"127.0.0.1:{server.port}", 2.0) == {}
+    finally:
+        server.close()
+
+
+def test_a_slow_health_answer_is_a_live_prefill(mooncake_pair, monkeypatch):
+    """/health answering after 0.6 s, three times the heartbeat interval: the prefill is busy, not
+    gone. Nothing fails; the transfer that was waiting completes."""
+    _, addr, prefill, meta, decode = mooncake_pair
+    answered = []
+    plain = bootstrap_server._Handler.do_GET
+
+    def slow(handler) -> None:
+        if handler.path.startswith("/health"):
+            time.sleep(0.6)
+            answered.append(time.monotonic())
+        plain(handler)
+
+    receiver = decode.receive(addr, 5104, np.array([9, 10]))
+    sender = prefill.create_sender(5104)
+    assert wait_until(lambda: sender.poll() == KVPoll.WaitingForInput, 10), sender.failure_reason()
+    monkeypatch.setattr(bootstrap_server._Handler, "do_GET", slow)
+    assert wait_until(lambda: len(answered) >= 4, 10), "the decode stopped asking /health"
+    assert receiver.poll() == KVPoll.WaitingForInput, receiver.failure_reason()
+    sender.init(2, meta.alloc())
+    sender.send([3, 4], is_last=True, metadata=KVMetadata(1, 0.0, 5104))
+    assert wait_final(sender, 10) == KVPoll.Success, sender.failure_reason()
+    assert wait_final(receiver, 10) == KVPoll.Success, receiver.failure_reason()
+    meta.free(sender.meta_slot)
+    sender.clear()
+    decode.finish(receiver)
+
+
+def test_an_unreachable_bootstrap_server_aborts_the_rooms_on_prefill_ranks_still_alive(mooncake_pair):
+    """The prefill's bootstrap server goes away while its rank lives on: the decode's heartbeats
+    fail, it gives up the room and tells the rank, which ends its sender at once (it would otherwise
+    wait for KV it should no longer write)."""
+    server, addr, prefill, _, decode = mooncake_pair
+    receiver = decode.receive(addr, 5105, np.array([1, 2]))
+    sender = prefill.create_sender(5105)
+    assert wait_until(lambda: sender.poll() == KVPoll.WaitingForInput, 10), sender.failure_reason()
+    server.close()
+    window = HEARTBEAT_S * (HEARTBEAT_FAILURES + 1) + 5.0
+    assert wait_final(receiver, window) == KVPoll.Failed and "unreachable" in receiver.failure_reason()
+    assert wait_final(sender, 5) == KVPoll.Failed, "the live prefill rank was never told"
+    assert "aborted by the decode engine" in sender.failure_reason() and "unreachable" in sender.failure_reason()
     sender.clear()
     decode.finish(receiver)
 

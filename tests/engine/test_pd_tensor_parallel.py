@@ -99,12 +99,36 @@ def _transfer(addr: str, prefill: Side, decode: Side, room: int, src: list[int],
     receiver = decode.mgr.create_receiver(addr, room)
     receiver.init(np.array(dst), decode.metas[0].alloc())
     sender = prefill.mgr.create_sender(room)
-    assert wait_until(lambda: sender.poll() != KVPoll.Bootstrapping, 15), sender.failure_reason()
+    assert wait_until(lambda: sender.poll() != KVPoll.Bootstrapping, 15), _describe(prefill, decode, sender, receiver)
     if sender.poll() == KVPoll.WaitingForInput:
         sender.init(len(src), prefill.metas[0].alloc())
         sender.send(src[:1])  # two chunks, as a chunked prefill sends them
         sender.send(src[1:], is_last=True, metadata=KVMetadata(42, -0.5, room))
     return sender, receiver
+
+
+def _describe(prefill: Side, decode: Side, sender, receiver) -> str:
+    """Where a transfer stands on every rank, for an assertion's message: a handshake that hangs now and
+    then under load (room 7004 in CI) should say where."""
+    try:
+        local, remote = getattr(sender, "local", sender), getattr(receiver, "local", receiver)
+        out = {"sender": (local.poll().name, local.failure_reason(), len(local.dests)),
+               "receiver": (remote._status.status.name, remote.failure_reason(), remote.peer is not None,
+                            remote._dest_sent)}
+        if getattr(sender, "link", None) is not None:
+            out["prefill followers"] = {r: (s.name, why) for r, (s, why) in sender.link._states.get(sender.room,
+                                                                                                   {}).items()}
+        rooms = decode.mgrs[0].rooms
+        out["decode bootstrap"] = (rooms._thread.is_alive(), sorted(rooms._routes), dict(rooms._failures))
+        for i, mgr in enumerate(prefill.mgrs):
+            out[f"prefill rank {i}"] = (mgr._listener.is_alive(), sorted(mgr.rooms._pending),
+                                       sorted(mgr.rooms._senders), len(mgr.rooms._peers))
+        for svc in prefill.services:
+            out[f"prefill follower {svc.tp_rank}"] = (svc._thread.is_alive(), {r: (s.name, why) for r, (s, why)
+                                                                                in svc._reported.items()})
+        return repr(out)
+    except Exception as e:  # noqa: BLE001 - a description must not hide the failure it describes
+        return f"(no description: {type(e).__name__}: {e})"
 
 
 def _finish(prefill: Side, decode: Side, sender, receiver) -> None:
@@ -236,7 +260,7 @@ def test_each_decode_rank_receives_exactly_its_heads_from_a_prefill_of_another_t
         writes = _count_writes(prefill)
         src, dst = [3, 4, 5, 9], [9, 10, 2, 3]
         sender, receiver = _transfer(addr, prefill, decode, 7004, src, dst)
-        assert wait_final(sender, 15) == KVPoll.Success, sender.failure_reason()
+        assert wait_final(sender, 15) == KVPoll.Success, _describe(prefill, decode, sender, receiver)
         assert wait_final(receiver, 15) == KVPoll.Success, receiver.failure_reason()
         assert receiver.metadata() == KVMetadata(42, -0.5, 7004)
         ps = GEO.page_size

@@ -4,6 +4,7 @@ live in sender.py (prefill) and receiver.py (decode).
 """
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import asdict
 from typing import Optional, Union
@@ -17,6 +18,8 @@ from baton.engine.disaggregation.mooncake import messages
 from baton.engine.disaggregation.mooncake.receiver import DecodeRooms, MooncakeKVReceiver
 from baton.engine.disaggregation.mooncake.sender import MooncakeKVSender, PrefillRooms
 from baton.engine.disaggregation.mooncake.transfer_engine import MooncakeTransferEngine
+
+logger = logging.getLogger(__name__)
 
 
 class SideChannel:
@@ -46,11 +49,13 @@ class SideChannel:
             return None
         return messages.decode(self._pull.recv_multipart())
 
-    def forget(self, endpoint: str) -> None:
+    def forget(self, endpoint: str, linger_ms: int = 0) -> None:
+        """Close the socket to `endpoint`; what it still queues may leave for `linger_ms` (in the
+        background: close() does not wait)."""
         with self._lock:
             sock = self._push.pop(endpoint, None)
             if sock is not None:
-                sock.close()
+                sock.close(linger=linger_ms)
 
     def close(self) -> None:
         with self._lock:
@@ -92,10 +97,20 @@ class MooncakeKVManager(KVManagerBase):
         return self.engine.session_id
 
     def _listen(self) -> None:
+        """Every peer message of this rank comes through here: one that cannot be read or handled
+        (another version, a stray client on the port, a bug) is logged and dropped, never the thread."""
         while not self.stopping.is_set():
-            msg = self.channel.recv(timeout_ms=100)
-            if msg is not None:
-                self.rooms.handle(msg)
+            try:
+                msg = self.channel.recv(timeout_ms=100)
+                if msg is not None:
+                    self.rooms.handle(msg)
+            except zmq.ZMQError:
+                if self.stopping.is_set():
+                    return
+                raise
+            except Exception as e:  # noqa: BLE001 - a bad message is the sender's problem
+                logger.warning("KV %s side channel %s: dropped a message that could not be handled (%s: %s)",
+                               self.mode.value, self.channel.endpoint, type(e).__name__, e)
 
     def create_sender(self, room: int) -> MooncakeKVSender:
         assert isinstance(self.rooms, PrefillRooms), "senders live on prefill engines"

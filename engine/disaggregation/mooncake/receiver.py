@@ -15,10 +15,16 @@ or a TP follower's service thread), so a request that ends first is never scatte
 
 Heartbeat window: a prefill whose /health fails `heartbeat_max_failures` times in a row, or whose
 session changed (a restart), fails every unfinished receiver bound to it; the cached route is
-dropped, so later requests bootstrap afresh against the restarted prefill.
+dropped, so later requests bootstrap afresh against the restarted prefill. Each /health may take
+HEALTH_TIMEOUT_S whatever the interval: a busy prefill that answers late is alive. An unreachable
+bootstrap server need not mean dead ranks, so those receivers abort: their prefill ranks hear it
+(if they can) and give up the rooms at once instead of at their own bootstrap timeout.
+
+The thread survives anything one round throws (logged): it serves every receiver of the engine.
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import defaultdict
@@ -35,8 +41,12 @@ from baton.engine.disaggregation.mooncake import messages
 if TYPE_CHECKING:
     from baton.engine.disaggregation.mooncake.conn import MooncakeKVManager
 
+logger = logging.getLogger(__name__)
+
 _RETRY_S = 0.2  # pause between route lookups of a bootstrap server that did not answer yet
 _TICK_S = 0.05
+HEALTH_TIMEOUT_S = 2.0  # one heartbeat's wait for /health, whatever the interval between heartbeats
+_ABORT_LINGER_MS = 500  # how long the aborts of a dropped route may take to leave before its socket closes
 
 
 class PeerRank(NamedTuple):
@@ -151,10 +161,13 @@ class DecodeRooms:
         while not self.mgr.stopping.is_set():
             self._wake.wait(_TICK_S)
             self._wake.clear()
-            self._bootstrap_pending()
-            if time.monotonic() >= next_heartbeat:
-                self._heartbeat()
-                next_heartbeat = time.monotonic() + self.config.heartbeat_interval_s
+            try:
+                self._bootstrap_pending()
+                if time.monotonic() >= next_heartbeat:
+                    next_heartbeat = time.monotonic() + self.config.heartbeat_interval_s
+                    self._heartbeat()
+            except Exception:  # noqa: BLE001 - a bug in one round must not strand every later receiver
+                logger.exception("KV decode bootstrap: a round failed; the thread goes on")
 
     def _bootstrap_pending(self) -> None:
         with self._lock:
@@ -230,12 +243,12 @@ class DecodeRooms:
     def _heartbeat(self) -> None:
         for addr in sorted({key[0] for key in self._routes}):
             try:
-                sessions = check_health(addr, timeout_s=min(self.config.heartbeat_interval_s, 2.0))
+                sessions = check_health(addr, timeout_s=HEALTH_TIMEOUT_S)
             except OSError as e:
                 self._failures[addr] += 1
                 if self._failures[addr] >= self.config.heartbeat_max_failures:
                     self._drop_addr(addr, f"prefill at {addr} is unreachable: {self._failures[addr]} heartbeats "
-                                          f"failed (last: {e})")
+                                          f"failed (last: {e})", tell=True)
                 continue
             self._failures[addr] = 0
             for key, route in list(self._routes.items()):
@@ -243,19 +256,25 @@ class DecodeRooms:
                     self._drop(key, f"prefill at {addr} restarted (rank {route.key} session {route.session_id} "
                                     f"-> {live}); its in-flight KV is lost")
 
-    def _drop_addr(self, addr: str, reason: str) -> None:
+    def _drop_addr(self, addr: str, reason: str, tell: bool = False) -> None:
         for key in [k for k in self._routes if k[0] == addr]:
-            self._drop(key, reason)
+            self._drop(key, reason, tell)
         self._failures.pop(addr, None)
 
-    def _drop(self, key: tuple[str, int, int], reason: str) -> None:
+    def _drop(self, key: tuple[str, int, int], reason: str, tell: bool = False) -> None:
+        """Fail the receivers bound to the route; `tell`: abort them, so prefill ranks that are still
+        alive stop waiting for (or writing to) those rooms. A restarted rank's old session is gone:
+        nothing to tell."""
         route = self._routes.pop(key)
         self._registered.discard(route.session_id)
-        self.mgr.channel.forget(route.endpoint)
         with self._lock:
             bound = [r for r in self._receivers.values() if r.bound_to(route)]
         for r in bound:
-            r.fail(f"room {r.room}: {reason}")
+            if tell:
+                r.abort(f"room {r.room}: {reason}")
+            else:
+                r.fail(f"room {r.room}: {reason}")
+        self.mgr.channel.forget(route.endpoint, linger_ms=_ABORT_LINGER_MS if tell and bound else 0)
 
     def close(self) -> None:
         self._thread.join(timeout=5)
