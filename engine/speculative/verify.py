@@ -120,7 +120,7 @@ def _generator(state: "ReqSamplingState", draws: Optional[list[int]], i: int) ->
 def needs_processing(state: "ReqSamplingState") -> bool:
     """Whether the sampler changes this request's logits before choosing (sampling/penalties.py)."""
     return (state.has_penalties or bool(state.params.logit_bias) or state.grammar is not None
-            or state.min_tokens_stop_ids is not None)
+            or state.min_tokens_active)
 
 
 def processed_rows(rows: torch.Tensor, draft: list[int], state: "ReqSamplingState") -> torch.Tensor:

@@ -1,8 +1,8 @@
 """Acceptance on the device, read by the host only with the verify step's result.
 
 A verify step whose every request is greedy or sampled (temperature, top-k, top-p, min-p and a seed),
-with penalties or a logit bias at most (no grammar, no min_new_tokens: their processing reads the
-host), is checked without reading anything back (logprobs too), so on CUDA its launch returns before
+with penalties or a logit bias at most (no grammar, and no min_new_tokens that can still block a stop
+id: their processing reads the host), is checked without reading anything back (logprobs too), so on CUDA its launch returns before
 its forward ends, and the overlap loop can build the next step meanwhile (verifying.py, lagged verify
 steps). Penalised and biased requests' rows are processed on the device first, each node's row as the
 sampler would after the drafts on its path (processed_logits); unlike the host rule, which verifies
@@ -41,9 +41,11 @@ if TYPE_CHECKING:
 
 def accepts_on_device(states: Sequence[Optional["ReqSamplingState"]]) -> bool:
     """Whether a verify step's acceptance can stay on the device: every request greedy or sampled
-    (temperature, top-k, top-p, min-p, a seed), with penalties or a logit bias at most (no grammar, no
-    min_new_tokens: their processing reads the host)."""
-    return all(s is not None and s.grammar is None and s.min_tokens_stop_ids is None for s in states)
+    (temperature, top-k, top-p, min-p, a seed), with penalties or a logit bias at most (no grammar; no
+    min_new_tokens still blocking its stop ids: until it sampled that many its steps are checked on the
+    host, which counts what they emit, so the count is exact when it stops blocking; from then on no
+    position of any step is blocked, and the device steps need not count)."""
+    return all(s is not None and s.grammar is None and not s.min_tokens_active for s in states)
 
 
 def _processed(state: "ReqSamplingState") -> bool:
@@ -346,8 +348,9 @@ class PendingVerify:
             count = row[0]
             tokens.append(row[1 + width:2 + width + count])
             nodes.append(row[2:2 + count])
-        # (no num_sampled to count: it only times min_new_tokens, which a request checked here has none
-        # of, and the draws are numbered at launch; penalty counts were kept on the device)
+        # (no num_sampled to count: it only times min_new_tokens, which blocks nothing more for a request
+        # checked here (accepts_on_device), and the draws are numbered at launch; penalty counts were
+        # kept on the device)
         out = VerifyOutput(tokens, accepted_nodes=None if self.spec.parents is None else nodes)
         if self.nums is not None:
             values = self.host[1].tolist()

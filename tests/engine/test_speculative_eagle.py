@@ -521,7 +521,7 @@ def test_a_plain_verify_launch_reads_nothing_back(target, drafts, topk):
     its last tokens and counts in the future map for the step built behind it; the host reads them
     once, when the scheduler processes the result. Greedy: HF's tokens, and the plain engine's for the
     penalised one (trees too: each node processed for its own path). A request with min_new_tokens is
-    checked on the host and still lags."""
+    checked on the host while that blocks its stop ids, then on the device, and lags all along."""
     args = eagle("EAGLE", drafts("EAGLE-trained")) if topk == 1 else tree("EAGLE", drafts("EAGLE-decoy"), topk)
     h = harness_for(target, "inline", max_total_tokens=2048, **args)
     executor, launches = h.scheduler.executor, []
@@ -557,10 +557,17 @@ def test_a_plain_verify_launch_reads_nothing_back(target, drafts, topk):
     lagged = spec_info(h)["spec_lagged_verify_steps"]
     assert lagged > 0
     launches.clear()
-    h.submit("min_tokens", ps[0], max_new_tokens=MAX_NEW, ignore_eos=True, temperature=0.7, seed=5,
-             min_new_tokens=MAX_NEW // 2, stop_token_ids=[out["0"].ids[-1]])
-    assert len(h.run_until_idle()["min_tokens"].ids) >= MAX_NEW // 2
-    assert launches and not any(on_device for on_device, _ in launches), "min_new_tokens is checked on the host"
+    # a stop id greedy has late, blocked below min_new_tokens: the request's steps are checked on the host
+    # until it sampled that many (counted there), then on the device; the plain engine's tokens
+    late = out["0"].ids[-1]
+    min_tokens = dict(max_new_tokens=MAX_NEW, ignore_eos=True, min_new_tokens=MAX_NEW // 2, stop_token_ids=[late])
+    h.submit("min_tokens", ps[0], **min_tokens)
+    plain.submit("min_tokens", ps[0], **min_tokens)
+    got, want = h.run_until_idle()["min_tokens"].ids, plain.run_until_idle()["min_tokens"].ids
+    assert got == want and len(got) >= MAX_NEW // 2, (got, want)
+    where = [on_device for on_device, _ in launches]
+    assert where and not where[0] and where == sorted(where), f"host steps first, then device ones: {where}"
+    assert any(where) or len(got) <= MAX_NEW // 2 + 1, f"no device step after min_new_tokens: {where}"
     assert spec_info(h)["spec_lagged_verify_steps"] > lagged and h.scheduler.check_memory_integrity()
 
 
