@@ -363,11 +363,10 @@ class ServerArgs:
 
     def may_lag_verify_steps(self) -> bool:
         """Whether a hybrid model's verify step may be built behind the one running (speculative/
-        verifying.py, lagged verify steps): a draft head's algorithm, the overlap loop not ruled out, one
-        TP rank (the rollback by the device's count runs on the driver only). Its scratch states are
-        sized for it (ModelRunner._init_state_pool)."""
-        return self.speculative_algorithm not in (None, "NGRAM") and not self.disable_overlap_schedule \
-            and self.tp_size == 1
+        verifying.py, lagged verify steps): a draft head's algorithm, the overlap loop not ruled out (any
+        TP size: with TP the rollback is a state copy every rank makes, TpModelWorker._resolve_lagged).
+        Its scratch states are sized for it (ModelRunner._init_state_pool), on every rank alike."""
+        return self.speculative_algorithm not in (None, "NGRAM") and not self.disable_overlap_schedule
 
     def event_loop(self, native_stream_threads: Optional[int]) -> EventLoopChoice:
         """The scheduler's loop and why: the flags first, then the device, then (CPU without either

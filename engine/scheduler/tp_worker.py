@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+from baton.engine.mem_cache.state_pool import StateOps
 from baton.engine.model_executor.model_runner import ModelRunner
 from baton.engine.scheduler.future_map import FutureMap
 from baton.engine.scheduler.schedule_batch import ModelWorkerBatch
@@ -197,13 +198,21 @@ class TpModelWorker:
         and the KV columns its tokens go to, read from the request's row of req_to_token, where the
         scheduler reserved them. A hybrid model's rows first get the recurrent state after the tokens
         that step emitted (its scratch slot for that count, spec.lagged_states), before the pass's own
-        state copies and layers. One read of the counts (on CUDA, behind the step before)."""
+        state copies and layers: on one rank by the count on the device; with TP as the first of the
+        step's state copies, which every rank makes (the driver sends the step resolved). One read of
+        the counts (on CUDA, behind the step before)."""
         assert future_map is not None, "a lagged verify step runs in the overlap loop"
         spec = mwb.spec_info
         lag = future_map.accepted[torch.tensor(spec.lagged, dtype=torch.int64).to(future_map.accepted.device)]
-        if spec.lagged_states is not None:
+        if spec.lagged_states is not None and self.step_sender is None:
             self._roll_back_lagged_states(mwb, spec.lagged_states, lag)
         shift = lag.tolist()
+        if spec.lagged_states is not None and self.step_sender is not None:
+            rows = mwb.req_pool_indices.tolist()
+            back = [(slots[min(max(e - 1, 0), len(slots) - 1)], row)
+                    for slots, e, row in zip(spec.lagged_states, shift, rows)]
+            ops = mwb.state_ops or StateOps()
+            mwb.state_ops = StateOps(back + ops.copies, ops.tracks)
         starts = [p + a for p, a in zip(mwb.extend_prefix_lens_cpu, shift)]
         lens = torch.tensor(mwb.extend_seq_lens_cpu, dtype=torch.int64)
         total = int(lens.sum())

@@ -51,8 +51,8 @@ class HeadSpeculator(VerifyingSpeculator):
         """The drafts are the worker's, so a verify step can be built before the one running ends
         (verifying.py). With TP the driver resolves the step and sends it resolved; the followers'
         future maps get each verify step's last tokens. A hybrid model's scratch states come in two
-        sets for it (ServerArgs.may_lag_verify_steps: one TP rank; the followers' states would need the
-        rollback too)."""
+        sets for it (ServerArgs.may_lag_verify_steps), and with TP every rank rolls its rows back by
+        the state copies the resolved step carries."""
         self.lags = overlap and (self.view.state_scratch is None or self.view.state_scratch_sets == 2)
 
     def prepare_verify(self, batch: "ScheduleBatch", lagged: bool = False) -> bool:

@@ -288,11 +288,35 @@ def test_tp2_eagle_trees_match_hf(tiny_model_factory, tmp_path, loop):
     assert (info["spec_lagged_verify_steps"] > 0) == (loop == "overlap"), info
 
 
+def test_tp2_hybrid_lagged_verify_steps_roll_every_ranks_state_back(tiny_model_factory, tmp_path):
+    """A hybrid target (Qwen3-Next) under TP 2 in the overlap loop, with an EAGLE draft fitted to its
+    greedy text: verify steps lag and keep 0..2 drafts, so each row's recurrent state rolls back to
+    every offset of the step before; every rank makes that rollback from the state copies the driver
+    puts first in the resolved step (the followers have no counts). Greedy equals HF."""
+    from test_speculative import repetitive_prompts
+    from tiny_models import make_eagle_draft
+
+    path = tiny_model_factory("qwen3_next")
+    prompts = repetitive_prompts()
+    fit = [p + hf_greedy(path, p, 24, ignore_eos=True) for p in prompts]
+    draft = make_eagle_draft(path, tmp_path / "eagle", "EAGLE", fit_on=fit, fit_steps=80)
+    scheduler, results = _run_tp(path, prompts, max_new=24, max_total_tokens=4096, **_loop("overlap"),
+                                 speculative_algorithm="EAGLE", speculative_draft_model_path=draft,
+                                 speculative_num_steps=2, speculative_disable_by_batch_size=64)
+    for i, p in enumerate(prompts):
+        assert results[str(i)].ids == fit[i][len(p):], f"request {i} differs from HF"
+    info = scheduler.spec.server_info()
+    counts = info["spec_accept_length_counts"]  # requests' steps that kept 0, 1, 2 drafts
+    assert info["spec_lagged_verify_steps"] > 0 and counts[1] > 0 and counts[2] > 0 and counts[3] > 0, info
+
+
 @pytest.mark.parametrize("arch, loop", [("qwen3_5", "plain"), ("qwen3_next", "overlap")])
 def test_tp2_nextn_speculation_matches_hf(tiny_model_factory, arch, loop):
     """NEXTN under TP 2: both ranks run the MTP head's passes (its attention heads and MLP sharded, its
     LM head all-gathered); the follower gets the sampled ids and, after a verify pass, what each
-    request kept. The drafts equal one rank's (the head's chain for the same prompt), greedy equals HF."""
+    request kept. The drafts equal one rank's (the head's chain for the same prompt), greedy equals HF.
+    In the overlap loop verify steps lag: every rank rolls its rows' recurrent states back by the
+    state copies the driver puts first in the resolved step."""
     from test_speculative import recorded_drafts, repetitive_prompts
     from tiny_models import MtpReference
 
@@ -301,7 +325,8 @@ def test_tp2_nextn_speculation_matches_hf(tiny_model_factory, arch, loop):
     spec = dict(speculative_algorithm="NEXTN", speculative_num_steps=2, speculative_disable_by_batch_size=64)
     scheduler, results = _run_tp(path, prompts, max_new=24, max_total_tokens=4096, chunked_prefill_size=16,
                                  **spec, **_loop(loop))
-    assert scheduler.spec.server_info()["spec_verify_steps"] > 0
+    info = scheduler.spec.server_info()
+    assert info["spec_verify_steps"] > 0 and (info["spec_lagged_verify_steps"] > 0) == (loop == "overlap"), info
     for i, p in enumerate(prompts):
         assert results[str(i)].ids == hf_greedy(path, p, 24, ignore_eos=True), f"request {i} differs from HF"
     args = dict(tp_size=2, max_total_tokens=4096, disable_overlap_schedule=True, **spec)
