@@ -4,10 +4,11 @@ A verify step whose every request is greedy or sampled (temperature, top-k, top-
 with penalties or a logit bias at most (no grammar, and no min_new_tokens that can still block a stop
 id: their processing reads the host), is checked without reading anything back (logprobs too), so on
 CUDA its launch returns before its forward ends, and the overlap loop can build the next step
-meanwhile (verifying.py, lagged verify steps). Penalised and biased requests' rows are processed on the device first, each node's row as the
-sampler would after the drafts on its path (processed_logits); unlike the host rule, which verifies
-only the first chain of such a request's tree, they walk the whole tree (each node's row is exact for
-its own path; the host rule keeps one path for the grammar's matcher).
+meanwhile (verifying.py, lagged verify steps). Penalised and biased requests' rows are processed on
+the device first, each node's row as the sampler would after the drafts on its path
+(processed_logits); unlike the host rule, which verifies only the first chain of such a request's
+tree, they walk the whole tree (each node's row is exact for its own path; the host rule keeps one
+path for the grammar's matcher).
 
 The rules are verify.py's, on tensors. Greedy: each request walks its draft from node 0 (its last
 token), at each node to the first child (in node order) whose token is the target's argmax there, until
