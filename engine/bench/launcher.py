@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,18 +20,14 @@ from typing import Optional
 import httpx
 from tqdm.auto import tqdm
 
+from baton.ports import free_port  # noqa: F401 - launchers' callers take it from here
+
 HEALTH_POLL_INTERVAL_S = 0.25
 STOP_GRACE_S = 15.0
 
 
 class EngineStartError(RuntimeError):
     pass
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def engine_command(model_path: str, port: int, extra_args: list[str] = (), host: str = "127.0.0.1") -> list[str]:

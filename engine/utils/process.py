@@ -5,9 +5,10 @@ import ctypes
 import os
 import shutil
 import signal
-import socket
 import tempfile
 from typing import Optional
+
+from baton.ports import free_port  # noqa: F401 - the engine's callers take it from here
 
 _PR_SET_PDEATHSIG = 1
 
@@ -19,12 +20,6 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     except OSError:
         pass
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 IPC_PREFIX = "baton-ipc-"

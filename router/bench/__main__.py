@@ -19,7 +19,6 @@ import importlib.metadata
 import os
 import platform
 import shlex
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,6 +27,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from baton.ports import free_port
 from baton.router.bench.load import LoadResult, median, run_load
 
 ROUTE = "/v1/chat/completions"
@@ -41,12 +41,6 @@ class Target:
     results: list[tuple[LoadResult, LoadResult]] = field(default_factory=list)  # (serial, loaded) per round
     cpu_us: list[float] = field(default_factory=list)  # router process CPU per request at load, per round
     pid: int | None = None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def worker_flags(mode: str, backends: list[str]) -> list[str]:

@@ -22,7 +22,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import tempfile
@@ -35,6 +34,7 @@ from typing import Any
 
 import yaml
 
+from baton.ports import free_port
 from baton_testing.kube.fake_nodes import FAKE_NODES, KWOK_ANNOTATION
 from baton_testing.kube.pki import Pki, make_pki
 
@@ -118,12 +118,6 @@ def write_kubeconfig(path: str, server: str, ca_cert: str, user: dict[str, str])
         yaml.safe_dump(config, f)
     os.chmod(path, 0o600)
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _spawn(name: str, argv: list[str], workdir: str) -> Component:
