@@ -123,9 +123,9 @@ def _describe(prefill: Side, decode: Side, sender, receiver) -> str:
         for i, mgr in enumerate(prefill.mgrs):
             out[f"prefill rank {i}"] = (mgr._listener.is_alive(), sorted(mgr.rooms._pending),
                                        sorted(mgr.rooms._senders), len(mgr.rooms._peers))
-        for svc in prefill.services:
-            out[f"prefill follower {svc.tp_rank}"] = (svc._thread.is_alive(), {r: (s.name, why) for r, (s, why)
-                                                                                in svc._reported.items()})
+        for svc in prefill.services:  # its thread, the rooms it holds, what it reported of them
+            out[f"prefill follower {svc.tp_rank}"] = (svc._thread.is_alive(), sorted(svc._items),
+                                                      {r: (s.name, why) for r, (s, why) in svc._reported.items()})
         return repr(out)
     except Exception as e:  # noqa: BLE001 - a description must not hide the failure it describes
         return f"(no description: {type(e).__name__}: {e})"
