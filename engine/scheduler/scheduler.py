@@ -120,7 +120,7 @@ class Scheduler:
                                       self.allocator, self.req_to_token_pool, self.ratio, self.releaser, self.output,
                                       self.stats, self._new_batch, self.drain_results, held)
         self.spec = self._init_speculation()  # NoSpeculation unless --speculative-algorithm
-        self.spec.allow_lagging(self.overlap is not None, self.worker.tp.size)
+        self.spec.allow_lagging(self.overlap is not None)
         self.output.spec = self.spec
         self.decode = DecodeManager(self.queues, self.ratio, self.releaser, self.output, self.stats,
                                     self.drain_results, held, self.spec, lambda: self.result_queue)

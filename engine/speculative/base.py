@@ -47,8 +47,8 @@ class NoSpeculation:
     # overlap loop; verifying.py prepare_lagged); else each verify step's result is processed first
     lags = False
 
-    def allow_lagging(self, overlap: bool, tp_size: int) -> None:
-        """Told once by the scheduler: whether it runs the overlap loop, on how many TP ranks."""
+    def allow_lagging(self, overlap: bool) -> None:
+        """Told once by the scheduler: whether it runs the overlap loop (any TP size may lag)."""
 
     def prepare_lagged(self, batch: "ScheduleBatch", in_flight: list) -> bool:
         """Make the batch's step a verify step built behind `in_flight` (the launched batches whose

@@ -47,7 +47,7 @@ class HeadSpeculator(VerifyingSpeculator):
                     f"best-first trees ({self.topk} candidates per step, {self.num_draft_tokens - 1} nodes)",
                     self.num_steps, self.disable_by_batch_size)
 
-    def allow_lagging(self, overlap: bool, tp_size: int) -> None:
+    def allow_lagging(self, overlap: bool) -> None:
         """The drafts are the worker's, so a verify step can be built before the one running ends
         (verifying.py). With TP the driver resolves the step and sends it resolved; the followers'
         future maps get each verify step's last tokens. A hybrid model's scratch states come in two
