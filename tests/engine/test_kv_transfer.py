@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -19,8 +20,8 @@ import torch
 import zmq
 
 from baton.engine.disaggregation import create_transfer_backend
-from baton.engine.disaggregation.base import (KVArgs, KVGeometry, KVMetadata, KVPoll, MetadataBuffers,
-                                              TransferConfig, contiguous_runs, pages_from_slots)
+from baton.engine.disaggregation.base import (KVArgs, KVGeometry, KVMetadata, KVPoll, KVTransferError,
+                                              MetadataBuffers, TransferConfig, contiguous_runs, pages_from_slots)
 from baton.engine.disaggregation import bootstrap_server
 from baton.engine.disaggregation.bootstrap_server import KVBootstrapServer
 from baton.engine.bench.loopback_peer import (PeerProcess, PeerSpec, fill_pool, make_pool, wait_final,
@@ -442,6 +443,23 @@ def test_an_unreachable_bootstrap_server_aborts_the_rooms_on_prefill_ranks_still
     assert "aborted by the decode engine" in sender.failure_reason() and "unreachable" in sender.failure_reason()
     sender.clear()
     decode.finish(receiver)
+
+
+def test_closing_a_manager_destroys_its_native_engine_at_once():
+    """close() tears the Mooncake engine down in the caller's thread: its handshake port stops
+    answering at once, and a late write is a KVTransferError rather than a call into a freed engine.
+    Left to the garbage collector, the teardowns of a dozen closed engines once landed together in a
+    KV follower's thread (7.6 s) and held its state reports past a handshake timeout."""
+    pool, meta = make_pool(geometry(4), 8), MetadataBuffers(2)
+    mgr = create_transfer_backend("mooncake", KVArgs.from_pool(pool, meta), meta, "decode", CONFIG)
+    engine = mgr.engine  # a reference that outlives the manager, as a cycle would
+    host, port = engine.session_id.rsplit(":", 1)
+    socket.create_connection((host, int(port)), timeout=2).close()  # it answers while open
+    mgr.close()
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection((host, int(port)), timeout=2).close()
+    with pytest.raises(KVTransferError, match="closed"):
+        engine.batch_write("127.0.0.1:1", [0], [0], [8])
 
 
 # ---- pure helpers ----

@@ -69,30 +69,33 @@ class Side:
         self.services = [svc for svc, _, _ in self.services]
         self.mgr = TpKVManager(local, self.link, tp_size)
 
-    def close(self) -> None:
-        assert self.mgr.num_rooms() == 0, "a sender or receiver was not cleared on rank 0"
-        assert all(wait_until(lambda s=s: s.num_rooms() == 0, 10) for s in self.services), \
-            "a follower kept a room after the driver cleared it"
-        self.mgr.close()  # stops the followers' service threads through the link
-        for svc in self.services:
-            svc.close()
+    def close(self, check: bool = True) -> None:
+        """Checks that every rank let go of its rooms (unless the test failed already), then closes
+        them all whatever the check says: a failed test must not leave engines for the collector."""
+        try:
+            if check:
+                assert self.mgr.num_rooms() == 0, "a sender or receiver was not cleared on rank 0"
+                assert all(wait_until(lambda s=s: s.num_rooms() == 0, 10) for s in self.services), \
+                    "a follower kept a room after the driver cleared it"
+        finally:
+            self.mgr.close()  # stops the followers' service threads through the link
+            for svc in self.services:
+                svc.close()
 
 
 @contextlib.contextmanager
 def engines(decode_tp: int = 2, prefill_configs=None, prefill_tp: int = 2, kv_heads: int = 4, decode_configs=None):
     server = KVBootstrapServer("127.0.0.1", 0)
     addr = f"127.0.0.1:{server.port}"
-    made = []
-    try:
+    passed = []  # the body ended without an exception: only then are the rooms checked at close
+    with contextlib.ExitStack() as stack:  # every close runs, whichever fails
+        stack.callback(server.close)
         prefill = Side("prefill", prefill_tp, addr, seed=11, configs=prefill_configs, kv_heads=kv_heads)
-        made.append(prefill)
+        stack.callback(lambda: prefill.close(check=bool(passed)))
         decode = Side("decode", decode_tp, configs=decode_configs, kv_heads=kv_heads)
-        made.append(decode)
+        stack.callback(lambda: decode.close(check=bool(passed)))
         yield addr, prefill, decode
-    finally:
-        for side in reversed(made):
-            side.close()
-        server.close()
+        passed.append(True)
 
 
 def _transfer(addr: str, prefill: Side, decode: Side, room: int, src: list[int], dst: list[int]):

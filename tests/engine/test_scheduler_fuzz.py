@@ -13,10 +13,12 @@ sizes 1/4/16, radix on and off. Whatever the interleaving:
 Each case prints its seed and configuration on failure, so it replays alone."""
 from __future__ import annotations
 
+import inspect
 import random
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 from baton.engine.disaggregation.base import TransferConfig
 from baton.engine.io_struct import AbortReq, FlushCacheReq
@@ -35,11 +37,12 @@ def reference(path: str, prompt: list[int]) -> list[int]:
     key = (path, tuple(prompt))
     if key not in _REFS:
         model = _hf_model(path)
-        out, ids, past = [], torch.tensor([prompt]), None
+        out, ids, cache = [], torch.tensor([prompt]), DynamicCache()
+        # transformers 5.x renames past_key_values to cache (the old name warns); the cache fills in place
+        kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         with torch.no_grad():
             for _ in range(REF_LEN):
-                step = model(input_ids=ids, past_key_values=past, use_cache=True)
-                past = step.past_key_values
+                step = model(input_ids=ids, use_cache=True, **{kwarg: cache})
                 out.append(int(step.logits[0, -1].argmax()))
                 ids = torch.tensor([[out[-1]]])
         _REFS[key] = out

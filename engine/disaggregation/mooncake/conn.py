@@ -128,4 +128,4 @@ class MooncakeKVManager(KVManagerBase):
         self._listener.join(timeout=5)
         self.rooms.close()
         self.channel.close()
-        self.engine.deregister_all()
+        self.engine.close()
