@@ -60,8 +60,23 @@ class DecodeSide:
         receiver.clear()
 
     def close(self) -> None:
-        assert self.mgr.num_rooms() == 0, "a receiver was not cleared"
+        """Closes the manager, then checks it held no room: a failed check must not leave an engine
+        open for the garbage collector to tear down in a later test."""
+        rooms = self.mgr.num_rooms()
         self.mgr.close()
+        assert rooms == 0, "a receiver was not cleared"
+
+
+def _close_pair(server, prefill, decode) -> None:
+    """Closes a decode side, a prefill manager and its bootstrap server, all of them whatever the
+    checks say, then checks that neither manager held a room."""
+    rooms = prefill.num_rooms()
+    try:
+        decode.close()
+    finally:
+        prefill.close()
+        server.close()
+    assert rooms == 0, "a sender was not cleared"
 
 
 @pytest.fixture(scope="module", params=[1, 16], ids=["page1", "page16"])
@@ -206,11 +221,9 @@ def pair_factory(request):
         return addr, prefill, pool, meta, decode
 
     yield make
-    for server, prefill, decode in made:
-        decode.close()
-        assert prefill.num_rooms() == 0, "a sender was not cleared"
-        prefill.close()
-        server.close()
+    with contextlib.ExitStack() as stack:  # every pair closes, whichever check fails
+        for pair in made:
+            stack.callback(_close_pair, *pair)
 
 
 def _send_all(prefill, meta, room: int, src: list[int], metadata: KVMetadata):
@@ -300,10 +313,7 @@ def mooncake_pair():
     try:
         yield server, addr, prefill, meta, decode
     finally:
-        decode.close()
-        assert prefill.num_rooms() == 0, "a sender was not cleared"
-        prefill.close()
-        server.close()
+        _close_pair(server, prefill, decode)
 
 
 def _transfer_ok(addr: str, prefill, meta, decode, room: int) -> None:
