@@ -43,12 +43,11 @@ class MooncakeTransferEngine:
         self._registered = []
 
     def close(self) -> None:
-        """Deregisters the buffers and destroys the native engine now, in the caller's thread. Left to
-        the garbage collector (a manager sits in reference cycles), the teardown of every engine closed
-        since the last collection (most of a second each: it stops its transport and handshake threads)
-        lands at once in whatever thread triggers the collection, a KV follower's report loop say: 7.6 s
-        for a dozen engines on the 2-core machine, so a follower's state came too late for a handshake
-        timeout in CI."""
+        """Deregisters the buffers and destroys the native engine now, in the caller's thread. A manager
+        sits in reference cycles, so without this the engine dies at a garbage collection: the
+        teardowns of every engine closed since the last one (about 0.6 s each, in Mooncake's own
+        destructor) then run together in whichever thread started it. A dozen took 7.6 s on the 2-core
+        VM; in CI such a pause held a TP follower's state report past a 15 s handshake wait."""
         self.deregister_all()
         self._engine = None  # the binding's destructor runs here (a write in flight keeps it alive)
 
