@@ -37,18 +37,17 @@ class MooncakeTransferEngine:
             raise KVTransferError(f"Mooncake could not register {len(ptrs)} buffers ({sum(lengths)} bytes): code {ret}")
         self._registered.extend(ptrs)
 
-    def deregister_all(self) -> None:
-        if self._registered and self._engine is not None:
-            self._engine.batch_unregister_memory(self._registered)
-        self._registered = []
-
     def close(self) -> None:
         """Deregisters the buffers and destroys the native engine now, in the caller's thread. A manager
         sits in reference cycles, so without this the engine dies at a garbage collection: the
         teardowns of every engine closed since the last one (about 0.6 s each, in Mooncake's own
         destructor) then run together in whichever thread started it. A dozen took 7.6 s on the 2-core
         VM; in CI such a pause held a TP follower's state report past a 15 s handshake wait."""
-        self.deregister_all()
+        if self._engine is None:
+            return
+        if self._registered:
+            self._engine.batch_unregister_memory(self._registered)
+            self._registered = []
         self._engine = None  # the binding's destructor runs here (a write in flight keeps it alive)
 
     def _live(self):
