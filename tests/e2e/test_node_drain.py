@@ -8,13 +8,15 @@ tests/integration/test_drain.py.
 """
 from __future__ import annotations
 
+import re
+
 from e2e_support import children, create_namespace, isvc_condition, pod_ready, sample, wait_for
 
 from baton_testing.kube.controlplane import ControlPlane
 from baton_testing.kube.fake_nodes import fake_node
 
 NS = "e2e-drain"
-NAME = "smollm2"
+NAME = "drained"  # `kubectl drain --pod-selector` picks pods in every namespace: a name no other test uses
 SPARE = "kwok-cpu-1"
 
 
@@ -41,8 +43,12 @@ def _engine_pods_on(cp: ControlPlane, node: str) -> dict[str, int]:
 
 
 def _drain(cp: ControlPlane, timeout_s: int):
-    return cp.kubectl("drain", "kwok-cpu-0", "--pod-selector", f"baton.dev/inference-service={NAME}",
-                      "--ignore-daemonsets", "--delete-emptydir-data", f"--timeout={timeout_s}s", check=False)
+    """Drain kwok-cpu-0 of this test's pods; other tests' pods (other namespaces) stay where they are."""
+    result = cp.kubectl("drain", "kwok-cpu-0", "--pod-selector", f"baton.dev/inference-service={NAME}",
+                        "--ignore-daemonsets", "--delete-emptydir-data", f"--timeout={timeout_s}s", check=False)
+    evicted = set(re.findall(r"evicting pod (\S+)/\S+", result.stdout + result.stderr))
+    assert evicted and evicted <= {NS}, f"the drain evicted pods of {evicted}:\n{result.stdout}{result.stderr}"
+    return result
 
 
 def test_a_node_drain_takes_one_pod_of_a_role_at_a_time(control_plane: ControlPlane, operator):
@@ -53,6 +59,7 @@ def test_a_node_drain_takes_one_pod_of_a_role_at_a_time(control_plane: ControlPl
     cp = control_plane
     create_namespace(cp, NS)
     body = sample("cpu-smollm2.yaml", NS)
+    body["metadata"]["name"] = NAME
     for role in ("prefill", "decode"):
         body["spec"].setdefault(role, {})["replicas"] = 2
     cp.apply([body])
@@ -77,4 +84,7 @@ def test_a_node_drain_takes_one_pod_of_a_role_at_a_time(control_plane: ControlPl
     finally:
         cp.kubectl("uncordon", "kwok-cpu-0", check=False)
         cp.kubectl("delete", "namespace", NS, "--wait=false", check=False)
+        # the pods go before their node does: kwok finishes deleting pods only on nodes it manages, and a pod
+        # left bound to a deleted node stays for good (this control plane runs no pod garbage collector)
+        cp.kubectl("delete", "pods", "--all", "-n", NS, "--force", "--grace-period=0", check=False)
         cp.kubectl("delete", "node", SPARE, "--wait=false", check=False)

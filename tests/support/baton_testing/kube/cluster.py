@@ -90,8 +90,11 @@ class Cluster:
 
     async def settle(self, namespace: str, name: str, ready: int | None = None) -> None:
         """Make Deployment `name` report `ready` (default: all) ready pods of its current spec."""
-        if not self.emulated:  # real controllers do this; just wait for it
-            await self.wait_for(lambda: self._deployment_ready(namespace, name), f"{name} ready", 120)
+        if not self.emulated:  # real controllers do this; just wait for it (within the tests' 120 s budget)
+            try:
+                await self.wait_for(lambda: self._deployment_ready(namespace, name), f"{name} ready", 60)
+            except AssertionError as e:
+                raise AssertionError(f"{e}\n{await self._rollout_report(namespace, name)}") from None
             return
         dep = await self.get("Deployment", namespace, name)
         assert dep is not None, f"Deployment {namespace}/{name} does not exist"
@@ -100,6 +103,29 @@ class Cluster:
         await self.patch("Deployment", namespace, name, {"status": {
             "observedGeneration": dep["metadata"].get("generation", 1), "replicas": want,
             "updatedReplicas": want, "readyReplicas": n, "availableReplicas": n}}, sub="status")
+
+    async def _rollout_report(self, namespace: str, name: str) -> str:
+        """What a stuck rollout looks like: the Deployment's status, its pods, the nodes, the namespace's Events."""
+        dep = await self.get("Deployment", namespace, name) or {}
+        want = (dep.get("spec", {}).get("selector") or {}).get("matchLabels") or {}
+        lines = [f"Deployment {namespace}/{name} status: {dep.get('status')}"]
+        for pod in await self.list("Pod", namespace):
+            meta = pod["metadata"]
+            if all(meta.get("labels", {}).get(k) == v for k, v in want.items()):
+                conds = {c["type"]: (c["status"], c.get("reason"), c.get("message"))
+                         for c in pod.get("status", {}).get("conditions", [])}
+                lines.append(f"  pod {meta['name']} node={pod['spec'].get('nodeName')} "
+                             f"phase={pod.get('status', {}).get('phase')} conditions={conds}")
+        for node in (await self.client.request("GET", "/api/v1/nodes")).get("items") or []:
+            ready = [(c["status"], c.get("lastHeartbeatTime"))
+                     for c in node.get("status", {}).get("conditions", []) if c["type"] == "Ready"]
+            spec = node["spec"]
+            lines.append(f"  node {node['metadata']['name']} ready={ready} "
+                         f"unschedulable={spec.get('unschedulable', False)} taints={spec.get('taints')}")
+        for ev in (await self.list("Event", namespace))[-15:]:
+            obj = ev.get("involvedObject", {})
+            lines.append(f"  event {obj.get('kind')}/{obj.get('name')} {ev.get('reason')}: {ev.get('message')}")
+        return "\n".join(lines)
 
     async def _deployment_ready(self, namespace: str, name: str) -> bool:
         dep = await self.get("Deployment", namespace, name)

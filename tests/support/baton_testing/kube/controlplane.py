@@ -51,6 +51,13 @@ CONTROLLERS = ("deployment-controller", "replicaset-controller", "garbage-collec
                "namespace-controller", "persistentvolume-binder-controller", "node-lifecycle-controller",
                "disruption-controller")
 NOT_READY_TAINT = "node.kubernetes.io/not-ready"
+# Fake nodes must never look lost. kwok's status heartbeat comes every 20-25 s, and gaps of 41 s were measured
+# here (the controller manager's default grace is 50 s). A node the node-lifecycle controller marks Unknown even
+# once gets its pods marked NotReady, and kwok never makes a Running pod Ready again: every later rollout on it
+# waits forever. So kwok also renews each node's Lease (a kubelet's cheap heartbeat, every quarter of its
+# duration), and the grace period is long: these tests never need a node to fail.
+NODE_LEASE_SECONDS = 40
+NODE_MONITOR_GRACE = "5m"
 
 
 @dataclass
@@ -206,7 +213,8 @@ def _start_controllers(bin_dir: str, workdir: str, pki: Pki, kubeconfig: str) ->
         os.path.join(bin_dir, "kube-controller-manager"), *common, "--secure-port", str(kcm_port),
         "--cert-dir", os.path.join(workdir, "kcm"), "--controllers", ",".join(CONTROLLERS),
         "--service-account-private-key-file", pki.sa_key, "--root-ca-file", pki.ca_cert,
-        "--cluster-cidr", POD_CIDR, "--service-cluster-ip-range", SERVICE_CIDR], workdir)
+        "--cluster-cidr", POD_CIDR, "--service-cluster-ip-range", SERVICE_CIDR,
+        "--node-monitor-grace-period", NODE_MONITOR_GRACE], workdir)
     scheduler = _spawn("kube-scheduler", [
         os.path.join(bin_dir, "kube-scheduler"), *common, "--secure-port", str(sched_port)], workdir)
     for component, port in ((kcm, kcm_port), (scheduler, sched_port)):
@@ -217,7 +225,7 @@ def _start_controllers(bin_dir: str, workdir: str, pki: Pki, kubeconfig: str) ->
 def _start_kwok(bin_dir: str, workdir: str, kubeconfig: str) -> Component:
     return _spawn("kwok", [
         os.path.join(bin_dir, "kwok"), "--kubeconfig", kubeconfig, "--config", os.path.join(bin_dir, "kwok-stages.yaml"),
-        "--manage-all-nodes=false",
+        "--manage-all-nodes=false", "--node-lease-duration-seconds", str(NODE_LEASE_SECONDS),
         f"--manage-nodes-with-annotation-selector={KWOK_ANNOTATION}=fake", "--cidr", "10.244.0.0/24",
         "--node-ip", "10.240.0.1", "--server-address", f"127.0.0.1:{free_port()}"], workdir)
 
