@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from baton.engine.entrypoints.drain import Drain
-from baton.engine.sampling.sampling_params import SamplingParams
+from baton.engine.sampling.sampling_params import SamplingParams, SamplingParamsError
 from baton.engine.server_args import ServerArgs
 from baton.engine.tokenizer_manager import GenerateInput, ReqOutput, RequestError, TokenizerManager
 
@@ -62,6 +62,8 @@ def sampling_params_from(d: Optional[dict[str, Any]]) -> SamplingParams:
         d["seed"] = d.pop("sampling_seed")
     try:
         return SamplingParams(**d)
+    except SamplingParamsError as e:  # a value of the wrong type: its message starts with the field's name
+        raise RequestError(f"sampling_params.{e}", 400) from e
     except TypeError as e:
         raise RequestError(f"invalid sampling_params: {e}", 400) from e
 

@@ -199,8 +199,17 @@ def _is_batch(req: GenerateRequest) -> bool:
                                           and isinstance(req.input_ids[0], list))
 
 
-def _pick(value: Any, i: int, batch: bool) -> Any:
-    return value[i] if batch and isinstance(value, list) else value
+def _pick(req: GenerateRequest, name: str, i: int, batch: int) -> Any:
+    """Field `name` for prompt i: a list gives one value per prompt of a batch (`batch`: how many; 0 when
+    the request has one prompt), anything else is every prompt's."""
+    value = getattr(req, name)
+    if not isinstance(value, list):
+        return value
+    if not batch:
+        raise RequestError(f"{name} is a list, which needs a batch of prompts (text or input_ids as a list)", 400)
+    if len(value) != batch:
+        raise RequestError(f"{name} has {len(value)} values for {batch} prompts", 400)
+    return value[i]
 
 
 def _native_inputs(req: GenerateRequest) -> list[GenerateInput]:
@@ -211,18 +220,19 @@ def _native_inputs(req: GenerateRequest) -> list[GenerateInput]:
     if batch and not prompts:
         raise RequestError("the batch is empty", 400)
     objs, ns = [], []
+    size = len(prompts) if batch else 0
     for i, prompt in enumerate(prompts):
-        sp = _pick(req.sampling_params, i, batch)
+        sp = _pick(req, "sampling_params", i, size)
         obj = GenerateInput(sampling_params_from(sp if isinstance(sp, dict) else None),
                             text=prompt if isinstance(prompt, str) else None,
                             input_ids=prompt if isinstance(prompt, list) else None,
-                            stream=req.stream, return_logprob=bool(_pick(req.return_logprob, i, batch)),
-                            logprob_start_len=int(_pick(req.logprob_start_len, i, batch)),
-                            top_logprobs_num=int(_pick(req.top_logprobs_num, i, batch)),
-                            priority=_pick(req.priority, i, batch), require_reasoning=req.require_reasoning)
+                            stream=req.stream, return_logprob=bool(_pick(req, "return_logprob", i, size)),
+                            logprob_start_len=int(_pick(req, "logprob_start_len", i, size)),
+                            top_logprobs_num=int(_pick(req, "top_logprobs_num", i, size)),
+                            priority=_pick(req, "priority", i, size), require_reasoning=req.require_reasoning)
         if obj.return_logprob and obj.logprob_start_len < 0 and req.logprob_start_len == -1:
             obj.logprob_start_len = -1  # output logprobs only, as SGLang's default
-        rid = _pick(req.rid, i, batch)
+        rid = _pick(req, "rid", i, size)
         if rid is not None:
             obj.rid = str(rid)
         objs.append(obj)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -44,6 +45,7 @@ class SamplingParams:
     structural_tag: Optional[Any] = None
 
     def __post_init__(self) -> None:
+        _check_types(self)  # before anything compares them: a client's "x" or [] is a 400, never a crash
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -56,7 +58,8 @@ class SamplingParams:
             if not cond:
                 raise SamplingParamsError(msg)
 
-        need(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1, "max_new_tokens must be an integer >= 1")
+        _check_types(self)  # again: a caller may have set a field since
+        need(self.max_new_tokens >= 1, "max_new_tokens must be an integer >= 1")
         need(0 <= self.min_new_tokens <= self.max_new_tokens, "min_new_tokens must be in [0, max_new_tokens]")
         need(self.temperature >= 0.0, "temperature must be >= 0")
         need(0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]")
@@ -89,6 +92,38 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+
+_INTS = ("max_new_tokens", "min_new_tokens", "top_k", "n")
+_NUMBERS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
+_BOOLS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim")
+SEED_RANGE = (-(1 << 63), 1 << 64)  # what a torch generator takes (vLLM's range)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_types(p: SamplingParams) -> None:
+    """Each field has its type (JSON's: an integer is not 1.0 or true, a number is finite), so the range
+    checks, the scheduler and the samplers never meet a value of another type."""
+    for name in _INTS:
+        if not _is_int(getattr(p, name)):
+            raise SamplingParamsError(f"{name} must be an integer, got {getattr(p, name)!r}")
+    for name in _NUMBERS:
+        v = getattr(p, name)
+        if not (_is_int(v) or isinstance(v, float)) or not math.isfinite(v):
+            raise SamplingParamsError(f"{name} must be a finite number, got {v!r}")
+    for name in _BOOLS:
+        if not isinstance(getattr(p, name), bool):
+            raise SamplingParamsError(f"{name} must be true or false, got {getattr(p, name)!r}")
+    if p.seed is not None and not (_is_int(p.seed) and SEED_RANGE[0] <= p.seed < SEED_RANGE[1]):
+        raise SamplingParamsError(f"seed must be an integer in [-2^63, 2^64), got {p.seed!r}")
+    if p.stop is not None and not isinstance(p.stop, (str, list, tuple)):
+        raise SamplingParamsError(f"stop must be a string or a list of strings, got {p.stop!r}")
+    if p.stop_token_ids is not None and not (isinstance(p.stop_token_ids, (list, tuple))
+                                             and all(_is_int(t) for t in p.stop_token_ids)):
+        raise SamplingParamsError(f"stop_token_ids must be a list of token ids, got {p.stop_token_ids!r}")
 
 
 def _logit_bias(value: Any, vocab_size: int) -> Optional[dict[int, float]]:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 from baton.engine.io_struct import AbortReq, TokenizedGenerateReqInput
+from baton.engine.sampling.sampling_params import SamplingParams
 from baton.engine.scheduler.req import Req
 
 if TYPE_CHECKING:
@@ -62,33 +63,64 @@ class RequestIntake:
         return ids[0]
 
     def handle_generate_request(self, recv: TokenizedGenerateReqInput) -> None:
+        """Admit one request. What goes wrong before it joins a queue ends it (500) and leaves the
+        scheduler running: the HTTP layer validates what clients send, and a gap there must cost one
+        request, not the engine."""
+        try:
+            req = self._new_req(recv)
+        except Exception as e:  # noqa: BLE001  (a bug's cost is one request)
+            self._refuse(recv, e)
+            return
+        self.table.add(req)  # the tokenizer manager refuses a rid still in flight
+        try:
+            error, compiling = self._check(req, recv)
+        except Exception as e:  # noqa: BLE001
+            self.table.remove(req)
+            self._refuse(recv, e)
+            return
+        if not compiling:  # else admitted once its grammar has compiled
+            self._admit(req, recv, error)
+
+    def _refuse(self, recv: TokenizedGenerateReqInput, e: Exception) -> None:
+        """End a request that could not be admitted: an answer with the error, nothing held."""
+        logger.exception("request %s could not be admitted", recv.rid)
+        req = Req(rid=recv.rid, origin_input_ids=list(recv.input_ids), sampling_params=SamplingParams(),
+                  eos_token_ids=self.limits.eos_token_ids, stream=bool(recv.stream))
+        self.table.add(req)
+        req.abort(f"the engine could not admit the request: {type(e).__name__}: {e}", 500)
+        self.output.stream_output([req])
+
+    def _new_req(self, recv: TokenizedGenerateReqInput) -> Req:
+        return Req(rid=recv.rid, origin_input_ids=list(recv.input_ids), sampling_params=recv.sampling_params,
+                   eos_token_ids=self.limits.eos_token_ids, origin_input_text=recv.input_text, stream=recv.stream,
+                   return_logprob=recv.return_logprob, logprob_start_len=recv.logprob_start_len,
+                   top_logprobs_num=recv.top_logprobs_num, priority=recv.priority or 0,
+                   arrival_time=recv.received_time, require_reasoning=recv.require_reasoning,
+                   bootstrap_host=recv.bootstrap_host, bootstrap_port=recv.bootstrap_port,
+                   bootstrap_room=recv.bootstrap_room)
+
+    def _check(self, req: Req, recv: TokenizedGenerateReqInput) -> tuple[Optional[tuple[str, int]], bool]:
+        """(the request's error as (message, status), None when it may join a queue; whether it waits in
+        the grammar queue instead)."""
         from baton.engine.sampling.sampling_batch_info import ReqSamplingState
 
-        params = recv.sampling_params
-        req = Req(rid=recv.rid, origin_input_ids=list(recv.input_ids), sampling_params=params,
-                  eos_token_ids=self.limits.eos_token_ids, origin_input_text=recv.input_text, stream=recv.stream,
-                  return_logprob=recv.return_logprob, logprob_start_len=recv.logprob_start_len,
-                  top_logprobs_num=recv.top_logprobs_num, priority=recv.priority or 0,
-                  arrival_time=recv.received_time, require_reasoning=recv.require_reasoning,
-                  bootstrap_host=recv.bootstrap_host, bootstrap_port=recv.bootstrap_port,
-                  bootstrap_room=recv.bootstrap_room)
-        self.table.add(req)
+        params = req.sampling_params
         error = self._validate(req)
-        if error is None:
-            stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.limits.eos_token_ids))
-            req.sampling_state = ReqSamplingState(params, req.origin_input_ids, self.limits.vocab_size, stop_ids,
-                                                  self.server_args.device)
-            max_queued = self.server_args.max_queued_requests
-            if max_queued is not None and len(self.queues.waiting) + len(self.grammar_queue) >= max_queued:
-                error = ("the server is overloaded: the waiting queue is full", 503)
-            else:
-                error, future = self._start_grammar(req)
-                if future is not None and not future.done():  # admitted once it has compiled
-                    self.grammar_queue.add(req, recv, future)
-                    return
-                if future is not None:
-                    error = self._attach_grammar(req, future)
-        self._admit(req, recv, error)
+        if error is not None:
+            return error, False
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.limits.eos_token_ids))
+        req.sampling_state = ReqSamplingState(params, req.origin_input_ids, self.limits.vocab_size, stop_ids,
+                                              self.server_args.device)
+        max_queued = self.server_args.max_queued_requests
+        if max_queued is not None and len(self.queues.waiting) + len(self.grammar_queue) >= max_queued:
+            return ("the server is overloaded: the waiting queue is full", 503), False
+        error, future = self._start_grammar(req)
+        if future is not None and not future.done():
+            self.grammar_queue.add(req, recv, future)  # the last step: nothing after it can fail
+            return None, True
+        if future is not None:
+            error = self._attach_grammar(req, future)
+        return error, False
 
     def _admit(self, req: Req, recv: TokenizedGenerateReqInput, error: Optional[tuple[str, int]]) -> None:
         """A request ready to be scheduled joins the PD strategy's first queue (colocated: the

@@ -326,3 +326,31 @@ def test_logit_bias_keys_arrive_as_strings_and_empty_means_none():
     empty = SamplingParams(logit_bias={})
     empty.verify(VOCAB)
     assert empty.logit_bias is None
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("seed", 1e308, "seed must be an integer"),  # stopped the whole engine (torch's manual_seed) before
+    ("seed", 1 << 64, "seed must be an integer in"),
+    ("seed", True, "seed must be an integer"),
+    ("top_k", "x", "top_k must be an integer"),
+    ("max_new_tokens", 4.0, "max_new_tokens must be an integer"),
+    ("min_new_tokens", None, "min_new_tokens must be an integer"),
+    ("temperature", [], "temperature must be a finite number"),
+    ("top_p", float("nan"), "top_p must be a finite number"),
+    ("repetition_penalty", None, "repetition_penalty must be a finite number"),
+    ("frequency_penalty", "0.5", "frequency_penalty must be a finite number"),
+    ("ignore_eos", "yes", "ignore_eos must be true or false"),
+    ("stop", 5, "stop must be a string or a list of strings"),
+    ("stop_token_ids", "x", "stop_token_ids must be a list of token ids"),
+    ("stop_token_ids", [1.5], "stop_token_ids must be a list of token ids"),
+])
+def test_a_value_of_the_wrong_type_is_a_clear_error(field, value, needle):
+    with pytest.raises(SamplingParamsError, match=needle):
+        SamplingParams(**{field: value}).verify(100)
+
+
+def test_json_numbers_of_every_kind_are_accepted_where_they_fit():
+    p = SamplingParams(temperature=1, top_p=1, repetition_penalty=2, seed=(1 << 64) - 1, stop="x", stop_token_ids=(3,))
+    p.verify(100)
+    assert (p.temperature, p.stop, p.stop_token_ids) == (1, ["x"], [3])
+    assert SamplingParams(seed=-(1 << 63)).seed == -(1 << 63)

@@ -273,3 +273,28 @@ def test_not_idle_while_a_prefill_awaits_its_decode(tiny_model_factory):
     assert h.step()  # the first decode step runs without waiting
     h.run_until_idle()
     assert h.scheduler.is_idle() and len(h.results["a"].ids) == 4
+
+
+def test_a_request_that_fails_admission_ends_alone(tiny_model_factory, monkeypatch):
+    """Whatever breaks while one request is admitted (here: its sampling state) ends that request with a
+    500 and leaves the scheduler serving: nothing held, the next request runs. (A float seed through
+    /generate used to stop the whole engine here.)"""
+    from scheduler_harness import SchedulerHarness
+
+    from baton.engine.sampling import sampling_batch_info
+
+    h = SchedulerHarness(tiny_model_factory("llama"), max_total_tokens=2048)
+    real = sampling_batch_info.ReqSamplingState
+
+    def broken(params, *args, **kwargs):
+        if params.seed == 13:
+            raise RuntimeError("manual_seed expected a long")
+        return real(params, *args, **kwargs)
+    monkeypatch.setattr(sampling_batch_info, "ReqSamplingState", broken)
+    h.submit("bad", [5, 6, 7, 8], max_new_tokens=4, seed=13)
+    h.submit("good", [5, 6, 7, 8], max_new_tokens=4, ignore_eos=True)
+    h.run_until_idle()
+    bad = h.results["bad"].finish
+    assert (bad.kind, bad.status_code) == ("abort", 500) and "manual_seed expected a long" in bad.message
+    assert h.results["bad"].ids == [] and len(h.results["good"].ids) == 4
+    assert h.scheduler.is_idle() and h.scheduler.check_memory_integrity()

@@ -255,6 +255,14 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"abc": 1}},
      400, "not a token id"),
     ("/generate", {"text": "hi", "sampling_params": {"logit_bias": {"7": "much"}}}, 400, "must be a number"),
+    # a value of the wrong type: a 400 naming the field (a float seed used to stop the whole engine)
+    ("/generate", {"text": "hi", "sampling_params": {"seed": 1e308}}, 400, "seed must be an integer"),
+    ("/v1/completions", {"prompt": "hi", "seed": 1e308}, 400, "seed"),
+    ("/generate", {"text": "hi", "sampling_params": {"top_k": "x"}}, 400, "top_k must be an integer"),
+    ("/generate", {"text": "hi", "sampling_params": {"repetition_penalty": None}}, 400,
+     "repetition_penalty must be a finite number"),
+    ("/generate", {"text": "hi", "top_logprobs_num": [1, 2]}, 400, "top_logprobs_num is a list"),
+    ("/generate", {"text": ["a", "b"], "rid": ["x"]}, 400, "rid has 1 values for 2 prompts"),
 ]
 
 
