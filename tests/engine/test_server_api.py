@@ -4,6 +4,7 @@ client disconnects, queue limit (503) and API key (401)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import re
 
@@ -14,6 +15,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine_server import running_engine, wait_idle_integrity
+
+from baton.engine.sampling.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -276,6 +279,26 @@ def test_bad_input_gets_clear_error(engine, route, body, status, needle):
     # the engine keeps serving and nothing leaked
     ok = httpx.post(f"{engine.base_url}/generate", json={"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2}}, timeout=60)
     assert ok.status_code == 200
+    assert wait_idle_integrity(engine.base_url)["integrity_ok"] is True
+
+
+WRONG_VALUES = [None, -1, 2**64, 1e308, "x", "", [], [1, "a"], {}, {"a": 1}, True, 3.5]
+
+
+def test_every_sampling_field_refuses_every_wrong_value_without_a_5xx(engine):
+    """Each field of SamplingParams (read from the dataclass, so a new field is covered too) with values
+    of every JSON type through /generate: an answer (200 for a value that fits, else 400 with an error
+    body), never a 5xx or a dropped connection; the engine then serves and holds nothing."""
+    fields = [f.name for f in dataclasses.fields(SamplingParams)]
+    with httpx.Client(base_url=engine.base_url, timeout=60) as c:
+        for name in fields:
+            for value in WRONG_VALUES:
+                params = {"max_new_tokens": 1, name: value}
+                r = c.post("/generate", json={"input_ids": [5, 6, 7], "sampling_params": params})
+                assert r.status_code in (200, 400), (params, r.status_code, r.text)
+                assert r.status_code == 200 or r.json()["error"]["code"] == 400, (params, r.text)
+        ok = c.post("/generate", json={"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2}})
+        assert ok.status_code == 200
     assert wait_idle_integrity(engine.base_url)["integrity_ok"] is True
 
 
