@@ -104,26 +104,32 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _shown(v: Any) -> str:
+    """A client's value in an error message, cut short (a body may be megabytes)."""
+    text = repr(v)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 def _check_types(p: SamplingParams) -> None:
     """Each field has its type (JSON's: an integer is not 1.0 or true, a number is finite), so the range
     checks, the scheduler and the samplers never meet a value of another type."""
     for name in _INTS:
         if not _is_int(getattr(p, name)):
-            raise SamplingParamsError(f"{name} must be an integer, got {getattr(p, name)!r}")
+            raise SamplingParamsError(f"{name} must be an integer, got {_shown(getattr(p, name))}")
     for name in _NUMBERS:
         v = getattr(p, name)
         if not (_is_int(v) or isinstance(v, float)) or not math.isfinite(v):
-            raise SamplingParamsError(f"{name} must be a finite number, got {v!r}")
+            raise SamplingParamsError(f"{name} must be a finite number, got {_shown(v)}")
     for name in _BOOLS:
         if not isinstance(getattr(p, name), bool):
-            raise SamplingParamsError(f"{name} must be true or false, got {getattr(p, name)!r}")
+            raise SamplingParamsError(f"{name} must be true or false, got {_shown(getattr(p, name))}")
     if p.seed is not None and not (_is_int(p.seed) and SEED_RANGE[0] <= p.seed < SEED_RANGE[1]):
-        raise SamplingParamsError(f"seed must be an integer in [-2^63, 2^64), got {p.seed!r}")
+        raise SamplingParamsError(f"seed must be an integer in [-2^63, 2^64), got {_shown(p.seed)}")
     if p.stop is not None and not isinstance(p.stop, (str, list, tuple)):
-        raise SamplingParamsError(f"stop must be a string or a list of strings, got {p.stop!r}")
+        raise SamplingParamsError(f"stop must be a string or a list of strings, got {_shown(p.stop)}")
     if p.stop_token_ids is not None and not (isinstance(p.stop_token_ids, (list, tuple))
                                              and all(_is_int(t) for t in p.stop_token_ids)):
-        raise SamplingParamsError(f"stop_token_ids must be a list of token ids, got {p.stop_token_ids!r}")
+        raise SamplingParamsError(f"stop_token_ids must be a list of token ids, got {_shown(p.stop_token_ids)}")
 
 
 def _logit_bias(value: Any, vocab_size: int) -> Optional[dict[int, float]]:
@@ -137,7 +143,7 @@ def _logit_bias(value: Any, vocab_size: int) -> Optional[dict[int, float]]:
         try:
             tid = int(key)
         except (TypeError, ValueError):
-            raise SamplingParamsError(f"logit_bias key {key!r} is not a token id") from None
+            raise SamplingParamsError(f"logit_bias key {_shown(key)} is not a token id") from None
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise SamplingParamsError(f"logit_bias value for token {key} must be a number")
         if not 0 <= tid < vocab_size:
