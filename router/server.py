@@ -133,7 +133,8 @@ class Router:
             return None
         header = request.headers.get("Authorization", "")
         token = header[7:].strip() if header[:7].lower() == "bearer " else ""
-        if hmac.compare_digest(token.encode(), self._api_key):
+        # aiohttp keeps a header's bytes that are not UTF-8 as surrogates: compare the bytes the client sent
+        if hmac.compare_digest(token.encode("utf-8", "surrogateescape"), self._api_key):
             return None
         return web.Response(status=401, body=error_body("invalid or missing API key", 401, "authentication_error"),
                             headers={"Content-Type": JSON})

@@ -284,6 +284,15 @@ async def test_api_key_is_required_when_set(fake_workers, routers, http):
     async with http.get(url_of(router, "/health")) as resp:  # probes stay open
         assert resp.status == 200
     assert worker.requests[0][1]["text"] == "x"
+    # a key that is not UTF-8 (a client library's raw bytes) is a wrong key: 401, not a 500
+    reader, writer = await asyncio.open_connection("127.0.0.1", router.port)
+    writer.write(b"POST /generate HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \xff\xfes3cret\r\n"
+                 b"Content-Type: application/json\r\nContent-Length: 12\r\nConnection: close\r\n\r\n{\"text\":\"x\"}")
+    await writer.drain()
+    status_line = await asyncio.wait_for(reader.readline(), 10)
+    writer.close()
+    assert status_line.split()[1] == b"401", status_line
+    assert len(worker.requests) == 1
 
 
 async def test_the_engines_key_replaces_the_clients_on_every_call_to_a_worker(fake_workers, routers, http):
