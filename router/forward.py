@@ -113,7 +113,8 @@ def forward_headers(request: web.BaseRequest, engine_api_key: str | None = None)
     headers = {}
     for name in FORWARDED_HEADERS:
         value = request.headers.get(name)
-        if value is not None:
+        # printable ASCII only: other bytes (kept by aiohttp as surrogates) are no id or key a worker reads
+        if value is not None and value.isascii() and value.isprintable():
             headers[name] = value
     return {**headers, **_engine_auth(engine_api_key)}
 

@@ -295,6 +295,28 @@ async def test_api_key_is_required_when_set(fake_workers, routers, http):
     assert len(worker.requests) == 1
 
 
+async def test_a_forwarded_header_that_is_not_ascii_stays_behind(fake_workers, routers):
+    """X-Request-Id, traceparent, tracestate and a client's key go on to the worker when they are printable
+    ASCII; raw bytes in one (an id some client made up) are dropped, the request served (it was a 500)."""
+    from types import SimpleNamespace
+
+    from baton.router.forward import forward_headers
+
+    sent = SimpleNamespace(headers={"x-request-id": "r\udcff", "traceparent": "00-ab-cd-01"})  # as aiohttp keeps them
+    assert forward_headers(sent) == {"traceparent": "00-ab-cd-01"}
+    worker = await fake_workers()
+    router = await routers(regular=[worker.url])
+    reader, writer = await asyncio.open_connection("127.0.0.1", router.port)
+    body = b'{"prompt": "x", "max_tokens": 1}'
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Request-Id: \xff\xfe\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
+    await writer.drain()
+    status_line = await asyncio.wait_for(reader.readline(), 10)
+    writer.close()
+    assert status_line.split()[1] == b"200", status_line
+    assert worker.bodies("/v1/completions")[0]["prompt"] == "x"
+
+
 async def test_the_engines_key_replaces_the_clients_on_every_call_to_a_worker(fake_workers, routers, http):
     """--engine-api-key: relays, info routes, /health_generate, the DP-size probe (dp-aware) and aborts all
     carry the engines' key; the client's own key never reaches a worker."""
