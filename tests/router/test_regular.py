@@ -308,8 +308,9 @@ async def test_a_forwarded_header_that_is_not_ascii_stays_behind(fake_workers, r
     router = await routers(regular=[worker.url])
     reader, writer = await asyncio.open_connection("127.0.0.1", router.port)
     body = b'{"prompt": "x", "max_tokens": 1}'
-    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Request-Id: \xff\xfe\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Request-Id: \xff\xfe\r\n"
+                 b"Content-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s"
+                 % (len(body), body))
     await writer.drain()
     status_line = await asyncio.wait_for(reader.readline(), 10)
     writer.close()
