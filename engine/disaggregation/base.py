@@ -55,6 +55,14 @@ class KVTransferError(RuntimeError):
     """A transfer could not be set up or carried out; the message says which side and why."""
 
 
+class RoomInUse(KVTransferError):
+    """A request asked for a bootstrap room another live request of this engine holds (a client that
+    picks rooms itself and reused one): the new request is refused, the other one goes on."""
+
+    def __init__(self, room: int) -> None:
+        super().__init__(f"bootstrap_room {room} is already in use by another request on this engine")
+
+
 @dataclass(frozen=True)
 class KVGeometry:
     """What must be identical on both sides for page i of one pool to mean page i of the other."""

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from baton.engine.disaggregation.base import KVPoll, MetadataBuffers, TransferConfig, pages_from_slots
+from baton.engine.disaggregation.base import KVPoll, MetadataBuffers, RoomInUse, TransferConfig, pages_from_slots
 from baton.engine.disaggregation.bootstrap_server import DEFAULT_BOOTSTRAP_PORT
 from baton.engine.disaggregation.no_peer import NoPeerReceiver, is_no_peer
 from baton.engine.disaggregation.stats import PDStats
@@ -62,8 +62,11 @@ class DecodeDisaggregation(Colocated):
         if error is not None:
             return error
         port = req.bootstrap_port if req.bootstrap_port is not None else DEFAULT_BOOTSTRAP_PORT
-        req.kv_transfer = (NoPeerReceiver(req.bootstrap_room) if is_no_peer(req.bootstrap_host)
-                           else self.mgr.create_receiver(f"{req.bootstrap_host}:{port}", req.bootstrap_room))
+        try:
+            req.kv_transfer = (NoPeerReceiver(req.bootstrap_room) if is_no_peer(req.bootstrap_host)
+                               else self.mgr.create_receiver(f"{req.bootstrap_host}:{port}", req.bootstrap_room))
+        except RoomInUse as e:
+            return str(e), 409
         self.prealloc_queue.append(req)
         return None
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Optional
 
 from baton.engine.disaggregation import create_transfer_backend
 from baton.engine.disaggregation.base import (KVArgs, KVManagerBase, KVMetadata, KVPoll, MetadataBuffers,
-                                              TransferConfig, model_kv_heads, pages_from_slots)
+                                              RoomInUse, TransferConfig, model_kv_heads, pages_from_slots)
 from baton.engine.disaggregation.no_peer import NoPeerSender, is_no_peer
 from baton.engine.disaggregation.stats import PDStats
 from baton.engine.disaggregation.colocated import Colocated, DisaggregationMode
@@ -138,7 +138,10 @@ class PrefillDisaggregation(Colocated):
         req.sampling_params.max_new_tokens = 1  # the decode engine generates the rest
         req.sampling_params.min_new_tokens = min(req.sampling_params.min_new_tokens, 1)
         room = req.bootstrap_room
-        req.kv_transfer = NoPeerSender(room) if is_no_peer(req.bootstrap_host) else self.mgr.create_sender(room)
+        try:
+            req.kv_transfer = NoPeerSender(room) if is_no_peer(req.bootstrap_host) else self.mgr.create_sender(room)
+        except RoomInUse as e:
+            return str(e), 409
         self.bootstrap_queue.append(req)
         return None
 

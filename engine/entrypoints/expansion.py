@@ -66,6 +66,9 @@ def _copies(obj: GenerateInput, n: int) -> list[GenerateInput]:
 def _per_request(name: str, value: Any, ns: list[int]) -> list[Any]:
     """One value of field `name` per request (the table in the module's docstring)."""
     total, room = sum(ns), name == "bootstrap_room"
+    for v in (value if isinstance(value, list) else [value]) if room else ():
+        if v is not None and not 0 <= v < 2**63:  # as a client sent it (fanned out, room + j wraps)
+            raise RequestError(f"bootstrap_room must be in [0, 2^63), got {v}", 400)
     if not isinstance(value, list):
         return [fanned_room(value, j) for j in range(total)] if room else [value] * total
     if len(value) == total:

@@ -21,7 +21,8 @@ import zmq
 
 from baton.engine.disaggregation import create_transfer_backend
 from baton.engine.disaggregation.base import (KVArgs, KVGeometry, KVMetadata, KVPoll, KVTransferError,
-                                              MetadataBuffers, TransferConfig, contiguous_runs, pages_from_slots)
+                                              MetadataBuffers, RoomInUse, TransferConfig, contiguous_runs,
+                                              pages_from_slots)
 from baton.engine.disaggregation import bootstrap_server
 from baton.engine.disaggregation.bootstrap_server import KVBootstrapServer
 from baton.engine.bench.loopback_peer import (PeerProcess, PeerSpec, fill_pool, make_pool, wait_final,
@@ -248,6 +249,27 @@ def test_in_process_transfer_copies_pages(pair_factory):
     meta.free(sender.meta_slot)
     sender.clear()
     decode.finish(receiver)
+
+
+def test_a_room_in_use_is_refused_and_its_holder_goes_on(pair_factory):
+    """A second sender or receiver for a live room (a client that picks rooms reused one) is refused with
+    RoomInUse; the first pair still transfers. (An assertion here stopped the scheduler before.)"""
+    addr, prefill, pool, meta, decode = pair_factory()
+    receiver = decode.receive(addr, 5009, np.array([9, 10, 2]))
+    with pytest.raises(RoomInUse, match="bootstrap_room 5009 is already in use"):
+        decode.mgr.create_receiver(addr, 5009)
+    sender = prefill.create_sender(5009)
+    with pytest.raises(RoomInUse, match="bootstrap_room 5009 is already in use"):
+        prefill.create_sender(5009)
+    assert wait_until(lambda: sender.poll() != KVPoll.Bootstrapping, 10), sender.failure_reason()
+    sender.init(3, meta.alloc())
+    sender.send([3, 4, 5], is_last=True, metadata=KVMetadata(11, -1.5, 5009))
+    assert wait_final(sender, 10) == KVPoll.Success, sender.failure_reason()
+    assert wait_final(receiver, 10) == KVPoll.Success, receiver.failure_reason()
+    meta.free(sender.meta_slot)
+    sender.clear()
+    decode.finish(receiver)
+    prefill.create_sender(5009).clear()  # once cleared, the room is free again
 
 
 def test_fault_injection_fails_both_sides(pair_factory):

@@ -399,3 +399,22 @@ def test_pd_seeded_sampling_gives_the_colocated_tokens(tiny_model_factory, pair_
     assert {rid: pair.decode.results[rid].ids for rid in want} == want
     assert len({tuple(ids) for ids in want.values()}) == len(want)
     pair.assert_settled()
+
+
+def test_a_bootstrap_room_in_use_is_refused_with_409_and_the_first_request_goes_on(tiny_model_factory, pair_factory):
+    """A client that picks rooms itself sends a second request with a live room: both engines refuse the
+    newcomer (409, naming the room) and serve the first; nothing leaks. (Both schedulers crashed on an
+    assertion before, stopping the engines.)"""
+    path = tiny_model_factory("llama")
+    pair = pair_factory(path, page_size=4, max_total_tokens=2048)
+    prompt = [5, 6, 7, 8, 9, 10]
+    room = pair.submit("first", prompt)
+    pair.step()
+    for side in (pair.prefill, pair.decode):
+        side.submit_pd("again", prompt, room, pair.port)
+        finish = side.results["again"].finish
+        assert (finish.kind, finish.status_code) == ("abort", 409), finish
+        assert f"bootstrap_room {room} is already in use" in finish.message
+    pair.run_until_idle()
+    assert pair.decode.results["first"].ids == hf_greedy(path, prompt)
+    pair.assert_settled()

@@ -266,6 +266,9 @@ BAD_REQUESTS = [
      "repetition_penalty must be a finite number"),
     ("/generate", {"text": "hi", "top_logprobs_num": [1, 2]}, 400, "top_logprobs_num is a list"),
     ("/generate", {"text": ["a", "b"], "rid": ["x"]}, 400, "rid has 1 values for 2 prompts"),
+    ("/generate", {"text": "hi", "bootstrap_room": -1}, 400, "bootstrap_room must be in [0, 2^63)"),
+    ("/v1/completions", {"prompt": "hi", "bootstrap_room": 2**63}, 400, "bootstrap_room must be in [0, 2^63)"),
+    ("/generate", {"text": "hi", "bootstrap_port": 70000}, 400, "bootstrap_port must be a TCP port"),
 ]
 
 

@@ -31,7 +31,7 @@ from collections import defaultdict
 from dataclasses import asdict
 from typing import TYPE_CHECKING, NamedTuple, Optional
 
-from baton.engine.disaggregation.base import KVPoll, KVTransferError
+from baton.engine.disaggregation.base import KVPoll, KVTransferError, RoomInUse
 from baton.engine.disaggregation.bootstrap_server import PrefillRankInfo, check_health, fetch_prefill_rank
 from baton.engine.disaggregation.common import CommonKVReceiver
 from baton.engine.disaggregation.head_slices import decode_rank_plan, receivers_of, state_row_slices
@@ -133,7 +133,8 @@ class DecodeRooms:
 
     def add(self, receiver: MooncakeKVReceiver) -> None:
         with self._lock:
-            assert receiver.room not in self._receivers, f"two receivers for room {receiver.room}"
+            if receiver.room in self._receivers:
+                raise RoomInUse(receiver.room)
             self._receivers[receiver.room] = receiver
         self._wake.set()
 

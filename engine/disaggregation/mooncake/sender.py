@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Optional, Union
 
 import numpy as np
 
-from baton.engine.disaggregation.base import KVGeometry, KVPoll, KVTransferError, contiguous_runs
+from baton.engine.disaggregation.base import KVGeometry, KVPoll, KVTransferError, RoomInUse, contiguous_runs
 from baton.engine.disaggregation.bootstrap_server import rank_key
 from baton.engine.disaggregation.common import CommonKVSender, Destination, check_destination
 from baton.engine.disaggregation.landing import ByteRuns, Pieces, merge_runs, slice_start, stream_runs, zip_runs
@@ -106,7 +106,8 @@ class PrefillRooms:
 
     def add(self, sender: MooncakeKVSender) -> None:
         with self._lock:
-            assert sender.room not in self._senders, f"two senders for room {sender.room}"
+            if sender.room in self._senders:
+                raise RoomInUse(sender.room)
             self._senders[sender.room] = sender
             pending = self._pending.pop(sender.room, None)
         for item in pending[1] if pending is not None else ():

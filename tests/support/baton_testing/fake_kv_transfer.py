@@ -18,7 +18,7 @@ from typing import Optional, Union
 import numpy as np
 
 from baton.engine.disaggregation.base import (DisaggregationMode, KVArgs, KVManagerBase, KVPoll, KVTransferError,
-                                              MetadataBuffers, TransferConfig, contiguous_runs)
+                                              MetadataBuffers, RoomInUse, TransferConfig, contiguous_runs)
 from baton.engine.disaggregation.common import CommonKVReceiver, CommonKVSender, Destination, check_destination
 
 
@@ -130,12 +130,16 @@ class FakeKVManager(KVManagerBase):
 
     def add_sender(self, sender: FakeKVSender) -> None:
         with self._lock:
+            if sender.room in self._rooms:  # as Mooncake's room table
+                raise RoomInUse(sender.room)
             self._rooms[sender.room] = sender
             item = self._pending.pop(sender.room, None)
         self._apply(sender, item)
 
     def add_receiver(self, receiver: FakeKVReceiver) -> None:
         with self._lock:
+            if receiver.room in self._rooms:
+                raise RoomInUse(receiver.room)
             self._rooms[receiver.room] = receiver
 
     def remove(self, room: int) -> None:
