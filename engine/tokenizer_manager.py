@@ -246,8 +246,6 @@ class TokenizerManager:
         if len(ids) >= self.context_len:
             raise RequestError(f"the prompt has {len(ids)} tokens; this model's context length is {self.context_len}", 400)
         obj.sampling_params.verify(self.vocab_size)
-        if obj.bootstrap_port is not None and not 0 < obj.bootstrap_port < 1 << 16:
-            raise RequestError(f"bootstrap_port must be a TCP port (1-65535), got {obj.bootstrap_port}", 400)
         if obj.data_parallel_rank is not None and not 0 <= obj.data_parallel_rank < self.dp_size:
             raise RequestError(f"data_parallel_rank {obj.data_parallel_rank} is out of range: this engine has "
                                f"{self.dp_size} data-parallel rank(s)", 400)

@@ -23,6 +23,8 @@ from baton.engine.tokenizer_manager import GenerateInput, RequestError
 
 MAX_PARALLEL_SAMPLES = 128  # OpenAI's bound on n
 PD_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room", "data_parallel_rank")
+# the values a client may send (a room as sent: fanned out, room + j wraps)
+_RANGES = {"bootstrap_room": (0, 2**63, "in [0, 2^63)"), "bootstrap_port": (1, 2**16, "a TCP port (1-65535)")}
 
 
 def expand(prompts: list[GenerateInput], ns: list[int], pd: dict[str, Any]) -> list[GenerateInput]:
@@ -66,9 +68,11 @@ def _copies(obj: GenerateInput, n: int) -> list[GenerateInput]:
 def _per_request(name: str, value: Any, ns: list[int]) -> list[Any]:
     """One value of field `name` per request (the table in the module's docstring)."""
     total, room = sum(ns), name == "bootstrap_room"
-    for v in (value if isinstance(value, list) else [value]) if room else ():
-        if v is not None and not 0 <= v < 2**63:  # as a client sent it (fanned out, room + j wraps)
-            raise RequestError(f"bootstrap_room must be in [0, 2^63), got {v}", 400)
+    if name in _RANGES:
+        low, high, what = _RANGES[name]
+        for v in value if isinstance(value, list) else [value]:
+            if v is not None and not low <= v < high:
+                raise RequestError(f"{name} must be {what}, got {v}", 400)
     if not isinstance(value, list):
         return [fanned_room(value, j) for j in range(total)] if room else [value] * total
     if len(value) == total:

@@ -258,12 +258,9 @@ def test_a_room_in_use_is_refused_and_its_holder_goes_on(pair_factory):
     receiver = decode.receive(addr, 5009, np.array([9, 10, 2]))
     with pytest.raises(RoomInUse, match="bootstrap_room 5009 is already in use"):
         decode.mgr.create_receiver(addr, 5009)
-    sender = prefill.create_sender(5009)
+    sender = _send_all(prefill, meta, 5009, [3, 4, 5], KVMetadata(11, -1.5, 5009))
     with pytest.raises(RoomInUse, match="bootstrap_room 5009 is already in use"):
         prefill.create_sender(5009)
-    assert wait_until(lambda: sender.poll() != KVPoll.Bootstrapping, 10), sender.failure_reason()
-    sender.init(3, meta.alloc())
-    sender.send([3, 4, 5], is_last=True, metadata=KVMetadata(11, -1.5, 5009))
     assert wait_final(sender, 10) == KVPoll.Success, sender.failure_reason()
     assert wait_final(receiver, 10) == KVPoll.Success, receiver.failure_reason()
     meta.free(sender.meta_slot)

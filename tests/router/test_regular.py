@@ -268,6 +268,19 @@ async def test_full_queue_is_429(fake_workers, routers, http):
     assert statuses == [200, 200, 429]
 
 
+async def _raw_post(router, path: str, header: bytes, body: bytes) -> bytes:
+    """POST with a header line as raw bytes (no client library sends bytes that are not UTF-8); the
+    response's status line."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", router.port)
+    writer.write(b"POST %s HTTP/1.1\r\nHost: x\r\n%s\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (path.encode(), header, len(body), body))
+    await writer.drain()
+    try:
+        return await asyncio.wait_for(reader.readline(), 10)
+    finally:
+        writer.close()
+
+
 async def test_api_key_is_required_when_set(fake_workers, routers, http):
     worker = await fake_workers()
     router = await routers(regular=[worker.url], api_key="s3cret")
@@ -285,12 +298,7 @@ async def test_api_key_is_required_when_set(fake_workers, routers, http):
         assert resp.status == 200
     assert worker.requests[0][1]["text"] == "x"
     # a key that is not UTF-8 (a client library's raw bytes) is a wrong key: 401, not a 500
-    reader, writer = await asyncio.open_connection("127.0.0.1", router.port)
-    writer.write(b"POST /generate HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \xff\xfes3cret\r\n"
-                 b"Content-Type: application/json\r\nContent-Length: 12\r\nConnection: close\r\n\r\n{\"text\":\"x\"}")
-    await writer.drain()
-    status_line = await asyncio.wait_for(reader.readline(), 10)
-    writer.close()
+    status_line = await _raw_post(router, "/generate", b"Authorization: Bearer \xff\xfes3cret", b'{"text":"x"}')
     assert status_line.split()[1] == b"401", status_line
     assert len(worker.requests) == 1
 
@@ -306,14 +314,8 @@ async def test_a_forwarded_header_that_is_not_ascii_stays_behind(fake_workers, r
     assert forward_headers(sent) == {"traceparent": "00-ab-cd-01"}
     worker = await fake_workers()
     router = await routers(regular=[worker.url])
-    reader, writer = await asyncio.open_connection("127.0.0.1", router.port)
-    body = b'{"prompt": "x", "max_tokens": 1}'
-    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Request-Id: \xff\xfe\r\n"
-                 b"Content-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s"
-                 % (len(body), body))
-    await writer.drain()
-    status_line = await asyncio.wait_for(reader.readline(), 10)
-    writer.close()
+    status_line = await _raw_post(router, "/v1/completions", b"X-Request-Id: \xff\xfe",
+                                  b'{"prompt": "x", "max_tokens": 1}')
     assert status_line.split()[1] == b"200", status_line
     assert worker.bodies("/v1/completions")[0]["prompt"] == "x"
 
