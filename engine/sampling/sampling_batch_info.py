@@ -41,6 +41,9 @@ class ReqSamplingState:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self.num_sampled = 0
+        # tokens verify steps checked on the device emitted, before the host has read them (launch
+        # order, a [1] int64 on the logits' device; min_new_tokens only: sampled())
+        self.sampled_on_device: Optional[torch.Tensor] = None
         # the CPU sampler's draw for a step comes from (rng_seed, that step's draw number)
         # (kernels/cpu_sampling.py): the request's seed, else one drawn here from torch's generator;
         # `draws` numbers the steps that sample this request, as they are launched (next_draw)
@@ -94,7 +97,26 @@ class ReqSamplingState:
 
     @property
     def min_tokens_active(self) -> bool:
+        """Whether min_new_tokens may still block the stop ids. Exact for host steps (num_sampled); where
+        verify steps checked on the device have run and not been read yet, it may still say True once
+        they passed it: those steps block by sampled(), exact on the device."""
         return self.min_tokens_stop_ids is not None and self.num_sampled < self.params.min_new_tokens
+
+    def sampled(self, device: torch.device) -> torch.Tensor:
+        """[1] int64 on `device`: the tokens sampled so far, counting the device-checked verify steps
+        launched before this point (nothing read back). num_sampled + sampled_on_device."""
+        if self.sampled_on_device is None:
+            self.sampled_on_device = torch.zeros(1, dtype=torch.int64, device=device)
+        return self.sampled_on_device + self.num_sampled
+
+    def on_read(self, emitted: int, counted: bool) -> None:
+        """The host read a device-checked verify step's `emitted` tokens: num_sampled takes them, and
+        where that step counted them on the device (`counted`) they leave sampled_on_device (the sum
+        stays what it was, in launch order)."""
+        self.num_sampled += emitted
+        if counted:
+            with torch.inference_mode():  # made by the worker's pass (inference mode)
+                self.sampled_on_device -= emitted
 
     def logit_bias(self) -> tuple[torch.Tensor, torch.Tensor]:
         """`params.logit_bias` as ([k] int64 ids, [k] float32 biases), built on first use (worker side)."""

@@ -1,14 +1,16 @@
 """Acceptance on the device, read by the host only with the verify step's result.
 
 A verify step whose every request is greedy or sampled (temperature, top-k, top-p, min-p and a seed),
-with penalties or a logit bias at most (no grammar, and no min_new_tokens that can still block a stop
-id: their processing reads the host), is checked without reading anything back (logprobs too), so on
-CUDA its launch returns before its forward ends, and the overlap loop can build the next step
-meanwhile (verifying.py, lagged verify steps). Penalised and biased requests' rows are processed on
-the device first, each node's row as the sampler would after the drafts on its path
-(processed_logits); unlike the host rule, which verifies only the first chain of such a request's
-tree, they walk the whole tree (each node's row is exact for its own path; the host rule keeps one
-path for the grammar's matcher).
+with penalties, a logit bias or min_new_tokens at most (no grammar: its matcher is on the host), is
+checked without reading anything back (logprobs too), so on CUDA its launch returns before its forward
+ends, and the overlap loop can build the next step meanwhile (verifying.py, lagged verify steps).
+Penalised, biased and min_new_tokens requests' rows are processed on the device first, each node's row
+as the sampler would after the drafts on its path (processed_logits); unlike the host rule, which
+verifies only the first chain of such a request's tree, they walk the whole tree (each node's row is
+exact for its own path; the host rule keeps one path for the grammar's matcher). min_new_tokens blocks
+the stop ids at the nodes whose output position is below it, counted from the request's tokens so far
+on the device (ReqSamplingState.sampled: a lagged step's count includes what the step before it
+emitted, which the host has not read yet).
 
 The rules are verify.py's, on tensors. Greedy: each request walks its draft from node 0 (its last
 token), at each node to the first child (in node order) whose token is the target's argmax there, until
@@ -42,15 +44,13 @@ if TYPE_CHECKING:
 
 def accepts_on_device(states: Sequence[Optional["ReqSamplingState"]]) -> bool:
     """Whether a verify step's acceptance can stay on the device: every request greedy or sampled
-    (temperature, top-k, top-p, min-p, a seed), with penalties or a logit bias at most (no grammar; no
-    min_new_tokens still blocking its stop ids: until it sampled that many its steps are checked on the
-    host, which counts what they emit, so the count is exact when it stops blocking; from then on no
-    position of any step is blocked, and the device steps need not count)."""
-    return all(s is not None and s.grammar is None and not s.min_tokens_active for s in states)
+    (temperature, top-k, top-p, min-p, a seed), with penalties, a logit bias or min_new_tokens at most
+    (no grammar)."""
+    return all(s is not None and s.grammar is None for s in states)
 
 
 def _processed(state: "ReqSamplingState") -> bool:
-    return state.has_penalties or bool(state.params.logit_bias)
+    return state.has_penalties or bool(state.params.logit_bias) or state.min_tokens_active
 
 
 @dataclass
@@ -62,6 +62,8 @@ class DeviceAcceptance:
     tokens: torch.Tensor  # [bs, D + 1] the emitted tokens (count + 1 of them), then 0s
     last: torch.Tensor  # [bs] the last emitted token: the next step's input
     offsets: torch.Tensor  # [bs] each request's first token row in the pass
+    states: Optional[Sequence["ReqSamplingState"]] = None  # their counts take the tokens once read
+    counted: tuple = ()  # the requests whose sampled_on_device took this step's tokens (min_new_tokens)
 
 
 class _Nodes:
@@ -116,9 +118,11 @@ def accept_on_device(logits: torch.Tensor, input_ids: torch.Tensor, spec: Verify
     place, spec.drafts' lengths right, the trees' shapes in `tree_parents`: per request None (a chain),
     host parents, or a head tree's ancestor matrix on the device; ForwardBatch.tree_parents).
     `states` (accepts_on_device's) with the step's draw numbers; None: every request greedy with nothing
-    processed. Penalised requests' counts take the emitted tokens (on the device)."""
+    processed. Penalised requests' counts take the emitted tokens, and min_new_tokens requests' the
+    number of them (on the device)."""
     nodes = _Nodes(logits, input_ids, spec, tree_parents)
     processed = [i for i, s in enumerate(states or ()) if _processed(s)]
+    blocking = tuple(i for i in processed if states[i].min_tokens_active)
     if processed:
         logits = processed_logits(logits, nodes, spec, states, processed)
         nodes.target = torch.argmax(logits, dim=-1)[nodes.rows]
@@ -126,6 +130,9 @@ def accept_on_device(logits: torch.Tensor, input_ids: torch.Tensor, spec: Verify
     for i in processed:
         if states[i].has_penalties:
             _count_emitted(states[i], acc, i)
+    for i in blocking:  # created by processed_logits (sampled())
+        states[i].sampled_on_device += (acc.count[i] + 1).to(states[i].sampled_on_device.device)
+    acc.states, acc.counted = states, blocking
     return acc
 
 
@@ -203,7 +210,9 @@ def processed_logits(logits: torch.Tensor, nodes: "_Nodes", spec: VerifyInput,
     """A copy of the pass's logits whose rows of the requests `which` are processed as
     verify.processed_rows processes a chain's, on the device: a node's row with the penalties counting
     the drafts on its path (itself and its ancestors but the root: a chain's row j, drafts[:j];
-    repetition, frequency, presence), then the logit bias."""
+    repetition, frequency, presence), then the logit bias, then min_new_tokens: the stop ids at -inf
+    in the rows whose output position (the tokens sampled before the step, on the device, and the
+    node's depth) is below it."""
     out = logits.clone()
     for i in which:
         state, off, n = states[i], spec.offsets[i], 1 + len(spec.drafts[i])
@@ -223,6 +232,10 @@ def processed_logits(logits: torch.Tensor, nodes: "_Nodes", spec: VerifyInput,
         if state.params.logit_bias:
             ids, values = state.logit_bias()
             rows = rows.index_add(1, ids.to(rows.device), values.to(rows.device).expand(n, -1))
+        if state.min_tokens_active:  # no grammar here (accepts_on_device)
+            stop = state.min_tokens_stop_ids.to(rows.device)
+            blocked = state.sampled(rows.device) + nodes.depth[i, :n].to(rows.device) < state.params.min_new_tokens
+            rows[:, stop] = torch.where(blocked[:, None], float("-inf"), rows[:, stop])
         out[off:off + n] = rows
     return out
 
@@ -318,6 +331,7 @@ class PendingVerify:
     def __init__(self, acc: DeviceAcceptance, spec: VerifyInput, async_copy: bool,
                  logits: Optional[torch.Tensor] = None, top_logprobs_nums: Optional[list[int]] = None) -> None:
         self.spec, self.nums = spec, top_logprobs_nums
+        self.states, self.counted = acc.states, acc.counted
         parts = [torch.cat([acc.count[:, None], acc.path, acc.tokens], dim=1)]
         if top_logprobs_nums is not None:
             assert logits is not None, "logprobs are read from the pass's logits"
@@ -349,9 +363,10 @@ class PendingVerify:
             count = row[0]
             tokens.append(row[1 + width:2 + width + count])
             nodes.append(row[2:2 + count])
-        # (no num_sampled to count: it only times min_new_tokens, which blocks nothing more for a request
-        # checked here (accepts_on_device), and the draws are numbered at launch; penalty counts were
-        # kept on the device)
+        # the counts min_new_tokens reads: from the device's into num_sampled (the draws are numbered at
+        # launch; penalty counts were kept on the device)
+        for i, state in enumerate(self.states or ()):
+            state.on_read(len(tokens[i]), i in self.counted)
         out = VerifyOutput(tokens, accepted_nodes=None if self.spec.parents is None else nodes)
         if self.nums is not None:
             values = self.host[1].tolist()

@@ -521,7 +521,7 @@ def test_a_plain_verify_launch_reads_nothing_back(target, drafts, topk):
     its last tokens and counts in the future map for the step built behind it; the host reads them
     once, when the scheduler processes the result. Greedy: HF's tokens, and the plain engine's for the
     penalised one (trees too: each node processed for its own path). A request with min_new_tokens is
-    checked on the host while that blocks its stop ids, then on the device, and lags all along."""
+    checked on the device too, its stop ids blocked there by the count on the device, and lags."""
     args = eagle("EAGLE", drafts("EAGLE-trained")) if topk == 1 else tree("EAGLE", drafts("EAGLE-decoy"), topk)
     h = harness_for(target, "inline", max_total_tokens=2048, **args)
     executor, launches = h.scheduler.executor, []
@@ -557,17 +557,21 @@ def test_a_plain_verify_launch_reads_nothing_back(target, drafts, topk):
     lagged = spec_info(h)["spec_lagged_verify_steps"]
     assert lagged > 0
     launches.clear()
-    # a stop id greedy has late, blocked below min_new_tokens: the request's steps are checked on the host
-    # until it sampled that many (counted there), then on the device; the plain engine's tokens
-    late = out["0"].ids[-1]
-    min_tokens = dict(max_new_tokens=MAX_NEW, ignore_eos=True, min_new_tokens=MAX_NEW // 2, stop_token_ids=[late])
+    # stop ids greedy has early, blocked below min_new_tokens, and one the blocked output has first past
+    # it, which ends the request there: on the device, the steps lagging (the count includes what the
+    # running step emitted, unread), the plain engine's tokens
+    stops = out["0"].ids[1:3]
+    blocked = dict(max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW // 2, stop_token_ids=stops)
+    plain.submit("blocked", ps[0], **blocked)
+    trail = plain.run_until_idle()["blocked"].ids
+    assert trail[1] not in stops, "min_new_tokens blocked the stop id where greedy had it"
+    at, late = next((j, t) for j, t in enumerate(trail) if j >= MAX_NEW // 2 and t not in trail[:j])
+    min_tokens = dict(blocked, stop_token_ids=stops + [late])
     h.submit("min_tokens", ps[0], **min_tokens)
     plain.submit("min_tokens", ps[0], **min_tokens)
     got, want = h.run_until_idle()["min_tokens"].ids, plain.run_until_idle()["min_tokens"].ids
-    assert got == want and len(got) >= MAX_NEW // 2, (got, want)
-    where = [on_device for on_device, _ in launches]
-    assert where and not where[0] and where == sorted(where), f"host steps first, then device ones: {where}"
-    assert any(where) or len(got) <= MAX_NEW // 2 + 1, f"no device step after min_new_tokens: {where}"
+    assert got == want and len(got) == at + 1 and got[-1] == late, (got, want, at)
+    assert launches and all(on_device and unread for on_device, unread in launches), launches
     assert spec_info(h)["spec_lagged_verify_steps"] > lagged and h.scheduler.check_memory_integrity()
 
 

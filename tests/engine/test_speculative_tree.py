@@ -369,6 +369,78 @@ def test_penalised_requests_are_processed_and_counted_on_the_device(params):
                 assert torch.equal(a.output_counts, b.output_counts) and torch.equal(a.seen_mask, b.seen_mask)
 
 
+def _min_tokens_state(min_new: int, done: int, unread: int, device: str = "cpu") -> ReqSamplingState:
+    """A greedy request with stop ids 0 and 1 blocked below `min_new`: `done` tokens read by the host,
+    `unread` more emitted by a verify step checked on the device and not read yet."""
+    p = SamplingParams(temperature=0.0, min_new_tokens=min_new, stop_token_ids=[0, 1])
+    p.verify(VOCAB)
+    s = ReqSamplingState(p, [1, 2], vocab_size=VOCAB, stop_ids_for_min_tokens={0, 1}, device=device)
+    s.num_sampled = done
+    if unread:
+        s.sampled(torch.device(device))
+        s.sampled_on_device += unread
+    return s
+
+
+def test_min_new_tokens_blocks_stop_ids_on_the_device_by_the_count_there():
+    """min_new_tokens on the device (verify_device.processed_logits): each row's stop ids blocked as the
+    host blocks them (verify.processed_rows: while num_sampled + the row's index < min_new_tokens), where
+    the tokens sampled so far include a step the host has not read yet (sampled_on_device: a lagged
+    step's); a tree node's by its own depth; greedy requests emit the host rule's tokens; and once the
+    host reads the steps, its count is the host rule's (ReqSamplingState.on_read)."""
+    from baton.engine.speculative.verify import processed_rows
+    from baton.engine.speculative.verify_device import PendingVerify, _Nodes, accept_on_device, processed_logits
+
+    gen = torch.Generator().manual_seed(7)
+    blocked_rows = unblocked_stop_rows = 0
+    for trial in range(40):
+        bs = int(torch.randint(1, 4, (1,), generator=gen))
+        drafts = [torch.randint(0, 4, (int(torch.randint(0, 6, (1,), generator=gen)),), generator=gen).tolist()
+                  for _ in range(bs)]
+        ids = torch.tensor([t for d in drafts for t in [9] + d])
+        logits = torch.randn(len(ids), VOCAB, generator=gen)
+        logits[torch.arange(len(ids)), torch.randint(0, 4, (len(ids),), generator=gen)] += 4.0  # stop ids often win
+        counts = [(int(torch.randint(1, 9, (1,), generator=gen)), int(torch.randint(0, 5, (1,), generator=gen)),
+                   int(torch.randint(0, 4, (1,), generator=gen))) for _ in range(bs)]
+        states = [_min_tokens_state(m, done, unread) for m, done, unread in counts]
+        host_states = [_min_tokens_state(m, done + unread, 0) for m, done, unread in counts]  # the exact count
+        spec = VerifyInput([list(d) for d in drafts])
+        got = processed_logits(logits, _Nodes(logits, ids, spec, None), spec, states,
+                               [i for i, s in enumerate(states) if s.min_tokens_active])
+        for i, d in enumerate(drafts):
+            off, n = spec.offsets[i], 1 + len(d)
+            want = processed_rows(logits[off:off + n], d, host_states[i])
+            torch.testing.assert_close(got[off:off + n], want)
+            blocked_rows += int(torch.isinf(want[:, 0]).sum())
+            unblocked_stop_rows += int((~torch.isinf(want[:, 0]) & (logits[off:off + n].argmax(1) <= 1)).sum())
+        # a tree: each node's row by its depth (its root -> node chain's last row on the host)
+        tree = _random_tree(gen, 6)
+        tree_ids = torch.tensor([9] + torch.randint(0, 4, (5,), generator=gen).tolist())
+        tree_spec = VerifyInput([tree_ids[1:].tolist()], parents=[tree])
+        tree_logits = torch.randn(6, VOCAB, generator=gen)
+        tree_state, tree_host = _min_tokens_state(4, 1, 1), _min_tokens_state(4, 2, 0)
+        got = processed_logits(tree_logits, _Nodes(tree_logits, tree_ids, tree_spec, [tree]), tree_spec,
+                               [tree_state], [0])
+        for node in range(6):
+            path = [node]
+            while path[-1] > 0:
+                path.append(tree[path[-1]])
+            path.reverse()
+            want = processed_rows(tree_logits[path], tree_ids[path[1:]].tolist(), tree_host)[-1]
+            torch.testing.assert_close(got[node], want)
+        # the walk: the host rule's tokens; the counts, once both steps are read, the host rule's
+        acc = accept_on_device(logits, ids, spec, None, states, list(range(bs)))
+        out = PendingVerify(acc, spec, async_copy=False).read()
+        want = verify_drafts(logits, VerifyInput([list(d) for d in drafts]), host_states, None, False, [0] * bs)
+        assert out.tokens == want.tokens, trial
+        for s, h, (_, _, unread) in zip(states, host_states, counts):
+            if unread:
+                s.on_read(unread, True)  # the earlier step, read after this one was launched
+            assert s.num_sampled == h.num_sampled, trial
+            assert s.sampled_on_device is None or int(s.sampled_on_device) == 0, trial
+    assert blocked_rows > 20 and unblocked_stop_rows > 20, (blocked_rows, unblocked_stop_rows)
+
+
 class _SampledBatch:
     """Verify rows for the rejection walk: TREE's (temperature 1, top-p 0.8; half given as host parents,
     half as a head's ancestor matrices), chains [d1, d2] of two other parameter sets (top-k; top-p with
@@ -485,6 +557,41 @@ def test_the_rejection_walk_on_cuda_is_the_cpus_and_never_waits():
     differ = sum(a != b for a, b in zip(got, want))
     print(f"rejection walk on CUDA: {differ} of {len(rows)} rows differ from the CPU's")
     assert differ <= len(rows) // 100, differ
+
+
+@pytest.mark.gpu
+def test_min_new_tokens_on_cuda_blocks_as_on_the_cpu_and_never_waits():
+    """min_new_tokens on the device, on CUDA (states, logits and counts there): no call waits for the
+    device (torch's sync debug mode), the tokens are the host rule's, the counts once read the host's."""
+    from test_gpu_paths import need_gpu
+
+    from baton.engine.speculative.verify_device import PendingVerify, accept_on_device
+
+    need_gpu()
+    gen = torch.Generator().manual_seed(3)
+    drafts = [[0, 2, 1], [3, 0], [], [1, 1, 1, 0]]
+    counts = [(3, 0, 1), (6, 2, 0), (1, 0, 0), (5, 1, 2)]
+    ids = torch.tensor([t for d in drafts for t in [9] + d])
+    logits = torch.randn(len(ids), VOCAB, generator=gen)
+    logits[torch.arange(len(ids)), torch.randint(0, 2, (len(ids),), generator=gen)] += 4.0  # stop ids win
+    host_states = [_min_tokens_state(m, done + unread, 0) for m, done, unread in counts]
+    want = verify_drafts(logits, VerifyInput([list(d) for d in drafts]), host_states, None, False, [0] * len(drafts))
+    for warm in (True, False):  # the first CUDA calls may load modules
+        states = [_min_tokens_state(m, done, unread, "cuda") for m, done, unread in counts]
+        spec = VerifyInput([list(d) for d in drafts])
+        torch.cuda.synchronize()
+        if not warm:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            acc = accept_on_device(logits.cuda(), ids.cuda(), spec, None, states, [0] * len(drafts))
+            pending = PendingVerify(acc, spec, async_copy=True)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert pending.read().tokens == want.tokens
+    for s, h, (_, _, unread) in zip(states, host_states, counts):
+        if unread:
+            s.on_read(unread, True)
+        assert s.num_sampled == h.num_sampled and int(s.sampled_on_device or 0) == 0
 
 
 @pytest.mark.parametrize("params", [dict(logit_bias={4: -1.0}), dict(frequency_penalty=0.5),
