@@ -2,11 +2,15 @@
 that escapes. Also extracts what routing needs: stream flag, batch size, routing text."""
 from __future__ import annotations
 
+import asyncio
 import enum
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
+
+if TYPE_CHECKING:
+    from aiohttp import web
 
 
 class Route(str, enum.Enum):
@@ -17,6 +21,21 @@ class Route(str, enum.Enum):
 
 class BadRequest(ValueError):
     """The client's fault: answered with 400 and this message."""
+
+
+class BodyTimeout(Exception):
+    """The client did not send its whole body in time: answered with 408."""
+
+
+async def read_body(request: "web.Request", timeout: float) -> bytes:
+    """The request's body, all of it within `timeout` seconds (0: no limit), else BodyTimeout: a client
+    that stalls mid-body would hold its connection and handler for good. Past the app's
+    client_max_size aiohttp raises HTTPRequestEntityTooLarge as the body arrives."""
+    try:
+        async with asyncio.timeout(timeout or None):
+            return await request.read()
+    except TimeoutError:
+        raise BodyTimeout(f"request body not received within {timeout:g} s") from None
 
 
 @dataclass(slots=True)

@@ -22,7 +22,7 @@ from baton.router.forward import JSON, error_body, forward_headers, new_client
 from baton.router.health import HealthChecker
 from baton.router.metrics import CONTENT_TYPE, RouterMetrics
 from baton.router.registry import WorkerRegistry
-from baton.router.request import BadRequest, ParsedRequest, Route, parse_request
+from baton.router.request import BadRequest, BodyTimeout, ParsedRequest, Route, parse_request, read_body
 
 logger = logging.getLogger(__name__)
 
@@ -109,9 +109,11 @@ class Router:
     async def _admit(self, request: web.Request, route: Route) -> ParsedRequest | web.Response:
         """The parsed request with a slot taken, or the error response."""
         try:
-            req = parse_request(route, await request.read())
+            req = parse_request(route, await read_body(request, self.config.request_body_timeout_secs))
         except BadRequest as exc:
             return self._error(route, 400, str(exc), "bad_request", "invalid_request_error")
+        except BodyTimeout as exc:
+            return self._error(route, 408, str(exc), "body_timeout", "invalid_request_error")
         except web.HTTPRequestEntityTooLarge:
             message = f"request body exceeds {self.config.max_payload_size} bytes"
             return self._error(route, 413, message, "payload_too_large", "invalid_request_error")

@@ -14,6 +14,7 @@ from aiohttp import web
 from baton.router.config import WorkerRole, WorkerSpec
 from baton.router.forward import JSON, error_body
 from baton.router.registry import WorkerExistsError
+from baton.router.request import BodyTimeout, read_body
 
 if TYPE_CHECKING:
     from baton.router.server import Router
@@ -46,10 +47,12 @@ class _WorkersApi:
         if denied is not None:
             return denied
         try:
-            spec = self._spec(await self._fields(request))
+            spec = self._spec(await self._fields(request, self.router.config.request_body_timeout_secs))
             worker = self.router.workers.add(spec, source="api")
         except WorkerExistsError as exc:
             return _error(409, str(exc))
+        except BodyTimeout as exc:
+            return _error(408, str(exc))
         except (ValueError, TypeError, AssertionError) as exc:
             return _error(400, f"bad worker: {exc}")
         return _json(worker.describe(), status=201)
@@ -72,9 +75,9 @@ class _WorkersApi:
         return _json({"removed": [w.describe() for w in gone]})
 
     @staticmethod
-    async def _fields(request: web.Request) -> dict[str, Any]:
+    async def _fields(request: web.Request, timeout: float) -> dict[str, Any]:
         fields: dict[str, Any] = dict(request.query)
-        raw = await request.read()
+        raw = await read_body(request, timeout)
         if raw:
             body = orjson.loads(raw)
             if not isinstance(body, dict):

@@ -151,7 +151,7 @@ def _register_native_routes(app: FastAPI, ctx: ApiContext) -> None:
 
     @app.post("/abort_request")
     async def abort_request(request: Request):
-        data = await read_json(request, ctx.server_args.max_request_bytes)
+        data = await read_json(request, ctx.server_args)
         rid = data.get("rid")
         if not isinstance(rid, str) and not data.get("abort_all"):
             raise RequestError("abort_request needs a string rid (or abort_all: true)", 400)
@@ -169,7 +169,7 @@ def _register_native_routes(app: FastAPI, ctx: ApiContext) -> None:
 
     @app.post("/generate")
     async def generate(request: Request):
-        req = parse(GenerateRequest, await read_json(request, ctx.server_args.max_request_bytes))
+        req = parse(GenerateRequest, await read_json(request, ctx.server_args))
         objs = _native_inputs(req)
         if req.stream:
             if len(objs) != 1:

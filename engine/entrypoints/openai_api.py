@@ -28,7 +28,7 @@ def register_openai_routes(app: FastAPI, ctx: ApiContext) -> None:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = await read_json(request, ctx.server_args.max_request_bytes)
+        body = await read_json(request, ctx.server_args)
         _reject_prompt_parts(body.get("prompt"))
         req = parse(CompletionRequest, body)
         _check_model(ctx, req.model)
@@ -51,7 +51,7 @@ def register_openai_routes(app: FastAPI, ctx: ApiContext) -> None:
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        req = parse(ChatCompletionRequest, await read_json(request, ctx.server_args.max_request_bytes))
+        req = parse(ChatCompletionRequest, await read_json(request, ctx.server_args))
         _check_model(ctx, req.model)
         reject_unsupported(req, chat=True)
         args = ctx.server_args

@@ -14,6 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from baton_testing.raw_http import send_body_until_answered
 from engine_server import running_engine, wait_idle_integrity
 
 from baton.engine.sampling.sampling_params import SamplingParams
@@ -33,7 +34,8 @@ def engine(model_path):
     # mixed chunked prefill on, so the API path also runs decode steps inside prefill batches
     with running_engine(model_path, "--enable-overlap-schedule", "--enable-mixed-chunk",
                         "--chunked-prefill-size", "16", "--page-size", "4",
-                        "--max-total-tokens", "2048", "--max-queued-requests", "64") as eng:
+                        "--max-total-tokens", "2048", "--max-queued-requests", "64",
+                        "--request-body-timeout", "3") as eng:
         yield eng
 
 
@@ -309,6 +311,29 @@ def test_body_size_limit(engine):
     r = httpx.post(f"{engine.base_url}/v1/completions", content=b" " * (17 * 1024 * 1024),
                    headers={"content-type": "application/json"}, timeout=60)
     assert r.status_code == 413
+
+
+def test_a_chunked_body_past_the_limit_is_refused_as_it_arrives(engine):
+    """A chunked body has no Content-Length for the guard to check: the engine counts it as it arrives
+    and answers 413 once it passes --max-request-bytes (16 MiB), without waiting for (or buffering)
+    the rest; this body never ends. The engine keeps serving."""
+    port = int(engine.base_url.rsplit(":", 1)[1])
+    head = b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+    chunk = b"%x\r\n%s\r\n" % (1 << 20, b" " * (1 << 20))
+    status, sent = send_body_until_answered(port, head, [chunk] * 40, wait_s=20)
+    assert status == b"HTTP/1.1 413 Request Entity Too Large", (status, sent)  # the body never ends
+    assert wait_idle_integrity(engine.base_url)["integrity_ok"] is True
+
+
+def test_a_body_not_sent_in_time_is_a_408(engine):
+    """A client that stops mid-body (Content-Length promises more than it sends) gets 408 after
+    --request-body-timeout (3 s here) instead of holding its connection for good."""
+    port = int(engine.base_url.rsplit(":", 1)[1])
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100\r\n\r\n")
+    status, _ = send_body_until_answered(port, head, [b'{"prompt": "a'], wait_s=30)
+    assert status == b"HTTP/1.1 408 Request Timeout", status
+    assert wait_idle_integrity(engine.base_url)["integrity_ok"] is True
 
 
 def test_client_disconnect_aborts_and_frees(engine):

@@ -2,6 +2,7 @@
 import asyncio
 
 import orjson
+from baton_testing.raw_http import send_body_until_answered
 from router_support import make_config, url_of, wait_until
 
 from baton.router.config import CircuitBreakerConfig, HealthCheckConfig, PolicyName, RetryConfig
@@ -279,6 +280,25 @@ async def _raw_post(router, path: str, header: bytes, body: bytes) -> bytes:
         return await asyncio.wait_for(reader.readline(), 10)
     finally:
         writer.close()
+
+
+async def test_a_body_is_read_within_its_limits(fake_workers, routers, http):
+    """A chunked body past --max-payload-size is a 413 as it arrives (it never ends here), one that
+    stalls mid-body a 408 after --request-body-timeout-secs (on the worker API too); the router serves
+    on and no worker saw any of them."""
+    worker = await fake_workers()
+    router = await routers(regular=[worker.url], max_payload_size=1 << 20, request_body_timeout_secs=1.0)
+    chunked = b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+    chunk = b"%x\r\n%s\r\n" % (1 << 16, b" " * (1 << 16))
+    status, sent = await asyncio.to_thread(send_body_until_answered, router.port, chunked, [chunk] * 64, 10)
+    assert status == b"HTTP/1.1 413 Request Entity Too Large", (status, sent)  # the body never ends
+    for path in ("/v1/chat/completions", "/workers"):
+        head = b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n" % path.encode()
+        status, _ = await asyncio.to_thread(send_body_until_answered, router.port, head, [b'{"a'], 10)
+        assert status == b"HTTP/1.1 408 Request Timeout", (path, status)
+    async with http.post(url_of(router, "/generate"), json={"text": "x"}) as resp:
+        assert resp.status == 200
+    assert len(worker.requests) == 1
 
 
 async def test_api_key_is_required_when_set(fake_workers, routers, http):
