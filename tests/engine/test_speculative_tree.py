@@ -314,6 +314,41 @@ def test_greedy_acceptance_on_the_device_is_the_host_rule():
             assert moved[0] == moved[1], trial
 
 
+def _random_chains(gen: torch.Generator, longest: int, boost: float):
+    """1-3 requests' chains of 0..`longest` drafts from tokens 0-3, the pass's token ids ([9] + draft
+    each) and random logits whose argmax is one of tokens 0-3 by `boost` at most rows: (bs, drafts, ids,
+    logits)."""
+    bs = int(torch.randint(1, 4, (1,), generator=gen))
+    drafts = [torch.randint(0, 4, (int(torch.randint(0, longest + 1, (1,), generator=gen)),), generator=gen).tolist()
+              for _ in range(bs)]
+    ids = torch.tensor([t for d in drafts for t in [9] + d])
+    logits = torch.randn(len(ids), VOCAB, generator=gen)
+    logits[torch.arange(len(ids)), torch.randint(0, 4, (len(ids),), generator=gen)] += boost
+    return bs, drafts, ids, logits
+
+
+def _assert_tree_rows_processed_as_on_the_host(gen: torch.Generator, base: torch.Tensor, state: ReqSamplingState,
+                                               host_state: ReqSamplingState) -> None:
+    """A random 6-node tree's rows (`base` [1, VOCAB] plus noise) processed on the device for `state`:
+    each node's row is the last row of its root -> node chain as the host processes it for `host_state`
+    (the drafts on its path counted, min_new_tokens by its depth)."""
+    from baton.engine.speculative.verify import processed_rows
+    from baton.engine.speculative.verify_device import _Nodes, processed_logits
+
+    tree = _random_tree(gen, 6)
+    tree_ids = torch.tensor([9] + torch.randint(0, 4, (5,), generator=gen).tolist())
+    tree_spec = VerifyInput([tree_ids[1:].tolist()], parents=[tree])
+    tree_logits = base.repeat(6, 1) + torch.randn(6, VOCAB, generator=gen)
+    got = processed_logits(tree_logits, _Nodes(tree_logits, tree_ids, tree_spec, [tree]), tree_spec, [state], [0])
+    for node in range(6):
+        path = [node]
+        while path[-1] > 0:
+            path.append(tree[path[-1]])
+        path.reverse()
+        want = processed_rows(tree_logits[path], tree_ids[path[1:]].tolist(), host_state)[-1]
+        torch.testing.assert_close(got[node], want)
+
+
 @pytest.mark.parametrize("params", [dict(frequency_penalty=0.7, presence_penalty=0.4),
                                     dict(repetition_penalty=1.8, logit_bias={1: 3.0, 2: -2.0}),
                                     dict(temperature=0.8, top_k=5, frequency_penalty=1.5, seed=3)],
@@ -328,12 +363,7 @@ def test_penalised_requests_are_processed_and_counted_on_the_device(params):
 
     gen = torch.Generator().manual_seed(5)
     for trial in range(20):
-        bs = int(torch.randint(1, 4, (1,), generator=gen))
-        drafts = [torch.randint(0, 4, (int(torch.randint(0, 5, (1,), generator=gen)),), generator=gen).tolist()
-                  for _ in range(bs)]
-        ids = torch.tensor([t for d in drafts for t in [9] + d])
-        logits = torch.randn(len(ids), VOCAB, generator=gen)
-        logits[torch.arange(len(ids)), torch.randint(0, 4, (len(ids),), generator=gen)] += 3.0
+        bs, drafts, ids, logits = _random_chains(gen, longest=4, boost=3.0)
         states, host_states = ([_state(**params) for _ in range(bs)] for _ in range(2))
         for a, b in zip(states, host_states):  # some output so far
             for t in torch.randint(0, VOCAB, (3,), generator=gen).tolist():
@@ -345,19 +375,7 @@ def test_penalised_requests_are_processed_and_counted_on_the_device(params):
             off, n = spec.offsets[i], 1 + len(d)
             torch.testing.assert_close(got[off:off + n], processed_rows(logits[off:off + n], d, host_states[i]))
         # a tree: each node's row as the host processes the last row of its root -> node chain
-        tree = _random_tree(gen, 6)
-        tree_ids = torch.tensor([9] + torch.randint(0, 4, (5,), generator=gen).tolist())
-        tree_spec = VerifyInput([tree_ids[1:].tolist()], parents=[tree])
-        tree_logits = logits[:1].repeat(6, 1) + torch.randn(6, VOCAB, generator=gen)
-        nodes = _Nodes(tree_logits, tree_ids, tree_spec, [tree])
-        got = processed_logits(tree_logits, nodes, tree_spec, states[:1], [0])
-        for node in range(6):
-            path = [node]
-            while path[-1] > 0:
-                path.append(tree[path[-1]])
-            path.reverse()
-            want = processed_rows(tree_logits[path], tree_ids[path[1:]].tolist(), host_states[0])[-1]
-            torch.testing.assert_close(got[node], want)
+        _assert_tree_rows_processed_as_on_the_host(gen, logits[:1], states[0], host_states[0])
         if "temperature" in params:
             continue  # sampled: the device's draws are its own (the walk's distribution: the tests above)
         acc = accept_on_device(logits, ids, spec, None, states, list(range(bs)))
@@ -394,12 +412,7 @@ def test_min_new_tokens_blocks_stop_ids_on_the_device_by_the_count_there():
     gen = torch.Generator().manual_seed(7)
     blocked_rows = unblocked_stop_rows = 0
     for trial in range(40):
-        bs = int(torch.randint(1, 4, (1,), generator=gen))
-        drafts = [torch.randint(0, 4, (int(torch.randint(0, 6, (1,), generator=gen)),), generator=gen).tolist()
-                  for _ in range(bs)]
-        ids = torch.tensor([t for d in drafts for t in [9] + d])
-        logits = torch.randn(len(ids), VOCAB, generator=gen)
-        logits[torch.arange(len(ids)), torch.randint(0, 4, (len(ids),), generator=gen)] += 4.0  # stop ids often win
+        bs, drafts, ids, logits = _random_chains(gen, longest=5, boost=4.0)  # stop ids 0, 1 often win
         counts = [(int(torch.randint(1, 9, (1,), generator=gen)), int(torch.randint(0, 5, (1,), generator=gen)),
                    int(torch.randint(0, 4, (1,), generator=gen))) for _ in range(bs)]
         states = [_min_tokens_state(m, done, unread) for m, done, unread in counts]
@@ -414,20 +427,8 @@ def test_min_new_tokens_blocks_stop_ids_on_the_device_by_the_count_there():
             blocked_rows += int(torch.isinf(want[:, 0]).sum())
             unblocked_stop_rows += int((~torch.isinf(want[:, 0]) & (logits[off:off + n].argmax(1) <= 1)).sum())
         # a tree: each node's row by its depth (its root -> node chain's last row on the host)
-        tree = _random_tree(gen, 6)
-        tree_ids = torch.tensor([9] + torch.randint(0, 4, (5,), generator=gen).tolist())
-        tree_spec = VerifyInput([tree_ids[1:].tolist()], parents=[tree])
-        tree_logits = torch.randn(6, VOCAB, generator=gen)
-        tree_state, tree_host = _min_tokens_state(4, 1, 1), _min_tokens_state(4, 2, 0)
-        got = processed_logits(tree_logits, _Nodes(tree_logits, tree_ids, tree_spec, [tree]), tree_spec,
-                               [tree_state], [0])
-        for node in range(6):
-            path = [node]
-            while path[-1] > 0:
-                path.append(tree[path[-1]])
-            path.reverse()
-            want = processed_rows(tree_logits[path], tree_ids[path[1:]].tolist(), tree_host)[-1]
-            torch.testing.assert_close(got[node], want)
+        _assert_tree_rows_processed_as_on_the_host(gen, torch.zeros(1, VOCAB), _min_tokens_state(4, 1, 1),
+                                                   _min_tokens_state(4, 2, 0))
         # the walk: the host rule's tokens; the counts, once both steps are read, the host rule's
         acc = accept_on_device(logits, ids, spec, None, states, list(range(bs)))
         out = PendingVerify(acc, spec, async_copy=False).read()
