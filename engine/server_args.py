@@ -153,7 +153,7 @@ class ServerArgs:
     # serving
     api_key: Optional[str] = field(default=None, repr=False)  # never logged
     max_request_bytes: int = 16 * 1024 * 1024
-    request_body_timeout: float = 60.0  # seconds a client has to send a request's whole body (0: no limit)
+    request_read_timeout: float = 60.0  # seconds a client has to send a request's head, and again its body (0: none)
     log_level: str = "info"
     decode_log_interval: int = 40  # log a "Decode batch." line every this many decode steps
     watchdog_timeout: float = 300.0  # a scheduler step longer than this stops the engine (0: off)
@@ -227,8 +227,8 @@ class ServerArgs:
             raise ValueError("--decode-log-interval must be >= 1")
         if self.watchdog_timeout < 0:
             raise ValueError("--watchdog-timeout must be >= 0 (0 turns the watchdog off)")
-        if self.request_body_timeout < 0:
-            raise ValueError("--request-body-timeout must be >= 0 (0: no limit)")
+        if self.request_read_timeout < 0:
+            raise ValueError("--request-read-timeout must be >= 0 (0: no limit)")
         assert 0.0 <= self.disaggregation_fault_probability <= 1.0, "--disaggregation-fault-probability in [0, 1]"
         if self.mamba_ssm_dtype not in MAMBA_SSM_DTYPES:
             raise ValueError(f"--mamba-ssm-dtype must be one of {MAMBA_SSM_DTYPES}")
@@ -483,9 +483,10 @@ class ServerArgs:
         a("--random-seed", type=int, default=ServerArgs.random_seed)
         a("--api-key", default=None, help="bearer key clients must send (default: $BATON_API_KEY)")
         a("--max-request-bytes", type=int, default=ServerArgs.max_request_bytes)
-        a("--request-body-timeout", type=float, default=ServerArgs.request_body_timeout,
-          help="seconds a client has to send a request's whole body, else 408 (a client that stalls "
-               "mid-body would hold its connection; 0: no limit)")
+        a("--request-read-timeout", type=float, default=ServerArgs.request_read_timeout,
+          help="seconds a client has to send a request's head (from the connection or the last response: else "
+               "the connection is closed), and again its body (else 408): a client that stalls would hold its "
+               "connection for good (0: no limit)")
         a("--log-level", default=ServerArgs.log_level)
         a("--decode-log-interval", type=int, default=ServerArgs.decode_log_interval,
           help="log the running batch (requests, tokens, throughput, queue) every this many decode steps")

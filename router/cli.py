@@ -65,8 +65,9 @@ def _request_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--shutdown-timeout-secs", type=float, default=60.0,
                    help="on SIGTERM: how long the requests in flight may run on once the listener closed")
     g.add_argument("--max-payload-size", type=int, default=512 * 1024 * 1024)
-    g.add_argument("--request-body-timeout-secs", type=float, default=60.0,
-                   help="seconds a client has to send a request's whole body, else 408 (0: no limit)")
+    g.add_argument("--request-read-timeout-secs", type=float, default=60.0,
+                   help="seconds a client has to send its first request head (else the connection is "
+                        "closed) and a request's body (else 408); 0: no limit")
     g.add_argument("--max-concurrent-requests", type=int, default=-1, help="-1: unlimited")
     g.add_argument("--queue-size", type=int, default=100)
     g.add_argument("--queue-timeout-secs", type=float, default=60.0)
@@ -130,7 +131,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         engine_api_key=args.engine_api_key or os.environ.get("BATON_ENGINE_API_KEY") or None,
         request_timeout_secs=args.request_timeout_secs,
         shutdown_timeout_secs=args.shutdown_timeout_secs,
-        max_payload_size=args.max_payload_size, request_body_timeout_secs=args.request_body_timeout_secs,
+        max_payload_size=args.max_payload_size, request_read_timeout_secs=args.request_read_timeout_secs,
         max_concurrent_requests=args.max_concurrent_requests,
         queue_size=args.queue_size, queue_timeout_secs=args.queue_timeout_secs,
         cache_aware=CacheAwareConfig(args.cache_threshold, args.balance_abs_threshold, args.balance_rel_threshold,

@@ -129,7 +129,8 @@ class RouterConfig:
     # on SIGTERM the listener closes and the requests in flight may run on this long (aiohttp's default)
     shutdown_timeout_secs: float = 60.0
     max_payload_size: int = 512 * 1024 * 1024
-    request_body_timeout_secs: float = 60.0  # a client's whole body within this, else 408; 0: no limit
+    # a connection's first request head within this (else closed), and a body (else 408); 0: no limit
+    request_read_timeout_secs: float = 60.0
     max_concurrent_requests: int = -1  # -1: unlimited, no queue
     queue_size: int = 100
     queue_timeout_secs: float = 60.0
@@ -152,7 +153,7 @@ class RouterConfig:
         assert self.request_timeout_secs > 0 and self.max_payload_size > 0 and self.queue_size >= 0
         assert self.shutdown_timeout_secs >= 0, "--shutdown-timeout-secs must be >= 0"
         assert self.worker_stall_timeout_secs >= 0
-        assert self.request_body_timeout_secs >= 0, "--request-body-timeout-secs must be >= 0"
+        assert self.request_read_timeout_secs >= 0, "--request-read-timeout-secs must be >= 0"
 
     def policy_for(self, role: WorkerRole) -> PolicyName:
         if role is WorkerRole.PREFILL and self.prefill_policy is not None:

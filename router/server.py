@@ -19,6 +19,7 @@ from baton.router.admission import Admission, QueueFull, QueueTimeout
 from baton.router.config import RouterConfig, WorkerRole
 from baton.router.dispatch import Dispatcher
 from baton.router.forward import JSON, error_body, forward_headers, new_client
+from baton.router.head_deadline import HeadDeadlineRunner
 from baton.router.health import HealthChecker
 from baton.router.metrics import CONTENT_TYPE, RouterMetrics
 from baton.router.registry import WorkerRegistry
@@ -51,8 +52,9 @@ class Router:
             from baton.router.discovery.kubernetes import KubernetesDiscovery  # needs `kubernetes`
             self._discovery = KubernetesDiscovery(self.config, self.workers, self.metrics)
             self._discovery.start()
-        self._runner = web.AppRunner(self.build_app(), handler_cancellation=True, access_log=None,
-                                     shutdown_timeout=self.config.shutdown_timeout_secs)
+        self._runner = HeadDeadlineRunner(self.build_app(), self.config.request_read_timeout_secs,
+                                          handler_cancellation=True, access_log=None,
+                                          shutdown_timeout=self.config.shutdown_timeout_secs)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.host, self.config.port, backlog=1024)
         await site.start()
@@ -109,7 +111,7 @@ class Router:
     async def _admit(self, request: web.Request, route: Route) -> ParsedRequest | web.Response:
         """The parsed request with a slot taken, or the error response."""
         try:
-            req = parse_request(route, await read_body(request, self.config.request_body_timeout_secs))
+            req = parse_request(route, await read_body(request, self.config.request_read_timeout_secs))
         except BadRequest as exc:
             return self._error(route, 400, str(exc), "bad_request", "invalid_request_error")
         except BodyTimeout as exc:

@@ -47,7 +47,7 @@ class _WorkersApi:
         if denied is not None:
             return denied
         try:
-            spec = self._spec(await self._fields(request, self.router.config.request_body_timeout_secs))
+            spec = self._spec(await self._fields(request, self.router.config.request_read_timeout_secs))
             worker = self.router.workers.add(spec, source="api")
         except WorkerExistsError as exc:
             return _error(409, str(exc))

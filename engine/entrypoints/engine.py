@@ -222,6 +222,7 @@ def run_server(server_args: ServerArgs) -> None:
         import uvicorn
 
         from baton.engine.entrypoints.drain import DrainingServer, stop_when_idle
+        from baton.engine.entrypoints.head_deadline import head_deadline_protocol
         from baton.engine.entrypoints.http_common import ApiContext
         from baton.engine.entrypoints.http_server import create_app
         from baton.engine.metrics import EngineMetrics
@@ -242,7 +243,7 @@ def run_server(server_args: ServerArgs) -> None:
         app = create_app(ctx)
         config = uvicorn.Config(app, host=server_args.host, port=server_args.port,
                                 log_level=server_args.log_level if server_args.log_level != "info" else "warning",
-                                timeout_keep_alive=30)
+                                timeout_keep_alive=30, http=head_deadline_protocol(server_args.request_read_timeout))
         server = DrainingServer(config, ctx.drain)
         logger.info("serving %s on http://%s:%d", server_args.model_name, server_args.host, server_args.port)
         died: list[str] = []

@@ -38,17 +38,17 @@ def error_response(message: str, status: int, err_type: str = "invalid_request_e
 async def read_json(request: Request, args: ServerArgs) -> dict[str, Any]:
     """The request's body as a JSON object. Read as it arrives: a body past --max-request-bytes is a
     413 once it passes it (a chunked one has no Content-Length for the guard to check first), one not
-    all sent within --request-body-timeout a 408."""
+    all sent within --request-read-timeout a 408."""
     limit, parts, size = args.max_request_bytes, [], 0
     try:
-        async with asyncio.timeout(args.request_body_timeout or None):
+        async with asyncio.timeout(args.request_read_timeout or None):
             async for part in request.stream():
                 size += len(part)
                 if size > limit:
                     raise RequestError(f"request body exceeds the limit of {limit} bytes", 413)
                 parts.append(part)
     except TimeoutError:
-        raise RequestError(f"request body not received within {args.request_body_timeout:g} s", 408) from None
+        raise RequestError(f"request body not received within {args.request_read_timeout:g} s", 408) from None
     body = b"".join(parts)
     try:
         data = orjson.loads(body)

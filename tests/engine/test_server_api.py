@@ -35,7 +35,7 @@ def engine(model_path):
     with running_engine(model_path, "--enable-overlap-schedule", "--enable-mixed-chunk",
                         "--chunked-prefill-size", "16", "--page-size", "4",
                         "--max-total-tokens", "2048", "--max-queued-requests", "64",
-                        "--request-body-timeout", "3") as eng:
+                        "--request-read-timeout", "3") as eng:
         yield eng
 
 
@@ -327,12 +327,50 @@ def test_a_chunked_body_past_the_limit_is_refused_as_it_arrives(engine):
 
 def test_a_body_not_sent_in_time_is_a_408(engine):
     """A client that stops mid-body (Content-Length promises more than it sends) gets 408 after
-    --request-body-timeout (3 s here) instead of holding its connection for good."""
+    --request-read-timeout (3 s here) instead of holding its connection for good."""
     port = int(engine.base_url.rsplit(":", 1)[1])
     head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             b"Content-Length: 100\r\n\r\n")
     status, _ = send_body_until_answered(port, head, [b'{"prompt": "a'], wait_s=30)
     assert status == b"HTTP/1.1 408 Request Timeout", status
+    assert wait_idle_integrity(engine.base_url)["integrity_ok"] is True
+
+
+def test_a_connection_that_does_not_send_its_head_in_time_is_closed(engine):
+    """uvicorn waits for a request's head as long as the client likes (slowloris); the engine closes a
+    connection whose head has not all come within --request-read-timeout (3 s here) of the connection
+    (nothing sent, half a head) or of the last response (a keep-alive connection whose next head stalls).
+    Pipelined requests and a keep-alive connection's prompt next request are served."""
+    import socket
+    import time
+
+    port = int(engine.base_url.rsplit(":", 1)[1])
+    ask = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+
+    def closed_after(sock: socket.socket, first: bytes) -> float:
+        """Seconds until the engine closes `sock` once `first` is sent (what it answered before is read)."""
+        start = time.monotonic()
+        sock.sendall(first)
+        sock.settimeout(30)
+        while sock.recv(4096):
+            pass
+        return time.monotonic() - start
+
+    for first in (b"", b"POST /generate HTTP/1.1\r\nHost: x\r\n"):
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            took = closed_after(s, first)
+            assert 2.0 < took < 15, (first, took)
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(ask + ask)  # pipelined
+        s.settimeout(10)
+        got = b""
+        while got.count(b"HTTP/1.1 200") < 2:
+            got += s.recv(4096)
+        time.sleep(1)
+        s.sendall(ask)  # the next request on the connection, in time
+        assert s.recv(4096).startswith(b"HTTP/1.1 200")
+        took = closed_after(s, b"GET /health HTTP/1.1\r\n")  # and a head that stalls
+        assert 2.0 < took < 15, took
     assert wait_idle_integrity(engine.base_url)["integrity_ok"] is True
 
 

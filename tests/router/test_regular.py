@@ -284,10 +284,10 @@ async def _raw_post(router, path: str, header: bytes, body: bytes) -> bytes:
 
 async def test_a_body_is_read_within_its_limits(fake_workers, routers, http):
     """A chunked body past --max-payload-size is a 413 as it arrives (it never ends here), one that
-    stalls mid-body a 408 after --request-body-timeout-secs (on the worker API too); the router serves
+    stalls mid-body a 408 after --request-read-timeout-secs (on the worker API too); the router serves
     on and no worker saw any of them."""
     worker = await fake_workers()
-    router = await routers(regular=[worker.url], max_payload_size=1 << 20, request_body_timeout_secs=1.0)
+    router = await routers(regular=[worker.url], max_payload_size=1 << 20, request_read_timeout_secs=1.0)
     chunked = b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
     chunk = b"%x\r\n%s\r\n" % (1 << 16, b" " * (1 << 16))
     status, sent = await asyncio.to_thread(send_body_until_answered, router.port, chunked, [chunk] * 64, 10)
@@ -299,6 +299,41 @@ async def test_a_body_is_read_within_its_limits(fake_workers, routers, http):
     async with http.post(url_of(router, "/generate"), json={"text": "x"}) as resp:
         assert resp.status == 200
     assert len(worker.requests) == 1
+
+
+async def test_a_connection_that_does_not_send_its_first_head_in_time_is_closed(fake_workers, routers, http):
+    """aiohttp waits for a connection's first head as long as the client likes (slowloris); the router
+    closes a connection whose first head has not all come within --request-read-timeout-secs (1 s here):
+    nothing sent, half a head, a head split across writes; one that comes in time is served, and so
+    is the next request on that connection (its later heads are aiohttp's keep-alive timeout's)."""
+    import socket
+    import time
+
+    worker = await fake_workers()
+    router = await routers(regular=[worker.url], request_read_timeout_secs=1.0)
+
+    def talk(parts: list[bytes], pause: float = 0.0) -> tuple[float, bytes]:
+        """Send `parts` (`pause` s apart), then read until the router closes: (seconds, all read)."""
+        with socket.create_connection(("127.0.0.1", router.port)) as s:
+            start, got = time.monotonic(), b""
+            for part in parts:
+                s.sendall(part)
+                time.sleep(pause)
+            s.settimeout(15)
+            while chunk := s.recv(4096):
+                got += chunk
+            return time.monotonic() - start, got
+
+    stalls = ([], [b"GET /health HTTP/1.1\r\nHost: x\r\n"], [b"GET /health HTTP/1.1\r\n", b"Host: x\r\n\r"])
+    for parts in stalls:
+        took, got = await asyncio.to_thread(talk, parts, 0.1)
+        assert 0.9 < took < 10 and got == b"", (parts, took, got)
+    ask = b"GET /liveness HTTP/1.1\r\nHost: x\r\n\r\n"
+    last = b"GET /liveness HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    took, got = await asyncio.to_thread(talk, [ask[:10], ask[10:], ask, ask + last], 0.7)
+    assert got.count(b"HTTP/1.1 200") == 4 and took > 2, got  # one connection, past the deadline: served
+    async with http.post(url_of(router, "/generate"), json={"text": "x"}) as resp:
+        assert resp.status == 200
 
 
 async def test_api_key_is_required_when_set(fake_workers, routers, http):
