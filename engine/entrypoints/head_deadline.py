@@ -1,10 +1,10 @@
 """A deadline on each request's head: a client that never sends it all (slowloris) loses its connection.
 
 uvicorn waits for a request's head as long as the client likes: a connection that sends nothing, or
-half a head, holds a socket and its buffers for good, and enough of them starve the server. HeadDeadlineProtocol closes a connection whose next request's
-head has not fully arrived within --request-read-timeout of the connection or of the last response
-(the body has its own deadline: http_common.read_json). A request in service, or queued behind one
-(pipelined), is never cut.
+half a head, holds a socket and its buffers for good, and enough of them starve the server.
+HeadDeadlineProtocol closes a connection whose next request's head has not fully arrived within
+--request-read-timeout of the connection or of the last response (the body has its own deadline:
+http_common.read_json). A request in service, or queued behind one (pipelined), is never cut.
 
 It is uvicorn's httptools protocol with three of its callbacks extended (connection_made,
 on_headers_complete, on_response_complete): `head_deadline_protocol` checks they are there and

@@ -288,7 +288,8 @@ async def test_a_body_is_read_within_its_limits(fake_workers, routers, http):
     on and no worker saw any of them."""
     worker = await fake_workers()
     router = await routers(regular=[worker.url], max_payload_size=1 << 20, request_read_timeout_secs=1.0)
-    chunked = b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+    chunked = (b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               b"Transfer-Encoding: chunked\r\n\r\n")
     chunk = b"%x\r\n%s\r\n" % (1 << 16, b" " * (1 << 16))
     status, sent = await asyncio.to_thread(send_body_until_answered, router.port, chunked, [chunk] * 64, 10)
     assert status == b"HTTP/1.1 413 Request Entity Too Large", (status, sent)  # the body never ends
