@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from baton_testing.raw_http import send_body_until_answered
+from baton_testing.raw_http import read_until_closed, send_body_until_answered, talk
 from engine_server import running_engine, wait_idle_integrity
 
 from baton.engine.sampling.sampling_params import SamplingParams
@@ -346,20 +346,9 @@ def test_a_connection_that_does_not_send_its_head_in_time_is_closed(engine):
 
     port = int(engine.base_url.rsplit(":", 1)[1])
     ask = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
-
-    def closed_after(sock: socket.socket, first: bytes) -> float:
-        """Seconds until the engine closes `sock` once `first` is sent (what it answered before is read)."""
-        start = time.monotonic()
-        sock.sendall(first)
-        sock.settimeout(30)
-        while sock.recv(4096):
-            pass
-        return time.monotonic() - start
-
     for first in (b"", b"POST /generate HTTP/1.1\r\nHost: x\r\n"):
-        with socket.create_connection(("127.0.0.1", port)) as s:
-            took = closed_after(s, first)
-            assert 2.0 < took < 15, (first, took)
+        took, _ = talk(port, [first], wait_s=30)
+        assert 2.0 < took < 15, (first, took)
     with socket.create_connection(("127.0.0.1", port)) as s:
         s.sendall(ask + ask)  # pipelined
         s.settimeout(10)
@@ -369,7 +358,10 @@ def test_a_connection_that_does_not_send_its_head_in_time_is_closed(engine):
         time.sleep(1)
         s.sendall(ask)  # the next request on the connection, in time
         assert s.recv(4096).startswith(b"HTTP/1.1 200")
-        took = closed_after(s, b"GET /health HTTP/1.1\r\n")  # and a head that stalls
+        start = time.monotonic()
+        s.sendall(b"GET /health HTTP/1.1\r\n")  # and a head that stalls
+        read_until_closed(s, 30)
+        took = time.monotonic() - start
         assert 2.0 < took < 15, took
     assert wait_idle_integrity(engine.base_url)["integrity_ok"] is True
 

@@ -2,7 +2,7 @@
 import asyncio
 
 import orjson
-from baton_testing.raw_http import send_body_until_answered
+from baton_testing.raw_http import send_body_until_answered, talk
 from router_support import make_config, url_of, wait_until
 
 from baton.router.config import CircuitBreakerConfig, HealthCheckConfig, PolicyName, RetryConfig
@@ -307,31 +307,16 @@ async def test_a_connection_that_does_not_send_its_first_head_in_time_is_closed(
     closes a connection whose first head has not all come within --request-read-timeout-secs (1 s here):
     nothing sent, half a head, a head split across writes; one that comes in time is served, and so
     is the next request on that connection (its later heads are aiohttp's keep-alive timeout's)."""
-    import socket
-    import time
-
     worker = await fake_workers()
     router = await routers(regular=[worker.url], request_read_timeout_secs=1.0)
 
-    def talk(parts: list[bytes], pause: float = 0.0) -> tuple[float, bytes]:
-        """Send `parts` (`pause` s apart), then read until the router closes: (seconds, all read)."""
-        with socket.create_connection(("127.0.0.1", router.port)) as s:
-            start, got = time.monotonic(), b""
-            for part in parts:
-                s.sendall(part)
-                time.sleep(pause)
-            s.settimeout(15)
-            while chunk := s.recv(4096):
-                got += chunk
-            return time.monotonic() - start, got
-
     stalls = ([], [b"GET /health HTTP/1.1\r\nHost: x\r\n"], [b"GET /health HTTP/1.1\r\n", b"Host: x\r\n\r"])
     for parts in stalls:
-        took, got = await asyncio.to_thread(talk, parts, 0.1)
+        took, got = await asyncio.to_thread(talk, router.port, parts, 0.1)
         assert 0.9 < took < 10 and got == b"", (parts, took, got)
     ask = b"GET /liveness HTTP/1.1\r\nHost: x\r\n\r\n"
     last = b"GET /liveness HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
-    took, got = await asyncio.to_thread(talk, [ask[:10], ask[10:], ask, ask + last], 0.7)
+    took, got = await asyncio.to_thread(talk, router.port, [ask[:10], ask[10:], ask, ask + last], 0.7)
     assert got.count(b"HTTP/1.1 200") == 4 and took > 2, got  # one connection, past the deadline: served
     async with http.post(url_of(router, "/generate"), json={"text": "x"}) as resp:
         assert resp.status == 200
