@@ -17,10 +17,16 @@ torch backend does not (its gather width is the batch's longest sequence).
 
 Speculative verify steps (`verify_tokens` N > 0: --speculative-num-draft-tokens) have graphs of their
 own, for batches up to `verify_max_bs` (the largest batch that speculates): an extend of exactly N
-tokens per request (its last token and N - 1 drafts, a chain), every request's KV before it. A step
-whose requests all drafted N - 1 tokens replays one; a shorter draft, a tree, or a hybrid model's
-step (its per-token state tracks) runs eagerly. A padded request is N tokens of id 0 at positions
-0 .. N - 1 over request row 0's first N KV entries, writing only the dummy slot.
+tokens per request (its last token and N - 1 drafts), every request's KV before it. A step whose
+requests all drafted N - 1 tokens replays one; a shorter draft or a hybrid model's step (its
+per-token state tracks) runs eagerly. A padded request is N tokens of id 0 at positions 0 .. N - 1
+over request row 0's first N KV entries, writing only the dummy slot.
+
+Trees (`verify_trees`: an engine that drafts them, --speculative-eagle-topk or
+--speculative-ngram-max-bfs-breadth > 1): its verify graphs attend through a mask planned before
+each replay (layers/attention/masks.py: each request's tree, a chain's and a padded request's
+causal), so a step of full trees replays as a step of full chains does. The tree's shape is data
+the plan reads, not part of the graph; an engine of chains keeps causal verify graphs.
 
 With capture disabled the runner runs the very same padding / static-buffer path eagerly, which is
 how CPU tests check that padded rows change neither real rows' outputs nor their KV.
@@ -61,14 +67,16 @@ def supports_cuda_graph(attn_backend: Any) -> bool:
 
 class CudaGraphRunner:
     def __init__(self, model_runner: "ModelRunner", max_bs: int, capture: bool = True, verify_tokens: int = 0,
-                 verify_max_bs: int = 0) -> None:
+                 verify_max_bs: int = 0, verify_trees: bool = False) -> None:
         """`capture=False` runs the padded static-buffer path eagerly (tests; any backend).
-        `verify_tokens` > 0: verify-step graphs of that many tokens per request, up to `verify_max_bs`."""
+        `verify_tokens` > 0: verify-step graphs of that many tokens per request, up to `verify_max_bs`;
+        `verify_trees`: masked by each step's trees (module docstring)."""
         self.model_runner = model_runner
         self.batch_sizes = capture_batch_sizes(max_bs)
         self.max_bs = self.batch_sizes[-1]
         self.use_graphs = capture
         self.verify_tokens = verify_tokens if verify_max_bs > 0 else 0
+        self.verify_trees = verify_trees and self.verify_tokens > 0
         self.verify_sizes = capture_batch_sizes(min(verify_max_bs, self.max_bs)) if self.verify_tokens else []
         dev, b = model_runner.device, self.max_bs
         n = max(b, self.verify_tokens * (self.verify_sizes[-1] if self.verify_sizes else 0))  # token rows
@@ -96,12 +104,13 @@ class CudaGraphRunner:
     def can_run(self, fb: ForwardBatch) -> bool:
         if fb.forward_mode == ForwardMode.DECODE:
             return fb.batch_size <= self.max_bs
-        return self._is_full_chain_verify(fb)
+        return self._is_full_verify(fb)
 
-    def _is_full_chain_verify(self, fb: ForwardBatch) -> bool:
-        """A verify step a verify graph serves: chains of exactly N tokens, no state work, small enough."""
+    def _is_full_verify(self, fb: ForwardBatch) -> bool:
+        """A verify step a verify graph serves: exactly N tokens per request (chains; trees too where the
+        graphs are masked by them), no state work, small enough."""
         n = self.verify_tokens
-        return (n > 0 and fb.spec_verify and fb.tree_parents is None and not fb.state_ops
+        return (n > 0 and fb.spec_verify and (fb.tree_parents is None or self.verify_trees) and not fb.state_ops
                 and fb.batch_size <= self.verify_sizes[-1] and all(e == n for e in fb.extend_seq_lens_cpu))
 
     def bucket(self, bs: int, verify: bool = False) -> int:
@@ -113,13 +122,14 @@ class CudaGraphRunner:
         """Hidden states [num_tokens, hidden] of a decode batch or a verify step; a view of the graph's
         output, valid until the next replay (the caller computes logits from it first). EAGLE-3's
         captured layer states go to fb.aux_hidden the same way."""
-        assert self.can_run(fb), "not a decode batch or full-chain verify step within the captured sizes"
+        assert self.can_run(fb), "not a decode batch or full verify step within the captured sizes"
         verify = fb.forward_mode != ForwardMode.DECODE
         bs, b = fb.batch_size, self.bucket(fb.batch_size, verify)
         if verify:
             self._load_verify_inputs(fb, b)
             n = self.verify_tokens
-            static = self._static_verify_batch(b, fb.extend_prefix_lens_cpu + [0] * (b - bs))
+            static = self._static_verify_batch(b, fb.extend_prefix_lens_cpu + [0] * (b - bs),
+                                               list(fb.tree_parents or [None] * bs) + [None] * (b - bs))
             rows = bs * n
         else:
             self._load_inputs(fb, b)
@@ -170,7 +180,9 @@ class CudaGraphRunner:
         self.req_pool_indices[start:end].zero_()
         self.seq_lens[start:end].fill_(n)
 
-    def _static_verify_batch(self, b: int, prefix_lens_cpu: list[int]) -> ForwardBatch:
+    def _static_verify_batch(self, b: int, prefix_lens_cpu: list[int], trees: list) -> ForwardBatch:
+        """`trees`: each request's tree or None (a chain, a padded request); a list, even of Nones, for
+        graphs masked by trees (the attention then plans a mask for every request), else unused."""
         n = self.verify_tokens
         fb = self.model_runner.make_forward_batch(
             ForwardMode.EXTEND, input_ids=self.input_ids[:b * n], positions=self.positions[:b * n],
@@ -178,6 +190,7 @@ class CudaGraphRunner:
             out_cache_loc=self.out_cache_loc[:b * n], seq_lens_cpu=[p + n for p in prefix_lens_cpu],
             extend_prefix_lens_cpu=prefix_lens_cpu, extend_seq_lens_cpu=[n] * b)
         fb.spec_verify = True
+        fb.tree_parents = trees if self.verify_trees else None
         return fb
 
     def _pad_rows(self, start: int, end: int) -> None:
@@ -225,14 +238,15 @@ class CudaGraphRunner:
                                        "run with --disable-cuda-graph") from e
         torch.cuda.synchronize()
         logger.info("captured CUDA graphs for decode batch sizes %s%s", self.batch_sizes,
-                    f", verify steps of {self.verify_tokens} tokens for {self.verify_sizes}" if self.verify_sizes else "")
+                    f", verify steps of {self.verify_tokens} tokens{' (trees)' if self.verify_trees else ''} for "
+                    f"{self.verify_sizes}" if self.verify_sizes else "")
 
     def _capture_one(self, kind: str, b: int, pool: Optional[Any]) -> None:
         # capture on all-padding inputs: only the dummy page is written
         backend = self.model_runner.attn_backend
         if kind == "verify":
             self._pad_verify_rows(0, b)
-            static = self._static_verify_batch(b, [0] * b)
+            static = self._static_verify_batch(b, [0] * b, [None] * b)
             backend.init_forward_metadata_capture_verify(static)
         else:
             self._pad_rows(0, b)

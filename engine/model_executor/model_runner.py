@@ -251,11 +251,15 @@ class ModelRunner:
             return None
         max_bs = args.cuda_graph_max_bs or cuda_graph_max_bs_for(torch.cuda.get_device_properties(self.device).total_memory)
         max_bs = min(max_bs, self.pool_config.max_running_requests)
-        # speculation: verify steps of full chains get graphs of their own, for the batches that speculate
-        # (a hybrid model's verify steps track every token's state, which runs eagerly)
+        # speculation: verify steps of full drafts get graphs of their own, for the batches that speculate,
+        # masked by each step's trees where the engine drafts trees (a hybrid model's verify steps track
+        # every token's state, which runs eagerly)
         verify = args.speculative_algorithm is not None and self.state_pool is None
+        trees = verify and ((args.speculative_eagle_topk or 1) > 1 if args.speculative_algorithm != "NGRAM"
+                            else args.speculative_ngram_max_bfs_breadth > 1)
         return CudaGraphRunner(self, max_bs=max_bs, verify_tokens=args.speculative_num_draft_tokens if verify else 0,
-                               verify_max_bs=args.speculative_disable_by_batch_size - 1 if verify else 0)
+                               verify_max_bs=args.speculative_disable_by_batch_size - 1 if verify else 0,
+                               verify_trees=trees)
 
     def _pool_config(self, text_cfg, state_shapes: Optional["LinearStateShapes"]) -> PoolConfig:
         args, page = self.server_args, self.server_args.page_size
@@ -379,13 +383,13 @@ class ModelRunner:
         """Runs the model; returns hidden states [num_tokens, hidden]."""
         if fb.state_ops is not None:  # a hybrid model's checkpoint copies come before its layers
             self.state_pool.copy_slots(fb.state_ops.copies)
-        if fb.tree_parents is not None:
-            # a verify step of tree drafts: the torch backend's tree mask, through the model's own
-            # forward (the native forward and the compiled extend know causal masks only)
-            self.attn_backend.init_forward_metadata(fb)
-            return self.model(fb.input_ids, fb.positions, fb)
         if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(fb):
             return self.cuda_graph_runner.replay(fb)  # plans its own (padded) attention metadata
+        if fb.tree_parents is not None:
+            # a verify step of tree drafts: the backend's tree mask, through the model's own forward
+            # (the native forward and the compiled extend know causal masks only)
+            self.attn_backend.init_forward_metadata(fb)
+            return self.model(fb.input_ids, fb.positions, fb)
         native = self.native_forward
         if native is not None and fb.forward_mode == ForwardMode.DECODE:
             return native.decode(fb.input_ids, fb.positions, fb.req_pool_indices, fb.seq_lens, fb.out_cache_loc)
@@ -406,11 +410,10 @@ class ModelRunner:
 
     def planned_no_metadata(self, fb: ForwardBatch) -> bool:
         """Whether forward(fb) ran a path that planned no attention metadata for fb itself: the native
-        forward, or a decode graph's replay (which plans its padded static batch). A draft head's pass
-        over fb's geometry then plans it (speculative/head_drafter.py)."""
+        forward, or a graph's replay (which plans its padded static batch). A draft head's pass over fb's
+        geometry then plans it (speculative/head_drafter.py)."""
         graphs = self.cuda_graph_runner
-        return self.native_forward is not None or (graphs is not None and fb.tree_parents is None
-                                                   and graphs.can_run(fb))
+        return self.native_forward is not None or (graphs is not None and graphs.can_run(fb))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[rows, hidden] -> [rows, vocab] float32: the native LM head where the native forward

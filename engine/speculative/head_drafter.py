@@ -64,7 +64,7 @@ prediction of its own yet (a PD decode's transferred request: the prefill comput
 the prompt, not this row's buffers) drafts nothing in its first step (head_speculator.py), whose pass
 after it fills the row; unless the prefill sent its head's first drafts (`prime_from`).
 
-The target runs its plain forward, its CUDA graphs (decode steps, and verify steps of full chains;
+The target runs its plain forward, its CUDA graphs (decode steps, and verify steps of full chains or trees;
 EAGLE-3's layer states are graph outputs too), or on CPU its native forward where the head needs only
 final hidden states; after a graph or the native forward the head's passes plan the batch's own
 attention metadata. The head's passes run eagerly; torch.compile stays off with a head. With tensor parallelism every rank runs these passes in the driver's order (the

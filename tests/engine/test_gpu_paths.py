@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from typing import Optional
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from baton.engine.model_executor.cuda_graph_runner import CudaGraphRunner, captu
 from baton.engine.model_executor.forward_batch import ForwardBatch, ForwardMode
 from baton.engine.model_executor.model_runner import ModelRunner
 from baton.engine.server_args import ServerArgs
+from baton.engine.speculative.spec_info import node_depths
 from baton.engine.triton_ops.paged_kv_indices import build_paged_kv_metadata, paged_kv_layout, qo_indptr_of
 
 # 18, 3, 21, 5, 16, 33 and 1 tokens: full, partial and single-token pages at page size 16
@@ -254,10 +256,15 @@ def check_padded_decode(runner: ModelRunner, graphs: CudaGraphRunner, bs: int, a
         assert not torch.equal(ref[checkpoint], old[checkpoint]), "the tracked checkpoint was written"
 
 
-def check_padded_verify(runner: ModelRunner, graphs: CudaGraphRunner, bs: int, atol: float) -> None:
+def check_padded_verify(runner: ModelRunner, graphs: CudaGraphRunner, bs: int, atol: float,
+                        trees: Optional[list] = None) -> None:
     """A speculative verify step (each request its last token and N - 1 drafts, an extend over its KV)
     of rows 1..bs through the verify graphs' padded static buffers: the unpadded step's hidden states
-    and KV, and nothing written but the step's slots and the dummy page."""
+    and KV, and nothing written but the step's slots and the dummy page. `trees`: per request None (a
+    chain), a tree's parents (host) or its ancestor matrix (on the device, as a draft head's); each node
+    at position L + its depth."""
+    from baton.engine.layers.attention.masks import ancestors
+
     n = graphs.verify_tokens
     rows, lens = prefill(runner, PROMPTS)
     rows, lens = rows[1:1 + bs], lens[1:1 + bs]
@@ -267,11 +274,16 @@ def check_padded_verify(runner: ModelRunner, graphs: CudaGraphRunner, bs: int, a
     for i, (r, k) in enumerate(zip(rows, lens)):
         table[r, k:k + n] = locs[n * i:n * i + n].to(table.device)
     dev = runner.device
+    parents = [t.tolist() if isinstance(t, torch.Tensor) else (t or list(range(-1, n - 1)))
+               for t in trees or [None] * bs]
+    positions = [k + d for k, p in zip(lens, parents) for d in node_depths(p)]
+    shapes = None if trees is None else [ancestors(t[None].to(dev), n)[0] if isinstance(t, torch.Tensor) else t
+                                         for t in trees]
     fb = ForwardBatch(ForwardMode.EXTEND, bs, torch.tensor([40 + i for i in range(bs * n)], device=dev),
-                      torch.cat([torch.arange(k, k + n) for k in lens]).to(dev), torch.tensor(rows, device=dev),
+                      torch.tensor(positions, device=dev), torch.tensor(rows, device=dev),
                       torch.tensor([k + n for k in lens], device=dev), locs.to(dev), [k + n for k in lens], lens,
                       [n] * bs, runner.req_to_token_pool, runner.token_to_kv_pool, runner.attn_backend,
-                      spec_verify=True)
+                      spec_verify=True, tree_parents=shapes)
     assert graphs.can_run(fb) and not graphs.can_run(dataclasses.replace(fb, spec_verify=False))
     before, expected_kv, after = replay_equals_eager(runner, graphs, fb, atol)
     assert_kv_written_only(runner, locs, after, before, expected_kv, atol)
@@ -465,6 +477,23 @@ def test_cuda_graph_replay_matches_eager(tiny_model_factory, page_size, bs):
     check_padded_decode(runner, graphs, bs, atol=2e-2)
 
 
+@pytest.mark.parametrize("page_size,bs", [(1, 3), (16, 2)])
+def test_tree_verify_graph_padding_eager_on_cpu(tiny_model_factory, page_size, bs):
+    """Verify graphs masked by trees (an engine that drafts them): a step of a host tree (NGRAM's), a
+    draft head's tree as its ancestor matrix and chains, padded to bucket 4 or 2, gives the eager tree
+    step's outputs and KV; a chain engine's graphs leave tree steps to the eager path."""
+    runner = make_runner(tiny_model_factory("llama"), page_size)
+    graphs = CudaGraphRunner(runner, max_bs=8, capture=False, verify_tokens=5, verify_max_bs=4, verify_trees=True)
+    trees = [[-1, 0, 0, 1, 2], torch.tensor([-1, 0, 1, 0, 3]), None][:bs]
+    check_padded_verify(runner, graphs, bs, atol=1e-5, trees=trees)
+    chains = CudaGraphRunner(runner, max_bs=8, capture=False, verify_tokens=5, verify_max_bs=4)
+    tree_step = ForwardBatch(ForwardMode.EXTEND, 1, *[torch.zeros(5, dtype=torch.int64)] * 2,
+                             torch.zeros(1, dtype=torch.int64), torch.tensor([5]), torch.zeros(5, dtype=torch.int64),
+                             [5], [0], [5], runner.req_to_token_pool, runner.token_to_kv_pool, runner.attn_backend,
+                             spec_verify=True, tree_parents=[[-1, 0, 0, 1, 2]])
+    assert graphs.can_run(tree_step) and not chains.can_run(tree_step)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("page_size,bs", [(1, 3), (16, 2)])
 def test_verify_graph_replay_matches_eager(tiny_model_factory, page_size, bs):
@@ -477,6 +506,24 @@ def test_verify_graph_replay_matches_eager(tiny_model_factory, page_size, bs):
     graphs = runner.cuda_graph_runner
     assert graphs is not None and sorted(b for kind, b in graphs.graphs if kind == "verify") == [1, 2, 4]
     check_padded_verify(runner, graphs, bs, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size,bs", [(1, 3), (16, 2)])
+def test_tree_verify_graph_replay_matches_eager(tiny_model_factory, page_size, bs):
+    """An engine that drafts trees captures verify graphs over FlashInfer's custom mask (a shared packed
+    mask buffer, planned before each replay): a step of a host tree, a head's tree as its ancestor
+    matrix on the device and a chain gives the eager tree step's outputs and KV (fp16)."""
+    need_gpu()
+    runner = make_runner(tiny_model_factory("llama", **GPU_MODEL), page_size, "cuda", dtype="float16",
+                         attention_backend="flashinfer", cuda_graph_max_bs=8, speculative_algorithm="NGRAM",
+                         speculative_num_draft_tokens=5, speculative_disable_by_batch_size=5,
+                         speculative_ngram_max_bfs_breadth=2)
+    graphs = runner.cuda_graph_runner
+    assert graphs is not None and graphs.verify_trees
+    assert sorted(b for kind, b in graphs.graphs if kind == "verify") == [1, 2, 4]
+    trees = [[-1, 0, 0, 1, 2], torch.tensor([-1, 0, 1, 0, 3]), None][:bs]
+    check_padded_verify(runner, graphs, bs, atol=2e-2, trees=trees)
 
 
 @pytest.mark.gpu

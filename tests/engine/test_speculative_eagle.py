@@ -408,6 +408,52 @@ def test_the_drafted_tree_is_the_eagle_heads_best_first_tree(target, drafts, kin
     assert spec_info(h)["speculative_eagle_topk"] == 3 and h.scheduler.check_memory_integrity()
 
 
+def test_head_trees_through_the_tree_verify_graphs_path(target, drafts):
+    """With topk 3 the verify graphs are masked by each step's tree (run eagerly on CPU: what a CUDA
+    graph replays, its mask planned before): decode steps through the padded path while the batch is too
+    large to speculate, then full trees through the verify path; every drafted tree is the reference
+    head's best-first tree (so the head's pass after each replay read the tree's own mask and its KV
+    moved with the target's), HF's tokens, nothing leaked."""
+    from baton.engine.model_executor.cuda_graph_runner import CudaGraphRunner
+
+    draft = drafts("EAGLE-decoy")
+    spec = {**tree("EAGLE", draft, 3, speculative_num_draft_tokens=9), "speculative_disable_by_batch_size": 3}
+    h = harness_for(target, "plain", max_total_tokens=4096, **spec)
+    runner = h.scheduler.worker.model_runner
+    graphs = runner.cuda_graph_runner = CudaGraphRunner(runner, max_bs=4, capture=False, verify_tokens=9,
+                                                        verify_max_bs=2, verify_trees=True)
+    runner.attn_backend.native_decode = False  # decode attention from per-pass metadata, as FlashInfer's
+    replays, replay = [], graphs.replay
+    graphs.replay = lambda fb: replays.append((fb.spec_verify, fb.tree_parents is not None)) or replay(fb)
+    seen: list[tuple[list[int], list[int], Optional[list[int]]]] = []
+    process = h.scheduler.spec.process_verify_result
+
+    def record(launched, result):
+        for i, req in enumerate(launched.reqs):
+            if req.rid == "0":
+                spec = launched.mwb.spec_info
+                seen.append((list(req.output_ids), list(spec.drafts[i]), spec.tree(i)))
+        process(launched, result)
+
+    h.scheduler.spec.process_verify_result = record
+    ps, lens = prompts()[:4], [30, 6, 9, 30]
+    for i, (p, n) in enumerate(zip(ps, lens)):
+        h.submit(str(i), p, max_new_tokens=n, ignore_eos=True)
+    results = h.run_until_idle()
+    for i, (p, n) in enumerate(zip(ps, lens)):
+        assert results[str(i)].ids == hf_greedy(target, p, n, ignore_eos=True), f"request {i}"
+    assert any(not verify for verify, _ in replays), "the big batch decoded through the graph runner"
+    assert any(verify and masked for verify, masked in replays), "tree steps went through the verify graphs' path"
+    reference = load_eagle_reference(target, draft)
+    assert len(seen) >= 3 and spec_info(h)["spec_tree_branch_accepts"] > 0
+    for before, drafted, parents in seen:
+        room = 30 - len(before) - 1
+        nodes, depth = tree_size(min(STEPS, room), 3, min(8, room))
+        want_parents, want = reference.best_first(ps[0] + before, depth, 3, nodes)
+        assert (parents, drafted) == (want_parents if nodes > 1 else None, want), len(before)
+    assert h.scheduler.check_memory_integrity()
+
+
 @pytest.mark.parametrize("loop,page_size", [("plain", 1), ("overlap", 16)])
 def test_head_trees_greedy_equals_hf(target, drafts, loop, page_size):
     """A head whose argmax is mostly wrong and second choice right (a decoy): with topk 2 most runs are

@@ -695,7 +695,7 @@ def _oracle_harness(monkeypatch, path: str, refs: dict[str, list[int]], loop: st
     test may add rids later)."""
     monkeypatch.setattr(NgramSpeculator, "draft_tree", _oracle(refs))
     monkeypatch.setattr(NgramSpeculator, "on_verified", lambda self, req, drafted, accepted: None)  # no index
-    return harness_for(path, loop, max_total_tokens=4096, **SPEC, **overrides)
+    return harness_for(path, loop, max_total_tokens=4096, **{**SPEC, **overrides})
 
 
 def test_sampled_requests_walk_the_whole_tree(tiny_model_factory, monkeypatch):
@@ -900,19 +900,28 @@ def test_tree_flags_are_sglangs_and_refused_where_trees_cannot_run():
 
 
 @pytest.mark.gpu
-def test_tree_drafts_on_flashinfer(tiny_model_factory, monkeypatch):
+@pytest.mark.parametrize("graphs", [False, True])
+def test_tree_drafts_on_flashinfer(tiny_model_factory, monkeypatch, graphs):
     """On CUDA with FlashInfer (fp16): verify steps of trees whose accepted tokens all lie off the first
-    chain plan FlashInfer's custom mask; the tokens are HF's greedy ones (teacher-forced, fp16 criterion of
-    test_gpu_paths), runs are accepted off the first chain, nothing leaks."""
+    chain plan FlashInfer's custom mask, eagerly, or (`graphs`: an engine that drafts trees of 8 tokens)
+    replaying the verify graphs captured over the custom mask; the tokens are HF's greedy ones
+    (teacher-forced, fp16 criterion of test_gpu_paths), runs are accepted off the first chain, nothing
+    leaks."""
     from test_gpu_paths import GPU_MODEL, hf_consistency, need_gpu
 
     need_gpu()
     path = tiny_model_factory("llama", **GPU_MODEL)
     prompts = {str(i): p for i, p in enumerate(workload()[:4])}
     refs = {rid: hf_greedy(path, p, MAX_NEW, ignore_eos=True) for rid, p in prompts.items()}
+    trees = dict(speculative_ngram_max_bfs_breadth=2, speculative_num_draft_tokens=8,  # the oracle's 7 nodes
+                 speculative_disable_by_batch_size=5) if graphs else {}
     h = _oracle_harness(monkeypatch, path, refs, "overlap", page_size=16, device="cuda", dtype="float16",
-                        attention_backend="flashinfer")
+                        attention_backend="flashinfer", **trees)
+    runner = h.scheduler.worker.model_runner
+    replayed, replay = [], runner.cuda_graph_runner.replay
+    runner.cuda_graph_runner.replay = lambda fb: replayed.append(fb.tree_parents is not None) or replay(fb)
     results = run_workload(h, list(prompts.values()), max_new=MAX_NEW, ignore_eos=True)
+    assert any(replayed) == graphs, "tree steps replayed the verify graphs exactly where the engine drafts trees"
     exact = sum(hf_consistency(path, prompts[rid], results[rid].ids, tol=0.1) for rid in prompts)
     assert exact >= 0.9 * MAX_NEW * len(prompts)
     info = h.scheduler.get_server_info()

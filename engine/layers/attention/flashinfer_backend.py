@@ -23,7 +23,13 @@ in its fused kernel: `reads_new_kv_from_pool`); every layer then attends from th
 CUDA graphs (model_executor/cuda_graph_runner.py): one decode wrapper per captured batch size,
 created with use_cuda_graph=True over preallocated indptr / last_page_len buffers and one shared
 kv_indices buffer, and planned again (outside the graph) before every replay; speculative verify
-steps (N tokens per request, causal) likewise with a prefill wrapper per captured size.
+steps (N tokens per request) likewise with a prefill wrapper per captured size: causal, or, where the
+engine drafts trees, over a shared packed-mask buffer and a mask indptr of its own, which every plan
+fills (a graph captured with a custom mask reads one on every replay, so such a wrapper is always
+planned with one: a chain's is causal).
+
+A plan with a custom mask packs it into bits (flashinfer's segment_packbits), which reads the packed
+size back from the device: a tree step's plan waits for the work queued before it.
 """
 from __future__ import annotations
 
@@ -117,6 +123,7 @@ class FlashInferAttnBackend(AttentionBackend):
         self._plan_fence: Optional[torch.cuda.Event] = None
         self._graph_wrappers: dict[tuple[str, int], Any] = {}  # (decode | verify, batch size)
         self._graph_kv_indices: Optional[torch.Tensor] = None
+        self._graph_mask: Optional[torch.Tensor] = None  # packed tree masks of the verify graphs (uint8)
 
     @staticmethod
     def _check_supported(device: str, dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int) -> None:
@@ -198,17 +205,26 @@ class FlashInferAttnBackend(AttentionBackend):
         self._plan_decode(wrapper, forward_batch, out=self._graph_kv_indices)
 
     def init_forward_metadata_capture_verify(self, forward_batch: "ForwardBatch") -> None:
-        """Before capturing the verify graph of batch size bs (N tokens per request, causal chains): a
-        fixed-size prefill wrapper over static buffers, planned once."""
+        """Before capturing the verify graph of batch size bs (N tokens per request; causal, or masked by
+        trees where the batch names them, forward_batch.tree_parents): a fixed-size prefill wrapper over
+        static buffers, planned once. Captured largest first, so the shared mask buffer is sized then."""
         assert self._graph_kv_indices is not None, "init_cuda_graph_state first"
         bs = forward_batch.batch_size
+        masks = {}
+        if forward_batch.tree_parents is not None:
+            n = forward_batch.extend_seq_lens_cpu[0]
+            if self._graph_mask is None:  # every request N rows over at most a whole row of req_to_token
+                per_request = -(-n * self.req_to_token.shape[1] // 8)
+                self._graph_mask = torch.zeros(bs * per_request, dtype=torch.uint8, device=self.device)
+            masks = dict(custom_mask_buf=self._graph_mask,
+                         mask_indptr_buf=torch.zeros(bs + 1, dtype=torch.int32, device=self.device))
         wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_cuda_graph=True,
             qo_indptr_buf=torch.zeros(bs + 1, dtype=torch.int32, device=self.device),
             paged_kv_indptr_buf=torch.zeros(bs + 1, dtype=torch.int32, device=self.device),
             paged_kv_indices_buf=self._graph_kv_indices,
             paged_kv_last_page_len_buf=torch.zeros(bs, dtype=torch.int32, device=self.device),
-            backend=KERNEL_BACKEND)
+            backend=KERNEL_BACKEND, **masks)
         self._graph_wrappers[("verify", bs)] = wrapper
         self._plan_extend(forward_batch, wrapper, out=self._graph_kv_indices)
 
