@@ -133,31 +133,29 @@ def test_eagle_greedy_equals_hf(target, drafts, kind, loop, page_size):
     assert follow_up_and_abort(h, target, ps[3], results["3"].ids, ps[1])["turn2"].cached_tokens > 0
 
 
-@pytest.mark.parametrize("kind", ["EAGLE", "EAGLE3"])
-def test_head_passes_around_graph_replays(target, drafts, kind):
-    """Decode steps through the graph runner's padded static path (run eagerly on CPU: what a CUDA graph
-    replays) while the batch is too large to speculate, then verify steps of full chains through the
-    verify graphs' path once it shrinks: the head's passes after each replay plan the batch's own
-    attention metadata (EAGLE-3 reads the layer states the replay left), so every later draft is the
-    reference head's chain over the tokens so far; HF's tokens."""
+def run_through_graph_paths(h, target, verify_tokens: int, trees: bool = False):
+    """Four requests through the graph runner's padded static paths (run eagerly on CPU: what CUDA graphs
+    replay): decode steps while the batch is too large to speculate (the harness's
+    --speculative-disable-by-batch-size 3), full verify steps through the verify graphs' path (masked
+    by trees with `trees`) once it shrinks; HF's tokens. Returns the replays (verify step?, batch size,
+    masked by trees?) and per verify step request 0's (tokens so far, drafts, tree parents or None)."""
     from baton.engine.model_executor.cuda_graph_runner import CudaGraphRunner
 
-    draft = drafts(kind)
-    h = harness_for(target, "plain", max_total_tokens=4096,
-                    **{**eagle(kind, draft), "speculative_disable_by_batch_size": 3})
     runner = h.scheduler.worker.model_runner
-    graphs = runner.cuda_graph_runner = CudaGraphRunner(runner, max_bs=4, capture=False,
-                                                        verify_tokens=STEPS + 1, verify_max_bs=2)
+    graphs = runner.cuda_graph_runner = CudaGraphRunner(runner, max_bs=4, capture=False, verify_tokens=verify_tokens,
+                                                        verify_max_bs=2, verify_trees=trees)
     runner.attn_backend.native_decode = False  # decode attention from per-pass metadata, as FlashInfer's
     replays, replay = [], graphs.replay
-    graphs.replay = lambda fb: replays.append((fb.spec_verify, fb.batch_size)) or replay(fb)
-    seen: list[tuple[list[int], list[int]]] = []  # (tokens before a verify step, request 0's drafts)
+    graphs.replay = lambda fb: (replays.append((fb.spec_verify, fb.batch_size, fb.tree_parents is not None))
+                                or replay(fb))
+    seen: list[tuple[list[int], list[int], Optional[list[int]]]] = []
     process = h.scheduler.spec.process_verify_result
 
     def record(launched, result):
         for i, req in enumerate(launched.reqs):
             if req.rid == "0":
-                seen.append((req.origin_input_ids + req.output_ids, list(launched.mwb.spec_info.drafts[i])))
+                spec = launched.mwb.spec_info
+                seen.append((req.origin_input_ids + req.output_ids, list(spec.drafts[i]), spec.tree(i)))
         process(launched, result)
 
     h.scheduler.spec.process_verify_result = record
@@ -167,11 +165,23 @@ def test_head_passes_around_graph_replays(target, drafts, kind):
     results = h.run_until_idle()
     for i, (p, n) in enumerate(zip(ps, lens)):
         assert results[str(i)].ids == hf_greedy(target, p, n, ignore_eos=True), f"request {i}"
-    assert max(b for verify, b in replays if not verify) >= 3, "the big batch decoded through the graph runner"
-    assert any(verify for verify, _ in replays), "full-chain verify steps went through the verify graphs' path"
+    assert max(b for verify, b, _ in replays if not verify) >= 3, "the big batch decoded through the graph runner"
+    assert any(verify for verify, _, _ in replays), "full verify steps went through the verify graphs' path"
+    return replays, seen
+
+
+@pytest.mark.parametrize("kind", ["EAGLE", "EAGLE3"])
+def test_head_passes_around_graph_replays(target, drafts, kind):
+    """Through the graph runner's paths (run_through_graph_paths), verify steps of full chains: the head's
+    passes after each replay plan the batch's own attention metadata (EAGLE-3 reads the layer states the
+    replay left), so every later draft is the reference head's chain over the tokens so far."""
+    draft = drafts(kind)
+    h = harness_for(target, "plain", max_total_tokens=4096,
+                    **{**eagle(kind, draft), "speculative_disable_by_batch_size": 3})
+    _, seen = run_through_graph_paths(h, target, STEPS + 1)
     reference = load_eagle_reference(target, draft)
     assert len(seen) >= 3
-    for tokens, drafted in seen:
+    for tokens, drafted, _ in seen:
         assert drafted == reference.chain(tokens, STEPS)[:len(drafted)], len(tokens)
     assert h.scheduler.check_memory_integrity()
 
@@ -409,47 +419,22 @@ def test_the_drafted_tree_is_the_eagle_heads_best_first_tree(target, drafts, kin
 
 
 def test_head_trees_through_the_tree_verify_graphs_path(target, drafts):
-    """With topk 3 the verify graphs are masked by each step's tree (run eagerly on CPU: what a CUDA
-    graph replays, its mask planned before): decode steps through the padded path while the batch is too
-    large to speculate, then full trees through the verify path; every drafted tree is the reference
-    head's best-first tree (so the head's pass after each replay read the tree's own mask and its KV
-    moved with the target's), HF's tokens, nothing leaked."""
-    from baton.engine.model_executor.cuda_graph_runner import CudaGraphRunner
-
+    """With topk 3 the verify graphs are masked by each step's tree (run_through_graph_paths: what a CUDA
+    graph replays, its mask planned before): every drafted tree is the reference head's best-first tree
+    (so the head's pass after each replay read the tree's own mask and its KV moved with the target's)."""
     draft = drafts("EAGLE-decoy")
     spec = {**tree("EAGLE", draft, 3, speculative_num_draft_tokens=9), "speculative_disable_by_batch_size": 3}
     h = harness_for(target, "plain", max_total_tokens=4096, **spec)
-    runner = h.scheduler.worker.model_runner
-    graphs = runner.cuda_graph_runner = CudaGraphRunner(runner, max_bs=4, capture=False, verify_tokens=9,
-                                                        verify_max_bs=2, verify_trees=True)
-    runner.attn_backend.native_decode = False  # decode attention from per-pass metadata, as FlashInfer's
-    replays, replay = [], graphs.replay
-    graphs.replay = lambda fb: replays.append((fb.spec_verify, fb.tree_parents is not None)) or replay(fb)
-    seen: list[tuple[list[int], list[int], Optional[list[int]]]] = []
-    process = h.scheduler.spec.process_verify_result
-
-    def record(launched, result):
-        for i, req in enumerate(launched.reqs):
-            if req.rid == "0":
-                spec = launched.mwb.spec_info
-                seen.append((list(req.output_ids), list(spec.drafts[i]), spec.tree(i)))
-        process(launched, result)
-
-    h.scheduler.spec.process_verify_result = record
-    ps, lens = prompts()[:4], [30, 6, 9, 30]
-    for i, (p, n) in enumerate(zip(ps, lens)):
-        h.submit(str(i), p, max_new_tokens=n, ignore_eos=True)
-    results = h.run_until_idle()
-    for i, (p, n) in enumerate(zip(ps, lens)):
-        assert results[str(i)].ids == hf_greedy(target, p, n, ignore_eos=True), f"request {i}"
-    assert any(not verify for verify, _ in replays), "the big batch decoded through the graph runner"
-    assert any(verify and masked for verify, masked in replays), "tree steps went through the verify graphs' path"
+    replays, seen = run_through_graph_paths(h, target, 9, trees=True)
+    assert any(verify and masked for verify, _, masked in replays), "tree steps went through the tree graphs' path"
     reference = load_eagle_reference(target, draft)
+    prompt = prompts()[0]
     assert len(seen) >= 3 and spec_info(h)["spec_tree_branch_accepts"] > 0
-    for before, drafted, parents in seen:
+    for tokens, drafted, parents in seen:
+        before = tokens[len(prompt):]
         room = 30 - len(before) - 1
         nodes, depth = tree_size(min(STEPS, room), 3, min(8, room))
-        want_parents, want = reference.best_first(ps[0] + before, depth, 3, nodes)
+        want_parents, want = reference.best_first(tokens, depth, 3, nodes)
         assert (parents, drafted) == (want_parents if nodes > 1 else None, want), len(before)
     assert h.scheduler.check_memory_integrity()
 
