@@ -28,6 +28,13 @@ each replay (layers/attention/masks.py: each request's tree, a chain's and a pad
 causal), so a step of full trees replays as a step of full chains does. The tree's shape is data
 the plan reads, not part of the graph; an engine of chains keeps causal verify graphs.
 
+A draft head's decode-shaped steps (speculative/head_drafter.py: a chain's next draft, or every leaf
+of a growing tree, one token per row of the step's table) have graphs of their own (`capture_draft`),
+for the decode sizes up to the most rows a draft step has: the head's pass over the decode graphs'
+input buffers plus one of the head's input states, planned through the decode graph's attention
+wrapper of the same size (the step's own table: a tree's lanes read through one). Padded rows are
+decode padding with a zero state.
+
 With capture disabled the runner runs the very same padding / static-buffer path eagerly, which is
 how CPU tests check that padded rows change neither real rows' outputs nor their KV.
 """
@@ -35,7 +42,7 @@ from __future__ import annotations
 
 import bisect
 import logging
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
@@ -94,6 +101,10 @@ class CudaGraphRunner:
         self.graphs: dict[tuple[str, int], Any] = {}
         self.outputs: dict[tuple[str, int], torch.Tensor] = {}
         self.aux_outputs: dict[tuple[str, int], Optional[torch.Tensor]] = {}
+        # a draft head's steps (capture_draft): its pass, sizes and input states
+        self.draft_forward: Optional[Callable[[ForwardBatch, torch.Tensor], torch.Tensor]] = None
+        self.draft_sizes: list[int] = []
+        self.draft_states: Optional[torch.Tensor] = None
         if capture:
             if not supports_cuda_graph(model_runner.attn_backend):
                 raise ValueError(f"{type(model_runner.attn_backend).__name__} has no static-shape decode metadata; "
@@ -218,6 +229,57 @@ class CudaGraphRunner:
         # (the graph would replay the warm-up's values) or an eager run reuse stale ones.
         return self.model_runner.model(fb.input_ids, fb.positions.view(-1), fb)
 
+    # ------------------------------------------------------------------ a draft head's steps
+    def capture_draft(self, forward: Callable[[ForwardBatch, torch.Tensor], torch.Tensor], width: int,
+                      dtype: torch.dtype, most: int) -> None:
+        """Graphs of a draft head's decode-shaped steps (module docstring) for up to `most` rows:
+        `forward(batch, states [b, width])` -> the head's outputs [b, hidden]."""
+        self.draft_forward = forward
+        self.draft_sizes = [b for b in self.batch_sizes if b <= self.bucket(min(most, self.max_bs))]
+        with torch.inference_mode():
+            self.draft_states = torch.zeros(self.draft_sizes[-1], width, dtype=dtype, device=self.input_ids.device)
+        if not self.use_graphs:
+            return
+        pool = torch.cuda.graph_pool_handle()
+        with torch.inference_mode():
+            for b in reversed(self.draft_sizes):
+                self._pad_rows(0, b)
+                self.draft_states[:b].zero_()
+                static = self._static_batch(b, [PAD_SEQ_LEN] * b)
+                self.model_runner.attn_backend.init_forward_metadata_replay(static)  # the decode graph's wrapper
+                try:
+                    self._capture(("draft", b), static, lambda fb=static, b=b: forward(fb, self.draft_states[:b]),
+                                  pool)
+                except Exception as e:
+                    raise RuntimeError(f"CUDA graph capture of the draft head's step failed at batch size {b} ({e}); "
+                                       "run with --disable-cuda-graph") from e
+        torch.cuda.synchronize()
+        logger.info("captured CUDA graphs for the draft head's steps, batch sizes %s", self.draft_sizes)
+
+    def can_run_draft(self, fb: ForwardBatch) -> bool:
+        return bool(self.draft_sizes) and fb.batch_size <= self.draft_sizes[-1]
+
+    def replay_draft(self, fb: ForwardBatch, states: torch.Tensor) -> torch.Tensor:
+        """The head's outputs [bs, hidden] for a draft step `fb` (decode-shaped, through its own table)
+        and its input states [bs, width]; a view valid until the next draft replay of that size."""
+        bs = fb.batch_size
+        b = self.draft_sizes[bisect.bisect_left(self.draft_sizes, bs)]
+        for buf, src in ((self.input_ids, fb.input_ids), (self.positions, fb.positions),
+                         (self.req_pool_indices, fb.req_pool_indices), (self.seq_lens, fb.seq_lens),
+                         (self.out_cache_loc, fb.out_cache_loc), (self.draft_states, states)):
+            buf[:bs].copy_(src, non_blocking=True)
+        self._pad_rows(bs, b)
+        self.draft_states[bs:b].zero_()
+        static = self._static_batch(b, fb.seq_lens_cpu + [PAD_SEQ_LEN] * (b - bs))
+        static.req_to_token_pool = fb.req_to_token_pool  # a tree's lanes read through a table of their own
+        backend = self.model_runner.attn_backend
+        if self.use_graphs:
+            backend.init_forward_metadata_replay(static)
+            self.graphs[("draft", b)].replay()
+            return self.outputs[("draft", b)][:bs]
+        backend.init_forward_metadata(static)
+        return self.draft_forward(static, self.draft_states[:b])[:bs]
+
     # ------------------------------------------------------------------ capture
     @torch.inference_mode()
     def _capture_all(self) -> None:
@@ -252,14 +314,18 @@ class CudaGraphRunner:
             self._pad_rows(0, b)
             static = self._static_batch(b, [PAD_SEQ_LEN] * b)
             backend.init_forward_metadata_capture(static)
+        self._capture((kind, b), static, lambda: self._forward(static), pool)
+        self.aux_outputs[(kind, b)] = static.aux_hidden
+
+    def _capture(self, key: tuple[str, int], static: ForwardBatch, run: Callable[[], torch.Tensor],
+                 pool: Optional[Any]) -> None:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-ups off the capture: lazy inits, Triton JIT, allocator
             for _ in range(2):
-                self._forward(static)
+                run()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
-            self.outputs[(kind, b)] = self._forward(static)
-        self.aux_outputs[(kind, b)] = static.aux_hidden
-        self.graphs[(kind, b)] = graph
+            self.outputs[key] = run()
+        self.graphs[key] = graph

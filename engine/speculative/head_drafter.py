@@ -67,8 +67,11 @@ after it fills the row; unless the prefill sent its head's first drafts (`prime_
 The target runs its plain forward, its CUDA graphs (decode steps, and verify steps of full chains or trees;
 EAGLE-3's layer states are graph outputs too), or on CPU its native forward where the head needs only
 final hidden states; after a graph or the native forward the head's passes plan the batch's own
-attention metadata. The head's passes run eagerly; torch.compile stays off with a head. With tensor parallelism every rank runs these passes in the driver's order (the
-head's layers and LM head are collectives); scheduler/tp_step.py says what the followers are sent.
+attention metadata. The draft steps (a chain's, a tree's leaves: decode-shaped) replay graphs of their
+own where the target has CUDA graphs (one rank; CudaGraphRunner.capture_draft); the head's passes
+after a target pass run eagerly. torch.compile stays off with a head. With tensor parallelism every
+rank runs these passes in the driver's order (the head's layers and LM head are collectives);
+scheduler/tp_step.py says what the followers are sent.
 """
 from __future__ import annotations
 
@@ -81,6 +84,7 @@ from baton.engine.mem_cache.memory_pool import ReqToTokenPool
 from baton.engine.model_executor.forward_batch import ForwardMode
 
 if TYPE_CHECKING:
+    from baton.engine.model_executor.cuda_graph_runner import CudaGraphRunner
     from baton.engine.model_executor.forward_batch import ForwardBatch
     from baton.engine.model_executor.model_runner import ModelRunner
     from baton.engine.speculative.spec_info import VerifyInput, VerifyOutput
@@ -104,10 +108,32 @@ class HeadDrafter:
         self.hidden = torch.zeros(rows, model.config.hidden_size, dtype=runner.dtype, device=dev)
         # CUDA: the last head pass's end, which a PD prefill waits for before reading a row (row_draft)
         self.done: Optional[torch.cuda.Event] = None
+        self.graphs: Optional["CudaGraphRunner"] = None  # the draft steps' graphs (use_graphs)
+        if runner.cuda_graph_runner is not None and runner.tp.size == 1:
+            self.use_graphs(runner.cuda_graph_runner)
+
+    def use_graphs(self, graphs: "CudaGraphRunner") -> None:
+        """Run the draft steps through `graphs` (its draft-step graphs, captured here): as many rows as
+        a step of the batches that speculate has (their requests, times topk for a tree's leaves)."""
+        args = self.runner.server_args
+        most = max(1, args.speculative_disable_by_batch_size - 1) * self.topk
+        graphs.capture_draft(self._draft_pass, self.hidden.shape[1], self.hidden.dtype, most)
+        self.graphs = graphs
 
     # ------------------------------------------------------------------ the head's passes
     def _head(self, fb: "ForwardBatch", ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         return self.head(self.embed(ids), fb.positions, features, fb)
+
+    def _draft_pass(self, step: "ForwardBatch", states: torch.Tensor) -> torch.Tensor:
+        """A draft step's pass, its attention metadata planned (what the draft-step graphs capture)."""
+        return self._head(step, step.input_ids, states)
+
+    def _draft_step(self, step: "ForwardBatch", states: torch.Tensor) -> torch.Tensor:
+        """A draft step (one token per row of its table): through the draft-step graphs where they serve."""
+        if self.graphs is not None and self.graphs.can_run_draft(step):
+            return self.graphs.replay_draft(step, states)
+        self.runner.attn_backend.init_forward_metadata(step)
+        return self._draft_pass(step, states)
 
     def _features(self, fb: "ForwardBatch", hidden: torch.Tensor) -> torch.Tensor:
         """What the head reads of a target pass: its captured states (EAGLE3) or final hidden states.
@@ -236,8 +262,7 @@ class HeadDrafter:
                 ForwardMode.DECODE, input_ids=drafts[idx, j - 1], positions=lens - 1, req_pool_indices=req_rows[idx],
                 seq_lens=lens, out_cache_loc=pool.req_to_token[req_rows[idx], lens - 1], seq_lens_cpu=seq_lens,
                 req_to_token_pool=pool)
-            self.runner.attn_backend.init_forward_metadata(step)
-            step_out = self._head(step, step.input_ids, out[idx])
+            step_out = self._draft_step(step, out[idx])
             drafts[idx, j] = self._predict(step_out)[0][:, 0]
             out[idx] = step_out
         return drafts
@@ -268,8 +293,7 @@ class HeadDrafter:
             step = self.runner.make_forward_batch(
                 ForwardMode.DECODE, input_ids=ids, positions=lens - 1, req_pool_indices=lane_rows, seq_lens=lens,
                 out_cache_loc=table.req_to_token[lane_rows, lens - 1], seq_lens_cpu=seq_lens, req_to_token_pool=table)
-            self.runner.attn_backend.init_forward_metadata(step)
-            out = self._head(step, ids, features)
+            out = self._draft_step(step, features)
             top = max(g.width[n] for n, _ in lanes)
             child_ids, child_lp = self._predict(out, top, scores=top > 1)
             child_scores = g.score[leaves][:, None] + (child_lp if child_lp is not None else 0.0)
