@@ -122,7 +122,9 @@ class HeadDrafter:
 
     # ------------------------------------------------------------------ the head's passes
     def _head(self, fb: "ForwardBatch", ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
-        return self.head(self.embed(ids), fb.positions, features, fb)
+        # a fresh view of the positions per pass: the rotary embedding memoizes cos/sin by the positions
+        # tensor's identity, and a graph's static batch keeps one object (its capture would skip them)
+        return self.head(self.embed(ids), fb.positions.view(-1), features, fb)
 
     def _draft_pass(self, step: "ForwardBatch", states: torch.Tensor) -> torch.Tensor:
         """A draft step's pass, its attention metadata planned (what the draft-step graphs capture)."""

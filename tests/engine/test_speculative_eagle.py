@@ -180,6 +180,42 @@ def run_through_graph_paths(h, target, verify_tokens: int, trees: bool = False):
 
 
 @pytest.mark.parametrize("kind", ["EAGLE", "EAGLE3"])
+def test_a_draft_step_over_one_static_batch_reads_its_positions_every_time(target, drafts, kind):
+    """What a captured draft-step graph replays: the head's pass over the same static batch object, new
+    positions loaded into its buffer, attends as a pass built for those positions does. (The rotary
+    embedding memoizes cos/sin by the positions tensor's identity: a pass that handed it the static
+    batch's own tensor would be captured without computing them, and replay the warm-up's.)"""
+    from baton.engine.model_executor.cuda_graph_runner import CudaGraphRunner
+
+    h = harness_for(target, "plain", max_total_tokens=1024, **eagle(kind, drafts(kind)))
+    runner, drafter = h.scheduler.worker.model_runner, h.scheduler.worker.drafter
+    with torch.inference_mode():  # as the worker runs (the graph runner's buffers are inference tensors)
+        graphs = CudaGraphRunner(runner, max_bs=4, capture=False)
+        drafter.use_graphs(graphs)
+        pool, table = runner.token_to_kv_pool, runner.req_to_token_pool.req_to_token
+        torch.manual_seed(0)
+        for buf in pool.k_buffer + pool.v_buffer:  # keys at other positions than the pass's own
+            buf.normal_()
+        table[0, :5], table[1, :5] = torch.arange(8, 13), torch.arange(16, 21)
+        graphs.req_pool_indices[:2] = torch.tensor([0, 1])
+        graphs.seq_lens[:2] = 5
+        graphs.out_cache_loc[:2] = torch.tensor([12, 20])
+        graphs.input_ids[:2] = torch.tensor([7, 9])
+        states = torch.randn(2, drafter.hidden.shape[1], dtype=drafter.hidden.dtype)
+
+        def run(fb, positions):
+            graphs.positions[:2] = torch.tensor(positions)
+            runner.attn_backend.init_forward_metadata(fb)
+            return drafter._draft_pass(fb, states).clone()
+
+        static = graphs._static_batch(2, [5, 5])
+        first, again = run(static, [4, 4]), run(static, [40, 90])
+        fresh = run(graphs._static_batch(2, [5, 5]), [40, 90])
+        assert not torch.allclose(first, again), "the positions change the head's attention"
+        torch.testing.assert_close(again, fresh)
+
+
+@pytest.mark.parametrize("kind", ["EAGLE", "EAGLE3"])
 def test_head_passes_around_graph_replays(target, drafts, kind):
     """Through the graph runner's paths (run_through_graph_paths), verify steps of full chains: the head's
     passes after each replay plan the batch's own attention metadata (EAGLE-3 reads the layer states the
