@@ -68,8 +68,9 @@ The target runs its plain forward, its CUDA graphs (decode steps, and verify ste
 EAGLE-3's layer states are graph outputs too), or on CPU its native forward where the head needs only
 final hidden states; after a graph or the native forward the head's passes plan the batch's own
 attention metadata. The draft steps (a chain's, a tree's leaves: decode-shaped) replay graphs of their
-own where the target has CUDA graphs (one rank; CudaGraphRunner.capture_draft); the head's passes
-after a target pass run eagerly. torch.compile stays off with a head. With tensor parallelism every
+own where the target has CUDA graphs (one rank; CudaGraphRunner.capture_draft), and so does its pass
+after a replayed verify step (reading the verify graph's output); after other target passes it runs
+eagerly. torch.compile stays off with a head. With tensor parallelism every
 rank runs these passes in the driver's order (the head's layers and LM head are collectives);
 scheduler/tp_step.py says what the followers are sent.
 """
@@ -117,7 +118,8 @@ class HeadDrafter:
         a step of the batches that speculate has (their requests, times topk for a tree's leaves)."""
         args = self.runner.server_args
         most = max(1, args.speculative_disable_by_batch_size - 1) * self.topk
-        graphs.capture_draft(self._draft_pass, self.hidden.shape[1], self.hidden.dtype, most)
+        graphs.capture_draft(self._draft_pass, self.hidden.shape[1], self.hidden.dtype, most,
+                             aux_states=bool(self.head.aux_layers))
         self.graphs = graphs
 
     # ------------------------------------------------------------------ the head's passes
@@ -136,6 +138,14 @@ class HeadDrafter:
             return self.graphs.replay_draft(step, states)
         self.runner.attn_backend.init_forward_metadata(step)
         return self._draft_pass(step, states)
+
+    def _verify_pass(self, fb: "ForwardBatch", hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The head over a verify step's tokens reading `ids`: through the graph after a replayed verify
+        step, where the verify graph left the head's input states and planned the attention."""
+        states = fb.aux_hidden if self.head.aux_layers else hidden
+        if self.graphs is not None and self.graphs.can_run_head_verify(fb, states):
+            return self.graphs.replay_head_verify(fb, ids, states)
+        return self._head(fb, ids, self._features(fb, hidden))
 
     def _features(self, fb: "ForwardBatch", hidden: torch.Tensor) -> torch.Tensor:
         """What the head reads of a target pass: its captured states (EAGLE3) or final hidden states.
@@ -369,7 +379,6 @@ class HeadDrafter:
         over the pass's positions, each node on a request's accepted path reading the next one's token,
         the last accepted node the target's token after it."""
         spec.settle()
-        features = self._features(fb, hidden)
         ids = fb.input_ids.roll(-1)  # a chain's next token; rows off the accepted path: any valid id
         at, following, kept = [], [], []
         for i, (off, tokens) in enumerate(zip(spec.offsets, out.tokens)):
@@ -380,7 +389,7 @@ class HeadDrafter:
                     following.append(spec.drafts[i][child - 1])
             kept.append(off + path[-1])
         ids[_ints(at + kept, ids.device)] = _ints(following + out.last_tokens, ids.device)
-        self._keep(fb.req_pool_indices, self._head(fb, ids, features)[_ints(kept, ids.device)])
+        self._keep(fb.req_pool_indices, self._verify_pass(fb, hidden, ids)[_ints(kept, ids.device)])
 
 
     @torch.inference_mode()
@@ -389,14 +398,13 @@ class HeadDrafter:
         node on the accepted path reads the next one's token (a chain's next row already holds it), the
         last one the target's token. Steps past a request's count repeat its last node, which reads its
         own token there until the last write puts the target's in its place."""
-        features = self._features(fb, hidden)
         ids = fb.input_ids.roll(-1)
         if acc.path.shape[1] > 1:
             at = (acc.offsets[:, None] + acc.path[:, :-1]).reshape(-1)
             ids[at] = fb.input_ids[(acc.offsets[:, None] + acc.path[:, 1:]).reshape(-1)]
         kept = acc.offsets + acc.path.gather(1, acc.count[:, None])[:, 0]
         ids[kept] = acc.last
-        self._keep(fb.req_pool_indices, self._head(fb, ids, features)[kept])
+        self._keep(fb.req_pool_indices, self._verify_pass(fb, hidden, ids)[kept])
 
 
 def _ints(values: list, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
