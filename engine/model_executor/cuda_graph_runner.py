@@ -108,6 +108,7 @@ class CudaGraphRunner:
         self.draft_sizes: list[int] = []
         self.draft_states: Optional[torch.Tensor] = None
         self.head_verify = False  # the head's pass after each verify graph captured (capture_draft)
+        self.head_aux = False  # which verify graph output that pass reads: the layer states (EAGLE-3)
         if capture:
             if not supports_cuda_graph(model_runner.attn_backend):
                 raise ValueError(f"{type(model_runner.attn_backend).__name__} has no static-shape decode metadata; "
