@@ -33,9 +33,9 @@ of a growing tree, one token per row of the step's table) have graphs of their o
 for the decode sizes up to the most rows a draft step has: the head's pass over the decode graphs'
 input buffers plus one of the head's input states, planned through the decode graph's attention
 wrapper of the same size (the step's own table: a tree's lanes read through one). Padded rows are
-decode padding with a zero state. So does the head's pass after a replayed verify step (`head-verify`:
-its N tokens per request, the ids of the accepted path): it reads the verify graph's own output (or
-EAGLE-3's layer states) as its input states and the attention the verify replay planned.
+decode padding with a zero state. So does the head's pass after a replayed decode or verify step
+(`head-decode`, `head-verify`: the step's positions, the ids that follow them): it reads that graph's
+own output (or EAGLE-3's layer states) as its input states and the attention its replay planned.
 
 With capture disabled the runner runs the very same padding / static-buffer path eagerly, which is
 how CPU tests check that padded rows change neither real rows' outputs nor their KV.
@@ -107,8 +107,8 @@ class CudaGraphRunner:
         self.draft_forward: Optional[Callable[[ForwardBatch, torch.Tensor], torch.Tensor]] = None
         self.draft_sizes: list[int] = []
         self.draft_states: Optional[torch.Tensor] = None
-        self.head_verify = False  # the head's pass after each verify graph captured (capture_draft)
-        self.head_aux = False  # which verify graph output that pass reads: the layer states (EAGLE-3)
+        self.head_after = False  # the head's pass after each decode and verify graph captured (capture_draft)
+        self.head_aux = False  # which graph output that pass reads: the layer states (EAGLE-3)
         if capture:
             if not supports_cuda_graph(model_runner.attn_backend):
                 raise ValueError(f"{type(model_runner.attn_backend).__name__} has no static-shape decode metadata; "
@@ -237,16 +237,16 @@ class CudaGraphRunner:
     def capture_draft(self, forward: Callable[[ForwardBatch, torch.Tensor], torch.Tensor], width: int,
                       dtype: torch.dtype, most: int, aux_states: bool = False) -> None:
         """Graphs of a draft head's decode-shaped steps (module docstring) for up to `most` rows, and of
-        its pass after each verify graph: `forward(batch, states [rows, width])` -> the head's outputs
-        [rows, hidden]; `aux_states`: after a verify step the head reads the captured layer states
-        (EAGLE-3), else the final hidden states."""
+        its pass after each decode and verify graph: `forward(batch, states [rows, width])` -> the head's
+        outputs [rows, hidden]; `aux_states`: after a target pass the head reads the captured layer
+        states (EAGLE-3), else the final hidden states."""
         self.draft_forward = forward
         self.draft_sizes = [b for b in self.batch_sizes if b <= self.bucket(min(most, self.max_bs))]
         self.head_aux = aux_states
         with torch.inference_mode():
             self.draft_states = torch.zeros(self.draft_sizes[-1], width, dtype=dtype, device=self.input_ids.device)
-        self.head_verify = bool(self.verify_sizes) and (not aux_states or not self.use_graphs or all(
-            self.aux_outputs.get(("verify", b)) is not None for b in self.verify_sizes))
+        self.head_after = not aux_states or not self.use_graphs or all(
+            aux is not None for aux in self.aux_outputs.values())
         if not self.use_graphs:
             return
         pool = torch.cuda.graph_pool_handle()
@@ -259,15 +259,21 @@ class CudaGraphRunner:
                 backend.init_forward_metadata_replay(static)  # the decode graph's wrapper
                 self._capture_head(("draft", b), static, lambda fb=static, b=b: forward(fb, self.draft_states[:b]),
                                    pool)
-            for b in reversed(self.verify_sizes if self.head_verify else []):
-                self._pad_verify_rows(0, b)
-                static = self._static_verify_batch(b, [0] * b, [None] * b)
-                backend.init_forward_metadata_replay_verify(static)  # the verify graph's wrapper
-                states = (self.aux_outputs if aux_states else self.outputs)[("verify", b)]
-                self._capture_head(("head-verify", b), static, lambda fb=static, x=states: forward(fb, x), pool)
+            for kind, sizes in (("verify", self.verify_sizes), ("decode", self.batch_sizes)):
+                for b in reversed(sizes if self.head_after else []):
+                    if kind == "verify":
+                        self._pad_verify_rows(0, b)
+                        static = self._static_verify_batch(b, [0] * b, [None] * b)
+                        backend.init_forward_metadata_replay_verify(static)  # the verify graph's wrapper
+                    else:
+                        self._pad_rows(0, b)
+                        static = self._static_batch(b, [PAD_SEQ_LEN] * b)
+                        backend.init_forward_metadata_replay(static)  # the decode graph's wrapper
+                    states = (self.aux_outputs if aux_states else self.outputs)[(kind, b)]
+                    self._capture_head((f"head-{kind}", b), static, lambda fb=static, x=states: forward(fb, x), pool)
         torch.cuda.synchronize()
         logger.info("captured CUDA graphs for the draft head's steps, batch sizes %s%s", self.draft_sizes,
-                    ", and its pass after each verify graph" if self.head_verify else "")
+                    ", and its pass after each decode and verify graph" if self.head_after else "")
 
     def _capture_head(self, key: tuple[str, int], static: ForwardBatch, run: Callable[[], torch.Tensor],
                       pool: Any) -> None:
@@ -277,29 +283,35 @@ class CudaGraphRunner:
             raise RuntimeError(f"CUDA graph capture of the draft head's {key[0]} pass failed at batch size {key[1]} "
                                f"({e}); run with --disable-cuda-graph") from e
 
-    def can_run_head_verify(self, fb: ForwardBatch, states: torch.Tensor) -> bool:
-        """Whether the head's pass after verify step `fb` replays its graph: the step replayed a verify
-        graph, whose output (or layer states) `states` is, as the head's graph reads them there."""
-        if not (self.head_verify and self.can_run(fb) and fb.forward_mode != ForwardMode.DECODE):
+    def can_run_head_after(self, fb: ForwardBatch, states: torch.Tensor) -> bool:
+        """Whether the head's pass after target pass `fb` replays its graph: `fb` replayed a decode or
+        verify graph, whose output (or layer states) `states` is, as the head's graph reads them there."""
+        if not (self.head_after and self.draft_forward is not None and self.can_run(fb)):
             return False
         if not self.use_graphs:
             return True
-        b = self.bucket(fb.batch_size, verify=True)
-        source = (self.aux_outputs if self.head_aux else self.outputs)[("verify", b)]
-        return states.data_ptr() == source.data_ptr()
+        verify = fb.forward_mode != ForwardMode.DECODE
+        key = ("verify" if verify else "decode", self.bucket(fb.batch_size, verify))
+        return states.data_ptr() == (self.aux_outputs if self.head_aux else self.outputs)[key].data_ptr()
 
-    def replay_head_verify(self, fb: ForwardBatch, ids: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
-        """The head's outputs [bs * N, hidden] over verify step `fb` just replayed, its tokens reading
-        `ids` [bs * N] and `states` (the verify graph's own, can_run_head_verify); a view valid until the
-        next such replay. The verify inputs and attention plan are still the step's."""
-        bs, n = fb.batch_size, self.verify_tokens
-        b = self.bucket(bs, verify=True)
+    def replay_head_after(self, fb: ForwardBatch, ids: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
+        """The head's outputs [rows, hidden] over target pass `fb` just replayed (a decode step, or a
+        verify step of N tokens per request), its rows reading `ids` [rows] and `states` (that graph's
+        own, can_run_head_after); a view valid until the next such replay. The pass's inputs and
+        attention plan are still in place."""
+        verify = fb.forward_mode != ForwardMode.DECODE
+        bs, n = fb.batch_size, self.verify_tokens if verify else 1
+        b = self.bucket(bs, verify)
         self.input_ids[:bs * n].copy_(ids, non_blocking=True)
         if self.use_graphs:
-            self.graphs[("head-verify", b)].replay()
-            return self.outputs[("head-verify", b)][:bs * n]
-        static = self._static_verify_batch(b, fb.extend_prefix_lens_cpu + [0] * (b - bs),
-                                           list(fb.tree_parents or [None] * bs) + [None] * (b - bs))
+            key = ("head-verify" if verify else "head-decode", b)
+            self.graphs[key].replay()
+            return self.outputs[key][:bs * n]
+        if verify:
+            static = self._static_verify_batch(b, fb.extend_prefix_lens_cpu + [0] * (b - bs),
+                                               list(fb.tree_parents or [None] * bs) + [None] * (b - bs))
+        else:
+            static = self._static_batch(b, fb.seq_lens_cpu + [PAD_SEQ_LEN] * (b - bs))
         self.model_runner.attn_backend.init_forward_metadata(static)
         padded = torch.cat([states, states.new_zeros((b - bs) * n, states.shape[1])])
         return self.draft_forward(static, padded)[:bs * n]

@@ -69,10 +69,10 @@ EAGLE-3's layer states are graph outputs too), or on CPU its native forward wher
 final hidden states; after a graph or the native forward the head's passes plan the batch's own
 attention metadata. The draft steps (a chain's, a tree's leaves: decode-shaped) replay graphs of their
 own where the target has CUDA graphs (one rank; CudaGraphRunner.capture_draft), and so does its pass
-after a replayed verify step (reading the verify graph's output); after other target passes it runs
-eagerly. torch.compile stays off with a head. With tensor parallelism every
-rank runs these passes in the driver's order (the head's layers and LM head are collectives);
-scheduler/tp_step.py says what the followers are sent.
+after a replayed decode or verify step (reading that graph's output); after an extend it runs
+eagerly. torch.compile stays off with a head. With tensor parallelism every rank runs these passes in
+the driver's order (the head's layers and LM head are collectives); scheduler/tp_step.py says what
+the followers are sent.
 """
 from __future__ import annotations
 
@@ -139,12 +139,12 @@ class HeadDrafter:
         self.runner.attn_backend.init_forward_metadata(step)
         return self._draft_pass(step, states)
 
-    def _verify_pass(self, fb: "ForwardBatch", hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """The head over a verify step's tokens reading `ids`: through the graph after a replayed verify
-        step, where the verify graph left the head's input states and planned the attention."""
+    def _pass_after(self, fb: "ForwardBatch", hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The head over a target pass's positions reading `ids`: through its graph after a replayed
+        decode or verify step, where that graph left the head's input states and planned the attention."""
         states = fb.aux_hidden if self.head.aux_layers else hidden
-        if self.graphs is not None and self.graphs.can_run_head_verify(fb, states):
-            return self.graphs.replay_head_verify(fb, ids, states)
+        if self.graphs is not None and self.graphs.can_run_head_after(fb, states):
+            return self.graphs.replay_head_after(fb, ids, states)
         return self._head(fb, ids, self._features(fb, hidden))
 
     def _features(self, fb: "ForwardBatch", hidden: torch.Tensor) -> torch.Tensor:
@@ -215,10 +215,10 @@ class HeadDrafter:
         """After a plain target pass: `hidden` its final hidden states [num_tokens, hidden], `next_ids`
         the tokens it sampled [bs] (0 where a row samples nothing), `next_prompt_ids` per row the prompt
         token after an extend row's chunk, or -1 where the sampled one follows."""
-        features = self._features(fb, hidden)
         if fb.forward_mode == ForwardMode.DECODE:
-            self._keep(fb.req_pool_indices, self._head(fb, next_ids, features))
+            self._keep(fb.req_pool_indices, self._pass_after(fb, hidden, next_ids))
             return
+        features = self._features(fb, hidden)
         following = next_ids
         if next_prompt_ids is not None and any(t >= 0 for t in next_prompt_ids):
             prompt = _ints(next_prompt_ids, next_ids.device)
@@ -389,7 +389,7 @@ class HeadDrafter:
                     following.append(spec.drafts[i][child - 1])
             kept.append(off + path[-1])
         ids[_ints(at + kept, ids.device)] = _ints(following + out.last_tokens, ids.device)
-        self._keep(fb.req_pool_indices, self._verify_pass(fb, hidden, ids)[_ints(kept, ids.device)])
+        self._keep(fb.req_pool_indices, self._pass_after(fb, hidden, ids)[_ints(kept, ids.device)])
 
 
     @torch.inference_mode()
@@ -404,7 +404,7 @@ class HeadDrafter:
             ids[at] = fb.input_ids[(acc.offsets[:, None] + acc.path[:, 1:]).reshape(-1)]
         kept = acc.offsets + acc.path.gather(1, acc.count[:, None])[:, 0]
         ids[kept] = acc.last
-        self._keep(fb.req_pool_indices, self._verify_pass(fb, hidden, ids)[kept])
+        self._keep(fb.req_pool_indices, self._pass_after(fb, hidden, ids)[kept])
 
 
 def _ints(values: list, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
