@@ -142,14 +142,11 @@ class CudaGraphRunner:
         bs, b = fb.batch_size, self.bucket(fb.batch_size, verify)
         if verify:
             self._load_verify_inputs(fb, b)
-            n = self.verify_tokens
-            static = self._static_verify_batch(b, fb.extend_prefix_lens_cpu + [0] * (b - bs),
-                                               list(fb.tree_parents or [None] * bs) + [None] * (b - bs))
-            rows = bs * n
+            rows = bs * self.verify_tokens
         else:
             self._load_inputs(fb, b)
-            static = self._static_batch(b, fb.seq_lens_cpu + [PAD_SEQ_LEN] * (b - bs))
             rows = bs
+        static = self._static_of(fb, b)
         key = ("verify" if verify else "decode", b)
         backend = self.model_runner.attn_backend
         if self.use_graphs:
@@ -165,7 +162,20 @@ class CudaGraphRunner:
             fb.state_pool.copy_tracked_ends(fb.state_slots, fb.state_ops.tracks)
         return out
 
+    def _static_of(self, fb: ForwardBatch, b: int) -> ForwardBatch:
+        """The static batch of bucket b standing for decode batch or verify step `fb` (its inputs loaded):
+        its lengths, trees and table, padded."""
+        bs = fb.batch_size
+        if fb.forward_mode != ForwardMode.DECODE:
+            return self._static_verify_batch(b, fb.extend_prefix_lens_cpu + [0] * (b - bs),
+                                             list(fb.tree_parents or [None] * bs) + [None] * (b - bs))
+        static = self._static_batch(b, fb.seq_lens_cpu + [PAD_SEQ_LEN] * (b - bs))
+        static.req_to_token_pool = fb.req_to_token_pool  # a draft tree's lanes read through a table of their own
+        return static
+
     def _load_inputs(self, fb: ForwardBatch, b: int) -> None:
+        """A decode batch's inputs (a draft step's too, whose head reads no state) into the buffers,
+        padded to b."""
         bs = fb.batch_size
         for buf, src in ((self.input_ids, fb.input_ids), (self.positions, fb.positions),
                          (self.req_pool_indices, fb.req_pool_indices), (self.seq_lens, fb.seq_lens),
@@ -307,11 +317,7 @@ class CudaGraphRunner:
             key = ("head-verify" if verify else "head-decode", b)
             self.graphs[key].replay()
             return self.outputs[key][:bs * n]
-        if verify:
-            static = self._static_verify_batch(b, fb.extend_prefix_lens_cpu + [0] * (b - bs),
-                                               list(fb.tree_parents or [None] * bs) + [None] * (b - bs))
-        else:
-            static = self._static_batch(b, fb.seq_lens_cpu + [PAD_SEQ_LEN] * (b - bs))
+        static = self._static_of(fb, b)
         self.model_runner.attn_backend.init_forward_metadata(static)
         padded = torch.cat([states, states.new_zeros((b - bs) * n, states.shape[1])])
         return self.draft_forward(static, padded)[:bs * n]
@@ -324,14 +330,10 @@ class CudaGraphRunner:
         and its input states [bs, width]; a view valid until the next draft replay of that size."""
         bs = fb.batch_size
         b = self.draft_sizes[bisect.bisect_left(self.draft_sizes, bs)]
-        for buf, src in ((self.input_ids, fb.input_ids), (self.positions, fb.positions),
-                         (self.req_pool_indices, fb.req_pool_indices), (self.seq_lens, fb.seq_lens),
-                         (self.out_cache_loc, fb.out_cache_loc), (self.draft_states, states)):
-            buf[:bs].copy_(src, non_blocking=True)
-        self._pad_rows(bs, b)
+        self._load_inputs(fb, b)
+        self.draft_states[:bs].copy_(states, non_blocking=True)
         self.draft_states[bs:b].zero_()
-        static = self._static_batch(b, fb.seq_lens_cpu + [PAD_SEQ_LEN] * (b - bs))
-        static.req_to_token_pool = fb.req_to_token_pool  # a tree's lanes read through a table of their own
+        static = self._static_of(fb, b)
         backend = self.model_runner.attn_backend
         if self.use_graphs:
             backend.init_forward_metadata_replay(static)
