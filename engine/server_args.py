@@ -512,8 +512,7 @@ class ServerArgs:
         a("--speculative-eagle-topk", type=int, default=None,
           help="NEXTN, EAGLE: candidates per draft step; > 1 grows a tree best-first by the head's scores "
                "(SGLang's EAGLE trees: the k best children of the k best leaves per step, the "
-               "--speculative-num-draft-tokens - 1 best nodes), verified as one tree (default 1: a chain; "
-               "a hybrid model drafts chains)")
+               "--speculative-num-draft-tokens - 1 best nodes), verified as one tree (default 1: a chain)")
         a("--speculative-ngram-min-match-window-size", type=int,
           default=ServerArgs.speculative_ngram_min_match_window_size,
           help="NGRAM: the shortest suffix of a request's tokens looked up in its earlier tokens")
@@ -525,8 +524,7 @@ class ServerArgs:
                "n-grams a request drafts from where its own tokens hold no match (default 0: its own only)")
         a("--speculative-ngram-max-bfs-breadth", type=int, default=ServerArgs.speculative_ngram_max_bfs_breadth,
           help="NGRAM: continuations per draft, from different earlier occurrences of the matched suffix, "
-               "merged into a tree verified in one pass under a tree mask (default 1: a chain; a hybrid model "
-               "drafts chains)")
+               "merged into a tree verified in one pass under a tree mask (default 1: a chain)")
         a("--speculative-disable-by-batch-size", type=int, default=ServerArgs.speculative_disable_by_batch_size,
           help="decode steps of this many running requests or more do not speculate (under load a step is "
                "compute-bound and drafts only cost)")

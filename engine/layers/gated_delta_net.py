@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from baton.engine.distributed.parallel_state import TpGroup
+from baton.engine.layers.attention.masks import node_parents
 from baton.engine.layers.custom_op import CustomOp
 from baton.engine.layers.layernorm import GatedRMSNorm
 from baton.engine.layers.linear import MergedColumnLinear, OutputPart, RowParallelLinear
@@ -260,6 +261,8 @@ class GatedDeltaCore(CustomOp):
                        forward_batch: "ForwardBatch") -> torch.Tensor:
         """mixed_qkv [n, conv_dim], g, beta [n, Hv] -> core output [n, Hv, Dv]."""
         fb, pool = forward_batch, forward_batch.state_pool
+        if fb.tree_parents is not None:  # a verify step with tree drafts
+            return self._tree_waves(mixed_qkv, g, beta, fb, self._one_token)
         rows = fb.state_slots
         if fb.forward_mode.is_decode():
             lens, fresh = [1] * fb.batch_size, [False] * fb.batch_size
@@ -320,6 +323,9 @@ class GatedDeltaCore(CustomOp):
         the delta-rule states (`_decode_in_place`)."""
         if conv_decode is not None and fb.forward_mode.is_decode():
             return self._decode_in_place(mixed_qkv, g, beta, fb, rule, conv_decode, state_decode)
+        if fb.tree_parents is not None:  # a verify step with tree drafts
+            return self._tree_waves(mixed_qkv, g, beta, fb,
+                                    lambda x, g1, b1, c, s: self._wave(x, g1, b1, [1] * x.shape[0], c, s, rule))
         pool, rows = fb.state_pool, fb.state_slots
         bs, dev = fb.batch_size, mixed_qkv.device
         if fb.forward_mode.is_decode():
@@ -385,6 +391,52 @@ class GatedDeltaCore(CustomOp):
             pool.write(layer, torch.tensor([slot for _, slot in ends], device=x.device), pool.conv[layer][rows[pick]],
                        ssm_end)
         return out
+
+    def _tree_waves(self, x: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, fb: "ForwardBatch",
+                    step: Callable) -> torch.Tensor:
+        """A verify step with tree drafts (fb.tree_parents; a request without one is a chain): node by
+        node, wave j being every request's node j, one token each (`step`: the one-token conv and rule
+        of m rows from their states -> (out, conv, delta-rule state)). A node starts from its parent's
+        state: node 0 from the row's, node p's child from the scratch slot that took the state after
+        node p (its track at offset p + 1; parents come before their children, so it is written by
+        then). Each node's state goes to its tracked slots, the last node's into the row too, as a
+        chain's final state does. Parents on the device (a draft head's ancestor matrices) stay there.
+
+            node:            0     1     2     3          parents  -1   0   0   1
+            reads from:     row   s1    s1    s2         (s_{p+1}: the slot after node p)
+            writes to:      s1    s2    s3    s4, row
+        """
+        pool, rows, layer, dev = fb.state_pool, fb.state_slots, self.state_layer_id, x.device
+        lens = list(fb.extend_seq_lens_cpu)
+        bs, width = len(lens), max(lens)
+        tracks = fb.state_ops.tracks if fb.state_ops is not None else {}
+        after = {(i, off - 1): slot for i, t in tracks.items() for off, slot in t}  # (request, node) -> slot
+        assert all((i, p) in after for i, n in enumerate(lens) for p in range(n - 1)), "a node without its slot"
+        table = torch.tensor([[0] + [after.get((i, p), pool.pad_slot) for p in range(width - 1)] for i in range(bs)],
+                             dtype=torch.int64, device=rows.device)  # column 1 + p: the slot after node p
+        table[:, 0] = rows
+        src = table.gather(1, node_parents(fb.tree_parents, lens, rows.device) + 1)  # [bs, width]
+        starts = list(itertools.accumulate([0] + lens[:-1]))
+        out = torch.empty(x.shape[0], self.value_dim // self.head_v_dim, self.head_v_dim, dtype=x.dtype, device=dev)
+        for j in range(width):
+            active = [i for i in range(bs) if lens[i] > j]
+            at = torch.tensor([starts[i] + j for i in active], device=dev)
+            read = src[torch.tensor(active, device=rows.device), j]
+            o, conv, ssm = step(x[at], g[at], beta[at], pool.conv[layer][read], pool.ssm[layer][read])
+            out[at] = o
+            kept = [(n, after[(i, j)]) for n, i in enumerate(active) if (i, j) in after]
+            last = [(n, i) for n, i in enumerate(active) if lens[i] == j + 1]
+            pick = torch.tensor([n for n, _ in kept + last], device=dev)
+            slots = torch.cat([torch.tensor([s for _, s in kept], dtype=torch.int64, device=rows.device),
+                               rows[torch.tensor([i for _, i in last], dtype=torch.int64, device=rows.device)]])
+            pool.write(layer, slots, conv[pick], ssm[pick])
+        return out
+
+    def _one_token(self, x: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_state: torch.Tensor,
+                   ssm_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """_run of one token per row: x [m, conv_dim], g, beta [m, Hv] -> (out [m, Hv, Dv], states)."""
+        out, conv_state, ssm_state = self._run(x[:, None], g[:, None], beta[:, None], conv_state, ssm_state)
+        return out[:, 0], conv_state, ssm_state
 
     def _wave(self, x: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, lens: list[int], conv_state: torch.Tensor,
               ssm_state: torch.Tensor, rule: Callable) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -8,7 +8,9 @@ the map when N+1 resolves them. The driver's executor (scheduler/executors/) and
 
 A verify step (speculative decoding) also stores, per request, how many tokens it emitted
 (`accepted`): a verify step launched behind it is built before those are known, and the worker
-shifts its rows by them (TpModelWorker._resolve_lagged; speculative/verifying.py).
+shifts its rows by them (TpModelWorker._resolve_lagged; speculative/verifying.py); and for a hybrid
+model, the node whose recurrent state follows those tokens (`state_node`: a chain's count - 1, a tree's
+last accepted node), the scratch state that step's rows roll back to.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ class FutureMap:
         self.size = 5 * (max_running_requests + 1)  # room for several batches in flight
         self.token_ids = torch.zeros(self.size + 1, dtype=torch.int64, device=device)
         self.accepted = torch.zeros(self.size + 1, dtype=torch.int64, device=device)  # slot 0 stays 0
+        self.state_node = torch.zeros(self.size + 1, dtype=torch.int64, device=device)
         self.ct = 0
 
     def reserve(self, bs: int) -> torch.Tensor:

@@ -156,6 +156,7 @@ class TpModelWorker:
         (verify_device.py) and reaches the host with the result (`async_copy`: without waiting for it,
         on CUDA); with TP the followers get the host's acceptance."""
         from baton.engine.speculative import verify_device
+        from baton.engine.speculative.spec_info import state_node
         from baton.engine.speculative.verify import move_accepted_kv, verify_drafts
 
         logits = self.model_runner.compute_logits(hidden)  # [num_tokens, vocab] float32
@@ -170,6 +171,8 @@ class TpModelWorker:
             if future_map is not None:
                 future_map.token_ids[future_slots] = acc.last.to(future_map.token_ids.device)
                 future_map.accepted[future_slots] = (acc.count + 1).to(future_map.accepted.device)
+                if spec.state_slots is not None:  # the path's last node (past the count, the path repeats it)
+                    future_map.state_node[future_slots] = acc.path[:, -1].to(future_map.state_node.device)
             pending = verify_device.PendingVerify(acc, spec, async_copy, logits,
                                                   mwb.top_logprobs_nums if mwb.return_logprob else None)
             return GenerationBatchResult(next_token_ids=[], next_token_ids_device=acc.last, pending_verify=pending)
@@ -188,6 +191,9 @@ class TpModelWorker:
             future_map.token_ids[future_slots] = last.to(future_map.token_ids.device)
             emitted = torch.tensor([len(t) for t in out.tokens], dtype=torch.int64)
             future_map.accepted[future_slots] = emitted.to(future_map.accepted.device)
+            if spec.state_slots is not None:
+                nodes = [state_node(out.accepted_nodes, i, len(t)) for i, t in enumerate(out.tokens)]
+                future_map.state_node[future_slots] = torch.tensor(nodes).to(future_map.state_node.device)
         return GenerationBatchResult(next_token_ids=out.last_tokens, next_token_ids_tensor=last,
                                      next_token_ids_device=last, verify=out)
 
@@ -198,19 +204,20 @@ class TpModelWorker:
         and the KV columns its tokens go to, read from the request's row of req_to_token, where the
         scheduler reserved them. A hybrid model's rows first get the recurrent state after the tokens
         that step emitted (its scratch slot for that count, spec.lagged_states), before the pass's own
-        state copies and layers: on one rank by the count on the device; with TP as the first of the
-        step's state copies, which every rank makes (the driver sends the step resolved). One read of
-        the counts (on CUDA, behind the step before)."""
+        state copies and layers: on one rank by the node on the device (future_map.state_node); with
+        TP as the first of the step's state copies, which every rank makes (the driver sends the step
+        resolved). One read of the counts (on CUDA, behind the step before)."""
         assert future_map is not None, "a lagged verify step runs in the overlap loop"
         spec = mwb.spec_info
-        lag = future_map.accepted[torch.tensor(spec.lagged, dtype=torch.int64).to(future_map.accepted.device)]
+        at = torch.tensor(spec.lagged, dtype=torch.int64).to(future_map.accepted.device)
+        lag = future_map.accepted[at]
         if spec.lagged_states is not None and self.step_sender is None:
-            self._roll_back_lagged_states(mwb, spec.lagged_states, lag)
+            self._roll_back_lagged_states(mwb, spec.lagged_states, future_map.state_node[at])
         shift = lag.tolist()
         if spec.lagged_states is not None and self.step_sender is not None:
             rows = mwb.req_pool_indices.tolist()
-            back = [(slots[min(max(e - 1, 0), len(slots) - 1)], row)
-                    for slots, e, row in zip(spec.lagged_states, shift, rows)]
+            back = [(slots[min(node, len(slots) - 1)], row)
+                    for slots, node, row in zip(spec.lagged_states, future_map.state_node[at].tolist(), rows)]
             ops = mwb.state_ops or StateOps()
             mwb.state_ops = StateOps(back + ops.copies, ops.tracks)
         starts = [p + a for p, a in zip(mwb.extend_prefix_lens_cpu, shift)]
@@ -226,15 +233,16 @@ class TpModelWorker:
         mwb.seq_lens_cpu = [p + e for p, e in zip(starts, mwb.extend_seq_lens_cpu)]
         mwb.extend_prefix_lens_cpu = starts  # what the scheduler reads of the batch once it has run
 
-    def _roll_back_lagged_states(self, mwb: ModelWorkerBatch, slots: list[list[int]], emitted: torch.Tensor) -> None:
-        """Each row's state <- the step before's scratch slot after its emitted tokens (`emitted`, on the
-        device: nothing read). The slots hold the state after 1 .. all of that step's tokens."""
+    def _roll_back_lagged_states(self, mwb: ModelWorkerBatch, slots: list[list[int]], nodes: torch.Tensor) -> None:
+        """Each row's state <- the step before's scratch slot after the node its emitted tokens end at
+        (`nodes`, on the device: nothing read). The slots hold the state after each of that step's
+        nodes (a chain's: after 1 .. all of its tokens)."""
         from baton.engine.speculative.head_drafter import _ints
 
         pool = self.model_runner.state_pool
         width = max(map(len, slots))
         table = _ints([s + [s[-1]] * (width - len(s)) for s in slots], pool.device)  # [bs, width]
-        at = (emitted.to(pool.device) - 1).clamp(0, width - 1)
+        at = nodes.to(pool.device).clamp(0, width - 1)
         pool.copy_slot_tensors(table.gather(1, at[:, None])[:, 0], mwb.req_pool_indices.to(pool.device))
 
     def sample(self, mwb: ModelWorkerBatch, logits: torch.Tensor) -> tuple[GenerationBatchResult, torch.Tensor]:

@@ -10,9 +10,10 @@ verify pass runs.
 (head_drafter.py): k candidates per step, the --speculative-num-draft-tokens - 1 best of them. The
 scheduler reserves its slots before the head has run: the node count (spec_info.tree_size) and a
 placeholder shape, whose parents and positions the drafter replaces.
-A request drafts a chain where the tree cannot serve: a hybrid model (its recurrent state follows one
-chain; start-up warns), and a PD-transferred request's first step where its prefill ran with a smaller
-topk (the metadata slot carries the prefill head's candidates).
+A hybrid model's trees run its recurrent state node by node, each node from its parent's state
+(layers/gated_delta_net.py GatedDeltaCore._tree_waves). A request drafts a chain where the tree cannot
+serve: a PD-transferred request's first step where its prefill ran with a smaller topk (the metadata
+slot carries the prefill head's candidates).
 """
 from __future__ import annotations
 
@@ -38,10 +39,6 @@ class HeadSpeculator(VerifyingSpeculator):
         self.algorithm = view.server_args.speculative_algorithm
         self.num_steps = view.server_args.speculative_num_steps
         self.topk = view.server_args.speculative_eagle_topk
-        if self.topk > 1 and view.state_scratch is not None:
-            logger.warning("--speculative-eagle-topk %d: this model keeps a recurrent state, which follows one "
-                           "chain of draft tokens per request; drafting chains", self.topk)
-            self.topk = 1
         logger.info("speculative decoding: %s (%s), %s of %d drafts, while fewer than %d requests run",
                     self.algorithm, _WHAT[self.algorithm], "chains" if self.topk == 1 else
                     f"best-first trees ({self.topk} candidates per step, {self.num_draft_tokens - 1} nodes)",

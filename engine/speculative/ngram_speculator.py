@@ -4,8 +4,8 @@ hold no match (SharedNgrams), verified by the target model in one extend per ste
 When a step verifies and what its result does: verifying.py.
 
 --speculative-ngram-max-bfs-breadth b > 1 drafts trees of up to b continuations (NgramTreeIndex;
-both attention backends mask them, any TP size runs them). A hybrid model drafts chains whatever
-b is: its recurrent state runs through a verify step's tokens in order, one chain per request."""
+both attention backends mask them, any TP size runs them; a hybrid model's recurrent state runs
+through them node by node, layers/gated_delta_net.py GatedDeltaCore._tree_waves)."""
 from __future__ import annotations
 
 import logging
@@ -31,10 +31,6 @@ class NgramSpeculator(VerifyingSpeculator):
         self.min_window = args.speculative_ngram_min_match_window_size
         self.max_window = args.speculative_ngram_max_match_window_size
         self.breadth = args.speculative_ngram_max_bfs_breadth
-        if self.breadth > 1 and view.state_scratch is not None:
-            logger.warning("--speculative-ngram-max-bfs-breadth %d: this model keeps a recurrent state, which "
-                           "follows one chain of draft tokens per request; drafting chains", self.breadth)
-            self.breadth = 1
         # other requests' text to draft from (--speculative-ngram-capacity); None: each request's own
         self.shared = SharedNgrams(args.speculative_ngram_capacity) if args.speculative_ngram_capacity else None
         logger.info("speculative decoding: NGRAM, %d tokens per verify, match window %d..%d, %s, while fewer than "

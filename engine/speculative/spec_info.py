@@ -80,12 +80,22 @@ def placeholder_tree(depth: int, nodes: int) -> list[int]:
     return [-1] + list(range(depth)) + [0] * (nodes - depth)
 
 
+def state_node(accepted_nodes: Optional[list[list[int]]], i: int, kept: int) -> int:
+    """The node of request i's verify step whose recurrent state follows the first `kept` tokens it
+    emitted (a hybrid model's rollback): node 0, its last token, then its accepted nodes (a chain's
+    1, 2, ..; accepted_nodes None: a step of chains)."""
+    if kept <= 1:
+        return 0
+    return kept - 1 if accepted_nodes is None else accepted_nodes[i][kept - 2]
+
+
 @dataclass
 class VerifyInput:
     drafts: list[list[int]]  # per request, its draft tokens (may be empty); a tree's in its packed order
     # hybrid models: per request, the scratch slots that take its recurrent state after each of its
-    # first len(draft) tokens (offsets 1 .. k), to roll back to where the drafts stop being accepted;
-    # where verify steps may lag, after all 1 + k too (the state a step built behind this one starts from)
+    # first len(draft) tokens (offsets 1 .. k; a tree: after nodes 0 .. k - 1), to roll back to where the
+    # drafts stop being accepted; where verify steps may lag, after all 1 + k too (the state a step built
+    # behind this one starts from; a tree: after its last node)
     state_slots: Optional[list[list[int]]] = None
     # tree drafts: per request, each node's parent (node 0 = its last token: -1; node j = drafts[i][j - 1]:
     # a node before j), None for a chain; the whole list None when no request has a real tree
@@ -115,7 +125,6 @@ class VerifyInput:
             self.offsets.append(start)
             start += 1 + len(d)
         if self.parents is not None:
-            assert self.state_slots is None, "a recurrent state follows one chain: no tree drafts for hybrid models"
             for d, p in zip(self.drafts, self.parents):
                 assert p is None or (len(p) == 1 + len(d) and p[0] == -1
                                      and all(0 <= q < j for j, q in enumerate(p) if j)), "a tree's parents: -1, then < j"

@@ -32,21 +32,22 @@ past the request's row. Where any request
 cannot lag (not in the running step, a grammar, a batch that grew or switches to plain steps), the
 results are processed first and the step is built as before (DecodeManager.prepare).
 
-Hybrid models: a request's recurrent state goes through every token of the step; the layers keep the
-state after each of its drafts in scratch slots (state_pool.scratch_slot), and the result rolls the
-row back to the one after its kept tokens (roll_back_state: a copy before the next pass). Where verify
-steps lag, consecutive steps use alternate scratch sets that also keep the state after the whole step,
-and the worker rolls each row back at the start of the step behind, by the running step's count on the
-device (TpModelWorker._roll_back_lagged_states); a request that ends while a step runs behind it
-gets the state after its kept tokens from its own step's set (the step behind writes the other one)
-before its end state is cached.
+Hybrid models: a request's recurrent state goes through every token of the step (a tree's node by
+node, each from its parent's: GatedDeltaCore._tree_waves); the layers keep the state after each of its
+drafts in scratch slots (state_pool.scratch_slot), and the result rolls the row back to the one after
+its kept tokens (roll_back_state: a copy before the next pass; spec_info.state_node names the node they
+end at). Where verify steps lag, consecutive steps use alternate scratch sets that also keep the state
+after the whole step, and the worker rolls each row back at the start of the step behind, by the node
+the running step's tokens end at, on the device (TpModelWorker._roll_back_lagged_states); a request
+that ends while a step runs behind it gets the state after its kept tokens from its own step's set (the
+step behind writes the other one) before its end state is cached.
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Optional
 
 from baton.engine.speculative.base import NoSpeculation, SpecView
-from baton.engine.speculative.spec_info import VerifyInput, first_chain, node_depths
+from baton.engine.speculative.spec_info import VerifyInput, first_chain, node_depths, state_node
 from baton.engine.speculative.stats import SpecStats
 
 if TYPE_CHECKING:
@@ -177,7 +178,7 @@ class VerifyingSpeculator(NoSpeculation):
             if req.finished():
                 # aborted while the step ran: its tokens so far stay, the step's go; or ended by the
                 # result of the step before (a lagged step), which cut its KV already
-                self.roll_back_state(spec, i, req, 1, later)
+                self.roll_back_state(spec, i, req, 0, later)
                 self.cut_kv(req, min(start + 1, req.kv_committed_len), later)
                 self.view.finish_request(req)
                 continue
@@ -195,15 +196,16 @@ class VerifyingSpeculator(NoSpeculation):
             self.stats.on_request(len(spec.drafts[i]), len(tokens) - 1, branched)
             self.on_verified(req, spec.depth(i), len(tokens) - 1)
             # KV is computed for [last, emitted[:-1]]: the newest token's comes with the next step
-            self.roll_back_state(spec, i, req, emitted, later)
+            self.roll_back_state(spec, i, req, state_node(out.accepted_nodes, i, emitted), later)
             self.cut_kv(req, start + emitted, later)
             if req.finished():
                 self.view.finish_request(req)
 
-    def roll_back_state(self, spec: VerifyInput, i: int, req: "Req", kept: int, later: bool) -> None:
-        """A hybrid model: the row's recurrent state went through all 1 + k tokens of the step; when
-        only the first `kept` stay, the next pass starts by copying the state after them (kept in a
-        scratch slot by the layers) into the row. Queued before anything else this request queues
+    def roll_back_state(self, spec: VerifyInput, i: int, req: "Req", node: int, later: bool) -> None:
+        """A hybrid model: the row's recurrent state went through all 1 + k tokens of the step (a tree:
+        its last node's state); when the tokens it keeps end at `node` (state_node), the next pass
+        starts by copying the state after that node (kept in a scratch slot by the layers) into the
+        row. Queued before anything else this request queues
         (its end state into the radix cache, if it finished), so those copies see the rolled-back one.
         With a lagged step behind this one (`later`) the worker rolled the row back at that step's
         start, by the count on the device, and the step moved it on: only a request that ends here
@@ -215,8 +217,8 @@ class VerifyingSpeculator(NoSpeculation):
         req.spec_state_final = req.finished()
         if later and not req.finished():
             return
-        if later or kept <= len(spec.drafts[i]):
-            self.view.tree_cache.queue_state_copy(spec.state_slots[i][kept - 1], req.req_pool_idx)
+        if later or node < len(spec.drafts[i]):
+            self.view.tree_cache.queue_state_copy(spec.state_slots[i][node], req.req_pool_idx)
 
     def cut_kv(self, req: "Req", length: int, later: bool) -> None:
         """The request's KV is its first `length` positions. While a lagged step behind this one runs,

@@ -262,11 +262,11 @@ def _core_and_batches(device: str, dtype: torch.dtype):
         forward_mode=ForwardMode.EXTEND, batch_size=4, req_pool_indices=torch.tensor([4, 0, 2, 1], device=device),
         state_slots=torch.tensor([4, 0, 2, 1], device=device),
         extend_seq_lens_cpu=lens, extend_prefix_lens_cpu=prefix, state_pool=pool,
-        state_ops=StateOps([], {1: [(16, 6), (64, 7), (70, 8)], 3: [(8, 9)], 0: [(5, 10)]}))
+        state_ops=StateOps([], {1: [(16, 6), (64, 7), (70, 8)], 3: [(8, 9)], 0: [(5, 10)]}), tree_parents=None)
     decode = SimpleNamespace(forward_mode=ForwardMode.DECODE, batch_size=3,
                              req_pool_indices=torch.tensor([1, 3, 5], device=device),
                              state_slots=torch.tensor([1, 3, 5], device=device), state_pool=pool,
-                             state_ops=StateOps([], {2: [(1, 11)]}))
+                             state_ops=StateOps([], {2: [(1, 11)]}), tree_parents=None)
     n = sum(lens)
     inputs = [(torch.randn(n, layer.conv_dim, device=device, dtype=dtype), -torch.rand(n, 4, device=device),
                torch.rand(n, 4, device=device, dtype=dtype)) for _ in range(1)]
@@ -303,6 +303,77 @@ def test_packed_path_equals_the_reference_on_cpu(in_place):
     _compare_packed_with_reference(
         core, pool, batches, inputs,
         lambda x, g, b, fb: core.forward_varlen(x, g, b, fb, torch_varlen_rule, conv_decode, state_decode), 1e-5, 1e-5)
+
+
+TREE = [-1, 0, 0, 1, 2, 1]  # node 5's chain: 0 -> 1 -> 5; node 4's: 0 -> 2 -> 4
+
+
+@pytest.mark.parametrize("given", ["parents", "ancestors"])
+@pytest.mark.parametrize("path", ["native", "packed"])
+def test_a_trees_nodes_each_run_as_their_chain_alone(path, given):
+    """A verify step with a tree (its parents, or a draft head's ancestor matrix on the device) beside a
+    chain, through the reference and the packed path (GatedDeltaCore._tree_waves): each node's output,
+    and the state it leaves in its scratch slot (the last node's in the row), are those of the chain
+    root -> node run alone as an extend from the row's state."""
+    from baton.engine.layers.gated_delta_net import torch_varlen_rule
+
+    _tree_nodes_against_their_chains(
+        "cpu", torch.float32, given, lambda core: core.forward_native if path == "native" else
+        lambda x, g, b, fb: core.forward_varlen(x, g, b, fb, torch_varlen_rule), 1e-5)
+
+
+@pytest.mark.gpu
+def test_a_trees_nodes_on_cuda_run_as_their_chain_alone():
+    """The same on CUDA, bfloat16: forward_cuda's tree waves (fla-core's recurrent rule) against the
+    torch reference's chains (bf16 tolerances)."""
+    from baton.engine.layers.gated_delta_net import fla_kernels
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    if fla_kernels() is None:
+        pytest.skip("needs fla-core (scripts/gpu_check.sh installs the carried wheel)")
+    _tree_nodes_against_their_chains("cuda", torch.bfloat16, "ancestors", lambda core: core.forward_cuda, 3e-2)
+
+
+def _tree_nodes_against_their_chains(device: str, dtype: torch.dtype, given: str, run, tol: float) -> None:
+    import copy
+    from types import SimpleNamespace
+
+    from baton.engine.layers.attention.masks import ancestors
+    from baton.engine.model_executor.forward_batch import ForwardMode
+
+    core, pool, _, _ = _core_and_batches(device, dtype)
+    rows, prefix, parents = [4, 1], [9, 12], [TREE, [-1, 0]]
+    lens, starts = [len(p) for p in parents], [0, len(TREE)]
+    tracks = {0: [(j + 1, 6 + j) for j in range(5)], 1: [(1, 11)]}  # the slot after each node but the last
+    n = sum(lens)
+    x = torch.randn(n, core.key_dim * 2 + core.value_dim, device=device, dtype=dtype)
+    g, beta = -torch.rand(n, 4, device=device), torch.rand(n, 4, device=device, dtype=dtype)
+    tree = TREE if given == "parents" else ancestors(torch.tensor([TREE], device=device), 3)[0]
+
+    def batch(pool, rows, lens, prefix, tracks, trees):
+        idx = torch.tensor(rows, device=device)
+        return SimpleNamespace(forward_mode=ForwardMode.EXTEND, batch_size=len(rows), req_pool_indices=idx,
+                               state_slots=idx, extend_seq_lens_cpu=lens, extend_prefix_lens_cpu=prefix,
+                               state_pool=pool, state_ops=StateOps([], tracks), tree_parents=trees)
+
+    before = copy.deepcopy(pool)
+    out = run(core)(x, g, beta, batch(pool, rows, lens, prefix, tracks, [tree, None]))
+    for i, row in enumerate(rows):
+        slot_after = dict(tracks[i])
+        for j in range(lens[i]):
+            chain = [j]
+            while parents[i][chain[0]] >= 0:
+                chain.insert(0, parents[i][chain[0]])
+            at = [starts[i] + c for c in chain]
+            alone = copy.deepcopy(before)
+            want = core.forward_native(x[at], g[at], beta[at], batch(alone, [row], [len(at)], [prefix[i]], {}, None))
+            torch.testing.assert_close(out[starts[i] + j].float(), want[-1].float(), atol=tol, rtol=tol,
+                                       msg=f"node {j}: output")
+            slot = row if j == lens[i] - 1 else slot_after[j + 1]
+            for mine, theirs in ((pool.conv[0], alone.conv[0]), (pool.ssm[0], alone.ssm[0])):
+                torch.testing.assert_close(mine[slot].float(), theirs[row].float(), atol=tol, rtol=tol,
+                                           msg=f"node {j}: state")
 
 
 @pytest.mark.gpu

@@ -16,6 +16,7 @@ from baton.engine.server_args import ServerArgs
 from test_scheduler_vs_hf import finish_order, hf_greedy, harness_for, run_workload, workload
 from test_speculative import (MAX_NEW, follow_up_and_abort, recorded_drafts, repetitive_prompts, spec_info,
                               stops_and_logprobs_equal_plain)
+from baton.engine.speculative.spec_info import node_depths
 from tiny_models import MtpReference
 
 NEXTN = dict(speculative_algorithm="NEXTN", speculative_num_steps=3, speculative_disable_by_batch_size=64)
@@ -88,9 +89,10 @@ def test_nextn_flags_and_what_is_refused(mtp_model, tiny_model_factory):
         harness_for(tiny_model_factory("qwen3_5", initializer_range=0.02), "plain", max_total_tokens=1024, **NEXTN)
 
 
-def test_a_hybrid_drafts_chains_whatever_the_topk(mtp_model):
-    """--speculative-eagle-topk 2 on a hybrid: its recurrent state follows one chain of drafts per
-    request, so the head drafts chains (start-up warns); HF's tokens."""
+def test_a_hybrid_drafts_the_heads_trees(mtp_model):
+    """--speculative-eagle-topk 2 on a hybrid: the head's best-first trees (chosen on the device, given
+    to the pass as ancestor matrices) are verified with the recurrent state run node by node; HF's
+    tokens with the random head's few accepted drafts."""
     path = mtp_model("qwen3_5")
     h = harness_for(path, "plain", max_total_tokens=2048, **NEXTN, speculative_eagle_topk=2)
     trees = []
@@ -101,7 +103,9 @@ def test_a_hybrid_drafts_chains_whatever_the_topk(mtp_model):
     results = run_workload(h, prompts, max_new=12, ignore_eos=True)
     for i, p in enumerate(prompts):
         assert results[str(i)].ids == hf_greedy(path, p, 12, ignore_eos=True), f"request {i}"
-    assert trees and trees == [None] * len(trees) and spec_info(h)["speculative_eagle_topk"] == 1
+    drafted = [p for step in trees if step is not None for p in step]  # per request of each step (a chain: None)
+    assert sum(p is not None for p in drafted) > len(drafted) // 2 and spec_info(h)["speculative_eagle_topk"] == 2
+    assert h.scheduler.check_memory_integrity()
 
 
 def test_pd_decode_drafts_with_the_prefills_head_kv(mtp_model):
@@ -235,6 +239,79 @@ def _oracle_head(monkeypatch, refs: dict[str, list[int]]) -> None:
     monkeypatch.setattr(HeadDrafter, "_draft_chains", oracle)
 
 
+def _oracle_head_trees(monkeypatch, refs: dict[str, list[int]]) -> None:
+    """The MTP head's trees replaced in the verify pass, as the drafter puts its own there (tokens,
+    positions, ancestor matrices on the device; spec.parents once read), by trees of the node count and
+    depth the scheduler reserved whose first chain is wrong from its first token and whose second branch
+    from the root is each request's greedy text (`refs`: rid -> prompt + HF's tokens), wrong at positions
+    0 and 3 modulo 7: what a step accepts is off the first chain, from none to all of its depth, so the
+    state rolls back to nodes of every depth. Requests without a reference keep the head's trees."""
+    from baton.engine.layers.attention.masks import ancestors
+    from baton.engine.speculative.head_drafter import HeadDrafter
+    from baton.engine.speculative.head_speculator import HeadSpeculator
+    from tiny_models import VOCAB_SIZE
+
+    rids: dict[int, str] = {}  # request row -> rid, recorded when a verify step is built
+    prepare, into_pass = HeadSpeculator.prepare_verify, HeadDrafter._into_pass
+
+    def recording(self, batch, lagged=False):
+        rids.update({r.req_pool_idx: r.rid for r in batch.reqs})
+        return prepare(self, batch, lagged)
+
+    def tree(ref: list[int], last: int, nodes: int, depth: int) -> tuple[list[int], list[int]]:
+        right = [ref[p] if p % 7 not in (0, 3) else (ref[p] + 1) % VOCAB_SIZE
+                 for p in range(last + 1, last + 1 + depth)]
+        tokens, parents = [(ref[last + 1] + 2) % VOCAB_SIZE], [-1, 0]  # the first chain: wrong at once
+        for token in right:
+            tokens.append(token)
+            parents.append(0 if len(parents) == 2 else len(parents) - 1)
+        while len(tokens) < nodes:
+            tokens.append((ref[last + 1] + 3) % VOCAB_SIZE)
+            parents.append(0)
+        return tokens, parents
+
+    def oracle(self, fb, spec, reqs, g, chosen):
+        into_pass(self, fb, spec, reqs, g, chosen)
+        positions, rows, dev = fb.positions.tolist(), fb.req_pool_indices.tolist(), fb.input_ids.device
+        mine = {}
+        for i in reqs:
+            ref, last = refs.get(rids.get(rows[i], "")), positions[spec.offsets[i]]
+            if spec.tree(i) is None or ref is None or last + spec.depth(i) >= len(ref):
+                continue
+            tokens, parents = mine[i] = tree(ref, last, len(spec.drafts[i]), spec.depth(i))
+            at = torch.arange(spec.offsets[i] + 1, spec.offsets[i] + 1 + len(tokens), device=dev)
+            fb.input_ids[at] = torch.tensor(tokens, device=dev)
+            depths = torch.tensor([last + d for d in node_depths(parents)[1:]], device=dev)
+            fb.positions[at] = depths.to(fb.positions.dtype)
+            fb.tree_parents[i] = ancestors(torch.tensor([parents], device=dev), spec.depth(i))[0]
+        fill = spec.pending
+
+        def oracle_fill() -> None:
+            fill()
+            for i, (tokens, parents) in mine.items():
+                spec.drafts[i][:], spec.parents[i] = tokens, parents
+
+        spec.pending = oracle_fill
+
+    monkeypatch.setattr(HeadSpeculator, "prepare_verify", recording)
+    monkeypatch.setattr(HeadDrafter, "_into_pass", oracle)
+
+
+def _assert_end_states_are_the_plain_engines(h, path: str, prompts: list[list[int]], refs: dict[str, list[int]]):
+    """The end states the radix cache holds for the workload's requests (requests that ended with a
+    lagged step behind them too) are the plain engine's."""
+    plain = harness_for(path, "plain", page_size=1, max_total_tokens=4096)
+    run_workload(plain, prompts, max_new=MAX_NEW, ignore_eos=True)
+    for x in (h, plain):
+        x.submit("next", prompts[3][:5], max_new_tokens=2)  # a pass: runs the queued end-state copies
+        x.run_until_idle()
+    for i, p in enumerate(prompts):
+        key = refs[str(i)][:len(p) + MAX_NEW - 1]
+        got, want = (_end_state(x, key) for x in (h, plain))
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5, msg=lambda m: f"request {i}: {m}")
+
+
 def test_a_hybrids_lagged_verify_steps_roll_its_state_back_on_the_device(mtp_model, monkeypatch):
     """The overlap loop builds a hybrid model's verify steps behind the running one: the worker rolls
     each row's recurrent state back by the running step's count on the device, from that step's scratch
@@ -260,16 +337,28 @@ def test_a_hybrids_lagged_verify_steps_roll_its_state_back_on_the_device(mtp_mod
     res = follow_up_and_abort(h, path, prompts[1], results["1"].ids, prompts[2])
     assert res["turn2"].cached_tokens >= len(prompts[1]) + MAX_NEW - 1, "the first turn's end state"
     assert h.scheduler.check_memory_integrity()
-    # the end states cached are the plain engine's (requests that ended with a lagged step behind them too)
-    plain = harness_for(path, "plain", page_size=1, max_total_tokens=4096)
-    run_workload(plain, prompts, max_new=MAX_NEW, ignore_eos=True)
-    plain.submit("next", prompts[3][:5], max_new_tokens=2)  # a pass: runs the queued end-state copies
-    plain.run_until_idle()
+    _assert_end_states_are_the_plain_engines(h, path, prompts, refs)
+
+
+def test_a_hybrids_lagged_tree_steps_roll_its_state_back_to_the_last_accepted_node(mtp_model, monkeypatch):
+    """Head trees (topk 2) on a hybrid in the overlap loop, their accepted runs off the first chain
+    (_oracle_head_trees): each node's state follows from its parent's, the worker rolls each row back
+    to the last accepted node's state on the device (future_map.state_node) at the start of the step
+    behind, and a request that ends gets it from its own step: HF's tokens, lagged tree steps, the end
+    states cached the plain engine's, nothing leaked."""
+    path = mtp_model("qwen3_5")
+    prompts = workload()[:4]
+    refs = {str(i): p + hf_greedy(path, p, MAX_NEW, ignore_eos=True) for i, p in enumerate(prompts)}
+    _oracle_head_trees(monkeypatch, refs)
+    h = harness_for(path, "overlap", page_size=1, max_total_tokens=4096, **NEXTN, speculative_eagle_topk=2)
+    results = run_workload(h, prompts, max_new=MAX_NEW, ignore_eos=True)
     for i, p in enumerate(prompts):
-        key = refs[str(i)][:len(p) + MAX_NEW - 1]
-        got, want = (_end_state(x, key) for x in (h, plain))
-        for g, w in zip(got, want):
-            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5, msg=lambda m: f"request {i}: {m}")
+        assert results[str(i)].ids == refs[str(i)][len(p):], f"request {i} differs from HF"
+    info = spec_info(h)
+    assert info["spec_lagged_verify_steps"] > 5 and info["spec_tree_branch_accepts"] > 5, info
+    assert info["spec_accept_length"] > 2, info
+    assert h.scheduler.check_memory_integrity()
+    _assert_end_states_are_the_plain_engines(h, path, prompts, refs)
 
 
 def _end_state(h, key: list[int]) -> list:
@@ -315,24 +404,27 @@ def test_a_hybrids_lagged_verify_steps_under_retraction_and_preemption(mtp_model
     assert h.scheduler.check_memory_integrity()
 
 
-def test_pd_decode_lags_a_hybrids_verify_steps(mtp_model, monkeypatch):
+@pytest.mark.parametrize("topk", [1, 2])
+def test_pd_decode_lags_a_hybrids_verify_steps(mtp_model, monkeypatch, topk):
     """The seeds' setting: a Qwen3.5-shaped hybrid with its MTP head in PD, both sides in the overlap
-    loop; the decode's verify steps lag (drafts passing 0..3 at a time, _oracle_head) over transferred
-    requests whose state came from the prefill: HF's tokens, both sides settle with nothing leaked."""
+    loop; the decode's verify steps lag (drafts passing 0..3 at a time, _oracle_head; topk 2: trees
+    accepted off their first chain, _oracle_head_trees) over transferred requests whose state came from
+    the prefill: HF's tokens, both sides settle with nothing leaked."""
     from test_pd_scheduler import PDPair, _run
 
     path = mtp_model("qwen3_5")
     prompts = workload()[:4]
     refs = {str(i): p + hf_greedy(path, p, MAX_NEW, ignore_eos=True) for i, p in enumerate(prompts)}
-    _oracle_head(monkeypatch, refs)
+    (_oracle_head if topk == 1 else _oracle_head_trees)(monkeypatch, refs)
     pair = PDPair(path, page_size=1, max_total_tokens=4096, enable_overlap_schedule=True,
-                  disable_overlap_schedule=False, **NEXTN)
+                  disable_overlap_schedule=False, **NEXTN, speculative_eagle_topk=topk)
     try:
         _run(pair, prompts, max_new_tokens=MAX_NEW, ignore_eos=True)
         for i, p in enumerate(prompts):
             assert pair.decode.results[str(i)].ids == refs[str(i)][len(p):], f"request {i}"
         info = spec_info(pair.decode)
         assert info["spec_lagged_verify_steps"] > 0 and info["spec_accept_length"] > 2, info
+        assert (info["spec_tree_branch_accepts"] > 5) == (topk == 2), info
         pair.assert_settled()
     finally:
         pair.close()

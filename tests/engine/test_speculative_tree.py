@@ -864,17 +864,30 @@ def test_ngram_trees_greedy_equals_hf(tiny_model_factory, loop, page_size):
     assert info["spec_tree_branch_accepts"] > 0 and info["integrity_ok"] is True, info
 
 
-def test_a_hybrid_model_drafts_chains(tiny_model_factory):
-    """A recurrent state runs through a verify step's tokens in order: trees fall back to chains."""
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_a_hybrid_verifies_trees_node_by_node(tiny_model_factory, monkeypatch, page_size):
+    """A Qwen3.5-shaped hybrid verifies the oracle's trees, every accepted run off the first chain:
+    its Gated DeltaNet layers run each node from its parent's state, and the row rolls back to the
+    last accepted node's (GatedDeltaCore._tree_waves, state_node), so the next steps and a follow-up
+    turn from the cached end state give HF's tokens; nothing leaks."""
     path = tiny_model_factory("qwen3_5", initializer_range=0.02)
-    h = harness_for(path, "plain", max_total_tokens=2048, **SPEC, speculative_ngram_min_match_window_size=1,
-                    speculative_ngram_max_bfs_breadth=3)
-    prompts = repetitive_prompts()[:2]
-    results = run_workload(h, prompts, max_new=MAX_NEW, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        assert results[str(i)].ids == hf_greedy(path, p, MAX_NEW, ignore_eos=True), f"request {i}"
+    prompts = {str(i): p for i, p in enumerate(workload()[:3])}
+    refs = {rid: hf_greedy(path, p, MAX_NEW, ignore_eos=True) for rid, p in prompts.items()}
+    h = _oracle_harness(monkeypatch, path, refs, page_size=page_size)
+    results = run_workload(h, list(prompts.values()), max_new=MAX_NEW, ignore_eos=True)
+    for rid in prompts:
+        assert results[rid].ids == refs[rid], f"request {rid}"
     info = h.scheduler.get_server_info()
-    assert info["speculative_ngram_max_bfs_breadth"] == 1 and info["spec_verify_steps"] > 0, info
+    assert info["spec_tree_branch_accepts"] > 10 and info["spec_accept_length"] > 2.5, info
+    first = prompts["1"]
+    turn2 = first + results["1"].ids + [7, 8]
+    refs["turn2"] = hf_greedy(path, turn2, 8, ignore_eos=True)
+    h.submit("turn2", turn2, max_new_tokens=8, ignore_eos=True)
+    res = h.run_until_idle()
+    # from the first turn's end state (page 1), else from the checkpoint at its prompt's last whole page
+    cached = len(first) + MAX_NEW - 1 if page_size == 1 else (len(first) - 1) // page_size * page_size
+    assert res["turn2"].ids == refs["turn2"] and res["turn2"].cached_tokens >= cached > 0, res["turn2"]
+    assert h.scheduler.check_memory_integrity()
 
 
 def test_tree_flags_are_sglangs_and_refused_where_trees_cannot_run():

@@ -243,16 +243,17 @@ def test_tp2_ngram_speculation_matches_hf(tiny_model_factory, arch, loop):
         assert results[str(i)].ids == hf_greedy(path, p, 30, ignore_eos=True), f"request {i} differs from HF"
 
 
-@pytest.mark.parametrize("loop", ["plain", "overlap"])
-def test_tp2_tree_drafts_move_the_accepted_kv_on_every_rank(tiny_model_factory, monkeypatch, loop):
+@pytest.mark.parametrize("arch, loop", [("llama", "plain"), ("llama", "overlap"), ("qwen3_5", "plain")])
+def test_tp2_tree_drafts_move_the_accepted_kv_on_every_rank(tiny_model_factory, monkeypatch, arch, loop):
     """Tree verify steps under TP 2 whose accepted tokens all lie off the first chain (the oracle drafter
     of test_speculative_tree): the follower masks the same trees and moves the same accepted nodes' KV
-    as the driver, so every later step reads the right KV on both ranks; greedy equals HF."""
+    as the driver, so every later step reads the right KV on both ranks; greedy equals HF. A hybrid's
+    ranks run their linear-attention heads' states node by node and roll them back alike."""
     from test_speculative_tree import MAX_NEW as TREE_NEW, SPEC, _oracle
 
     from baton.engine.speculative.ngram_speculator import NgramSpeculator
 
-    path = tiny_model_factory("llama")
+    path = tiny_model_factory(arch, **({"initializer_range": 0.02} if arch == "qwen3_5" else {}))
     prompts = workload()[:4]
     refs = {str(i): hf_greedy(path, p, TREE_NEW, ignore_eos=True) for i, p in enumerate(prompts)}
     monkeypatch.setattr(NgramSpeculator, "draft_tree", _oracle(refs))  # the driver drafts; followers are told
@@ -288,11 +289,13 @@ def test_tp2_eagle_trees_match_hf(tiny_model_factory, tmp_path, loop):
     assert (info["spec_lagged_verify_steps"] > 0) == (loop == "overlap"), info
 
 
-def test_tp2_hybrid_lagged_verify_steps_roll_every_ranks_state_back(tiny_model_factory, tmp_path):
+@pytest.mark.parametrize("topk", [1, 2])
+def test_tp2_hybrid_lagged_verify_steps_roll_every_ranks_state_back(tiny_model_factory, tmp_path, topk):
     """A hybrid target (Qwen3-Next) under TP 2 in the overlap loop, with an EAGLE draft fitted to its
     greedy text: verify steps lag and keep 0..2 drafts, so each row's recurrent state rolls back to
     every offset of the step before; every rank makes that rollback from the state copies the driver
-    puts first in the resolved step (the followers have no counts). Greedy equals HF."""
+    puts first in the resolved step (the followers have no counts). topk 2: the head's trees, their
+    states run node by node on every rank and rolled back to the last accepted node. Greedy equals HF."""
     from test_speculative import repetitive_prompts
     from tiny_models import make_eagle_draft
 
@@ -302,12 +305,14 @@ def test_tp2_hybrid_lagged_verify_steps_roll_every_ranks_state_back(tiny_model_f
     draft = make_eagle_draft(path, tmp_path / "eagle", "EAGLE", fit_on=fit, fit_steps=80)
     scheduler, results = _run_tp(path, prompts, max_new=24, max_total_tokens=4096, **_loop("overlap"),
                                  speculative_algorithm="EAGLE", speculative_draft_model_path=draft,
-                                 speculative_num_steps=2, speculative_disable_by_batch_size=64)
+                                 speculative_num_steps=2, speculative_eagle_topk=topk,
+                                 speculative_disable_by_batch_size=64)
     for i, p in enumerate(prompts):
         assert results[str(i)].ids == fit[i][len(p):], f"request {i} differs from HF"
     info = scheduler.spec.server_info()
     counts = info["spec_accept_length_counts"]  # requests' steps that kept 0, 1, 2 drafts
     assert info["spec_lagged_verify_steps"] > 0 and counts[1] > 0 and counts[2] > 0 and counts[3] > 0, info
+    assert info["speculative_eagle_topk"] == topk
 
 
 @pytest.mark.parametrize("arch, loop", [("qwen3_5", "plain"), ("qwen3_next", "overlap")])

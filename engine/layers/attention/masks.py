@@ -35,6 +35,23 @@ def ancestors(parents: torch.Tensor, depth: int) -> torch.Tensor:
     return seen
 
 
+def node_parents(trees: Optional[list[Optional[Tree]]], lens: list[int], device: torch.device) -> torch.Tensor:
+    """[bs, max(lens)] int64: each request's nodes' parents (-1: node 0, and past its `lens[i]` nodes).
+    A request without a tree is a chain (node j's parent j - 1); an ancestor matrix gives each node its
+    deepest ancestor, the last one before it, computed where the matrix is (nothing read back)."""
+    width = max(lens)
+    host = [(list(range(-1, n - 1)) if t is None or isinstance(t, torch.Tensor) else list(t)) + [-1] * (width - n)
+            for n, t in zip(lens, trees or [None] * len(lens))]
+    out = torch.tensor(host, dtype=torch.int64, device=device)
+    for i, t in enumerate(trees or ()):
+        if isinstance(t, torch.Tensor):
+            n = t.shape[0]
+            idx = torch.arange(n, device=t.device)
+            before = t & (idx[None, :] < idx[:, None])  # [n, n]: c an ancestor of j
+            out[i, :n] = torch.where(before, idx[None, :], -1).amax(dim=1).to(device)
+    return out
+
+
 def prefix_causal_mask(prefix_len: int, extend_len: int, device: torch.device) -> torch.Tensor:
     """[extend_len, prefix_len + extend_len] bool: query j (position prefix_len + j) sees keys <= its position."""
     q_pos = torch.arange(prefix_len, prefix_len + extend_len, device=device)[:, None]
