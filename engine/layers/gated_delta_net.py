@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from baton.engine.distributed.parallel_state import TpGroup
-from baton.engine.layers.attention.masks import node_parents
+from baton.engine.layers.attention.masks import node_depths, node_parents
 from baton.engine.layers.custom_op import CustomOp
 from baton.engine.layers.layernorm import GatedRMSNorm
 from baton.engine.layers.linear import MergedColumnLinear, OutputPart, RowParallelLinear
@@ -247,6 +247,32 @@ def fla_rule(chunk: Callable, recurrent: Callable, q: torch.Tensor, k: torch.Ten
     return o[0], s
 
 
+def tree_wave_plan(trees: Optional[list], lens: list[int], depths: Optional[list[int]]) -> list[list[list[int]]]:
+    """The waves a verify step's nodes run in through a linear-attention layer (GatedDeltaCore._tree_waves):
+    waves[d][i], the nodes of request i in wave d. A node needs its parent's state, so a tree on the host
+    (its parents; a chain: node j's is j - 1) runs each node in the wave of its depth. A head's tree on
+    the device (an ancestor matrix: its depths unknown here) runs nodes d .. n - 1 in wave d, up to the
+    depth it may reach (`depths[i]`; n - 1 where not known): node j is right from the wave of its depth
+    on (depth <= j), its parent being right by then, and a later wave computes it again from the same
+    state; so the waves are as many as the deepest tree's levels, not its nodes.
+
+        tree_wave_plan([[-1, 0, 0, 1], None], [4, 2], None) == [[[0], [0]], [[1, 2], [1]], [[3], []]]
+    """
+    plans = []
+    for i, n in enumerate(lens):
+        tree = None if trees is None else trees[i]
+        if isinstance(tree, torch.Tensor):
+            deepest = n - 1 if depths is None else min(depths[i], n - 1)
+            plans.append([list(range(d, n)) for d in range(deepest + 1)])
+            continue
+        depth = list(range(n)) if tree is None else node_depths(tree)
+        levels: list[list[int]] = [[] for _ in range(max(depth) + 1)]
+        for j, d in enumerate(depth):
+            levels[d].append(j)
+        plans.append(levels)
+    return [[plan[d] if d < len(plan) else [] for plan in plans] for d in range(max(map(len, plans)))]
+
+
 class GatedDeltaCore(CustomOp):
     """Conv1d + gated delta rule of one layer over a batch, through the request rows' state slots."""
 
@@ -394,17 +420,17 @@ class GatedDeltaCore(CustomOp):
 
     def _tree_waves(self, x: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, fb: "ForwardBatch",
                     step: Callable) -> torch.Tensor:
-        """A verify step with tree drafts (fb.tree_parents; a request without one is a chain): node by
-        node, wave j being every request's node j, one token each (`step`: the one-token conv and rule
-        of m rows from their states -> (out, conv, delta-rule state)). A node starts from its parent's
-        state: node 0 from the row's, node p's child from the scratch slot that took the state after
-        node p (its track at offset p + 1; parents come before their children, so it is written by
-        then). Each node's state goes to its tracked slots, the last node's into the row too, as a
-        chain's final state does. Parents on the device (a draft head's ancestor matrices) stay there.
+        """A verify step with tree drafts (fb.tree_parents; a request without one is a chain), in waves
+        of nodes (`tree_wave_plan`: by depth), one token each (`step`: the one-token conv and rule of m
+        rows from their states -> (out, conv, delta-rule state)). A node starts from its parent's state:
+        node 0 from the row's, node p's child from the scratch slot that takes the state after node p
+        (its track at offset p + 1). Each node's state goes to its tracked slots, the last node's into
+        the row too, as a chain's final state does. A wave gathers every state it reads before it
+        writes. Parents on the device (a draft head's ancestor matrices) stay there.
 
             node:            0     1     2     3          parents  -1   0   0   1
             reads from:     row   s1    s1    s2         (s_{p+1}: the slot after node p)
-            writes to:      s1    s2    s3    s4, row
+            writes to:      s1    s2    s3    s4, row    waves: {0}, {1, 2}, {3}
         """
         pool, rows, layer, dev = fb.state_pool, fb.state_slots, self.state_layer_id, x.device
         lens = list(fb.extend_seq_lens_cpu)
@@ -418,14 +444,15 @@ class GatedDeltaCore(CustomOp):
         src = table.gather(1, node_parents(fb.tree_parents, lens, rows.device) + 1)  # [bs, width]
         starts = list(itertools.accumulate([0] + lens[:-1]))
         out = torch.empty(x.shape[0], self.value_dim // self.head_v_dim, self.head_v_dim, dtype=x.dtype, device=dev)
-        for j in range(width):
-            active = [i for i in range(bs) if lens[i] > j]
-            at = torch.tensor([starts[i] + j for i in active], device=dev)
-            read = src[torch.tensor(active, device=rows.device), j]
+        for wave in tree_wave_plan(fb.tree_parents, lens, getattr(fb, "tree_depths", None)):
+            nodes = [(i, j) for i, js in enumerate(wave) for j in js]
+            at = torch.tensor([starts[i] + j for i, j in nodes], device=dev)
+            read = src[torch.tensor([i for i, _ in nodes], device=rows.device),
+                       torch.tensor([j for _, j in nodes], device=rows.device)]
             o, conv, ssm = step(x[at], g[at], beta[at], pool.conv[layer][read], pool.ssm[layer][read])
             out[at] = o
-            kept = [(n, after[(i, j)]) for n, i in enumerate(active) if (i, j) in after]
-            last = [(n, i) for n, i in enumerate(active) if lens[i] == j + 1]
+            kept = [(n, after[node]) for n, node in enumerate(nodes) if node in after]
+            last = [(n, i) for n, (i, j) in enumerate(nodes) if j == lens[i] - 1]
             pick = torch.tensor([n for n, _ in kept + last], device=dev)
             slots = torch.cat([torch.tensor([s for _, s in kept], dtype=torch.int64, device=rows.device),
                                rows[torch.tensor([i for _, i in last], dtype=torch.int64, device=rows.device)]])

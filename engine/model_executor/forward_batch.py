@@ -69,6 +69,9 @@ class ForwardBatch:
     # ancestor matrix on the device (attention/masks.py); the attention masks each node to the prefix
     # and its ancestors
     tree_parents: Optional[list[Optional[Union[list[int], torch.Tensor]]]] = None
+    # with tree_parents: per request, the deepest its tree may reach (VerifyInput.depth; a head's tree,
+    # whose shape the host does not know, is chosen within it); None: not known
+    tree_depths: Optional[list[int]] = None
     # a speculative verify step: each request an extend of its last token and its drafts (verify graphs)
     spec_verify: bool = False
 

@@ -375,6 +375,8 @@ class ModelRunner:
         fb.state_ops = getattr(mwb, "state_ops", None)
         spec = getattr(mwb, "spec_info", None)
         fb.tree_parents = None if spec is None else spec.parents
+        if fb.tree_parents is not None:
+            fb.tree_depths = [spec.depth(i) for i in range(len(spec.drafts))]
         fb.spec_verify = spec is not None
         return fb, (parts[5] if extra is not None else None)
 

@@ -31,17 +31,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from baton.engine.layers.attention.masks import node_depths
+
 
 def is_chain(parents: list[int]) -> bool:
     return all(p == j - 1 for j, p in enumerate(parents))
-
-
-def node_depths(parents: list[int]) -> list[int]:
-    """Each node's depth (node 0: 0): its position is the request's L + this."""
-    depths = [0] * len(parents)
-    for j in range(1, len(parents)):
-        depths[j] = depths[parents[j]] + 1
-    return depths
 
 
 def first_chain(parents: list[int]) -> list[int]:

@@ -308,6 +308,18 @@ def test_packed_path_equals_the_reference_on_cpu(in_place):
 TREE = [-1, 0, 0, 1, 2, 1]  # node 5's chain: 0 -> 1 -> 5; node 4's: 0 -> 2 -> 4
 
 
+def test_tree_waves_go_by_depth():
+    """A tree on the host runs each depth in one wave (a chain: a node a wave); a head's tree on the
+    device, whose depths the host does not know, runs nodes d.. in wave d, as many waves as it may be deep."""
+    from baton.engine.layers.gated_delta_net import tree_wave_plan
+
+    assert tree_wave_plan([TREE, None], [6, 2], None) == [[[0], [0]], [[1, 2], [1]], [[3, 4, 5], []]]
+    matrix = torch.ones(6, 6, dtype=torch.bool)  # its content is the device's business
+    assert tree_wave_plan([matrix, None], [6, 3], [2, 2]) == [[[0, 1, 2, 3, 4, 5], [0]], [[1, 2, 3, 4, 5], [1]],
+                                                            [[2, 3, 4, 5], [2]]]
+    assert len(tree_wave_plan([matrix], [6], None)) == 6  # the depth not known: as deep as a chain
+
+
 @pytest.mark.parametrize("given", ["parents", "ancestors"])
 @pytest.mark.parametrize("path", ["native", "packed"])
 def test_a_trees_nodes_each_run_as_their_chain_alone(path, given):
@@ -351,14 +363,15 @@ def _tree_nodes_against_their_chains(device: str, dtype: torch.dtype, given: str
     g, beta = -torch.rand(n, 4, device=device), torch.rand(n, 4, device=device, dtype=dtype)
     tree = TREE if given == "parents" else ancestors(torch.tensor([TREE], device=device), 3)[0]
 
-    def batch(pool, rows, lens, prefix, tracks, trees):
+    def batch(pool, rows, lens, prefix, tracks, trees, depths=None):
         idx = torch.tensor(rows, device=device)
         return SimpleNamespace(forward_mode=ForwardMode.EXTEND, batch_size=len(rows), req_pool_indices=idx,
                                state_slots=idx, extend_seq_lens_cpu=lens, extend_prefix_lens_cpu=prefix,
-                               state_pool=pool, state_ops=StateOps([], tracks), tree_parents=trees)
+                               state_pool=pool, state_ops=StateOps([], tracks), tree_parents=trees,
+                               tree_depths=depths)
 
     before = copy.deepcopy(pool)
-    out = run(core)(x, g, beta, batch(pool, rows, lens, prefix, tracks, [tree, None]))
+    out = run(core)(x, g, beta, batch(pool, rows, lens, prefix, tracks, [tree, None], [2, 1]))  # TREE: 2 deep
     for i, row in enumerate(rows):
         slot_after = dict(tracks[i])
         for j in range(lens[i]):

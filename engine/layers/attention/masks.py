@@ -35,6 +35,14 @@ def ancestors(parents: torch.Tensor, depth: int) -> torch.Tensor:
     return seen
 
 
+def node_depths(parents: list[int]) -> list[int]:
+    """Each node's depth (node 0: 0): its position is the request's L + this."""
+    depths = [0] * len(parents)
+    for j in range(1, len(parents)):
+        depths[j] = depths[parents[j]] + 1
+    return depths
+
+
 def node_parents(trees: Optional[list[Optional[Tree]]], lens: list[int], device: torch.device) -> torch.Tensor:
     """[bs, max(lens)] int64: each request's nodes' parents (-1: node 0, and past its `lens[i]` nodes).
     A request without a tree is a chain (node j's parent j - 1); an ancestor matrix gives each node its
