@@ -190,9 +190,12 @@ def test_nextn_under_retraction_and_mixed_chunks(mtp_model, case):
 
 
 @pytest.mark.gpu
-def test_nextn_on_cuda_changes_no_token(mtp_model):
+@pytest.mark.parametrize("topk", [1, 2])
+def test_nextn_on_cuda_changes_no_token(mtp_model, monkeypatch, topk):
     """On CUDA (fla-core's kernels for the linear layers, the head's passes beside them): NEXTN gives
-    the tokens the same engine gives without speculation, float32, the drafts verified."""
+    the tokens the same engine gives without speculation, float32, the drafts verified. topk 2: trees
+    whose accepted runs lie off their first chain (_oracle_head_trees over the plain engine's tokens),
+    their recurrent states in waves by depth on fla-core's kernel."""
     import torch
 
     if not torch.cuda.is_available():
@@ -201,11 +204,15 @@ def test_nextn_on_cuda_changes_no_token(mtp_model):
     prompts = workload()[:6] + repetitive_prompts()[:2]
     common = dict(device="cuda", dtype="float32", chunked_prefill_size=32, max_total_tokens=4096)
     plain = run_workload(harness_for(path, "overlap", **common), prompts, max_new=MAX_NEW, ignore_eos=True)
-    h = harness_for(path, "overlap", **common, **NEXTN)
+    if topk > 1:
+        _oracle_head_trees(monkeypatch, {str(i): p + plain[str(i)].ids for i, p in enumerate(prompts)})
+    h = harness_for(path, "overlap", **common, **NEXTN, speculative_eagle_topk=topk)
     spec = run_workload(h, prompts, max_new=MAX_NEW, ignore_eos=True)
     for i in range(len(prompts)):
         assert spec[str(i)].ids == plain[str(i)].ids, f"request {i}"
-    assert spec_info(h)["spec_verify_steps"] > 0 and h.scheduler.check_memory_integrity()
+    info = spec_info(h)
+    assert info["spec_verify_steps"] > 0 and (info["spec_tree_branch_accepts"] > 5) == (topk > 1), info
+    assert h.scheduler.check_memory_integrity()
 
 
 def _oracle_head(monkeypatch, refs: dict[str, list[int]]) -> None:
