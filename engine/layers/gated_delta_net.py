@@ -444,7 +444,7 @@ class GatedDeltaCore(CustomOp):
         src = table.gather(1, node_parents(fb.tree_parents, lens, rows.device) + 1)  # [bs, width]
         starts = list(itertools.accumulate([0] + lens[:-1]))
         out = torch.empty(x.shape[0], self.value_dim // self.head_v_dim, self.head_v_dim, dtype=x.dtype, device=dev)
-        for wave in tree_wave_plan(fb.tree_parents, lens, getattr(fb, "tree_depths", None)):
+        for wave in tree_wave_plan(fb.tree_parents, lens, fb.tree_depths):
             nodes = [(i, j) for i, js in enumerate(wave) for j in js]
             at = torch.tensor([starts[i] + j for i, j in nodes], device=dev)
             read = src[torch.tensor([i for i, _ in nodes], device=rows.device),

@@ -211,13 +211,15 @@ class TpModelWorker:
         spec = mwb.spec_info
         at = torch.tensor(spec.lagged, dtype=torch.int64).to(future_map.accepted.device)
         lag = future_map.accepted[at]
-        if spec.lagged_states is not None and self.step_sender is None:
+        if spec.lagged_states is None:
+            shift = lag.tolist()
+        elif self.step_sender is None:
             self._roll_back_lagged_states(mwb, spec.lagged_states, future_map.state_node[at])
-        shift = lag.tolist()
-        if spec.lagged_states is not None and self.step_sender is not None:
+            shift = lag.tolist()
+        else:
+            shift, ends = torch.stack([lag, future_map.state_node[at]]).tolist()  # one read
             rows = mwb.req_pool_indices.tolist()
-            back = [(slots[min(node, len(slots) - 1)], row)
-                    for slots, node, row in zip(spec.lagged_states, future_map.state_node[at].tolist(), rows)]
+            back = [(slots[min(node, len(slots) - 1)], row) for slots, node, row in zip(spec.lagged_states, ends, rows)]
             ops = mwb.state_ops or StateOps()
             mwb.state_ops = StateOps(back + ops.copies, ops.tracks)
         starts = [p + a for p, a in zip(mwb.extend_prefix_lens_cpu, shift)]

@@ -10,7 +10,7 @@ verify pass runs.
 (head_drafter.py): k candidates per step, the --speculative-num-draft-tokens - 1 best of them. The
 scheduler reserves its slots before the head has run: the node count (spec_info.tree_size) and a
 placeholder shape, whose parents and positions the drafter replaces.
-A hybrid model's trees run its recurrent state node by node, each node from its parent's state
+A hybrid model's trees run its recurrent state in waves by depth, each node from its parent's state
 (layers/gated_delta_net.py GatedDeltaCore._tree_waves). A request drafts a chain where the tree cannot
 serve: a PD-transferred request's first step where its prefill ran with a smaller topk (the metadata
 slot carries the prefill head's candidates).

@@ -5,7 +5,7 @@ When a step verifies and what its result does: verifying.py.
 
 --speculative-ngram-max-bfs-breadth b > 1 drafts trees of up to b continuations (NgramTreeIndex;
 both attention backends mask them, any TP size runs them; a hybrid model's recurrent state runs
-through them node by node, layers/gated_delta_net.py GatedDeltaCore._tree_waves)."""
+through them in waves by depth, layers/gated_delta_net.py GatedDeltaCore._tree_waves)."""
 from __future__ import annotations
 
 import logging

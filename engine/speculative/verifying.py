@@ -32,8 +32,8 @@ past the request's row. Where any request
 cannot lag (not in the running step, a grammar, a batch that grew or switches to plain steps), the
 results are processed first and the step is built as before (DecodeManager.prepare).
 
-Hybrid models: a request's recurrent state goes through every token of the step (a tree's node by
-node, each from its parent's: GatedDeltaCore._tree_waves); the layers keep the state after each of its
+Hybrid models: a request's recurrent state goes through every token of the step (a tree's in waves
+by depth, each node from its parent's: GatedDeltaCore._tree_waves); the layers keep the state after each of its
 drafts in scratch slots (state_pool.scratch_slot), and the result rolls the row back to the one after
 its kept tokens (roll_back_state: a copy before the next pass; spec_info.state_node names the node they
 end at). Where verify steps lag, consecutive steps use alternate scratch sets that also keep the state
