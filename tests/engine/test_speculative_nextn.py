@@ -377,25 +377,29 @@ def _end_state(h, key: list[int]) -> list:
     return [t[slot].clone() for t in (*pool.conv, *pool.ssm)]
 
 
-@pytest.mark.parametrize("case", ["retraction", "preemption"])
+@pytest.mark.parametrize("case", ["retraction", "preemption", "retraction-trees"])
 def test_a_hybrids_lagged_verify_steps_under_retraction_and_preemption(mtp_model, monkeypatch, case):
     """The overlap loop with lagged verify steps of a hybrid (drafts passing 0..3 at a time,
-    _oracle_head) in a pool too small for every request (decode retracts them: the steps in flight are
-    processed first, the state rolled back, then checkpointed for the resume), or with a high-priority
-    arrival that preempts them: HF's tokens, lagged steps, nothing leaked."""
+    _oracle_head; trees accepted off their first chain, _oracle_head_trees) in a pool too small for
+    every request (decode retracts them: the steps in flight are processed first, the state rolled
+    back, then checkpointed for the resume), or with a high-priority arrival that preempts them: HF's
+    tokens, lagged steps, nothing leaked."""
     path = mtp_model("qwen3_5")
-    prompts = workload(seed=1) if case == "retraction" else repetitive_prompts() + workload(seed=3)[:2]
-    new = MAX_NEW if case == "retraction" else 30
+    prompts = workload(seed=1) if case != "preemption" else repetitive_prompts() + workload(seed=3)[:2]
+    new = MAX_NEW if case != "preemption" else 30
     refs = {str(i): p + hf_greedy(path, p, new, ignore_eos=True) for i, p in enumerate(prompts)}
-    _oracle_head(monkeypatch, refs)
-    if case == "retraction":
+    trees = case.endswith("trees")
+    (_oracle_head_trees if trees else _oracle_head)(monkeypatch, refs)
+    spec = dict(NEXTN, speculative_eagle_topk=2 if trees else 1)
+    if case != "preemption":
         pool = int(0.6 * (sum(map(len, prompts)) + new * len(prompts)))
-        h = harness_for(path, "overlap", page_size=1, chunked_prefill_size=32, max_total_tokens=pool, **NEXTN)
+        h = harness_for(path, "overlap", page_size=1, chunked_prefill_size=32, max_total_tokens=pool, **spec)
         results = run_workload(h, prompts, max_new=new, ignore_eos=True)
         assert h.scheduler.stats.retractions > 0
+        assert (spec_info(h)["spec_tree_branch_accepts"] > 5) == trees
     else:
         h = harness_for(path, "overlap", page_size=1, max_total_tokens=2048, enable_priority_scheduling=True,
-                        priority_preemption_threshold=5, max_running_requests=4, **NEXTN)
+                        priority_preemption_threshold=5, max_running_requests=4, **spec)
         for i, p in enumerate(prompts[:4]):
             h.submit(str(i), p, max_new_tokens=new, ignore_eos=True, priority=0)
         for _ in range(6):
