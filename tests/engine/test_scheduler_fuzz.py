@@ -37,7 +37,7 @@ def reference(path: str, prompt: list[int]) -> list[int]:
     key = (path, tuple(prompt))
     if key not in _REFS:
         model = _hf_model(path)
-        out, ids, cache = [], torch.tensor([prompt]), DynamicCache()
+        out, ids, cache = [], torch.tensor([prompt]), DynamicCache(config=model.config)  # (a hybrid: its layer kinds)
         # transformers 5.x renames past_key_values to cache (the old name warns); the cache fills in place
         kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         with torch.no_grad():
