@@ -23,24 +23,29 @@ from test_scheduler_fuzz import REF_LEN, reference
 CALL_TIMEOUT_S = 180  # per call: far above a healthy answer on this VM, so reaching it means a hang
 
 
-@pytest.fixture(scope="module")
-def model_path(tiny_model_factory) -> str:
-    return tiny_model_factory("llama")
+# The seeds' setting too: a Qwen3.5-shaped hybrid with its MTP head, NEXTN trees on both sides, speculating
+# at every batch size the pool allows (its verify steps lag in the overlap loop)
+HYBRID_TREES = ["--enable-overlap-schedule", "--speculative-algorithm", "NEXTN", "--speculative-eagle-topk", "2",
+                "--speculative-disable-by-batch-size", "16"]
 
 
-@pytest.fixture(scope="module", params=[[], ["--enable-overlap-schedule"]], ids=["plain", "overlap"])
-def stack(model_path, request):
-    """Both engines on the CPU default loop, then both on the overlap loop; pools of 384 tokens for up
-    to 8 running requests of up to 60 + 200 tokens."""
+@pytest.fixture(scope="module", params=[("llama", []), ("llama", ["--enable-overlap-schedule"]),
+                                        ("qwen3_5", HYBRID_TREES)], ids=["plain", "overlap", "hybrid-nextn-trees"])
+def stack(tiny_model_factory, request):
+    """Both engines on the CPU default loop, then both on the overlap loop, then a hybrid speculating
+    with trees; pools of 384 tokens for up to 8 running requests of up to 60 + 200 tokens. Yields the
+    three processes and the model."""
+    arch, flags = request.param
+    model_path = tiny_model_factory(arch, **({"mtp": True, "initializer_range": 0.02} if arch == "qwen3_5" else {}))
     # Requests wait in the prefill's bootstrap queue while the decode has no room for them. With the
     # pair's usual 15 s bootstrap timeout a loaded CI machine timed many out at once, the router's
     # breaker opened on the prefill, and clients got 503s: overload, not what this test is about.
     args = ["--max-total-tokens", "384", "--max-running-requests", "8", "--disaggregation-bootstrap-timeout", "150",
-            *request.param]
+            *flags]
     with _pair(model_path, args) as (prefill, port, decode):
         with pd_router(sys.executable, "-m", "baton", "router", prefill=prefill.base_url, bootstrap_port=port,
                        decode=decode.base_url) as router:
-            yield prefill, decode, router
+            yield prefill, decode, router, model_path
 
 
 def _router_in_flight(base_url: str) -> dict[str, float]:
@@ -63,8 +68,8 @@ def _wait_router_drained(router, *engines, timeout_s: float = 30.0) -> None:
 
 # PD_CHAOS_SEEDS=2,3,... sweeps more seeds by hand (CI runs 0 and 1)
 @pytest.mark.parametrize("seed", [int(x) for x in os.environ.get("PD_CHAOS_SEEDS", "0,1").split(",")])
-def test_random_client_mix_through_the_router_never_hangs_or_leaks(stack, model_path, seed):
-    prefill, decode, router = stack
+def test_random_client_mix_through_the_router_never_hangs_or_leaks(stack, seed):
+    prefill, decode, router, model_path = stack
     base = router.base_url
     rng = random.Random(seed)
     prompts = [[rng.randrange(6, 500) for _ in range(rng.randint(2, 60))] for _ in range(10)]
@@ -116,6 +121,8 @@ def test_random_client_mix_through_the_router_never_hangs_or_leaks(stack, model_
         info = httpx.get(f"{engine.base_url}/get_server_info", timeout=10).json()
         held = {q: info[q] for q in ("num_running_reqs", "num_waiting_reqs", *queues)}
         assert not any(held.values()), held
+    info = httpx.get(f"{decode.base_url}/get_server_info", timeout=10).json()
+    assert info["speculative_algorithm"] is None or info["spec_verify_steps"] > 0, info  # the hybrid's trees verified
     aborts = [s.value for family in text_string_to_metric_families(httpx.get(f"{base}/metrics", timeout=10).text)
               for s in family.samples if s.name == "baton_router_aborts_total"]
     print(f"\nseed {seed}: {sum(aborts):.0f} aborts from the router; {sorted(outcomes)}")
