@@ -30,7 +30,7 @@ import functools
 import itertools
 import logging
 from functools import partial
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Callable, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -273,6 +273,49 @@ def tree_wave_plan(trees: Optional[list], lens: list[int], depths: Optional[list
     return [[plan[d] if d < len(plan) else [] for plan in plans] for d in range(max(map(len, plans)))]
 
 
+class TreeWave(NamedTuple):
+    """One wave of a tree verify step through the linear-attention layers (plan_tree_waves)."""
+
+    at: torch.Tensor  # [m] the wave's nodes' token rows in the pass
+    read: torch.Tensor  # [m] the state slot each node starts from: its parent's (node 0: its row)
+    pick: torch.Tensor  # [w] the wave's rows (of m) whose states are kept ...
+    slots: torch.Tensor  # [w] ... and the slots they go to (a row in several when it is tracked and last)
+
+
+def plan_tree_waves(fb: "ForwardBatch") -> list[TreeWave]:
+    """The waves of tree verify step `fb` (tree_wave_plan) as device indices, the same for every layer:
+    built once per pass, from one host-to-device copy. A node reads the scratch slot that takes the
+    state after its parent (the parent's track at offset p + 1; node 0 its row) and writes its own
+    tracked slots, the last node its row too (GatedDeltaCore._tree_waves)."""
+    rows, lens = fb.state_slots, list(fb.extend_seq_lens_cpu)
+    bs, width, dev = len(lens), max(lens), rows.device
+    tracks = fb.state_ops.tracks if fb.state_ops is not None else {}
+    after = {(i, off - 1): slot for i, t in tracks.items() for off, slot in t}  # (request, node) -> slot
+    assert all((i, p) in after for i, n in enumerate(lens) for p in range(n - 1)), "a node without its slot"
+    pad = fb.state_pool.pad_slot
+    host = [[0] + [after.get((i, p), pad) for p in range(width - 1)] for i in range(bs)]
+    starts = list(itertools.accumulate([0] + lens[:-1]))
+    plans, sizes = tree_wave_plan(fb.tree_parents, lens, fb.tree_depths), []
+    for wave in plans:
+        nodes = [(i, j) for i, js in enumerate(wave) for j in js]
+        kept = [(n, after[node]) for n, node in enumerate(nodes) if node in after]
+        last = [(n, i) for n, (i, j) in enumerate(nodes) if j == lens[i] - 1]
+        parts = ([starts[i] + j for i, j in nodes], [i * width + j for i, j in nodes], [n for n, _ in kept + last],
+                 [s for _, s in kept], [i for _, i in last])
+        host.append([v for part in parts for v in part])
+        sizes.append([len(part) for part in parts])
+    flat = torch.tensor([v for part in host for v in part], dtype=torch.int64).to(dev, non_blocking=True)
+    table = flat[:bs * width].view(bs, width).clone()  # column 1 + p: the slot after node p
+    table[:, 0] = rows
+    src = table.gather(1, node_parents(fb.tree_parents, lens, dev) + 1).view(-1)  # [bs x width]
+    waves, at = [], bs * width
+    for size in sizes:
+        token_rows, flat_nodes, pick, kept_slots, last_rows = flat[at:at + sum(size)].split(size)
+        waves.append(TreeWave(token_rows, src[flat_nodes], pick, torch.cat([kept_slots, rows[last_rows]])))
+        at += sum(size)
+    return waves
+
+
 class GatedDeltaCore(CustomOp):
     """Conv1d + gated delta rule of one layer over a batch, through the request rows' state slots."""
 
@@ -432,31 +475,16 @@ class GatedDeltaCore(CustomOp):
             reads from:     row   s1    s1    s2         (s_{p+1}: the slot after node p)
             writes to:      s1    s2    s3    s4, row    waves: {0}, {1, 2}, {3}
         """
-        pool, rows, layer, dev = fb.state_pool, fb.state_slots, self.state_layer_id, x.device
-        lens = list(fb.extend_seq_lens_cpu)
-        bs, width = len(lens), max(lens)
-        tracks = fb.state_ops.tracks if fb.state_ops is not None else {}
-        after = {(i, off - 1): slot for i, t in tracks.items() for off, slot in t}  # (request, node) -> slot
-        assert all((i, p) in after for i, n in enumerate(lens) for p in range(n - 1)), "a node without its slot"
-        table = torch.tensor([[0] + [after.get((i, p), pool.pad_slot) for p in range(width - 1)] for i in range(bs)],
-                             dtype=torch.int64, device=rows.device)  # column 1 + p: the slot after node p
-        table[:, 0] = rows
-        src = table.gather(1, node_parents(fb.tree_parents, lens, rows.device) + 1)  # [bs, width]
-        starts = list(itertools.accumulate([0] + lens[:-1]))
-        out = torch.empty(x.shape[0], self.value_dim // self.head_v_dim, self.head_v_dim, dtype=x.dtype, device=dev)
-        for wave in tree_wave_plan(fb.tree_parents, lens, fb.tree_depths):
-            nodes = [(i, j) for i, js in enumerate(wave) for j in js]
-            at = torch.tensor([starts[i] + j for i, j in nodes], device=dev)
-            read = src[torch.tensor([i for i, _ in nodes], device=rows.device),
-                       torch.tensor([j for _, j in nodes], device=rows.device)]
-            o, conv, ssm = step(x[at], g[at], beta[at], pool.conv[layer][read], pool.ssm[layer][read])
-            out[at] = o
-            kept = [(n, after[node]) for n, node in enumerate(nodes) if node in after]
-            last = [(n, i) for n, (i, j) in enumerate(nodes) if j == lens[i] - 1]
-            pick = torch.tensor([n for n, _ in kept + last], device=dev)
-            slots = torch.cat([torch.tensor([s for _, s in kept], dtype=torch.int64, device=rows.device),
-                               rows[torch.tensor([i for _, i in last], dtype=torch.int64, device=rows.device)]])
-            pool.write(layer, slots, conv[pick], ssm[pick])
+        pool, layer = fb.state_pool, self.state_layer_id
+        if fb.tree_waves is None:  # the first linear-attention layer of the pass plans for all of them
+            fb.tree_waves = plan_tree_waves(fb)
+        out = torch.empty(x.shape[0], self.value_dim // self.head_v_dim, self.head_v_dim, dtype=x.dtype,
+                          device=x.device)
+        for wave in fb.tree_waves:
+            o, conv, ssm = step(x[wave.at], g[wave.at], beta[wave.at], pool.conv[layer][wave.read],
+                                pool.ssm[layer][wave.read])
+            out[wave.at] = o
+            pool.write(layer, wave.slots, conv[wave.pick], ssm[wave.pick])
         return out
 
     def _one_token(self, x: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_state: torch.Tensor,

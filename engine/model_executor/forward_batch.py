@@ -72,6 +72,9 @@ class ForwardBatch:
     # with tree_parents: per request, the deepest its tree may reach (VerifyInput.depth; a head's tree,
     # whose shape the host does not know, is chosen within it); None: not known
     tree_depths: Optional[list[int]] = None
+    # a hybrid model's tree verify step: its waves through the linear-attention layers, planned by the
+    # first of them for all (layers/gated_delta_net.py plan_tree_waves)
+    tree_waves: Optional[list] = None
     # a speculative verify step: each request an extend of its last token and its drafts (verify graphs)
     spec_verify: bool = False
 

@@ -368,7 +368,7 @@ def _tree_nodes_against_their_chains(device: str, dtype: torch.dtype, given: str
         return SimpleNamespace(forward_mode=ForwardMode.EXTEND, batch_size=len(rows), req_pool_indices=idx,
                                state_slots=idx, extend_seq_lens_cpu=lens, extend_prefix_lens_cpu=prefix,
                                state_pool=pool, state_ops=StateOps([], tracks), tree_parents=trees,
-                               tree_depths=depths)
+                               tree_depths=depths, tree_waves=None)
 
     before = copy.deepcopy(pool)
     out = run(core)(x, g, beta, batch(pool, rows, lens, prefix, tracks, [tree, None], [2, 1]))  # TREE: 2 deep
