@@ -12,7 +12,10 @@ of the rule for a request's extend (transformers' torch_chunk_gated_delta_rule, 
 state) and the recurrent form for one token (decode; torch_recurrent_gated_delta_rule). Both read
 and write the request's slot of the recurrent-state pool (mem_cache/state_pool.py), which the
 forward batch carries. With the radix cache, an extend is cut at each tracked position and the
-state there goes to a checkpoint slot as well (mem_cache/hybrid_radix_cache.py). The CUDA path packs
+state there goes to a checkpoint slot as well (mem_cache/hybrid_radix_cache.py). A speculative verify
+step runs its drafts' nodes (a chain's tokens, a tree's nodes) in waves by depth, each node from its
+parent's state, every node's state kept in the scratch slot the scheduler names (`plan_tree_waves`,
+planned once per pass for every layer). The CUDA path packs
 the batch (no per-request loop): for an extend the conv as K gathers over one buffer of [state |
 tokens] per request (`varlen_causal_conv1d`), tracked positions as waves of pieces, and the rule on
 fla-core's chunked Triton kernel over the varlen batch (`fla_rule`); a decode step runs two Triton
@@ -330,7 +333,7 @@ class GatedDeltaCore(CustomOp):
                        forward_batch: "ForwardBatch") -> torch.Tensor:
         """mixed_qkv [n, conv_dim], g, beta [n, Hv] -> core output [n, Hv, Dv]."""
         fb, pool = forward_batch, forward_batch.state_pool
-        if fb.tree_parents is not None:  # a verify step with tree drafts
+        if fb.spec_verify:  # a verify step: its chains' or trees' nodes in waves
             return self._tree_waves(mixed_qkv, g, beta, fb, self._one_token)
         rows = fb.state_slots
         if fb.forward_mode.is_decode():
@@ -392,7 +395,7 @@ class GatedDeltaCore(CustomOp):
         the delta-rule states (`_decode_in_place`)."""
         if conv_decode is not None and fb.forward_mode.is_decode():
             return self._decode_in_place(mixed_qkv, g, beta, fb, rule, conv_decode, state_decode)
-        if fb.tree_parents is not None:  # a verify step with tree drafts
+        if fb.spec_verify:  # a verify step: its chains' or trees' nodes in waves
             return self._tree_waves(mixed_qkv, g, beta, fb,
                                     lambda x, g1, b1, c, s: self._wave(x, g1, b1, [1] * x.shape[0], c, s, rule))
         pool, rows = fb.state_pool, fb.state_slots
@@ -463,8 +466,8 @@ class GatedDeltaCore(CustomOp):
 
     def _tree_waves(self, x: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, fb: "ForwardBatch",
                     step: Callable) -> torch.Tensor:
-        """A verify step with tree drafts (fb.tree_parents; a request without one is a chain), in waves
-        of nodes (`tree_wave_plan`: by depth), one token each (`step`: the one-token conv and rule of m
+        """A verify step (speculative decoding), its requests' drafts as trees (fb.tree_parents; a request
+        without one is a chain), in waves of nodes (`tree_wave_plan`: by depth), one token each (`step`: the one-token conv and rule of m
         rows from their states -> (out, conv, delta-rule state)). A node starts from its parent's state:
         node 0 from the row's, node p's child from the scratch slot that takes the state after node p
         (its track at offset p + 1). Each node's state goes to its tracked slots, the last node's into

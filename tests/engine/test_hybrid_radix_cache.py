@@ -262,11 +262,11 @@ def _core_and_batches(device: str, dtype: torch.dtype):
         forward_mode=ForwardMode.EXTEND, batch_size=4, req_pool_indices=torch.tensor([4, 0, 2, 1], device=device),
         state_slots=torch.tensor([4, 0, 2, 1], device=device),
         extend_seq_lens_cpu=lens, extend_prefix_lens_cpu=prefix, state_pool=pool,
-        state_ops=StateOps([], {1: [(16, 6), (64, 7), (70, 8)], 3: [(8, 9)], 0: [(5, 10)]}), tree_parents=None)
+        state_ops=StateOps([], {1: [(16, 6), (64, 7), (70, 8)], 3: [(8, 9)], 0: [(5, 10)]}), spec_verify=False)
     decode = SimpleNamespace(forward_mode=ForwardMode.DECODE, batch_size=3,
                              req_pool_indices=torch.tensor([1, 3, 5], device=device),
                              state_slots=torch.tensor([1, 3, 5], device=device), state_pool=pool,
-                             state_ops=StateOps([], {2: [(1, 11)]}), tree_parents=None)
+                             state_ops=StateOps([], {2: [(1, 11)]}), spec_verify=False)
     n = sum(lens)
     inputs = [(torch.randn(n, layer.conv_dim, device=device, dtype=dtype), -torch.rand(n, 4, device=device),
                torch.rand(n, 4, device=device, dtype=dtype)) for _ in range(1)]
@@ -367,8 +367,8 @@ def _tree_nodes_against_their_chains(device: str, dtype: torch.dtype, given: str
         idx = torch.tensor(rows, device=device)
         return SimpleNamespace(forward_mode=ForwardMode.EXTEND, batch_size=len(rows), req_pool_indices=idx,
                                state_slots=idx, extend_seq_lens_cpu=lens, extend_prefix_lens_cpu=prefix,
-                               state_pool=pool, state_ops=StateOps([], tracks), tree_parents=trees,
-                               tree_depths=depths, tree_waves=None)
+                               state_pool=pool, state_ops=StateOps([], tracks), spec_verify=trees is not None,
+                               tree_parents=trees, tree_depths=depths, tree_waves=None)
 
     before = copy.deepcopy(pool)
     out = run(core)(x, g, beta, batch(pool, rows, lens, prefix, tracks, [tree, None], [2, 1]))  # TREE: 2 deep
