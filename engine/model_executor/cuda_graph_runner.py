@@ -18,9 +18,19 @@ torch backend does not (its gather width is the batch's longest sequence).
 Speculative verify steps (`verify_tokens` N > 0: --speculative-num-draft-tokens) have graphs of their
 own, for batches up to `verify_max_bs` (the largest batch that speculates): an extend of exactly N
 tokens per request (its last token and N - 1 drafts), every request's KV before it. A step whose
-requests all drafted N - 1 tokens replays one; a shorter draft or a hybrid model's step (its
-per-token state tracks) runs eagerly. A padded request is N tokens of id 0 at positions 0 .. N - 1
-over request row 0's first N KV entries, writing only the dummy slot.
+requests all drafted N - 1 tokens replays one; a shorter draft runs eagerly. A padded request is N
+tokens of id 0 at positions 0 .. N - 1 over request row 0's first N KV entries, writing only the dummy
+slot.
+
+A hybrid model's verify steps (`verify_states`: chains; its tree steps run eagerly) replay them too:
+its linear-attention layers run the N tokens as N waves (layers/gated_delta_net.py
+GatedDeltaCore._tree_waves) whose slots are static buffers loaded before each replay from the step's
+tracks (`wave_read`: node 0 reads its row, node w the scratch slot after node w - 1; `wave_dest`: the
+scratch slot after each node, and the row for the last one). A padded request reads and writes the
+state pool's padding slot.
+
+        wave_read[w, i]      row_i (w = 0) | after_i[w - 1]
+        wave_dest[w, i, :]   after_i[w] (pad where not tracked), row_i (w = N - 1) | pad
 
 Trees (`verify_trees`: an engine that drafts them, --speculative-eagle-topk or
 --speculative-ngram-max-bfs-breadth > 1): its verify graphs attend through a mask planned before
@@ -79,7 +89,7 @@ class CudaGraphRunner:
                  verify_max_bs: int = 0, verify_trees: bool = False) -> None:
         """`capture=False` runs the padded static-buffer path eagerly (tests; any backend).
         `verify_tokens` > 0: verify-step graphs of that many tokens per request, up to `verify_max_bs`;
-        `verify_trees`: masked by each step's trees (module docstring)."""
+        `verify_trees`: masked by each step's trees (module docstring; not for a hybrid model)."""
         self.model_runner = model_runner
         self.batch_sizes = capture_batch_sizes(max_bs)
         self.max_bs = self.batch_sizes[-1]
@@ -98,6 +108,14 @@ class CudaGraphRunner:
             pool = model_runner.state_pool
             self.pad_state = None if pool is None else pool.pad_slot
             self.state_rows = None if pool is None else torch.full((b,), pool.pad_slot, dtype=torch.int64, device=dev)
+            # a hybrid model's verify steps: their linear-attention waves' slots (module docstring)
+            self.verify_states = pool is not None and self.verify_tokens > 0
+            assert not (self.verify_states and self.verify_trees), "a hybrid model's tree steps run eagerly"
+            if self.verify_states:
+                vb, nt = self.verify_sizes[-1], self.verify_tokens
+                self.wave_read = torch.full((nt, vb), pool.pad_slot, dtype=torch.int64, device=dev)
+                self.wave_dest = torch.full((nt, vb, 2), pool.pad_slot, dtype=torch.int64, device=dev)
+        self._wave_rows: dict[int, tuple[list[torch.Tensor], torch.Tensor]] = {}  # bucket -> (token rows, pick)
         # (kind, batch size) -> torch.cuda.CUDAGraph, its static output [b or b * N, hidden] and
         # EAGLE-3's layer states (the model leaves them in forward_batch.aux_hidden); kind: decode | verify
         self.graphs: dict[tuple[str, int], Any] = {}
@@ -125,7 +143,8 @@ class CudaGraphRunner:
         """A verify step a verify graph serves: exactly N tokens per request (chains; trees too where the
         graphs are masked by them), no state work, small enough."""
         n = self.verify_tokens
-        return (n > 0 and fb.spec_verify and (fb.tree_parents is None or self.verify_trees) and not fb.state_ops
+        return (n > 0 and fb.spec_verify and (fb.tree_parents is None or self.verify_trees)
+                and (not fb.state_ops or self.verify_states)
                 and fb.batch_size <= self.verify_sizes[-1] and all(e == n for e in fb.extend_seq_lens_cpu))
 
     def bucket(self, bs: int, verify: bool = False) -> int:
@@ -158,7 +177,7 @@ class CudaGraphRunner:
             out, aux = self._forward(static)[:rows], static.aux_hidden
         if aux is not None:
             fb.aux_hidden = aux[:rows]
-        if fb.state_ops is not None and fb.state_ops.tracks:
+        if not verify and fb.state_ops is not None and fb.state_ops.tracks:  # (a verify step's layers wrote its)
             fb.state_pool.copy_tracked_ends(fb.state_slots, fb.state_ops.tracks)
         return out
 
@@ -193,6 +212,37 @@ class CudaGraphRunner:
         self.req_pool_indices[:bs].copy_(fb.req_pool_indices, non_blocking=True)
         self.seq_lens[:bs].copy_(fb.seq_lens, non_blocking=True)
         self._pad_verify_rows(bs, b)
+        if self.verify_states:
+            self._load_verify_states(fb, b)
+
+    def _load_verify_states(self, fb: ForwardBatch, b: int) -> None:
+        """A hybrid model's verify step: the slots its waves read and write (module docstring), from the
+        step's tracks (the scratch slot after node w at offset w + 1); padded requests: the padding slot."""
+        n, bs, pad = self.verify_tokens, fb.batch_size, self.pad_state
+        after = [[pad] * n for _ in range(b)]  # after[i][w]: the slot that takes the state after node w
+        for i, track in (fb.state_ops.tracks if fb.state_ops is not None else {}).items():
+            for off, slot in track:
+                after[i][off - 1] = slot
+        assert all(after[i][w] != pad for i in range(bs) for w in range(n - 1)), "a verify step tracks every node"
+        host = torch.tensor(after, dtype=torch.int64).T  # [n, b]
+        self.wave_read[1:, :b].copy_(host[:-1])
+        self.wave_dest[:, :b, 0].copy_(host)
+        for buf in (self.wave_read[0], self.wave_dest[n - 1, :, 1]):
+            buf[:bs].copy_(fb.state_slots, non_blocking=True)
+            buf[bs:b].fill_(pad)
+
+    def _static_waves(self, b: int) -> list:
+        """The waves of a hybrid's static verify batch of bucket b over the slot buffers; their token rows
+        and picks are kept for the bucket's graph (it reads them on every replay)."""
+        from baton.engine.layers.gated_delta_net import TreeWave
+
+        if b not in self._wave_rows:
+            dev, n = self.wave_read.device, self.verify_tokens
+            self._wave_rows[b] = ([torch.arange(b, device=dev) * n + w for w in range(n)],
+                                  torch.arange(b, device=dev).repeat_interleave(2))
+        rows, pick = self._wave_rows[b]
+        return [TreeWave(rows[w], self.wave_read[w, :b], pick, self.wave_dest[w, :b].reshape(-1))
+                for w in range(self.verify_tokens)]
 
     def _pad_verify_rows(self, start: int, end: int) -> None:
         """Padded verify requests (module docstring): N tokens of id 0 at positions 0 .. N - 1."""
@@ -216,6 +266,8 @@ class CudaGraphRunner:
             extend_prefix_lens_cpu=prefix_lens_cpu, extend_seq_lens_cpu=[n] * b)
         fb.spec_verify = True
         fb.tree_parents = trees if self.verify_trees else None
+        if self.verify_states:
+            fb.tree_waves = self._static_waves(b)
         return fb
 
     def _pad_rows(self, start: int, end: int) -> None:

@@ -252,11 +252,12 @@ class ModelRunner:
         max_bs = args.cuda_graph_max_bs or cuda_graph_max_bs_for(torch.cuda.get_device_properties(self.device).total_memory)
         max_bs = min(max_bs, self.pool_config.max_running_requests)
         # speculation: verify steps of full drafts get graphs of their own, for the batches that speculate,
-        # masked by each step's trees where the engine drafts trees (a hybrid model's verify steps track
-        # every token's state, which runs eagerly)
-        verify = args.speculative_algorithm is not None and self.state_pool is None
-        trees = verify and ((args.speculative_eagle_topk or 1) > 1 if args.speculative_algorithm != "NGRAM"
-                            else args.speculative_ngram_max_bfs_breadth > 1)
+        # masked by each step's trees where the engine drafts trees; a hybrid model's chains too, their
+        # states' waves over static slot buffers (its trees run eagerly)
+        trees = args.speculative_algorithm is not None and (
+            (args.speculative_eagle_topk or 1) > 1 if args.speculative_algorithm != "NGRAM"
+            else args.speculative_ngram_max_bfs_breadth > 1)
+        verify = args.speculative_algorithm is not None and not (trees and self.state_pool is not None)
         return CudaGraphRunner(self, max_bs=max_bs, verify_tokens=args.speculative_num_draft_tokens if verify else 0,
                                verify_max_bs=args.speculative_disable_by_batch_size - 1 if verify else 0,
                                verify_trees=trees)

@@ -368,6 +368,60 @@ def test_a_hybrids_lagged_tree_steps_roll_its_state_back_to_the_last_accepted_no
     _assert_end_states_are_the_plain_engines(h, path, prompts, refs)
 
 
+@pytest.mark.parametrize("loop", ["plain", "overlap"])
+def test_a_hybrids_verify_steps_through_the_verify_graphs_path(mtp_model, monkeypatch, loop):
+    """A hybrid's chain verify steps through the graph runner's padded static path (run eagerly on CPU:
+    what a verify graph replays): its linear-attention waves read and write the slots loaded into the
+    runner's buffers from each step's tracks (alternating scratch sets where steps lag), a padded request
+    the padding slot only. Drafts passing 0..3 at a time (_oracle_head), a batch shrinking from 4 to 1
+    (buckets 1, 2 and 4, 3 requests padded into 4): HF's tokens, follow-up turns from the end states cached give HF's
+    tokens, nothing leaked."""
+    from baton.engine.model_executor.cuda_graph_runner import CudaGraphRunner
+
+    path = mtp_model("qwen3_5")
+    prompts = workload()[:4]
+    refs = {str(i): p + hf_greedy(path, p, MAX_NEW, ignore_eos=True) for i, p in enumerate(prompts)}
+    _oracle_head(monkeypatch, refs)
+    h = harness_for(path, loop, page_size=1, max_total_tokens=4096, **{**NEXTN, "speculative_disable_by_batch_size": 5})
+    runner = h.scheduler.worker.model_runner
+    graphs = runner.cuda_graph_runner = CudaGraphRunner(runner, max_bs=8, capture=False, verify_tokens=4,
+                                                        verify_max_bs=4)  # buckets 1, 2, 4
+    runner.attn_backend.native_decode = False  # decode attention from per-pass metadata, as FlashInfer's
+    h.scheduler.worker.drafter.use_graphs(graphs)
+    replays, replay, pad = [], graphs.replay, runner.state_pool.pad_slot
+
+    def recording(fb):
+        out = replay(fb)
+        replays.append((fb.spec_verify, fb.batch_size))
+        if fb.spec_verify:  # a padded request's waves touch the padding slot only
+            b = graphs.bucket(fb.batch_size, verify=True)
+            assert (graphs.wave_read[:, fb.batch_size:b] == pad).all()
+            assert (graphs.wave_dest[:, fb.batch_size:b] == pad).all()
+        return out
+
+    graphs.replay = recording
+    lens = [MAX_NEW, 8, 16, 24]  # the batch shrinks from 4 to 1
+    for i, (p, n) in enumerate(zip(prompts, lens)):
+        h.submit(str(i), p, max_new_tokens=n, ignore_eos=True)
+    results = h.run_until_idle()
+    for i, (p, n) in enumerate(zip(prompts, lens)):
+        assert results[str(i)].ids == refs[str(i)][len(p):len(p) + n], f"request {i} differs from HF"
+    verified = {bs for verify, bs in replays if verify}
+    # plain loop: every size, 3 padded into bucket 4; the overlap loop's lagged steps mostly draft short
+    # (each request's room counts what the step still running may emit), so fewer are full
+    assert {1, 2, 3, 4} <= verified if loop == "plain" else verified, replays
+    info = spec_info(h)
+    assert info["spec_accept_length"] > 2 and (info["spec_lagged_verify_steps"] > 0) == (loop == "overlap"), info
+    # follow-up turns of requests that ended while others ran start from their cached end states
+    for rid in ("1", "2"):
+        turn2 = refs[rid][:len(prompts[int(rid)]) + lens[int(rid)]] + [7, 8]
+        h.submit("turn2-" + rid, turn2, max_new_tokens=8, ignore_eos=True)
+        res = h.run_until_idle()["turn2-" + rid]
+        assert res.ids == hf_greedy(path, turn2, 8, ignore_eos=True), rid
+        assert res.cached_tokens >= len(turn2) - 3, (rid, res.cached_tokens, len(turn2))
+    assert h.scheduler.check_memory_integrity()
+
+
 def _end_state(h, key: list[int]) -> list:
     """The recurrent states (every layer's conv and delta-rule state) the radix cache holds at the end
     of `key`, which it must have cached whole."""
