@@ -404,7 +404,18 @@ class CudaGraphRunner:
             self.verify_tokens, self.verify_sizes = 0, []
         pool = torch.cuda.graph_pool_handle()
         # Largest first: the smaller graphs then fit in the memory the largest one reserved.
-        for kind, sizes in (("verify", self.verify_sizes), ("decode", self.batch_sizes)):
+        if self.verify_states:  # not yet run on a GPU: a capture that fails leaves these steps eager
+            try:
+                for b in reversed(self.verify_sizes):
+                    self._capture_one("verify", b, pool)
+            except Exception as e:
+                logger.warning("a hybrid model's verify steps run eagerly: their CUDA graph capture failed (%s)", e)
+                for b in self.verify_sizes:
+                    self.graphs.pop(("verify", b), None)
+                    self.outputs.pop(("verify", b), None)
+                    self.aux_outputs.pop(("verify", b), None)
+                self.verify_tokens, self.verify_sizes, self.verify_states = 0, [], False
+        for kind, sizes in (("verify", [] if self.verify_states else self.verify_sizes), ("decode", self.batch_sizes)):
             for b in reversed(sizes):
                 try:
                     self._capture_one(kind, b, pool)
