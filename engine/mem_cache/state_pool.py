@@ -131,8 +131,7 @@ class RecurrentStatePool:
     def scratch_slot(self, batch_index: int, offset: int, which: int = 0) -> int:
         """Where a verify step keeps the state of its `batch_index`-th request after `offset` of its
         tokens (1 .. slots per row; a tree: after node offset - 1), in scratch set `which`: the state to
-        roll back to when the drafts
-        after it are rejected. A rollback copy runs at the start of the next pass that reads the state
+        roll back to when the drafts after it are rejected. A rollback copy runs at the start of the next pass that reads the state
         (the next pass, or the worker's at the start of a verify step built behind this one), before
         the next verify step using the same set writes these slots."""
         assert 0 <= batch_index < self.scratch_rows and 1 <= offset <= self.scratch_per_row, (batch_index, offset)
