@@ -167,7 +167,7 @@ class ServerArgs:
     speculative_draft_model_path: Optional[str] = None
     # EAGLE: a hot vocabulary (a .pt of token ids) the draft's LM head is cut to (SGLang's flag; FR-Spec)
     speculative_token_map: Optional[str] = None
-    # NEXTN, EAGLE, EAGLE3 (a head drafts, speculative/head_drafter.py): draft steps per verify, and
+    # NEXTN, EAGLE, EAGLE3 (a head drafts, speculative/head_worker.py): draft steps per verify, and
     # candidates per step (1: a chain, num_draft_tokens num_steps + 1; k: a tree grown best-first, k
     # candidates per step, of num_draft_tokens - 1 nodes, by default k x num_steps)
     speculative_num_steps: Optional[int] = None  # None: 3 (SGLang's recommended chain for Qwen3-Next)
@@ -181,7 +181,7 @@ class ServerArgs:
     # merged into a tree of at most num_draft_tokens - 1 nodes; 1 drafts a chain
     speculative_ngram_max_bfs_breadth: int = 1
     # NGRAM (SGLang's flag): tokens of recently finished requests (prompt and output) whose n-grams other
-    # requests draft from where their own tokens hold no match (speculative/ngram.py SharedNgrams);
+    # requests draft from where their own tokens hold no match (speculative/ngram_index.py SharedNgrams);
     # 0: each request drafts from its own tokens only
     speculative_ngram_capacity: int = 0
     # speculation backs off under load: decode steps of this many running requests or more are plain
@@ -324,7 +324,7 @@ class ServerArgs:
     def _check_head_drafts(self) -> None:
         """NEXTN, EAGLE, EAGLE3: num_steps drafts deep, topk candidates per step (1: a chain, so
         num_draft_tokens is num_steps + 1, SGLang's rule for topk 1; more: a tree grown best-first,
-        speculative/head_drafter.py, of num_draft_tokens - 1 nodes, by default topk x num_steps, at most
+        speculative/head_worker.py, of num_draft_tokens - 1 nodes, by default topk x num_steps, at most
         every candidate it drafts, as SGLang allows)."""
         steps = 3 if self.speculative_num_steps is None else self.speculative_num_steps
         topk = 1 if self.speculative_eagle_topk is None else self.speculative_eagle_topk
@@ -366,7 +366,7 @@ class ServerArgs:
 
     def may_lag_verify_steps(self) -> bool:
         """Whether a hybrid model's verify step may be built behind the one running (speculative/
-        verifying.py, lagged verify steps): a draft head's algorithm, the overlap loop not ruled out (any
+        verify_strategy.py, lagged verify steps): a draft head's algorithm, the overlap loop not ruled out (any
         TP size: with TP the rollback is a state copy every rank makes, TpModelWorker._resolve_lagged).
         Its scratch states are sized for it (ModelRunner._init_state_pool), on every rank alike."""
         return self.speculative_algorithm not in (None, "NGRAM") and not self.disable_overlap_schedule

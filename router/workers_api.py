@@ -6,7 +6,7 @@ DELETE /workers?url=...[&role=...]   or   DELETE /workers/{url}
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 import orjson
 from aiohttp import web
@@ -17,10 +17,20 @@ from baton.router.registry import WorkerExistsError
 from baton.router.request import BodyTimeout, read_body
 
 if TYPE_CHECKING:
-    from baton.router.server import Router
+    from baton.router.config import RouterConfig
+    from baton.router.registry import WorkerRegistry
 
 
-def add_routes(app: web.Application, router: "Router") -> None:
+class WorkerAdmin(Protocol):
+    """What the worker API reads of the router that serves it (server.py Router)."""
+
+    config: "RouterConfig"
+    workers: "WorkerRegistry"
+
+    def check_auth(self, request: web.Request) -> Optional[web.Response]: ...
+
+
+def add_routes(app: web.Application, router: WorkerAdmin) -> None:
     api = _WorkersApi(router)
     app.router.add_get("/workers", api.list)
     app.router.add_post("/workers", api.add)
@@ -32,7 +42,7 @@ def add_routes(app: web.Application, router: "Router") -> None:
 
 
 class _WorkersApi:
-    def __init__(self, router: "Router") -> None:
+    def __init__(self, router: WorkerAdmin) -> None:
         self.router = router
 
     async def list(self, request: web.Request) -> web.Response:

@@ -21,27 +21,31 @@ One line per module, generated from the module docstrings (and the C sources' op
 
 ## Import rules
 
-`tests/test_imports.py` checks them on the source (imports under `if TYPE_CHECKING:` name types and are
-exempt; an import inside a function is a dependency like any other):
+`tests/test_imports.py` checks them on the source, counting every import: those under
+`if TYPE_CHECKING:` too (a type named across layers ties them all the same), and those deferred into
+a function:
 
-- **No import cycles** among the engine's modules: none at module level, and none closed by an import
-  deferred into a function, except the few the test lists, each with the change that ends it.
+- **No import cycles** among the engine's modules.
 - **The engine's layers import downward only.** A module imports from its own layer and the layers
   below it; bottom to top:
   1. `kernels/`, `triton_ops/`, `utils/`
   2. `distributed/`, `mem_cache/`, `sampling/`, `constrained/`, `parsers/`, `io_struct.py`,
      `server_args.py`, `metrics.py`, `model_structure.py`
-  3. `layers/`
-  4. `models/`
-  5. `model_executor/`
-  6. `disaggregation/`, `speculative/`
-  7. `scheduler/`
-  8. `tokenizer_manager.py`, `detokenizer.py`
-  9. `entrypoints/`, `bench/`
+  3. `core/`: the shared data types (request, queues, batches, forward batch and the attention
+     backend contract, step results, verify-step drafts, scheduler counters)
+  4. `layers/`
+  5. `models/`
+  6. `model_executor/`
+  7. `disaggregation/`, `speculative/`
+  8. `worker/`: the TP worker, its step fan-out, the future map and the forward executors
+  9. `scheduler/`
+  10. `tokenizer_manager.py`, `detokenizer.py`
+  11. `entrypoints/`, `bench/`
 
-  So models never import the model runner or the scheduler, the kernels import nothing above them
-  (one known exception, listed in the test), and PD and speculation reach the scheduler through type
-  hints only.
+  So models never import the model runner or the scheduler, and PD and speculation reach the
+  scheduler through the types in `core/` and narrow views (`SchedulerView`, `SpecView`), never its
+  modules. Where a lower part must call back into a higher one it names a `Protocol` of what it
+  reads (`GraphedRunner`, `RoomsOwner`, the router's `WorkerAdmin`).
 - **The router and the operator never import the engine**, not even inside a function: they run
   where the engine is not installed.
 - **No import cycles in the router** either, deferred imports included, and no exceptions: the flows

@@ -16,7 +16,7 @@ import torch  # noqa: E402
 from scheduler_harness import SchedulerHarness  # noqa: E402
 from tiny_models import make_tiny_model  # noqa: E402
 
-from baton.engine.scheduler.tp_worker import GenerationBatchResult  # noqa: E402
+from baton.engine.core.batch_result import GenerationBatchResult  # noqa: E402
 from baton.engine.utils.gc_freeze import freeze_gc  # noqa: E402
 
 

@@ -6,8 +6,8 @@
 Per batch size and request kind (greedy; sampled at temperature 0.7, top-p 0.9, seeded; either with
 logprobs and top-2), a chain of --drafts draft tokens per request over random logits in which about
 half the drafts pass: the time from the pass's logits to the emitted tokens on the host, for
-verify.verify_drafts (the host rule: per-request work, reads as it goes) and
-verify_device.accept_on_device + PendingVerify.read (the batch at once, one read at the end), and the
+accept_host.verify_drafts (the host rule: per-request work, reads as it goes) and
+accept_device.accept_on_device + PendingVerify.read (the batch at once, one read at the end), and the
 time the device walk's launch takes before it returns (what the scheduler's thread waits for it on
 CUDA, where the read comes later). Medians of --iters runs after a warm-up; the tokens of the two
 agree for greedy rows (checked), sampled rows draw differently by design (both keep the target's
@@ -21,11 +21,11 @@ import time
 
 import torch
 
+from baton.engine.core.spec_info import VerifyInput
 from baton.engine.sampling.sampling_batch_info import ReqSamplingState
 from baton.engine.sampling.sampling_params import SamplingParams
-from baton.engine.speculative.spec_info import VerifyInput
-from baton.engine.speculative.verify import verify_drafts
-from baton.engine.speculative.verify_device import PendingVerify, accept_on_device
+from baton.engine.speculative.accept_device import PendingVerify, accept_on_device
+from baton.engine.speculative.accept_host import verify_drafts
 
 
 def _sync(device: str) -> None:

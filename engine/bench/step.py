@@ -223,7 +223,7 @@ def model_facts(model: torch.nn.Module, config: dict) -> ModelFacts:
 # ---------------------------------------------------------------- timing
 
 def _decode_batch(runner: Any, bs: int, context: int) -> tuple[Any, torch.Tensor]:
-    from baton.engine.model_executor.forward_batch import ForwardMode
+    from baton.engine.core.forward_batch import ForwardMode
 
     slots = runner.allocator.alloc_extend([0] * bs, [context + 1] * bs, [-1] * bs)
     assert slots is not None, "KV pool too small for the batch"
@@ -278,7 +278,7 @@ def kernels_per_step(runner: Any, bs: int, context: int) -> tuple[Counter, Count
 
 
 def prefill_ms(runner: Any, tokens: int, reps: int = 3) -> float:
-    from baton.engine.model_executor.forward_batch import ForwardMode
+    from baton.engine.core.forward_batch import ForwardMode
 
     slots = runner.allocator.alloc_extend([0], [tokens], [-1])
     assert slots is not None, "KV pool too small for the prefill"

@@ -33,8 +33,8 @@ from baton.engine.disaggregation.colocated import Colocated, DisaggregationMode
 from baton.engine.io_struct import AbortReq, TokenizedGenerateReqInput
 
 if TYPE_CHECKING:
+    from baton.engine.core.req import Req
     from baton.engine.disaggregation.colocated import SchedulerView
-    from baton.engine.scheduler.req import Req
 
 logger = logging.getLogger(__name__)
 

@@ -20,15 +20,15 @@ from typing import TYPE_CHECKING, Optional
 from baton.engine.disaggregation import create_transfer_backend
 from baton.engine.disaggregation.base import (KVArgs, KVManagerBase, KVMetadata, KVPoll, MetadataBuffers,
                                               RoomInUse, TransferConfig, model_kv_heads, pages_from_slots)
+from baton.engine.disaggregation.colocated import Colocated, DisaggregationMode
 from baton.engine.disaggregation.no_peer import NoPeerSender, is_no_peer
 from baton.engine.disaggregation.stats import PDStats
-from baton.engine.disaggregation.colocated import Colocated, DisaggregationMode
 from baton.engine.io_struct import AbortReq, FinishReason, TokenizedGenerateReqInput
 
 if TYPE_CHECKING:
+    from baton.engine.core.batch_result import LaunchedBatch
+    from baton.engine.core.req import Req
     from baton.engine.disaggregation.colocated import SchedulerView
-    from baton.engine.scheduler.req import Req
-    from baton.engine.scheduler.scheduler import LaunchedBatch
     from baton.engine.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ The idle integrity check counts every rank's rooms: the driver asks each followe
 link (after every earlier op, so cleared rooms never count) and waits for the answers.
 
 Page indices and metadata slots are the driver's on every rank: the followers' pools and
-req_to_token tables move in lockstep with the driver's (scheduler/tp_step.py), and a follower's KV
+req_to_token tables move in lockstep with the driver's (worker/tp_step.py), and a follower's KV
 for a chunk is written before the driver's forward of that chunk can end (the layers' all-reduces
 meet), which is before the driver asks for it to be sent.
 """

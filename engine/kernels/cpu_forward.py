@@ -24,7 +24,7 @@ A batch runs as one model step (the forward and the LM head over each request's 
 batch whose every sampling row is greedy, torch.argmax's choice too, and for the overlap loop its
 future map), with no Python between; a ForwardStream runs such steps, each maybe followed by a
 Python sampler, on a C thread in submission order: the overlap loop's forward on CPU
-(scheduler/executors/native_stream.py).
+(worker/executors/native_stream.py).
 
 Its parallel loops run on parallel.h's crew rather than OpenMP: chunks claimed by whoever is free,
 no barrier that waits for a thread the OS took off its core, and, on a stream, the thread waiting

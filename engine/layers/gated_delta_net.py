@@ -39,8 +39,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from baton.engine.core.spec_info import node_depths
 from baton.engine.distributed.parallel_state import TpGroup
-from baton.engine.layers.attention.masks import node_depths, node_parents
+from baton.engine.layers.attention.masks import node_parents
 from baton.engine.layers.custom_op import CustomOp
 from baton.engine.layers.layernorm import GatedRMSNorm
 from baton.engine.layers.linear import MergedColumnLinear, OutputPart, RowParallelLinear
@@ -49,7 +50,7 @@ from baton.engine.triton_ops import causal_conv1d, gated_delta_decode
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-    from baton.engine.model_executor.forward_batch import ForwardBatch
+    from baton.engine.core.forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
 

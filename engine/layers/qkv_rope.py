@@ -18,9 +18,9 @@ import torch
 from baton.engine.layers.custom_op import CustomOp
 
 if TYPE_CHECKING:
+    from baton.engine.core.forward_batch import ForwardBatch
     from baton.engine.layers.layernorm import RMSNorm
     from baton.engine.layers.rotary_embedding import RotaryEmbedding
-    from baton.engine.model_executor.forward_batch import ForwardBatch
 
 
 class AttentionInput(NamedTuple):

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from baton.engine.model_executor.forward_batch import ForwardBatch
+    from baton.engine.core.forward_batch import ForwardBatch
 
 
 class RadixAttention(nn.Module):

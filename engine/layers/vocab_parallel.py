@@ -15,7 +15,7 @@ matmul, the largest of a small model's step, is split like the others. With one 
 exactly nn.Embedding and F.linear over the whole table.
 
 Every rank must make the same LM head calls in the same order (each is a collective): the TP step
-tells the followers which rows the driver scores (scheduler/tp_step.py).
+tells the followers which rows the driver scores (worker/tp_step.py).
 """
 from __future__ import annotations
 

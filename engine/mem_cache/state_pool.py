@@ -113,7 +113,7 @@ class RecurrentStatePool:
         cache's slots, indices rows .. rows + checkpoints - 1; `scratch`: (batch rows, slots per row)
         for speculative decoding's verify steps (`scratch_slot`), after the checkpoints, `scratch_sets`
         times (2: consecutive verify steps alternate, so a step built behind another keeps the other's
-        states readable; speculative/verifying.py); then the padding slot of decode graphs (`pad_slot`)."""
+        states readable; speculative/verify_strategy.py); then the padding slot of decode graphs (`pad_slot`)."""
         assert rows > 0 and checkpoints >= 0 and min(scratch) >= 0 and scratch_sets in (1, 2)
         self.shapes, self.rows, self.checkpoints, self.device = shapes, rows, checkpoints, device
         self.scratch_rows, self.scratch_per_row = scratch

@@ -38,7 +38,7 @@ each replay (layers/attention/masks.py: each request's tree, a chain's and a pad
 causal), so a step of full trees replays as a step of full chains does. The tree's shape is data
 the plan reads, not part of the graph; an engine of chains keeps causal verify graphs.
 
-A draft head's decode-shaped steps (speculative/head_drafter.py: a chain's next draft, or every leaf
+A draft head's decode-shaped steps (speculative/head_worker.py: a chain's next draft, or every leaf
 of a growing tree, one token per row of the step's table) have graphs of their own (`capture_draft`),
 for the decode sizes up to the most rows a draft step has: the head's pass over the decode graphs'
 input buffers plus one of the head's input states, planned through the decode graph's attention
@@ -54,14 +54,14 @@ from __future__ import annotations
 
 import bisect
 import logging
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
 import torch
 
-from baton.engine.model_executor.forward_batch import ForwardBatch, ForwardMode
+from baton.engine.core.forward_batch import ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
-    from baton.engine.model_executor.model_runner import ModelRunner
+    from baton.engine.mem_cache.state_pool import RecurrentStatePool
 
 logger = logging.getLogger(__name__)
 
@@ -84,8 +84,19 @@ def supports_cuda_graph(attn_backend: Any) -> bool:
         hasattr(attn_backend, hook) for hook in GRAPH_HOOKS)
 
 
+class GraphedRunner(Protocol):
+    """What the graph runner reads of the model runner whose passes it captures (model_runner.py ModelRunner)."""
+
+    device: torch.device
+    model: torch.nn.Module
+    attn_backend: Any
+    state_pool: Optional["RecurrentStatePool"]  # a hybrid model's recurrent-state pool, else None
+
+    def make_forward_batch(self, mode: ForwardMode, **inputs: Any) -> ForwardBatch: ...
+
+
 class CudaGraphRunner:
-    def __init__(self, model_runner: "ModelRunner", max_bs: int, capture: bool = True, verify_tokens: int = 0,
+    def __init__(self, model_runner: GraphedRunner, max_bs: int, capture: bool = True, verify_tokens: int = 0,
                  verify_max_bs: int = 0, verify_trees: bool = False) -> None:
         """`capture=False` runs the padded static-buffer path eagerly (tests; any backend).
         `verify_tokens` > 0: verify-step graphs of that many tokens per request, up to `verify_max_bs`;

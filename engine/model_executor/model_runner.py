@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
+from baton.engine.core.forward_batch import ForwardBatch, ForwardMode
 from baton.engine.layers.custom_op import bind_layer_ops
 from baton.engine.layers.gemm import set_small_batch_gemv
 from baton.engine.layers.linear import pack_linear_weights
 from baton.engine.layers.rotary_embedding import RotaryEmbedding
-from baton.engine.model_executor.forward_batch import ForwardBatch, ForwardMode
 from baton.engine.model_executor.model_loader import DTYPES as MODEL_DTYPES
 from baton.engine.server_args import DRAFT_CHECKPOINT_ALGORITHMS, ServerArgs
 
@@ -117,7 +117,7 @@ class ModelRunner:
             draft_model_path=(server_args.speculative_draft_model_path
                               if algorithm in DRAFT_CHECKPOINT_ALGORITHMS else None),
             token_map=server_args.speculative_token_map, draft_algorithm=algorithm)
-        # the head that drafts beside the model's passes (speculative/head_drafter.py): NEXTN's MTP head,
+        # the head that drafts beside the model's passes (speculative/head_worker.py): NEXTN's MTP head,
         # part of the model, or an EAGLE draft checkpoint's, whose KV layers come after the model's
         self.draft_head = getattr(self.model, "mtp" if algorithm == "NEXTN" else "draft_head", None)
         phase("load_weights")
@@ -342,7 +342,7 @@ class ModelRunner:
                            extend_seq_lens_cpu: Optional[list[int]] = None,
                            req_to_token_pool: Optional["ReqToTokenPool"] = None) -> ForwardBatch:
         """A ForwardBatch over this runner's pools and attention backend (`req_to_token_pool`: a table
-        of rows of its own in place of the runner's, a draft head's branches: speculative/head_drafter.py)."""
+        of rows of its own in place of the runner's, a draft head's branches: speculative/head_worker.py)."""
         return ForwardBatch(
             forward_mode=mode, batch_size=len(seq_lens_cpu), input_ids=input_ids, positions=positions,
             req_pool_indices=req_pool_indices, seq_lens=seq_lens, out_cache_loc=out_cache_loc,
@@ -414,7 +414,7 @@ class ModelRunner:
     def planned_no_metadata(self, fb: ForwardBatch) -> bool:
         """Whether forward(fb) ran a path that planned no attention metadata for fb itself: the native
         forward, or a graph's replay (which plans its padded static batch). A draft head's pass over fb's
-        geometry then plans it (speculative/head_drafter.py)."""
+        geometry then plans it (speculative/head_worker.py)."""
         graphs = self.cuda_graph_runner
         return self.native_forward is not None or (graphs is not None and graphs.can_run(fb))
 

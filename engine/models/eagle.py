@@ -20,7 +20,7 @@ checkpoint's own embed_tokens, when it has one, is not loaded. A chain step past
 
 The head's attention layers take KV-pool layers after the target's (`first_kv_layer`), in the same
 slots as the target's KV, so the pool, prefix sharing, retraction and the PD transfer carry them as
-any layer (the drafting itself: speculative/head_drafter.py). Their KV geometry must therefore be the
+any layer (the drafting itself: speculative/head_worker.py). Their KV geometry must therefore be the
 target's: the same KV heads and head size.
 """
 from __future__ import annotations
@@ -39,7 +39,7 @@ from baton.engine.models.llama import STACKED_SHARDS, LlamaAttention, LlamaDecod
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-    from baton.engine.model_executor.forward_batch import ForwardBatch
+    from baton.engine.core.forward_batch import ForwardBatch
 
 EAGLE_ARCHITECTURES = {"LlamaForCausalLMEagle": "EAGLE", "LlamaForCausalLMEagle3": "EAGLE3"}
 

@@ -37,8 +37,8 @@ from baton.engine.model_structure import Attention, DecoderLayer, DecoderStructu
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
+    from baton.engine.core.forward_batch import ForwardBatch
     from baton.engine.mem_cache.state_pool import LinearStateShapes
-    from baton.engine.model_executor.forward_batch import ForwardBatch
 
 # HF checkpoint module name -> (our fused module name, shard index)
 STACKED_SHARDS: dict[str, tuple[str, int]] = {

@@ -16,7 +16,7 @@ otherwise the architectures are one.
 
 Multi-token prediction (`mtp.*`, one layer in the published checkpoints: `num_nextn_predict_layers` in
 Qwen3-Next's config, `mtp_num_hidden_layers` in Qwen3.5's): loaded only for --speculative-algorithm
-NEXTN (add_mtp_head), as the draft of speculative decoding (speculative/head_drafter.py); skipped
+NEXTN (add_mtp_head), as the draft of speculative decoding (speculative/head_worker.py); skipped
 otherwise. MtpHead predicts the token after next from the target's final hidden state at a position
 and the embedding of the token that follows it:
 
@@ -54,7 +54,7 @@ from baton.engine.models.qwen3_moe import Qwen3MoeForCausalLM, is_sparse_layer
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-    from baton.engine.model_executor.forward_batch import ForwardBatch
+    from baton.engine.core.forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
 

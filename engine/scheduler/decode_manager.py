@@ -7,11 +7,11 @@ import logging
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 if TYPE_CHECKING:
+    from baton.engine.core.queues import SchedulerQueues
+    from baton.engine.core.schedule_batch import ScheduleBatch
+    from baton.engine.core.stats import SchedulerStats
     from baton.engine.scheduler.output_processor import OutputProcessor
-    from baton.engine.scheduler.queues import SchedulerQueues
     from baton.engine.scheduler.release import ReqReleaser
-    from baton.engine.scheduler.schedule_batch import ScheduleBatch
-    from baton.engine.scheduler.scheduler import SchedulerStats
     from baton.engine.speculative.base import NoSpeculation
 
 logger = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ class DecodeManager:
             return None
         speculate = self.spec.wants_verify(batch)
         if speculate and self.spec.prepare_lagged(batch, list(self.in_flight())):
-            # a verify step behind the verify step in flight (speculative/verifying.py); no retraction
+            # a verify step behind the verify step in flight (speculative/verify_strategy.py); no retraction
             # here: without room it is built below, after the results are in
             self.ratio.decay()
             batch.batch_is_full = False

@@ -137,11 +137,11 @@ def run_scheduler_process(server_args: ServerArgs, recv_addr: str, send_addr: st
 def run_tp_follower_process(server_args: ServerArgs, dp_rank: int, tp_rank: int, tp_init_addr: str,
                             ready_pipe: Any, cpu_plan: Optional["CpuPlan"] = None) -> None:
     """Entry point of a TP rank > 0: load this rank's shard, then run the steps the group's
-    scheduler sends (scheduler/tp_step.py) until it says stop. Reports on ready_pipe like a
+    scheduler sends (worker/tp_step.py) until it says stop. Reports on ready_pipe like a
     scheduler; a failure ends the process with 1, which stops the engine."""
     from baton.engine.distributed.parallel_state import init_tp_group
     from baton.engine.model_executor.model_runner import ModelRunner
-    from baton.engine.scheduler.tp_step import StepReceiver
+    from baton.engine.worker.tp_step import StepReceiver
 
     _start_process(server_args, dp_rank, tp_rank, cpu_plan)
     try:

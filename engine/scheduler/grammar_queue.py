@@ -10,7 +10,7 @@ import concurrent.futures
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
-from baton.engine.scheduler.req import Req
+from baton.engine.core.req import Req
 
 
 @dataclass(eq=False)

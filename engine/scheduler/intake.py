@@ -6,15 +6,15 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
+from baton.engine.core.req import Req
 from baton.engine.io_struct import AbortReq, TokenizedGenerateReqInput
 from baton.engine.sampling.sampling_params import SamplingParams
-from baton.engine.scheduler.req import Req
 
 if TYPE_CHECKING:
+    from baton.engine.core.queues import SchedulerQueues
     from baton.engine.disaggregation.colocated import Colocated
     from baton.engine.scheduler.grammar_queue import GrammarQueue
     from baton.engine.scheduler.output_processor import OutputProcessor
-    from baton.engine.scheduler.queues import SchedulerQueues
     from baton.engine.scheduler.request_table import RequestTable
     from baton.engine.server_args import ServerArgs
 

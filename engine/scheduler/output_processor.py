@@ -4,17 +4,18 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any, Optional
 
+from baton.engine.core.req import Req
 from baton.engine.io_struct import BatchTokenIDOut
-from baton.engine.scheduler.req import Req
 
 if TYPE_CHECKING:
+    from baton.engine.core.batch_result import LaunchedBatch
+    from baton.engine.core.stats import SchedulerStats
     from baton.engine.disaggregation.colocated import Colocated
     from baton.engine.mem_cache.base import BasePrefixCache
     from baton.engine.scheduler.release import ReqReleaser
     from baton.engine.scheduler.request_table import RequestTable
-    from baton.engine.scheduler.scheduler import LaunchedBatch, SchedulerStats
-    from baton.engine.speculative.base import NoSpeculation
     from baton.engine.server_args import ServerArgs
+    from baton.engine.speculative.base import NoSpeculation
 
 
 class OutputProcessor:

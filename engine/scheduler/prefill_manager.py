@@ -10,17 +10,17 @@ from typing import TYPE_CHECKING, Callable, NamedTuple, Optional
 from baton.engine.scheduler.schedule_policy import AddReqResult, InBatchPrefixIndex, PrefillAdder
 
 if TYPE_CHECKING:
+    from baton.engine.core.queues import SchedulerQueues
+    from baton.engine.core.req import Req
+    from baton.engine.core.schedule_batch import ScheduleBatch
+    from baton.engine.core.stats import SchedulerStats
     from baton.engine.mem_cache.allocator import TokenToKVPoolAllocator
     from baton.engine.mem_cache.base import BasePrefixCache
     from baton.engine.mem_cache.memory_pool import ReqToTokenPool
     from baton.engine.scheduler.decode_manager import NewTokenRatio
     from baton.engine.scheduler.output_processor import OutputProcessor
-    from baton.engine.scheduler.queues import SchedulerQueues
     from baton.engine.scheduler.release import ReqReleaser
-    from baton.engine.scheduler.req import Req
-    from baton.engine.scheduler.schedule_batch import ScheduleBatch
     from baton.engine.scheduler.schedule_policy import SchedulePolicy
-    from baton.engine.scheduler.scheduler import SchedulerStats
     from baton.engine.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)

@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from baton.engine.core.req import Req
     from baton.engine.mem_cache.base import BasePrefixCache
-    from baton.engine.scheduler.req import Req
 
 
 class ReqReleaser:

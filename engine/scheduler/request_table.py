@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Iterator, Optional
 
 if TYPE_CHECKING:
-    from baton.engine.scheduler.req import Req
+    from baton.engine.core.req import Req
 
 
 class RequestTable:

@@ -13,7 +13,7 @@ from collections import defaultdict
 from enum import Enum, auto
 from typing import TYPE_CHECKING, Optional
 
-from baton.engine.scheduler.req import Req
+from baton.engine.core.req import Req
 
 if TYPE_CHECKING:
     from baton.engine.mem_cache.allocator import TokenToKVPoolAllocator

@@ -23,49 +23,35 @@ from __future__ import annotations
 import gc
 import logging
 import os
-import time
 from collections import deque
-from dataclasses import dataclass
 from typing import Any, Optional
 
 from baton.engine.disaggregation.colocated import Colocated, DisaggregationMode, SchedulerView
 from baton.engine.disaggregation.strategy import create_strategy
 from baton.engine.distributed.parallel_state import all_reduce_backend
 from baton.engine.io_struct import FlushCacheOut
-from baton.engine.utils.gc_freeze import freeze_gc
-from baton.engine.scheduler.executors import ForwardExecutor, create_executor, native_stream_threads
 from baton.engine.scheduler.grammar_queue import GrammarQueue
+from baton.engine.utils.gc_freeze import freeze_gc
+from baton.engine.worker.executors import ForwardExecutor, create_executor, native_stream_threads
 from baton.engine.io_struct import (AbortReq, FlushCacheReq, FreezeGCReq, GetServerInfoOut, GetServerInfoReq,
                                     TokenizedGenerateReqInput)
+from baton.engine.core.batch_result import LaunchedBatch
+from baton.engine.core.queues import SchedulerQueues
+from baton.engine.core.req import Req
+from baton.engine.core.schedule_batch import ScheduleBatch
+from baton.engine.core.stats import SchedulerStats
+from baton.engine.scheduler.decode_manager import DecodeManager, NewTokenRatio
 from baton.engine.scheduler.intake import ModelLimits, RequestIntake
 from baton.engine.scheduler.output_processor import OutputProcessor
-from baton.engine.scheduler.queues import SchedulerQueues
+from baton.engine.scheduler.prefill_manager import PrefillBatch, PrefillManager
 from baton.engine.scheduler.release import ReqReleaser
 from baton.engine.scheduler.request_table import RequestTable
-from baton.engine.scheduler.req import Req
-from baton.engine.scheduler.schedule_batch import ModelWorkerBatch, ScheduleBatch
-from baton.engine.scheduler.decode_manager import DecodeManager, NewTokenRatio
-from baton.engine.scheduler.prefill_manager import PrefillBatch, PrefillManager
 from baton.engine.scheduler.schedule_policy import SchedulePolicy
-from baton.engine.scheduler.tp_worker import GenerationBatchResult, TpModelWorker
 from baton.engine.server_args import ServerArgs
 from baton.engine.speculative import NoSpeculation, SpecView, create_speculator
+from baton.engine.worker.tp_worker import TpModelWorker
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class LaunchedBatch:
-    """What process_batch_result needs of a batch, frozen at launch (the live ScheduleBatch keeps
-    changing in overlap mode)."""
-
-    reqs: list[Req]
-    mwb: ModelWorkerBatch
-    result: Any  # GenerationBatchResult, or a Future of one in overlap mode
-
-    def wait(self) -> GenerationBatchResult:
-        """The batch's result, its tokens on the host (GenerationBatchResult.resolve: a no-op once done)."""
-        return (self.result.result() if hasattr(self.result, "result") else self.result).resolve()
 
 
 class Scheduler:
@@ -290,7 +276,7 @@ class Scheduler:
                 self.result_queue.append(self.run_batch(batch))
                 if batch.model_worker_batch.spec_info is not None and not self.spec.lags:
                     # a verify step's accepted lengths set its requests' KV lengths: known before the
-                    # next batch is built (without lagged verify steps, one at a time: verifying.py)
+                    # next batch is built (without lagged verify steps, one at a time: verify_strategy.py)
                     self.drain_results()
             if self.result_queue and (batch is None or len(self.result_queue) > 1):
                 self.output.process_batch_result(self.result_queue.popleft())
@@ -444,46 +430,3 @@ class Scheduler:
             logger.error("memory integrity check failed: free=%d cached=%d total=%d rows_free=%s protected=%d",
                          free, cached, self.max_total_tokens, rows_free, self.tree_cache.protected_size())
         return ok
-
-
-class SchedulerStats:
-    # output throughput is measured over windows of at least this many seconds
-    THROUGHPUT_WINDOW_S = 1.0
-
-    def __init__(self) -> None:
-        self.prefill_tokens = self.hit_tokens = self.retractions = self.preemptions = 0
-        self.mixed_decode_tokens = 0  # decode steps run inside prefill batches (--enable-mixed-chunk)
-        self.generated_tokens = 0
-        self.gen_throughput = 0.0
-        self._window = (time.monotonic(), 0)
-        self._log_mark = self._window  # (time, generated_tokens) at the last decode log line
-        # (seq, seconds waited) per departure from the waiting queue; /metrics observes the new ones
-        self.queue_times: deque = deque(maxlen=4096)
-        self._queue_seq = 0
-
-    def on_dequeue(self, seconds: float) -> None:
-        self._queue_seq += 1
-        self.queue_times.append((self._queue_seq, seconds))
-
-    def tick(self, idle: bool) -> None:
-        start, tokens = self._window
-        now = time.monotonic()
-        if now - start >= self.THROUGHPUT_WINDOW_S or idle:
-            self.gen_throughput = 0.0 if idle else (self.generated_tokens - tokens) / (now - start)
-            self._window = (now, self.generated_tokens)
-        if idle:  # an idle stretch is not part of the next decode line's interval
-            self._log_mark = (now, self.generated_tokens)
-
-    def interval_throughput(self) -> float:
-        """Output tokens per second since the previous call (or since the engine was last idle)."""
-        now, (start, tokens) = time.monotonic(), self._log_mark
-        self._log_mark = (now, self.generated_tokens)
-        return (self.generated_tokens - tokens) / max(now - start, 1e-9)
-
-    def on_prefill(self, new_tokens: int, hit_tokens: int) -> None:
-        self.prefill_tokens += new_tokens
-        self.hit_tokens += hit_tokens
-
-    def cache_hit_rate(self) -> float:
-        total = self.prefill_tokens + self.hit_tokens
-        return self.hit_tokens / total if total else 0.0

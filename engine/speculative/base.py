@@ -13,11 +13,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 if TYPE_CHECKING:
+    from baton.engine.core.req import Req
+    from baton.engine.core.schedule_batch import ScheduleBatch
     from baton.engine.mem_cache.allocator import TokenToKVPoolAllocator
     from baton.engine.mem_cache.base import BasePrefixCache
     from baton.engine.mem_cache.memory_pool import ReqToTokenPool
-    from baton.engine.scheduler.req import Req
-    from baton.engine.scheduler.schedule_batch import ScheduleBatch
     from baton.engine.server_args import ServerArgs
 
 
@@ -44,7 +44,7 @@ class NoSpeculation:
 
     algorithm: Optional[str] = None
     # whether a verify step may be built and launched while the verify step before it still runs (the
-    # overlap loop; verifying.py prepare_lagged); else each verify step's result is processed first
+    # overlap loop; verify_strategy.py prepare_lagged); else each verify step's result is processed first
     lags = False
 
     def allow_lagging(self, overlap: bool) -> None:

@@ -8,7 +8,7 @@ class SpecStats:
 
     def __init__(self, num_draft_tokens: int) -> None:
         self.verify_steps = 0  # verify forwards run
-        self.lagged_steps = 0  # of those, built while the verify step before them ran (verifying.py)
+        self.lagged_steps = 0  # of those, built while the verify step before them ran (verify_strategy.py)
         self.draft_tokens = 0  # draft tokens proposed (and verified)
         self.accepted_tokens = 0  # of those, accepted
         # tree drafts: request-steps whose accepted run left the tree's first chain (what a chain of the

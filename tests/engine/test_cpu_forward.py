@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from baton.engine.core.forward_batch import ForwardMode
 from baton.engine.kernels import cpu_forward, cpu_linear
 from baton.engine.layers.linear import pack_linear_weights
-from baton.engine.model_executor.forward_batch import ForwardMode
 from baton.engine.model_executor.model_loader import load_model
-from baton.engine.scheduler.executors.native_stream import NativeStreamExecutor
+from baton.engine.worker.executors.native_stream import NativeStreamExecutor
 
 from test_models import PROMPTS, LLAMA3_ROPE, PagedRunner
 

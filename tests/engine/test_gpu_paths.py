@@ -19,11 +19,11 @@ from typing import Optional
 import pytest
 import torch
 
+from baton.engine.core.forward_batch import ForwardBatch, ForwardMode
+from baton.engine.core.spec_info import node_depths
 from baton.engine.model_executor.cuda_graph_runner import CudaGraphRunner, capture_batch_sizes
-from baton.engine.model_executor.forward_batch import ForwardBatch, ForwardMode
 from baton.engine.model_executor.model_runner import ModelRunner
 from baton.engine.server_args import ServerArgs
-from baton.engine.speculative.spec_info import node_depths
 from baton.engine.triton_ops.paged_kv_indices import build_paged_kv_metadata, paged_kv_layout, qo_indptr_of
 
 # 18, 3, 21, 5, 16, 33 and 1 tokens: full, partial and single-token pages at page size 16

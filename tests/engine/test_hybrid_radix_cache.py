@@ -245,8 +245,8 @@ def _core_and_batches(device: str, dtype: torch.dtype):
     (fresh and continuing requests, tracked cuts inside extends and at their ends) and a decode batch."""
     from types import SimpleNamespace
 
+    from baton.engine.core.forward_batch import ForwardMode
     from baton.engine.layers.gated_delta_net import GatedDeltaNet
-    from baton.engine.model_executor.forward_batch import ForwardMode
 
     torch.manual_seed(0)
     cfg = SimpleNamespace(hidden_size=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
@@ -351,8 +351,8 @@ def _tree_nodes_against_their_chains(device: str, dtype: torch.dtype, given: str
     import copy
     from types import SimpleNamespace
 
+    from baton.engine.core.forward_batch import ForwardMode
     from baton.engine.layers.attention.masks import ancestors
-    from baton.engine.model_executor.forward_batch import ForwardMode
 
     core, pool, _, _ = _core_and_batches(device, dtype)
     rows, prefix, parents = [4, 1], [9, 12], [TREE, [-1, 0]]

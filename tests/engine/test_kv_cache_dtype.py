@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from baton.engine.core.forward_batch import ForwardMode
 from baton.engine.disaggregation.base import KVGeometry
 from baton.engine.mem_cache.memory_pool import MHATokenToKVPool
 from baton.engine.model_executor import model_runner as mr
-from baton.engine.model_executor.forward_batch import ForwardMode
 from baton.engine.model_executor.model_loader import load_model
 from baton.engine.server_args import ServerArgs
 

@@ -11,9 +11,9 @@ import math
 import pytest
 import torch
 
+from baton.engine.core.forward_batch import ForwardBatch, ForwardMode
 from baton.engine.layers.attention import create_attention_backend
 from baton.engine.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
-from baton.engine.model_executor.forward_batch import ForwardBatch, ForwardMode
 from baton.engine.model_executor.model_loader import load_model, resolve_dtype
 from baton.engine.models import get_model_class, supported_architectures
 

@@ -4,17 +4,17 @@ from __future__ import annotations
 import pytest
 import torch
 
+from baton.engine.core.req import Req
+from baton.engine.core.req import CLIP_MAX_NEW_TOKENS
+from baton.engine.core.schedule_batch import RETRACT_DECODE_STEPS, ScheduleBatch
 from baton.engine.mem_cache.allocator import TokenToKVPoolAllocator
 from baton.engine.mem_cache.memory_pool import ReqToTokenPool
 from baton.engine.mem_cache.radix_cache import RadixCache
 from baton.engine.sampling.sampling_params import SamplingParams
-from baton.engine.scheduler.req import Req
-from baton.engine.scheduler.schedule_batch import RETRACT_DECODE_STEPS, ScheduleBatch
-from baton.engine.scheduler.req import CLIP_MAX_NEW_TOKENS
 from baton.engine.scheduler.schedule_policy import (AddReqResult, PrefillAdder,
                                                     SchedulePolicy)
-from baton.engine.scheduler.future_map import FutureMap
 from baton.engine.triton_ops.future_resolve import resolve_future_token_ids
+from baton.engine.worker.future_map import FutureMap
 
 
 def make_req(rid: str, n: int, max_new: int = 10, start: int = 10, arrival: float = 0.0, priority: int = 0) -> Req:

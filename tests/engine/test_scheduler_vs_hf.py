@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from baton.engine.io_struct import AbortReq
-from baton.engine.scheduler.executors.cuda_stream import CudaStreamExecutor
+from baton.engine.worker.executors.cuda_stream import CudaStreamExecutor
 from scheduler_harness import SchedulerHarness
 
 ARCHS = ["llama", "qwen2", "qwen3", "qwen3_moe"]

@@ -11,13 +11,13 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from baton.engine.core.spec_info import VerifyInput
 from baton.engine.io_struct import AbortReq
 from baton.engine.sampling.sampling_batch_info import ReqSamplingState
 from baton.engine.sampling.sampling_params import SamplingParams
 from baton.engine.server_args import ServerArgs
-from baton.engine.speculative.ngram import NgramIndex, NgramTreeIndex, SharedNgrams
-from baton.engine.speculative.spec_info import VerifyInput
-from baton.engine.speculative.verify import accept_greedy, target_probs, verify_drafts
+from baton.engine.speculative.accept_host import accept_greedy, target_probs, verify_drafts
+from baton.engine.speculative.ngram_index import NgramIndex, NgramTreeIndex, SharedNgrams
 from scheduler_harness import SchedulerHarness
 from test_scheduler_vs_hf import LOOPS, harness_for, hf_greedy, run_workload, workload
 

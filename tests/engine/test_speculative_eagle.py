@@ -1,5 +1,5 @@
 """EAGLE / EAGLE3 speculative decoding (issue 35): a draft checkpoint's head drafts from the target's
-hidden states (models/eagle.py, speculative/head_drafter.py).
+hidden states (models/eagle.py, speculative/head_worker.py).
 
 Criteria, on CPU in float32:
 - the head is the published architecture: the chain the engine drafts equals the head built from
@@ -21,8 +21,8 @@ from typing import Optional
 import pytest
 import torch
 
+from baton.engine.core.spec_info import tree_size
 from baton.engine.server_args import ServerArgs
-from baton.engine.speculative.spec_info import tree_size
 from test_scheduler_vs_hf import hf_greedy, harness_for, run_workload, workload
 from test_speculative import (MAX_NEW, follow_up_and_abort, recorded_drafts, repetitive_prompts, spec_info,
                               stops_and_logprobs_equal_plain)
@@ -421,7 +421,7 @@ def test_a_best_first_trees_reserved_size_and_placeholder():
     most nodes - 1 deep (n nodes n deep would be a chain), room for the drafting's scratch slots (topk
     per step past the first, among the step's 1 + nodes slots), and a placeholder that is a tree of that
     depth (so the step is verified as one) with every node's parent before it."""
-    from baton.engine.speculative.spec_info import is_chain, node_depths, placeholder_tree
+    from baton.engine.core.spec_info import is_chain, node_depths, placeholder_tree
 
     for steps in range(1, 7):
         for topk in range(2, 6):

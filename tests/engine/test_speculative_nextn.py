@@ -16,7 +16,7 @@ from baton.engine.server_args import ServerArgs
 from test_scheduler_vs_hf import finish_order, hf_greedy, harness_for, run_workload, workload
 from test_speculative import (MAX_NEW, follow_up_and_abort, recorded_drafts, repetitive_prompts, spec_info,
                               stops_and_logprobs_equal_plain)
-from baton.engine.speculative.spec_info import node_depths
+from baton.engine.core.spec_info import node_depths
 from tiny_models import MtpReference
 
 NEXTN = dict(speculative_algorithm="NEXTN", speculative_num_steps=3, speculative_disable_by_batch_size=64)
@@ -220,8 +220,8 @@ def _oracle_head(monkeypatch, refs: dict[str, list[int]]) -> None:
     tokens; the test may add rids later), wrong at positions 0 and 3 modulo 7: verify steps accept
     none, some or all of their drafts, so the state rolls back to every offset. Requests without a
     reference keep the head's own drafts."""
-    from baton.engine.speculative.head_drafter import HeadDrafter
-    from baton.engine.speculative.head_speculator import HeadSpeculator
+    from baton.engine.speculative.head_strategy import HeadSpeculator
+    from baton.engine.speculative.head_worker import HeadDrafter
     from tiny_models import VOCAB_SIZE
 
     rids: dict[int, str] = {}  # request row -> rid, recorded when a verify step is built
@@ -254,8 +254,8 @@ def _oracle_head_trees(monkeypatch, refs: dict[str, list[int]]) -> None:
     0 and 3 modulo 7: what a step accepts is off the first chain, from none to all of its depth, so the
     state rolls back to nodes of every depth. Requests without a reference keep the head's trees."""
     from baton.engine.layers.attention.masks import ancestors
-    from baton.engine.speculative.head_drafter import HeadDrafter
-    from baton.engine.speculative.head_speculator import HeadSpeculator
+    from baton.engine.speculative.head_strategy import HeadSpeculator
+    from baton.engine.speculative.head_worker import HeadDrafter
     from tiny_models import VOCAB_SIZE
 
     rids: dict[int, str] = {}  # request row -> rid, recorded when a verify step is built

@@ -9,36 +9,36 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from baton.engine.core.forward_batch import ForwardBatch, ForwardMode
+from baton.engine.core.spec_info import VerifyInput, first_chain, node_depths
 from baton.engine.io_struct import AbortReq
 from baton.engine.layers.attention.torch_backend import TorchAttnBackend
 from baton.engine.layers.radix_attention import RadixAttention
 from baton.engine.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
-from baton.engine.model_executor.forward_batch import ForwardBatch, ForwardMode
 from baton.engine.sampling.sampling_batch_info import ReqSamplingState
 from baton.engine.sampling.sampling_params import SamplingParams
 from baton.engine.server_args import ServerArgs
-from baton.engine.speculative.ngram import NgramIndex, NgramTreeIndex
-from baton.engine.speculative.ngram_speculator import NgramSpeculator
-from baton.engine.speculative.spec_info import VerifyInput, first_chain, node_depths
-from baton.engine.speculative.verify import accept_greedy_tree, target_probs, verify_drafts
+from baton.engine.speculative.accept_host import accept_greedy_tree, target_probs, verify_drafts
+from baton.engine.speculative.ngram_index import NgramIndex, NgramTreeIndex
+from baton.engine.speculative.ngram_strategy import NgramSpeculator
 from scheduler_harness import SchedulerHarness
 from test_scheduler_vs_hf import harness_for, hf_greedy, run_workload, workload
 from test_speculative import assert_distributed_as, repetitive_prompts
 from tiny_models import VOCAB_SIZE
 
 if TYPE_CHECKING:
-    from baton.engine.scheduler.req import Req
+    from baton.engine.core.req import Req
 
 
 # ---------------------------------------------------------------------------- a head's tree on the device
 
 def test_head_tree_growth_breaks_ties_by_drafted_order():
-    """head_drafter._Growth, the best-first rule on the device, against the rule written out on lists:
+    """head_worker._Growth, the best-first rule on the device, against the rule written out on lists:
     the next leaves are a request's width best children (ties: the one drafted first), the tree the n
     best candidates by (score, shallower, drafted first), packed by (depth, score, drafted first). Scores
     with many ties (quarter steps), three requests of different depths, one chain of width 1 beside them;
     the last tree smaller than the nodes the first one chooses (its columns past its count stay in it)."""
-    from baton.engine.speculative.head_drafter import _Growth
+    from baton.engine.speculative.head_worker import _Growth
 
     gen = torch.Generator().manual_seed(3)
     w, depths = 3, [3, 2, 3, 1]
@@ -251,7 +251,7 @@ def _random_tree(gen: torch.Generator, nodes: int) -> list[int]:
 
 
 def test_greedy_acceptance_on_the_device_is_the_host_rule():
-    """verify_device.accept_on_device against verify_drafts (the rule on the host): batches of
+    """accept_device.accept_on_device against verify_drafts (the rule on the host): batches of
     chains, trees given as parents (NGRAM's) and trees given as ancestor matrices (a head's), of different
     sizes, with empty drafts among them; tokens drawn from 3 values so drafts are often accepted and
     siblings often share a token (the first in node order wins). Same emitted tokens and accepted nodes,
@@ -261,8 +261,8 @@ def test_greedy_acceptance_on_the_device_is_the_host_rule():
     from baton.engine.layers.attention.masks import ancestors
     from types import SimpleNamespace
 
-    from baton.engine.speculative.verify import move_accepted_kv
-    from baton.engine.speculative.verify_device import (PendingVerify, accept_on_device,
+    from baton.engine.speculative.accept_host import move_accepted_kv
+    from baton.engine.speculative.accept_device import (PendingVerify, accept_on_device,
                                                         move_accepted_kv_on_device)
 
     gen = torch.Generator().manual_seed(11)
@@ -332,8 +332,8 @@ def _assert_tree_rows_processed_as_on_the_host(gen: torch.Generator, base: torch
     """A random 6-node tree's rows (`base` [1, VOCAB] plus noise) processed on the device for `state`:
     each node's row is the last row of its root -> node chain as the host processes it for `host_state`
     (the drafts on its path counted, min_new_tokens by its depth)."""
-    from baton.engine.speculative.verify import processed_rows
-    from baton.engine.speculative.verify_device import _Nodes, processed_logits
+    from baton.engine.speculative.accept_device import _Nodes, processed_logits
+    from baton.engine.speculative.accept_host import processed_rows
 
     tree = _random_tree(gen, 6)
     tree_ids = torch.tensor([9] + torch.randint(0, 4, (5,), generator=gen).tolist())
@@ -354,12 +354,12 @@ def _assert_tree_rows_processed_as_on_the_host(gen: torch.Generator, base: torch
                                     dict(temperature=0.8, top_k=5, frequency_penalty=1.5, seed=3)],
                          ids=["frequency-presence", "repetition-bias", "sampled-frequency"])
 def test_penalised_requests_are_processed_and_counted_on_the_device(params):
-    """Penalties and a logit bias on the device (verify_device.processed_logits): each row as the host
+    """Penalties and a logit bias on the device (accept_device.processed_logits): each row as the host
     processes it (verify.processed_rows: the drafts before it counted), a tree node's as the host
     processes its root -> node chain; greedy requests emit the host rule's tokens; the penalty counts
     after the step are what the host's per-token updates leave."""
-    from baton.engine.speculative.verify import processed_rows
-    from baton.engine.speculative.verify_device import PendingVerify, _Nodes, accept_on_device, processed_logits
+    from baton.engine.speculative.accept_device import PendingVerify, _Nodes, accept_on_device, processed_logits
+    from baton.engine.speculative.accept_host import processed_rows
 
     gen = torch.Generator().manual_seed(5)
     for trial in range(20):
@@ -401,13 +401,13 @@ def _min_tokens_state(min_new: int, done: int, unread: int, device: str = "cpu")
 
 
 def test_min_new_tokens_blocks_stop_ids_on_the_device_by_the_count_there():
-    """min_new_tokens on the device (verify_device.processed_logits): each row's stop ids blocked as the
+    """min_new_tokens on the device (accept_device.processed_logits): each row's stop ids blocked as the
     host blocks them (verify.processed_rows: while num_sampled + the row's index < min_new_tokens), where
     the tokens sampled so far include a step the host has not read yet (sampled_on_device: a lagged
     step's); a tree node's by its own depth; greedy requests emit the host rule's tokens; and once the
     host reads the steps, its count is the host rule's (ReqSamplingState.on_read)."""
-    from baton.engine.speculative.verify import processed_rows
-    from baton.engine.speculative.verify_device import PendingVerify, _Nodes, accept_on_device, processed_logits
+    from baton.engine.speculative.accept_device import PendingVerify, _Nodes, accept_on_device, processed_logits
+    from baton.engine.speculative.accept_host import processed_rows
 
     gen = torch.Generator().manual_seed(7)
     blocked_rows = unblocked_stop_rows = 0
@@ -484,7 +484,7 @@ class _SampledBatch:
     def run(self, rows: list[int], device: str = "cpu", no_waits: bool = False):
         """accept_on_device over these rows, read back as the scheduler reads it. `no_waits` (CUDA): in
         torch's sync debug mode, which raises where a call waits for the device."""
-        from baton.engine.speculative.verify_device import PendingVerify, accept_on_device
+        from baton.engine.speculative.accept_device import PendingVerify, accept_on_device
 
         spec = VerifyInput([self.drafts[r] for r in rows],
                            parents=[TREE if self.parents[r] is not None else None for r in rows])
@@ -504,12 +504,12 @@ class _SampledBatch:
 
 
 def test_sampled_acceptance_on_the_device_keeps_the_target_distribution():
-    """verify_device.accept_on_device with sampled requests (the rejection walk), 12,000 verified rows in
+    """accept_device.accept_on_device with sampled requests (the rejection walk), 12,000 verified rows in
     one call (_SampledBatch): each token is distributed as the target's p at the node it was predicted
     at (chi-square), for the tree and for chains of other parameters in the same batch; greedy rows take
     the host's greedy rule; a request's tokens do not depend on the rest of the batch (the same rows
     alone give the same tokens); and the walk's probabilities are verify.target_probs row by row."""
-    from baton.engine.speculative.verify_device import _Nodes, target_probs_rows
+    from baton.engine.speculative.accept_device import _Nodes, target_probs_rows
 
     sb = _SampledBatch(12000)
     out = sb.run(list(range(len(sb.states))))[1].read()
@@ -566,7 +566,7 @@ def test_min_new_tokens_on_cuda_blocks_as_on_the_cpu_and_never_waits():
     device (torch's sync debug mode), the tokens are the host rule's, the counts once read the host's."""
     from test_gpu_paths import need_gpu
 
-    from baton.engine.speculative.verify_device import PendingVerify, accept_on_device
+    from baton.engine.speculative.accept_device import PendingVerify, accept_on_device
 
     need_gpu()
     gen = torch.Generator().manual_seed(3)
@@ -906,7 +906,7 @@ def test_tree_flags_are_sglangs_and_refused_where_trees_cannot_run():
     # FlashInfer plans a custom mask for tree verify steps (layers/attention/masks.py)
     assert ServerArgs(model_path="m", device="cuda", attention_backend="flashinfer", speculative_algorithm="NGRAM",
                       speculative_ngram_max_bfs_breadth=2).speculative_ngram_max_bfs_breadth == 2
-    # TP ranks get the trees and the accepted nodes (scheduler/tp_step.py)
+    # TP ranks get the trees and the accepted nodes (worker/tp_step.py)
     assert ServerArgs(model_path="m", tp_size=2, speculative_algorithm="NGRAM",
                       speculative_ngram_max_bfs_breadth=2).tp_size == 2
     # a prefill engine never decodes: it takes the decode's flags and ignores them

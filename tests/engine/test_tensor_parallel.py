@@ -146,7 +146,7 @@ def test_vocab_parallel_embedding_and_lm_head_combine_to_the_full_ones(monkeypat
 
 
 def test_the_driver_sends_only_the_table_entries_that_changed():
-    from baton.engine.scheduler.tp_step import StepSender
+    from baton.engine.worker.tp_step import StepSender
 
     table = torch.zeros(4, 16, dtype=torch.int64)
     sender = StepSender(TpGroup(0, 2, "x", "x"), table)
@@ -251,7 +251,7 @@ def test_tp2_tree_drafts_move_the_accepted_kv_on_every_rank(tiny_model_factory, 
     ranks run their linear-attention heads' states node by node and roll them back alike."""
     from test_speculative_tree import MAX_NEW as TREE_NEW, SPEC, _oracle
 
-    from baton.engine.speculative.ngram_speculator import NgramSpeculator
+    from baton.engine.speculative.ngram_strategy import NgramSpeculator
 
     path = tiny_model_factory(arch, **({"initializer_range": 0.02} if arch == "qwen3_5" else {}))
     prompts = workload()[:4]

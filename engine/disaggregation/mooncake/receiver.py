@@ -39,7 +39,7 @@ from baton.engine.disaggregation.landing import scatter_landed
 from baton.engine.disaggregation.mooncake import messages
 
 if TYPE_CHECKING:
-    from baton.engine.disaggregation.mooncake.conn import MooncakeKVManager
+    from baton.engine.disaggregation.mooncake.side_channel import RoomsOwner
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ class MooncakeKVReceiver(CommonKVReceiver):
 
 
 class DecodeRooms:
-    def __init__(self, mgr: "MooncakeKVManager") -> None:
+    def __init__(self, mgr: "RoomsOwner") -> None:
         self.mgr, self.config, self.metadata = mgr, mgr.config, mgr.metadata
         self._lock = threading.Lock()
         self._receivers: dict[int, MooncakeKVReceiver] = {}

@@ -30,7 +30,7 @@ from baton.engine.disaggregation.landing import ByteRuns, Pieces, merge_runs, sl
 from baton.engine.disaggregation.mooncake import messages
 
 if TYPE_CHECKING:
-    from baton.engine.disaggregation.mooncake.conn import MooncakeKVManager
+    from baton.engine.disaggregation.mooncake.side_channel import RoomsOwner
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ _Pending = Union[Destination, str]  # a destination, or why the room failed befo
 
 
 class PrefillRooms:
-    def __init__(self, mgr: "MooncakeKVManager") -> None:
+    def __init__(self, mgr: "RoomsOwner") -> None:
         self.config, self.metadata, self._mgr = mgr.config, mgr.metadata, mgr
         args = mgr.args
         self._kv_ptrs = np.asarray(args.kv_data_ptrs, dtype=np.int64)  # [2 * layer_num]

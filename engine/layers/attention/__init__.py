@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import importlib
 
-from baton.engine.layers.attention.base import AttentionBackend
+from baton.engine.core.forward_batch import AttentionBackend
 
 # name -> (module under baton.engine.layers.attention, class name)
 _BACKENDS: dict[str, tuple[str, str]] = {

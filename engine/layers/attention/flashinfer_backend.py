@@ -38,8 +38,8 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+from baton.engine.core.forward_batch import AttentionBackend
 from baton.engine.layers.attention import use_tensor_core_decode
-from baton.engine.layers.attention.base import AttentionBackend
 from baton.engine.layers.attention.masks import flat_extend_mask
 from baton.engine.triton_ops.paged_kv_indices import build_paged_kv_metadata, qo_indptr_of
 
@@ -50,8 +50,8 @@ except ImportError as e:  # the registry imports this module only when --attenti
                       "device); install it or use --attention-backend torch") from e
 
 if TYPE_CHECKING:
+    from baton.engine.core.forward_batch import ForwardBatch
     from baton.engine.layers.radix_attention import RadixAttention
-    from baton.engine.model_executor.forward_batch import ForwardBatch
 
 # FlashInfer's recommended float workspace (split-KV partial results).
 WORKSPACE_BYTES = 128 * 1024 * 1024
@@ -171,7 +171,7 @@ class FlashInferAttnBackend(AttentionBackend):
 
     def _table(self, fb: "ForwardBatch") -> torch.Tensor:
         """The request-to-token table the batch reads through: the runner's, or a table of its own (a
-        draft head's branches, speculative/head_drafter.py)."""
+        draft head's branches, speculative/head_worker.py)."""
         pool = fb.req_to_token_pool
         return self.req_to_token if pool is None else pool.req_to_token
 

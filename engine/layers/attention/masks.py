@@ -1,5 +1,5 @@
 """Attention masks of an extend pass whose queries are not all plain causal: a speculative verify
-step with tree drafts (speculative/spec_info.py VerifyInput.parents).
+step with tree drafts (core/spec_info.py VerifyInput.parents).
 
 A request's n new tokens follow its prefix of p cached tokens. Causal: new token j (position p + j)
 sees keys 0 .. p + j. A tree: node j sees the prefix, itself and its ancestors (parents[j] < j, the
@@ -18,6 +18,7 @@ from typing import Optional, Union
 
 import torch
 
+
 Tree = Union[list[int], torch.Tensor]  # parents, or the ancestor matrix [n, n] bool (node j sees node c)
 
 
@@ -33,14 +34,6 @@ def ancestors(parents: torch.Tensor, depth: int) -> torch.Tensor:
     for _ in range(depth):
         seen = eye | (seen.gather(1, up) & has_parent)
     return seen
-
-
-def node_depths(parents: list[int]) -> list[int]:
-    """Each node's depth (node 0: 0): its position is the request's L + this."""
-    depths = [0] * len(parents)
-    for j in range(1, len(parents)):
-        depths[j] = depths[parents[j]] + 1
-    return depths
 
 
 def node_parents(trees: Optional[list[Optional[Tree]]], lens: list[int], device: torch.device) -> torch.Tensor:

@@ -21,7 +21,7 @@ once per pass in init_forward_metadata and reused by every layer. The one-token 
 a mixed batch (--enable-mixed-chunk: the running requests' decode step) go to the native decode
 kernel in one call, as a decode batch would.
 
-A speculative verify step with tree drafts (fb.tree_parents, speculative/spec_info.py) runs each tree
+A speculative verify step with tree drafts (fb.tree_parents, core/spec_info.py) runs each tree
 request on SDPA with a mask of its own: its new tokens are tree nodes, node j at position prefix + its
 depth, and sees the cached prefix, itself and its ancestors only:
 
@@ -44,16 +44,16 @@ from typing import TYPE_CHECKING, Optional
 import torch
 import torch.nn.functional as F
 
+from baton.engine.core.forward_batch import AttentionBackend
 from baton.engine.kernels import cpu_attention
 from baton.engine.kernels.torch_ops import define_op
-from baton.engine.layers.attention.base import AttentionBackend
 from baton.engine.layers.attention.masks import prefix_causal_mask, tree_mask
 
 logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
+    from baton.engine.core.forward_batch import ForwardBatch
     from baton.engine.layers.radix_attention import RadixAttention
-    from baton.engine.model_executor.forward_batch import ForwardBatch
 
 
 @dataclass

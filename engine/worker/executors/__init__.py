@@ -14,16 +14,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional
 
-from baton.engine.scheduler.executors.base import ForwardExecutor
+from baton.engine.worker.executors.base import ForwardExecutor
 
 if TYPE_CHECKING:
-    from baton.engine.scheduler.tp_worker import TpModelWorker
+    from baton.engine.worker.tp_worker import TpModelWorker
 
 
 def native_stream_threads(worker: "TpModelWorker") -> Optional[int]:
     """The threads the native CPU forward's steps run on, where it serves the worker's model whole
     (forward and LM head); None elsewhere. A fact ServerArgs.event_loop decides on."""
-    from baton.engine.scheduler.executors.native_step import NativeSteps
+    from baton.engine.worker.executors.native_step import NativeSteps
 
     steps = NativeSteps.serving(worker)
     return None if steps is None else steps.num_threads
@@ -32,15 +32,15 @@ def native_stream_threads(worker: "TpModelWorker") -> Optional[int]:
 def create_executor(overlap: bool, worker: "TpModelWorker", max_running_requests: int) -> ForwardExecutor:
     """The executor of the plain loop or the overlap loop for the worker's device and forward."""
     if not overlap:
-        from baton.engine.scheduler.executors.sync import SyncExecutor
+        from baton.engine.worker.executors.sync import SyncExecutor
         return SyncExecutor(worker)
     if str(worker.device).startswith("cuda"):
-        from baton.engine.scheduler.executors.cuda_stream import CudaStreamExecutor
+        from baton.engine.worker.executors.cuda_stream import CudaStreamExecutor
         return CudaStreamExecutor(worker, max_running_requests)
     if native_stream_threads(worker) is not None:
-        from baton.engine.scheduler.executors.native_stream import NativeStreamExecutor
+        from baton.engine.worker.executors.native_stream import NativeStreamExecutor
         return NativeStreamExecutor(worker, max_running_requests)
-    from baton.engine.scheduler.executors.worker_thread import WorkerThreadExecutor
+    from baton.engine.worker.executors.worker_thread import WorkerThreadExecutor
     return WorkerThreadExecutor(worker, max_running_requests)
 
 

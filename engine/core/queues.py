@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
-    from baton.engine.scheduler.req import Req
-    from baton.engine.scheduler.schedule_batch import ScheduleBatch
+    from baton.engine.core.req import Req
+    from baton.engine.core.schedule_batch import ScheduleBatch
 
 
 @dataclass

@@ -3,12 +3,12 @@
 Batch N reserves one slot per request at launch; batch N+1 is built with -slot placeholders as the
 decode inputs of those requests, resolved on the device just before its forward
 (triton_ops/future_resolve.py). Batches run strictly in launch order, so N's tokens are always in
-the map when N+1 resolves them. The driver's executor (scheduler/executors/) and each TP follower
+the map when N+1 resolves them. The driver's executor (worker/executors/) and each TP follower
 (tp_step.py) keep one.
 
 A verify step (speculative decoding) also stores, per request, how many tokens it emitted
 (`accepted`): a verify step launched behind it is built before those are known, and the worker
-shifts its rows by them (TpModelWorker._resolve_lagged; speculative/verifying.py); and for a hybrid
+shifts its rows by them (TpModelWorker._resolve_lagged; speculative/verify_strategy.py); and for a hybrid
 model, the node whose recurrent state follows those tokens (`state_node`: a chain's count - 1, a tree's
 last accepted node), the scratch state that step's rows roll back to.
 """

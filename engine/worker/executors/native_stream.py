@@ -17,13 +17,14 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
-from baton.engine.scheduler.executors.base import OverlapExecutor
-from baton.engine.scheduler.executors.native_step import NativeSteps
+from baton.engine.worker.executors.base import OverlapExecutor
+from baton.engine.worker.executors.native_step import NativeSteps
 
 if TYPE_CHECKING:
+    from baton.engine.core.batch_result import GenerationBatchResult
+    from baton.engine.core.schedule_batch import ModelWorkerBatch
     from baton.engine.kernels.cpu_forward import ForwardStream
-    from baton.engine.scheduler.schedule_batch import ModelWorkerBatch
-    from baton.engine.scheduler.tp_worker import GenerationBatchResult, TpModelWorker
+    from baton.engine.worker.tp_worker import TpModelWorker
 
 
 class StreamResult:

@@ -18,11 +18,12 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from baton.engine.scheduler.executors.base import OverlapExecutor, PendingResult
+from baton.engine.worker.executors.base import OverlapExecutor, PendingResult
 
 if TYPE_CHECKING:
-    from baton.engine.scheduler.schedule_batch import ModelWorkerBatch
-    from baton.engine.scheduler.tp_worker import GenerationBatchResult, TpModelWorker
+    from baton.engine.core.batch_result import GenerationBatchResult
+    from baton.engine.core.schedule_batch import ModelWorkerBatch
+    from baton.engine.worker.tp_worker import TpModelWorker
 
 
 class CudaStreamExecutor(OverlapExecutor):

@@ -1,7 +1,7 @@
 """NGRAM speculation (SGLang's --speculative-algorithm NGRAM): drafts from each request's own tokens
-(ngram.py), and with --speculative-ngram-capacity from recently finished requests' text where its own
+(ngram_index.py), and with --speculative-ngram-capacity from recently finished requests' text where its own
 hold no match (SharedNgrams), verified by the target model in one extend per step; no draft model.
-When a step verifies and what its result does: verifying.py.
+When a step verifies and what its result does: verify_strategy.py.
 
 --speculative-ngram-max-bfs-breadth b > 1 drafts trees of up to b continuations (NgramTreeIndex;
 both attention backends mask them, any TP size runs them; a hybrid model's recurrent state runs
@@ -12,12 +12,12 @@ import logging
 from typing import TYPE_CHECKING, Optional
 
 from baton.engine.speculative.base import SpecView
-from baton.engine.speculative.ngram import NgramIndex, NgramTreeIndex, SharedNgrams
-from baton.engine.speculative.verifying import VerifyingSpeculator
+from baton.engine.speculative.ngram_index import NgramIndex, NgramTreeIndex, SharedNgrams
+from baton.engine.speculative.verify_strategy import VerifyingSpeculator
 
 if TYPE_CHECKING:
-    from baton.engine.scheduler.req import Req
-    from baton.engine.scheduler.schedule_batch import ScheduleBatch
+    from baton.engine.core.req import Req
+    from baton.engine.core.schedule_batch import ScheduleBatch
 
 logger = logging.getLogger(__name__)
 

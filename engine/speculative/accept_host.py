@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from baton.engine.speculative.spec_info import VerifyInput, VerifyOutput, first_chain
+from baton.engine.core.spec_info import VerifyInput, VerifyOutput, first_chain
 
 if TYPE_CHECKING:
     from baton.engine.sampling.sampling_batch_info import ReqSamplingState
@@ -280,8 +280,8 @@ def target_probs(logits: torch.Tensor, params: "SamplingParams") -> torch.Tensor
 def move_accepted_kv(runner: Any, fb: Any, spec: VerifyInput, out: VerifyOutput) -> None:
     """Tree drafts, after acceptance: each request's accepted nodes' KV (every pool layer: a draft head's
     too) into its columns L + 1, L + 2, .. (right after its last token's), where the scheduler keeps a
-    request's accepted KV as it keeps a chain's (speculative/verifying.py keep_kv). A node at depth j
-    sits in column L + its index >= L + j. Every TP rank moves its own shard (scheduler/tp_step.py)."""
+    request's accepted KV as it keeps a chain's (speculative/verify_strategy.py keep_kv). A node at depth j
+    sits in column L + its index >= L + j. Every TP rank moves its own shard (worker/tp_step.py)."""
     src, dst = [], []
     for off, nodes in zip(spec.offsets, out.accepted_nodes):
         for j, node in enumerate(nodes, start=1):

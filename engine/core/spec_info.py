@@ -8,7 +8,7 @@ draft, on top of the KV it holds:
     logits row L_i+j predicts the token after position L_i + j: the target's own choice where the draft
     had d_{j+1}
 
-The worker compares them (verify.py) and returns, per request, the accepted draft tokens followed by the
+The worker compares them (accept_host.py) and returns, per request, the accepted draft tokens followed by the
 target's token at the first position it disagreed (or after the last draft token): 1 to k + 1 tokens.
 
 A draft may be a tree (several candidate continuations, NGRAM's --speculative-ngram-max-bfs-breadth):
@@ -31,7 +31,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from baton.engine.layers.attention.masks import node_depths
+
+def node_depths(parents: list[int]) -> list[int]:
+    """Each node's depth (node 0: 0): its position is the request's L + this."""
+    depths = [0] * len(parents)
+    for j in range(1, len(parents)):
+        depths[j] = depths[parents[j]] + 1
+    return depths
 
 
 def is_chain(parents: list[int]) -> bool:
@@ -50,7 +56,7 @@ def first_chain(parents: list[int]) -> list[int]:
 
 
 def tree_size(depth: int, topk: int, max_nodes: int) -> tuple[int, int]:
-    """(nodes, depth) of a draft head's best-first tree (head_drafter.py) `depth` deep with `topk`
+    """(nodes, depth) of a draft head's best-first tree (head_worker.py) `depth` deep with `topk`
     branches per step, within `max_nodes`: every candidate it can draft (topk at depth 1, topk x topk
     at each depth after) or max_nodes. Its head's steps write their KV to the verify step's slots, topk
     of them per step past the first, so it reaches at most 1 + (max_nodes + 1) // topk deep; and a tree
@@ -95,11 +101,11 @@ class VerifyInput:
     # a node before j), None for a chain; the whole list None when no request has a real tree
     # (__post_init__ turns chains given here into None)
     parents: Optional[list[Optional[list[int]]]] = None
-    # a draft head (head_drafter.py): batch index -> (first-draft candidates, the head's output, the
+    # a draft head (head_worker.py): batch index -> (first-draft candidates, the head's output, the
     # candidates' log-probabilities) a PD prefill sent for a transferred request, put in its row before
     # the chain or tree is drafted
     primes: Optional[dict[int, tuple[tuple[int, ...], Any, tuple[float, ...]]]] = None
-    # a verify step launched while the one before it still runs (the overlap loop; verifying.py): per
+    # a verify step launched while the one before it still runs (the overlap loop; verify_strategy.py): per
     # request, the future-map slot of that step whose emitted-token count the worker adds to the row's
     # positions, lengths and KV columns before the pass (0: the row's start is known); None: no such row
     lagged: Optional[list[int]] = None

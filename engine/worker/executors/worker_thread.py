@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from baton.engine.scheduler.executors.base import OverlapExecutor, PendingResult
+from baton.engine.worker.executors.base import OverlapExecutor, PendingResult
 
 if TYPE_CHECKING:
-    from baton.engine.scheduler.schedule_batch import ModelWorkerBatch
-    from baton.engine.scheduler.tp_worker import TpModelWorker
+    from baton.engine.core.schedule_batch import ModelWorkerBatch
+    from baton.engine.worker.tp_worker import TpModelWorker
 
 
 class WorkerThreadExecutor(OverlapExecutor):

@@ -5,7 +5,7 @@ KV and state slots, and what happens to its result. A strategy says only how it 
 
 A decode step verifies drafts when the running batch is small (fewer requests than
 --speculative-disable-by-batch-size: at large batches a step is compute-bound and drafts only cost).
-Every request can verify: verify.py processes each position's logits as the sampler would (penalties,
+Every request can verify: accept_host.py processes each position's logits as the sampler would (penalties,
 logit bias, the grammar's mask, min_new_tokens), so structured output and penalised requests draft too.
 
 Memory: the verify step allocates KV for [last, *draft] of every request (ScheduleBatch.prepare_for_verify,
@@ -46,13 +46,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Optional
 
+from baton.engine.core.spec_info import VerifyInput, first_chain, node_depths, state_node
 from baton.engine.speculative.base import NoSpeculation, SpecView
-from baton.engine.speculative.spec_info import VerifyInput, first_chain, node_depths, state_node
 from baton.engine.speculative.stats import SpecStats
 
 if TYPE_CHECKING:
-    from baton.engine.scheduler.req import Req
-    from baton.engine.scheduler.schedule_batch import ScheduleBatch
+    from baton.engine.core.req import Req
+    from baton.engine.core.schedule_batch import ScheduleBatch
 
 
 class VerifyingSpeculator(NoSpeculation):

@@ -11,15 +11,15 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from baton.engine.core.forward_batch import ForwardMode
+from baton.engine.core.req import Req
 from baton.engine.mem_cache.state_pool import StateOps
-from baton.engine.model_executor.forward_batch import ForwardMode
-from baton.engine.scheduler.req import Req
 
 if TYPE_CHECKING:
+    from baton.engine.core.spec_info import VerifyInput
     from baton.engine.mem_cache.allocator import TokenToKVPoolAllocator
     from baton.engine.mem_cache.base import BasePrefixCache
     from baton.engine.mem_cache.memory_pool import ReqToTokenPool
-    from baton.engine.speculative.spec_info import VerifyInput
 
 # Tokens of decode headroom each running request is assumed to need after a retraction
 # (SGLang's SGLANG_RETRACT_DECODE_STEPS).
@@ -65,11 +65,11 @@ class ModelWorkerBatch:
     draws: Optional[list[int]] = None
     # hybrid models: recurrent-state copies and checkpoints this pass makes (mem_cache/state_pool.py)
     state_ops: Optional[StateOps] = None
-    # a verify step of speculative decoding (speculative/spec_info.py VerifyInput): each row extends
+    # a verify step of speculative decoding (core/spec_info.py VerifyInput): each row extends
     # over its last token and its draft; the worker checks the drafts instead of sampling once
     spec_info: Optional["VerifyInput"] = None
     # EXTEND: per row, the token after its chunk where the request's tokens go on (a chunk that is not
-    # the prompt's last), else -1 (the sampled token follows); a draft head reads it (head_drafter.py)
+    # the prompt's last), else -1 (the sampled token follows); a draft head reads it (head_worker.py)
     next_prompt_ids: Optional[list[int]] = None
 
 

@@ -15,11 +15,12 @@ from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import torch
 
-from baton.engine.scheduler.future_map import FutureMap
+from baton.engine.worker.future_map import FutureMap
 
 if TYPE_CHECKING:
-    from baton.engine.scheduler.schedule_batch import ModelWorkerBatch
-    from baton.engine.scheduler.tp_worker import GenerationBatchResult, TpModelWorker
+    from baton.engine.core.batch_result import GenerationBatchResult
+    from baton.engine.core.schedule_batch import ModelWorkerBatch
+    from baton.engine.worker.tp_worker import TpModelWorker
 
 
 class ResultHandle(Protocol):

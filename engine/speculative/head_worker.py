@@ -1,4 +1,4 @@
-"""The worker half of speculation with a draft head (NEXTN, EAGLE, EAGLE3; head_speculator.py): the
+"""The worker half of speculation with a draft head (NEXTN, EAGLE, EAGLE3; head_strategy.py): the
 head's passes beside the target's. The head: NEXTN's MTP head (models/qwen3_next.py MtpHead) or an
 EAGLE draft checkpoint's (models/eagle.py), each
 
@@ -59,9 +59,9 @@ accepted nodes' KV, the head's layers with the target's (TpModelWorker._verify);
 head's output at the last accepted node.
 
 Drafts are a deterministic function of the head's outputs (a chain: its argmax; a tree: its best
-candidates), so verify.py's acceptance rules hold as for NGRAM. A request whose row holds no
+candidates), so accept_host.py's acceptance rules hold as for NGRAM. A request whose row holds no
 prediction of its own yet (a PD decode's transferred request: the prefill computed the head's KV over
-the prompt, not this row's buffers) drafts nothing in its first step (head_speculator.py), whose pass
+the prompt, not this row's buffers) drafts nothing in its first step (head_strategy.py), whose pass
 after it fills the row; unless the prefill sent its head's first drafts (`prime_from`).
 
 The target runs its plain forward, its CUDA graphs (decode steps, and verify steps of full chains or trees;
@@ -71,7 +71,7 @@ attention metadata. The draft steps (a chain's, a tree's leaves: decode-shaped) 
 own where the target has CUDA graphs (one rank; CudaGraphRunner.capture_draft), and so does its pass
 after a replayed decode or verify step (reading that graph's output); after an extend it runs
 eagerly. torch.compile stays off with a head. With tensor parallelism every rank runs these passes in
-the driver's order (the head's layers and LM head are collectives); scheduler/tp_step.py says what
+the driver's order (the head's layers and LM head are collectives); worker/tp_step.py says what
 the followers are sent.
 """
 from __future__ import annotations
@@ -81,15 +81,16 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from baton.engine.core.forward_batch import ForwardMode
 from baton.engine.mem_cache.memory_pool import ReqToTokenPool
-from baton.engine.model_executor.forward_batch import ForwardMode
+from baton.engine.utils.device_lists import to_device as _ints
 
 if TYPE_CHECKING:
+    from baton.engine.core.forward_batch import ForwardBatch
+    from baton.engine.core.spec_info import VerifyInput, VerifyOutput
     from baton.engine.model_executor.cuda_graph_runner import CudaGraphRunner
-    from baton.engine.model_executor.forward_batch import ForwardBatch
     from baton.engine.model_executor.model_runner import ModelRunner
-    from baton.engine.speculative.spec_info import VerifyInput, VerifyOutput
-    from baton.engine.speculative.verify_device import DeviceAcceptance
+    from baton.engine.speculative.accept_device import DeviceAcceptance
 
 
 class HeadDrafter:
@@ -394,7 +395,7 @@ class HeadDrafter:
 
     @torch.inference_mode()
     def after_verify_on_device(self, fb: "ForwardBatch", hidden: torch.Tensor, acc: "DeviceAcceptance") -> None:
-        """after_verify for a step accepted on the device (verify_device.py), from the walk's tensors: each
+        """after_verify for a step accepted on the device (accept_device.py), from the walk's tensors: each
         node on the accepted path reads the next one's token (a chain's next row already holds it), the
         last one the target's token. Steps past a request's count repeat its last node, which reads its
         own token there until the last write puts the target's in its place."""
@@ -405,13 +406,6 @@ class HeadDrafter:
         kept = acc.offsets + acc.path.gather(1, acc.count[:, None])[:, 0]
         ids[kept] = acc.last
         self._keep(fb.req_pool_indices, self._pass_after(fb, hidden, ids)[kept])
-
-
-def _ints(values: list, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-    """A host list on the device. On CUDA through pinned memory without waiting: a copy from pageable
-    memory synchronizes the stream, which would stall the host on the head's passes queued before."""
-    t = torch.tensor(values, dtype=dtype)
-    return t.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else t.to(device)
 
 
 class _Growth:

@@ -12,12 +12,13 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from baton.engine.scheduler.tp_worker import GenerationBatchResult, TpModelWorker
+from baton.engine.core.batch_result import GenerationBatchResult
+from baton.engine.worker.tp_worker import TpModelWorker
 
 if TYPE_CHECKING:
+    from baton.engine.core.schedule_batch import ModelWorkerBatch
     from baton.engine.kernels.cpu_forward import ModelStep, NativeForward
-    from baton.engine.scheduler.future_map import FutureMap
-    from baton.engine.scheduler.schedule_batch import ModelWorkerBatch
+    from baton.engine.worker.future_map import FutureMap
 
 
 class NativeSteps:

@@ -15,57 +15,20 @@ names.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from baton.engine.core.batch_result import GenerationBatchResult
+from baton.engine.core.schedule_batch import ModelWorkerBatch
 from baton.engine.mem_cache.state_pool import StateOps
 from baton.engine.model_executor.model_runner import ModelRunner
-from baton.engine.scheduler.future_map import FutureMap
-from baton.engine.scheduler.schedule_batch import ModelWorkerBatch
-from baton.engine.scheduler.tp_step import StepSender
 from baton.engine.server_args import ServerArgs
+from baton.engine.worker.future_map import FutureMap
+from baton.engine.worker.tp_step import StepSender
 
 if TYPE_CHECKING:
     from baton.engine.distributed.parallel_state import TpGroup
-    from baton.engine.speculative.spec_info import VerifyOutput
-
-
-@dataclass
-class GenerationBatchResult:
-    next_token_ids: list[int]  # one per request (garbage for rows that did not sample)
-    next_token_logprobs: Optional[list[float]] = None
-    next_top_logprobs: Optional[list[list[tuple[float, int]]]] = None
-    # batch index -> (logprobs of scored prompt tokens, their top logprobs)
-    input_logprobs: dict[int, tuple[list, list]] = field(default_factory=dict)
-    next_token_ids_tensor: Optional[torch.Tensor] = None  # [bs] int64 on the CPU
-    next_token_ids_device: Optional[torch.Tensor] = None  # [bs] int64 on the model's device, for the future map
-    # CUDA overlap only: recorded behind the non-blocking copy into next_token_ids_tensor, whose
-    # values (and so next_token_ids) are only there once resolve() waited on it
-    copy_done: Optional[Any] = None
-    # a verify step (speculative decoding): each request's accepted tokens; next_token_ids then hold
-    # each request's last one
-    verify: Optional["VerifyOutput"] = None
-    # a verify step accepted on the device (speculative/verify_device.py): `verify` once resolved
-    pending_verify: Optional[Any] = None
-
-    def resolve(self) -> "GenerationBatchResult":
-        """Wait for the sampled ids (or a verify step's tokens) to reach the host (no-op when they already did)."""
-        if self.pending_verify is not None:
-            pending, self.pending_verify = self.pending_verify, None
-            self.verify = pending.read()
-            self.next_token_ids = self.verify.last_tokens
-            self.next_token_ids_tensor = torch.tensor(self.next_token_ids, dtype=torch.int64)
-        if self.copy_done is not None:
-            self.copy_done.synchronize()
-            self.next_token_ids = self.next_token_ids_tensor.tolist()
-            self.copy_done = None
-        return self
-
-    def result(self) -> "GenerationBatchResult":
-        """A result is its own handle where the batch ran at launch (executors/base.py ResultHandle)."""
-        return self.resolve()
 
 
 class TpModelWorker:
@@ -81,9 +44,9 @@ class TpModelWorker:
                                        head=self.model_runner.draft_head is not None,
                                        topk=server_args.speculative_eagle_topk or 1)
                             if self.tp.size > 1 else None)
-        self.drafter = None  # NEXTN / EAGLE: the draft head's passes beside the model's (speculative/head_drafter.py)
+        self.drafter = None  # NEXTN / EAGLE: the draft head's passes beside the model's (speculative/head_worker.py)
         if self.model_runner.draft_head is not None:
-            from baton.engine.speculative.head_drafter import HeadDrafter
+            from baton.engine.speculative.head_worker import HeadDrafter
 
             self.drafter = HeadDrafter(self.model_runner, server_args.speculative_num_steps,
                                        server_args.speculative_eagle_topk)
@@ -151,29 +114,29 @@ class TpModelWorker:
     def _verify(self, mwb: ModelWorkerBatch, fb, hidden: torch.Tensor, future_map: Optional[FutureMap],
                 future_slots: Optional[torch.Tensor], async_copy: bool = False) -> GenerationBatchResult:
         """A verify step's result: the logits of every token row, checked against the drafts
-        (speculative/verify.py); each request's last emitted token and emitted count go to the future
+        (speculative/accept_host.py); each request's last emitted token and emitted count go to the future
         map (overlap). A step of plain requests (greedy or sampled) is checked on the device
-        (verify_device.py) and reaches the host with the result (`async_copy`: without waiting for it,
+        (accept_device.py) and reaches the host with the result (`async_copy`: without waiting for it,
         on CUDA); with TP the followers get the host's acceptance."""
-        from baton.engine.speculative import verify_device
-        from baton.engine.speculative.spec_info import state_node
-        from baton.engine.speculative.verify import move_accepted_kv, verify_drafts
+        from baton.engine.core.spec_info import state_node
+        from baton.engine.speculative import accept_device
+        from baton.engine.speculative.accept_host import move_accepted_kv, verify_drafts
 
         logits = self.model_runner.compute_logits(hidden)  # [num_tokens, vocab] float32
         spec = mwb.spec_info
-        if self.step_sender is None and verify_device.accepts_on_device(mwb.sampling_states):
-            acc = verify_device.accept_on_device(logits, fb.input_ids, spec, fb.tree_parents, mwb.sampling_states,
+        if self.step_sender is None and accept_device.accepts_on_device(mwb.sampling_states):
+            acc = accept_device.accept_on_device(logits, fb.input_ids, spec, fb.tree_parents, mwb.sampling_states,
                                                  mwb.draws)
             if self.drafter is not None:  # before the move, as after_verify
                 self.drafter.after_verify_on_device(fb, hidden, acc)
             if spec.parents is not None:
-                verify_device.move_accepted_kv_on_device(self.model_runner, fb.out_cache_loc, acc)
+                accept_device.move_accepted_kv_on_device(self.model_runner, fb.out_cache_loc, acc)
             if future_map is not None:
                 future_map.token_ids[future_slots] = acc.last.to(future_map.token_ids.device)
                 future_map.accepted[future_slots] = (acc.count + 1).to(future_map.accepted.device)
                 if spec.state_slots is not None:  # the path's last node (past the count, the path repeats it)
                     future_map.state_node[future_slots] = acc.path[:, -1].to(future_map.state_node.device)
-            pending = verify_device.PendingVerify(acc, spec, async_copy, logits,
+            pending = accept_device.PendingVerify(acc, spec, async_copy, logits,
                                                   mwb.top_logprobs_nums if mwb.return_logprob else None)
             return GenerationBatchResult(next_token_ids=[], next_token_ids_device=acc.last, pending_verify=pending)
         out = verify_drafts(logits, mwb.spec_info, mwb.sampling_states, mwb.draws, mwb.return_logprob,
@@ -198,7 +161,7 @@ class TpModelWorker:
                                      next_token_ids_device=last, verify=out)
 
     def _resolve_lagged(self, mwb: ModelWorkerBatch, future_map: Optional[FutureMap]) -> None:
-        """A verify step built while the verify step before it ran (speculative/verifying.py): its rows
+        """A verify step built while the verify step before it ran (speculative/verify_strategy.py): its rows
         start where the scheduler knew them to, and each lagged row moves on by what that step emitted
         (future_map.accepted, written by the step before this one ran): starts, lengths and positions,
         and the KV columns its tokens go to, read from the request's row of req_to_token, where the
@@ -239,7 +202,7 @@ class TpModelWorker:
         """Each row's state <- the step before's scratch slot after the node its emitted tokens end at
         (`nodes`, on the device: nothing read). The slots hold the state after each of that step's
         nodes (a chain's: after 1 .. all of its tokens)."""
-        from baton.engine.speculative.head_drafter import _ints
+        from baton.engine.utils.device_lists import to_device as _ints
 
         pool = self.model_runner.state_pool
         width = max(map(len, slots))

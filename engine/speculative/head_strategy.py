@@ -2,12 +2,12 @@
 beside the target drafts --speculative-num-steps tokens per request and step from the target's hidden
 states: NEXTN the checkpoint's own multi-token-prediction head (models/qwen3_next.py MtpHead), EAGLE /
 EAGLE3 a draft checkpoint (--speculative-draft-model-path, models/eagle.py). The drafting runs in the
-worker, next to the target's passes (head_drafter.py); the scheduler's half only reserves each verify
-step's slots, as NGRAM's does (verifying.py), with placeholder drafts the worker overwrites before the
+worker, next to the target's passes (head_worker.py); the scheduler's half only reserves each verify
+step's slots, as NGRAM's does (verify_strategy.py), with placeholder drafts the worker overwrites before the
 verify pass runs.
 
 --speculative-eagle-topk k > 1 drafts a tree grown best-first by the head's scores, as SGLang's EAGLE
-(head_drafter.py): k candidates per step, the --speculative-num-draft-tokens - 1 best of them. The
+(head_worker.py): k candidates per step, the --speculative-num-draft-tokens - 1 best of them. The
 scheduler reserves its slots before the head has run: the node count (spec_info.tree_size) and a
 placeholder shape, whose parents and positions the drafter replaces.
 A hybrid model's trees run its recurrent state in waves by depth, each node from its parent's state
@@ -20,13 +20,13 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Optional
 
+from baton.engine.core.spec_info import VerifyInput, placeholder_tree, tree_size
 from baton.engine.speculative.base import SpecView
-from baton.engine.speculative.spec_info import VerifyInput, placeholder_tree, tree_size
-from baton.engine.speculative.verifying import VerifyingSpeculator
+from baton.engine.speculative.verify_strategy import VerifyingSpeculator
 
 if TYPE_CHECKING:
-    from baton.engine.scheduler.req import Req
-    from baton.engine.scheduler.schedule_batch import ScheduleBatch
+    from baton.engine.core.req import Req
+    from baton.engine.core.schedule_batch import ScheduleBatch
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ class HeadSpeculator(VerifyingSpeculator):
 
     def allow_lagging(self, overlap: bool) -> None:
         """The drafts are the worker's, so a verify step can be built before the one running ends
-        (verifying.py). With TP the driver resolves the step and sends it resolved; the followers'
+        (verify_strategy.py). With TP the driver resolves the step and sends it resolved; the followers'
         future maps get each verify step's last tokens. A hybrid model's scratch states come in two
         sets for it (ServerArgs.may_lag_verify_steps), and with TP every rank rolls its rows back by
         the state copies the resolved step carries."""

@@ -75,15 +75,15 @@ class Req:
     kv_meta_slot: Optional[int] = None  # metadata buffer slot of the transfer, while kv_transfer lives
     kv_pages_sent: int = 0  # prefill: pages handed to the sender so far
     # speculative decoding (NGRAM): the index of this request's tokens its drafts come from
-    # (speculative/ngram.py), built by the speculator on the request's first draft
+    # (speculative/ngram_index.py), built by the speculator on the request's first draft
     spec_index: Any = None
     # NEXTN / EAGLE: whether the draft head's row holds a first draft for the request
-    # (speculative/head_speculator.py): False for a PD decode's transferred request until its first
+    # (speculative/head_strategy.py): False for a PD decode's transferred request until its first
     # step, unless the prefill sent its head's (`spec_prime`: first-draft candidates, head output and
     # the candidates' log-probabilities, HeadDrafter.prime_from), which its first step puts in the row
     spec_primed: bool = True
     spec_prime: Any = None
-    # verify steps (speculative/verifying.py): how many are launched and not yet processed; the latest
+    # verify steps (speculative/verify_strategy.py): how many are launched and not yet processed; the latest
     # one's start as the scheduler knew it when building it, whether the worker moved that start on by
     # what the step before emitted (a lagged step), and the most it may emit (1 + its deepest branch);
     # what the last processed step emitted; a hybrid model's: the latest step's scratch slots (the state

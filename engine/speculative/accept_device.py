@@ -3,7 +3,7 @@
 A verify step whose every request is greedy or sampled (temperature, top-k, top-p, min-p and a seed),
 with penalties, a logit bias or min_new_tokens at most (no grammar: its matcher is on the host), is
 checked without reading anything back (logprobs too), so on CUDA its launch returns before its forward
-ends, and the overlap loop can build the next step meanwhile (verifying.py, lagged verify steps).
+ends, and the overlap loop can build the next step meanwhile (verify_strategy.py, lagged verify steps).
 Penalised, biased and min_new_tokens requests' rows are processed on the device first, each node's row
 as the sampler would after the drafts on its path (processed_logits); unlike the host rule, which
 verifies only the first chain of such a request's tree, they walk the whole tree (each node's row is
@@ -12,7 +12,7 @@ the stop ids at the nodes whose output position is below it, counted from the re
 on the device (ReqSamplingState.sampled: a lagged step's count includes what the step before it
 emitted, which the host has not read yet).
 
-The rules are verify.py's, on tensors. Greedy: each request walks its draft from node 0 (its last
+The rules are accept_host.py's, on tensors. Greedy: each request walks its draft from node 0 (its last
 token), at each node to the first child (in node order) whose token is the target's argmax there, until
 none is; it emits the tokens of the nodes it walked to and the argmax at the last one. Sampled: the
 same walk with the rejection rule deciding at each node (_rejection_walk). A chain is the tree whose
@@ -33,9 +33,9 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 
+from baton.engine.core.spec_info import VerifyInput, VerifyOutput
 from baton.engine.layers.attention.masks import ancestors
-from baton.engine.speculative.head_drafter import _ints  # host lists to the device without waiting
-from baton.engine.speculative.spec_info import VerifyInput, VerifyOutput
+from baton.engine.utils.device_lists import to_device as _ints  # host lists to the device without waiting
 
 if TYPE_CHECKING:
     from baton.engine.sampling.sampling_batch_info import ReqSamplingState
@@ -156,7 +156,7 @@ def _walk(nodes: "_Nodes", logits: torch.Tensor, states: Optional[Sequence["ReqS
 
 def _rejection_walk(nodes: _Nodes, logits: torch.Tensor, states: Sequence["ReqSamplingState"],
                     draws: Optional[list[int]]) -> DeviceAcceptance:
-    """verify.py's rule for sampled requests (recursive rejection sampling: a chain is a tree of one
+    """accept_host.py's rule for sampled requests (recursive rejection sampling: a chain is a tree of one
     child per node), every request at once; greedy requests of the batch walk by the argmax.
 
     At a node the children are tried in node order, child c with token d accepted when
@@ -324,7 +324,7 @@ def move_accepted_kv_on_device(runner: Any, out_cache_loc: torch.Tensor, acc: De
 class PendingVerify:
     """The walk's result on its way to the host: one copy of counts, paths and tokens queued behind the
     step (into pinned memory without waiting, on CUDA), and with `top_logprobs_nums` (return_logprob)
-    the emitted tokens' logprobs and each one's best `max(nums)` (verify.py's: log_softmax of the raw
+    the emitted tokens' logprobs and each one's best `max(nums)` (accept_host.py's: log_softmax of the raw
     logits at the node the token was predicted at); read() waits for them and gives the VerifyOutput
     verify_drafts would have, once the scheduler processes the step."""
 

@@ -10,12 +10,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from baton.engine.scheduler.executors.base import ForwardExecutor
-from baton.engine.scheduler.executors.native_step import NativeSteps
+from baton.engine.worker.executors.base import ForwardExecutor
+from baton.engine.worker.executors.native_step import NativeSteps
 
 if TYPE_CHECKING:
-    from baton.engine.scheduler.schedule_batch import ModelWorkerBatch
-    from baton.engine.scheduler.tp_worker import GenerationBatchResult, TpModelWorker
+    from baton.engine.core.batch_result import GenerationBatchResult
+    from baton.engine.core.schedule_batch import ModelWorkerBatch
+    from baton.engine.worker.tp_worker import TpModelWorker
 
 
 class SyncExecutor(ForwardExecutor):

@@ -37,7 +37,7 @@ keeps a mirror of what the followers' tables hold, compares the batch's rows wit
 step and sends the entries that differ, so the followers' tables equal the driver's wherever this
 pass reads them; a decode step sends one entry per request.
 
-NEXTN / EAGLE (speculative/head_drafter.py): every rank runs the draft head's passes, whose layers and LM head
+NEXTN / EAGLE (speculative/head_worker.py): every rank runs the draft head's passes, whose layers and LM head
 are collectives too, in the driver's order: before a verify pass its chain steps (the drafts are the
 argmax of all-gathered logits, the same on every rank), after every pass the head over its positions.
 That one needs what only the driver knows: the sampled ids (broadcast as the overlap loop's are) and,
@@ -58,15 +58,15 @@ from typing import TYPE_CHECKING, NamedTuple, Optional
 
 import torch
 
+from baton.engine.core.forward_batch import ForwardMode
 from baton.engine.distributed.parallel_state import TpGroup, resolve_group, shm_group_of
 from baton.engine.mem_cache.state_pool import StateOps
-from baton.engine.model_executor.forward_batch import ForwardMode
-from baton.engine.scheduler.future_map import FutureMap
+from baton.engine.worker.future_map import FutureMap
 
 if TYPE_CHECKING:
+    from baton.engine.core.schedule_batch import ModelWorkerBatch
+    from baton.engine.core.spec_info import VerifyOutput
     from baton.engine.model_executor.model_runner import ModelRunner
-    from baton.engine.scheduler.schedule_batch import ModelWorkerBatch
-    from baton.engine.speculative.spec_info import VerifyOutput
 
 _HEADER = 12
 _STOP, _FORWARD = 0, 1
@@ -208,7 +208,7 @@ class StepReceiver:
         self.future_ids: Optional[torch.Tensor] = None  # this follower's future map, made on first use
         self.drafter = None  # NEXTN / EAGLE: this rank's share of the draft head's passes
         if runner.draft_head is not None:
-            from baton.engine.speculative.head_drafter import HeadDrafter
+            from baton.engine.speculative.head_worker import HeadDrafter
 
             args = runner.server_args
             self.drafter = HeadDrafter(runner, args.speculative_num_steps, args.speculative_eagle_topk)
@@ -291,7 +291,7 @@ class StepReceiver:
             resolve_future_token_ids(fb.input_ids, self._future_map())
         spec = None
         if step.verify:  # the drafts' shape, as the driver's (the head's drafts this rank computes alike)
-            from baton.engine.speculative.spec_info import VerifyInput
+            from baton.engine.core.spec_info import VerifyInput
 
             spec = VerifyInput([[0] * (n - 1) for n in step.extend_seq_lens], parents=step.parents,
                                primes=step.primes)
@@ -312,7 +312,7 @@ class StepReceiver:
             if step.future_slots is not None:
                 self._future_map()[step.future_slots.to(dev)] = sampled
         if step.verify and (self.drafter is not None or spec.parents is not None):
-            from baton.engine.speculative.verify import move_accepted_kv
+            from baton.engine.speculative.accept_host import move_accepted_kv
 
             out = self._recv_accepted(len(step.seq_lens), spec.parents is not None)
             if self.drafter is not None:
@@ -325,7 +325,7 @@ class StepReceiver:
     def _recv_accepted(self, bs: int, tree: bool) -> "VerifyOutput":
         """StepSender.send_accepted's counts (and with trees the accepted nodes), as the VerifyOutput the
         head's pass and the KV move read."""
-        from baton.engine.speculative.spec_info import VerifyOutput
+        from baton.engine.core.spec_info import VerifyOutput
 
         got = torch.empty(2 * bs, dtype=torch.int64)
         _broadcast(got, self.tp.cpu_group)

@@ -1,4 +1,4 @@
-"""What one forward pass needs, as device tensors.
+"""What one forward pass needs, as device tensors, and the attention backend contract that reads it.
 
     ScheduleBatch (scheduler, CPU) -> ModelWorkerBatch (what the forward needs) -> ForwardBatch (device)
 
@@ -14,14 +14,14 @@ The KV of request i lives at req_to_token[req_pool_indices[i], :seq_lens[i]] onc
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Protocol, Union
 
 import torch
 
 if TYPE_CHECKING:
-    from baton.engine.layers.attention.base import AttentionBackend
     from baton.engine.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
     from baton.engine.mem_cache.state_pool import RecurrentStatePool, StateOps
 
@@ -65,7 +65,7 @@ class ForwardBatch:
     # EAGLE-3: the residual streams entering the layers its draft reads, concatenated (models/eagle.py)
     aux_hidden: Optional[torch.Tensor] = None
     # a speculative verify step with tree drafts: per request, its nodes' parents where its draft is a
-    # tree, else None (speculative/spec_info.py VerifyInput.parents), or a draft head's tree as its
+    # tree, else None (core/spec_info.py VerifyInput.parents), or a draft head's tree as its
     # ancestor matrix on the device (attention/masks.py); the attention masks each node to the prefix
     # and its ancestors
     tree_parents: Optional[list[Optional[Union[list[int], torch.Tensor]]]] = None
@@ -95,3 +95,56 @@ class ForwardBatch:
             assert sum(self.extend_seq_lens_cpu) == self.input_ids.shape[0]
         elif self.forward_mode.is_decode():
             assert self.input_ids.shape[0] == self.batch_size
+
+
+class AttentionLayer(Protocol):
+    """What a backend reads of the attention layer it serves (layers/radix_attention.py RadixAttention)."""
+
+    layer_id: int  # the layer's index into the KV pool
+    num_heads: int  # query heads on this rank
+    num_kv_heads: int  # KV heads on this rank
+    head_dim: int
+    scaling: float  # softmax scale
+
+
+class AttentionBackend(ABC):
+    """How the layers attend over the paged KV pool; implementations in layers/attention/.
+
+    A backend reads and writes the paged KV pool through `forward_batch.req_to_token_pool` and
+    `forward_batch.token_to_kv_pool`. Contract:
+    - `init_forward_metadata(fb)` runs once per forward pass, before any layer; it may store index
+      tensors in `fb.attn_metadata` (the layers then reuse them).
+    - `forward(q, k, v, layer, fb)` first writes this pass's K/V into the pool at `fb.out_cache_loc`
+      (when `save_kv_cache`), then attends each new token to all of its request's KV
+      `req_to_token[req_pool_indices[i], :seq_lens[i]]` with causal masking inside the new tokens.
+    - Shapes: q [num_tokens, num_heads * head_dim], k/v [num_tokens, num_kv_heads * head_dim];
+      returns [num_tokens, num_heads * head_dim] in q's dtype. GQA: num_heads % num_kv_heads == 0.
+    """
+
+    @abstractmethod
+    def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
+        """Precompute per-pass index data (called once per forward, before the first layer)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "AttentionLayer",
+                forward_batch: "ForwardBatch", save_kv_cache: bool = True) -> torch.Tensor:
+        if forward_batch.forward_mode.is_decode():
+            return self.forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
+        return self.forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
+
+    @staticmethod
+    def _save_kv(k: torch.Tensor, v: torch.Tensor, layer: "AttentionLayer", fb: "ForwardBatch") -> None:
+        """Write this pass's K/V ([num_tokens, num_kv_heads * head_dim]) into the pool at fb.out_cache_loc."""
+        n = k.shape[0]
+        fb.token_to_kv_pool.set_kv_buffer(
+            layer.layer_id, fb.out_cache_loc,
+            k.view(n, layer.num_kv_heads, layer.head_dim), v.view(n, layer.num_kv_heads, layer.head_dim))
+
+    @abstractmethod
+    def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "AttentionLayer",
+                       forward_batch: "ForwardBatch", save_kv_cache: bool = True) -> torch.Tensor:
+        """Several new tokens per request, after an optional cached prefix."""
+
+    @abstractmethod
+    def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "AttentionLayer",
+                       forward_batch: "ForwardBatch", save_kv_cache: bool = True) -> torch.Tensor:
+        """Exactly one new token per request."""
