@@ -267,9 +267,6 @@ class ServerArgs:
         self._check_speculative()
         if self.tp_size < 1:
             raise ValueError("--tp-size must be >= 1")
-        if self.tp_size > 1 and self.disaggregation_mode != "null" and self.disaggregation_transfer_backend == "fake":
-            raise ValueError("--tp-size > 1 with --disaggregation-mode needs a transfer backend that crosses processes "
-                             "(each TP rank moves its own KV shard): use --disaggregation-transfer-backend mooncake")
         if self.dp_size < 1:
             raise ValueError("--dp-size must be >= 1")
         if self.dp_size > 1 and self.disaggregation_mode == "prefill" and self.disaggregation_bootstrap_port == 0:
@@ -530,7 +527,7 @@ class ServerArgs:
                "compute-bound and drafts only cost)")
         a("--disaggregation-mode", default="null", choices=DISAGGREGATION_MODES)
         a("--disaggregation-bootstrap-port", type=int, default=ServerArgs.disaggregation_bootstrap_port)
-        a("--disaggregation-transfer-backend", default="mooncake", choices=("mooncake", "fake"))
+        a("--disaggregation-transfer-backend", default="mooncake", choices=("mooncake",))
         a("--disaggregation-protocol", default="tcp", choices=("tcp", "rdma"))
         a("--disaggregation-ib-device", default=None)
         a("--disaggregation-bootstrap-timeout", type=float, default=None,

@@ -47,6 +47,9 @@ class KVPoll(IntEnum):
 
 
 class DisaggregationMode(str, Enum):
+    """--disaggregation-mode: an engine's PD role (null: colocated)."""
+
+    NULL = "null"
     PREFILL = "prefill"
     DECODE = "decode"
 
@@ -497,6 +500,9 @@ class KVManagerBase(ABC):
     # decode: how long destination pages of an abandoned transfer must stay untouched (0: writes
     # are synchronous, nothing can be in flight)
     abort_grace_s: float = 0.0
+    # prefill: peers find this rank through the engine's bootstrap server (an in-process backend finds
+    # them without one)
+    uses_bootstrap_server = True
 
     @abstractmethod
     def create_sender(self, room: int) -> KVSenderBase: ...

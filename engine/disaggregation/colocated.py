@@ -1,10 +1,11 @@
-"""The PD strategy's interface, as its no-op implementation: Colocated (no disaggregation), the
-mode Enum, and the SchedulerView a strategy sees its scheduler through (strategy.py picks one)."""
+"""The PD strategy's interface, as its no-op implementation: Colocated (no disaggregation), and the
+SchedulerView a strategy sees its scheduler through (strategy.py picks one)."""
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
+
+from baton.engine.disaggregation.base import DisaggregationMode
 
 if TYPE_CHECKING:
     from baton.engine.core.queues import SchedulerQueues
@@ -17,12 +18,6 @@ if TYPE_CHECKING:
     from baton.engine.server_args import ServerArgs
 
 Error = tuple[str, int]  # (message, HTTP status)
-
-
-class DisaggregationMode(enum.Enum):
-    NULL = "null"
-    PREFILL = "prefill"
-    DECODE = "decode"
 
 
 @dataclass(frozen=True)

@@ -23,13 +23,11 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from baton.engine.disaggregation.base import KVPoll, MetadataBuffers, RoomInUse, TransferConfig, pages_from_slots
+from baton.engine.disaggregation.base import KVPoll, RoomInUse, TransferConfig, pages_from_slots
 from baton.engine.disaggregation.bootstrap_server import DEFAULT_BOOTSTRAP_PORT
 from baton.engine.disaggregation.no_peer import NoPeerReceiver, is_no_peer
-from baton.engine.disaggregation.stats import PDStats
-from baton.engine.disaggregation.prefill import (TRANSFER_FAILED_STATUS, create_kv_manager, metadata_draft_bytes,
-                                                 missing_bootstrap_error, transfer_config_from)
-from baton.engine.disaggregation.colocated import Colocated, DisaggregationMode
+from baton.engine.disaggregation.colocated import DisaggregationMode
+from baton.engine.disaggregation.disaggregated import TRANSFER_FAILED_STATUS, Disaggregated
 from baton.engine.io_struct import AbortReq, TokenizedGenerateReqInput
 
 if TYPE_CHECKING:
@@ -39,26 +37,22 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class DecodeDisaggregation(Colocated):
+class DecodeDisaggregation(Disaggregated):
     """Prealloc queue, transfer queue and the prebuilt batch of a decode Scheduler."""
 
     mode = DisaggregationMode.DECODE
     polls_in_background = True
 
     def __init__(self, view: "SchedulerView", config: Optional[TransferConfig] = None) -> None:
-        super().__init__(view)
-        s = view
-        self.config = config or transfer_config_from(s.server_args)
-        self.metadata = MetadataBuffers(s.max_running_requests + 1, metadata_draft_bytes(s))
-        self.mgr = create_kv_manager(s, "decode", self.config, self.metadata)
+        super().__init__(view, config, view.max_running_requests + 1)
+        self.connect()
         self.prealloc_queue: list["Req"] = []  # receiver created; nothing reserved yet
         self.transfer_queue: list["Req"] = []  # row + slots reserved, destination sent
         self.quarantine: list[tuple[float, torch.Tensor]] = []  # (release time, slots) of abandoned transfers
-        self.stats = PDStats()
 
     # ------------------------------------------------------------------ intake
     def admit(self, req: "Req", recv: TokenizedGenerateReqInput) -> Optional[tuple[str, int]]:
-        error = missing_bootstrap_error(req, "decode")
+        error = self.missing_bootstrap_error(req)
         if error is not None:
             return error
         port = req.bootstrap_port if req.bootstrap_port is not None else DEFAULT_BOOTSTRAP_PORT
@@ -260,15 +254,9 @@ class DecodeDisaggregation(Colocated):
         """Quarantined pages count as work: the loop must keep ticking to give them back."""
         return not self.prealloc_queue and not self.transfer_queue and not self.quarantine
 
-    def check_integrity(self) -> bool:
-        return self.metadata.available_size() == self.metadata.size and self.mgr.num_rooms() == 0
-
     def log_fields(self) -> str:
         return f", #prealloc-req: {len(self.prealloc_queue)}, #transfer-req: {len(self.transfer_queue)}"
 
     def server_info(self) -> dict:
         return {"disaggregation_mode": "decode", "num_prealloc_reqs": len(self.prealloc_queue),
                 "num_transfer_reqs": len(self.transfer_queue), **self.stats.to_info()}
-
-    def close(self) -> None:
-        self.mgr.close()

@@ -12,95 +12,24 @@ On the prefill side a request generates exactly one token (max_new_tokens is set
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import time
 from typing import TYPE_CHECKING, Optional
 
-from baton.engine.disaggregation import create_transfer_backend
-from baton.engine.disaggregation.base import (KVArgs, KVManagerBase, KVMetadata, KVPoll, MetadataBuffers,
-                                              RoomInUse, TransferConfig, model_kv_heads, pages_from_slots)
-from baton.engine.disaggregation.colocated import Colocated, DisaggregationMode
+from baton.engine.disaggregation import transfer_backend_class
+from baton.engine.disaggregation.base import KVMetadata, KVPoll, RoomInUse, TransferConfig, pages_from_slots
+from baton.engine.disaggregation.colocated import DisaggregationMode
+from baton.engine.disaggregation.disaggregated import TRANSFER_FAILED_STATUS, Disaggregated
 from baton.engine.disaggregation.no_peer import NoPeerSender, is_no_peer
-from baton.engine.disaggregation.stats import PDStats
 from baton.engine.io_struct import AbortReq, FinishReason, TokenizedGenerateReqInput
 
 if TYPE_CHECKING:
     from baton.engine.core.batch_result import LaunchedBatch
     from baton.engine.core.req import Req
     from baton.engine.disaggregation.colocated import SchedulerView
-    from baton.engine.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
-TRANSFER_FAILED_STATUS = 500
-
-
-def transfer_config_from(args: "ServerArgs") -> TransferConfig:
-    """Server args; where a flag is unset, SGLang's environment variable of the same meaning (so
-    users can move over), else SGLang's default."""
-    def pick(flag, env_name: str, default: float) -> float:
-        return flag if flag is not None else float(os.environ.get(env_name, default))
-
-    return TransferConfig(
-        host=advertised_host(args.host), protocol=args.disaggregation_protocol,
-        ib_device=args.disaggregation_ib_device,
-        bootstrap_timeout_s=pick(args.disaggregation_bootstrap_timeout, "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT", 300),
-        waiting_timeout_s=pick(args.disaggregation_waiting_timeout, "SGLANG_DISAGGREGATION_WAITING_TIMEOUT", 300),
-        heartbeat_interval_s=pick(args.disaggregation_heartbeat_interval, "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL", 5),
-        heartbeat_max_failures=int(pick(args.disaggregation_heartbeat_max_failures,
-                                        "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE", 2)),
-        fault_probability=args.disaggregation_fault_probability)
-
-
-def advertised_host(bind_host: str) -> str:
-    """The address peers reach this engine at: the bind address unless it is a wildcard."""
-    if bind_host not in ("0.0.0.0", "::", ""):
-        return bind_host
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect(("10.255.255.255", 1))  # no packet is sent; picks the outgoing interface
-            return s.getsockname()[0]
-        except OSError:
-            return "127.0.0.1"
-
-
-def create_kv_manager(view: "SchedulerView", mode: str, config: TransferConfig, metadata: MetadataBuffers,
-                      bootstrap_addr: Optional[str] = None) -> KVManagerBase:
-    """This rank's transfer backend; with TP, one that drives the other ranks' too (tp_fanout.py)."""
-    from dataclasses import asdict
-
-    from baton.engine.disaggregation.tp_fanout import FollowerSetup, driver_manager
-
-    pool, tp, server_args = view.kv_pool, view.tp, view.server_args
-    args = KVArgs.from_pool(pool, metadata, engine_rank=view.dp_rank, dp_size=server_args.dp_size,
-                            tp_size=tp.size, state_pool=view.state_pool, hf_config=view.hf_config,
-                            kv_heads_total=model_kv_heads(view.hf_config))
-    backend = server_args.disaggregation_transfer_backend
-
-    def local() -> KVManagerBase:
-        return create_transfer_backend(backend, args, metadata, mode, config, bootstrap_addr)
-
-    if tp.size == 1:
-        return local()
-    setup = FollowerSetup(mode, backend, asdict(config), metadata.size, bootstrap_addr, view.dp_rank,
-                          server_args.dp_size, metadata.draft_bytes)
-    return driver_manager(local, tp, setup)
-
-
-def metadata_draft_bytes(view: "SchedulerView") -> int:
-    """The metadata slots' draft part: the draft head's first draft and output, on both sides."""
-    return 0 if view.drafter is None else view.drafter.metadata_bytes()
-
-
-def missing_bootstrap_error(req: "Req", mode: str) -> Optional[tuple[str, int]]:
-    if req.bootstrap_room is None:
-        return (f"this engine runs in {mode} mode (PD disaggregation): the request needs bootstrap_room "
-                "(and bootstrap_host/bootstrap_port), as a PD router adds them", 400)
-    return None
-
-
-class PrefillDisaggregation(Colocated):
+class PrefillDisaggregation(Disaggregated):
     """Bootstrap queue, per-chunk KV sending and the inflight queue of a prefill Scheduler."""
 
     mode = DisaggregationMode.PREFILL
@@ -110,29 +39,25 @@ class PrefillDisaggregation(Colocated):
     def __init__(self, view: "SchedulerView", config: Optional[TransferConfig] = None) -> None:
         from baton.engine.disaggregation.bootstrap_server import KVBootstrapServer
 
-        super().__init__(view)
-        s = view
-        args = s.server_args
-        self.config = config or transfer_config_from(args)
-        self.metadata = MetadataBuffers(2 * s.max_running_requests + 2, metadata_draft_bytes(s))
+        super().__init__(view, config, 2 * view.max_running_requests + 2)
+        args = view.server_args
         self.bootstrap_server = None
         port = args.disaggregation_bootstrap_port
-        # the fake finds peers in-process; with DP ranks, rank 0 serves and the others register with it
-        if args.disaggregation_transfer_backend != "fake" and s.dp_rank == 0:
+        # with DP ranks, rank 0 serves and the others register with it (an in-process backend needs none)
+        if transfer_backend_class(args.disaggregation_transfer_backend).uses_bootstrap_server and view.dp_rank == 0:
             self.bootstrap_server = KVBootstrapServer(port=port)
             port = self.bootstrap_server.port
         self.bootstrap_port = port
-        self.mgr = create_kv_manager(s, "prefill", self.config, self.metadata, f"{self.config.host}:{port}")
+        self.connect(f"{self.config.host}:{port}")
         self.bootstrap_queue: list["Req"] = []
         self.inflight_queue: list["Req"] = []
         self.transferred_bytes = 0
         self.transfer_seconds = 0.0
-        self.stats = PDStats()
 
     # ------------------------------------------------------------------ intake
     def admit(self, req: "Req", recv: TokenizedGenerateReqInput) -> Optional[tuple[str, int]]:
         """Returns an error (message, status) or None when the request joined the bootstrap queue."""
-        error = missing_bootstrap_error(req, "prefill")
+        error = self.missing_bootstrap_error(req)
         if error is not None:
             return error
         req.sampling_params.max_new_tokens = 1  # the decode engine generates the rest
@@ -280,9 +205,6 @@ class PrefillDisaggregation(Colocated):
     def is_idle(self) -> bool:
         return not self.bootstrap_queue and not self.inflight_queue
 
-    def check_integrity(self) -> bool:
-        return self.metadata.available_size() == self.metadata.size and self.mgr.num_rooms() == 0
-
     def log_fields(self) -> str:
         return f", #bootstrap-req: {len(self.bootstrap_queue)}, #inflight-req: {len(self.inflight_queue)}"
 
@@ -293,7 +215,7 @@ class PrefillDisaggregation(Colocated):
                 **self.stats.to_info()}
 
     def close(self) -> None:
-        self.mgr.close()
+        super().close()
         if self.bootstrap_server is not None:
             self.bootstrap_server.close()
 

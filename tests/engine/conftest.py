@@ -7,3 +7,5 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import baton_testing.fake_kv_transfer  # noqa: E402,F401  registers the in-process "fake" KV transfer backend

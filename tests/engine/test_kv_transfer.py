@@ -204,6 +204,18 @@ def test_killed_prefill_fails_receivers_within_heartbeat_window_and_restart_work
         decode.close()
 
 
+def test_the_in_process_fake_refuses_tp_ranks():
+    """TP ranks each move their own KV shard from their own process: the fake cannot carry that."""
+    import dataclasses
+
+    pool, meta = make_pool(geometry(4), 32), MetadataBuffers(8)
+    args = dataclasses.replace(KVArgs.from_pool(pool, meta), tp_size=2)
+    with pytest.raises(ValueError, match="crosses processes"):
+        create_transfer_backend("fake", args, meta, "decode", CONFIG)
+    with pytest.raises(ValueError, match="unknown KV transfer backend 'nope'"):
+        create_transfer_backend("nope", args, meta, "decode", CONFIG)
+
+
 # ---- both managers in this process: cheap failure paths, for Mooncake and the fake ----
 
 @pytest.fixture(params=["mooncake", "fake"])

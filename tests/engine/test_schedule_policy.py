@@ -236,14 +236,6 @@ def test_overlap_default_depends_on_device():
     assert choice.loop.value == "plain" and "--disable-overlap-schedule" in choice.reason
 
 
-def test_pd_with_tp_needs_a_backend_that_crosses_processes():
-    from baton.engine.server_args import ServerArgs
-
-    assert ServerArgs(model_path="m", tp_size=2, disaggregation_mode="decode").tp_size == 2  # mooncake
-    with pytest.raises(ValueError, match="crosses processes"):
-        ServerArgs(model_path="m", tp_size=2, disaggregation_mode="decode", disaggregation_transfer_backend="fake")
-
-
 def test_pd_metrics_observe_each_sample_once():
     from baton.engine.metrics import EngineMetrics
 

@@ -1,7 +1,8 @@
 """An in-process transfer backend for scheduler tests on machines without Mooncake (a test double).
 
-`--disaggregation-transfer-backend fake` loads it by name (engine/disaggregation/__init__.py), which works
-where tests/support is on sys.path (tests/conftest.py puts it there); the package does not ship it.
+Importing this module registers it as `--disaggregation-transfer-backend fake` in this process
+(engine/disaggregation/__init__.py register_transfer_backend; tests/engine/conftest.py imports it); the
+package does not ship it. It crosses no process boundary, so an engine with TP ranks cannot use it.
 
 Same states, checks, fault injection and timeouts as the real one; a chunk is copied synchronously
 (memmove between the registered CPU buffers) inside send(). Prefill managers are found by
@@ -17,6 +18,7 @@ from typing import Optional, Union
 
 import numpy as np
 
+from baton.engine.disaggregation import register_transfer_backend
 from baton.engine.disaggregation.base import (DisaggregationMode, KVArgs, KVManagerBase, KVPoll, KVTransferError,
                                               MetadataBuffers, RoomInUse, TransferConfig, contiguous_runs)
 from baton.engine.disaggregation.common import CommonKVReceiver, CommonKVSender, Destination, check_destination
@@ -105,8 +107,13 @@ class FakeKVReceiver(CommonKVReceiver):
 
 
 class FakeKVManager(KVManagerBase):
+    uses_bootstrap_server = False  # prefill managers are found in the FakeHub
+
     def __init__(self, args: KVArgs, metadata: MetadataBuffers, mode: Union[DisaggregationMode, str],
                  config: TransferConfig, bootstrap_addr: Optional[str] = None, hub: Optional[FakeHub] = None) -> None:
+        if args.tp_size > 1:
+            raise ValueError("the fake KV transfer backend runs in one process; TP ranks (each moving its own KV "
+                             "shard) need a transfer backend that crosses processes: mooncake")
         self.args, self.metadata, self.config = args, metadata, config
         self.mode = DisaggregationMode(mode)
         self.hub = hub or DEFAULT_HUB
@@ -213,3 +220,6 @@ class FakeKVManager(KVManagerBase):
         self.closed = True
         if self._addr is not None:
             self.hub.unregister(self._addr, self)
+
+
+register_transfer_backend("fake", FakeKVManager)
