@@ -38,14 +38,7 @@ each replay (layers/attention/masks.py: each request's tree, a chain's and a pad
 causal), so a step of full trees replays as a step of full chains does. The tree's shape is data
 the plan reads, not part of the graph; an engine of chains keeps causal verify graphs.
 
-A draft head's decode-shaped steps (speculative/head_worker.py: a chain's next draft, or every leaf
-of a growing tree, one token per row of the step's table) have graphs of their own (`capture_draft`),
-for the decode sizes up to the most rows a draft step has: the head's pass over the decode graphs'
-input buffers plus one of the head's input states, planned through the decode graph's attention
-wrapper of the same size (the step's own table: a tree's lanes read through one). Padded rows are
-decode padding with a zero state. So does the head's pass after a replayed decode or verify step
-(`head-decode`, `head-verify`: the step's positions, the ids that follow them): it reads that graph's
-own output (or EAGLE-3's layer states) as its input states and the attention its replay planned.
+A draft head's steps have graphs of their own over these buffers (speculative/draft_graphs.py).
 
 With capture disabled the runner runs the very same padding / static-buffer path eagerly, which is
 how CPU tests check that padded rows change neither real rows' outputs nor their KV.
@@ -132,12 +125,6 @@ class CudaGraphRunner:
         self.graphs: dict[tuple[str, int], Any] = {}
         self.outputs: dict[tuple[str, int], torch.Tensor] = {}
         self.aux_outputs: dict[tuple[str, int], Optional[torch.Tensor]] = {}
-        # a draft head's steps (capture_draft): its pass, sizes and input states
-        self.draft_forward: Optional[Callable[[ForwardBatch, torch.Tensor], torch.Tensor]] = None
-        self.draft_sizes: list[int] = []
-        self.draft_states: Optional[torch.Tensor] = None
-        self.head_after = False  # the head's pass after each decode and verify graph captured (capture_draft)
-        self.head_aux = False  # which graph output that pass reads: the layer states (EAGLE-3)
         if capture:
             if not supports_cuda_graph(model_runner.attn_backend):
                 raise ValueError(f"{type(model_runner.attn_backend).__name__} has no static-shape decode metadata; "
@@ -174,9 +161,9 @@ class CudaGraphRunner:
             self._load_verify_inputs(fb, b)
             rows = bs * self.verify_tokens
         else:
-            self._load_inputs(fb, b)
+            self.load_inputs(fb, b)
             rows = bs
-        static = self._static_of(fb, b)
+        static = self.static_of(fb, b)
         key = ("verify" if verify else "decode", b)
         backend = self.model_runner.attn_backend
         if self.use_graphs:
@@ -192,18 +179,18 @@ class CudaGraphRunner:
             fb.state_pool.copy_tracked_ends(fb.state_slots, fb.state_ops.tracks)
         return out
 
-    def _static_of(self, fb: ForwardBatch, b: int) -> ForwardBatch:
+    def static_of(self, fb: ForwardBatch, b: int) -> ForwardBatch:
         """The static batch of bucket b standing for decode batch or verify step `fb` (its inputs loaded):
         its lengths, trees and table, padded."""
         bs = fb.batch_size
         if fb.forward_mode != ForwardMode.DECODE:
-            return self._static_verify_batch(b, fb.extend_prefix_lens_cpu + [0] * (b - bs),
+            return self.static_verify_batch(b, fb.extend_prefix_lens_cpu + [0] * (b - bs),
                                              list(fb.tree_parents or [None] * bs) + [None] * (b - bs))
-        static = self._static_batch(b, fb.seq_lens_cpu + [PAD_SEQ_LEN] * (b - bs))
+        static = self.static_batch(b, fb.seq_lens_cpu + [PAD_SEQ_LEN] * (b - bs))
         static.req_to_token_pool = fb.req_to_token_pool  # a draft tree's lanes read through a table of their own
         return static
 
-    def _load_inputs(self, fb: ForwardBatch, b: int) -> None:
+    def load_inputs(self, fb: ForwardBatch, b: int) -> None:
         """A decode batch's inputs (a draft step's too, whose head reads no state) into the buffers,
         padded to b."""
         bs = fb.batch_size
@@ -213,7 +200,7 @@ class CudaGraphRunner:
             buf[:bs].copy_(src, non_blocking=True)
         if self.state_rows is not None:
             self.state_rows[:bs].copy_(fb.state_slots, non_blocking=True)
-        self._pad_rows(bs, b)
+        self.pad_rows(bs, b)
 
     def _load_verify_inputs(self, fb: ForwardBatch, b: int) -> None:
         bs, n = fb.batch_size, self.verify_tokens
@@ -222,7 +209,7 @@ class CudaGraphRunner:
             buf[:bs * n].copy_(src, non_blocking=True)
         self.req_pool_indices[:bs].copy_(fb.req_pool_indices, non_blocking=True)
         self.seq_lens[:bs].copy_(fb.seq_lens, non_blocking=True)
-        self._pad_verify_rows(bs, b)
+        self.pad_verify_rows(bs, b)
         if self.verify_states:
             self._load_verify_states(fb, b)
 
@@ -255,7 +242,7 @@ class CudaGraphRunner:
         return [TreeWave(rows[w], self.wave_read[w, :b], pick, self.wave_dest[w, :b].reshape(-1))
                 for w in range(self.verify_tokens)]
 
-    def _pad_verify_rows(self, start: int, end: int) -> None:
+    def pad_verify_rows(self, start: int, end: int) -> None:
         """Padded verify requests (module docstring): N tokens of id 0 at positions 0 .. N - 1."""
         if start == end:
             return
@@ -266,7 +253,7 @@ class CudaGraphRunner:
         self.req_pool_indices[start:end].zero_()
         self.seq_lens[start:end].fill_(n)
 
-    def _static_verify_batch(self, b: int, prefix_lens_cpu: list[int], trees: list) -> ForwardBatch:
+    def static_verify_batch(self, b: int, prefix_lens_cpu: list[int], trees: list) -> ForwardBatch:
         """`trees`: each request's tree or None (a chain, a padded request); a list, even of Nones, for
         graphs masked by trees (the attention then plans a mask for every request), else unused."""
         n = self.verify_tokens
@@ -281,7 +268,7 @@ class CudaGraphRunner:
             fb.tree_waves = self._static_waves(b)
         return fb
 
-    def _pad_rows(self, start: int, end: int) -> None:
+    def pad_rows(self, start: int, end: int) -> None:
         if start == end:
             return
         for buf in (self.input_ids, self.positions, self.req_pool_indices, self.out_cache_loc):
@@ -290,7 +277,7 @@ class CudaGraphRunner:
         if self.state_rows is not None:
             self.state_rows[start:end].fill_(self.pad_state)
 
-    def _static_batch(self, b: int, seq_lens_cpu: list[int]) -> ForwardBatch:
+    def static_batch(self, b: int, seq_lens_cpu: list[int]) -> ForwardBatch:
         assert len(seq_lens_cpu) == b
         fb = self.model_runner.make_forward_batch(
             ForwardMode.DECODE, input_ids=self.input_ids[:b], positions=self.positions[:b],
@@ -305,105 +292,6 @@ class CudaGraphRunner:
         # tensor's identity, and a reused object would let a capture skip computing cos/sin
         # (the graph would replay the warm-up's values) or an eager run reuse stale ones.
         return self.model_runner.model(fb.input_ids, fb.positions.view(-1), fb)
-
-    # ------------------------------------------------------------------ a draft head's steps
-    def capture_draft(self, forward: Callable[[ForwardBatch, torch.Tensor], torch.Tensor], width: int,
-                      dtype: torch.dtype, most: int, aux_states: bool = False) -> None:
-        """Graphs of a draft head's decode-shaped steps (module docstring) for up to `most` rows, and of
-        its pass after each decode and verify graph: `forward(batch, states [rows, width])` -> the head's
-        outputs [rows, hidden]; `aux_states`: after a target pass the head reads the captured layer
-        states (EAGLE-3), else the final hidden states."""
-        self.draft_forward = forward
-        self.draft_sizes = [b for b in self.batch_sizes if b <= self.bucket(min(most, self.max_bs))]
-        self.head_aux = aux_states
-        with torch.inference_mode():
-            self.draft_states = torch.zeros(self.draft_sizes[-1], width, dtype=dtype, device=self.input_ids.device)
-        self.head_after = not aux_states or not self.use_graphs or all(
-            aux is not None for aux in self.aux_outputs.values())
-        if not self.use_graphs:
-            return
-        pool = torch.cuda.graph_pool_handle()
-        backend = self.model_runner.attn_backend
-        with torch.inference_mode():
-            for b in reversed(self.draft_sizes):
-                self._pad_rows(0, b)
-                self.draft_states[:b].zero_()
-                static = self._static_batch(b, [PAD_SEQ_LEN] * b)
-                backend.init_forward_metadata_replay(static)  # the decode graph's wrapper
-                self._capture_head(("draft", b), static, lambda fb=static, b=b: forward(fb, self.draft_states[:b]),
-                                   pool)
-            for kind, sizes in (("verify", self.verify_sizes), ("decode", self.batch_sizes)):
-                for b in reversed(sizes if self.head_after else []):
-                    if kind == "verify":
-                        self._pad_verify_rows(0, b)
-                        static = self._static_verify_batch(b, [0] * b, [None] * b)
-                        backend.init_forward_metadata_replay_verify(static)  # the verify graph's wrapper
-                    else:
-                        self._pad_rows(0, b)
-                        static = self._static_batch(b, [PAD_SEQ_LEN] * b)
-                        backend.init_forward_metadata_replay(static)  # the decode graph's wrapper
-                    states = (self.aux_outputs if aux_states else self.outputs)[(kind, b)]
-                    self._capture_head((f"head-{kind}", b), static, lambda fb=static, x=states: forward(fb, x), pool)
-        torch.cuda.synchronize()
-        logger.info("captured CUDA graphs for the draft head's steps, batch sizes %s%s", self.draft_sizes,
-                    ", and its pass after each decode and verify graph" if self.head_after else "")
-
-    def _capture_head(self, key: tuple[str, int], static: ForwardBatch, run: Callable[[], torch.Tensor],
-                      pool: Any) -> None:
-        try:
-            self._capture(key, static, run, pool)
-        except Exception as e:
-            raise RuntimeError(f"CUDA graph capture of the draft head's {key[0]} pass failed at batch size {key[1]} "
-                               f"({e}); run with --disable-cuda-graph") from e
-
-    def can_run_head_after(self, fb: ForwardBatch, states: torch.Tensor) -> bool:
-        """Whether the head's pass after target pass `fb` replays its graph: `fb` replayed a decode or
-        verify graph, whose output (or layer states) `states` is, as the head's graph reads them there."""
-        if not (self.head_after and self.draft_forward is not None and self.can_run(fb)):
-            return False
-        if not self.use_graphs:
-            return True
-        verify = fb.forward_mode != ForwardMode.DECODE
-        key = ("verify" if verify else "decode", self.bucket(fb.batch_size, verify))
-        return states.data_ptr() == (self.aux_outputs if self.head_aux else self.outputs)[key].data_ptr()
-
-    def replay_head_after(self, fb: ForwardBatch, ids: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
-        """The head's outputs [rows, hidden] over target pass `fb` just replayed (a decode step, or a
-        verify step of N tokens per request), its rows reading `ids` [rows] and `states` (that graph's
-        own, can_run_head_after); a view valid until the next such replay. The pass's inputs and
-        attention plan are still in place."""
-        verify = fb.forward_mode != ForwardMode.DECODE
-        bs, n = fb.batch_size, self.verify_tokens if verify else 1
-        b = self.bucket(bs, verify)
-        self.input_ids[:bs * n].copy_(ids, non_blocking=True)
-        if self.use_graphs:
-            key = ("head-verify" if verify else "head-decode", b)
-            self.graphs[key].replay()
-            return self.outputs[key][:bs * n]
-        static = self._static_of(fb, b)
-        self.model_runner.attn_backend.init_forward_metadata(static)
-        padded = torch.cat([states, states.new_zeros((b - bs) * n, states.shape[1])])
-        return self.draft_forward(static, padded)[:bs * n]
-
-    def can_run_draft(self, fb: ForwardBatch) -> bool:
-        return bool(self.draft_sizes) and fb.batch_size <= self.draft_sizes[-1]
-
-    def replay_draft(self, fb: ForwardBatch, states: torch.Tensor) -> torch.Tensor:
-        """The head's outputs [bs, hidden] for a draft step `fb` (decode-shaped, through its own table)
-        and its input states [bs, width]; a view valid until the next draft replay of that size."""
-        bs = fb.batch_size
-        b = self.draft_sizes[bisect.bisect_left(self.draft_sizes, bs)]
-        self._load_inputs(fb, b)
-        self.draft_states[:bs].copy_(states, non_blocking=True)
-        self.draft_states[bs:b].zero_()
-        static = self._static_of(fb, b)
-        backend = self.model_runner.attn_backend
-        if self.use_graphs:
-            backend.init_forward_metadata_replay(static)
-            self.graphs[("draft", b)].replay()
-            return self.outputs[("draft", b)][:bs]
-        backend.init_forward_metadata(static)
-        return self.draft_forward(static, self.draft_states[:b])[:bs]
 
     # ------------------------------------------------------------------ capture
     @torch.inference_mode()
@@ -443,25 +331,27 @@ class CudaGraphRunner:
         # capture on all-padding inputs: only the dummy page is written
         backend = self.model_runner.attn_backend
         if kind == "verify":
-            self._pad_verify_rows(0, b)
-            static = self._static_verify_batch(b, [0] * b, [None] * b)
+            self.pad_verify_rows(0, b)
+            static = self.static_verify_batch(b, [0] * b, [None] * b)
             backend.init_forward_metadata_capture_verify(static)
         else:
-            self._pad_rows(0, b)
-            static = self._static_batch(b, [PAD_SEQ_LEN] * b)
+            self.pad_rows(0, b)
+            static = self.static_batch(b, [PAD_SEQ_LEN] * b)
             backend.init_forward_metadata_capture(static)
-        self._capture((kind, b), static, lambda: self._forward(static), pool)
+        self.graphs[(kind, b)], self.outputs[(kind, b)] = capture_graph(lambda: self._forward(static), pool)
         self.aux_outputs[(kind, b)] = static.aux_hidden
 
-    def _capture(self, key: tuple[str, int], static: ForwardBatch, run: Callable[[], torch.Tensor],
-                 pool: Optional[Any]) -> None:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-ups off the capture: lazy inits, Triton JIT, allocator
-            for _ in range(2):
-                run()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            self.outputs[key] = run()
-        self.graphs[key] = graph
+
+def capture_graph(run: Callable[[], torch.Tensor], pool: Optional[Any]) -> tuple[Any, torch.Tensor]:
+    """`run` captured as a CUDA graph (in memory pool `pool`), after two warm-ups on a side stream, and
+    the static output it leaves."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-ups off the capture: lazy inits, Triton JIT, allocator
+        for _ in range(2):
+            run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        output = run()
+    return graph, output

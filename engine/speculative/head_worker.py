@@ -68,7 +68,7 @@ The target runs its plain forward, its CUDA graphs (decode steps, and verify ste
 EAGLE-3's layer states are graph outputs too), or on CPU its native forward where the head needs only
 final hidden states; after a graph or the native forward the head's passes plan the batch's own
 attention metadata. The draft steps (a chain's, a tree's leaves: decode-shaped) replay graphs of their
-own where the target has CUDA graphs (one rank; CudaGraphRunner.capture_draft), and so does its pass
+own where the target has CUDA graphs (one rank; draft_graphs.py), and so does its pass
 after a replayed decode or verify step (reading that graph's output); after an extend it runs
 eagerly. torch.compile stays off with a head. With tensor parallelism every rank runs these passes in
 the driver's order (the head's layers and LM head are collectives); worker/tp_step.py says what
@@ -83,6 +83,7 @@ import torch
 
 from baton.engine.core.forward_batch import ForwardMode
 from baton.engine.mem_cache.memory_pool import ReqToTokenPool
+from baton.engine.speculative.draft_graphs import DraftGraphs
 from baton.engine.utils.device_lists import to_device as _ints
 
 if TYPE_CHECKING:
@@ -110,18 +111,17 @@ class HeadDrafter:
         self.hidden = torch.zeros(rows, model.config.hidden_size, dtype=runner.dtype, device=dev)
         # CUDA: the last head pass's end, which a PD prefill waits for before reading a row (row_draft)
         self.done: Optional[torch.cuda.Event] = None
-        self.graphs: Optional["CudaGraphRunner"] = None  # the draft steps' graphs (use_graphs)
+        self.graphs: Optional[DraftGraphs] = None  # the draft steps' graphs (use_graphs)
         if runner.cuda_graph_runner is not None and runner.tp.size == 1:
             self.use_graphs(runner.cuda_graph_runner)
 
-    def use_graphs(self, graphs: "CudaGraphRunner") -> None:
-        """Run the draft steps through `graphs` (its draft-step graphs, captured here): as many rows as
-        a step of the batches that speculate has (their requests, times topk for a tree's leaves)."""
+    def use_graphs(self, target: "CudaGraphRunner") -> None:
+        """Run the draft steps through graphs over the target's (draft_graphs.py, captured here): as many
+        rows as a step of the batches that speculate has (their requests, times topk for a tree's leaves)."""
         args = self.runner.server_args
         most = max(1, args.speculative_disable_by_batch_size - 1) * self.topk
-        graphs.capture_draft(self._draft_pass, self.hidden.shape[1], self.hidden.dtype, most,
-                             aux_states=bool(self.head.aux_layers))
-        self.graphs = graphs
+        self.graphs = DraftGraphs(target, self._draft_pass, self.hidden.shape[1], self.hidden.dtype, most,
+                                  aux_states=bool(self.head.aux_layers))
 
     # ------------------------------------------------------------------ the head's passes
     def _head(self, fb: "ForwardBatch", ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:

@@ -153,11 +153,12 @@ def run_through_graph_paths(h, target, verify_tokens: int, trees: bool = False):
                                 or replay(fb))
     drafter = h.scheduler.worker.drafter
     drafter.use_graphs(graphs)
-    assert graphs.draft_sizes == ([1, 2, 4, 8] if trees else [1, 2])
-    draft_steps, replay_draft = [], graphs.replay_draft
-    graphs.replay_draft = lambda fb, states: draft_steps.append(fb.batch_size) or replay_draft(fb, states)
-    head_passes, replay_head = [], graphs.replay_head_after
-    graphs.replay_head_after = lambda fb, ids, states: head_passes.append(fb.spec_verify) or replay_head(fb, ids,
+    heads = drafter.graphs
+    assert heads.sizes == ([1, 2, 4, 8] if trees else [1, 2])
+    draft_steps, replay_draft = [], heads.replay_draft
+    heads.replay_draft = lambda fb, states: draft_steps.append(fb.batch_size) or replay_draft(fb, states)
+    head_passes, replay_head = [], heads.replay_head_after
+    heads.replay_head_after = lambda fb, ids, states: head_passes.append(fb.spec_verify) or replay_head(fb, ids,
                                                                                                        states)
     seen: list[tuple[list[int], list[int], Optional[list[int]]]] = []
     process = h.scheduler.spec.process_verify_result
@@ -180,7 +181,7 @@ def run_through_graph_paths(h, target, verify_tokens: int, trees: bool = False):
     assert any(verify for verify, _, _ in replays), "full verify steps went through the verify graphs' path"
     assert draft_steps, "draft steps went through the draft-step graphs' path"
     assert sorted(head_passes) == sorted(verify for verify, _, _ in replays), "the head's pass after each replay"
-    assert any(b not in graphs.draft_sizes for b in draft_steps) == trees, "a tree's leaves padded (2 x 3 in 8)"
+    assert any(b not in heads.sizes for b in draft_steps) == trees, "a tree's leaves padded (2 x 3 in 8)"
     return replays, seen
 
 
@@ -213,9 +214,9 @@ def test_a_draft_step_over_one_static_batch_reads_its_positions_every_time(targe
             runner.attn_backend.init_forward_metadata(fb)
             return drafter._draft_pass(fb, states).clone()
 
-        static = graphs._static_batch(2, [5, 5])
+        static = graphs.static_batch(2, [5, 5])
         first, again = run(static, [4, 4]), run(static, [40, 90])
-        fresh = run(graphs._static_batch(2, [5, 5]), [40, 90])
+        fresh = run(graphs.static_batch(2, [5, 5]), [40, 90])
         assert not torch.allclose(first, again), "the positions change the head's attention"
         torch.testing.assert_close(again, fresh)
 
@@ -771,14 +772,15 @@ def test_eagle_with_decode_graphs_on_flashinfer(tiny_model_factory, tmp_path, ki
                     **{**eagle(kind, draft), "speculative_disable_by_batch_size": 3})
     graphs = h.scheduler.worker.model_runner.cuda_graph_runner
     assert graphs is not None and graphs.use_graphs and graphs.verify_sizes == [1, 2]
-    assert graphs.draft_sizes == [1, 2] and ("draft", 2) in graphs.graphs, "the head's draft steps captured"
-    assert ("head-verify", 2) in graphs.graphs and ("head-decode", 8) in graphs.graphs, "the head's passes after"
+    heads = h.scheduler.worker.drafter.graphs
+    assert heads.sizes == [1, 2] and ("draft", 2) in heads.graphs, "the head's draft steps captured"
+    assert ("head-verify", 2) in heads.graphs and ("head-decode", 8) in heads.graphs, "the head's passes after"
     replays, replay = [], graphs.replay
     graphs.replay = lambda fb: replays.append((fb.spec_verify, fb.batch_size)) or replay(fb)
-    draft_steps, replay_draft = [], graphs.replay_draft
-    graphs.replay_draft = lambda fb, states: draft_steps.append(fb.batch_size) or replay_draft(fb, states)
-    head_passes, replay_head = [], graphs.replay_head_after
-    graphs.replay_head_after = lambda fb, ids, states: head_passes.append(fb.spec_verify) or replay_head(fb, ids,
+    draft_steps, replay_draft = [], heads.replay_draft
+    heads.replay_draft = lambda fb, states: draft_steps.append(fb.batch_size) or replay_draft(fb, states)
+    head_passes, replay_head = [], heads.replay_head_after
+    heads.replay_head_after = lambda fb, ids, states: head_passes.append(fb.spec_verify) or replay_head(fb, ids,
                                                                                                        states)
     for i, (p, n) in enumerate(zip(ps, lens)):
         h.submit(str(i), p, max_new_tokens=n, ignore_eos=True)
@@ -828,11 +830,13 @@ def test_best_first_head_trees_on_flashinfer(tiny_model_factory, tmp_path):
 
     drafter.draft = counted
     graphs = h.scheduler.worker.model_runner.cuda_graph_runner
-    assert graphs.verify_trees and drafter.graphs is graphs, "tree verify graphs and the draft steps' graphs"
-    replays, replay_draft = [], graphs.replay_draft
-    graphs.replay_draft = lambda fb, states: replays.append(fb.batch_size) or replay_draft(fb, states)
-    head_passes, replay_head = [], graphs.replay_head_after
-    graphs.replay_head_after = lambda fb, ids, states: head_passes.append(fb.spec_verify) or replay_head(fb, ids,
+    heads = drafter.graphs
+    assert graphs.verify_trees and heads is not None and heads.target is graphs, \
+        "tree verify graphs and the draft steps' graphs"
+    replays, replay_draft = [], heads.replay_draft
+    heads.replay_draft = lambda fb, states: replays.append(fb.batch_size) or replay_draft(fb, states)
+    head_passes, replay_head = [], heads.replay_head_after
+    heads.replay_head_after = lambda fb, ids, states: head_passes.append(fb.spec_verify) or replay_head(fb, ids,
                                                                                                        states)
     results = h.run_until_idle()
     assert replays and any(head_passes), "the leaves' draft steps and the head's pass after a tree replay, in graphs"
