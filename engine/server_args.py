@@ -9,11 +9,12 @@ import dataclasses
 import importlib.util
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 from typing import NamedTuple, Optional
 
 from baton.engine.parsers import REASONING_PARSERS, TOOL_PARSERS
+from baton.flags import FlagTable, declared_flags, flag, from_args
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 ATTENTION_BACKENDS = ("torch", "flashinfer")
@@ -71,145 +72,296 @@ def auto_dtype_name(checkpoint_dtype: Optional[str], device: str) -> str:
     return name
 
 
+# The components that read the flags (Flag.owner), in the order `baton serve --help` and docs/flags.md show them.
+FLAG_OWNERS = {
+    "model": "the checkpoint and how it is loaded (model_executor/model_loader.py, through the model runner)",
+    "http": "the HTTP server and the OpenAI API (entrypoints/http_server.py, openai_api.py, http_common.py)",
+    "tokenizer": "the tokenizer manager: tokenizer, chat template, DP dispatch (tokenizer_manager.py)",
+    "launcher": "the engine's processes, ranks, GPUs, CPU binding and logs (entrypoints/engine.py and each "
+                "scheduler process's start)",
+    "scheduler": "admission, batching, the prefix cache and the event loop (scheduler/)",
+    "worker": "the forward pass: KV and state pools, attention backend, CUDA graphs, kernels, TP (the model "
+              "runner, model_executor/)",
+    "speculative": "speculative decoding (speculative/)",
+    "pd": "prefill/decode disaggregation: bootstrap and KV transfer (disaggregation/)",
+}
+
+
 @dataclass(frozen=True)
 class ServerArgs:
-    model_path: str
-    tokenizer_path: Optional[str] = None
-    served_model_name: Optional[str] = None
-    host: str = "127.0.0.1"
-    port: int = 30000
-    device: str = "cpu"
-    dtype: str = "auto"  # auto | float32 | float16 | bfloat16
-    # The KV cache's own dtype (SGLang's and vLLM's --kv-cache-dtype): auto = the model's. A smaller
-    # one holds more tokens in the same memory and halves/quarters what each decode step reads.
-    kv_cache_dtype: str = "auto"  # auto | float32 | bfloat16 | float16 | fp8_e5m2
-    context_length: Optional[int] = None
+    """`baton serve`'s flags, one field each (baton/flags.py generates the parser from them)."""
+
+    model_path: str = flag(help="local Hugging Face directory (config.json, *.safetensors, tokenizer)",
+                           owner="model", also=("tokenizer", "http"))
+    tokenizer_path: Optional[str] = flag(None, help="a tokenizer directory other than --model-path",
+                                         owner="tokenizer", also=("scheduler",))
+    served_model_name: Optional[str] = flag(
+        None, help="the model name the API reports and accepts (default: --model-path's last folder)", owner="http")
+    host: str = flag("127.0.0.1", help="address the HTTP server binds", owner="http", also=("pd",))
+    port: int = flag(30000, help="the HTTP server's port", owner="http")
+    device: str = flag("cpu", choices=("cpu", "cuda"), help="where the model runs", owner="worker",
+                       also=("scheduler", "launcher"))
+    dtype: str = flag("auto", choices=MODEL_DTYPES,
+                      help="the weights' and activations' dtype; auto: the checkpoint's, except float16 on CPU "
+                           "(float32) and float32 on CUDA (float16)", owner="model")
+    # A smaller KV dtype holds more tokens in the same memory and halves/quarters what each decode step reads.
+    kv_cache_dtype: str = flag("auto", choices=KV_CACHE_DTYPES,
+                               help="dtype of the KV cache (auto: the model's); fp8_e5m2 stores a quarter of "
+                                    "float32's bytes", owner="worker")
+    context_length: Optional[int] = flag(
+        None, help="the longest prompt plus output a request may have (default: the model's "
+                   "max_position_embeddings)", owner="model")
     # memory
-    page_size: int = 1
-    max_total_tokens: Optional[int] = None
-    mem_fraction_static: float = 0.85
-    max_running_requests: Optional[int] = None
-    max_queued_requests: Optional[int] = None
-    max_prefill_tokens: int = 16384
-    # prompt tokens one prefill step takes (-1: all at once); None: by device, default_chunked_prefill_size
-    chunked_prefill_size: Optional[int] = None
-    disable_radix_cache: bool = False
-    # hybrid models (Qwen3-Next, Qwen3.5): the dtype of the linear-attention layers' delta-rule state
-    # (SGLang's --mamba-ssm-dtype); the conv state keeps the model's dtype
-    mamba_ssm_dtype: str = "float32"
-    # hybrid models: recurrent-state slots (each running request holds one; None: from the ratio below)
-    max_mamba_cache_size: Optional[int] = None
-    # hybrid models, KV sized from free memory: state-pool bytes : KV-pool bytes (SGLang's default)
-    mamba_full_memory_ratio: float = 0.9
-    # hybrid models with the radix cache: a recurrent-state checkpoint every this many tokens (a
-    # multiple of the page size), besides chunk ends, prompt ends and request ends; None: the smallest
-    # multiple of the page size from 256 tokens on
-    mamba_track_interval: Optional[int] = None
+    page_size: int = flag(1, help="tokens per KV-cache page, the unit the prefix cache matches and the pool hands "
+                                  "out", owner="worker", also=("scheduler",))
+    max_total_tokens: Optional[int] = flag(
+        None, help="KV pool size in tokens (default: from --mem-fraction-static)", owner="worker")
+    mem_fraction_static: float = flag(
+        0.85, help="without --max-total-tokens, the pools' share of memory: on CUDA of the GPU memory free after "
+                   "the weights; on CPU the pools leave this share of the RAM", owner="worker")
+    max_running_requests: Optional[int] = flag(
+        None, help="requests decoded at once (default: from the KV pool's size; a hybrid model's state slots cap "
+                   "it)", owner="scheduler", also=("worker",))
+    max_queued_requests: Optional[int] = flag(None, help="reject with 503 beyond this many waiting requests",
+                                              owner="scheduler")
+    max_prefill_tokens: int = flag(16384, help="new (uncached) prompt tokens one prefill batch takes",
+                                   owner="scheduler")
+    # None: by device, default_chunked_prefill_size
+    chunked_prefill_size: Optional[int] = flag(
+        None, help=f"prompt tokens per prefill step; -1 disables chunking; default by device: "
+                   f"{CPU_CHUNKED_PREFILL_SIZE} on CPU, {GPU_CHUNKED_PREFILL_SIZE} on CUDA", owner="scheduler")
+    disable_radix_cache: bool = flag(
+        False, help="no prefix cache: every prompt is prefilled whole (and the waiting queue is fcfs)",
+        owner="scheduler", also=("worker",))
+    # the conv state keeps the model's dtype
+    mamba_ssm_dtype: str = flag(
+        "float32", choices=MAMBA_SSM_DTYPES,
+        help="hybrid models: dtype of the linear-attention layers' recurrent (delta-rule) state", owner="worker")
+    max_mamba_cache_size: Optional[int] = flag(
+        None, help="hybrid models: recurrent-state slots; running requests are capped by it (default: from "
+                   "--max-running-requests, else --mamba-full-memory-ratio)", owner="worker")
+    mamba_full_memory_ratio: float = flag(  # SGLang's default
+        0.9, help="hybrid models, KV pool sized from free memory: state-pool bytes to KV-pool bytes", owner="worker")
+    # checkpoints are also taken at chunk ends, prompt ends and request ends
+    mamba_track_interval: Optional[int] = flag(
+        None, help="hybrid models with the radix cache: keep a recurrent-state checkpoint every this many tokens "
+                   "(a multiple of --page-size; default: 256, rounded up to one)", owner="scheduler")
     # scheduling
-    schedule_policy: str = "fcfs"
-    enable_priority_scheduling: bool = False
-    priority_preemption_threshold: int = 10
-    schedule_conservativeness: float = 1.0
-    # a prefill batch also carries one decode step of every running request, so decoding does not
-    # stall while prompts are prefilled (SGLang's --enable-mixed-chunk); colocated engines only
-    enable_mixed_chunk: bool = False
-    # chat: a Jinja template file instead of the tokenizer's; the model's tool-call and reasoning
-    # formats, parsed out of chat answers (engine/parsers, entrypoints/chat_tools.py)
-    chat_template: Optional[str] = None
-    tool_call_parser: Optional[str] = None
-    reasoning_parser: Optional[str] = None
+    schedule_policy: str = flag(
+        "fcfs", choices=SCHEDULE_POLICIES,
+        help="the waiting queue's order: first come, longest prefix match, prefix-tree depth first (heavier "
+             "subtrees first), longest output first, or random", owner="scheduler")
+    enable_priority_scheduling: bool = flag(
+        False, help="order the waiting queue by each request's priority first; a request may retract running "
+                    "ones of lower priority", owner="scheduler")
+    priority_preemption_threshold: int = flag(
+        10, help="with --enable-priority-scheduling: a request retracts running ones whose priority is lower by "
+                 "at least this much", owner="scheduler")
+    schedule_conservativeness: float = flag(
+        1.0, help="scales the share of the running requests' remaining tokens that admission keeps free for "
+                  "them (more: fewer admissions, fewer retractions)", owner="scheduler")
+    # so that decoding does not stall while prompts are prefilled (SGLang's flag)
+    enable_mixed_chunk: bool = flag(
+        False, help="run one decode step of the running requests inside each prefill batch (colocated only)",
+        owner="scheduler")
+    # chat (entrypoints/chat_tools.py, engine/parsers)
+    chat_template: Optional[str] = flag(None, help="a Jinja chat template file, instead of the tokenizer's",
+                                        owner="tokenizer")
+    tool_call_parser: Optional[str] = flag(
+        None, choices=TOOL_PARSERS,
+        help="the model's tool-call format: chat requests with tools get tool_calls (tool_choice auto)", owner="http")
+    reasoning_parser: Optional[str] = flag(
+        None, choices=REASONING_PARSERS, help="split the model's <think> block into reasoning_content",
+        owner="http", also=("scheduler",))
     # structured output (engine/constrained)
-    grammar_backend: str = "xgrammar"
-    constrained_json_disable_any_whitespace: bool = False
-    disable_overlap_schedule: bool = False
+    grammar_backend: str = flag(
+        "xgrammar", choices=["xgrammar", "none"],
+        help="structured output (json_schema, regex, ebnf, response_format); none refuses it with a 400",
+        owner="scheduler")
+    constrained_json_disable_any_whitespace: bool = flag(
+        False, help="JSON schemas allow no free whitespace (small models can loop on it)", owner="scheduler",
+        also=("http",))
+    disable_overlap_schedule: bool = flag(False, help="run the plain loop: schedule, run and process each batch "
+                                                      "in turn", owner="scheduler", also=("worker",))
     # Overlap is on by default on CUDA, and on CPU where the native forward serves the model on two
     # threads or more (its steps run on a C thread, cpu_forward.c, joined by the scheduler's thread
     # while it waits; measured faster than the plain loop, docs/benchmarks.md).
     # A CPU model on its own Python forward keeps the plain loop: there a worker thread holds the GIL
     # between small ops and contends with the scheduler instead of overlapping it. This forces the
     # overlap loop on (tests use it). The whole rule: event_loop() below.
-    enable_overlap_schedule: bool = False
-    stream_interval: int = 1
+    enable_overlap_schedule: bool = flag(
+        False, help="use the overlap loop on CPU even where it is not the default (default: on for CUDA, and on CPU "
+                    "where the native forward serves the model on two threads or more; /get_server_info's "
+                    "event_loop says which loop runs, event_loop_reason why)", owner="scheduler")
+    stream_interval: int = flag(1, help="a streaming request gets its new tokens every this many tokens",
+                                owner="scheduler")
     # execution
     # auto: FlashInfer on CUDA when it is installed and the model runs in half precision (its
     # kernels, and with them CUDA-graph decode), else the torch backend
-    attention_backend: str = "auto"
-    disable_cuda_graph: bool = False
+    attention_backend: str = flag(
+        "auto", choices=("auto",) + ATTENTION_BACKENDS,
+        help="auto (default): flashinfer on CUDA for float16/bfloat16 when installed, else torch", owner="worker")
+    disable_cuda_graph: bool = flag(False, help="CUDA: run every decode step eagerly, without CUDA graphs",
+                                    owner="worker")
     # None: sized to the GPU's memory at start-up (cuda_graph_max_bs_for, as SGLang sizes it)
-    cuda_graph_max_bs: Optional[int] = None
-    # FlashInfer decode on tensor cores (its prefill kernel, one query row per request): auto turns
-    # it on for GQA groups of 4 or more query heads per KV head, where it reads the KV faster
-    flashinfer_decode_tensor_cores: str = "auto"  # auto | on | off
-    # CUDA: every layer op (norms, activation, attention input) on its torch reference path
-    disable_fused_ops: bool = False
-    # CUDA: linears of 1..N rows (decode batches) on the Triton GEMV (triton_ops/gemv.py); 0: cuBLAS
-    small_batch_gemv_rows: int = 0
-    enable_torch_compile: bool = False
-    cpu_omp_threads_bind: str = "off"  # off | auto | CPU list (utils/cpu_affinity.py)
-    disable_packed_linear: bool = False  # CPU bf16: keep torch's GEMM (engine/kernels/cpu_linear.py)
-    disable_native_forward: bool = False  # CPU bf16: every step through the model's forward (kernels/cpu_forward.py)
-    torch_compile_max_bs: int = 32
-    random_seed: int = 0
+    cuda_graph_max_bs: Optional[int] = flag(
+        None, help="decode batches up to this size replay a CUDA graph (padded to the next captured size); "
+                   "default: by GPU memory, 8 under 20 GiB up to 256 from 90 GiB (capped by --max-running-requests)",
+        owner="worker")
+    # tensor cores: FlashInfer's prefill kernel, one query row per request, reads the KV faster for large GQA groups
+    flashinfer_decode_tensor_cores: str = flag(
+        "auto", choices=("auto", "on", "off"),
+        help="FlashInfer decode attention on tensor cores; auto: for 4 or more query heads per KV head",
+        owner="worker")
+    disable_fused_ops: bool = flag(
+        False, help="CUDA: run RMSNorm, the gated activation and the attention input (q/k norm, RoPE, KV store) "
+                    "on their torch reference paths instead of the Triton kernels", owner="worker")
+    small_batch_gemv_rows: int = flag(  # triton_ops/gemv.py
+        0, metavar="N",
+        help="CUDA: linear layers of 1..N rows (decode batches up to N) run one Triton GEMV kernel instead of "
+             "cuBLAS (gate|up with silu*up fused in, the pre-norms folded into qkv and gate|up); 0 (default) keeps "
+             "cuBLAS. On an H200 with the 8B shape (before the norms were folded in), 16 made the decode step "
+             "3-4% faster at batch 1 and 16, 64 made batch 64 5% slower", owner="worker")
+    enable_torch_compile: bool = flag(
+        False, help="compile the decode forward (and on CPU the extend) with torch.compile at start-up",
+        owner="worker")
+    cpu_omp_threads_bind: str = flag(  # utils/cpu_affinity.py
+        "off", metavar="off|auto|CPULIST",
+        help="CPU serving: pin the forward pass to these CPUs (one torch thread each) and the HTTP server "
+             "and detokenizer to the rest; auto keeps the last CPU for them", owner="launcher")
+    disable_packed_linear: bool = flag(  # engine/kernels/cpu_linear.py
+        False, help="CPU, bfloat16: keep torch's GEMM for the linear layers and LM head instead of the "
+                    "AVX512_BF16 kernel over weights packed at load", owner="worker")
+    disable_native_forward: bool = flag(  # engine/kernels/cpu_forward.py
+        False, help="CPU, bfloat16 dense Llama-family models: run every step through the model's own (possibly "
+                    "compiled) forward instead of one native call per step", owner="worker")
+    torch_compile_max_bs: int = flag(32, help="decode batches larger than this run eagerly", owner="worker")
+    random_seed: int = flag(0, help="seeds torch at start-up and the random schedule policy", owner="worker",
+                            also=("scheduler",))
     # serving
-    api_key: Optional[str] = field(default=None, repr=False)  # never logged
-    max_request_bytes: int = 16 * 1024 * 1024
-    request_read_timeout: float = 60.0  # seconds a client has to send a request's head, and again its body (0: none)
-    log_level: str = "info"
-    decode_log_interval: int = 40  # log a "Decode batch." line every this many decode steps
-    watchdog_timeout: float = 300.0  # a scheduler step longer than this stops the engine (0: off)
-    enable_metrics: bool = True
-    # speculative decoding (issue 35, engine/speculative): SGLang's flags. NGRAM drafts from each
-    # request's own tokens (the longest suffix match between the two window sizes); a verify step
-    # runs num_draft_tokens tokens per request (its last token and up to num_draft_tokens - 1 drafts)
-    speculative_algorithm: Optional[str] = None
-    speculative_num_draft_tokens: Optional[int] = None  # None: NGRAM's max match window, as SGLang
-    # EAGLE / EAGLE3: the draft checkpoint (models/eagle.py)
-    speculative_draft_model_path: Optional[str] = None
-    # EAGLE: a hot vocabulary (a .pt of token ids) the draft's LM head is cut to (SGLang's flag; FR-Spec)
-    speculative_token_map: Optional[str] = None
-    # NEXTN, EAGLE, EAGLE3 (a head drafts, speculative/head_worker.py): draft steps per verify, and
-    # candidates per step (1: a chain, num_draft_tokens num_steps + 1; k: a tree grown best-first, k
-    # candidates per step, of num_draft_tokens - 1 nodes, by default k x num_steps)
-    speculative_num_steps: Optional[int] = None  # None: 3 (SGLang's recommended chain for Qwen3-Next)
-    speculative_eagle_topk: Optional[int] = None  # None: 1
+    api_key: Optional[str] = flag(None, env="BATON_API_KEY", repr=False,  # never logged
+                                  help="bearer key clients must send (default: $BATON_API_KEY)", owner="http")
+    max_request_bytes: int = flag(16 * 1024 * 1024, help="larger request bodies are refused with 413",
+                                  owner="http")
+    request_read_timeout: float = flag(
+        60.0, help="seconds a client has to send a request's head (from the connection or the last response: else "
+                   "the connection is closed), and again its body (else 408): a client that stalls would hold its "
+                   "connection for good (0: no limit)", owner="http")
+    log_level: str = flag("info", help="the engine processes' Python log level (debug, info, warning, error; an "
+                                       "unknown name: info)",
+                          owner="launcher")
+    decode_log_interval: int = flag(
+        40, help="log the running batch (requests, tokens, throughput, queue) every this many decode steps",
+        owner="scheduler")
+    watchdog_timeout: float = flag(
+        300.0, help="seconds one scheduler step (a forward pass, a hung GPU or transfer) may take before the "
+                    "engine dumps its threads' stacks and exits non-zero, so its pod is restarted (0: off)",
+        owner="scheduler")
+    # nothing reads it: /metrics is always served
+    enable_metrics: bool = flag(True, names=("--disable-metrics",), invert=True,
+                                help="accepted and ignored: /metrics is always served", owner="http")
+    # speculative decoding (engine/speculative): SGLang's flags
+    speculative_algorithm: Optional[str] = flag(
+        None, choices=SPECULATIVE_ALGORITHMS,
+        help="speculative decoding: NGRAM drafts from each request's own prompt and output (no draft model); "
+             "NEXTN drafts with the checkpoint's multi-token-prediction head (Qwen3-Next, Qwen3.5); EAGLE and "
+             "EAGLE3 with an EAGLE draft checkpoint (--speculative-draft-model-path)",
+        owner="speculative", also=("worker",))
+    # None: NGRAM's max match window, as SGLang
+    speculative_num_draft_tokens: Optional[int] = flag(
+        None, help="tokens a verify step runs per request: its last token and up to this many - 1 drafts "
+                   "(default: NGRAM --speculative-ngram-max-match-window-size, NEXTN and EAGLE 1 + topk x "
+                   "--speculative-num-steps)", owner="speculative", also=("worker",))
+    speculative_draft_model_path: Optional[str] = flag(  # models/eagle.py
+        None, help="EAGLE / EAGLE3: the draft checkpoint's directory (config.json, safetensors or pytorch_model.bin)",
+        owner="speculative", also=("worker",))
+    speculative_token_map: Optional[str] = flag(  # FR-Spec
+        None, help="EAGLE: a .pt file of token ids (a hot vocabulary, as FR-Spec's freq_*.pt); the draft's LM head "
+                   "scores only those, which cuts its cost where the vocabulary is large",
+        owner="speculative", also=("worker",))
+    # A head drafts (speculative/head_drafter.py); None: 3, SGLang's recommended chain for Qwen3-Next
+    speculative_num_steps: Optional[int] = flag(
+        None, help="NEXTN, EAGLE: draft steps per verify step, the chain's length (default 3)",
+        owner="speculative", also=("worker",))
+    speculative_eagle_topk: Optional[int] = flag(
+        None, help="NEXTN, EAGLE: candidates per draft step; > 1 grows a tree best-first by the head's scores "
+                   "(SGLang's EAGLE trees: the k best children of the k best leaves per step, the "
+                   "--speculative-num-draft-tokens - 1 best nodes), verified as one tree (default 1: a chain)",
+        owner="speculative", also=("worker",))
     # 3, not SGLang's 1: SGLang's drafter weighs matches by frequency in a trie of recent requests, ours
     # takes the latest occurrence in one request, and after a one- or two-token match that was mostly
     # wrong (code-edit workload, SmolLM2, one request: 1.29x with 1, 1.53x with 2, 2.16x with 3)
-    speculative_ngram_min_match_window_size: int = 3
-    speculative_ngram_max_match_window_size: int = 12
-    # NGRAM tree drafts (SGLang's flag): up to this many continuations of the matched suffix per draft,
-    # merged into a tree of at most num_draft_tokens - 1 nodes; 1 drafts a chain
-    speculative_ngram_max_bfs_breadth: int = 1
-    # NGRAM (SGLang's flag): tokens of recently finished requests (prompt and output) whose n-grams other
-    # requests draft from where their own tokens hold no match (speculative/ngram_index.py SharedNgrams);
-    # 0: each request drafts from its own tokens only
-    speculative_ngram_capacity: int = 0
-    # speculation backs off under load: decode steps of this many running requests or more are plain
-    # ones (at large batches a step is compute-bound and verifying drafts only costs). PD: the decode
-    # engine speculates once the KV has arrived; a prefill engine, which never decodes, ignores it
-    speculative_disable_by_batch_size: int = 4
-    # PD disaggregation (issue 3)
-    disaggregation_mode: str = "null"
-    disaggregation_bootstrap_port: int = 8998
-    disaggregation_transfer_backend: str = "mooncake"
-    disaggregation_protocol: str = "tcp"
-    disaggregation_ib_device: Optional[str] = None
+    speculative_ngram_min_match_window_size: int = flag(
+        3, help="NGRAM: the shortest suffix of a request's tokens looked up in its earlier tokens",
+        owner="speculative")
+    speculative_ngram_max_match_window_size: int = flag(
+        12, help="NGRAM: the longest suffix looked up (the longest match found wins)", owner="speculative")
+    speculative_ngram_max_bfs_breadth: int = flag(
+        1, help="NGRAM: continuations per draft, from different earlier occurrences of the matched suffix, "
+                "merged into a tree verified in one pass under a tree mask (default 1: a chain)",
+        owner="speculative", also=("worker",))
+    speculative_ngram_capacity: int = flag(  # speculative/ngram.py SharedNgrams
+        0, metavar="TOKENS",
+        help="NGRAM: keep this many tokens of recently finished requests (their prompts and outputs), whose "
+             "n-grams a request drafts from where its own tokens hold no match (default 0: its own only)",
+        owner="speculative")
+    # At large batches a step is compute-bound. A prefill engine, which never decodes, ignores it; a decode
+    # engine speculates once the KV has arrived.
+    speculative_disable_by_batch_size: int = flag(
+        4, help="decode steps of this many running requests or more do not speculate (under load a step is "
+                "compute-bound and drafts only cost)", owner="speculative", also=("worker",))
+    # PD disaggregation
+    disaggregation_mode: str = flag(
+        "null", choices=DISAGGREGATION_MODES,
+        help="null: a colocated engine; prefill or decode: one side of a PD pair", owner="pd",
+        also=("scheduler", "http", "tokenizer", "launcher"))
+    disaggregation_bootstrap_port: int = flag(
+        8998, help="prefill: the port of the bootstrap server decodes register with", owner="pd")
+    disaggregation_transfer_backend: str = flag(
+        "mooncake", choices=("mooncake",),
+        help="how the KV moves: mooncake (a process may register others: disaggregation/__init__.py)", owner="pd")
+    disaggregation_protocol: str = flag("tcp", choices=("tcp", "rdma"), help="the KV transfer's transport",
+                                        owner="pd")
+    disaggregation_ib_device: Optional[str] = flag(None, help="RDMA: the InfiniBand devices, comma-separated "
+                                                              "(e.g. mlx5_0,mlx5_1)",
+                                                   owner="pd")
     # None: SGLang's environment variable of the same name, else its default (see transfer_config_from)
-    disaggregation_bootstrap_timeout: Optional[float] = None
-    disaggregation_waiting_timeout: Optional[float] = None
-    disaggregation_heartbeat_interval: Optional[float] = None
-    disaggregation_heartbeat_max_failures: Optional[int] = None
-    disaggregation_fault_probability: float = 0.0  # tests: fail this fraction of KV transfers
-    # Tensor parallelism: each model replica split over tp_size processes (GPUs on CUDA), Megatron
-    # style; the TP rank 0 process runs the scheduler and drives the others step by step.
-    tp_size: int = 1
-    nccl_port: Optional[int] = None  # TP rendezvous port (DP rank i: + i); None: a free port
-    tp_cpu_allreduce: str = "shm"  # CPU TP: the forward's all-reduces through shared memory, or gloo
-    # Data parallelism: dp_size full replicas of the model (one scheduler process each, GPU
-    # base_gpu_id + rank on CUDA) behind one HTTP server, tokenizer and detokenizer.
-    dp_size: int = 1
-    load_balance_method: str = "round_robin"  # round_robin | shortest_queue (SGLang's flag)
-    base_gpu_id: int = 0
+    disaggregation_bootstrap_timeout: Optional[float] = flag(
+        None, help="seconds for the prefill/decode handshake (default: $SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT or "
+                   "300)", owner="pd")
+    disaggregation_waiting_timeout: Optional[float] = flag(
+        None, help="decode: seconds from sending the destination to the KV's arrival "
+                   "(default: $SGLANG_DISAGGREGATION_WAITING_TIMEOUT or 300)", owner="pd")
+    disaggregation_heartbeat_interval: Optional[float] = flag(
+        None, help="decode: seconds between prefill health checks (default: "
+                   "$SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL or 5)", owner="pd")
+    disaggregation_heartbeat_max_failures: Optional[int] = flag(
+        None, help="decode: failed health checks before a prefill's requests fail "
+                   "(default: $SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE or 2)", owner="pd")
+    disaggregation_fault_probability: float = flag(
+        0.0, help="testing only: report this fraction of KV transfers as failed", owner="pd")
+    # Tensor parallelism, Megatron style: the TP rank 0 process runs the scheduler and drives the others step by step.
+    tp_size: int = flag(
+        1, help="tensor parallelism: split each model replica over this many processes (GPUs on CUDA); "
+                "attention heads and MLP columns are sharded, two all-reduces per layer",
+        owner="worker", also=("launcher", "pd"))
+    nccl_port: Optional[int] = flag(
+        None, help="the TP group's rendezvous port on 127.0.0.1 (DP rank i uses port + i; default: a free port)",
+        owner="launcher")
+    tp_cpu_allreduce: str = flag(
+        "shm", choices=("shm", "gloo"),
+        help="CPU tensor parallelism: the forward's all-reduces through a shared memory segment (default) or gloo",
+        owner="worker")
+    # Data parallelism: one scheduler process per replica behind one HTTP server, tokenizer and detokenizer.
+    dp_size: int = flag(
+        1, help="data parallelism: this many model replicas (scheduler processes), one GPU each on CUDA",
+        owner="launcher", also=("tokenizer", "pd"))
+    load_balance_method: str = flag(  # SGLang's flag
+        "round_robin", choices=LOAD_BALANCE_METHODS,
+        help="how requests without data_parallel_rank are spread over the DP ranks (shortest_queue: "
+             "fewest requests in flight)", owner="tokenizer")
+    base_gpu_id: int = flag(0, help="CUDA: DP rank i, TP rank t runs on GPU base + i * tp_size + t",
+                            owner="launcher")
 
     def __post_init__(self) -> None:
         assert self.page_size >= 1, "--page-size must be >= 1"
@@ -321,7 +473,7 @@ class ServerArgs:
     def _check_head_drafts(self) -> None:
         """NEXTN, EAGLE, EAGLE3: num_steps drafts deep, topk candidates per step (1: a chain, so
         num_draft_tokens is num_steps + 1, SGLang's rule for topk 1; more: a tree grown best-first,
-        speculative/head_worker.py, of num_draft_tokens - 1 nodes, by default topk x num_steps, at most
+        speculative/head_drafter.py, of num_draft_tokens - 1 nodes, by default topk x num_steps, at most
         every candidate it drafts, as SGLang allows)."""
         steps = 3 if self.speculative_num_steps is None else self.speculative_num_steps
         topk = 1 if self.speculative_eagle_topk is None else self.speculative_eagle_topk
@@ -363,7 +515,7 @@ class ServerArgs:
 
     def may_lag_verify_steps(self) -> bool:
         """Whether a hybrid model's verify step may be built behind the one running (speculative/
-        verify_strategy.py, lagged verify steps): a draft head's algorithm, the overlap loop not ruled out (any
+        verifying.py, lagged verify steps): a draft head's algorithm, the overlap loop not ruled out (any
         TP size: with TP the rollback is a state copy every rank makes, TpModelWorker._resolve_lagged).
         Its scratch states are sized for it (ModelRunner._init_state_pool), on every rank alike."""
         return self.speculative_algorithm not in (None, "NGRAM") and not self.disable_overlap_schedule
@@ -393,168 +545,13 @@ class ServerArgs:
         return dataclasses.replace(self, **changes)
 
     @staticmethod
+    def flag_table() -> FlagTable:
+        """Every flag of `baton serve`, declared on the fields above."""
+        return FlagTable(FLAG_OWNERS, tuple(declared_flags(ServerArgs))).check()
+
+    @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
-        parser.allow_abbrev = False  # `--kv-cache-dtyp` would pass the operator's managed-flags rule
-        a = parser.add_argument
-        a("--model-path", required=True, help="local Hugging Face directory (config.json, *.safetensors, tokenizer)")
-        a("--tokenizer-path", default=None)
-        a("--served-model-name", default=None)
-        a("--host", default=ServerArgs.host)
-        a("--port", type=int, default=ServerArgs.port)
-        a("--device", default=ServerArgs.device, choices=("cpu", "cuda"))
-        a("--dtype", default=ServerArgs.dtype, choices=MODEL_DTYPES)
-        a("--kv-cache-dtype", default=ServerArgs.kv_cache_dtype, choices=KV_CACHE_DTYPES,
-          help="dtype of the KV cache (auto: the model's); fp8_e5m2 stores a quarter of float32's bytes")
-        a("--context-length", type=int, default=None)
-        a("--page-size", type=int, default=ServerArgs.page_size)
-        a("--max-total-tokens", type=int, default=None, help="KV pool size in tokens (default: from --mem-fraction-static)")
-        a("--mem-fraction-static", type=float, default=ServerArgs.mem_fraction_static)
-        a("--max-running-requests", type=int, default=None)
-        a("--max-queued-requests", type=int, default=None, help="reject with 503 beyond this many waiting requests")
-        a("--max-prefill-tokens", type=int, default=ServerArgs.max_prefill_tokens)
-        a("--chunked-prefill-size", type=int, default=ServerArgs.chunked_prefill_size,
-          help=f"prompt tokens per prefill step; -1 disables chunking; default by device: "
-               f"{CPU_CHUNKED_PREFILL_SIZE} on CPU, {GPU_CHUNKED_PREFILL_SIZE} on CUDA")
-        a("--disable-radix-cache", action="store_true")
-        a("--mamba-ssm-dtype", default=ServerArgs.mamba_ssm_dtype, choices=MAMBA_SSM_DTYPES,
-          help="hybrid models: dtype of the linear-attention layers' recurrent (delta-rule) state")
-        a("--max-mamba-cache-size", type=int, default=ServerArgs.max_mamba_cache_size,
-          help="hybrid models: recurrent-state slots; running requests are capped by it (default: from "
-               "--max-running-requests, else --mamba-full-memory-ratio)")
-        a("--mamba-full-memory-ratio", type=float, default=ServerArgs.mamba_full_memory_ratio,
-          help="hybrid models, KV pool sized from free memory: state-pool bytes to KV-pool bytes")
-        a("--mamba-track-interval", type=int, default=ServerArgs.mamba_track_interval,
-          help="hybrid models with the radix cache: keep a recurrent-state checkpoint every this many tokens "
-               "(a multiple of --page-size; default: 256, rounded up to one)")
-        a("--schedule-policy", default=ServerArgs.schedule_policy, choices=SCHEDULE_POLICIES)
-        a("--enable-priority-scheduling", action="store_true")
-        a("--priority-preemption-threshold", type=int, default=ServerArgs.priority_preemption_threshold)
-        a("--schedule-conservativeness", type=float, default=ServerArgs.schedule_conservativeness)
-        a("--chat-template", default=None, help="a Jinja chat template file, instead of the tokenizer's")
-        a("--tool-call-parser", default=None, choices=TOOL_PARSERS,
-          help="the model's tool-call format: chat requests with tools get tool_calls (tool_choice auto)")
-        a("--reasoning-parser", default=None, choices=REASONING_PARSERS,
-          help="split the model's <think> block into reasoning_content")
-        a("--grammar-backend", default=ServerArgs.grammar_backend, choices=["xgrammar", "none"],
-          help="structured output (json_schema, regex, ebnf, response_format); none refuses it with a 400")
-        a("--constrained-json-disable-any-whitespace", action="store_true",
-          help="JSON schemas allow no free whitespace (small models can loop on it)")
-        a("--enable-mixed-chunk", action="store_true",
-          help="run one decode step of the running requests inside each prefill batch (colocated only)")
-        a("--disable-overlap-schedule", action="store_true")
-        a("--enable-overlap-schedule", action="store_true",
-          help="use the overlap loop on CPU even where it is not the default (default: on for CUDA, and on CPU "
-               "where the native forward serves the model on two threads or more; /get_server_info's "
-               "event_loop says which loop runs, event_loop_reason why)")
-        a("--stream-interval", type=int, default=ServerArgs.stream_interval)
-        a("--attention-backend", default=ServerArgs.attention_backend, choices=("auto",) + ATTENTION_BACKENDS,
-          help="auto (default): flashinfer on CUDA for float16/bfloat16 when installed, else torch")
-        a("--disable-cuda-graph", action="store_true")
-        a("--cuda-graph-max-bs", type=int, default=ServerArgs.cuda_graph_max_bs,
-          help="decode batches up to this size replay a CUDA graph (padded to the next captured size); "
-               "default: by GPU memory, 8 under 20 GiB up to 256 from 90 GiB (capped by --max-running-requests)")
-        a("--flashinfer-decode-tensor-cores", default=ServerArgs.flashinfer_decode_tensor_cores,
-          choices=("auto", "on", "off"),
-          help="FlashInfer decode attention on tensor cores; auto: for 4 or more query heads per KV head")
-        a("--disable-fused-ops", action="store_true",
-          help="CUDA: run RMSNorm, the gated activation and the attention input (q/k norm, RoPE, KV store) "
-               "on their torch reference paths instead of the Triton kernels")
-        a("--small-batch-gemv-rows", type=int, default=ServerArgs.small_batch_gemv_rows, metavar="N",
-          help="CUDA: linear layers of 1..N rows (decode batches up to N) run one Triton GEMV kernel instead of "
-               "cuBLAS (gate|up with silu*up fused in, the pre-norms folded into qkv and gate|up); 0 (default) keeps "
-               "cuBLAS. On an H200 with the 8B shape (before the norms were folded in), 16 made the decode step "
-               "3-4%% faster at batch 1 and 16, 64 made batch 64 5%% slower")
-        a("--enable-torch-compile", action="store_true",
-          help="compile the decode forward (and on CPU the extend) with torch.compile at start-up")
-        a("--torch-compile-max-bs", type=int, default=ServerArgs.torch_compile_max_bs,
-          help="decode batches larger than this run eagerly")
-        a("--cpu-omp-threads-bind", default=ServerArgs.cpu_omp_threads_bind, metavar="off|auto|CPULIST",
-          help="CPU serving: pin the forward pass to these CPUs (one torch thread each) and the HTTP server "
-               "and detokenizer to the rest; auto keeps the last CPU for them")
-        a("--disable-packed-linear", action="store_true",
-          help="CPU, bfloat16: keep torch's GEMM for the linear layers and LM head instead of the "
-               "AVX512_BF16 kernel over weights packed at load")
-        a("--disable-native-forward", action="store_true",
-          help="CPU, bfloat16 dense Llama-family models: run every step through the model's own (possibly "
-               "compiled) forward instead of one native call per step")
-        a("--random-seed", type=int, default=ServerArgs.random_seed)
-        a("--api-key", default=None, help="bearer key clients must send (default: $BATON_API_KEY)")
-        a("--max-request-bytes", type=int, default=ServerArgs.max_request_bytes)
-        a("--request-read-timeout", type=float, default=ServerArgs.request_read_timeout,
-          help="seconds a client has to send a request's head (from the connection or the last response: else "
-               "the connection is closed), and again its body (else 408): a client that stalls would hold its "
-               "connection for good (0: no limit)")
-        a("--log-level", default=ServerArgs.log_level)
-        a("--decode-log-interval", type=int, default=ServerArgs.decode_log_interval,
-          help="log the running batch (requests, tokens, throughput, queue) every this many decode steps")
-        a("--watchdog-timeout", type=float, default=ServerArgs.watchdog_timeout,
-          help="seconds one scheduler step (a forward pass, a hung GPU or transfer) may take before the "
-               "engine dumps its threads' stacks and exits non-zero, so its pod is restarted (0: off)")
-        a("--disable-metrics", action="store_true")
-        a("--speculative-algorithm", default=None, choices=SPECULATIVE_ALGORITHMS,
-          help="speculative decoding: NGRAM drafts from each request's own prompt and output (no draft model); "
-               "NEXTN drafts with the checkpoint's multi-token-prediction head (Qwen3-Next, Qwen3.5); EAGLE and "
-               "EAGLE3 with an EAGLE draft checkpoint (--speculative-draft-model-path)")
-        a("--speculative-draft-model-path", default=None,
-          help="EAGLE / EAGLE3: the draft checkpoint's directory (config.json, safetensors or pytorch_model.bin)")
-        a("--speculative-token-map", default=None,
-          help="EAGLE: a .pt file of token ids (a hot vocabulary, as FR-Spec's freq_*.pt); the draft's LM head "
-               "scores only those, which cuts its cost where the vocabulary is large")
-        a("--speculative-num-draft-tokens", type=int, default=None,
-          help="tokens a verify step runs per request: its last token and up to this many - 1 drafts "
-               "(default: NGRAM --speculative-ngram-max-match-window-size, NEXTN and EAGLE 1 + topk x "
-               "--speculative-num-steps)")
-        a("--speculative-num-steps", type=int, default=None,
-          help="NEXTN, EAGLE: draft steps per verify step, the chain's length (default 3)")
-        a("--speculative-eagle-topk", type=int, default=None,
-          help="NEXTN, EAGLE: candidates per draft step; > 1 grows a tree best-first by the head's scores "
-               "(SGLang's EAGLE trees: the k best children of the k best leaves per step, the "
-               "--speculative-num-draft-tokens - 1 best nodes), verified as one tree (default 1: a chain)")
-        a("--speculative-ngram-min-match-window-size", type=int,
-          default=ServerArgs.speculative_ngram_min_match_window_size,
-          help="NGRAM: the shortest suffix of a request's tokens looked up in its earlier tokens")
-        a("--speculative-ngram-max-match-window-size", type=int,
-          default=ServerArgs.speculative_ngram_max_match_window_size,
-          help="NGRAM: the longest suffix looked up (the longest match found wins)")
-        a("--speculative-ngram-capacity", type=int, default=ServerArgs.speculative_ngram_capacity, metavar="TOKENS",
-          help="NGRAM: keep this many tokens of recently finished requests (their prompts and outputs), whose "
-               "n-grams a request drafts from where its own tokens hold no match (default 0: its own only)")
-        a("--speculative-ngram-max-bfs-breadth", type=int, default=ServerArgs.speculative_ngram_max_bfs_breadth,
-          help="NGRAM: continuations per draft, from different earlier occurrences of the matched suffix, "
-               "merged into a tree verified in one pass under a tree mask (default 1: a chain)")
-        a("--speculative-disable-by-batch-size", type=int, default=ServerArgs.speculative_disable_by_batch_size,
-          help="decode steps of this many running requests or more do not speculate (under load a step is "
-               "compute-bound and drafts only cost)")
-        a("--disaggregation-mode", default="null", choices=DISAGGREGATION_MODES)
-        a("--disaggregation-bootstrap-port", type=int, default=ServerArgs.disaggregation_bootstrap_port)
-        a("--disaggregation-transfer-backend", default="mooncake", choices=("mooncake",))
-        a("--disaggregation-protocol", default="tcp", choices=("tcp", "rdma"))
-        a("--disaggregation-ib-device", default=None)
-        a("--disaggregation-bootstrap-timeout", type=float, default=None,
-          help="seconds for the prefill/decode handshake (default: $SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT or 300)")
-        a("--disaggregation-waiting-timeout", type=float, default=None,
-          help="decode: seconds from sending the destination to the KV's arrival "
-               "(default: $SGLANG_DISAGGREGATION_WAITING_TIMEOUT or 300)")
-        a("--disaggregation-heartbeat-interval", type=float, default=None,
-          help="decode: seconds between prefill health checks (default: $SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL or 5)")
-        a("--disaggregation-heartbeat-max-failures", type=int, default=None,
-          help="decode: failed health checks before a prefill's requests fail "
-               "(default: $SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE or 2)")
-        a("--disaggregation-fault-probability", type=float, default=0.0,
-          help="testing only: report this fraction of KV transfers as failed")
-        a("--tp-size", type=int, default=1,
-          help="tensor parallelism: split each model replica over this many processes (GPUs on CUDA); "
-               "attention heads and MLP columns are sharded, two all-reduces per layer")
-        a("--nccl-port", type=int, default=None,
-          help="the TP group's rendezvous port on 127.0.0.1 (DP rank i uses port + i; default: a free port)")
-        a("--tp-cpu-allreduce", default="shm", choices=("shm", "gloo"),
-          help="CPU tensor parallelism: the forward's all-reduces through a shared memory segment (default) or gloo")
-        a("--dp-size", type=int, default=1,
-          help="data parallelism: this many model replicas (scheduler processes), one GPU each on CUDA")
-        a("--load-balance-method", default=ServerArgs.load_balance_method, choices=LOAD_BALANCE_METHODS,
-          help="how requests without data_parallel_rank are spread over the DP ranks (shortest_queue: "
-               "fewest requests in flight)")
-        a("--base-gpu-id", type=int, default=ServerArgs.base_gpu_id, help="CUDA: DP rank i, TP rank t runs on GPU base + i * tp_size + t")
+        ServerArgs.flag_table().add_to(parser)
 
     def gpu_id(self, dp_rank: int, tp_rank: int) -> int:
         """The GPU of one engine process on CUDA."""
@@ -562,7 +559,4 @@ class ServerArgs:
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":
-        kwargs = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
-        kwargs["enable_metrics"] = not getattr(args, "disable_metrics", False)
-        kwargs["api_key"] = args.api_key or os.environ.get("BATON_API_KEY") or None
-        return cls(**kwargs)
+        return from_args(cls, args)

@@ -1,11 +1,16 @@
 """The docs that describe the code stay true: structure.md lists every module; metrics.md lists every
-metric of the engine, the router and the operator with its type and labels, and nothing else."""
+metric of the engine, the router and the operator with its type and labels, and nothing else; flags.md
+is generated from the flag declarations and lists every option of `baton serve` and `baton router`."""
 from __future__ import annotations
 
+import argparse
+import importlib
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 _ROW = re.compile(r"^\| `(baton_[a-z0-9_]+)` \| (counter|gauge|histogram) \| ([^|]*) \|", re.M)
@@ -80,3 +85,23 @@ def test_metric_names_follow_prometheus_conventions():
         assert name.endswith("_total") == (kind == "counter"), f"{name}: only counters end in _total"
         if kind == "histogram":
             assert name.endswith(("_seconds", "_bytes", "_per_second", "_tokens")), f"{name}: histogram without a unit"
+
+
+def test_flags_md_and_known_flags_are_current():
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "gen_flags.py"), "--check"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("command, module", [("baton serve", "baton.engine.entrypoints.cli"),
+                                             ("baton router", "baton.router.cli")])
+def test_flags_md_lists_every_option_of_the_parser(command, module):
+    parser = argparse.ArgumentParser()
+    importlib.import_module(module).add_cli_args(parser)
+    options = {o for a in parser._actions for o in a.option_strings if o not in ("-h", "--help")}
+    section = (ROOT / "docs" / "flags.md").read_text().split(f"## `{command}`\n")[1].split("\n## ")[0]
+    rows = [line.split(" | ")[0] for line in section.splitlines() if line.startswith("| `-")]
+    listed = [name for row in rows for name in re.findall(r"`(-[^`]+)`", row)]
+    assert len(listed) == len(set(listed)), f"docs/flags.md lists an option of {command} twice"
+    assert sorted(options - set(listed)) == [], f"options of {command} missing from docs/flags.md"
+    assert sorted(set(listed) - options) == [], f"docs/flags.md lists options {command} does not have"
