@@ -16,11 +16,12 @@ state there goes to a checkpoint slot as well (mem_cache/hybrid_radix_cache.py).
 step runs its drafts' nodes (a chain's tokens, a tree's nodes) in waves by depth, each node from its
 parent's state, every node's state kept in the scratch slot the scheduler names (`plan_tree_waves`,
 planned once per pass for every layer). The CUDA path, bound at load where fla-core is installed
-(the reference serves CUDA elsewhere: layers/custom_op.py), packs the batch (no per-request loop): for an extend the conv as K gathers over one buffer of [state |
-tokens] per request (`varlen_causal_conv1d`), tracked positions as waves of pieces, and the rule on
-fla-core's chunked Triton kernel over the varlen batch (`fla_rule`); a decode step runs two Triton
-kernels in place on the pool, the conv on the rows' conv states (triton_ops/causal_conv1d.py) and the
-rule on their delta-rule states (triton_ops/gated_delta_decode.py): no gather or scatter of either.
+(the reference serves CUDA elsewhere: layers/custom_op.py), packs the batch (no per-request loop):
+for an extend the conv as K gathers over one buffer of [state | tokens] per request
+(`varlen_causal_conv1d`), tracked positions as waves of pieces, and the rule on fla-core's chunked
+Triton kernel over the varlen batch (`fla_rule`); a decode step runs two Triton kernels in place on
+the pool, the conv on the rows' conv states (triton_ops/causal_conv1d.py) and the rule on their
+delta-rule states (triton_ops/gated_delta_decode.py): no gather or scatter of either.
 The same packing runs on CPU with the reference rule (and the kernels' torch twins) in tests.
 
 Checkpoint layouts: Qwen3-Next fuses the projections per key-head group (`in_proj_qkvz`,

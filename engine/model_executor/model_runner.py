@@ -167,12 +167,12 @@ class ModelRunner:
         # Without those guards nothing would tell this model's graphs from another model's, so
         # they live on a code object of this runner's own (Dynamo keeps graphs per code object).
         # CPU bfloat16 dense Llama-family models go further: every step is one native call
-        # (kernels/cpu_forward.py), and nothing is compiled.
+        # (model_executor/native_forward.py), and nothing is compiled.
         self.native_forward = None
         if self.draft_head is not None and self.draft_head.aux_layers:
             logger.info("native CPU forward off: EAGLE3's draft reads states inside the model's layers")
         elif self.device == "cpu" and self.dtype == torch.bfloat16 and not server_args.disable_native_forward:
-            from baton.engine.kernels.cpu_forward import NativeForward
+            from baton.engine.model_executor.native_forward import NativeForward
             self.native_forward = NativeForward.create(self.model, self.req_to_token_pool, self.token_to_kv_pool,
                                                        self.tp.size, self.device)
         if self.native_forward is not None and server_args.enable_torch_compile:
