@@ -1,7 +1,7 @@
 """A decoder model's structure as plain data: what a forward other than the model's own reads of it.
 
 A model describes itself (`LlamaForCausalLM.decoder_structure()`); the native CPU forward
-(kernels/cpu_forward.py) checks the description and takes its weights' pointers from it. Neither
+(model_executor/native_forward.py) checks the description and takes its weights' pointers from it. Neither
 imports the other: this module sits below both. The description is a snapshot of the loaded (and
 packed) model; its tensors are the model's own, not copies.
 

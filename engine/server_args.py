@@ -232,7 +232,7 @@ class ServerArgs:
     disable_packed_linear: bool = flag(  # engine/kernels/cpu_linear.py
         False, help="CPU, bfloat16: keep torch's GEMM for the linear layers and LM head instead of the "
                     "AVX512_BF16 kernel over weights packed at load", owner="worker")
-    disable_native_forward: bool = flag(  # engine/kernels/cpu_forward.py
+    disable_native_forward: bool = flag(  # engine/model_executor/native_forward.py
         False, help="CPU, bfloat16 dense Llama-family models: run every step through the model's own (possibly "
                     "compiled) forward instead of one native call per step", owner="worker")
     torch_compile_max_bs: int = flag(32, help="decode batches larger than this run eagerly", owner="worker")

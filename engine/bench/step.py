@@ -306,7 +306,7 @@ def _set_variant(runner: Any, base_args: Any, name: str, max_bs: int) -> str:
     """Rebind the runner's ops / attention backend / graphs for a variant; returns its description."""
     from baton.engine.layers.attention import create_attention_backend, use_tensor_core_decode
     from baton.engine.layers.custom_op import bind_layer_ops
-    from baton.engine.layers.gemm import set_small_batch_gemv
+    from baton.engine.layers.gemm import SmallBatchGemv
     from baton.engine.model_executor.cuda_graph_runner import CudaGraphRunner
 
     fused = name != "reference-ops"
@@ -315,10 +315,10 @@ def _set_variant(runner: Any, base_args: Any, name: str, max_bs: int) -> str:
         g = runner.attn_backend.geometry
         tc = "off" if use_tensor_core_decode(tc, g.num_qo_heads // g.num_kv_heads) else "on"
     runner.server_args = dataclasses.replace(base_args, disable_fused_ops=not fused, flashinfer_decode_tensor_cores=tc)
-    bind_layer_ops(runner.model, runner.device, fused=fused)
     gemv_rows = GEMV_ROWS if name.startswith("triton-gemv") else 0
     fuse_norms = name != "triton-gemv-own-norms"
-    set_small_batch_gemv(gemv_rows, fuse_norms)  # before the capture below, whose warm-ups autotune the GEMV
+    # before the capture below, whose warm-ups autotune the GEMV
+    bind_layer_ops(runner.model, runner.device, fused=fused, gemv=SmallBatchGemv(gemv_rows, fuse_norms))
     runner.cuda_graph_runner = None
     torch.cuda.empty_cache()
     runner.attn_backend = create_attention_backend("flashinfer", model_runner=runner)

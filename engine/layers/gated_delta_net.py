@@ -15,12 +15,13 @@ forward batch carries. With the radix cache, an extend is cut at each tracked po
 state there goes to a checkpoint slot as well (mem_cache/hybrid_radix_cache.py). A speculative verify
 step runs its drafts' nodes (a chain's tokens, a tree's nodes) in waves by depth, each node from its
 parent's state, every node's state kept in the scratch slot the scheduler names (`plan_tree_waves`,
-planned once per pass for every layer). The CUDA path packs
-the batch (no per-request loop): for an extend the conv as K gathers over one buffer of [state |
-tokens] per request (`varlen_causal_conv1d`), tracked positions as waves of pieces, and the rule on
-fla-core's chunked Triton kernel over the varlen batch (`fla_rule`); a decode step runs two Triton
-kernels in place on the pool, the conv on the rows' conv states (triton_ops/causal_conv1d.py) and the
-rule on their delta-rule states (triton_ops/gated_delta_decode.py): no gather or scatter of either.
+planned once per pass for every layer). The CUDA path, bound at load where fla-core is installed
+(the reference serves CUDA elsewhere: layers/custom_op.py), packs the batch (no per-request loop):
+for an extend the conv as K gathers over one buffer of [state | tokens] per request
+(`varlen_causal_conv1d`), tracked positions as waves of pieces, and the rule on fla-core's chunked
+Triton kernel over the varlen batch (`fla_rule`); a decode step runs two Triton kernels in place on
+the pool, the conv on the rows' conv states (triton_ops/causal_conv1d.py) and the rule on their
+delta-rule states (triton_ops/gated_delta_decode.py): no gather or scatter of either.
 The same packing runs on CPU with the reference rule (and the kernels' torch twins) in tests.
 
 Checkpoint layouts: Qwen3-Next fuses the projections per key-head group (`in_proj_qkvz`,
@@ -373,16 +374,15 @@ class GatedDeltaCore(CustomOp):
                        conv_state[which], ssm_state[which])
         return out
 
+    def path_available(self, path: str) -> bool:
+        return path != "cuda" or fla_kernels() is not None  # without fla-core the reference serves CUDA
+
     def forward_cuda(self, mixed_qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                      forward_batch: "ForwardBatch") -> torch.Tensor:
         """Extends: fla-core's chunked kernel for the rule, the conv as one gather per tap over the
-        packed batch. Decode: the in-place Triton kernels of the conv and the rule. The reference
-        where fla is missing."""
-        kernels = fla_kernels()
-        if kernels is None or mixed_qkv.device.type != "cuda":
-            return self.forward_native(mixed_qkv, g, beta, forward_batch)
-        return self.forward_varlen(mixed_qkv, g, beta, forward_batch, partial(fla_rule, *kernels), conv1d_decode,
-                                   delta_rule_decode)
+        packed batch. Decode: the in-place Triton kernels of the conv and the rule."""
+        return self.forward_varlen(mixed_qkv, g, beta, forward_batch, partial(fla_rule, *fla_kernels()),
+                                   conv1d_decode, delta_rule_decode)
 
     def forward_varlen(self, mixed_qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, fb: "ForwardBatch",
                        rule: Callable, conv_decode: Optional[Callable] = None,

@@ -21,7 +21,7 @@ from torch import nn
 
 from baton.engine.distributed.parallel_state import TpGroup, all_reduce
 from baton.engine.kernels import cpu_linear
-from baton.engine.layers.gemm import gemv_applies, linear_forward
+from baton.engine.layers.gemm import GEMV_OFF, SmallBatchGemv, gemv_applies, linear_forward
 from baton.engine.layers.vocab_parallel import VocabParallelEmbedding
 
 if TYPE_CHECKING:
@@ -53,6 +53,8 @@ def qkv_parts(num_heads: int, num_kv_heads: int, head_dim: int, tp: TpGroup) -> 
 class MergedColumnLinear(nn.Linear):
     """One linear whose output is this rank's rows of several checkpoint projections, concatenated."""
 
+    gemv: SmallBatchGemv = GEMV_OFF  # which calls take the Triton GEMV: set at load (layers/gemm.py bind_gemv)
+
     def __init__(self, in_features: int, parts: list[OutputPart], bias: bool) -> None:
         super().__init__(in_features, sum(p.size for p in parts), bias=bias)
         self.parts = parts
@@ -63,7 +65,7 @@ class MergedColumnLinear(nn.Linear):
 
     def gated(self, x: torch.Tensor, act: "GatedAct") -> torch.Tensor:
         """act(gate) * up of this [gate | up] layer's output. A packed bfloat16 CPU layer, and a few
-        CUDA rows when the small-batch GEMV is on (layers/gemm.py), give silu(gate) * up straight
+        CUDA rows where the layer's small-batch GEMV takes them (layers/gemm.py), give silu(gate) * up straight
         out of the matmul's tiles (no [rows, 2I] product)."""
         packed = getattr(self, "packed_weight", None)
         if act.is_silu and x.dtype == torch.bfloat16 and cpu_linear.silu_mul_fusable(self.weight, packed, self.bias):
@@ -89,6 +91,8 @@ class MergedColumnLinear(nn.Linear):
 class RowParallelLinear(nn.Module):
     """y = x @ W.T + b where x holds this rank's slice of in_features: the partial products are
     summed over the ranks, then the (replicated) bias is added once."""
+
+    gemv: SmallBatchGemv = GEMV_OFF  # which calls take the Triton GEMV: set at load (layers/gemm.py bind_gemv)
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TpGroup) -> None:
         super().__init__()

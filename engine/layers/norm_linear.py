@@ -6,8 +6,8 @@ norm -> gate_up_proj):
 Without a residual (the first layer) the norm reads x and x is the residual returned. With `act`
 (a GatedAct) the linear is [gate | up] and the result act(gate) * up (MergedColumnLinear.gated).
 
-Where the small-batch GEMV takes the linear's call (layers/gemm.py: CUDA, 1..N rows, bf16/fp16) and
-the norm is a plain RMSNorm bound to its fused path, one Triton kernel does it all
+Where the linear's small-batch GEMV takes its call (layers/gemm.py: bound on CUDA, 1..N rows, bf16/fp16,
+norms folded in) and the norm is a plain RMSNorm bound to its fused path, one Triton kernel does it all
 (triton_ops/gemv.py gemv_rmsnorm): the norm's statistic is summed from the tiles the GEMV loads
 anyway, so a decode step spends no kernel and no pass over the activations on its two norms per
 layer. Elsewhere (CPU, the reference ops, prefill, a bias with silu, the zero-centred norm) it is the
@@ -31,7 +31,7 @@ def fusable(norm: nn.Module, linear: nn.Module, x: torch.Tensor, residual: Optio
             act: Optional["GatedAct"] = None) -> bool:
     """Whether norm_linear takes the one-kernel path for this call."""
     bias = getattr(linear, "bias", None)
-    return (gemm.norms_fused() and type(norm) is RMSNorm and norm.path != "native"
+    return (gemm.gemv_of(linear).fuse_norms and type(norm) is RMSNorm and norm.path != "native"
             and gemm.gemv_applies(linear, x, bias) and norm.weight.dtype == x.dtype
             and norm.weight.shape == (x.shape[1],)
             and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype

@@ -2,10 +2,14 @@
 
 Order: penalties, logit_bias, grammar mask -> greedy rows: argmax -> temperature -> softmax -> top-k -> top-p -> min-p ->
 multinomial. top-p is taken over the top-k-restricted distribution (renormalised), as in HF
-`generate` and vLLM. An all-greedy batch without penalties is one `argmax` and nothing else. On
-CPU, from temperature on, the native sampler (kernels/cpu_sampling.py) does the same without
-sorting the vocabulary; its draws come from each request's rng_seed and draw number, where
-torch's come from the request's generator (seeded) or the global one.
+`generate` and vLLM. An all-greedy batch without penalties is one `argmax` and nothing else.
+
+The sampler is a layer op (layers/custom_op.py) bound once, for the worker's device: its torch
+reference serves CUDA; on CPU the native sampler (kernels/cpu_sampling.py) applies the penalties and,
+from temperature on, does the same without sorting the vocabulary; its draws come from each
+request's rng_seed and draw number, where torch's come from the request's generator (seeded) or the
+global one. `BATON_DISABLE_CPU_KERNELS=1` (or a kernel that does not build) binds the reference on CPU
+too; `--disable-fused-ops` does not change the sampler (its draws would change with it).
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from baton.engine.kernels import cpu_sampling
+from baton.engine.layers.custom_op import CustomOp
 from baton.engine.sampling.penalties import apply_penalties
 from baton.engine.sampling.sampling_batch_info import SamplingBatchInfo
 
@@ -24,34 +29,49 @@ class SampleOutput(NamedTuple):
     top_logprobs: Optional[list[list[tuple[float, int]]]]  # per row, best first
 
 
-class Sampler(torch.nn.Module):
-    def forward(
-        self,
-        logits: torch.Tensor,
-        info: SamplingBatchInfo,
-        return_logprob: bool,
-        top_logprobs_nums: list[int],
-    ) -> SampleOutput:
+class Sampler(CustomOp):
+    def __init__(self, device: Optional[str] = None) -> None:
+        """`device`: bind for it now (a worker's sampler is no model's layer: bind_layer_ops never
+        reaches it). Unbound, it is the torch reference."""
+        super().__init__()
+        if device is not None:
+            self.bind(device, fused=True)
+
+    def path_available(self, path: str) -> bool:
+        return path != "cpu" or cpu_sampling.unavailable_reason() is None
+
+    def forward_native(self, logits: torch.Tensor, info: SamplingBatchInfo, return_logprob: bool,
+                       top_logprobs_nums: list[int]) -> SampleOutput:
         """`logits`: [bs, vocab] float32; clobbered in place.
 
         Logprobs are those of the unmodified model distribution: log_softmax of the raw logits,
         before penalties, temperature and top-k/top-p/min-p (SGLang's default). Worker side: after
         sampling, the request states in `info` are advanced (`info.on_sampled`).
         """
-        assert logits.dim() == 2 and logits.shape[0] == info.batch_size
-        assert logits.dtype == torch.float32, "sample from float32 logits"
-        logprobs = torch.log_softmax(logits, dim=-1) if return_logprob else None  # [bs, vocab]
-        if info.has_penalties or info.has_min_tokens or info.has_logit_bias or info.has_grammar:
-            apply_penalties(logits, info)
-        if info.is_all_greedy:
-            next_ids = torch.argmax(logits, dim=-1)  # [bs]
-        else:
-            next_ids = _sample(logits, info)
-        info.on_sampled(next_ids)
-        if logprobs is None:
-            return SampleOutput(next_ids, None, None)
-        token_logprobs = logprobs.gather(1, next_ids.view(-1, 1)).view(-1)  # [bs]
-        return SampleOutput(next_ids, token_logprobs, top_logprobs(logprobs, top_logprobs_nums))
+        return _sample_batch(logits, info, return_logprob, top_logprobs_nums, native=False)
+
+    def forward_cpu(self, logits: torch.Tensor, info: SamplingBatchInfo, return_logprob: bool,
+                    top_logprobs_nums: list[int]) -> SampleOutput:
+        """forward_native's contract, the penalties and the draws on the native sampler."""
+        return _sample_batch(logits, info, return_logprob, top_logprobs_nums, native=True)
+
+
+def _sample_batch(logits: torch.Tensor, info: SamplingBatchInfo, return_logprob: bool,
+                  top_logprobs_nums: list[int], native: bool) -> SampleOutput:
+    assert logits.dim() == 2 and logits.shape[0] == info.batch_size
+    assert logits.dtype == torch.float32, "sample from float32 logits"
+    logprobs = torch.log_softmax(logits, dim=-1) if return_logprob else None  # [bs, vocab]
+    if info.has_penalties or info.has_min_tokens or info.has_logit_bias or info.has_grammar:
+        apply_penalties(logits, info, native)
+    if info.is_all_greedy:
+        next_ids = torch.argmax(logits, dim=-1)  # [bs]
+    else:
+        next_ids = _sample(logits, info, native)
+    info.on_sampled(next_ids)
+    if logprobs is None:
+        return SampleOutput(next_ids, None, None)
+    token_logprobs = logprobs.gather(1, next_ids.view(-1, 1)).view(-1)  # [bs]
+    return SampleOutput(next_ids, token_logprobs, top_logprobs(logprobs, top_logprobs_nums))
 
 
 def top_logprobs(logprobs: torch.Tensor, nums: list[int]) -> list[list[tuple[float, int]]]:
@@ -65,11 +85,11 @@ def top_logprobs(logprobs: torch.Tensor, nums: list[int]) -> list[list[tuple[flo
     return [list(zip(values[i][:n], ids[i][:n])) for i, n in enumerate(nums)]
 
 
-def _sample(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
-    """Mixed batch: greedy rows take argmax of the penalised logits, the rest are sampled (on CPU by
-    the native sampler, whose draws come from each request's rng_seed and draw number)."""
+def _sample(logits: torch.Tensor, info: SamplingBatchInfo, native: bool) -> torch.Tensor:
+    """Mixed batch: greedy rows take argmax of the penalised logits, the rest are sampled (`native`: by
+    the CPU sampler, whose draws come from each request's rng_seed and draw number)."""
     greedy_ids = torch.argmax(logits, dim=-1) if info.greedy_mask is not None else None  # [bs]
-    if logits.device.type == "cpu" and cpu_sampling.unavailable_reason() is None:
+    if native:
         next_ids = cpu_sampling.sample(logits, info.temperatures, info.top_ks, info.top_ps, info.min_ps,
                                        [s.rng_seed for s in info.states], info.counters)
         return next_ids if greedy_ids is None else torch.where(info.greedy_mask, greedy_ids, next_ids)

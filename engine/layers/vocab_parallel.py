@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from baton.engine.distributed.parallel_state import TpGroup, all_gather_last_dim, all_reduce
-from baton.engine.layers.gemm import linear_forward
+from baton.engine.layers.gemm import GEMV_OFF, SmallBatchGemv, linear_forward
 
 
 class VocabShard(NamedTuple):
@@ -43,6 +43,8 @@ def vocab_shard(vocab: int, tp: TpGroup) -> VocabShard:
 class VocabParallelEmbedding(nn.Module):
     """This rank's rows of a [vocab, dim] table; `forward` is the embedding lookup, `logits` the
     LM head (the same table when the checkpoint ties them)."""
+
+    gemv: SmallBatchGemv = GEMV_OFF  # which LM head calls take the Triton GEMV: set at load (layers/gemm.py)
 
     def __init__(self, num_embeddings: int, embedding_dim: int, tp: TpGroup = TpGroup()) -> None:
         super().__init__()

@@ -54,7 +54,7 @@ class ReqToTokenPool:
 class MHATokenToKVPool:
     """Per-layer K and V tensors of shape [size + page_size, head_num, head_dim] (see module docstring)."""
 
-    layout = "mha"  # what kernels that read the tensors directly check (kernels/cpu_forward.py)
+    layout = "mha"  # what kernels that read the tensors directly check (model_executor/native_forward.py)
 
     def __init__(self, size: int, page_size: int, dtype: torch.dtype, head_num: int, head_dim: int,
                  layer_num: int, device: str) -> None:

@@ -12,7 +12,7 @@ import torch
 
 from baton.engine.core.forward_batch import ForwardBatch, ForwardMode
 from baton.engine.layers.custom_op import bind_layer_ops
-from baton.engine.layers.gemm import set_small_batch_gemv
+from baton.engine.layers.gemm import SmallBatchGemv
 from baton.engine.layers.linear import pack_linear_weights
 from baton.engine.layers.rotary_embedding import RotaryEmbedding
 from baton.engine.model_executor.model_loader import DTYPES as MODEL_DTYPES
@@ -122,11 +122,10 @@ class ModelRunner:
         self.draft_head = getattr(self.model, "mtp" if algorithm == "NEXTN" else "draft_head", None)
         phase("load_weights")
         self.model.eval()
-        # each layer op on its device's path (Triton on CUDA), or all on the torch reference
-        self.layer_ops = bind_layer_ops(self.model, self.device, fused=not server_args.disable_fused_ops)
-        # a process-wide switch (layers/gemm.py): the last runner made sets it for every model of the process
-        gemv_rows = server_args.small_batch_gemv_rows
-        set_small_batch_gemv(gemv_rows if self.device.startswith("cuda") and not server_args.disable_fused_ops else 0)
+        # each layer op on its device's path (Triton on CUDA), or all on the torch reference; the linears'
+        # small-batch GEMV on CUDA with the fused ops only (held by this model's layers)
+        self.layer_ops = bind_layer_ops(self.model, self.device, fused=not server_args.disable_fused_ops,
+                                        gemv=SmallBatchGemv(server_args.small_batch_gemv_rows))
         if not server_args.disable_packed_linear:  # CPU bfloat16 layers only; it checks
             pack_linear_weights(self.model, self.device)
         self.kv_dtype = resolve_kv_dtype(server_args.kv_cache_dtype, self.dtype)
@@ -168,12 +167,12 @@ class ModelRunner:
         # Without those guards nothing would tell this model's graphs from another model's, so
         # they live on a code object of this runner's own (Dynamo keeps graphs per code object).
         # CPU bfloat16 dense Llama-family models go further: every step is one native call
-        # (kernels/cpu_forward.py), and nothing is compiled.
+        # (model_executor/native_forward.py), and nothing is compiled.
         self.native_forward = None
         if self.draft_head is not None and self.draft_head.aux_layers:
             logger.info("native CPU forward off: EAGLE3's draft reads states inside the model's layers")
         elif self.device == "cpu" and self.dtype == torch.bfloat16 and not server_args.disable_native_forward:
-            from baton.engine.kernels.cpu_forward import NativeForward
+            from baton.engine.model_executor.native_forward import NativeForward
             self.native_forward = NativeForward.create(self.model, self.req_to_token_pool, self.token_to_kv_pool,
                                                        self.tp.size, self.device)
         if self.native_forward is not None and server_args.enable_torch_compile:

@@ -18,11 +18,13 @@ from baton.engine.kernels import cpu_sampling
 from baton.engine.sampling.sampling_batch_info import SamplingBatchInfo
 
 
-def apply_penalties(logits: torch.Tensor, info: SamplingBatchInfo) -> None:
-    """`logits`: [bs, vocab] float32, modified in place. Worker side (reads the request states)."""
+def apply_penalties(logits: torch.Tensor, info: SamplingBatchInfo, native: bool = False) -> None:
+    """`logits`: [bs, vocab] float32, modified in place. Worker side (reads the request states).
+    `native`: the token penalties on the CPU sampler's kernel (a sampler bound for CPU, which chose it
+    at load: layers/sampler.py), for contiguous logits; else torch's ops."""
     assert logits.dim() == 2 and logits.shape[0] == info.batch_size
     if info.has_penalties:
-        _apply_token_penalties(logits, info)
+        _apply_token_penalties(logits, info, native)
     for i in info.bias_rows:
         ids, values = info.states[i].logit_bias()
         logits[i].index_add_(0, ids.to(logits.device), values.to(logits.device))
@@ -34,12 +36,12 @@ def apply_penalties(logits: torch.Tensor, info: SamplingBatchInfo) -> None:
         _block_stop_ids(logits, info)
 
 
-def _apply_token_penalties(logits: torch.Tensor, info: SamplingBatchInfo) -> None:
+def _apply_token_penalties(logits: torch.Tensor, info: SamplingBatchInfo, native: bool) -> None:
     states = [info.states[i] for i in info.penalty_rows]
     for s in states:
         s.ensure_penalty_tensors()
         assert s.output_counts.shape[0] == logits.shape[1], "state vocab != logits vocab"
-    if logits.device.type == "cpu" and logits.is_contiguous() and cpu_sampling.unavailable_reason() is None:
+    if native and logits.is_contiguous():
         # one pass per row over its own count and mask (the stacked torch version below: ~10 full
         # [rows, vocab] temporaries)
         params = [s.params for s in states]

@@ -38,7 +38,7 @@ class TpModelWorker:
 
         self.model_runner = ModelRunner(server_args, tp)
         self.tp = self.model_runner.tp
-        self.sampler = Sampler()
+        self.sampler = Sampler(server_args.device)
         self.device = server_args.device
         self.step_sender = (StepSender(self.tp, self.model_runner.req_to_token_pool.req_to_token,
                                        head=self.model_runner.draft_head is not None,

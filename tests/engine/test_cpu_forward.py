@@ -1,4 +1,5 @@
-"""The native forward (engine/kernels/cpu_forward.py) against the eager bfloat16 model it replaces:
+"""The native forward (engine/model_executor/native_forward.py, on engine/kernels/cpu_forward.py's binding
+of cpu_forward.c) against the eager bfloat16 model it executes:
 the same logits, greedy tokens and stored K/V, bit for bit, at extend (a cached prefix included) and
 decode (it rounds where eager rounds and sums RMSNorm's squares in torch's order); where
 it cannot serve a model it says why; bad indices raise before anything is written; and a bfloat16
@@ -11,6 +12,7 @@ import torch
 from baton.engine.core.forward_batch import ForwardMode
 from baton.engine.kernels import cpu_forward, cpu_linear
 from baton.engine.layers.linear import pack_linear_weights
+from baton.engine.model_executor import native_forward
 from baton.engine.model_executor.model_loader import load_model
 from baton.engine.worker.executors.native_stream import NativeStreamExecutor
 
@@ -43,8 +45,8 @@ class NativeRunner(PagedRunner):
 
     def __init__(self, model, config, **kw) -> None:
         super().__init__(model, config, native_decode=True, dtype=torch.bfloat16, **kw)
-        self.fwd = cpu_forward.NativeForward.create(model, self.req_pool, self.kv_pool)
-        assert self.fwd is not None, cpu_forward.unavailable_reason(model, self.kv_pool)
+        self.fwd = native_forward.NativeForward.create(model, self.req_pool, self.kv_pool)
+        assert self.fwd is not None, native_forward.unavailable_reason(model, self.kv_pool)
 
     def run(self, mode, rows, tokens, prefix_lens):
         r2t = self.req_pool.req_to_token
@@ -164,15 +166,15 @@ def test_unavailable_reasons(tiny_model_factory):
         return MHATokenToKVPool(64, 1, dtype, config.num_key_value_heads, head_dim, config.num_hidden_layers, "cpu")
 
     model, config = _load(tiny_model_factory, "llama")
-    assert cpu_forward.unavailable_reason(model, pool(config)) is None
-    assert "KV cache" in cpu_forward.unavailable_reason(model, pool(config, torch.float8_e5m2))
-    assert "tensor parallelism" in cpu_forward.unavailable_reason(model, pool(config), tp_size=2)
+    assert native_forward.unavailable_reason(model, pool(config)) is None
+    assert "KV cache" in native_forward.unavailable_reason(model, pool(config, torch.float8_e5m2))
+    assert "tensor parallelism" in native_forward.unavailable_reason(model, pool(config), tp_size=2)
     moe, moe_config = _load(tiny_model_factory, "qwen3_moe")
-    assert "MoE" in cpu_forward.unavailable_reason(moe, pool(moe_config))
+    assert "MoE" in native_forward.unavailable_reason(moe, pool(moe_config))
     fp32, fp32_config, _ = load_model(tiny_model_factory("llama"))
-    assert "not bfloat16" in cpu_forward.unavailable_reason(fp32, pool(fp32_config, torch.float32))
+    assert "not bfloat16" in native_forward.unavailable_reason(fp32, pool(fp32_config, torch.float32))
     unpacked, _, _ = load_model(tiny_model_factory("llama"), dtype="bfloat16")  # --disable-packed-linear
-    assert "packed" in cpu_forward.unavailable_reason(unpacked, pool(config))
+    assert "packed" in native_forward.unavailable_reason(unpacked, pool(config))
 
 
 def test_bad_indices_raise_before_writing(tiny_model_factory):
@@ -326,7 +328,7 @@ def test_forward_stream_runs_in_order_on_its_own_thread(tiny_model_factory):
 def _selftest(num_threads, n, grain, wait_ms=0):
     """parallel.h's par_for in the native forward's library: (items run per index, slot per index,
     items run by slots other than the caller's)."""
-    lib = cpu_forward._library()
+    lib = cpu_forward.library()
     hits, slots = torch.zeros(n, dtype=torch.int32), torch.full((n,), -1, dtype=torch.int32)
     others = lib.par_selftest(num_threads, n, grain, wait_ms, hits.data_ptr(), slots.data_ptr())
     return hits, slots, others

@@ -131,7 +131,7 @@ def test_rows_that_cannot_draw_and_extremes():
                             torch.zeros(4), [1] * 4, [0] * 4)
 
 
-def test_native_penalties_are_the_torch_versions_bit_for_bit(monkeypatch):
+def test_native_penalties_are_the_torch_versions_bit_for_bit():
     """Repetition, frequency and presence penalties on some rows of a batch: the native pass gives
     the stacked torch version's logits exactly (the same roundings, no fused multiply-add)."""
     from baton.engine.sampling import penalties
@@ -151,9 +151,8 @@ def test_native_penalties_are_the_torch_versions_bit_for_bit(monkeypatch):
     info = SamplingBatchInfo.from_states(states, "cpu")
     assert info.penalty_rows == [1, 2, 4]
     native = logits.clone()
-    penalties.apply_penalties(native, info)
-    monkeypatch.setattr(penalties.cpu_sampling, "unavailable_reason", lambda *a: "off")
+    penalties.apply_penalties(native, info, native=True)
     reference = logits.clone()
-    penalties.apply_penalties(reference, info)
+    penalties.apply_penalties(reference, info, native=False)
     assert torch.equal(native, reference)
     assert not torch.equal(native[[1, 2, 4]], logits[[1, 2, 4]]) and torch.equal(native[[0, 3]], logits[[0, 3]])

@@ -14,6 +14,8 @@ Criteria:
   the Triton path's largest error at most 1.25x the reference path's (+0.02), HF's top-1 token as
   often give or take one position. (A direct bound of 0.05 between the two paths failed on an H200
   at up to 0.74 in bfloat16 with top-1 agreement 0.98: rounding drift of a random tiny model.)
+- CPU: paths are chosen at load and held per model: two models bound for CPU and CUDA in one process
+  keep their own ops' paths and GEMV choices; the sampler and the Gated DeltaNet core bind the same way.
 - The models never name a device kernel: no import of kernels/ or triton_ops/ (an AST check).
 """
 from __future__ import annotations
@@ -207,6 +209,51 @@ def test_bind_layer_ops_picks_one_path_per_device(tiny_model_factory):
     assert all(op._forward == op.forward_native for op in ops)
     # the checkpoint's names are unchanged by the ops (QKVRope holds the norms without registering them)
     assert not any(".qkv_rope." in name for name, _ in model.named_parameters())
+
+
+def test_op_paths_are_chosen_at_load_and_held_by_each_model(tiny_model_factory, monkeypatch):
+    """No process-wide setting decides a path: two models of one process bound for different devices
+    keep their own ops' paths and GEMV choices; a sampler built for CPU takes the native sampler (where
+    its kernels build) and an unbound one torch's; the Gated DeltaNet core binds its CUDA path only
+    where fla-core is installed."""
+    from baton.engine.kernels import cpu_sampling
+    from baton.engine.layers.gated_delta_net import GatedDeltaCore, fla_kernels
+    from baton.engine.layers.gemm import GEMV_OFF, SmallBatchGemv
+    from baton.engine.layers.linear import MergedColumnLinear
+    from baton.engine.layers.sampler import Sampler
+    from baton.engine.model_executor.model_loader import load_model
+    from baton.engine.sampling.sampling_batch_info import ReqSamplingState, SamplingBatchInfo
+    from baton.engine.sampling.sampling_params import SamplingParams
+
+    path = tiny_model_factory("llama")
+    on_cpu, on_cuda = load_model(path)[0], load_model(path)[0]  # the second only bound, never run
+    gemv = SmallBatchGemv(16) if triton_available() else GEMV_OFF  # the GEMV needs triton to be bound
+    bind_layer_ops(on_cpu, "cpu", gemv=gemv)
+    bind_layer_ops(on_cuda, "cuda", gemv=gemv)
+    cuda = "cuda" if triton_available() else "native"
+    for model, want_path, want_gemv in ((on_cpu, "cpu", GEMV_OFF), (on_cuda, cuda, gemv)):
+        ops = [m for m in model.modules() if isinstance(m, CustomOp)]
+        assert ops and all(op.path == want_path and op._forward == getattr(op, f"forward_{want_path}")
+                           for op in ops)
+        linears = [m for m in model.modules() if isinstance(m, MergedColumnLinear)]
+        assert linears and all(m.gemv == want_gemv for m in linears)
+
+    calls: list[int] = []
+    real_sample = cpu_sampling.sample
+    monkeypatch.setattr(cpu_sampling, "sample", lambda *a: calls.append(1) or real_sample(*a))
+    native_here = cpu_sampling.unavailable_reason() is None
+    on_cpu_sampler, reference = Sampler("cpu"), Sampler()
+    assert on_cpu_sampler.path == ("cpu" if native_here else "native") and reference.path == "native"
+    assert Sampler("cuda").path == cuda  # torch's sampler (forward_cuda is the reference)
+    for sampler, want_calls in ((reference, 0), (on_cpu_sampler, int(native_here)), (reference, 0)):
+        calls.clear()
+        states = [ReqSamplingState(SamplingParams(temperature=0.7, seed=i), [1], 8, set(), "cpu") for i in range(2)]
+        ids = sampler(torch.randn(2, 8), SamplingBatchInfo.from_states(states, "cpu"), False, [0, 0]).next_token_ids
+        assert len(calls) == want_calls and ids.shape == (2,)
+
+    core = GatedDeltaCore(torch.nn.Conv1d(8, 8, 4, groups=8, bias=False), 2, 4, 2, 2, 0)
+    assert core.bind("cpu", fused=True) == "cpu"
+    assert core.bind("cuda", fused=True) == ("cuda" if cuda == "cuda" and fla_kernels() is not None else "native")
 
 
 def test_models_never_name_a_device_kernel():

@@ -1,4 +1,4 @@
-"""The small-batch Triton GEMV (triton_ops/gemv.py) and its switch in layers/gemm.py.
+"""The small-batch Triton GEMV (triton_ops/gemv.py) and the layers' load-time choice of it (layers/gemm.py).
 
 Criteria:
 - CPU, under TRITON_INTERPRET=1 (a subprocess): gemv against F.linear and gemv_silu_mul against the
@@ -7,10 +7,12 @@ Criteria:
   bias. float32 within 1e-5; float16 within two roundings of the result, bfloat16 within four
   (the interpreter's bfloat16 casts truncate where a GPU rounds to nearest).
 - CPU: both kernels compile for sm_90, the row-sum path with 16-byte loads, the dot path with MMAs.
-- CPU: the switch is off by default; on, a CPU call still takes F.linear; with the device rule
-  pointed at cpu and a stand-in kernel, linear_forward, MergedColumnLinear.gated and the LM head take
-  the GEMV exactly for 1..max_rows rows of a 2-D contiguous bf16/fp16 x matching the weight, and
-  gated fuses silu * up only for SiLU without a bias.
+- CPU: a layer's choice is off until bound; bind_layer_ops gives it to a model bound for CUDA with the
+  fused ops only (a model bound for CPU keeps F.linear), and two models bound differently in one
+  process keep their own; with a layer's choice set directly (on CPU, a stand-in kernel),
+  linear_forward, MergedColumnLinear.gated and the LM head take the GEMV exactly for 1..max_rows rows
+  of a 2-D contiguous bf16/fp16 x matching the weight, and gated fuses silu * up only for SiLU
+  without a bias.
 - GPU (`gpu` marker): bf16 on CUDA against the fp32 product within a rounding or two, without a
   device-to-host sync once tuned, and replayed from a captured CUDA graph, including a shape first
   met inside the capture (the fixed config, no tuning).
@@ -25,6 +27,7 @@ import torch.nn.functional as F
 
 from baton.engine.layers import gemm
 from baton.engine.layers.custom_op import triton_available
+from baton.engine.layers.gemm import GEMV_OFF, SmallBatchGemv
 from fresh_python import run_python
 
 INTERPRETED = textwrap.dedent(
@@ -161,40 +164,58 @@ def test_gemv_kernels_compile_for_sm90():
     assert out.count("compiled") == 9, out
 
 
-# ---------------------------------------------------------------- the switch
+# ---------------------------------------------------------------- the choice, made at load
 
-@pytest.fixture
-def gemv_off_after():
-    yield
-    gemm.set_small_batch_gemv(0)
+def _tiny_model() -> torch.nn.Module:
+    """A gate|up, a down projection and an LM head: the three kinds of layer that hold a GEMV choice."""
+    from baton.engine.distributed.parallel_state import TpGroup
+    from baton.engine.layers.linear import MergedColumnLinear, RowParallelLinear, even_parts
+    from baton.engine.layers.vocab_parallel import VocabParallelEmbedding
+
+    model = torch.nn.ModuleDict({"gate_up": MergedColumnLinear(64, even_parts([24, 24], TpGroup()), bias=False),
+                                 "down": RowParallelLinear(24, 64, bias=False, tp=TpGroup()),
+                                 "head": VocabParallelEmbedding(100, 64)}).to(torch.bfloat16)
+    for p in model.parameters():
+        torch.nn.init.normal_(p)  # made with torch.empty
+    return model
 
 
-def test_switch_is_off_by_default_and_a_cpu_call_keeps_f_linear(gemv_off_after, monkeypatch):
+def test_each_model_keeps_the_gemv_choice_it_was_bound_with(monkeypatch):
+    """No process-wide switch: a layer is off until bound; a model bound for CUDA with the fused ops
+    holds the choice, one bound for CPU (or with the reference ops) is off, whatever was asked, and
+    binding one model leaves the other's alone. The CPU-bound model's calls keep F.linear."""
     if not triton_available():
         pytest.skip("triton is not installed")
+    from baton.engine.layers.custom_op import bind_layer_ops
     from baton.engine.triton_ops import gemv as gemv_mod
 
-    assert gemm.small_batch_gemv_rows() == 0
-    gemm.set_small_batch_gemv(16)
-    assert gemm.small_batch_gemv_rows() == 16
+    on_cuda, on_cpu, reference = _tiny_model(), _tiny_model(), _tiny_model()
+    assert all(m.gemv is GEMV_OFF for m in on_cuda.values())
+    counts = bind_layer_ops(on_cuda, "cuda", gemv=SmallBatchGemv(16, fuse_norms=False))
+    assert counts == {"SmallBatchGemv/1..16 rows": 3}
+    assert bind_layer_ops(on_cpu, "cpu", gemv=SmallBatchGemv(16)) == {}
+    bind_layer_ops(reference, "cuda", fused=False, gemv=SmallBatchGemv(16))
+    assert all(m.gemv == SmallBatchGemv(16, fuse_norms=False) for m in on_cuda.values())
+    assert all(m.gemv is GEMV_OFF for model in (on_cpu, reference) for m in model.values())
 
     def refuse(*args, **kwargs):
-        raise AssertionError("the GEMV ran for a CPU call")
+        raise AssertionError("the GEMV ran for a model bound for CPU")
 
     monkeypatch.setattr(gemv_mod, "gemv", refuse)
     monkeypatch.setattr(gemv_mod, "gemv_silu_mul", refuse)
-    layer = torch.nn.Linear(64, 24).to(torch.bfloat16)
     x = torch.randn(3, 64).to(torch.bfloat16)
-    assert torch.equal(gemm.linear_forward(layer, x, layer.bias), F.linear(x, layer.weight, layer.bias))
+    assert torch.equal(on_cpu["gate_up"](x), F.linear(x, on_cpu["gate_up"].weight))
+    assert torch.equal(on_cpu["head"].logits(x), F.linear(x, on_cpu["head"].weight).float())
     with pytest.raises(ValueError, match="max_rows"):
-        gemm.set_small_batch_gemv(gemv_mod.MAX_ROWS + 1)
+        SmallBatchGemv(gemv_mod.MAX_ROWS + 1)
 
 
-def test_small_batch_gemv_rows_flag(gemv_off_after, tiny_model_factory):
-    """--small-batch-gemv-rows: SGLang-style flag parsing and bounds; a CPU runner leaves the switch off
+def test_small_batch_gemv_rows_flag(tiny_model_factory):
+    """--small-batch-gemv-rows: SGLang-style flag parsing and bounds; a CPU runner's linears are off
     whatever the flag says (the GEMV serves CUDA only)."""
     import argparse
 
+    from baton.engine.layers.linear import MergedColumnLinear
     from baton.engine.model_executor.model_runner import ModelRunner
     from baton.engine.server_args import ServerArgs
 
@@ -204,12 +225,13 @@ def test_small_batch_gemv_rows_flag(gemv_off_after, tiny_model_factory):
     assert args.small_batch_gemv_rows == 16 and ServerArgs(model_path="m").small_batch_gemv_rows == 0
     with pytest.raises(ValueError, match="small-batch-gemv-rows"):
         ServerArgs(model_path="m", small_batch_gemv_rows=65)
-    gemm.set_small_batch_gemv(8)
-    ModelRunner(ServerArgs(model_path=tiny_model_factory("llama"), small_batch_gemv_rows=16, max_total_tokens=256))
-    assert gemm.small_batch_gemv_rows() == 0
+    runner = ModelRunner(ServerArgs(model_path=tiny_model_factory("llama"), small_batch_gemv_rows=16,
+                                    max_total_tokens=256))
+    linears = [m for m in runner.model.modules() if isinstance(m, MergedColumnLinear)]
+    assert linears and all(m.gemv is GEMV_OFF for m in linears)
 
 
-def test_gemv_is_taken_exactly_under_its_conditions(gemv_off_after, monkeypatch):
+def test_gemv_is_taken_exactly_under_its_conditions(monkeypatch):
     if not triton_available():
         pytest.skip("triton is not installed")
     from baton.engine.distributed.parallel_state import TpGroup
@@ -231,12 +253,11 @@ def test_gemv_is_taken_exactly_under_its_conditions(gemv_off_after, monkeypatch)
 
     monkeypatch.setattr(gemv_mod, "gemv", fake_gemv)
     monkeypatch.setattr(gemv_mod, "gemv_silu_mul", fake_silu_mul)
-    monkeypatch.setattr(gemm, "_GEMV_DEVICE", "cpu")  # the rule as on CUDA, the stand-ins above as the kernels
-    bf = torch.bfloat16
+    bf = torch.bfloat16  # the layers' choices set by hand on CPU: the rule as on CUDA, the stand-ins as kernels
     layer = torch.nn.Linear(32, 12).to(bf)
 
     def took_gemv(x, rows_on=16, bias=True):
-        gemm.set_small_batch_gemv(rows_on)
+        layer.gemv = SmallBatchGemv(rows_on)
         calls.clear()
         b = layer.bias if bias else None
         assert torch.equal(gemm.linear_forward(layer, x, b), F.linear(x, layer.weight, b))
@@ -252,7 +273,7 @@ def test_gemv_is_taken_exactly_under_its_conditions(gemv_off_after, monkeypatch)
     assert not took_gemv(torch.randn(2, 64).to(bf)[:, ::2])  # not contiguous
     assert not took_gemv(x16[:4].view(2, 2, 32))  # 3-D
     layer_fp16 = torch.nn.Linear(32, 12).to(torch.float16)
-    gemm.set_small_batch_gemv(16)
+    layer.gemv = layer_fp16.gemv = SmallBatchGemv(16)
     assert gemm.gemv_applies(layer_fp16, x16[:2].half(), layer_fp16.bias)
     assert not gemm.gemv_applies(layer_fp16, x16[:2].float(), None)  # fp32 stays on torch's GEMM
     assert not gemm.gemv_applies(layer, x16[:2].half(), None)  # x's dtype is not the weight's
@@ -262,6 +283,7 @@ def test_gemv_is_taken_exactly_under_its_conditions(gemv_off_after, monkeypatch)
 
     # MergedColumnLinear.gated: silu * up fused into the GEMV for SiLU without a bias
     gate_up = MergedColumnLinear(32, even_parts([24, 24], TpGroup()), bias=False).to(bf)
+    gate_up.gemv = SmallBatchGemv(16)
     silu, gelu = GatedAct("silu"), GatedAct("gelu")
     calls.clear()
     want = silu.forward_native(F.linear(x16[:3], gate_up.weight))
@@ -274,6 +296,7 @@ def test_gemv_is_taken_exactly_under_its_conditions(gemv_off_after, monkeypatch)
     gate_up.gated(torch.randn(20, 32).to(bf), silu)  # past max_rows: torch's GEMM
     assert calls == []
     biased = MergedColumnLinear(32, even_parts([24, 24], TpGroup()), bias=True).to(bf)
+    biased.gemv = SmallBatchGemv(16)
     calls.clear()
     biased.gated(x16[:3], silu)  # a bias: the GEMV with it, no fused epilogue
     assert calls == [("gemv", 3, True)]
@@ -281,6 +304,7 @@ def test_gemv_is_taken_exactly_under_its_conditions(gemv_off_after, monkeypatch)
     # the LM head: float32 logits of every vocabulary row through the GEMV
     head = VocabParallelEmbedding(100, 32).to(bf)
     torch.nn.init.normal_(head.weight)  # made with torch.empty
+    head.gemv = SmallBatchGemv(16)
     calls.clear()
     logits = head.logits(x16[:2])
     assert calls == [("gemv", 2, False)] and logits.dtype == torch.float32 and logits.shape == (2, 100)
@@ -309,8 +333,7 @@ DECODER_LAYER_FUSED = textwrap.dedent(
     # attention's core stubbed: q's columns through o_proj (the layer's seams are what is under test)
     attn = layer.self_attn
     attn._attend = lambda positions, qkv, fb: attn.o_proj(qkv[:, :attn.q_size].contiguous())
-    custom_op.bind_layer_ops(layer, "cpu")
-    gemm._GEMV_DEVICE = "cpu"  # the rule as on CUDA; the kernel is Triton's, interpreted
+    custom_op.bind_layer_ops(layer, "cpu")  # the norms on their fused path; the GEMV choice set below by hand
     calls = []
     real = gemv_mod.gemv_rmsnorm
 
@@ -324,9 +347,9 @@ DECODER_LAYER_FUSED = textwrap.dedent(
         hidden, residual = torch.randn(rows, 96).to(bf), torch.randn(rows, 96).to(bf)
         for first in (True, False):  # the first layer has no residual yet
             r = None if first else residual
-            gemm.set_small_batch_gemv(0)
+            gemm.bind_gemv(layer, gemm.GEMV_OFF)
             want, want_res = layer(None, hidden, None if first else r.clone(), None)
-            gemm.set_small_batch_gemv(16)
+            gemm.bind_gemv(layer, gemm.SmallBatchGemv(16))  # the rule as on CUDA; the kernel Triton's, interpreted
             calls.clear()
             got, got_res = layer(None, hidden, r, None)
             assert calls == [(rows, not first, False, 1e-5), (rows, True, True, 1e-5)], calls
@@ -337,7 +360,7 @@ DECODER_LAYER_FUSED = textwrap.dedent(
             if r is not None:
                 assert torch.equal(r, residual), "the caller's residual is not written"
             print("layer", rows, first, err)
-    gemm.set_small_batch_gemv(16, fuse_norms=False)
+    gemm.bind_gemv(layer, gemm.SmallBatchGemv(16, fuse_norms=False))
     calls.clear()
     layer(None, hidden, residual.clone(), None)
     assert calls == [], "fuse_norms=False keeps the norms' own kernels"
@@ -358,8 +381,8 @@ def test_decoder_layer_folds_its_norms_into_the_gemv_under_the_interpreter():
     assert "FUSED LAYER OK" in out and out.count("layer ") == 4, out
 
 
-def test_norm_linear_fuses_exactly_under_its_conditions(gemv_off_after, monkeypatch):
-    """layers/norm_linear.py's rule (the GEMV's rule pointed at cpu): a plain RMSNorm bound to a fused
+def test_norm_linear_fuses_exactly_under_its_conditions():
+    """layers/norm_linear.py's rule (the linears' GEMV choices set by hand on CPU): a plain RMSNorm bound to a fused
     path before a linear the GEMV takes; not the zero-centred norm, an Identity (EAGLE's first layer),
     the reference ops, a norm of another dtype, silu * up with a bias, more rows than the GEMV takes,
     or fuse_norms=False. Off the fused path it is the norm, then the linear, bit for bit."""
@@ -371,7 +394,6 @@ def test_norm_linear_fuses_exactly_under_its_conditions(gemv_off_after, monkeypa
     from baton.engine.layers.layernorm import RMSNorm, ZeroCenteredRMSNorm
     from baton.engine.layers.linear import MergedColumnLinear, even_parts
 
-    monkeypatch.setattr(gemm, "_GEMV_DEVICE", "cpu")
     bf = torch.bfloat16
     norm, zc = RMSNorm(32).to(bf), ZeroCenteredRMSNorm(32).to(bf)
     for n in (norm, zc):
@@ -381,7 +403,12 @@ def test_norm_linear_fuses_exactly_under_its_conditions(gemv_off_after, monkeypa
     biased = MergedColumnLinear(32, even_parts([24, 24], TpGroup()), bias=True).to(bf)
     silu = GatedAct("silu")
     x, r = torch.randn(4, 32).to(bf), torch.randn(4, 32).to(bf)
-    gemm.set_small_batch_gemv(16)
+
+    def choose(gemv: SmallBatchGemv) -> None:  # what bind_layer_ops gives a model's linears on CUDA
+        for layer in (linear, gate_up, biased):
+            layer.gemv = gemv
+
+    choose(SmallBatchGemv(16))
     assert nl.fusable(norm, linear, x, r) and nl.fusable(norm, linear, x, None)
     assert nl.fusable(norm, gate_up, x, r, silu)
     assert not nl.fusable(zc, linear, x, r)
@@ -393,9 +420,9 @@ def test_norm_linear_fuses_exactly_under_its_conditions(gemv_off_after, monkeypa
     norm.bind("cpu", False)
     assert not nl.fusable(norm, linear, x, r)  # --disable-fused-ops
     norm.bind("cpu", True)
-    gemm.set_small_batch_gemv(16, fuse_norms=False)
+    choose(SmallBatchGemv(16, fuse_norms=False))
     assert not nl.fusable(norm, linear, x, r)
-    gemm.set_small_batch_gemv(0)
+    choose(GEMV_OFF)
     assert not nl.fusable(norm, linear, x, r)
     y, res = nl.norm_linear(norm, gate_up, x, r.clone(), silu)  # unfused: the ops in order
     h, want_res = norm.forward_native(x, r.clone())
@@ -501,24 +528,26 @@ def test_gemv_on_cuda_matches_without_a_sync_and_in_a_graph():
     check_normed(got16, x16, r16, "gemv_rmsnorm replayed")
 
 
-def test_bench_step_variants_set_the_switch(gemv_off_after, monkeypatch):
-    """`baton bench step`: triton-gemv switches the GEMV on for 1..64 rows before its graphs are
-    captured, its norms folded in (triton-gemv-own-norms: not); every other variant switches it off
-    again (the runner's GPU parts stubbed out)."""
+def test_bench_step_variants_bind_the_gemv(monkeypatch):
+    """`baton bench step`: triton-gemv binds the model's linears to the GEMV for 1..64 rows before its
+    graphs are captured, its norms folded in (triton-gemv-own-norms: not); every other variant binds
+    them off again (the runner's GPU parts stubbed out)."""
     if not triton_available():
         pytest.skip("triton is not installed")
     import dataclasses
     import types
 
     from baton.engine.bench import step
-    from baton.engine.layers import attention, custom_op
+    from baton.engine.layers import attention
     from baton.engine.model_executor import cuda_graph_runner
 
     seen: list[tuple[int, bool]] = []
 
-    class Graphs:  # the capture: what the switch is when the graphs (and their warm-ups) are made
+    class Graphs:  # the capture: what the linears hold when the graphs (and their warm-ups) are made
         def __init__(self, runner, max_bs):
-            seen.append((gemm.small_batch_gemv_rows(), gemm.norms_fused()))
+            choices = {m.gemv for m in runner.model.values()}
+            assert len(choices) == 1, choices
+            seen.append((choices.pop().max_rows, runner.model["gate_up"].gemv.fuse_norms))
 
     @dataclasses.dataclass
     class Args:
@@ -527,14 +556,13 @@ def test_bench_step_variants_set_the_switch(gemv_off_after, monkeypatch):
 
     backend = types.SimpleNamespace(decode_tensor_cores=True, geometry=types.SimpleNamespace(num_qo_heads=8,
                                                                                              num_kv_heads=2))
-    monkeypatch.setattr(custom_op, "bind_layer_ops", lambda *a, **k: {})
     monkeypatch.setattr(attention, "create_attention_backend", lambda *a, **k: backend)
     monkeypatch.setattr(cuda_graph_runner, "CudaGraphRunner", Graphs)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    runner = types.SimpleNamespace(model=None, device="cuda", attn_backend=backend)
+    runner = types.SimpleNamespace(model=_tiny_model(), device="cuda", attn_backend=backend)
     names = ["triton-gemv", "fused", "triton-gemv-own-norms", "reference-ops", "triton-gemv", "other-tensor-cores"]
     descriptions = [step._set_variant(runner, Args(), name, 64) for name in names]
-    assert [rows for rows, _ in seen] == [64, 0, 64, 0, 64, 0] and gemm.small_batch_gemv_rows() == 0
+    assert [rows for rows, _ in seen] == [64, 0, 64, 0, 64, 0]
     assert [fold for rows, fold in seen if rows] == [True, False, True]
     assert "GEMV for 1..64 rows, norms folded in" in descriptions[0] and "GEMV" not in descriptions[1]
     assert "norms own kernels" in descriptions[2]

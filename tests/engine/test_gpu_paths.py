@@ -570,22 +570,23 @@ GREEDY_CASES = [("llama", "flashinfer", graph, overlap, page) for graph in (True
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch,backend,graph,overlap,page_size", GREEDY_CASES)
-def test_scheduler_greedy_matches_hf_on_cuda(tiny_model_factory, request, arch, backend, graph, overlap, page_size):
+def test_scheduler_greedy_matches_hf_on_cuda(tiny_model_factory, arch, backend, graph, overlap, page_size):
     need_gpu(flashinfer=backend == "flashinfer")
     from scheduler_harness import SchedulerHarness
     from test_scheduler_vs_hf import run_workload, workload
 
-    from baton.engine.layers import gemm
+    from baton.engine.layers.linear import MergedColumnLinear
 
     arch, gemv = arch.removesuffix("+gemv"), arch.endswith("+gemv")
-    request.addfinalizer(lambda: gemm.set_small_batch_gemv(0))  # a process-wide switch the runner sets
     path = tiny_model_factory(arch, **GPU_MODELS.get(arch, GPU_MODEL))
     h = SchedulerHarness(path, device="cuda", dtype="float16", attention_backend=backend, page_size=page_size,
                          disable_cuda_graph=not graph, cuda_graph_max_bs=16, enable_overlap_schedule=overlap,
                          disable_overlap_schedule=not overlap, chunked_prefill_size=32, max_total_tokens=4096,
                          small_batch_gemv_rows=16 if gemv else 0)
-    assert gemm.small_batch_gemv_rows() == (16 if gemv else 0)
-    graphs = h.scheduler.worker.model_runner.cuda_graph_runner
+    runner = h.scheduler.worker.model_runner
+    linears = [m for m in runner.model.modules() if isinstance(m, MergedColumnLinear)]
+    assert linears and all(m.gemv.max_rows == (16 if gemv else 0) for m in linears)
+    graphs = runner.cuda_graph_runner
     assert (graphs is not None) == graph
     replays = []
     if graphs is not None:

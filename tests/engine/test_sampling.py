@@ -16,6 +16,7 @@ from baton.engine.sampling.sampling_batch_info import ReqSamplingState, Sampling
 from baton.engine.sampling.sampling_params import SamplingParams, SamplingParamsError
 
 VOCAB = 8
+NATIVE = Sampler("cpu").path == "cpu"  # the CPU sampler's kernels build here: what a CPU worker runs
 # sorted probabilities 0.4, 0.3, 0.2, 0.1 on tokens 2, 5, 0, 7; the rest ~0
 PROBS = torch.tensor([0.2, 1e-9, 0.4, 1e-9, 1e-9, 0.3, 1e-9, 0.1])
 
@@ -28,7 +29,7 @@ def make_state(
 
 def sample(states: list[ReqSamplingState], logits: torch.Tensor, **kw) -> sampler_mod.SampleOutput:
     info = SamplingBatchInfo.from_states(states, logits.device, **kw)
-    return Sampler()(logits.clone(), info, False, [0] * len(states))
+    return Sampler(logits.device.type)(logits.clone(), info, False, [0] * len(states))
 
 
 def draw_many(n: int, **kw) -> torch.Tensor:
@@ -76,7 +77,7 @@ def test_all_greedy_batch_takes_the_fast_path(monkeypatch):
     info = SamplingBatchInfo.from_states(states, "cpu")
     assert info.is_all_greedy and info.temperatures is None and not info.has_seeds
     logits = torch.randn(2, VOCAB)
-    out = Sampler()(logits.clone(), info, False, [0, 0])
+    out = Sampler("cpu")(logits.clone(), info, False, [0, 0])
     assert torch.equal(out.next_token_ids, torch.argmax(logits, dim=-1))
     for s in states:
         assert s.num_sampled == 1 and s.output_counts is None and s.seen_mask is None
@@ -90,7 +91,7 @@ def test_mixed_batch_greedy_rows_stay_argmax():
     states = [make_state(vocab=50, **kw) for kw in kwargs]
     info = SamplingBatchInfo.from_states(states, "cpu")
     assert not info.is_all_greedy and info.greedy_mask.tolist() == [True, False, True, False]
-    ids = Sampler()(logits.clone(), info, False, [0] * 4).next_token_ids
+    ids = Sampler("cpu")(logits.clone(), info, False, [0] * 4).next_token_ids
     assert ids[0] == torch.argmax(logits[0]) and ids[2] == torch.argmax(logits[2])
 
 
@@ -163,7 +164,7 @@ def test_discarded_row_is_greedy_and_leaves_its_state_alone():
     logits = torch.randn(1, VOCAB)
     info = SamplingBatchInfo.from_states([s], "cpu", discard_rows=[0])
     assert info.is_all_greedy and not info.has_penalties and not info.has_min_tokens
-    ids = Sampler()(logits.clone(), info, False, [0]).next_token_ids
+    ids = Sampler("cpu")(logits.clone(), info, False, [0]).next_token_ids
     assert ids[0] == torch.argmax(logits[0])
     assert s.num_sampled == 0 and s.output_counts is None
     assert torch.equal(s.generator.get_state(), fresh)
@@ -182,7 +183,7 @@ def test_repetition_penalty_matches_hf(penalty):
     logits = torch.randn(1, 50) * 3
     ref = RepetitionPenaltyLogitsProcessor(penalty)(torch.tensor([prompt + outputs]), logits.clone())
     ours = logits.clone()
-    apply_penalties(ours, SamplingBatchInfo.from_states([s], "cpu"))
+    apply_penalties(ours, SamplingBatchInfo.from_states([s], "cpu"), native=NATIVE)
     assert torch.equal(ours, ref)
 
 
@@ -199,7 +200,7 @@ def test_frequency_and_presence_penalties_follow_openai_on_outputs_only():
     expected = logits.clone()
     expected[1] -= 0.5 * counts + (-0.25) * (counts > 0).float()
     ours = logits.clone()
-    apply_penalties(ours, SamplingBatchInfo.from_states([plain, penalised], "cpu"))
+    apply_penalties(ours, SamplingBatchInfo.from_states([plain, penalised], "cpu"), native=NATIVE)
     torch.testing.assert_close(ours, expected, rtol=0, atol=1e-6)
     assert ours[1, 1] == logits[1, 1]  # prompt-only token: untouched
 
@@ -235,7 +236,7 @@ def test_logprobs_are_of_the_raw_model_distribution():
     kwargs = [dict(temperature=0.7, repetition_penalty=1.5, prompt=[1, 2]), dict(temperature=0.0), dict(top_k=5)]
     states = [make_state(vocab=30, **kw) for kw in kwargs]
     info = SamplingBatchInfo.from_states(states, "cpu")
-    out = Sampler()(logits.clone(), info, True, [0, 2, 5])
+    out = Sampler("cpu")(logits.clone(), info, True, [0, 2, 5])
     raw = torch.log_softmax(logits, dim=-1)
     assert torch.equal(out.next_token_logprobs, raw.gather(1, out.next_token_ids.view(-1, 1)).view(-1))
     assert out.top_logprobs[0] == []

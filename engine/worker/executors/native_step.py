@@ -17,7 +17,8 @@ from baton.engine.worker.tp_worker import TpModelWorker
 
 if TYPE_CHECKING:
     from baton.engine.core.schedule_batch import ModelWorkerBatch
-    from baton.engine.kernels.cpu_forward import ModelStep, NativeForward
+    from baton.engine.kernels.cpu_forward import ModelStep
+    from baton.engine.model_executor.native_forward import NativeForward
     from baton.engine.worker.future_map import FutureMap
 
 
