@@ -158,7 +158,7 @@ class ServerArgs:
     decode_log_interval: int = 40  # log a "Decode batch." line every this many decode steps
     watchdog_timeout: float = 300.0  # a scheduler step longer than this stops the engine (0: off)
     enable_metrics: bool = True
-    # speculative decoding (issue 35, engine/speculative): SGLang's flags. NGRAM drafts from each
+    # speculative decoding (engine/speculative): SGLang's flags. NGRAM drafts from each
     # request's own tokens (the longest suffix match between the two window sizes); a verify step
     # runs num_draft_tokens tokens per request (its last token and up to num_draft_tokens - 1 drafts)
     speculative_algorithm: Optional[str] = None
@@ -188,7 +188,7 @@ class ServerArgs:
     # ones (at large batches a step is compute-bound and verifying drafts only costs). PD: the decode
     # engine speculates once the KV has arrived; a prefill engine, which never decodes, ignores it
     speculative_disable_by_batch_size: int = 4
-    # PD disaggregation (issue 3)
+    # PD disaggregation
     disaggregation_mode: str = "null"
     disaggregation_bootstrap_port: int = 8998
     disaggregation_transfer_backend: str = "mooncake"
@@ -289,7 +289,7 @@ class ServerArgs:
             raise ValueError("--flashinfer-decode-tensor-cores must be auto, on or off")
 
     def _check_speculative(self) -> None:
-        """--speculative-*: what runs in this phase of issue 35, refused clearly otherwise."""
+        """--speculative-*: what runs, and a clear refusal of what does not."""
         algo = self.speculative_algorithm
         if algo is None:
             return

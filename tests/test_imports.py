@@ -31,7 +31,7 @@ LAYERS = [
     ("entrypoints", "bench"),
 ]
 
-# Known violations (issue 32), each with the change that ends it. These tests fail on any other
+# Known violations, each with the change that ends it. These tests fail on any other
 # violation, and on an entry here that no longer is one: delete it then.
 KNOWN_CYCLES: set[tuple[str, str]] = set()
 KNOWN_UPWARD: set[tuple[str, str]] = set()

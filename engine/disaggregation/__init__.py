@@ -1,4 +1,4 @@
-"""PD disaggregation: KV transfer between a prefill engine and a decode engine (issue 3).
+"""PD disaggregation: KV transfer between a prefill engine and a decode engine.
 
 Backends are picked by name and imported lazily, so engines without Mooncake installed can still
 run colocated. "fake", the in-process backend of the scheduler tests, is a test double: it lives in
