@@ -14,7 +14,7 @@ The process takes every message already queued when it wakes (each DP rank sends
 sends the texts of consecutive token batches as one message: under load the HTTP server then
 receives, wakes and writes less often (a request's two queued steps leave as one SSE chunk, as its
 queue merges them anyway). Measured with two DP ranks, 32 x 256 tokens: the HTTP server's CPU per
-token 30-33 -> 17-21 us, 9.1-10.5k -> 12.2-12.5k tok/s (docs/benchmarks.md, session 22).
+token 30-33 -> 17-21 us, 9.1-10.5k -> 12.2-12.5k tok/s (docs/benchmarks.md, 2026-11-26).
 """
 from __future__ import annotations
 

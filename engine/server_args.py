@@ -279,7 +279,7 @@ class ServerArgs:
         None, help="EAGLE: a .pt file of token ids (a hot vocabulary, as FR-Spec's freq_*.pt); the draft's LM head "
                    "scores only those, which cuts its cost where the vocabulary is large",
         owner="speculative", also=("worker",))
-    # A head drafts (speculative/head_drafter.py); None: 3, SGLang's recommended chain for Qwen3-Next
+    # A head drafts (speculative/head_worker.py); None: 3, SGLang's recommended chain for Qwen3-Next
     speculative_num_steps: Optional[int] = flag(
         None, help="NEXTN, EAGLE: draft steps per verify step, the chain's length (default 3)",
         owner="speculative", also=("worker",))
@@ -300,7 +300,7 @@ class ServerArgs:
         1, help="NGRAM: continuations per draft, from different earlier occurrences of the matched suffix, "
                 "merged into a tree verified in one pass under a tree mask (default 1: a chain)",
         owner="speculative", also=("worker",))
-    speculative_ngram_capacity: int = flag(  # speculative/ngram.py SharedNgrams
+    speculative_ngram_capacity: int = flag(  # speculative/ngram_index.py SharedNgrams
         0, metavar="TOKENS",
         help="NGRAM: keep this many tokens of recently finished requests (their prompts and outputs), whose "
              "n-grams a request drafts from where its own tokens hold no match (default 0: its own only)",
@@ -438,7 +438,7 @@ class ServerArgs:
             raise ValueError("--flashinfer-decode-tensor-cores must be auto, on or off")
 
     def _check_speculative(self) -> None:
-        """--speculative-*: what runs in this phase of issue 35, refused clearly otherwise."""
+        """--speculative-*: the combinations the engine serves; anything else is refused with a message."""
         algo = self.speculative_algorithm
         if algo is None:
             return
@@ -473,7 +473,7 @@ class ServerArgs:
     def _check_head_drafts(self) -> None:
         """NEXTN, EAGLE, EAGLE3: num_steps drafts deep, topk candidates per step (1: a chain, so
         num_draft_tokens is num_steps + 1, SGLang's rule for topk 1; more: a tree grown best-first,
-        speculative/head_drafter.py, of num_draft_tokens - 1 nodes, by default topk x num_steps, at most
+        speculative/head_worker.py, of num_draft_tokens - 1 nodes, by default topk x num_steps, at most
         every candidate it drafts, as SGLang allows)."""
         steps = 3 if self.speculative_num_steps is None else self.speculative_num_steps
         topk = 1 if self.speculative_eagle_topk is None else self.speculative_eagle_topk
@@ -515,7 +515,7 @@ class ServerArgs:
 
     def may_lag_verify_steps(self) -> bool:
         """Whether a hybrid model's verify step may be built behind the one running (speculative/
-        verifying.py, lagged verify steps): a draft head's algorithm, the overlap loop not ruled out (any
+        verify_strategy.py, lagged verify steps): a draft head's algorithm, the overlap loop not ruled out (any
         TP size: with TP the rollback is a state copy every rank makes, TpModelWorker._resolve_lagged).
         Its scratch states are sized for it (ModelRunner._init_state_pool), on every rank alike."""
         return self.speculative_algorithm not in (None, "NGRAM") and not self.disable_overlap_schedule

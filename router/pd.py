@@ -64,8 +64,8 @@ class _Handover:
     """The decode side runs in the request's own task (no second task per request). Until the decode
     takes the request over (its first event, or its whole answer), a prefill that fails or stalls
     interrupts it: the decode would only wait for KV that never comes, and the attempt is retried
-    with another pair. After that, the prefill's fate no longer touches the client's stream (issue
-    37: a prefill that died with its response still open ended a stream that was decoding fine)."""
+    with another pair. After that, the prefill's fate no longer touches the client's stream (a
+    prefill that dies with its response still open must not end a stream that is decoding fine)."""
 
     def __init__(self, p_task: asyncio.Future) -> None:
         self.guard = AttemptGuard()

@@ -1,5 +1,5 @@
 """One all-reduce and one step broadcast of a CPU TP group, gloo against the shared memory segment,
-side by side in one run (docs/benchmarks.md, session 15).
+side by side in one run (docs/benchmarks.md, 2026-11-24).
 
     .venv/bin/python scripts/allreduce_bench.py [--size 2] [--calls 200]
 

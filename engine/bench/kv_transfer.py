@@ -10,7 +10,7 @@ Per prompt length and repeat, interleaved:
 - ours, fragmented: the decode's pages come in shuffled runs of --fragment-run-pages pages.
 Cases alternate their order between repeats; medians are reported; ratio = ours / raw throughput.
 
-With --tp-pairs (e.g. 1:1,1:2,2:1, prefill:decode TP sizes; issue 34) each pair runs instead: the
+With --tp-pairs (e.g. 1:1,1:2,2:1, prefill:decode TP sizes) each pair runs instead: the
 prefill's TP ranks here, each decode TP rank in its own child process, KV heads split as the engines
 split them (disaggregation/head_slices.py). "ours" is one request through every rank's sender and
 receiver, from the first send to the last Success on either side (a narrower decode's scatter of the

@@ -39,7 +39,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 # Real model shapes (their config.json fields). llama-3-8b keeps the 32,000-token vocabulary of the
-# measurement in issue 38 so the figures compare; the layers are Llama-3-8B's.
+# first 8B baseline measured on an H200 so the figures compare; the layers are Llama-3-8B's.
 SHAPES: dict[str, dict[str, Any]] = {
     "llama-3-8b": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096,
                        intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,

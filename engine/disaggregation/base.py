@@ -1,4 +1,4 @@
-"""The KV-transfer contract between a prefill engine and a decode engine (PD disaggregation, issue 3).
+"""The KV-transfer contract between a prefill engine and a decode engine (PD disaggregation).
 
 One manager per engine (per rank) owns the registered memory and the side channel; one sender
 (prefill side) and one receiver (decode side) exist per request, paired by `bootstrap_room`.

@@ -1,5 +1,5 @@
 """Which prefill TP rank sends which KV heads to which decode TP rank, when the two engines run
-different --tp-size (issue 34). Pure functions: both sides compute the same plan from the total KV
+different --tp-size. Pure functions: both sides compute the same plan from the total KV
 head count and the two TP sizes (the decode learns the prefill's from its bootstrap server).
 
 TP rank r of an engine holds KV heads kv_head_range(total, tp, r): a contiguous range, or, with

@@ -1,4 +1,4 @@
-"""KV head slices as byte streams between TP sizes (issue 34): runs, and a narrower decode's scatter.
+"""KV head slices as byte streams between TP sizes: runs, and a narrower decode's scatter.
 
 When prefill and decode run different --tp-size, a prefill rank writes its slice of each token in
 whole runs this way, and a decode rank narrower than it scatters the landed heads into place.

@@ -1,4 +1,4 @@
-"""Draining: how an engine leaves service without losing a request (issue 36, section 2).
+"""Draining: how an engine leaves service without losing a request.
 
 SIGTERM (what the kubelet sends when a pod goes: a rollout, a scale-down, a node drain) or `POST /drain`
 turns an engine into a draining one:

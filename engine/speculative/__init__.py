@@ -1,4 +1,4 @@
-"""Speculative decoding (issue 35): draft tokens cheaply, verify them in one target forward, keep the
+"""Speculative decoding: draft tokens cheaply, verify them in one target forward, keep the
 longest accepted run plus the target's own next token.
 
     base.py              the strategy interface as its no-op (NoSpeculation) and the SpecView it works through

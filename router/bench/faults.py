@@ -170,7 +170,7 @@ async def poll(check, cap: float, interval: float = 0.02) -> float | None:
 async def fault_to_error(bench: Bench, s: Scenario, cap: float) -> str:
     """Time from the fault to the end of the client's stream: an error event, or a cut connection."""
     stream_shape, holding, at_once = (0.0, 100_000, 0.05), (HOLD, 1, 0.0), (0.0, 1, 0.0)
-    # a prefill fault after the decode took over: the prefill's response still open (issue 37)
+    # a prefill fault after the decode took over: the prefill's response still open
     prefill = holding if s.victim == "prefill" or s.phase == "before" else at_once
     await bench.start(prefill=prefill, decode=stream_shape if s.phase == "after" else holding)
     request = asyncio.ensure_future(bench.session.post(bench.url + "/generate", json=STREAM,

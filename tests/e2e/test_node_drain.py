@@ -1,4 +1,4 @@
-"""`kubectl drain` of a node that runs an InferenceService, on the real control plane (issue 36, section 2).
+"""`kubectl drain` of a node that runs an InferenceService, on the real control plane.
 
 kwok pods run no process, so this shows the Kubernetes half: the eviction API honours each role's
 PodDisruptionBudget, so a drain never takes more than one pod of a role at once and moves the pods to

@@ -445,7 +445,7 @@ def test_flashinfer_matches_torch_backend(tiny_model_factory, page_size):
 @pytest.mark.gpu
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_flashinfer_tree_verify_matches_torch_backend(tiny_model_factory, page_size):
-    """A verify step with a tree draft beside chains (speculative decoding, issue 35): FlashInfer's
+    """A verify step with a tree draft beside chains (speculative decoding): FlashInfer's
     custom mask (layers/attention/masks.py) vs the torch backend's tree mask, fp16, per token."""
     need_gpu()
     runner = make_runner(tiny_model_factory("llama", **GPU_MODEL), page_size, "cuda", dtype="float16",

@@ -1,4 +1,4 @@
-"""Hybrid models (Qwen3-Next, Qwen3.5, Qwen3.5-MoE: Gated DeltaNet + gated attention, issue 33)
+"""Hybrid models (Qwen3-Next, Qwen3.5, Qwen3.5-MoE: Gated DeltaNet + gated attention)
 through the real scheduler: greedy tokens equal HF transformers' under concurrency, chunked prefill
 (the recurrent state carried across chunks), retraction, mixed chunks, aborts, overlap on and off,
 page sizes 1 and 16; the published Qwen3.5 layout (vision-language, served as text); the
@@ -272,7 +272,7 @@ def test_conditional_generation_checkpoint_served_as_text(tmp_path, caplog, arch
 
 @pytest.mark.parametrize("mode", ["prefill", "decode"])
 def test_pd_registers_hybrid_state_buffers(tiny_model_factory, mode):
-    """PD serves hybrids (issue 34; tests/engine/test_pd_hybrid.py): either side registers every
+    """PD serves hybrids (tests/engine/test_pd_hybrid.py): either side registers every
     linear layer's conv and delta-rule buffer for transfer, one slot per request row, and tells its
     peer the layer layout and state dtypes, which the handshake compares."""
     h = harness_for(tiny_model_factory("qwen3_5"), "plain", disaggregation_mode=mode,

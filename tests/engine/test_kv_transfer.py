@@ -1,4 +1,4 @@
-"""KV transfer for PD disaggregation (issue 3): real Mooncake over TCP on 127.0.0.1.
+"""KV transfer for PD disaggregation: real Mooncake over TCP on 127.0.0.1.
 
 The honest setup puts the prefill in a child process (its own pool, transfer engine, bootstrap
 server; killable) and the decode in this process, where its pool is inspected. Cheaper cases

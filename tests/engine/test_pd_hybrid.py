@@ -1,4 +1,4 @@
-"""PD disaggregation of hybrid models (issue 34): the prefill sends every linear-attention layer's
+"""PD disaggregation of hybrid models: the prefill sends every linear-attention layer's
 recurrent state (conv + delta-rule) with the last chunk, into the decode's request row.
 
 In one process first (the real schedulers, joined by the in-process fake backend, as in

@@ -1,5 +1,5 @@
 """A hybrid model (Gated DeltaNet + gated attention, tiny Qwen3.5) served by a real prefill and decode
-(`baton serve`) over Mooncake TCP on 127.0.0.1 (issue 34): the recurrent state moves with the last
+(`baton serve`) over Mooncake TCP on 127.0.0.1: the recurrent state moves with the last
 chunk. Greedy tokens equal HF's, directly and through both routers; client aborts at each stage and
 a killed prefill leave nothing held on either side (KV pages, request rows = state slots, metadata
 slots, rooms); a pair that serves different models is refused on both sides, with the reason."""

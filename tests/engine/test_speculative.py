@@ -1,4 +1,4 @@
-"""NGRAM speculative decoding (issue 35): greedy tokens equal HF's (and so the engine's without
+"""NGRAM speculative decoding: greedy tokens equal HF's (and so the engine's without
 speculation) on a random model that rarely repeats itself (low acceptance) and on one whose greedy
 text falls into loops (real acceptance); stops, max_tokens, min_tokens and logprobs inside accepted
 runs equal the plain engine's; aborts and retractions leak nothing; the radix cache holds only accepted

@@ -1,4 +1,4 @@
-"""EAGLE / EAGLE3 speculative decoding (issue 35): a draft checkpoint's head drafts from the target's
+"""EAGLE / EAGLE3 speculative decoding: a draft checkpoint's head drafts from the target's
 hidden states (models/eagle.py, speculative/head_worker.py).
 
 Criteria, on CPU in float32:

@@ -1,4 +1,4 @@
-"""NEXTN speculative decoding (issue 35): the checkpoint's own MTP head drafts for Qwen3-Next / Qwen3.5.
+"""NEXTN speculative decoding: the checkpoint's own MTP head drafts for Qwen3-Next / Qwen3.5.
 
 Two criteria, both on CPU in float32:
 - the head computes what it should: the chain the engine drafts equals transformers' own modules run as

@@ -1,4 +1,4 @@
-"""Tree drafts (issue 35, speculative decoding with several candidate continuations per request): the
+"""Tree drafts (speculative decoding with several candidate continuations per request): the
 verify step's topology (a chain stays a chain), the tree attention mask, acceptance along the tree,
 the accepted path's KV, NGRAM's tree drafter; greedy output equals the plain engine's."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Rolling each PD role under load loses nothing (issue 36, section 2), with real processes: a bounded
+"""Rolling each PD role under load loses nothing, with real processes: a bounded
 stream of requests goes through `baton router` to a prefill and a decode engine (`baton serve`, real
 Mooncake TCP on 127.0.0.1) while each role is rolled as the kubelet and the router's discovery do it:
 the replacement engine joins the router, then the old one gets SIGTERM. The old engine drains (503 +

@@ -204,7 +204,7 @@ async def test_in_flight_counts_return_to_zero_after_success_failure_and_disconn
 
 
 async def test_a_prefill_that_dies_after_the_decode_took_over_leaves_the_stream_alone(fake_workers, routers, http):
-    """Issue 37: the prefill's response was still open when it died; the decode was already streaming."""
+    """The prefill's response was still open when it died; the decode was already streaming."""
     prefill, decode, router = await pd_pair(fake_workers, routers)
     prefill.behavior.hang = True  # its response stays open while the decode streams
     decode.behavior.stream_chunks, decode.behavior.chunk_interval = 6, 0.05

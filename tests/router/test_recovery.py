@@ -1,4 +1,4 @@
-"""Coming back after a worker restart, and saying why no worker may take a request (issue 37, item 5)."""
+"""Coming back after a worker restart, and saying why no worker may take a request."""
 from router_support import url_of, wait_until
 
 from baton.router.circuit_breaker import BreakerState

@@ -1,4 +1,4 @@
-"""Workers that stop answering while they hold requests (issue 37, item 6): fakes frozen as a
+"""Workers that stop answering while they hold requests: fakes frozen as a
 SIGSTOPped process would be (every route waits, connections stay open), and one real SIGSTOP."""
 import asyncio
 import os
