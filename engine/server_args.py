@@ -11,7 +11,7 @@ import json
 import os
 from dataclasses import dataclass
 from enum import Enum
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, TypeVar
 
 from baton.engine.parsers import REASONING_PARSERS, TOOL_PARSERS
 from baton.flags import FlagTable, declared_flags, flag, from_args
@@ -85,6 +85,8 @@ FLAG_OWNERS = {
     "speculative": "speculative decoding (speculative/)",
     "pd": "prefill/decode disaggregation: bootstrap and KV transfer (disaggregation/)",
 }
+
+_View = TypeVar("_View")
 
 
 @dataclass(frozen=True)
@@ -543,6 +545,11 @@ class ServerArgs:
 
     def replace(self, **changes) -> "ServerArgs":
         return dataclasses.replace(self, **changes)
+
+    def view(self, view_cls: type[_View]) -> _View:
+        """A component's config view (a frozen dataclass whose fields are flags of the same names): what
+        the scheduler's parts, PD and speculation read instead of the whole ServerArgs."""
+        return view_cls(**{f.name: getattr(self, f.name) for f in dataclasses.fields(view_cls)})
 
     @staticmethod
     def flag_table() -> FlagTable:

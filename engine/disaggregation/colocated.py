@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from baton.engine.mem_cache.allocator import TokenToKVPoolAllocator
     from baton.engine.mem_cache.base import BasePrefixCache
     from baton.engine.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
-    from baton.engine.server_args import ServerArgs
+    from baton.engine.disaggregation.config import PDConfig
 
 Error = tuple[str, int]  # (message, HTTP status)
 
@@ -24,7 +24,7 @@ Error = tuple[str, int]  # (message, HTTP status)
 class SchedulerView:
     """What a PD strategy may use of its scheduler."""
 
-    server_args: "ServerArgs"
+    config: "PDConfig"  # the flags PD reads
     tokenizer: Any
     dp_rank: int
     page_size: int

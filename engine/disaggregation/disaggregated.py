@@ -15,12 +15,12 @@ from baton.engine.disaggregation.stats import PDStats
 if TYPE_CHECKING:
     from baton.engine.core.req import Req
     from baton.engine.disaggregation.colocated import SchedulerView
-    from baton.engine.server_args import ServerArgs
+    from baton.engine.disaggregation.config import PDConfig
 
 TRANSFER_FAILED_STATUS = 500
 
 
-def transfer_config_from(args: "ServerArgs") -> TransferConfig:
+def transfer_config_from(args: "PDConfig") -> TransferConfig:
     """Server args; where a flag is unset, SGLang's environment variable of the same meaning (so
     users can move over), else SGLang's default."""
     def pick(flag, env_name: str, default: float) -> float:
@@ -56,11 +56,11 @@ def create_kv_manager(view: "SchedulerView", mode: str, config: TransferConfig, 
 
     from baton.engine.disaggregation.tp_fanout import FollowerSetup, driver_manager
 
-    pool, tp, server_args = view.kv_pool, view.tp, view.server_args
-    args = KVArgs.from_pool(pool, metadata, engine_rank=view.dp_rank, dp_size=server_args.dp_size,
+    pool, tp, pd = view.kv_pool, view.tp, view.config
+    args = KVArgs.from_pool(pool, metadata, engine_rank=view.dp_rank, dp_size=pd.dp_size,
                             tp_size=tp.size, state_pool=view.state_pool, hf_config=view.hf_config,
                             kv_heads_total=model_kv_heads(view.hf_config))
-    backend = server_args.disaggregation_transfer_backend
+    backend = pd.disaggregation_transfer_backend
 
     def local() -> KVManagerBase:
         return create_transfer_backend(backend, args, metadata, mode, config, bootstrap_addr)
@@ -68,7 +68,7 @@ def create_kv_manager(view: "SchedulerView", mode: str, config: TransferConfig, 
     if tp.size == 1:
         return local()
     setup = FollowerSetup(mode, backend, asdict(config), metadata.size, bootstrap_addr, view.dp_rank,
-                          server_args.dp_size, metadata.draft_bytes)
+                          pd.dp_size, metadata.draft_bytes)
     return driver_manager(local, tp, setup)
 
 
@@ -91,7 +91,7 @@ class Disaggregated(Colocated):
 
     def __init__(self, view: "SchedulerView", config: Optional[TransferConfig], metadata_slots: int) -> None:
         super().__init__(view)
-        self.config = config or transfer_config_from(view.server_args)
+        self.config = config or transfer_config_from(view.config)
         self.metadata = MetadataBuffers(metadata_slots, metadata_draft_bytes(view))
         self.stats = PDStats()
         self.mgr: Optional[KVManagerBase] = None  # set by connect()

@@ -40,7 +40,7 @@ class PrefillDisaggregation(Disaggregated):
         from baton.engine.disaggregation.bootstrap_server import KVBootstrapServer
 
         super().__init__(view, config, 2 * view.max_running_requests + 2)
-        args = view.server_args
+        args = view.config
         self.bootstrap_server = None
         port = args.disaggregation_bootstrap_port
         # with DP ranks, rank 0 serves and the others register with it (an in-process backend needs none)

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from baton.engine.scheduler.grammar_queue import GrammarQueue
     from baton.engine.scheduler.output_processor import OutputProcessor
     from baton.engine.scheduler.request_table import RequestTable
-    from baton.engine.server_args import ServerArgs
+    from baton.engine.scheduler.config import SchedulerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -33,22 +33,22 @@ class ModelLimits:
 
 
 class RequestIntake:
-    def __init__(self, server_args: "ServerArgs", limits: ModelLimits, queues: "SchedulerQueues",
+    def __init__(self, config: "SchedulerConfig", limits: ModelLimits, queues: "SchedulerQueues",
                  grammar_queue: "GrammarQueue", table: "RequestTable", output: "OutputProcessor",
                  tokenizer: Any) -> None:
-        self.server_args, self.limits, self.queues = server_args, limits, queues
+        self.config, self.limits, self.queues = config, limits, queues
         self.grammar_queue, self.table, self.output = grammar_queue, table, output
         self.grammar_backend: Any = None  # constrained.grammar.GrammarBackend when structured output is on
-        if server_args.grammar_backend == "xgrammar" and tokenizer is not None:
+        if config.grammar_backend == "xgrammar" and tokenizer is not None:
             from baton.engine.constrained.grammar import GrammarBackend
 
             self.grammar_backend = GrammarBackend(tokenizer, limits.vocab_size, list(limits.eos_token_ids),
-                                                  any_whitespace=not server_args.constrained_json_disable_any_whitespace)
-        self.think_end_id = self._think_end_id(server_args, tokenizer)
+                                                  any_whitespace=not config.constrained_json_disable_any_whitespace)
+        self.think_end_id = self._think_end_id(config, tokenizer)
         self.pd: "Colocated" = None  # the PD strategy, set by the Scheduler once built
 
     @staticmethod
-    def _think_end_id(args: "ServerArgs", tokenizer: Any) -> Optional[int]:
+    def _think_end_id(args: "SchedulerConfig", tokenizer: Any) -> Optional[int]:
         """With --reasoning-parser: the one token that ends the reasoning, after which a grammar of a
         request that reasons applies (None: grammars apply from the first token)."""
         if args.reasoning_parser is None or tokenizer is None:
@@ -110,8 +110,8 @@ class RequestIntake:
             return error, False
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.limits.eos_token_ids))
         req.sampling_state = ReqSamplingState(params, req.origin_input_ids, self.limits.vocab_size, stop_ids,
-                                              self.server_args.device)
-        max_queued = self.server_args.max_queued_requests
+                                              self.config.device)
+        max_queued = self.config.max_queued_requests
         if max_queued is not None and len(self.queues.waiting) + len(self.grammar_queue) >= max_queued:
             return ("the server is overloaded: the waiting queue is full", 503), False
         error, future = self._start_grammar(req)

@@ -13,8 +13,8 @@ if TYPE_CHECKING:
     from baton.engine.disaggregation.colocated import Colocated
     from baton.engine.mem_cache.base import BasePrefixCache
     from baton.engine.scheduler.release import ReqReleaser
+    from baton.engine.scheduler.config import SchedulerConfig
     from baton.engine.scheduler.request_table import RequestTable
-    from baton.engine.server_args import ServerArgs
     from baton.engine.speculative.base import NoSpeculation
 
 
@@ -22,9 +22,9 @@ class OutputProcessor:
     """Results of launched batches into their requests; finished requests end (memory, PD transfer)
     and every output goes to the detokenizer through `outbox`."""
 
-    def __init__(self, server_args: "ServerArgs", tokenizer: Any, tree_cache: "BasePrefixCache",
+    def __init__(self, config: "SchedulerConfig", tokenizer: Any, tree_cache: "BasePrefixCache",
                  releaser: "ReqReleaser", table: "RequestTable", stats: "SchedulerStats", outbox: list) -> None:
-        self.server_args, self.tokenizer, self.tree_cache = server_args, tokenizer, tree_cache
+        self.config, self.tokenizer, self.tree_cache = config, tokenizer, tree_cache
         self.releaser, self.table, self.stats, self.outbox = releaser, table, stats, outbox
         self.pd: "Colocated" = None  # the PD strategy, set by the Scheduler once built (it needs this processor)
         self.spec: "NoSpeculation" = None  # the speculation strategy, set by the Scheduler once built
@@ -69,7 +69,7 @@ class OutputProcessor:
             self._append_token(req, i, result)
             if req.finished():
                 self.finish_request(req)
-            elif not self.server_args.disable_radix_cache and i < first_decode:
+            elif not self.config.disable_radix_cache and i < first_decode:
                 # make the prompt's KV shareable right away (concurrent requests with the same prefix)
                 req.sync_fill_ids()
                 self.tree_cache.cache_unfinished_req(req)
@@ -137,7 +137,7 @@ class OutputProcessor:
         self.stream_output(finished)
 
     def stream_output(self, reqs: list[Req]) -> None:
-        interval = self.server_args.stream_interval
+        interval = self.config.stream_interval
         out = None
         for req in reqs:
             if getattr(req, "_final_sent", False):

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from baton.engine.scheduler.output_processor import OutputProcessor
     from baton.engine.scheduler.release import ReqReleaser
     from baton.engine.scheduler.schedule_policy import SchedulePolicy
-    from baton.engine.server_args import ServerArgs
+    from baton.engine.scheduler.config import SchedulerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -36,17 +36,17 @@ class PrefillBatch(NamedTuple):
 
 
 class PrefillManager:
-    def __init__(self, server_args: "ServerArgs", max_running_requests: int, queues: "SchedulerQueues",
+    def __init__(self, config: "SchedulerConfig", max_running_requests: int, queues: "SchedulerQueues",
                  policy: "SchedulePolicy", tree_cache: "BasePrefixCache", allocator: "TokenToKVPoolAllocator",
                  req_to_token_pool: "ReqToTokenPool", ratio: "NewTokenRatio", releaser: "ReqReleaser",
                  output: "OutputProcessor", stats: "SchedulerStats", new_batch: Callable[[list["Req"]], "ScheduleBatch"],
                  drain_results: Callable[[], None], rows_held_elsewhere: Callable[[], int]) -> None:
-        self.args, self.max_running_requests, self.queues, self.policy = server_args, max_running_requests, queues, policy
+        self.args, self.max_running_requests, self.queues, self.policy = config, max_running_requests, queues, policy
         self.tree_cache, self.allocator, self.req_to_token_pool = tree_cache, allocator, req_to_token_pool
         self.ratio, self.releaser, self.output, self.stats, self.new_batch = ratio, releaser, output, stats, new_batch
         self.drain_results = drain_results  # process every launched batch's result (the overlap loop's)
         self.rows_held_elsewhere = rows_held_elsewhere  # PD requests holding rows outside the running batch
-        size = server_args.chunked_prefill_size
+        size = config.chunked_prefill_size
         self.chunked_prefill_size = None if size in (-1, 0) else size
 
     def schedule(self) -> Optional[PrefillBatch]:

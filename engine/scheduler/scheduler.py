@@ -27,6 +27,7 @@ from collections import deque
 from typing import Any, Optional
 
 from baton.engine.disaggregation.colocated import Colocated, DisaggregationMode, SchedulerView
+from baton.engine.disaggregation.config import PDConfig
 from baton.engine.disaggregation.strategy import create_strategy
 from baton.engine.distributed.parallel_state import all_reduce_backend
 from baton.engine.io_struct import FlushCacheOut
@@ -40,6 +41,7 @@ from baton.engine.core.queues import SchedulerQueues
 from baton.engine.core.req import Req
 from baton.engine.core.schedule_batch import ScheduleBatch
 from baton.engine.core.stats import SchedulerStats
+from baton.engine.scheduler.config import SchedulerConfig
 from baton.engine.scheduler.decode_manager import DecodeManager, NewTokenRatio
 from baton.engine.scheduler.intake import ModelLimits, RequestIntake
 from baton.engine.scheduler.output_processor import OutputProcessor
@@ -49,6 +51,7 @@ from baton.engine.scheduler.request_table import RequestTable
 from baton.engine.scheduler.schedule_policy import SchedulePolicy
 from baton.engine.server_args import ServerArgs
 from baton.engine.speculative import NoSpeculation, SpecView, create_speculator
+from baton.engine.speculative.config import SpecConfig
 from baton.engine.worker.tp_worker import TpModelWorker
 
 logger = logging.getLogger(__name__)
@@ -94,15 +97,16 @@ class Scheduler:
         # the parts: who holds which request, how results come back, how requests come in, PD
         self.table = RequestTable()
         self.releaser = ReqReleaser(self.tree_cache, deferred=self.overlap is not None)
-        self.output = OutputProcessor(args, tokenizer, self.tree_cache, self.releaser, self.table, self.stats,
+        config = args.view(SchedulerConfig)  # what the parts below read of the server args
+        self.output = OutputProcessor(config, tokenizer, self.tree_cache, self.releaser, self.table, self.stats,
                                       self.outbox)
         limits = ModelLimits(self.vocab_size, self.context_len, self.max_total_tokens, self.page_size,
                              self.eos_token_ids)
-        self.intake = RequestIntake(args, limits, self.queues, self.grammar_queue, self.table, self.output, tokenizer)
+        self.intake = RequestIntake(config, limits, self.queues, self.grammar_queue, self.table, self.output, tokenizer)
         self.pd = self._init_disaggregation(transfer_config)  # PD strategy; Colocated does nothing extra
         self.output.pd = self.intake.pd = self.pd
         held = self.pd.num_reqs_holding_rows
-        self.prefill = PrefillManager(args, self.max_running_requests, self.queues, self.policy, self.tree_cache,
+        self.prefill = PrefillManager(config, self.max_running_requests, self.queues, self.policy, self.tree_cache,
                                       self.allocator, self.req_to_token_pool, self.ratio, self.releaser, self.output,
                                       self.stats, self._new_batch, self.drain_results, held)
         self.spec = self._init_speculation()  # NoSpeculation unless --speculative-algorithm
@@ -171,7 +175,7 @@ class Scheduler:
         mode = DisaggregationMode(self.server_args.disaggregation_mode)
         runner = self.worker.model_runner
         view = SchedulerView(
-            server_args=self.server_args, tokenizer=self.tokenizer, dp_rank=self.dp_rank, page_size=self.page_size,
+            config=self.server_args.view(PDConfig), tokenizer=self.tokenizer, dp_rank=self.dp_rank, page_size=self.page_size,
             max_running_requests=self.max_running_requests, req_to_token_pool=self.req_to_token_pool,
             allocator=self.allocator, tree_cache=self.tree_cache, kv_pool=runner.token_to_kv_pool,
             tp=self.worker.tp, queues=self.queues, new_token_ratio=lambda: self.ratio.value,
@@ -186,7 +190,7 @@ class Scheduler:
         scheduler's pools. A hybrid model's verify steps keep each token's recurrent state in scratch
         slots, so its state can roll back to the last accepted token (state_pool.scratch_slot)."""
         pool = self.worker.model_runner.state_pool
-        view = SpecView(server_args=self.server_args, tokenizer=self.tokenizer,
+        view = SpecView(config=self.server_args.view(SpecConfig), tokenizer=self.tokenizer,
                         req_to_token_pool=self.req_to_token_pool, allocator=self.allocator, tree_cache=self.tree_cache,
                         append_token=self.output.append_token, finish_request=self.output.finish_request,
                         state_scratch=None if pool is None else pool.scratch_slot,

@@ -22,7 +22,7 @@ HEAD_ALGORITHMS = ("NEXTN", "EAGLE", "EAGLE3")
 
 
 def create_speculator(view: SpecView) -> NoSpeculation:
-    algorithm = view.server_args.speculative_algorithm
+    algorithm = view.config.speculative_algorithm
     if algorithm is None:
         return NoSpeculation()
     if algorithm == "NGRAM":

@@ -18,14 +18,14 @@ if TYPE_CHECKING:
     from baton.engine.mem_cache.allocator import TokenToKVPoolAllocator
     from baton.engine.mem_cache.base import BasePrefixCache
     from baton.engine.mem_cache.memory_pool import ReqToTokenPool
-    from baton.engine.server_args import ServerArgs
+    from baton.engine.speculative.config import SpecConfig
 
 
 @dataclass(frozen=True)
 class SpecView:
     """What a speculation strategy may use of its scheduler."""
 
-    server_args: "ServerArgs"
+    config: "SpecConfig"  # the flags speculation reads
     tokenizer: Any
     req_to_token_pool: "ReqToTokenPool"
     allocator: "TokenToKVPoolAllocator"

@@ -36,9 +36,9 @@ _WHAT = {"NEXTN": "the checkpoint's MTP head", "EAGLE": "an EAGLE draft head", "
 class HeadSpeculator(VerifyingSpeculator):
     def __init__(self, view: SpecView) -> None:
         super().__init__(view)
-        self.algorithm = view.server_args.speculative_algorithm
-        self.num_steps = view.server_args.speculative_num_steps
-        self.topk = view.server_args.speculative_eagle_topk
+        self.algorithm = view.config.speculative_algorithm
+        self.num_steps = view.config.speculative_num_steps
+        self.topk = view.config.speculative_eagle_topk
         logger.info("speculative decoding: %s (%s), %s of %d drafts, while fewer than %d requests run",
                     self.algorithm, _WHAT[self.algorithm], "chains" if self.topk == 1 else
                     f"best-first trees ({self.topk} candidates per step, {self.num_draft_tokens - 1} nodes)",

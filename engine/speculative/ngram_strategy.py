@@ -27,7 +27,7 @@ class NgramSpeculator(VerifyingSpeculator):
 
     def __init__(self, view: SpecView) -> None:
         super().__init__(view)
-        args = view.server_args
+        args = view.config
         self.min_window = args.speculative_ngram_min_match_window_size
         self.max_window = args.speculative_ngram_max_match_window_size
         self.breadth = args.speculative_ngram_max_bfs_breadth

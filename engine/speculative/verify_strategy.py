@@ -57,7 +57,7 @@ if TYPE_CHECKING:
 
 class VerifyingSpeculator(NoSpeculation):
     def __init__(self, view: SpecView) -> None:
-        args = view.server_args
+        args = view.config
         self.view = view
         # tokens a verify step runs per request: its last token and up to num_draft_tokens - 1 drafts
         self.num_draft_tokens = args.speculative_num_draft_tokens

@@ -831,11 +831,12 @@ def test_an_ngram_tree_takes_no_more_nodes_than_its_row_has_columns():
     from types import SimpleNamespace
 
     from baton.engine.speculative.base import SpecView
+    from baton.engine.speculative.config import SpecConfig
 
     args = ServerArgs(model_path="m", speculative_algorithm="NGRAM", speculative_ngram_max_bfs_breadth=3,
                       speculative_ngram_min_match_window_size=2, speculative_ngram_max_match_window_size=3,
                       speculative_num_draft_tokens=8)
-    spec = NgramSpeculator(SpecView(args, None, None, None, None, None, None))
+    spec = NgramSpeculator(SpecView(args.view(SpecConfig), None, None, None, None, None, None))
     tokens = [1, 2, 3, 4, 5, 9, 1, 2, 3, 7, 7, 9, 1, 2, 3, 6, 8, 9, 1, 2, 3]  # "1 2 3" went on 3 ways
 
     def draft(max_new: int) -> list[int]:
