@@ -30,7 +30,7 @@ exempt; an import inside a function is a dependency like any other):
   below it; bottom to top:
   1. `kernels/`, `triton_ops/`, `utils/`
   2. `distributed/`, `mem_cache/`, `sampling/`, `constrained/`, `parsers/`, `io_struct.py`,
-     `server_args.py`, `metrics.py`, `model_structure.py`
+     `server_args.py`, `metrics.py`, `model_structure.py`, `model_config.py`
   3. `layers/`
   4. `models/`
   5. `model_executor/`
