@@ -11,6 +11,7 @@ if TYPE_CHECKING:
     from baton.engine.mem_cache.allocator import TokenToKVPoolAllocator
     from baton.engine.mem_cache.base import BasePrefixCache
     from baton.engine.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+    from baton.engine.model_config import ModelConfig
     from baton.engine.scheduler.queues import SchedulerQueues
     from baton.engine.scheduler.req import Req
     from baton.engine.scheduler.schedule_batch import ScheduleBatch
@@ -48,7 +49,7 @@ class SchedulerView:
     extend_result_prologue: Callable[["Req", int, Any], bool]
     count_generated: Callable[[int], None]
     state_pool: Any = None  # a hybrid model's mem_cache.state_pool.RecurrentStatePool (slot = request row)
-    hf_config: Any = None  # the model's, for the pair's handshake (base.model_identity)
+    model_config: Optional["ModelConfig"] = None  # the model's, for the pair's handshake (base.model_identity)
     # speculation with a draft head: the worker's speculative.head_drafter.HeadDrafter (a prefill sends
     # each request's first draft and the head's output with its KV, so the decode drafts at once)
     drafter: Any = None

@@ -112,7 +112,7 @@ class ModelRunner:
 
         torch.manual_seed(server_args.random_seed)
         algorithm = server_args.speculative_algorithm
-        self.model, self.hf_config, self.dtype = load_model(
+        self.model, self.model_config, self.dtype = load_model(
             server_args.model_path, server_args.dtype, self.device, self.tp, mtp=algorithm == "NEXTN",
             draft_model_path=(server_args.speculative_draft_model_path
                               if algorithm in DRAFT_CHECKPOINT_ALGORITHMS else None),
@@ -130,19 +130,17 @@ class ModelRunner:
         if not server_args.disable_packed_linear:  # CPU bfloat16 layers only; it checks
             pack_linear_weights(self.model, self.device)
         self.kv_dtype = resolve_kv_dtype(server_args.kv_cache_dtype, self.dtype)
-        text_cfg = getattr(self.hf_config, "text_config", None) or self.hf_config
-        self.vocab_size = text_cfg.vocab_size
-        self.num_layers = text_cfg.num_hidden_layers
+        self.vocab_size = self.model_config.text.vocab_size
+        self.num_layers = self.model_config.text.num_layers
         # layers with a KV cache: all of them, except in a hybrid model (its full-attention layers only)
         self.num_kv_layers = getattr(self.model, "num_kv_layers", self.num_layers)
         if algorithm in DRAFT_CHECKPOINT_ALGORITHMS:  # NEXTN's head is part of the model and counted by it
             self.num_kv_layers += self.draft_head.num_kv_layers
         state_shapes = getattr(self.model, "linear_state_shapes", lambda: None)()
         # this rank's KV heads: the pool holds only those
-        self.num_kv_heads = self.tp.kv_head_range(
-            getattr(text_cfg, "num_key_value_heads", None) or text_cfg.num_attention_heads)[1]
-        self.head_dim = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // text_cfg.num_attention_heads
-        self.pool_config = self._pool_config(text_cfg, state_shapes)
+        self.num_kv_heads = self.tp.kv_head_range(self.model_config.heads.num_kv_heads)[1]
+        self.head_dim = self.model_config.heads.head_dim
+        self.pool_config = self._pool_config(state_shapes)
         page = server_args.page_size
         cfg = self.pool_config
         # RoPE's cos/sin tables cover every position a request can reach, before compile or capture
@@ -262,9 +260,9 @@ class ModelRunner:
                                verify_max_bs=args.speculative_disable_by_batch_size - 1 if verify else 0,
                                verify_trees=trees)
 
-    def _pool_config(self, text_cfg, state_shapes: Optional["LinearStateShapes"]) -> PoolConfig:
+    def _pool_config(self, state_shapes: Optional["LinearStateShapes"]) -> PoolConfig:
         args, page = self.server_args, self.server_args.page_size
-        context_len = args.context_length or getattr(text_cfg, "max_position_embeddings", 4096)
+        context_len = args.context_length or self.model_config.text.context_length
         cell = self.num_kv_layers * 2 * self.num_kv_heads * self.head_dim * self.kv_dtype.itemsize
         # a hybrid model's state slots cap its running requests (mem_cache/state_pool.py)
         slots = (args.max_mamba_cache_size or args.max_running_requests) if state_shapes is not None else None

@@ -1,8 +1,12 @@
 """ModelConfig (engine/model_config.py) against the HF configs it is read from, for every tiny model the
-engine tests build and for the vision-language layouts."""
+engine tests build and for the vision-language layouts; and the rule that nothing else in the engine
+reads an HF config: no getattr on a config, no `text_config` unwrap, outside model_config.py."""
 from __future__ import annotations
 
+import ast
 import dataclasses
+import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -11,6 +15,7 @@ import torch
 from baton.engine.model_config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
 from tiny_models import _BASE, ARCH_DEFAULTS, _config_and_model_classes
 
+ENGINE = Path(__file__).resolve().parents[2] / "engine"
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
 CASES = {
@@ -171,3 +176,57 @@ def test_model_config_is_frozen():
             setattr(obj, name, 1)
     with pytest.raises(TypeError):
         mc.text.rope.params["rope_theta"] = 1.0  # a read-only mapping
+
+
+# ---- nothing else reads the HF config ----
+
+_CONFIG_NAME = re.compile(r"(^|_)(config|cfg)$|^text$")
+
+
+def _named(node: ast.AST) -> str:
+    """The name a getattr's object goes by (through nested getattrs): `config`, `self.hf_config` -> hf_config."""
+    while isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr" and node.args:
+        node = node.args[0]
+    if isinstance(node, ast.BoolOp):  # getattr(config, "text_config", None) or config
+        return next((n for n in map(_named, node.values) if _CONFIG_NAME.search(n)), "")
+    return node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
+
+
+def hf_config_reads(source: str) -> list[tuple[int, str]]:
+    """(line, what) for each read of an HF config the typed ModelConfig replaces: getattr / hasattr / vars
+    on an object named like a config, its __dict__, and any `text_config` unwrap."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.args \
+                and node.func.id in ("getattr", "hasattr", "vars") and _CONFIG_NAME.search(_named(node.args[0])):
+            found.append((node.lineno, f"{node.func.id}({_named(node.args[0])}, ...)"))
+        elif isinstance(node, ast.Attribute) and node.attr == "__dict__" and _CONFIG_NAME.search(_named(node.value)):
+            found.append((node.lineno, f"{_named(node.value)}.__dict__"))
+        elif (isinstance(node, ast.Attribute) and node.attr == "text_config") or \
+                (isinstance(node, ast.Constant) and node.value == "text_config"):
+            found.append((node.lineno, "text_config"))
+    return found
+
+
+@pytest.mark.parametrize("line", [
+    'cfg = getattr(hf_config, "text_config", None) or hf_config',
+    'ids = getattr(getattr(hf_config, "text_config", None) or hf_config, "eos_token_id", None)',
+    'text_cfg = getattr(self.hf_config, "text_config", None) or self.hf_config',
+    'bias = bool(getattr(config, "attention_bias", False))',
+    'self.head_dim = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // text_cfg.num_attention_heads',
+    'kv = getattr(text, "num_key_value_heads", None) or heads',
+    'arch = (getattr(draft_config, "architectures", None) or ["?"])[0]',
+    'value = config.__dict__.get("torch_dtype")',
+    'text = copy.copy(config.text_config)',
+])
+def test_the_hf_read_check_catches_the_old_reads(line):
+    assert hf_config_reads(line), line
+
+
+def test_only_model_config_reads_the_hf_config():
+    own = ENGINE / "model_config.py"
+    found = [f"{path.relative_to(ENGINE.parent)}:{line}: {what}"
+             for path in sorted(ENGINE.rglob("*.py")) if path != own
+             for line, what in hf_config_reads(path.read_text())]
+    assert not found, "read the HF config in engine/model_config.py (ModelConfig), not here:\n" + "\n".join(found)
+    assert hf_config_reads(own.read_text())  # the check sees the reads where they belong
