@@ -231,10 +231,12 @@ class ModelConfig:
     def from_hf(cls, hf: Any) -> "ModelConfig":
         """From an HF config (a `transformers.PretrainedConfig`, or any object with its attributes)."""
         text = _text_part(hf)
+        # either model family's key: Qwen3-Next's num_nextn_predict_layers, Qwen3.5's mtp_num_hidden_layers
+        mtp = _opt(text, "num_nextn_predict_layers") or _opt(text, "mtp_num_hidden_layers") or 0
         return cls(architecture=(_opt(hf, "architectures") or [""])[0], text=_text_config(hf, text),
                    heads=_head_geometry(text), layer_types=_layer_types(text), moe=_moe_geometry(text),
-                   num_mtp_layers=int(_opt(text, "num_nextn_predict_layers") or _opt(text, "mtp_num_hidden_layers") or 0),
-                   quantization=_quantization(hf), vision=_vision_config(hf), eagle=_eagle_config(hf))
+                   num_mtp_layers=int(mtp), quantization=_quantization(hf), vision=_vision_config(hf),
+                   eagle=_eagle_config(hf))
 
 
 # ---- the HF reads: this module's alone ----
