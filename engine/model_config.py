@@ -171,6 +171,8 @@ class EagleDraftConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
+    """One model's configuration (module docstring); build it with from_pretrained or from_hf."""
+
     architecture: str  # "" when the config names none (model_loader refuses it)
     text: TextConfig
     heads: HeadGeometry
