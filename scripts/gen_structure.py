@@ -99,7 +99,7 @@ a function:
   below it; bottom to top:
   1. `kernels/`, `triton_ops/`, `utils/`
   2. `distributed/`, `mem_cache/`, `sampling/`, `constrained/`, `parsers/`, `io_struct.py`,
-     `server_args.py`, `metrics.py`, `model_structure.py`
+     `server_args.py`, `metrics.py`, `model_structure.py`, `model_config.py`
   3. `core/`: the shared data types (request, queues, batches, forward batch and the attention
      backend contract, step results, verify-step drafts, scheduler counters)
   4. `layers/`

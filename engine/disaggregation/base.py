@@ -26,7 +26,7 @@ import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, fields
 from enum import Enum, IntEnum
-from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Sequence, Union
+from typing import TYPE_CHECKING, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -34,6 +34,7 @@ import torch
 if TYPE_CHECKING:
     from baton.engine.mem_cache.memory_pool import MHATokenToKVPool
     from baton.engine.mem_cache.state_pool import RecurrentStatePool
+    from baton.engine.model_config import ModelConfig
 
 PageList = Union[Sequence[int], np.ndarray, torch.Tensor]
 
@@ -91,33 +92,24 @@ class KVGeometry:
         return ", ".join(diffs) or None
 
 
-def model_identity(hf_config: Any) -> tuple[str, str]:
+def model_identity(config: Optional["ModelConfig"]) -> tuple[str, str]:
     """(model, layer_layout) of a KVGeometry: the architecture with the sizes that shape its KV and
     state, and one letter per layer (F full attention, L linear attention)."""
-    if hf_config is None:
+    if config is None:
         return "", ""
-    cfg = getattr(hf_config, "text_config", None) or hf_config
-    arch = (getattr(hf_config, "architectures", None) or [type(hf_config).__name__])[0]
-    model = f"{arch} hidden {cfg.hidden_size} vocab {cfg.vocab_size}"
-    types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
-    return model, "".join("L" if t == "linear_attention" else "F" for t in types)
+    return f"{config.architecture} hidden {config.text.hidden_size} vocab {config.text.vocab_size}", config.layer_layout
 
 
-def model_kv_heads(hf_config: Any) -> Optional[int]:
+def model_kv_heads(config: Optional["ModelConfig"]) -> Optional[int]:
     """The model's KV heads (all TP ranks together), or None without a config."""
-    if hf_config is None:
-        return None
-    cfg = getattr(hf_config, "text_config", None) or hf_config
-    return getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    return None if config is None else config.heads.num_kv_heads
 
 
-def model_linear_heads(hf_config: Any) -> tuple[int, ...]:
+def model_linear_heads(config: Optional["ModelConfig"]) -> tuple[int, ...]:
     """A hybrid model's (key heads, value heads, key head dim, value head dim) of its linear-attention
     layers, all TP ranks together; () without a config."""
-    cfg = getattr(hf_config, "text_config", None) or hf_config
-    if cfg is None or not getattr(cfg, "linear_num_key_heads", None):
-        return ()
-    return (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+    linear = None if config is None else config.heads.linear
+    return () if linear is None else linear.as_tuple()
 
 
 @dataclass(frozen=True)
@@ -171,7 +163,7 @@ class KVArgs:
     @classmethod
     def from_pool(cls, pool: "MHATokenToKVPool", metadata: "MetadataBuffers", engine_rank: int = 0,
                   dp_size: int = 1, tp_rank: int = 0, tp_size: int = 1, state_pool: Optional["RecurrentStatePool"] = None,
-                  hf_config: Any = None, kv_heads_total: Optional[int] = None) -> "KVArgs":
+                  model_config: Optional["ModelConfig"] = None, kv_heads_total: Optional[int] = None) -> "KVArgs":
         """`kv_heads_total`: the model's KV heads (default: the pool's times tp_size, no replication)."""
         from baton.engine.disaggregation.head_slices import kv_head_range
 
@@ -179,7 +171,7 @@ class KVArgs:
         head_start, head_num = kv_head_range(total, tp_size, tp_rank)
         assert head_num == pool.head_num, f"TP rank {tp_rank} of {tp_size} holds {head_num} of {total} KV heads"
         ptrs, lens, per_token = pool.get_contiguous_buf_infos()
-        model, layout = model_identity(hf_config)
+        model, layout = model_identity(model_config)
         state_dtype = state_shape = ""
         state_ptrs: list[int] = []
         state_lens: list[int] = []
@@ -196,7 +188,7 @@ class KVArgs:
             state_dtype = ", ".join(f"{name} {str(t.dtype).removeprefix('torch.')}"
                                     for name, t in (("conv", state_pool.conv[0]), ("ssm", state_pool.ssm[0])))
             state_shape = f"{shapes.num_layers} linear layers, conv {list(shapes.conv)}, ssm {list(shapes.ssm)}"
-            linear_heads = model_linear_heads(hf_config)
+            linear_heads = model_linear_heads(model_config)
             if linear_heads:  # the model's heads: the same on both sides whatever their TP sizes
                 hk, hv, dk, dv = linear_heads
                 state_shape = (f"{shapes.num_layers} linear layers, key heads {hk} x {dk}, value heads {hv} x {dv}, "

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from baton.engine.mem_cache.base import BasePrefixCache
     from baton.engine.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
     from baton.engine.disaggregation.config import PDConfig
+    from baton.engine.model_config import ModelConfig
 
 Error = tuple[str, int]  # (message, HTTP status)
 
@@ -43,7 +44,7 @@ class SchedulerView:
     extend_result_prologue: Callable[["Req", int, Any], bool]
     count_generated: Callable[[int], None]
     state_pool: Any = None  # a hybrid model's mem_cache.state_pool.RecurrentStatePool (slot = request row)
-    hf_config: Any = None  # the model's, for the pair's handshake (base.model_identity)
+    model_config: Optional["ModelConfig"] = None  # the model's, for the pair's handshake (base.model_identity)
     # speculation with a draft head: the worker's speculative.head_worker.HeadDrafter (a prefill sends
     # each request's first draft and the head's output with its KV, so the decode drafts at once)
     drafter: Any = None

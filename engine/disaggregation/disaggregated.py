@@ -58,8 +58,8 @@ def create_kv_manager(view: "SchedulerView", mode: str, config: TransferConfig, 
 
     pool, tp, pd = view.kv_pool, view.tp, view.config
     args = KVArgs.from_pool(pool, metadata, engine_rank=view.dp_rank, dp_size=pd.dp_size,
-                            tp_size=tp.size, state_pool=view.state_pool, hf_config=view.hf_config,
-                            kv_heads_total=model_kv_heads(view.hf_config))
+                            tp_size=tp.size, state_pool=view.state_pool, model_config=view.model_config,
+                            kv_heads_total=model_kv_heads(view.model_config))
     backend = pd.disaggregation_transfer_backend
 
     def local() -> KVManagerBase:

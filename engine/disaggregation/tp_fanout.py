@@ -329,8 +329,8 @@ class FollowerKVService:
             metadata = MetadataBuffers(setup.metadata_size, setup.metadata_draft_bytes)
             args = KVArgs.from_pool(runner.token_to_kv_pool, metadata, engine_rank=setup.engine_rank,
                                     dp_size=setup.dp_size, tp_rank=tp.rank, tp_size=tp.size,
-                                    state_pool=runner.state_pool, hf_config=runner.hf_config,
-                                    kv_heads_total=model_kv_heads(runner.hf_config))
+                                    state_pool=runner.state_pool, model_config=runner.model_config,
+                                    kv_heads_total=model_kv_heads(runner.model_config))
             mgr = create_transfer_backend(setup.backend, args, metadata, setup.mode, TransferConfig(**setup.config),
                                           setup.bootstrap_addr)
         except Exception:

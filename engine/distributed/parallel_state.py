@@ -26,6 +26,7 @@ from typing import Any, Optional
 import torch
 
 from baton.engine.kernels.torch_ops import define_op
+from baton.engine.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -69,21 +70,23 @@ class TpGroup:
         return self.rank // (self.size // num_kv_heads), 1
 
 
-def validate_tp(config: Any, tp_size: int) -> None:
+def validate_tp(config: ModelConfig, tp_size: int) -> None:
     """Refuse, before any process starts, a checkpoint whose heads or MLP do not split over tp_size."""
     if tp_size == 1:
         return
-    text = getattr(config, "text_config", None) or config
-    heads = text.num_attention_heads
-    kv = getattr(text, "num_key_value_heads", None) or heads
+    heads, kv = config.heads.num_heads, config.heads.num_kv_heads
     problems = []
     if heads % tp_size:
         problems.append(f"num_attention_heads ({heads})")
     if (kv >= tp_size and kv % tp_size) or (kv < tp_size and tp_size % kv):
         problems.append(f"num_key_value_heads ({kv})")
-    for name in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size",
-                 "linear_num_key_heads", "linear_num_value_heads"):  # the last three: hybrid models
-        value = getattr(text, name, None)
+    moe, linear = config.moe, config.heads.linear
+    sizes = {"intermediate_size": config.text.intermediate_size,
+             "moe_intermediate_size": moe and moe.intermediate_size,
+             "shared_expert_intermediate_size": moe and moe.shared_expert_intermediate_size,
+             "linear_num_key_heads": linear and linear.num_key_heads,  # a hybrid's linear-attention layers
+             "linear_num_value_heads": linear and linear.num_value_heads}
+    for name, value in sizes.items():
         if value and value % tp_size:
             problems.append(f"{name} ({value})")
     if problems:

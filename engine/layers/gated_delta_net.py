@@ -49,9 +49,8 @@ from baton.engine.layers.linear import MergedColumnLinear, OutputPart, RowParall
 from baton.engine.triton_ops import causal_conv1d, gated_delta_decode
 
 if TYPE_CHECKING:
-    from transformers import PretrainedConfig
-
     from baton.engine.core.forward_batch import ForwardBatch
+    from baton.engine.model_config import LinearAttentionHeads
 
 logger = logging.getLogger(__name__)
 
@@ -542,21 +541,19 @@ class GatedDeltaNet(nn.Module):
     conv channels, the rule and the state of a head never leave its rank; out_proj is row-parallel
     (one all-reduce). A checkpoint tensor's rows are picked per head range (`_pick_rows`)."""
 
-    def __init__(self, config: "PretrainedConfig", state_layer_id: int, split_projections: bool,
-                 tp: TpGroup = TpGroup()) -> None:
-        """`state_layer_id`: this layer's index among the linear-attention layers (its state in the
-        pool); `split_projections`: Qwen3.5's separate in_proj_qkv/z/b/a, else Qwen3-Next's fused
-        in_proj_qkvz/ba."""
+    def __init__(self, hidden: int, heads: "LinearAttentionHeads", rms_norm_eps: float, state_layer_id: int,
+                 split_projections: bool, tp: TpGroup = TpGroup()) -> None:
+        """`heads`: the model's (model_config.HeadGeometry.linear); `state_layer_id`: this layer's index
+        among the linear-attention layers (its state in the pool); `split_projections`: Qwen3.5's separate
+        in_proj_qkv/z/b/a, else Qwen3-Next's fused in_proj_qkvz/ba."""
         super().__init__()
-        hidden = config.hidden_size
-        full_k, full_v = config.linear_num_key_heads, config.linear_num_value_heads
-        assert full_v % full_k == 0
+        full_k, full_v = heads.num_key_heads, heads.num_value_heads
         self.num_k_heads = tp.shard(full_k, "linear_num_key_heads")  # on this rank
         self.num_v_heads = tp.shard(full_v, "linear_num_value_heads")
-        self.head_k_dim, self.head_v_dim = config.linear_key_head_dim, config.linear_value_head_dim
+        self.head_k_dim, self.head_v_dim = heads.key_head_dim, heads.value_head_dim
         self.key_dim, self.value_dim = self.num_k_heads * self.head_k_dim, self.num_v_heads * self.head_v_dim
         self.conv_dim = 2 * self.key_dim + self.value_dim
-        self.conv_kernel = config.linear_conv_kernel_dim
+        self.conv_kernel = heads.conv_kernel
         self.split_projections = split_projections
         r, dk, dv = full_v // full_k, self.head_k_dim, self.head_v_dim
         k0, v0 = tp.rank * self.num_k_heads, tp.rank * self.num_v_heads  # this rank's first heads
@@ -586,7 +583,7 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
         _pick_rows(self.dt_bias, [(v0, self.num_v_heads)])
         _pick_rows(self.A_log, [(v0, self.num_v_heads)])
-        self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)
+        self.norm = GatedRMSNorm(self.head_v_dim, rms_norm_eps)
         self.out_proj = RowParallelLinear(full_v * dv, hidden, bias=False, tp=tp)
         self.core = GatedDeltaCore(self.conv1d, self.key_dim, self.value_dim, self.head_k_dim, self.head_v_dim,
                                    state_layer_id)

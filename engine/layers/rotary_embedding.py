@@ -1,8 +1,7 @@
 """Rotary position embedding (NeoX "rotate half" layout, as HF Llama/Qwen), with rope scaling.
 
-RoPE parameters: transformers 5.x exposes one dict `config.rope_parameters` holding `rope_type`,
-`rope_theta` and the scaling fields; 4.x configs had `config.rope_theta` plus an optional
-`config.rope_scaling` dict. `rope_parameters_of` reads either.
+RoPE parameters: the model config's `text.rope` (model_config.RopeConfig: transformers 5.x's
+`rope_parameters`, or a 4.x config's `rope_theta` and `rope_scaling`, as one mapping).
 
 Supported rope_type: default, linear, llama3, dynamic, yarn. A `partial_rotary_factor` below 1 (Qwen3-Next,
 Qwen3.5: 0.25) rotates only the first head_dim * factor dims of each head and passes the rest through,
@@ -26,22 +25,12 @@ positions tensor it saw.
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 from torch import nn
 
-
-def rope_parameters_of(config: Any) -> dict:
-    params = getattr(config, "rope_parameters", None)
-    if params and "rope_theta" in params:
-        params = dict(params)
-    else:
-        params = dict(getattr(config, "rope_scaling", None) or {})
-        params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
-    params.setdefault("rope_type", params.pop("type", "default"))
-    assert "full_attention" not in params, "per-layer-type RoPE parameters are not supported"
-    return params
+from baton.engine.model_config import TextConfig
 
 
 def _default_inv_freq(base: float, dim: int) -> torch.Tensor:
@@ -62,24 +51,24 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict, max_position: int) ->
     return torch.where(is_medium, smoothed, scaled)
 
 
-def compute_inv_freq(config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
+def compute_inv_freq(text: TextConfig, head_dim: int) -> tuple[torch.Tensor, float]:
     """Returns (inv_freq [head_dim // 2] float32, attention_scaling applied to cos/sin)."""
-    params = rope_parameters_of(config)
-    rope_type = params["rope_type"]
-    rotary_dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+    rope = text.rope
+    params, rope_type = rope.params, rope.rope_type
+    rotary_dim = int(head_dim * rope.partial_rotary_factor)
     if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
-        raise NotImplementedError(f"partial_rotary_factor {params['partial_rotary_factor']} of head_dim {head_dim}")
-    inv_freq = _default_inv_freq(params["rope_theta"], rotary_dim)
+        raise NotImplementedError(f"partial_rotary_factor {rope.partial_rotary_factor} of head_dim {head_dim}")
+    inv_freq = _default_inv_freq(rope.theta, rotary_dim)
     if rope_type in ("default", "dynamic"):
         return inv_freq, 1.0
     if rope_type == "linear":
         return inv_freq / params["factor"], 1.0
     if rope_type == "llama3":
-        return _llama3_inv_freq(inv_freq, params, config.max_position_embeddings), 1.0
+        return _llama3_inv_freq(inv_freq, params, text.context_length), 1.0
     if rope_type == "yarn":
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS["yarn"](config, torch.device("cpu"))
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS["yarn"](rope.hf_config, torch.device("cpu"))
         return inv_freq.to(torch.float32), float(scaling)
     raise NotImplementedError(f"rope_type {rope_type!r} is not supported (default, linear, llama3, dynamic, yarn)")
 
@@ -154,11 +143,11 @@ class RotaryEmbedding(nn.Module):
 _SHARED: dict[tuple, RotaryEmbedding] = {}
 
 
-def get_rope(config: Any, head_dim: int) -> RotaryEmbedding:
+def get_rope(text: TextConfig, head_dim: int) -> RotaryEmbedding:
     """One instance per distinct RoPE (as SGLang's get_rope), so a pass computes cos/sin once."""
-    inv_freq, scaling = compute_inv_freq(config, head_dim)
+    inv_freq, scaling = compute_inv_freq(text, head_dim)
     key = (head_dim, tuple(inv_freq.tolist()), scaling)
-    max_positions = getattr(config, "max_position_embeddings", 4096)
+    max_positions = text.context_length
     if key not in _SHARED:
         _SHARED[key] = RotaryEmbedding(head_dim, inv_freq, scaling, max_positions)
     rope = _SHARED[key]

@@ -1,6 +1,6 @@
 """Build a model from a local Hugging Face directory: config -> registry class -> safetensors weights.
 
-dtype "auto" takes the checkpoint's dtype (`config.dtype`, or `torch_dtype` on older configs), with
+dtype "auto" takes the checkpoint's dtype (model_config.TextConfig.dtype), with
 two exceptions (server_args.auto_dtype_name): float16 on CPU becomes float32, because CPU float16
 matmuls are slow (no native kernels on most CPUs) and the engine compares against float32 references
 there; float32 on CUDA becomes float16, as in SGLang and vLLM. bfloat16 stays bfloat16 on CPU (it has
@@ -14,17 +14,15 @@ import json
 import logging
 import os
 import threading
-from typing import TYPE_CHECKING, Iterator, Optional
+from typing import Iterator, Optional
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
 from baton.engine.distributed.parallel_state import TpGroup, validate_tp
+from baton.engine.model_config import ModelConfig
 from baton.engine.models import get_model_class
-
-if TYPE_CHECKING:
-    from transformers import PretrainedConfig
 
 logger = logging.getLogger(__name__)
 
@@ -32,21 +30,14 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
            "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "half": torch.float16}
 
 
-def _config_dtype(config) -> Optional[torch.dtype]:
-    value = getattr(config, "dtype", None) or config.__dict__.get("torch_dtype")
-    if isinstance(value, str):
-        return DTYPES.get(value)
-    return value if isinstance(value, torch.dtype) else None
-
-
-def resolve_dtype(dtype: str, config, device: str) -> torch.dtype:
+def resolve_dtype(dtype: str, config: ModelConfig, device: str) -> torch.dtype:
     if dtype != "auto":
         if dtype not in DTYPES:
             raise ValueError(f"unknown dtype {dtype!r}; use auto, float32, float16 or bfloat16")
         return DTYPES[dtype]
     from baton.engine.server_args import auto_dtype_name
 
-    checkpoint = _config_dtype(config) or torch.float32
+    checkpoint = config.text.dtype or torch.float32
     name = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}.get(checkpoint, "float32")
     resolved = DTYPES[auto_dtype_name(name, str(device))]
     if resolved != checkpoint:
@@ -101,20 +92,17 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 def load_model(model_path: str, dtype: str = "auto", device: str = "cpu", tp: TpGroup = TpGroup(),
                mtp: bool = False, draft_model_path: Optional[str] = None, token_map: Optional[str] = None,
-               draft_algorithm: Optional[str] = None) -> tuple[nn.Module, "PretrainedConfig", torch.dtype]:
-    """Returns (model in eval mode on `device`, its HF config, the dtype it was built in). With a
+               draft_algorithm: Optional[str] = None) -> tuple[nn.Module, ModelConfig, torch.dtype]:
+    """Returns (model in eval mode on `device`, its config, the dtype it was built in). With a
     TP group of several ranks the model is this rank's shard. `mtp`: with the checkpoint's
     multi-token-prediction head (--speculative-algorithm NEXTN; models/qwen3_next.py).
     `draft_model_path`: an EAGLE draft checkpoint (--speculative-algorithm EAGLE / EAGLE3), built as
     the model's `draft_head` (models/eagle.py), refused unless it is a `draft_algorithm` draft (when
     given); `token_map`: its LM head cut to those tokens."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(model_path)
-    architectures = getattr(config, "architectures", None) or []
-    if not architectures:
+    config = ModelConfig.from_pretrained(model_path)
+    if not config.architecture:
         raise ValueError(f"{model_path}/config.json has no 'architectures' entry")
-    model_cls = get_model_class(architectures[0])
+    model_cls = get_model_class(config.architecture)
     torch_dtype = resolve_dtype(dtype, config, device)
     validate_tp(config, tp.size)
     with _default_dtype(torch_dtype), torch.device(device):
@@ -122,17 +110,16 @@ def load_model(model_path: str, dtype: str = "auto", device: str = "cpu", tp: Tp
         if mtp:
             if not hasattr(model, "add_mtp_head"):
                 raise ValueError(f"--speculative-algorithm NEXTN drafts with the checkpoint's own multi-token-prediction "
-                                 f"weights; {architectures[0]} has none here (Qwen3-Next and Qwen3.5 models do)")
+                                 f"weights; {config.architecture} has none here (Qwen3-Next and Qwen3.5 models do)")
             model.add_mtp_head()
     model.load_weights(iterate_safetensors(safetensors_files(model_path)))
     if draft_model_path is not None:
-        text = getattr(config, "text_config", None) or config
         with _default_dtype(torch_dtype), torch.device(device):
-            head = load_draft_head(draft_model_path, text, model.num_kv_layers, tp, draft_algorithm)
+            head = load_draft_head(draft_model_path, config, model.num_kv_layers, tp, draft_algorithm)
             if token_map is not None:
                 from baton.engine.models.eagle import HotVocabHead, load_token_map
 
-                hot = load_token_map(token_map, text.vocab_size)
+                hot = load_token_map(token_map, config.text.vocab_size)
                 lm = model.model.embed_tokens if model.lm_head is None else model.lm_head  # one TP rank
                 head = HotVocabHead(head, lm.weight.detach()[hot.to(lm.weight.device)], hot)
                 logger.info("draft head: LM head cut to the %d tokens of %s", len(hot), token_map)
@@ -143,17 +130,15 @@ def load_model(model_path: str, dtype: str = "auto", device: str = "cpu", tp: Tp
     return model, config, torch_dtype
 
 
-def load_draft_head(path: str, target_config: "PretrainedConfig", first_kv_layer: int, tp: TpGroup,
+def load_draft_head(path: str, target_config: ModelConfig, first_kv_layer: int, tp: TpGroup,
                     algorithm: Optional[str] = None) -> nn.Module:
     """An EAGLE draft checkpoint (config.json and safetensors, or the pytorch_model.bin most published
     EAGLE drafts come as) as a head over the target (models/eagle.py); with `algorithm`, refused (before
     its weights load) when the checkpoint is the other kind."""
-    from transformers import AutoConfig
-
     from baton.engine.models.eagle import EAGLE_ARCHITECTURES, build_eagle_head, strip_prefix
 
-    config = AutoConfig.from_pretrained(path)
-    arch = (getattr(config, "architectures", None) or ["?"])[0]
+    config = ModelConfig.from_pretrained(path)
+    arch = config.architecture or "?"
     kind = EAGLE_ARCHITECTURES.get(arch)
     if algorithm is not None and kind is not None and kind != algorithm:
         raise ValueError(f"--speculative-algorithm {algorithm}: {path} is an {kind} draft ({arch}); pass "

@@ -1,12 +1,13 @@
 """ModelRunner: owns the model, the memory pools and the attention backend; runs one forward pass."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
 import types
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 import torch
 
@@ -91,108 +92,145 @@ def _inference(t: torch.Tensor) -> torch.Tensor:
 class ModelRunner:
     def __init__(self, server_args: ServerArgs, tp: Optional["TpGroup"] = None) -> None:
         """`tp`: the tensor-parallel group this runner's shard belongs to (one rank by default)."""
-        from baton.engine.layers.attention import create_attention_backend
-        from baton.engine.mem_cache.allocator import TokenToKVPoolAllocator
-        from baton.engine.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
-        from baton.engine.model_executor.model_loader import load_model
-
         from baton.engine.distributed.parallel_state import TpGroup
+        from baton.engine.layers.attention import create_attention_backend
 
         self.server_args, self.device = server_args, server_args.device
         self.tp = tp or TpGroup()
         # seconds per start-up phase, reported in /get_server_info and the scheduler's ready line
         self.startup_s: dict[str, float] = {}
-        clock = time.perf_counter()
+        with self._phase("load_weights"):
+            self._load_model()
+        with self._phase("kv_pool"):
+            self._prepare_model()
+            self._init_pools()
+            self.attn_backend = create_attention_backend(server_args.attention_backend, model_runner=self)
+        with self._phase("cuda_graphs"):
+            self.cuda_graph_runner = self._init_cuda_graph_runner()
+        with self._phase("compile"):
+            self._init_native_forward()
+            self._init_compiled_model()
+            self._warm_up_compiled()
+        cfg = self.pool_config
+        logger.info("model loaded: %s layers, dtype %s, KV cache %s, KV pool %d tokens, %d max running requests",
+                    self.num_layers, self.dtype, self.kv_dtype, cfg.max_total_tokens, cfg.max_running_requests)
 
-        def phase(name: str) -> None:
-            nonlocal clock
-            now = time.perf_counter()
-            self.startup_s[name] = round(now - clock, 3)
-            clock = now
+    # ---- the model's geometry (model_config.ModelConfig) ----
 
-        torch.manual_seed(server_args.random_seed)
-        algorithm = server_args.speculative_algorithm
-        self.model, self.hf_config, self.dtype = load_model(
-            server_args.model_path, server_args.dtype, self.device, self.tp, mtp=algorithm == "NEXTN",
-            draft_model_path=(server_args.speculative_draft_model_path
-                              if algorithm in DRAFT_CHECKPOINT_ALGORITHMS else None),
-            token_map=server_args.speculative_token_map, draft_algorithm=algorithm)
-        # the head that drafts beside the model's passes (speculative/head_worker.py): NEXTN's MTP head,
-        # part of the model, or an EAGLE draft checkpoint's, whose KV layers come after the model's
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.text.vocab_size
+
+    @property
+    def num_layers(self) -> int:
+        return self.model_config.text.num_layers
+
+    @property
+    def head_dim(self) -> int:
+        return self.model_config.heads.head_dim
+
+    # ---- start-up steps, in order ----
+
+    @contextlib.contextmanager
+    def _phase(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        self.startup_s[name] = round(time.perf_counter() - start, 3)
+
+    def _load_model(self) -> None:
+        """The config, the weights, and the head that drafts beside the model's passes
+        (speculative/head_worker.py): NEXTN's MTP head, part of the model, or an EAGLE draft
+        checkpoint's, whose KV layers come after the model's."""
+        from baton.engine.model_executor.model_loader import load_model
+
+        args = self.server_args
+        torch.manual_seed(args.random_seed)
+        algorithm = args.speculative_algorithm
+        self.model, self.model_config, self.dtype = load_model(
+            args.model_path, args.dtype, self.device, self.tp, mtp=algorithm == "NEXTN",
+            draft_model_path=args.speculative_draft_model_path if algorithm in DRAFT_CHECKPOINT_ALGORITHMS else None,
+            token_map=args.speculative_token_map, draft_algorithm=algorithm)
         self.draft_head = getattr(self.model, "mtp" if algorithm == "NEXTN" else "draft_head", None)
-        phase("load_weights")
+
+    def _prepare_model(self) -> None:
+        """Each layer op on its device's path (Triton on CUDA), or all on the torch reference; the
+        small-batch GEMV switch; CPU bfloat16 linears packed for the CPU GEMM."""
+        args = self.server_args
         self.model.eval()
         # each layer op on its device's path (Triton on CUDA), or all on the torch reference; the linears'
         # small-batch GEMV on CUDA with the fused ops only (held by this model's layers)
-        self.layer_ops = bind_layer_ops(self.model, self.device, fused=not server_args.disable_fused_ops,
-                                        gemv=SmallBatchGemv(server_args.small_batch_gemv_rows))
-        if not server_args.disable_packed_linear:  # CPU bfloat16 layers only; it checks
+        self.layer_ops = bind_layer_ops(self.model, self.device, fused=not args.disable_fused_ops,
+                                        gemv=SmallBatchGemv(args.small_batch_gemv_rows))
+        if not args.disable_packed_linear:  # CPU bfloat16 layers only; it checks
             pack_linear_weights(self.model, self.device)
-        self.kv_dtype = resolve_kv_dtype(server_args.kv_cache_dtype, self.dtype)
-        text_cfg = getattr(self.hf_config, "text_config", None) or self.hf_config
-        self.vocab_size = text_cfg.vocab_size
-        self.num_layers = text_cfg.num_hidden_layers
+
+    def _init_pools(self) -> None:
+        """The request table, the KV pool (this rank's KV heads only) and its allocator, and a hybrid
+        model's recurrent-state pool, sized by _pool_config."""
+        from baton.engine.mem_cache.allocator import TokenToKVPoolAllocator
+        from baton.engine.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+
+        args, page = self.server_args, self.server_args.page_size
+        self.kv_dtype = resolve_kv_dtype(args.kv_cache_dtype, self.dtype)
         # layers with a KV cache: all of them, except in a hybrid model (its full-attention layers only)
         self.num_kv_layers = getattr(self.model, "num_kv_layers", self.num_layers)
-        if algorithm in DRAFT_CHECKPOINT_ALGORITHMS:  # NEXTN's head is part of the model and counted by it
+        # NEXTN's head is part of the model and counted by it
+        if args.speculative_algorithm in DRAFT_CHECKPOINT_ALGORITHMS:
             self.num_kv_layers += self.draft_head.num_kv_layers
+        self.num_kv_heads = self.tp.kv_head_range(self.model_config.heads.num_kv_heads)[1]
         state_shapes = getattr(self.model, "linear_state_shapes", lambda: None)()
-        # this rank's KV heads: the pool holds only those
-        self.num_kv_heads = self.tp.kv_head_range(
-            getattr(text_cfg, "num_key_value_heads", None) or text_cfg.num_attention_heads)[1]
-        self.head_dim = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // text_cfg.num_attention_heads
-        self.pool_config = self._pool_config(text_cfg, state_shapes)
-        page = server_args.page_size
-        cfg = self.pool_config
-        # RoPE's cos/sin tables cover every position a request can reach, before compile or capture
-        for rope in self.model.modules():  # each module once, however many layers share it
-            if isinstance(rope, RotaryEmbedding):
-                rope.reserve(cfg.context_len + page, self.device)
+        self.pool_config = cfg = self._pool_config(state_shapes)
+        self._reserve_rope(cfg.context_len + page)
         self.req_to_token_pool = ReqToTokenPool(cfg.max_running_requests + 1, cfg.context_len + page, self.device)
         self.token_to_kv_pool = MHATokenToKVPool(cfg.max_total_tokens, page, self.kv_dtype, self.num_kv_heads,
                                                  self.head_dim, self.num_kv_layers, self.device)
         self.state_pool = self._init_state_pool(state_shapes)
         self.allocator = TokenToKVPoolAllocator(cfg.max_total_tokens, page, self.device)
-        self.attn_backend = create_attention_backend(server_args.attention_backend, model_runner=self)
-        phase("kv_pool")
-        self.cuda_graph_runner = self._init_cuda_graph_runner()
-        phase("cuda_graphs")
-        # Decode: its shapes change little (batch size, KV length), so one dynamic graph serves every
-        # step and removes most of the per-step Python/dispatch floor. On CPU with the torch backend
-        # the extend compiles too (a second graph, dynamic in the token count): its attention loop is
-        # one opaque op there, and Inductor fuses the norms, rotary and gated MLP around it.
-        # The model's modules and weights never change once loaded, so the graphs skip Dynamo's
-        # guards on them (as vLLM compiles without guards at all): those were about half of the
-        # guard check every call pays, ~0.1-0.2 ms of a CPU decode step. Guards on the batch stay.
-        # Without those guards nothing would tell this model's graphs from another model's, so
-        # they live on a code object of this runner's own (Dynamo keeps graphs per code object).
-        # CPU bfloat16 dense Llama-family models go further: every step is one native call
-        # (model_executor/native_forward.py), and nothing is compiled.
+
+    def _reserve_rope(self, positions: int) -> None:
+        """RoPE's cos/sin tables cover every position a request can reach, before compile or capture."""
+        for rope in self.model.modules():  # each module once, however many layers share it
+            if isinstance(rope, RotaryEmbedding):
+                rope.reserve(positions, self.device)
+
+    # CPU bfloat16 dense Llama-family models run every step as one native call (model_executor/native_forward.py),
+    # and nothing is compiled.
+    def _init_native_forward(self) -> None:
         self.native_forward = None
         if self.draft_head is not None and self.draft_head.aux_layers:
             logger.info("native CPU forward off: EAGLE3's draft reads states inside the model's layers")
-        elif self.device == "cpu" and self.dtype == torch.bfloat16 and not server_args.disable_native_forward:
+        elif (self.device == "cpu" and self.dtype == torch.bfloat16
+              and not self.server_args.disable_native_forward):
             from baton.engine.model_executor.native_forward import NativeForward
+
             self.native_forward = NativeForward.create(self.model, self.req_to_token_pool, self.token_to_kv_pool,
                                                        self.tp.size, self.device)
-        if self.native_forward is not None and server_args.enable_torch_compile:
+
+    # Decode: its shapes change little (batch size, KV length), so one dynamic graph serves every
+    # step and removes most of the per-step Python/dispatch floor. On CPU with the torch backend
+    # the extend compiles too (a second graph, dynamic in the token count): its attention loop is
+    # one opaque op there, and Inductor fuses the norms, rotary and gated MLP around it.
+    # The model's modules and weights never change once loaded, so the graphs skip Dynamo's
+    # guards on them (as vLLM compiles without guards at all): those were about half of the
+    # guard check every call pays, ~0.1-0.2 ms of a CPU decode step. Guards on the batch stay.
+    # Without those guards nothing would tell this model's graphs from another model's, so
+    # they live on a code object of this runner's own (Dynamo keeps graphs per code object).
+    def _init_compiled_model(self) -> None:
+        args = self.server_args
+        if self.native_forward is not None and args.enable_torch_compile:
             logger.info("--enable-torch-compile: nothing to compile, the native forward serves every step")
-        skip_module_guards = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
-        compile_ = server_args.enable_torch_compile and self.native_forward is None
+        compile_ = args.enable_torch_compile and self.native_forward is None
         if compile_ and self.draft_head is not None:
             logger.info("--enable-torch-compile: not with a draft head yet, the model's own forward serves")
             compile_ = False
         if compile_ and self.state_pool is not None:
             logger.info("--enable-torch-compile: not for a hybrid model yet, its own forward serves uncompiled")
             compile_ = False
+        skip_module_guards = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
         self.compiled_model = (torch.compile(_own_code_forward(self.model), dynamic=True, options=skip_module_guards)
                                if compile_ else None)
         self.compile_extend = (self.compiled_model is not None and self.device == "cpu"
-                               and server_args.attention_backend == "torch")
-        self._warm_up_compiled()
-        phase("compile")
-        logger.info("model loaded: %s layers, dtype %s, KV cache %s, KV pool %d tokens, %d max running requests",
-                    self.num_layers, self.dtype, self.kv_dtype, cfg.max_total_tokens, cfg.max_running_requests)
+                               and args.attention_backend == "torch")
 
     # Every shape class serving can meet: Dynamo specialises sizes 0/1 and makes the rest dynamic
     # from the second distinct size, so batch 1 and batch 2 (one token and several) cover them.
@@ -261,9 +299,9 @@ class ModelRunner:
                                verify_max_bs=args.speculative_disable_by_batch_size - 1 if verify else 0,
                                verify_trees=trees)
 
-    def _pool_config(self, text_cfg, state_shapes: Optional["LinearStateShapes"]) -> PoolConfig:
+    def _pool_config(self, state_shapes: Optional["LinearStateShapes"]) -> PoolConfig:
         args, page = self.server_args, self.server_args.page_size
-        context_len = args.context_length or getattr(text_cfg, "max_position_embeddings", 4096)
+        context_len = args.context_length or self.model_config.text.context_length
         cell = self.num_kv_layers * 2 * self.num_kv_heads * self.head_dim * self.kv_dtype.itemsize
         # a hybrid model's state slots cap its running requests (mem_cache/state_pool.py)
         slots = (args.max_mamba_cache_size or args.max_running_requests) if state_shapes is not None else None

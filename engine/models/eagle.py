@@ -34,20 +34,19 @@ from baton.engine.distributed.parallel_state import TpGroup
 from baton.engine.layers.layernorm import RMSNorm
 from baton.engine.layers.linear import MergedColumnLinear, OutputPart, load_param, qkv_parts
 from baton.engine.layers.vocab_parallel import VocabParallelEmbedding
-from baton.engine.models.llama import STACKED_SHARDS, LlamaAttention, LlamaDecoderLayer, LlamaMLP, head_dim_of
+from baton.engine.model_config import ModelConfig
+from baton.engine.models.llama import STACKED_SHARDS, LlamaAttention, LlamaDecoderLayer, LlamaMLP
 
 if TYPE_CHECKING:
-    from transformers import PretrainedConfig
-
     from baton.engine.core.forward_batch import ForwardBatch
 
 EAGLE_ARCHITECTURES = {"LlamaForCausalLMEagle": "EAGLE", "LlamaForCausalLMEagle3": "EAGLE3"}
 
 
-def eagle3_aux_layers(draft_config: "PretrainedConfig", num_layers: int) -> tuple[int, ...]:
+def eagle3_aux_layers(draft_config: ModelConfig, num_layers: int) -> tuple[int, ...]:
     """The target layers whose input EAGLE-3 reads: the checkpoint's layer ids (outputs of those
     layers, so inputs of the next ones), else SGLang's default (inputs of 2, N/2, N-3)."""
-    ids = (getattr(draft_config, "eagle_config", None) or {}).get("eagle_aux_hidden_state_layer_ids")
+    ids = draft_config.eagle.aux_layer_ids
     layers = tuple(i + 1 for i in ids) if ids else (2, num_layers // 2, num_layers - 3)
     if len(layers) != 3 or not all(0 < i < num_layers for i in layers):
         raise ValueError(f"EAGLE3 reads three target layers inside the model's {num_layers}; got inputs of {layers}")
@@ -90,18 +89,17 @@ class EagleHead(nn.Module):
     algorithm = "EAGLE"
     own_lm_head = False  # the target's LM head reads `out` (EAGLE-3: draft_logits, draft_to_target)
 
-    def __init__(self, config: "PretrainedConfig", first_kv_layer: int, fc_bias: bool, tp: TpGroup = TpGroup()) -> None:
+    def __init__(self, config: ModelConfig, first_kv_layer: int, fc_bias: bool, tp: TpGroup = TpGroup()) -> None:
         super().__init__()
-        hidden = config.hidden_size
+        text = config.text
+        hidden, bias = text.hidden_size, text.attention_bias
         self.fc = _replicated(2 * hidden, hidden, fc_bias)
-        bias = bool(getattr(config, "attention_bias", False))
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, LlamaAttention(config, first_kv_layer + i, bias, bias, tp=tp),
-                              LlamaMLP(hidden, config.intermediate_size, config.hidden_act,
-                                       bias=bool(getattr(config, "mlp_bias", False)), tp=tp))
-            for i in range(config.num_hidden_layers))
+                              LlamaMLP(hidden, text.intermediate_size, text.hidden_act, bias=text.mlp_bias, tp=tp))
+            for i in range(text.num_layers))
         self.layers[0].input_layernorm = nn.Identity()  # EAGLE's first layer has none (its fc output is the input)
-        self.num_kv_layers = config.num_hidden_layers
+        self.num_kv_layers = text.num_layers
         self.aux_layers: tuple[int, ...] = ()
 
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
@@ -124,18 +122,17 @@ class Eagle3DecoderLayer(nn.Module):
     """EAGLE-3's one layer: attention over [input_norm(embedding) ; hidden_norm(state)] (2 x hidden
     wide), the state as its residual, then the usual post-attention norm and MLP."""
 
-    def __init__(self, config: "PretrainedConfig", kv_layer: int, tp: TpGroup) -> None:
+    def __init__(self, config: ModelConfig, kv_layer: int, tp: TpGroup) -> None:
         super().__init__()
-        hidden, bias = config.hidden_size, bool(getattr(config, "attention_bias", False))
+        text, heads = config.text, config.heads
+        hidden, bias = text.hidden_size, text.attention_bias
         self.self_attn = LlamaAttention(config, kv_layer, bias, bias, tp=tp)
         self.self_attn.qkv_proj = MergedColumnLinear(
-            2 * hidden, qkv_parts(config.num_attention_heads, config.num_key_value_heads, head_dim_of(config), tp),
-            bias=bias)
-        self.mlp = LlamaMLP(hidden, config.intermediate_size, config.hidden_act,
-                            bias=bool(getattr(config, "mlp_bias", False)), tp=tp)
-        self.input_layernorm = RMSNorm(hidden, config.rms_norm_eps)
-        self.hidden_norm = RMSNorm(hidden, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(hidden, config.rms_norm_eps)
+            2 * hidden, qkv_parts(heads.num_heads, heads.num_kv_heads, heads.head_dim, tp), bias=bias)
+        self.mlp = LlamaMLP(hidden, text.intermediate_size, text.hidden_act, bias=text.mlp_bias, tp=tp)
+        self.input_layernorm = RMSNorm(hidden, text.rms_norm_eps)
+        self.hidden_norm = RMSNorm(hidden, text.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(hidden, text.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, embeds: torch.Tensor, state: torch.Tensor,
                 forward_batch: "ForwardBatch") -> torch.Tensor:
@@ -152,15 +149,15 @@ class Eagle3Head(nn.Module):
     algorithm = "EAGLE3"
     own_lm_head = True
 
-    def __init__(self, config: "PretrainedConfig", first_kv_layer: int, aux_layers: tuple[int, ...],
+    def __init__(self, config: ModelConfig, first_kv_layer: int, aux_layers: tuple[int, ...],
                  target_hidden: int, tp: TpGroup = TpGroup()) -> None:
         super().__init__()
-        hidden = config.hidden_size
+        hidden = config.text.hidden_size
         self.hidden_size = hidden
-        self.fc = _replicated(3 * target_hidden, hidden, bool(getattr(config, "bias", False)))
+        self.fc = _replicated(3 * target_hidden, hidden, config.eagle.fc_bias)
         self.midlayer = Eagle3DecoderLayer(config, first_kv_layer, tp)
-        self.norm = RMSNorm(hidden, config.rms_norm_eps)
-        draft_vocab = int(getattr(config, "draft_vocab_size", None) or config.vocab_size)
+        self.norm = RMSNorm(hidden, config.text.rms_norm_eps)
+        draft_vocab = config.eagle.draft_vocab_size
         self.lm_head = VocabParallelEmbedding(draft_vocab, hidden, tp)
         # draft id -> target id (d2t holds the offsets; a checkpoint over the full vocabulary has none)
         self.register_buffer("draft_to_target", torch.arange(draft_vocab, dtype=torch.int64), persistent=False)
@@ -226,26 +223,26 @@ def load_token_map(path: str, vocab_size: int) -> torch.Tensor:
     return ids
 
 
-def build_eagle_head(draft_config: "PretrainedConfig", weights: dict[str, torch.Tensor],
-                     target_config: "PretrainedConfig", first_kv_layer: int, tp: TpGroup) -> nn.Module:
+def build_eagle_head(draft_config: ModelConfig, weights: dict[str, torch.Tensor], target_config: ModelConfig,
+                     first_kv_layer: int, tp: TpGroup) -> nn.Module:
     """The draft checkpoint's head (by its architecture), checked against the target, weights loaded.
     Called under the target's dtype and device."""
-    arch = (getattr(draft_config, "architectures", None) or ["?"])[0]
+    arch = draft_config.architecture or "?"
     if arch not in EAGLE_ARCHITECTURES:
         raise ValueError(f"--speculative-draft-model-path: architecture {arch} is not an EAGLE draft "
                          f"({', '.join(EAGLE_ARCHITECTURES)})")
-    target_kv = (target_config.num_key_value_heads, head_dim_of(target_config))
-    draft_kv = (getattr(draft_config, "num_key_value_heads", None) or draft_config.num_attention_heads,
-                head_dim_of(draft_config))
-    if draft_kv != target_kv or draft_config.hidden_size != target_config.hidden_size:
-        raise ValueError(f"the draft's KV heads, head size and hidden size {draft_kv + (draft_config.hidden_size,)} must "
-                         f"be the target's {target_kv + (target_config.hidden_size,)}: its KV layers share the "
+    draft, target = draft_config, target_config
+    target_kv = (target.heads.num_kv_heads, target.heads.head_dim)
+    draft_kv = (draft.heads.num_kv_heads, draft.heads.head_dim)
+    if draft_kv != target_kv or draft.text.hidden_size != target.text.hidden_size:
+        raise ValueError(f"the draft's KV heads, head size and hidden size {draft_kv + (draft.text.hidden_size,)} must "
+                         f"be the target's {target_kv + (target.text.hidden_size,)}: its KV layers share the "
                          "target's pool and it reads the target's embedding")
     if EAGLE_ARCHITECTURES[arch] == "EAGLE":
-        head: nn.Module = EagleHead(draft_config, first_kv_layer, fc_bias="fc.bias" in weights, tp=tp)
+        head: nn.Module = EagleHead(draft, first_kv_layer, fc_bias="fc.bias" in weights, tp=tp)
     else:
-        head = Eagle3Head(draft_config, first_kv_layer, eagle3_aux_layers(draft_config, target_config.num_hidden_layers),
-                          target_config.hidden_size, tp=tp)
+        head = Eagle3Head(draft, first_kv_layer, eagle3_aux_layers(draft, target.text.num_layers),
+                          target.text.hidden_size, tp=tp)
     head.load_weights(weights.items())
     return head.eval().requires_grad_(False)
 

@@ -32,11 +32,10 @@ from baton.engine.layers.qkv_rope import QKVRope
 from baton.engine.layers.radix_attention import RadixAttention
 from baton.engine.layers.rotary_embedding import RotaryEmbedding, get_rope
 from baton.engine.layers.vocab_parallel import VocabParallelEmbedding
+from baton.engine.model_config import SLIDING_ATTENTION, ModelConfig
 from baton.engine.model_structure import Attention, DecoderLayer, DecoderStructure, Linear, Mlp, Norm, Rope
 
 if TYPE_CHECKING:
-    from transformers import PretrainedConfig
-
     from baton.engine.core.forward_batch import ForwardBatch
     from baton.engine.mem_cache.state_pool import LinearStateShapes
 
@@ -47,28 +46,24 @@ STACKED_SHARDS: dict[str, tuple[str, int]] = {
 }
 
 
-def head_dim_of(config: "PretrainedConfig") -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
 class LlamaAttention(nn.Module):
-    def __init__(self, config: "PretrainedConfig", layer_id: int, qkv_bias: bool, o_bias: bool,
+    def __init__(self, config: ModelConfig, layer_id: int, qkv_bias: bool, o_bias: bool,
                  qk_norm: bool = False, tp: TpGroup = TpGroup()) -> None:
         super().__init__()
-        total_heads, total_kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim = head_dim_of(config)
-        if "sliding_attention" in (getattr(config, "layer_types", None) or []):
+        text, heads = config.text, config.heads
+        self.head_dim = heads.head_dim
+        if SLIDING_ATTENTION in config.layer_types:
             raise NotImplementedError("sliding-window attention layers are not supported")
-        parts = qkv_parts(total_heads, total_kv_heads, self.head_dim, tp)
+        parts = qkv_parts(heads.num_heads, heads.num_kv_heads, self.head_dim, tp)
         # this rank's heads
         self.num_heads, self.num_kv_heads = parts[0].size // self.head_dim, parts[1].size // self.head_dim
         self.q_size, self.kv_size = parts[0].size, parts[1].size
-        self.qkv_proj = MergedColumnLinear(config.hidden_size, parts, bias=qkv_bias)
-        self.o_proj = RowParallelLinear(total_heads * self.head_dim, config.hidden_size, bias=o_bias, tp=tp)
+        self.qkv_proj = MergedColumnLinear(text.hidden_size, parts, bias=qkv_bias)
+        self.o_proj = RowParallelLinear(heads.num_heads * self.head_dim, text.hidden_size, bias=o_bias, tp=tp)
         # Qwen3: RMSNorm over each head's q and k, before RoPE
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
-        self.rotary_emb = get_rope(config, self.head_dim)
+        self.q_norm = RMSNorm(self.head_dim, text.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, text.rms_norm_eps) if qk_norm else None
+        self.rotary_emb = get_rope(text, self.head_dim)
         # split, q/k norms, RoPE (and on CUDA the KV store): one op
         self.qkv_rope = QKVRope(self.num_heads, self.num_kv_heads, self.head_dim, layer_id, self.rotary_emb,
                                 self.q_norm, self.k_norm)
@@ -94,11 +89,12 @@ LlamaMLP = GatedMLP  # the name the Llama-family models and their tests use
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: "PretrainedConfig", self_attn: nn.Module, mlp: nn.Module) -> None:
+    def __init__(self, config: ModelConfig, self_attn: nn.Module, mlp: nn.Module) -> None:
         super().__init__()
         self.self_attn, self.mlp = self_attn, mlp
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        text = config.text
+        self.input_layernorm = RMSNorm(text.hidden_size, text.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(text.hidden_size, text.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: Optional[torch.Tensor],
                 forward_batch: "ForwardBatch") -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,12 +112,13 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: "PretrainedConfig", make_layer: Callable[[int], LlamaDecoderLayer],
+    def __init__(self, config: ModelConfig, make_layer: Callable[[int], LlamaDecoderLayer],
                  tp: TpGroup = TpGroup()) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
-        self.layers = nn.ModuleList(make_layer(i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        text = config.text
+        self.embed_tokens = VocabParallelEmbedding(text.vocab_size, text.hidden_size, tp)
+        self.layers = nn.ModuleList(make_layer(i) for i in range(text.num_layers))
+        self.norm = RMSNorm(text.hidden_size, text.rms_norm_eps)
         # EAGLE-3's draft reads the residual stream entering these layers (models/eagle.py): the forward
         # leaves them, concatenated, in forward_batch.aux_hidden
         self.aux_layers: tuple[int, ...] = ()
@@ -146,20 +143,20 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: "PretrainedConfig", tp: TpGroup = TpGroup()) -> None:
+    def __init__(self, config: ModelConfig, tp: TpGroup = TpGroup()) -> None:
         super().__init__()
         self.config, self.tp = config, tp
         self.model = LlamaModel(config, self._make_layer, tp)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.tie_word_embeddings = config.text.tie_word_embeddings
         self.lm_head = (None if self.tie_word_embeddings
-                        else VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp))
+                        else VocabParallelEmbedding(config.text.vocab_size, config.text.hidden_size, tp))
 
     # ---- what the model runner asks (hybrid models answer otherwise) ----
 
     @property
     def num_kv_layers(self) -> int:
         """Layers that keep a KV cache; their RadixAttention layer_ids are 0 .. num_kv_layers - 1."""
-        return self.config.num_hidden_layers
+        return self.config.text.num_layers
 
     def linear_state_shapes(self) -> Optional["LinearStateShapes"]:
         """The recurrent state of linear-attention layers per request row; None: no such layers."""
@@ -167,13 +164,13 @@ class LlamaForCausalLM(nn.Module):
 
     # ---- pieces subclasses override ----
 
-    def build_attention(self, config: "PretrainedConfig", layer_id: int) -> nn.Module:
-        bias = bool(getattr(config, "attention_bias", False))
+    def build_attention(self, config: ModelConfig, layer_id: int) -> nn.Module:
+        bias = config.text.attention_bias
         return LlamaAttention(config, layer_id, qkv_bias=bias, o_bias=bias, tp=self.tp)
 
-    def build_mlp(self, config: "PretrainedConfig", layer_id: int) -> nn.Module:
-        return LlamaMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
-                        bias=bool(getattr(config, "mlp_bias", False)), tp=self.tp)
+    def build_mlp(self, config: ModelConfig, layer_id: int) -> nn.Module:
+        text = config.text
+        return LlamaMLP(text.hidden_size, text.intermediate_size, text.hidden_act, bias=text.mlp_bias, tp=self.tp)
 
     def load_special_weight(self, name: str, tensor: torch.Tensor) -> str | None:
         """Hook for checkpoint names the generic loader does not handle; returns the name of the

@@ -4,33 +4,30 @@
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from baton.engine.layers.moe import SparseMoeBlock
+from baton.engine.model_config import ModelConfig
 from baton.engine.model_structure import Mlp
 from baton.engine.models.qwen3 import Qwen3ForCausalLM
-
-if TYPE_CHECKING:
-    from transformers import PretrainedConfig
 
 # a sparse layer's router and experts; `mtp.layers.N`: a Qwen3-Next / Qwen3.5-MoE MTP head's layer
 _MOE_NAME = re.compile(r"^((?:model|mtp)\.layers\.\d+)\.mlp\.((?:experts|gate)\..+)$")
 
 
-def is_sparse_layer(config: "PretrainedConfig", layer_id: int) -> bool:
-    return (layer_id not in (getattr(config, "mlp_only_layers", None) or [])
-            and config.num_experts > 0 and (layer_id + 1) % config.decoder_sparse_step == 0)
+def is_sparse_layer(config: ModelConfig, layer_id: int) -> bool:
+    return config.moe is not None and config.moe.is_sparse(layer_id)
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
-    def build_mlp(self, config: "PretrainedConfig", layer_id: int) -> nn.Module:
+    def build_mlp(self, config: ModelConfig, layer_id: int) -> nn.Module:
         if not is_sparse_layer(config, layer_id):
             return super().build_mlp(config, layer_id)
-        return SparseMoeBlock(config.hidden_size, config.moe_intermediate_size, config.num_experts,
-                              config.num_experts_per_tok, bool(config.norm_topk_prob), config.hidden_act, tp=self.tp)
+        moe, text = config.moe, config.text
+        return SparseMoeBlock(text.hidden_size, moe.intermediate_size, moe.num_experts, moe.top_k, moe.norm_topk_prob,
+                              text.hidden_act, tp=self.tp)
 
     def describe_mlp(self, mlp: nn.Module) -> Mlp:
         return Mlp("moe") if isinstance(mlp, SparseMoeBlock) else super().describe_mlp(mlp)

@@ -27,12 +27,12 @@ and the embedding of the token that follows it:
 The published Qwen3.5 checkpoints are vision-language models (`Qwen3_5ForConditionalGeneration`,
 `Qwen3_5MoeForConditionalGeneration`): a `text_config` and a `vision_config`, the text model's weights
 under `model.language_model.*` beside `lm_head.*`, the vision tower's under `model.visual.*`. They are
-served as their text model: vision weights are skipped (one log line), and a request with an image part
-is refused upstream (entrypoints/openai_api.py) until multimodal input exists.
+served as their text model (model_config.py reads the text model's config out of the outer one): vision
+weights are skipped (one log line), and a request with an image part is refused upstream
+(entrypoints/openai_api.py) until multimodal input exists.
 """
 from __future__ import annotations
 
-import copy
 import logging
 from typing import TYPE_CHECKING, Iterable, Optional
 
@@ -47,13 +47,12 @@ from baton.engine.layers.moe import SharedExpertMoeBlock
 from baton.engine.layers.radix_attention import RadixAttention
 from baton.engine.layers.rotary_embedding import get_rope
 from baton.engine.mem_cache.state_pool import LinearStateShapes
+from baton.engine.model_config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
 from baton.engine.model_structure import DecoderStructure
-from baton.engine.models.llama import LlamaMLP, head_dim_of
+from baton.engine.models.llama import LlamaMLP
 from baton.engine.models.qwen3_moe import Qwen3MoeForCausalLM, is_sparse_layer
 
 if TYPE_CHECKING:
-    from transformers import PretrainedConfig
-
     from baton.engine.core.forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
@@ -63,20 +62,21 @@ class GatedAttention(nn.Module):
     """With tensor parallelism: whole heads per rank (q_proj's rows are [q | gate] per head, so a
     head's pair moves together), KV heads as Llama's (replicated when fewer than ranks)."""
 
-    def __init__(self, config: "PretrainedConfig", kv_layer_id: int, tp: TpGroup = TpGroup()) -> None:
+    def __init__(self, config: ModelConfig, kv_layer_id: int, tp: TpGroup = TpGroup()) -> None:
         super().__init__()
-        self.head_dim = hd = head_dim_of(config)
-        self.num_heads = tp.shard(config.num_attention_heads, "num_attention_heads")  # on this rank
-        kv_start, self.num_kv_heads = tp.kv_head_range(config.num_key_value_heads)
+        text, heads = config.text, config.heads
+        self.head_dim = hd = heads.head_dim
+        self.num_heads = tp.shard(heads.num_heads, "num_attention_heads")  # on this rank
+        kv_start, self.num_kv_heads = tp.kv_head_range(heads.num_kv_heads)
         self.q_size, self.kv_size = self.num_heads * hd, self.num_kv_heads * hd
-        bias = bool(getattr(config, "attention_bias", False))
-        q = OutputPart(2 * config.num_attention_heads * hd, tp.rank * 2 * self.q_size, 2 * self.q_size)
-        kv = OutputPart(config.num_key_value_heads * hd, kv_start * hd, self.kv_size)
-        self.qkv_proj = MergedColumnLinear(config.hidden_size, [q, kv, kv], bias=bias)  # q_proj is [q | gate]
-        self.o_proj = RowParallelLinear(config.num_attention_heads * hd, config.hidden_size, bias=bias, tp=tp)
-        self.q_norm = ZeroCenteredRMSNorm(hd, config.rms_norm_eps)
-        self.k_norm = ZeroCenteredRMSNorm(hd, config.rms_norm_eps)
-        self.rotary_emb = get_rope(config, hd)
+        bias = text.attention_bias
+        q = OutputPart(2 * heads.num_heads * hd, tp.rank * 2 * self.q_size, 2 * self.q_size)
+        kv = OutputPart(heads.num_kv_heads * hd, kv_start * hd, self.kv_size)
+        self.qkv_proj = MergedColumnLinear(text.hidden_size, [q, kv, kv], bias=bias)  # q_proj is [q | gate]
+        self.o_proj = RowParallelLinear(heads.num_heads * hd, text.hidden_size, bias=bias, tp=tp)
+        self.q_norm = ZeroCenteredRMSNorm(hd, text.rms_norm_eps)
+        self.k_norm = ZeroCenteredRMSNorm(hd, text.rms_norm_eps)
+        self.rotary_emb = get_rope(text, hd)
         self.attn = RadixAttention(self.num_heads, hd, hd ** -0.5, self.num_kv_heads, kv_layer_id)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, forward_batch: "ForwardBatch") -> torch.Tensor:
@@ -91,7 +91,7 @@ class GatedAttention(nn.Module):
 
 
 class HybridDecoderLayer(nn.Module):
-    def __init__(self, config: "PretrainedConfig", mixer: nn.Module, mlp: nn.Module) -> None:
+    def __init__(self, config: ModelConfig, mixer: nn.Module, mlp: nn.Module) -> None:
         super().__init__()
         self.is_linear = isinstance(mixer, GatedDeltaNet)
         if self.is_linear:  # the checkpoint's names
@@ -99,8 +99,9 @@ class HybridDecoderLayer(nn.Module):
         else:
             self.self_attn = mixer
         self.mlp = mlp
-        self.input_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
+        text = config.text
+        self.input_layernorm = ZeroCenteredRMSNorm(text.hidden_size, text.rms_norm_eps)
+        self.post_attention_layernorm = ZeroCenteredRMSNorm(text.hidden_size, text.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: Optional[torch.Tensor],
                 forward_batch: "ForwardBatch") -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,14 +127,14 @@ class MtpHead(nn.Module):
     own_lm_head = False  # the model's LM head reads its outputs
     aux_layers: tuple[int, ...] = ()  # it reads the model's final hidden states
 
-    def __init__(self, config: "PretrainedConfig", layer: HybridDecoderLayer) -> None:
+    def __init__(self, config: ModelConfig, layer: HybridDecoderLayer) -> None:
         super().__init__()
-        hidden = config.hidden_size
+        hidden, eps = config.text.hidden_size, config.text.rms_norm_eps
         self.fc = MergedColumnLinear(2 * hidden, [OutputPart(hidden, 0, hidden)], bias=False)
-        self.pre_fc_norm_embedding = ZeroCenteredRMSNorm(hidden, config.rms_norm_eps)
-        self.pre_fc_norm_hidden = ZeroCenteredRMSNorm(hidden, config.rms_norm_eps)
+        self.pre_fc_norm_embedding = ZeroCenteredRMSNorm(hidden, eps)
+        self.pre_fc_norm_hidden = ZeroCenteredRMSNorm(hidden, eps)
         self.layers = nn.ModuleList([layer])
-        self.norm = ZeroCenteredRMSNorm(hidden, config.rms_norm_eps)
+        self.norm = ZeroCenteredRMSNorm(hidden, eps)
 
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
                 forward_batch: "ForwardBatch") -> torch.Tensor:
@@ -144,34 +145,28 @@ class MtpHead(nn.Module):
         return self.norm(x, residual)[0]
 
 
-def num_mtp_layers(config: "PretrainedConfig") -> int:
-    """The checkpoint's multi-token-prediction layers, by either model family's config key."""
-    return int(getattr(config, "num_nextn_predict_layers", None) or getattr(config, "mtp_num_hidden_layers", None) or 0)
-
-
 class Qwen3NextForCausalLM(Qwen3MoeForCausalLM):
     split_linear_projections = False  # Qwen3.5: True
     all_layers_sparse = False  # Qwen3.5-MoE: True
 
-    def __init__(self, config: "PretrainedConfig", tp: TpGroup = TpGroup()) -> None:
-        types = list(config.layer_types)
-        assert set(types) <= {"linear_attention", "full_attention"}, set(types)
+    def __init__(self, config: ModelConfig, tp: TpGroup = TpGroup()) -> None:
+        assert set(config.layer_types) <= {LINEAR_ATTENTION, FULL_ATTENTION}, set(config.layer_types)
         # layer index -> its index among the layers of its kind (KV-pool layer, or state slot layer)
-        self.kind_index = [types[:i].count(t) for i, t in enumerate(types)]
+        self.kind_index = config.kind_index
         super().__init__(config, tp)
-        self.model.norm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.model.norm = ZeroCenteredRMSNorm(config.text.hidden_size, config.text.rms_norm_eps)
         self.mtp: Optional[MtpHead] = None
 
     def add_mtp_head(self) -> MtpHead:
         """Build the `mtp.*` head (before load_weights, which then fills it instead of skipping it).
         Its attention takes the KV-pool layer after the model's own."""
-        n = num_mtp_layers(self.config)
+        n = self.config.num_mtp_layers
         if n != 1:
             raise ValueError(f"NEXTN needs a checkpoint with one multi-token-prediction layer; this config has {n} "
                              "(num_nextn_predict_layers / mtp_num_hidden_layers)")
         config = self.config
         layer = HybridDecoderLayer(config, GatedAttention(config, self.num_kv_layers, self.tp),
-                                   self.build_mlp(config, config.num_hidden_layers))
+                                   self.build_mlp(config, config.text.num_layers))
         self.mtp = MtpHead(config, layer)
         return self.mtp
 
@@ -180,7 +175,7 @@ class Qwen3NextForCausalLM(Qwen3MoeForCausalLM):
     @property
     def num_kv_layers(self) -> int:
         """Layers with a KV cache: the full-attention ones, and the MTP head's when it is loaded."""
-        return list(self.config.layer_types).count("full_attention") + (self.mtp is not None)
+        return self.config.num_full_attention_layers + (self.mtp is not None)
 
     def linear_state_shapes(self) -> Optional[LinearStateShapes]:
         """The recurrent state per request row (None for a model without linear attention)."""
@@ -194,18 +189,20 @@ class Qwen3NextForCausalLM(Qwen3MoeForCausalLM):
 
     def _make_layer(self, layer_id: int) -> HybridDecoderLayer:
         config, index = self.config, self.kind_index[layer_id]
-        if config.layer_types[layer_id] == "linear_attention":
-            mixer: nn.Module = GatedDeltaNet(config, index, self.split_linear_projections, self.tp)
+        if config.layer_types[layer_id] == LINEAR_ATTENTION:
+            mixer: nn.Module = GatedDeltaNet(config.text.hidden_size, config.heads.linear, config.text.rms_norm_eps,
+                                             index, self.split_linear_projections, self.tp)
         else:
             mixer = GatedAttention(config, index, self.tp)
         return HybridDecoderLayer(config, mixer, self.build_mlp(config, layer_id))
 
-    def build_mlp(self, config: "PretrainedConfig", layer_id: int) -> nn.Module:
-        if not (self.all_layers_sparse or (getattr(config, "num_experts", 0) and is_sparse_layer(config, layer_id))):
-            return LlamaMLP(config.hidden_size, config.intermediate_size, config.hidden_act, tp=self.tp)
-        return SharedExpertMoeBlock(config.hidden_size, config.moe_intermediate_size, config.num_experts,
-                                    config.num_experts_per_tok, bool(getattr(config, "norm_topk_prob", True)),
-                                    config.shared_expert_intermediate_size, config.hidden_act, tp=self.tp)
+    def build_mlp(self, config: ModelConfig, layer_id: int) -> nn.Module:
+        text, moe = config.text, config.moe
+        if not (self.all_layers_sparse or is_sparse_layer(config, layer_id)):
+            return LlamaMLP(text.hidden_size, text.intermediate_size, text.hidden_act, tp=self.tp)
+        return SharedExpertMoeBlock(text.hidden_size, moe.intermediate_size, moe.num_experts, moe.top_k,
+                                    moe.norm_topk_prob, moe.shared_expert_intermediate_size, text.hidden_act,
+                                    tp=self.tp)
 
     def decoder_structure(self) -> DecoderStructure:
         raise NotImplementedError("a hybrid model has no dense decoder structure (linear-attention layers)")
@@ -220,8 +217,9 @@ class Qwen3NextForCausalLM(Qwen3MoeForCausalLM):
 class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
     split_linear_projections = True
 
-    def build_mlp(self, config: "PretrainedConfig", layer_id: int) -> nn.Module:
-        return LlamaMLP(config.hidden_size, config.intermediate_size, config.hidden_act, tp=self.tp)
+    def build_mlp(self, config: ModelConfig, layer_id: int) -> nn.Module:
+        text = config.text
+        return LlamaMLP(text.hidden_size, text.intermediate_size, text.hidden_act, tp=self.tp)
 
 
 class Qwen3_5MoeForCausalLM(Qwen3NextForCausalLM):
@@ -232,13 +230,6 @@ class Qwen3_5MoeForCausalLM(Qwen3NextForCausalLM):
 # ---- the published vision-language layout, served as text ----
 
 _TEXT_PREFIX, _VISION_PREFIX = "model.language_model.", "model.visual."
-
-
-def text_config_of(config: "PretrainedConfig") -> "PretrainedConfig":
-    """The text model's config. Whether lm_head is tied is the outer config's to say (HF ties by it)."""
-    text = copy.copy(config.text_config)
-    text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-    return text
 
 
 def text_weights(weights: Iterable[tuple[str, torch.Tensor]], owner: str) -> Iterable[tuple[str, torch.Tensor]]:
@@ -256,16 +247,10 @@ def text_weights(weights: Iterable[tuple[str, torch.Tensor]], owner: str) -> Ite
 
 
 class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
-    def __init__(self, config: "PretrainedConfig", tp: TpGroup = TpGroup()) -> None:
-        super().__init__(text_config_of(config), tp)
-
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(text_weights(weights, type(self).__name__))
 
 
 class Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeForCausalLM):
-    def __init__(self, config: "PretrainedConfig", tp: TpGroup = TpGroup()) -> None:
-        super().__init__(text_config_of(config), tp)
-
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(text_weights(weights, type(self).__name__))

@@ -84,7 +84,7 @@ class Scheduler:
         self.loop_choice = args.event_loop(native_stream_threads(self.worker))  # plain or overlap, and why
         logger.info("event loop: %s (%s)", self.loop_choice.loop.value, self.loop_choice.reason)
         self.executor = create_executor(self.loop_choice.overlap, self.worker, self.max_running_requests)
-        self.eos_token_ids = self._eos_ids(runner.hf_config, tokenizer)
+        self.eos_token_ids = self._eos_ids(runner.model_config.text.eos_token_ids, tokenizer)
         self.ratio = NewTokenRatio(args.schedule_conservativeness)
         self.queues = SchedulerQueues(self._new_batch([]))  # waiting, running_batch, chunked_req
         self.grammar_queue = GrammarQueue()  # structured requests whose grammar is compiling
@@ -162,9 +162,8 @@ class Scheduler:
 
     # ------------------------------------------------------------------ setup helpers
     @staticmethod
-    def _eos_ids(hf_config: Any, tokenizer: Any) -> frozenset[int]:
-        ids = getattr(getattr(hf_config, "text_config", None) or hf_config, "eos_token_id", None)
-        ids = set(ids if isinstance(ids, (list, tuple)) else [ids] if ids is not None else [])
+    def _eos_ids(model_eos: tuple[int, ...], tokenizer: Any) -> frozenset[int]:
+        ids = set(model_eos)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             ids.add(tokenizer.eos_token_id)
         return frozenset(ids)
@@ -182,7 +181,7 @@ class Scheduler:
             new_batch=self._new_batch, finish_request=self.output.finish_request,
             stream_output=self.output.stream_output, record_token=self.output.record_token,
             extend_result_prologue=self.output.extend_result_prologue, count_generated=self._count_generated,
-            state_pool=runner.state_pool, hf_config=runner.hf_config, drafter=self.worker.drafter)
+            state_pool=runner.state_pool, model_config=runner.model_config, drafter=self.worker.drafter)
         return create_strategy(mode, view, transfer_config)
 
     def _init_speculation(self) -> NoSpeculation:

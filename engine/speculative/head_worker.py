@@ -108,7 +108,7 @@ class HeadDrafter:
         self.logp = torch.zeros(rows, topk, dtype=torch.float32, device=dev)
         # each row's head output at that draft's position (the next step's input, for chains past 1;
         # a PD prefill sends it whatever its own chain length)
-        self.hidden = torch.zeros(rows, model.config.hidden_size, dtype=runner.dtype, device=dev)
+        self.hidden = torch.zeros(rows, runner.model_config.text.hidden_size, dtype=runner.dtype, device=dev)
         # CUDA: the last head pass's end, which a PD prefill waits for before reading a row (row_draft)
         self.done: Optional[torch.cuda.Event] = None
         self.graphs: Optional[DraftGraphs] = None  # the draft steps' graphs (use_graphs)

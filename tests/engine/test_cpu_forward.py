@@ -71,7 +71,7 @@ def _both(model, config, fn):
 
 
 def _assert_pools_match(config, eager_pool, native_pool):
-    for layer in range(config.num_hidden_layers):
+    for layer in range(config.text.num_layers):
         for eager_buf, native_buf in zip(eager_pool.get_kv_buffer(layer), native_pool.get_kv_buffer(layer)):
             assert torch.equal(native_buf, eager_buf), f"layer {layer}: the stored K/V differ"
 
@@ -102,16 +102,16 @@ def test_native_logits_are_the_models_head(tiny_model_factory, case):
     arch, overrides = CASES[case]
     model, config = _load(tiny_model_factory, arch, **overrides)
     fwd = NativeRunner(model, config, page_size=4).fwd
-    assert fwd.has_logits and fwd.vocab == config.vocab_size
+    assert fwd.has_logits and fwd.vocab == config.text.vocab_size
     g = torch.Generator().manual_seed(0)
     for rows in (1, 16, 300):
-        hidden = torch.randn(rows, config.hidden_size, generator=g).to(torch.bfloat16)
+        hidden = torch.randn(rows, config.text.hidden_size, generator=g).to(torch.bfloat16)
         with torch.no_grad():
             expected = model.compute_logits(hidden)
         native = fwd.logits(hidden)
         assert native.dtype == torch.float32 and torch.equal(native, expected)
     with pytest.raises(ValueError):
-        fwd.logits(torch.zeros(2, config.hidden_size + 2, dtype=torch.bfloat16))
+        fwd.logits(torch.zeros(2, config.text.hidden_size + 2, dtype=torch.bfloat16))
 
 
 def test_native_extend_after_a_cached_prefix(tiny_model_factory):
@@ -132,7 +132,7 @@ def test_native_extend_of_many_tokens_runs_its_elementwise_loops_threaded(tiny_m
     """From PARALLEL_ROWS (64) tokens the norms, RoPE and KV store run over the OpenMP threads."""
     model, config = _load(tiny_model_factory, "qwen2")
     g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, config.vocab_size, (n,), generator=g).tolist() for n in (45, 40)]  # 85 tokens
+    prompts = [torch.randint(3, config.text.vocab_size, (n,), generator=g).tolist() for n in (45, 40)]  # 85 tokens
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -162,8 +162,8 @@ def test_unavailable_reasons(tiny_model_factory):
     from baton.engine.mem_cache.memory_pool import MHATokenToKVPool
 
     def pool(config, dtype=torch.bfloat16):
-        head_dim = config.hidden_size // config.num_attention_heads
-        return MHATokenToKVPool(64, 1, dtype, config.num_key_value_heads, head_dim, config.num_hidden_layers, "cpu")
+        heads = config.heads
+        return MHATokenToKVPool(64, 1, dtype, heads.num_kv_heads, heads.head_dim, config.text.num_layers, "cpu")
 
     model, config = _load(tiny_model_factory, "llama")
     assert native_forward.unavailable_reason(model, pool(config)) is None
@@ -181,14 +181,14 @@ def test_bad_indices_raise_before_writing(tiny_model_factory):
     model, config = _load(tiny_model_factory, "llama")
     runner = NativeRunner(model, config, page_size=1)
     runner.run(ForwardMode.EXTEND, [0], [PROMPTS[0]], [0])
-    snapshot = lambda: [t.clone() for layer in range(config.num_hidden_layers)  # noqa: E731
+    snapshot = lambda: [t.clone() for layer in range(config.text.num_layers)  # noqa: E731
                         for t in runner.kv_pool.get_kv_buffer(layer)]
     before = snapshot()
     n, slots = len(PROMPTS[0]), runner.kv_pool.get_kv_buffer(0)[0].shape[0]
     loc = runner.req_pool.req_to_token[0, n:n + 1]
     good = dict(input_ids=torch.tensor([5]), positions=torch.tensor([n]), req_pool_indices=torch.tensor([0]),
                 seq_lens=torch.tensor([n + 1]), out_cache_loc=loc)
-    for name, value in [("input_ids", [config.vocab_size]), ("positions", [-1]), ("req_pool_indices", [99]),
+    for name, value in [("input_ids", [config.text.vocab_size]), ("positions", [-1]), ("req_pool_indices", [99]),
                         ("seq_lens", [10_000]), ("out_cache_loc", [slots])]:
         with pytest.raises(RuntimeError, match="out of range"):
             runner.fwd.decode(**{**good, name: torch.tensor(value)})
@@ -202,8 +202,8 @@ def test_bad_indices_raise_before_writing(tiny_model_factory):
         with pytest.raises(RuntimeError, match="out of range"):
             runner.fwd.extend(**{**ext, name: torch.tensor(value)})
     assert all(torch.equal(a, b) for a, b in zip(before, snapshot()))
-    assert runner.fwd.decode(**good).shape == (1, config.hidden_size)  # and it still serves
-    assert runner.fwd.extend(**ext).shape == (2, config.hidden_size)
+    assert runner.fwd.decode(**good).shape == (1, config.text.hidden_size)  # and it still serves
+    assert runner.fwd.extend(**ext).shape == (2, config.text.hidden_size)
 
 
 def _step_inputs(runner, rows, tokens, prefix_lens):

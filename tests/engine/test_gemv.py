@@ -318,13 +318,14 @@ DECODER_LAYER_FUSED = textwrap.dedent(
     import torch
     from transformers import LlamaConfig
     from baton.engine.layers import custom_op, gemm
+    from baton.engine.model_config import ModelConfig
     from baton.engine.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
     from baton.engine.triton_ops import gemv as gemv_mod
 
     torch.manual_seed(0)
     bf = torch.bfloat16
-    cfg = LlamaConfig(hidden_size=96, intermediate_size=160, num_attention_heads=4, num_key_value_heads=2,
-                      num_hidden_layers=1, rms_norm_eps=1e-5)
+    cfg = ModelConfig.from_hf(LlamaConfig(hidden_size=96, intermediate_size=160, num_attention_heads=4,
+                                          num_key_value_heads=2, num_hidden_layers=1, rms_norm_eps=1e-5))
     layer = LlamaDecoderLayer(cfg, LlamaAttention(cfg, 0, False, False), LlamaMLP(96, 160, "silu")).to(bf)
     for p in layer.parameters():
         torch.nn.init.normal_(p, std=0.1)

@@ -200,9 +200,10 @@ def test_partial_rotary_equals_hf():
     from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRotaryEmbedding, apply_rotary_pos_emb
 
     from baton.engine.layers.rotary_embedding import RotaryEmbedding, compute_inv_freq
+    from baton.engine.model_config import ModelConfig
 
     config = Qwen3NextConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
-    rope = RotaryEmbedding(32, *compute_inv_freq(config, 32))
+    rope = RotaryEmbedding(32, *compute_inv_freq(ModelConfig.from_hf(config).text, 32))
     assert rope.rotary_dim == 8
     positions = torch.arange(5, 42)
     q, k = torch.randn(37, 4 * 32), torch.randn(37, 2 * 32)

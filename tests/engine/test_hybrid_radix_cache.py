@@ -247,11 +247,12 @@ def _core_and_batches(device: str, dtype: torch.dtype):
 
     from baton.engine.core.forward_batch import ForwardMode
     from baton.engine.layers.gated_delta_net import GatedDeltaNet
+    from baton.engine.model_config import LinearAttentionHeads
+    from baton.engine.core.forward_batch import ForwardMode
 
     torch.manual_seed(0)
-    cfg = SimpleNamespace(hidden_size=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
-                          linear_value_head_dim=8, linear_conv_kernel_dim=4, rms_norm_eps=1e-6)
-    layer = GatedDeltaNet(cfg, 0, split_projections=True).to(device, dtype)
+    heads = LinearAttentionHeads(num_key_heads=2, num_value_heads=4, key_head_dim=8, value_head_dim=8, conv_kernel=4)
+    layer = GatedDeltaNet(32, heads, 1e-6, 0, split_projections=True).to(device, dtype)
     torch.nn.init.normal_(layer.conv1d.weight, std=0.5)
     conv, ssm = layer.state_shapes()
     pool = RecurrentStatePool(LinearStateShapes(1, conv, ssm), 6, dtype, torch.float32, device, checkpoints=6)

@@ -14,6 +14,8 @@ import torch
 from baton.engine.core.forward_batch import ForwardBatch, ForwardMode
 from baton.engine.layers.attention import create_attention_backend
 from baton.engine.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from baton.engine.model_config import ModelConfig
+from baton.engine.core.forward_batch import ForwardBatch, ForwardMode
 from baton.engine.model_executor.model_loader import load_model, resolve_dtype
 from baton.engine.models import get_model_class, supported_architectures
 
@@ -39,10 +41,10 @@ class PagedRunner:
                  native_decode: bool = False, dtype: torch.dtype = torch.float32) -> None:
         self.model, self.page_size = model, page_size
         pages_per_req = math.ceil(max_len / page_size)
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        heads = config.heads
         self.req_pool = ReqToTokenPool(max_reqs, max_len, "cpu")
         self.kv_pool = MHATokenToKVPool(max_reqs * pages_per_req * page_size, page_size, dtype,
-                                        config.num_key_value_heads, head_dim, config.num_hidden_layers, "cpu")
+                                        heads.num_kv_heads, heads.head_dim, config.text.num_layers, "cpu")
         self.backend = create_attention_backend("torch", native_decode=native_decode)
         pages = torch.randperm(max_reqs * pages_per_req, generator=torch.Generator().manual_seed(seed)) + 1
         for row in self.req_pool.alloc(max_reqs):
@@ -155,7 +157,7 @@ def test_decode_ignores_garbage_in_padding_and_dummy_page(models, native_decode)
     rows = [0, 1]
     logits = runner.run(ForwardMode.EXTEND, rows, [PROMPTS[1], PROMPTS[2]], [0, 0])
     owned = torch.cat([runner.req_pool.req_to_token[r, :len(p) + 1] for r, p in zip(rows, [PROMPTS[1], PROMPTS[2]])])
-    for layer in range(config.num_hidden_layers):
+    for layer in range(config.text.num_layers):
         for buf in runner.kv_pool.get_kv_buffer(layer):
             keep = buf[owned].clone()
             buf.fill_(1e4)
@@ -251,13 +253,13 @@ def test_load_model_rejects_unknown_architecture(tiny_model_factory, tmp_path):
 def test_dtype_resolution():
     from transformers import LlamaConfig
 
-    fp16, bf16 = LlamaConfig(dtype="float16"), LlamaConfig(dtype="bfloat16")
+    fp16, bf16 = ModelConfig.from_hf(LlamaConfig(dtype="float16")), ModelConfig.from_hf(LlamaConfig(dtype="bfloat16"))
     assert resolve_dtype("auto", fp16, "cpu") == torch.float32  # CPU fp16 matmul is slow
     assert resolve_dtype("auto", fp16, "cuda") == torch.float16
     assert resolve_dtype("auto", bf16, "cpu") == torch.bfloat16
     assert resolve_dtype("float16", bf16, "cpu") == torch.float16  # explicit wins
-    assert resolve_dtype("auto", LlamaConfig(), "cpu") == torch.float32
-    fp32 = LlamaConfig(dtype="float32")
+    assert resolve_dtype("auto", ModelConfig.from_hf(LlamaConfig()), "cpu") == torch.float32
+    fp32 = ModelConfig.from_hf(LlamaConfig(dtype="float32"))
     assert resolve_dtype("auto", fp32, "cuda") == torch.float16  # as SGLang and vLLM: half precision on a GPU
     assert resolve_dtype("auto", bf16, "cuda:1") == torch.bfloat16
     assert resolve_dtype("float32", fp32, "cuda") == torch.float32  # explicit wins
@@ -301,7 +303,7 @@ def test_rope_scaling_matches_hf(rope):
     from baton.engine.layers.rotary_embedding import get_rope
 
     config = LlamaConfig(hidden_size=64, num_attention_heads=4, max_position_embeddings=512, rope_parameters=dict(rope))
-    ours = get_rope(config, head_dim=16)
+    ours = get_rope(ModelConfig.from_hf(config).text, head_dim=16)
     positions = torch.arange(0, 512, 7)
     hf_cos, hf_sin = LlamaRotaryEmbedding(config)(torch.zeros(1, dtype=torch.float32), positions[None])
     cos, sin = ours.cos_sin(positions, torch.float32)  # one half of HF's (its two halves repeat)
@@ -324,7 +326,7 @@ def test_rope_rotation_is_hfs_bit_for_bit(dtype):
                          rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                                           "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                           "original_max_position_embeddings": 64})
-    inv_freq, scaling = compute_inv_freq(config, 16)
+    inv_freq, scaling = compute_inv_freq(ModelConfig.from_hf(config).text, 16)
     rope = RotaryEmbedding(16, inv_freq, scaling, max_positions=256)
     rope.reserve(1000, "cpu")  # a --context-length past the config's
     assert rope.cos_table.shape == (1000, 8)

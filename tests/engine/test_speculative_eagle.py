@@ -390,6 +390,9 @@ def test_an_eagle3_draft_saved_with_layers_0_names_loads_the_same(target, drafts
 
 
 def test_eagle_flags_and_what_is_refused(target, drafts, tiny_model_factory, tmp_path):
+    from transformers import LlamaConfig
+
+    from baton.engine.model_config import ModelConfig
     from baton.engine.models.eagle import eagle3_aux_layers
 
     args = ServerArgs(model_path=target, **eagle("EAGLE3", drafts("EAGLE3")))
@@ -408,7 +411,8 @@ def test_eagle_flags_and_what_is_refused(target, drafts, tiny_model_factory, tmp
     # a checkpoint that is no EAGLE draft
     with pytest.raises(ValueError, match="is not an EAGLE draft"):
         harness_for(target, "plain", max_total_tokens=1024, **eagle("EAGLE", target))
-    config = type("C", (), {"eagle_config": None})()
+    config = ModelConfig.from_hf(LlamaConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=1,
+                                             architectures=["LlamaForCausalLMEagle3"]))  # no eagle_config
     assert eagle3_aux_layers(config, 32) == (2, 16, 29)  # SGLang's default for a 32-layer target
 
 

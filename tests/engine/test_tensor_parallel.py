@@ -36,17 +36,25 @@ def test_kv_heads_split_or_replicated():
 
 
 def test_validate_tp_names_what_does_not_divide():
-    from types import SimpleNamespace
+    from transformers import LlamaConfig, Qwen3_5TextConfig
 
-    cfg = SimpleNamespace(num_attention_heads=6, num_key_value_heads=3, intermediate_size=100)
+    from baton.engine.model_config import ModelConfig
+
+    def llama(heads: int, kv_heads: int, intermediate: int) -> ModelConfig:
+        return ModelConfig.from_hf(LlamaConfig(hidden_size=16 * heads, num_attention_heads=heads,
+                                               num_key_value_heads=kv_heads, intermediate_size=intermediate))
+
+    cfg = llama(6, 3, 100)
     validate_tp(cfg, 1)
     with pytest.raises(ValueError, match=r"num_attention_heads \(6\), num_key_value_heads \(3\)"):
         validate_tp(cfg, 4)
     with pytest.raises(ValueError, match=r"intermediate_size \(100\)"):
-        validate_tp(SimpleNamespace(num_attention_heads=8, num_key_value_heads=8, intermediate_size=100), 8)
+        validate_tp(llama(8, 8, 100), 8)
+    hybrid = Qwen3_5TextConfig(hidden_size=64, num_attention_heads=8, num_key_value_heads=8, head_dim=8,
+                               intermediate_size=64, num_hidden_layers=4, linear_num_key_heads=2,
+                               linear_num_value_heads=8)
     with pytest.raises(ValueError, match=r"linear_num_key_heads \(2\)"):  # a hybrid's linear-attention heads
-        validate_tp(SimpleNamespace(num_attention_heads=8, num_key_value_heads=8, linear_num_key_heads=2,
-                                    linear_num_value_heads=8), 4)
+        validate_tp(ModelConfig.from_hf(hybrid), 4)
 
 
 def test_server_args():
@@ -399,7 +407,7 @@ def test_tp2_prompt_and_output_logprobs_match_one_rank(tiny_model_factory, tie, 
             got = run(h)
             assert h.scheduler.check_memory_integrity()
             model = h.scheduler.worker.model_runner.model
-            assert model.config.vocab_size == vocab
+            assert model.config.text.vocab_size == vocab
             assert model.model.embed_tokens.weight.shape[0] == (vocab + 1) // 2
             assert (model.lm_head is None) == tie and (tie or model.lm_head.weight.shape[0] == vocab // 2)
         finally:

@@ -83,7 +83,7 @@ def make_tiny_model(arch: str, path: Union[str, os.PathLike], seed: int = 0, ext
     if arch not in ARCH_DEFAULTS:
         raise ValueError(f"unknown tiny arch {arch!r}; choose from {sorted(ARCH_DEFAULTS)}")
     config_cls, model_cls = _config_and_model_classes(arch)
-    if mtp:  # each family's config key (models/qwen3_next.py num_mtp_layers)
+    if mtp:  # each family's config key (model_config.ModelConfig.num_mtp_layers)
         overrides = {**overrides, ("num_nextn_predict_layers" if arch == "qwen3_next" else "mtp_num_hidden_layers"): 1}
     config = config_cls(**{**_BASE, **ARCH_DEFAULTS[arch], **overrides})
     torch.manual_seed(seed)
