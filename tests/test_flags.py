@@ -113,12 +113,13 @@ def test_a_declaration_needs_help_and_an_owner():
 
 
 def test_each_component_view_reads_only_flags_declared_as_its_own():
-    """The scheduler's parts, PD and speculation read config views, not ServerArgs: every view field is a
+    """The scheduler's parts, the worker, PD and speculation read config views, not ServerArgs: every view field is a
     flag of the same name and type whose declaration names that component (owner or `also`)."""
     import dataclasses
     import typing
 
     from baton.engine.disaggregation.config import PDConfig
+    from baton.engine.model_executor.config import WorkerConfig
     from baton.engine.scheduler.config import SchedulerConfig
     from baton.engine.server_args import ServerArgs
     from baton.engine.speculative.config import SpecConfig
@@ -126,12 +127,14 @@ def test_each_component_view_reads_only_flags_declared_as_its_own():
 
     declared = {f.field: f for f in declared_flags(ServerArgs)}
     hints = typing.get_type_hints(ServerArgs)
-    for view, owner in ((SchedulerConfig, "scheduler"), (PDConfig, "pd"), (SpecConfig, "speculative")):
+    views = ((SchedulerConfig, ("scheduler",)), (PDConfig, ("pd",)), (SpecConfig, ("speculative",)),
+             (WorkerConfig, ("worker", "model")))  # the worker loads the checkpoint: the model's flags too
+    for view, owners in views:
         view_hints = typing.get_type_hints(view)
         for f in dataclasses.fields(view):
             flag = declared.get(f.name)
             assert flag is not None, f"{view.__name__}.{f.name} is no flag of baton serve"
-            assert owner == flag.owner or owner in flag.also, f"{flag.names[0]} is not declared as read by {owner}"
+            assert {flag.owner, *flag.also} & set(owners), f"{flag.names[0]} is not declared as read by {owners}"
             assert hints[f.name] in (view_hints[f.name], typing.Optional[view_hints[f.name]]), f.name
         args = ServerArgs(model_path="m", page_size=4, disaggregation_bootstrap_port=9999)
         built = args.view(view)

@@ -221,3 +221,19 @@ def test_a_type_only_import_counts():
     found = {(imp.target, imp.deferred) for imp in imports_in(source, "baton.engine.layers")}
     assert ("baton.engine.core.req", False) in found
     assert ("baton.engine.scheduler.scheduler", True) in found
+
+
+MAX_FUNCTION_LINES = 80
+
+
+def test_no_function_is_longer_than_a_screen():
+    """Functions a screen long at most in the engine, the router and the operator: a longer one splits into
+    named steps."""
+    long = []
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long.append(f"  {path.relative_to(ROOT)}:{node.lineno} {node.name}: {lines} lines")
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(long)

@@ -314,7 +314,7 @@ def _set_variant(runner: Any, base_args: Any, name: str, max_bs: int) -> str:
     if name == "other-tensor-cores":
         g = runner.attn_backend.geometry
         tc = "off" if use_tensor_core_decode(tc, g.num_qo_heads // g.num_kv_heads) else "on"
-    runner.server_args = dataclasses.replace(base_args, disable_fused_ops=not fused, flashinfer_decode_tensor_cores=tc)
+    runner.config = dataclasses.replace(runner.config, disable_fused_ops=not fused, flashinfer_decode_tensor_cores=tc)
     gemv_rows = GEMV_ROWS if name.startswith("triton-gemv") else 0
     fuse_norms = name != "triton-gemv-own-norms"
     # before the capture below, whose warm-ups autotune the GEMV

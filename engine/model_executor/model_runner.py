@@ -16,6 +16,7 @@ from baton.engine.layers.custom_op import bind_layer_ops
 from baton.engine.layers.gemm import SmallBatchGemv
 from baton.engine.layers.linear import pack_linear_weights
 from baton.engine.layers.rotary_embedding import RotaryEmbedding
+from baton.engine.model_executor.config import WorkerConfig
 from baton.engine.model_executor.model_loader import DTYPES as MODEL_DTYPES
 from baton.engine.server_args import DRAFT_CHECKPOINT_ALGORITHMS, ServerArgs
 
@@ -95,7 +96,9 @@ class ModelRunner:
         from baton.engine.distributed.parallel_state import TpGroup
         from baton.engine.layers.attention import create_attention_backend
 
-        self.server_args, self.device = server_args, server_args.device
+        self.config, self.device = server_args.view(WorkerConfig), server_args.device
+        # a hybrid's verify steps may run behind one another (two sets of scratch slots)
+        self.lags_verify_steps = server_args.may_lag_verify_steps()
         self.tp = tp or TpGroup()
         # seconds per start-up phase, reported in /get_server_info and the scheduler's ready line
         self.startup_s: dict[str, float] = {}
@@ -143,7 +146,7 @@ class ModelRunner:
         checkpoint's, whose KV layers come after the model's."""
         from baton.engine.model_executor.model_loader import load_model
 
-        args = self.server_args
+        args = self.config
         torch.manual_seed(args.random_seed)
         algorithm = args.speculative_algorithm
         self.model, self.model_config, self.dtype = load_model(
@@ -155,7 +158,7 @@ class ModelRunner:
     def _prepare_model(self) -> None:
         """Each layer op on its device's path (Triton on CUDA), or all on the torch reference; the
         small-batch GEMV switch; CPU bfloat16 linears packed for the CPU GEMM."""
-        args = self.server_args
+        args = self.config
         self.model.eval()
         # each layer op on its device's path (Triton on CUDA), or all on the torch reference; the linears'
         # small-batch GEMV on CUDA with the fused ops only (held by this model's layers)
@@ -170,7 +173,7 @@ class ModelRunner:
         from baton.engine.mem_cache.allocator import TokenToKVPoolAllocator
         from baton.engine.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 
-        args, page = self.server_args, self.server_args.page_size
+        args, page = self.config, self.config.page_size
         self.kv_dtype = resolve_kv_dtype(args.kv_cache_dtype, self.dtype)
         # layers with a KV cache: all of them, except in a hybrid model (its full-attention layers only)
         self.num_kv_layers = getattr(self.model, "num_kv_layers", self.num_layers)
@@ -200,7 +203,7 @@ class ModelRunner:
         if self.draft_head is not None and self.draft_head.aux_layers:
             logger.info("native CPU forward off: EAGLE3's draft reads states inside the model's layers")
         elif (self.device == "cpu" and self.dtype == torch.bfloat16
-              and not self.server_args.disable_native_forward):
+              and not self.config.disable_native_forward):
             from baton.engine.model_executor.native_forward import NativeForward
 
             self.native_forward = NativeForward.create(self.model, self.req_to_token_pool, self.token_to_kv_pool,
@@ -216,7 +219,7 @@ class ModelRunner:
     # Without those guards nothing would tell this model's graphs from another model's, so
     # they live on a code object of this runner's own (Dynamo keeps graphs per code object).
     def _init_compiled_model(self) -> None:
-        args = self.server_args
+        args = self.config
         if self.native_forward is not None and args.enable_torch_compile:
             logger.info("--enable-torch-compile: nothing to compile, the native forward serves every step")
         compile_ = args.enable_torch_compile and self.native_forward is None
@@ -279,7 +282,7 @@ class ModelRunner:
         """Decode CUDA graphs: on CUDA, unless --disable-cuda-graph, with a backend that supports them."""
         from baton.engine.model_executor.cuda_graph_runner import CudaGraphRunner, supports_cuda_graph
 
-        args = self.server_args
+        args = self.config
         if not self.device.startswith("cuda") or args.disable_cuda_graph:
             return None
         if not supports_cuda_graph(self.attn_backend):
@@ -300,7 +303,7 @@ class ModelRunner:
                                verify_trees=trees)
 
     def _pool_config(self, state_shapes: Optional["LinearStateShapes"]) -> PoolConfig:
-        args, page = self.server_args, self.server_args.page_size
+        args, page = self.config, self.config.page_size
         context_len = args.context_length or self.model_config.text.context_length
         cell = self.num_kv_layers * 2 * self.num_kv_heads * self.head_dim * self.kv_dtype.itemsize
         # a hybrid model's state slots cap its running requests (mem_cache/state_pool.py)
@@ -336,27 +339,27 @@ class ModelRunner:
     def _pool_budget_bytes(self) -> int:
         """What the pools may take when sized from memory: --mem-fraction-static of the free GPU memory
         (the weights are loaded); on CPU, the free RAM that fraction leaves."""
-        fraction = self.server_args.mem_fraction_static
+        fraction = self.config.mem_fraction_static
         return int(_total_memory_bytes(self.device) * (1 - fraction if self.device == "cpu" else fraction))
 
     def _state_dtypes(self) -> tuple[torch.dtype, torch.dtype]:
         """A hybrid model's conv-state and delta-rule-state dtypes."""
-        return self.dtype, MODEL_DTYPES[self.server_args.mamba_ssm_dtype]
+        return self.dtype, MODEL_DTYPES[self.config.mamba_ssm_dtype]
 
     def _state_scratch(self) -> tuple[tuple[int, int], int]:
         """A hybrid model's scratch states for verify steps (state_pool.scratch_slot): ((batch rows,
         slots per row), sets); where verify steps may lag, two sets, each with the state after the
         whole step too."""
-        args = self.server_args
+        args = self.config
         if args.speculative_algorithm is None:
             return (0, 0), 1
         rows, per_row = max(1, args.speculative_disable_by_batch_size - 1), args.speculative_num_draft_tokens - 1
-        return ((rows, per_row + 1), 2) if args.may_lag_verify_steps() else ((rows, per_row), 1)
+        return ((rows, per_row + 1), 2) if self.lags_verify_steps else ((rows, per_row), 1)
 
     def _state_checkpoints_per_slot(self) -> int:
         """The radix cache's checkpoint slots per request slot (hybrid_radix_cache.py): one, or none
         without the radix cache."""
-        return 0 if self.server_args.disable_radix_cache else 1
+        return 0 if self.config.disable_radix_cache else 1
 
     def _init_state_pool(self, shapes: Optional["LinearStateShapes"]) -> Optional["RecurrentStatePool"]:
         """A hybrid model's recurrent states: one slot per request row (slot index = req_pool_idx), so
@@ -439,7 +442,7 @@ class ModelRunner:
                                  torch.tensor(fb.extend_seq_lens_cpu, dtype=torch.int64))
         self.attn_backend.init_forward_metadata(fb)
         if self.compiled_model is not None and (
-                (fb.forward_mode == ForwardMode.DECODE and len(fb.seq_lens_cpu) <= self.server_args.torch_compile_max_bs)
+                (fb.forward_mode == ForwardMode.DECODE and len(fb.seq_lens_cpu) <= self.config.torch_compile_max_bs)
                 or (fb.forward_mode == ForwardMode.EXTEND and self.compile_extend)):
             # Dynamo guards on each input's inference-ness: a tensor made outside inference mode (a
             # merged batch's token ids, the allocator's slots) would recompile the graph, so every

@@ -118,7 +118,7 @@ class HeadDrafter:
     def use_graphs(self, target: "CudaGraphRunner") -> None:
         """Run the draft steps through graphs over the target's (draft_graphs.py, captured here): as many
         rows as a step of the batches that speculate has (their requests, times topk for a tree's leaves)."""
-        args = self.runner.server_args
+        args = self.runner.config
         most = max(1, args.speculative_disable_by_batch_size - 1) * self.topk
         self.graphs = DraftGraphs(target, self._draft_pass, self.hidden.shape[1], self.hidden.dtype, most,
                                   aux_states=bool(self.head.aux_layers))

@@ -210,7 +210,7 @@ class StepReceiver:
         if runner.draft_head is not None:
             from baton.engine.speculative.head_worker import HeadDrafter
 
-            args = runner.server_args
+            args = runner.config
             self.drafter = HeadDrafter(runner, args.speculative_num_steps, args.speculative_eagle_topk)
 
     def recv(self) -> Optional[Step]:

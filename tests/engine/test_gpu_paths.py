@@ -400,7 +400,7 @@ def test_flashinfer_rejects_float32_and_torch_backend_runs_without_graphs(tiny_m
     assert make_runner(path, 16, "cuda", dtype="float16", attention_backend="torch").cuda_graph_runner is None
     # the default (auto) on CUDA: FlashInfer and graphs in half precision
     auto = make_runner(path, 16, "cuda", dtype="float16")
-    assert auto.server_args.attention_backend == "flashinfer" and auto.cuda_graph_runner is not None
+    assert auto.config.attention_backend == "flashinfer" and auto.cuda_graph_runner is not None
     auto_dtype = make_runner(path, 16, "cuda")  # the float32 checkpoint, --dtype auto: float16 on CUDA
     assert auto_dtype.dtype == torch.float16 and auto_dtype.server_args.attention_backend == "flashinfer"
 

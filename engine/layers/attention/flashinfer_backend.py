@@ -100,7 +100,7 @@ class FlashInferAttnBackend(AttentionBackend):
         self._check_supported(str(model_runner.device), model_runner.dtype, pool.dtype, model_runner.head_dim)
         self.geometry = attn_geometry(model_runner.model)
         group = self.geometry.num_qo_heads // self.geometry.num_kv_heads
-        setting = getattr(getattr(model_runner, "server_args", None), "flashinfer_decode_tensor_cores", "auto")
+        setting = getattr(getattr(model_runner, "config", None), "flashinfer_decode_tensor_cores", "auto")
         self.decode_tensor_cores = use_tensor_core_decode(setting, group)
         if group not in SUPPORTED_GROUP_SIZES and not self.decode_tensor_cores:
             raise ValueError(f"--attention-backend flashinfer: GQA group size {group} is not one of "
