@@ -34,6 +34,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 TRANSFER_FAILED_STATUS = 500
+ROOM_CONFLICT_STATUS = 409  # a room given to two pairings: the client's (or its router's) error
+
+
+def failure_status(transfer) -> int:
+    """The HTTP status of a failed transfer: a room conflict is the client's error, the rest the server's."""
+    return ROOM_CONFLICT_STATUS if transfer.room_conflict() else TRANSFER_FAILED_STATUS
 
 
 def transfer_config_from(args: "ServerArgs") -> TransferConfig:
@@ -93,10 +99,14 @@ def metadata_draft_bytes(view: "SchedulerView") -> int:
     return 0 if view.drafter is None else view.drafter.metadata_bytes()
 
 
-def missing_bootstrap_error(req: "Req", mode: str) -> Optional[tuple[str, int]]:
+def pd_request_error(req: "Req", mode: str) -> Optional[tuple[str, int]]:
+    """Why a request cannot run on a PD engine (message, status), or None."""
     if req.bootstrap_room is None:
         return (f"this engine runs in {mode} mode (PD disaggregation): the request needs bootstrap_room "
                 "(and bootstrap_host/bootstrap_port), as a PD router adds them", 400)
+    if req.return_logprob and req.top_logprobs_num > MetadataBuffers.TOP_LOGPROBS:
+        return (f"top_logprobs_num {req.top_logprobs_num}: a prefill/decode pair returns at most "
+                f"{MetadataBuffers.TOP_LOGPROBS} top logprobs per token", 400)
     return None
 
 
@@ -132,7 +142,7 @@ class PrefillDisaggregation(Colocated):
     # ------------------------------------------------------------------ intake
     def admit(self, req: "Req", recv: TokenizedGenerateReqInput) -> Optional[tuple[str, int]]:
         """Returns an error (message, status) or None when the request joined the bootstrap queue."""
-        error = missing_bootstrap_error(req, "prefill")
+        error = pd_request_error(req, "prefill")
         if error is not None:
             return error
         req.sampling_params.max_new_tokens = 1  # the decode engine generates the rest
@@ -161,6 +171,9 @@ class PrefillDisaggregation(Colocated):
             elif status >= KVPoll.WaitingForInput and (slot := self.metadata.alloc()) is not None:
                 req.kv_meta_slot = slot
                 req.kv_transfer.init(-(-len(req.origin_input_ids) // ps), slot)
+                if req.kv_transfer.poll() == KVPoll.Failed:  # the destination is another prompt's
+                    self._end_failed(req)
+                    continue
                 req.queue_start_time = time.time()  # queue time: from here, not from the bootstrap wait
                 self.view.queues.waiting.append(req)
             else:
@@ -176,7 +189,7 @@ class PrefillDisaggregation(Colocated):
             self._end_failed(req)
         chunked = queues.chunked_req
         if chunked is not None and chunked.kv_transfer is not None and chunked.kv_transfer.poll() == KVPoll.Failed:
-            chunked.abort(self._reason(chunked), TRANSFER_FAILED_STATUS)  # reaped between chunks
+            chunked.abort(self._reason(chunked), failure_status(chunked.kv_transfer))  # reaped between chunks
 
     def _pop_transferred(self) -> None:
         s, keep = self.view, []
@@ -190,7 +203,7 @@ class PrefillDisaggregation(Colocated):
             self.transfer_seconds += stats.seconds
             if status == KVPoll.Failed:
                 self.stats.transfer_failures += 1
-                req.abort(self._reason(req), TRANSFER_FAILED_STATUS)
+                req.abort(self._reason(req), failure_status(req.kv_transfer))
             else:
                 self.stats.transfer_done(stats.bytes, stats.seconds)
                 req.check_finished(s.tokenizer)
@@ -213,6 +226,8 @@ class PrefillDisaggregation(Colocated):
             tok = result.next_token_ids[i]
             logprob = result.next_token_logprobs[i] if result.next_token_logprobs is not None else 0.0
             s.record_token(req, i, result)
+            if req.return_logprob and req.top_logprobs_num and result.next_top_logprobs is not None:
+                self.metadata.set_top_logprobs(req.kv_meta_slot, result.next_top_logprobs[i])
             if s.drafter is not None:  # the decode's first step drafts from these (base.MetadataBuffers)
                 self.metadata.set_draft(req.kv_meta_slot, *s.drafter.row_draft(req.req_pool_idx))
             self._send(req, -(-len(req.origin_input_ids) // s.page_size), KVMetadata(tok, logprob, req.bootstrap_room))
@@ -251,7 +266,7 @@ class PrefillDisaggregation(Colocated):
     def _end_failed(self, req: "Req") -> None:
         """A request that failed before its KV was sent (no decode peer, or the peer gave up)."""
         self.stats.bootstrap_failures += 1
-        req.abort(self._reason(req), TRANSFER_FAILED_STATUS)
+        req.abort(self._reason(req), failure_status(req.kv_transfer))
         self.release(req)
         self.view.stream_output([req])
 

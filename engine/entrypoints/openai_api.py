@@ -185,8 +185,8 @@ def _completion_prompts(prompt: Any) -> list:
 def _input(ctx: ApiContext, req: SamplingExtras, prompt: Any, max_tokens: Optional[int],
            top_logprobs: Optional[int], overrides: Optional[dict[str, Any]] = None) -> GenerateInput:
     """One prompt's request, before expansion (n copies, PD fields: expansion.py)."""
-    if max_tokens is not None and max_tokens <= 0:
-        raise RequestError("max_tokens must be at least 1", 400)
+    if max_tokens is not None and max_tokens < 0:
+        raise RequestError("max_tokens must be >= 0 (0: the prompt only, e.g. for its logprobs)", 400)
     fields = dict(
         max_new_tokens=max_tokens if max_tokens is not None else ctx.tm.context_len,
         min_new_tokens=req.min_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,

@@ -4,7 +4,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any, Optional
 
-from baton.engine.io_struct import BatchTokenIDOut
+from baton.engine.io_struct import BatchTokenIDOut, FinishReason
 from baton.engine.scheduler.req import Req
 
 if TYPE_CHECKING:
@@ -94,6 +94,9 @@ class OutputProcessor:
         self.stats.generated_tokens += appended
 
     def _append_token(self, req: Req, i: int, result) -> None:
+        if req.sampling_params.max_new_tokens == 0:  # the prefill only (prompt logprobs, cache warming)
+            req.finished_reason = FinishReason("length")
+            return
         self.record_token(req, i, result)
         req.check_finished(self.tokenizer)
 
