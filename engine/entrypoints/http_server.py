@@ -140,6 +140,7 @@ def _register_native_routes(app: FastAPI, ctx: ApiContext) -> None:
     @app.get("/server_info")
     async def server_info():
         args = {k: v for k, v in ctx.server_args.__dict__.items() if k != "api_key"}
+        args["tool_call_parser"] = ctx.tool_call_parser  # the one in use: given, or picked from the template
         return {**args, **(await ctx.tm.get_server_info()), **ctx.extra, "version": _version()}
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])

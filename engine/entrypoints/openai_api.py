@@ -54,8 +54,9 @@ def register_openai_routes(app: FastAPI, ctx: ApiContext) -> None:
         req = parse(ChatCompletionRequest, await read_json(request, ctx.server_args))
         _check_model(ctx, req.model)
         reject_unsupported(req, chat=True)
-        args = ctx.server_args
-        plan = chat_tools.plan_tools(req, args.tool_call_parser, args.constrained_json_disable_any_whitespace)
+        args, tool_parser = ctx.server_args, ctx.tool_call_parser
+        plan = chat_tools.plan_tools(req, tool_parser, args.constrained_json_disable_any_whitespace,
+                                     ctx.template_tool_format)
         messages = chat_tools.template_messages([text_message(m.model_dump(exclude_none=True)) for m in req.messages])
         kwargs = chat_tools.template_kwargs(req)
         ids = ctx.tm.apply_chat_template(messages, tools=plan.tools if plan else None, **kwargs)
@@ -66,13 +67,12 @@ def register_openai_routes(app: FastAPI, ctx: ApiContext) -> None:
         if plan is not None and plan.structural_tag is not None:
             overrides["structural_tag"] = plan.structural_tag
         if plan is not None and plan.mode != "none" and plan.schema is None \
-                and not make_tool_parser(args.tool_call_parser).skip_special_tokens:
+                and not make_tool_parser(tool_parser).skip_special_tokens:
             overrides["skip_special_tokens"] = False  # the format's marker is a special token
         obj = _input(ctx, req, ids, req.max_completion_tokens or req.max_tokens, top, overrides=overrides)
         obj.require_reasoning = chat_tools.reasons(args.reasoning_parser, kwargs)
         objs = expand([obj], [req.n], pd_fields(req))
-        parser = chat_tools.choice_parser_factory(plan, req, args.tool_call_parser, args.reasoning_parser,
-                                                  obj.require_reasoning)
+        parser = chat_tools.choice_parser_factory(plan, req, tool_parser, args.reasoning_parser, obj.require_reasoning)
         if req.stream:
             return await _stream(ctx, objs, request, req, chat=True, parser=parser)
         outs = await _collect_all(ctx, objs, request)
