@@ -152,6 +152,11 @@ class ServerArgs:
     random_seed: int = 0
     # serving
     api_key: Optional[str] = field(default=None, repr=False)  # never logged
+    # a request's `model` must name this server's model (404 otherwise); off: any name is served, as SGLang does
+    strict_model_name: bool = False
+    # SGLang's: a prompt past the context is cut, and max_new_tokens to what the context leaves, where
+    # they would be a 400
+    allow_auto_truncate: bool = False
     max_request_bytes: int = 16 * 1024 * 1024
     request_read_timeout: float = 60.0  # seconds a client has to send a request's head, and again its body (0: none)
     log_level: str = "info"
@@ -510,6 +515,12 @@ class ServerArgs:
                "compiled) forward instead of one native call per step")
         a("--random-seed", type=int, default=ServerArgs.random_seed)
         a("--api-key", default=None, help="bearer key clients must send (default: $BATON_API_KEY)")
+        a("--strict-model-name", action="store_true",
+          help="refuse (404) an OpenAI request whose `model` is neither --served-model-name nor --model-path "
+               "(default: any name is served, as SGLang does)")
+        a("--allow-auto-truncate", action="store_true",
+          help="cut a prompt past the context length to its first tokens, and max_tokens / max_new_tokens to "
+               "what the context leaves, instead of answering 400")
         a("--max-request-bytes", type=int, default=ServerArgs.max_request_bytes)
         a("--request-read-timeout", type=float, default=ServerArgs.request_read_timeout,
           help="seconds a client has to send a request's head (from the connection or the last response: else "

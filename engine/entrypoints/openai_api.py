@@ -35,15 +35,15 @@ def register_openai_routes(app: FastAPI, ctx: ApiContext) -> None:
         reject_unsupported(req)
         prompts = _completion_prompts(req.prompt)
         # the n choices of each prompt (parallel sampling), prompt-major
-        objs = expand([_input(ctx, req, p, req.max_tokens, req.logprobs) for p in prompts], [req.n] * len(prompts),
-                      pd_fields(req))
+        objs = expand([_input(ctx, req, p, req.max_tokens, req.logprobs, echo=req.echo) for p in prompts],
+                      [req.n] * len(prompts), pd_fields(req))
         if req.stream:  # every choice of every prompt in one stream, by index
             return await _stream(ctx, objs, request, req, chat=False)
         outs = await _collect_all(ctx, objs, request)
         # choice k is copy k % n of prompt k // n, as OpenAI orders them
         echoes = [_echo(ctx, prompts[k // req.n], req) for k in range(len(outs))]
         choices = [{"index": k, "text": echoes[k] + o.text,
-                    "logprobs": _completion_logprobs(ctx, o, 0, len(echoes[k])) if req.logprobs is not None else None,
+                    "logprobs": _completion_logprobs(ctx, o, 0, 0, echo=req.echo) if req.logprobs is not None else None,
                     "finish_reason": _reason(o), "matched_stop": _matched(o)} for k, o in enumerate(outs)]
         return JSONResponse({"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
                              "created": int(time.time()), "model": ctx.model_name, "choices": choices,
@@ -92,7 +92,9 @@ def register_openai_routes(app: FastAPI, ctx: ApiContext) -> None:
 
 
 def _check_model(ctx: ApiContext, model: Optional[str]) -> None:
-    if model and model not in (ctx.model_name, ctx.server_args.model_path):
+    """Any name is served (SGLang's behaviour: clients send whatever their config says); with
+    --strict-model-name only this server's."""
+    if ctx.server_args.strict_model_name and model and model not in (ctx.model_name, ctx.server_args.model_path):
         raise RequestError(f"the model {model!r} does not exist; this server serves {ctx.model_name!r}", 404,
                            "model_not_found")
 
@@ -183,8 +185,9 @@ def _completion_prompts(prompt: Any) -> list:
 
 
 def _input(ctx: ApiContext, req: SamplingExtras, prompt: Any, max_tokens: Optional[int],
-           top_logprobs: Optional[int], overrides: Optional[dict[str, Any]] = None) -> GenerateInput:
-    """One prompt's request, before expansion (n copies, PD fields: expansion.py)."""
+           top_logprobs: Optional[int], overrides: Optional[dict[str, Any]] = None, echo: bool = False) -> GenerateInput:
+    """One prompt's request, before expansion (n copies, PD fields: expansion.py). `echo` with
+    logprobs: the prompt's logprobs too (completions)."""
     if max_tokens is not None and max_tokens < 0:
         raise RequestError("max_tokens must be >= 0 (0: the prompt only, e.g. for its logprobs)", 400)
     fields = dict(
@@ -196,10 +199,12 @@ def _input(ctx: ApiContext, req: SamplingExtras, prompt: Any, max_tokens: Option
         spaces_between_special_tokens=req.spaces_between_special_tokens, no_stop_trim=req.no_stop_trim,
         logit_bias=req.logit_bias, **grammar_fields(req))
     params = SamplingParams(**{**fields, **(overrides or {})})
+    given = max_tokens is not None and bool({"max_tokens", "max_completion_tokens"} & req.model_fields_set)
     obj = GenerateInput(params, text=prompt if isinstance(prompt, str) else None,
                         input_ids=prompt if isinstance(prompt, list) else None, stream=req.stream,
                         return_logprob=top_logprobs is not None, top_logprobs_num=top_logprobs or 0,
-                        priority=req.priority)
+                        priority=req.priority, fit_max_new_tokens=not given,
+                        logprob_start_len=0 if echo and top_logprobs is not None else -1)
     if req.rid:
         obj.rid = req.rid
     return obj
@@ -240,12 +245,18 @@ def _token_text(ctx: ApiContext, tid: int) -> str:
     return ctx.tm.tokenizer.decode([tid])
 
 
-def _completion_logprobs(ctx: ApiContext, out: ReqOutput, start: int, offset: int) -> dict[str, Any]:
-    """OpenAI's legacy logprobs of the output tokens from `start`; `offset`: where the first of them
+def _completion_logprobs(ctx: ApiContext, out: ReqOutput, start: int, offset: int,
+                         echo: bool = False) -> dict[str, Any]:
+    """OpenAI's legacy logprobs of the output tokens from `start`, after the prompt's tokens with
+    `echo` (the first with a null logprob: nothing predicts it); `offset`: where the first of them
     begins in the choice's text. Each text_offset is that plus the lengths of the tokens before it
     (as vLLM and SGLang count)."""
     entries = out.output_token_logprobs[start:]
     tops = out.output_top_logprobs[start:] if out.output_top_logprobs else [None] * len(entries)
+    if echo:
+        prompt = out.input_token_logprobs or []
+        entries = prompt + entries
+        tops = (out.input_top_logprobs or [None] * len(prompt)) + tops
     tokens = [_token_text(ctx, t) for _, t in entries]
     offsets = []
     for token in tokens:
