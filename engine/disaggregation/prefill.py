@@ -26,6 +26,7 @@ from baton.engine.disaggregation.colocated import Colocated, DisaggregationMode
 from baton.engine.io_struct import AbortReq, FinishReason, TokenizedGenerateReqInput
 
 if TYPE_CHECKING:
+    from baton.engine.disaggregation.base import KVReceiverBase, KVSenderBase
     from baton.engine.disaggregation.colocated import SchedulerView
     from baton.engine.scheduler.req import Req
     from baton.engine.scheduler.scheduler import LaunchedBatch
@@ -37,7 +38,7 @@ TRANSFER_FAILED_STATUS = 500
 ROOM_CONFLICT_STATUS = 409  # a room given to two pairings: the client's (or its router's) error
 
 
-def failure_status(transfer) -> int:
+def failure_status(transfer: "KVSenderBase | KVReceiverBase") -> int:
     """The HTTP status of a failed transfer: a room conflict is the client's error, the rest the server's."""
     return ROOM_CONFLICT_STATUS if transfer.room_conflict() else TRANSFER_FAILED_STATUS
 
