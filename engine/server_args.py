@@ -243,6 +243,12 @@ class ServerArgs:
     # serving
     api_key: Optional[str] = flag(None, env="BATON_API_KEY", repr=False,  # never logged
                                   help="bearer key clients must send (default: $BATON_API_KEY)", owner="http")
+    strict_model_name: bool = flag(
+        False, help="refuse (404) an OpenAI request whose `model` is neither --served-model-name nor --model-path "
+                    "(default: any name is served, as SGLang does)", owner="http")
+    allow_auto_truncate: bool = flag(
+        False, help="cut a prompt past the context length to its first tokens, and max_tokens / max_new_tokens to "
+                    "what the context leaves, instead of answering 400 (SGLang's flag)", owner="tokenizer")
     max_request_bytes: int = flag(16 * 1024 * 1024, help="larger request bodies are refused with 413",
                                   owner="http")
     request_read_timeout: float = flag(
@@ -440,8 +446,10 @@ class ServerArgs:
             raise ValueError("--flashinfer-decode-tensor-cores must be auto, on or off")
 
     def _check_speculative(self) -> None:
-        """--speculative-*: the combinations the engine serves; anything else is refused with a message."""
+        """--speculative-*: what runs, refused clearly otherwise; so is a flag that would mean nothing
+        (it would start silently and do nothing)."""
         algo = self.speculative_algorithm
+        self._refuse_idle_speculative_flags()
         if algo is None:
             return
         if algo not in SPECULATIVE_ALGORITHMS:
@@ -465,12 +473,38 @@ class ServerArgs:
                                self.speculative_ngram_max_match_window_size)
         if self.speculative_num_draft_tokens < 2:
             raise ValueError("--speculative-num-draft-tokens must be >= 2 (the last token and at least one draft)")
+        step = self.chunked_prefill_size if self.chunked_prefill_size > 0 else self.max_prefill_tokens
+        if algo == "NGRAM" and self.speculative_num_draft_tokens > step:
+            # a verify step runs that many tokens of each request: more than one prefill step of the
+            # engine may take (which keeps a step short, as the watchdog and the other requests need)
+            raise ValueError(f"--speculative-num-draft-tokens {self.speculative_num_draft_tokens} is more tokens than "
+                             f"one step of this engine runs ({step}: --chunked-prefill-size, else "
+                             "--max-prefill-tokens); NGRAM drafts of that length never pay off")
         if self.speculative_disable_by_batch_size < 1:
             raise ValueError("--speculative-disable-by-batch-size must be >= 1")
         if self.speculative_ngram_capacity < 0:
             raise ValueError("--speculative-ngram-capacity must be >= 0 (0: each request's own tokens only)")
         if self.speculative_ngram_max_bfs_breadth < 1:
             raise ValueError("--speculative-ngram-max-bfs-breadth must be >= 1 (1: chains)")
+
+    def _refuse_idle_speculative_flags(self) -> None:
+        """A --speculative-* flag changed from its default where the algorithm (or its absence) never
+        reads it."""
+        algo = self.speculative_algorithm
+        heads_only = ("speculative_num_steps", "speculative_eagle_topk")
+        for f in dataclasses.fields(self):
+            if not f.name.startswith("speculative_") or f.name == "speculative_algorithm":
+                continue
+            if getattr(self, f.name) == f.default:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            if algo is None:
+                raise ValueError(f"{flag} means nothing without --speculative-algorithm")
+            if algo == "NGRAM" and f.name in heads_only:
+                raise ValueError(f"{flag} is for draft heads (NEXTN, EAGLE, EAGLE3); NGRAM drafts from the "
+                                 "request's tokens (its trees: --speculative-ngram-max-bfs-breadth)")
+            if algo != "NGRAM" and f.name.startswith("speculative_ngram_"):
+                raise ValueError(f"{flag} is for --speculative-algorithm NGRAM, not {algo}")
 
     def _check_head_drafts(self) -> None:
         """NEXTN, EAGLE, EAGLE3: num_steps drafts deep, topk candidates per step (1: a chain, so

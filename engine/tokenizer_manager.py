@@ -63,6 +63,9 @@ class GenerateInput:
     bootstrap_room: Optional[int] = None
     data_parallel_rank: Optional[int] = None
     require_reasoning: bool = False  # a grammar applies after the reasoning (--reasoning-parser)
+    # the client gave no max_new_tokens (max_tokens): the default is cut to what the context leaves
+    # instead of refusing the request
+    fit_max_new_tokens: bool = False
 
 
 @dataclass
@@ -176,9 +179,10 @@ class TokenizerManager:
     def __init__(self, tokenizer: Any, scheduler_addrs: "str | list[str]", detokenizer_out_addr: str,
                  metrics: EngineMetrics, vocab_size: int, context_len: int,
                  load_balance_method: str = "round_robin", disaggregation_mode: str = "null",
-                 keepalive_s: float = SSE_KEEPALIVE_S) -> None:
+                 keepalive_s: float = SSE_KEEPALIVE_S, allow_auto_truncate: bool = False) -> None:
         self.tokenizer, self.metrics = tokenizer, metrics
         self.keepalive_s = keepalive_s
+        self.allow_auto_truncate = allow_auto_truncate  # --allow-auto-truncate (_fit_context)
         self._scheduler_addrs = [scheduler_addrs] if isinstance(scheduler_addrs, str) else list(scheduler_addrs)
         self.vocab_size, self.context_len, self.dp_size = vocab_size, context_len, len(self._scheduler_addrs)
         self.load_balance_method, self.disaggregation_mode = load_balance_method, disaggregation_mode
@@ -243,9 +247,8 @@ class TokenizerManager:
         ids = obj.input_ids if obj.input_ids is not None else self.tokenize(obj.text or "")
         if not ids:
             raise RequestError("the prompt is empty", 400)
-        if len(ids) >= self.context_len:
-            raise RequestError(f"the prompt has {len(ids)} tokens; this model's context length is {self.context_len}", 400)
         obj.sampling_params.verify(self.vocab_size)
+        ids = self._fit_context(obj, ids)
         if obj.data_parallel_rank is not None and not 0 <= obj.data_parallel_rank < self.dp_size:
             raise RequestError(f"data_parallel_rank {obj.data_parallel_rank} is out of range: this engine has "
                                f"{self.dp_size} data-parallel rank(s)", 400)
@@ -255,6 +258,28 @@ class TokenizerManager:
             top_logprobs_num=obj.top_logprobs_num, priority=obj.priority, bootstrap_host=obj.bootstrap_host,
             bootstrap_port=obj.bootstrap_port, bootstrap_room=obj.bootstrap_room,
             data_parallel_rank=obj.data_parallel_rank, require_reasoning=obj.require_reasoning)
+
+    def _fit_context(self, obj: GenerateInput, ids: list[int]) -> list[int]:
+        """The prompt and max_new_tokens within the context length, as OpenAI and SGLang check them: a
+        prompt that leaves no room, or a total past the context, is a 400. With --allow-auto-truncate
+        (SGLang's flag) the prompt is cut to its first context - 1 tokens and max_new_tokens to what
+        is left instead; a max_new_tokens the client did not give is always cut."""
+        limit, params = self.context_len, obj.sampling_params
+        if len(ids) >= limit:
+            if not self.allow_auto_truncate:
+                raise RequestError(f"the prompt has {len(ids)} tokens; this model's context length is {limit}", 400)
+            logger.warning("request %s: prompt of %d tokens cut to %d (--allow-auto-truncate)", obj.rid, len(ids),
+                           limit - 1)
+            ids = ids[:limit - 1]
+        room = limit - len(ids)
+        if params.max_new_tokens > room:
+            if not (obj.fit_max_new_tokens or self.allow_auto_truncate):
+                raise RequestError(
+                    f"this model's context length is {limit} tokens, and the request asks for "
+                    f"{len(ids) + params.max_new_tokens}: {len(ids)} in the prompt and {params.max_new_tokens} to "
+                    f"generate; ask for at most {room} (max_tokens / max_new_tokens)", 400)
+            params.max_new_tokens, params.min_new_tokens = room, min(params.min_new_tokens, room)
+        return ids
 
     def generate(self, obj: GenerateInput, is_disconnected=None,
                  keepalive: bool = False) -> AsyncIterator[Optional[ReqOutput]]:

@@ -3,11 +3,12 @@ from their declarations; do not edit). The operator runs without the engine and 
 so it checks extraArgs against these names (operator/validation.py)."""
 
 ENGINE_FLAGS = (
-    "api-key", "attention-backend", "base-gpu-id", "chat-template", "chunked-prefill-size",
-    "constrained-json-disable-any-whitespace", "context-length", "cpu-omp-threads-bind", "cuda-graph-max-bs",
-    "decode-log-interval", "device", "disable-cuda-graph", "disable-fused-ops", "disable-metrics",
-    "disable-native-forward", "disable-overlap-schedule", "disable-packed-linear", "disable-radix-cache",
-    "disaggregation-bootstrap-port", "disaggregation-bootstrap-timeout", "disaggregation-fault-probability",
+    "allow-auto-truncate", "api-key", "attention-backend", "base-gpu-id", "chat-template",
+    "chunked-prefill-size", "constrained-json-disable-any-whitespace", "context-length",
+    "cpu-omp-threads-bind", "cuda-graph-max-bs", "decode-log-interval", "device", "disable-cuda-graph",
+    "disable-fused-ops", "disable-metrics", "disable-native-forward", "disable-overlap-schedule",
+    "disable-packed-linear", "disable-radix-cache", "disaggregation-bootstrap-port",
+    "disaggregation-bootstrap-timeout", "disaggregation-fault-probability",
     "disaggregation-heartbeat-interval", "disaggregation-heartbeat-max-failures", "disaggregation-ib-device",
     "disaggregation-mode", "disaggregation-protocol", "disaggregation-transfer-backend",
     "disaggregation-waiting-timeout", "dp-size", "dtype", "enable-mixed-chunk", "enable-overlap-schedule",
@@ -22,8 +23,8 @@ ENGINE_FLAGS = (
     "speculative-ngram-capacity", "speculative-ngram-max-bfs-breadth",
     "speculative-ngram-max-match-window-size", "speculative-ngram-min-match-window-size",
     "speculative-num-draft-tokens", "speculative-num-steps", "speculative-token-map", "stream-interval",
-    "tokenizer-path", "tool-call-parser", "torch-compile-max-bs", "tp-cpu-allreduce", "tp-size",
-    "watchdog-timeout",
+    "strict-model-name", "tokenizer-path", "tool-call-parser", "torch-compile-max-bs", "tp-cpu-allreduce",
+    "tp-size", "watchdog-timeout",
 )
 
 ROUTER_FLAGS = (

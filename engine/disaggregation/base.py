@@ -241,29 +241,37 @@ class KVMetadata(NamedTuple):
 
 
 class MetadataBuffers:
-    """Registered per-request metadata slots: a 64-byte base (one int64 row of 8), then with a draft
-    head (speculation NEXTN / EAGLE) a draft part of `draft_bytes`.
+    """Registered per-request metadata slots: a 64-byte base (one int64 row of 8), the first token's
+    top logprobs, then with a draft head (speculation NEXTN / EAGLE) a draft part of `draft_bytes`.
 
     Base columns: 0 output token id | 1 bootstrap_room | 2 output logprob (float64 bits) | 3..7 spare.
-    Draft part: column 8 how many first-draft candidates follow (0: none) | 9..16 the head's candidates
-    for the request's first draft, its argmax first (--speculative-eagle-topk of them, at most
+    Top part: column 8 how many top logprobs follow (0: the request asked for none) | 9..136 their
+    token ids, best first | 137..264 their logprobs (float64 bits); at most TOP_LOGPROBS (a request
+    asking a PD pair for more is refused at admission).
+    Draft part: how many first-draft candidates follow (0: none) | the head's candidates for the
+    request's first draft, its argmax first (--speculative-eagle-topk of them, at most
     PRIME_CANDIDATES: the width never depends on flags, so two sides whose flags differ still agree on
-    it) | 17..24 their log-probabilities under the head (float64 bits: a best-first tree's scores) |
-    then the head's output at the prompt's last position (the next draft step's input), as raw bytes of
-    the model's dtype. Every prefill TP
-    rank writes the base; only rank 0 writes the draft part (the metadata's JSON hop to the other ranks
-    carries the base only), which the decode's rank 0, the one that reads the slot, gets from it.
+    it) | their log-probabilities under the head (float64 bits: a best-first tree's scores) | then the
+    head's output at the prompt's last position (the next draft step's input), as raw bytes of the
+    model's dtype. Every prefill TP rank writes the base; only rank 0 writes the rest (the metadata's
+    JSON hop to the other ranks carries the base only), which the decode's rank 0, the one that reads
+    the slot, gets from it: whatever the two TP sizes, prefill rank 0 holds KV head 0, so it writes to
+    decode rank 0.
     Slots are handed out by alloc()/free(); the decode side passes its slot to the prefill.
     """
 
     COLUMNS = 8
     BASE_BYTES = COLUMNS * 8
+    TOP_LOGPROBS = 128  # as SGLang's PD metadata buffers hold
+    TOP_COLUMNS = 1 + 2 * TOP_LOGPROBS
     PRIME_CANDIDATES = 8
 
     def __init__(self, size: int, draft_bytes: int = 0) -> None:
         assert size > 0 and draft_bytes % 8 == 0
         self.size, self.draft_bytes = size, draft_bytes
-        self.buffer = torch.zeros((size, self.COLUMNS + draft_bytes // 8), dtype=torch.int64)  # [size, 8 (+ draft)]
+        self._draft = self.COLUMNS + self.TOP_COLUMNS  # where the draft part starts
+        # [size, 8 + top part (+ draft)]
+        self.buffer = torch.zeros((size, self._draft + draft_bytes // 8), dtype=torch.int64)
         self._free = list(range(size))
 
     @staticmethod
@@ -303,12 +311,28 @@ class MetadataBuffers:
         row = self.buffer[slot]
         return KVMetadata(int(row[0]), float(row[2:3].view(torch.float64)[0]), int(row[1]))
 
+    def set_top_logprobs(self, slot: int, top: Sequence[tuple[float, int]]) -> None:
+        """The first token's top logprobs, as the sampler gives them: (logprob, token id), best first."""
+        n, width = len(top), self.TOP_LOGPROBS
+        assert n <= width, f"{n} top logprobs do not fit a metadata slot ({width})"
+        part = self.buffer[slot, self.COLUMNS:self._draft]
+        part[0] = n
+        if n:
+            part[1:1 + n] = torch.tensor([t for _, t in top], dtype=torch.int64)
+            part[1 + width:1 + width + n].view(torch.float64)[:] = torch.tensor([v for v, _ in top], dtype=torch.float64)
+
+    def get_top_logprobs(self, slot: int) -> list[tuple[float, int]]:
+        part, width = self.buffer[slot, self.COLUMNS:self._draft], self.TOP_LOGPROBS
+        n = int(part[0])
+        values = part[1 + width:1 + width + n].view(torch.float64).tolist()
+        return list(zip(values, part[1:1 + n].tolist()))
+
     def set_draft(self, slot: int, candidates: tuple[int, ...], hidden: torch.Tensor,
                   logps: tuple[float, ...]) -> None:
         """The head's candidates for the request's next first draft (argmax first), their
         log-probabilities and its output there."""
         n, width = min(len(candidates), self.PRIME_CANDIDATES), self.PRIME_CANDIDATES
-        part = self.buffer[slot, self.COLUMNS:]
+        part = self.buffer[slot, self._draft:]
         part[0] = n
         part[1:1 + n] = torch.tensor(candidates[:n], dtype=torch.int64)
         part[1 + width:1 + width + n].view(torch.float64)[:] = torch.tensor(logps[:n], dtype=torch.float64)
@@ -321,7 +345,7 @@ class MetadataBuffers:
         prefill's rank 0 wrote them, else None."""
         if not self.draft_bytes:
             return None
-        part, width = self.buffer[slot, self.COLUMNS:], self.PRIME_CANDIDATES
+        part, width = self.buffer[slot, self._draft:], self.PRIME_CANDIDATES
         n = int(part[0])
         if n == 0:
             return None
@@ -368,13 +392,15 @@ def contiguous_runs(src: np.ndarray, dst: np.ndarray) -> ContiguousRuns:
 class RoomStatus:
     """A request's poll state, shared between the scheduler thread and transfer threads.
 
-    It only moves forward; Success and Failed are final, and the first failure reason is kept.
+    It only moves forward; Success and Failed are final, and the first failure reason is kept, with
+    whether it was a room conflict (the room names another request on the peer engine).
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.status = KVPoll.Bootstrapping
         self.reason: Optional[str] = None
+        self.conflict = False
 
     @property
     def done(self) -> bool:
@@ -387,11 +413,11 @@ class RoomStatus:
             self.status = status
             return True
 
-    def fail(self, reason: str) -> bool:
+    def fail(self, reason: str, conflict: bool = False) -> bool:
         with self._lock:
             if self.done:
                 return False
-            self.status, self.reason = KVPoll.Failed, reason
+            self.status, self.reason, self.conflict = KVPoll.Failed, reason, conflict
             return True
 
 
@@ -441,6 +467,11 @@ class KVSenderBase(ABC):
     def clear(self) -> None:
         """Forget the request in the manager; call once after a final poll() or abort()."""
 
+    def room_conflict(self) -> bool:
+        """Failed because the room pairs this request with another request of the peer engine (a client
+        or router gave one room to two pairings): a client error (409), no KV moved."""
+        return False
+
 
 class KVReceiverBase(ABC):
     """Decode side of one request. Creation starts the handshake with the prefill in the background.
@@ -479,6 +510,16 @@ class KVReceiverBase(ABC):
 
     @abstractmethod
     def clear(self) -> None: ...
+
+    def room_conflict(self) -> bool:
+        """Failed because a prefill rank found the room paired with another of its requests: a client
+        error (409)."""
+        return False
+
+    def destination_untouched(self) -> bool:
+        """Every prefill rank the destination went to refused it before writing to it (a room
+        conflict): its pages may be reused at once, without the abort grace."""
+        return False
 
 
 class KVManagerBase(ABC):

@@ -97,12 +97,15 @@ class _RoomStatusMixin:
 
     _status: RoomStatus
 
-    def fail(self, reason: str) -> bool:
-        return self._status.fail(reason)
+    def fail(self, reason: str, conflict: bool = False) -> bool:
+        return self._status.fail(reason, conflict)
 
     @property
     def done(self) -> bool:
         return self._status.done
+
+    def room_conflict(self) -> bool:
+        return self._status.conflict
 
 
 class CommonKVSender(_RoomStatusMixin, KVSenderBase):
@@ -124,15 +127,21 @@ class CommonKVSender(_RoomStatusMixin, KVSenderBase):
 
     # ---- backend side ----
 
-    def attach(self, dest: Destination) -> None:
+    def attach(self, dest: Destination) -> Optional[str]:
         """A decode rank's destination. Every decode rank reserved the same pages (its driver's), so
-        they differ only in where the heads go; the sender waits for all `num_dests` of them."""
+        they differ only in where the heads go; the sender waits for all `num_dests` of them. One
+        more is another decode request given this room: refused (the reason returned, for the backend
+        to tell that decode as a room conflict), and nothing is ever written to it."""
         with self._attach_lock:
+            if self.dest is not None:
+                return (f"bootstrap_room {self.room} is already paired with a decode request on the prefill: "
+                        "one room must name one prefill request and one decode request")
             self.dests.append(dest)
             ready = len(self.dests) == dest.num_dests
         if ready:
             self.dest = self.dests[0]
             self._status.advance(KVPoll.WaitingForInput)
+        return None
 
     def record(self, nbytes: int, seconds: float) -> None:
         self._bytes += nbytes
@@ -151,14 +160,25 @@ class CommonKVSender(_RoomStatusMixin, KVSenderBase):
         """Queue one chunk for writing; on is_last also write the metadata slot and notify the decode."""
 
     @abstractmethod
-    def _notify_abort(self, reason: str) -> None: ...
+    def _notify_abort(self, reason: str, conflict: bool = False) -> None:
+        """Tell every decode destination the room failed; `conflict`: refused before anything was
+        written to it (the room names another request)."""
 
     # ---- scheduler side ----
 
     def init(self, num_pages: int, meta_slot: int) -> None:
+        """Before any chunk: a destination for another prompt (a room given to two pairings) is
+        refused now, before anything is written to it."""
         assert self.num_pages is None, f"init() twice for room {self.room}"
         assert num_pages >= 0 and 0 <= meta_slot < self._metadata.size
         self.num_pages, self.meta_slot = num_pages, meta_slot
+        held = self.dest.prefix_pages + len(self.dest.pages) if self.dest is not None else num_pages
+        if held != num_pages:
+            reason = (f"bootstrap_room {self.room} pairs requests of different prompts: the prefill's has "
+                      f"{num_pages} pages, the decode's {held}; one room must name one prefill request and one "
+                      "decode request")
+            if self._status.fail(reason, conflict=True):
+                self._notify_abort(reason, conflict=True)
 
     def send(self, page_indices: PageList, is_last: bool = False, metadata: Optional[KVMetadata] = None,
              state_slot: Optional[int] = None) -> None:
@@ -229,6 +249,7 @@ class CommonKVReceiver(_RoomStatusMixin, KVReceiverBase):
         self.state_slot: Optional[int] = None
         self._init_time: Optional[float] = None
         self._dest_sent = False
+        self._refused_by: set[str] = set()  # prefill ranks that refused the destination (a room conflict)
 
     # ---- backend side ----
 
@@ -241,9 +262,13 @@ class CommonKVReceiver(_RoomStatusMixin, KVReceiverBase):
         if send_now:
             self._send_destination_safely()
 
-    def on_status(self, status: KVPoll, reason: Optional[str]) -> None:
+    def on_status(self, status: KVPoll, reason: Optional[str], rank: str = "", conflict: bool = False) -> None:
+        """`conflict`: prefill rank `rank` refused the destination before writing to it."""
         if status != KVPoll.Success:
-            self._status.fail(reason or "prefill reported failure")
+            if conflict:
+                with self._lock:
+                    self._refused_by.add(rank)
+            self._status.fail(reason or "prefill reported failure", conflict)
             return
         got = self._metadata.get(self.meta_slot).bootstrap_room
         if got != self.room:
@@ -299,6 +324,14 @@ class CommonKVReceiver(_RoomStatusMixin, KVReceiverBase):
 
     def failure_reason(self) -> Optional[str]:
         return self._status.reason
+
+    def destination_untouched(self) -> bool:
+        with self._lock:
+            return len(self._refused_by) >= self._num_peers()
+
+    def _num_peers(self) -> int:
+        """The prefill ranks the destination goes to."""
+        return 1
 
     def abort(self, reason: str) -> None:
         if self._status.fail(reason) and self.peer is not None:

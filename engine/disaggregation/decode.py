@@ -19,16 +19,16 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from baton.engine.disaggregation.base import KVPoll, RoomInUse, TransferConfig, pages_from_slots
+from baton.engine.disaggregation.base import KVMetadata, KVPoll, RoomInUse, TransferConfig, pages_from_slots
 from baton.engine.disaggregation.bootstrap_server import DEFAULT_BOOTSTRAP_PORT
-from baton.engine.disaggregation.no_peer import NoPeerReceiver, is_no_peer
 from baton.engine.disaggregation.colocated import DisaggregationMode
-from baton.engine.disaggregation.disaggregated import TRANSFER_FAILED_STATUS, Disaggregated
-from baton.engine.io_struct import AbortReq, TokenizedGenerateReqInput
+from baton.engine.disaggregation.disaggregated import Disaggregated, failure_status
+from baton.engine.disaggregation.no_peer import NoPeerReceiver, is_no_peer
+from baton.engine.io_struct import AbortReq, FinishReason, TokenizedGenerateReqInput
 
 if TYPE_CHECKING:
     from baton.engine.core.req import Req
@@ -52,7 +52,7 @@ class DecodeDisaggregation(Disaggregated):
 
     # ------------------------------------------------------------------ intake
     def admit(self, req: "Req", recv: TokenizedGenerateReqInput) -> Optional[tuple[str, int]]:
-        error = self.missing_bootstrap_error(req)
+        error = self.pd_request_error(req)
         if error is not None:
             return error
         port = req.bootstrap_port if req.bootstrap_port is not None else DEFAULT_BOOTSTRAP_PORT
@@ -78,7 +78,7 @@ class DecodeDisaggregation(Disaggregated):
             status = req.kv_transfer.poll()
             if status == KVPoll.Failed:
                 self.stats.bootstrap_failures += 1
-                self._end(req, self._reason(req), TRANSFER_FAILED_STATUS)
+                self._end(req, self._reason(req), failure_status(req.kv_transfer))
             elif blocked or status < KVPoll.WaitingForInput or not self._reserve(req):
                 blocked |= status >= KVPoll.WaitingForInput
                 keep.append(req)
@@ -159,7 +159,7 @@ class DecodeDisaggregation(Disaggregated):
                 self.stats.transfer_done(nbytes, time.monotonic() - req.kv_transfer_started)
             elif status == KVPoll.Failed:
                 self.stats.transfer_failures += 1
-                self._end(req, self._reason(req), TRANSFER_FAILED_STATUS)
+                self._end(req, self._reason(req), failure_status(req.kv_transfer))
             else:
                 keep.append(req)
         self.transfer_queue = keep
@@ -171,24 +171,14 @@ class DecodeDisaggregation(Disaggregated):
         s = self.view
         for req in reqs:
             meta = req.kv_transfer.metadata()
+            top = self.metadata.get_top_logprobs(req.kv_meta_slot)  # the slot is zeroed by release()
             prime = None if s.drafter is None else s.drafter.prime_from(self.metadata, req.kv_meta_slot)
             self.release(req)
             req.fill_ids = list(req.origin_input_ids)
-            req.output_ids.append(meta.output_token_id)
-            req.sampling_state.on_sampled(meta.output_token_id)
-            req.sampling_state.next_draw()  # the prefill's draw: this side's next is the colocated one's
-            if req.grammar is not None:  # the prefill sampled it under the same grammar
-                req.accept_grammar_token(meta.output_token_id)
-            if req.return_logprob:
-                req.output_token_logprobs.append((meta.output_logprob, meta.output_token_id))
-                if req.top_logprobs_num > 0:
-                    req.output_top_logprobs.append([])  # the prefill sends only the chosen token's logprob
-            req.first_token_time = req.first_token_time or time.time()
-            # a draft head: its first draft and output where the prefill sent them, else it has not run
-            # here for the request yet and its first step drafts nothing
-            req.spec_prime, req.spec_primed = prime, prime is not None
-            req.check_finished(s.tokenizer)
-            s.count_generated(1)
+            if req.sampling_params.max_new_tokens == 0:  # the prefill only: no token, the KV is cached
+                req.finished_reason = FinishReason("length")
+                continue
+            self._take_first_token(req, meta, top, prime)
         live = [r for r in reqs if not r.finished()]
         for req in reqs:
             if req.finished():
@@ -199,6 +189,24 @@ class DecodeDisaggregation(Disaggregated):
             s.queues.running_batch.merge_batch(batch)
         s.stream_output(reqs)
 
+    def _take_first_token(self, req: "Req", meta: KVMetadata, top: list, prime: Any) -> None:
+        """The token the prefill sampled, with its logprobs, as if this engine had sampled it."""
+        req.output_ids.append(meta.output_token_id)
+        req.sampling_state.on_sampled(meta.output_token_id)
+        req.sampling_state.next_draw()  # the prefill's draw: this side's next is the colocated one's
+        if req.grammar is not None:  # the prefill sampled it under the same grammar
+            req.accept_grammar_token(meta.output_token_id)
+        if req.return_logprob:
+            req.output_token_logprobs.append((meta.output_logprob, meta.output_token_id))
+            if req.top_logprobs_num > 0:
+                req.output_top_logprobs.append(top[:req.top_logprobs_num])
+        req.first_token_time = req.first_token_time or time.time()
+        # a draft head: its first draft and output where the prefill sent them, else it has not run
+        # here for the request yet and its first step drafts nothing
+        req.spec_prime, req.spec_primed = prime, prime is not None
+        req.check_finished(self.view.tokenizer)
+        self.view.count_generated(1)
+
     # ------------------------------------------------------------------ endings
     def abort(self, recv: AbortReq) -> None:
         for queue in (self.prealloc_queue, self.transfer_queue):
@@ -207,14 +215,16 @@ class DecodeDisaggregation(Disaggregated):
                 self._end(req, recv.message, recv.status_code)
 
     def _end(self, req: "Req", message: str, status_code: int) -> None:
-        """End a request whose KV never arrived: the prefill is told, reserved memory goes back."""
+        """End a request whose KV never arrived: the prefill is told, reserved memory goes back (after
+        the abort grace where a write to it may still land)."""
         req.abort(message, status_code)
-        destination_sent = req.kv_transfer is not None and req.kv_transfer_started > 0.0
+        transfer = req.kv_transfer
+        may_land = transfer is not None and req.kv_transfer_started > 0.0 and not transfer.destination_untouched()
         self.release(req)
         s = self.view
         if req.req_pool_idx is not None:
             own = s.req_to_token_pool.req_to_token[req.req_pool_idx, len(req.prefix_indices):req.kv_allocated_len]
-            if destination_sent and self.mgr.abort_grace_s > 0:
+            if may_land and self.mgr.abort_grace_s > 0:
                 self.quarantine.append((time.monotonic() + self.mgr.abort_grace_s, own.clone()))
             else:
                 s.allocator.free(own)

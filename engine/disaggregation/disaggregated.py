@@ -14,10 +14,17 @@ from baton.engine.disaggregation.stats import PDStats
 
 if TYPE_CHECKING:
     from baton.engine.core.req import Req
+    from baton.engine.disaggregation.base import KVReceiverBase, KVSenderBase
     from baton.engine.disaggregation.colocated import SchedulerView
     from baton.engine.disaggregation.config import PDConfig
 
 TRANSFER_FAILED_STATUS = 500
+ROOM_CONFLICT_STATUS = 409  # a room given to two pairings: the client's (or its router's) error
+
+
+def failure_status(transfer: "KVSenderBase | KVReceiverBase") -> int:
+    """The HTTP status of a failed transfer: a room conflict is the client's error, the rest the server's."""
+    return ROOM_CONFLICT_STATUS if transfer.room_conflict() else TRANSFER_FAILED_STATUS
 
 
 def transfer_config_from(args: "PDConfig") -> TransferConfig:
@@ -77,10 +84,14 @@ def metadata_draft_bytes(view: "SchedulerView") -> int:
     return 0 if view.drafter is None else view.drafter.metadata_bytes()
 
 
-def missing_bootstrap_error(req: "Req", mode: str) -> Optional[tuple[str, int]]:
+def pd_request_error(req: "Req", mode: str) -> Optional[tuple[str, int]]:
+    """Why a request cannot run on a PD engine (message, status), or None."""
     if req.bootstrap_room is None:
         return (f"this engine runs in {mode} mode (PD disaggregation): the request needs bootstrap_room "
                 "(and bootstrap_host/bootstrap_port), as a PD router adds them", 400)
+    if req.return_logprob and req.top_logprobs_num > MetadataBuffers.TOP_LOGPROBS:
+        return (f"top_logprobs_num {req.top_logprobs_num}: a prefill/decode pair returns at most "
+                f"{MetadataBuffers.TOP_LOGPROBS} top logprobs per token", 400)
     return None
 
 
@@ -99,8 +110,8 @@ class Disaggregated(Colocated):
     def connect(self, bootstrap_addr: Optional[str] = None) -> None:
         self.mgr = create_kv_manager(self.view, self.mode.value, self.config, self.metadata, bootstrap_addr)
 
-    def missing_bootstrap_error(self, req: "Req") -> Optional[tuple[str, int]]:
-        return missing_bootstrap_error(req, self.mode.value)
+    def pd_request_error(self, req: "Req") -> Optional[tuple[str, int]]:
+        return pd_request_error(req, self.mode.value)
 
     def check_integrity(self) -> bool:
         return self.metadata.available_size() == self.metadata.size and self.mgr.num_rooms() == 0

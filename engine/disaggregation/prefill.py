@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Optional
 from baton.engine.disaggregation import transfer_backend_class
 from baton.engine.disaggregation.base import KVMetadata, KVPoll, RoomInUse, TransferConfig, pages_from_slots
 from baton.engine.disaggregation.colocated import DisaggregationMode
-from baton.engine.disaggregation.disaggregated import TRANSFER_FAILED_STATUS, Disaggregated
+from baton.engine.disaggregation.disaggregated import Disaggregated, failure_status
 from baton.engine.disaggregation.no_peer import NoPeerSender, is_no_peer
 from baton.engine.io_struct import AbortReq, FinishReason, TokenizedGenerateReqInput
 
@@ -57,7 +57,7 @@ class PrefillDisaggregation(Disaggregated):
     # ------------------------------------------------------------------ intake
     def admit(self, req: "Req", recv: TokenizedGenerateReqInput) -> Optional[tuple[str, int]]:
         """Returns an error (message, status) or None when the request joined the bootstrap queue."""
-        error = self.missing_bootstrap_error(req)
+        error = self.pd_request_error(req)
         if error is not None:
             return error
         req.sampling_params.max_new_tokens = 1  # the decode engine generates the rest
@@ -86,6 +86,9 @@ class PrefillDisaggregation(Disaggregated):
             elif status >= KVPoll.WaitingForInput and (slot := self.metadata.alloc()) is not None:
                 req.kv_meta_slot = slot
                 req.kv_transfer.init(-(-len(req.origin_input_ids) // ps), slot)
+                if req.kv_transfer.poll() == KVPoll.Failed:  # the destination is another prompt's
+                    self._end_failed(req)
+                    continue
                 req.queue_start_time = time.time()  # queue time: from here, not from the bootstrap wait
                 self.view.queues.waiting.append(req)
             else:
@@ -101,7 +104,7 @@ class PrefillDisaggregation(Disaggregated):
             self._end_failed(req)
         chunked = queues.chunked_req
         if chunked is not None and chunked.kv_transfer is not None and chunked.kv_transfer.poll() == KVPoll.Failed:
-            chunked.abort(self._reason(chunked), TRANSFER_FAILED_STATUS)  # reaped between chunks
+            chunked.abort(self._reason(chunked), failure_status(chunked.kv_transfer))  # reaped between chunks
 
     def _pop_transferred(self) -> None:
         s, keep = self.view, []
@@ -115,7 +118,7 @@ class PrefillDisaggregation(Disaggregated):
             self.transfer_seconds += stats.seconds
             if status == KVPoll.Failed:
                 self.stats.transfer_failures += 1
-                req.abort(self._reason(req), TRANSFER_FAILED_STATUS)
+                req.abort(self._reason(req), failure_status(req.kv_transfer))
             else:
                 self.stats.transfer_done(stats.bytes, stats.seconds)
                 req.check_finished(s.tokenizer)
@@ -138,6 +141,8 @@ class PrefillDisaggregation(Disaggregated):
             tok = result.next_token_ids[i]
             logprob = result.next_token_logprobs[i] if result.next_token_logprobs is not None else 0.0
             s.record_token(req, i, result)
+            if req.return_logprob and req.top_logprobs_num and result.next_top_logprobs is not None:
+                self.metadata.set_top_logprobs(req.kv_meta_slot, result.next_top_logprobs[i])
             if s.drafter is not None:  # the decode's first step drafts from these (base.MetadataBuffers)
                 self.metadata.set_draft(req.kv_meta_slot, *s.drafter.row_draft(req.req_pool_idx))
             self._send(req, -(-len(req.origin_input_ids) // s.page_size), KVMetadata(tok, logprob, req.bootstrap_room))
@@ -176,7 +181,7 @@ class PrefillDisaggregation(Disaggregated):
     def _end_failed(self, req: "Req") -> None:
         """A request that failed before its KV was sent (no decode peer, or the peer gave up)."""
         self.stats.bootstrap_failures += 1
-        req.abort(self._reason(req), TRANSFER_FAILED_STATUS)
+        req.abort(self._reason(req), failure_status(req.kv_transfer))
         self.release(req)
         self.view.stream_output([req])
 

@@ -202,6 +202,9 @@ class _FanOut:
         state, reason = self.link.state(self.room)
         return reason if state == KVPoll.Failed else None
 
+    def room_conflict(self) -> bool:
+        return self.local.room_conflict()
+
     def abort(self, reason: str) -> None:
         self.local.abort(reason)
         self.link.op({"op": "abort", "room": self.room, "reason": reason})
@@ -247,6 +250,11 @@ class TpKVReceiver(_FanOut, KVReceiverBase):
 
     def metadata(self) -> KVMetadata:
         return self.local.metadata()
+
+    def destination_untouched(self) -> bool:
+        """Unknown for the followers' destinations (their prefill ranks answer them): never, so a
+        failed transfer's pages wait out the abort grace on every rank."""
+        return False
 
 
 class TpKVManager(KVManagerBase):

@@ -2,8 +2,10 @@
 
 tool_choice (default "auto" when tools are given):
 - "none": the template still sees the tools; the output is plain content;
-- "auto": the output is parsed with the server's --tool-call-parser (the model's own format); a
-  request needs one (400 otherwise, as vLLM answers). When a tool is `strict` and xgrammar knows the
+- "auto": the output is parsed with the server's --tool-call-parser (the model's own format), which
+  for Qwen and Llama is picked from the chat template when the flag is absent (ApiContext); a
+  request needs one (400 otherwise, as vLLM answers, naming the flag and the parser of the
+  template's format where one is known). When a tool is `strict` and xgrammar knows the
   format (a structural tag: Qwen/Hermes), text stays free until the model opens a call, and the
   call is then constrained to a tool's name and schema, so it always parses;
 - "required" / {"type": "function", "function": {"name": F}}: decoding is constrained (xgrammar).
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from baton.engine.entrypoints.protocol import ChatCompletionRequest, NamedToolChoice
-from baton.engine.parsers import make_tool_parser, reasoning_forced, structural_tag_model
+from baton.engine.parsers import TOOL_PARSERS, make_tool_parser, reasoning_forced, structural_tag_model
 from baton.engine.parsers.base import Parsed, ToolCall, ToolStream, call_from
 from baton.engine.parsers.reasoning import ReasoningStream
 from baton.engine.sampling.sampling_params import GRAMMAR_KINDS
@@ -48,9 +50,11 @@ class ToolPlan:
         return any(t["function"]["name"] == name for t in self.tools)
 
 
-def plan_tools(req: ChatCompletionRequest, tool_parser: Optional[str], compact_json: bool = False) -> Optional[ToolPlan]:
+def plan_tools(req: ChatCompletionRequest, tool_parser: Optional[str], compact_json: bool = False,
+               template_format: Optional[str] = None) -> Optional[ToolPlan]:
     """`compact_json`: the server's --constrained-json-disable-any-whitespace (no free whitespace in
-    constrained arguments)."""
+    constrained arguments); `template_format`: the parser of the chat template's tool-call format
+    (named in the 400 of a request that needs a parser the server was not given)."""
     choice = req.tool_choice
     if not req.tools:
         if choice not in (None, "none"):
@@ -70,8 +74,7 @@ def plan_tools(req: ChatCompletionRequest, tool_parser: Optional[str], compact_j
         raise RequestError(f"{what} constrain the output itself; this cannot be combined with "
                            "response_format or json_schema / regex / ebnf / structural_tag", 400)
     if mode == "auto" and tool_parser is None:
-        raise RequestError('tool_choice "auto" needs a server started with --tool-call-parser; '
-                           'use "required", a named function, or "none"', 400)
+        raise RequestError(_no_parser_message(template_format), 400)
     if mode == "named":
         assert isinstance(choice, NamedToolChoice)
         if choice.function.name not in names:
@@ -94,6 +97,15 @@ def plan_tools(req: ChatCompletionRequest, tool_parser: Optional[str], compact_j
         if max_calls == 1:
             schema["maxItems"] = 1
     return ToolPlan(tools, mode, None, max_calls, schema)
+
+
+def _no_parser_message(template_format: Optional[str]) -> str:
+    fits = (f"this model's chat template writes calls in the {template_format} format: start it with "
+            f"--tool-call-parser {template_format}" if template_format is not None else
+            "this model's chat template shows no tool-call format known here; start it with the "
+            f"--tool-call-parser of the model's format (one of {', '.join(TOOL_PARSERS)})")
+    return (f'tools with tool_choice "auto" (the default) need the server\'s --tool-call-parser: {fits}; '
+            'or send tool_choice "required", a named function, or "none"')
 
 
 def _structural_tag(model: str, tools: list[dict[str, Any]], tool_choice: Any, max_calls: Optional[int],

@@ -34,7 +34,11 @@ def run_cli(args: argparse.Namespace) -> int:
     if problem is not None:
         print(f"baton serve: error: {problem}", file=sys.stderr)
         return 2
-    server_args = ServerArgs.from_cli_args(args)
+    try:
+        server_args = ServerArgs.from_cli_args(args)
+    except ValueError as e:  # flags that contradict each other or mean nothing: one line, as argparse's
+        print(f"baton serve: error: {e}", file=sys.stderr)
+        return 2
     configure_logging(server_args.log_level, prefix="server")
     logging.getLogger(__name__).info("starting engine: %s", server_args)  # api_key has repr=False
     try:

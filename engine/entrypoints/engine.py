@@ -234,7 +234,8 @@ def run_server(server_args: ServerArgs) -> None:
                               EngineMetrics(server_args.model_name, role), info["vocab_size"], info["context_length"],
                               load_balance_method=server_args.load_balance_method,
                               disaggregation_mode=server_args.disaggregation_mode,
-                              keepalive_s=float(os.environ.get("BATON_SSE_KEEPALIVE_S", SSE_KEEPALIVE_S)))
+                              keepalive_s=float(os.environ.get("BATON_SSE_KEEPALIVE_S", SSE_KEEPALIVE_S)),
+                              allow_auto_truncate=server_args.allow_auto_truncate)
         model_info = {"model_path": server_args.model_path, "tokenizer_path": server_args.tokenizer_path,
                       "served_model_name": server_args.model_name, "is_generation": True}
         ctx = ApiContext(server_args, tm, model_info, procs.alive,

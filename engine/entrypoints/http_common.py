@@ -3,6 +3,8 @@ context, reading and validating a request body, error bodies, SSE framing, colle
 from __future__ import annotations
 
 import asyncio
+import functools
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -12,9 +14,12 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from baton.engine.entrypoints.drain import Drain
+from baton.engine.parsers import AUTO_TOOL_PARSERS, template_tool_parser
 from baton.engine.sampling.sampling_params import SamplingParams, SamplingParamsError
 from baton.engine.server_args import ServerArgs
 from baton.engine.tokenizer_manager import GenerateInput, ReqOutput, RequestError, TokenizerManager
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -29,6 +34,22 @@ class ApiContext:
     @property
     def model_name(self) -> str:
         return self.server_args.model_name
+
+    @functools.cached_property
+    def template_tool_format(self) -> Optional[str]:
+        """The tool-call parser whose format the chat template writes (None: no format known here)."""
+        return template_tool_parser(getattr(self.tm.tokenizer, "chat_template", None))
+
+    @functools.cached_property
+    def tool_call_parser(self) -> Optional[str]:
+        """--tool-call-parser, else the chat template's where the model is of a family whose format
+        is picked without the flag (Qwen, Llama: AUTO_TOOL_PARSERS)."""
+        if self.server_args.tool_call_parser is not None:
+            return self.server_args.tool_call_parser
+        if self.template_tool_format not in AUTO_TOOL_PARSERS:
+            return None
+        logger.info("tool calls: --tool-call-parser %s, picked from the chat template", self.template_tool_format)
+        return self.template_tool_format
 
 
 def error_response(message: str, status: int, err_type: str = "invalid_request_error") -> JSONResponse:

@@ -140,6 +140,7 @@ def _register_native_routes(app: FastAPI, ctx: ApiContext) -> None:
     @app.get("/server_info")
     async def server_info():
         args = {k: v for k, v in ctx.server_args.__dict__.items() if k != "api_key"}
+        args["tool_call_parser"] = ctx.tool_call_parser  # the one in use: given, or picked from the template
         return {**args, **(await ctx.tm.get_server_info()), **ctx.extra, "version": _version()}
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
@@ -229,7 +230,8 @@ def _native_inputs(req: GenerateRequest) -> list[GenerateInput]:
                             stream=req.stream, return_logprob=bool(_pick(req, "return_logprob", i, size)),
                             logprob_start_len=int(_pick(req, "logprob_start_len", i, size)),
                             top_logprobs_num=int(_pick(req, "top_logprobs_num", i, size)),
-                            priority=_pick(req, "priority", i, size), require_reasoning=req.require_reasoning)
+                            priority=_pick(req, "priority", i, size), require_reasoning=req.require_reasoning,
+                            fit_max_new_tokens=not (isinstance(sp, dict) and "max_new_tokens" in sp))
         if obj.return_logprob and obj.logprob_start_len < 0 and req.logprob_start_len == -1:
             obj.logprob_start_len = -1  # output logprobs only, as SGLang's default
         rid = _pick(req, "rid", i, size)

@@ -35,15 +35,15 @@ def register_openai_routes(app: FastAPI, ctx: ApiContext) -> None:
         reject_unsupported(req)
         prompts = _completion_prompts(req.prompt)
         # the n choices of each prompt (parallel sampling), prompt-major
-        objs = expand([_input(ctx, req, p, req.max_tokens, req.logprobs) for p in prompts], [req.n] * len(prompts),
-                      pd_fields(req))
+        objs = expand([_input(ctx, req, p, req.max_tokens, req.logprobs, echo=req.echo) for p in prompts],
+                      [req.n] * len(prompts), pd_fields(req))
         if req.stream:  # every choice of every prompt in one stream, by index
             return await _stream(ctx, objs, request, req, chat=False)
         outs = await _collect_all(ctx, objs, request)
         # choice k is copy k % n of prompt k // n, as OpenAI orders them
         echoes = [_echo(ctx, prompts[k // req.n], req) for k in range(len(outs))]
         choices = [{"index": k, "text": echoes[k] + o.text,
-                    "logprobs": _completion_logprobs(ctx, o, 0, len(echoes[k])) if req.logprobs is not None else None,
+                    "logprobs": _completion_logprobs(ctx, o, 0, 0, echo=req.echo) if req.logprobs is not None else None,
                     "finish_reason": _reason(o), "matched_stop": _matched(o)} for k, o in enumerate(outs)]
         return JSONResponse({"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
                              "created": int(time.time()), "model": ctx.model_name, "choices": choices,
@@ -54,8 +54,9 @@ def register_openai_routes(app: FastAPI, ctx: ApiContext) -> None:
         req = parse(ChatCompletionRequest, await read_json(request, ctx.server_args))
         _check_model(ctx, req.model)
         reject_unsupported(req, chat=True)
-        args = ctx.server_args
-        plan = chat_tools.plan_tools(req, args.tool_call_parser, args.constrained_json_disable_any_whitespace)
+        args, tool_parser = ctx.server_args, ctx.tool_call_parser
+        plan = chat_tools.plan_tools(req, tool_parser, args.constrained_json_disable_any_whitespace,
+                                     ctx.template_tool_format)
         messages = chat_tools.template_messages([text_message(m.model_dump(exclude_none=True)) for m in req.messages])
         kwargs = chat_tools.template_kwargs(req)
         ids = ctx.tm.apply_chat_template(messages, tools=plan.tools if plan else None, **kwargs)
@@ -66,13 +67,12 @@ def register_openai_routes(app: FastAPI, ctx: ApiContext) -> None:
         if plan is not None and plan.structural_tag is not None:
             overrides["structural_tag"] = plan.structural_tag
         if plan is not None and plan.mode != "none" and plan.schema is None \
-                and not make_tool_parser(args.tool_call_parser).skip_special_tokens:
+                and not make_tool_parser(tool_parser).skip_special_tokens:
             overrides["skip_special_tokens"] = False  # the format's marker is a special token
         obj = _input(ctx, req, ids, req.max_completion_tokens or req.max_tokens, top, overrides=overrides)
         obj.require_reasoning = chat_tools.reasons(args.reasoning_parser, kwargs)
         objs = expand([obj], [req.n], pd_fields(req))
-        parser = chat_tools.choice_parser_factory(plan, req, args.tool_call_parser, args.reasoning_parser,
-                                                  obj.require_reasoning)
+        parser = chat_tools.choice_parser_factory(plan, req, tool_parser, args.reasoning_parser, obj.require_reasoning)
         if req.stream:
             return await _stream(ctx, objs, request, req, chat=True, parser=parser)
         outs = await _collect_all(ctx, objs, request)
@@ -92,7 +92,9 @@ def register_openai_routes(app: FastAPI, ctx: ApiContext) -> None:
 
 
 def _check_model(ctx: ApiContext, model: Optional[str]) -> None:
-    if model and model not in (ctx.model_name, ctx.server_args.model_path):
+    """Any name is served (SGLang's behaviour: clients send whatever their config says); with
+    --strict-model-name only this server's."""
+    if ctx.server_args.strict_model_name and model and model not in (ctx.model_name, ctx.server_args.model_path):
         raise RequestError(f"the model {model!r} does not exist; this server serves {ctx.model_name!r}", 404,
                            "model_not_found")
 
@@ -183,10 +185,11 @@ def _completion_prompts(prompt: Any) -> list:
 
 
 def _input(ctx: ApiContext, req: SamplingExtras, prompt: Any, max_tokens: Optional[int],
-           top_logprobs: Optional[int], overrides: Optional[dict[str, Any]] = None) -> GenerateInput:
-    """One prompt's request, before expansion (n copies, PD fields: expansion.py)."""
-    if max_tokens is not None and max_tokens <= 0:
-        raise RequestError("max_tokens must be at least 1", 400)
+           top_logprobs: Optional[int], overrides: Optional[dict[str, Any]] = None, echo: bool = False) -> GenerateInput:
+    """One prompt's request, before expansion (n copies, PD fields: expansion.py). `echo` with
+    logprobs: the prompt's logprobs too (completions)."""
+    if max_tokens is not None and max_tokens < 0:
+        raise RequestError("max_tokens must be >= 0 (0: the prompt only, e.g. for its logprobs)", 400)
     fields = dict(
         max_new_tokens=max_tokens if max_tokens is not None else ctx.tm.context_len,
         min_new_tokens=req.min_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
@@ -196,10 +199,12 @@ def _input(ctx: ApiContext, req: SamplingExtras, prompt: Any, max_tokens: Option
         spaces_between_special_tokens=req.spaces_between_special_tokens, no_stop_trim=req.no_stop_trim,
         logit_bias=req.logit_bias, **grammar_fields(req))
     params = SamplingParams(**{**fields, **(overrides or {})})
+    given = max_tokens is not None and bool({"max_tokens", "max_completion_tokens"} & req.model_fields_set)
     obj = GenerateInput(params, text=prompt if isinstance(prompt, str) else None,
                         input_ids=prompt if isinstance(prompt, list) else None, stream=req.stream,
                         return_logprob=top_logprobs is not None, top_logprobs_num=top_logprobs or 0,
-                        priority=req.priority)
+                        priority=req.priority, fit_max_new_tokens=not given,
+                        logprob_start_len=0 if echo and top_logprobs is not None else -1)
     if req.rid:
         obj.rid = req.rid
     return obj
@@ -240,12 +245,18 @@ def _token_text(ctx: ApiContext, tid: int) -> str:
     return ctx.tm.tokenizer.decode([tid])
 
 
-def _completion_logprobs(ctx: ApiContext, out: ReqOutput, start: int, offset: int) -> dict[str, Any]:
-    """OpenAI's legacy logprobs of the output tokens from `start`; `offset`: where the first of them
+def _completion_logprobs(ctx: ApiContext, out: ReqOutput, start: int, offset: int,
+                         echo: bool = False) -> dict[str, Any]:
+    """OpenAI's legacy logprobs of the output tokens from `start`, after the prompt's tokens with
+    `echo` (the first with a null logprob: nothing predicts it); `offset`: where the first of them
     begins in the choice's text. Each text_offset is that plus the lengths of the tokens before it
     (as vLLM and SGLang count)."""
     entries = out.output_token_logprobs[start:]
     tops = out.output_top_logprobs[start:] if out.output_top_logprobs else [None] * len(entries)
+    if echo:
+        prompt = out.input_token_logprobs or []
+        entries = prompt + entries
+        tops = (out.input_top_logprobs or [None] * len(prompt)) + tops
     tokens = [_token_text(ctx, t) for _, t in entries]
     offsets = []
     for token in tokens:
@@ -277,95 +288,133 @@ async def _stream(ctx: ApiContext, objs: list[GenerateInput], request: Request, 
     others); a silence gets a keep-alive comment."""
     # every copy is checked here, before the response starts (a refusal is a status code); a stream
     # holds nothing before its first read (a copy after a refused one is just dropped)
-    streams = [ctx.tm.generate(o, keepalive=True) for o in objs]
-    parsers = [parser() for _ in objs] if parser else None
-    cid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    created, obj_name = int(time.time()), "chat.completion.chunk" if chat else "text_completion"
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    want_logprobs = objs[0].return_logprob
-    model = ctx.model_name
-    outs: list[Optional[ReqOutput]] = [None] * len(objs)  # each choice's output (the same object every step)
-    text_offsets = [0] * len(objs)  # completions' logprobs: where each choice's next token starts
+    reader = _ChoiceReader([ctx.tm.generate(o, keepalive=True) for o in objs])
+    chunks = _StreamChunks(ctx, req, chat, objs[0].return_logprob, parser, len(objs))
+    return StreamingResponse(_sse_body(reader, chunks), media_type="text/event-stream")
 
-    def chunk(choice: dict[str, Any]) -> bytes:
-        return sse({"id": cid, "object": obj_name, "created": created, "model": model, "choices": [choice]})
 
-    def step_chunk(k: int, out: ReqOutput) -> Optional[bytes]:
-        if not (out.delta or out.finished_reason is not None):
-            return None
-        lp = None
-        if want_logprobs:
-            lp = ({"content": _chat_logprobs(ctx, out, out.new_logprobs_from)} if chat
-                  else _completion_logprobs(ctx, out, out.new_logprobs_from, text_offsets[k]))
-            if not chat:
-                text_offsets[k] += sum(len(t) for t in lp["tokens"])
-        choice = {"index": k, "logprobs": lp, "finish_reason": _reason(out)}
-        if parsers is not None:
-            p = parsers[k]
-            fields = p.feed(out.delta)
-            if out.finished_reason is not None:
-                rest = p.finish()
-                fields = {key: fields[key] + rest[key] for key in fields}
-            choice["delta"] = chat_tools.delta(fields)
-            choice["finish_reason"] = p.finish_reason(choice["finish_reason"])
-            if not choice["delta"] and out.finished_reason is None and lp is None:
-                return None  # held back (a marker may be starting); nothing to send yet
-        else:
-            choice.update({"delta": {"content": out.delta}} if chat else {"text": out.delta})
-        if out.finished_reason is not None:
-            choice["matched_stop"] = _matched(out)
-        return chunk(choice)
+class _ChoiceReader:
+    """The choices' output streams, read together: at most one read per choice outstanding."""
 
-    pending: dict[asyncio.Future, int] = {}  # the outstanding read of each unfinished choice
+    def __init__(self, streams: list[AsyncIterator[Optional[ReqOutput]]]) -> None:
+        self.streams = streams
+        self.pending: dict[asyncio.Future, int] = {}  # the outstanding read of each unfinished choice
 
-    async def next_outputs(unfinished: list[int]) -> list[tuple[int, Optional[ReqOutput]]]:
+    async def next_outputs(self, unfinished: list[int]) -> list[tuple[int, Optional[ReqOutput]]]:
         """The next output(s) of the choices still running: at least one, or none when all ended.
         A None output: that choice was silent for the keep-alive time."""
-        if len(streams) == 1:  # one choice: read it in place, no task per step
-            return [(0, await anext(streams[0]))] if unfinished else []
+        if len(self.streams) == 1:  # one choice: read it in place, no task per step
+            return [(0, await anext(self.streams[0]))] if unfinished else []
         for k in unfinished:
-            pending[asyncio.ensure_future(anext(streams[k]))] = k
-        if not pending:
+            self.pending[asyncio.ensure_future(anext(self.streams[k]))] = k
+        if not self.pending:
             return []
-        done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-        return sorted(((pending.pop(f), f.result()) for f in done), key=lambda ko: ko[0])
+        done, _ = await asyncio.wait(self.pending, return_when=asyncio.FIRST_COMPLETED)
+        return sorted(((self.pending.pop(f), f.result()) for f in done), key=lambda ko: ko[0])
 
-    async def body() -> AsyncIterator[bytes]:
-        try:
-            if chat:
-                for k in range(len(streams)):
-                    yield chunk({"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                 "finish_reason": None})
-            ready = await next_outputs(list(range(len(streams))))
-            while ready:
-                unfinished, silent = [], False
-                for k, out in ready:
-                    if out is None:
-                        silent = True
-                        unfinished.append(k)
-                        continue
-                    outs[k] = out
-                    if (err := abort_error(out)) is not None:
-                        yield sse_error(err)
-                        return
-                    if (data := step_chunk(k, out)) is not None:
-                        yield data
-                    if out.finished_reason is None:
-                        unfinished.append(k)
-                if silent:
-                    yield SSE_KEEPALIVE
-                ready = await next_outputs(unfinished)
-            if include_usage:
-                yield sse({"id": cid, "object": obj_name, "created": created, "model": ctx.model_name,
-                           "choices": [], "usage": _usage(outs, req.n)})
-            yield SSE_DONE
-        except RequestError as e:  # refused on the way in (the headers are out already)
-            yield sse_error(e)
-        finally:
-            for f in pending:  # a read in flight must end before its stream can be closed
-                f.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
-            for s in streams:
-                await s.aclose()
+    async def close(self) -> None:
+        for f in self.pending:  # a read in flight must end before its stream can be closed
+            f.cancel()
+        await asyncio.gather(*self.pending, return_exceptions=True)
+        for s in self.streams:
+            await s.aclose()
 
-    return StreamingResponse(body(), media_type="text/event-stream")
+
+class _StreamChunks:
+    """The SSE chunks of one streamed response: each choice's step as OpenAI's chunk object."""
+
+    def __init__(self, ctx: ApiContext, req: Any, chat: bool, want_logprobs: bool,
+                 parser: Optional[Callable[[], chat_tools.ChoiceParser]], n_choices: int) -> None:
+        self.ctx, self.req, self.chat, self.want_logprobs = ctx, req, chat, want_logprobs
+        self.cid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created, self.obj_name = int(time.time()), "chat.completion.chunk" if chat else "text_completion"
+        self.parsers = [parser() for _ in range(n_choices)] if parser else None
+        self.text_offsets = [0] * n_choices  # completions' logprobs: where each choice's next token starts
+        self.outs: list[Optional[ReqOutput]] = [None] * n_choices  # each choice's output (one object, every step)
+
+    def chunk(self, choice: dict[str, Any]) -> bytes:
+        return sse({"id": self.cid, "object": self.obj_name, "created": self.created, "model": self.ctx.model_name,
+                    "choices": [choice]})
+
+    def role_chunks(self) -> list[bytes]:
+        """Chat: each choice opens with the assistant's role."""
+        if not self.chat:
+            return []
+        return [self.chunk({"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                            "finish_reason": None}) for k in range(len(self.outs))]
+
+    def usage(self) -> Optional[bytes]:
+        """The last chunk with stream_options.include_usage."""
+        if not (self.req.stream_options and self.req.stream_options.include_usage):
+            return None
+        return sse({"id": self.cid, "object": self.obj_name, "created": self.created, "model": self.ctx.model_name,
+                    "choices": [], "usage": _usage(self.outs, self.req.n)})
+
+    def step(self, k: int, out: ReqOutput) -> Optional[bytes]:
+        """Choice k's new text (and logprobs), or None when there is nothing to send yet."""
+        self.outs[k] = out
+        if not (out.delta or out.finished_reason is not None):
+            return None
+        lp = self._logprobs(k, out)
+        choice = {"index": k, "logprobs": lp, "finish_reason": _reason(out)}
+        if self.parsers is not None:
+            if not self._parsed_delta(self.parsers[k], out, choice) and out.finished_reason is None and lp is None:
+                return None  # held back (a marker may be starting); nothing to send yet
+        else:
+            choice.update({"delta": {"content": out.delta}} if self.chat else {"text": out.delta})
+        if out.finished_reason is not None:
+            choice["matched_stop"] = _matched(out)
+        return self.chunk(choice)
+
+    def _logprobs(self, k: int, out: ReqOutput) -> Optional[dict[str, Any]]:
+        if not self.want_logprobs:
+            return None
+        if self.chat:
+            return {"content": _chat_logprobs(self.ctx, out, out.new_logprobs_from)}
+        lp = _completion_logprobs(self.ctx, out, out.new_logprobs_from, self.text_offsets[k])
+        self.text_offsets[k] += sum(len(t) for t in lp["tokens"])
+        return lp
+
+    @staticmethod
+    def _parsed_delta(p: chat_tools.ChoiceParser, out: ReqOutput, choice: dict[str, Any]) -> bool:
+        """The parser's reasoning / content / tool-call delta into `choice`; whether it has any."""
+        fields = p.feed(out.delta)
+        if out.finished_reason is not None:
+            rest = p.finish()
+            fields = {key: fields[key] + rest[key] for key in fields}
+        choice["delta"] = chat_tools.delta(fields)
+        choice["finish_reason"] = p.finish_reason(choice["finish_reason"])
+        return bool(choice["delta"])
+
+
+async def _sse_body(reader: _ChoiceReader, chunks: _StreamChunks) -> AsyncIterator[bytes]:
+    """The stream's bytes: every choice's steps as they come, keep-alives, usage, [DONE]; an error
+    event ends it early."""
+    try:
+        for data in chunks.role_chunks():
+            yield data
+        ready = await reader.next_outputs(list(range(len(reader.streams))))
+        while ready:
+            unfinished, silent = [], False
+            for k, out in ready:
+                if out is None:
+                    silent = True
+                    unfinished.append(k)
+                    continue
+                if (err := abort_error(out)) is not None:
+                    yield sse_error(err)
+                    return
+                if (data := chunks.step(k, out)) is not None:
+                    yield data
+                if out.finished_reason is None:
+                    unfinished.append(k)
+            if silent:
+                yield SSE_KEEPALIVE
+            ready = await reader.next_outputs(unfinished)
+        if (usage := chunks.usage()) is not None:
+            yield usage
+        yield SSE_DONE
+    except RequestError as e:  # refused on the way in (the headers are out already)
+        yield sse_error(e)
+    finally:
+        await reader.close()

@@ -20,6 +20,26 @@ def make_tool_parser(name: str) -> ToolParser:
     return classes[name]()
 
 
+# What a chat template writes when it shows the model its tools, per tool-call format (checked in
+# this order): Qwen2.5/Qwen3 and Hermes wrap calls in <tool_call>; Llama 3.1-3.3 ask for
+# {"name", "parameters"} JSON (3.1 also has <|python_tag|>); Mistral's [TOOL_CALLS]; Llama 3.2/4's
+# pythonic list.
+_TEMPLATE_MARKERS = (("qwen25", ("<tool_call>",)),
+                     ("llama3", ("<|python_tag|>", '"parameters": dictionary of argument name')),
+                     ("mistral", ("[TOOL_CALLS]",)),
+                     ("pythonic", ("[func_name1(",)))
+# the families whose parser is picked from the template when --tool-call-parser is not given
+AUTO_TOOL_PARSERS = ("qwen25", "llama3")
+
+
+def template_tool_parser(chat_template: Optional[str]) -> Optional[str]:
+    """The tool-call parser whose format the chat template writes, or None (no template, or no
+    format known here)."""
+    if not isinstance(chat_template, str):  # a tokenizer may keep several templates in a dict
+        chat_template = "\n".join(chat_template.values()) if isinstance(chat_template, dict) else ""
+    return next((name for name, markers in _TEMPLATE_MARKERS if any(m in chat_template for m in markers)), None)
+
+
 # The tool-call formats xgrammar can constrain natively (its builtin structural tags): a call in the
 # model's own format whose arguments follow the tool's schema.
 _STRUCTURAL_TAG_MODELS = {"qwen25": "qwen_3", "qwen": "qwen_3", "hermes": "qwen_3"}

@@ -59,7 +59,7 @@ class SamplingParams:
                 raise SamplingParamsError(msg)
 
         _check_types(self)  # again: a caller may have set a field since
-        need(self.max_new_tokens >= 1, "max_new_tokens must be an integer >= 1")
+        need(self.max_new_tokens >= 0, "max_new_tokens must be an integer >= 0 (0: the prefill only)")
         need(0 <= self.min_new_tokens <= self.max_new_tokens, "min_new_tokens must be in [0, max_new_tokens]")
         need(self.temperature >= 0.0, "temperature must be >= 0")
         need(0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]")

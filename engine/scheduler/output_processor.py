@@ -5,7 +5,7 @@ import time
 from typing import TYPE_CHECKING, Any, Optional
 
 from baton.engine.core.req import Req
-from baton.engine.io_struct import BatchTokenIDOut
+from baton.engine.io_struct import BatchTokenIDOut, FinishReason
 
 if TYPE_CHECKING:
     from baton.engine.core.batch_result import LaunchedBatch
@@ -95,6 +95,9 @@ class OutputProcessor:
         self.stats.generated_tokens += appended
 
     def _append_token(self, req: Req, i: int, result) -> None:
+        if req.sampling_params.max_new_tokens == 0:  # the prefill only (prompt logprobs, cache warming)
+            req.finished_reason = FinishReason("length")
+            return
         self.record_token(req, i, result)
         req.check_finished(self.tokenizer)
 

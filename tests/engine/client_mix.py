@@ -14,7 +14,7 @@ STREAM_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
 # (route, body, status): each must get its status and a JSON error, and change nothing
 BAD_REQUESTS = [
     ("/v1/completions", b"{not json", 400),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, 400),
     ("/generate", {"input_ids": [1, 2, 10**9]}, 400),
     ("/v1/completions", {"prompt": [6] * 5000, "max_tokens": 4}, 400),
     ("/v1/chat/completions", {"messages": [{"content": "no role"}]}, 400),

@@ -32,13 +32,13 @@ def test_a_killed_scheduler_fails_requests_in_flight_and_the_server_exits(tiny_m
         plain: dict = {}
 
         def non_streaming() -> None:  # waits for its whole answer when the scheduler dies
-            body = {"prompt": "wait for me", "max_tokens": 3000, "ignore_eos": True, "temperature": 0}
+            body = {"prompt": "wait for me", "max_tokens": 500, "ignore_eos": True, "temperature": 0}
             r = httpx.post(f"{base}/v1/completions", json=body, timeout=120)
             plain.update(status=r.status_code, body=r.json())
 
         waiter = threading.Thread(target=non_streaming)
         waiter.start()
-        body = {"prompt": "stream me", "max_tokens": 3000, "ignore_eos": True, "temperature": 0, "stream": True}
+        body = {"prompt": "stream me", "max_tokens": 500, "ignore_eos": True, "temperature": 0, "stream": True}
         events, killed_at = [], None
         with httpx.Client(timeout=120) as c, c.stream("POST", f"{base}/v1/completions", json=body) as r:
             assert r.status_code == 200

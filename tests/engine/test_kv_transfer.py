@@ -319,12 +319,16 @@ def test_waiting_timeout_and_decode_abort(pair_factory):
     decode.finish(aborted)
 
 
-def test_page_count_mismatch_fails_both_sides(pair_factory):
+def test_page_count_mismatch_fails_both_sides_as_a_room_conflict(pair_factory):
+    """A destination for another prompt (a room given to two pairings) is refused at the sender's
+    init, before anything is written: a conflict on both sides, the decode's pages untouched."""
     addr, prefill, _, meta, decode = pair_factory()
     receiver = decode.receive(addr, 5007, np.array([1, 2, 3]))
     sender = _send_all(prefill, meta, 5007, [1, 2], KVMetadata(1, 0.0, 5007))
-    assert wait_final(sender, 10) == KVPoll.Failed and "page count mismatch" in sender.failure_reason()
-    assert wait_final(receiver, 10) == KVPoll.Failed and "page count mismatch" in receiver.failure_reason()
+    assert wait_final(sender, 10) == KVPoll.Failed and "pairs requests of different prompts" in sender.failure_reason()
+    assert wait_final(receiver, 10) == KVPoll.Failed and "pairs requests of different prompts" in receiver.failure_reason()
+    assert sender.room_conflict() and receiver.room_conflict() and receiver.destination_untouched()
+    assert sender.stats().bytes == 0
     meta.free(sender.meta_slot)
     sender.clear()
     decode.finish(receiver)

@@ -144,6 +144,48 @@ def test_tool_plan_errors(kw, parser, needle):
     assert e.value.status == 400 and needle in e.value.message
 
 
+# what real chat templates write when they show a model its tools (excerpts)
+QWEN25_TEMPLATE = ('{%- if tools %}{{- "# Tools\\n\\nYou may call one or more functions to assist with the user query." }}'
+                   '{{- "For each function call, return a json object with function name and arguments within '
+                   '<tool_call></tool_call> XML tags:\\n<tool_call>\\n" }}{%- endif %}')
+LLAMA31_TEMPLATE = ('{%- if builtin_tools is defined or tools is not none %}{{- "Environment: ipython\\n" }}{%- endif %}'
+                    '{{- "<|python_tag|>" + tool_call.name + ".call(" }}')
+LLAMA32_TEMPLATE = ('{{- \'Respond in the format {"name": function name, "parameters": dictionary of argument name '
+                    'and its value}.\' }}')
+MISTRAL_TEMPLATE = "{%- if message.tool_calls %}{{- '[TOOL_CALLS][' }}{%- endif %}"
+PLAIN_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+
+
+@pytest.mark.parametrize("template,fits,picked", [
+    (QWEN25_TEMPLATE, "qwen25", "qwen25"), (LLAMA31_TEMPLATE, "llama3", "llama3"),
+    (LLAMA32_TEMPLATE, "llama3", "llama3"), (MISTRAL_TEMPLATE, "mistral", None), (PLAIN_TEMPLATE, None, None),
+    (None, None, None), ({"default": QWEN25_TEMPLATE, "rag": PLAIN_TEMPLATE}, "qwen25", "qwen25"),
+], ids=["qwen25", "llama31", "llama32", "mistral", "no-tools", "no-template", "named-templates"])
+def test_the_tool_call_parser_comes_from_the_chat_template_for_qwen_and_llama(template, fits, picked):
+    """Without --tool-call-parser a server takes the parser of its chat template's format where the
+    model is of a family whose format is known (Qwen, Llama); the flag always wins."""
+    from types import SimpleNamespace
+
+    from baton.engine.entrypoints.http_common import ApiContext
+    from baton.engine.parsers import template_tool_parser
+    from baton.engine.server_args import ServerArgs
+
+    assert template_tool_parser(template) == fits
+    tm = SimpleNamespace(tokenizer=SimpleNamespace(chat_template=template))
+    assert ApiContext(ServerArgs(model_path="m"), tm, {}).tool_call_parser == picked
+    assert ApiContext(ServerArgs(model_path="m", tool_call_parser="hermes"), tm, {}).tool_call_parser == "hermes"
+
+
+@pytest.mark.parametrize("template_format,needle", [
+    ("mistral", "writes calls in the mistral format: start it with --tool-call-parser mistral"),
+    (None, "shows no tool-call format known here; start it with the --tool-call-parser of the model's format"),
+])
+def test_tools_without_a_parser_are_a_400_that_names_the_flag_and_the_fitting_parser(template_format, needle):
+    with pytest.raises(RequestError) as e:
+        plan_tools(_req(tools=TOOLS), None, template_format=template_format)
+    assert e.value.status == 400 and needle in e.value.message and 'tool_choice "auto"' in e.value.message
+
+
 def test_required_and_named_outputs_become_calls():
     plan = plan_tools(_req(tools=TOOLS, tool_choice="required"), None)
     p = ChoiceParser(plan, None, None)

@@ -31,12 +31,12 @@ class PDSide(SchedulerHarness):
         self.results = {}
 
     def submit_pd(self, rid: str, prompt: list[int], room: Optional[int], port: int, return_logprob: bool = False,
-                  **sampling: Any) -> None:
+                  top_logprobs_num: int = 0, **sampling: Any) -> None:
         params = SamplingParams(**{"max_new_tokens": MAX_NEW, "temperature": 0.0, **sampling})
         self.scheduler.process_input_requests([TokenizedGenerateReqInput(
             rid=rid, input_text=None, input_ids=list(prompt), sampling_params=params, return_logprob=return_logprob,
-            logprob_start_len=0 if return_logprob else -1, bootstrap_host="127.0.0.1", bootstrap_port=port,
-            bootstrap_room=room)])
+            logprob_start_len=0 if return_logprob else -1, top_logprobs_num=top_logprobs_num,
+            bootstrap_host="127.0.0.1", bootstrap_port=port, bootstrap_room=room)])
         self._collect()
 
     def abort(self, rid: str) -> None:
@@ -169,6 +169,28 @@ def test_pd_first_token_logprob_travels(tiny_model_factory, pair_factory):
     assert pre.input_logprobs[0][0] is None
     for (lp, _), (ref_lp, _) in zip(pre.input_logprobs[1:], want.input_logprobs[1:]):
         assert lp == pytest.approx(ref_lp, abs=1e-5)
+    pair.assert_settled()
+
+
+def test_pd_first_token_top_logprobs_travel_with_its_kv(tiny_model_factory, pair_factory):
+    """The prefill samples the first token and computes its top logprobs; they reach the decode in the
+    metadata slot, so a PD answer carries them for every token, as a colocated engine's does (the
+    decode answered [] for the first token before)."""
+    path = tiny_model_factory("llama")
+    ref = SchedulerHarness(path, max_total_tokens=2048)
+    prompt = workload()[3]
+    ref.submit("a", prompt, return_logprob=True, top_logprobs_num=3, max_new_tokens=4)
+    want = ref.run_until_idle()["a"]
+    pair = pair_factory(path, max_total_tokens=2048, prefill_args={"chunked_prefill_size": 16})
+    pair.submit("a", prompt, return_logprob=True, top_logprobs_num=3, max_new_tokens=4)
+    pair.submit("b", prompt, return_logprob=True, max_new_tokens=4)  # asks for none: none travel
+    pair.run_until_idle()
+    got = pair.decode.results["a"]
+    assert got.ids == want.ids and len(got.output_top_logprobs) == 4
+    for tops, ref_tops in zip(got.output_top_logprobs, want.output_top_logprobs):
+        assert [t for _, t in tops] == [t for _, t in ref_tops] and len(tops) == 3
+        assert [v for v, _ in tops] == pytest.approx([v for v, _ in ref_tops], abs=1e-5)
+    assert pair.decode.results["b"].output_top_logprobs == []
     pair.assert_settled()
 
 
@@ -417,4 +439,92 @@ def test_a_bootstrap_room_in_use_is_refused_with_409_and_the_first_request_goes_
         assert f"bootstrap_room {room} is already in use" in finish.message
     pair.run_until_idle()
     assert pair.decode.results["first"].ids == hf_greedy(path, prompt)
+    pair.assert_settled()
+
+
+def test_a_room_given_to_two_pairings_is_a_409_and_the_decode_frees_its_pages_at_once(tiny_model_factory,
+                                                                                      pair_factory):
+    """A prefill request and a decode request of different prompts, given one room by two pairings:
+    the prefill refuses the decode's destination before it writes anything (it holds another prompt's
+    page count), so both answer 409 naming the room, and the decode gives its pages back at once
+    instead of holding them for the abort grace (its /flush_cache was refused meanwhile, with
+    every counter at 0; both answered 500 'page count mismatch' before)."""
+    path = tiny_model_factory("llama")
+    pair = pair_factory(path, page_size=4, max_total_tokens=2048)
+    decode = pair.decode.scheduler
+    decode.pd.mgr.abort_grace_s = 60.0  # as over Mooncake: a write may still land in abandoned pages
+    free_before = decode.allocator.available_size()
+    room = next(pair.rooms)
+    pair.prefill.submit_pd("x", workload()[5], room, pair.port)
+    pair.decode.submit_pd("y", workload()[1], room, pair.port)
+    pair.run_until_idle(timeout_s=30)
+    for side, rid in ((pair.prefill, "x"), (pair.decode, "y")):
+        finish = side.results[rid].finish
+        assert (finish.kind, finish.status_code) == ("abort", 409), finish
+        assert f"bootstrap_room {room}" in finish.message and side.results[rid].ids == []
+    assert decode.is_idle() and decode.allocator.available_size() == free_before
+    pair.assert_settled()
+
+
+def test_a_second_decode_given_a_paired_room_is_refused_at_once_and_the_first_pairing_goes_on(tiny_model_factory,
+                                                                                             pair_factory):
+    """Another decode engine sends its destination for a room the prefill has already paired: the
+    prefill refuses it (409) without writing to it, so that decode frees its pages at once; the first
+    pairing is served as if nothing happened (before, the prefill took the second destination as one
+    more and that decode waited for KV until its waiting timeout)."""
+    path = tiny_model_factory("llama")
+    pair = pair_factory(path, page_size=4, max_total_tokens=2048)
+    other = PDSide(path, pair.decode.tokenizer, TransferConfig(), disaggregation_mode="decode", page_size=4,
+                   max_total_tokens=2048)
+    try:
+        other.scheduler.pd.mgr.abort_grace_s = 60.0
+        free_before = other.scheduler.allocator.available_size()
+        prompt = workload()[5]
+        room = pair.submit("x", prompt)
+        for _ in range(2):
+            pair.step()
+        other.submit_pd("y", prompt, room, pair.port)
+        deadline = time.monotonic() + 30
+        while "y" not in other.results or other.results["y"].finish is None:
+            assert time.monotonic() < deadline, "the second decode was never answered"
+            other.step()
+            pair.step()
+        finish = other.results["y"].finish
+        assert (finish.kind, finish.status_code) == ("abort", 409) and f"bootstrap_room {room}" in finish.message
+        assert other.scheduler.is_idle() and other.scheduler.allocator.available_size() == free_before
+        assert other.settled()
+        pair.run_until_idle()
+        assert pair.decode.results["x"].ids == hf_greedy(path, prompt)
+        pair.assert_settled()
+    finally:
+        other.scheduler.close()
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "plain"])
+def test_max_new_tokens_0_runs_the_prefill_only_colocated_and_in_pd(tiny_model_factory, pair_factory, overlap):
+    """max_new_tokens 0 (SGLang accepts it: prompt logprobs, cache warming): the prompt is prefilled
+    (its input logprobs come back, its KV goes to the radix cache), no token is generated, nothing is
+    held afterwards. In PD the prefill still runs and sends the KV; the decode returns no token and
+    frees everything (a 400 before, on both)."""
+    path = tiny_model_factory("llama")
+    prompt = workload()[3]
+    ref = SchedulerHarness(path, max_total_tokens=2048, enable_overlap_schedule=overlap)
+    ref.submit("full", prompt, return_logprob=True, logprob_start_len=0, max_new_tokens=3)
+    ref.submit("zero", prompt, return_logprob=True, logprob_start_len=0, max_new_tokens=0)
+    out = ref.run_until_idle()
+    zero, full = out["zero"], out["full"]
+    assert zero.ids == [] and zero.finish.kind == "length" and zero.after_finish == 0
+    assert [t for _, t in zero.input_logprobs] == prompt
+    assert [lp for lp, _ in zero.input_logprobs[1:]] == pytest.approx([lp for lp, _ in full.input_logprobs[1:]],
+                                                                      abs=1e-5)
+    s = ref.scheduler
+    assert s.is_idle() and s.check_memory_integrity()
+    pair = pair_factory(path, max_total_tokens=2048, enable_overlap_schedule=overlap)
+    pair.submit("zero", prompt, return_logprob=True, max_new_tokens=0)
+    pair.run_until_idle()
+    got = pair.decode.results["zero"]
+    assert got.ids == [] and got.finish.kind == "length" and got.output_logprobs == []
+    assert [t for _, t in pair.prefill.results["zero"].input_logprobs] == prompt
+    assert pair.decode.scheduler.tree_cache.match_prefix(prompt).device_indices.numel() > 0, \
+        "the transferred prompt is cached on the decode"
     pair.assert_settled()

@@ -223,6 +223,68 @@ async def _post_pair(prefill: str, decode: str, body: dict, route: str = "/gener
         return await asyncio.gather(client.post(prefill + route, json=body), client.post(decode + route, json=body))
 
 
+def test_pd_answers_carry_the_first_tokens_top_logprobs_on_every_route(pd_pair):
+    """The prefill samples the first token and computes its top logprobs; the decode's answer carries
+    them (as the prefill's own answer, a colocated engine's, shows them) on /generate, /v1/completions
+    and chat. Before: [] / null for the first token on the decode."""
+    prefill, bootstrap_port, decode = pd_pair
+    pd = {"bootstrap_host": "127.0.0.1", "bootstrap_port": bootstrap_port}
+
+    def first_tops(route: str, body: dict, tops) -> tuple:
+        pre, dec = asyncio.run(_post_pair(prefill.base_url, decode.base_url,
+                                          {**body, **pd, "bootstrap_room": random.randrange(1 << 62)}, route))
+        assert pre.status_code == 200 and dec.status_code == 200, (pre.text, dec.text)
+        return tops(pre.json()), tops(dec.json())
+
+    want, got = first_tops("/generate", {**_body(PROMPTS[3], bootstrap_port), "return_logprob": True,
+                                         "top_logprobs_num": 2}, lambda o: o["meta_info"]["output_top_logprobs"])
+    assert len(got) == MAX_NEW and len(got[0]) == 2 and got[0] == want[0]
+    want, got = first_tops("/v1/completions", {"prompt": PROMPTS[3], "max_tokens": 3, "temperature": 0, "logprobs": 2},
+                           lambda o: o["choices"][0]["logprobs"]["top_logprobs"])
+    assert got[0] is not None and len(got[0]) == 2 and got[0] == want[0]
+    chat = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 3, "temperature": 0, "logprobs": True,
+            "top_logprobs": 2}
+    want, got = first_tops("/v1/chat/completions", chat, lambda o: o["choices"][0]["logprobs"]["content"])
+    assert len(got[0]["top_logprobs"]) == 2 and got[0] == want[0]
+    _assert_idle_and_whole(prefill, decode)
+
+
+def test_pd_max_new_tokens_0_prefills_and_the_decode_returns_no_token(pd_pair):
+    """max_new_tokens 0 through the pair: the prefill runs (its answer has the input logprobs a router
+    merges), the decode answers no token and holds nothing afterwards (a 400 on both before)."""
+    prefill, bootstrap_port, decode = pd_pair
+    body = {**_body(PROMPTS[4], bootstrap_port), "return_logprob": True, "logprob_start_len": 0,
+            "sampling_params": {"max_new_tokens": 0}}
+    pre, dec = asyncio.run(_post_pair(prefill.base_url, decode.base_url, body))
+    assert pre.status_code == 200 and dec.status_code == 200, (pre.text, dec.text)
+    assert dec.json()["output_ids"] == [] and dec.json()["meta_info"]["finish_reason"]["type"] == "length"
+    assert [t for _, t, _ in pre.json()["meta_info"]["input_token_logprobs"]] == PROMPTS[4]
+    _assert_idle_and_whole(prefill, decode)
+
+
+def test_pd_a_room_given_to_two_pairings_is_a_409_and_the_decode_flushes_at_once(pd_pair):
+    """The prefill holds room R for one prompt, the decode for another (two pairings gave out one
+    room): both answer 409 naming the room, and the decode, whose pages the prefill never wrote, can
+    flush its cache at once (before: 500 "page count mismatch", then /flush_cache refused for ~20 s
+    while every counter read 0)."""
+    prefill, bootstrap_port, decode = pd_pair
+    room = random.randrange(1 << 62)
+    x = {**_body(PROMPTS[6], bootstrap_port), "bootstrap_room": room}
+    y = {**_body(PROMPTS[1], bootstrap_port), "bootstrap_room": room}
+
+    async def run():
+        async with httpx.AsyncClient(timeout=120) as c:
+            return await asyncio.gather(c.post(f"{prefill.base_url}/generate", json=x),
+                                        c.post(f"{decode.base_url}/generate", json=y))
+
+    for r in asyncio.run(run()):
+        assert r.status_code == 409 and f"bootstrap_room {room}" in r.json()["error"]["message"], r.text
+    wait_idle_integrity(decode.base_url, timeout_s=10)
+    r = httpx.post(f"{decode.base_url}/flush_cache", timeout=10)
+    assert r.status_code == 200, r.text
+    _assert_idle_and_whole(prefill, decode)
+
+
 def test_pd_streaming_through_decode(pd_pair, model_path):
     prefill, bootstrap_port, decode = pd_pair
     prompt = PROMPTS[5]

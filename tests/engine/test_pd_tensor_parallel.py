@@ -104,10 +104,22 @@ def _transfer(addr: str, prefill: Side, decode: Side, room: int, src: list[int],
     sender = prefill.mgr.create_sender(room)
     assert wait_until(lambda: sender.poll() != KVPoll.Bootstrapping, 15), _describe(prefill, decode, sender, receiver)
     if sender.poll() == KVPoll.WaitingForInput:
-        sender.init(len(src), prefill.metas[0].alloc())
+        slot = prefill.metas[0].alloc()
+        sender.init(len(src), slot)
+        prefill.metas[0].set_top_logprobs(slot, TOP_LOGPROBS)  # as the prefill's driver does (rank 0 only)
         sender.send(src[:1])  # two chunks, as a chunked prefill sends them
         sender.send(src[1:], is_last=True, metadata=KVMetadata(42, -0.5, room))
     return sender, receiver
+
+
+TOP_LOGPROBS = [(-0.25, 17), (-1.5, 3)]  # the first token's top logprobs, (logprob, token id)
+
+
+def _assert_first_token_arrived(decode: Side, receiver, room: int) -> None:
+    """The metadata slot the decode's driver reads: the first token and its top logprobs, whichever
+    prefill ranks wrote to it."""
+    assert receiver.metadata() == KVMetadata(42, -0.5, room)
+    assert decode.metas[0].get_top_logprobs(getattr(receiver, "local", receiver).meta_slot) == TOP_LOGPROBS
 
 
 def _describe(prefill: Side, decode: Side, sender, receiver) -> str:
@@ -176,7 +188,7 @@ def test_each_decode_rank_receives_its_prefill_ranks_shard():
         sender, receiver = _transfer(addr, prefill, decode, 7001, src, dst)
         assert wait_final(sender, 15) == KVPoll.Success, sender.failure_reason()
         assert wait_final(receiver, 15) == KVPoll.Success, receiver.failure_reason()
-        assert receiver.metadata() == KVMetadata(42, -0.5, 7001)
+        _assert_first_token_arrived(decode, receiver, 7001)
         ps = GEO.page_size
         for rank in range(2):
             src_pool, dst_pool = prefill.pools[rank], decode.pools[rank]
@@ -265,7 +277,7 @@ def test_each_decode_rank_receives_exactly_its_heads_from_a_prefill_of_another_t
         sender, receiver = _transfer(addr, prefill, decode, 7004, src, dst)
         assert wait_final(sender, 15) == KVPoll.Success, _describe(prefill, decode, sender, receiver)
         assert wait_final(receiver, 15) == KVPoll.Success, receiver.failure_reason()
-        assert receiver.metadata() == KVMetadata(42, -0.5, 7004)
+        _assert_first_token_arrived(decode, receiver, 7004)
         ps = GEO.page_size
         for r in range(decode_tp):
             d_start, d_num = kv_head_range(kv_heads, decode_tp, r)

@@ -56,3 +56,16 @@ def test_a_model_that_fails_to_load_exits_nonzero_and_leaves_nothing_running(tin
     finally:
         control.kill()
         control.wait()
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--speculative-num-draft-tokens", "5"], "--speculative-num-draft-tokens means nothing without --speculative-algorithm"),
+    (["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "100000"], "more tokens than one step"),
+], ids=["without-algorithm", "ngram-past-a-step"])
+def test_speculative_flags_that_mean_nothing_are_one_line_and_exit_2(tiny_model_factory, flags, needle):
+    """Refused before anything starts, as a wrong path is (both started silently before)."""
+    proc = subprocess.run([sys.executable, "-m", "baton", "serve", "--model-path", tiny_model_factory("llama"),
+                           "--port", str(free_port()), *flags], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().startswith("baton serve: error:") and needle in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -111,9 +111,15 @@ def test_completion_text_offsets(engine):
     def starts(tokens: list[str], base: int) -> list[int]:
         return [base + len("".join(tokens[:i])) for i in range(len(tokens))]
 
-    for echo in (False, True):
-        lp = client.completions.create(echo=echo, **body).choices[0].logprobs
-        assert len(lp.tokens) == 6 and lp.text_offset == starts(lp.tokens, len(body["prompt"]) if echo else 0)
+    lp = client.completions.create(**body).choices[0].logprobs
+    assert len(lp.tokens) == 6 and lp.text_offset == starts(lp.tokens, 0)
+    # echo: the prompt's tokens first (nothing predicts the first), then the output's, offsets from 0
+    echoed = client.completions.create(echo=True, **body).choices[0]
+    lp = echoed.logprobs
+    assert "".join(lp.tokens[:-6]) == body["prompt"] and lp.tokens[-6:] == [t for t in lp.tokens[-6:]]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v is not None for v in lp.token_logprobs[1:]) and all(len(t) == 1 for t in lp.top_logprobs[1:])
+    assert lp.text_offset == starts(lp.tokens, 0) and echoed.text == "".join(lp.tokens)
     chunks = [c.choices[0].logprobs for c in client.completions.create(stream=True, **body) if c.choices]
     tokens = [t for c in chunks if c for t in c.tokens]
     assert [o for c in chunks if c for o in c.text_offset] == starts(tokens, 0) and len(tokens) == 6
@@ -203,10 +209,51 @@ def test_required_tool_choice_without_a_parser_is_a_json_array_equal_to_hf(engin
     assert resp.usage.completion_tokens == len(out)
 
 
+def test_max_tokens_0_scores_the_prompt_only(engine, model_path, hf):
+    """max_tokens 0 (SGLang's and OpenAI's prompt scoring, cache warming): the prompt is prefilled, no
+    token generated; with echo and logprobs the prompt's own logprobs come back (HF's), as OpenAI
+    answers; /generate max_new_tokens 0 likewise. Both were a 400."""
+    tok = AutoTokenizer.from_pretrained(model_path)
+    prompt = "the quick brown fox jumps"
+    ids = tok(prompt)["input_ids"]
+    with torch.no_grad():
+        want = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)
+    want = [float(want[i - 1, t]) for i, t in enumerate(ids) if i > 0]
+    r = httpx.post(f"{engine.base_url}/v1/completions", timeout=60, json={
+        "prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 1, "model": "any-name"})
+    assert r.status_code == 200, r.text
+    choice, usage = r.json()["choices"][0], r.json()["usage"]
+    assert choice["text"] == prompt and choice["finish_reason"] == "length"
+    assert usage["completion_tokens"] == 0 and usage["prompt_tokens"] == len(ids)
+    lp = choice["logprobs"]
+    assert lp["tokens"] == [tok.decode([t]) for t in ids] and lp["token_logprobs"][0] is None
+    assert lp["token_logprobs"][1:] == pytest.approx(want, abs=1e-4)
+    r = httpx.post(f"{engine.base_url}/generate", timeout=60, json={
+        "input_ids": ids, "return_logprob": True, "logprob_start_len": 0, "sampling_params": {"max_new_tokens": 0}})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["output_ids"] == [] and out["meta_info"]["finish_reason"]["type"] == "length"
+    assert [lp for lp, _, _ in out["meta_info"]["input_token_logprobs"][1:]] == pytest.approx(want, abs=1e-4)
+    assert wait_idle_integrity(engine.base_url)["integrity_ok"] is True
+
+
+def test_any_model_name_is_served_and_a_default_max_tokens_fits_the_context(engine):
+    """A client's `model` is whatever its configuration says: any name is served, as SGLang does (a 404
+    before). A max_tokens the client did not send (completions' default 16) is cut to what the context
+    leaves, never a 400."""
+    served = httpx.get(f"{engine.base_url}/v1/models").json()["data"][0]["id"]
+    for route, body in (("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})):
+        r = httpx.post(f"{engine.base_url}{route}", timeout=60, json={**body, "model": "gpt-4o"})
+        assert r.status_code == 200 and r.json()["model"] == served, r.text
+    prompt = [(7 * j) % 400 + 6 for j in range(2040)]
+    r = httpx.post(f"{engine.base_url}/v1/completions", timeout=120, json={"prompt": prompt, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 8
+
+
 BAD_REQUESTS = [
     ("/v1/completions", b"{not json", 400, "malformed JSON"),
-    ("/v1/completions", {"prompt": "hi", "model": "no-such-model"}, 404, "does not exist"),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": -5}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "", "max_tokens": 4}, 400, "empty"),
     ("/v1/completions", {"prompt": [], "max_tokens": 4}, 400, "empty"),
@@ -220,6 +267,15 @@ BAD_REQUESTS = [
     ("/generate", {"text": "hi", "sampling_params": {"n": 2}, "stream": True}, 400, "n > 1"),
     ("/v1/completions", {"prompt": 42}, 400, "prompt"),
     ("/v1/completions", {"prompt": "x " * 3000, "max_tokens": 4}, 400, "context length"),
+    # a prompt and max_tokens past the context: a 400, as OpenAI and SGLang answer (it was cut silently)
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 1e12}, 400, "ask for at most"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2048}, 400, "context length is 2048 tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5000}, 400,
+     "ask for at most"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 5000}, 400,
+     "ask for at most"),
+    ("/generate", {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2046}}, 400,
+     "3 in the prompt and 2046 to generate; ask for at most 2045"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": "hello"}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"content": "no role"}]}, 400, "role"),
@@ -230,7 +286,6 @@ BAD_REQUESTS = [
     ("/generate", {"sampling_params": {"max_new_tokens": 3}}, 400, "text or input_ids"),
     ("/generate", {"input_ids": [1, 2, 10**9]}, 400, "vocabulary"),
     ("/generate", {"text": "hi", "sampling_params": {"no_such_param": 1}}, 400, "sampling_params"),
-    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 0}}, 400, "max_new_tokens"),
     ("/generate", [1, 2, 3], 400, "JSON object"),
     # OpenAI features this server lacks: a 400 that names them, never an answer without them
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
@@ -246,7 +301,8 @@ BAD_REQUESTS = [
     ("/generate", {"text": "hi", "sampling_params": {"ebnf": "root ::= nothing_defined"}}, 400, "invalid ebnf"),
     ("/generate", {"text": "hi", "sampling_params": {"regex": "a", "ebnf": "root ::= \"a\""}}, 400, "at most one"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [
-        {"type": "function", "function": {"name": "f", "parameters": {}}}]}, 400, "--tool-call-parser"),  # auto needs a parser this server lacks
+        {"type": "function", "function": {"name": "f", "parameters": {}}}]}, 400,
+     "chat template shows no tool-call format known here; start it with the --tool-call-parser"),
     ("/v1/completions", {"prompt": "hi", "suffix": "bye"}, 400, "suffix"),
     ("/v1/completions", {"prompt": "hi", "best_of": 3}, 400, "best_of"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
@@ -466,3 +522,24 @@ def test_api_key(model_path):
         assert r.status_code == 200
         log = open(eng.log_path).read()
         assert "s3cret" not in log, "the API key must never be logged"
+
+
+def test_strict_model_name_and_auto_truncate(model_path):
+    """--strict-model-name: a `model` other than the server's is a 404. --allow-auto-truncate (SGLang's):
+    a prompt past the context is cut to its first tokens and max_tokens to what is left, as before."""
+    with running_engine(model_path, "--strict-model-name", "--allow-auto-truncate", "--max-total-tokens", "2048",
+                        "--context-length", "64") as eng:
+        base = eng.base_url
+        r = httpx.post(f"{base}/v1/completions", timeout=60, json={"prompt": "hi", "max_tokens": 2, "model": "gpt-4o"})
+        assert r.status_code == 404 and "does not exist" in r.json()["error"]["message"], r.text
+        served = httpx.get(f"{base}/v1/models").json()["data"][0]["id"]
+        r = httpx.post(f"{base}/v1/completions", timeout=60, json={"prompt": "hi", "max_tokens": 2, "model": served})
+        assert r.status_code == 200, r.text
+        r = httpx.post(f"{base}/generate", timeout=60, json={
+            "input_ids": list(range(5, 65)), "sampling_params": {"max_new_tokens": 100, "ignore_eos": True}})
+        assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == 4, r.text
+        r = httpx.post(f"{base}/generate", timeout=60, json={
+            "input_ids": list(range(5, 105)), "sampling_params": {"max_new_tokens": 100, "ignore_eos": True}})
+        assert r.status_code == 200, r.text
+        assert (r.json()["meta_info"]["prompt_tokens"], r.json()["meta_info"]["completion_tokens"]) == (63, 1)
+        assert wait_idle_integrity(base)["integrity_ok"] is True

@@ -6,6 +6,7 @@ tokens; sampled verification keeps the target distribution (statistically, on a 
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 import torch
@@ -430,6 +431,32 @@ def test_speculative_flags_use_sglangs_names_and_refuse_bad_values():
     with pytest.raises(ValueError, match="min-match-window-size"):
         ServerArgs(model_path="m", speculative_algorithm="NGRAM", speculative_ngram_min_match_window_size=5,
                    speculative_ngram_max_match_window_size=4)
+
+
+@pytest.mark.parametrize("flags,needle", [
+    ({"speculative_num_draft_tokens": 5}, "--speculative-num-draft-tokens means nothing without --speculative-algorithm"),
+    ({"speculative_num_steps": 2}, "--speculative-num-steps means nothing without"),
+    ({"speculative_ngram_capacity": 1000}, "--speculative-ngram-capacity means nothing without"),
+    ({"speculative_disable_by_batch_size": 8}, "--speculative-disable-by-batch-size means nothing without"),
+    ({"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 100000}, "more tokens than one step"),
+    ({"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 600, "chunked_prefill_size": -1,
+      "max_prefill_tokens": 512}, "more tokens than one step of this engine runs (512"),
+    ({"speculative_algorithm": "NGRAM", "speculative_eagle_topk": 2}, "is for draft heads"),
+    ({"speculative_algorithm": "NGRAM", "speculative_num_steps": 4}, "is for draft heads"),
+    ({"speculative_algorithm": "NEXTN", "speculative_ngram_max_bfs_breadth": 2}, "is for --speculative-algorithm NGRAM"),
+], ids=["tokens-alone", "steps-alone", "capacity-alone", "batch-size-alone", "ngram-huge", "ngram-past-prefill",
+        "ngram-topk", "ngram-steps", "nextn-ngram-flag"])
+def test_speculative_flags_that_would_mean_nothing_are_refused(flags, needle):
+    """A flag the configuration never reads (no algorithm, or another algorithm's) or a draft no step of
+    the engine would run is refused at start with a message naming it; they all started silently before."""
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        ServerArgs(model_path="m", **flags)
+
+
+def test_speculative_flags_an_algorithm_reads_still_start():
+    assert ServerArgs(model_path="m", speculative_algorithm="NGRAM", speculative_num_draft_tokens=64,
+                      speculative_ngram_capacity=100).speculative_num_draft_tokens == 64
+    assert ServerArgs(model_path="m").speculative_num_draft_tokens is None
 
 
 # ---------------------------------------------------------------------------- metrics, served

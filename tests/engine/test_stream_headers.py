@@ -98,7 +98,7 @@ def test_a_refusal_before_the_scheduler_is_still_a_status_code(engine):
     r = httpx.post(f"{engine.base_url}/v1/completions", json={"prompt": "", "stream": True}, timeout=60)
     assert r.status_code == 400 and "empty" in r.json()["error"]["message"]
     r = httpx.post(f"{engine.base_url}/generate", json={"input_ids": [1, 2], "stream": True,
-                                                        "sampling_params": {"max_new_tokens": 0}}, timeout=60)
+                                                        "sampling_params": {"max_new_tokens": -1}}, timeout=60)
     assert r.status_code == 400, r.text
 
 

@@ -1,5 +1,6 @@
 """Tool calling and reasoning through a real engine process and the OpenAI client: a Qwen-style chat
-template given with --chat-template, --tool-call-parser qwen25, --reasoning-parser qwen3.
+template given with --chat-template, --reasoning-parser qwen3, and no --tool-call-parser: the engine
+picks qwen25 from the template's <tool_call> format, as for a real Qwen checkpoint.
 
 A random tiny model never writes a tool call of its own accord, so each call here is either forced by
 tool_choice (the engine constrains decoding to the tool's schema: tokens equal HF `generate` with
@@ -68,7 +69,7 @@ def model_path(tiny_model_factory) -> str:
 def engine(model_path, tmp_path_factory):
     template = tmp_path_factory.mktemp("template") / "tools.jinja"
     template.write_text(TEMPLATE)
-    with running_engine(model_path, "--chat-template", str(template), "--tool-call-parser", "qwen25",
+    with running_engine(model_path, "--chat-template", str(template),
                         "--reasoning-parser", "qwen3", "--constrained-json-disable-any-whitespace") as eng:
         eng.template = TEMPLATE
         yield eng
@@ -349,6 +350,19 @@ def concat_engine(model_path, tmp_path_factory):
     template.write_text(CONCAT_TEMPLATE)
     with running_engine(model_path, "--chat-template", str(template)) as eng:
         yield eng
+
+
+def test_the_parser_is_picked_from_the_template_and_a_template_without_one_names_the_flag(engine, concat_engine):
+    """The Qwen-style template writes <tool_call>: the engine runs qwen25 without the flag (the tests
+    above parse its calls). A template that shows no tool-call format: tools with the default
+    tool_choice are a 400 that names --tool-call-parser; tool_choice none is served."""
+    assert httpx.get(f"{engine.base_url}/get_server_info", timeout=30).json()["tool_call_parser"] == "qwen25"
+    body = {"messages": MESSAGES, "tools": TOOLS, "max_tokens": 2}
+    r = httpx.post(f"{concat_engine.base_url}/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400 and "--tool-call-parser" in r.json()["error"]["message"], r.text
+    assert "shows no tool-call format known here" in r.json()["error"]["message"]
+    r = httpx.post(f"{concat_engine.base_url}/v1/chat/completions", json={**body, "tool_choice": "none"}, timeout=30)
+    assert r.status_code == 200, r.text
 
 
 def test_an_sdk_assistant_turn_with_null_content_is_empty_text(concat_engine, hf):

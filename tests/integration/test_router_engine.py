@@ -84,7 +84,7 @@ def test_openai_client_and_streaming_through_router(stack):
 
 def test_engine_error_passes_through_router(stack):
     router_url, _ = stack
-    r = httpx.post(f"{router_url}/v1/completions", json={"prompt": "hi", "max_tokens": 0}, timeout=60)
+    r = httpx.post(f"{router_url}/v1/completions", json={"prompt": "hi", "max_tokens": -1}, timeout=60)
     assert r.status_code == 400 and "max_tokens" in r.text
 
 

@@ -65,6 +65,9 @@ class Status:
     status: int  # KVPoll value
     reason: Optional[str] = None
     rank: str = ""  # the prefill rank's key (rank_key): a decode rank may hear from several
+    # Failed before anything was written to the decode's destination: the room names another request
+    # on the prefill (a room given to two pairings); the decode may reuse those pages at once
+    conflict: bool = False
 
 
 Message = Union[Register, Room, Abort, Status]

@@ -75,7 +75,7 @@ class MooncakeKVReceiver(CommonKVReceiver):
                 self.room, mgr.session_id, mgr.channel.endpoint, self.meta_slot, self.pages, self.prefix_pages,
                 self.state_slot, p.heads, p.num_dests, p.state_rows, p.landing))
 
-    def on_status(self, status: KVPoll, reason: Optional[str], rank: str = "") -> None:
+    def on_status(self, status: KVPoll, reason: Optional[str], rank: str = "", conflict: bool = False) -> None:
         """Success once every prefill rank of the plan reported it (and the landed slices are
         scattered: poll()); any failure fails the room."""
         if status == KVPoll.Success and self.peer is not None and len(self.peer) > 1:
@@ -86,7 +86,7 @@ class MooncakeKVReceiver(CommonKVReceiver):
             if any(p.landing for p in self.peer):
                 self._landed = True
                 return
-        super().on_status(status, reason)
+        super().on_status(status, reason, rank, conflict)
 
     def poll(self) -> KVPoll:
         if self._landed and not self.done:
@@ -100,6 +100,9 @@ class MooncakeKVReceiver(CommonKVReceiver):
             else:
                 super().on_status(KVPoll.Success, None)
         return super().poll()
+
+    def _num_peers(self) -> int:
+        return len(self.peer or ())
 
     def bound_to(self, route: PrefillRankInfo) -> bool:
         return self.peer is not None and any(p.route is route for p in self.peer)
@@ -153,7 +156,7 @@ class DecodeRooms:
         with self._lock:
             receiver = self._receivers.get(msg.room)
         if receiver is not None:
-            receiver.on_status(KVPoll(msg.status), msg.reason, msg.rank)
+            receiver.on_status(KVPoll(msg.status), msg.reason, msg.rank, msg.conflict)
 
     # ---- background thread ----
 

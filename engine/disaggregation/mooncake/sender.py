@@ -64,9 +64,9 @@ class MooncakeKVSender(CommonKVSender):
         first = self._sent - self.dest.prefix_pages - len(dst_pages)  # dst_pages = dest.pages[first:] (send())
         self._rooms.submit(self, src_pages, dst_pages, first, is_last)  # the state slot rides on self
 
-    def _notify_abort(self, reason: str) -> None:
+    def _notify_abort(self, reason: str, conflict: bool = False) -> None:
         for dest in list(self.dests):
-            self._rooms.reply(dest.peer.endpoint, self._rooms.status(self.room, KVPoll.Failed, reason))
+            self._rooms.reply(dest.peer.endpoint, self._rooms.status(self.room, KVPoll.Failed, reason, conflict))
 
     def clear(self) -> None:
         self._rooms.remove(self.room)
@@ -129,12 +129,11 @@ class PrefillRooms:
                 return
         self._apply(sender, item)
 
-    @staticmethod
-    def _apply(sender: MooncakeKVSender, item: _Pending) -> None:
+    def _apply(self, sender: MooncakeKVSender, item: _Pending) -> None:
         if isinstance(item, str):
             sender.fail(item)
-        else:
-            sender.attach(item)
+        elif (refusal := sender.attach(item)) is not None:
+            self.reply(item.peer.endpoint, self.status(sender.room, KVPoll.Failed, refusal, conflict=True))
 
     def _sweep_pending(self) -> None:
         """Rooms whose prefill request never came: the decode gave up after waiting_timeout_s."""
@@ -188,9 +187,9 @@ class PrefillRooms:
         """Bytes per state slot of each of the decode rank's buffers (as this rank's where it did not say)."""
         return peer.state_items if len(peer.state_items) else self._state_items
 
-    def status(self, room: int, status: KVPoll, reason: Optional[str] = None) -> messages.Status:
+    def status(self, room: int, status: KVPoll, reason: Optional[str] = None, conflict: bool = False) -> messages.Status:
         args = self._mgr.args
-        return messages.Status(room, int(status), reason, rank_key(args.engine_rank, args.tp_rank))
+        return messages.Status(room, int(status), reason, rank_key(args.engine_rank, args.tp_rank), conflict)
 
     def reply(self, endpoint: str, msg: messages.Status) -> None:
         try:

@@ -70,8 +70,8 @@ class FakeKVSender(CommonKVSender):
             decode.on_status(self.room, KVPoll.Success, None)
             self.finish()
 
-    def _notify_abort(self, reason: str) -> None:
-        self.dest.peer.on_status(self.room, KVPoll.Failed, reason)
+    def _notify_abort(self, reason: str, conflict: bool = False) -> None:
+        self.dest.peer.on_status(self.room, KVPoll.Failed, reason, conflict)
 
     def clear(self) -> None:
         self._mgr.remove(self.room)
@@ -161,8 +161,8 @@ class FakeKVManager(KVManagerBase):
     def _apply(sender: FakeKVSender, item: Union[Destination, str, None]) -> None:
         if isinstance(item, str):
             sender.fail(item)
-        elif item is not None:
-            sender.attach(item)
+        elif item is not None and (refusal := sender.attach(item)) is not None:
+            item.peer.on_status(sender.room, KVPoll.Failed, refusal, conflict=True)
 
     # ---- called by the peer manager ----
 
@@ -185,11 +185,11 @@ class FakeKVManager(KVManagerBase):
                 return
         self._apply(sender, item)
 
-    def on_status(self, room: int, status: KVPoll, reason: Optional[str]) -> None:
+    def on_status(self, room: int, status: KVPoll, reason: Optional[str], conflict: bool = False) -> None:
         with self._lock:
             receiver = self._rooms.get(room)
         if receiver is not None:
-            receiver.on_status(status, reason)
+            receiver.on_status(status, reason, conflict=conflict)
 
     # ---- copies (CPU memory only) ----
 
