@@ -1,15 +1,20 @@
 """Speculative decoding: draft tokens cheaply, verify them in one target forward, keep the
 longest accepted run plus the target's own next token.
 
+The scheduler's half (strategies) and the worker's half (the head's passes, acceptance), by file:
+
     base.py              the strategy interface as its no-op (NoSpeculation) and the SpecView it works through
-    ngram_index.py             NgramIndex: prompt/output lookup in one request's own tokens
-    verify_strategy.py         what every drafting strategy shares: when a step verifies, its slots, its result
-    ngram_strategy.py  NGRAM: drafts from the index
-    head_strategy.py   NEXTN / EAGLE / EAGLE3: a draft head drafts (the scheduler's half: placeholders)
-    head_worker.py      their worker half: the head's passes beside the target's
-    spec_info.py         VerifyInput / VerifyOutput: what a verify step carries to the worker and back
-    accept_host.py            acceptance against the target's logits: greedy (exact) and rejection sampling
+    config.py            SpecConfig: the flags a strategy reads
+    verify_strategy.py   what every drafting strategy shares: when a step verifies, its slots, its result
+    ngram_strategy.py    NGRAM: drafts from ngram_index.py (prompt/output lookup in a request's own tokens)
+    head_strategy.py     NEXTN / EAGLE / EAGLE3: a draft head drafts (the scheduler's half: placeholders)
+    head_worker.py       their worker half: the head's passes beside the target's
+    draft_graphs.py      the head's passes in CUDA graphs, over the target's graph runner
+    accept_host.py       acceptance against the target's logits on the host: greedy (exact) and rejection sampling
+    accept_device.py     the same rules on the device, read back with the step's result
     stats.py             accept length histogram and accept rate (/get_server_info, /metrics)
+
+What a verify step carries to the worker and back (VerifyInput / VerifyOutput) is core/spec_info.py.
 
 create_speculator picks the strategy once, from --speculative-algorithm (SGLang's flag names).
 """
