@@ -560,7 +560,7 @@ def test_bench_step_variants_bind_the_gemv(monkeypatch):
     monkeypatch.setattr(attention, "create_attention_backend", lambda *a, **k: backend)
     monkeypatch.setattr(cuda_graph_runner, "CudaGraphRunner", Graphs)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    runner = types.SimpleNamespace(model=_tiny_model(), device="cuda", attn_backend=backend)
+    runner = types.SimpleNamespace(model=_tiny_model(), device="cuda", attn_backend=backend, config=Args())
     names = ["triton-gemv", "fused", "triton-gemv-own-norms", "reference-ops", "triton-gemv", "other-tensor-cores"]
     descriptions = [step._set_variant(runner, Args(), name, 64) for name in names]
     assert [rows for rows, _ in seen] == [64, 0, 64, 0, 64, 0]
