@@ -35,7 +35,8 @@ def register_openai_routes(app: FastAPI, ctx: ApiContext) -> None:
         reject_unsupported(req)
         prompts = _completion_prompts(req.prompt)
         # the n choices of each prompt (parallel sampling), prompt-major
-        objs = expand([_input(ctx, req, p, req.max_tokens, req.logprobs, echo=req.echo) for p in prompts],
+        objs = expand([_input(ctx, req, p, req.max_tokens, req.logprobs, echo=req.echo, rid=rid)
+                       for p, rid in zip(prompts, _prompt_rids(req.rid, len(prompts)))],
                       [req.n] * len(prompts), pd_fields(req))
         if req.stream:  # every choice of every prompt in one stream, by index
             return await _stream(ctx, objs, request, req, chat=False)
@@ -69,7 +70,8 @@ def register_openai_routes(app: FastAPI, ctx: ApiContext) -> None:
         if plan is not None and plan.mode != "none" and plan.schema is None \
                 and not make_tool_parser(tool_parser).skip_special_tokens:
             overrides["skip_special_tokens"] = False  # the format's marker is a special token
-        obj = _input(ctx, req, ids, req.max_completion_tokens or req.max_tokens, top, overrides=overrides)
+        obj = _input(ctx, req, ids, req.max_completion_tokens or req.max_tokens, top, overrides=overrides,
+                     rid=req.rid)
         obj.require_reasoning = chat_tools.reasons(args.reasoning_parser, kwargs)
         objs = expand([obj], [req.n], pd_fields(req))
         parser = chat_tools.choice_parser_factory(plan, req, tool_parser, args.reasoning_parser, obj.require_reasoning)
@@ -184,8 +186,18 @@ def _completion_prompts(prompt: Any) -> list:
     return list(prompt)
 
 
+def _prompt_rids(rid: Any, count: int) -> list[Optional[str]]:
+    """The request id of each of a completion's `count` prompts: a batch's come as a list, one per prompt."""
+    if not isinstance(rid, list):
+        return [rid] * count
+    if len(rid) != count:
+        raise RequestError(f"rid has {len(rid)} ids for {count} prompts: give one per prompt", 400)
+    return rid
+
+
 def _input(ctx: ApiContext, req: SamplingExtras, prompt: Any, max_tokens: Optional[int],
-           top_logprobs: Optional[int], overrides: Optional[dict[str, Any]] = None, echo: bool = False) -> GenerateInput:
+           top_logprobs: Optional[int], overrides: Optional[dict[str, Any]] = None, echo: bool = False,
+           rid: Optional[str] = None) -> GenerateInput:
     """One prompt's request, before expansion (n copies, PD fields: expansion.py). `echo` with
     logprobs: the prompt's logprobs too (completions)."""
     if max_tokens is not None and max_tokens < 0:
@@ -205,8 +217,8 @@ def _input(ctx: ApiContext, req: SamplingExtras, prompt: Any, max_tokens: Option
                         return_logprob=top_logprobs is not None, top_logprobs_num=top_logprobs or 0,
                         priority=req.priority, fit_max_new_tokens=not given,
                         logprob_start_len=0 if echo and top_logprobs is not None else -1)
-    if req.rid:
-        obj.rid = req.rid
+    if rid:
+        obj.rid = rid
     return obj
 
 
