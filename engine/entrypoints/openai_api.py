@@ -42,9 +42,9 @@ def register_openai_routes(app: FastAPI, ctx: ApiContext) -> None:
             return await _stream(ctx, objs, request, req, chat=False)
         outs = await _collect_all(ctx, objs, request)
         # choice k is copy k % n of prompt k // n, as OpenAI orders them
-        echoes = [_echo(ctx, prompts[k // req.n], req) for k in range(len(outs))]
-        choices = [{"index": k, "text": echoes[k] + o.text,
-                    "logprobs": _completion_logprobs(ctx, o, 0, 0, echo=req.echo) if req.logprobs is not None else None,
+        echoes = [prompts[k // req.n] if req.echo else None for k in range(len(outs))]
+        choices = [{"index": k, "text": _echo_text(ctx, echoes[k]) + o.text,
+                    "logprobs": _completion_logprobs(ctx, o, 0, 0, echoes[k]) if req.logprobs is not None else None,
                     "finish_reason": _reason(o), "matched_stop": _matched(o)} for k, o in enumerate(outs)]
         return JSONResponse({"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
                              "created": int(time.time()), "model": ctx.model_name, "choices": choices,
@@ -230,8 +230,9 @@ async def _collect_all(ctx: ApiContext, objs: list[GenerateInput], request: Requ
     return outs
 
 
-def _echo(ctx: ApiContext, prompt: Any, req: CompletionRequest) -> str:
-    if not req.echo:
+def _echo_text(ctx: ApiContext, prompt: Any) -> str:
+    """The echoed prompt (None: no echo) as it opens the choice's text."""
+    if prompt is None:
         return ""
     return prompt if isinstance(prompt, str) else ctx.tm.tokenizer.decode(prompt)
 
@@ -258,17 +259,16 @@ def _token_text(ctx: ApiContext, tid: int) -> str:
 
 
 def _completion_logprobs(ctx: ApiContext, out: ReqOutput, start: int, offset: int,
-                         echo: bool = False) -> dict[str, Any]:
-    """OpenAI's legacy logprobs of the output tokens from `start`, after the prompt's tokens with
-    `echo` (the first with a null logprob: nothing predicts it); `offset`: where the first of them
-    begins in the choice's text. Each text_offset is that plus the lengths of the tokens before it
-    (as vLLM and SGLang count)."""
+                         echo: Any = None) -> dict[str, Any]:
+    """OpenAI's legacy logprobs of the output tokens from `start`, after the prompt's tokens when
+    `echo` is the prompt (the first with a null logprob: nothing predicts it); `offset`: where the
+    first of them begins in the choice's text. Each text_offset is that plus the lengths of the tokens
+    before it (as vLLM and SGLang count)."""
     entries = out.output_token_logprobs[start:]
     tops = out.output_top_logprobs[start:] if out.output_top_logprobs else [None] * len(entries)
-    if echo:
-        prompt = out.input_token_logprobs or []
-        entries = prompt + entries
-        tops = (out.input_top_logprobs or [None] * len(prompt)) + tops
+    if echo is not None:
+        prompt, prompt_tops = _prompt_logprobs(ctx, out, echo)
+        entries, tops = prompt + entries, prompt_tops + tops
     tokens = [_token_text(ctx, t) for _, t in entries]
     offsets = []
     for token in tokens:
@@ -277,6 +277,18 @@ def _completion_logprobs(ctx: ApiContext, out: ReqOutput, start: int, offset: in
     return {"tokens": tokens, "token_logprobs": [lp for lp, _ in entries],
             "top_logprobs": [None if not top else {_token_text(ctx, t): lp for lp, t in top} for top in tops],
             "text_offset": offsets}
+
+
+def _prompt_logprobs(ctx: ApiContext, out: ReqOutput, prompt: Any) -> tuple[list, list]:
+    """The echoed prompt's (logprob, token id) entries and top logprobs. A PD decode engine never ran
+    the prompt (its prefill did): it lists the prompt's tokens with null logprobs, so its answer has a
+    colocated engine's tokens and text offsets, and a PD router fills the logprobs in from the
+    prefill's answer (baton router does; sglang-router leaves them null)."""
+    if out.input_token_logprobs:
+        return out.input_token_logprobs, out.input_top_logprobs or [None] * len(out.input_token_logprobs)
+    # the tokens the engine ran: a prompt cut by --allow-auto-truncate keeps its first ones
+    ids = (prompt if isinstance(prompt, list) else ctx.tm.tokenize(prompt))[:out.prompt_tokens]
+    return [(None, t) for t in ids], [None] * len(ids)
 
 
 def _chat_logprobs(ctx: ApiContext, out: ReqOutput, start: int) -> list[dict[str, Any]]:
