@@ -1,9 +1,11 @@
 """The prefill/decode flow (ARCHITECTURE.md, "The PD wire protocol").
 
 Pick a pair, add bootstrap_host/port/room to the body, POST it to both at once, hand the decode's
-response to the client (streams pass through unbuffered), merge the prefill's input logprobs in
-front of the decode's when /generate asks for them. If either side fails, the other is aborted and
-the client gets the failing side's error (or a retry on a new pair with a new room).
+response to the client (streams pass through unbuffered), with the prompt's logprobs, which only
+the prefill computes, merged into it: on /generate the prefill's input logprobs in front of the
+decode's, on a completion with echo the prefill's over the decode's null ones. If either side
+fails, the other is aborted and the client gets the failing side's error (or a retry on a new pair
+with a new room).
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from aiohttp import web
 from baton.router.config import WorkerRole
 from baton.router.dispatch import Abandon, AttemptGuard, Dispatcher, NoWorkers, RequestContext
 from baton.router.forward import Failure, inject, stream_refusal
+from baton.router.request import Route
 from baton.router.upstream import UpstreamResponse
 from baton.router.worker import Target, Worker
 
@@ -132,7 +135,7 @@ async def _receive_prefill(d: Dispatcher, ctx: RequestContext, worker: Worker, r
     d.record(ctx, worker, failure)
     if failure is not None:
         return failure
-    return body if ctx.req.return_logprob else None
+    return body if ctx.req.return_logprob else None  # the prompt's logprobs, merged into the decode's
 
 
 async def _receive_decode(d: Dispatcher, ctx: RequestContext, worker: Worker, p_task: asyncio.Future,
@@ -142,11 +145,17 @@ async def _receive_decode(d: Dispatcher, ctx: RequestContext, worker: Worker, p_
         prefilled: PrefillResult = await asyncio.shield(p_task)
         if prefilled.failure is not None:
             raise Abandon(prefilled.failure)  # the decode still holds the request: it gets aborted
-        transform = logprob_merger(prefilled.body or b"", resp.is_stream)
+        transform = logprob_merger(prefilled.body or b"", resp.is_stream, ctx.req.route)
     return await d.deliver(ctx, worker, resp, transform, take_over)
 
 
-# -- logprob merge (sglang-router's: prefill input_token_logprobs go in front of the decode's) -----
+# -- logprob merge --------------------------------------------------------------------------------
+# /generate: sglang-router's rule, the prefill's input_token_logprobs go in front of the decode's.
+# A completion with echo: the decode lists the prompt's tokens, text offsets counted as one engine
+# counts them, with null logprobs (it never ran the prompt); the prefill's answer lists the same
+# tokens with their logprobs (then its first output token). Each null is filled from the prefill's
+# entry at the same place of the same choice while both list the same token, so a decode that lists
+# only its output tokens (as SGLang's does) is left as it is.
 def merge_input_logprobs(prefill: Any, decode: Any) -> Any:
     """Merge one response object (or a batch: lists of them, element by element)."""
     if isinstance(prefill, list) and isinstance(decode, list):
@@ -156,10 +165,21 @@ def merge_input_logprobs(prefill: Any, decode: Any) -> Any:
     return decode
 
 
-def logprob_merger(prefill_body: bytes, stream: bool) -> Callable[[bytes], bytes]:
+def merge_echo_logprobs(prefill: Any, decode: Any) -> Any:
+    """Merge one whole /v1/completions answer, choice by choice (by index)."""
+    if not (isinstance(prefill, dict) and isinstance(decode, dict)):
+        return decode
+    by_index = {c.get("index"): c.get("logprobs") for c in _choices(prefill)}
+    for choice in _choices(decode):
+        _fill_nulls(choice.get("logprobs"), by_index.get(choice.get("index")))
+    return decode
+
+
+def logprob_merger(prefill_body: bytes, stream: bool, route: Route) -> Callable[[bytes], bytes]:
     if not stream:
         prefill = _loads(prefill_body)
-        return lambda body: _merge_whole(body, prefill)
+        merge = merge_echo_logprobs if route is Route.COMPLETIONS else merge_input_logprobs
+        return lambda body: _merge_whole(body, prefill, merge)
     by_index: dict[int, list] = {}
     for event in _sse_objects(prefill_body):
         lp = _input_logprobs(event)
@@ -168,9 +188,9 @@ def logprob_merger(prefill_body: bytes, stream: bool) -> Callable[[bytes], bytes
     return lambda event: _merge_event(event, by_index)
 
 
-def _merge_whole(body: bytes, prefill: Any) -> bytes:
+def _merge_whole(body: bytes, prefill: Any, merge: Callable[[Any, Any], Any]) -> bytes:
     decode = _loads(body)
-    return body if decode is None else orjson.dumps(merge_input_logprobs(prefill, decode))
+    return body if decode is None else orjson.dumps(merge(prefill, decode))
 
 
 def _merge_event(event: bytes, by_index: dict[int, list]) -> bytes:
@@ -188,6 +208,32 @@ def _prepend(decode: dict, prefix: list | None) -> bool:
         return False
     meta["input_token_logprobs"] = prefix + meta["input_token_logprobs"]
     return True
+
+
+def _choices(answer: dict) -> list[dict]:
+    choices = answer.get("choices")
+    return [c for c in choices if isinstance(c, dict)] if isinstance(choices, list) else []
+
+
+def _fill_nulls(decode: Any, prefill: Any) -> None:
+    """The decode's null logprobs (and their top logprobs) from the prefill's, where both list the
+    same token at the same place."""
+    if not (_legacy_logprobs(decode) and _legacy_logprobs(prefill)):
+        return
+    for i, token in enumerate(prefill["tokens"]):
+        if i >= len(decode["tokens"]) or decode["tokens"][i] != token:
+            return
+        if decode["token_logprobs"][i] is None:
+            decode["token_logprobs"][i] = prefill["token_logprobs"][i]
+            decode["top_logprobs"][i] = prefill["top_logprobs"][i]
+
+
+def _legacy_logprobs(obj: Any) -> bool:
+    """Whether `obj` is OpenAI's legacy logprobs object, with its per-token lists of one length."""
+    if not isinstance(obj, dict):
+        return False
+    lists = [obj.get(key) for key in ("tokens", "token_logprobs", "top_logprobs")]
+    return all(isinstance(v, list) for v in lists) and len({len(v) for v in lists}) == 1
 
 
 def _input_logprobs(obj: Any) -> list | None:

@@ -45,7 +45,9 @@ class ParsedRequest:
     body: dict[str, Any]
     stream: bool
     batch_size: int | None  # None: one request; n: a batch (bootstrap fields become arrays)
-    return_logprob: bool  # /generate only: merge the prefill's input logprobs
+    # the answer carries the prompt's logprobs, which only a PD prefill computes: /generate's
+    # return_logprob, or a whole completion's echo with logprobs (a stream does not echo)
+    return_logprob: bool
     path: str = ""  # route.value, kept as a plain string for the hot path (set in __post_init__)
 
     def __post_init__(self) -> None:
@@ -65,8 +67,7 @@ def parse_request(route: Route, raw: bytes) -> ParsedRequest:
     for key in _TYPED.intersection(body):
         _check_typed(body, key)
     batch_size = _CHECKS[route](body)
-    return_logprob = route is Route.GENERATE and _truthy(body.get("return_logprob"))
-    return ParsedRequest(route, raw, body, stream, batch_size, return_logprob)
+    return ParsedRequest(route, raw, body, stream, batch_size, _returns_prompt_logprobs(route, body, stream))
 
 
 def routing_text(req: ParsedRequest) -> str:
@@ -164,6 +165,12 @@ def _optional(body: dict, key: str, kind: type, default: Any) -> Any:
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise BadRequest(f"'{key}' must be of type {kind.__name__}")
     return value
+
+
+def _returns_prompt_logprobs(route: Route, body: dict, stream: bool) -> bool:
+    if route is Route.GENERATE:
+        return _truthy(body.get("return_logprob"))
+    return route is Route.COMPLETIONS and not stream and bool(body.get("echo")) and body.get("logprobs") is not None
 
 
 def _truthy(value: Any) -> bool:

@@ -35,15 +35,16 @@ def register_openai_routes(app: FastAPI, ctx: ApiContext) -> None:
         reject_unsupported(req)
         prompts = _completion_prompts(req.prompt)
         # the n choices of each prompt (parallel sampling), prompt-major
-        objs = expand([_input(ctx, req, p, req.max_tokens, req.logprobs, echo=req.echo) for p in prompts],
+        objs = expand([_input(ctx, req, p, req.max_tokens, req.logprobs, echo=req.echo, rid=rid)
+                       for p, rid in zip(prompts, _prompt_rids(req.rid, len(prompts)))],
                       [req.n] * len(prompts), pd_fields(req))
         if req.stream:  # every choice of every prompt in one stream, by index
             return await _stream(ctx, objs, request, req, chat=False)
         outs = await _collect_all(ctx, objs, request)
         # choice k is copy k % n of prompt k // n, as OpenAI orders them
-        echoes = [_echo(ctx, prompts[k // req.n], req) for k in range(len(outs))]
-        choices = [{"index": k, "text": echoes[k] + o.text,
-                    "logprobs": _completion_logprobs(ctx, o, 0, 0, echo=req.echo) if req.logprobs is not None else None,
+        echoes = [prompts[k // req.n] if req.echo else None for k in range(len(outs))]
+        choices = [{"index": k, "text": _echo_text(ctx, echoes[k]) + o.text,
+                    "logprobs": _completion_logprobs(ctx, o, 0, 0, echoes[k]) if req.logprobs is not None else None,
                     "finish_reason": _reason(o), "matched_stop": _matched(o)} for k, o in enumerate(outs)]
         return JSONResponse({"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
                              "created": int(time.time()), "model": ctx.model_name, "choices": choices,
@@ -69,7 +70,8 @@ def register_openai_routes(app: FastAPI, ctx: ApiContext) -> None:
         if plan is not None and plan.mode != "none" and plan.schema is None \
                 and not make_tool_parser(tool_parser).skip_special_tokens:
             overrides["skip_special_tokens"] = False  # the format's marker is a special token
-        obj = _input(ctx, req, ids, req.max_completion_tokens or req.max_tokens, top, overrides=overrides)
+        obj = _input(ctx, req, ids, req.max_completion_tokens or req.max_tokens, top, overrides=overrides,
+                     rid=req.rid)
         obj.require_reasoning = chat_tools.reasons(args.reasoning_parser, kwargs)
         objs = expand([obj], [req.n], pd_fields(req))
         parser = chat_tools.choice_parser_factory(plan, req, tool_parser, args.reasoning_parser, obj.require_reasoning)
@@ -184,8 +186,18 @@ def _completion_prompts(prompt: Any) -> list:
     return list(prompt)
 
 
+def _prompt_rids(rid: Any, count: int) -> list[Optional[str]]:
+    """The request id of each of a completion's `count` prompts: a batch's come as a list, one per prompt."""
+    if not isinstance(rid, list):
+        return [rid] * count
+    if len(rid) != count:
+        raise RequestError(f"rid has {len(rid)} ids for {count} prompts: give one per prompt", 400)
+    return rid
+
+
 def _input(ctx: ApiContext, req: SamplingExtras, prompt: Any, max_tokens: Optional[int],
-           top_logprobs: Optional[int], overrides: Optional[dict[str, Any]] = None, echo: bool = False) -> GenerateInput:
+           top_logprobs: Optional[int], overrides: Optional[dict[str, Any]] = None, echo: bool = False,
+           rid: Optional[str] = None) -> GenerateInput:
     """One prompt's request, before expansion (n copies, PD fields: expansion.py). `echo` with
     logprobs: the prompt's logprobs too (completions)."""
     if max_tokens is not None and max_tokens < 0:
@@ -205,8 +217,8 @@ def _input(ctx: ApiContext, req: SamplingExtras, prompt: Any, max_tokens: Option
                         return_logprob=top_logprobs is not None, top_logprobs_num=top_logprobs or 0,
                         priority=req.priority, fit_max_new_tokens=not given,
                         logprob_start_len=0 if echo and top_logprobs is not None else -1)
-    if req.rid:
-        obj.rid = req.rid
+    if rid:
+        obj.rid = rid
     return obj
 
 
@@ -218,8 +230,9 @@ async def _collect_all(ctx: ApiContext, objs: list[GenerateInput], request: Requ
     return outs
 
 
-def _echo(ctx: ApiContext, prompt: Any, req: CompletionRequest) -> str:
-    if not req.echo:
+def _echo_text(ctx: ApiContext, prompt: Any) -> str:
+    """The echoed prompt (None: no echo) as it opens the choice's text."""
+    if prompt is None:
         return ""
     return prompt if isinstance(prompt, str) else ctx.tm.tokenizer.decode(prompt)
 
@@ -246,17 +259,16 @@ def _token_text(ctx: ApiContext, tid: int) -> str:
 
 
 def _completion_logprobs(ctx: ApiContext, out: ReqOutput, start: int, offset: int,
-                         echo: bool = False) -> dict[str, Any]:
-    """OpenAI's legacy logprobs of the output tokens from `start`, after the prompt's tokens with
-    `echo` (the first with a null logprob: nothing predicts it); `offset`: where the first of them
-    begins in the choice's text. Each text_offset is that plus the lengths of the tokens before it
-    (as vLLM and SGLang count)."""
+                         echo: Any = None) -> dict[str, Any]:
+    """OpenAI's legacy logprobs of the output tokens from `start`, after the prompt's tokens when
+    `echo` is the prompt (the first with a null logprob: nothing predicts it); `offset`: where the
+    first of them begins in the choice's text. Each text_offset is that plus the lengths of the tokens
+    before it (as vLLM and SGLang count)."""
     entries = out.output_token_logprobs[start:]
     tops = out.output_top_logprobs[start:] if out.output_top_logprobs else [None] * len(entries)
-    if echo:
-        prompt = out.input_token_logprobs or []
-        entries = prompt + entries
-        tops = (out.input_top_logprobs or [None] * len(prompt)) + tops
+    if echo is not None:
+        prompt, prompt_tops = _prompt_logprobs(ctx, out, echo)
+        entries, tops = prompt + entries, prompt_tops + tops
     tokens = [_token_text(ctx, t) for _, t in entries]
     offsets = []
     for token in tokens:
@@ -265,6 +277,18 @@ def _completion_logprobs(ctx: ApiContext, out: ReqOutput, start: int, offset: in
     return {"tokens": tokens, "token_logprobs": [lp for lp, _ in entries],
             "top_logprobs": [None if not top else {_token_text(ctx, t): lp for lp, t in top} for top in tops],
             "text_offset": offsets}
+
+
+def _prompt_logprobs(ctx: ApiContext, out: ReqOutput, prompt: Any) -> tuple[list, list]:
+    """The echoed prompt's (logprob, token id) entries and top logprobs. A PD decode engine never ran
+    the prompt (its prefill did): it lists the prompt's tokens with null logprobs, so its answer has a
+    colocated engine's tokens and text offsets, and a PD router fills the logprobs in from the
+    prefill's answer (baton router does; sglang-router leaves them null)."""
+    if out.input_token_logprobs:
+        return out.input_token_logprobs, out.input_top_logprobs or [None] * len(out.input_token_logprobs)
+    # the tokens the engine ran: a prompt cut by --allow-auto-truncate keeps its first ones
+    ids = (prompt if isinstance(prompt, list) else ctx.tm.tokenize(prompt))[:out.prompt_tokens]
+    return [(None, t) for t in ids], [None] * len(ids)
 
 
 def _chat_logprobs(ctx: ApiContext, out: ReqOutput, start: int) -> list[dict[str, Any]]:

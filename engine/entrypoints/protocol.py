@@ -61,6 +61,7 @@ class CompletionRequest(SamplingExtras):
     stream_options: Optional[StreamOptions] = None
     logprobs: Optional[int] = None
     echo: bool = False
+    rid: Optional[Union[str, list[str]]] = None  # a batch's: one per prompt (as routers send them)
     stop: Optional[Union[str, list[str]]] = None
     seed: Optional[int] = None
     frequency_penalty: float = 0.0

@@ -18,7 +18,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from baton.engine.bench.launcher import EngineProcess, engine_command, free_port
-from engine_server import STARTUP_TIMEOUT_S, wait_idle_integrity
+from engine_server import STARTUP_TIMEOUT_S, running_engine, wait_idle_integrity
 from test_scheduler_vs_hf import hf_greedy
 
 MAX_NEW = 10
@@ -387,7 +387,37 @@ def assert_router_serves_pair(base_url: str, model_path: str, prompts: list[list
     assert [t for _, t, _ in meta["output_token_logprobs"]] == hf_greedy(model_path, PROMPTS[3], MAX_NEW)
 
 
-def test_sglang_router_in_front_of_the_pair(pd_pair, model_path):
+@pytest.fixture(scope="module")
+def colocated(model_path):
+    """One engine on the pair's model, prefilling in the prefill's chunks: the answers a pair must give."""
+    with running_engine(model_path, "--page-size", "4", "--max-total-tokens", "2048",
+                        "--chunked-prefill-size", "16") as engine:
+        yield engine
+
+
+# completions with echo and logprobs: a batch of two text prompts, and a token-id prompt scored alone
+ECHO_BODIES = [{"prompt": ["the quick brown fox", "jumps over the lazy dog"], "max_tokens": 4, "temperature": 0,
+                "echo": True, "logprobs": 2, "ignore_eos": True},
+               {"prompt": PROMPTS[3], "max_tokens": 0, "echo": True, "logprobs": 1}]
+
+
+def _assert_same_completion(got: dict, want: dict) -> None:
+    """Two /v1/completions answers: the same texts, tokens and text offsets; logprobs equal within float
+    tolerance (the first token's of a prompt null in both). Cached token counts depend on what ran before."""
+    counts = ("prompt_tokens", "completion_tokens", "total_tokens")
+    assert [got["usage"][k] for k in counts] == [want["usage"][k] for k in counts]
+    assert len(got["choices"]) == len(want["choices"])
+    for g, w in zip(got["choices"], want["choices"]):
+        assert (g["index"], g["text"], g["finish_reason"]) == (w["index"], w["text"], w["finish_reason"])
+        gl, wl = g["logprobs"], w["logprobs"]
+        assert gl["tokens"] == wl["tokens"] and gl["text_offset"] == wl["text_offset"]
+        assert gl["token_logprobs"][0] is None and gl["top_logprobs"][0] is None
+        assert gl["token_logprobs"][1:] == pytest.approx(wl["token_logprobs"][1:], abs=1e-4)
+        for g_top, w_top in zip(gl["top_logprobs"][1:], wl["top_logprobs"][1:]):
+            assert g_top == pytest.approx(w_top, abs=1e-4)
+
+
+def test_sglang_router_in_front_of_the_pair(pd_pair, model_path, colocated):
     """The published sglang-router works unchanged against a baton prefill/decode pair."""
     prefill, bootstrap_port, decode = pd_pair
     with pd_router(sys.executable, "-m", "sglang_router.launch_router", prefill=prefill.base_url,
@@ -414,6 +444,19 @@ def test_sglang_router_in_front_of_the_pair(pd_pair, model_path):
         text = {k: "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-1]
                            if e["choices"][0]["index"] == k) for k in (0, 1)}
         assert text == {0: out["choices"][0]["message"]["content"], 1: out["choices"][1]["message"]["content"]}
+        # echo with logprobs: sglang-router merges nothing into a completion; the decode's answer has one
+        # engine's tokens and text offsets, with null logprobs for the prompt (only the prefill ran it)
+        body = {**ECHO_BODIES[0], "model": model, "prompt": "the quick brown fox"}
+        got = httpx.post(f"{router.base_url}/v1/completions", timeout=120, json=body)
+        want = httpx.post(f"{colocated.base_url}/v1/completions", timeout=120, json=body).json()["choices"][0]
+        assert got.status_code == 200, got.text
+        choice = got.json()["choices"][0]
+        assert choice["text"] == want["text"] and choice["logprobs"]["tokens"] == want["logprobs"]["tokens"]
+        assert choice["logprobs"]["text_offset"] == want["logprobs"]["text_offset"]
+        prompt_len = len(want["logprobs"]["tokens"]) - body["max_tokens"]
+        assert choice["logprobs"]["token_logprobs"][:prompt_len] == [None] * prompt_len
+        assert choice["logprobs"]["token_logprobs"][prompt_len:] == pytest.approx(
+            want["logprobs"]["token_logprobs"][prompt_len:], abs=1e-4)
     _assert_idle_and_whole(prefill, decode)
 
 
@@ -455,6 +498,20 @@ def test_baton_router_in_front_of_the_pair(pd_pair, model_path):
         deltas = [c.choices[0].delta for c in client.chat.completions.create(stream=True, **chat) if c.choices]
         (streamed,) = [t for d in deltas for t in (d.tool_calls or [])]
         assert streamed.function.arguments == call.function.arguments
+    _assert_idle_and_whole(prefill, decode)
+
+
+def test_baton_router_returns_echo_logprobs_as_a_colocated_engine(pd_pair, colocated):
+    """echo with logprobs through the pair: the prompt's tokens and logprobs (the prefill's), then the
+    output's, with the text offsets of one engine. Before, only the output's came back, offsets from 0."""
+    prefill, bootstrap_port, decode = pd_pair
+    with pd_router(sys.executable, "-m", "baton", "router", prefill=prefill.base_url,
+                   bootstrap_port=bootstrap_port, decode=decode.base_url) as router:
+        for body in ECHO_BODIES:
+            want = httpx.post(f"{colocated.base_url}/v1/completions", json=body, timeout=120)
+            got = httpx.post(f"{router.base_url}/v1/completions", json=body, timeout=120)
+            assert want.status_code == 200 and got.status_code == 200, (want.text, got.text)
+            _assert_same_completion(got.json(), want.json())
     _assert_idle_and_whole(prefill, decode)
 
 

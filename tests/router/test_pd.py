@@ -5,6 +5,7 @@ import orjson
 from router_support import make_config, url_of, wait_until
 
 from baton.router.config import PolicyName, RetryConfig, WorkerRole
+from baton.router.pd import merge_echo_logprobs
 
 BOOTSTRAP = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
 
@@ -80,6 +81,34 @@ async def test_streamed_generate_logprobs_are_merged_in_every_event(fake_workers
     events = [orjson.loads(e[6:]) for e in text.split("\n\n") if e.startswith("data: {")]
     assert len(events) == 3
     assert all(e["meta_info"]["input_token_logprobs"] == [[-1.0, 1, None], [-3.0, 3, None]] for e in events)
+
+
+def _completion(*choices: tuple) -> dict:
+    """A /v1/completions answer; each choice (index, tokens, token_logprobs, top_logprobs)."""
+    return {"object": "text_completion", "choices": [
+        {"index": k, "text": "".join(tokens), "logprobs": {
+            "tokens": tokens, "token_logprobs": lps, "top_logprobs": tops,
+            "text_offset": [len("".join(tokens[:i])) for i in range(len(tokens))]}}
+        for k, tokens, lps, tops in choices]}
+
+
+def test_echo_logprobs_fill_the_decodes_nulls_from_the_prefill():
+    """A completion with echo: the decode lists the prompt's tokens with null logprobs, the prefill
+    the same tokens with theirs and its first output token; each choice gets the prefill's values for
+    its nulls. A decode listing only its output (as SGLang's) is left as it is."""
+    prefill = _completion((0, ["a", "b", "X"], [None, -1.0, -2.0], [None, {"b": -1.0}, {"X": -2.0}]),
+                          (1, ["c", "d", "Y"], [None, -3.0, -4.0], [None, {"d": -3.0}, {"Y": -4.0}]))
+    decode = _completion((1, ["c", "d", "Y", "Z"], [None, None, -4.0, -5.0], [None, None, {"Y": -4.0}, {"Z": -5.0}]),
+                         (0, ["a", "b", "X", "W"], [None, None, -2.0, -6.0], [None, None, {"X": -2.0}, {"W": -6.0}]))
+    merged = merge_echo_logprobs(prefill, orjson.loads(orjson.dumps(decode)))
+    by_index = {c["index"]: c["logprobs"] for c in merged["choices"]}
+    assert by_index[0]["token_logprobs"] == [None, -1.0, -2.0, -6.0]
+    assert by_index[0]["top_logprobs"] == [None, {"b": -1.0}, {"X": -2.0}, {"W": -6.0}]
+    assert by_index[1]["token_logprobs"] == [None, -3.0, -4.0, -5.0]
+    assert by_index[0]["text_offset"] == [0, 1, 2, 3] and by_index[0]["tokens"] == ["a", "b", "X", "W"]
+    output_only = _completion((0, ["X", "W"], [-2.0, -6.0], [{"X": -2.0}, {"W": -6.0}]))
+    assert merge_echo_logprobs(prefill, orjson.loads(orjson.dumps(output_only))) == output_only
+    assert merge_echo_logprobs(None, decode) is decode and merge_echo_logprobs({"error": "x"}, decode) is decode
 
 
 async def test_prefill_failure_gives_one_error_and_aborts_decode(fake_workers, routers, http):

@@ -42,6 +42,12 @@ def test_good_requests_parse():
     assert parse(Route.GENERATE, {"input_ids": [1, 2]}).batch_size is None
     assert parse(Route.COMPLETIONS, {"prompt": "x"}).batch_size is None
     assert parse(Route.COMPLETIONS, {"prompt": ["x", "y", "z"]}).batch_size == 3
+    # a whole completion with echo and logprobs carries the prompt's logprobs (a stream does not echo)
+    echo = {"prompt": "x", "echo": True, "logprobs": 0}
+    assert parse(Route.COMPLETIONS, echo).return_logprob
+    assert not parse(Route.COMPLETIONS, {**echo, "stream": True}).return_logprob
+    assert not parse(Route.COMPLETIONS, {**echo, "echo": False}).return_logprob
+    assert not parse(Route.COMPLETIONS, {"prompt": "x", "echo": True}).return_logprob
 
 
 def test_routing_text():
