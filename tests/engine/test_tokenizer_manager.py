@@ -134,4 +134,4 @@ def test_generate_refuses_a_bad_request_when_called_not_when_read():
         tm.generate(GenerateInput(SamplingParams(), input_ids=list(range(1, 80))))
     tm.states["dup"] = _ReqState(ReqOutput(rid="dup"), StepQueue())
     with pytest.raises(RequestError, match="duplicate request id"):
-        tm.generate(GenerateInput(SamplingParams(), input_ids=[1, 2], rid="dup"))
+        tm.generate(GenerateInput(SamplingParams(max_new_tokens=8), input_ids=[1, 2], rid="dup"))
