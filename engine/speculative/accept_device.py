@@ -35,7 +35,7 @@ import torch
 
 from baton.engine.core.spec_info import VerifyInput, VerifyOutput
 from baton.engine.layers.attention.masks import ancestors
-from baton.engine.utils.device_lists import to_device as _ints  # host lists to the device without waiting
+from baton.engine.utils.device_lists import to_device  # host lists to the device without waiting
 
 if TYPE_CHECKING:
     from baton.engine.sampling.sampling_batch_info import ReqSamplingState
@@ -74,9 +74,9 @@ class _Nodes:
         dev = self.device = logits.device
         sizes = [1 + len(d) for d in spec.drafts]
         self.bs, n = len(sizes), max(sizes)
-        self.offsets = _ints(spec.offsets, dev)
+        self.offsets = to_device(spec.offsets, dev)
         local = torch.arange(n, device=dev)
-        self.valid = local[None, :] < _ints(sizes, dev)[:, None]  # [bs, n] the request's nodes
+        self.valid = local[None, :] < to_device(sizes, dev)[:, None]  # [bs, n] the request's nodes
         self.rows = self.offsets[:, None] + torch.where(self.valid, local[None, :], 0)  # [bs, n] rows of the pass
         self.tok = input_ids[self.rows]  # [bs, n] each node's token (node 0: the last token)
         self.target = torch.argmax(logits, dim=-1)[self.rows]  # [bs, n] the target's choice after each node
@@ -86,7 +86,7 @@ class _Nodes:
         if tree_parents is not None:
             host = [(b, p) for b, p in enumerate(tree_parents) if p is not None and not isinstance(p, torch.Tensor)]
             if host:
-                matrices = ancestors(_ints([p + [-1] * (n - len(p)) for _, p in host], dev), n)
+                matrices = ancestors(to_device([p + [-1] * (n - len(p)) for _, p in host], dev), n)
                 for k, (b, p) in enumerate(host):
                     seen[b, :len(p), :len(p)] = matrices[k, :len(p), :len(p)]
             for b, p in enumerate(tree_parents):
@@ -170,10 +170,10 @@ def _rejection_walk(nodes: _Nodes, logits: torch.Tensor, states: Sequence["ReqSa
     CPU sampler's splitmix64 (kernels/cpu_sampling.c), so a request's draws do not depend on the rest
     of the batch, and nothing is generated per request."""
     dev, b, n = nodes.device, nodes.batch, nodes.tok.shape[1]
-    greedy = _ints([int(s.params.is_greedy) for s in states], dev).bool()  # [bs]
+    greedy = to_device([int(s.params.is_greedy) for s in states], dev).bool()  # [bs]
     probs = target_probs_rows(logits, [s.params for s in states], nodes)  # [num_tokens, vocab]
-    key = _hash(_hash(_ints([s.rng_seed for s in states], dev))
-                ^ _ints(draws if draws is not None else [s.num_sampled for s in states], dev))  # [bs]
+    key = _hash(_hash(to_device([s.rng_seed for s in states], dev))
+                ^ to_device(draws if draws is not None else [s.num_sampled for s in states], dev))  # [bs]
     earlier = torch.ones(n, n, dtype=torch.bool, device=dev).tril(-1)  # [c, c']: c' before c
     same = (nodes.tok[:, :, None] == nodes.tok[:, None, :]) & earlier  # [bs, c, c']
     cur = torch.zeros(nodes.bs, dtype=torch.int64, device=dev)
@@ -257,7 +257,7 @@ def target_probs_rows(logits: torch.Tensor, params: Sequence["SamplingParams"], 
     owner = torch.repeat_interleave(nodes.batch, sizes, output_size=logits.shape[0])  # [num_tokens]
 
     def per_row(values: list, dtype=torch.float32) -> torch.Tensor:
-        return _ints(values, dev, dtype)[owner][:, None]
+        return to_device(values, dev, dtype)[owner][:, None]
 
     temps = per_row([1.0 if p.is_greedy else p.temperature for p in params])
     probs = torch.softmax(logits / temps, dim=-1)

@@ -84,7 +84,7 @@ import torch
 from baton.engine.core.forward_batch import ForwardMode
 from baton.engine.mem_cache.memory_pool import ReqToTokenPool
 from baton.engine.speculative.draft_graphs import DraftGraphs
-from baton.engine.utils.device_lists import to_device as _ints
+from baton.engine.utils.device_lists import to_device
 
 if TYPE_CHECKING:
     from baton.engine.core.forward_batch import ForwardBatch
@@ -205,9 +205,9 @@ class HeadDrafter:
         may carry one)."""
         for i, (candidates, _, logps) in primes.items():
             n = min(len(candidates), self.topk)
-            self.tokens[rows[i], :n] = _ints(candidates[:n], rows.device)
-            self.logp[rows[i], :n] = _ints(logps[:n], rows.device, torch.float32)
-        idx = _ints(list(primes), rows.device)
+            self.tokens[rows[i], :n] = to_device(candidates[:n], rows.device)
+            self.logp[rows[i], :n] = to_device(logps[:n], rows.device, torch.float32)
+        idx = to_device(list(primes), rows.device)
         self.hidden[rows[idx]] = torch.stack([p[1] for p in primes.values()]).to(self.hidden.device, self.hidden.dtype)
 
     @torch.inference_mode()
@@ -222,9 +222,9 @@ class HeadDrafter:
         features = self._features(fb, hidden)
         following = next_ids
         if next_prompt_ids is not None and any(t >= 0 for t in next_prompt_ids):
-            prompt = _ints(next_prompt_ids, next_ids.device)
+            prompt = to_device(next_prompt_ids, next_ids.device)
             following = torch.where(prompt >= 0, prompt, next_ids)
-        ends = _ints(list(accumulate(fb.extend_seq_lens_cpu)), fb.input_ids.device).sub_(1)
+        ends = to_device(list(accumulate(fb.extend_seq_lens_cpu)), fb.input_ids.device).sub_(1)
         ids = fb.input_ids.roll(-1)  # each row's next token, but at each request's last row
         ids[ends] = following
         self._keep(fb.req_pool_indices, self._head(fb, ids, features)[ends])
@@ -243,8 +243,8 @@ class HeadDrafter:
         if spec.parents is None:  # the drafts go into the pass on the device; the host reads them later
             at = [spec.offsets[i] + 1 + t for i, d in enumerate(spec.drafts) for t in range(len(d))]
             drafts = self._draft_chains(fb, spec, reqs)
-            fb.input_ids[_ints(at, dev)] = drafts[_ints([n for n, i in enumerate(reqs) for _ in spec.drafts[i]], dev),
-                                                  _ints([t for i in reqs for t in range(len(spec.drafts[i]))], dev)]
+            fb.input_ids[to_device(at, dev)] = drafts[to_device([n for n, i in enumerate(reqs) for _ in spec.drafts[i]], dev),
+                                                  to_device([t for i in reqs for t in range(len(spec.drafts[i]))], dev)]
 
             def fill() -> None:
                 for i, tokens in zip(reqs, drafts.tolist()):
@@ -262,15 +262,15 @@ class HeadDrafter:
         rows, prefix, pool = fb.req_pool_indices, fb.extend_prefix_lens_cpu, self.runner.req_to_token_pool
         dev = rows.device
         depth = [len(spec.drafts[i]) for i in reqs]
-        req_rows = rows[_ints(reqs, dev)]
+        req_rows = rows[to_device(reqs, dev)]
         drafts = torch.zeros(len(reqs), max(depth), dtype=torch.int64, device=dev)
         drafts[:, 0] = self.tokens[req_rows, 0]
         out = self.hidden[req_rows]
         for j in range(1, max(depth)):
             sel = [n for n, d in enumerate(depth) if d > j]
-            idx = _ints(sel, dev)
+            idx = to_device(sel, dev)
             seq_lens = [prefix[reqs[n]] + j for n in sel]
-            lens = _ints(seq_lens, dev)
+            lens = to_device(seq_lens, dev)
             step = self.runner.make_forward_batch(
                 ForwardMode.DECODE, input_ids=drafts[idx, j - 1], positions=lens - 1, req_pool_indices=req_rows[idx],
                 seq_lens=lens, out_cache_loc=pool.req_to_token[req_rows[idx], lens - 1], seq_lens_cpu=seq_lens,
@@ -288,20 +288,20 @@ class HeadDrafter:
         dev = rows.device
         g = _Growth([self.topk if spec.tree(i) is not None else 1 for i in reqs], [spec.depth(i) for i in reqs], dev)
         lanes = [(n, b) for n in range(len(reqs)) for b in range(g.width[n])]  # (request, rank): host-known
-        first = rows[_ints([reqs[n] for n, _ in lanes], dev)]
-        ranks = _ints([b for _, b in lanes], dev)
-        at = _ints([g.base[n] + b for n, b in lanes], dev)
+        first = rows[to_device([reqs[n] for n, _ in lanes], dev)]
+        ranks = to_device([b for _, b in lanes], dev)
+        at = to_device([g.base[n] + b for n, b in lanes], dev)
         g.token[at], g.score[at] = self.tokens[first, ranks], self.logp[first, ranks]
         leaves, path, features = at, ranks[:, None], self.hidden[first]
         for j in range(1, max(g.depth)):  # expand the leaves at depth j, at position L + j - 1
             keep = [k for k, (n, _) in enumerate(lanes) if g.depth[n] > j]
             if len(keep) < len(lanes):
-                kept = _ints(keep, dev)
+                kept = to_device(keep, dev)
                 lanes, leaves, path, features = [lanes[k] for k in keep], leaves[kept], path[kept], features[kept]
             table = self._lane_table(fb, spec, reqs, g, lanes, path, j)
             lane_rows = torch.arange(len(lanes), device=dev)
             seq_lens = [prefix[reqs[n]] + j for n, _ in lanes]
-            lens = _ints(seq_lens, dev)
+            lens = to_device(seq_lens, dev)
             ids = g.token[leaves]
             step = self.runner.make_forward_batch(
                 ForwardMode.DECODE, input_ids=ids, positions=lens - 1, req_pool_indices=lane_rows, seq_lens=lens,
@@ -333,10 +333,10 @@ class HeadDrafter:
                 pos_at += [offsets[i] + 1 + t for t in range(count)]
                 pos_src += [start + t for t in range(count)]
                 pos_base += [prefix[i]] * count
-        fb.input_ids[_ints(at, dev)] = chosen.flat_tokens[_ints(src, dev)]
+        fb.input_ids[to_device(at, dev)] = chosen.flat_tokens[to_device(src, dev)]
         if pos_at:
-            depth = chosen.flat_depth[_ints(pos_src, dev)]
-            fb.positions[_ints(pos_at, dev)] = (_ints(pos_base, dev) + depth).to(fb.positions.dtype)
+            depth = chosen.flat_depth[to_device(pos_src, dev)]
+            fb.positions[to_device(pos_at, dev)] = (to_device(pos_base, dev) + depth).to(fb.positions.dtype)
             matrices = chosen.ancestors(max(spec.depth(reqs[n]) for n in chosen.trees))
             masks = list(fb.tree_parents)
             for t, n in enumerate(chosen.trees):
@@ -364,12 +364,12 @@ class HeadDrafter:
         holds those ranks, [lanes, j], on the device)."""
         pool, rows, prefix = self.runner.req_to_token_pool, fb.req_pool_indices, fb.extend_prefix_lens_cpu
         dev = rows.device
-        req = _ints([reqs[n] for n, _ in lanes], dev)
+        req = to_device([reqs[n] for n, _ in lanes], dev)
         width = max(prefix[reqs[n]] + j for n, _ in lanes)
         table = ReqToTokenPool(len(lanes), width, pool.device)
         table.req_to_token.copy_(pool.req_to_token[rows[req], :width])
-        cols = _ints([[prefix[reqs[n]] + d for d in range(j)] for n, _ in lanes], dev)
-        first_slot = _ints([[spec.offsets[reqs[n]] + d * g.width[n] for d in range(j)] for n, _ in lanes], dev)
+        cols = to_device([[prefix[reqs[n]] + d for d in range(j)] for n, _ in lanes], dev)
+        first_slot = to_device([[spec.offsets[reqs[n]] + d * g.width[n] for d in range(j)] for n, _ in lanes], dev)
         lane = torch.arange(len(lanes), device=dev)[:, None].expand(-1, j)
         table.req_to_token[lane, cols] = fb.out_cache_loc[first_slot + path]
         return table
@@ -389,8 +389,8 @@ class HeadDrafter:
                     at.append(off + node)
                     following.append(spec.drafts[i][child - 1])
             kept.append(off + path[-1])
-        ids[_ints(at + kept, ids.device)] = _ints(following + out.last_tokens, ids.device)
-        self._keep(fb.req_pool_indices, self._pass_after(fb, hidden, ids)[_ints(kept, ids.device)])
+        ids[to_device(at + kept, ids.device)] = to_device(following + out.last_tokens, ids.device)
+        self._keep(fb.req_pool_indices, self._pass_after(fb, hidden, ids)[to_device(kept, ids.device)])
 
 
     @torch.inference_mode()
@@ -445,7 +445,7 @@ class _Growth:
                 at.append(self.block(n, j) + b * w + c)
                 src.append(k * top + c)
                 lane.append(k)
-        at, src, lane = (_ints(x, self.device) for x in (at, src, lane))
+        at, src, lane = (to_device(x, self.device) for x in (at, src, lane))
         self.token[at] = ids.reshape(-1)[src]
         self.score[at] = scores.reshape(-1)[src]
         self.parent[at] = leaves[lane]
@@ -470,13 +470,13 @@ class _Growth:
             pos += self.width[n]
         for w in sorted({self.width[n] for n in going}):  # one sort per width: [requests, w * w]
             group = [n for n in going if self.width[n] == w]
-            idx = _ints([self.block(n, j) for n in group], self.device)[:, None] + torch.arange(w * w,
+            idx = to_device([self.block(n, j) for n in group], self.device)[:, None] + torch.arange(w * w,
                                                                                             device=self.device)
             order = torch.sort(self.score[idx], dim=1, descending=True, stable=True).indices[:, :w]
-            dest = _ints([[starts[n] + b for b in range(w)] for n in group], self.device)
+            dest = to_device([[starts[n] + b for b in range(w)] for n in group], self.device)
             leaves[dest] = idx.gather(1, order)
-            parent_lane[dest] = _ints([lane_of[n] for n in group], self.device)[:, None] + order // w
-        ranks = _ints([b for _, b in new_lanes], self.device)
+            parent_lane[dest] = to_device([lane_of[n] for n in group], self.device)[:, None] + order // w
+        ranks = to_device([b for _, b in new_lanes], self.device)
         return new_lanes, leaves, parent_lane, ranks
 
     def choose(self, nodes: list[int]) -> "_Chosen":
@@ -492,13 +492,13 @@ class _Growth:
             assert all(self.width[n] == w for n in trees), "a batch's trees share the engine's topk"
             most, chosen_n = max(self.size[n] for n in trees), max(nodes[n] for n in trees)
             local = torch.arange(most, device=dev)
-            base = _ints([self.base[n] for n in trees], dev)[:, None]
-            valid = local[None, :] < _ints([self.size[n] for n in trees], dev)[:, None]
+            base = to_device([self.base[n] for n in trees], dev)[:, None]
+            valid = local[None, :] < to_device([self.size[n] for n in trees], dev)[:, None]
             idx = torch.where(valid, base + local, base)
             scores = torch.where(valid, self.score[idx], float("-inf"))
             best = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :chosen_n]  # local
             depth = torch.where(best < w, 1, 2 + (best - w) // (w * w))
-            wanted = torch.arange(chosen_n, device=dev)[None, :] < _ints([nodes[n] for n in trees], dev)[:, None]
+            wanted = torch.arange(chosen_n, device=dev)[None, :] < to_device([nodes[n] for n in trees], dev)[:, None]
             depth = torch.where(wanted, depth, most + 1)  # past a request's count: to the end
             packed_depth, order = torch.sort(depth, dim=1, stable=True)
             packed = best.gather(1, order)

@@ -24,6 +24,7 @@ from baton.engine.core.schedule_batch import ModelWorkerBatch
 from baton.engine.mem_cache.state_pool import StateOps
 from baton.engine.model_executor.model_runner import ModelRunner
 from baton.engine.server_args import ServerArgs
+from baton.engine.utils.device_lists import to_device
 from baton.engine.worker.future_map import FutureMap
 from baton.engine.worker.tp_step import StepSender
 
@@ -202,11 +203,9 @@ class TpModelWorker:
         """Each row's state <- the step before's scratch slot after the node its emitted tokens end at
         (`nodes`, on the device: nothing read). The slots hold the state after each of that step's
         nodes (a chain's: after 1 .. all of its tokens)."""
-        from baton.engine.utils.device_lists import to_device as _ints
-
         pool = self.model_runner.state_pool
         width = max(map(len, slots))
-        table = _ints([s + [s[-1]] * (width - len(s)) for s in slots], pool.device)  # [bs, width]
+        table = to_device([s + [s[-1]] * (width - len(s)) for s in slots], pool.device)  # [bs, width]
         at = nodes.to(pool.device).clamp(0, width - 1)
         pool.copy_slot_tensors(table.gather(1, at[:, None])[:, 0], mwb.req_pool_indices.to(pool.device))
 

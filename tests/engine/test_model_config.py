@@ -13,11 +13,10 @@ import pytest
 import torch
 
 from baton.engine.model_config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
+from test_models import LLAMA3_ROPE
 from tiny_models import _BASE, ARCH_DEFAULTS, _config_and_model_classes
 
 ENGINE = Path(__file__).resolve().parents[2] / "engine"
-LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
 CASES = {
     "llama": ("llama", {}),
     "llama-tied-llama3rope": ("llama", {"tie_word_embeddings": True, "rope_parameters": LLAMA3_ROPE}),
