@@ -22,7 +22,7 @@ PACKAGES = {"engine": "baton.engine", "router": "baton.router", "operator": "bat
 LAYERS = [
     ("kernels", "triton_ops", "utils"),
     ("distributed", "mem_cache", "sampling", "constrained", "parsers", "io_struct", "server_args", "metrics",
-     "model_structure", "model_config"),
+     "model_structure", "model_config", "multimodal"),
     ("core",),
     ("layers",),
     ("models",),
