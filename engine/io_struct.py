@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from baton.engine.sampling.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from baton.engine.multimodal.inputs import MultimodalInputs
 
 
 # ---------------------------------------------------------------- tokenizer -> scheduler
@@ -33,6 +36,8 @@ class TokenizedGenerateReqInput:
     bootstrap_port: Optional[int] = None
     bootstrap_room: Optional[int] = None
     data_parallel_rank: Optional[int] = None
+    # images: their pixels, grids and the prompt's M-RoPE positions (multimodal/inputs.py)
+    mm_inputs: Optional["MultimodalInputs"] = None
     received_time: float = field(default_factory=time.time)
 
 

@@ -166,6 +166,17 @@ class ServerArgs:
     enable_mixed_chunk: bool = flag(
         False, help="run one decode step of the running requests inside each prefill batch (colocated only)",
         owner="scheduler")
+    # image input (engine/multimodal): the processor's concurrency, the vision embeddings' cache, ViT DP
+    mm_max_concurrent_calls: int = flag(
+        32, help="images processed at once in the tokenizer process (decoding, resizing, patches); more wait",
+        owner="tokenizer")
+    mm_embedding_cache_mb: int = flag(
+        512, help="the vision tower's outputs kept per image hash (MB, least recently used out): a repeated image "
+                  "skips the encoder; 0 disables it", owner="worker")
+    mm_enable_dp_encoder: bool = flag(
+        False, help="with --tp-size N, each rank encodes its share of a batch's images with the full vision "
+                    "weights and the embeddings are gathered (ViT data parallelism); without it the first rank "
+                    "encodes them all and sends the embeddings", owner="worker")
     # chat (entrypoints/chat_tools.py, engine/parsers)
     chat_template: Optional[str] = flag(None, help="a Jinja chat template file, instead of the tokenizer's",
                                         owner="tokenizer")

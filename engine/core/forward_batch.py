@@ -77,6 +77,16 @@ class ForwardBatch:
     tree_waves: Optional[list] = None
     # a speculative verify step: each request an extend of its last token and its drafts (verify graphs)
     spec_verify: bool = False
+    # images (an EXTEND): the batch's [3, num_tokens] M-RoPE positions, which the rotary layers take in
+    # place of `positions`, and the vision embeddings spliced over the image tokens' rows after the
+    # token embedding: (rows [m], embeddings [m, hidden]) (multimodal/inputs.py)
+    mrope_positions: Optional[torch.Tensor] = None
+    mm_embeds: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+
+    @property
+    def rope_positions(self) -> torch.Tensor:
+        """What the model's rotary layers take: the M-RoPE positions where the batch has images."""
+        return self.positions if self.mrope_positions is None else self.mrope_positions
 
     @property
     def state_slots(self) -> torch.Tensor:

@@ -12,6 +12,7 @@ from baton.engine.sampling.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from baton.engine.mem_cache.base import BasePrefixCache
+    from baton.engine.multimodal.inputs import MultimodalInputs
     from baton.engine.sampling.sampling_batch_info import ReqSamplingState
 
 _EMPTY = torch.empty((0,), dtype=torch.int64)
@@ -36,6 +37,9 @@ class Req:
     priority: int = 0
     require_reasoning: bool = False  # the output starts with reasoning (a grammar waits for its end)
     arrival_time: float = field(default_factory=time.time)
+    # a vision-language model's images (multimodal/inputs.py): their prompt positions, pixels and the
+    # prompt's M-RoPE positions; None for text
+    mm_inputs: Optional["MultimodalInputs"] = None
 
     output_ids: list[int] = field(default_factory=list)
     # Filled by init_next_round_input() each time the request is scheduled for an extend.
@@ -108,6 +112,12 @@ class Req:
         """The decode tokens to reserve for this request: what it may still generate, clipped. The
         one budget rule of admission, preemption and the PD decode's preallocation."""
         return min(self.sampling_params.max_new_tokens - len(self.output_ids), CLIP_MAX_NEW_TOKENS)
+
+    @property
+    def rope_delta(self) -> int:
+        """What a position past the prompt adds to its index for RoPE (M-RoPE: images take fewer
+        positions than tokens); 0 for text."""
+        return 0 if self.mm_inputs is None else self.mm_inputs.mrope_delta
 
     @property
     def seqlen(self) -> int:

@@ -14,6 +14,8 @@ import torch
 from baton.engine.core.forward_batch import ForwardMode
 from baton.engine.core.req import Req
 from baton.engine.mem_cache.state_pool import StateOps
+from baton.engine.multimodal.inputs import MmBatch, plan_splices
+from baton.engine.multimodal.mrope import rope_positions_for
 
 if TYPE_CHECKING:
     from baton.engine.core.spec_info import VerifyInput
@@ -33,6 +35,22 @@ def _token_at(req: Req, position: int) -> int:
         return prompt[position]
     position -= len(prompt)
     return req.output_ids[position] if position < len(req.output_ids) else -1
+
+
+def _mm_batch(reqs: list[Req], prefix_lens: list[int], seq_lens: list[int]) -> Optional[MmBatch]:
+    """An extend's image work: None when no request in it has images."""
+    if all(r.mm_inputs is None for r in reqs):
+        return None
+    splices, rows, offset = [], [], 0
+    for r, p, s in zip(reqs, prefix_lens, seq_lens):
+        mm = r.mm_inputs
+        if mm is None:
+            rows.append(torch.arange(p, s, dtype=torch.int64).expand(3, -1))
+        else:
+            splices += plan_splices(mm.items, p, s, offset)
+            rows.append(rope_positions_for(p, s, mm.mrope_positions, mm.mrope_delta))
+        offset += s - p
+    return MmBatch(splices, torch.cat(rows, dim=1))
 
 
 class OutOfMemoryError(RuntimeError):
@@ -71,6 +89,8 @@ class ModelWorkerBatch:
     # EXTEND: per row, the token after its chunk where the request's tokens go on (a chunk that is not
     # the prompt's last), else -1 (the sampled token follows); a draft head reads it (head_worker.py)
     next_prompt_ids: Optional[list[int]] = None
+    # EXTEND with images: where their embeddings go, and the batch's M-RoPE positions (multimodal/inputs.py)
+    mm: Optional[MmBatch] = None
 
 
 class ScheduleBatch:
@@ -169,6 +189,7 @@ class ScheduleBatch:
         out_cache_loc = self._alloc_extend_rows(rows, prefix_lens, seq_lens, extend_lens)
         state_ops = self._extend_state_ops(new, prefix_lens, seq_lens, chunked_req)
         input_ids = [t for r, p in zip(self.reqs, prefix_lens) for t in r.fill_ids[p:]]
+        # a request with images runs on its M-RoPE positions (mm below); these are its indices
         positions = torch.cat([torch.arange(p, s, dtype=torch.int64) for p, s in zip(prefix_lens, seq_lens)])
         self.model_worker_batch = ModelWorkerBatch(
             forward_mode=ForwardMode.EXTEND,
@@ -188,6 +209,7 @@ class ScheduleBatch:
                                 if r.return_logprob and r.logprob_start_len >= 0 and not r.input_logprobs_sent],
             state_ops=state_ops,
             next_prompt_ids=[_token_at(r, s) for r, s in zip(self.reqs, seq_lens)],
+            mm=_mm_batch(self.reqs, prefix_lens, seq_lens),
         )
 
     def _extend_state_ops(self, new: list[Req], prefix_lens: list[int], seq_lens: list[int],
@@ -233,9 +255,10 @@ class ScheduleBatch:
         self._tokens_needed_hint = self.new_page_tokens_needed()
         out_cache_loc = self._alloc(self.allocator.alloc_decode, seq_lens, self._last_locs(rows, prefix_lens))
         rows_t = torch.tensor(rows, dtype=torch.int64)
-        positions = torch.tensor(prefix_lens, dtype=torch.int64)
+        cols = torch.tensor(prefix_lens, dtype=torch.int64)
         table = self.req_to_token_pool.req_to_token  # .to() is a no-op on a CPU table
-        table[rows_t.to(table.device), positions.to(table.device)] = out_cache_loc.to(table.device)
+        table[rows_t.to(table.device), cols.to(table.device)] = out_cache_loc.to(table.device)
+        positions = torch.tensor([p + r.rope_delta for r, p in zip(self.reqs, prefix_lens)], dtype=torch.int64)
         tracks = {}
         if self.tree_cache.tracks_state:
             tracks = {i: t for i, r in enumerate(self.reqs)
@@ -297,9 +320,11 @@ class ScheduleBatch:
         self.model_worker_batch = ModelWorkerBatch(
             forward_mode=ForwardMode.EXTEND,
             input_ids=torch.tensor(input_ids, dtype=torch.int64),
-            positions=(torch.cat([torch.arange(p, s, dtype=torch.int64) for p, s in zip(prefix_lens, seq_lens)])
+            positions=(torch.cat([torch.arange(p, s, dtype=torch.int64) + r.rope_delta
+                                  for r, p, s in zip(self.reqs, prefix_lens, seq_lens)])
                        if spec.parents is None else
-                       torch.tensor([q for i, p in enumerate(prefix_lens) for q in spec.positions(i, p)])),
+                       torch.tensor([q + r.rope_delta for i, (r, p) in enumerate(zip(self.reqs, prefix_lens))
+                                     for q in spec.positions(i, p)])),
             req_pool_indices=torch.tensor(rows, dtype=torch.int64),
             seq_lens_cpu=seq_lens,
             out_cache_loc=out_cache_loc,
@@ -337,6 +362,8 @@ class ScheduleBatch:
             num_decode_rows=len(running.reqs),
             state_ops=(a.state_ops or StateOps()).merged(b.state_ops, len(a.seq_lens_cpu)) or None,
             next_prompt_ids=(a.next_prompt_ids or [-1] * len(a.seq_lens_cpu)) + [-1] * len(b.seq_lens_cpu),
+            mm=None if a.mm is None else MmBatch(a.mm.splices, torch.cat([a.mm.mrope_positions,
+                                                                         b.positions.expand(3, -1)], dim=1)),
         )
         self.reqs = self.reqs + running.reqs
         running.reqs, running.output_ids = [], None

@@ -247,3 +247,21 @@ def all_reduce_min(value: int, tp: TpGroup) -> int:
     t = torch.tensor([value], dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=resolve_group(tp.cpu_group))
     return int(t.item())
+
+
+def all_gather_object(obj: Any, tp: TpGroup) -> list[Any]:
+    """Every rank's `obj` (picklable), in rank order, over the CPU group (ViT DP's embeddings)."""
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * tp.size
+    dist.all_gather_object(out, obj, group=resolve_group(tp.cpu_group))
+    return out
+
+
+def broadcast_object(obj: Any, tp: TpGroup) -> Any:
+    """The driver's `obj` on every rank (the driver passes it, the others anything)."""
+    import torch.distributed as dist
+
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, group=resolve_group(tp.cpu_group))
+    return box[0]

@@ -22,6 +22,9 @@ class WorkerConfig:
     mem_fraction_static: float
     kv_cache_dtype: str
     disable_radix_cache: bool
+    # image input: the vision embeddings' cache and ViT DP (model_executor/mm_embedder.py)
+    mm_embedding_cache_mb: int
+    mm_enable_dp_encoder: bool
     mamba_ssm_dtype: str
     max_mamba_cache_size: Optional[int]
     mamba_full_memory_ratio: float

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from baton.engine.mem_cache.memory_pool import ReqToTokenPool
     from baton.engine.mem_cache.state_pool import LinearStateShapes, RecurrentStatePool
     from baton.engine.model_executor.cuda_graph_runner import CudaGraphRunner
+    from baton.engine.multimodal.inputs import MmBatch
 
 logger = logging.getLogger(__name__)
 
@@ -154,6 +155,13 @@ class ModelRunner:
             draft_model_path=args.speculative_draft_model_path if algorithm in DRAFT_CHECKPOINT_ALGORITHMS else None,
             token_map=args.speculative_token_map, draft_algorithm=algorithm)
         self.draft_head = getattr(self.model, "mtp" if algorithm == "NEXTN" else "draft_head", None)
+        self.mm_embedder = None  # a vision-language model's tower, its cache and ViT DP
+        tower = getattr(self.model, "visual", None)
+        if tower is not None:
+            from baton.engine.model_executor.mm_embedder import MultimodalEmbedder
+
+            self.mm_embedder = MultimodalEmbedder(tower, args.mm_embedding_cache_mb, self.device, self.dtype,
+                                                  self.tp, args.mm_enable_dp_encoder)
 
     def _prepare_model(self) -> None:
         """Each layer op on its device's path (Triton on CUDA), or all on the torch reference; the
@@ -419,7 +427,17 @@ class ModelRunner:
         if fb.tree_parents is not None:
             fb.tree_depths = [spec.depth(i) for i in range(len(spec.drafts))]
         fb.spec_verify = spec is not None
+        if mwb.mm is not None:
+            self.attach_images(fb, mwb.mm)
         return fb, (parts[5] if extra is not None else None)
+
+    def attach_images(self, fb: ForwardBatch, mm: "MmBatch") -> None:
+        """An extend's images: its M-RoPE positions, and the vision embeddings of its image tokens."""
+        fb.mrope_positions = mm.mrope_positions.to(self.device)
+        if mm.splices:
+            if self.mm_embedder is None:
+                raise RuntimeError("a batch with images reached a model without a vision tower")
+            fb.mm_embeds = self.mm_embedder.embeds(mm)
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
@@ -433,6 +451,9 @@ class ModelRunner:
             # (the native forward and the compiled extend know causal masks only)
             self.attn_backend.init_forward_metadata(fb)
             return self.model(fb.input_ids, fb.positions, fb)
+        if fb.mrope_positions is not None:  # images: the model's own forward (the native and compiled ones know
+            self.attn_backend.init_forward_metadata(fb)  # neither M-RoPE nor the splice)
+            return self.model(fb.input_ids, fb.mrope_positions, fb)
         native = self.native_forward
         if native is not None and fb.forward_mode == ForwardMode.DECODE:
             return native.decode(fb.input_ids, fb.positions, fb.req_pool_indices, fb.seq_lens, fb.out_cache_loc)

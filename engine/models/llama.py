@@ -125,6 +125,9 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: "ForwardBatch") -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None  # [num_tokens, hidden]
+        if forward_batch.mm_embeds is not None:  # images: the vision tower's rows over their tokens'
+            rows, embeds = forward_batch.mm_embeds
+            hidden = hidden.index_copy(0, rows, embeds.to(hidden.dtype))
         if self.aux_layers:
             return self._forward_capturing(hidden, positions, forward_batch)
         for layer in self.layers:

@@ -26,10 +26,10 @@ and the embedding of the token that follows it:
 
 The published Qwen3.5 checkpoints are vision-language models (`Qwen3_5ForConditionalGeneration`,
 `Qwen3_5MoeForConditionalGeneration`): a `text_config` and a `vision_config`, the text model's weights
-under `model.language_model.*` beside `lm_head.*`, the vision tower's under `model.visual.*`. They are
-served as their text model (model_config.py reads the text model's config out of the outer one): vision
-weights are skipped (one log line), and a request with an image part is refused upstream
-(entrypoints/openai_api.py) until multimodal input exists.
+under `model.language_model.*` beside `lm_head.*`, the vision tower's under `model.visual.*`. The text
+model is this file's; the tower is models/qwen_vision.py, its embeddings spliced over the image tokens
+(ForwardBatch.mm_embeds), and the full-attention layers' RoPE takes the M-RoPE positions of a batch with
+images (multimodal/mrope.py; the linear-attention layers read no positions).
 """
 from __future__ import annotations
 
@@ -227,30 +227,47 @@ class Qwen3_5MoeForCausalLM(Qwen3NextForCausalLM):
     all_layers_sparse = True
 
 
-# ---- the published vision-language layout, served as text ----
+# ---- the published vision-language layout: the text model and its vision tower ----
 
 _TEXT_PREFIX, _VISION_PREFIX = "model.language_model.", "model.visual."
 
 
-def text_weights(weights: Iterable[tuple[str, torch.Tensor]], owner: str) -> Iterable[tuple[str, torch.Tensor]]:
-    """The text model's tensors under the names Qwen3_5ForCausalLM has; the vision tower's skipped."""
-    skipped = 0
+def split_vision_weights(weights: Iterable[tuple[str, torch.Tensor]], vision: list[tuple[str, torch.Tensor]]
+                         ) -> Iterable[tuple[str, torch.Tensor]]:
+    """The text model's tensors under the names Qwen3_5ForCausalLM has; the vision tower's go to
+    `vision`, under the names the tower has (what follows `model.visual.`)."""
     for name, tensor in weights:
         if name.startswith(_VISION_PREFIX):
-            skipped += 1
+            vision.append((name[len(_VISION_PREFIX):], tensor))
         elif name.startswith(_TEXT_PREFIX):
             yield "model." + name[len(_TEXT_PREFIX):], tensor
         else:  # lm_head.*, mtp.*
             yield name, tensor
-    logger.info("%s: %d vision tensors skipped (served as a text model; multimodal input is not supported yet)",
-                owner, skipped)
 
 
-class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
+class VisionLanguageMixin:
+    """A vision-language checkpoint: the text model (the class this mixes into) and `visual`, the
+    vision tower (models/qwen_vision.py), replicated on every TP rank; the model runner runs it
+    (model_executor/mm_embedder.py) and the text model splices its output over the image tokens."""
+
+    def _add_vision_tower(self, config: ModelConfig) -> None:
+        from baton.engine.models.qwen_vision import QwenVisionTower
+
+        self.visual = QwenVisionTower(config.vision)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().load_weights(text_weights(weights, type(self).__name__))
+        vision: list[tuple[str, torch.Tensor]] = []
+        super().load_weights(split_vision_weights(weights, vision))
+        self.visual.load_weights(vision)
 
 
-class Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeForCausalLM):
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().load_weights(text_weights(weights, type(self).__name__))
+class Qwen3_5ForConditionalGeneration(VisionLanguageMixin, Qwen3_5ForCausalLM):
+    def __init__(self, config: ModelConfig, tp: TpGroup = TpGroup()) -> None:
+        super().__init__(config, tp)
+        self._add_vision_tower(config)
+
+
+class Qwen3_5MoeForConditionalGeneration(VisionLanguageMixin, Qwen3_5MoeForCausalLM):
+    def __init__(self, config: ModelConfig, tp: TpGroup = TpGroup()) -> None:
+        super().__init__(config, tp)
+        self._add_vision_tower(config)

@@ -97,7 +97,7 @@ class RequestIntake:
                    top_logprobs_num=recv.top_logprobs_num, priority=recv.priority or 0,
                    arrival_time=recv.received_time, require_reasoning=recv.require_reasoning,
                    bootstrap_host=recv.bootstrap_host, bootstrap_port=recv.bootstrap_port,
-                   bootstrap_room=recv.bootstrap_room)
+                   bootstrap_room=recv.bootstrap_room, mm_inputs=recv.mm_inputs)
 
     def _check(self, req: Req, recv: TokenizedGenerateReqInput) -> tuple[Optional[tuple[str, int]], bool]:
         """(the request's error as (message, status), None when it may join a queue; whether it waits in
