@@ -139,19 +139,50 @@ class VisionConfig:
     depth: int
     hidden_size: int
     num_heads: int
+    intermediate_size: int  # each block's MLP
+    hidden_act: str  # each block's MLP (the mergers use exact GELU, as HF does)
+    in_channels: int
     patch_size: int
     temporal_patch_size: int
     spatial_merge_size: int
+    num_position_embeddings: int  # the learned position grid, side * side, resampled to each image's grid
+    rope_theta: float  # the blocks' 2-D (axial) rotary
     out_hidden_size: int  # the merged patch embeddings' width: the text model's hidden size
     image_token_id: int
     video_token_id: int
     vision_start_token_id: int
     vision_end_token_id: int
+    layer_norm_eps: float = 1e-6  # every LayerNorm of the tower (HF fixes it at 1e-6)
+    # Qwen3-VL: blocks whose outputs, each through its own merger, are added to early text layers
+    deepstack_visual_indexes: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        assert self.hidden_size % self.num_heads == 0, (self.hidden_size, self.num_heads)
+        assert self.head_dim % 4 == 0, f"2-D rotary splits each head in quarters: head_dim {self.head_dim}"
+        side = int(self.num_position_embeddings ** 0.5)
+        assert side * side == self.num_position_embeddings, f"{self.num_position_embeddings} is not a square grid"
+        assert all(0 <= i < self.depth for i in self.deepstack_visual_indexes), self.deepstack_visual_indexes
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def patch_dim(self) -> int:
+        """One patch's pixel values as the image processor flattens them: channels * frames * rows * cols."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
 
     @property
     def tokens_merged(self) -> int:
         """Patches merged into one text token."""
         return self.spatial_merge_size ** 2
+
+    def tokens_per_image(self, grid_thw: tuple[int, int, int]) -> int:
+        """Text tokens an image (or video) of `grid_thw` patches becomes."""
+        t, h, w = grid_thw
+        assert h % self.spatial_merge_size == 0 and w % self.spatial_merge_size == 0, \
+            f"grid {tuple(grid_thw)} is not a multiple of the merge size {self.spatial_merge_size}"
+        return t * h * w // self.tokens_merged
 
 
 @dataclass(frozen=True)
@@ -325,11 +356,20 @@ def _vision_config(hf: Any) -> Optional[VisionConfig]:
     vision = _opt(hf, "vision_config")
     if vision is None:
         return None
+    # transformers 5.x: rope_parameters {"rope_type": "axial", "rope_theta": ...}; older configs: rope_theta
+    rope = _opt(vision, "rope_parameters") or {}
+    theta = rope.get("rope_theta", _opt(vision, "rope_theta", _DEFAULT_ROPE_THETA))
     return VisionConfig(depth=vision.depth, hidden_size=vision.hidden_size, num_heads=vision.num_heads,
-                        patch_size=vision.patch_size, temporal_patch_size=vision.temporal_patch_size,
-                        spatial_merge_size=vision.spatial_merge_size, out_hidden_size=vision.out_hidden_size,
+                        intermediate_size=vision.intermediate_size, hidden_act=vision.hidden_act,
+                        in_channels=int(_opt(vision, "in_channels", 3)), patch_size=vision.patch_size,
+                        temporal_patch_size=vision.temporal_patch_size,
+                        spatial_merge_size=vision.spatial_merge_size,
+                        num_position_embeddings=vision.num_position_embeddings, rope_theta=float(theta),
+                        out_hidden_size=vision.out_hidden_size,
                         image_token_id=hf.image_token_id, video_token_id=hf.video_token_id,
-                        vision_start_token_id=hf.vision_start_token_id, vision_end_token_id=hf.vision_end_token_id)
+                        vision_start_token_id=hf.vision_start_token_id, vision_end_token_id=hf.vision_end_token_id,
+                        layer_norm_eps=float(_opt(vision, "layer_norm_eps", 1e-6)),
+                        deepstack_visual_indexes=tuple(_opt(vision, "deepstack_visual_indexes") or ()))
 
 
 def _eagle_config(hf: Any) -> Optional[EagleDraftConfig]:

@@ -138,18 +138,36 @@ def test_qwen3_5_vision_language_config(arch, tie):
     assert (v.patch_size, v.temporal_patch_size, v.spatial_merge_size) == (hv.patch_size, hv.temporal_patch_size,
                                                                            hv.spatial_merge_size)
     assert v.tokens_merged == hv.spatial_merge_size ** 2
+    check_vision_tower_fields(v, hv)
+    assert v.deepstack_visual_indexes == ()
     assert (v.image_token_id, v.video_token_id) == (hf.image_token_id, hf.video_token_id)
     assert (v.vision_start_token_id, v.vision_end_token_id) == (hf.vision_start_token_id, hf.vision_end_token_id)
+
+
+def check_vision_tower_fields(v, hv) -> None:
+    """What the vision tower (models/qwen_vision.py) is built from, as HF's vision model reads it."""
+    assert (v.intermediate_size, v.hidden_act, v.in_channels) == (hv.intermediate_size, hv.hidden_act, hv.in_channels)
+    assert v.num_position_embeddings == hv.num_position_embeddings
+    assert v.rope_theta == hv.rope_parameters["rope_theta"] and hv.rope_parameters["rope_type"] == "axial"
+    assert v.layer_norm_eps == 1e-6  # HF's vision LayerNorms fix it
+    assert v.head_dim == hv.hidden_size // hv.num_heads
+    assert v.patch_dim == hv.in_channels * hv.temporal_patch_size * hv.patch_size ** 2
+    assert v.tokens_per_image((1, 4, 6)) == 4 * 6 // hv.spatial_merge_size ** 2
 
 
 def test_qwen3_vl_vision_config():
     from transformers import Qwen3VLConfig
 
-    hf = Qwen3VLConfig(text_config={**_BASE, "head_dim": 16}, vision_config=_TINY_VISION,
+    vision = {**_TINY_VISION, "depth": 3, "deepstack_visual_indexes": [0, 2],
+              "rope_parameters": {"rope_type": "axial", "rope_theta": 500.0}}
+    hf = Qwen3VLConfig(text_config={**_BASE, "head_dim": 16}, vision_config=vision,
                        architectures=["Qwen3VLForConditionalGeneration"])
     mc = ModelConfig.from_hf(hf)
     check_text_against_hf(mc, hf.text_config, hf)
-    assert (mc.vision.depth, mc.vision.image_token_id) == (1, hf.image_token_id)
+    assert (mc.vision.depth, mc.vision.image_token_id) == (3, hf.image_token_id)
+    check_vision_tower_fields(mc.vision, hf.vision_config)
+    assert mc.vision.rope_theta == 500.0
+    assert mc.vision.deepstack_visual_indexes == (0, 2)
 
 
 def test_checkpoint_dtype_eagle_and_quantization_fields():
