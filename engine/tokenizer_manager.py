@@ -8,7 +8,7 @@ import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Optional
+from typing import TYPE_CHECKING, Any, AsyncIterator, Optional
 
 import zmq
 import zmq.asyncio
@@ -17,6 +17,11 @@ from baton.engine.io_struct import (AbortReq, BatchStrOut, FinishReason, FlushCa
                                     GetServerInfoOut, GetServerInfoReq, ReqMeta, TokenizedGenerateReqInput)
 from baton.engine.metrics import EngineMetrics
 from baton.engine.sampling.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from baton.engine.multimodal.inputs import MultimodalInputs
+    from baton.engine.multimodal.media import MediaPolicy
+    from baton.engine.multimodal.processor import ImageProcessor
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +71,10 @@ class GenerateInput:
     # the client gave no max_new_tokens (max_tokens): the default is cut to what the context leaves
     # instead of refusing the request
     fit_max_new_tokens: bool = False
+    # images, in the order of their placeholders in the prompt: sources as SGLang's `image_data`
+    # (multimodal/media.py), and what attach_images makes of them
+    image_data: Optional[list[str]] = None
+    mm_inputs: Optional["MultimodalInputs"] = None
 
 
 @dataclass
@@ -242,6 +251,58 @@ class TokenizerManager:
             ids = ids["input_ids"]
         return list(ids)
 
+    # ------------------------------------------------------------------ images
+    def enable_images(self, processor: "ImageProcessor", policy: "MediaPolicy", max_concurrent: int,
+                      pixels: bool = True) -> None:
+        """A vision-language model: requests may carry images. `pixels` False (a PD decode engine):
+        prompts are expanded from the images' sizes alone, nothing is encoded here or there."""
+        self.image_processor, self.media_policy = processor, policy
+        self._mm_limit, self._mm_pixels = max_concurrent, pixels
+        self._mm_sem: Optional[asyncio.Semaphore] = None
+
+    async def attach_images(self, objs: list[GenerateInput]) -> None:
+        """Each request's images loaded and processed, its prompt expanded (multimodal/processor.py):
+        before generate(), so that a bad image is a status code. The same source in several requests
+        (n > 1 copies) is processed once."""
+        if not any(o.image_data for o in objs):
+            return
+        if getattr(self, "image_processor", None) is None:
+            raise RequestError("this model takes text only: image input needs a vision-language model", 400)
+        from baton.engine.multimodal.media import MediaError
+        from baton.engine.multimodal.processor import ProcessorError
+
+        done: dict[str, asyncio.Future] = {}
+        try:
+            for obj in objs:
+                if not obj.image_data:
+                    continue
+                self.media_policy.check_image_count(len(obj.image_data))
+                for src in obj.image_data:
+                    if src not in done:
+                        done[src] = asyncio.ensure_future(self._image(src))
+                images = await asyncio.gather(*(done[src] for src in obj.image_data))
+                ids = obj.input_ids if obj.input_ids is not None else self.tokenize(obj.text or "")
+                obj.input_ids, obj.mm_inputs = self.image_processor.expand(ids, images)
+        except (MediaError, ProcessorError) as e:
+            raise RequestError(getattr(e, "message", str(e)), getattr(e, "status", 400)) from e
+        finally:
+            for f in done.values():
+                f.cancel()
+
+    async def _image(self, source: str) -> tuple:
+        """(hash, grid, pixel_values or None) of one image source, at most --mm-max-concurrent-calls at once."""
+        from baton.engine.multimodal.media import load_image
+
+        if self._mm_sem is None:
+            self._mm_sem = asyncio.Semaphore(self._mm_limit)
+        async with self._mm_sem:
+            loaded = await load_image(source, self.media_policy)
+            proc = self.image_processor
+            if not self._mm_pixels:
+                return loaded.hash, proc.grid(loaded.width, loaded.height), None
+            pixels, grid = await asyncio.to_thread(proc.pixels, loaded.image)
+            return loaded.hash, grid, pixels
+
     # ------------------------------------------------------------------ generation
     def _tokenized(self, obj: GenerateInput) -> TokenizedGenerateReqInput:
         ids = obj.input_ids if obj.input_ids is not None else self.tokenize(obj.text or "")
@@ -257,7 +318,8 @@ class TokenizerManager:
             stream=obj.stream, return_logprob=obj.return_logprob, logprob_start_len=obj.logprob_start_len,
             top_logprobs_num=obj.top_logprobs_num, priority=obj.priority, bootstrap_host=obj.bootstrap_host,
             bootstrap_port=obj.bootstrap_port, bootstrap_room=obj.bootstrap_room,
-            data_parallel_rank=obj.data_parallel_rank, require_reasoning=obj.require_reasoning)
+            data_parallel_rank=obj.data_parallel_rank, require_reasoning=obj.require_reasoning,
+            mm_inputs=obj.mm_inputs)
 
     def _fit_context(self, obj: GenerateInput, ids: list[int]) -> list[int]:
         """The prompt and max_new_tokens within the context length, as OpenAI and SGLang check them: a

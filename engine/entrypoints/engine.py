@@ -236,6 +236,7 @@ def run_server(server_args: ServerArgs) -> None:
                               disaggregation_mode=server_args.disaggregation_mode,
                               keepalive_s=float(os.environ.get("BATON_SSE_KEEPALIVE_S", SSE_KEEPALIVE_S)),
                               allow_auto_truncate=server_args.allow_auto_truncate)
+        _enable_images(tm, server_args)
         model_info = {"model_path": server_args.model_path, "tokenizer_path": server_args.tokenizer_path,
                       "served_model_name": server_args.model_name, "is_generation": True}
         ctx = ApiContext(server_args, tm, model_info, procs.alive,
@@ -265,3 +266,21 @@ def run_server(server_args: ServerArgs) -> None:
             raise SystemExit(1)
     finally:
         procs.shutdown()
+
+
+def _enable_images(tm: Any, server_args: ServerArgs) -> None:
+    """A vision-language checkpoint: the tokenizer manager takes images (a PD decode engine expands
+    prompts from the images' sizes only: its KV comes from the prefill, which encodes them)."""
+    if not os.path.isdir(server_args.model_path):
+        return
+    from baton.engine.model_config import ModelConfig
+
+    vision = ModelConfig.from_pretrained(server_args.model_path).vision
+    if vision is None:
+        return
+    from baton.engine.multimodal.media import MediaPolicy
+    from baton.engine.multimodal.processor import ImageProcessor
+
+    tm.enable_images(ImageProcessor(server_args.model_path, vision, tm.vocab_size), server_args.view(MediaPolicy),
+                     server_args.mm_max_concurrent_calls, pixels=server_args.disaggregation_mode != "decode")
+

@@ -10,7 +10,8 @@ ViT DP (--mm-enable-dp-encoder) with TP: the images to encode are dealt to the r
 each to the rank with the fewest patches so far), each rank encodes its share with the full vision
 weights, and every rank gathers every embedding; a rank with no image takes part in the gather with
 an empty share, so no rank waits for another that has nothing to send. Without it the driver encodes
-them all and the others take the embeddings (tp_step.py broadcasts them).
+them all. Either way the driver then sends the batch's spliced embeddings to the others, which keep
+no image state of their own (their next step may need what only the driver's items hold).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from baton.engine.distributed.parallel_state import all_gather_object, broadcast_object
 from baton.engine.multimodal.embedding_cache import EmbeddingCache
 from baton.engine.multimodal.inputs import MmBatch, MmItem
 
@@ -46,34 +48,53 @@ class MultimodalEmbedder:
         self.tp, self.dp_encoder = tp, dp_encoder and tp is not None and tp.size > 1
         self.images_encoded = 0
 
-    def embeds(self, mm: MmBatch) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-        """(rows [m], embeddings [m, hidden]) of the batch's image tokens, or None when it has none."""
-        if not mm.splices:
-            return None
-        items = mm.items()
-        self._fill(items)
-        rows = torch.cat([torch.arange(s.dst_start, s.dst_start + s.count) for s in mm.splices])
-        embeds = torch.cat([s.item.embeds[s.src_start:s.src_start + s.count] for s in mm.splices])
-        return rows.to(self.device), embeds
+    @property
+    def _tp_size(self) -> int:
+        return 1 if self.tp is None else self.tp.size
 
-    def _fill(self, items: list[MmItem]) -> None:
-        """Every item's embeds: its own, the cache's, or encoded now."""
-        missing = []
-        for item in items:
-            if item.embeds is None:
-                item.embeds = self.cache.get(item.hash) if self.cache.capacity else None
-            if item.embeds is None:
-                if item.pixel_values is None:
-                    raise RuntimeError(f"image {item.hash[:12]} has neither pixels nor embeddings")
-                missing.append(item)
-        if not missing:
-            return
-        outs = self._encode_dp(missing) if self.dp_encoder else self.encode(missing)
+    def embeds(self, mm: MmBatch) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """(rows [m], embeddings [m, hidden]) of the batch's image tokens, or None when it has none. With
+        TP, the driver's side of the exchange follow() mirrors (the followers take the result)."""
+        items = mm.items()
+        missing = self._missing(items)
+        if self.dp_encoder:  # every rank its share, also when there is nothing to encode
+            broadcast_object(missing, self.tp)
+            outs = self._encode_dp(missing)
+        else:
+            outs = self.encode(missing)
         for item, out in zip(missing, outs):
             item.embeds = out
             if self.cache.capacity:
                 self.cache.put(item.hash, out)
         self.images_encoded += len(missing)
+        out = None
+        if mm.splices:
+            rows = torch.cat([torch.arange(s.dst_start, s.dst_start + s.count) for s in mm.splices])
+            embeds = torch.cat([s.item.embeds[s.src_start:s.src_start + s.count] for s in mm.splices])
+            out = rows.to(self.device), embeds
+        if self._tp_size > 1:
+            broadcast_object(None if out is None else (out[0].cpu(), out[1].cpu()), self.tp)
+        return out
+
+    def follow(self) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """A TP follower's side of a step with images: its share of the encoding (ViT DP), then the
+        driver's embeddings."""
+        if self.dp_encoder:
+            self._encode_dp(broadcast_object(None, self.tp))
+        got = broadcast_object(None, self.tp)
+        return None if got is None else (got[0].to(self.device), got[1].to(self.device, self.dtype))
+
+    def _missing(self, items: list[MmItem]) -> list[MmItem]:
+        """The items with no embeddings of their own or in the cache (which then fills them)."""
+        missing = []
+        for item in items:
+            if item.embeds is None and self.cache.capacity:
+                item.embeds = self.cache.get(item.hash)
+            if item.embeds is None:
+                if item.pixel_values is None:
+                    raise RuntimeError(f"image {item.hash[:12]} has neither pixels nor embeddings")
+                missing.append(item)
+        return missing
 
     @torch.inference_mode()
     def encode(self, items: list[MmItem]) -> list[torch.Tensor]:
@@ -86,8 +107,6 @@ class MultimodalEmbedder:
 
     def _encode_dp(self, items: list[MmItem]) -> list[torch.Tensor]:
         """ViT DP (module docstring): this rank's share encoded, then all shares gathered."""
-        from baton.engine.distributed.parallel_state import all_gather_object
-
         shares = deal(items, self.tp.size)
         mine = self.encode([items[i] for i in shares[self.tp.rank]])
         gathered = all_gather_object([t.cpu() for t in mine], self.tp)

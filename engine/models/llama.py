@@ -146,6 +146,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    separately_loaded: tuple[str, ...] = ()  # parameter prefixes load_weights leaves to a subclass
     def __init__(self, config: ModelConfig, tp: TpGroup = TpGroup()) -> None:
         super().__init__()
         self.config, self.tp = config, tp
@@ -217,8 +218,9 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """HF checkpoint (name, tensor) pairs; raises if any parameter of the model was not loaded."""
-        params = dict(self.named_parameters())
+        """HF checkpoint (name, tensor) pairs; raises if any parameter of the model was not loaded
+        (but those of the submodules a subclass loads itself: `separately_loaded`)."""
+        params = {n: p for n, p in self.named_parameters() if not n.startswith(self.separately_loaded)}
         loaded: set[str] = set()
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name or (self.lm_head is None and name.startswith("lm_head.")):

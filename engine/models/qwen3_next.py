@@ -250,6 +250,8 @@ class VisionLanguageMixin:
     vision tower (models/qwen_vision.py), replicated on every TP rank; the model runner runs it
     (model_executor/mm_embedder.py) and the text model splices its output over the image tokens."""
 
+    separately_loaded = ("visual.",)
+
     def _add_vision_tower(self, config: ModelConfig) -> None:
         from baton.engine.models.qwen_vision import QwenVisionTower
 

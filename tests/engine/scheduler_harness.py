@@ -32,12 +32,12 @@ class SchedulerHarness:
 
     def submit(self, rid: str, input_ids: list[int], return_logprob: bool = False, logprob_start_len: int = -1,
                priority: int = 0, require_reasoning: bool = False, top_logprobs_num: int = 0,
-               **sampling: Any) -> None:
+               mm_inputs: Any = None, **sampling: Any) -> None:
         params = SamplingParams(**{"max_new_tokens": 16, "temperature": 0.0, **sampling})
         self.scheduler.process_input_requests([TokenizedGenerateReqInput(
             rid=rid, input_text=None, input_ids=list(input_ids), sampling_params=params,
             return_logprob=return_logprob, logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
-            priority=priority,
+            priority=priority, mm_inputs=mm_inputs,
             require_reasoning=require_reasoning)])
         self._collect()
 
