@@ -29,6 +29,10 @@ _LAYER_TYPES = {FULL_ATTENTION, LINEAR_ATTENTION, SLIDING_ATTENTION}
 _CHECKPOINT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _DEFAULT_CONTEXT_LENGTH = 4096  # a config without max_position_embeddings
 _DEFAULT_ROPE_THETA = 10000.0
+# the M-RoPE sections HF's text rotary embedding falls back to when the checkpoint names none, by the
+# text config's model_type; these families always lay the sections out interleaved
+_DEFAULT_MROPE_SECTIONS = {"qwen3_5_text": (11, 11, 10), "qwen3_5_moe_text": (11, 11, 10),
+                           "qwen3_vl_text": (24, 20, 20), "qwen3_vl_moe_text": (24, 20, 20)}
 
 
 @dataclass(frozen=True)
@@ -39,10 +43,15 @@ class RopeConfig:
     params: Mapping[str, Any]
     # transformers' own yarn init reads an HF config (layers/rotary_embedding.py); nothing else may
     hf_config: Any = field(default=None, compare=False, repr=False)
+    # M-RoPE (Qwen3.5, Qwen3-VL): how many of the rotary frequencies follow the temporal, height and
+    # width positions; None: plain 1-D RoPE
+    mrope_section: Optional[tuple[int, int, int]] = None
+    mrope_interleaved: bool = False  # t, h, w columns interleaved (Qwen3-VL's layout), not in three runs
 
     def __post_init__(self) -> None:
         assert "rope_type" in self.params and "rope_theta" in self.params, dict(self.params)
         assert "full_attention" not in self.params, "per-layer-type RoPE parameters are not supported"
+        assert self.mrope_section is None or len(self.mrope_section) == 3, self.mrope_section
 
     @property
     def rope_type(self) -> str:
@@ -291,7 +300,7 @@ def _text_config(hf: Any, text: Any) -> TextConfig:
         intermediate_size=int(_opt(text, "intermediate_size") or 0), hidden_act=text.hidden_act,
         rms_norm_eps=float(text.rms_norm_eps),
         context_length=int(_opt(text, "max_position_embeddings") or _DEFAULT_CONTEXT_LENGTH),
-        rope=RopeConfig(_rope_parameters(text), text),
+        rope=_rope_config(text),
         # HF ties a wrapped text model's LM head by the outer config
         tie_word_embeddings=bool(_opt(hf, "tie_word_embeddings", False)),
         attention_bias=bool(_opt(text, "attention_bias", False)), mlp_bias=bool(_opt(text, "mlp_bias", False)),
@@ -305,6 +314,15 @@ def _checkpoint_dtype(config: Any) -> Optional[torch.dtype]:
     if isinstance(value, str):
         return _CHECKPOINT_DTYPES.get(value)
     return value if isinstance(value, torch.dtype) else None
+
+
+def _rope_config(text: Any) -> RopeConfig:
+    params = _rope_parameters(text)
+    default_section = _DEFAULT_MROPE_SECTIONS.get(_opt(text, "model_type"))
+    section = params.get("mrope_section", default_section)
+    interleaved = params.get("mrope_interleaved", default_section is not None)
+    return RopeConfig(params, text, tuple(int(x) for x in section) if section is not None else None,
+                      bool(interleaved))
 
 
 def _rope_parameters(text: Any) -> Mapping[str, Any]:

@@ -34,7 +34,7 @@ class Linear:
 
 @dataclass(frozen=True, eq=False)  # layers that share their tables hold the same Rope
 class Rope:
-    kind: str  # "neox": HF Llama/Qwen's rotate-half; else the class name
+    kind: str  # "neox": HF Llama/Qwen's rotate-half; "mrope": it over M-RoPE's [3, n] positions; else the class name
     dim: int  # channels rotated in each head
     # device -> (cos, sin) [max_positions, dim // 2] float32, built there first if they are not
     tables: Callable[[str], tuple[torch.Tensor, torch.Tensor]]

@@ -6,8 +6,8 @@ q/k RMSNorm (Qwen3), and the rotary embedding; on CUDA also the KV-cache store, 
                         (triton_ops/qkv_rope.py); the backend is told the KV is stored already
 
 The fused path runs where the attention backend reads a pass's new K/V back from the pool
-(FlashInfer), the cache has the model's dtype and the RoPE covers the whole head; otherwise the
-reference runs.
+(FlashInfer), the cache has the model's dtype, the RoPE covers the whole head and the positions are
+1-D (not M-RoPE's [3, n]); otherwise the reference runs.
 """
 from __future__ import annotations
 
@@ -57,7 +57,9 @@ class QKVRope(CustomOp):
         rotary_emb, q_norm, k_norm = self._parts
         pool = forward_batch.token_to_kv_pool
         k_buffer, v_buffer = pool.k_buffer[self.layer_id], pool.v_buffer[self.layer_id]
+        # the kernel reads the tables by 1-D positions: M-RoPE's [3, n] take the reference
         if (not getattr(forward_batch.attn_backend, "reads_new_kv_from_pool", False) or k_buffer.dtype != qkv.dtype
+                or positions.dim() != 1
                 or qkv.stride(-1) != 1 or rotary_emb.cos_table is None or rotary_emb.rotary_dim != self.head_dim
                 or rotary_emb.cos_table.device != qkv.device
                 or (q_norm is not None and q_norm.weight.dtype != qkv.dtype)):

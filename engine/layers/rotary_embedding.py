@@ -21,6 +21,16 @@ positions inside the forward instead cost a compiled CPU prefill ~9% of its time
 the cos/sin into each layer's rotation kernel, so every head of every layer recomputed them.
 Layers with the same RoPE share one instance (get_rope), which keeps the cos/sin of the last
 positions tensor it saw.
+
+M-RoPE (Qwen3.5, Qwen3-VL; the config's `mrope_section`): positions may come as [3, n], a temporal,
+a height and a width row (multimodal/mrope.py computes them). Each cos/sin column j takes its position
+from one row, interleaved as HF's text rotary embedding recomposes them (section = (t, h, w)):
+
+    column j       j % 3 == 1 and j < 3 * h   j % 3 == 2 and j < 3 * w   otherwise
+    position row   height (1)                 width (2)                  temporal (0)
+
+and is gathered from the same tables, so three equal rows give exactly the 1-D result. 1-D positions
+(text-only batches) take the plain path whatever the config.
 """
 from __future__ import annotations
 
@@ -73,6 +83,17 @@ def compute_inv_freq(text: TextConfig, head_dim: int) -> tuple[torch.Tensor, flo
     raise NotImplementedError(f"rope_type {rope_type!r} is not supported (default, linear, llama3, dynamic, yarn)")
 
 
+def mrope_rows(section: tuple[int, int, int], interleaved: bool, columns: int) -> torch.Tensor:
+    """For each of the `columns` cos/sin columns, the position row it reads (0 t, 1 h, 2 w) [columns] int64."""
+    if not interleaved:
+        raise NotImplementedError("M-RoPE with the sections in three runs (Qwen2-VL's layout) is not supported")
+    j = torch.arange(columns, dtype=torch.int64)
+    rows = torch.zeros(columns, dtype=torch.int64)
+    rows[(j % 3 == 1) & (j < 3 * section[1])] = 1
+    rows[(j % 3 == 2) & (j < 3 * section[2])] = 2
+    return rows
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """HF's x * cat(cos, cos) + rotate_half(x) * cat(sin, sin), by halves: x [n, heads, head_dim],
     cos/sin [n, 1, head_dim // 2]."""
@@ -83,7 +104,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, inv_freq: torch.Tensor, attention_scaling: float = 1.0,
-                 max_positions: int = 4096) -> None:
+                 max_positions: int = 4096, mrope_rows: Optional[torch.Tensor] = None) -> None:
         super().__init__()
         self.head_dim = head_dim
         self.rotary_dim = 2 * inv_freq.shape[0]  # < head_dim with a partial_rotary_factor
@@ -95,6 +116,10 @@ class RotaryEmbedding(nn.Module):
         self.cos_table: Optional[torch.Tensor] = None  # [max_positions, rotary_dim // 2] float32
         self.sin_table: Optional[torch.Tensor] = None
         self._memo: tuple = (None, None, None, None)  # (positions, dtype, cos, sin) of the last call
+        # M-RoPE: the position row of each cos/sin column [rotary_dim // 2] and the column indices; None: 1-D only
+        self.mrope_rows = mrope_rows
+        self._mrope_cols = None if mrope_rows is None else torch.arange(mrope_rows.shape[0])
+        assert mrope_rows is None or mrope_rows.shape == self.inv_freq.shape, (mrope_rows.shape, self.inv_freq.shape)
 
     def reserve(self, max_positions: int, device: torch.device | str) -> None:
         """Build the tables for positions 0..max(max_positions, the config's)-1 on `device`."""
@@ -104,10 +129,12 @@ class RotaryEmbedding(nn.Module):
         freqs = positions[:, None].float() * self.inv_freq[None, :]
         self.cos_table = freqs.cos() * self.attention_scaling
         self.sin_table = freqs.sin() * self.attention_scaling
+        if self.mrope_rows is not None:
+            self.mrope_rows, self._mrope_cols = self.mrope_rows.to(device), self._mrope_cols.to(device)
         self._memo = (None, None, None, None)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [n, rotary_dim // 2] in `dtype` for positions [n] (< max_positions)."""
+        """cos and sin [n, rotary_dim // 2] in `dtype` for positions [n] or M-RoPE's [3, n] (< max_positions)."""
         if torch.compiler.is_compiling():  # keep state out of the graph's guards; reserve() ran at load
             return self._gather(positions, dtype)
         table = self.cos_table
@@ -122,11 +149,16 @@ class RotaryEmbedding(nn.Module):
         return cos, sin
 
     def _gather(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cos_table[positions].to(dtype), self.sin_table[positions].to(dtype)
+        if positions.dim() == 1:
+            return self.cos_table[positions].to(dtype), self.sin_table[positions].to(dtype)
+        assert self.mrope_rows is not None, "[3, n] positions need a RoPE with an mrope_section"
+        index = (positions[self.mrope_rows].t(), self._mrope_cols)  # [n, columns] positions, [columns]
+        return self.cos_table[index].to(dtype), self.sin_table[index].to(dtype)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [n]; q [n, num_heads * head_dim]; k [n, num_kv_heads * head_dim]; returns the same shapes."""
-        n = positions.shape[0]
+        """positions [n] or M-RoPE's [3, n]; q [n, num_heads * head_dim]; k [n, num_kv_heads * head_dim];
+        returns the same shapes."""
+        n = positions.shape[-1]
         cos, sin = self.cos_sin(positions, q.dtype)
         cos, sin = cos[:, None, :], sin[:, None, :]  # [n, 1, rotary_dim // 2]
         q_out = self._rotate_head(q.reshape(n, -1, self.head_dim), cos, sin)
@@ -146,10 +178,13 @@ _SHARED: dict[tuple, RotaryEmbedding] = {}
 def get_rope(text: TextConfig, head_dim: int) -> RotaryEmbedding:
     """One instance per distinct RoPE (as SGLang's get_rope), so a pass computes cos/sin once."""
     inv_freq, scaling = compute_inv_freq(text, head_dim)
-    key = (head_dim, tuple(inv_freq.tolist()), scaling)
+    section, interleaved = text.rope.mrope_section, text.rope.mrope_interleaved
+    mrope = None if section is None else (section, interleaved)
+    key = (head_dim, tuple(inv_freq.tolist()), scaling, mrope)
     max_positions = text.context_length
     if key not in _SHARED:
-        _SHARED[key] = RotaryEmbedding(head_dim, inv_freq, scaling, max_positions)
+        rows = None if mrope is None else mrope_rows(*mrope, inv_freq.shape[0])
+        _SHARED[key] = RotaryEmbedding(head_dim, inv_freq, scaling, max_positions, rows)
     rope = _SHARED[key]
     rope.max_positions = max(rope.max_positions, max_positions)
     return rope

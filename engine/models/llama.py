@@ -273,7 +273,11 @@ def _rope(rotary: nn.Module) -> Rope:
             rotary.reserve(rotary.max_positions, device)
         return rotary.cos_table, rotary.sin_table
 
-    return Rope("neox" if type(rotary) is RotaryEmbedding else type(rotary).__name__, rotary.rotary_dim, tables)
+    if type(rotary) is not RotaryEmbedding:
+        kind = type(rotary).__name__
+    else:  # the native CPU forward reads the tables by 1-D positions: it declines M-RoPE
+        kind = "neox" if rotary.mrope_rows is None else "mrope"
+    return Rope(kind, rotary.rotary_dim, tables)
 
 
 def _attention(attn: LlamaAttention, ropes: dict[int, Rope]) -> Attention:

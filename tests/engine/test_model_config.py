@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import importlib
 import re
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,11 @@ CASES = {
     "qwen3_5": ("qwen3_5", {"mtp_num_hidden_layers": 1}),
     "qwen3_5_moe": ("qwen3_5_moe", {}),
 }
+# text config model_type -> (transformers module, its text rotary embedding: the M-RoPE ones)
+_HF_MROPE_ROTARY = {"qwen3_5_text": ("qwen3_5", "Qwen3_5TextRotaryEmbedding"),
+                    "qwen3_5_moe_text": ("qwen3_5_moe", "Qwen3_5MoeTextRotaryEmbedding"),
+                    "qwen3_vl_text": ("qwen3_vl", "Qwen3VLTextRotaryEmbedding"),
+                    "qwen3_vl_moe_text": ("qwen3_vl_moe", "Qwen3VLMoeTextRotaryEmbedding")}
 _TINY_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
                     num_position_embeddings=16)
 
@@ -59,6 +65,7 @@ def check_text_against_hf(mc: ModelConfig, text, outer) -> None:
     assert dict(t.rope.params) == dict(text.rope_parameters)
     assert (t.rope.rope_type, t.rope.theta) == (text.rope_parameters["rope_type"], text.rope_parameters["rope_theta"])
     assert t.rope.partial_rotary_factor == text.rope_parameters.get("partial_rotary_factor", 1.0)
+    check_mrope_against_hf(mc, text)
     eos = text.eos_token_id
     assert t.eos_token_ids == (() if eos is None else tuple(eos) if isinstance(eos, list) else (eos,))
     h = mc.heads
@@ -78,6 +85,19 @@ def check_text_against_hf(mc: ModelConfig, text, outer) -> None:
     assert mc.num_mtp_layers == (getattr(text, "num_nextn_predict_layers", None)
                                  or getattr(text, "mtp_num_hidden_layers", None) or 0)
     assert mc.quantization is None and mc.eagle is None
+
+
+def check_mrope_against_hf(mc: ModelConfig, text) -> None:
+    """M-RoPE's sections as HF's text rotary embedding takes them (its own fallback where the checkpoint
+    names none), and the layout flag as the checkpoint gives it (these families interleave by default)."""
+    rope = mc.text.rope
+    if text.model_type not in _HF_MROPE_ROTARY:
+        assert rope.mrope_section is None and rope.mrope_interleaved is False
+        return
+    module, name = _HF_MROPE_ROTARY[text.model_type]
+    rotary = getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), name)(text)
+    assert rope.mrope_section == tuple(rotary.mrope_section)
+    assert rope.mrope_interleaved == text.rope_parameters.get("mrope_interleaved", True)
 
 
 def check_moe_against_hf(mc: ModelConfig, text) -> None:
@@ -168,6 +188,25 @@ def test_qwen3_vl_vision_config():
     check_vision_tower_fields(mc.vision, hf.vision_config)
     assert mc.vision.rope_theta == 500.0
     assert mc.vision.deepstack_visual_indexes == (0, 2)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_vl"])
+def test_mrope_parameters_from_the_checkpoint(arch):
+    """A checkpoint's own mrope_section and mrope_interleaved (the published configs name both) win
+    over the family's defaults."""
+    import transformers as tf
+
+    rope = {"rope_type": "default", "rope_theta": 5e6, "mrope_section": [3, 3, 2], "mrope_interleaved": True}
+    if arch == "qwen3_5":
+        hf = tf.Qwen3_5Config(text_config={**_BASE, **ARCH_DEFAULTS[arch],
+                                           "rope_parameters": {**rope, "partial_rotary_factor": 0.25}},
+                              vision_config=_TINY_VISION, architectures=["Qwen3_5ForConditionalGeneration"])
+    else:
+        hf = tf.Qwen3VLConfig(text_config={**_BASE, "head_dim": 16, "rope_parameters": rope},
+                              vision_config=_TINY_VISION, architectures=["Qwen3VLForConditionalGeneration"])
+    mc = ModelConfig.from_hf(hf)
+    check_text_against_hf(mc, hf.text_config, hf)
+    assert (mc.text.rope.mrope_section, mc.text.rope.mrope_interleaved) == ((3, 3, 2), True)
 
 
 def test_checkpoint_dtype_eagle_and_quantization_fields():
