@@ -99,7 +99,7 @@ class ForwardBatch:
 
     def __post_init__(self) -> None:
         assert self.req_pool_indices.shape[0] == self.batch_size == len(self.seq_lens_cpu)
-        assert self.out_cache_loc.shape[0] == self.input_ids.shape[0] == self.positions.shape[0]
+        assert self.out_cache_loc.shape[0] == self.input_ids.shape[0] == self.positions.shape[-1]
         if self.forward_mode.is_extend():
             assert self.extend_seq_lens_cpu is not None and self.extend_prefix_lens_cpu is not None
             assert sum(self.extend_seq_lens_cpu) == self.input_ids.shape[0]

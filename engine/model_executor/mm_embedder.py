@@ -102,8 +102,10 @@ class MultimodalEmbedder:
         if not items:
             return []
         pixels = torch.cat([it.pixel_values for it in items]).to(self.device, self.dtype)
-        out = self.tower(pixels, [it.grid_thw for it in items]).embeds
-        return list(out.split([it.num_tokens for it in items]))
+        out = self.tower(pixels, [it.grid_thw for it in items])
+        # Qwen3-VL's deepstack features ride along as further columns (models/llama.py splits them)
+        embeds = torch.cat([out.embeds, *out.deepstack], dim=-1) if out.deepstack else out.embeds
+        return list(embeds.split([it.num_tokens for it in items]))
 
     def _encode_dp(self, items: list[MmItem]) -> list[torch.Tensor]:
         """ViT DP (module docstring): this rank's share encoded, then all shares gathered."""

@@ -14,9 +14,10 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen3NextForCausalLM": ("qwen3_next", "Qwen3NextForCausalLM"),
     "Qwen3_5ForCausalLM": ("qwen3_next", "Qwen3_5ForCausalLM"),
     "Qwen3_5MoeForCausalLM": ("qwen3_next", "Qwen3_5MoeForCausalLM"),
-    # the published Qwen3.5 checkpoints (vision-language), served as their text model
+    # the published vision-language checkpoints: the text model and its vision tower
     "Qwen3_5ForConditionalGeneration": ("qwen3_next", "Qwen3_5ForConditionalGeneration"),
     "Qwen3_5MoeForConditionalGeneration": ("qwen3_next", "Qwen3_5MoeForConditionalGeneration"),
+    "Qwen3VLForConditionalGeneration": ("qwen3", "Qwen3VLForConditionalGeneration"),
 }
 
 

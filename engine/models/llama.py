@@ -126,12 +126,25 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: "ForwardBatch") -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None  # [num_tokens, hidden]
         if forward_batch.mm_embeds is not None:  # images: the vision tower's rows over their tokens'
-            rows, embeds = forward_batch.mm_embeds
-            hidden = hidden.index_copy(0, rows, embeds.to(hidden.dtype))
+            hidden, deepstack = _splice_images(hidden, *forward_batch.mm_embeds)
+            if deepstack:
+                return self._forward_deepstack(hidden, positions, forward_batch, deepstack)
         if self.aux_layers:
             return self._forward_capturing(hidden, positions, forward_batch)
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, forward_batch)
+        return self.norm(hidden, residual)[0]
+
+    def _forward_deepstack(self, hidden: torch.Tensor, positions: torch.Tensor, forward_batch: "ForwardBatch",
+                           deepstack: list[torch.Tensor]) -> torch.Tensor:
+        """Qwen3-VL: the tower's deepstack features are added at the image tokens' rows to the output of
+        the first len(deepstack) layers (HF adds them to the residual stream there: the same sum, as the
+        layers defer the residual add)."""
+        rows, residual = forward_batch.mm_embeds[0], None
+        for i, layer in enumerate(self.layers):
+            hidden, residual = layer(positions, hidden, residual, forward_batch)
+            if i < len(deepstack):
+                hidden = hidden.index_add(0, rows, deepstack[i])
         return self.norm(hidden, residual)[0]
 
     def _forward_capturing(self, hidden: torch.Tensor, positions: torch.Tensor,
@@ -143,6 +156,16 @@ class LlamaModel(nn.Module):
             hidden, residual = layer(positions, hidden, residual, forward_batch)
         forward_batch.aux_hidden = torch.cat(aux, dim=-1)
         return self.norm(hidden, residual)[0]
+
+
+def _splice_images(hidden: torch.Tensor, rows: torch.Tensor, embeds: torch.Tensor
+                   ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The token embeddings with the image tokens' rows replaced by the vision tower's, and the
+    tower's deepstack features (Qwen3-VL), which come as further columns of `embeds`."""
+    width = hidden.shape[-1]
+    embeds = embeds.to(hidden.dtype)
+    deepstack = list(embeds[:, width:].split(width, dim=-1)) if embeds.shape[-1] > width else []
+    return hidden.index_copy(0, rows, embeds[:, :width]), deepstack
 
 
 class LlamaForCausalLM(nn.Module):

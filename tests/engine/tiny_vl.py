@@ -27,7 +27,7 @@ VL_CHAT_TEMPLATE = (
     "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-assert CHAT_TEMPLATE  # the text template's shape, which this one extends with image parts
+
 # patch 4, merge 2: an image is cut into 4x4 patches, 2x2 patches make one token; pixels bounded so
 # test images stay a few dozen tokens
 TINY_VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
@@ -67,10 +67,10 @@ def make_tiny_vl_model(arch: str, path: Union[str, os.PathLike], seed: int = 0, 
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
     _randomize_zero_params(model, 0.15)
-    with torch.no_grad():  # the tower's weights too (its init is small): every block matters
-        for name, p in model.model.visual.named_parameters():
+    with torch.no_grad():  # the tower's weights too (its init is small): every block matters; its
+        for name, p in model.model.visual.named_parameters():  # output scaled near the token embeddings'
             if p.ndim >= 2:
-                p.normal_(0.0, 0.15)
+                p.normal_(0.0, 0.02 if "linear_fc2" in name and "merger" in name else 0.15)
     model.save_pretrained(path)
     with open(os.path.join(path, "tokenizer_config.json")) as f:
         tc = json.load(f)
