@@ -85,7 +85,7 @@ def make_tiny_vl_model(arch: str, path: Union[str, os.PathLike], seed: int = 0, 
     return path
 
 
-def test_image(width: int, height: int, seed: int = 0):
+def random_image(width: int, height: int, seed: int = 0):
     """A random RGB PIL image."""
     from PIL import Image
 
@@ -106,9 +106,19 @@ def hf_vl_model(path: str) -> torch.nn.Module:
     return _HF[path]
 
 
-def hf_vl_greedy(path: str, ids: list[int], mm: Any, max_new: int) -> list[int]:
+_GREEDY: dict[tuple, list[int]] = {}
+
+
+def hf_vl_greedy(path: str, ids: list[int], mm: Any, max_new: int, ignore_eos: bool = False) -> list[int]:
     """HF generate on the engine's expanded prompt: the image tokens back to the placeholder id, the
     same pixel_values and grids."""
+    key = (path, tuple(ids), max_new, ignore_eos)
+    if key not in _GREEDY:
+        _GREEDY[key] = _hf_vl_greedy(path, ids, mm, max_new, ignore_eos)
+    return _GREEDY[key]
+
+
+def _hf_vl_greedy(path: str, ids: list[int], mm: Any, max_new: int, ignore_eos: bool) -> list[int]:
     model = hf_vl_model(path)
     image_token = model.config.image_token_id
     hf_ids = list(ids)
@@ -121,6 +131,12 @@ def hf_vl_greedy(path: str, ids: list[int], mm: Any, max_new: int) -> list[int]:
         kwargs = dict(pixel_values=torch.cat([it.pixel_values for it in mm.items]),
                       image_grid_thw=torch.tensor([it.grid_thw for it in mm.items]),
                       mm_token_type_ids=torch.tensor([types]))
-    out = model.generate(torch.tensor([hf_ids]), max_new_tokens=max_new, do_sample=False, pad_token_id=0,
-                         **kwargs)
+    saved = model.generation_config.eos_token_id
+    if ignore_eos:
+        model.generation_config.eos_token_id = None
+    try:
+        out = model.generate(torch.tensor([hf_ids]), max_new_tokens=max_new, do_sample=False, pad_token_id=0,
+                             **kwargs)
+    finally:
+        model.generation_config.eos_token_id = saved
     return out[0, len(ids):].tolist()
