@@ -140,7 +140,7 @@ def test_radix_cache_keys_are_the_images_content(vl_models):
         result = h.run_until_idle()[name]
         runs[name] = (full, mm, result, embedder.images_encoded - encoded)
         assert result.ids == hf_vl_greedy(path, full, mm, MAX_NEW), name
-    (_, mm_a, a, enc_a), (_, mm_b, b, enc_b) = runs["a"], runs["b"]
+    (_, mm_a, a, enc_a), (_, _, b, enc_b) = runs["a"], runs["b"]
     offset = mm_a.items[0].offset
     assert a.ids != b.ids, "a different image must change the answer"
     assert b.cached_tokens <= offset, (b.cached_tokens, offset)

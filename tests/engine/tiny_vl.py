@@ -15,7 +15,7 @@ from typing import Any, Union
 import numpy as np
 import torch
 
-from tiny_models import _BASE, _HYBRID, _HYBRID_MOE, CHAT_TEMPLATE, _randomize_zero_params, save_tiny_tokenizer
+from tiny_models import _BASE, _HYBRID, _HYBRID_MOE, _randomize_zero_params, save_tiny_tokenizer
 
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
