@@ -252,12 +252,10 @@ class TokenizerManager:
         return list(ids)
 
     # ------------------------------------------------------------------ images
-    def enable_images(self, processor: "ImageProcessor", policy: "MediaPolicy", max_concurrent: int,
-                      pixels: bool = True) -> None:
-        """A vision-language model: requests may carry images. `pixels` False (a PD decode engine):
-        prompts are expanded from the images' sizes alone, nothing is encoded here or there."""
+    def enable_images(self, processor: "ImageProcessor", policy: "MediaPolicy", max_concurrent: int) -> None:
+        """A vision-language model: requests may carry images."""
         self.image_processor, self.media_policy = processor, policy
-        self._mm_limit, self._mm_pixels = max_concurrent, pixels
+        self._mm_limit = max_concurrent
         self._mm_sem: Optional[asyncio.Semaphore] = None
 
     async def attach_images(self, objs: list[GenerateInput]) -> None:
@@ -290,17 +288,14 @@ class TokenizerManager:
                 f.cancel()
 
     async def _image(self, source: str) -> tuple:
-        """(hash, grid, pixel_values or None) of one image source, at most --mm-max-concurrent-calls at once."""
+        """(hash, grid, pixel_values) of one image source, at most --mm-max-concurrent-calls at once."""
         from baton.engine.multimodal.media import load_image
 
         if self._mm_sem is None:
             self._mm_sem = asyncio.Semaphore(self._mm_limit)
         async with self._mm_sem:
             loaded = await load_image(source, self.media_policy)
-            proc = self.image_processor
-            if not self._mm_pixels:
-                return loaded.hash, proc.grid(loaded.width, loaded.height), None
-            pixels, grid = await asyncio.to_thread(proc.pixels, loaded.image)
+            pixels, grid = await asyncio.to_thread(self.image_processor.pixels, loaded.image)
             return loaded.hash, grid, pixels
 
     # ------------------------------------------------------------------ generation

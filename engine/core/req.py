@@ -40,6 +40,13 @@ class Req:
     # a vision-language model's images (multimodal/inputs.py): their prompt positions, pixels and the
     # prompt's M-RoPE positions; None for text
     mm_inputs: Optional["MultimodalInputs"] = None
+    # what a position past the prompt adds to its index for RoPE (M-RoPE: images take fewer positions
+    # than tokens); 0 for text. A PD decode takes it from the transfer metadata.
+    rope_delta: int = 0
+
+    def __post_init__(self) -> None:
+        if self.mm_inputs is not None:
+            self.rope_delta = self.mm_inputs.mrope_delta
 
     output_ids: list[int] = field(default_factory=list)
     # Filled by init_next_round_input() each time the request is scheduled for an extend.
@@ -112,12 +119,6 @@ class Req:
         """The decode tokens to reserve for this request: what it may still generate, clipped. The
         one budget rule of admission, preemption and the PD decode's preallocation."""
         return min(self.sampling_params.max_new_tokens - len(self.output_ids), CLIP_MAX_NEW_TOKENS)
-
-    @property
-    def rope_delta(self) -> int:
-        """What a position past the prompt adds to its index for RoPE (M-RoPE: images take fewer
-        positions than tokens); 0 for text."""
-        return 0 if self.mm_inputs is None else self.mm_inputs.mrope_delta
 
     @property
     def seqlen(self) -> int:

@@ -238,13 +238,17 @@ class KVMetadata(NamedTuple):
     output_token_id: int
     output_logprob: float
     bootstrap_room: int
+    # a prompt with images: what positions past it add to their index (M-RoPE, core/req.py rope_delta);
+    # the decode continues from it without ever seeing the images' pixels
+    rope_delta: int = 0
 
 
 class MetadataBuffers:
     """Registered per-request metadata slots: a 64-byte base (one int64 row of 8), the first token's
     top logprobs, then with a draft head (speculation NEXTN / EAGLE) a draft part of `draft_bytes`.
 
-    Base columns: 0 output token id | 1 bootstrap_room | 2 output logprob (float64 bits) | 3..7 spare.
+    Base columns: 0 output token id | 1 bootstrap_room | 2 output logprob (float64 bits) | 3 rope delta
+    (M-RoPE) | 4..7 spare.
     Top part: column 8 how many top logprobs follow (0: the request asked for none) | 9..136 their
     token ids, best first | 137..264 their logprobs (float64 bits); at most TOP_LOGPROBS (a request
     asking a PD pair for more is refused at admission).
@@ -304,12 +308,12 @@ class MetadataBuffers:
 
     def set(self, slot: int, meta: KVMetadata) -> None:
         row = self.buffer[slot]
-        row[0], row[1] = meta.output_token_id, meta.bootstrap_room
+        row[0], row[1], row[3] = meta.output_token_id, meta.bootstrap_room, meta.rope_delta
         row[2:3].view(torch.float64)[0] = meta.output_logprob
 
     def get(self, slot: int) -> KVMetadata:
         row = self.buffer[slot]
-        return KVMetadata(int(row[0]), float(row[2:3].view(torch.float64)[0]), int(row[1]))
+        return KVMetadata(int(row[0]), float(row[2:3].view(torch.float64)[0]), int(row[1]), int(row[3]))
 
     def set_top_logprobs(self, slot: int, top: Sequence[tuple[float, int]]) -> None:
         """The first token's top logprobs, as the sampler gives them: (logprob, token id), best first."""

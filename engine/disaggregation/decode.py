@@ -191,6 +191,7 @@ class DecodeDisaggregation(Disaggregated):
 
     def _take_first_token(self, req: "Req", meta: KVMetadata, top: list, prime: Any) -> None:
         """The token the prefill sampled, with its logprobs, as if this engine had sampled it."""
+        req.rope_delta = meta.rope_delta  # the prompt's images, as the prefill placed them
         req.output_ids.append(meta.output_token_id)
         req.sampling_state.on_sampled(meta.output_token_id)
         req.sampling_state.next_draw()  # the prefill's draw: this side's next is the colocated one's

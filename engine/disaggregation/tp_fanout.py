@@ -381,7 +381,7 @@ class FollowerKVService:
                 item.init(op["num_pages"], op["meta_slot"])
             elif kind == "send":
                 meta = op["metadata"]
-                item.send(pages, op["is_last"], KVMetadata(int(meta[0]), float(meta[1]), int(meta[2])) if meta else None,
+                item.send(pages, op["is_last"], KVMetadata(int(meta[0]), float(meta[1]), int(meta[2]), int(meta[3])) if meta else None,
                           op.get("state_slot"))
             elif kind == "rinit":
                 self._meta_slots[room] = op["meta_slot"]

@@ -269,8 +269,7 @@ def run_server(server_args: ServerArgs) -> None:
 
 
 def _enable_images(tm: Any, server_args: ServerArgs) -> None:
-    """A vision-language checkpoint: the tokenizer manager takes images (a PD decode engine expands
-    prompts from the images' sizes only: its KV comes from the prefill, which encodes them)."""
+    """A vision-language checkpoint: the tokenizer manager takes images."""
     if not os.path.isdir(server_args.model_path):
         return
     from baton.engine.model_config import ModelConfig
@@ -282,5 +281,5 @@ def _enable_images(tm: Any, server_args: ServerArgs) -> None:
     from baton.engine.multimodal.processor import ImageProcessor
 
     tm.enable_images(ImageProcessor(server_args.model_path, vision, tm.vocab_size), server_args.view(MediaPolicy),
-                     server_args.mm_max_concurrent_calls, pixels=server_args.disaggregation_mode != "decode")
+                     server_args.mm_max_concurrent_calls)
 

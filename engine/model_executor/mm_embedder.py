@@ -2,9 +2,10 @@
 call for all of them, or with ViT DP each TP rank its share), the embeddings' cache, and the rows they
 go to (ForwardBatch.mm_embeds, which the model splices over the token embeddings).
 
-An image's embeddings are computed once per request at most: kept on its MmItem until the request is
-done with its prompt (a prefill chunked across the image takes the rest at its next chunk; a
-retracted request runs its prompt again), and in the cache by the image's hash for later requests.
+An image's embeddings are computed once per prefill: kept on its MmItem until the chunk that takes its
+last rows (a prefill chunked across the image takes the rest at its next chunk), and in the cache by
+the image's hash for later requests (and for a retracted request, which runs its prompt again; its
+pixels stay with it for when the cache has let the image go).
 
 ViT DP (--mm-enable-dp-encoder) with TP: the images to encode are dealt to the ranks (largest first,
 each to the rank with the fewest patches so far), each rank encodes its share with the full vision
@@ -72,6 +73,9 @@ class MultimodalEmbedder:
             rows = torch.cat([torch.arange(s.dst_start, s.dst_start + s.count) for s in mm.splices])
             embeds = torch.cat([s.item.embeds[s.src_start:s.src_start + s.count] for s in mm.splices])
             out = rows.to(self.device), embeds
+            for s in mm.splices:  # the image's last rows: its request needs them no more (but after a
+                if s.src_start + s.count == s.item.num_tokens:  # retraction: the cache, or its pixels)
+                    s.item.embeds = None
         if self._tp_size > 1:
             broadcast_object(None if out is None else (out[0].cpu(), out[1].cpu()), self.tp)
         return out

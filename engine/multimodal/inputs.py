@@ -24,11 +24,10 @@ class MmItem:
     offset: int  # the prompt position of its first token
     num_tokens: int  # its tokens in the prompt: t * h * w / merge^2 of its patch grid
     grid_thw: tuple[int, int, int]  # its patch grid (temporal, height, width), before merging
-    # [patches, channels * temporal_patch * patch^2] as the image processor emits them; None where
-    # nothing encodes the image (a PD decode engine: its KV arrives from the prefill)
+    # [patches, channels * temporal_patch * patch^2] as the image processor emits them
     pixel_values: Optional[torch.Tensor] = None
-    # the vision tower's output [num_tokens, hidden] while a request still needs it (prefill chunks
-    # after the first), when the embedding cache does not keep it
+    # the vision tower's output [num_tokens, hidden (x (1 + deepstack layers))] from the chunk that
+    # encodes the image to the chunk that takes its last rows (model_executor/mm_embedder.py)
     embeds: Optional[torch.Tensor] = None
 
     @property
@@ -49,11 +48,6 @@ class MultimodalInputs:
     mrope_positions: torch.Tensor  # [3, prompt length] int64
     mrope_delta: int  # a position past the prompt is its index plus this (decode steps)
     vision_start_token_id: int = -1
-
-    def drop_pixels(self) -> None:
-        """Once the prompt's KV is computed nothing reads the pixels or embeddings again."""
-        for item in self.items:
-            item.pixel_values = item.embeds = None
 
 
 @dataclass

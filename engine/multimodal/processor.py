@@ -9,8 +9,9 @@ vision_start and vision_end) becomes the image's t * h * w / merge^2 tokens, who
 values drawn from the image's hash (inputs.py says why), and the M-RoPE positions of the whole prompt
 follow (mrope.py).
 
-A PD decode engine expands the prompt the same way from the image's size alone (`pixels=False`): the
-grid follows from the resize rule, and the decode never runs the pixel pipeline or the encoder.
+A PD decode engine processes the images the same way: its prompt must be the prefill's token for
+token. It does not encode them (their KV arrives from the prefill, the M-RoPE delta with the transfer
+metadata) unless it retracts the request and runs its prompt again itself.
 """
 from __future__ import annotations
 
