@@ -434,10 +434,10 @@ class ModelRunner:
     def attach_images(self, fb: ForwardBatch, mm: "MmBatch") -> None:
         """An extend's images: its M-RoPE positions, and the vision embeddings of its image tokens."""
         fb.mrope_positions = mm.mrope_positions.to(self.device)
-        if mm.splices:
-            if self.mm_embedder is None:
-                raise RuntimeError("a batch with images reached a model without a vision tower")
+        if self.mm_embedder is not None:  # with TP, also when nothing is spliced: the followers wait for it
             fb.mm_embeds = self.mm_embedder.embeds(mm)
+        elif mm.splices:
+            raise RuntimeError("a batch with images reached a model without a vision tower")
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:

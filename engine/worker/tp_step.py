@@ -5,9 +5,9 @@ Only the driver runs a scheduler, samples and talks to the rest of the engine. E
 (a follower) loops: receive a step, run the model on its shard (the layers' all-reduces meet the
 driver's), repeat. A follower thus needs nothing of the scheduler but what the forward reads:
 
-    header  int64[12]  command, forward mode, batch size, tokens, table updates, has future slots,
+    header  int64[13]  command, forward mode, batch size, tokens, table updates, has future slots,
                        prompt-logprob spans, verify, state copies, state tracks, head primes, tree
-                       parents (the payload's layout follows from these)
+                       parents, images (the payload's layout follows from these)
     payload int64[..]  input_ids | positions | req_pool_indices | seq_lens | out_cache_loc
                        [| extend_prefix_lens | extend_seq_lens]     (EXTEND)
                        [| next prompt ids]                          (EXTEND, a draft head)
@@ -47,6 +47,10 @@ take the accepted nodes (send_accepted) to move their KV as the driver moves its
 grows best-first from its scores (the all-gathered logits' log-probabilities, the same on every rank):
 the step carries the scheduler's placeholder shape, and each rank's drafter chooses the same tree.
 
+Images (an EXTEND of a vision-language model): after the payload the batch's M-RoPE positions
+[3, tokens]; then the model runner's embedder makes its exchange (ViT DP shares, the spliced
+embeddings: model_executor/mm_embedder.py), which a follower's embedder mirrors before the forward.
+
 Overlap loop: a batch's decode inputs may be placeholders for tokens the previous batch has not
 sampled yet. Each follower keeps its own future map: after sampling, the driver broadcasts the
 sampled ids over the device group (asynchronous on CUDA), and the followers store them at the
@@ -68,7 +72,7 @@ if TYPE_CHECKING:
     from baton.engine.core.spec_info import VerifyOutput
     from baton.engine.model_executor.model_runner import ModelRunner
 
-_HEADER = 12
+_HEADER = 13
 _STOP, _FORWARD = 0, 1
 
 
@@ -103,6 +107,7 @@ class Step(NamedTuple):
     primes: Optional[dict[int, tuple[tuple[int, ...], torch.Tensor, tuple[float, ...]]]] = None
     # a verify step with tree drafts: every request's parents (a chain's given as [-1, 0, 1, ..])
     parents: Optional[list[list[int]]] = None
+    mrope_positions: Optional[torch.Tensor] = None  # [3, tokens]: the batch has images
 
 
 def _logit_spans(mwb: "ModelWorkerBatch") -> list[tuple[int, int]]:
@@ -157,12 +162,15 @@ class StepSender:
         payload = torch.cat([t.to("cpu", torch.int64).reshape(-1) for t in parts])
         header = torch.tensor([_FORWARD, int(mwb.forward_mode), len(mwb.seq_lens_cpu), mwb.input_ids.numel(),
                                rows.numel(), mwb.future_indices is not None, len(spans), mwb.spec_info is not None,
-                               len(ops.copies), len(tracks), len(primes), len(parents)], dtype=torch.int64)
+                               len(ops.copies), len(tracks), len(primes), len(parents), mwb.mm is not None],
+                              dtype=torch.int64)
         _broadcast(header, self.tp.cpu_group)
         _broadcast(payload, self.tp.cpu_group)
         if primes:
             _broadcast(torch.stack([p[1] for p in primes.values()]).to(self.table.device).contiguous(),
                        self.tp.device_group)
+        if mwb.mm is not None:
+            _broadcast(mwb.mm.mrope_positions.to(torch.int64).contiguous(), self.tp.cpu_group)
 
     def send_sampled(self, next_ids: torch.Tensor) -> None:
         """The ids this step sampled (device group): for the followers' future maps (overlap loop),
@@ -217,7 +225,7 @@ class StepReceiver:
         header = torch.empty(_HEADER, dtype=torch.int64)
         _broadcast(header, self.tp.cpu_group)
         (cmd, mode, bs, num_tokens, n_updates, has_future, n_spans, verify, n_copies, n_tracks, n_primes,
-         n_parents) = header.tolist()
+         n_parents, has_mm) = header.tolist()
         if cmd == _STOP:
             return None
         mode = ForwardMode(mode)
@@ -245,6 +253,10 @@ class StepReceiver:
             logps = [tuple(row[:len(c)]) for c, row in
                      zip(candidates, prime_logps.view(torch.float64).view(n_primes, topk).tolist())]
             primes = dict(zip(prime_idx.tolist(), zip(candidates, outs, logps)))
+        mrope = None
+        if has_mm:
+            mrope = torch.empty((3, num_tokens), dtype=torch.int64)
+            _broadcast(mrope, self.tp.cpu_group)
         rows, cols, slots, span_rows, span_counts, copies, tracks, flat_parents = fields[-8:]
         parents = None
         if n_parents:  # per request its extend's length of them
@@ -264,7 +276,7 @@ class StepReceiver:
                     fields[5].tolist() if extend else None, fields[6].tolist() if extend else None,
                     fields[after] if has_future else None,
                     list(zip(span_rows.tolist(), span_counts.tolist())), state_ops, bool(verify),
-                    fields[7].tolist() if head else None, primes, parents)
+                    fields[7].tolist() if head else None, primes, parents, mrope)
 
     @torch.inference_mode()  # every tensor it makes is an inference tensor, as the driver's batches
     def run(self) -> int:
@@ -287,6 +299,9 @@ class StepReceiver:
             extend_prefix_lens_cpu=step.extend_prefix_lens, extend_seq_lens_cpu=step.extend_seq_lens)
         fb.state_ops = step.state_ops
         fb.spec_verify = step.verify  # as the driver's: the same verify graph, or the same eager pass
+        if step.mrope_positions is not None:  # images: the driver's embedder exchange, mirrored
+            fb.mrope_positions = step.mrope_positions.to(dev)
+            fb.mm_embeds = runner.mm_embedder.follow()
         if step.future_slots is not None:  # the overlap loop: decode inputs may be placeholders
             resolve_future_token_ids(fb.input_ids, self._future_map())
         spec = None

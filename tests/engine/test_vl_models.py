@@ -151,3 +151,29 @@ def test_radix_cache_keys_are_the_images_content(vl_models):
     assert elsewhere[3] == 0 and embedder.cache.hits >= 1, "the embeddings' cache serves a known image"
     assert elsewhere[2].cached_tokens < elsewhere[1].items[0].offset + 1
     assert h.scheduler.check_memory_integrity()
+
+
+@pytest.mark.parametrize("dp_encoder", [False, True], ids=["driver-encodes", "vit-dp"])
+def test_tp2_with_and_without_vit_dp_equals_hf(vl_models, dp_encoder):
+    """TP 2: the text model sharded, the tower replicated. Without ViT DP the driver encodes and sends
+    the embeddings; with it each rank encodes its share (a batch of one image leaves a rank with
+    none, which must not hang). The embeddings' cache is off, so every step with images encodes."""
+    from baton.engine.server_args import ServerArgs
+    from tp_group import tp_followers
+
+    path = vl_models("qwen3_vl")
+    prompts = Prompts(path)
+    args = dict(tp_size=2, chunked_prefill_size=16, max_total_tokens=4096, mm_embedding_cache_mb=0,
+                mm_enable_dp_encoder=dp_encoder, enable_overlap_schedule=True, disable_overlap_schedule=False)
+    with tp_followers(ServerArgs(model_path=path, **args)) as tp:
+        h = SchedulerHarness(path, tp=tp, **args)
+        try:
+            cases = _submit_all(h, prompts)
+            results = h.run_until_idle()
+            for i, (ids, mm) in enumerate(cases):
+                assert results[str(i)].ids == hf_vl_greedy(path, ids, mm, MAX_NEW), f"request {i} differs from HF"
+            assert h.scheduler.check_memory_integrity()
+            embedder = h.scheduler.worker.model_runner.mm_embedder
+            assert embedder.dp_encoder == dp_encoder and embedder.cache.hits == 0
+        finally:
+            h.scheduler.close()
