@@ -33,6 +33,7 @@ class EngineMetrics:
         self._define_scheduler_metrics()
         self._define_pd_metrics()
         self._define_spec_metrics()
+        self._define_mm_metrics()
         # per DP rank: each scheduler numbers its samples and keeps its totals on its own
         self._seen: dict[tuple[str, int], int] = {}  # (kind, rank) -> highest sample sequence number observed
         self._totals_seen: dict[tuple[str, int], int] = {}  # scheduler totals already turned into increments
@@ -127,6 +128,17 @@ class EngineMetrics:
             "baton_spec_lagged_verify_steps", "Speculative verify steps built while the one before them ran (overlap)"
         ).labels(*self._lv)
 
+    def _define_mm_metrics(self) -> None:
+        """A vision-language model's image work (model_executor/mm_embedder.py)."""
+        self.mm_images_encoded = self._counter("baton_mm_images_encoded",
+                                               "Images the vision tower encoded").labels(*self._lv)
+        self.mm_cache_hits = self._counter("baton_mm_embedding_cache_hits",
+                                           "Images whose vision embeddings came from the cache").labels(*self._lv)
+        self.mm_cache_misses = self._counter("baton_mm_embedding_cache_misses",
+                                             "Images looked up in the vision embeddings' cache and not found"
+                                             ).labels(*self._lv)
+        self.mm_cache_bytes = self._gauge("baton_mm_embedding_cache_bytes", "Bytes the vision embeddings' cache holds")
+
     # -- updates ---------------------------------------------------------------------------
     def finished(self, reason: str) -> None:
         self.requests.labels(*self._lv, reason).inc()
@@ -165,6 +177,11 @@ class EngineMetrics:
             self._update_pd(info, rank)
         if info.get("speculative_algorithm"):
             self._update_spec(info, rank)
+        if "mm_images_encoded" in info:
+            self._add_total("mm_images_encoded", info, self.mm_images_encoded)
+            self._add_total("mm_cache_hits", info, self.mm_cache_hits)
+            self._add_total("mm_cache_misses", info, self.mm_cache_misses)
+            self.mm_cache_bytes.labels(*rank).set(info.get("mm_cache_bytes", 0))
 
     def _update_spec(self, info: dict[str, Any], rank: tuple[str, ...]) -> None:
         self.spec_accept_rate.labels(*rank).set(info.get("spec_accept_rate", 0.0))

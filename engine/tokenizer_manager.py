@@ -555,7 +555,8 @@ class TokenizerManager:
 # Per-rank counts that add up over DP ranks in the merged server info (the rest is rank 0's).
 _SUMMED_INFO = ("num_running_reqs", "num_waiting_reqs", "num_waiting_tokens", "num_grammar_queue_reqs", "retractions", "preemptions",
                 "gen_throughput", "max_total_num_tokens", "num_bootstrap_reqs", "num_inflight_reqs",
-                "num_prealloc_reqs", "num_transfer_reqs")
+                "num_prealloc_reqs", "num_transfer_reqs", "mm_images_encoded", "mm_cache_hits", "mm_cache_misses",
+                "mm_cache_bytes")
 
 
 def merge_server_infos(infos: list[dict[str, Any]]) -> dict[str, Any]:

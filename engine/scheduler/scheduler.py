@@ -383,6 +383,7 @@ class Scheduler:
             "event_loop": self.loop_choice.loop.value,  # the default depends on the model (CPU)
             "event_loop_reason": self.loop_choice.reason,
             **self.spec.server_info(),  # speculative_algorithm, accept rate and lengths
+            **self._mm_info(),
             "tp_allreduce": all_reduce_backend(self.worker.tp),  # shm | gloo | nccl | none
             "preemptions": self.stats.preemptions,
             "mixed_decode_tokens": self.stats.mixed_decode_tokens,
@@ -392,6 +393,11 @@ class Scheduler:
             "gc_frozen_objects": gc.get_freeze_count(),  # > 0 once start-up is over (utils/gc_freeze.py)
             "startup_s": self.startup_s,
         }
+
+    def _mm_info(self) -> dict[str, int]:
+        """A vision-language model: images encoded, the embeddings' cache (hits, misses, bytes)."""
+        embedder = self.worker.model_runner.mm_embedder
+        return {} if embedder is None else embedder.stats()
 
     def _state_slots_info(self) -> dict[str, int]:
         """A hybrid model's recurrent-state slots: a request row holds its slot (slot = row), so the
