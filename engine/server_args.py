@@ -170,6 +170,10 @@ class ServerArgs:
     mm_max_concurrent_calls: int = flag(
         32, help="images processed at once in the tokenizer process (decoding, resizing, patches); more wait",
         owner="tokenizer")
+    mm_encoder_max_patches: int = flag(
+        16384, help="image patches the vision tower encodes in one step, the budget of its activations: a prefill "
+                    "batch takes no further request with images past it, and a single image with more is refused "
+                    "(413)", owner="scheduler", also=("tokenizer",))
     mm_embedding_cache_mb: int = flag(
         512, help="the vision tower's outputs kept per image hash (MB, least recently used out): a repeated image "
                   "skips the encoder; 0 disables it", owner="worker")

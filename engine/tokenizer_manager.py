@@ -252,10 +252,11 @@ class TokenizerManager:
         return list(ids)
 
     # ------------------------------------------------------------------ images
-    def enable_images(self, processor: "ImageProcessor", policy: "MediaPolicy", max_concurrent: int) -> None:
-        """A vision-language model: requests may carry images."""
+    def enable_images(self, processor: "ImageProcessor", policy: "MediaPolicy", max_concurrent: int,
+                      max_patches: int) -> None:
+        """A vision-language model: requests may carry images (each of at most `max_patches` patches)."""
         self.image_processor, self.media_policy = processor, policy
-        self._mm_limit = max_concurrent
+        self._mm_limit, self._mm_max_patches = max_concurrent, max_patches
         self._mm_sem: Optional[asyncio.Semaphore] = None
 
     async def attach_images(self, objs: list[GenerateInput]) -> None:
@@ -295,7 +296,13 @@ class TokenizerManager:
             self._mm_sem = asyncio.Semaphore(self._mm_limit)
         async with self._mm_sem:
             loaded = await load_image(source, self.media_policy)
-            pixels, grid = await asyncio.to_thread(self.image_processor.pixels, loaded.image)
+            proc = self.image_processor
+            t, h, w = proc.grid(loaded.width, loaded.height)
+            if t * h * w > self._mm_max_patches:  # before the pixel work: the encoder could not take it
+                raise RequestError(f"an image of {loaded.width}x{loaded.height} becomes {t * h * w} patches; the vision "
+                                   f"encoder takes at most {self._mm_max_patches} per step (--mm-encoder-max-patches)",
+                                   413)
+            pixels, grid = await asyncio.to_thread(proc.pixels, loaded.image)
             return loaded.hash, grid, pixels
 
     # ------------------------------------------------------------------ generation

@@ -281,5 +281,5 @@ def _enable_images(tm: Any, server_args: ServerArgs) -> None:
     from baton.engine.multimodal.processor import ImageProcessor
 
     tm.enable_images(ImageProcessor(server_args.model_path, vision, tm.vocab_size), server_args.view(MediaPolicy),
-                     server_args.mm_max_concurrent_calls)
+                     server_args.mm_max_concurrent_calls, server_args.mm_encoder_max_patches)
 

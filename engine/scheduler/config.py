@@ -19,6 +19,7 @@ class SchedulerConfig:
     chunked_prefill_size: Optional[int]
     max_prefill_tokens: int
     enable_mixed_chunk: bool
+    mm_encoder_max_patches: int  # images: the patches one prefill batch may bring to the vision tower
     enable_priority_scheduling: bool
     priority_preemption_threshold: int
     disable_radix_cache: bool

@@ -97,9 +97,13 @@ class PrefillManager:
         in_batch = InBatchPrefixIndex() if not self.args.disable_radix_cache else None
         # rows actually free: in overlap mode a request that just ended keeps its row one more result
         free_rows, new_rows = self.req_to_token_pool.available_size(), 0
+        patches = 0  # the images' patches this batch brings to the vision tower (their activations' budget)
         for req in q.waiting:
             if running + len(adder.can_run_list) >= self.max_running_requests or new_rows >= free_rows:
                 break
+            if (p := _image_patches(req)) and patches and patches + p > self.args.mm_encoder_max_patches:
+                break
+            patches += p
             req.init_next_round_input(self.tree_cache)
             if in_batch is not None:
                 if in_batch.shared_len(req.origin_input_ids) > len(req.prefix_indices):
@@ -156,3 +160,10 @@ class PrefillManager:
         need = len(req.origin_input_ids) + len(req.output_ids) + req.remaining_token_budget()
         room = self.allocator.available_size() + self.tree_cache.evictable_size()
         return running < self.max_running_requests and need <= room
+
+
+def _image_patches(req: "Req") -> int:
+    """The patches of a request's images (0 for text): what its prefill may give the vision tower."""
+    mm = req.mm_inputs
+    return 0 if mm is None else sum(t * h * w for item in mm.items for t, h, w in (item.grid_thw,))
+
