@@ -66,6 +66,9 @@ class GenerateInput:
     # the client gave no max_new_tokens (max_tokens): the default is cut to what the context leaves
     # instead of refusing the request
     fit_max_new_tokens: bool = False
+    # the prompt's images in order of appearance: their sources as the client gave them (data: URLs,
+    # base64, URLs, paths), loaded with multimodal/media.load_image
+    image_data: Optional[list[str]] = None
 
 
 @dataclass
