@@ -11,7 +11,7 @@ import json
 import os
 from dataclasses import dataclass
 from enum import Enum
-from typing import NamedTuple, Optional, TypeVar
+from typing import Any, NamedTuple, Optional, TypeVar
 
 from baton.engine.parsers import REASONING_PARSERS, TOOL_PARSERS
 from baton.flags import FlagTable, declared_flags, flag, from_args
@@ -26,6 +26,11 @@ DISAGGREGATION_MODES = ("null", "prefill", "decode")
 SPECULATIVE_ALGORITHMS = ("NGRAM", "EAGLE", "EAGLE3", "NEXTN")
 # the ones whose drafts come from a draft checkpoint (--speculative-draft-model-path)
 DRAFT_CHECKPOINT_ALGORITHMS = ("EAGLE", "EAGLE3")
+# --max-image-pixels' default: Pillow's own decompression-bomb threshold (PIL.Image.MAX_IMAGE_PIXELS),
+# what SGLang and vLLM, which leave Pillow's limit as it is, accept without a warning
+MAX_IMAGE_PIXELS = 1024 ** 3 // 12
+# the modalities --limit-mm-data-per-request may name (SGLang's keys)
+MM_MODALITIES = ("image", "video", "audio")
 # How the front end picks a DP rank for a request that names none (data_parallel_rank) and has no
 # bootstrap room (PD: room % dp_size, the convention the router pins ranks by).
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
@@ -58,6 +63,26 @@ class EventLoopChoice(NamedTuple):
 
 def default_chunked_prefill_size(device: str) -> int:
     return CPU_CHUNKED_PREFILL_SIZE if device.startswith("cpu") else GPU_CHUNKED_PREFILL_SIZE
+
+
+def mm_data_limits(value: Any) -> Optional[dict[str, int]]:
+    """--limit-mm-data-per-request as a dict: SGLang's JSON ('{"image": 4}', modalities from
+    MM_MODALITIES), or a plain number of images ("4"); None stays None."""
+    if value is None or isinstance(value, dict):
+        limits = value
+    elif isinstance(value, int) or (isinstance(value, str) and value.strip().isdigit()):
+        limits = {"image": int(value)}
+    else:
+        try:
+            limits = json.loads(value)
+        except (TypeError, ValueError):
+            limits = value
+    ok = limits is None or (isinstance(limits, dict) and all(
+        k in MM_MODALITIES and isinstance(n, int) and not isinstance(n, bool) and n >= 0 for k, n in limits.items()))
+    if not ok:
+        raise ValueError(f"--limit-mm-data-per-request {value!r}: give a number of images or a JSON object of "
+                         f"counts >= 0 by modality ({', '.join(MM_MODALITIES)}), e.g. '{{\"image\": 4}}'")
+    return limits
 
 
 def auto_dtype_name(checkpoint_dtype: Optional[str], device: str) -> str:
@@ -333,6 +358,32 @@ class ServerArgs:
     speculative_disable_by_batch_size: int = flag(
         4, help="decode steps of this many running requests or more do not speculate (under load a step is "
                 "compute-bound and drafts only cost)", owner="speculative", also=("worker",))
+    # image input (multimodal/media.py): where images may come from and how large they may be
+    allowed_local_media_path: Optional[str] = flag(
+        None, metavar="DIR",
+        help="image input: the directory whose files requests may name (a path, or a file:// URL), symlinks and .. "
+             "resolved before the check; default: none, local files are refused", owner="tokenizer")
+    allowed_media_domains: tuple[str, ...] = flag(
+        default_factory=tuple, cli_default=[], nargs="+", metavar="HOST",
+        help="image input: the hosts whose http(s) image URLs are fetched (exact names, any port; a redirect must "
+             "stay among them; space- or comma-separated); default: none, every URL is refused, since a server "
+             "that fetches whatever URL a client names lets clients reach what only the server can",
+        owner="tokenizer")
+    limit_mm_data_per_request: Optional[dict[str, int]] = flag(
+        None, metavar="JSON|N",
+        help='image input: the most images one request (one prompt) may carry, as SGLang\'s JSON ({"image": 4}) or '
+             "a number of images; more is a 400 before any is fetched (default: no limit)",
+        owner="http", also=("tokenizer",))
+    max_image_pixels: int = flag(
+        MAX_IMAGE_PIXELS, help="image input: width x height above this is a 413, checked from the image's header "
+                               "before its pixels are decoded (default: Pillow's decompression-bomb threshold)",
+        owner="tokenizer")
+    max_media_bytes: int = flag(
+        20 * 1024 * 1024, help="image input: the bytes one image may have, fetched, read or decoded from base64 "
+                               "(413 beyond; a download stops there)", owner="tokenizer")
+    media_fetch_timeout: float = flag(
+        10.0, help="image input: seconds to fetch one image URL, redirects and body included (400 beyond)",
+        owner="tokenizer")
     # PD disaggregation
     disaggregation_mode: str = flag(
         "null", choices=DISAGGREGATION_MODES,
@@ -440,6 +491,7 @@ class ServerArgs:
             raise ValueError("--enable-mixed-chunk mixes prefills with decode steps of one engine; a "
                              f"--disaggregation-mode {self.disaggregation_mode} engine runs only one of the two")
         self._check_speculative()
+        self._check_media()
         if self.tp_size < 1:
             raise ValueError("--tp-size must be >= 1")
         if self.dp_size < 1:
@@ -459,6 +511,23 @@ class ServerArgs:
             raise ValueError("--small-batch-gemv-rows must be 0..64")
         if self.flashinfer_decode_tensor_cores not in ("auto", "on", "off"):
             raise ValueError("--flashinfer-decode-tensor-cores must be auto, on or off")
+
+    def _check_media(self) -> None:
+        """The image-input flags, normalized (host names lower-case, the image limit as a dict)."""
+        if self.allowed_local_media_path is not None and not os.path.isdir(self.allowed_local_media_path):
+            raise ValueError(f"--allowed-local-media-path {self.allowed_local_media_path}: no such directory")
+        # an IPv6 address as URLs parse it: without its brackets
+        given = self.allowed_media_domains
+        hosts = tuple(h.strip().strip("[]").lower() for item in ([given] if isinstance(given, str) else given)
+                      for h in item.split(",") if h.strip())
+        if bad := [h for h in hosts if "/" in h or h.count(":") == 1]:
+            raise ValueError(f"--allowed-media-domains takes host names (no scheme, port or path): {' '.join(bad)}")
+        object.__setattr__(self, "allowed_media_domains", hosts)  # frozen
+        object.__setattr__(self, "limit_mm_data_per_request", mm_data_limits(self.limit_mm_data_per_request))
+        if self.max_image_pixels < 1 or self.max_media_bytes < 1:
+            raise ValueError("--max-image-pixels and --max-media-bytes must be >= 1")
+        if not self.media_fetch_timeout > 0:
+            raise ValueError("--media-fetch-timeout must be > 0")
 
     def _check_speculative(self) -> None:
         """--speculative-*: what runs, refused clearly otherwise; so is a flag that would mean nothing

@@ -13,7 +13,10 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
+from baton.engine.entrypoints.chat_content import ImageTemplate
 from baton.engine.entrypoints.drain import Drain
+from baton.engine.model_config import ModelConfig, VisionConfig
+from baton.engine.multimodal.media import MediaError, MediaPolicy
 from baton.engine.parsers import AUTO_TOOL_PARSERS, template_tool_parser
 from baton.engine.sampling.sampling_params import SamplingParams, SamplingParamsError
 from baton.engine.server_args import ServerArgs
@@ -50,6 +53,31 @@ class ApiContext:
             return None
         logger.info("tool calls: --tool-call-parser %s, picked from the chat template", self.template_tool_format)
         return self.template_tool_format
+
+    @functools.cached_property
+    def vision(self) -> Optional[VisionConfig]:
+        """The model's vision tower; None for a text-only model. Read on the first request with images."""
+        return ModelConfig.from_pretrained(self.server_args.model_path).vision
+
+    @functools.cached_property
+    def media_policy(self) -> MediaPolicy:
+        return self.server_args.view(MediaPolicy)
+
+    @functools.cached_property
+    def image_template(self) -> ImageTemplate:
+        """How the chat template takes images (a vision-language model's only)."""
+        assert self.vision is not None
+        return ImageTemplate.probe(self.tm.tokenizer, self.vision)
+
+    def check_images(self, count: int) -> None:
+        """A prompt's `count` images, before any is loaded: a 400 for a text-only model, or for more
+        than --limit-mm-data-per-request."""
+        if self.vision is None:
+            raise RequestError(f"image input needs a vision-language model; {self.model_name} takes text only", 400)
+        try:
+            self.media_policy.check_image_count(count)
+        except MediaError as e:
+            raise RequestError(e.message, e.status) from None
 
 
 def error_response(message: str, status: int, err_type: str = "invalid_request_error") -> JSONResponse:

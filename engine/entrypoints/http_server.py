@@ -172,6 +172,7 @@ def _register_native_routes(app: FastAPI, ctx: ApiContext) -> None:
     async def generate(request: Request):
         req = parse(GenerateRequest, await read_json(request, ctx.server_args))
         objs = _native_inputs(req)
+        _check_images(ctx, objs)
         if req.stream:
             if len(objs) != 1:
                 raise RequestError("streaming a batch (or n > 1) is not supported; send one request per prompt",
@@ -220,6 +221,8 @@ def _native_inputs(req: GenerateRequest) -> list[GenerateInput]:
     prompts = (req.text if req.text is not None else req.input_ids) if batch else [req.text if req.text is not None else req.input_ids]
     if batch and not prompts:
         raise RequestError("the batch is empty", 400)
+    if req.video_data is not None or req.audio_data is not None:
+        raise RequestError("video_data and audio_data are not supported: this server takes text and images", 400)
     objs, ns = [], []
     size = len(prompts) if batch else 0
     for i, prompt in enumerate(prompts):
@@ -234,12 +237,36 @@ def _native_inputs(req: GenerateRequest) -> list[GenerateInput]:
                             fit_max_new_tokens=not (isinstance(sp, dict) and "max_new_tokens" in sp))
         if obj.return_logprob and obj.logprob_start_len < 0 and req.logprob_start_len == -1:
             obj.logprob_start_len = -1  # output logprobs only, as SGLang's default
+        obj.image_data = _prompt_images(req.image_data, i, size)
         rid = _pick(req, "rid", i, size)
         if rid is not None:
             obj.rid = str(rid)
         objs.append(obj)
         ns.append(_parallel_n(sp))  # SGLang's sampling_params.n: n outputs per prompt
     return expand(objs, ns, pd_fields(req))
+
+
+def _check_images(ctx: ApiContext, objs: list[GenerateInput]) -> None:
+    """Each prompt's images, before any is loaded (a text-only model, too many: a 400)."""
+    for obj in objs:
+        if obj.image_data:
+            ctx.check_images(len(obj.image_data))
+
+
+def _prompt_images(value: Any, i: int, batch: int) -> Optional[list[str]]:
+    """SGLang's image_data for prompt i: a source or a list of sources for one prompt; for a batch one
+    entry per prompt (a source, a list, or null), or one source every prompt shows."""
+    if value is None or isinstance(value, str):
+        return None if value is None else [value]
+    if not batch:
+        if not all(isinstance(v, str) for v in value):
+            raise RequestError("image_data of one prompt is a source or a list of sources (strings)", 400)
+        return list(value) or None
+    if len(value) != batch:
+        raise RequestError(f"image_data has {len(value)} entries for {batch} prompts: give one per prompt (a "
+                           "source, a list of sources, or null)", 400)
+    entry = value[i]
+    return None if entry is None else [entry] if isinstance(entry, str) else list(entry) or None
 
 
 def _parallel_n(sp: Any) -> int:

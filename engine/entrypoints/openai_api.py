@@ -9,7 +9,7 @@ from typing import Any, AsyncIterator, Callable, Optional
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from baton.engine.entrypoints import chat_tools
+from baton.engine.entrypoints import chat_content, chat_tools
 from baton.engine.entrypoints.http_common import (SSE_DONE, SSE_KEEPALIVE, ApiContext, abort_error, collect, parse,
                                                   read_json, sse, sse_error)
 from baton.engine.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, SamplingExtras
@@ -58,7 +58,7 @@ def register_openai_routes(app: FastAPI, ctx: ApiContext) -> None:
         args, tool_parser = ctx.server_args, ctx.tool_call_parser
         plan = chat_tools.plan_tools(req, tool_parser, args.constrained_json_disable_any_whitespace,
                                      ctx.template_tool_format)
-        messages = chat_tools.template_messages([text_message(m.model_dump(exclude_none=True)) for m in req.messages])
+        messages, image_data = _chat_messages(ctx, req)
         kwargs = chat_tools.template_kwargs(req)
         ids = ctx.tm.apply_chat_template(messages, tools=plan.tools if plan else None, **kwargs)
         top = (req.top_logprobs or 0) if req.logprobs else None
@@ -73,6 +73,7 @@ def register_openai_routes(app: FastAPI, ctx: ApiContext) -> None:
         obj = _input(ctx, req, ids, req.max_completion_tokens or req.max_tokens, top, overrides=overrides,
                      rid=req.rid)
         obj.require_reasoning = chat_tools.reasons(args.reasoning_parser, kwargs)
+        obj.image_data = image_data or None
         objs = expand([obj], [req.n], pd_fields(req))
         parser = chat_tools.choice_parser_factory(plan, req, tool_parser, args.reasoning_parser, obj.require_reasoning)
         if req.stream:
@@ -138,34 +139,15 @@ def grammar_fields(req: SamplingExtras) -> dict[str, Any]:
                        "(text, json_object, json_schema)", 400)
 
 
-def text_message(message: dict[str, Any]) -> dict[str, Any]:
-    """OpenAI content parts to the plain string a text-only chat template expects: text parts joined
-    by newlines (as vLLM does); any other part (image_url, input_audio, file, ...) is a 400. No
-    content (an assistant turn that called tools: `null`, as the OpenAI SDK returns it) is the empty
-    string, which every template can concatenate."""
-    content = message.get("content")
-    if content is None:
-        return {**message, "content": ""}
-    if not isinstance(content, list):
-        return message
-    texts = []
-    for part in content:
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind != "text" or not isinstance(part.get("text"), str):
-            raise _unsupported_part(kind)
-        texts.append(part["text"])
-    return {**message, "content": "\n".join(texts)}
-
-
-# OpenAI's (and SGLang's) content parts that carry media
-_MEDIA_PARTS = frozenset({"image_url", "input_image", "video_url", "input_audio", "audio_url", "file"})
-
-
-def _unsupported_part(kind: Any) -> RequestError:
-    if kind in _MEDIA_PARTS:
-        return RequestError(f"content part of type {kind!r}: multimodal input is not supported yet "
-                            "(this server takes text only)", 400)
-    return RequestError(f"content part of type {kind!r} is not supported: this model takes text only", 400)
+def _chat_messages(ctx: ApiContext, req: ChatCompletionRequest) -> tuple[list[dict[str, Any]], list[str]]:
+    """The messages as the chat template takes them, and the sources of their images in order (a
+    text-only model, or more images than the limit: a 400 before any image is loaded)."""
+    content = chat_content.parse_messages([m.model_dump(exclude_none=True) for m in req.messages])
+    images = None
+    if content.image_data:
+        ctx.check_images(len(content.image_data))
+        images = ctx.image_template
+    return chat_tools.template_messages(content.for_template(images)), content.image_data
 
 
 def _reject_prompt_parts(prompt: Any) -> None:
@@ -173,7 +155,9 @@ def _reject_prompt_parts(prompt: Any) -> None:
     if isinstance(prompt, list):
         for part in prompt:
             if isinstance(part, dict):
-                raise _unsupported_part(part.get("type"))
+                raise RequestError(f"a completion prompt of content parts ({part.get('type')!r}) is not supported: "
+                                   "/v1/completions takes text or token ids; send images to /v1/chat/completions, "
+                                   "or to /generate as image_data", 400)
 
 
 def _completion_prompts(prompt: Any) -> list:

@@ -137,6 +137,11 @@ class GenerateRequest(_Body):
     rid: Optional[Union[str, list[str]]] = None
     priority: Optional[Union[int, list[int]]] = None
     require_reasoning: bool = False  # SGLang's: a grammar applies after the reasoning's end token
+    # SGLang's: a prompt's images (a source or a list of them; the text holds their placeholders),
+    # for a batch one entry per prompt (a source, a list, or null)
+    image_data: Optional[Union[str, list[Optional[Union[str, list[str]]]]]] = None
+    video_data: Optional[Any] = None  # SGLang's; refused: images only
+    audio_data: Optional[Any] = None
     bootstrap_host: Optional[Union[str, list[str]]] = None
     bootstrap_port: Optional[Union[int, list[Optional[int]]]] = None
     bootstrap_room: Optional[Union[int, list[int]]] = None
