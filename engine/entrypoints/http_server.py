@@ -173,6 +173,7 @@ def _register_native_routes(app: FastAPI, ctx: ApiContext) -> None:
         req = parse(GenerateRequest, await read_json(request, ctx.server_args))
         objs = _native_inputs(req)
         _check_images(ctx, objs)
+        await ctx.tm.attach_images(objs)  # a bad image is a status code, before anything streams
         if req.stream:
             if len(objs) != 1:
                 raise RequestError("streaming a batch (or n > 1) is not supported; send one request per prompt",

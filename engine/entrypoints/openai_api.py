@@ -75,6 +75,7 @@ def register_openai_routes(app: FastAPI, ctx: ApiContext) -> None:
         obj.require_reasoning = chat_tools.reasons(args.reasoning_parser, kwargs)
         obj.image_data = image_data or None
         objs = expand([obj], [req.n], pd_fields(req))
+        await ctx.tm.attach_images(objs)  # a bad image is a status code, before anything streams
         parser = chat_tools.choice_parser_factory(plan, req, tool_parser, args.reasoning_parser, obj.require_reasoning)
         if req.stream:
             return await _stream(ctx, objs, request, req, chat=True, parser=parser)
