@@ -177,3 +177,24 @@ def test_tp2_with_and_without_vit_dp_equals_hf(vl_models, dp_encoder):
             assert embedder.dp_encoder == dp_encoder and embedder.cache.hits == 0
         finally:
             h.scheduler.close()
+
+
+def test_a_prefill_batch_brings_the_encoder_at_most_its_patch_budget(vl_models):
+    """--mm-encoder-max-patches 100: of requests with 96, 64 and 72 patches and a text one, each prefill
+    batch takes what fits (the first always): 96 | 64 | 72 + text. All equal HF."""
+    path = vl_models("qwen3_5")
+    prompts = Prompts(path)
+    h = harness_for(path, "plain", chunked_prefill_size=512, max_total_tokens=4096, mm_encoder_max_patches=100)
+    cases = [prompts.expand(prompts.chat([["look", IMG]]), [size]) for size in [(30, 50, 1), (64, 20, 2), (48, 24, 5)]]
+    cases.append(prompts.expand(prompts.chat([["text only"]]), []))
+    assert [sum(t * gh * gw for t, gh, gw in (it.grid_thw for it in mm.items)) for _, mm in cases[:3]] == [96, 64, 72]
+    for i, (ids, mm) in enumerate(cases):
+        h.submit(str(i), ids, max_new_tokens=MAX_NEW, mm_inputs=mm)
+    waiting = []
+    while h.scheduler.waiting_queue:
+        h.step()
+        waiting.append(len(h.scheduler.waiting_queue))
+    assert waiting == [3, 2, 0]
+    results = h.run_until_idle()
+    for i, (ids, mm) in enumerate(cases):
+        assert results[str(i)].ids == hf_vl_greedy(path, ids, mm, MAX_NEW), f"request {i} differs from HF"

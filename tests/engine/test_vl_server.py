@@ -36,7 +36,8 @@ def media_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def engine(vl_path, media_dir):
     with running_engine(vl_path, *CHUNK, "--max-total-tokens", "4096", "--allowed-local-media-path", str(media_dir),
-                        "--limit-mm-data-per-request", '{"image": 3}', "--max-image-pixels", "40000") as e:
+                        "--limit-mm-data-per-request", '{"image": 3}', "--max-image-pixels", "40000",
+                        "--mm-encoder-max-patches", "100") as e:
         yield e
 
 
@@ -151,7 +152,7 @@ def test_sources_as_the_flags_allow_and_a_repeat_hits_the_embedding_cache(engine
 
 
 @pytest.mark.parametrize("case", ["truncated", "not-an-image", "tiff", "too-many", "too-many-pixels",
-                                  "no-placeholder", "video-part"])
+                                  "over-encoder-budget", "no-placeholder", "video-part"])
 def test_bad_images_are_4xx_and_the_engine_serves_on(engine, case):
     text = f"{IMAGE_PLACEHOLDER} describe"
     good = data_url(random_image(20, 20, 9))
@@ -164,6 +165,8 @@ def test_bad_images_are_4xx_and_the_engine_serves_on(engine, case):
         "tiff": (["data:image/tiff;base64," + base64.b64encode(buf.getvalue()).decode()], 415, text),
         "too-many": ([good] * 4, 400, IMAGE_PLACEHOLDER * 4),
         "too-many-pixels": ([data_url(random_image(300, 200, 9))], 413, text),
+        # resized to 48x48 (the checkpoint's max pixels): 144 patches, over --mm-encoder-max-patches 100
+        "over-encoder-budget": ([data_url(random_image(180, 180, 9))], 413, text),
         "no-placeholder": ([good], 400, "no placeholder here"),
         "video-part": (None, 400, None),
     }[case]
