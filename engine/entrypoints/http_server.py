@@ -171,9 +171,7 @@ def _register_native_routes(app: FastAPI, ctx: ApiContext) -> None:
     @app.post("/generate")
     async def generate(request: Request):
         req = parse(GenerateRequest, await read_json(request, ctx.server_args))
-        objs = _native_inputs(req)
-        _check_images(ctx, objs)
-        await ctx.tm.attach_images(objs)  # a bad image is a status code, before anything streams
+        objs = await _native_inputs_with_images(ctx, req)
         if req.stream:
             if len(objs) != 1:
                 raise RequestError("streaming a batch (or n > 1) is not supported; send one request per prompt",
@@ -245,6 +243,15 @@ def _native_inputs(req: GenerateRequest) -> list[GenerateInput]:
         objs.append(obj)
         ns.append(_parallel_n(sp))  # SGLang's sampling_params.n: n outputs per prompt
     return expand(objs, ns, pd_fields(req))
+
+
+async def _native_inputs_with_images(ctx: ApiContext, req: GenerateRequest) -> list[GenerateInput]:
+    """The request's prompts, their images loaded and processed: a bad image is a status code, before
+    anything streams."""
+    objs = _native_inputs(req)
+    _check_images(ctx, objs)
+    await ctx.tm.attach_images(objs)
+    return objs
 
 
 def _check_images(ctx: ApiContext, objs: list[GenerateInput]) -> None:
