@@ -89,14 +89,16 @@ def _submit_all(h: SchedulerHarness, prompts: Prompts, max_new: int = MAX_NEW, c
     return cases
 
 
-@pytest.mark.parametrize("arch,loop", [("qwen3_5", "plain"), ("qwen3_5", "overlap"), ("qwen3_5_moe", "plain"),
-                                       ("qwen3_vl", "overlap"), ("qwen3_vl", "plain")])
-def test_images_equal_hf(vl_models, arch, loop):
+@pytest.mark.parametrize("arch,loop,mixed", [("qwen3_5", "plain", False), ("qwen3_5", "overlap", False),
+                                             ("qwen3_5", "plain", True), ("qwen3_5_moe", "plain", False),
+                                             ("qwen3_vl", "overlap", False), ("qwen3_vl", "plain", True)])
+def test_images_equal_hf(vl_models, arch, loop, mixed):
     """Chunks of 16 tokens cut every image (each is 9..36 tokens); images of five sizes; one prompt
-    without any."""
+    without any. `mixed`: --enable-mixed-chunk, running requests' decode steps (1-D positions plus
+    their deltas) ride in the prefill batches with images."""
     path = vl_models(arch)
     prompts = Prompts(path)
-    h = harness_for(path, loop, chunked_prefill_size=16, max_total_tokens=4096)
+    h = harness_for(path, loop, chunked_prefill_size=16, max_total_tokens=4096, enable_mixed_chunk=mixed)
     cases = _submit_all(h, prompts)
     results = h.run_until_idle()
     for i, (ids, mm) in enumerate(cases):
@@ -104,6 +106,7 @@ def test_images_equal_hf(vl_models, arch, loop):
     assert h.scheduler.check_memory_integrity()
     embedder = h.scheduler.worker.model_runner.mm_embedder
     assert embedder.images_encoded == sum(len(images) for _, images in WORKLOAD)  # once each, though cut
+    assert (h.scheduler.stats.mixed_decode_tokens > 0) == mixed
 
 
 def test_images_equal_hf_under_retraction(vl_models):

@@ -222,3 +222,23 @@ def test_pd_pair_behind_the_router_equals_colocated(vl_path, engine):
             assert info["integrity_ok"] is True, info
         assert httpx.get(f"{prefill.base_url}/get_server_info", timeout=10).json()["mm_images_encoded"] >= 2
         assert httpx.get(f"{decode.base_url}/get_server_info", timeout=10).json()["mm_images_encoded"] == 0
+
+
+def test_grammars_and_tools_apply_with_images(engine):
+    """Structured output and tool calling work on a request with an image as on text: the answer
+    matches the regex; a forced tool call comes back as a tool call with JSON arguments."""
+    import json
+
+    messages = [_user("is it red? answer yes or no", random_image(30, 30, 11))]
+    r = httpx.post(f"{engine.base_url}/v1/chat/completions", timeout=120, json={
+        "messages": messages, "max_tokens": 8, "temperature": 0, "regex": "(yes|no)"})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] in ("yes", "no")
+    tool = {"type": "function", "function": {"name": "colour", "parameters": {
+        "type": "object", "properties": {"name": {"type": "string", "maxLength": 5}}, "required": ["name"]}}}
+    r = httpx.post(f"{engine.base_url}/v1/chat/completions", timeout=120, json={
+        "messages": messages, "max_tokens": 64, "temperature": 0, "tools": [tool],
+        "tool_choice": {"type": "function", "function": {"name": "colour"}}})
+    assert r.status_code == 200, r.text
+    call = r.json()["choices"][0]["message"]["tool_calls"][0]["function"]
+    assert call["name"] == "colour" and set(json.loads(call["arguments"])) == {"name"}
