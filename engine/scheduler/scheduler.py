@@ -24,7 +24,7 @@ import gc
 import logging
 import os
 from collections import deque
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from baton.engine.disaggregation.colocated import Colocated, DisaggregationMode, SchedulerView
 from baton.engine.disaggregation.config import PDConfig
@@ -114,6 +114,12 @@ class Scheduler:
         self.output.spec = self.spec
         self.decode = DecodeManager(self.queues, self.ratio, self.releaser, self.output, self.stats,
                                     self.drain_results, held, self.spec, lambda: self.result_queue)
+        # control messages from the tokenizer manager: type -> handler, whose reply (if not None) goes back
+        self.control: dict[type, Callable[[Any], Any]] = {
+            FlushCacheReq: lambda _: self.flush_cache(),
+            GetServerInfoReq: lambda _: GetServerInfoOut(self.get_server_info(), self.dp_rank),
+            FreezeGCReq: self._freeze_gc,
+        }
 
     # ------------------------------------------------------------------ messages from the tokenizer
     def process_input_requests(self, msgs: list[Any]) -> None:
@@ -122,14 +128,15 @@ class Scheduler:
                 self.intake.handle_generate_request(msg)
             elif isinstance(msg, AbortReq):
                 self.intake.abort_request(msg)
-            elif isinstance(msg, FlushCacheReq):
-                self.outbox.append(self.flush_cache())
-            elif isinstance(msg, GetServerInfoReq):
-                self.outbox.append(GetServerInfoOut(self.get_server_info(), self.dp_rank))
-            elif isinstance(msg, FreezeGCReq):
-                freeze_gc("scheduler")
+            elif (handler := self.control.get(type(msg))) is not None:
+                if (reply := handler(msg)) is not None:
+                    self.outbox.append(reply)
             else:
                 logger.error("unknown message type %s dropped", type(msg).__name__)
+
+    @staticmethod
+    def _freeze_gc(_: FreezeGCReq) -> None:  # no reply
+        freeze_gc("scheduler")
 
     @property
     def grammar_backend(self) -> Any:
