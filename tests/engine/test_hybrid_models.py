@@ -241,26 +241,25 @@ def _make_vl_checkpoint(path, arch: str, tie: bool) -> str:
 
 
 @pytest.mark.parametrize("arch,tie", [("qwen3_5", False), ("qwen3_5_moe", True)])
-def test_conditional_generation_checkpoint_served_as_text(tmp_path, caplog, arch, tie):
-    """Greedy tokens equal HF's vision-language model on text-only input; the vision tower's tensors
-    are skipped with one log line that counts them."""
-    import logging
-
+def test_conditional_generation_checkpoint_on_text(tmp_path, arch, tie):
+    """The published layout (model.language_model.*, model.visual.*, lm_head.* unless tied): the text
+    model's tensors load under its names, the vision tower's into `visual` (every one of them); on
+    text-only input greedy tokens equal HF's vision-language model. Images: tests/engine/test_vl_models.py."""
     import transformers as tf
     from safetensors import safe_open
 
     path = _make_vl_checkpoint(tmp_path / arch, arch, tie)
     with safe_open(f"{path}/model.safetensors", "pt") as f:
         names = list(f.keys())
-    vision = sum(n.startswith("model.visual.") for n in names)
+        vision = {n.removeprefix("model.visual."): f.get_tensor(n) for n in names if n.startswith("model.visual.")}
     assert vision and all(n.startswith(("model.language_model.", "model.visual.", "lm_head.")) for n in names)
     assert any(n.startswith("lm_head.") for n in names) != tie
 
-    with caplog.at_level(logging.INFO, logger="baton.engine.models.qwen3_next"):
-        h = harness_for(path, "plain", chunked_prefill_size=32, max_total_tokens=4096)
-    skips = [r.getMessage() for r in caplog.records if "vision tensors skipped" in r.getMessage()]
-    assert skips == [f"{type(h.scheduler.worker.model_runner.model).__name__}: {vision} vision tensors skipped "
-                     "(served as a text model; multimodal input is not supported yet)"]
+    h = harness_for(path, "plain", chunked_prefill_size=32, max_total_tokens=4096)
+    tower = h.scheduler.worker.model_runner.model.visual
+    params = dict(tower.named_parameters())
+    assert len(params) == len(vision)
+    assert torch.equal(params["pos_embed.weight"], vision["pos_embed.weight"])
     prompts = workload(seed=3)[:6]
     results = run_workload(h, prompts)
     hf_cls = tf.Qwen3_5ForConditionalGeneration if arch == "qwen3_5" else tf.Qwen3_5MoeForConditionalGeneration

@@ -43,7 +43,7 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
     ids = AutoTokenizer.from_pretrained(vl).convert_tokens_to_ids(list(VISION_TOKENS))
     small = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16)
-    tf.Qwen3VLConfig(text_config=small, vision_config=dict(depth=1, hidden_size=32, num_heads=2, out_hidden_size=64),
+    tf.Qwen3VLConfig(text_config=small, vision_config=dict(depth=1, hidden_size=32, num_heads=2, out_hidden_size=64, deepstack_visual_indexes=[0]),
                      vision_start_token_id=ids[0], image_token_id=ids[1], vision_end_token_id=ids[2],
                      video_token_id=ids[3]).save_pretrained(vl)
     tf.Qwen3Config(**small).save_pretrained(text)
@@ -59,6 +59,10 @@ class StandInTokenizerManager:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer, self.context_len, self.seen = tokenizer, 512, []
         self.metrics = types.SimpleNamespace(error=lambda status: None)
+
+    async def attach_images(self, objs: list[GenerateInput]) -> None:
+        """The real one loads and processes the images (tests/engine/test_vl_server.py); here the
+        requests go on with their sources, which the tests read."""
 
     async def generate(self, obj: GenerateInput, is_disconnected: Any = None,
                        keepalive: bool = False) -> AsyncIterator[ReqOutput]:
