@@ -203,7 +203,8 @@ def test_mrope_parameters_from_the_checkpoint(arch):
                               vision_config=_TINY_VISION, architectures=["Qwen3_5ForConditionalGeneration"])
     else:
         hf = tf.Qwen3VLConfig(text_config={**_BASE, "head_dim": 16, "rope_parameters": rope},
-                              vision_config=_TINY_VISION, architectures=["Qwen3VLForConditionalGeneration"])
+                              vision_config={**_TINY_VISION, "deepstack_visual_indexes": [0]},
+                              architectures=["Qwen3VLForConditionalGeneration"])
     mc = ModelConfig.from_hf(hf)
     check_text_against_hf(mc, hf.text_config, hf)
     assert (mc.text.rope.mrope_section, mc.text.rope.mrope_interleaved) == ((3, 3, 2), True)
