@@ -104,8 +104,8 @@ def load_model(model_path: str, dtype: str = "auto", device: str = "cpu", tp: Tp
     config = ModelConfig.from_pretrained(model_path)
     if not config.architecture:
         raise ValueError(f"{model_path}/config.json has no 'architectures' entry")
-    _check_generates(config, embedding)
     model_cls = get_model_class(config.architecture)
+    _check_generates(config, embedding)
     torch_dtype = resolve_dtype(dtype, config, device)
     validate_tp(config, tp.size)
     with _default_dtype(torch_dtype), torch.device(device):

@@ -141,3 +141,34 @@ def test_is_embedding_refuses_what_it_cannot_serve(encoders):
         ServerArgs(model_path=encoders["qwen3-causal"], is_embedding=True, disaggregation_mode="prefill")
     with pytest.raises(ValueError, match="speculative"):
         ServerArgs(model_path=encoders["qwen3-causal"], is_embedding=True, speculative_algorithm="NGRAM")
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+def test_tp2_equals_hf(encoders, overlap):
+    """TP 2: the follower runs the forward (its share of every all-reduce) and no LM head; in the overlap
+    loop it takes the driver's placeholder tokens for its future map."""
+    from baton.engine.server_args import ServerArgs
+    from tp_group import tp_followers
+
+    path = encoders["qwen3-bare_causal"]
+    args = dict(tp_size=2, is_embedding=True, chunked_prefill_size=16, enable_overlap_schedule=overlap,
+                disable_overlap_schedule=not overlap)
+    with tp_followers(ServerArgs(model_path=path, **args)) as tp:
+        h = SchedulerHarness(path, tp=tp, **args)
+        try:
+            batch = prompts(6, (40, 7, 23))
+            assert_matches_hf(path, batch, embed_all(h, batch))
+            assert h.scheduler.check_memory_integrity()
+        finally:
+            h.scheduler.close()
+
+
+def test_bfloat16_is_close_to_hf(encoders):
+    """bfloat16 on CPU (the native forward's extends where the CPU has them): within bfloat16's rounding
+    of HF's float32 vector."""
+    path = encoders["qwen3-bare_causal"]
+    h = SchedulerHarness(path, is_embedding=True, dtype="bfloat16")
+    batch = prompts(7, (5, 30))
+    for p, v in zip(batch, embed_all(h, batch)):
+        torch.testing.assert_close(torch.tensor(v), hf_vector(path, p), atol=3e-2, rtol=0)
+    assert h.scheduler.check_memory_integrity()
