@@ -319,8 +319,8 @@ class StepReceiver:
         rows = None if step.verify else runner.last_token_rows(fb)
         if runner.pooler is None:
             runner.model.compute_logits(hidden if rows is None else hidden[rows])
-        for first, count in step.logit_spans:
-            runner.model.compute_logits(hidden[first:first + count])
+            for first, count in step.logit_spans:
+                runner.model.compute_logits(hidden[first:first + count])
         sampled = None
         if step.future_slots is not None or (self.drafter is not None and not step.verify):
             sampled = torch.empty(len(step.seq_lens), dtype=torch.int64, device=dev)
