@@ -102,7 +102,7 @@ class Detokenizer:
                 del self.states[rid]
         return BatchStrOut(out.rids, texts, out.finished_reasons, out.new_token_ids, out.meta,
                            out.output_token_logprobs, out.output_top_logprobs, out.input_token_logprobs,
-                           out.input_top_logprobs)
+                           out.input_top_logprobs, out.embeddings or [None] * len(out.rids))
 
 
 def _rust_batch_decoder(tokenizer: Any) -> Optional[Callable[..., list[str]]]:

@@ -136,6 +136,9 @@ class BatchTokenIDOut:
     output_top_logprobs: list[Optional[list[list[tuple[float, int]]]]]
     input_token_logprobs: list[Optional[list[tuple[Optional[float], int]]]]
     input_top_logprobs: list[Optional[list[Optional[list[tuple[float, int]]]]]]
+    # an embedding engine's vectors (--is-embedding), parallel like the rest: None for a request without
+    # one (every request of a generation engine); a message that has none may leave it empty
+    embeddings: list[Optional[list[float]]] = field(default_factory=list)
 
 
 @dataclass
@@ -151,3 +154,5 @@ class BatchStrOut:
     output_top_logprobs: list[Optional[list[list[tuple[float, int]]]]]
     input_token_logprobs: list[Optional[list[tuple[Optional[float], int]]]]
     input_top_logprobs: list[Optional[list[Optional[list[tuple[float, int]]]]]]
+    # as BatchTokenIDOut's (the detokenizer passes them through, one per request)
+    embeddings: list[Optional[list[float]]] = field(default_factory=list)

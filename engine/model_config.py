@@ -15,6 +15,7 @@ the image token ids) is read from there.
       quantization      QuantizationConfig of a quantized checkpoint, else None
       vision            VisionConfig of a vision-language checkpoint, else None
       eagle             EagleDraftConfig of an EAGLE draft checkpoint, else None
+      num_labels        a sequence classifier's labels, else 0
 """
 from __future__ import annotations
 
@@ -222,6 +223,7 @@ class ModelConfig:
     quantization: Optional[QuantizationConfig] = None
     vision: Optional[VisionConfig] = None
     eagle: Optional[EagleDraftConfig] = None
+    num_labels: int = 0  # a sequence classifier's score-head rows (*ForSequenceClassification); 0 otherwise
 
     def __post_init__(self) -> None:
         assert len(self.layer_types) == self.text.num_layers, (len(self.layer_types), self.text.num_layers)
@@ -278,7 +280,7 @@ class ModelConfig:
         return cls(architecture=(_opt(hf, "architectures") or [""])[0], text=_text_config(hf, text),
                    heads=_head_geometry(text), layer_types=_layer_types(text), moe=_moe_geometry(text),
                    num_mtp_layers=int(mtp), quantization=_quantization(hf), vision=_vision_config(hf),
-                   eagle=_eagle_config(hf))
+                   eagle=_eagle_config(hf), num_labels=_num_labels(hf))
 
 
 # ---- the HF reads: this module's alone ----
@@ -388,6 +390,13 @@ def _vision_config(hf: Any) -> Optional[VisionConfig]:
                         vision_start_token_id=hf.vision_start_token_id, vision_end_token_id=hf.vision_end_token_id,
                         layer_norm_eps=float(_opt(vision, "layer_norm_eps", 1e-6)),
                         deepstack_visual_indexes=tuple(_opt(vision, "deepstack_visual_indexes") or ()))
+
+
+def _num_labels(hf: Any) -> int:
+    """A sequence classifier's labels (every HF config has num_labels, 2 by default: read for classifiers only)."""
+    if not ((_opt(hf, "architectures") or [""])[0]).endswith("ForSequenceClassification"):
+        return 0
+    return int(_opt(hf, "num_labels") or 0)
 
 
 def _eagle_config(hf: Any) -> Optional[EagleDraftConfig]:

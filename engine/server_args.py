@@ -138,6 +138,13 @@ class ServerArgs:
     context_length: Optional[int] = flag(
         None, help="the longest prompt plus output a request may have (default: the model's "
                    "max_position_embeddings)", owner="model")
+    # An embedding engine ends every request after its prefill with the pooled hidden state of the
+    # prompt's last token (layers/pooler.py); it serves /v1/embeddings, /encode and /classify, not generation.
+    is_embedding: bool = flag(
+        False, help="serve an embedding model (Qwen3-Embedding; a bare Qwen3Model / LlamaModel checkpoint) or a "
+                    "sequence classifier (Qwen3ForSequenceClassification): last-token pooling, L2-normalised "
+                    "(a classifier: its score head's logits), on /v1/embeddings, /encode and /classify; the "
+                    "generation routes answer 400 (SGLang's flag)", owner="model", also=("scheduler", "http"))
     # memory
     page_size: int = flag(1, help="tokens per KV-cache page, the unit the prefix cache matches and the pool hands "
                                   "out", owner="worker", also=("scheduler",))
@@ -492,6 +499,7 @@ class ServerArgs:
                              f"--disaggregation-mode {self.disaggregation_mode} engine runs only one of the two")
         self._check_speculative()
         self._check_media()
+        self._check_embedding()
         if self.tp_size < 1:
             raise ValueError("--tp-size must be >= 1")
         if self.dp_size < 1:
@@ -511,6 +519,16 @@ class ServerArgs:
             raise ValueError("--small-batch-gemv-rows must be 0..64")
         if self.flashinfer_decode_tensor_cores not in ("auto", "on", "off"):
             raise ValueError("--flashinfer-decode-tensor-cores must be auto, on or off")
+
+    def _check_embedding(self) -> None:
+        """--is-embedding: prefills only, so nothing that decodes or hands a prefill on."""
+        if not self.is_embedding:
+            return
+        if self.disaggregation_mode != "null":
+            raise ValueError("--is-embedding serves prefills only: there is no decode to hand them to "
+                             f"(--disaggregation-mode {self.disaggregation_mode})")
+        if self.speculative_algorithm is not None:
+            raise ValueError("--is-embedding generates no tokens: --speculative-algorithm means nothing there")
 
     def _check_media(self) -> None:
         """The image-input flags, normalized (host names lower-case, the image limit as a dict)."""

@@ -96,6 +96,7 @@ class ReqOutput:
     input_top_logprobs: Optional[list] = None
     new_logprobs_from: int = 0  # index into output_token_logprobs where this step's entries begin
     e2e_latency: float = 0.0
+    embedding: Optional[list[float]] = None  # an embedding engine's vector, with the final output
 
 
 @dataclass
@@ -112,6 +113,7 @@ class _Step:
     input_token_logprobs: Optional[list]
     input_top_logprobs: Optional[list]
     e2e_latency: float
+    embedding: Optional[list[float]] = None  # an embedding engine's vector
 
 
 class StepQueue:
@@ -427,6 +429,8 @@ class TokenizerManager:
                 out.output_top_logprobs.extend(step.output_top_logprobs)
             if step.input_token_logprobs is not None:
                 out.input_token_logprobs, out.input_top_logprobs = step.input_token_logprobs, step.input_top_logprobs
+            if step.embedding is not None:
+                out.embedding = step.embedding
         out.delta = "".join(step.text for step in steps)
         out.new_ids = [t for step in steps for t in step.new_ids]
         return out
@@ -539,7 +543,7 @@ class TokenizerManager:
             state.queue.put_nowait(_Step(
                 msg.texts[i], msg.new_token_ids[i], finished, meta, msg.output_token_logprobs[i],
                 msg.output_top_logprobs[i], msg.input_token_logprobs[i], msg.input_top_logprobs[i],
-                now - state.created))
+                now - state.created, msg.embeddings[i] if msg.embeddings else None))
         if generated:
             self.metrics.generation_tokens.inc(generated)  # once per batch: the counter takes a lock
 

@@ -13,7 +13,7 @@ ENGINE_FLAGS = (
     "disaggregation-mode", "disaggregation-protocol", "disaggregation-transfer-backend",
     "disaggregation-waiting-timeout", "dp-size", "dtype", "enable-mixed-chunk", "enable-overlap-schedule",
     "enable-priority-scheduling", "enable-torch-compile", "flashinfer-decode-tensor-cores", "grammar-backend",
-    "host", "kv-cache-dtype", "limit-mm-data-per-request", "load-balance-method", "log-level",
+    "host", "is-embedding", "kv-cache-dtype", "limit-mm-data-per-request", "load-balance-method", "log-level",
     "mamba-full-memory-ratio", "mamba-ssm-dtype", "mamba-track-interval", "max-image-pixels",
     "max-mamba-cache-size", "max-media-bytes", "max-prefill-tokens", "max-queued-requests",
     "max-request-bytes", "max-running-requests", "max-total-tokens", "media-fetch-timeout",

@@ -30,6 +30,9 @@ class GenerationBatchResult:
     verify: Optional["VerifyOutput"] = None
     # a verify step accepted on the device (speculative/accept_device.py): `verify` once resolved
     pending_verify: Optional[Any] = None
+    # an embedding engine's extend (--is-embedding): each request's pooled vector (layers/pooler.py);
+    # nothing is sampled (next_token_ids are 0)
+    embeddings: Optional[list[list[float]]] = None
 
     def resolve(self) -> "GenerationBatchResult":
         """Wait for the sampled ids (or a verify step's tokens) to reach the host (no-op when they already did)."""

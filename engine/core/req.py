@@ -106,6 +106,9 @@ class Req:
     spec_emitted: int = 0
     spec_state_slots: Optional[list[int]] = None
     spec_state_final: bool = False
+    # an embedding engine's result (--is-embedding): the pooled vector of the prompt's last token,
+    # set by the output processor when the prefill's last chunk has run, which ends the request
+    embedding: Optional[list[float]] = None
 
     @property
     def grammar(self) -> Any:

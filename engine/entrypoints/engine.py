@@ -238,7 +238,7 @@ def run_server(server_args: ServerArgs) -> None:
                               allow_auto_truncate=server_args.allow_auto_truncate)
         _enable_images(tm, server_args)
         model_info = {"model_path": server_args.model_path, "tokenizer_path": server_args.tokenizer_path,
-                      "served_model_name": server_args.model_name, "is_generation": True}
+                      "served_model_name": server_args.model_name, "is_generation": not server_args.is_embedding}
         ctx = ApiContext(server_args, tm, model_info, procs.alive,
                          extra={"dp_size": server_args.dp_size, "tp_size": server_args.tp_size,
                                 "tp_follower_pids": [p.pid for _, p in procs.followers]})

@@ -15,6 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from baton.engine.disaggregation.no_peer import FAKE_BOOTSTRAP_HOST
 from baton.engine.entrypoints.drain import GENERATION_PATHS
+from baton.engine.entrypoints.embedding_routes import EMBEDDING_ONLY, EMBEDDING_PATHS, register_embedding_routes
 from baton.engine.entrypoints.expansion import expand, pd_fields
 from baton.engine.entrypoints.http_common import (SSE_DONE, SSE_KEEPALIVE, ApiContext, abort_error, collect,
                                                   error_response, parse, read_json, sampling_params_from, sse,
@@ -70,9 +71,12 @@ class GuardMiddleware:
         length = headers.get("content-length")
         if length and length.isdigit() and int(length) > args.max_request_bytes:
             return error_response(f"request body too large (limit {args.max_request_bytes} bytes)", 413)
-        if self.ctx.drain.active and path in GENERATION_PATHS:
+        if self.ctx.drain.active and (path in GENERATION_PATHS or path in EMBEDDING_PATHS):
             self.ctx.tm.metrics.error(503)
             return self.ctx.drain.refusal()
+        if args.is_embedding and path in GENERATION_PATHS:
+            self.ctx.tm.metrics.error(400)
+            return error_response(EMBEDDING_ONLY, 400)
         return None
 
 
@@ -101,6 +105,7 @@ def create_app(ctx: ApiContext) -> FastAPI:
 
     _register_native_routes(app, ctx)
     register_openai_routes(app, ctx)
+    register_embedding_routes(app, ctx)
     return app
 
 

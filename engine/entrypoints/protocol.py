@@ -146,3 +146,27 @@ class GenerateRequest(_Body):
     bootstrap_port: Optional[Union[int, list[Optional[int]]]] = None
     bootstrap_room: Optional[Union[int, list[int]]] = None
     data_parallel_rank: Optional[Union[int, list[int]]] = None
+
+
+# ---- embeddings ----
+class EmbeddingRequest(_Body):
+    """OpenAI's /v1/embeddings. `input`: a string, strings, token ids or lists of token ids (checked by
+    the route, which names what is wrong)."""
+
+    input: Any = None
+    model: Optional[str] = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Optional[int] = None  # the first this many values, L2-normalised again
+    user: Optional[str] = None
+    rid: Optional[Union[str, list[str]]] = None  # SGLang's: a batch's, one per input
+
+
+class EncodeRequest(_Body):
+    """SGLang-native /encode and /classify (SGLang's EmbeddingReqInput). One of text / input_ids;
+    lists make a batch."""
+
+    text: Any = None
+    input_ids: Any = None
+    rid: Optional[Union[str, list[str]]] = None
+    dimensions: Optional[int] = None
+    image_data: Optional[Any] = None  # SGLang's multimodal embeddings; refused: text only

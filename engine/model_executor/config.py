@@ -48,3 +48,5 @@ class WorkerConfig:
     speculative_num_draft_tokens: Optional[int]
     speculative_ngram_max_bfs_breadth: int
     speculative_disable_by_batch_size: int
+    # an embedding engine: no LM head; each extend's last tokens pooled instead of sampled (layers/pooler.py)
+    is_embedding: bool

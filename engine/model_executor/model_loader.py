@@ -92,17 +92,20 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 def load_model(model_path: str, dtype: str = "auto", device: str = "cpu", tp: TpGroup = TpGroup(),
                mtp: bool = False, draft_model_path: Optional[str] = None, token_map: Optional[str] = None,
-               draft_algorithm: Optional[str] = None) -> tuple[nn.Module, ModelConfig, torch.dtype]:
+               draft_algorithm: Optional[str] = None,
+               embedding: bool = False) -> tuple[nn.Module, ModelConfig, torch.dtype]:
     """Returns (model in eval mode on `device`, its config, the dtype it was built in). With a
     TP group of several ranks the model is this rank's shard. `mtp`: with the checkpoint's
     multi-token-prediction head (--speculative-algorithm NEXTN; models/qwen3_next.py).
     `draft_model_path`: an EAGLE draft checkpoint (--speculative-algorithm EAGLE / EAGLE3), built as
     the model's `draft_head` (models/eagle.py), refused unless it is a `draft_algorithm` draft (when
-    given); `token_map`: its LM head cut to those tokens."""
+    given); `token_map`: its LM head cut to those tokens. `embedding` (--is-embedding): without the
+    LM head, which an embedding engine never reads (a checkpoint's lm_head.* is skipped)."""
     config = ModelConfig.from_pretrained(model_path)
     if not config.architecture:
         raise ValueError(f"{model_path}/config.json has no 'architectures' entry")
     model_cls = get_model_class(config.architecture)
+    _check_generates(config, embedding)
     torch_dtype = resolve_dtype(dtype, config, device)
     validate_tp(config, tp.size)
     with _default_dtype(torch_dtype), torch.device(device):
@@ -112,7 +115,9 @@ def load_model(model_path: str, dtype: str = "auto", device: str = "cpu", tp: Tp
                 raise ValueError(f"--speculative-algorithm NEXTN drafts with the checkpoint's own multi-token-prediction "
                                  f"weights; {config.architecture} has none here (Qwen3-Next and Qwen3.5 models do)")
             model.add_mtp_head()
-    model.load_weights(iterate_safetensors(safetensors_files(model_path)))
+    if embedding:
+        model.lm_head = None
+    model.load_weights(_bare_names_prefixed(iterate_safetensors(safetensors_files(model_path))))
     if draft_model_path is not None:
         with _default_dtype(torch_dtype), torch.device(device):
             head = load_draft_head(draft_model_path, config, model.num_kv_layers, tp, draft_algorithm)
@@ -128,6 +133,30 @@ def load_model(model_path: str, dtype: str = "auto", device: str = "cpu", tp: Tp
             model.model.aux_layers = model.draft_head.aux_layers
     model.eval().requires_grad_(False)
     return model, config, torch_dtype
+
+
+# The top-level modules of a bare decoder (HF's LlamaModel, Qwen3Model): a checkpoint saved from one (as
+# Qwen3-Embedding's is, under architecture Qwen3ForCausalLM) names them without the `model.` prefix.
+_BARE_DECODER_NAMES = ("embed_tokens.", "layers.", "norm.")
+
+
+def _bare_names_prefixed(weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """A bare decoder's weight names as the model classes name them (under `model.`)."""
+    for name, tensor in weights:
+        yield ("model." + name if name.startswith(_BARE_DECODER_NAMES) else name), tensor
+
+
+def _check_generates(config: ModelConfig, embedding: bool) -> None:
+    """A checkpoint that cannot generate (no LM head: a bare decoder; a classifier's head instead)
+    needs --is-embedding."""
+    if embedding:
+        return
+    arch = config.architecture
+    if config.num_labels:
+        raise ValueError(f"{arch} is a sequence classifier: serve it with --is-embedding (/classify)")
+    if arch.endswith("Model") and not config.text.tie_word_embeddings:
+        raise ValueError(f"{arch} is a decoder without an LM head: serve it with --is-embedding "
+                         "(/v1/embeddings, /encode)")
 
 
 def load_draft_head(path: str, target_config: ModelConfig, first_kv_layer: int, tp: TpGroup,

@@ -15,6 +15,7 @@ from baton.engine.core.forward_batch import ForwardBatch, ForwardMode
 from baton.engine.layers.custom_op import bind_layer_ops
 from baton.engine.layers.gemm import SmallBatchGemv
 from baton.engine.layers.linear import pack_linear_weights
+from baton.engine.layers.pooler import LastTokenPooler
 from baton.engine.layers.rotary_embedding import RotaryEmbedding
 from baton.engine.model_executor.config import WorkerConfig
 from baton.engine.model_executor.model_loader import DTYPES as MODEL_DTYPES
@@ -153,8 +154,10 @@ class ModelRunner:
         self.model, self.model_config, self.dtype = load_model(
             args.model_path, args.dtype, self.device, self.tp, mtp=algorithm == "NEXTN",
             draft_model_path=args.speculative_draft_model_path if algorithm in DRAFT_CHECKPOINT_ALGORITHMS else None,
-            token_map=args.speculative_token_map, draft_algorithm=algorithm)
+            token_map=args.speculative_token_map, draft_algorithm=algorithm, embedding=args.is_embedding)
         self.draft_head = getattr(self.model, "mtp" if algorithm == "NEXTN" else "draft_head", None)
+        # an embedding engine's: each extend's last tokens pooled instead of scored (layers/pooler.py)
+        self.pooler = LastTokenPooler.for_model(self.model) if args.is_embedding else None
         self.mm_embedder = None  # a vision-language model's tower, its cache and ViT DP
         tower = getattr(self.model, "visual", None)
         if tower is not None:
@@ -486,6 +489,12 @@ class ModelRunner:
         if native is not None and native.has_logits and hidden.dtype == torch.bfloat16:
             return native.logits(hidden)
         return self.model.compute_logits(hidden)
+
+    def pool(self, fb: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
+        """An embedding engine's extend [num_tokens, hidden] -> each request's vector [bs, dim] float32,
+        from the last token of its chunk (layers/pooler.py)."""
+        assert self.pooler is not None and fb.forward_mode == ForwardMode.EXTEND, "an embedding engine only extends"
+        return self.pooler(hidden[self.last_token_rows(fb)])
 
     @staticmethod
     def last_token_rows(fb: ForwardBatch) -> Optional[torch.Tensor]:

@@ -18,6 +18,13 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen3_5ForConditionalGeneration": ("qwen3_next", "Qwen3_5ForConditionalGeneration"),
     "Qwen3_5MoeForConditionalGeneration": ("qwen3_next", "Qwen3_5MoeForConditionalGeneration"),
     "Qwen3VLForConditionalGeneration": ("qwen3", "Qwen3VLForConditionalGeneration"),
+    # --is-embedding: bare decoders (no LM head; their weights without the `model.` prefix) and classifiers
+    "LlamaModel": ("llama", "LlamaForCausalLM"),
+    "Qwen2Model": ("qwen2", "Qwen2ForCausalLM"),
+    "Qwen3Model": ("qwen3", "Qwen3ForCausalLM"),
+    "LlamaForSequenceClassification": ("sequence_classification", "LlamaForSequenceClassification"),
+    "Qwen2ForSequenceClassification": ("sequence_classification", "Qwen2ForSequenceClassification"),
+    "Qwen3ForSequenceClassification": ("sequence_classification", "Qwen3ForSequenceClassification"),
 }
 
 

@@ -66,6 +66,9 @@ class OutputProcessor:
             if req.is_chunked > 0:  # an intermediate chunk: its sampled token is meaningless
                 req.is_chunked -= 1
                 continue
+            if result.embeddings is not None:  # an embedding engine: the prompt's vector ends the request
+                self._finish_embedding(req, result.embeddings[i])
+                continue
             self._append_token(req, i, result)
             if req.finished():
                 self.finish_request(req)
@@ -93,6 +96,13 @@ class OutputProcessor:
             if req.finished_reason is not None:
                 self.finish_request(req)
         self.stats.generated_tokens += appended
+
+    def _finish_embedding(self, req: Req, vector: list[float]) -> None:
+        """An embedding engine's request after its prefill's last chunk: its vector, no tokens; its KV
+        goes to the prefix cache as any finished request's."""
+        req.embedding = vector
+        req.finished_reason = FinishReason("length")
+        self.finish_request(req)
 
     def _append_token(self, req: Req, i: int, result) -> None:
         if req.sampling_params.max_new_tokens == 0:  # the prefill only (prompt logprobs, cache warming)
@@ -173,6 +183,7 @@ class OutputProcessor:
         out.stop_strs.append(p.stop)
         out.no_stop_trim.append(p.no_stop_trim)
         out.meta.append((len(req.origin_input_ids), len(req.output_ids), req.cached_tokens))
+        out.embeddings.append(req.embedding)
         if req.return_logprob:
             out.output_token_logprobs.append(req.output_token_logprobs[start:])
             out.output_top_logprobs.append(req.output_top_logprobs[start:] if req.top_logprobs_num else None)

@@ -254,7 +254,9 @@ class Scheduler:
                 # wire; the whole prompt goes to the cache once its transfer has ended.
                 self.tree_cache.cache_unfinished_req(self.chunked_req)
         last.filter_batch()
-        if keeps:
+        # an embedding engine's requests end with their prefill (the overlap loop may not have
+        # processed it yet): none decodes
+        if keeps and not self.server_args.is_embedding:
             self.running_batch.merge_batch(last)
 
     def _log_prefill(self, p: PrefillBatch) -> None:

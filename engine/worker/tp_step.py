@@ -315,11 +315,12 @@ class StepReceiver:
                 self.drafter.draft(fb, spec)
         hidden = runner.forward(fb)
         # the driver's LM head calls (each all-gathers logits): last positions (every row of a verify
-        # step), then prompt spans
+        # step), then prompt spans; an embedding engine's driver pools instead, on its own
         rows = None if step.verify else runner.last_token_rows(fb)
-        runner.model.compute_logits(hidden if rows is None else hidden[rows])
-        for first, count in step.logit_spans:
-            runner.model.compute_logits(hidden[first:first + count])
+        if runner.pooler is None:
+            runner.model.compute_logits(hidden if rows is None else hidden[rows])
+            for first, count in step.logit_spans:
+                runner.model.compute_logits(hidden[first:first + count])
         sampled = None
         if step.future_slots is not None or (self.drafter is not None and not step.verify):
             sampled = torch.empty(len(step.seq_lens), dtype=torch.int64, device=dev)

@@ -88,6 +88,8 @@ class TpModelWorker:
         if mwb.spec_info is not None and self.drafter is not None:
             self.drafter.draft(fb, mwb.spec_info)
         hidden = runner.forward(fb)  # [num_tokens, hidden]
+        if runner.pooler is not None:
+            return self._pooled(fb, hidden, future_map, future_slots)
         if mwb.spec_info is not None:
             return self._verify(mwb, fb, hidden, future_map, future_slots, async_copy)
         rows = runner.last_token_rows(fb)
@@ -111,6 +113,20 @@ class TpModelWorker:
         if self.drafter is not None:  # after the ids' copy is queued: the scheduler waits for that, not this
             self.drafter.after_pass(fb, hidden, next_ids, mwb.next_prompt_ids)
         return result
+
+    def _pooled(self, fb, hidden: torch.Tensor, future_map: Optional[FutureMap],
+                future_slots: Optional[torch.Tensor]) -> GenerationBatchResult:
+        """An embedding engine's extend: each request's pooled vector, no LM head, no sampling. Its
+        "next token" is 0, for the overlap loop's future map (and the TP followers' copies of it)."""
+        vectors = self.model_runner.pool(fb, hidden)  # [bs, dim] float32
+        next_ids = torch.zeros(vectors.shape[0], dtype=torch.int64, device=hidden.device)
+        if future_map is not None:
+            future_map.token_ids[future_slots] = next_ids
+            if self.step_sender is not None:
+                self.step_sender.send_sampled(next_ids)
+        cpu_ids = next_ids.to("cpu")
+        return GenerationBatchResult(next_token_ids=cpu_ids.tolist(), next_token_ids_tensor=cpu_ids,
+                                     next_token_ids_device=next_ids, embeddings=vectors.to("cpu").tolist())
 
     def _verify(self, mwb: ModelWorkerBatch, fb, hidden: torch.Tensor, future_map: Optional[FutureMap],
                 future_slots: Optional[torch.Tensor], async_copy: bool = False) -> GenerationBatchResult:

@@ -21,6 +21,7 @@ class Collected:
     input_logprobs: Optional[list] = None
     cached_tokens: int = 0
     after_finish: int = 0  # outputs that arrived after the request had finished (must stay 0)
+    embedding: Optional[list[float]] = None  # an embedding engine's vector (--is-embedding)
 
 
 class SchedulerHarness:
@@ -71,4 +72,6 @@ class SchedulerHarness:
                     c.output_top_logprobs.extend(msg.output_top_logprobs[i])
                 if msg.input_token_logprobs[i] is not None:
                     c.input_logprobs = msg.input_token_logprobs[i]
+                if msg.embeddings and msg.embeddings[i] is not None:
+                    c.embedding = msg.embeddings[i]
         self.scheduler.outbox.clear()

@@ -546,3 +546,10 @@ def test_strict_model_name_and_auto_truncate(model_path):
         assert r.status_code == 200, r.text
         assert (r.json()["meta_info"]["prompt_tokens"], r.json()["meta_info"]["completion_tokens"]) == (63, 1)
         assert wait_idle_integrity(base)["integrity_ok"] is True
+
+
+@pytest.mark.parametrize("path, body", [("/v1/embeddings", {"input": "hi"}), ("/encode", {"text": "hi"}),
+                                        ("/classify", {"input_ids": [5, 6]})])
+def test_embedding_routes_are_refused_on_a_generation_engine(engine, path, body):
+    r = httpx.post(f"{engine.base_url}{path}", json=body, timeout=30)
+    assert r.status_code == 400 and "--is-embedding" in r.json()["error"]["message"], r.text

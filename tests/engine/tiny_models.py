@@ -480,3 +480,45 @@ def save_tiny_tokenizer(path: Union[str, os.PathLike], vocab_size: int = VOCAB_S
                                    pad_token="<|pad|>")
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(os.fspath(path))
+
+
+ENCODER_LAYOUTS = ("causal", "bare", "bare_causal", "classifier")
+
+
+def make_tiny_encoder(arch: str, path: Union[str, os.PathLike], layout: str, seed: int = 0, num_labels: int = 3,
+                      **overrides: Any) -> str:
+    """A tiny random checkpoint (llama | qwen2 | qwen3) for --is-embedding, in one of the layouts such
+    models ship in:
+
+        causal       *ForCausalLM, LM head and all (any generation checkpoint)
+        bare         the bare decoder (*Model): no LM head, weights without the `model.` prefix
+        bare_causal  bare weights under architecture *ForCausalLM (Qwen3-Embedding's layout)
+        classifier   *ForSequenceClassification: a `score` head of `num_labels` rows
+    """
+    import json
+
+    import transformers as tf
+
+    if layout == "causal":
+        return make_tiny_model(arch, path, seed=seed, **overrides)
+    config_cls, causal_cls = _config_and_model_classes(arch)
+    config = config_cls(**{**_BASE, **ARCH_DEFAULTS[arch], **overrides})
+    torch.manual_seed(seed)
+    path = os.fspath(path)
+    if layout == "classifier":
+        config.num_labels = num_labels
+        model = getattr(tf, causal_cls.__name__.replace("ForCausalLM", "ForSequenceClassification"))(config)
+        _randomize_zero_params(model.to(torch.float32).eval(), config.initializer_range)
+        model.save_pretrained(path)
+    else:
+        model = causal_cls(config).to(torch.float32).eval()
+        _randomize_zero_params(model, config.initializer_range)
+        model.model.save_pretrained(path)  # architectures: [*Model]; names without `model.`
+        if layout == "bare_causal":
+            with open(os.path.join(path, "config.json")) as f:
+                saved = json.load(f)
+            saved["architectures"] = [causal_cls.__name__]
+            with open(os.path.join(path, "config.json"), "w") as f:
+                json.dump(saved, f)
+    save_tiny_tokenizer(path, config.vocab_size)
+    return path

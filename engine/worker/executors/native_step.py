@@ -31,10 +31,11 @@ class NativeSteps:
     @classmethod
     def serving(cls, worker: TpModelWorker) -> Optional["NativeSteps"]:
         """The native steps of this worker's model, or None where the native forward does not serve
-        it whole (CUDA, the model's own forward, no packed LM head, more than one TP rank)."""
+        it whole (CUDA, the model's own forward, no packed LM head, more than one TP rank, an embedding
+        engine's pooling)."""
         native = worker.model_runner.native_forward
         if (str(worker.device).startswith("cuda") or native is None or not native.has_logits
-                or worker.step_sender is not None):
+                or worker.step_sender is not None or worker.model_runner.pooler is not None):
             return None
         return cls(worker, native)
 
