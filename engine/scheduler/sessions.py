@@ -1,6 +1,7 @@
-"""Sessions (SGLang's /open_session, /close_session and `session_params` on /generate): a request in a
-session continues an earlier request of it, its prompt appended to that request's prompt and output,
-and runs without prefilling that history again.
+"""Sessions: a request continues an earlier request of its session without prefilling that history.
+
+SGLang's /open_session, /close_session and `session_params` on /generate: a request in a session has
+its prompt appended to the prompt and output of the request it continues.
 
     open_session -> S
     generate {id: S}                              A: a fresh start
