@@ -323,3 +323,26 @@ def test_decode_step_takes_holds_before_retracting(tiny_model_factory, caplog, l
     assert h.scheduler.stats.retractions == 0
     assert close_session(h, "s").success
     assert_whole(h)
+
+
+@pytest.mark.parametrize("no_radix", [False, True])
+def test_a_turn_arriving_before_its_parents_release_still_reuses_it(tiny_model_factory, no_radix):
+    """The overlap loop releases a finished request one result later; a turn that continues it right
+    after its last output (another request keeps the loop busy) settles that release first."""
+    path = tiny_model_factory("llama")
+    h = harness_for(path, "overlap", disable_radix_cache=no_radix, max_total_tokens=2048)
+    assert open_session(h, "s").success
+    h.scheduler.process_input_requests([TokenizedGenerateReqInput(
+        rid="busy", input_text=None, input_ids=prompt(9, 8),
+        sampling_params=SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True))])
+    a = prompt(1, 20)
+    submit(h, "A", a, id="s")
+    while h.results.get("A") is None or h.results["A"].finish is None:
+        h.step()
+    assert any(r.rid == "A" for r in h.scheduler.releaser.waiting), "A's release waits one result"
+    submit(h, "B", [5, 6], id="s", rid="A")
+    out = h.run_until_idle()["B"]
+    assert out.ids == hf_greedy(path, a + h.results["A"].ids + [5, 6], MAX_NEW, ignore_eos=True)
+    assert out.cached_tokens >= len(a) + MAX_NEW - 1
+    assert close_session(h, "s").success
+    assert_whole(h)
