@@ -346,3 +346,38 @@ def test_a_turn_arriving_before_its_parents_release_still_reuses_it(tiny_model_f
     assert out.cached_tokens >= len(a) + MAX_NEW - 1
     assert close_session(h, "s").success
     assert_whole(h)
+
+
+def test_tokenizer_manager_sends_a_sessions_requests_to_one_dp_rank():
+    """Every request of a session goes to the DP rank of its id (where its history is); a request naming
+    another rank, a session request without the session's id, or sessions on a PD engine are 400s."""
+    import zlib
+
+    from baton.engine.metrics import EngineMetrics
+    from baton.engine.tokenizer_manager import GenerateInput, RequestError, TokenizerManager
+
+    def manager(mode: str = "null") -> TokenizerManager:
+        return TokenizerManager(None, ["a", "b", "c"], "", EngineMetrics("m", "colocated"), vocab_size=100,
+                                context_len=64, disaggregation_mode=mode)
+
+    def request(**params) -> GenerateInput:
+        return GenerateInput(SamplingParams(max_new_tokens=2), input_ids=[5, 6],
+                             session_params=SessionParams(**params) if params else None)
+
+    tm = manager()
+    plain = request()
+    assert tm._in_session(plain, tm._tokenized(plain)).__class__ is TokenizedGenerateReqInput
+    for sid in ("s1", "another", "x" * 40):
+        obj = request(id=sid, rid="r0")
+        msg = tm._in_session(obj, tm._tokenized(obj))
+        assert isinstance(msg, SessionGenerateReqInput) and msg.session_params.rid == "r0"
+        rank = zlib.crc32(sid.encode()) % 3
+        assert tm.pick_rank(obj) == tm.pick_rank(obj) == rank
+    refused = [(tm, request(rid="r0"), "session's id"), (manager("prefill"), request(id="s"), "colocated")]
+    pinned = request(id="s1")
+    pinned.data_parallel_rank = (zlib.crc32(b"s1") + 1) % 3
+    refused.append((tm, pinned, "runs on data-parallel rank"))
+    for m, obj, words in refused:
+        with pytest.raises(RequestError) as e:
+            m._in_session(obj, m._tokenized(obj))
+        assert e.value.status == 400 and words in e.value.message
