@@ -156,3 +156,56 @@ class BatchStrOut:
     input_top_logprobs: list[Optional[list[Optional[list[tuple[float, int]]]]]]
     # as BatchTokenIDOut's (the detokenizer passes them through, one per request)
     embeddings: list[Optional[list[float]]] = field(default_factory=list)
+
+
+# ---- sessions ----
+@dataclass
+class SessionParams:
+    """SGLang's `session_params` of a generate request: which session (`id`) and which earlier request of
+    it (`rid`; none: a fresh start, or a streaming session's last request) it continues, where that
+    request's prompt and output are cut (`offset`, as a Python slice end), whether the requests after
+    `rid` are dropped first (`replace`), and whether the history leaves out `rid`'s output
+    (`drop_previous_output`)."""
+
+    id: Optional[str] = None
+    rid: Optional[str] = None
+    offset: Optional[int] = None
+    replace: Optional[bool] = None
+    drop_previous_output: Optional[bool] = None
+
+
+@dataclass
+class SessionGenerateReqInput:
+    """A generate request in a session: the scheduler builds its prompt from the session's history
+    (engine/scheduler/sessions.py)."""
+
+    req: TokenizedGenerateReqInput
+    session_params: SessionParams
+
+
+@dataclass
+class OpenSessionReqInput:
+    capacity_of_str_len: int
+    session_id: Optional[str] = None  # the tokenizer manager draws one when the client gives none
+    streaming: Optional[bool] = None  # each request continues the last one; no branching
+    timeout: Optional[float] = None  # seconds without a request after which the session closes itself
+
+
+@dataclass
+class OpenSessionReqOutput:
+    session_id: Optional[str]
+    success: bool
+    message: str = ""
+    dp_rank: int = 0  # which scheduler answered
+
+
+@dataclass
+class CloseSessionReqInput:
+    session_id: str
+
+
+@dataclass
+class CloseSessionReqOutput:
+    success: bool
+    message: str = ""
+    dp_rank: int = 0  # which scheduler answered

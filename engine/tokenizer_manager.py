@@ -6,6 +6,7 @@ import asyncio
 import logging
 import time
 import uuid
+import zlib
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator, Optional
@@ -15,6 +16,8 @@ import zmq.asyncio
 
 from baton.engine.io_struct import (AbortReq, BatchStrOut, FinishReason, FlushCacheOut, FlushCacheReq, FreezeGCReq,
                                     GetServerInfoOut, GetServerInfoReq, ReqMeta, TokenizedGenerateReqInput)
+from baton.engine.io_struct import (CloseSessionReqInput, CloseSessionReqOutput, OpenSessionReqInput,  # sessions
+                                    OpenSessionReqOutput, SessionGenerateReqInput, SessionParams)
 from baton.engine.metrics import EngineMetrics
 from baton.engine.sampling.sampling_params import SamplingParams
 
@@ -75,6 +78,8 @@ class GenerateInput:
     # (multimodal/media.py), and what attach_images makes of them
     image_data: Optional[list[str]] = None
     mm_inputs: Optional["MultimodalInputs"] = None
+    # SGLang's session_params: the session and the request of it this one continues
+    session_params: Optional[SessionParams] = None
 
 
 @dataclass
@@ -355,7 +360,7 @@ class TokenizerManager:
         client disconnects. `keepalive` (a stream): a None after each silence of keepalive_s."""
         if self.stopped is not None:
             raise RequestError(self.stopped, 503, "server_error")
-        tokenized = self._tokenized(obj)
+        tokenized = self._in_session(obj, self._tokenized(obj))
         self._check_new_rid(obj.rid)
         return self._generate(obj, tokenized, is_disconnected, keepalive)
 
@@ -363,7 +368,7 @@ class TokenizerManager:
         if rid in self.states:
             raise RequestError(f"duplicate request id {rid!r}", 400)
 
-    async def _generate(self, obj: GenerateInput, tokenized: TokenizedGenerateReqInput, is_disconnected,
+    async def _generate(self, obj: GenerateInput, tokenized: Any, is_disconnected,
                         keepalive: bool) -> AsyncIterator[Optional[ReqOutput]]:
         self._check_new_rid(obj.rid)  # again: another request may have taken the id since generate()
         state = _ReqState(ReqOutput(rid=obj.rid), StepQueue(), keepalive=keepalive)
@@ -462,6 +467,45 @@ class TokenizerManager:
                 if not gather.fut.done():
                     gather.fut.set_exception(RequestError(message, 503, "server_error"))
             waiters.clear()
+
+    # ---- sessions ----
+    async def open_session(self, obj: OpenSessionReqInput) -> str:
+        """Opened on every DP rank (a session's requests then go to one: session_rank). Its id; a
+        RequestError (400) when the id is open already."""
+        if self.disaggregation_mode != "null":
+            raise RequestError("sessions need a colocated engine: a PD engine's KV leaves it with each request", 400)
+        if obj.session_id is None:
+            obj.session_id = uuid.uuid4().hex
+        failed = [o for o in await self._control(obj, OpenSessionReqOutput) if not o.success]
+        if failed:
+            raise RequestError(f"failed to open the session: {failed[0].message}", 400)
+        return obj.session_id
+
+    async def close_session(self, obj: CloseSessionReqInput) -> None:
+        outs = await self._control(obj, CloseSessionReqOutput)
+        if not any(o.success for o in outs):
+            raise RequestError(outs[0].message, 404)
+
+    def session_rank(self, session_id: str) -> int:
+        """The DP rank whose scheduler holds a session's requests (a stable hash of its id)."""
+        return zlib.crc32(session_id.encode()) % self.dp_size
+
+    def _in_session(self, obj: GenerateInput, tokenized: TokenizedGenerateReqInput) -> Any:
+        """A request with session_params goes to its session's DP rank, wrapped so that the scheduler
+        builds its prompt from the session's history."""
+        params = obj.session_params
+        if params is None:
+            return tokenized
+        if self.disaggregation_mode != "null":
+            raise RequestError("sessions need a colocated engine: a PD engine's KV leaves it with each request", 400)
+        if params.id is None:
+            raise RequestError("session_params needs the session's id", 400)
+        rank = self.session_rank(params.id)
+        if obj.data_parallel_rank not in (None, rank):
+            raise RequestError(f"session {params.id!r} runs on data-parallel rank {rank}, not "
+                               f"{obj.data_parallel_rank}", 400)
+        obj.data_parallel_rank = rank
+        return SessionGenerateReqInput(tokenized, params)
 
     # ------------------------------------------------------------------ control
     async def _control(self, req: Any, reply_type: type, timeout: float = 30.0) -> list[Any]:

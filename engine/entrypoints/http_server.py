@@ -22,6 +22,7 @@ from baton.engine.entrypoints.http_common import (SSE_DONE, SSE_KEEPALIVE, ApiCo
                                                   sse_error)
 from baton.engine.entrypoints.openai_api import register_openai_routes
 from baton.engine.entrypoints.protocol import GenerateRequest
+from baton.engine.entrypoints.session_routes import register_session_routes, session_params_of
 from baton.engine.sampling.sampling_params import SamplingParams, SamplingParamsError
 from baton.engine.server_args import ServerArgs
 from baton.engine.tokenizer_manager import GenerateInput, ReqOutput, RequestError
@@ -106,6 +107,7 @@ def create_app(ctx: ApiContext) -> FastAPI:
     _register_native_routes(app, ctx)
     register_openai_routes(app, ctx)
     register_embedding_routes(app, ctx)
+    register_session_routes(app, ctx)
     return app
 
 
@@ -242,6 +244,7 @@ def _native_inputs(req: GenerateRequest) -> list[GenerateInput]:
         if obj.return_logprob and obj.logprob_start_len < 0 and req.logprob_start_len == -1:
             obj.logprob_start_len = -1  # output logprobs only, as SGLang's default
         obj.image_data = _prompt_images(req.image_data, i, size)
+        obj.session_params = session_params_of(_pick(req, "session_params", i, size))
         rid = _pick(req, "rid", i, size)
         if rid is not None:
             obj.rid = str(rid)

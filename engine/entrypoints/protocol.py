@@ -146,6 +146,9 @@ class GenerateRequest(_Body):
     bootstrap_port: Optional[Union[int, list[Optional[int]]]] = None
     bootstrap_room: Optional[Union[int, list[int]]] = None
     data_parallel_rank: Optional[Union[int, list[int]]] = None
+    # SGLang's: the session the request continues (id, rid, offset, replace, drop_previous_output); for
+    # a batch one per prompt. Checked in session_routes.py
+    session_params: Optional[Union[dict[str, Any], list[Optional[dict[str, Any]]]]] = None
 
 
 # ---- embeddings ----

@@ -188,7 +188,9 @@ class RequestIntake:
         for req in targets:
             req.abort(recv.message, recv.status_code)
             if any(r is req for r in waiting):
-                waiting.remove(req)  # queued requests hold no memory
+                waiting.remove(req)  # queued requests hold no memory,
+                if req.req_pool_idx is not None:  # but a session's next turn that took its history's row
+                    self.output.releaser.release_now(req)
                 self.pd.release(req)  # PD: and tell the peer engine
                 self.output.stream_output([req])
         self.pd.abort(recv)

@@ -6,7 +6,7 @@ plain loop releases at once.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, Optional
 
 if TYPE_CHECKING:
     from baton.engine.core.req import Req
@@ -18,6 +18,8 @@ class ReqReleaser:
         self.tree_cache = tree_cache
         self.deferred = deferred  # the overlap loop
         self.waiting: list["Req"] = []
+        # sessions.py: keeps a finished session request's KV for its next turn; True when it released it
+        self.keep: Optional[Callable[["Req"], bool]] = None
 
     def release(self, req: "Req") -> None:
         if self.deferred:
@@ -29,7 +31,8 @@ class ReqReleaser:
         if req.req_pool_idx is None:
             return
         req.sync_fill_ids()
-        self.tree_cache.cache_finished_req(req)
+        if self.keep is None or not self.keep(req):
+            self.tree_cache.cache_finished_req(req)
         req.req_pool_idx = None
 
     def take_waiting(self) -> list["Req"]:

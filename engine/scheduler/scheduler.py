@@ -48,6 +48,7 @@ from baton.engine.scheduler.output_processor import OutputProcessor
 from baton.engine.scheduler.prefill_manager import PrefillBatch, PrefillManager
 from baton.engine.scheduler.release import ReqReleaser
 from baton.engine.scheduler.request_table import RequestTable
+from baton.engine.scheduler.sessions import SessionController, SessionView
 from baton.engine.scheduler.schedule_policy import SchedulePolicy
 from baton.engine.server_args import ServerArgs
 from baton.engine.speculative import NoSpeculation, SpecView, create_speculator
@@ -120,6 +121,9 @@ class Scheduler:
             GetServerInfoReq: lambda _: GetServerInfoOut(self.get_server_info(), self.dp_rank),
             FreezeGCReq: self._freeze_gc,
         }
+        self.sessions = self._init_sessions()  # sessions.py: /open_session, /close_session, session_params
+        self.control.update(self.sessions.handlers)
+        self.releaser.keep = self.sessions.keep  # a finished session request's KV stays for its next turn
 
     # ------------------------------------------------------------------ messages from the tokenizer
     def process_input_requests(self, msgs: list[Any]) -> None:
@@ -203,6 +207,21 @@ class Scheduler:
                         state_scratch_sets=1 if pool is None else pool.scratch_sets)
         return create_speculator(view)
 
+    def _init_sessions(self) -> SessionController:
+        """Sessions over a view of this scheduler; their KV is held as radix pins, or as request rows
+        without the radix cache (session_holds.py)."""
+        from baton.engine.scheduler.session_holds import RadixPins, RowHolds
+
+        args, pool = self.server_args, self.worker.model_runner.state_pool
+        holds = (RowHolds(self.tree_cache, self.req_to_token_pool, self.allocator, self.page_size, pool is not None)
+                 if args.disable_radix_cache else RadixPins(self.tree_cache, self.page_size))
+        bos = getattr(self.tokenizer, "bos_token_id", None)
+        return SessionController(SessionView(
+            dp_rank=self.dp_rank, bos_token_id=bos, pd_mode=args.disaggregation_mode, holds=holds, queues=self.queues,
+            table=self.table, releaser=self.releaser, admit=self.intake.handle_generate_request,
+            abort=self.intake.abort_request, stream_output=self.output.stream_output,
+            drain_results=self.drain_results, in_flight=lambda: self.result_queue))
+
     def _count_generated(self, n: int) -> None:
         self.stats.generated_tokens += n
 
@@ -231,10 +250,11 @@ class Scheduler:
         # aborted while waiting for a decode step: free them before admitting new prefills
         self.output.reap_finished(self.running_batch.reqs)
         self.running_batch.filter_batch()
-        prefill = self.prefill.schedule()
+        prefill = self.prefill.schedule() or self.sessions.relieve_prefill(self.prefill.schedule)
         if prefill is not None:
             self._log_prefill(prefill)
             return prefill.batch
+        self.sessions.relieve_decode(self.running_batch)  # sessions' held KV goes before a running request
         return self.decode.prepare()
 
     def _merge_last_prefill(self, last: ScheduleBatch) -> None:
@@ -352,6 +372,7 @@ class Scheduler:
         if not self.is_idle():
             return FlushCacheOut(False, "requests are running; retry when idle", self.dp_rank)
         self.releaser.flush()
+        self.sessions.release_all()
         self.tree_cache.reset()
         return FlushCacheOut(True, "", self.dp_rank)
 
@@ -393,6 +414,7 @@ class Scheduler:
             "event_loop_reason": self.loop_choice.reason,
             **self.spec.server_info(),  # speculative_algorithm, accept rate and lengths
             **self._mm_info(),
+            **self.sessions.server_info(),  # open sessions and the KV they hold
             "tp_allreduce": all_reduce_backend(self.worker.tp),  # shm | gloo | nccl | none
             "preemptions": self.stats.preemptions,
             "mixed_decode_tokens": self.stats.mixed_decode_tokens,
@@ -429,11 +451,13 @@ class Scheduler:
         return self.used_tokens() / self.max_total_tokens
 
     def check_memory_integrity(self) -> bool:
-        """At idle every KV slot is free or cached, every request row is free, and every request
+        """At idle every KV slot is free, cached or held by a session, every request row is free or
+        held by a session, nothing in the cache is locked but what sessions pin, and every request
         was answered (none is left in the request table)."""
         free, cached = self.allocator.available_size(), self.tree_cache.total_size()
-        rows_free = self.req_to_token_pool.available_size() == self.req_to_token_pool.size
-        ok = free + cached == self.max_total_tokens and rows_free and self.tree_cache.protected_size() == 0
+        held, held_rows, pinned = self.sessions.held()
+        rows_free = self.req_to_token_pool.available_size() + held_rows == self.req_to_token_pool.size
+        ok = free + cached + held == self.max_total_tokens and rows_free and self.tree_cache.protected_size() == pinned
         if not self.tree_cache.check_state_slots():
             logger.error("integrity check failed: recurrent-state checkpoint slots leaked or held twice")
             ok = False
