@@ -161,6 +161,10 @@ class MemorySaver:
             raise MemoryOccupationError("releasing memory is not supported with --tp-size > 1 yet")
         if tag not in (KV_CACHE, WEIGHTS):
             raise MemoryOccupationError(f"unknown memory tag {tag!r}; use {KV_CACHE} or {WEIGHTS}")
+        if runner.device.startswith("cuda") and runner.draft_head is not None and not runner.config.disable_cuda_graph:
+            # the draft head's graphs (speculative/draft_graphs.py) would keep the old addresses
+            raise MemoryOccupationError("releasing memory with speculative decoding's CUDA graphs is not supported "
+                                        "yet (--disable-cuda-graph)")
 
     def _kv_tensors(self) -> list[torch.Tensor]:
         runner = self.runner

@@ -286,3 +286,37 @@ def test_slow_down_and_internal_state(tiny_model_factory):
     h.run_until_idle()
     for rid in ("b", "c"):
         assert h.results[rid].ids == reference(path, [9, 8, 7])[:4]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backup", [False, True], ids=["reload-from-disk", "cpu-backup"])
+def test_release_and_resume_on_cuda(tiny_model_factory, backup):
+    """CUDA: the pools' and the weights' storages are freed (the device's allocated bytes drop by them),
+    the decode CUDA graphs are captured again on resume, and the engine decodes the same tokens as
+    before the release."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    import importlib.util
+
+    if importlib.util.find_spec("flashinfer") is None:
+        pytest.skip("needs flashinfer-python (scripts/gpu_check.sh installs the carried wheel)")
+    path = tiny_model_factory("llama", hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    h = harness_for(path, "overlap", device="cuda", dtype="float16", attention_backend="flashinfer",
+                    cuda_graph_max_bs=8, max_total_tokens=1 << 16, enable_memory_saver=True,
+                    enable_weights_cpu_backup=backup)
+    s, prompt = h.scheduler, [5, 6, 7, 8, 9, 10]
+    runner = s.worker.model_runner
+    h.submit("before", prompt, max_new_tokens=REF_LEN, ignore_eos=True)
+    h.run_until_idle()
+    pool = runner.token_to_kv_pool.get_kv_size_bytes()
+    weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    torch.cuda.synchronize()
+    allocated = torch.cuda.memory_allocated()
+    assert control(h, ReleaseMemoryOccupationReq()).released == ["kv_cache", "weights"]
+    assert allocated - torch.cuda.memory_allocated() >= 0.9 * (pool + weights)
+    assert control(h, ResumeMemoryOccupationReq()).released == []
+    assert runner.cuda_graph_runner is not None
+    h.submit("after", prompt, max_new_tokens=REF_LEN, ignore_eos=True)
+    h.run_until_idle()
+    assert h.results["after"].ids == h.results["before"].ids
+    assert s.check_memory_integrity()
