@@ -209,3 +209,121 @@ class CloseSessionReqOutput:
     success: bool
     message: str = ""
     dp_rank: int = 0  # which scheduler answered
+
+
+# ---- operations ----
+# SGLang's operational requests: pause / continue, memory release / resume, the torch profiler, slow-down
+# and the internal-state knobs. Every reply names the DP rank that answered (TokenizerManager._control).
+PAUSE_MODES = ("abort", "retract", "in_place")
+MEMORY_TAGS = ("kv_cache", "weights")  # SGLang's GPU_MEMORY_TYPE_KV_CACHE, GPU_MEMORY_TYPE_WEIGHTS
+
+
+@dataclass
+class PauseGenerationReq:
+    """abort: every request ends (an abort, its output so far); retract: running requests go back to
+    the waiting queue, their KV freed; in_place: they stay where they are, their KV held."""
+
+    mode: str = "abort"
+
+
+@dataclass
+class PauseGenerationOut:
+    success: bool
+    message: str = ""
+    dp_rank: int = 0
+
+
+@dataclass
+class ContinueGenerationReq:
+    pass
+
+
+@dataclass
+class ContinueGenerationOut:
+    dp_rank: int = 0
+
+
+@dataclass
+class ReleaseMemoryOccupationReq:
+    tags: Optional[list[str]] = None  # None or empty: every tag (MEMORY_TAGS)
+
+
+@dataclass
+class ResumeMemoryOccupationReq:
+    tags: Optional[list[str]] = None
+
+
+@dataclass
+class MemoryOccupationOut:
+    """The answer to a release or a resume: what is released after it."""
+
+    success: bool
+    message: str = ""
+    released: list[str] = field(default_factory=list)
+    dp_rank: int = 0
+
+
+@dataclass
+class ReleaseMemoryOccupationOut(MemoryOccupationOut):
+    pass
+
+
+@dataclass
+class ResumeMemoryOccupationOut(MemoryOccupationOut):
+    pass
+
+
+@dataclass
+class ProfileReq:
+    """start (with SGLang's ProfileReqInput fields) or stop. With num_steps the start is answered when the
+    profile has stopped after that many forward steps."""
+
+    action: str  # "start" | "stop"
+    output_dir: Optional[str] = None
+    start_step: Optional[int] = None
+    num_steps: Optional[int] = None
+    activities: Optional[list[str]] = None
+    with_stack: Optional[bool] = None
+    record_shapes: Optional[bool] = None
+    profile_id: str = ""
+
+
+@dataclass
+class ProfileOut:
+    success: bool
+    message: str = ""
+    dp_rank: int = 0
+
+
+@dataclass
+class SlowDownReq:
+    forward_sleep_time: Optional[float] = None  # seconds each forward step sleeps; None: none
+
+
+@dataclass
+class SlowDownOut:
+    dp_rank: int = 0
+
+
+@dataclass
+class GetInternalStateReq:
+    pass
+
+
+@dataclass
+class GetInternalStateOut:
+    internal_state: dict[str, Any]
+    dp_rank: int = 0
+
+
+@dataclass
+class SetInternalStateReq:
+    server_args: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class SetInternalStateOut:
+    updated: bool
+    server_args: dict[str, Any] = field(default_factory=dict)
+    message: str = ""
+    dp_rank: int = 0

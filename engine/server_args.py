@@ -180,6 +180,14 @@ class ServerArgs:
     mamba_track_interval: Optional[int] = flag(
         None, help="hybrid models with the radix cache: keep a recurrent-state checkpoint every this many tokens "
                    "(a multiple of --page-size; default: 256, rounded up to one)", owner="scheduler")
+    # releasing memory between rollouts (/release_memory_occupation, model_executor/memory_saver.py): SGLang's flags
+    enable_memory_saver: bool = flag(
+        False, help="allow /release_memory_occupation and /resume_memory_occupation: while released the KV pool (with "
+                    "a hybrid model's state pool) and the weights are really freed (on CPU their pages go back to "
+                    "the OS)", owner="worker")
+    enable_weights_cpu_backup: bool = flag(
+        False, help="with --enable-memory-saver: keep a host copy of the weights while they are released and "
+                    "restore it on resume (without it they are reloaded from --model-path)", owner="worker")
     # scheduling
     schedule_policy: str = flag(
         "fcfs", choices=SCHEDULE_POLICIES,
@@ -290,6 +298,10 @@ class ServerArgs:
     # serving
     api_key: Optional[str] = flag(None, env="BATON_API_KEY", repr=False,  # never logged
                                   help="bearer key clients must send (default: $BATON_API_KEY)", owner="http")
+    admin_api_key: Optional[str] = flag(  # never logged; entrypoints/auth.py
+        None, env="BATON_ADMIN_API_KEY", repr=False,
+        help="bearer key the control routes (weight updates, pause, memory release, profiling, ...) need instead "
+             "of --api-key (SGLang's flag; default: $BATON_ADMIN_API_KEY)", owner="http")
     strict_model_name: bool = flag(
         False, help="refuse (404) an OpenAI request whose `model` is neither --served-model-name nor --model-path "
                     "(default: any name is served, as SGLang does)", owner="http")

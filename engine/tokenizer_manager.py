@@ -14,10 +14,15 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Optional
 import zmq
 import zmq.asyncio
 
-from baton.engine.io_struct import (AbortReq, BatchStrOut, FinishReason, FlushCacheOut, FlushCacheReq, FreezeGCReq,
-                                    GetServerInfoOut, GetServerInfoReq, ReqMeta, TokenizedGenerateReqInput)
 from baton.engine.io_struct import (CloseSessionReqInput, CloseSessionReqOutput, OpenSessionReqInput,  # sessions
                                     OpenSessionReqOutput, SessionGenerateReqInput, SessionParams)
+from baton.engine.io_struct import (AbortReq, BatchStrOut, ContinueGenerationOut, ContinueGenerationReq, FinishReason,
+                                    FlushCacheOut, FlushCacheReq, FreezeGCReq, GetInternalStateOut,
+                                    GetInternalStateReq, GetServerInfoOut, GetServerInfoReq, MemoryOccupationOut,
+                                    PauseGenerationOut, PauseGenerationReq, ProfileOut, ProfileReq,
+                                    ReleaseMemoryOccupationOut, ReleaseMemoryOccupationReq, ReqMeta,
+                                    ResumeMemoryOccupationOut, ResumeMemoryOccupationReq, SetInternalStateOut,
+                                    SetInternalStateReq, SlowDownOut, SlowDownReq, TokenizedGenerateReqInput)
 from baton.engine.metrics import EngineMetrics
 from baton.engine.sampling.sampling_params import SamplingParams
 
@@ -211,6 +216,10 @@ class TokenizerManager:
         self._loop_task: Optional[asyncio.Task] = None
         self._keepalive_task: Optional[asyncio.Task] = None
         self.stopped: Optional[str] = None  # why the engine behind this front end is gone (fail_all)
+        # /pause_generation: the mode while paused (new requests wait); /release_memory_occupation: what is released
+        self.paused: Optional[str] = None
+        self.memory_released: list[str] = []
+        self._unpaused = asyncio.Event()
 
     async def start(self) -> None:
         ctx = zmq.asyncio.Context(1)
@@ -360,6 +369,9 @@ class TokenizerManager:
         client disconnects. `keepalive` (a stream): a None after each silence of keepalive_s."""
         if self.stopped is not None:
             raise RequestError(self.stopped, 503, "server_error")
+        if self.memory_released:
+            raise RequestError(f"the engine's memory is released ({', '.join(self.memory_released)}): no generation "
+                               "until POST /resume_memory_occupation", 503, "server_error")
         tokenized = self._in_session(obj, self._tokenized(obj))
         self._check_new_rid(obj.rid)
         return self._generate(obj, tokenized, is_disconnected, keepalive)
@@ -370,6 +382,8 @@ class TokenizerManager:
 
     async def _generate(self, obj: GenerateInput, tokenized: Any, is_disconnected,
                         keepalive: bool) -> AsyncIterator[Optional[ReqOutput]]:
+        if self.paused is not None:
+            await self._wait_unpaused(is_disconnected)
         self._check_new_rid(obj.rid)  # again: another request may have taken the id since generate()
         state = _ReqState(ReqOutput(rid=obj.rid), StepQueue(), keepalive=keepalive)
         self.states[obj.rid] = state
@@ -506,6 +520,77 @@ class TokenizerManager:
                                f"{obj.data_parallel_rank}", 400)
         obj.data_parallel_rank = rank
         return SessionGenerateReqInput(tokenized, params)
+    # ---- operations ----
+    async def _wait_unpaused(self, is_disconnected) -> None:
+        """A new request while generation is paused: it waits here, not sent yet, until the continue."""
+        while self.paused is not None:
+            try:
+                async with asyncio.timeout(DISCONNECT_POLL_S):
+                    await self._unpaused.wait()
+            except TimeoutError:
+                if is_disconnected is not None and await is_disconnected():
+                    raise ClientDisconnected() from None
+
+    async def pause_generation(self, mode: str) -> PauseGenerationOut:
+        """New requests wait from now on; every DP rank pauses (scheduler/pause.py). In abort mode this
+        returns once the requests that were in flight have all been answered."""
+        in_flight, was_paused = set(self.states), self.paused is not None
+        self.paused = mode
+        self._unpaused.clear()
+        outs = await self._control(PauseGenerationReq(mode), PauseGenerationOut)
+        failed = [o for o in outs if not o.success]
+        if failed:
+            if not was_paused:
+                self._set_unpaused()
+            return failed[0]
+        if mode == "abort":
+            deadline = time.monotonic() + 30.0
+            while in_flight & self.states.keys() and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)  # their last outputs are on the way to their handlers
+        return outs[0]
+
+    async def continue_generation(self) -> None:
+        await self._control(ContinueGenerationReq(), ContinueGenerationOut)
+        self._set_unpaused()
+
+    def _set_unpaused(self) -> None:
+        self.paused = None
+        self._unpaused.set()
+
+    async def release_memory_occupation(self, tags: Optional[list[str]]) -> MemoryOccupationOut:
+        return await self._memory_call(ReleaseMemoryOccupationReq(tags), ReleaseMemoryOccupationOut)
+
+    async def resume_memory_occupation(self, tags: Optional[list[str]]) -> MemoryOccupationOut:
+        return await self._memory_call(ResumeMemoryOccupationReq(tags), ResumeMemoryOccupationOut)
+
+    async def _memory_call(self, req: Any, reply_type: type) -> MemoryOccupationOut:
+        """The first rank's refusal, or rank 0's answer; what is released is what any rank released.
+        (A weight reload from disk may take a while: a long timeout.)"""
+        outs = await self._control(req, reply_type, timeout=600.0)
+        self.memory_released = [t for t in ("kv_cache", "weights") if any(t in o.released for o in outs)]
+        failed = [o for o in outs if not o.success]
+        return failed[0] if failed else outs[0]
+
+    async def start_profile(self, **fields: Any) -> ProfileOut:
+        """SGLang's ProfileReqInput fields; with num_steps, answered once the steps have run."""
+        req = ProfileReq("start", profile_id=str(time.time()), **fields)
+        outs = await self._control(req, ProfileOut, timeout=600.0 if req.num_steps else 30.0)
+        failed = [o for o in outs if not o.success]
+        return failed[0] if failed else outs[0]
+
+    async def stop_profile(self) -> ProfileOut:
+        outs = await self._control(ProfileReq("stop"), ProfileOut)
+        failed = [o for o in outs if not o.success]
+        return failed[0] if failed else outs[0]
+
+    async def slow_down(self, forward_sleep_time: Optional[float]) -> None:
+        await self._control(SlowDownReq(forward_sleep_time), SlowDownOut)
+
+    async def get_internal_state(self) -> list[dict[str, Any]]:
+        return [o.internal_state for o in await self._control(GetInternalStateReq(), GetInternalStateOut)]
+
+    async def set_internal_state(self, server_args: dict[str, Any]) -> list[SetInternalStateOut]:
+        return await self._control(SetInternalStateReq(server_args), SetInternalStateOut)
 
     # ------------------------------------------------------------------ control
     async def _control(self, req: Any, reply_type: type, timeout: float = 30.0) -> list[Any]:

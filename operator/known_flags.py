@@ -3,7 +3,7 @@ from their declarations; do not edit). The operator runs without the engine and 
 so it checks extraArgs against these names (operator/validation.py)."""
 
 ENGINE_FLAGS = (
-    "allow-auto-truncate", "allowed-local-media-path", "allowed-media-domains", "api-key",
+    "admin-api-key", "allow-auto-truncate", "allowed-local-media-path", "allowed-media-domains", "api-key",
     "attention-backend", "base-gpu-id", "chat-template", "chunked-prefill-size",
     "constrained-json-disable-any-whitespace", "context-length", "cpu-omp-threads-bind", "cuda-graph-max-bs",
     "decode-log-interval", "device", "disable-cuda-graph", "disable-fused-ops", "disable-metrics",
@@ -11,9 +11,10 @@ ENGINE_FLAGS = (
     "disaggregation-bootstrap-port", "disaggregation-bootstrap-timeout", "disaggregation-fault-probability",
     "disaggregation-heartbeat-interval", "disaggregation-heartbeat-max-failures", "disaggregation-ib-device",
     "disaggregation-mode", "disaggregation-protocol", "disaggregation-transfer-backend",
-    "disaggregation-waiting-timeout", "dp-size", "dtype", "enable-mixed-chunk", "enable-overlap-schedule",
-    "enable-priority-scheduling", "enable-torch-compile", "flashinfer-decode-tensor-cores", "grammar-backend",
-    "host", "is-embedding", "kv-cache-dtype", "limit-mm-data-per-request", "load-balance-method", "log-level",
+    "disaggregation-waiting-timeout", "dp-size", "dtype", "enable-memory-saver", "enable-mixed-chunk",
+    "enable-overlap-schedule", "enable-priority-scheduling", "enable-torch-compile",
+    "enable-weights-cpu-backup", "flashinfer-decode-tensor-cores", "grammar-backend", "host", "is-embedding",
+    "kv-cache-dtype", "limit-mm-data-per-request", "load-balance-method", "log-level",
     "mamba-full-memory-ratio", "mamba-ssm-dtype", "mamba-track-interval", "max-image-pixels",
     "max-mamba-cache-size", "max-media-bytes", "max-prefill-tokens", "max-queued-requests",
     "max-request-bytes", "max-running-requests", "max-total-tokens", "media-fetch-timeout",

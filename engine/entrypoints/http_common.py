@@ -130,8 +130,11 @@ def sampling_params_from(d: Optional[dict[str, Any]]) -> SamplingParams:
 
 
 def abort_error(out: ReqOutput) -> Optional[RequestError]:
+    """The error an aborted request answers with; None for one that ended otherwise, or whose abort
+    answers as a normal output (status 200: a /pause_generation abort gives the output so far with
+    finish_reason abort, as SGLang does, so an RL client keeps the partial rollout)."""
     r = out.finished_reason
-    if r is not None and r.kind == "abort":
+    if r is not None and r.kind == "abort" and r.status_code != 200:
         status = r.status_code if r.status_code >= 400 else 500
         return RequestError(r.message, status, "server_error" if status >= 500 else "invalid_request_error")
     return None

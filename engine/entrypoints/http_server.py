@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import secrets
 import logging
 from typing import Any, Callable, Optional
@@ -14,6 +13,7 @@ from starlette.datastructures import Headers
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from baton.engine.disaggregation.no_peer import FAKE_BOOTSTRAP_HOST
+from baton.engine.entrypoints import auth
 from baton.engine.entrypoints.drain import GENERATION_PATHS
 from baton.engine.entrypoints.embedding_routes import EMBEDDING_ONLY, EMBEDDING_PATHS, register_embedding_routes
 from baton.engine.entrypoints.expansion import expand, pd_fields
@@ -21,6 +21,7 @@ from baton.engine.entrypoints.http_common import (SSE_DONE, SSE_KEEPALIVE, ApiCo
                                                   error_response, parse, read_json, sampling_params_from, sse,
                                                   sse_error)
 from baton.engine.entrypoints.openai_api import register_openai_routes
+from baton.engine.entrypoints.operations_routes import register_operations_routes
 from baton.engine.entrypoints.protocol import GenerateRequest
 from baton.engine.entrypoints.session_routes import register_session_routes, session_params_of
 from baton.engine.sampling.sampling_params import SamplingParams, SamplingParamsError
@@ -28,9 +29,6 @@ from baton.engine.server_args import ServerArgs
 from baton.engine.tokenizer_manager import GenerateInput, ReqOutput, RequestError
 
 logger = logging.getLogger(__name__)
-
-_OPEN_PATHS = frozenset({"/health", "/metrics"})  # reachable without the API key (probes, scrapers)
-
 
 class GuardMiddleware:
     """API key and body-size checks as a plain ASGI middleware. (Starlette's BaseHTTPMiddleware would
@@ -62,13 +60,11 @@ class GuardMiddleware:
             await error_response(e.message, e.status, e.err_type)(scope, receive, send)
 
     def _refusal(self, path: str, headers: Headers) -> Optional[Response]:
-        args, key = self.ctx.server_args, self.ctx.server_args.api_key
-        if key and path not in _OPEN_PATHS:
-            sent = headers.get("authorization", "")
-            token = sent[7:] if sent.lower().startswith("bearer ") else headers.get("x-api-key", "")
-            if not hmac.compare_digest(token.encode(), key.encode()):
-                self.ctx.tm.metrics.error(401)
-                return error_response("invalid or missing API key", 401, "authentication_error")
+        args = self.ctx.server_args
+        why = auth.refusal(path, headers, args.api_key, args.admin_api_key)  # the API key or the admin key
+        if why is not None:
+            self.ctx.tm.metrics.error(401)
+            return error_response(why, 401, "authentication_error")
         length = headers.get("content-length")
         if length and length.isdigit() and int(length) > args.max_request_bytes:
             return error_response(f"request body too large (limit {args.max_request_bytes} bytes)", 413)
@@ -108,6 +104,7 @@ def create_app(ctx: ApiContext) -> FastAPI:
     register_openai_routes(app, ctx)
     register_embedding_routes(app, ctx)
     register_session_routes(app, ctx)
+    register_operations_routes(app, ctx)
     return app
 
 
@@ -122,8 +119,8 @@ def _register_native_routes(app: FastAPI, ctx: ApiContext) -> None:
 
     @app.post("/drain")
     async def drain():
-        """Leave service without losing a request (drain.py): what SIGTERM does, on request. An admin
-        route: behind the API key like the others."""
+        """Leave service without losing a request (drain.py): what SIGTERM does, on request. A control
+        route: behind the admin key where there is one (auth.py)."""
         ctx.drain.begin("POST /drain")
         return {"draining": True, "running_requests": len(ctx.tm.states)}
 
@@ -146,7 +143,7 @@ def _register_native_routes(app: FastAPI, ctx: ApiContext) -> None:
     @app.get("/get_server_info")
     @app.get("/server_info")
     async def server_info():
-        args = {k: v for k, v in ctx.server_args.__dict__.items() if k != "api_key"}
+        args = {k: v for k, v in ctx.server_args.__dict__.items() if k not in ("api_key", "admin_api_key")}
         args["tool_call_parser"] = ctx.tool_call_parser  # the one in use: given, or picked from the template
         return {**args, **(await ctx.tm.get_server_info()), **ctx.extra, "version": _version()}
 

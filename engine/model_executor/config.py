@@ -28,6 +28,9 @@ class WorkerConfig:
     mamba_ssm_dtype: str
     max_mamba_cache_size: Optional[int]
     mamba_full_memory_ratio: float
+    # releasing memory between rollouts (memory_saver.py)
+    enable_memory_saver: bool
+    enable_weights_cpu_backup: bool
     # execution
     attention_backend: str
     flashinfer_decode_tensor_cores: str

@@ -63,7 +63,9 @@ def event_loop(scheduler: Scheduler, io: SchedulerIO, watchdog: Optional[Watchdo
         if watchdog is not None:
             watchdog.tick()
         waits_in_background = scheduler.pd.polls_in_background or scheduler.grammar_queue
-        if waits_in_background and scheduler.last_batch is None and not scheduler.is_idle():
+        if scheduler.ops.holds_steps():  # paused or memory released: nothing runs until a control message
+            msgs = io.recv_requests(block=True)
+        elif waits_in_background and scheduler.last_batch is None and not scheduler.is_idle():
             # only background work (KV transfers, grammar compiles) to wait for: block briefly
             msgs = io.recv_requests(block=True, timeout_ms=BACKGROUND_POLL_MS)
         else:

@@ -44,6 +44,7 @@ from baton.engine.core.stats import SchedulerStats
 from baton.engine.scheduler.config import SchedulerConfig
 from baton.engine.scheduler.decode_manager import DecodeManager, NewTokenRatio
 from baton.engine.scheduler.intake import ModelLimits, RequestIntake
+from baton.engine.scheduler.operations import SchedulerOps
 from baton.engine.scheduler.output_processor import OutputProcessor
 from baton.engine.scheduler.prefill_manager import PrefillBatch, PrefillManager
 from baton.engine.scheduler.release import ReqReleaser
@@ -124,6 +125,8 @@ class Scheduler:
         self.sessions = self._init_sessions()  # sessions.py: /open_session, /close_session, session_params
         self.control.update(self.sessions.handlers)
         self.releaser.keep = self.sessions.keep  # a finished session request's KV stays for its next turn
+        self.ops = SchedulerOps(self)  # pause, memory release, profiler, slow-down, internal state (operations.py)
+        self.control.update(self.ops.handlers())
 
     # ------------------------------------------------------------------ messages from the tokenizer
     def process_input_requests(self, msgs: list[Any]) -> None:
@@ -293,6 +296,8 @@ class Scheduler:
         plain:    schedule N -> run N -> process N
         overlap:  schedule N+1 -> launch N+1 -> process N (N's CPU work overlaps N+1's forward)
         """
+        if self.ops.holds_steps():  # paused, or memory released: requests wait (operations.py)
+            return False
         self.intake.admit_compiled()
         self.pd.step()
         batch = self.get_next_batch_to_run()
@@ -316,6 +321,8 @@ class Scheduler:
                 self.releaser.flush()
         self.last_batch = batch
         self.stats.tick(idle=batch is None and self.is_idle())
+        if batch is not None:
+            self.ops.on_forward(self.forward_ct)  # the profiler's steps, /slow_down's sleep
         return batch is not None
 
     def _log_decode(self, batch: ScheduleBatch) -> None:

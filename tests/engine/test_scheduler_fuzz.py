@@ -77,11 +77,18 @@ def draw_config(rng: random.Random) -> dict:
 # in-flight result stayed in the running batch without its row (found by a wider seed sweep)
 @pytest.mark.parametrize("seed", [*range(12), 27])
 def test_random_schedules_keep_outputs_and_memory(tiny_model_factory, seed):
+    run_random_schedule(tiny_model_factory("llama"), seed)
+
+
+def run_random_schedule(path: str, seed: int, chaos=None, **extra_args) -> None:
+    """One seeded schedule and its checks. `chaos`: more control traffic mixed in (test_operations.py:
+    pauses, memory releases), with its own random stream, so the schedule itself stays the seed's:
+    `chaos.step(h, submitted, aborted)` before every step (it adds to `aborted` what it ends), and
+    `chaos.finish(h)` before the run to idle."""
     rng = random.Random(seed)
     config = draw_config(rng)
     context = f"seed {seed}, config {config}"
-    path = tiny_model_factory("llama")
-    h = harness_for(path, **config)
+    h = harness_for(path, **config, **extra_args)
     s = h.scheduler
 
     # a small pool of prompts (HF's reference is computed once per prompt); requests draw from it
@@ -128,7 +135,11 @@ def test_random_schedules_keep_outputs_and_memory(tiny_model_factory, seed):
             reply = s.outbox.pop()
             if reply.success:
                 assert s.tree_cache.total_size() == 0, context
+        if chaos is not None:
+            chaos.step(h, submitted, aborted)
         h.step()
+    if chaos is not None:
+        chaos.finish(h)
     h.run_until_idle(max_steps=20_000)  # the queue can be long: up to ~190 requests, 3 running at once
 
     assert submitted, context
