@@ -51,6 +51,7 @@ class MemoryOccupation:
             self._check_no_request_holds_memory()
             for tag in wanted:
                 if tag == KV_CACHE and tag not in self.saver.released:
+                    self.s.sessions.release_all()  # a session's held history goes with the pools' content
                     self.tree_cache.reset()  # the pools' content is about to go
                 self.saver.release(tag)
         except MemoryOccupationError as e:

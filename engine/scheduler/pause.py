@@ -40,6 +40,7 @@ class Settleable(Protocol):
     output: "OutputProcessor"
     releaser: "ReqReleaser"
     pd: Any  # the PD strategy (disaggregation/colocated.py)
+    sessions: Any  # the sessions' holds on KV (scheduler/sessions.py): given up before the pools are reset
     last_batch: Optional["ScheduleBatch"]
 
     def drain_results(self) -> None: ...
