@@ -49,6 +49,7 @@ from baton.engine.scheduler.prefill_manager import PrefillBatch, PrefillManager
 from baton.engine.scheduler.release import ReqReleaser
 from baton.engine.scheduler.request_table import RequestTable
 from baton.engine.scheduler.schedule_policy import SchedulePolicy
+from baton.engine.scheduler.weights import WeightsControl
 from baton.engine.server_args import ServerArgs
 from baton.engine.speculative import NoSpeculation, SpecView, create_speculator
 from baton.engine.speculative.config import SpecConfig
@@ -120,6 +121,7 @@ class Scheduler:
             GetServerInfoReq: lambda _: GetServerInfoOut(self.get_server_info(), self.dp_rank),
             FreezeGCReq: self._freeze_gc,
         }
+        self.control.update(WeightsControl(self).handlers())  # weight updates and reads (weights.py)
 
     # ------------------------------------------------------------------ messages from the tokenizer
     def process_input_requests(self, msgs: list[Any]) -> None:
