@@ -96,6 +96,7 @@ class ReqOutput:
     input_top_logprobs: Optional[list] = None
     new_logprobs_from: int = 0  # index into output_token_logprobs where this step's entries begin
     e2e_latency: float = 0.0
+    weight_version: str = ""  # the weights' version when its last step arrived
 
 
 @dataclass
@@ -112,6 +113,7 @@ class _Step:
     input_token_logprobs: Optional[list]
     input_top_logprobs: Optional[list]
     e2e_latency: float
+    weight_version: str = ""  # the version the scheduler served when the step arrived
 
 
 class StepQueue:
@@ -421,6 +423,7 @@ class TokenizerManager:
             out.finished_reason = step.finished_reason
             out.prompt_tokens, out.completion_tokens = step.meta.prompt_tokens, step.meta.completion_tokens
             out.cached_tokens, out.e2e_latency = step.meta.cached_tokens, step.e2e_latency
+            out.weight_version = step.weight_version
             if step.output_token_logprobs is not None:
                 out.output_token_logprobs.extend(step.output_token_logprobs)
             if step.output_top_logprobs is not None:
@@ -458,6 +461,12 @@ class TokenizerManager:
                 if not gather.fut.done():
                     gather.fut.set_exception(RequestError(message, 503, "server_error"))
             waiters.clear()
+
+    # ---- weights ----
+    # The weights' version the scheduler serves, stamped on each output step as it arrives (a step of
+    # the old weights arrives before the update's answer): --weight-version at start, then each
+    # update's (entrypoints/weights_routes.py).
+    weight_version = "default"
 
     # ------------------------------------------------------------------ control
     async def _control(self, req: Any, reply_type: type, timeout: float = 30.0) -> list[Any]:
@@ -539,7 +548,7 @@ class TokenizerManager:
             state.queue.put_nowait(_Step(
                 msg.texts[i], msg.new_token_ids[i], finished, meta, msg.output_token_logprobs[i],
                 msg.output_top_logprobs[i], msg.input_token_logprobs[i], msg.input_top_logprobs[i],
-                now - state.created))
+                now - state.created, self.weight_version))
         if generated:
             self.metrics.generation_tokens.inc(generated)  # once per batch: the counter takes a lock
 

@@ -56,14 +56,15 @@ class WeightsError(ValueError):
 
 
 class _DryRun(TorchFunctionMode):
-    """A loader's writes, recorded and skipped: the names of the parameters they land in."""
+    """A loader's writes, recorded and skipped: per parameter, how many of its elements they fill
+    (loaders fill disjoint parts: a fused q|k|v weight takes three writes)."""
 
     _WRITES = frozenset({"copy_", "zero_", "fill_", "__setitem__"})
 
     def __init__(self, owner: Callable[[torch.Tensor], Optional[str]]) -> None:
         super().__init__()
         self.owner = owner
-        self.touched: set[str] = set()
+        self.filled: dict[str, int] = {}
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         if getattr(func, "__name__", "") in self._WRITES and args and isinstance(args[0], torch.Tensor):
@@ -71,7 +72,8 @@ class _DryRun(TorchFunctionMode):
             if func.__name__ == "copy_":
                 _check_copy(dst, args[1])
             if (name := self.owner(dst)) is not None:
-                self.touched.add(name)
+                part = dst[args[1]] if func.__name__ == "__setitem__" else dst
+                self.filled[name] = self.filled.get(name, 0) + part.numel()
             return None if func.__name__ == "__setitem__" else dst
         return func(*args, **(kwargs or {}))
 
@@ -136,23 +138,27 @@ class ModelWeights:
     def check(self, probes: NamedTensors, complete: bool) -> set[str]:
         """The parameters these tensors (real or meta: only shapes and dtypes are read) would fill;
         WeightsError when they do not fit the model, or (`complete`) leave a parameter unfilled."""
-        probes = [(n, meta_like(t.shape, t.dtype) if t.device.type != "meta" else t) for n, t in probes]
+        current = [""]  # the tensor being loaded, for the message
+
+        def named() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, t in probes:
+                current[0] = name
+                yield name, (t if t.device.type == "meta" else meta_like(t.shape, t.dtype))
+
         dry = _DryRun(self._owner_of())
         try:
             with dry:
-                self.model.load_weights(probes, strict=False)
-        except WeightsError:
-            raise
+                self.model.load_weights(named(), strict=False)
         except KeyError as e:
             raise WeightsError(str(e.args[0]) if e.args else repr(e)) from e
         except (ValueError, AssertionError, RuntimeError, IndexError, TypeError, NotImplementedError) as e:
-            raise WeightsError(f"{type(e).__name__}: {e}") from e
+            raise WeightsError(f"{current[0]}: {e}" if current[0] else f"{type(e).__name__}: {e}") from e
         if complete:
-            missing = sorted(set(self._params()) - dry.touched)
+            missing = sorted(n for n, p in self._params().items() if dry.filled.get(n, 0) < p.numel())
             if missing:
-                raise WeightsError(f"the checkpoint leaves {len(missing)} of the model's parameters unfilled, "
-                                   f"e.g. {missing[:5]}")
-        return dry.touched
+                raise WeightsError(f"the checkpoint leaves {len(missing)} of the model's parameters unfilled (or "
+                                   f"partly filled), e.g. {missing[:5]}")
+        return set(dry.filled)
 
     def check_checkpoint(self, path: str, load_format: Optional[str]) -> set[str]:
         """A checkpoint directory for an update from disk: the served architecture, every parameter
@@ -210,13 +216,13 @@ class ModelWeights:
     def read(self, name: str, rows: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """This rank's part of checkpoint tensor `name`, its first `rows` rows flattened: (values, how
         many of this rank's parameter elements gave each, float64 both) and the tensor's shape."""
+        if name == "lm_head.weight" and getattr(self.model, "lm_head", True) is None:
+            name = "model.embed_tokens.weight"  # a tied LM head is the embedding
         if name not in self.manifest:
             raise WeightsError(f"no tensor {name!r} in the served checkpoint")
         shape, _ = self.manifest[name]
         limit = min(rows, shape[0] if shape else 1) * math.prod(shape[1:])
         touched = self.check([(name, meta_like(shape, torch.float64))], complete=False)
-        if not touched and name == "lm_head.weight" and "model.embed_tokens.weight" in self.manifest:
-            return self.read("model.embed_tokens.weight", rows)  # a tied LM head is the embedding
         values = torch.zeros(limit, dtype=torch.float64)
         counts = torch.zeros(limit, dtype=torch.float64)
         for pname, index in self._index_probes(name, shape, touched).items():
