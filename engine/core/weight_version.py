@@ -1,5 +1,7 @@
-"""The weights' version: a string each weight update sets (`weight_version` in its request; without
-one, the count of updates this engine applied: "1", "2", ...), starting from `--weight-version`.
+"""The weights' version: what each weight update sets, every response reports, and PD checks.
+
+A string each weight update sets (`weight_version` in its request; without one, the count of updates
+this engine applied: "1", "2", ...), starting from `--weight-version`.
 
 Every response reports the version that produced it (`meta_info.weight_version`). In PD the prefill
 stamps a 63-bit hash of its version into each request's KV-transfer metadata (base.MetadataBuffers

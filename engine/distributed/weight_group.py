@@ -1,5 +1,6 @@
-"""The weight-update group: a torch.distributed process group between a trainer and the engine's TP
-ranks, apart from the engine's own TP group (which it never touches).
+"""The weight-update group: a process group between a trainer and the engine's TP ranks.
+
+A torch.distributed process group apart from the engine's own TP group (which it never touches):
 
     trainer rank 0 ... trainer ranks | engine TP rank 0 at rank_offset, TP rank r at rank_offset + r
 

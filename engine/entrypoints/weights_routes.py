@@ -1,4 +1,5 @@
-"""The weight endpoints, with SGLang's names, bodies and answers (what slime, verl and AReaL call):
+"""The weight endpoints, with SGLang's names, bodies and answers (what slime, verl and AReaL call).
+
 
     POST /update_weights_from_disk        {model_path, load_format, abort_all_requests, weight_version,
                                            flush_cache} -> {success, message, num_paused_requests}

@@ -1,5 +1,7 @@
-"""The scheduler's side of the weight endpoints (SGLang's): updates from disk, from tensors and over
-a weight-update group, that group, reads by name, and the weights' version.
+"""The scheduler's side of the weight endpoints: updates, the weight-update group, reads, the version.
+
+SGLang's endpoints: updates from disk, from tensors and over a weight-update group, that group, reads
+by name, and the weights' version.
 
 An update runs in the scheduler's thread between two steps, with nothing in flight:
 
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
 from baton.engine.core.weight_version import WeightVersion
 from baton.engine.io_struct import (AbortReq, DestroyWeightsUpdateGroupReqInput, GetWeightsByNameReqInput,
@@ -30,9 +32,6 @@ from baton.engine.io_struct import (AbortReq, DestroyWeightsUpdateGroupReqInput,
                                     UpdateWeightsFromTensorReqInput, UpdateWeightsReqOutput)
 from baton.engine.worker.weights import (DestroyGroup, DiskUpdate, DriverWeights, GroupUpdate, InitGroup, Outcome,
                                          RankWeights, ReadWeight, TensorUpdate, WeightOp)
-
-if TYPE_CHECKING:
-    from baton.engine.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +44,9 @@ _CHUNK_ABORT = "aborted: the weights changed during its chunked prefill, whose f
 class WeightsControl:
     """The weight endpoints' handlers over one scheduler (registered in its control table)."""
 
-    def __init__(self, scheduler: "Scheduler") -> None:
+    def __init__(self, scheduler: Any) -> None:
+        """`scheduler`: the scheduler.Scheduler whose queues, cache, worker and PD strategy it uses
+        (typed Any: that module imports this one)."""
         s = self.s = scheduler
         self.version = WeightVersion(s.server_args.weight_version)
         s.pd.weight_version = self.version  # a PD prefill stamps it, a decode checks it

@@ -1,6 +1,8 @@
-"""Named tensors between processes, as SGLang's MultiprocessingSerializer carries them for
-/update_weights_from_tensor: a list of (name, tensor) pickled with torch's multiprocessing reductions,
-so the bytes hold a handle to the tensor's memory, never its data (base64 over HTTP).
+"""Named tensors between processes by handle (shared memory, CUDA IPC), as SGLang sends them.
+
+SGLang's MultiprocessingSerializer, for /update_weights_from_tensor: a list of (name, tensor) pickled
+with torch's multiprocessing reductions, so the bytes hold a handle to the tensor's memory, never its
+data (base64 over HTTP).
 
 - CPU: shared memory by file name. The sender calls
   torch.multiprocessing.set_sharing_strategy("file_system") first: the default strategy passes a file

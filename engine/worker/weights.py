@@ -1,5 +1,6 @@
-"""Weight operations on every rank of a TP group: updates (from disk, from tensors, over a
-weight-update group), the weight-update group itself, and reads.
+"""Weight operations on every rank of a TP group: updates, the weight-update group, reads.
+
+Updates come from disk, from tensors, or over a weight-update group.
 
 The driver sends each operation to the followers as a TP step command (tp_step.py StepSender.
 send_weights), then runs it itself; each follower runs it from its step loop. Every rank loads its
