@@ -21,7 +21,10 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
+# The rendezvous and each broadcast wait this long for the trainer: below the scheduler's watchdog
+# (--watchdog-timeout, 300 s by default), so a trainer that never comes is an error answer, not a
+# stopped engine.
+DEFAULT_TIMEOUT = datetime.timedelta(seconds=240)
 
 
 def init_custom_process_group(backend: str, init_method: str, world_size: int, rank: int, group_name: str,
