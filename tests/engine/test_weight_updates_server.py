@@ -24,17 +24,20 @@ from test_scheduler_vs_hf import hf_greedy
 
 PROMPTS = [[5, 17, 33, 99, 100, 7, 8], [300, 301, 302, 9, 9, 41], [12, 13]]
 MAX_NEW = 8
+LONG = 1500  # tokens of a request in flight at an update
 TIMEOUT = 300
 
 
 @pytest.fixture(scope="module")
 def models(tiny_model_factory) -> tuple[str, str]:
-    return tiny_model_factory("qwen3"), tiny_model_factory("qwen3", seed=1)
+    # a 2k context: requests in flight at an update run long enough to be there when it comes
+    return (tiny_model_factory("qwen3", max_position_embeddings=2048),
+            tiny_model_factory("qwen3", seed=1, max_position_embeddings=2048))
 
 
 @pytest.fixture(scope="module")
 def engine(models):
-    with running_engine(models[0], "--enable-overlap-schedule", "--max-total-tokens", "4096",
+    with running_engine(models[0], "--enable-overlap-schedule", "--max-total-tokens", "8192",
                         "--weight-version", "base") as eng:
         yield eng
 
@@ -189,7 +192,7 @@ def test_requests_in_flight_at_an_update(engine, models, abort):
     async def run() -> tuple[list[httpx.Response], httpx.Response]:
         async with httpx.AsyncClient(timeout=TIMEOUT) as c:
             calls = [asyncio.ensure_future(c.post(f"{base}/generate", json={
-                "input_ids": p, "sampling_params": {"max_new_tokens": 300, "temperature": 0, "ignore_eos": True}}))
+                "input_ids": p, "sampling_params": {"max_new_tokens": LONG, "temperature": 0, "ignore_eos": True}}))
                 for p in PROMPTS]
             await asyncio.to_thread(_running, base, len(PROMPTS))
             update = await c.post(f"{base}/update_weights_from_disk", json={
@@ -202,7 +205,7 @@ def test_requests_in_flight_at_an_update(engine, models, abort):
         assert all(r.status_code == 503 and "weights are being updated" in r.text for r in outs)
     else:
         assert update.json()["num_paused_requests"] == len(PROMPTS)
-        assert all(r.status_code == 200 and len(r.json()["output_ids"]) == 300 for r in outs)
+        assert all(r.status_code == 200 and len(r.json()["output_ids"]) == LONG for r in outs)
         assert all(r.json()["meta_info"]["weight_version"] == "inflight-False" for r in outs)
     assert wait_idle_integrity(base)["integrity_ok"] is True
     assert_serves(base, new, f"inflight-{abort}")
