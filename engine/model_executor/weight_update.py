@@ -25,7 +25,6 @@ The ranks' parts add up to the whole tensor (worker/weights.py).
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional
@@ -171,7 +170,7 @@ class ModelWeights:
         try:
             arch = ModelConfig.from_pretrained(path).architecture
             manifest = checkpoint_manifest(path)
-        except (OSError, ValueError, KeyError, json.JSONDecodeError) as e:
+        except Exception as e:  # noqa: BLE001 - a foreign or damaged checkpoint: whatever its reader raised
             raise WeightsError(f"cannot read the checkpoint at {path!r}: {e}") from e
         served = self.runner.model_config.architecture
         if arch != served:
@@ -250,6 +249,8 @@ class ModelWeights:
             index = torch.arange(1, math.prod(shape) + 1, dtype=torch.float64).reshape(shape)
             with torch.no_grad():
                 self.model.load_weights([(name, index)], strict=False)
+        except Exception as e:  # noqa: BLE001 - a loader that cannot take the probe: the read is refused
+            raise WeightsError(f"{name}: cannot be read back ({type(e).__name__}: {e})") from e
         finally:
             for module, attr, old in saved:
                 module._parameters[attr] = old
