@@ -295,6 +295,10 @@ class ServerArgs:
     torch_compile_max_bs: int = flag(32, help="decode batches larger than this run eagerly", owner="worker")
     random_seed: int = flag(0, help="seeds torch at start-up and the random schedule policy", owner="worker",
                             also=("scheduler",))
+    weight_version: str = flag(  # core/weight_version.py
+        "default", help="the weights' version at start-up, reported in every response's meta_info; each weight "
+                        "update sets the next (its weight_version, else the count of updates)", owner="scheduler",
+        also=("http",))
     # serving
     api_key: Optional[str] = flag(None, env="BATON_API_KEY", repr=False,  # never logged
                                   help="bearer key clients must send (default: $BATON_API_KEY)", owner="http")

@@ -107,6 +107,7 @@ class ReqOutput:
     new_logprobs_from: int = 0  # index into output_token_logprobs where this step's entries begin
     e2e_latency: float = 0.0
     embedding: Optional[list[float]] = None  # an embedding engine's vector, with the final output
+    weight_version: str = ""  # the weights' version when its last step arrived
 
 
 @dataclass
@@ -124,6 +125,7 @@ class _Step:
     input_top_logprobs: Optional[list]
     e2e_latency: float
     embedding: Optional[list[float]] = None  # an embedding engine's vector
+    weight_version: str = ""  # the version the scheduler served when the step arrived
 
 
 class StepQueue:
@@ -442,6 +444,7 @@ class TokenizerManager:
             out.finished_reason = step.finished_reason
             out.prompt_tokens, out.completion_tokens = step.meta.prompt_tokens, step.meta.completion_tokens
             out.cached_tokens, out.e2e_latency = step.meta.cached_tokens, step.e2e_latency
+            out.weight_version = step.weight_version
             if step.output_token_logprobs is not None:
                 out.output_token_logprobs.extend(step.output_token_logprobs)
             if step.output_top_logprobs is not None:
@@ -591,6 +594,11 @@ class TokenizerManager:
 
     async def set_internal_state(self, server_args: dict[str, Any]) -> list[SetInternalStateOut]:
         return await self._control(SetInternalStateReq(server_args), SetInternalStateOut)
+    # ---- weights ----
+    # The weights' version the scheduler serves, stamped on each output step as it arrives (a step of
+    # the old weights arrives before the update's answer): --weight-version at start, then each
+    # update's (entrypoints/weights_routes.py).
+    weight_version = "default"
 
     # ------------------------------------------------------------------ control
     async def _control(self, req: Any, reply_type: type, timeout: float = 30.0) -> list[Any]:
@@ -672,7 +680,7 @@ class TokenizerManager:
             state.queue.put_nowait(_Step(
                 msg.texts[i], msg.new_token_ids[i], finished, meta, msg.output_token_logprobs[i],
                 msg.output_top_logprobs[i], msg.input_token_logprobs[i], msg.input_top_logprobs[i],
-                now - state.created, msg.embeddings[i] if msg.embeddings else None))
+                now - state.created, msg.embeddings[i] if msg.embeddings else None, self.weight_version))
         if generated:
             self.metrics.generation_tokens.inc(generated)  # once per batch: the counter takes a lock
 

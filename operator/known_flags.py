@@ -27,7 +27,7 @@ ENGINE_FLAGS = (
     "speculative-ngram-max-match-window-size", "speculative-ngram-min-match-window-size",
     "speculative-num-draft-tokens", "speculative-num-steps", "speculative-token-map", "stream-interval",
     "strict-model-name", "tokenizer-path", "tool-call-parser", "torch-compile-max-bs", "tp-cpu-allreduce",
-    "tp-size", "watchdog-timeout",
+    "tp-size", "watchdog-timeout", "weight-version",
 )
 
 ROUTER_FLAGS = (

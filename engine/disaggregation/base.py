@@ -241,6 +241,9 @@ class KVMetadata(NamedTuple):
     # a prompt with images: what positions past it add to their index (M-RoPE, core/req.py rope_delta);
     # the decode continues from it without ever seeing the images' pixels
     rope_delta: int = 0
+    # the 63-bit hash of the weight version the prefill ran (core/weight_version.py; 0: none told):
+    # the decode refuses KV of weights other than its own
+    weight_version_hash: int = 0
 
 
 class MetadataBuffers:
@@ -248,7 +251,7 @@ class MetadataBuffers:
     top logprobs, then with a draft head (speculation NEXTN / EAGLE) a draft part of `draft_bytes`.
 
     Base columns: 0 output token id | 1 bootstrap_room | 2 output logprob (float64 bits) | 3 rope delta
-    (M-RoPE) | 4..7 spare.
+    (M-RoPE) | 4 the prefill's weight version hash | 5..7 spare.
     Top part: column 8 how many top logprobs follow (0: the request asked for none) | 9..136 their
     token ids, best first | 137..264 their logprobs (float64 bits); at most TOP_LOGPROBS (a request
     asking a PD pair for more is refused at admission).
@@ -310,10 +313,12 @@ class MetadataBuffers:
         row = self.buffer[slot]
         row[0], row[1], row[3] = meta.output_token_id, meta.bootstrap_room, meta.rope_delta
         row[2:3].view(torch.float64)[0] = meta.output_logprob
+        row[4] = meta.weight_version_hash
 
     def get(self, slot: int) -> KVMetadata:
         row = self.buffer[slot]
-        return KVMetadata(int(row[0]), float(row[2:3].view(torch.float64)[0]), int(row[1]), int(row[3]))
+        return KVMetadata(int(row[0]), float(row[2:3].view(torch.float64)[0]), int(row[1]), int(row[3]),
+                          int(row[4]))
 
     def set_top_logprobs(self, slot: int, top: Sequence[tuple[float, int]]) -> None:
         """The first token's top logprobs, as the sampler gives them: (logprob, token id), best first."""

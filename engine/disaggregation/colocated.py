@@ -10,6 +10,7 @@ from baton.engine.disaggregation.base import DisaggregationMode
 if TYPE_CHECKING:
     from baton.engine.core.queues import SchedulerQueues
     from baton.engine.core.req import Req
+    from baton.engine.core.weight_version import WeightVersion
     from baton.engine.core.schedule_batch import ScheduleBatch
     from baton.engine.io_struct import AbortReq, TokenizedGenerateReqInput
     from baton.engine.mem_cache.allocator import TokenToKVPoolAllocator
@@ -58,6 +59,9 @@ class Colocated:
     keeps_prefilled_requests = True
     # the loop must keep polling while nothing runs (KV transfers progress in the background)
     polls_in_background = False
+    # the weights' version: a prefill stamps it into each request's KV metadata, a decode refuses a
+    # request prefilled under another (set by scheduler/weights.py)
+    weight_version: Optional["WeightVersion"] = None
 
     def __init__(self, view: SchedulerView) -> None:
         self.view = view

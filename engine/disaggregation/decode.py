@@ -148,7 +148,10 @@ class DecodeDisaggregation(Disaggregated):
         done, keep = [], []
         for req in self.transfer_queue:
             status = req.kv_transfer.poll()
-            if status == KVPoll.Success:
+            if status == KVPoll.Success and (refusal := self._version_refusal(req)) is not None:
+                req.kv_transfer_started = 0.0  # the transfer has ended: nothing lands in its pages any more
+                self._end(req, refusal, 409)
+            elif status == KVPoll.Success:
                 done.append(req)
                 if is_no_peer(req.bootstrap_host):
                     continue  # nothing moved: keep it out of the transfer statistics
@@ -165,6 +168,15 @@ class DecodeDisaggregation(Disaggregated):
         self.transfer_queue = keep
         if done:
             self._merge_prebuilt(done)
+
+    def _version_refusal(self, req: "Req") -> Optional[str]:
+        """Why KV prefilled under other weights than this engine's is refused, or None (core/weight_version.py)."""
+        if self.weight_version is None or is_no_peer(req.bootstrap_host):
+            return None
+        refusal = self.weight_version.mismatch(req.kv_transfer.metadata().weight_version_hash)
+        if refusal is not None:
+            logger.warning("request %s refused: %s", req.rid, refusal)
+        return refusal
 
     def _merge_prebuilt(self, reqs: list["Req"]) -> None:
         """The transferred requests join running_batch with their first token, without a forward."""

@@ -145,7 +145,8 @@ class PrefillDisaggregation(Disaggregated):
                 self.metadata.set_top_logprobs(req.kv_meta_slot, result.next_top_logprobs[i])
             if s.drafter is not None:  # the decode's first step drafts from these (base.MetadataBuffers)
                 self.metadata.set_draft(req.kv_meta_slot, *s.drafter.row_draft(req.req_pool_idx))
-            meta = KVMetadata(tok, logprob, req.bootstrap_room, req.rope_delta)
+            version = 0 if self.weight_version is None else self.weight_version.hash
+            meta = KVMetadata(tok, logprob, req.bootstrap_room, req.rope_delta, version)
             self._send(req, -(-len(req.origin_input_ids) // s.page_size), meta)
             self.inflight_queue.append(req)
         return True

@@ -81,6 +81,12 @@ def _all_gather(obj: Any, tp) -> list:
     return out
 
 
+def _metadata(fields: list) -> KVMetadata:
+    """A KVMetadata from its JSON list (the driver's `list(metadata)`)."""
+    token, logprob, room, rope_delta, version = (list(fields) + [0, 0])[:5]
+    return KVMetadata(int(token), float(logprob), int(room), int(rope_delta), int(version))
+
+
 def _push(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
     sock = ctx.socket(zmq.PUSH)
     sock.setsockopt(zmq.SNDHWM, 0)  # no limit: a send never blocks the scheduler on a slow follower
@@ -381,7 +387,7 @@ class FollowerKVService:
                 item.init(op["num_pages"], op["meta_slot"])
             elif kind == "send":
                 meta = op["metadata"]
-                item.send(pages, op["is_last"], KVMetadata(int(meta[0]), float(meta[1]), int(meta[2]), int(meta[3])) if meta else None,
+                item.send(pages, op["is_last"], _metadata(meta) if meta else None,
                           op.get("state_slot"))
             elif kind == "rinit":
                 self._meta_slots[room] = op["meta_slot"]

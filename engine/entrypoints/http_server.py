@@ -24,6 +24,7 @@ from baton.engine.entrypoints.openai_api import register_openai_routes
 from baton.engine.entrypoints.operations_routes import register_operations_routes
 from baton.engine.entrypoints.protocol import GenerateRequest
 from baton.engine.entrypoints.session_routes import register_session_routes, session_params_of
+from baton.engine.entrypoints.weights_routes import register_weights_routes
 from baton.engine.sampling.sampling_params import SamplingParams, SamplingParamsError
 from baton.engine.server_args import ServerArgs
 from baton.engine.tokenizer_manager import GenerateInput, ReqOutput, RequestError
@@ -105,6 +106,7 @@ def create_app(ctx: ApiContext) -> FastAPI:
     register_embedding_routes(app, ctx)
     register_session_routes(app, ctx)
     register_operations_routes(app, ctx)
+    register_weights_routes(app, ctx)
     return app
 
 
@@ -138,7 +140,7 @@ def _register_native_routes(app: FastAPI, ctx: ApiContext) -> None:
 
     @app.get("/get_model_info")
     async def model_info():
-        return ctx.model_info
+        return {**ctx.model_info, "weight_version": ctx.tm.weight_version}
 
     @app.get("/get_server_info")
     @app.get("/server_info")
@@ -309,6 +311,7 @@ def native_body(out: ReqOutput, return_logprob: bool, cumulative: bool = True) -
         "completion_tokens": out.completion_tokens,
         "cached_tokens": out.cached_tokens,
         "e2e_latency": out.e2e_latency,
+        "weight_version": out.weight_version,
     }
     if return_logprob:
         meta["input_token_logprobs"] = _lp_triples(out.input_token_logprobs) or []

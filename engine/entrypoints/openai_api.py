@@ -48,7 +48,7 @@ def register_openai_routes(app: FastAPI, ctx: ApiContext) -> None:
                     "finish_reason": _reason(o), "matched_stop": _matched(o)} for k, o in enumerate(outs)]
         return JSONResponse({"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
                              "created": int(time.time()), "model": ctx.model_name, "choices": choices,
-                             "usage": _usage(outs, req.n)})
+                             "usage": _usage(outs, req.n), "metadata": _metadata(outs)})
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -92,7 +92,12 @@ def register_openai_routes(app: FastAPI, ctx: ApiContext) -> None:
                             "finish_reason": reason, "matched_stop": _matched(out)})
         return JSONResponse({"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
                              "created": int(time.time()), "model": ctx.model_name, "choices": choices,
-                             "usage": _usage(outs, req.n)})
+                             "usage": _usage(outs, req.n), "metadata": _metadata(outs)})
+
+
+def _metadata(outs: list[ReqOutput]) -> dict[str, Any]:
+    """SGLang's extra field of a whole (not streamed) response: the weights' version that produced it."""
+    return {"weight_version": outs[0].weight_version if outs else ""}
 
 
 def _check_model(ctx: ApiContext, model: Optional[str]) -> None:

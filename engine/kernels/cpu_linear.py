@@ -69,6 +69,12 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def unpack_weight(packed: torch.Tensor) -> torch.Tensor:
+    """The [N, K] weight pack_weight made `packed` from (a new tensor)."""
+    nb, pairs, rows, two = packed.shape
+    return packed.permute(0, 2, 1, 3).reshape(nb * rows, pairs * two).contiguous()
+
+
 def released_placeholder(weight: torch.Tensor) -> torch.Tensor:
     """What stands in for a weight whose packed copy now serves it: its shape and dtype, no data."""
     return torch.zeros(1, dtype=weight.dtype).expand(weight.shape)

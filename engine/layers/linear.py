@@ -146,7 +146,10 @@ def pack_linear_weights(model: nn.Module, device: str) -> int:
         m.register_buffer("packed_weight", cpu_linear.pack_weight(m.weight), persistent=False)
         if not (tied and m is head):
             released += m.weight.numel() * 2
+            loader = getattr(m.weight, "weight_loader", None)
             m.weight = nn.Parameter(cpu_linear.released_placeholder(m.weight), requires_grad=False)
+            if loader is not None:  # a weight update still shards a checkpoint tensor through it
+                m.weight.weight_loader = loader
     logger.info("the packed bfloat16 kernel serves %d linear layers (%.1f MB packed, %.1f MB of originals released)",
                 len(layers), sum(m.packed_weight.numel() * 2 for m in layers) / 1e6, released / 1e6)
     return len(layers)

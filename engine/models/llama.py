@@ -240,9 +240,10 @@ class LlamaForCausalLM(nn.Module):
     # ---- weights ----
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True) -> None:
         """HF checkpoint (name, tensor) pairs; raises if any parameter of the model was not loaded
-        (but those of the submodules a subclass loads itself: `separately_loaded`)."""
+        (but those of the submodules a subclass loads itself: `separately_loaded`), unless not
+        `strict` (a weight update of some parameters)."""
         params = {n: p for n, p in self.named_parameters() if not n.startswith(self.separately_loaded)}
         loaded: set[str] = set()
         for name, tensor in weights:
@@ -257,7 +258,8 @@ class LlamaForCausalLM(nn.Module):
                 loaded.add(name)
             else:
                 raise KeyError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")
-        self._check_all_loaded(params, loaded)
+        if strict:
+            self._check_all_loaded(params, loaded)
 
     def _load_stacked(self, name: str, tensor: torch.Tensor) -> str | None:
         parts = name.split(".")

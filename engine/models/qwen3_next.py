@@ -209,10 +209,10 @@ class Qwen3NextForCausalLM(Qwen3MoeForCausalLM):
         raise NotImplementedError("a hybrid model has no dense decoder structure (linear-attention layers)")
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True) -> None:
         if self.mtp is None:
             weights = ((name, t) for name, t in weights if not name.startswith("mtp."))
-        super().load_weights(weights)
+        super().load_weights(weights, strict)
 
 
 class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):

@@ -168,9 +168,9 @@ class QwenVisionTower(nn.Module):
         angles = torch.cat([freqs, freqs], dim=-1)
         return angles.cos(), angles.sin()
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True) -> None:
         """(name, tensor) pairs named as under the checkpoint's `model.visual.`; raises on a tensor the
-        tower has no place for and on a parameter the checkpoint does not fill."""
+        tower has no place for and (if `strict`) on a parameter the checkpoint does not fill."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
@@ -186,7 +186,7 @@ class QwenVisionTower(nn.Module):
                 raise KeyError(f"checkpoint tensor visual.{name} has no matching parameter in the vision tower")
             loaded.add(name)
         missing = sorted(set(params) - loaded)
-        if missing:
+        if missing and strict:
             raise ValueError(f"checkpoint is missing {len(missing)} vision tower tensors, e.g. {missing[:5]}")
 
 

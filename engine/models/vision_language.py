@@ -36,9 +36,9 @@ class VisionLanguageMixin:
 
         self.visual = QwenVisionTower(config.vision)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True) -> None:
         vision: list[tuple[str, torch.Tensor]] = []
-        super().load_weights(split_vision_weights(weights, vision))
-        self.visual.load_weights(vision)
+        super().load_weights(split_vision_weights(weights, vision), strict)
+        self.visual.load_weights(vision, strict)
 
 

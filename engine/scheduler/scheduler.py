@@ -51,6 +51,7 @@ from baton.engine.scheduler.release import ReqReleaser
 from baton.engine.scheduler.request_table import RequestTable
 from baton.engine.scheduler.sessions import SessionController, SessionView
 from baton.engine.scheduler.schedule_policy import SchedulePolicy
+from baton.engine.scheduler.weights import WeightsControl
 from baton.engine.server_args import ServerArgs
 from baton.engine.speculative import NoSpeculation, SpecView, create_speculator
 from baton.engine.speculative.config import SpecConfig
@@ -127,6 +128,7 @@ class Scheduler:
         self.releaser.keep = self.sessions.keep  # a finished session request's KV stays for its next turn
         self.ops = SchedulerOps(self)  # pause, memory release, profiler, slow-down, internal state (operations.py)
         self.control.update(self.ops.handlers())
+        self.control.update(WeightsControl(self).handlers())  # weight updates and reads (weights.py)
 
     # ------------------------------------------------------------------ messages from the tokenizer
     def process_input_requests(self, msgs: list[Any]) -> None:

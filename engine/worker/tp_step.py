@@ -51,6 +51,11 @@ Images (an EXTEND of a vision-language model): after the payload the batch's M-R
 [3, tokens]; then the model runner's embedder makes its exchange (ViT DP shares, the spliced
 embeddings: model_executor/mm_embedder.py), which a follower's embedder mirrors before the forward.
 
+Weights: besides a forward step (command FORWARD) or stop (STOP), the header's command may be
+WEIGHTS, with the byte length of a pickled weight operation (worker/weights.py: an update, the
+weight-update group, a read) in its second column; the operation's bytes follow as uint8, and each
+follower runs it on its shard between steps. The driver sends one only with nothing in flight.
+
 Overlap loop: a batch's decode inputs may be placeholders for tokens the previous batch has not
 sampled yet. Each follower keeps its own future map: after sampling, the driver broadcasts the
 sampled ids over the device group (asynchronous on CUDA), and the followers store them at the
@@ -58,7 +63,8 @@ slots the step named.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple, Optional
+import pickle
+from typing import TYPE_CHECKING, NamedTuple, Optional, Union
 
 import torch
 
@@ -66,6 +72,7 @@ from baton.engine.core.forward_batch import ForwardMode
 from baton.engine.distributed.parallel_state import TpGroup, resolve_group, shm_group_of
 from baton.engine.mem_cache.state_pool import StateOps
 from baton.engine.worker.future_map import FutureMap
+from baton.engine.worker.weights import RankWeights, WeightOp
 
 if TYPE_CHECKING:
     from baton.engine.core.schedule_batch import ModelWorkerBatch
@@ -73,7 +80,7 @@ if TYPE_CHECKING:
     from baton.engine.model_executor.model_runner import ModelRunner
 
 _HEADER = 13
-_STOP, _FORWARD = 0, 1
+_STOP, _FORWARD, _WEIGHTS = 0, 1, 2
 
 
 def _broadcast(t: torch.Tensor, group_name: str) -> None:
@@ -186,6 +193,14 @@ class StepSender:
             _broadcast(torch.tensor([n for nodes in out.accepted_nodes for n in nodes], dtype=torch.int64),
                        self.tp.cpu_group)
 
+    def send_weights(self, op: WeightOp) -> None:
+        """A weight operation every follower runs on its shard (nothing may be in flight)."""
+        payload = pickle.dumps(op)
+        header = torch.zeros(_HEADER, dtype=torch.int64)
+        header[0], header[1] = _WEIGHTS, len(payload)
+        _broadcast(header, self.tp.cpu_group)
+        _broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), self.tp.cpu_group)
+
     def stop(self) -> None:
         """Let the followers leave their loop (engine shutdown)."""
         _broadcast(torch.zeros(_HEADER, dtype=torch.int64), self.tp.cpu_group)
@@ -214,6 +229,7 @@ class StepReceiver:
         assert not tp.is_driver
         self.tp, self.runner = tp, runner
         self.future_ids: Optional[torch.Tensor] = None  # this follower's future map, made on first use
+        self.weights: Optional[RankWeights] = None  # this rank's side of weight operations, made on first use
         self.drafter = None  # NEXTN / EAGLE: this rank's share of the draft head's passes
         if runner.draft_head is not None:
             from baton.engine.speculative.head_worker import HeadDrafter
@@ -221,13 +237,17 @@ class StepReceiver:
             args = runner.config
             self.drafter = HeadDrafter(runner, args.speculative_num_steps, args.speculative_eagle_topk)
 
-    def recv(self) -> Optional[Step]:
+    def recv(self) -> Optional[Union[Step, WeightOp]]:
         header = torch.empty(_HEADER, dtype=torch.int64)
         _broadcast(header, self.tp.cpu_group)
         (cmd, mode, bs, num_tokens, n_updates, has_future, n_spans, verify, n_copies, n_tracks, n_primes,
          n_parents, has_mm) = header.tolist()
         if cmd == _STOP:
             return None
+        if cmd == _WEIGHTS:
+            payload = torch.empty(mode, dtype=torch.uint8)  # the second column: the operation's length
+            _broadcast(payload, self.tp.cpu_group)
+            return pickle.loads(payload.numpy().tobytes())  # the driver's own message
         mode = ForwardMode(mode)
         sizes = [num_tokens, num_tokens, bs, bs, num_tokens]
         head = self.drafter is not None and mode == ForwardMode.EXTEND
@@ -284,6 +304,12 @@ class StepReceiver:
         number of steps run."""
         steps = 0
         while (step := self.recv()) is not None:
+            if not isinstance(step, Step):
+                if self.weights is None:
+                    self.weights = RankWeights(self.runner, self.tp)
+                with torch.inference_mode(False):  # as on the driver, whose scheduler thread writes them
+                    self.weights.run(step)
+                continue
             self._run_step(step)
             steps += 1
         return steps
