@@ -48,3 +48,9 @@ class WorkerConfig:
     speculative_num_draft_tokens: Optional[int]
     speculative_ngram_max_bfs_breadth: int
     speculative_disable_by_batch_size: int
+    # multi-LoRA serving: the adapter pool (model_executor/lora_manager.py)
+    enable_lora: bool
+    lora_paths: tuple[str, ...]
+    max_loras_per_batch: int
+    max_lora_rank: Optional[int]
+    lora_target_modules: Optional[tuple[str, ...]]

@@ -44,6 +44,7 @@ from baton.engine.core.stats import SchedulerStats
 from baton.engine.scheduler.config import SchedulerConfig
 from baton.engine.scheduler.decode_manager import DecodeManager, NewTokenRatio
 from baton.engine.scheduler.intake import ModelLimits, RequestIntake
+from baton.engine.scheduler.lora import LoraScheduler
 from baton.engine.scheduler.output_processor import OutputProcessor
 from baton.engine.scheduler.prefill_manager import PrefillBatch, PrefillManager
 from baton.engine.scheduler.release import ReqReleaser
@@ -120,6 +121,9 @@ class Scheduler:
             GetServerInfoReq: lambda _: GetServerInfoOut(self.get_server_info(), self.dp_rank),
             FreezeGCReq: self._freeze_gc,
         }
+        # LoRA adapters: the registry, each request's adapter, a batch's adapters and the pool's slots
+        self.lora = self.intake.lora = self.prefill.lora = LoraScheduler(config, runner.lora, self.table, dp_rank)
+        self.control.update(self.lora.handlers())
 
     # ------------------------------------------------------------------ messages from the tokenizer
     def process_input_requests(self, msgs: list[Any]) -> None:
@@ -319,6 +323,7 @@ class Scheduler:
         if self.grammar_backend is not None:
             self.fill_grammar_masks(batch)
         mwb = batch.model_worker_batch
+        self.lora.prepare(mwb, batch.reqs)  # each row's adapter slot, the pool's loads
         self.forward_ct += 1
         if mwb.spec_info is not None and not self.spec.lags:
             # A verify step runs now, in this thread, in either loop: nothing is in flight (the decode
@@ -391,6 +396,7 @@ class Scheduler:
             "event_loop_reason": self.loop_choice.reason,
             **self.spec.server_info(),  # speculative_algorithm, accept rate and lengths
             **self._mm_info(),
+            **self.lora.server_info(),
             "tp_allreduce": all_reduce_backend(self.worker.tp),  # shm | gloo | nccl | none
             "preemptions": self.stats.preemptions,
             "mixed_decode_tokens": self.stats.mixed_decode_tokens,
