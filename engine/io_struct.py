@@ -173,6 +173,7 @@ class UnloadLoRAAdapterReqInput:
     asked again (the HTTP route polls) until then."""
 
     lora_name: str
+    retry: bool = False  # asked again while requests ran under it: an adapter gone by now is done
 
 
 @dataclass

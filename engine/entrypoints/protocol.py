@@ -44,6 +44,7 @@ class SamplingExtras(_Body):
     functions: Optional[list[Any]] = None
     suffix: Optional[str] = None
     best_of: Optional[int] = None
+    lora_path: Optional[str] = None  # SGLang's: the LoRA adapter by name (a model of "base:adapter" wins)
 
 
 class StreamOptions(_Body):
@@ -146,3 +147,5 @@ class GenerateRequest(_Body):
     bootstrap_port: Optional[Union[int, list[Optional[int]]]] = None
     bootstrap_room: Optional[Union[int, list[int]]] = None
     data_parallel_rank: Optional[Union[int, list[int]]] = None
+    # SGLang's: the LoRA adapter by name (null: the base model), or one per prompt of a batch
+    lora_path: Optional[Union[str, list[Optional[str]]]] = None

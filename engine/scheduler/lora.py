@@ -54,7 +54,6 @@ class LoraScheduler:
         self.num_slots, self.max_loaded = config.max_loras_per_batch, config.max_loaded_loras
         self.registry: dict[str, LoraRef] = {}
         self.draining: dict[str, LoraRef] = {}  # unloaded while requests still run under them
-        self.drained: set[str] = set()  # unloads a launch finished before their route asked again
         self.by_uid: dict[int, LoraRef] = {}  # every adapter a request may run under: the two above
         self.slots: list[Optional[int]] = [None] * self.num_slots
         self.last_used = [0] * self.num_slots  # the batch count when each slot's adapter last ran
@@ -101,7 +100,6 @@ class LoraScheduler:
             return str(e)
         except Exception as e:  # noqa: BLE001  (a file that is not what it claims: one refusal, not a crash)
             return f"LoRA adapter {path}: cannot be read: {type(e).__name__}: {e}"
-        self.drained.discard(name)
         ref = LoraRef(next(self._uids), name, path, pinned)
         self.manager.keep(ref.uid, adapter)
         self.registry[name] = self.by_uid[ref.uid] = ref
@@ -112,11 +110,10 @@ class LoraScheduler:
         """Takes the adapter out of the registry at once; done once no request runs under it (until
         then the answer says how many do, and the HTTP route asks again)."""
         name = req.lora_name
+        if req.retry and name not in self.draining:  # a launch let it go since the route asked (the name
+            return LoRAUpdateOutput(True, "", self.loaded(), dp_rank=self.dp_rank)  # may be another's now)
         if name in self.registry:
             self.draining[name] = self.registry.pop(name)
-        elif name in self.drained:
-            self.drained.discard(name)
-            return LoRAUpdateOutput(True, "", self.loaded(), dp_rank=self.dp_rank)
         elif name not in self.draining:
             return LoRAUpdateOutput(False, f"LoRA adapter {name!r} is not loaded", self.loaded(), dp_rank=self.dp_rank)
         ref = self.draining[name]
@@ -187,8 +184,7 @@ class LoraScheduler:
         mwb.lora = LoraStep([slot_of.get(r.lora_uid, -1) for r in reqs], loads, self.drops)
         self.drops = []
         for ref in [r for r in self.draining.values() if not self._in_use(r.uid)]:
-            self._forget(ref)  # its route's next ask answers done (or the client stopped asking)
-            self.drained.add(ref.name)
+            self._forget(ref)  # its route's next ask finds it gone (or its client stopped asking)
 
     def _victim(self, needed: set[int]) -> int:
         """A slot for an adapter the batch needs: a free one, else the least recently used slot of an
