@@ -40,6 +40,8 @@ def make_adapter(base_path: str, path: Union[str, os.PathLike], targets: Sequenc
     for layer in range(layers):
         for target in targets:
             name = _module_name(layer, target)
+            if f"{name}.weight" not in weights:  # a hybrid's linear-attention layer has no q_proj ...
+                continue
             w = weights[f"{name}.weight"]
             a = torch.randn(rank, w.shape[1], generator=gen) * std
             b = torch.randn(w.shape[0], rank, generator=gen) * std

@@ -72,7 +72,7 @@ def _reference(base: str, paths: dict, lora: Optional[str], prompt: list[int], m
 PROMPTS = [[11, 42, 7, 99, 5, 17, 300, 23], [200, 201, 202, 203, 204], [77] * 3 + list(range(30, 60))]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_5"])
 @pytest.mark.parametrize("loop", ["plain", "overlap"])
 def test_mixed_batches_equal_hf_on_each_merged_checkpoint(adapters, arch, loop):
     base, paths = adapters(arch)
@@ -89,9 +89,11 @@ def test_mixed_batches_equal_hf_on_each_merged_checkpoint(adapters, arch, loop):
     assert h.scheduler.check_memory_integrity()
 
 
-def test_the_radix_cache_never_shares_a_prefix_across_adapters(adapters):
-    base, paths = adapters("llama")
-    h = LoraHarness(base, lora_paths=_lora_paths(paths, "ab"), max_total_tokens=2048)
+@pytest.mark.parametrize("arch", ["llama", "qwen3_5"])
+def test_the_radix_cache_never_shares_a_prefix_across_adapters(adapters, arch):
+    """A hybrid model's recurrent-state checkpoints are keyed alike: a hit restores its own adapter's state."""
+    base, paths = adapters(arch)
+    h = LoraHarness(base, lora_paths=_lora_paths(paths, "ab"), max_total_tokens=2048, mamba_track_interval=8)
     prompt = list(range(100, 140))
     order = [None, "a", "b", None, "a", "b"]
     for k, lora in enumerate(order):  # one after the other: each finds what the ones before cached
