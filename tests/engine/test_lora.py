@@ -73,11 +73,13 @@ PROMPTS = [[11, 42, 7, 99, 5, 17, 300, 23], [200, 201, 202, 203, 204], [77] * 3 
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_5"])
-@pytest.mark.parametrize("loop", ["plain", "overlap"])
+@pytest.mark.parametrize("loop", ["plain", "overlap", "mixed-chunk"])
 def test_mixed_batches_equal_hf_on_each_merged_checkpoint(adapters, arch, loop):
+    """`mixed-chunk`: the running requests' decode rows ride in the prefill batches, under their adapters."""
     base, paths = adapters(arch)
     h = LoraHarness(base, lora_paths=_lora_paths(paths, "ab"), chunked_prefill_size=16, max_total_tokens=2048,
-                    enable_overlap_schedule=loop == "overlap", disable_overlap_schedule=loop == "plain")
+                    enable_overlap_schedule=loop == "overlap", disable_overlap_schedule=loop != "overlap",
+                    enable_mixed_chunk=loop == "mixed-chunk")
     jobs = [(f"{i}-{lora}", p, lora) for i, p in enumerate(PROMPTS) for lora in (None, "a", "b")]
     for rid, p, lora in jobs:
         h.submit_as(rid, p, lora)
@@ -86,6 +88,7 @@ def test_mixed_batches_equal_hf_on_each_merged_checkpoint(adapters, arch, loop):
         assert results[rid].ids == _reference(base, paths, lora, p), f"{rid} differs from HF on its merged checkpoint"
     for i in range(len(PROMPTS)):  # the adapters matter: an equality above is no accident of a tiny delta
         assert results[f"{i}-a"].ids != results[f"{i}-None"].ids or results[f"{i}-b"].ids != results[f"{i}-None"].ids
+    assert loop != "mixed-chunk" or h.scheduler.stats.mixed_decode_tokens > 0
     assert h.scheduler.check_memory_integrity()
 
 
@@ -283,3 +286,61 @@ def test_segments_merge_runs_of_one_adapter_and_skip_the_base_model():
     assert (segs.starts, segs.lens, segs.slots, segs.max_len) == ([0, 9], [5, 2], [1, 1], 5)
     apart = Segments.from_rows([2, 3, 1], [0, 1, 0], "cpu")  # one slot, but not consecutive rows
     assert (apart.starts, apart.lens, apart.slots) == ([0, 2, 5], [2, 3, 1], [0, 1, 0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_segmented_lora_kernel_on_cuda(dtype):
+    import torch
+
+    from baton.engine.triton_ops.lora_sgemm import (Segments, lora_expand_add_torch, lora_expand_add_triton,
+                                                    lora_shrink_torch, lora_shrink_triton)
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    dt, tol = getattr(torch, dtype), (1e-4 if dtype == "float32" else 3e-2)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for rows, slots in (([1] * 64, [i % 5 - 1 for i in range(64)]), ([300, 7, 129], [2, -1, 0])):
+        segs = Segments.from_rows(rows, slots, "cuda")
+        x = torch.randn(sum(rows), 512, generator=g, device="cuda").to(dt)
+        a = (torch.randn(4, 3 * 16, 512, generator=g, device="cuda") / 512 ** 0.5).to(dt)
+        b = torch.randn(4, 768, 16, generator=g, device="cuda").to(dt)
+        scaling = torch.tensor([0.5, 2.0, 1.0, 4.0], device="cuda")
+        xa = lora_shrink_torch(x, a, segs)
+        got, want = torch.zeros(sum(rows), 768, device="cuda", dtype=dt), torch.zeros(sum(rows), 768, device="cuda",
+                                                                                    dtype=dt)
+        for p in range(3):
+            lora_expand_add_triton(got[:, 256 * p:256 * (p + 1)], xa[:, 16 * p:16 * (p + 1)], b[:, 256 * p:256 * (p + 1)],
+                                   scaling, segs)
+            lora_expand_add_torch(want[:, 256 * p:256 * (p + 1)], xa[:, 16 * p:16 * (p + 1)], b[:, 256 * p:256 * (p + 1)],
+                                  scaling, segs)
+        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+        covered = want.abs().sum(1) > 0
+        torch.testing.assert_close(lora_shrink_triton(x, a, segs)[covered].float(), xa[covered].float(), atol=tol,
+                                   rtol=tol)
+
+
+@pytest.mark.gpu
+def test_lora_on_cuda_equals_its_torch_path_and_hf(adapters):
+    """The scheduler on CUDA (float32): the Triton LoRA path gives the torch path's tokens, and HF's."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    base, paths = adapters("llama")
+    jobs = [(f"{i}-{lora}", p, lora) for i, p in enumerate(PROMPTS) for lora in (None, "a", "b")]
+    runs = []
+    for reference in (False, True):
+        h = LoraHarness(base, device="cuda", dtype="float32", lora_paths=_lora_paths(paths, "ab"),
+                        chunked_prefill_size=16, max_total_tokens=2048)
+        h.scheduler.worker.model_runner.lora.batch.reference = reference
+        try:
+            for rid, p, lora in jobs:
+                h.submit_as(rid, p, lora)
+            runs.append({rid: r.ids for rid, r in h.run_until_idle().items()})
+            assert h.scheduler.check_memory_integrity()
+        finally:
+            h.scheduler.close()
+    assert runs[0] == runs[1]
+    exact = sum(runs[0][rid] == _reference(base, paths, lora, p) for rid, p, lora in jobs)
+    assert exact >= 0.8 * len(jobs), f"{exact} of {len(jobs)} requests give HF's tokens"
