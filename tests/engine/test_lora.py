@@ -110,11 +110,14 @@ def test_the_radix_cache_never_shares_a_prefix_across_adapters(adapters, arch):
     assert h.scheduler.check_memory_integrity()
 
 
-def test_a_batch_holds_at_most_max_loras_per_batch_adapters(adapters, monkeypatch):
+@pytest.mark.parametrize("loop", ["plain", "overlap"])
+def test_a_batch_holds_at_most_max_loras_per_batch_adapters(adapters, monkeypatch, loop):
     """Three adapters and the base over two slots: every batch holds at most two of them (the base counting),
-    the pool's slots are reloaded as batches change adapters, and every output equals HF's."""
+    the pool's slots are reloaded as batches change adapters (in the overlap loop while the batch before
+    runs), and every output equals HF's."""
     base, paths = adapters("qwen3")
-    h = LoraHarness(base, lora_paths=_lora_paths(paths, "abc"), max_loras_per_batch=2, max_total_tokens=2048)
+    h = LoraHarness(base, lora_paths=_lora_paths(paths, "abc"), max_loras_per_batch=2, max_total_tokens=2048,
+                    enable_overlap_schedule=loop == "overlap", disable_overlap_schedule=loop == "plain")
     lora = h.scheduler.lora
     seen, loads = [], []
     prepare = lora.prepare
