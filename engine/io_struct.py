@@ -39,6 +39,9 @@ class TokenizedGenerateReqInput:
     # images: their pixels, grids and the prompt's M-RoPE positions (multimodal/inputs.py)
     mm_inputs: Optional["MultimodalInputs"] = None
     received_time: float = field(default_factory=time.time)
+    # multi-LoRA serving: the name of the adapter the request runs under (SGLang's lora_path; None: the
+    # base model), resolved by the scheduler (scheduler/lora.py)
+    lora_name: Optional[str] = None
 
 
 @dataclass
@@ -393,3 +396,34 @@ class GetWeightsByNameReqOutput:
     parameter: Optional[list]  # the full tensor's first truncate_size rows, float32 values; None: see message
     message: str = ""
     dp_rank: int = 0
+
+
+# ---- LoRA adapters ----
+@dataclass
+class LoadLoRAAdapterReqInput:
+    """/load_lora_adapter (SGLang's body): an adapter in PEFT's format under a name requests pick it by.
+    `pinned`: it keeps a slot of the adapter pool once there (at most --max-loras-per-batch - 1 do)."""
+
+    lora_name: str
+    lora_path: str
+    pinned: bool = False
+
+
+@dataclass
+class UnloadLoRAAdapterReqInput:
+    """/unload_lora_adapter: the adapter stops taking requests at once and goes once none uses it;
+    asked again (the HTTP route polls) until then."""
+
+    lora_name: str
+    retry: bool = False  # asked again while requests ran under it: an adapter gone by now is done
+
+
+@dataclass
+class LoRAUpdateOutput:
+    """The answer to a load or unload (SGLang's fields), and the adapters loaded after it (name -> path)."""
+
+    success: bool
+    error_message: str = ""
+    loaded_adapters: dict[str, str] = field(default_factory=dict)
+    in_use: int = 0  # an unload still waiting for this many requests that run under the adapter
+    dp_rank: int = 0  # which scheduler answered

@@ -45,6 +45,38 @@ CPU_CHUNKED_PREFILL_SIZE = 512
 GPU_CHUNKED_PREFILL_SIZE = 8192
 
 
+# --lora-target-modules: the projections LoRA serves (SGLang's names; `all`: every one)
+LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoraPath(NamedTuple):
+    """One adapter of --lora-paths."""
+
+    name: str
+    path: str
+    pinned: bool = False
+
+
+def parse_lora_paths(items: tuple[str, ...]) -> list[LoraPath]:
+    """--lora-paths as SGLang takes them: NAME=PATH, PATH (named by itself), or a JSON object with
+    lora_name, lora_path and optionally pinned. Names are unique."""
+    out: list[LoraPath] = []
+    for item in items:
+        if item.lstrip().startswith("{"):
+            try:
+                raw = json.loads(item)
+                out.append(LoraPath(str(raw["lora_name"]), str(raw["lora_path"]), bool(raw.get("pinned", False))))
+            except (ValueError, KeyError, TypeError):
+                raise ValueError(f"--lora-paths {item!r}: a JSON adapter needs lora_name and lora_path") from None
+        else:
+            name, sep, path = item.partition("=")
+            out.append(LoraPath(name, path) if sep else LoraPath(item, item))
+    names = [a.name for a in out]
+    if len(set(names)) != len(names) or not all(names) or not all(a.path for a in out):
+        raise ValueError(f"--lora-paths: every adapter needs a path and a name of its own, got {list(items)}")
+    return out
+
+
 class EventLoop(Enum):
     PLAIN = "plain"  # schedule N -> run N -> process N
     OVERLAP = "overlap"  # schedule N+1 -> launch N+1 -> process N (while N+1 computes)
@@ -407,6 +439,30 @@ class ServerArgs:
     media_fetch_timeout: float = flag(
         10.0, help="image input: seconds to fetch one image URL, redirects and body included (400 beyond)",
         owner="tokenizer")
+    # multi-LoRA serving (scheduler/lora.py, model_executor/lora_manager.py, docs/api.md "LoRA"): SGLang's flags
+    enable_lora: bool = flag(
+        False, help="serve LoRA adapters (PEFT format) beside the base model: a request picks one by name "
+                    "(lora_path, or an OpenAI model of the form base:adapter), and requests under different "
+                    "adapters and none share batches; on by itself with --lora-paths",
+        owner="scheduler", also=("worker", "tokenizer", "http"))
+    lora_paths: tuple[str, ...] = flag(
+        default_factory=tuple, cli_default=[], nargs="+", metavar="NAME=PATH", parse=tuple,
+        help='adapters loaded at start-up, each NAME=PATH, PATH (its own name) or SGLang\'s JSON '
+             '{"lora_name": ..., "lora_path": ..., "pinned": ...}', owner="scheduler",
+        also=("worker", "tokenizer", "http"))
+    max_loras_per_batch: int = flag(
+        8, help="distinct adapters one batch may run, the base model counting as one (SGLang's rule); also the "
+                "slots of the adapter pool in device memory", owner="scheduler", also=("worker",))
+    max_loaded_loras: Optional[int] = flag(
+        None, help="adapters loaded (in host memory) at once; a load beyond is refused (default: no limit; at least "
+                   "--max-loras-per-batch)", owner="scheduler")
+    max_lora_rank: Optional[int] = flag(
+        None, help="the largest adapter rank the pool holds (default: the largest of --lora-paths; give it to load "
+                   "larger adapters later)", owner="worker")
+    lora_target_modules: Optional[tuple[str, ...]] = flag(
+        None, nargs="+", metavar="MODULE", parse=tuple,
+        help="the projections adapters may target: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj, or all "
+             "(default: those of --lora-paths' adapters)", owner="worker")
     # PD disaggregation
     disaggregation_mode: str = flag(
         "null", choices=DISAGGREGATION_MODES,
@@ -516,6 +572,7 @@ class ServerArgs:
         self._check_speculative()
         self._check_media()
         self._check_embedding()
+        self._check_lora()
         if self.tp_size < 1:
             raise ValueError("--tp-size must be >= 1")
         if self.dp_size < 1:
@@ -562,6 +619,38 @@ class ServerArgs:
             raise ValueError("--max-image-pixels and --max-media-bytes must be >= 1")
         if not self.media_fetch_timeout > 0:
             raise ValueError("--media-fetch-timeout must be > 0")
+
+    def _check_lora(self) -> None:
+        """The LoRA flags: --lora-paths turn LoRA on (SGLang's rule); without it the others mean nothing;
+        without adapters at start-up the pool's rank and projections must be given."""
+        lora_flags = ("max_loaded_loras", "max_lora_rank", "lora_target_modules")
+        if self.lora_paths and not self.enable_lora:
+            object.__setattr__(self, "enable_lora", True)  # frozen
+        if not self.enable_lora:
+            given = [f"--{n.replace('_', '-')}" for n in lora_flags if getattr(self, n) is not None]
+            if given or self.max_loras_per_batch != 8:
+                raise ValueError(f"{' '.join(given) or '--max-loras-per-batch'} means nothing without --enable-lora")
+            return
+        adapters = parse_lora_paths(self.lora_paths)
+        if not adapters and (self.max_lora_rank is None or self.lora_target_modules is None):
+            raise ValueError("--enable-lora without --lora-paths needs --max-lora-rank and --lora-target-modules "
+                             "(the adapter pool's shape)")
+        if self.max_loras_per_batch < 1 or (self.max_lora_rank is not None and self.max_lora_rank < 1):
+            raise ValueError("--max-loras-per-batch and --max-lora-rank must be >= 1")
+        if self.max_loaded_loras is not None and self.max_loaded_loras < max(self.max_loras_per_batch, len(adapters)):
+            raise ValueError("--max-loaded-loras must be at least --max-loras-per-batch and the adapters of "
+                             "--lora-paths")
+        bad = sorted(set(self.lora_target_modules or ()) - set(LORA_TARGET_MODULES) - {"all"})
+        if bad:
+            raise ValueError(f"--lora-target-modules: unknown {' '.join(bad)}; choose from "
+                             f"{' '.join(LORA_TARGET_MODULES)} or all")
+        if sum(a.pinned for a in adapters) >= self.max_loras_per_batch:
+            raise ValueError("at most --max-loras-per-batch - 1 adapters may be pinned")
+        for what, clash in (("--speculative-algorithm", self.speculative_algorithm is not None),
+                            ("--disaggregation-mode", self.disaggregation_mode != "null"),
+                            ("--small-batch-gemv-rows", self.small_batch_gemv_rows > 0)):
+            if clash:
+                raise ValueError(f"--enable-lora is not supported with {what} yet")
 
     def _check_speculative(self) -> None:
         """--speculative-*: what runs, refused clearly otherwise; so is a flag that would mean nothing

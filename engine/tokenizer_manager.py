@@ -23,6 +23,8 @@ from baton.engine.io_struct import (AbortReq, BatchStrOut, ContinueGenerationOut
                                     ReleaseMemoryOccupationOut, ReleaseMemoryOccupationReq, ReqMeta,
                                     ResumeMemoryOccupationOut, ResumeMemoryOccupationReq, SetInternalStateOut,
                                     SetInternalStateReq, SlowDownOut, SlowDownReq, TokenizedGenerateReqInput)
+from baton.engine.io_struct import (LoadLoRAAdapterReqInput, LoRAUpdateOutput,  # LoRA
+                                    UnloadLoRAAdapterReqInput)
 from baton.engine.metrics import EngineMetrics
 from baton.engine.sampling.sampling_params import SamplingParams
 
@@ -40,6 +42,9 @@ DISCONNECT_POLL_S = 1.0
 # own client, sglang.bench_serving (0.4.6.post5), json-parses every non-blank line of a stream and
 # fails on a comment (JSONDecodeError, on every route), and SGLang's engines send none.
 SSE_KEEPALIVE_S = 0.0
+# A LoRA load reads the adapter in every scheduler (s); an unload waiting for requests asks again this often (s)
+LORA_LOAD_TIMEOUT_S = 300.0
+LORA_UNLOAD_POLL_S = 0.02
 
 
 class RequestError(Exception):
@@ -85,6 +90,8 @@ class GenerateInput:
     mm_inputs: Optional["MultimodalInputs"] = None
     # SGLang's session_params: the session and the request of it this one continues
     session_params: Optional[SessionParams] = None
+    # the LoRA adapter the request runs under, by name (SGLang's lora_path); None: the base model
+    lora_path: Optional[str] = None
 
 
 @dataclass
@@ -329,6 +336,7 @@ class TokenizerManager:
         if not ids:
             raise RequestError("the prompt is empty", 400)
         obj.sampling_params.verify(self.vocab_size)
+        self._check_lora(obj)
         ids = self._fit_context(obj, ids)
         if obj.data_parallel_rank is not None and not 0 <= obj.data_parallel_rank < self.dp_size:
             raise RequestError(f"data_parallel_rank {obj.data_parallel_rank} is out of range: this engine has "
@@ -339,7 +347,7 @@ class TokenizerManager:
             top_logprobs_num=obj.top_logprobs_num, priority=obj.priority, bootstrap_host=obj.bootstrap_host,
             bootstrap_port=obj.bootstrap_port, bootstrap_room=obj.bootstrap_room,
             data_parallel_rank=obj.data_parallel_rank, require_reasoning=obj.require_reasoning,
-            mm_inputs=obj.mm_inputs)
+            mm_inputs=obj.mm_inputs, lora_name=obj.lora_path)
 
     def _fit_context(self, obj: GenerateInput, ids: list[int]) -> list[int]:
         """The prompt and max_new_tokens within the context length, as OpenAI and SGLang check them: a
@@ -517,6 +525,8 @@ class TokenizerManager:
             raise RequestError("sessions need a colocated engine: a PD engine's KV leaves it with each request", 400)
         if params.id is None:
             raise RequestError("session_params needs the session's id", 400)
+        if obj.lora_path is not None:  # a session holds its history by the base model's cache keys
+            raise RequestError("a session with a LoRA adapter is not supported yet", 400)
         rank = self.session_rank(params.id)
         if obj.data_parallel_rank not in (None, rank):
             raise RequestError(f"session {params.id!r} runs on data-parallel rank {rank}, not "
@@ -599,6 +609,47 @@ class TokenizerManager:
     # the old weights arrives before the update's answer): --weight-version at start, then each
     # update's (entrypoints/weights_routes.py).
     weight_version = "default"
+
+    # ---- LoRA adapters ----
+    # the adapters loaded (name -> path) as the schedulers last said; None while LoRA is off (enable_lora)
+    lora_adapters: Optional[dict[str, str]] = None
+
+    def enable_lora(self, adapters: dict[str, str]) -> None:
+        """--enable-lora: requests may name adapters; `adapters`: those of --lora-paths."""
+        self.lora_adapters = dict(adapters)
+
+    def _check_lora(self, obj: GenerateInput) -> None:
+        """An adapter that is not loaded: a 400 before the request is sent (the scheduler checks again)."""
+        name = obj.lora_path
+        if name is None:
+            return
+        if self.lora_adapters is None:
+            raise RequestError(f"LoRA adapter {name!r} requested, but LoRA is not enabled on this server "
+                               "(--enable-lora)", 400)
+        if name not in self.lora_adapters:
+            raise RequestError(f"LoRA adapter {name!r} is not loaded (loaded: "
+                               f"{', '.join(sorted(self.lora_adapters)) or 'none'})", 400)
+
+    async def load_lora_adapter(self, req: LoadLoRAAdapterReqInput) -> LoRAUpdateOutput:
+        return self._lora_outcome(await self._control(req, LoRAUpdateOutput, timeout=LORA_LOAD_TIMEOUT_S))
+
+    async def unload_lora_adapter(self, req: UnloadLoRAAdapterReqInput) -> LoRAUpdateOutput:
+        """Done once no request runs under the adapter on any rank (SGLang waits for them): until then
+        every rank is asked again, every LORA_UNLOAD_POLL_S; new requests naming it are refused at once."""
+        while True:
+            outs = await self._control(req, LoRAUpdateOutput)
+            if not any(o.in_use for o in outs):
+                return self._lora_outcome(outs)
+            self._lora_outcome(outs)
+            req = UnloadLoRAAdapterReqInput(req.lora_name, retry=True)
+            await asyncio.sleep(LORA_UNLOAD_POLL_S)
+
+    def _lora_outcome(self, outs: list[LoRAUpdateOutput]) -> LoRAUpdateOutput:
+        """One answer for the DP ranks (the first refusal, else rank 0's); the adapters loaded, as rank 0 has them."""
+        if self.lora_adapters is not None:
+            self.lora_adapters = dict(outs[0].loaded_adapters)
+        failed = [o for o in outs if not o.success]
+        return failed[0] if failed else outs[0]
 
     # ------------------------------------------------------------------ control
     async def _control(self, req: Any, reply_type: type, timeout: float = 30.0) -> list[Any]:

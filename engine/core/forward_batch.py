@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Optional, Protocol, Union
 import torch
 
 if TYPE_CHECKING:
+    from baton.engine.core.lora import LoraStep
     from baton.engine.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
     from baton.engine.mem_cache.state_pool import RecurrentStatePool, StateOps
 
@@ -82,6 +83,9 @@ class ForwardBatch:
     # token embedding: (rows [m], embeddings [m, hidden]) (multimodal/inputs.py)
     mrope_positions: Optional[torch.Tensor] = None
     mm_embeds: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+    # multi-LoRA serving: each row's adapter slot and the pool's loads (core/lora.py), which the model
+    # runner's LoRA manager applies before the layers; None: every row runs the base model
+    lora: Optional["LoraStep"] = None
 
     @property
     def rope_positions(self) -> torch.Tensor:

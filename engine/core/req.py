@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from baton.engine.io_struct import FinishReason
+from baton.engine.mem_cache.base import cache_key
 from baton.engine.sampling.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -109,6 +110,9 @@ class Req:
     # an embedding engine's result (--is-embedding): the pooled vector of the prompt's last token,
     # set by the output processor when the prefill's last chunk has run, which ends the request
     embedding: Optional[list[float]] = None
+    # multi-LoRA serving (scheduler/lora.py): the uid of the adapter the request runs under, 0 for the base
+    # model; set at intake. The prefix cache keys its tokens in that adapter's namespace.
+    lora_uid: int = 0
 
     @property
     def grammar(self) -> Any:
@@ -136,7 +140,7 @@ class Req:
             max_prefix = len(self.fill_ids) - 1
             if self.return_logprob and self.logprob_start_len >= 0:
                 max_prefix = min(max_prefix, max(self.logprob_start_len - 1, 0))
-            match = tree_cache.match_prefix(self.fill_ids[:max_prefix])
+            match = tree_cache.match_prefix(cache_key(self.fill_ids[:max_prefix], self.lora_uid))
             self.prefix_indices, self.last_node = match.device_indices, match.last_node
         self.extend_input_len = len(self.fill_ids) - self.kv_start_len
 

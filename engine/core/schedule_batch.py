@@ -18,6 +18,7 @@ from baton.engine.multimodal.inputs import MmBatch, plan_splices
 from baton.engine.multimodal.mrope import rope_positions_for
 
 if TYPE_CHECKING:
+    from baton.engine.core.lora import LoraStep
     from baton.engine.core.spec_info import VerifyInput
     from baton.engine.mem_cache.allocator import TokenToKVPoolAllocator
     from baton.engine.mem_cache.base import BasePrefixCache
@@ -91,6 +92,9 @@ class ModelWorkerBatch:
     next_prompt_ids: Optional[list[int]] = None
     # EXTEND with images: where their embeddings go, and the batch's M-RoPE positions (multimodal/inputs.py)
     mm: Optional[MmBatch] = None
+    # multi-LoRA serving: each row's adapter slot and the pool's loads (core/lora.py), set by the scheduler
+    # as it launches the batch (scheduler/lora.py); None without --enable-lora
+    lora: Optional["LoraStep"] = None
 
 
 class ScheduleBatch:

@@ -17,6 +17,7 @@ from baton.engine.entrypoints import auth
 from baton.engine.entrypoints.drain import GENERATION_PATHS
 from baton.engine.entrypoints.embedding_routes import EMBEDDING_ONLY, EMBEDDING_PATHS, register_embedding_routes
 from baton.engine.entrypoints.expansion import expand, pd_fields
+from baton.engine.entrypoints.lora_routes import register_lora_routes
 from baton.engine.entrypoints.http_common import (SSE_DONE, SSE_KEEPALIVE, ApiContext, abort_error, collect,
                                                   error_response, parse, read_json, sampling_params_from, sse,
                                                   sse_error)
@@ -107,6 +108,7 @@ def create_app(ctx: ApiContext) -> FastAPI:
     register_session_routes(app, ctx)
     register_operations_routes(app, ctx)
     register_weights_routes(app, ctx)
+    register_lora_routes(app, ctx)
     return app
 
 
@@ -239,7 +241,8 @@ def _native_inputs(req: GenerateRequest) -> list[GenerateInput]:
                             logprob_start_len=int(_pick(req, "logprob_start_len", i, size)),
                             top_logprobs_num=int(_pick(req, "top_logprobs_num", i, size)),
                             priority=_pick(req, "priority", i, size), require_reasoning=req.require_reasoning,
-                            fit_max_new_tokens=not (isinstance(sp, dict) and "max_new_tokens" in sp))
+                            fit_max_new_tokens=not (isinstance(sp, dict) and "max_new_tokens" in sp),
+                            lora_path=_pick(req, "lora_path", i, size))
         if obj.return_logprob and obj.logprob_start_len < 0 and req.logprob_start_len == -1:
             obj.logprob_start_len = -1  # output logprobs only, as SGLang's default
         obj.image_data = _prompt_images(req.image_data, i, size)

@@ -16,15 +16,21 @@ from baton.engine.entrypoints.protocol import ChatCompletionRequest, CompletionR
 from baton.engine.parsers import make_tool_parser
 from baton.engine.sampling.sampling_params import GRAMMAR_KINDS, SamplingParams
 from baton.engine.entrypoints.expansion import expand, pd_fields
+from baton.engine.entrypoints.lora_routes import is_adapter_model, requested_adapter
 from baton.engine.tokenizer_manager import GenerateInput, ReqOutput, RequestError
 
 
 def register_openai_routes(app: FastAPI, ctx: ApiContext) -> None:
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": ctx.model_name, "object": "model", "created": int(time.time()),
-                                            "owned_by": "baton", "root": ctx.server_args.model_path,
-                                            "max_model_len": ctx.tm.context_len}]}
+        """The model, then each loaded LoRA adapter as a model whose parent it is (SGLang's listing)."""
+        now = int(time.time())
+        cards = [{"id": ctx.model_name, "object": "model", "created": now, "owned_by": "baton",
+                  "root": ctx.server_args.model_path, "max_model_len": ctx.tm.context_len}]
+        cards += [{"id": name, "object": "model", "created": now, "owned_by": "baton", "root": path,
+                   "parent": ctx.model_name, "max_model_len": ctx.tm.context_len}
+                  for name, path in (ctx.tm.lora_adapters or {}).items()]
+        return {"object": "list", "data": cards}
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -35,7 +41,8 @@ def register_openai_routes(app: FastAPI, ctx: ApiContext) -> None:
         reject_unsupported(req)
         prompts = _completion_prompts(req.prompt)
         # the n choices of each prompt (parallel sampling), prompt-major
-        objs = expand([_input(ctx, req, p, req.max_tokens, req.logprobs, echo=req.echo, rid=rid)
+        objs = expand([_input(ctx, req, p, req.max_tokens, req.logprobs, echo=req.echo, rid=rid,
+                              lora_path=requested_adapter(ctx, req.model, req.lora_path))
                        for p, rid in zip(prompts, _prompt_rids(req.rid, len(prompts)))],
                       [req.n] * len(prompts), pd_fields(req))
         if req.stream:  # every choice of every prompt in one stream, by index
@@ -71,7 +78,7 @@ def register_openai_routes(app: FastAPI, ctx: ApiContext) -> None:
                 and not make_tool_parser(tool_parser).skip_special_tokens:
             overrides["skip_special_tokens"] = False  # the format's marker is a special token
         obj = _input(ctx, req, ids, req.max_completion_tokens or req.max_tokens, top, overrides=overrides,
-                     rid=req.rid)
+                     rid=req.rid, lora_path=requested_adapter(ctx, req.model, req.lora_path))
         obj.require_reasoning = chat_tools.reasons(args.reasoning_parser, kwargs)
         obj.image_data = image_data or None
         objs = expand([obj], [req.n], pd_fields(req))
@@ -102,8 +109,9 @@ def _metadata(outs: list[ReqOutput]) -> dict[str, Any]:
 
 def _check_model(ctx: ApiContext, model: Optional[str]) -> None:
     """Any name is served (SGLang's behaviour: clients send whatever their config says); with
-    --strict-model-name only this server's."""
-    if ctx.server_args.strict_model_name and model and model not in (ctx.model_name, ctx.server_args.model_path):
+    --strict-model-name only this server's (or a LoRA adapter of it: lora_routes.py)."""
+    if ctx.server_args.strict_model_name and model and model not in (ctx.model_name, ctx.server_args.model_path) \
+            and not is_adapter_model(ctx, model):
         raise RequestError(f"the model {model!r} does not exist; this server serves {ctx.model_name!r}", 404,
                            "model_not_found")
 
@@ -187,7 +195,7 @@ def _prompt_rids(rid: Any, count: int) -> list[Optional[str]]:
 
 def _input(ctx: ApiContext, req: SamplingExtras, prompt: Any, max_tokens: Optional[int],
            top_logprobs: Optional[int], overrides: Optional[dict[str, Any]] = None, echo: bool = False,
-           rid: Optional[str] = None) -> GenerateInput:
+           rid: Optional[str] = None, lora_path: Optional[str] = None) -> GenerateInput:
     """One prompt's request, before expansion (n copies, PD fields: expansion.py). `echo` with
     logprobs: the prompt's logprobs too (completions)."""
     if max_tokens is not None and max_tokens < 0:
@@ -206,7 +214,7 @@ def _input(ctx: ApiContext, req: SamplingExtras, prompt: Any, max_tokens: Option
                         input_ids=prompt if isinstance(prompt, list) else None, stream=req.stream,
                         return_logprob=top_logprobs is not None, top_logprobs_num=top_logprobs or 0,
                         priority=req.priority, fit_max_new_tokens=not given,
-                        logprob_start_len=0 if echo and top_logprobs is not None else -1)
+                        logprob_start_len=0 if echo and top_logprobs is not None else -1, lora_path=lora_path)
     if rid:
         obj.rid = rid
     return obj

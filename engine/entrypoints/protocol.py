@@ -44,6 +44,7 @@ class SamplingExtras(_Body):
     functions: Optional[list[Any]] = None
     suffix: Optional[str] = None
     best_of: Optional[int] = None
+    lora_path: Optional[str] = None  # SGLang's: the LoRA adapter by name (a model of "base:adapter" wins)
 
 
 class StreamOptions(_Body):
@@ -149,6 +150,8 @@ class GenerateRequest(_Body):
     # SGLang's: the session the request continues (id, rid, offset, replace, drop_previous_output); for
     # a batch one per prompt. Checked in session_routes.py
     session_params: Optional[Union[dict[str, Any], list[Optional[dict[str, Any]]]]] = None
+    # SGLang's: the LoRA adapter by name (null: the base model), or one per prompt of a batch
+    lora_path: Optional[Union[str, list[Optional[str]]]] = None
 
 
 # ---- embeddings ----

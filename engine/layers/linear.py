@@ -7,6 +7,9 @@ A column-parallel layer may fuse several checkpoint projections (q|k|v, gate|up)
 which rows of its checkpoint tensor this rank holds (`OutputPart`). With one rank every part is the
 whole tensor and the layers compute exactly what nn.Linear does.
 
+With --enable-lora a layer may hold a `lora` (layers/lora.py): its adapters' delta, added to the output
+(a row-parallel layer's before its all-reduce).
+
 On a CPU with AVX512_BF16, `pack_linear_weights` gives each bfloat16 layer (and the LM head) a packed
 copy of its weight (a buffer, `packed_weight`), and its calls go through the kernel of
 engine/kernels/cpu_linear.py instead of torch's GEMM (layers/gemm.py).
@@ -14,7 +17,7 @@ engine/kernels/cpu_linear.py instead of torch's GEMM (layers/gemm.py).
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Optional
 
 import torch
 from torch import nn
@@ -26,6 +29,7 @@ from baton.engine.layers.vocab_parallel import VocabParallelEmbedding
 
 if TYPE_CHECKING:
     from baton.engine.layers.activation import GatedAct
+    from baton.engine.layers.lora import LoraLinear
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +58,7 @@ class MergedColumnLinear(nn.Linear):
     """One linear whose output is this rank's rows of several checkpoint projections, concatenated."""
 
     gemv: SmallBatchGemv = GEMV_OFF  # which calls take the Triton GEMV: set at load (layers/gemm.py bind_gemv)
+    lora: Optional["LoraLinear"] = None  # the LoRA adapters' delta: set at load where LoRA serves the layer
 
     def __init__(self, in_features: int, parts: list[OutputPart], bias: bool) -> None:
         super().__init__(in_features, sum(p.size for p in parts), bias=bias)
@@ -61,12 +66,15 @@ class MergedColumnLinear(nn.Linear):
         self.output_sizes = [p.size for p in parts]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear_forward(self, x, self.bias)
+        out = linear_forward(self, x, self.bias)
+        return out if self.lora is None else self.lora.add(x, out)
 
     def gated(self, x: torch.Tensor, act: "GatedAct") -> torch.Tensor:
         """act(gate) * up of this [gate | up] layer's output. A packed bfloat16 CPU layer, and a few
         CUDA rows where the layer's small-batch GEMV takes them (layers/gemm.py), give silu(gate) * up straight
         out of the matmul's tiles (no [rows, 2I] product)."""
+        if self.lora is not None:  # the fused kernels below know no adapters
+            return act(self(x))
         packed = getattr(self, "packed_weight", None)
         if act.is_silu and x.dtype == torch.bfloat16 and cpu_linear.silu_mul_fusable(self.weight, packed, self.bias):
             return cpu_linear.packed_linear_silu_mul(x, self.weight, packed)
@@ -93,6 +101,7 @@ class RowParallelLinear(nn.Module):
     summed over the ranks, then the (replicated) bias is added once."""
 
     gemv: SmallBatchGemv = GEMV_OFF  # which calls take the Triton GEMV: set at load (layers/gemm.py bind_gemv)
+    lora: Optional["LoraLinear"] = None  # the LoRA adapters' delta: set at load where LoRA serves the layer
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TpGroup) -> None:
         super().__init__()
@@ -111,8 +120,12 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return linear_forward(self, x, self.bias)  # exactly nn.Linear
-        out = all_reduce(linear_forward(self, x, None), self.tp)
+            out = linear_forward(self, x, self.bias)  # exactly nn.Linear
+            return out if self.lora is None else self.lora.add(x, out)
+        out = linear_forward(self, x, None)
+        if self.lora is not None:  # a partial sum too (A holds this rank's columns)
+            out = self.lora.add(x, out)
+        out = all_reduce(out, self.tp)
         return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:

@@ -27,6 +27,20 @@ if TYPE_CHECKING:
     from baton.engine.mem_cache.state_pool import StateOps
 
 
+# Keys of a LoRA adapter's requests live in a namespace of their own: the same tokens under another adapter
+# (or none) have other KV. Token ids are below 2**31; namespace n moves every id of a key by n << 32, so keys
+# of two namespaces never share a page, and namespace 0 (the base model) is the ids themselves.
+NAMESPACE_SHIFT = 32
+
+
+def cache_key(ids: list[int], namespace: int) -> list[int]:
+    """The prefix cache's key of token ids in `namespace` (a request's lora_uid)."""
+    if not namespace:
+        return ids
+    offset = namespace << NAMESPACE_SHIFT
+    return [t + offset for t in ids]
+
+
 class MatchResult(NamedTuple):
     device_indices: torch.Tensor  # [matched_len] int64 KV slot indices, matched_len % page_size == 0
     last_node: Any  # the deepest matched node; lock it to keep the indices valid
@@ -45,6 +59,7 @@ class CacheReq(Protocol):
     output_ids: list[int]
     # hybrid models: (position, checkpoint slot) of states tracked for this request, not yet on a node
     state_checkpoints: list[tuple[int, int]]
+    lora_uid: int  # the key namespace of the request's tokens (cache_key); 0: the base model's
 
 
 class BasePrefixCache(ABC):

@@ -38,7 +38,7 @@ from typing import Any, Optional
 
 import torch
 
-from baton.engine.mem_cache.base import CacheReq, MatchResult
+from baton.engine.mem_cache.base import CacheReq, MatchResult, cache_key
 from baton.engine.mem_cache.radix_cache import RadixCache, TreeNode
 
 
@@ -164,7 +164,7 @@ class HybridRadixCache(RadixCache):
             if pos > cached_len:
                 keep.append((pos, slot))
                 continue
-            node = self._node_ending_at(req.fill_ids[:pos])
+            node = self._node_ending_at(cache_key(req.fill_ids[:pos], req.lora_uid))
             if node.state is None:
                 node.state = slot
                 self._state_nodes[node.id] = node

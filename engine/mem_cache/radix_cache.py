@@ -25,7 +25,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from baton.engine.mem_cache.base import BasePrefixCache, CacheReq, MatchResult
+from baton.engine.mem_cache.base import BasePrefixCache, CacheReq, MatchResult, cache_key
 
 
 class TreeNode:
@@ -184,7 +184,7 @@ class RadixCache(BasePrefixCache):
         num_prefix = len(req.prefix_indices)
         aligned = req.kv_committed_len // self.page_size * self.page_size
         assert num_prefix <= aligned, f"prefix {num_prefix} longer than committed page-aligned KV {aligned}"
-        cached = self.insert(req.fill_ids[:aligned], kv[:aligned])
+        cached = self.insert(cache_key(req.fill_ids[:aligned], req.lora_uid), kv[:aligned])
         assert cached >= num_prefix, "the request's locked prefix is no longer in the tree"
         self.allocator.free(kv[num_prefix:cached])
         return kv, num_prefix, aligned
@@ -198,7 +198,7 @@ class RadixCache(BasePrefixCache):
     def cache_unfinished_req(self, req: CacheReq) -> None:
         row = req.req_pool_idx
         _, num_prefix, aligned = self._insert_committed(req)
-        new_indices, new_node = self._match_kv(req.fill_ids[:aligned])
+        new_indices, new_node = self._match_kv(cache_key(req.fill_ids[:aligned], req.lora_uid))
         assert len(new_indices) == aligned, f"re-match found {len(new_indices)} of {aligned} tokens"
         self.req_to_token_pool.req_to_token[row, num_prefix:aligned] = new_indices[num_prefix:]
         self.inc_lock_ref(new_node)

@@ -53,3 +53,9 @@ class WorkerConfig:
     speculative_disable_by_batch_size: int
     # an embedding engine: no LM head; each extend's last tokens pooled instead of sampled (layers/pooler.py)
     is_embedding: bool
+    # multi-LoRA serving: the adapter pool (model_executor/lora_manager.py)
+    enable_lora: bool
+    lora_paths: tuple[str, ...]
+    max_loras_per_batch: int
+    max_lora_rank: Optional[int]
+    lora_target_modules: Optional[tuple[str, ...]]

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from baton.engine.mem_cache.memory_pool import ReqToTokenPool
     from baton.engine.mem_cache.state_pool import LinearStateShapes, RecurrentStatePool
     from baton.engine.model_executor.cuda_graph_runner import CudaGraphRunner
+    from baton.engine.model_executor.lora_manager import LoraManager
     from baton.engine.multimodal.inputs import MmBatch
 
 logger = logging.getLogger(__name__)
@@ -108,6 +109,7 @@ class ModelRunner:
             self._load_model()
         with self._phase("kv_pool"):
             self._prepare_model()
+            self.lora = self._init_lora()
             self._init_pools()
             self.attn_backend = create_attention_backend(server_args.attention_backend, model_runner=self)
         with self._phase("cuda_graphs"):
@@ -178,6 +180,21 @@ class ModelRunner:
         if not args.disable_packed_linear:  # CPU bfloat16 layers only; it checks
             pack_linear_weights(self.model, self.device)
 
+    def _init_lora(self) -> Optional["LoraManager"]:
+        """--enable-lora: the adapter pool and the LoRA deltas of the layers it serves (lora_manager.py),
+        before the KV pool takes its share of memory. The passes that know no adapters stay off: the
+        native CPU forward, torch.compile and CUDA graphs."""
+        args = self.config
+        if not args.enable_lora:
+            return None
+        from baton.engine.model_executor.lora_adapter import LoraSettings
+        from baton.engine.model_executor.lora_manager import LoraManager
+        from baton.engine.server_args import parse_lora_paths
+
+        settings = LoraSettings.resolve([a.path for a in parse_lora_paths(args.lora_paths)], args.max_loras_per_batch,
+                                        args.max_lora_rank, args.lora_target_modules)
+        return LoraManager(self.model, settings, self.dtype, self.device, reference=args.disable_fused_ops)
+
     def _init_pools(self) -> None:
         """The request table, the KV pool (this rank's KV heads only) and its allocator, and a hybrid
         model's recurrent-state pool, sized by _pool_config."""
@@ -213,6 +230,8 @@ class ModelRunner:
         self.native_forward = None
         if self.draft_head is not None and self.draft_head.aux_layers:
             logger.info("native CPU forward off: EAGLE3's draft reads states inside the model's layers")
+        elif self.lora is not None:
+            logger.info("native CPU forward off: LoRA adapters (--enable-lora) run in the model's own forward")
         elif (self.device == "cpu" and self.dtype == torch.bfloat16
               and not self.config.disable_native_forward):
             from baton.engine.model_executor.native_forward import NativeForward
@@ -236,6 +255,9 @@ class ModelRunner:
         compile_ = args.enable_torch_compile and self.native_forward is None
         if compile_ and self.draft_head is not None:
             logger.info("--enable-torch-compile: not with a draft head yet, the model's own forward serves")
+            compile_ = False
+        if compile_ and self.lora is not None:
+            logger.info("--enable-torch-compile: not with LoRA adapters yet, the model's own forward serves uncompiled")
             compile_ = False
         if compile_ and self.state_pool is not None:
             logger.info("--enable-torch-compile: not for a hybrid model yet, its own forward serves uncompiled")
@@ -295,6 +317,9 @@ class ModelRunner:
 
         args = self.config
         if not self.device.startswith("cuda") or args.disable_cuda_graph:
+            return None
+        if self.lora is not None:
+            logger.info("CUDA graphs off: LoRA adapters (--enable-lora) run every step eagerly")
             return None
         if not supports_cuda_graph(self.attn_backend):
             logger.info("CUDA graphs off: --attention-backend %s has no static-shape decode metadata "
@@ -430,6 +455,7 @@ class ModelRunner:
         if fb.tree_parents is not None:
             fb.tree_depths = [spec.depth(i) for i in range(len(spec.drafts))]
         fb.spec_verify = spec is not None
+        fb.lora = mwb.lora
         if mwb.mm is not None:
             self.attach_images(fb, mwb.mm)
         return fb, (parts[5] if extra is not None else None)
@@ -445,6 +471,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """Runs the model; returns hidden states [num_tokens, hidden]."""
+        if self.lora is not None:  # the pass's adapter loads and rows, before any layer
+            self.lora.prepare(fb)
         if fb.state_ops is not None:  # a hybrid model's checkpoint copies come before its layers
             self.state_pool.copy_slots(fb.state_ops.copies)
         if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(fb):

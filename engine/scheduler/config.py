@@ -25,3 +25,8 @@ class SchedulerConfig:
     disable_radix_cache: bool
     # outputs
     stream_interval: int
+    # multi-LoRA serving (scheduler/lora.py)
+    enable_lora: bool
+    lora_paths: tuple[str, ...]
+    max_loras_per_batch: int
+    max_loaded_loras: Optional[int]

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from baton.engine.core.queues import SchedulerQueues
     from baton.engine.disaggregation.colocated import Colocated
     from baton.engine.scheduler.grammar_queue import GrammarQueue
+    from baton.engine.scheduler.lora import LoraScheduler
     from baton.engine.scheduler.output_processor import OutputProcessor
     from baton.engine.scheduler.request_table import RequestTable
     from baton.engine.scheduler.config import SchedulerConfig
@@ -46,6 +47,7 @@ class RequestIntake:
                                                   any_whitespace=not config.constrained_json_disable_any_whitespace)
         self.think_end_id = self._think_end_id(config, tokenizer)
         self.pd: "Colocated" = None  # the PD strategy, set by the Scheduler once built
+        self.lora: "LoraScheduler" = None  # which adapter a request runs under, set by the Scheduler
 
     @staticmethod
     def _think_end_id(args: "SchedulerConfig", tokenizer: Any) -> Optional[int]:
@@ -105,7 +107,7 @@ class RequestIntake:
         from baton.engine.sampling.sampling_batch_info import ReqSamplingState
 
         params = req.sampling_params
-        error = self._validate(req)
+        error = self._validate(req) or self.lora.resolve(req, recv.lora_name)
         if error is not None:
             return error, False
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.limits.eos_token_ids))

@@ -7,6 +7,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Callable, NamedTuple, Optional
 
+from baton.engine.mem_cache.base import cache_key
 from baton.engine.scheduler.schedule_policy import AddReqResult, InBatchPrefixIndex, PrefillAdder
 
 if TYPE_CHECKING:
@@ -18,6 +19,7 @@ if TYPE_CHECKING:
     from baton.engine.mem_cache.base import BasePrefixCache
     from baton.engine.mem_cache.memory_pool import ReqToTokenPool
     from baton.engine.scheduler.decode_manager import NewTokenRatio
+    from baton.engine.scheduler.lora import LoraScheduler
     from baton.engine.scheduler.output_processor import OutputProcessor
     from baton.engine.scheduler.release import ReqReleaser
     from baton.engine.scheduler.schedule_policy import SchedulePolicy
@@ -48,6 +50,7 @@ class PrefillManager:
         self.rows_held_elsewhere = rows_held_elsewhere  # PD requests holding rows outside the running batch
         size = config.chunked_prefill_size
         self.chunked_prefill_size = None if size in (-1, 0) else size
+        self.lora: "LoraScheduler" = None  # the adapters a batch may hold, set by the Scheduler
 
     def schedule(self) -> Optional[PrefillBatch]:
         q, args = self.queues, self.args
@@ -98,20 +101,25 @@ class PrefillManager:
         # rows actually free: in overlap mode a request that just ended keeps its row one more result
         free_rows, new_rows = self.req_to_token_pool.available_size(), 0
         patches = 0  # the images' patches this batch brings to the vision tower (their activations' budget)
+        adapters = self.lora.adapters_of(q.running_batch.reqs + adder.can_run_list)  # LoRA: in the batch so far
         for req in q.waiting:
             if running + len(adder.can_run_list) >= self.max_running_requests or new_rows >= free_rows:
                 break
             if (p := _image_patches(req)) and patches and patches + p > self.args.mm_encoder_max_patches:
                 break
+            if not self.lora.fits(adapters, req):
+                continue  # its adapter would be one too many for this batch: a later one takes it
             patches += p
             req.init_next_round_input(self.tree_cache)
             if in_batch is not None:
-                if in_batch.shared_len(req.origin_input_ids) > len(req.prefix_indices):
+                key = cache_key(req.origin_input_ids, req.lora_uid)
+                if in_batch.shared_len(key) > len(req.prefix_indices):
                     continue  # its prefix is being computed right now: take the cache hit next round
-                in_batch.add(req.origin_input_ids)
+                in_batch.add(key)
             taken = len(adder.can_run_list)
             result = adder.add_one_req(req, has_chunked_req=q.chunked_req is not None)
             new_rows += sum(r.req_pool_idx is None for r in adder.can_run_list[taken:])
+            adapters |= self.lora.adapters_of(adder.can_run_list[taken:])
             if result != AddReqResult.CONTINUE:
                 if result == AddReqResult.NO_TOKEN:
                     q.running_batch.batch_is_full = True

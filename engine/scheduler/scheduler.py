@@ -45,6 +45,7 @@ from baton.engine.scheduler.config import SchedulerConfig
 from baton.engine.scheduler.decode_manager import DecodeManager, NewTokenRatio
 from baton.engine.scheduler.intake import ModelLimits, RequestIntake
 from baton.engine.scheduler.operations import SchedulerOps
+from baton.engine.scheduler.lora import LoraScheduler
 from baton.engine.scheduler.output_processor import OutputProcessor
 from baton.engine.scheduler.prefill_manager import PrefillBatch, PrefillManager
 from baton.engine.scheduler.release import ReqReleaser
@@ -129,6 +130,9 @@ class Scheduler:
         self.ops = SchedulerOps(self)  # pause, memory release, profiler, slow-down, internal state (operations.py)
         self.control.update(self.ops.handlers())
         self.control.update(WeightsControl(self).handlers())  # weight updates and reads (weights.py)
+        # LoRA adapters: the registry, each request's adapter, a batch's adapters and the pool's slots
+        self.lora = self.intake.lora = self.prefill.lora = LoraScheduler(config, runner.lora, self.table, dp_rank)
+        self.control.update(self.lora.handlers())
 
     # ------------------------------------------------------------------ messages from the tokenizer
     def process_input_requests(self, msgs: list[Any]) -> None:
@@ -350,6 +354,7 @@ class Scheduler:
         if self.grammar_backend is not None:
             self.fill_grammar_masks(batch)
         mwb = batch.model_worker_batch
+        self.lora.prepare(mwb, batch.reqs)  # each row's adapter slot, the pool's loads
         self.forward_ct += 1
         if mwb.spec_info is not None and not self.spec.lags:
             # A verify step runs now, in this thread, in either loop: nothing is in flight (the decode
@@ -424,6 +429,7 @@ class Scheduler:
             **self.spec.server_info(),  # speculative_algorithm, accept rate and lengths
             **self._mm_info(),
             **self.sessions.server_info(),  # open sessions and the KV they hold
+            **self.lora.server_info(),
             "tp_allreduce": all_reduce_backend(self.worker.tp),  # shm | gloo | nccl | none
             "preemptions": self.stats.preemptions,
             "mixed_decode_tokens": self.stats.mixed_decode_tokens,

@@ -5,9 +5,9 @@ Only the driver runs a scheduler, samples and talks to the rest of the engine. E
 (a follower) loops: receive a step, run the model on its shard (the layers' all-reduces meet the
 driver's), repeat. A follower thus needs nothing of the scheduler but what the forward reads:
 
-    header  int64[13]  command, forward mode, batch size, tokens, table updates, has future slots,
+    header  int64[15]  command, forward mode, batch size, tokens, table updates, has future slots,
                        prompt-logprob spans, verify, state copies, state tracks, head primes, tree
-                       parents, images (the payload's layout follows from these)
+                       parents, images, LoRA, LoRA ops' bytes (the payload's layout follows from these)
     payload int64[..]  input_ids | positions | req_pool_indices | seq_lens | out_cache_loc
                        [| extend_prefix_lens | extend_seq_lens]     (EXTEND)
                        [| next prompt ids]                          (EXTEND, a draft head)
@@ -23,6 +23,7 @@ driver's), repeat. A follower thus needs nothing of the scheduler but what the f
                                                                     probabilities as float64 bits; their head
                                                                     outputs follow, broadcast in the
                                                                     model's dtype)
+                       [| adapter slots]                            (LoRA: each row's, core/lora.py)
 
 The LM head is split by vocabulary rows, and each of its calls all-gathers the logits: after the
 forward a follower makes the driver's calls, on the same rows, in the same order. One on each
@@ -55,6 +56,9 @@ Weights: besides a forward step (command FORWARD) or stop (STOP), the header's c
 WEIGHTS, with the byte length of a pickled weight operation (worker/weights.py: an update, the
 weight-update group, a read) in its second column; the operation's bytes follow as uint8, and each
 follower runs it on its shard between steps. The driver sends one only with nothing in flight.
+LoRA: a pass that loads adapters into the pool, or lets some go, sends its loads (slot, uid, path) and
+drops last, pickled into an int64 tensor of the header's length (the paths are strings); each rank
+reads an adapter from its path the first time it loads it.
 
 Overlap loop: a batch's decode inputs may be placeholders for tokens the previous batch has not
 sampled yet. Each follower keeps its own future map: after sampling, the driver broadcasts the
@@ -68,6 +72,8 @@ from typing import TYPE_CHECKING, NamedTuple, Optional, Union
 
 import torch
 
+from baton.engine.core.lora import LoraStep
+
 from baton.engine.core.forward_batch import ForwardMode
 from baton.engine.distributed.parallel_state import TpGroup, resolve_group, shm_group_of
 from baton.engine.mem_cache.state_pool import StateOps
@@ -79,7 +85,7 @@ if TYPE_CHECKING:
     from baton.engine.core.spec_info import VerifyOutput
     from baton.engine.model_executor.model_runner import ModelRunner
 
-_HEADER = 13
+_HEADER = 15
 _STOP, _FORWARD, _WEIGHTS = 0, 1, 2
 
 
@@ -115,6 +121,17 @@ class Step(NamedTuple):
     # a verify step with tree drafts: every request's parents (a chain's given as [-1, 0, 1, ..])
     parents: Optional[list[list[int]]] = None
     mrope_positions: Optional[torch.Tensor] = None  # [3, tokens]: the batch has images
+    lora: Optional[LoraStep] = None  # LoRA: each row's adapter slot, the pool's loads and drops
+
+
+def _pickled(obj: object) -> torch.Tensor:
+    """An object as an int64 tensor (its pickle, zero-padded to whole int64s): the broadcasts move int64."""
+    data = pickle.dumps(obj)
+    return torch.frombuffer(bytearray(data + bytes(-len(data) % 8)), dtype=torch.int64)
+
+
+def _unpickled(t: torch.Tensor) -> object:
+    return pickle.loads(t.numpy().tobytes())  # pickle stops at its end: the padding is never read
 
 
 def _logit_spans(mwb: "ModelWorkerBatch") -> list[tuple[int, int]]:
@@ -166,10 +183,15 @@ class StepSender:
                       torch.tensor([(list(p[0]) + [-1] * self.topk)[:self.topk] for p in primes.values()]),
                       torch.tensor([(list(p[2]) + [0.0] * self.topk)[:self.topk] for p in primes.values()],
                                    dtype=torch.float64).view(torch.int64)]
+        lora = mwb.lora
+        if lora is not None:
+            parts.append(torch.tensor(lora.slots, dtype=torch.int64))
+        lora_ops = _pickled((lora.loads, lora.drops)) if lora is not None and (lora.loads or lora.drops) else None
         payload = torch.cat([t.to("cpu", torch.int64).reshape(-1) for t in parts])
         header = torch.tensor([_FORWARD, int(mwb.forward_mode), len(mwb.seq_lens_cpu), mwb.input_ids.numel(),
                                rows.numel(), mwb.future_indices is not None, len(spans), mwb.spec_info is not None,
-                               len(ops.copies), len(tracks), len(primes), len(parents), mwb.mm is not None],
+                               len(ops.copies), len(tracks), len(primes), len(parents), mwb.mm is not None,
+                               lora is not None, 0 if lora_ops is None else lora_ops.numel()],
                               dtype=torch.int64)
         _broadcast(header, self.tp.cpu_group)
         _broadcast(payload, self.tp.cpu_group)
@@ -178,6 +200,8 @@ class StepSender:
                        self.tp.device_group)
         if mwb.mm is not None:
             _broadcast(mwb.mm.mrope_positions.to(torch.int64).contiguous(), self.tp.cpu_group)
+        if lora_ops is not None:
+            _broadcast(lora_ops, self.tp.cpu_group)
 
     def send_sampled(self, next_ids: torch.Tensor) -> None:
         """The ids this step sampled (device group): for the followers' future maps (overlap loop),
@@ -241,7 +265,7 @@ class StepReceiver:
         header = torch.empty(_HEADER, dtype=torch.int64)
         _broadcast(header, self.tp.cpu_group)
         (cmd, mode, bs, num_tokens, n_updates, has_future, n_spans, verify, n_copies, n_tracks, n_primes,
-         n_parents, has_mm) = header.tolist()
+         n_parents, has_mm, has_lora, n_lora_ops) = header.tolist()
         if cmd == _STOP:
             return None
         if cmd == _WEIGHTS:
@@ -259,9 +283,12 @@ class StepReceiver:
         topk = self.drafter.topk if self.drafter is not None else 1
         if n_primes:
             sizes += [n_primes, n_primes * topk, n_primes * topk]
+        if has_lora:
+            sizes.append(bs)
         payload = torch.empty(sum(sizes), dtype=torch.int64)
         _broadcast(payload, self.tp.cpu_group)
         fields = list(payload.split(sizes))
+        lora_slots = fields.pop().tolist() if has_lora else None
         primes = None
         if n_primes:
             prime_idx, prime_tokens, prime_logps = fields[-3:]
@@ -277,6 +304,14 @@ class StepReceiver:
         if has_mm:
             mrope = torch.empty((3, num_tokens), dtype=torch.int64)
             _broadcast(mrope, self.tp.cpu_group)
+        lora = None
+        if has_lora:
+            loads, drops = [], []
+            if n_lora_ops:
+                received = torch.empty(n_lora_ops, dtype=torch.int64)
+                _broadcast(received, self.tp.cpu_group)
+                loads, drops = _unpickled(received)
+            lora = LoraStep(lora_slots, loads, drops)
         rows, cols, slots, span_rows, span_counts, copies, tracks, flat_parents = fields[-8:]
         parents = None
         if n_parents:  # per request its extend's length of them
@@ -296,7 +331,7 @@ class StepReceiver:
                     fields[5].tolist() if extend else None, fields[6].tolist() if extend else None,
                     fields[after] if has_future else None,
                     list(zip(span_rows.tolist(), span_counts.tolist())), state_ops, bool(verify),
-                    fields[7].tolist() if head else None, primes, parents, mrope)
+                    fields[7].tolist() if head else None, primes, parents, mrope, lora)
 
     @torch.inference_mode()  # every tensor it makes is an inference tensor, as the driver's batches
     def run(self) -> int:
@@ -325,6 +360,7 @@ class StepReceiver:
             extend_prefix_lens_cpu=step.extend_prefix_lens, extend_seq_lens_cpu=step.extend_seq_lens)
         fb.state_ops = step.state_ops
         fb.spec_verify = step.verify  # as the driver's: the same verify graph, or the same eager pass
+        fb.lora = step.lora
         if step.mrope_positions is not None:  # images: the driver's embedder exchange, mirrored
             fb.mrope_positions = step.mrope_positions.to(dev)
             fb.mm_embeds = runner.mm_embedder.follow()

@@ -32,6 +32,7 @@ class _Req:
     kv_committed_len: int = 0
     kv_allocated_len: int = 0
     state_checkpoints: list = field(default_factory=list)
+    lora_uid: int = 0
 
 
 def _cache(page: int = 1, checkpoints: int = 4, interval: int = 8) -> HybridRadixCache:

@@ -45,6 +45,7 @@ class FakeReq:
     kv_committed_len: int = 0
     kv_allocated_len: int = 0
     extra: dict = field(default_factory=dict)
+    lora_uid: int = 0
 
 
 def make(page: int, pages: int = 64, rows: int = 16, max_len: int = 256):
