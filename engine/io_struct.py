@@ -263,64 +263,6 @@ class MemoryOccupationOut:
     success: bool
     message: str = ""
     released: list[str] = field(default_factory=list)
-
-
-# ---- weights ----
-# The weight-update endpoints (SGLang's names and bodies; engine/scheduler/weights.py answers them).
-@dataclass
-class UpdateWeightFromDiskReqInput:
-    model_path: str  # a checkpoint of the served model's architecture
-    load_format: Optional[str] = None  # None | "auto" | "safetensors"
-    abort_all_requests: bool = False
-    weight_version: Optional[str] = None  # None: the count of updates so far
-    flush_cache: bool = True
-
-
-@dataclass
-class UpdateWeightsFromTensorReqInput:
-    # per TP rank (one entry: every rank), a serialized list of (name, tensor) (utils/named_tensors.py)
-    serialized_named_tensors: list[bytes]
-    load_format: Optional[str] = None
-    flush_cache: bool = True
-    abort_all_requests: bool = False
-    weight_version: Optional[str] = None
-
-
-@dataclass
-class UpdateWeightsFromDistributedReqInput:
-    names: list[str]
-    dtypes: list[str]
-    shapes: list[list[int]]
-    group_name: str = "weight_update_group"
-    flush_cache: bool = True
-    abort_all_requests: bool = False
-    weight_version: Optional[str] = None
-    load_format: Optional[str] = None
-
-
-@dataclass
-class InitWeightsUpdateGroupReqInput:
-    master_address: str
-    master_port: int
-    rank_offset: int  # this engine's TP rank r joins as rank_offset + r
-    world_size: int
-    group_name: str = "weight_update_group"
-    backend: Optional[str] = None  # None: gloo on CPU, nccl on CUDA
-
-
-@dataclass
-class DestroyWeightsUpdateGroupReqInput:
-    group_name: str = "weight_update_group"
-
-
-@dataclass
-class UpdateWeightsReqOutput:
-    """The answer to any of the requests above."""
-
-    success: bool
-    message: str
-    weight_version: str = ""  # the version served after the request
-    num_paused_requests: int = 0  # running requests retracted to be re-prefilled under the new weights
     dp_rank: int = 0
 
 
@@ -386,6 +328,70 @@ class SetInternalStateReq:
 class SetInternalStateOut:
     updated: bool
     server_args: dict[str, Any] = field(default_factory=dict)
+    message: str = ""
+    dp_rank: int = 0
+
+
+# ---- weights ----
+# The weight-update endpoints (SGLang's names and bodies; engine/scheduler/weights.py answers them).
+@dataclass
+class UpdateWeightFromDiskReqInput:
+    model_path: str  # a checkpoint of the served model's architecture
+    load_format: Optional[str] = None  # None | "auto" | "safetensors"
+    abort_all_requests: bool = False
+    weight_version: Optional[str] = None  # None: the count of updates so far
+    flush_cache: bool = True
+
+
+@dataclass
+class UpdateWeightsFromTensorReqInput:
+    # per TP rank (one entry: every rank), a serialized list of (name, tensor) (utils/named_tensors.py)
+    serialized_named_tensors: list[bytes]
+    load_format: Optional[str] = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: Optional[str] = None
+
+
+@dataclass
+class UpdateWeightsFromDistributedReqInput:
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: Optional[str] = None
+    load_format: Optional[str] = None
+
+
+@dataclass
+class InitWeightsUpdateGroupReqInput:
+    master_address: str
+    master_port: int
+    rank_offset: int  # this engine's TP rank r joins as rank_offset + r
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: Optional[str] = None  # None: gloo on CPU, nccl on CUDA
+
+
+@dataclass
+class DestroyWeightsUpdateGroupReqInput:
+    group_name: str = "weight_update_group"
+
+
+@dataclass
+class UpdateWeightsReqOutput:
+    """The answer to any of the requests above."""
+
+    success: bool
+    message: str
+    weight_version: str = ""  # the version served after the request
+    num_paused_requests: int = 0  # running requests retracted to be re-prefilled under the new weights
+    dp_rank: int = 0
+
+
+@dataclass
 class GetWeightsByNameReqInput:
     name: str  # a checkpoint tensor's name
     truncate_size: int = 100
