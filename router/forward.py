@@ -35,6 +35,12 @@ def error_body(message: str, status: int, kind: str = "router_error") -> bytes:
     return orjson.dumps({"error": {"message": message, "type": kind, "code": status}})
 
 
+def error_response(status: int, message: str) -> web.Response:
+    """The router's own error answer: the client's fault below 500 (invalid_request_error), else the router's."""
+    kind = "invalid_request_error" if status < 500 else "router_error"
+    return web.Response(status=status, body=error_body(message, status, kind), headers={"Content-Type": JSON})
+
+
 def transport_failure(url: str, exc: BaseException) -> Failure:
     message = f"worker {url} failed: {type(exc).__name__}: {exc}"
     return Failure(502, error_body(message, 502), JSON, True, "transport")
