@@ -20,6 +20,7 @@ from aiohttp import web
 
 from baton.router.config import RouterConfig, WorkerRole
 from baton.router.forward import (
+    ABORTED,
     DRAINING,
     JSON,
     TRANSPORT_ERRORS,
@@ -305,7 +306,7 @@ class Dispatcher:
         if failure.reason == DRAINING:  # leaving service on purpose: out at once, not a fault to count
             self.workers.set_draining(worker, True)
             return
-        if failure.reason == WORKER_AUTH:  # the router's key is wrong, not the worker: its breaker stays shut
+        if failure.reason in (WORKER_AUTH, ABORTED):  # the router's key is wrong; the worker was told to abort
             return
         if failure.status >= 500 or failure.reason == "transport":
             self.workers.record_outcome(worker, ok=False, unreachable=failure.reason == "transport")

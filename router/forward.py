@@ -48,6 +48,7 @@ def transport_failure(url: str, exc: BaseException) -> Failure:
 
 DRAINING = "draining"  # an engine's error type when it refuses work because it is leaving service
 WORKER_AUTH = "worker_auth"  # a worker refused the router's credentials: the router's configuration, not the worker
+ABORTED = "aborted"  # a PD prefill answered its request aborted (told to: a pause, an update): its KV never comes
 
 
 async def status_failure(url: str, resp: UpstreamResponse) -> Failure:

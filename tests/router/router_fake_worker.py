@@ -34,6 +34,7 @@ class Behavior:
     input_logprobs: list[Any] = field(default_factory=list)  # meta_info.input_token_logprobs of /generate
     draining: bool = False  # as an engine after SIGTERM: /health and new requests get the draining 503
     api_key: str | None = None  # as an engine with --api-key: every route but /health needs it (else 401)
+    abort_first: int = 0  # the first N inference requests end aborted (200, finish_reason abort), as a pause aborts
     control_status: dict[str, int] = field(default_factory=dict)  # a control route's status (default 200)
     control_delay: float = 0.0  # seconds before a control route answers
 
@@ -206,7 +207,10 @@ class FakeWorker:
             return out
         if body.get("stream"):
             return await self._stream(request, body, out)
-        return _json(self._answer(request.path, body))
+        answer = self._answer(request.path, body)
+        if len(self.requests) <= b.abort_first and request.path == "/generate":
+            answer["meta_info"]["finish_reason"] = {"type": "abort", "message": "aborted by /pause_generation"}
+        return _json(answer)
 
     async def _stream(self, request: web.Request, body: dict[str, Any],
                       out: web.StreamResponse | None) -> web.StreamResponse:

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 from router_support import make_config, url_of, wait_until
 
-from baton.router.config import WorkerRole
+from baton.router.config import CircuitBreakerConfig, WorkerRole
 from baton.router.request import BadRequest, Route, parse_request
 from baton.router.sessions import pinned_worker
 
@@ -136,6 +136,20 @@ async def test_the_routers_pause_holds_requests_until_its_continue(fake_workers,
     async with await held as resp:
         assert (await resp.json())["meta_info"]["weight_version"] == "updated"
     assert worker.controls[0][1] == {"mode": "retract"}
+
+
+async def test_a_prefill_aborted_before_the_decode_took_over_is_retried(fake_workers, routers, http):
+    """A pause in abort mode ends the prefill's request with a 200 (finish_reason abort): its KV never
+    comes, so the decode waiting for it is aborted and the request goes again."""
+    prefill, decode = await fake_workers("p", abort_first=1), await fake_workers("d", hang_first=1)
+    # one counted failure would open the prefill's breaker: an abort it was told to do is not one
+    router = await routers(make_config(prefill=[prefill.url], decode=[decode.url],
+                                       circuit_breaker=CircuitBreakerConfig(failure_threshold=1)))
+    async with http.post(url_of(router, "/generate"), json={"text": "hi"}) as resp:
+        answer = await resp.json()
+    assert resp.status == 200 and answer["meta_info"]["finish_reason"] == {"type": "stop"}
+    first_rid = prefill.bodies()[0]["rid"]
+    assert decode.aborts == [first_rid] and len(decode.requests) == 2
 
 
 async def test_tensor_and_group_updates_are_refused_with_the_reason(fake_workers, routers, http):
