@@ -34,14 +34,14 @@ ENGINE_FLAGS = (
 ROUTER_FLAGS = (
     "api-key", "balance-abs-threshold", "balance-rel-threshold", "cache-threshold", "cb-failure-threshold",
     "cb-success-threshold", "cb-timeout-duration-secs", "decode", "decode-policy", "decode-selector",
-    "disable-circuit-breaker", "disable-health-check", "disable-retries", "dp-aware", "engine-api-key",
-    "health-check-endpoint", "health-check-interval-secs", "health-check-timeout-secs",
+    "disable-circuit-breaker", "disable-health-check", "disable-retries", "dp-aware", "engine-admin-api-key",
+    "engine-api-key", "health-check-endpoint", "health-check-interval-secs", "health-check-timeout-secs",
     "health-failure-threshold", "health-success-threshold", "host", "log-level", "max-concurrent-requests",
     "max-payload-size", "max-tree-size", "pd-disaggregation", "policy", "port", "prefill", "prefill-policy",
     "prefill-selector", "queue-size", "queue-timeout-secs", "request-read-timeout-secs",
     "request-timeout-secs", "retry-backoff-multiplier", "retry-initial-backoff-ms", "retry-jitter-factor",
     "retry-max-backoff-ms", "retry-max-retries", "selector", "service-discovery",
     "service-discovery-api-server", "service-discovery-namespace", "service-discovery-port",
-    "service-discovery-resync-secs", "shutdown-timeout-secs", "upstream-client", "worker-stall-timeout",
-    "worker-startup-check-interval", "worker-urls",
+    "service-discovery-resync-secs", "shutdown-timeout-secs", "upstream-client", "weight-update-drain-secs",
+    "worker-stall-timeout", "worker-startup-check-interval", "worker-urls",
 )

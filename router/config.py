@@ -63,6 +63,7 @@ FLAG_OWNERS = {
     "circuit_breaker": "each worker's circuit breaker (circuit_breaker.py, registry.py)",
     "health": "health probes (health.py)",
     "discovery": "Kubernetes service discovery (discovery/)",
+    "fleet": "control routes sent to every worker: weight updates, pause and continue, memory, LoRA (fleet.py)",
 }
 
 
@@ -197,8 +198,16 @@ class RouterConfig:
         None, env="BATON_ENGINE_API_KEY", repr=False, owner="dispatch", also=("server",),
         help="send 'Authorization: Bearer KEY' on every call to the workers, instead of the client's "
              "header (the engines' --api-key; default: $BATON_ENGINE_API_KEY)")
+    engine_admin_api_key: str | None = flag(  # never logged
+        None, env="BATON_ENGINE_ADMIN_API_KEY", repr=False, owner="fleet",
+        help="send 'Authorization: Bearer KEY' on the control routes the router sends to every worker (the "
+             "engines' --admin-api-key; default: $BATON_ENGINE_ADMIN_API_KEY, else as on other calls)")
+    weight_update_drain_secs: float = flag(
+        60.0, owner="fleet",
+        help="a weight update through the router: how long the requests in flight may run on (new ones wait) "
+             "before the workers pause and end what is left (finish_reason abort)")
     request_timeout_secs: float = flag(1800.0, help="seconds a request may take, its retries included (then 504)",
-                                       owner="dispatch")
+                                       owner="dispatch", also=("fleet",))
     shutdown_timeout_secs: float = flag(  # aiohttp's default
         60.0, help="on SIGTERM: how long the requests in flight may run on once the listener closed", owner="server")
     max_payload_size: int = flag(512 * 1024 * 1024, help="the largest request body, in bytes (larger: 413)",
@@ -235,6 +244,7 @@ class RouterConfig:
         assert self.shutdown_timeout_secs >= 0, "--shutdown-timeout-secs must be >= 0"
         assert self.worker_stall_timeout_secs >= 0
         assert self.request_read_timeout_secs >= 0, "--request-read-timeout-secs must be >= 0"
+        assert self.weight_update_drain_secs >= 0, "--weight-update-drain-secs must be >= 0"
 
     def policy_for(self, role: WorkerRole) -> PolicyName:
         if role is WorkerRole.PREFILL and self.prefill_policy is not None:

@@ -20,6 +20,7 @@ from aiohttp import web
 
 from baton.router.config import RouterConfig, WorkerRole
 from baton.router.forward import (
+    ABORTED,
     DRAINING,
     JSON,
     TRANSPORT_ERRORS,
@@ -37,11 +38,13 @@ from baton.router.forward import (
     status_failure,
     transport_failure,
 )
+from baton.router.gate import Gate
 from baton.router.metrics import RouterMetrics
 from baton.router.policies import Policy, create_policy
 from baton.router.registry import WorkerRegistry
 from baton.router.request import ParsedRequest, routing_text
 from baton.router.retry import backoff_secs
+from baton.router.sessions import pinned_worker
 from baton.router.stall import StallWatch
 from baton.router.timeouts import Deadline
 from baton.router.upstream import Upstream, UpstreamResponse, create_upstream
@@ -132,6 +135,7 @@ class Dispatcher:
         self.policies: dict[WorkerRole, Policy] = {
             role: create_policy(config.policy_for(role), config.cache_aware) for role in config.roles}
         self._background: set[asyncio.Task] = set()
+        self.gate = Gate()  # closed by fleet operations (fleet.py): attempts wait there
         self.stalls = StallWatch(config.worker_stall_timeout_secs, config.health.endpoint,
                                  config.health.startup_check_interval_secs, workers, client)
         workers.on_removed.append(lambda worker, targets: self.policies[worker.role].forget(targets))
@@ -160,7 +164,11 @@ class Dispatcher:
         for attempt in range(1, retry.max_retries + 1):
             if attempt > 1:
                 _renew_rids(ctx, attempt)
-            result = await self._attempt(self, ctx)
+            await self.gate.enter()
+            try:
+                result = await self._attempt(self, ctx)
+            finally:
+                self.gate.leave()
             if not isinstance(result, Failure):
                 return result
             if not result.retryable or attempt == retry.max_retries or ctx.committed:
@@ -172,6 +180,8 @@ class Dispatcher:
         return await self._fail(ctx, result)
 
     def pick(self, ctx: RequestContext, role: WorkerRole) -> Target:
+        if ctx.req.session_id is not None:
+            return self._pinned(ctx, role)
         targets = self.workers.routable(role)
         if ctx.failed and len(targets) > 1:
             targets = [t for t in targets if t.worker not in ctx.failed] or targets
@@ -185,6 +195,18 @@ class Dispatcher:
         self.metrics.child(self.metrics.decisions, worker.side, policy.name, reason).inc()
         self.metrics.child(self.metrics.worker_requests, worker.url, worker.side, ctx.req.path).inc()
         return target
+
+    def _pinned(self, ctx: RequestContext, role: WorkerRole) -> Target:
+        """A session's worker: the one that holds its history (sessions.py), routable or not."""
+        worker = pinned_worker(ctx.req.session_id or "", self.workers.workers(role))
+        if worker is None:
+            raise NoWorkers(f"no {role.value} worker for session {ctx.req.session_id!r}")
+        if not worker.routable():
+            raise NoWorkers(f"session {ctx.req.session_id!r} lives on {worker.url}, which is not routable now "
+                            f"({worker.unroutable_reason()})")
+        self.metrics.child(self.metrics.decisions, worker.side, "session", "pinned").inc()
+        self.metrics.child(self.metrics.worker_requests, worker.url, worker.side, ctx.req.path).inc()
+        return worker.targets[0]
 
     def call(self, ctx: RequestContext, worker: Worker, payload: bytes, rids: list[str],
              receive: Callable[[UpstreamResponse], Awaitable[T]], guard: AttemptGuard | None = None
@@ -284,7 +306,7 @@ class Dispatcher:
         if failure.reason == DRAINING:  # leaving service on purpose: out at once, not a fault to count
             self.workers.set_draining(worker, True)
             return
-        if failure.reason == WORKER_AUTH:  # the router's key is wrong, not the worker: its breaker stays shut
+        if failure.reason in (WORKER_AUTH, ABORTED):  # the router's key is wrong; the worker was told to abort
             return
         if failure.status >= 500 or failure.reason == "transport":
             self.workers.record_outcome(worker, ok=False, unreachable=failure.reason == "transport")

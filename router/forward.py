@@ -35,6 +35,12 @@ def error_body(message: str, status: int, kind: str = "router_error") -> bytes:
     return orjson.dumps({"error": {"message": message, "type": kind, "code": status}})
 
 
+def error_response(status: int, message: str) -> web.Response:
+    """The router's own error answer: the client's fault below 500 (invalid_request_error), else the router's."""
+    kind = "invalid_request_error" if status < 500 else "router_error"
+    return web.Response(status=status, body=error_body(message, status, kind), headers={"Content-Type": JSON})
+
+
 def transport_failure(url: str, exc: BaseException) -> Failure:
     message = f"worker {url} failed: {type(exc).__name__}: {exc}"
     return Failure(502, error_body(message, 502), JSON, True, "transport")
@@ -42,6 +48,7 @@ def transport_failure(url: str, exc: BaseException) -> Failure:
 
 DRAINING = "draining"  # an engine's error type when it refuses work because it is leaving service
 WORKER_AUTH = "worker_auth"  # a worker refused the router's credentials: the router's configuration, not the worker
+ABORTED = "aborted"  # a PD prefill answered its request aborted (told to: a pause, an update): its KV never comes
 
 
 async def status_failure(url: str, resp: UpstreamResponse) -> Failure:

@@ -26,7 +26,7 @@ LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # Error reasons known in advance (`status_NNN` ones appear when they happen).
 ERROR_REASONS = ("bad_request", "payload_too_large", "queue_full", "queue_timeout", "no_workers", "timeout",
-                 "transport", "stalled", "client_disconnected", "worker_auth")
+                 "transport", "stalled", "client_disconnected", "worker_auth", "aborted")
 
 
 class RouterMetrics:

@@ -5,7 +5,8 @@ response to the client (streams pass through unbuffered), with the prompt's logp
 the prefill computes, merged into it: on /generate the prefill's input logprobs in front of the
 decode's, on a completion with echo the prefill's over the decode's null ones. If either side
 fails, the other is aborted and the client gets the failing side's error (or a retry on a new pair
-with a new room).
+with a new room). A prefill that answers its request aborted (finish_reason abort: a pause in abort
+mode, a weight update with abort_all_requests) has failed too: its KV never reaches the decode.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from aiohttp import web
 
 from baton.router.config import WorkerRole
 from baton.router.dispatch import Abandon, AttemptGuard, Dispatcher, NoWorkers, RequestContext
-from baton.router.forward import Failure, inject, stream_refusal
+from baton.router.forward import ABORTED, JSON, Failure, error_body, inject, stream_refusal
 from baton.router.request import Route
 from baton.router.upstream import UpstreamResponse
 from baton.router.worker import Target, Worker
@@ -132,6 +133,10 @@ async def _receive_prefill(d: Dispatcher, ctx: RequestContext, worker: Worker, r
     # a stream refused after its headers (the prefill's queue was full): its decode waits for KV that
     # never comes, so this is the prefill's failure, as a refusal by status is
     failure = stream_refusal(body) if resp.is_stream else None
+    if failure is None and b"abort" in body and _aborted(body, resp.is_stream):
+        message = (f"prefill worker {worker.url} aborted the request (finish_reason abort) before its KV reached "
+                   "the decode")
+        failure = Failure(503, error_body(message, 503), JSON, True, ABORTED)
     d.record(ctx, worker, failure)
     if failure is not None:
         return failure
@@ -250,6 +255,21 @@ def _sse_objects(body: bytes) -> list[Any]:
             if isinstance(obj, dict):
                 out.append(obj)
     return out
+
+
+def _aborted(body: bytes, stream: bool) -> bool:
+    """Whether a prefill's answer (whole, or its stream's events) ends its request as aborted: SGLang's
+    finish_reason abort, in /generate's meta_info or an OpenAI choice."""
+    objects = _sse_objects(body) if stream else [_loads(body)]
+    items = [o for obj in objects for o in (obj if isinstance(obj, list) else [obj]) if isinstance(o, dict)]
+    for item in items:
+        meta = item.get("meta_info")
+        reason = meta.get("finish_reason") if isinstance(meta, dict) else None
+        if isinstance(reason, dict) and reason.get("type") == "abort":
+            return True
+        if any(c.get("finish_reason") == "abort" for c in _choices(item)):
+            return True
+    return False
 
 
 def _loads(data: bytes) -> Any:

@@ -15,7 +15,9 @@ async def attempt_regular(d: Dispatcher, ctx: RequestContext) -> web.StreamRespo
         target = d.pick(ctx, WorkerRole.REGULAR)
     except NoWorkers as exc:
         return d.no_workers(exc)
-    fields = ctx.rid_fields if target.dp_rank is None else {**ctx.rid_fields, "data_parallel_rank": target.dp_rank}
+    # a session's DP rank is the engine's to pick (it hashes the session id): no rank is named
+    rank = None if ctx.req.session_id is not None else target.dp_rank
+    fields = ctx.rid_fields if rank is None else {**ctx.rid_fields, "data_parallel_rank": rank}
     payload = inject(ctx.req.raw, ctx.req.body, fields) if fields else ctx.req.raw
     worker = target.worker
     target.in_flight += 1

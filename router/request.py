@@ -1,5 +1,5 @@
 """Parse and check one inference request: 400 with a message for bad input, never an exception
-that escapes. Also extracts what routing needs: stream flag, batch size, routing text."""
+that escapes. Also extracts what routing needs: stream flag, batch size, routing text, session."""
 from __future__ import annotations
 
 import asyncio
@@ -17,6 +17,14 @@ class Route(str, enum.Enum):
     GENERATE = "/generate"
     COMPLETIONS = "/v1/completions"
     CHAT = "/v1/chat/completions"
+    # embeddings: one prefill per input, no decode (colocated workers only)
+    EMBEDDINGS = "/v1/embeddings"
+    ENCODE = "/encode"
+    CLASSIFY = "/classify"
+
+    @property
+    def embeds(self) -> bool:
+        return self in _EMBEDDING_ROUTES
 
 
 class BadRequest(ValueError):
@@ -38,6 +46,17 @@ async def read_body(request: "web.Request", timeout: float) -> bytes:
         raise BodyTimeout(f"request body not received within {timeout:g} s") from None
 
 
+def parse_object(raw: bytes) -> dict[str, Any]:
+    """A control route's body: a JSON object, {} when empty; BadRequest for anything else."""
+    try:
+        body = orjson.loads(raw) if raw.strip() else {}
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    return body
+
+
 @dataclass(slots=True)
 class ParsedRequest:
     route: Route
@@ -48,6 +67,7 @@ class ParsedRequest:
     # the answer carries the prompt's logprobs, which only a PD prefill computes: /generate's
     # return_logprob, or a whole completion's echo with logprobs (a stream does not echo)
     return_logprob: bool
+    session_id: str | None = None  # the session its session_params continue: pinned to one worker
     path: str = ""  # route.value, kept as a plain string for the hot path (set in __post_init__)
 
     def __post_init__(self) -> None:
@@ -67,7 +87,8 @@ def parse_request(route: Route, raw: bytes) -> ParsedRequest:
     for key in _TYPED.intersection(body):
         _check_typed(body, key)
     batch_size = _CHECKS[route](body)
-    return ParsedRequest(route, raw, body, stream, batch_size, _returns_prompt_logprobs(route, body, stream))
+    session = _session_id(body.get("session_params")) if route is Route.GENERATE else None
+    return ParsedRequest(route, raw, body, stream, batch_size, _returns_prompt_logprobs(route, body, stream), session)
 
 
 def routing_text(req: ParsedRequest) -> str:
@@ -76,7 +97,8 @@ def routing_text(req: ParsedRequest) -> str:
     body = req.body
     if req.route is Route.CHAT:
         return "".join(_message_text(m) for m in body["messages"])
-    value = body.get("prompt") if req.route is Route.COMPLETIONS else body.get("text", body.get("input_ids"))
+    key = _PROMPT_KEYS.get(req.route)
+    value = body.get(key) if key else body.get("text", body.get("input_ids"))
     if isinstance(value, list) and value and isinstance(value[0], (str, list)):
         value = value[0]
     if isinstance(value, str):
@@ -119,6 +141,31 @@ def _check_generate(body: dict) -> int | None:
     return _batch_of(body[present[0]], present[0])
 
 
+def _check_embeddings(body: dict) -> int | None:
+    if "input" not in body:
+        raise BadRequest("'input' is required")
+    return _batch_of(body["input"], "input")
+
+
+def _check_encode(body: dict) -> int | None:
+    present = [k for k in ("text", "input_ids") if body.get(k) is not None]
+    if len(present) != 1:
+        raise BadRequest("give one of 'text' or 'input_ids'")
+    return _batch_of(body[present[0]], present[0])
+
+
+def _session_id(params: Any) -> str | None:
+    """The session a /generate continues (its session_params' id; a batch's must all name the same one,
+    since one worker holds a session), or None."""
+    items = params if isinstance(params, list) else [params]
+    ids = {p.get("id") for p in items if isinstance(p, dict)} - {None}
+    if not ids:
+        return None
+    if len(ids) > 1 or not all(isinstance(i, str) for i in ids):
+        raise BadRequest("through the router, session_params name one session (a string 'id') per request")
+    return ids.pop()
+
+
 def _batch_of(value: Any, name: str) -> int | None:
     """str / [int]: one request; [str] / [[int]]: a batch of len(value)."""
     if isinstance(value, str):
@@ -155,7 +202,10 @@ def _check_typed(body: dict, key: str) -> None:
             raise BadRequest(f"'{key}' must be >= 0")
 
 
-_CHECKS = {Route.CHAT: _check_chat, Route.COMPLETIONS: _check_completions, Route.GENERATE: _check_generate}
+_CHECKS = {Route.CHAT: _check_chat, Route.COMPLETIONS: _check_completions, Route.GENERATE: _check_generate,
+           Route.EMBEDDINGS: _check_embeddings, Route.ENCODE: _check_encode, Route.CLASSIFY: _check_encode}
+_EMBEDDING_ROUTES = frozenset({Route.EMBEDDINGS, Route.ENCODE, Route.CLASSIFY})
+_PROMPT_KEYS = {Route.COMPLETIONS: "prompt", Route.EMBEDDINGS: "input"}
 
 
 def _optional(body: dict, key: str, kind: type, default: Any) -> Any:

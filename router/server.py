@@ -1,8 +1,9 @@
 """The router process: the `Router` (registry, health, discovery, dispatcher) behind an aiohttp server.
 
-Routes: inference (/generate, /v1/completions, /v1/chat/completions), /v1/models, /get_model_info,
-/get_server_info, /health, /health_generate, /liveness, /readiness, /metrics, and /workers
-(`workers_api.py`). Inference and /workers need the API key when one is set; probes and /metrics not.
+Routes: inference (/generate, /v1/completions, /v1/chat/completions; embeddings: /v1/embeddings,
+/encode, /classify), /v1/models, /get_model_info, /get_server_info, /health, /health_generate, /liveness,
+/readiness, /metrics, /workers (`workers_api.py`), the fleet's control routes (`fleet.py`) and sessions
+(`sessions.py`). All but the probes and /metrics need the API key when one is set.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import time
 import aiohttp
 from aiohttp import web
 
-from baton.router import pd, regular
+from baton.router import fleet, pd, regular, sessions
 from baton.router.admission import Admission, QueueFull, QueueTimeout
 from baton.router.config import RouterConfig, WorkerRole
 from baton.router.dispatch import Dispatcher
@@ -41,6 +42,7 @@ class Router:
         self.port: int | None = None  # the bound port, known after start()
         self._runner: web.AppRunner | None = None
         self._discovery = None
+        self.fleet: fleet.Fleet | None = None  # the control routes' state, set by build_app
 
     async def start(self) -> None:
         self.client = new_client(self.config.engine_api_key)
@@ -75,7 +77,8 @@ class Router:
         from baton.router import workers_api
         app = web.Application(client_max_size=self.config.max_payload_size)
         for route in Route:
-            app.router.add_post(route.value, self._inference_handler(route))
+            refused = route.embeds and self.config.pd_disaggregation
+            app.router.add_post(route.value, self._refuse_in_pd(route) if refused else self._inference_handler(route))
         app.router.add_get("/v1/models", self._passthrough("/v1/models"))
         app.router.add_get("/get_model_info", self._passthrough("/get_model_info"))
         app.router.add_get("/get_server_info", self._passthrough("/get_server_info"))
@@ -85,6 +88,8 @@ class Router:
         app.router.add_get("/health_generate", self.health_generate)
         app.router.add_get("/metrics", self.render_metrics)
         workers_api.add_routes(app, self)
+        self.fleet = fleet.add_routes(app, self)
+        sessions.add_routes(app, self)
         return app
 
     # -- inference -------------------------------------------------------------------------
@@ -108,6 +113,15 @@ class Router:
 
         return handler
 
+    def _refuse_in_pd(self, route: Route):
+        message = (f"{route.value} needs colocated workers (--worker-urls): an embedding is one prefill, and PD "
+                   "engines serve generation only")
+
+        async def handler(request: web.Request) -> web.Response:
+            return self.check_auth(request) or self._error(route, 400, message, "bad_request", "invalid_request_error")
+
+        return handler
+
     async def _admit(self, request: web.Request, route: Route) -> ParsedRequest | web.Response:
         """The parsed request with a slot taken, or the error response."""
         try:
@@ -119,6 +133,8 @@ class Router:
         except web.HTTPRequestEntityTooLarge:
             message = f"request body exceeds {self.config.max_payload_size} bytes"
             return self._error(route, 413, message, "payload_too_large", "invalid_request_error")
+        if req.session_id is not None and self.config.pd_disaggregation:
+            return self._error(route, 400, sessions.PD_REFUSAL, "bad_request", "invalid_request_error")
         try:
             await self.admission.acquire()
         except QueueFull as exc:

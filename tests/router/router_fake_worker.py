@@ -1,8 +1,9 @@
 """A small fake engine with the HTTP API the router talks to, with knobs for fault cases.
 
 It answers /health, /health_generate, /get_server_info (dp_size), /get_model_info, /v1/models,
-/abort_request, and the three inference routes, whole or as SSE. `behavior` changes take effect on
-the next request.
+/abort_request, the three inference routes (whole or as SSE), the embedding routes, the control routes
+the router fans out (recorded in `controls`, a weight update sets the version /generate reports) and
+sessions. `behavior` changes take effect on the next request.
 """
 from __future__ import annotations
 
@@ -33,6 +34,14 @@ class Behavior:
     input_logprobs: list[Any] = field(default_factory=list)  # meta_info.input_token_logprobs of /generate
     draining: bool = False  # as an engine after SIGTERM: /health and new requests get the draining 503
     api_key: str | None = None  # as an engine with --api-key: every route but /health needs it (else 401)
+    abort_first: int = 0  # the first N inference requests end aborted (200, finish_reason abort), as a pause aborts
+    control_status: dict[str, int] = field(default_factory=dict)  # a control route's status (default 200)
+    control_delay: float = 0.0  # seconds before a control route answers
+
+
+CONTROL_POSTS = ("/flush_cache", "/pause_generation", "/continue_generation", "/update_weights_from_disk",
+                 "/release_memory_occupation", "/resume_memory_occupation", "/load_lora_adapter",
+                 "/unload_lora_adapter", "/open_session", "/close_session")
 
 
 class FakeWorker:
@@ -44,6 +53,9 @@ class FakeWorker:
         self.disconnects = 0  # inference requests whose client went away before the answer
         self.health_checks = 0
         self.refused: list[str] = []  # paths refused for a missing or wrong API key
+        self.controls: list[tuple[str, dict[str, Any], str | None]] = []  # (path, body, Authorization) of controls
+        self.log: list[str] = []  # in order: "start <path>", "end <path>" of inference; control paths
+        self.weight_version = "default"
         self._runner: web.AppRunner | None = None
         self._aborted: dict[str, asyncio.Event] = {}
         self._running = asyncio.Event()  # cleared by freeze(): every route waits, as in a SIGSTOPped process
@@ -62,8 +74,11 @@ class FakeWorker:
         app.router.add_get("/get_model_info", self._model_info)
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/abort_request", self._abort)
-        for path in ("/generate", "/v1/completions", "/v1/chat/completions"):
+        for path in ("/generate", "/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/encode", "/classify"):
             app.router.add_post(path, self._inference)
+        for path in CONTROL_POSTS:
+            app.router.add_post(path, self._control)
+        app.router.add_get("/get_weight_version", self._control)
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
@@ -129,10 +144,30 @@ class FakeWorker:
 
     async def _inference(self, request: web.Request) -> web.StreamResponse:
         self._open.add(request.transport)
+        self.log.append(f"start {request.path}")
         try:
             return await self._answer_inference(request)
         finally:
+            self.log.append(f"end {request.path}")
             self._open.discard(request.transport)
+
+    async def _control(self, request: web.Request) -> web.Response:
+        body = await request.json() if request.can_read_body else {}
+        self.controls.append((request.path, body, request.headers.get("Authorization")))
+        self.log.append(request.path)
+        if self.behavior.control_delay:
+            await asyncio.sleep(self.behavior.control_delay)
+        status = self.behavior.control_status.get(request.path, 200)
+        if status >= 400:
+            return _json({"success": False, "message": f"{self.name} refuses {request.path}"}, status=status)
+        if request.path == "/update_weights_from_disk":
+            self.weight_version = body.get("weight_version") or "updated"
+            return _json({"success": True, "message": "updated", "num_paused_requests": 1})
+        if request.path == "/get_weight_version":
+            return _json({"weight_version": self.weight_version})
+        if request.path == "/open_session":
+            return _json(body.get("session_id"))
+        return _json({"success": True, "message": f"{request.path} on {self.name}"})
 
     async def _answer_inference(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -172,7 +207,10 @@ class FakeWorker:
             return out
         if body.get("stream"):
             return await self._stream(request, body, out)
-        return _json(self._answer(request.path, body))
+        answer = self._answer(request.path, body)
+        if len(self.requests) <= b.abort_first and request.path == "/generate":
+            answer["meta_info"]["finish_reason"] = {"type": "abort", "message": "aborted by /pause_generation"}
+        return _json(answer)
 
     async def _stream(self, request: web.Request, body: dict[str, Any],
                       out: web.StreamResponse | None) -> web.StreamResponse:
@@ -203,6 +241,8 @@ class FakeWorker:
             if isinstance(items, list) and items and isinstance(items[0], (str, list)):
                 return [self._generate_item(body, i) for i in range(len(items))]
             return self._generate_item(body, 0)
+        if path in ("/v1/embeddings", "/encode", "/classify"):
+            return {"embedding": [0.5], "worker": self.name, "rid": body.get("rid")}
         if path == "/v1/completions":
             return {"id": "cmpl-fake", "object": "text_completion", "created": int(time.time()), "model": "fake-model",
                     "choices": [{"index": 0, "text": f"hello from {self.name}", "finish_reason": "stop",
@@ -214,7 +254,8 @@ class FakeWorker:
                 "usage": {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4}}
 
     def _generate_item(self, body: dict[str, Any], index: int) -> dict[str, Any]:
-        meta: dict[str, Any] = {"id": body.get("rid"), "finish_reason": {"type": "stop"}, "worker": self.name}
+        meta: dict[str, Any] = {"id": body.get("rid"), "finish_reason": {"type": "stop"}, "worker": self.name,
+                                "weight_version": self.weight_version}
         if body.get("return_logprob"):
             meta["input_token_logprobs"] = list(self.behavior.input_logprobs)
         return {"text": f"hello from {self.name}", "meta_info": meta, "index": index}
