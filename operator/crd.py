@@ -233,6 +233,12 @@ def _model() -> dict[str, Any]:
                      f"where the claim is mounted (default {naming.PVC_MODEL_MOUNT}).",
                      pattern="^/", maxLength=1024),
         "fetch": fetch, "cache": cache,
+        "updateStrategy": {"type": "string", "enum": ["Restart", "InPlace"], "default": "Restart",
+                           "description": "What a new hf:// or s3:// source does. Restart: new engine pods "
+                                          "fetch and load it (a rollout). InPlace: a Job fetches it into the "
+                                          "shared cache (cache.claimName), then the router updates every "
+                                          "engine's weights from disk; no pod restarts, and pods started "
+                                          "later load the version in use."},
         "pvc": pvc, "hostPath": host,
         # Set once for every engine role: a prefill and a decode pod whose KV pages differ in dtype
         # cannot pair, so these are not per-role extraArgs.
@@ -373,6 +379,12 @@ def status_schema() -> dict[str, Any]:
         "router": _role_status(),
         "replicas": {"type": "integer", "description": "Not used (the scale subresource's; see spec.replicas)."},
         "autoscaling": _autoscaling_status(),
+        "model": {"type": "object", "description": "spec.model.updateStrategy InPlace: what the engines serve.",
+                  "properties": {
+                      "source": {"type": "string", "description": "The source the engines serve (and pods "
+                                                                  "started now load)."},
+                      "weightVersion": {"type": "string", "description": "The engines' weight version "
+                                                                         "(/get_weight_version)."}}},
         "conditions": {"type": "array", "items": condition, "x-kubernetes-list-type": "map",
                        "x-kubernetes-list-map-keys": ["type"]},
     }}

@@ -220,6 +220,27 @@ async def child_deployment_event(event: Mapping[str, Any], body: kopf.Body, memo
         pass  # the spec is invalid; its status already says so
 
 
+@kopf.on.event("batch", "v1", "jobs", labels=CHILD_LABELS)
+async def weights_job_event(event: Mapping[str, Any], body: kopf.Body, memo: kopf.Memo,
+                            logger: logging.Logger, **_: Any) -> None:
+    """A weights Job (spec.model.updateStrategy InPlace) finished: record its outcome now, not at the
+    next resync, so the model ConfigMap names the version the engines serve as soon as they do."""
+    meta = body.get("metadata", {})
+    owner, namespace = (meta.get("labels") or {}).get(naming.SERVICE_LABEL), meta.get("namespace")
+    done = any(c.get("type") in ("Complete", "Failed") and c.get("status") == "True"
+               for c in (body.get("status") or {}).get("conditions", []))
+    if not owner or not namespace or not done or event.get("type") == "DELETED":
+        return
+    try:
+        isvc = await memo.client.get(KINDS[naming.KIND], namespace, owner)
+        if isvc is not None and not isvc["metadata"].get("deletionTimestamp"):
+            await run_reconcile(isvc, memo, logger, trigger="weights-job")
+    except (ApiError, aiohttp.ClientError, asyncio.TimeoutError, kopf.TemporaryError) as e:
+        logger.warning(f"weights Job of {namespace}/{owner} not followed up (the resync will): {e}")
+    except kopf.PermanentError:
+        pass  # the spec is invalid; its status already says so
+
+
 @kopf.on.delete(*RESOURCE, optional=True)
 async def deleted(namespace: str, name: str, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
     """Children go with the owner (garbage collection by owner references); only forget it here."""

@@ -49,6 +49,7 @@ KINDS = {k.kind: k for k in (
     Kind("v1", "Pod", "pods"),
     Kind("v1", "Event", "events"),
     Kind("apps/v1", "Deployment", "deployments"),
+    Kind("batch/v1", "Job", "jobs"),
     Kind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets"),
     Kind("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies"),
     Kind("rbac.authorization.k8s.io/v1", "Role", "roles"),

@@ -6,6 +6,7 @@ BOOTSTRAP_PORT_ANNOTATION, and the operator finds its children by `child_name`.
 from __future__ import annotations
 
 import enum
+import hashlib
 
 GROUP = "baton.dev"
 VERSION = "v1alpha1"
@@ -111,3 +112,14 @@ def internal_key_secret(service: str, uid: str) -> str:
 
 def router_service_host(service: str, namespace: str) -> str:
     return f"{child_name(service, Role.ROUTER)}.{namespace}.svc"
+
+
+def model_config(service: str) -> str:
+    """The ConfigMap of the model version the engines serve (spec.model.updateStrategy InPlace)."""
+    return f"{service}-model"
+
+
+def weights_job(service: str, source_uri: str) -> str:
+    """The Job that fetches one source and updates the engines to it: one name per source, so a spec
+    changed back and forth finds the Job it already ran."""
+    return f"{service}-weights-{hashlib.sha256(source_uri.encode()).hexdigest()[:8]}"

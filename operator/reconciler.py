@@ -15,6 +15,7 @@ from baton.operator import naming
 from baton.operator.apply import Outcome, apply, controlled_by, prune
 from baton.operator.builders import build_children
 from baton.operator.builders.internal_key import internal_key_secret
+from baton.operator.inplace import WeightsState, weights_step
 from baton.operator.kube import KINDS, ApiError, KubeClient
 from baton.operator.naming import Role
 from baton.operator.spec import InferenceService, InvalidSpec, parse
@@ -30,6 +31,7 @@ class ReconcileResult:
     pruned: list[str] = field(default_factory=list)
     problem: tuple[str, str] | None = None
     switching: str | None = None  # a mode switch waiting for its new engine pods (what it waits for)
+    weights: WeightsState | None = None  # spec.model.updateStrategy InPlace: where the update stands
 
     @property
     def kinds(self) -> list[str]:
@@ -118,6 +120,7 @@ async def reconcile(client: KubeClient, body: Mapping[str, Any],
             result.switching = "the router has rolled out to the new roles"
     secret = f"Secret/{naming.internal_key_secret(isvc.name, isvc.uid)}"
     result.outcomes[secret] = await ensure_internal_key(client, isvc)  # before the pods that read it
+    result.weights = await weights_step(client, isvc)  # the model ConfigMap too is read by the pods
     missing_monitoring = []
     for obj in desired:
         key = f"{obj['kind']}/{obj['metadata']['name']}"
@@ -214,7 +217,8 @@ async def refresh_status(client: KubeClient, body: Mapping[str, Any], result: Re
     status = compute_status(isvc, await fetch_deployments(client, isvc), previous, now(), observed, problem,
                             pods=await fetch_pods(client, isvc),
                             router_service=await fetch_router_service(client, isvc),
-                            switching=result.switching if result else None)
+                            switching=result.switching if result else None,
+                            weights=result.weights if result else None)
     await publish(client, body, status)
     return status
 

@@ -53,6 +53,12 @@ class ModelSpec:
     fetch_include: tuple[str, ...] = ()
     cache_claim: str | None = None  # the cache: a shared PVC, or (None) an emptyDir per pod
     cache_size_limit: str | int | None = None  # of the emptyDir
+    update_strategy: str = "Restart"  # a new source: Restart (new pods) or InPlace (a weight update)
+
+    @property
+    def in_place(self) -> bool:
+        """A new source reaches the running engines as a weight update, not as new pods."""
+        return self.update_strategy == "InPlace" and self.fetched
 
     @property
     def fetched(self) -> bool:
@@ -261,7 +267,8 @@ def _model(d: Mapping[str, Any]) -> ModelSpec:
                      tool_call_parser=d.get("toolCallParser"), reasoning_parser=d.get("reasoningParser"),
                      source=src, fetch_endpoint=fetch.get("endpoint"), fetch_region=fetch.get("region"),
                      fetch_secret=fetch.get("secretName"), fetch_include=tuple(fetch.get("include", [])),
-                     cache_claim=cache.get("claimName"), cache_size_limit=(cache.get("emptyDir") or {}).get("sizeLimit"))
+                     cache_claim=cache.get("claimName"), cache_size_limit=(cache.get("emptyDir") or {}).get("sizeLimit"),
+                     update_strategy=d.get("updateStrategy", "Restart"))
 
 
 _TARGET_FIELDS = {"targetQueuedTokens": QUEUED_TOKENS.key, "targetTTFTSeconds": TTFT.key,

@@ -18,6 +18,7 @@ from baton.operator.spec import InferenceService
 
 CONDITION_TYPES = {Role.PREFILL: "PrefillReady", Role.DECODE: "DecodeReady",
                    Role.COLOCATED: "EngineReady", Role.ROUTER: "RouterReady"}
+WEIGHTS_UPDATED = "WeightsUpdated"  # spec.model.updateStrategy InPlace (baton.operator.inplace)
 STATUS_KEYS = {Role.PREFILL: "prefill", Role.DECODE: "decode", Role.COLOCATED: "engine", Role.ROUTER: "router"}
 # Problems the reconciler finds while applying (Deployments do not show them). The `Reconciled`
 # condition carries them, so a status refresh from Deployment events keeps them.
@@ -275,12 +276,14 @@ def compute_status(isvc: InferenceService, deployments: Mapping[Role, Mapping[st
                    problem: tuple[str, str] | None = None,
                    pods: Sequence[Mapping[str, Any]] = (),
                    router_service: Mapping[str, Any] | None = None,
-                   switching: str | None = None) -> dict[str, Any]:
+                   switching: str | None = None, weights: Any = None) -> dict[str, Any]:
     """The whole `.status` (minus nothing): roles, conditions, endpoints.
 
     `pods`: the service's pods (others are ignored), for what the Deployments do not say: pods
     the scheduler cannot place. `router_service`: the live router Service, for a LoadBalancer's address.
 
+    `weights`: the in-place weight update's state (baton.operator.inplace.WeightsState) after a reconcile;
+    None on a status-only refresh, which keeps the last one's WeightsUpdated condition and status.model.
     `switching`: a mode switch under way waits for this (the reconciler says; Progressing says it).
     `problem` is a (reason, message) the reconciler found besides the Deployments, kept in the
     `Reconciled` condition: missing Prometheus Operator CRDs (Degraded, still Ready), a child name taken
@@ -314,7 +317,27 @@ def compute_status(isvc: InferenceService, deployments: Mapping[Role, Mapping[st
                               "endpoint": endpoint, "clusterEndpoint": in_cluster, "conditions": conds}
     for s in states:
         status[STATUS_KEYS[s.role]] = s.as_status()
+    _weights_status(isvc, weights, previous, status, gen, now)
     return status
+
+
+def _weights_status(isvc: InferenceService, weights: Any, previous: Mapping[str, Any], status: dict[str, Any],
+                    gen: int, now: str) -> None:
+    """The WeightsUpdated condition and status.model of an InPlace spec (none otherwise)."""
+    if not isvc.spec.model.in_place:
+        status["model"] = None
+        return
+    prev = previous.get("conditions", [])
+    if weights is None:  # a refresh between reconciles: what the last one found
+        kept = next((c for c in prev if c.get("type") == WEIGHTS_UPDATED), None)
+        if kept is not None:
+            status["conditions"].append(kept)
+        if previous.get("model") is not None:
+            status["model"] = previous["model"]
+        return
+    status["conditions"].append(condition(WEIGHTS_UPDATED, weights.ok, weights.reason, weights.message,
+                                          gen, prev, now))
+    status["model"] = {"source": weights.source, "weightVersion": weights.weight_version}
 
 
 def invalid_status(previous: Mapping[str, Any], errors: list[str], generation: int, now: str) -> dict[str, Any]:

@@ -143,6 +143,14 @@ RULES: tuple[Rule, ...] = (
          "spec.model.cache and spec.model.fetch are for hf:// and s3:// sources only: remove them or set "
          "such a source",
          lambda m: ("cache" not in m and "fetch" not in m) or _fetched(m)),
+    Rule(Scope.MODEL,
+         "!has(self.updateStrategy) || self.updateStrategy != 'InPlace' || "
+         f"(has(self.source) && {_FETCHED_CEL} && has(self.cache) && has(self.cache.claimName))",
+         "spec.model.updateStrategy InPlace updates the running engines from a shared cache: it needs an "
+         "hf:// or s3:// source and spec.model.cache.claimName (a ReadWriteMany PersistentVolumeClaim every "
+         "engine pod mounts); with model.path, a pvc:// source or an emptyDir cache use updateStrategy Restart",
+         lambda m: m.get("updateStrategy", "Restart") != "InPlace"
+         or (_fetched(m) and "claimName" in (m.get("cache") or {}))),
     Rule(Scope.MODEL, "!has(self.cache) || (has(self.cache.claimName) != has(self.cache.emptyDir))",
          "spec.model.cache: set exactly one of claimName and emptyDir",
          lambda m: "cache" not in m or (("claimName" in m["cache"]) != ("emptyDir" in m["cache"]))),

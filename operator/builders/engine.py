@@ -10,6 +10,7 @@ from baton.operator.builders.common import (container_security_context, http_pro
                                             spread_over_nodes, tcp_probe)
 from baton.operator.builders.internal_key import ENGINE_KEY_ENV, internal_key_env
 from baton.operator.builders.model_cache import cache_volume, engine_cache_mount, fetch_container
+from baton.operator.builders.weights import PATH_ENV, VERSION_ENV, engine_version_env, in_place_fetch
 from baton.operator.naming import Role
 from baton.operator.spec import InferenceService, RoleSpec
 
@@ -26,10 +27,15 @@ STARTUP_PERIOD = 10
 def engine_args(isvc: InferenceService, role: Role) -> list[str]:
     """Arguments of `baton serve` for one engine role (the contract in ARCHITECTURE.md)."""
     spec, r = isvc.spec, isvc.spec.roles[role]
-    args = ["--model-path", spec.model.path, "--host", "0.0.0.0", "--port", str(naming.ENGINE_PORT),
+    # InPlace: the served version comes from the model ConfigMap (builders/weights.py), so a new source
+    # changes no pod template
+    path = f"$({PATH_ENV})" if spec.model.in_place else spec.model.path
+    args = ["--model-path", path, "--host", "0.0.0.0", "--port", str(naming.ENGINE_PORT),
             "--served-model-name", spec.model.name, "--device", r.device,
             "--tp-size", str(r.tp), "--dp-size", str(r.dp)]
     # only when set: the engine's own default is auto, and unchanged args keep existing pods as they are
+    if spec.model.in_place:
+        args += ["--weight-version", f"$({VERSION_ENV})"]
     if spec.model.dtype != "auto":
         args += ["--dtype", spec.model.dtype]
     if spec.model.kv_cache_dtype != "auto":
@@ -63,6 +69,8 @@ def _env(isvc: InferenceService, r: RoleSpec) -> list[dict[str, Any]]:
 
     own = [field_ref("POD_IP", "status.podIP"), field_ref("POD_NAME", "metadata.name"),
            field_ref("POD_NAMESPACE", "metadata.namespace"), internal_key_env(isvc, ENGINE_KEY_ENV)]
+    if isvc.spec.model.in_place:
+        own += engine_version_env(isvc)
     return own + copy.deepcopy(r.env)
 
 
@@ -163,7 +171,8 @@ def engine_pod_spec(isvc: InferenceService, role: Role) -> dict[str, Any]:
     if volumes:
         pod["volumes"] = volumes
     if spec.model.fetched:
-        pod["initContainers"] = [fetch_container(isvc, r)]
+        fetch = fetch_container(isvc, r)
+        pod["initContainers"] = [in_place_fetch(isvc, fetch) if spec.model.in_place else fetch]
     if spec.image_pull_secrets:
         pod["imagePullSecrets"] = [{"name": n} for n in spec.image_pull_secrets]
     if role is not Role.COLOCATED and spec.kv_transfer.host_network:

@@ -169,6 +169,10 @@ BAD_RULES = [  # refused by CEL rules (and by the operator's Python twins)
     {"model": {"name": "m", "source": "pvc://claim/x", "fetch": {"secretName": "s"}}},
     {"model": {"name": "m", "source": "hf://org/name", "cache": {"claimName": "c", "emptyDir": {}}}},
     {"model": {"name": "m", "source": "hf://org/name", "cache": {}}},
+    # spec.model.updateStrategy InPlace: a shared cache claim only
+    {"model": {"name": "m", "source": "hf://org/name", "cache": {"emptyDir": {}}, "updateStrategy": "InPlace"}},
+    {"model": {"name": "m", "path": "/m", "updateStrategy": "InPlace"}},
+    {"model": {"name": "m", "source": "pvc://claim/x", "updateStrategy": "InPlace"}},
     # kubectl scale bisvc writes spec.replicas through the scale subresource
     {"replicas": 2},
     # spec.autoscaling
