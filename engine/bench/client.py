@@ -1,5 +1,7 @@
-"""Drive an OpenAI-compatible `/v1/completions` endpoint with streaming requests at fixed concurrency
-(`/v1/chat/completions` for prompts with pictures, which completions cannot carry).
+"""Drive an OpenAI-compatible server with streaming requests at fixed concurrency.
+
+Prompts go to `/v1/completions`; prompts with pictures to `/v1/chat/completions` (a completion cannot
+carry them).
 
 `concurrency` workers take prompts from one queue, so exactly `concurrency` requests are in flight
 until the queue runs dry. Requests ask for `max_tokens` tokens with `ignore_eos` (an SGLang extra
