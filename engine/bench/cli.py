@@ -4,12 +4,15 @@
     baton bench hf --model-path DIR --mode batched --num-prompts 16
     baton bench compare --model-path DIR --variant radix: --variant noradix:--disable-radix-cache \\
         --shared-prefix-len 96 --input-len 128
+    baton bench compare --model-path VL_DIR --images-per-request 1 --image-size 448x448 --image-reuse shared \\
+        --variant cache: --variant "nocache:--mm-embedding-cache-mb 0"
 
 Flag values that start with `--` must be attached with `=`: `--engine-args=--dtype float32`.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shlex
@@ -19,7 +22,7 @@ from baton.engine.bench.workload import add_workload_args, build_workload, workl
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench_command", required=True)
-    _add_serving_args(sub.add_parser("serving", help="stream a random-token workload to an OpenAI endpoint"))
+    _add_serving_args(sub.add_parser("serving", help="stream a random-token workload (with pictures: --images-per-request) to an OpenAI endpoint"))
     _add_hf_args(sub.add_parser("hf", help="HF transformers generate() on the same workload"))
     _add_compare_args(sub.add_parser("compare", help="engine variants vs HF baselines, one run"))
     from baton.engine.bench import kv_transfer, pd_ttft, step
@@ -93,9 +96,11 @@ def _run_serving(args: argparse.Namespace) -> dict:
     from baton.engine.bench.report import format_serving
 
     api_key = args.api_key or os.environ.get("BATON_API_KEY")
-    prompts = build_workload(AutoTokenizer.from_pretrained(args.tokenizer), workload_config_from_args(args))
+    config = workload_config_from_args(args)
+    prompts = build_workload(AutoTokenizer.from_pretrained(args.tokenizer), config)
     model = args.model or resolve_model_name(args.base_url, api_key)
     summary = run_serving_benchmark(args.base_url, model, prompts, args.concurrency, api_key, args.warmup_requests)
+    summary["workload"] = dataclasses.asdict(config)
     print(format_serving(summary))
     return summary
 
@@ -106,7 +111,10 @@ def _run_hf(args: argparse.Namespace) -> dict:
     from baton.engine.bench.hf_baseline import run_hf_baseline
     from baton.engine.bench.report import format_hf
 
-    prompts = build_workload(AutoTokenizer.from_pretrained(args.model_path), workload_config_from_args(args))
+    config = workload_config_from_args(args)
+    if config.images_per_request:
+        raise SystemExit("baton bench hf: the HF baseline runs the text workload only (--images-per-request 0)")
+    prompts = build_workload(AutoTokenizer.from_pretrained(args.model_path), config)
     result = run_hf_baseline(args.model_path, prompts, args.mode, args.device, args.dtype)
     print(format_hf(result))
     return result

@@ -1,4 +1,7 @@
-"""Drive an OpenAI-compatible `/v1/completions` endpoint with streaming requests at fixed concurrency.
+"""Drive an OpenAI-compatible server with streaming requests at fixed concurrency.
+
+Prompts go to `/v1/completions`; prompts with pictures to `/v1/chat/completions` (a completion cannot
+carry them).
 
 `concurrency` workers take prompts from one queue, so exactly `concurrency` requests are in flight
 until the queue runs dry. Requests ask for `max_tokens` tokens with `ignore_eos` (an SGLang extra
@@ -19,6 +22,7 @@ import aiohttp
 import httpx
 import orjson
 
+from baton.engine.bench.image_workload import warmup_like
 from baton.engine.bench.metrics import RequestResult, summarize
 from baton.engine.bench.workload import BenchPrompt
 from baton.engine.utils.gc_freeze import gc_paused
@@ -27,9 +31,17 @@ REQUEST_TIMEOUT_S = 600.0
 
 
 def completion_body(model: str, prompt: BenchPrompt) -> dict:
+    """The streaming request of one prompt: a completion, or with pictures a chat completion whose one
+    user message is the text and then the pictures."""
+    if prompt.images:
+        content = [{"type": "text", "text": prompt.text}] + [
+            {"type": "image_url", "image_url": {"url": url}} for url in prompt.images]
+        source = {"messages": [{"role": "user", "content": content}]}
+    else:
+        source = {"prompt": prompt.text}
     return {
         "model": model,
-        "prompt": prompt.text,
+        **source,
         "max_tokens": prompt.output_len,
         "temperature": prompt.temperature,
         "top_p": prompt.top_p,
@@ -43,9 +55,15 @@ def auth_headers(api_key: Optional[str]) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-async def stream_completion(session: aiohttp.ClientSession, url: str, body: dict, prompt_len: int) -> RequestResult:
-    """Send one streaming request and time its chunks."""
-    result = RequestResult(prompt_len=prompt_len)
+def endpoint(prompt: BenchPrompt) -> str:
+    return "/v1/chat/completions" if prompt.images else "/v1/completions"
+
+
+async def stream_completion(session: aiohttp.ClientSession, url: str, body: dict,
+                            prompt_len: Optional[int]) -> RequestResult:
+    """Send one streaming request and time its chunks. prompt_len None: the server's count from the
+    usage chunk (a picture's tokens are known only to the server's processor)."""
+    result = RequestResult(prompt_len=prompt_len or 0)
     start = last = time.perf_counter()
     chunks = 0
     try:
@@ -72,6 +90,8 @@ async def stream_completion(session: aiohttp.ClientSession, url: str, body: dict
                         last = now
                     if event.get("usage"):
                         result.output_tokens = int(event["usage"]["completion_tokens"])
+                        if prompt_len is None:
+                            result.prompt_len = int(event["usage"].get("prompt_tokens") or 0)
                         result.usage_reported = True
             if pending.strip():  # an unterminated line: the stream was cut
                 raise ValueError("the stream ended inside an event")
@@ -102,15 +122,18 @@ def _parse_sse(line: bytes) -> Optional[dict]:
 
 
 def _chunk_text(event: dict) -> str:
+    """A completion chunk's text, or a chat chunk's content (the role chunk that opens a chat stream
+    carries none, so it does not end the TTFT)."""
     choices = event.get("choices") or []
-    return "".join(c.get("text") or "" for c in choices)
+    return "".join(c.get("text") or (c.get("delta") or {}).get("content") or
+                   (c.get("delta") or {}).get("reasoning_content") or "" for c in choices)
 
 
 async def run_requests(base_url: str, model: str, prompts: list[BenchPrompt], concurrency: int,
                        api_key: Optional[str] = None) -> tuple[list[RequestResult], float]:
     """All prompts through `concurrency` workers; returns results in prompt order and the wall time."""
     assert concurrency >= 1
-    url = base_url.rstrip("/") + "/v1/completions"
+    base_url = base_url.rstrip("/")
     queue: asyncio.Queue[int] = asyncio.Queue()
     for i in range(len(prompts)):
         queue.put_nowait(i)
@@ -122,8 +145,9 @@ async def run_requests(base_url: str, model: str, prompts: list[BenchPrompt], co
         async def worker() -> None:
             while not queue.empty():
                 i = queue.get_nowait()
-                body = completion_body(model, prompts[i])
-                results[i] = await stream_completion(session, url, body, len(prompts[i].token_ids))
+                p = prompts[i]
+                results[i] = await stream_completion(session, base_url + endpoint(p), completion_body(model, p),
+                                                     None if p.images else len(p.token_ids))
 
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(min(concurrency, len(prompts)))))
@@ -140,13 +164,34 @@ def resolve_model_name(base_url: str, api_key: Optional[str] = None) -> str:
 
 def run_serving_benchmark(base_url: str, model: str, prompts: list[BenchPrompt], concurrency: int,
                           api_key: Optional[str] = None, warmup_requests: int = 1) -> dict:
-    """Warm up (not measured), run the workload, and return `metrics.summarize`'s dict plus the setup."""
+    """Warm up (not measured), run the workload, and return `metrics.summarize`'s dict plus the setup
+    (and for pictures, what the server's vision embeddings' cache did during the run, where it says)."""
+    images = prompts[0].images if prompts else ()
     if warmup_requests:
-        # A prompt of its own, so warming up does not put the workload's shared prefix in the cache.
-        warm = [BenchPrompt("Warm up the server, please.", (), 4)] * warmup_requests
+        # A prompt of its own, so warming up does not put the workload's shared prefix (or pictures)
+        # in the cache; pictures of the workload's size and number, so the vision path is warm too.
+        warm = [BenchPrompt("Warm up the server, please.", (), 4, images=warmup_like(images))] * warmup_requests
         asyncio.run(run_requests(base_url, model, warm, concurrency, api_key))
+    before = mm_counters(base_url, api_key) if images else None
     with gc_paused():  # the client's own collections are not the server's latency
         results, duration = asyncio.run(run_requests(base_url, model, prompts, concurrency, api_key))
     summary = summarize(results, duration)
     summary.update(base_url=base_url, model=model, concurrency=concurrency)
+    if images:
+        summary["images_per_request"] = len(images)
+        after = mm_counters(base_url, api_key)
+        if before is not None and after is not None:
+            summary["mm"] = {k: after[k] - before[k] for k in MM_COUNTERS}
     return summary
+
+
+MM_COUNTERS = ("mm_images_encoded", "mm_cache_hits", "mm_cache_misses")
+
+
+def mm_counters(base_url: str, api_key: Optional[str] = None) -> Optional[dict[str, int]]:
+    """A baton engine's vision counters from /get_server_info; None from a server without them."""
+    try:
+        info = httpx.get(base_url.rstrip("/") + "/get_server_info", headers=auth_headers(api_key), timeout=10).json()
+        return {k: int(info[k]) for k in MM_COUNTERS}
+    except Exception:  # any OpenAI server may be benchmarked; the counters are a baton extra
+        return None

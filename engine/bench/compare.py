@@ -11,6 +11,10 @@ drift on a shared machine hit all contenders alike; the summary gives each ratio
 rounds and every round's value. `--warmup-rounds K` runs K such rounds first and leaves them out of
 the figures: on a GPU the first full-size batch of each contender pays one-time costs (kernel
 selection, allocator growth) that one short warm-up request does not reach.
+
+The image workload (`--images-per-request N`) runs on the engines only (the HF baselines are
+skipped: they would time `generate` on text alone); its table and summary are requests/s and TTFT,
+with each variant's ratios to the first.
 """
 from __future__ import annotations
 
@@ -26,7 +30,8 @@ import httpx
 from baton.engine.bench.client import auth_headers, resolve_model_name, run_serving_benchmark
 from baton.engine.bench.hf_baseline import HFMode, load_hf_model, run_hf_baseline
 from baton.engine.bench.launcher import EngineProcess, engine_command, free_port
-from baton.engine.bench.report import format_comparison, format_hf, format_repeats, format_serving
+from baton.engine.bench.report import (format_comparison, format_hf, format_image_comparison, format_image_repeats,
+                                       format_repeats, format_serving)
 from baton.engine.bench.workload import BenchPrompt, WorkloadConfig, build_workload
 from baton.engine.utils.logging import format_phases
 
@@ -115,6 +120,10 @@ def run_compare(model_path: str, workload: WorkloadConfig, concurrency: int, var
     assert warmup_rounds >= 0, "warmup_rounds must be >= 0"
     from transformers import AutoTokenizer
 
+    if workload.images_per_request and hf_modes:
+        print("HF baselines skipped: the image workload runs on the engines only", flush=True)
+        hf_modes = ()
+
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     if repeats == 1 and not warmup_rounds:
         prompts = build_workload(tokenizer, workload)
@@ -126,7 +135,7 @@ def run_compare(model_path: str, workload: WorkloadConfig, concurrency: int, var
         if hf_modes:
             results["hf"] = _run_hf_modes(model_path, prompts, hf_modes, device, dtype,
                                           load_hf_model(model_path, device, dtype))
-        print(format_comparison(results["variants"], results["hf"]), flush=True)
+        print(_comparison(workload, results["variants"], results["hf"]), flush=True)
         return results
 
     results = {"workload": dataclasses.asdict(workload), "concurrency": concurrency, "repeats": repeats, "rounds": []}
@@ -142,12 +151,20 @@ def run_compare(model_path: str, workload: WorkloadConfig, concurrency: int, var
                   else f"== round {round_ + 1}/{repeats} ==", flush=True)
             served = {v.name: _serve(v, *engines[v.name], prompts, concurrency, api_key) for v in variants}
             hf = _run_hf_modes(model_path, prompts, hf_modes, device, dtype, model_and_tokenizer) if hf_modes else {}
-            print(format_comparison(served, hf), flush=True)
+            print(_comparison(workload, served, hf), flush=True)
             if round_ >= 0:
                 results["rounds"].append({"variants": served, "hf": hf})
-    results["summary"] = summarize_rounds(results["rounds"])
-    print(format_repeats(results["summary"]), flush=True)
+    if workload.images_per_request:
+        results["summary"] = summarize_image_rounds(results["rounds"])
+        print(format_image_repeats(results["summary"]), flush=True)
+    else:
+        results["summary"] = summarize_rounds(results["rounds"])
+        print(format_repeats(results["summary"]), flush=True)
     return results
+
+
+def _comparison(workload: WorkloadConfig, variants: dict[str, dict], hf: dict[str, dict]) -> str:
+    return format_image_comparison(variants) if workload.images_per_request else format_comparison(variants, hf)
 
 
 def summarize_rounds(rounds: list[dict]) -> dict:
@@ -162,5 +179,29 @@ def summarize_rounds(rounds: list[dict]) -> dict:
         for mode in rounds[0]["hf"]:
             ratios["vs HF-" + mode] = [t / r["hf"][mode]["output_throughput"] for t, r in zip(tps, rounds)]
         summary[name] = {"output_throughput": tps, "median_output_throughput": statistics.median(tps),
+                         "ratios": {k: {"rounds": v, "median": statistics.median(v)} for k, v in ratios.items()}}
+    return summary
+
+
+# The image workload's figures per variant and round, and those taken as ratios to the first variant.
+_IMAGE_FIGURES: dict[str, Callable[[dict], float]] = {
+    "request_throughput": lambda s: s["request_throughput"], "ttft_mean_ms": lambda s: s["ttft"]["mean_ms"],
+    "ttft_p50_ms": lambda s: s["ttft"]["p50_ms"], "ttft_p99_ms": lambda s: s["ttft"]["p99_ms"]}
+_IMAGE_RATIOS = {"request_throughput": "req/s", "ttft_mean_ms": "TTFT mean", "ttft_p50_ms": "TTFT p50"}
+
+
+def summarize_image_rounds(rounds: list[dict]) -> dict:
+    """For each variant: requests/s and TTFT per round with medians, and the requests/s and TTFT
+    ratios to the first variant per round (this / first), with medians."""
+    names = list(rounds[0]["variants"])
+    first = names[0]
+    summary = {}
+    for name in names:
+        figures = {f: [get(r["variants"][name]) for r in rounds] for f, get in _IMAGE_FIGURES.items()}
+        ratios = {}
+        for f, label in _IMAGE_RATIOS.items():
+            firsts = [_IMAGE_FIGURES[f](r["variants"][first]) for r in rounds]
+            ratios[f"{label} vs {first}"] = [v / b if b else 0.0 for v, b in zip(figures[f], firsts)]
+        summary[name] = {**figures, **{"median_" + f: statistics.median(v) for f, v in figures.items()},
                          "ratios": {k: {"rounds": v, "median": statistics.median(v)} for k, v in ratios.items()}}
     return summary

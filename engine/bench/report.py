@@ -18,7 +18,17 @@ def format_serving(summary: dict, title: str = "serving benchmark") -> str:
     for name in ("ttft", "itl", "e2e"):
         s = summary[name]
         lines.append(f"{name:6}{s['mean_ms']:10.1f}{s['p50_ms']:10.1f}{s['p90_ms']:10.1f}{s['p99_ms']:10.1f}")
+    if summary.get("images_per_request"):
+        lines.insert(2, f"images: {summary['images_per_request']} per request" + _mm_text(summary.get("mm")))
     return "\n".join(lines)
+
+
+def _mm_text(mm: Optional[dict]) -> str:
+    """The server's vision counters over the run, where it reports them."""
+    if not mm:
+        return ""
+    return (f"   encoded: {mm['mm_images_encoded']}   embedding cache hits: {mm['mm_cache_hits']}, "
+            f"misses: {mm['mm_cache_misses']}")
 
 
 def format_hf(result: dict) -> str:
@@ -60,4 +70,34 @@ def format_repeats(summary: dict) -> str:
         rows.append(f"{name}: out tok/s {s['median_output_throughput']:.1f} [{per_round}]")
         for label, r in s["ratios"].items():
             rows.append(f"    {label:14} {r['median']:.2f}x  [{' '.join(f'{x:.2f}' for x in r['rounds'])}]")
+    return "\n".join(rows)
+
+
+def format_image_comparison(variants: dict[str, dict]) -> str:
+    """The image workload side by side: requests/s and TTFT per variant, the ratios to the first
+    variant (req/s: this / first, above 1 is faster; TTFT: this / first, below 1 is faster), and how
+    many pictures each engine encoded and found in its embeddings' cache."""
+    first = next(iter(variants.values()))
+    header = (f"{'':16}{'req/s':>8}{'TTFT mean':>11}{'TTFT p50':>10}{'TTFT p99':>10}{'req/s/first':>13}"
+              f"{'TTFT p50/first':>16}{'encoded':>9}{'hits':>6}")
+    rows = [header, "-" * len(header)]
+    for name, s in variants.items():
+        t, mm = s["ttft"], s.get("mm") or {}
+        rows.append(f"{name[:16]:16}{s['request_throughput']:8.2f}{t['mean_ms']:11.1f}{t['p50_ms']:10.1f}"
+                    f"{t['p99_ms']:10.1f}{_ratio(s['request_throughput'], first['request_throughput']):>13}"
+                    f"{_ratio(t['p50_ms'], first['ttft']['p50_ms']):>16}"
+                    f"{mm.get('mm_images_encoded', '-'):>9}{mm.get('mm_cache_hits', '-'):>6}")
+    return "\n".join(["== comparison, image workload (same prompts and pictures, same run; ms latencies) =="] + rows)
+
+
+def format_image_repeats(summary: dict) -> str:
+    """The image workload's medians over interleaved rounds, each with every round's value."""
+    rows = ["== summary over rounds (median; each round's value in brackets) =="]
+    for name, s in summary.items():
+        for figure, fmt in (("request_throughput", "{:.2f}"), ("ttft_mean_ms", "{:.0f}"), ("ttft_p50_ms", "{:.0f}"),
+                            ("ttft_p99_ms", "{:.0f}")):
+            values = " ".join(fmt.format(v) for v in s[figure])
+            rows.append(f"{name}: {figure} {fmt.format(s['median_' + figure])} [{values}]")
+        for label, r in s["ratios"].items():
+            rows.append(f"    {label:24} {r['median']:.2f}x  [{' '.join(f'{x:.2f}' for x in r['rounds'])}]")
     return "\n".join(rows)

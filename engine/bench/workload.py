@@ -7,12 +7,20 @@ ids and encoding the text again merges or splits some tokens; a few rounds settl
 With `shared_prefix_len` P every prompt starts with the same P-token text. The server tokenizes the
 whole prompt, so a merge across the prefix/suffix seam can change the last prefix token or two; the
 radix cache still matches everything before that.
+
+With `images_per_request` N > 0 each prompt also carries N pictures (image_workload.py) and goes to
+`/v1/chat/completions` as one user message: the prompt's text, then its image parts. Text first, so
+the prefix cache cannot cover a picture (every prompt's text differs at its start) and a request's
+encoder work is saved only by the vision embeddings' cache.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 from dataclasses import dataclass
+
+from baton.engine.bench.image_workload import IMAGE_REUSE, image_urls, parse_image_size
 
 _SETTLE_ROUNDS = 8
 DATASETS = ("random", "code-edit")
@@ -35,6 +43,11 @@ class WorkloadConfig:
     # random: random-token text (below); code-edit: "rename a function in this module" prompts whose
     # answers copy the prompt (edit_workload.py; what speculative NGRAM decoding is for)
     dataset: str = "random"
+    # pictures per request (0: a text workload), their (width, height), and whether every request
+    # sends the same ones ("shared") or its own ("distinct"); image_workload.py
+    images_per_request: int = 0
+    image_size: tuple[int, int] = (448, 448)
+    image_reuse: str = "shared"
 
     def __post_init__(self) -> None:
         assert self.dataset in DATASETS, f"--dataset must be one of {DATASETS}"
@@ -42,6 +55,9 @@ class WorkloadConfig:
         assert 0.0 <= self.random_range_ratio <= 1.0, "--random-range-ratio must be in [0, 1]"
         assert self.temperature >= 0.0 and 0.0 < self.top_p <= 1.0, "--temperature >= 0, --top-p in (0, 1]"
         assert 0 <= self.shared_prefix_len < self.input_len, "--shared-prefix-len must be < --input-len"
+        assert self.images_per_request >= 0, "--images-per-request must be >= 0"
+        assert self.image_reuse in IMAGE_REUSE, f"--image-reuse must be one of {IMAGE_REUSE}"
+        assert min(self.image_size) >= 1, "--image-size must be at least 1x1"
 
 
 @dataclass(frozen=True)
@@ -51,6 +67,7 @@ class BenchPrompt:
     output_len: int
     temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0
+    images: tuple[str, ...] = ()  # data URLs; a prompt with images is sent as a chat completion
 
 
 def add_workload_args(parser: argparse.ArgumentParser) -> None:
@@ -67,17 +84,34 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     a("--dataset", default="random", choices=DATASETS,
       help="random: random-token prompts; code-edit: 'rename a function in this module' prompts, answered by "
            "copying the prompt (rewards speculative NGRAM decoding)")
+    a("--images-per-request", type=int, default=0,
+      help="random RGB PNGs sent with every request as data: URLs in chat completions image_url parts (after "
+           "the prompt's text); 0: the text workload on /v1/completions")
+    a("--image-size", type=parse_image_size, default=(448, 448), metavar="WxH", help="each picture's size (448x448)")
+    a("--image-reuse", default="shared", choices=IMAGE_REUSE,
+      help="shared: every request sends the same picture(s), so the vision embeddings' cache hits; distinct: a "
+           "different picture per request (and per round)")
 
 
 def workload_config_from_args(args: argparse.Namespace) -> WorkloadConfig:
     return WorkloadConfig(num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
                           shared_prefix_len=args.shared_prefix_len, seed=args.seed,
                           random_range_ratio=args.random_range_ratio, temperature=args.temperature, top_p=args.top_p,
-                          dataset=args.dataset)
+                          dataset=args.dataset, images_per_request=args.images_per_request,
+                          image_size=tuple(args.image_size), image_reuse=args.image_reuse)
 
 
 def build_workload(tokenizer, config: WorkloadConfig) -> list[BenchPrompt]:
-    """`config.num_prompts` prompts; the same seed and tokenizer give the same prompts."""
+    """`config.num_prompts` prompts; the same seed and tokenizer give the same prompts (and pictures)."""
+    prompts = _text_prompts(tokenizer, config)
+    if not config.images_per_request:
+        return prompts
+    urls = image_urls(config.num_prompts, config.images_per_request, config.image_size, config.image_reuse,
+                      config.seed)
+    return [dataclasses.replace(p, images=u) for p, u in zip(prompts, urls)]
+
+
+def _text_prompts(tokenizer, config: WorkloadConfig) -> list[BenchPrompt]:
     if config.dataset == "code-edit":
         from baton.engine.bench.edit_workload import build_edit_prompts
 

@@ -55,14 +55,20 @@ class FakeOpenAI:
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"data": [{"id": "fake-model"}]})
 
-    async def chat(self, request: web.Request) -> web.Response:
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        """A streamed chat answers as completions does, in `delta.content`, after the role chunk
+        (whose empty content must not end the TTFT); an unstreamed one answers FAKE_ANSWER."""
         body = await request.json()
+        if body.get("stream"):
+            return await self._stream(request, body, chat=True)
         self.bodies.append(body)
         return web.json_response({"choices": [{"index": 0, "message": {"role": "assistant", "content": FAKE_ANSWER}}],
                                   "usage": {"prompt_tokens": 9, "completion_tokens": 7, "total_tokens": 16}})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        body = await request.json()
+        return await self._stream(request, await request.json(), chat=False)
+
+    async def _stream(self, request: web.Request, body: dict, chat: bool) -> web.StreamResponse:
         self.bodies.append(body)
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
@@ -70,8 +76,10 @@ class FakeOpenAI:
             await self._wait_gate()
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await response.prepare(request)
-            events = [_event({"choices": [{"index": 0, "text": f" w{i}", "finish_reason": None}]})
+            events = [_event({"choices": [{"index": 0, **_piece(f" w{i}", chat), "finish_reason": None}]})
                       for i in range(body["max_tokens"])]
+            if chat:
+                events.insert(0, _event({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}))
             if body.get("stream_options", {}).get("include_usage"):
                 usage = {"prompt_tokens": 3, "completion_tokens": body["max_tokens"], "total_tokens": 0}
                 events.append(_event({"choices": [], "usage": usage}))
@@ -98,6 +106,10 @@ class FakeOpenAI:
         if self.in_flight >= self.gate:
             self._gate_open.set()
         await asyncio.wait_for(self._gate_open.wait(), timeout=10)
+
+
+def _piece(text: str, chat: bool) -> dict:
+    return {"delta": {"content": text}} if chat else {"text": text}
 
 
 def _event(event: dict) -> bytes:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import numpy as np
 import torch
@@ -46,8 +46,12 @@ def _classes(arch: str):
             "qwen3_vl": (tf.Qwen3VLConfig, tf.Qwen3VLForConditionalGeneration, {"head_dim": 16})}[arch]
 
 
-def make_tiny_vl_model(arch: str, path: Union[str, os.PathLike], seed: int = 0, **text_overrides: Any) -> str:
-    """Build, save (safetensors, float32) and return the directory of a tiny random `arch` VL model."""
+def make_tiny_vl_model(arch: str, path: Union[str, os.PathLike], seed: int = 0,
+                       vision_overrides: Optional[dict[str, Any]] = None,
+                       preprocessor_overrides: Optional[dict[str, Any]] = None, **text_overrides: Any) -> str:
+    """Build, save (safetensors, float32) and return the directory of a tiny random `arch` VL model.
+    `vision_overrides` change the tower (TINY_VISION's keys); the preprocessor takes its patch, temporal
+    patch and merge sizes from the tower, and `preprocessor_overrides` on top (e.g. its pixel bounds)."""
     from tokenizers import Tokenizer
 
     config_cls, model_cls, text = _classes(arch)
@@ -59,7 +63,8 @@ def make_tiny_vl_model(arch: str, path: Union[str, os.PathLike], seed: int = 0, 
     if arch == "qwen3_vl":  # interleaved M-RoPE over a 16-wide head: sections of 8 rotary pairs
         text_config["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2],
                                           "mrope_interleaved": True}
-    vision = dict(TINY_VISION, **({"deepstack_visual_indexes": [0]} if arch == "qwen3_vl" else {}))
+    vision = dict(TINY_VISION, **({"deepstack_visual_indexes": [0]} if arch == "qwen3_vl" else {}),
+                  **(vision_overrides or {}))
     config = config_cls(text_config=text_config, vision_config=vision, image_token_id=ids["<|image_pad|>"],
                         video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
                         vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False,
@@ -81,7 +86,8 @@ def make_tiny_vl_model(arch: str, path: Union[str, os.PathLike], seed: int = 0, 
         if os.path.exists(os.path.join(path, stale)):
             os.remove(os.path.join(path, stale))
     with open(os.path.join(path, "preprocessor_config.json"), "w") as f:
-        json.dump(PREPROCESSOR, f)
+        json.dump({**PREPROCESSOR, "patch_size": vision["patch_size"], "merge_size": vision["spatial_merge_size"],
+                   "temporal_patch_size": vision["temporal_patch_size"], **(preprocessor_overrides or {})}, f)
     return path
 
 
