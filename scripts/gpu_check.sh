@@ -185,7 +185,8 @@ if [[ $STAGES == *tests* ]]; then
         tests/engine/test_fused_ops.py tests/engine/test_gpu_paths.py tests/engine/test_triton_ops.py tests/engine/test_sampling.py \
         tests/engine/test_hybrid_radix_cache.py tests/engine/test_speculative_nextn.py tests/engine/test_speculative_eagle.py \
         tests/engine/test_gemv.py tests/engine/test_speculative_tree.py tests/engine/test_causal_conv1d.py \
-        tests/engine/test_gated_delta_decode.py \
+        tests/engine/test_gated_delta_decode.py tests/engine/test_vision_tower.py tests/engine/test_vl_models.py \
+        tests/engine/test_lora.py tests/engine/test_operations.py \
         2>&1 | tee "$OUT/tests.txt" | tail -25 || status=1
     grep -h "max |logprob diff|\|exact argmax" "$OUT/tests.txt" | head -20
     record_gpu_run "$OUT/tests.txt"

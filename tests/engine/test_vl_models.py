@@ -201,3 +201,43 @@ def test_a_prefill_batch_brings_the_encoder_at_most_its_patch_budget(vl_models):
     results = h.run_until_idle()
     for i, (ids, mm) in enumerate(cases):
         assert results[str(i)].ids == hf_vl_greedy(path, ids, mm, MAX_NEW), f"request {i} differs from HF"
+
+
+@pytest.mark.gpu
+def test_images_on_cuda_stay_with_hf(tmp_path):
+    """CUDA, float16, FlashInfer, decode graphs, the overlap loop: a Qwen3.5-shaped VL model at
+    FlashInfer's head size, images cut by chunks. Criterion (GPU): teacher-forced against HF float32 on
+    CPU, every engine token's HF logit within 0.1 of HF's best, and >= 90% of them HF's exact argmax."""
+    import torch
+
+    from test_gpu_paths import GPU_HYBRID, need_gpu
+    from tiny_vl import hf_vl_model
+
+    need_gpu()
+    path = make_tiny_vl_model("qwen3_5", tmp_path / "vl", vision_overrides={"out_hidden_size": GPU_HYBRID["hidden_size"]},
+                              **GPU_HYBRID)
+    prompts = Prompts(path)
+    h = SchedulerHarness(path, device="cuda", dtype="float16", attention_backend="flashinfer", cuda_graph_max_bs=16,
+                         enable_overlap_schedule=True, disable_overlap_schedule=False, chunked_prefill_size=16,
+                         max_total_tokens=4096)
+    cases = _submit_all(h, prompts)
+    results = h.run_until_idle()
+    model, exact, total = hf_vl_model(path), 0, 0
+    for i, (ids, mm) in enumerate(cases):
+        out = results[str(i)].ids
+        hf_ids, types = list(ids), [0] * len(ids)
+        for item in (mm.items if mm is not None else []):
+            for p in range(item.offset, item.end):
+                hf_ids[p], types[p] = model.config.image_token_id, 1
+        kwargs = {} if mm is None else dict(pixel_values=torch.cat([it.pixel_values for it in mm.items]),
+                                            image_grid_thw=torch.tensor([it.grid_thw for it in mm.items]),
+                                            mm_token_type_ids=torch.tensor([types + [0] * len(out)]))
+        with torch.no_grad():
+            logits = model(torch.tensor([hf_ids + out]), **kwargs).logits[0, len(ids) - 1:-1].float()
+        gap = logits.max(-1).values - logits.gather(1, torch.tensor(out)[:, None])[:, 0]
+        assert bool((gap <= 0.1).all()), f"request {i}: engine tokens far from HF's greedy choice: {gap.tolist()}"
+        exact += int((logits.argmax(-1) == torch.tensor(out)).sum())
+        total += len(out)
+    print(f"[qwen3_5 VL on cuda] {exact}/{total} tokens are HF's exact argmax")
+    assert exact >= 0.9 * total
+    assert h.scheduler.check_memory_integrity()
