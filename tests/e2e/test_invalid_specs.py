@@ -38,6 +38,7 @@ CEL_CASES = [
     body(model={"name": "m", "source": "hf://a/b", "path": "/m", "cache": {"claimName": "c"}}),
     body(model={"name": "m", "source": "s3://bucket/x"}),
     body(model={"name": "m", "path": "/m", "cache": {"claimName": "c"}}),
+    body(model={"name": "m", "path": "/m", "updateStrategy": "InPlace"}),
     body(model={"name": "m", "source": "hf://a/b", "cache": {"claimName": "c", "emptyDir": {}}}),
     body(decode={"env": [{"name": "T", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}]}),
     body(prefill={"env": [{"name": "BATON_API_KEY", "value": ""}]}),
