@@ -4,6 +4,7 @@ mixed chunk (--enable-mixed-chunk: the running requests' decode step rides in th
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import TYPE_CHECKING, Callable, NamedTuple, Optional
 
@@ -173,5 +174,5 @@ class PrefillManager:
 def _image_patches(req: "Req") -> int:
     """The patches of a request's images (0 for text): what its prefill may give the vision tower."""
     mm = req.mm_inputs
-    return 0 if mm is None else sum(t * h * w for item in mm.items for t, h, w in (item.grid_thw,))
+    return 0 if mm is None else sum(math.prod(item.grid_thw) for item in mm.items)
 

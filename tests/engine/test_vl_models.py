@@ -89,6 +89,14 @@ def _submit_all(h: SchedulerHarness, prompts: Prompts, max_new: int = MAX_NEW, c
     return cases
 
 
+def _assert_equal_hf(h: SchedulerHarness, path: str, cases: list, max_new: int = MAX_NEW, **hf) -> None:
+    """Every request's greedy tokens are HF's on the same pixels; the pools whole after."""
+    results = h.run_until_idle()
+    for i, (ids, mm) in enumerate(cases):
+        assert results[str(i)].ids == hf_vl_greedy(path, ids, mm, max_new, **hf), f"request {i} differs from HF"
+    assert h.scheduler.check_memory_integrity()
+
+
 @pytest.mark.parametrize("arch,loop,mixed", [("qwen3_5", "plain", False), ("qwen3_5", "overlap", False),
                                              ("qwen3_5", "plain", True), ("qwen3_5_moe", "plain", False),
                                              ("qwen3_vl", "overlap", False), ("qwen3_vl", "plain", True)])
@@ -99,11 +107,7 @@ def test_images_equal_hf(vl_models, arch, loop, mixed):
     path = vl_models(arch)
     prompts = Prompts(path)
     h = harness_for(path, loop, chunked_prefill_size=16, max_total_tokens=4096, enable_mixed_chunk=mixed)
-    cases = _submit_all(h, prompts)
-    results = h.run_until_idle()
-    for i, (ids, mm) in enumerate(cases):
-        assert results[str(i)].ids == hf_vl_greedy(path, ids, mm, MAX_NEW), f"request {i} differs from HF"
-    assert h.scheduler.check_memory_integrity()
+    _assert_equal_hf(h, path, _submit_all(h, prompts))
     embedder = h.scheduler.worker.model_runner.mm_embedder
     assert embedder.images_encoded == sum(len(images) for _, images in WORKLOAD)  # once each, though cut
     assert (h.scheduler.stats.mixed_decode_tokens > 0) == mixed
@@ -118,11 +122,8 @@ def test_images_equal_hf_under_retraction(vl_models):
     pool = int(0.6 * sum(len(ids) + max_new for ids, _ in _expanded(prompts, 2)))
     h = harness_for(path, "overlap", chunked_prefill_size=32, max_total_tokens=pool)
     cases = _submit_all(h, prompts, max_new=max_new, copies=2, ignore_eos=True)
-    results = h.run_until_idle()
+    _assert_equal_hf(h, path, cases, max_new, ignore_eos=True)
     assert h.scheduler.stats.retractions > 0, "the pool is meant to be too small for all requests at once"
-    for i, (ids, mm) in enumerate(cases):
-        assert results[str(i)].ids == hf_vl_greedy(path, ids, mm, max_new, ignore_eos=True), f"request {i}"
-    assert h.scheduler.check_memory_integrity()
 
 
 def test_radix_cache_keys_are_the_images_content(vl_models):
@@ -171,11 +172,7 @@ def test_tp2_with_and_without_vit_dp_equals_hf(vl_models, dp_encoder):
     with tp_followers(ServerArgs(model_path=path, **args)) as tp:
         h = SchedulerHarness(path, tp=tp, **args)
         try:
-            cases = _submit_all(h, prompts)
-            results = h.run_until_idle()
-            for i, (ids, mm) in enumerate(cases):
-                assert results[str(i)].ids == hf_vl_greedy(path, ids, mm, MAX_NEW), f"request {i} differs from HF"
-            assert h.scheduler.check_memory_integrity()
+            _assert_equal_hf(h, path, _submit_all(h, prompts))
             embedder = h.scheduler.worker.model_runner.mm_embedder
             assert embedder.dp_encoder == dp_encoder and embedder.cache.hits == 0
         finally:
@@ -198,9 +195,7 @@ def test_a_prefill_batch_brings_the_encoder_at_most_its_patch_budget(vl_models):
         h.step()
         waiting.append(len(h.scheduler.waiting_queue))
     assert waiting == [3, 2, 0]
-    results = h.run_until_idle()
-    for i, (ids, mm) in enumerate(cases):
-        assert results[str(i)].ids == hf_vl_greedy(path, ids, mm, MAX_NEW), f"request {i} differs from HF"
+    _assert_equal_hf(h, path, cases)
 
 
 @pytest.mark.gpu
